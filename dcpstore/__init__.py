@@ -1,0 +1,45 @@
+"""dcpstore: where and how PyTorch Distributed Checkpoint bytes go.
+
+    import dcpstore
+    h = dcpstore.save(state_dict, "s3://bucket/run/step100", async_=True)
+    info = h.result()
+    dcpstore.load(state_dict, "s3://bucket/run/step100")
+"""
+
+from .api import CheckpointInfo, SaveHandle, load, save
+from .errors import (
+    BackendUnavailable,
+    CheckpointCorrupt,
+    CheckpointError,
+    CheckpointNotFound,
+    InvalidArgument,
+    InvalidURI,
+    LoadError,
+    SaveError,
+    StorageError,
+    StorageNotFound,
+    StoragePermissionError,
+)
+from .storage import StorageOptions, open_storage
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BackendUnavailable",
+    "CheckpointCorrupt",
+    "CheckpointError",
+    "CheckpointInfo",
+    "CheckpointNotFound",
+    "InvalidArgument",
+    "InvalidURI",
+    "LoadError",
+    "SaveError",
+    "SaveHandle",
+    "StorageError",
+    "StorageNotFound",
+    "StorageOptions",
+    "StoragePermissionError",
+    "load",
+    "open_storage",
+    "save",
+]

@@ -1,0 +1,217 @@
+"""The public API: :func:`save`, :func:`load`, :class:`SaveHandle`.
+
+*What* is saved is the caller's state dict and DCP's planner; *where* is the
+storage a URI names (:mod:`dcpstore.storage`); *how* is the writer
+(:mod:`dcpstore.writers`). This module only wires them together per call:
+there is no process-global state.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
+
+from .errors import CheckpointError, InvalidArgument, LoadError, SaveError
+from .storage import Storage, StorageOptions, open_storage, redact
+from .writers.dcp import DcpStorageReader, DcpStorageWriter, SaveStats, check_workers
+
+ENGINES = ("auto", "native", "nvrx")
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What one save did, on this rank.
+
+    ``bytes_written`` and ``files`` count what *this rank* wrote. Phase times
+    are seconds: ``plan`` (DCP planning), ``stage`` (the consistent snapshot;
+    0 for sync saves), ``write`` (data files durable), ``commit`` (manifest
+    and ``.metadata``; coordinator only). ``blocked_s`` is how long the
+    caller's ``save`` call blocked.
+    """
+
+    uri: str
+    backend: str
+    engine: str
+    bytes_written: int
+    files: tuple[str, ...]
+    phases: dict[str, float] = field(default_factory=dict)
+    blocked_s: float = 0.0
+    total_s: float = 0.0
+
+    @property
+    def write_gbps(self) -> float:
+        return self.bytes_written / self.phases["write"] / 1e9 if self.phases.get("write") else 0.0
+
+
+class SaveHandle:
+    """The outcome of :func:`save`, shaped like ``concurrent.futures.Future``.
+
+    A background error is raised from :meth:`result` (every call) as a
+    dcpstore exception chained to its cause; :meth:`exception` returns it.
+    """
+
+    def __init__(self, future: Future[CheckpointInfo], uri: str) -> None:
+        self._future = future
+        self.uri = uri
+
+    @classmethod
+    def completed(cls, info: CheckpointInfo) -> SaveHandle:
+        future: Future[CheckpointInfo] = Future()
+        future.set_result(info)
+        return cls(future, info.uri)
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> CheckpointInfo:
+        """Block until the save is committed; re-raise its error if it failed."""
+        return self._future.result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        return self._future.exception(timeout)
+
+    def add_done_callback(self, fn: Callable[[SaveHandle], Any]) -> None:
+        self._future.add_done_callback(lambda _: fn(self))
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "pending"
+        return f"<SaveHandle {self.uri} {state}>"
+
+
+def _check_common(workers: int | None, process_group: Any) -> None:
+    check_workers(workers, 1)
+    if process_group is not None and not dist.is_initialized():
+        raise InvalidArgument("process_group was given but torch.distributed is not initialised")
+
+
+def _no_dist(process_group: Any) -> bool:
+    return not (dist.is_available() and dist.is_initialized())
+
+
+def open_checkpoint_storage(
+    uri: str | os.PathLike[str], *, enable_msc: bool = False, options: StorageOptions | None = None
+) -> Storage:
+    """Open the storage for a checkpoint URI (the same choice save/load make)."""
+    return open_storage(uri, enable_msc=enable_msc, options=options)
+
+
+def save(
+    state_dict: dict[str, Any],
+    uri: str | os.PathLike[str],
+    *,
+    async_: bool = False,
+    workers: int | None = None,
+    enable_msc: bool = False,
+    engine: str = "auto",
+    process_group: dist.ProcessGroup | None = None,
+    planner: SavePlanner | None = None,
+    storage_options: StorageOptions | None = None,
+) -> SaveHandle:
+    """Save ``state_dict`` to ``uri`` as a DCP checkpoint.
+
+    Every rank calls it with its own shard of the state (SPMD, like
+    ``dcp.save``). Sync saves return a handle that is already done. The
+    checkpoint becomes visible only when its ``.metadata`` is committed,
+    after every rank's data is durable.
+    """
+    if not isinstance(state_dict, dict):
+        raise InvalidArgument(f"state_dict must be a dict, got {type(state_dict).__name__}")
+    if engine not in ENGINES:
+        raise InvalidArgument(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    _check_common(workers, process_group)
+    if async_:
+        raise NotImplementedError("async_=True arrives with the async engines")
+    t0 = time.perf_counter()
+    storage = open_checkpoint_storage(uri, enable_msc=enable_msc, options=storage_options)
+    writer = DcpStorageWriter(storage, workers=workers)
+    try:
+        dcp.save(
+            state_dict,
+            storage_writer=writer,
+            planner=planner,
+            process_group=process_group,
+            no_dist=_no_dist(process_group),
+        )
+    except CheckpointException as e:
+        raise SaveError(f"save to {storage.uri} failed: {_first_failure(e)}") from e
+    except CheckpointError as e:
+        raise SaveError(f"save to {storage.uri} failed: {e}") from e
+    elapsed = time.perf_counter() - t0
+    info = _info(storage, writer.stats, "sync", stage_s=0.0, blocked_s=elapsed, total_s=elapsed)
+    return SaveHandle.completed(info)
+
+
+def _info(storage: Storage, stats: SaveStats, engine: str, *, stage_s: float, blocked_s: float, total_s: float) -> CheckpointInfo:
+    return CheckpointInfo(
+        uri=storage.uri,
+        backend=storage.backend,
+        engine=engine,
+        bytes_written=stats.bytes_written,
+        files=tuple(stats.files),
+        phases={"plan": stats.plan_s, "stage": stage_s, "write": stats.write_s, "commit": stats.commit_s},
+        blocked_s=blocked_s,
+        total_s=total_s,
+    )
+
+
+def _first_failure(e: CheckpointException) -> str:
+    """DCP's CheckpointException maps rank -> exception; summarise it."""
+    failures = getattr(e, "failures", None) or {}
+    for rank, exc in sorted(failures.items()):
+        cause = exc[0] if isinstance(exc, tuple) else exc
+        return f"rank {rank}: {type(cause).__name__}: {redact(str(cause))}"
+    return str(e)
+
+
+def load(
+    state_dict: dict[str, Any],
+    uri: str | os.PathLike[str],
+    *,
+    workers: int | None = None,
+    enable_msc: bool = False,
+    process_group: dist.ProcessGroup | None = None,
+    planner: LoadPlanner | None = None,
+    verify: bool = True,
+    storage_options: StorageOptions | None = None,
+) -> None:
+    """Load the checkpoint at ``uri`` into ``state_dict`` in place.
+
+    Like ``dcp.load``: tensors are filled in place and resharded to the
+    caller's layout (saved on N ranks, loaded on M). Sizes and checksums are
+    verified; a damaged file raises :class:`CheckpointCorrupt` naming it.
+    """
+    if not isinstance(state_dict, dict):
+        raise InvalidArgument(f"state_dict must be a dict, got {type(state_dict).__name__}")
+    _check_common(workers, process_group)
+    storage = open_checkpoint_storage(uri, enable_msc=enable_msc, options=storage_options)
+    reader = DcpStorageReader(storage, workers=workers, verify=verify)
+    reader.preload_metadata()
+    try:
+        dcp.load(
+            state_dict,
+            storage_reader=reader,
+            planner=planner,
+            process_group=process_group,
+            no_dist=_no_dist(process_group),
+        )
+    except CheckpointException as e:
+        cause = _root_cause(e)
+        if isinstance(cause, CheckpointError):
+            raise type(cause)(str(cause)) from e
+        raise LoadError(f"load from {storage.uri} failed: {_first_failure(e)}") from e
+
+
+def _root_cause(e: CheckpointException) -> BaseException | None:
+    failures = getattr(e, "failures", None) or {}
+    for _, exc in sorted(failures.items()):
+        return exc[0] if isinstance(exc, tuple) else exc
+    return None

@@ -1,0 +1,57 @@
+"""The dcpstore exception family.
+
+Every error dcpstore raises on purpose derives from :class:`CheckpointError`
+(an ``Exception``), and where a built-in fits too it is also that built-in, so
+``except FileNotFoundError`` keeps working. Backend errors (botocore, OSError,
+DCP's ``CheckpointException`` -- a ``BaseException``) are always chained with
+``raise ... from e`` so the cause stays visible.
+
+Messages name the URI or argument and the cause. They never contain secrets:
+URIs pass through :func:`dcpstore.storage.uri.redact` first.
+"""
+
+from __future__ import annotations
+
+
+class CheckpointError(Exception):
+    """Base class of every dcpstore error."""
+
+
+class InvalidArgument(CheckpointError, ValueError):
+    """An argument to a dcpstore call is out of range or of the wrong kind."""
+
+
+class InvalidURI(InvalidArgument):
+    """A URI that dcpstore cannot parse or has no backend for."""
+
+
+class BackendUnavailable(CheckpointError, ImportError):
+    """The backend for a URI needs an optional dependency that is not installed."""
+
+
+class CheckpointNotFound(CheckpointError, FileNotFoundError):
+    """No committed checkpoint exists at the URI."""
+
+
+class CheckpointCorrupt(CheckpointError):
+    """A committed checkpoint failed verification (size, checksum, missing file)."""
+
+
+class StorageError(CheckpointError, OSError):
+    """A storage backend operation failed (after its retries)."""
+
+
+class StorageNotFound(StorageError, FileNotFoundError):
+    """An object, file, directory or bucket does not exist."""
+
+
+class StoragePermissionError(StorageError, PermissionError):
+    """The backend refused the operation: credentials or permissions."""
+
+
+class SaveError(CheckpointError):
+    """A save failed; nothing was committed."""
+
+
+class LoadError(CheckpointError):
+    """A load failed."""

@@ -1,0 +1,195 @@
+"""Local POSIX backend.
+
+Atomic commit: each object is written to a hidden temporary file in its final
+directory (``.<name>.dcpstore-tmp-<random>``), fsynced, renamed over its
+final name, and then the directory is fsynced so the rename itself is durable.
+A crash at any point leaves either the old state or the complete new object,
+plus at most a temporary file that is never listed and that
+:meth:`LocalStorage.cleanup_incomplete` (``dcpstore gc``) removes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import time
+import uuid
+from collections.abc import Iterable, Iterator
+
+from ..errors import StorageError, StorageNotFound, StoragePermissionError
+from .base import ObjectInfo, ObjectWriter, Storage
+
+_TMP_MARK = ".dcpstore-tmp-"
+
+
+def _is_tmp(name: str) -> bool:
+    return name.startswith(".") and _TMP_MARK in name
+
+
+@contextlib.contextmanager
+def _mapped_errors(what: str) -> Iterator[None]:
+    """Translate OSError into the dcpstore family, naming ``what``."""
+    try:
+        yield
+    except FileNotFoundError as e:
+        raise StorageNotFound(f"{what}: no such file or directory") from e
+    except PermissionError as e:
+        raise StoragePermissionError(f"{what}: permission denied") from e
+    except OSError as e:
+        if isinstance(e, StorageError):
+            raise
+        reason = e.strerror or str(e)
+        code = errno.errorcode.get(e.errno or 0, "")
+        raise StorageError(f"{what}: {reason}" + (f" ({code})" if code else "")) from e
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class _LocalWriter(ObjectWriter):
+    def __init__(self, final: str, what: str) -> None:
+        super().__init__()
+        self._final = final
+        self._what = what
+        directory, name = os.path.split(final)
+        self._dir = directory
+        self._tmp = os.path.join(directory, f".{name}{_TMP_MARK}{uuid.uuid4().hex[:12]}")
+        with _mapped_errors(what):
+            self._fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        self._pos = 0
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        view = memoryview(data).cast("B")
+        with _mapped_errors(self._what):
+            while view:
+                n = os.write(self._fd, view)  # releases the GIL
+                view = view[n:]
+                self._pos += n
+        return len(data) if not isinstance(data, memoryview) else data.nbytes
+
+    def tell(self) -> int:
+        return self._pos
+
+    def _commit(self) -> None:
+        with _mapped_errors(self._what):
+            os.fsync(self._fd)
+            os.close(self._fd)
+            self._fd = -1
+            os.replace(self._tmp, self._final)
+            _fsync_dir(self._dir)
+
+    def _abort(self) -> None:
+        if self._fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = -1
+        with contextlib.suppress(OSError):
+            os.unlink(self._tmp)
+
+
+class LocalStorage(Storage):
+    """A directory on a local (or locally mounted) POSIX filesystem."""
+
+    backend = "local"
+
+    @property
+    def root(self) -> str:
+        return self.url.path
+
+    def _full(self, path: str) -> str:
+        if path.startswith("/") or ".." in path.split("/"):
+            raise StorageError(f"{self.describe(path)}: path escapes the checkpoint root")
+        return os.path.join(self.root, path) if path else self.root
+
+    def open_write(self, path: str, *, size_hint: int | None = None) -> ObjectWriter:
+        full = self._full(path)
+        parent = os.path.dirname(full)
+        if parent != self.root:
+            self.makedirs(os.path.relpath(parent, self.root))
+        return _LocalWriter(full, f"cannot write {self.describe(path)}")
+
+    def makedirs(self, path: str = "") -> None:
+        full = self._full(path)
+        with _mapped_errors(f"cannot create directory {self.describe(path)}"):
+            if os.path.isfile(full):
+                raise StorageError(f"{self.describe(path)} is a file, not a directory")
+            os.makedirs(full, exist_ok=True)
+
+    def read_range(self, path: str, offset: int, length: int) -> bytes:
+        with _mapped_errors(f"cannot read {self.describe(path)}"):
+            fd = os.open(self._full(path), os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                chunks = []
+                while length > 0:
+                    chunk = os.pread(fd, length, offset)  # releases the GIL
+                    if not chunk:
+                        break
+                    chunks.append(chunk)
+                    offset += len(chunk)
+                    length -= len(chunk)
+            finally:
+                os.close(fd)
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    def size(self, path: str) -> int:
+        with _mapped_errors(f"cannot stat {self.describe(path)}"):
+            st = os.stat(self._full(path))
+        if not os.path.isfile(self._full(path)):
+            raise StorageNotFound(f"{self.describe(path)} is not a file")
+        return st.st_size
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        base = self._full(prefix.rstrip("/"))
+        if os.path.isfile(base):
+            yield {"path": prefix.rstrip("/"), "size": os.path.getsize(base)}
+            return
+        for dirpath, dirnames, filenames in os.walk(base):
+            dirnames.sort()
+            for name in sorted(filenames):
+                if _is_tmp(name):
+                    continue
+                full = os.path.join(dirpath, name)
+                with contextlib.suppress(FileNotFoundError):
+                    yield {"path": os.path.relpath(full, self.root), "size": os.path.getsize(full)}
+
+    def delete(self, paths: Iterable[str]) -> None:
+        parents = set()
+        for path in paths:
+            full = self._full(path)
+            with _mapped_errors(f"cannot delete {self.describe(path)}"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(full)
+            parents.add(os.path.dirname(full))
+        # Drop directories the deletes emptied (a retired step), never the root.
+        for parent in sorted(parents, key=len, reverse=True):
+            while parent.startswith(self.root + os.sep):
+                try:
+                    os.rmdir(parent)
+                except OSError:
+                    break
+                parent = os.path.dirname(parent)
+
+    def list_incomplete(self) -> Iterator[str]:
+        if not os.path.isdir(self.root):
+            return
+        for dirpath, _, filenames in os.walk(self.root):
+            for name in sorted(filenames):
+                if _is_tmp(name):
+                    yield os.path.relpath(os.path.join(dirpath, name), self.root)
+
+    def cleanup_incomplete(self, older_than_s: float = 0.0) -> int:
+        now = time.time()
+        removed = 0
+        for rel in list(self.list_incomplete()):
+            full = os.path.join(self.root, rel)
+            with contextlib.suppress(FileNotFoundError):
+                if now - os.path.getmtime(full) >= older_than_s:
+                    os.unlink(full)
+                    removed += 1
+        return removed

@@ -1,0 +1,558 @@
+"""DCP ``StorageWriter`` / ``StorageReader`` written once over :class:`Storage`.
+
+Nothing here knows which backend it talks to: local files, S3, MSC and fsspec
+all arrive through the same few byte-level calls (see
+:mod:`dcpstore.storage.base`).
+
+Save, as ``torch.distributed.checkpoint.save`` drives it::
+
+    (all ranks)   set_up_storage_writer -> prepare_local_plan
+    (coordinator) prepare_global_plan   assigns each rank its ``__{rank}_`` prefix
+                                        and retracts an older commit at this URI
+    (all ranks)   write_data            ``workers`` threads, one data file each,
+                                        size-balanced buckets, largest first;
+                                        every file committed (durable) on return
+    (coordinator) finish                runs only if *every* rank's write_data
+                                        succeeded (DCP gathers the results):
+                                        manifest, then ``.metadata`` last
+
+Load: ``read_metadata`` (verifying ``.metadata`` against the manifest), then
+``read_data`` reads the planned items with ``workers`` threads, coalescing
+neighbouring items of a file into one ranged read, and verifies sizes and
+checksums before anything reaches the caller's tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import logging
+import operator
+import os
+import pickle
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import crc32c
+import torch
+from torch.futures import Future
+from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+
+from ..errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound, InvalidArgument, StorageNotFound
+from ..storage.base import MiB, ObjectWriter, Storage
+from .layout import (
+    MANIFEST,
+    METADATA,
+    FileEntry,
+    Manifest,
+    build_manifest,
+    data_file_name,
+    is_data_file,
+    item_key,
+    parse_manifest,
+)
+
+log = logging.getLogger(__name__)
+
+#: Neighbouring items of one file are read together up to this many bytes.
+COALESCE_LIMIT = 64 * MiB
+
+
+def check_workers(workers: int | None, default: int) -> int:
+    """Validate a ``workers`` argument (``None`` means ``default``)."""
+    if workers is None:
+        return default
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise InvalidArgument(f"workers must be a positive int, got {workers!r}")
+    return workers
+
+
+def default_workers() -> int:
+    return max(2, min(8, os.cpu_count() or 1))
+
+
+# ---------------------------------------------------------------------------
+# Save
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ItemRecord:
+    """``WriteResult.storage_data`` for one item: where it lives and its CRC.
+
+    Carries its file's size and CRC too, so that the coordinator's
+    ``finish`` can build the manifest from the gathered results alone.
+    """
+
+    relative_path: str
+    offset: int
+    length: int
+    crc32c: int
+    file_size: int
+    file_crc32c: int
+
+
+@dataclass
+class SaveStats:
+    """Phase timings and volume of one save on this rank (seconds, bytes)."""
+
+    plan_s: float = 0.0
+    write_s: float = 0.0
+    commit_s: float = 0.0
+    bytes_written: int = 0
+    files: list[str] = field(default_factory=list)
+    _t0: float = 0.0
+
+
+class _ChecksummingStream:
+    """File-like adapter: forwards writes and keeps item and file CRC32Cs."""
+
+    def __init__(self, writer: ObjectWriter) -> None:
+        self._writer = writer
+        self.file_crc = 0
+        self.item_crc = 0
+
+    def write(self, data: Any) -> int:
+        self.item_crc = crc32c.crc32c(data, self.item_crc)
+        self.file_crc = crc32c.crc32c(data, self.file_crc)
+        return self._writer.write(data)
+
+    def tell(self) -> int:
+        return self._writer.tell()
+
+    def writable(self) -> bool:
+        return True
+
+    def flush(self) -> None:
+        pass
+
+
+def _item_nbytes(item: WriteItem) -> int:
+    if item.tensor_data is None:
+        return 0
+    numel = 1
+    for dim in item.tensor_data.size:
+        numel *= dim
+    return numel * item.tensor_data.properties.dtype.itemsize
+
+
+def split_buckets(items: Sequence[WriteItem], bins: int) -> list[list[WriteItem]]:
+    """Size-balanced buckets: tensors largest first into the lightest bucket,
+    byte blobs round-robin. Empty buckets are dropped."""
+    buckets: list[list[WriteItem]] = [[] for _ in range(bins)]
+    sizes = [0] * bins
+    blobs = [it for it in items if it.type == WriteItemType.BYTE_IO]
+    tensors = sorted((it for it in items if it.type != WriteItemType.BYTE_IO), key=_item_nbytes, reverse=True)
+    for i, item in enumerate(blobs):
+        buckets[i % bins].append(item)
+    for item in tensors:
+        idx = min(range(bins), key=sizes.__getitem__)
+        buckets[idx].append(item)
+        sizes[idx] += _item_nbytes(item)
+    return [b for b in buckets if b]
+
+
+def _cpu_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    tensor = tensor.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.to("cpu")
+    if tensor.untyped_storage().nbytes() != tensor.nbytes:
+        # A view of a larger storage: torch.save would write the whole
+        # storage; save only the projection (what stock DCP does too).
+        tensor = tensor.clone()
+    return tensor
+
+
+class DcpStorageWriter(StorageWriter):
+    """A DCP ``StorageWriter`` over any :class:`Storage`.
+
+    ``workers`` threads write one data file each per rank. Use it directly
+    with ``torch.distributed.checkpoint.save(sd, storage_writer=...)`` or
+    through :func:`dcpstore.save`.
+    """
+
+    def __init__(
+        self,
+        storage: Storage,
+        *,
+        workers: int | None = None,
+        reopen: Callable[[str], Storage] | None = None,
+    ) -> None:
+        super().__init__()
+        self.storage = storage
+        self.workers = check_workers(workers, default_workers())
+        self._reopen = reopen
+        self.rank = 0
+        self.is_coordinator = True
+        self.stats = SaveStats()
+        self.save_id = ""
+
+    # -- DCP protocol -----------------------------------------------------
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None and os.fspath(checkpoint_id) != self.storage.url.uri:
+            if self._reopen is None:
+                raise InvalidArgument(
+                    f"this writer is bound to {self.storage.uri}; cannot switch to another checkpoint_id"
+                )
+            self.storage = self._reopen(os.fspath(checkpoint_id))
+        self.stats = SaveStats(_t0=time.perf_counter())
+        self.save_id = os.urandom(8).hex()
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        self.rank = kwargs.get("rank") or 0
+        if not self.stats._t0:
+            self.stats._t0 = time.perf_counter()
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        self.storage.makedirs()
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        # Retract any older commit at this URI *before* any rank overwrites
+        # its data files: a crash mid-save must never leave an old .metadata
+        # pointing at new, partial data.
+        self.storage.delete([METADATA, MANIFEST])
+        return [dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{i}_")) for i, plan in enumerate(plans)]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        t_start = time.perf_counter()
+        self.stats.plan_s = t_start - self.stats._t0
+        prefix: _StoragePrefix = plan.storage_data
+        buckets = split_buckets(plan.items, self.workers)
+        lock = threading.Lock()  # planners are not promised to be thread-safe
+        future: Future[list[WriteResult]] = Future()
+        try:
+            if len(buckets) <= 1:
+                per_file = [self._write_file(data_file_name(prefix.prefix, i), b, planner, lock) for i, b in enumerate(buckets)]
+            else:
+                with ThreadPoolExecutor(len(buckets), thread_name_prefix="dcpstore-write") as pool:
+                    futures = [
+                        pool.submit(self._write_file, data_file_name(prefix.prefix, i), bucket, planner, lock)
+                        for i, bucket in enumerate(buckets)
+                    ]
+                    per_file = [f.result() for f in futures]
+        except BaseException as e:  # DCP gathers exceptions across ranks
+            future.set_exception(e)
+            return future
+        results = [r for rs in per_file for r in rs]
+        self.stats.write_s = time.perf_counter() - t_start
+        self.stats.bytes_written = sum(r.storage_data.file_size for r in results if r.storage_data.offset == 0)
+        self.stats.files = sorted({r.storage_data.relative_path for r in results})
+        future.set_result(results)
+        return future
+
+    def _write_file(
+        self, name: str, items: list[WriteItem], planner: SavePlanner, lock: threading.Lock
+    ) -> list[WriteResult]:
+        pending: list[tuple[WriteItem, int, int, int]] = []
+        size_hint = sum(_item_nbytes(it) for it in items)
+        with self.storage.open_write(name, size_hint=size_hint) as writer:
+            stream = _ChecksummingStream(writer)
+            for item in items:
+                with lock:
+                    data = planner.resolve_data(item)
+                offset = writer.tell()
+                stream.item_crc = 0
+                if item.type == WriteItemType.BYTE_IO:
+                    stream.write(data.getbuffer())
+                else:
+                    torch.save(_cpu_tensor(data), stream)
+                pending.append((item, offset, writer.tell() - offset, stream.item_crc))
+            file_size, file_crc = writer.tell(), stream.file_crc
+        return [
+            WriteResult(
+                index=item.index,
+                size_in_bytes=length,
+                storage_data=ItemRecord(name, offset, length, crc, file_size, file_crc),
+            )
+            for item, offset, length, crc in pending
+        ]
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        t_start = time.perf_counter()
+        storage_data: dict[MetadataIndex, _StorageInfo] = {}
+        files: dict[str, FileEntry] = {}
+        items: dict[str, int] = {}
+        for rank_results in results:
+            for wr in rank_results:
+                rec: ItemRecord = wr.storage_data
+                storage_data[wr.index] = _StorageInfo(rec.relative_path, rec.offset, rec.length)
+                files[rec.relative_path] = {"size": rec.file_size, "crc32c": rec.file_crc32c}
+                items[item_key(rec.relative_path, rec.offset)] = rec.crc32c
+        metadata.storage_data = storage_data
+        metadata.storage_meta = self.storage_meta()
+        blob = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
+        self.storage.put(MANIFEST, build_manifest(files, items, crc32c.crc32c(blob)))
+        self.storage.put(METADATA, blob)  # the commit point
+        self._remove_stale_data(files)
+        self.stats.commit_s = time.perf_counter() - t_start
+
+    def _remove_stale_data(self, live: dict[str, FileEntry]) -> None:
+        """Delete data files an older checkpoint at this URI left behind."""
+        try:
+            stale = [o["path"] for o in self.storage.list() if is_data_file(o["path"]) and o["path"] not in live]
+            if stale:
+                self.storage.delete(stale)
+        except CheckpointError as e:  # the commit already happened; cleanup is best effort
+            log.warning("could not remove stale data files under %s: %s", self.storage.uri, e)
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.storage.uri, save_id=self.save_id)
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.storage.url.uri
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        from ..storage.uri import parse_uri
+
+        try:
+            parse_uri(checkpoint_id)
+        except CheckpointError:
+            return False
+        return True
+
+
+# ---------------------------------------------------------------------------
+# Load
+# ---------------------------------------------------------------------------
+
+
+def read_checkpoint_metadata(storage: Storage) -> tuple[Metadata, Manifest | None]:
+    """Read and verify ``.metadata`` (and the manifest, if there is one)."""
+    try:
+        blob = storage.read(METADATA)
+    except StorageNotFound as e:
+        raise CheckpointNotFound(_why_missing(storage)) from e
+    manifest = None
+    try:
+        manifest = parse_manifest(storage.read(MANIFEST), storage.describe(MANIFEST))
+    except StorageNotFound:
+        log.debug("%s has no integrity manifest (written by stock DCP?); loading unverified", storage.uri)
+    if manifest is not None and crc32c.crc32c(blob) != manifest["metadata_crc32c"]:
+        raise CheckpointCorrupt(f"{storage.describe(METADATA)}: checksum mismatch (damaged commit object)")
+    try:
+        metadata = pickle.loads(blob)
+    except Exception as e:
+        raise CheckpointCorrupt(f"{storage.describe(METADATA)}: cannot be unpickled ({e})") from e
+    if not isinstance(metadata, Metadata):
+        raise CheckpointCorrupt(f"{storage.describe(METADATA)}: holds a {type(metadata).__name__}, not DCP Metadata")
+    return metadata, manifest
+
+
+def _why_missing(storage: Storage) -> str:
+    try:
+        leftovers = [o["path"] for o in storage.list() if is_data_file(o["path"]) or o["path"] == MANIFEST]
+    except StorageNotFound:
+        leftovers = []
+    except CheckpointError as e:
+        return f"no checkpoint at {storage.uri} (and listing it failed: {e})"
+    if leftovers:
+        return (
+            f"no committed checkpoint at {storage.uri}: data files exist but no {METADATA} "
+            f"(an interrupted save; 'dcpstore gc {storage.uri}' removes it)"
+        )
+    return f"no checkpoint at {storage.uri} (no {METADATA} found)"
+
+
+@dataclass
+class _Span:
+    """One ranged read covering neighbouring items of one file."""
+
+    path: str
+    offset: int
+    length: int
+    reqs: list[tuple[ReadItem, _StorageInfo]]
+
+
+def _coalesce(path: str, reqs: list[tuple[ReadItem, _StorageInfo]]) -> list[_Span]:
+    reqs.sort(key=lambda r: r[1].offset)
+    spans: list[_Span] = []
+    for req, info in reqs:
+        last = spans[-1] if spans else None
+        end = info.offset + info.length
+        if last and info.offset <= last.offset + last.length and end - last.offset <= COALESCE_LIMIT:
+            last.length = max(last.length, end - last.offset)
+            last.reqs.append((req, info))
+        else:
+            spans.append(_Span(path, info.offset, info.length, [(req, info)]))
+    return spans
+
+
+class DcpStorageReader(StorageReader):
+    """A DCP ``StorageReader`` over any :class:`Storage`; verifies as it reads."""
+
+    def __init__(
+        self,
+        storage: Storage,
+        *,
+        workers: int | None = None,
+        reopen: Callable[[str], Storage] | None = None,
+        verify: bool = True,
+    ) -> None:
+        super().__init__()
+        self.storage = storage
+        self.workers = check_workers(workers, default_workers())
+        self.verify = verify
+        self._reopen = reopen
+        self._manifest: Manifest | None = None
+        self._metadata: Metadata | None = None
+        self._storage_data: dict[MetadataIndex, _StorageInfo] = {}
+        self.bytes_read = 0
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None and os.fspath(checkpoint_id) != self.storage.url.uri:
+            if self._reopen is None:
+                raise InvalidArgument(f"this reader is bound to {self.storage.uri}")
+            self.storage = self._reopen(os.fspath(checkpoint_id))
+            self._metadata = None
+        self.bytes_read = 0
+
+    def preload_metadata(self) -> Metadata:
+        """Read and verify the commit now (every rank), so that a missing or
+        damaged checkpoint fails fast with a clear error, outside DCP."""
+        if self._metadata is None:
+            self._metadata, self._manifest = read_checkpoint_metadata(self.storage)
+        return self._metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        metadata = self.preload_metadata()
+        if metadata.storage_meta is None:
+            metadata.storage_meta = StorageMeta()
+        return metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if metadata.storage_data is None:
+            raise CheckpointCorrupt(f"{self.storage.describe(METADATA)}: no storage_data")
+        self._storage_data = metadata.storage_data
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        per_file: dict[str, list[tuple[ReadItem, _StorageInfo]]] = defaultdict(list)
+        for req in plan.items:
+            info = self._storage_data[req.storage_index]
+            if info.transform_descriptors:
+                raise CheckpointError(
+                    f"{self.storage.describe(info.relative_path)} uses DCP stream extensions "
+                    f"{list(info.transform_descriptors)}, which dcpstore does not read"
+                )
+            per_file[info.relative_path].append((req, info))
+        if self.verify and self._manifest is not None:
+            self._check_sizes(per_file)
+        spans = [span for path, reqs in per_file.items() for span in _coalesce(path, reqs)]
+        spans.sort(key=operator.attrgetter("length"), reverse=True)
+        lock = threading.Lock()
+        future: Future[None] = Future()
+        try:
+            if len(spans) <= 1 or self.workers == 1:
+                for span in spans:
+                    self._read_span(span, planner, lock)
+            else:
+                with ThreadPoolExecutor(min(self.workers, len(spans)), thread_name_prefix="dcpstore-read") as pool:
+                    for f in [pool.submit(self._read_span, s, planner, lock) for s in spans]:
+                        f.result()
+        except BaseException as e:
+            future.set_exception(e)
+            return future
+        future.set_result(None)
+        return future
+
+    def _check_sizes(self, per_file: dict[str, list[tuple[ReadItem, _StorageInfo]]]) -> None:
+        assert self._manifest is not None
+        for path in per_file:
+            entry = self._manifest["files"].get(path)
+            if entry is None:
+                raise CheckpointCorrupt(f"{self.storage.describe(path)}: not listed in the integrity manifest")
+            try:
+                actual = self.storage.size(path)
+            except StorageNotFound as e:
+                raise CheckpointCorrupt(f"{self.storage.describe(path)}: data file is missing") from e
+            if actual != entry["size"]:
+                raise CheckpointCorrupt(
+                    f"{self.storage.describe(path)}: size {actual} bytes, expected {entry['size']} (truncated or damaged)"
+                )
+
+    def _read_span(self, span: _Span, planner: LoadPlanner, lock: threading.Lock) -> None:
+        try:
+            blob = self.storage.read_range(span.path, span.offset, span.length)
+        except StorageNotFound as e:
+            raise CheckpointCorrupt(f"{self.storage.describe(span.path)}: data file is missing") from e
+        if len(blob) != span.length:
+            raise CheckpointCorrupt(
+                f"{self.storage.describe(span.path)}: short read at offset {span.offset} "
+                f"({len(blob)} of {span.length} bytes; truncated?)"
+            )
+        view = memoryview(blob)
+        with lock:
+            self.bytes_read += len(blob)
+        for req, info in span.reqs:
+            start = info.offset - span.offset
+            item = view[start : start + info.length]
+            self._verify_item(span.path, info, item)
+            if req.type == LoadItemType.BYTE_IO:
+                with lock:
+                    planner.load_bytes(req, io.BytesIO(item))
+                continue
+            tensor = torch.load(io.BytesIO(item), map_location="cpu", weights_only=True)
+            tensor = _narrow(tensor, req.storage_offsets, req.lengths)
+            with lock:
+                target = planner.resolve_tensor(req).detach()
+            if target.size() != tensor.size():
+                raise CheckpointCorrupt(
+                    f"{self.storage.describe(span.path)}: item {req.storage_index.fqn} has shape "
+                    f"{tuple(tensor.size())}, the plan expects {tuple(target.size())}"
+                )
+            target.copy_(tensor)
+            with lock:
+                planner.commit_tensor(req, target)
+
+    def _verify_item(self, path: str, info: _StorageInfo, item: memoryview) -> None:
+        if not self.verify or self._manifest is None:
+            return
+        expected = self._manifest["items"].get(item_key(path, info.offset))
+        if expected is None:
+            raise CheckpointCorrupt(f"{self.storage.describe(path)}: item at offset {info.offset} not in the manifest")
+        if crc32c.crc32c(item) != expected:
+            raise CheckpointCorrupt(
+                f"{self.storage.describe(path)}: checksum mismatch in item at offset {info.offset} "
+                f"({info.length} bytes): the data file is damaged"
+            )
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.storage.url.uri
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return DcpStorageWriter.validate_checkpoint_id(checkpoint_id)
+
+
+def _narrow(tensor: torch.Tensor, offsets: torch.Size, lengths: torch.Size) -> torch.Tensor:
+    for dim, (start, length) in enumerate(zip(offsets, lengths)):
+        if start != 0 or length != tensor.size(dim):
+            tensor = torch.narrow(tensor, dim, start, length)
+    return tensor

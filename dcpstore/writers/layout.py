@@ -1,0 +1,83 @@
+"""On-storage layout: file names, the integrity manifest, commit markers.
+
+A checkpoint directory (or key prefix) holds, in stock DCP layout::
+
+    __{rank}_{n}.distcp     data files, one per writer thread per rank
+    .dcpstore.json          the integrity manifest (written just before .metadata)
+    .metadata               the commit: pickled DCP ``Metadata``, written last
+
+``.metadata`` stays exactly what ``torch.distributed.checkpoint`` writes, so
+stock DCP loads dcpstore checkpoints and vice versa. The manifest is a
+sidecar that stock DCP ignores. It records, for every data file, its size and
+CRC32C; for every item (tensor or bytes blob) its CRC32C, keyed by
+``"<file>@<offset>"`` so ranged reads verify exactly what they read; and the
+CRC32C of the ``.metadata`` blob that follows it, so a damaged commit object
+is detected too. A checkpoint written by plain DCP has no manifest and loads
+unverified.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, TypedDict
+
+from ..errors import CheckpointCorrupt
+
+METADATA = ".metadata"
+MANIFEST = ".dcpstore.json"
+DATA_SUFFIX = ".distcp"
+MANIFEST_FORMAT = "dcpstore-manifest/1"
+_DATA_RE = re.compile(r"^__\d+_\d+\.distcp$")
+
+
+def data_file_name(rank_prefix: str, index: int) -> str:
+    """``__{rank}_`` + ``{index}`` + ``.distcp``, as stock DCP names them."""
+    return f"{rank_prefix}{index}{DATA_SUFFIX}"
+
+
+def is_data_file(path: str) -> bool:
+    return _DATA_RE.match(path) is not None
+
+
+def item_key(path: str, offset: int) -> str:
+    return f"{path}@{offset}"
+
+
+class FileEntry(TypedDict):
+    size: int
+    crc32c: int
+
+
+class Manifest(TypedDict):
+    format: str
+    checksum: str
+    metadata_crc32c: int
+    files: dict[str, FileEntry]
+    items: dict[str, int]
+
+
+def build_manifest(files: dict[str, FileEntry], items: dict[str, int], metadata_crc: int) -> bytes:
+    manifest: Manifest = {
+        "format": MANIFEST_FORMAT,
+        "checksum": "crc32c",
+        "metadata_crc32c": metadata_crc,
+        "files": dict(sorted(files.items())),
+        "items": items,
+    }
+    return json.dumps(manifest, separators=(",", ":")).encode()
+
+
+def parse_manifest(blob: bytes, where: str) -> Manifest:
+    """Parse a manifest, raising :class:`CheckpointCorrupt` naming ``where``."""
+    try:
+        data: Any = json.loads(blob)
+        if data.get("format") != MANIFEST_FORMAT:
+            raise ValueError(f"unknown format {data.get('format')!r}")
+        for key in ("metadata_crc32c", "files", "items"):
+            if key not in data:
+                raise ValueError(f"missing key {key!r}")
+    except (ValueError, AttributeError, UnicodeDecodeError) as e:
+        raise CheckpointCorrupt(f"{where}: damaged integrity manifest ({e})") from e
+    manifest: Manifest = data
+    return manifest
