@@ -1,0 +1,20 @@
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+from backends import TARGETS, Target, make_target
+
+warnings.filterwarnings("ignore", message="The pynvml package is deprecated")
+
+
+@pytest.fixture(params=list(TARGETS))
+def target(request: pytest.FixtureRequest) -> Target:
+    """A fresh checkpoint location on each backend in turn."""
+    return make_target(request.param, request)
+
+
+@pytest.fixture
+def local_target(request: pytest.FixtureRequest) -> Target:
+    return make_target("local", request)

@@ -1,0 +1,113 @@
+"""The byte-level contract every backend honours (one suite, all backends)."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+import dcpstore
+from backends import Target
+from dcpstore.errors import StorageNotFound
+from dcpstore.storage import MiB, Storage
+
+
+@pytest.fixture
+def storage(target: Target) -> Storage:
+    st = dcpstore.open_storage(target.uri, **target.kwargs)
+    st.makedirs()
+    yield st
+    st.close()
+
+
+def test_put_read_roundtrip(storage: Storage) -> None:
+    storage.put("a.bin", b"hello world")
+    assert storage.read("a.bin") == b"hello world"
+    assert storage.size("a.bin") == 11
+    assert storage.exists("a.bin")
+    assert not storage.exists("b.bin")
+
+
+def test_read_range(storage: Storage) -> None:
+    payload = os.urandom(10_000)
+    storage.put("r.bin", payload)
+    assert storage.read_range("r.bin", 0, 10) == payload[:10]
+    assert storage.read_range("r.bin", 1234, 4000) == payload[1234:5234]
+    assert storage.read_range("r.bin", 9990, 100) == payload[9990:]  # short at the end
+
+
+def test_empty_object(storage: Storage) -> None:
+    storage.put("empty", b"")
+    assert storage.size("empty") == 0
+    assert storage.read("empty") == b""
+
+
+def test_streamed_write_larger_than_a_part(storage: Storage) -> None:
+    chunk = os.urandom(MiB)
+    with storage.open_write("big.bin", size_hint=13 * MiB) as w:
+        for i in range(13):
+            w.write(bytes([i]) + chunk[1:])
+        assert w.tell() == 13 * MiB
+    assert storage.size("big.bin") == 13 * MiB
+    assert storage.read_range("big.bin", 7 * MiB, 2)[:1] == bytes([7])
+    whole = storage.read("big.bin")
+    assert len(whole) == 13 * MiB and whole[12 * MiB] == 12
+
+
+def test_abort_leaves_nothing(storage: Storage) -> None:
+    with pytest.raises(RuntimeError):
+        with storage.open_write("partial.bin") as w:
+            w.write(b"x" * 1000)
+            raise RuntimeError("boom")
+    assert not storage.exists("partial.bin")
+    assert [o["path"] for o in storage.list()] == []
+
+
+def test_overwrite_replaces_whole_object(storage: Storage) -> None:
+    storage.put("o.bin", b"first version, longer")
+    storage.put("o.bin", b"second")
+    assert storage.read("o.bin") == b"second"
+
+
+def test_list_is_recursive_and_relative(storage: Storage) -> None:
+    storage.put("x/1.bin", b"1")
+    storage.put("x/y/2.bin", b"22")
+    storage.put("3.bin", b"333")
+    listed = {o["path"]: o["size"] for o in storage.list()}
+    assert listed == {"x/1.bin": 1, "x/y/2.bin": 2, "3.bin": 3}
+    assert {o["path"] for o in storage.list("x")} == {"x/1.bin", "x/y/2.bin"}
+
+
+def test_delete_ignores_missing(storage: Storage) -> None:
+    storage.put("d.bin", b"d")
+    storage.delete(["d.bin", "never-existed.bin"])
+    assert not storage.exists("d.bin")
+
+
+def test_missing_object_raises_not_found(storage: Storage) -> None:
+    with pytest.raises(StorageNotFound) as info:
+        storage.read("nope.bin")
+    assert "nope.bin" in str(info.value)
+    assert isinstance(info.value, FileNotFoundError)
+    with pytest.raises(StorageNotFound):
+        storage.size("nope.bin")
+
+
+def test_concurrent_writers(storage: Storage) -> None:
+    errors: list[BaseException] = []
+
+    def work(i: int) -> None:
+        try:
+            storage.put(f"t/{i}.bin", bytes([i]) * (100_000 + i))
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for i in range(8):
+        assert storage.read(f"t/{i}.bin") == bytes([i]) * (100_000 + i)
