@@ -517,7 +517,7 @@ class DcpStorageReader(StorageReader):
                 with lock:
                     planner.load_bytes(req, io.BytesIO(item))
                 continue
-            tensor = torch.load(io.BytesIO(item), map_location="cpu", weights_only=True)
+            tensor = torch.load(_ViewReader(item), map_location="cpu", weights_only=True)
             tensor = _narrow(tensor, req.storage_offsets, req.lengths)
             with lock:
                 target = planner.resolve_tensor(req).detach()
@@ -549,6 +549,41 @@ class DcpStorageReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return DcpStorageWriter.validate_checkpoint_id(checkpoint_id)
+
+
+class _ViewReader(io.RawIOBase):
+    """A read-only file over a memoryview, for ``torch.load``.
+
+    ``io.BytesIO(view)`` copies the whole item before torch reads it (and
+    torch then copies it again into the tensor's storage); torch's zip reader
+    uses ``readinto``, so this reader hands it the bytes with one copy only.
+    """
+
+    def __init__(self, view: memoryview) -> None:
+        super().__init__()
+        self._view = view.cast("B") if view.format != "B" else view
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        out = memoryview(buffer).cast("B")
+        n = max(0, min(len(out), len(self._view) - self._pos))
+        out[:n] = self._view[self._pos : self._pos + n]
+        self._pos += n
+        return n
 
 
 def _narrow(tensor: torch.Tensor, offsets: torch.Size, lengths: torch.Size) -> torch.Tensor:
