@@ -122,26 +122,49 @@ class SaveStats:
 
 
 class _ChecksummingStream:
-    """File-like adapter: forwards writes and keeps item and file CRC32Cs."""
+    """File-like adapter: keeps item and file CRC32Cs and coalesces small writes.
+
+    ``torch.save`` makes about a dozen tiny writes per tensor (zip headers,
+    the pickle, the record names); passed on one by one they cost one backend
+    call each -- a syscall on local files, ~240,000 of them for 20,000 small
+    tensors -- which costs more than the bytes. Writes under
+    ``SMALL_WRITE`` are gathered and handed on in ``FLUSH_AT`` pieces;
+    large ones (the tensor data) go straight through without a copy.
+    """
+
+    SMALL_WRITE = 64 * 1024
+    FLUSH_AT = 1 * MiB
 
     def __init__(self, writer: ObjectWriter) -> None:
         self._writer = writer
+        self._buf = bytearray()
         self.file_crc = 0
         self.item_crc = 0
 
     def write(self, data: Any) -> int:
+        n = memoryview(data).nbytes
         self.item_crc = crc32c.crc32c(data, self.item_crc)
-        self.file_crc = crc32c.crc32c(data, self.file_crc)
-        return self._writer.write(data)
+        if n < self.SMALL_WRITE:
+            self._buf += data
+            if len(self._buf) >= self.FLUSH_AT:
+                self.flush()
+        else:
+            self.flush()
+            self.file_crc = crc32c.crc32c(data, self.file_crc)
+            self._writer.write(data)
+        return n
 
     def tell(self) -> int:
-        return self._writer.tell()
+        return self._writer.tell() + len(self._buf)
 
     def writable(self) -> bool:
         return True
 
     def flush(self) -> None:
-        pass
+        if self._buf:
+            self.file_crc = crc32c.crc32c(self._buf, self.file_crc)
+            self._writer.write(self._buf)
+            self._buf = bytearray()  # a fresh one: the writer may not keep a reference, but never risk it
 
 
 def _item_nbytes(item: WriteItem) -> int:
@@ -269,13 +292,14 @@ class DcpStorageWriter(StorageWriter):
             for item in items:
                 with lock:
                     data = planner.resolve_data(item)
-                offset = writer.tell()
+                offset = stream.tell()
                 stream.item_crc = 0
                 if item.type == WriteItemType.BYTE_IO:
                     stream.write(data.getbuffer())
                 else:
                     torch.save(_cpu_tensor(data), stream)
-                pending.append((item, offset, writer.tell() - offset, stream.item_crc))
+                pending.append((item, offset, stream.tell() - offset, stream.item_crc))
+            stream.flush()
             file_size, file_crc = writer.tell(), stream.file_crc
         return [
             WriteResult(
