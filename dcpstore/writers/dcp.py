@@ -36,7 +36,7 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import IO, Any, cast
 
 import crc32c
 import torch
@@ -541,7 +541,7 @@ class DcpStorageReader(StorageReader):
                 with lock:
                     planner.load_bytes(req, io.BytesIO(item))
                 continue
-            tensor = torch.load(_ViewReader(item), map_location="cpu", weights_only=True)
+            tensor = torch.load(cast(IO[bytes], _ViewReader(item)), map_location="cpu", weights_only=True)
             tensor = _narrow(tensor, req.storage_offsets, req.lengths)
             with lock:
                 target = planner.resolve_tensor(req).detach()
