@@ -15,6 +15,7 @@ The pieces (all importable without matplotlib or psutil until used):
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import uuid
@@ -99,12 +100,20 @@ def bench(
 ) -> list[Record]:
     """Save and load ``size`` bytes in ``tensors`` tensors at ``uri`` once per
     worker count (``repeat`` times each) and return the records."""
+    from ..storage import parse_uri
     from .entries import DcpstoreEntry
 
+    url = parse_uri(uri)
+    created_root = url.scheme == "file" and not os.path.exists(url.path)
     state = make_state(size, tensors)
     dest = zeros_like_state(state)
     run_id = f"dcpstore-bench-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     entries = [
         DcpstoreEntry(uri, run_id, workers=w, engine=engine, async_=async_, enable_msc=enable_msc) for w in workers
     ]
-    return run_entries(entries, state, dest, repeat=repeat, drop_caches=drop_caches, progress=progress)
+    try:
+        return run_entries(entries, state, dest, repeat=repeat, drop_caches=drop_caches, progress=progress)
+    finally:
+        if created_root:  # the saves made it; leave nothing behind (only if empty)
+            with contextlib.suppress(OSError):
+                os.rmdir(url.path)
