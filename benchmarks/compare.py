@@ -168,6 +168,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--label", default="", help="free text stored with the results (e.g. 'pre-merge')")
     p.add_argument("--json", help="write records, summary and targets here")
     p.add_argument("--plot", help="PNG of the local and S3 sections")
+    p.add_argument("--warm", action="store_true", help="do not drop the page cache before loads (it needs root)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     warnings.filterwarnings("ignore")
@@ -181,7 +182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     state = make_state(size, args.tensors)
     dest = zeros_like_state(state)
     all_records: list[Record] = []
-    common = {"repeat": args.repeat, "progress": not args.quiet}
+    common = {"repeat": args.repeat, "progress": not args.quiet, "drop_caches": not args.warm}
 
     def run(title: str, entries: list[Entry], st: dict[str, torch.Tensor], de: dict[str, torch.Tensor]) -> None:
         recs = run_entries(_select(entries, args.only), st, de, desc=title, **common)
