@@ -50,7 +50,7 @@ def rows_table(rows: Sequence[Row]) -> str:
     for r in rows:
         ph = r.get("phases") or {}
         phases = "/".join(f"{ph[p]:.2f}" for p in ("plan", "stage", "write", "commit") if p in ph) or "-"
-        growth = (r["peak_rss_bytes"] - r["rss_before_bytes"]) if r.get("peak_rss_bytes") and r.get("rss_before_bytes") else None
+        growth = r.get("rss_growth_bytes")
         body.append([r["name"], r["backend"], str(r["workers"]), _num(r.get("write_gbps")), _num(r.get("read_gbps")),
                      _num(r.get("blocked_s")), phases if r["status"] == "ok" else "-",
                      human_bytes(growth) if growth is not None else "-", _note(r)])  # fmt: skip

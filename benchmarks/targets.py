@@ -66,9 +66,8 @@ def _pending(row: Row) -> bool:
 
 
 def _rss_extra(row: Row) -> float | None:
-    if row.get("peak_rss_bytes") is None or row.get("rss_before_bytes") is None:
-        return None
-    return float(row["peak_rss_bytes"] - row["rss_before_bytes"]) / row["bytes"]
+    growth = row.get("rss_growth_bytes")
+    return None if growth is None else float(growth) / row["bytes"]
 
 
 def evaluate(target: Target, rows: Sequence[Row]) -> Row:

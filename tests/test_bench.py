@@ -18,7 +18,18 @@ import urllib.request
 import pytest
 import torch
 
-from dcpstore.bench import RECORD_KEYS, Entry, SaveOutcome, Skip, done, make_state, parse_size, run_entry, zeros_like_state
+from dcpstore.bench import (
+    RECORD_KEYS,
+    Entry,
+    SaveOutcome,
+    Skip,
+    done,
+    make_state,
+    measure_all,
+    parse_size,
+    run_entry,
+    zeros_like_state,
+)
 from dcpstore.bench.measure import PeakRSS, parse_int_list
 from dcpstore.cli import main
 from dcpstore.errors import InvalidArgument
@@ -179,6 +190,23 @@ def test_run_entry_outcomes(entry: _Scripted, status: str, reason: str) -> None:
         assert entry.cleanups == 2
     elif entry.setup_error is None:
         assert len(records) == 1 and entry.cleanups == 1  # stops at the first bad repeat, still cleans up
+
+
+def test_measure_all_interleaves_repeats_and_groups_records() -> None:
+    order: list[str] = []
+
+    class Logged(_Scripted):
+        def save(self, state):
+            order.append(self.name)
+            return super().save(state)
+
+    a, b, c = Logged("a"), Logged("b", save_error=RuntimeError("x")), Logged("c")
+    state = make_state(1 << 12, 2)
+    records = measure_all([a, b, c], state, zeros_like_state(state), repeat=3)
+    assert order == ["a", "b", "c", "a", "c", "a", "c"]  # b broke in round 1 and left the rotation
+    assert [(r.name, r.repeat, r.status) for r in records] == [
+        ("a", 0, "ok"), ("a", 1, "ok"), ("a", 2, "ok"), ("b", 0, "failed"), ("c", 0, "ok"), ("c", 1, "ok"), ("c", 2, "ok"),
+    ]  # fmt: skip
 
 
 # ---------------------------------------------------------------------------

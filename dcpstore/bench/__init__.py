@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .measure import human_bytes, make_state, parse_int_list, parse_size, zeros_like_state
-from .runner import RECORD_KEYS, Entry, Record, SaveOutcome, Skip, Waiter, done, run_entry, summarize
+from .runner import RECORD_KEYS, Entry, Record, SaveOutcome, Skip, Waiter, done, measure_all, run_entry, summarize
 
 __all__ = [
     "RECORD_KEYS",
@@ -36,6 +36,7 @@ __all__ = [
     "done",
     "human_bytes",
     "make_state",
+    "measure_all",
     "parse_int_list",
     "parse_size",
     "run_entry",
@@ -64,24 +65,22 @@ def run_entries(
     progress: bool = True,
     desc: str = "bench",
 ) -> list[Record]:
-    """Run every entry in turn under one progress bar (on stderr); a line per
-    measurement is printed above the bar as it completes."""
+    """Measure the entries (interleaved, see :func:`measure_all`) under one
+    progress bar on stderr; a line per measurement is printed above the bar."""
     from tqdm import tqdm
 
-    records: list[Record] = []
     with tqdm(total=len(entries) * repeat, desc=desc, unit="run", file=sys.stderr,
               disable=not progress, leave=False) as bar:  # fmt: skip
-        for entry in entries:
-            bar.set_postfix_str(entry.name)
 
-            def on_record(rec: Record) -> None:
-                bar.update(1)
-                if progress:
-                    tqdm.write(_line(rec), file=sys.stderr)
+        def on_record(rec: Record) -> None:
+            # A skipped or failed entry will not run its remaining repeats.
+            bar.update(1 if rec.status == "ok" else repeat - rec.repeat)
+            bar.set_postfix_str(rec.name)
+            if progress:
+                tqdm.write(_line(rec), file=sys.stderr)
 
-            got = run_entry(entry, state, dest, repeat=repeat, drop_caches=drop_caches, verify=verify, on_record=on_record)
-            bar.update(repeat - len(got))  # a skipped entry counts as all its repeats
-            records.extend(got)
+        records = measure_all(entries, state, dest, repeat=repeat, drop_caches=drop_caches, verify=verify,
+                              on_record=on_record)  # fmt: skip
     return records
 
 

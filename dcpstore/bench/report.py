@@ -18,10 +18,17 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _rss(r: dict[str, Any]) -> str:
+    if not r.get("peak_rss_bytes"):
+        return "-"
+    growth = r.get("rss_growth_bytes")
+    return human_bytes(r["peak_rss_bytes"]) + (f" (+{human_bytes(growth)})" if growth is not None else "")
+
+
 def format_table(rows: Iterable[dict[str, Any]]) -> str:
     """A fixed-width text table of summary rows (see :func:`summarize`)."""
     head = ("ENTRY", "BACKEND", "ENGINE", "W", "WRITE GB/s", "READ GB/s", "BLOCKED s",
-            "PLAN/STAGE/WRITE/COMMIT s", "PEAK RSS", "NOTE")  # fmt: skip
+            "PLAN/STAGE/WRITE/COMMIT s", "PEAK RSS (+SAVE)", "NOTE")  # fmt: skip
     lines: list[tuple[str, ...]] = []
     for r in rows:
         ph = r.get("phases") or {}
@@ -33,7 +40,7 @@ def format_table(rows: Iterable[dict[str, Any]]) -> str:
             r["name"], r["backend"], r["engine"], str(r["workers"]),
             _fmt(r.get("write_gbps"), ".3f"), _fmt(r.get("read_gbps"), ".3f"), _fmt(r.get("blocked_s"), ".3f"),
             phases if r["status"] == "ok" else "-",
-            human_bytes(r["peak_rss_bytes"]) if r.get("peak_rss_bytes") else "-", note,
+            _rss(r), note,
         ))  # fmt: skip
     widths = [max(len(h), *(len(line[i]) for line in lines)) if lines else len(h) for i, h in enumerate(head)]
     right = {3, 4, 5, 6, 8}

@@ -26,7 +26,7 @@ from __future__ import annotations
 import abc
 import logging
 import statistics
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -40,7 +40,8 @@ log = logging.getLogger(__name__)
 RECORD_KEYS = (
     "name", "group", "backend", "engine", "mode", "workers", "ranks", "tensors", "bytes", "repeat",
     "status", "reason", "write_s", "write_gbps", "read_s", "read_gbps", "blocked_s", "phases",
-    "bytes_written", "peak_rss_bytes", "rss_before_bytes", "load_peak_rss_bytes", "cold_read", "verified",
+    "bytes_written", "peak_rss_bytes", "rss_before_bytes", "rss_growth_bytes", "load_peak_rss_bytes", "cold_read",
+    "verified",
 )  # fmt: skip
 
 
@@ -124,6 +125,8 @@ class Record:
     bytes_written: int | None = None
     peak_rss_bytes: int | None = None
     rss_before_bytes: int | None = None
+    #: peak - before of the same measurement: what the save itself added.
+    rss_growth_bytes: int | None = None
     load_peak_rss_bytes: int | None = None
     cold_read: bool | None = None
     verified: bool | None = None
@@ -157,45 +160,68 @@ def run_entry(
     on_record: Callable[[Record], None] | None = None,
 ) -> list[Record]:
     """Measure ``entry`` ``repeat`` times; never raises for the entry's own errors."""
-    nbytes = state_bytes(state)
+    return measure_all([entry], state, dest, repeat=repeat, drop_caches=drop_caches, verify=verify, on_record=on_record)
 
-    def blank(r: int) -> Record:
+
+def measure_all(
+    entries: Sequence[Entry],
+    state: dict[str, torch.Tensor],
+    dest: dict[str, torch.Tensor],
+    *,
+    repeat: int = 1,
+    drop_caches: bool = True,
+    verify: bool = True,
+    on_record: Callable[[Record], None] | None = None,
+) -> list[Record]:
+    """Measure every entry ``repeat`` times, *interleaved*: repeat 1 of every
+    entry, then repeat 2 of every entry, ... so that a slow spell of a shared
+    machine lands on all entries alike instead of on whichever ran then.
+
+    Records come back grouped by entry (in ``entries`` order), then repeat.
+    An entry that skips or fails stops there; the others go on.
+    """
+    nbytes = state_bytes(state)
+    records: dict[int, list[Record]] = {i: [] for i in range(len(entries))}
+
+    def blank(entry: Entry, r: int) -> Record:
         return Record(entry.name, entry.group, entry.backend, entry.engine, entry.mode,
                       entry.workers, entry.ranks, len(state), nbytes, repeat=r)  # fmt: skip
 
-    records: list[Record] = []
-
-    def emit(rec: Record) -> None:
-        records.append(rec)
+    def emit(i: int, rec: Record) -> None:
+        records[i].append(rec)
         if on_record:
             on_record(rec)
 
-    try:
-        entry.setup(state)
-    except SKIP_ERRORS as e:
-        emit(_mark(blank(0), "skipped", e))
-        return records
-    except Exception as e:
-        emit(_mark(blank(0), "failed", e))
-        return records
+    active: list[int] = []
+    for i, entry in enumerate(entries):
+        try:
+            entry.setup(state)
+            active.append(i)
+        except SKIP_ERRORS as e:
+            emit(i, _mark(blank(entry, 0), "skipped", e))
+        except Exception as e:
+            emit(i, _mark(blank(entry, 0), "failed", e))
     try:
         for r in range(repeat):
-            rec = blank(r)
-            try:
-                _measure_once(entry, state, dest, rec, nbytes, drop_caches, verify)
-            except SKIP_ERRORS as e:
-                emit(_mark(rec, "skipped", e))
-                break
-            except Exception as e:
-                log.debug("entry %s failed", entry.name, exc_info=True)
-                emit(_mark(rec, "failed", e))
-                break
-            finally:
-                _quietly(entry.cleanup, entry.name)
-            emit(rec)
+            for i in list(active):
+                entry, rec = entries[i], blank(entries[i], r)
+                try:
+                    _measure_once(entry, state, dest, rec, nbytes, drop_caches, verify)
+                except SKIP_ERRORS as e:
+                    _mark(rec, "skipped", e)
+                except Exception as e:
+                    log.debug("entry %s failed", entry.name, exc_info=True)
+                    _mark(rec, "failed", e)
+                finally:
+                    _quietly(entry.cleanup, entry.name)
+                emit(i, rec)
+                if rec.status != "ok":
+                    active.remove(i)
+                    _quietly(entry.close, entry.name)
     finally:
-        _quietly(entry.close, entry.name)
-    return records
+        for i in active:
+            _quietly(entries[i].close, entries[i].name)
+    return [rec for i in range(len(entries)) for rec in records[i]]
 
 
 def _mark(rec: Record, status: str, e: BaseException) -> Record:
@@ -231,6 +257,7 @@ def _measure_once(
     rec.bytes_written = outcome.bytes_written
     rec.engine = outcome.engine or rec.engine
     rec.peak_rss_bytes, rec.rss_before_bytes = rss.peak, rss.before
+    rec.rss_growth_bytes = rss.peak - rss.before
 
     if not entry.reads:
         return
@@ -251,7 +278,8 @@ def _measure_once(
 # Summaries
 # ---------------------------------------------------------------------------
 
-_MEDIAN_KEYS = ("write_s", "write_gbps", "read_s", "read_gbps", "blocked_s", "peak_rss_bytes", "load_peak_rss_bytes")
+_MEDIAN_KEYS = ("write_s", "write_gbps", "read_s", "read_gbps", "blocked_s", "peak_rss_bytes", "rss_before_bytes",
+                "rss_growth_bytes", "load_peak_rss_bytes")  # fmt: skip
 
 
 def summarize(records: Iterable[Record | dict[str, Any]]) -> list[dict[str, Any]]:
