@@ -5,7 +5,7 @@
   which releases the GIL), ``fsync`` and close it; the load reads the files
   back with ``readinto`` straight into the destination tensors. No
   serialisation, no checksums, no rename: the raw write and raw read limit.
-* :class:`RawS3` -- the same bytes as 8 MiB PUTs (multipart uploads of
+* :class:`RawS3` -- the same bytes as 32 MiB PUTs (multipart uploads of
   one object per share, every part of every object in one pool of
   ``workers`` threads) and ranged GETs into the destination, with boto3 and
   nothing else (request checksums off: the raw HTTP limit of the endpoint).
@@ -152,7 +152,7 @@ class RawS3(Entry):
     engine = "boto3"
     page_cached = False
 
-    def __init__(self, endpoint: str, bucket: str, workers: int, *, backend: str = "s3", part_size: int = 8 * MiB) -> None:
+    def __init__(self, endpoint: str, bucket: str, workers: int, *, backend: str = "s3", part_size: int = 32 * MiB) -> None:
         self.endpoint, self.bucket = endpoint, bucket
         self.workers, self.backend, self.part_size = workers, backend, part_size
         self.prefix = f"raw-{backend}-w{workers}"
