@@ -135,10 +135,19 @@ def _reset_hwm() -> bool:
     return _status_bytes("VmHWM") is not None
 
 
-def current_rss() -> int:
+def current_rss(children: bool = False) -> int:
+    """RSS of this process, plus its live children's with ``children=True``."""
     import psutil
 
-    return int(psutil.Process().memory_info().rss)
+    me = psutil.Process()
+    total = int(me.memory_info().rss)
+    if children:
+        for child in me.children(recursive=True):
+            try:
+                total += int(child.memory_info().rss)
+            except psutil.Error:
+                pass
+    return total
 
 
 class PeakRSS:
@@ -160,21 +169,16 @@ class PeakRSS:
     def _sample(self) -> None:
         import psutil
 
-        me = psutil.Process()
         while not self._stop.wait(self.interval_s):
             try:
-                total = me.memory_info().rss
-                for child in me.children(recursive=True):
-                    try:
-                        total += child.memory_info().rss
-                    except psutil.Error:
-                        pass
+                self.peak = max(self.peak, current_rss(children=True))
             except psutil.Error:
                 continue
-            self.peak = max(self.peak, total)
 
     def __enter__(self) -> PeakRSS:
-        self.before = current_rss()
+        # Children alive before the block (a multiprocessing manager left by
+        # an earlier entry) count in ``before`` too, so they are not "growth".
+        self.before = current_rss(children=True)
         self.peak = self.before
         self._exact = _reset_hwm()
         self._stop.clear()
@@ -188,8 +192,9 @@ class PeakRSS:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-        if self._exact:
-            self.peak = max(self.peak, _status_bytes("VmHWM") or 0)
+        if self._exact:  # this process's exact peak, plus the children as sampled at the end
+            hwm = _status_bytes("VmHWM") or 0
+            self.peak = max(self.peak, hwm + current_rss(children=True) - current_rss())
 
 
 # ---------------------------------------------------------------------------
