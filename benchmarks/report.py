@@ -86,8 +86,8 @@ def blocks(compare: dict[str, Any] | None, scaling: dict[str, Any] | None) -> di
         summary = compare["summary"]
         for section in ("local", "s3", "wan"):
             out[section] = rows_table([r for r in summary if r.get("extra", {}).get("section") == section])
-        results += compare["meta"].get("targets") or targets.evaluate_all(
-            targets.compare_targets(max(compare["meta"]["workers"])), summary)
+        # Recomputed from the summary so that edited target definitions apply to old runs too.
+        results += targets.evaluate_all(targets.compare_targets(max(compare["meta"]["workers"])), summary)
     if scaling:
         summary = scaling["summary"]
         for sweep in ("bytes", "tensors", "workers", "ranks", "repeat"):

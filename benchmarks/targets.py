@@ -47,6 +47,9 @@ def compare_targets(workers: int) -> list[Target]:
         Target("S3 save >= 2x FsspecWriter+s3fs", f"dcpstore s3 sync w={w}", f"dcp FsspecWriter+s3fs (s3) threads={w}", "write_gbps", 2.0),
         Target("S3 save >= 1.3x MSC writer", f"dcpstore s3 sync w={w}", f"MSC MultiStorageFileSystemWriter (s3) threads={w}", "write_gbps", 1.3),
         Target("WAN S3 save >= 0.85x raw parallel PUT", f"dcpstore s3-wan sync w={w}", f"raw PUT/GET (s3-wan), {w} thread(s)", "write_gbps", 0.85),
+        Target("WAN S3 load >= 0.9x raw parallel GET", f"dcpstore s3-wan sync w={w}", f"raw PUT/GET (s3-wan), {w} thread(s)", "read_gbps", 0.9),
+        Target("WAN S3 save >= 2x FsspecWriter+s3fs", f"dcpstore s3-wan sync w={w}", f"dcp FsspecWriter+s3fs (s3-wan) threads={w}", "write_gbps", 2.0),
+        Target("WAN S3 save >= 1.3x MSC writer", f"dcpstore s3-wan sync w={w}", f"MSC MultiStorageFileSystemWriter (s3-wan) threads={w}", "write_gbps", 1.3),
         Target("async save: peak RSS growth <= 1.1x state (staging cap = one state)", f"dcpstore local async/native w={w}", "", "rss_extra", 1.1),
     ]  # fmt: skip
 
