@@ -74,6 +74,12 @@ def _msc(request: pytest.FixtureRequest, unique: str) -> Target:
     return Target("msc", f"msc://{profile}/{unique}", {"storage_options": OBJECT_STORE_OPTIONS})
 
 
+def _local_msc(request: pytest.FixtureRequest, unique: str) -> Target:
+    # A plain path with enable_msc=True: MSC's POSIX profile (Megatron's --enable-msc).
+    tmp_path = request.getfixturevalue("tmp_path")
+    return Target("local+msc", str(tmp_path / unique), {"enable_msc": True})
+
+
 def _memory(request: pytest.FixtureRequest, unique: str) -> Target:
     return Target("memory", f"memory://{unique}")
 
@@ -84,6 +90,7 @@ TARGETS: dict[str, Callable[[pytest.FixtureRequest, str], Target]] = {
     "s3": _s3,
     "s3+msc": _s3_msc,
     "msc": _msc,
+    "local+msc": _local_msc,
     "memory": _memory,
 }
 
