@@ -36,7 +36,7 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import IO, Any, cast
 
 import crc32c
 import torch
@@ -250,7 +250,7 @@ class DcpStorageWriter(StorageWriter):
                     ]
                     per_file = [f.result() for f in futures]
         except BaseException as e:  # DCP gathers exceptions across ranks
-            future.set_exception(e)
+            future.set_exception(e)  # type: ignore[arg-type]  # torch's stub types it as the value
             return future
         results = [r for rs in per_file for r in rs]
         self.stats.write_s = time.perf_counter() - t_start
@@ -271,10 +271,10 @@ class DcpStorageWriter(StorageWriter):
                     data = planner.resolve_data(item)
                 offset = writer.tell()
                 stream.item_crc = 0
-                if item.type == WriteItemType.BYTE_IO:
+                if isinstance(data, io.BytesIO):
                     stream.write(data.getbuffer())
                 else:
-                    torch.save(_cpu_tensor(data), stream)
+                    torch.save(_cpu_tensor(data), cast(IO[bytes], stream))
                 pending.append((item, offset, writer.tell() - offset, stream.item_crc))
             file_size, file_crc = writer.tell(), stream.file_crc
         return [
@@ -476,7 +476,7 @@ class DcpStorageReader(StorageReader):
                     for f in [pool.submit(self._read_span, s, planner, lock) for s in spans]:
                         f.result()
         except BaseException as e:
-            future.set_exception(e)
+            future.set_exception(e)  # type: ignore[arg-type]  # torch's stub types it as the value
             return future
         future.set_result(None)
         return future
