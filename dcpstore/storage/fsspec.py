@@ -106,7 +106,7 @@ class FsspecStorage(Storage):
         what = f"cannot write {self.describe(path)}"
         if self.transactional:
             with _mapped(what):
-                handle = self.fs.open(full, "wb", autocommit=False)
+                handle = self.fs.open(full, "wb", autocommit=False, block_size=self.options.part_size)
             if isinstance(handle, AbstractBufferedFile) and not handle.autocommit:
                 return _TransactionalWriter(handle, what)
             # The filesystem ignored autocommit=False: never leave it half-written.
@@ -154,7 +154,11 @@ class FsspecStorage(Storage):
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         for name, info in sorted(self._find(prefix).items()):
             if info.get("type") == "file" and not _is_tmp(name):
-                yield {"path": self._relative(name), "size": int(info.get("size") or 0)}
+                entry: ObjectInfo = {"path": self._relative(name), "size": int(info.get("size") or 0)}
+                mtime = _mtime(info)
+                if mtime is not None:
+                    entry["mtime"] = mtime
+                yield entry
 
     # -- deleting ------------------------------------------------------------
     def delete(self, paths: Iterable[str]) -> None:
@@ -170,19 +174,30 @@ class FsspecStorage(Storage):
     def cleanup_incomplete(self, older_than_s: float = 0.0) -> int:
         now = time.time()
         removed = 0
-        for rel in list(self.list_incomplete()):
-            full = self._full(rel)
-            if older_than_s > 0:
-                try:
-                    modified: datetime = self.fs.modified(full)
-                except Exception:
-                    continue  # age unknown: keep it, it may be a live write
-                if now - modified.timestamp() < older_than_s:
-                    continue
+        for name, info in sorted(self._find("").items()):
+            if info.get("type") != "file" or not _is_tmp(name):
+                continue
+            mtime = _mtime(info)
+            if older_than_s > 0 and (mtime is None or now - mtime < older_than_s):
+                continue  # recent (or of unknown age): it may be a live write
             with contextlib.suppress(FileNotFoundError):
-                self.fs.rm_file(full)
+                self.fs.rm_file(name)
                 removed += 1
         return removed
+
+
+def _mtime(info: dict[str, Any]) -> float | None:
+    """Modification time from an fsspec info dict; each filesystem names it differently."""
+    for key in ("mtime", "LastModified", "last_modified", "updated", "modified", "created"):
+        value = info.get(key)
+        if isinstance(value, datetime):
+            return value.timestamp()
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            with contextlib.suppress(ValueError):
+                return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+    return None
 
 
 #: Top-level modules of filesystems whose files are AbstractBufferedFiles

@@ -232,7 +232,10 @@ class MSCStorage(Storage):
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         for obj in self._walk(prefix):
             if obj.type == "file" and not (self.is_posix and _is_posix_tmp(obj.key)):
-                yield {"path": self._relative(obj.key), "size": int(obj.content_length)}
+                info: ObjectInfo = {"path": self._relative(obj.key), "size": int(obj.content_length)}
+                if obj.last_modified is not None:
+                    info["mtime"] = obj.last_modified.timestamp()
+                yield info
 
     # -- deleting ------------------------------------------------------------
     def delete(self, paths: Iterable[str]) -> None:

@@ -561,7 +561,10 @@ class S3Storage(Storage):
                         continue  # a "directory marker" some tools create
                     if prefix and key != full and not key.startswith(full + "/"):
                         continue  # root/x matched root/xy.bin
-                    yield {"path": self._relative(key), "size": int(obj["Size"])}
+                    info: ObjectInfo = {"path": self._relative(key), "size": int(obj["Size"])}
+                    if obj.get("LastModified") is not None:
+                        info["mtime"] = obj["LastModified"].timestamp()
+                    yield info
         except Exception as e:
             raise map_error(e, what, self.bucket, self.endpoint) from e
 
