@@ -35,8 +35,9 @@ import pytest
 LOOPBACK = "127.0.0.1"
 BUCKET = "dcpstore-test"
 MSC_PROFILE = "dcpstore-s3"
-FAKE_KEY_ID = "testing"
-FAKE_SECRET = "testing-secret"
+# Distinctive, so that tests can assert they never show up in output or logs.
+FAKE_KEY_ID = "AKIADCPSTORESESSION1"
+FAKE_SECRET = "dcpstore/session+SECRET/never-printed-0001"
 REGION = "us-east-1"
 
 

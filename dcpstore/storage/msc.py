@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import tempfile
 import time
 from collections.abc import Iterable, Iterator
@@ -87,7 +88,14 @@ def _client_error_code(e: BaseException) -> str:
             if code:
                 return str(code)
         cur = cur.__cause__ or cur.__context__
-    return ""
+    # MSC reports DeleteObjects' per-key errors only as text.
+    match = _KNOWN_CODES.search(str(e))
+    return match.group(0) if match else ""
+
+
+_KNOWN_CODES = re.compile(
+    r"\b(NoSuchBucket|AccessDenied|InvalidAccessKeyId|SignatureDoesNotMatch|ExpiredToken|InvalidToken)\b"
+)
 
 
 class MSCStorage(Storage):
@@ -204,7 +212,13 @@ class MSCStorage(Storage):
         return b"".join(chunks)
 
     def read(self, path: str) -> bytes:
-        size = self.size(path)
+        try:
+            size = self.size(path)
+        except (StorageNotFound, StoragePermissionError):
+            # A HEAD's 404/403 carries no error code; a GET's says whether the
+            # key or the bucket is missing, or which credential check failed.
+            with self._mapped(f"cannot read {self.describe(path)}"):
+                return bytes(self.client.read(self._full(path)))
         if size <= self.options.part_size:
             with self._mapped(f"cannot read {self.describe(path)}"):
                 return bytes(self.client.read(self._full(path)))

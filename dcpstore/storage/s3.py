@@ -167,7 +167,9 @@ def s3_client(options: StorageOptions) -> Any:
 
 def _make_client(options: StorageOptions) -> Any:
     config = Config(
-        retries={"mode": _retry_mode(), "max_attempts": options.max_attempts},  # type: ignore[typeddict-item]
+        # total_max_attempts counts the first try, like StorageOptions.max_attempts
+        # (botocore's "max_attempts" would count retries only).
+        retries={"mode": _retry_mode(), "total_max_attempts": options.max_attempts},  # type: ignore[typeddict-item]
         connect_timeout=options.connect_timeout_s,
         read_timeout=options.read_timeout_s,
         # Several files per rank, each with max_concurrency parts in flight.
@@ -238,22 +240,7 @@ def map_error(e: BaseException, what: str, bucket: str, endpoint: str) -> Checkp
         return e
     if isinstance(e, bexc.ClientError):
         code, status, message, retries = _client_error_parts(e)
-        if code == "NoSuchBucket":
-            return StorageNotFound(f"{what}: bucket {bucket!r} does not exist (S3 endpoint {endpoint})")
-        if code in _NOT_FOUND or status == 404:
-            return StorageNotFound(f"{what}: no such object")
-        if code in _BAD_CREDENTIALS:
-            return StoragePermissionError(
-                f"{what}: the S3 endpoint {endpoint} refused the credentials ({code}); check "
-                "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN or the AWS profile"
-            )
-        if code in _DENIED or status == 403:
-            return StoragePermissionError(
-                f"{what}: access denied by the S3 endpoint {endpoint} ({code or status}): the credentials "
-                "were refused or lack permission for this bucket/key"
-            )
-        tries = f" after {retries + 1} attempts" if retries else ""
-        return StorageError(f"{what}: S3 error {code or '?'} (HTTP {status}){tries}: {message}")
+        return _map_code(code, status, message, retries, what, bucket, endpoint)
     if isinstance(e, bexc.NoCredentialsError | bexc.PartialCredentialsError):
         return StoragePermissionError(
             f"{what}: no usable AWS credentials found (environment, shared credentials file, "
@@ -266,6 +253,29 @@ def map_error(e: BaseException, what: str, bucket: str, endpoint: str) -> Checkp
     if isinstance(e, bexc.BotoCoreError | OSError):
         return StorageError(f"{what}: {type(e).__name__} talking to the S3 endpoint {endpoint}, retries exhausted")
     return StorageError(f"{what}: unexpected {type(e).__name__}: {redact(str(e))}")
+
+
+def _map_code(
+    code: str, status: int, message: str, retries: int, what: str, bucket: str, endpoint: str
+) -> CheckpointError:
+    """Map one S3 error code (a request's, or one key's in DeleteObjects)."""
+    if code == "NoSuchBucket":
+        return StorageNotFound(f"{what}: bucket {bucket!r} does not exist (S3 endpoint {endpoint})")
+    if code in _NOT_FOUND or status == 404:
+        return StorageNotFound(f"{what}: no such object")
+    if code in _BAD_CREDENTIALS:
+        return StoragePermissionError(
+            f"{what}: the S3 endpoint {endpoint} refused the credentials ({code}); check "
+            "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN or the AWS profile"
+        )
+    if code in _DENIED or status == 403:
+        return StoragePermissionError(
+            f"{what}: access denied by the S3 endpoint {endpoint} ({code or status}): the credentials "
+            "were refused or lack permission for this bucket/key"
+        )
+    tries = f" after {retries + 1} attempts" if retries else ""
+    http = f" (HTTP {status})" if status else ""
+    return StorageError(f"{what}: S3 error {code or '?'}{http}{tries}: {message}")
 
 
 def _status_code(e: BaseException) -> tuple[str, int]:
@@ -581,11 +591,13 @@ class S3Storage(Storage):
             )
             errors = resp.get("Errors") or []
             if errors:
+                # DeleteObjects answers 200 and reports failures per key.
                 first = errors[0]
-                raise StorageError(
-                    f"cannot delete {self.describe(self._relative(first.get('Key', '')))}: "
-                    f"{first.get('Code', '?')} ({len(errors)} of {len(batch)} deletes failed)"
-                )
+                what = f"cannot delete {self.describe(self._relative(first.get('Key', '')))}"
+                if len(errors) > 1:
+                    what += f" (and {len(errors) - 1} more of {len(batch)})"
+                code, message = str(first.get("Code", "")), str(first.get("Message", ""))
+                raise _map_code(code, 0, message, 0, what, self.bucket, self.endpoint)
 
     def _open_uploads(self) -> Iterator[dict[str, Any]]:
         paginator = self.client.get_paginator("list_multipart_uploads")
