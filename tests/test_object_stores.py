@@ -64,7 +64,7 @@ def test_parts_in_flight_are_bounded_by_max_concurrency(
     s3_endpoint: S3Endpoint, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Held parts make overlap observable at the proxy: exactly max_concurrency.
-    slow_parts = FaultConfig(delay_s=0.3, delay_applies=lambda r: r.kind == "UploadPart")
+    slow_parts = FaultConfig(delay_s=0.25, delay_applies=lambda r: r.kind == "UploadPart")
     with FaultProxy(s3_endpoint.url, slow_parts) as proxy:
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
         for limit in (1, 3):
@@ -73,10 +73,10 @@ def test_parts_in_flight_are_bounded_by_max_concurrency(
             proxy.stats.peak_inflight.clear()
             chunk = os.urandom(MiB)
             with st.open_write("obj") as w:
-                for _ in range(6 * 5):  # 6 parts
+                for _ in range(4 * 5):  # 4 parts
                     w.write(chunk)
             assert proxy.stats.peak_inflight["UploadPart"] == limit
-            assert st.size("obj") == 30 * MiB
+            assert st.size("obj") == 20 * MiB
 
 
 def test_large_reads_are_parallel_ranged_gets(s3_endpoint: S3Endpoint, monkeypatch: pytest.MonkeyPatch) -> None:

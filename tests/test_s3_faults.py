@@ -46,13 +46,16 @@ def _direct_keys(endpoint: S3Endpoint, uri: str) -> list[str]:
 
 
 def _state() -> dict[str, torch.Tensor]:
-    # Two multipart-sized files (3 parts each) and a small one.
+    # One multipart-sized file (3 parts) and a small one (workers=2).
     g = torch.Generator().manual_seed(7)
-    return {"a": torch.randn(3 * MiB, generator=g), "b": torch.randn(3 * MiB, generator=g), "c": torch.arange(10)}
+    return {"a": torch.randn(3 * MiB, generator=g), "c": torch.arange(10)}
 
 
 def test_save_through_slowdowns_and_drops_commits_and_roundtrips(proxy: FaultProxy, s3_endpoint: S3Endpoint) -> None:
-    proxy.config = FaultConfig(slowdown=0.15, drop=0.1, drop_response=0.1)
+    # Every fault kind on every request kind; the proxy's RNG is seeded, so
+    # how many faults the first N requests draw is fixed (botocore's backoff
+    # sleeps dominate this test's time, hence modest shares).
+    proxy.config = FaultConfig(slowdown=0.1, drop=0.07, drop_response=0.07)
     opts = StorageOptions(part_size=PART, max_concurrency=4, max_attempts=8, op_timeout_s=60)
     uri = _uri(s3_endpoint)
     state = _state()
@@ -60,12 +63,19 @@ def test_save_through_slowdowns_and_drops_commits_and_roundtrips(proxy: FaultPro
     restored = zeros_like_state(state)
     dcpstore.load(restored, uri, storage_options=opts)
     assert_state_equal(state, restored)
-    # The faults really happened (P(none of ~40 requests hit) < 1e-7) ...
-    assert sum(proxy.stats.faults.values()) >= 3, proxy.stats
-    assert proxy.stats.requests["UploadPart"] >= 6
-    # ... and left nothing behind.
+    assert sum(proxy.stats.faults.values()) >= 3, proxy.stats  # the faults really happened
+    assert proxy.stats.requests["UploadPart"] >= 3
     assert ".metadata" in _direct_keys(s3_endpoint, uri)
-    assert s3_endpoint.open_uploads(uri.split("/", 3)[3]) == []
+    # No parts are left behind. A CreateMultipartUpload whose *response* was
+    # dropped and then retried leaves an empty upload that no client can know
+    # of; gc (or a lifecycle rule) removes those.
+    prefix = uri.split("/", 3)[3]
+    client = s3_endpoint.client()
+    for upload in s3_endpoint.open_uploads(prefix):
+        parts = client.list_parts(Bucket=s3_endpoint.bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+        assert parts.get("Parts", []) == []
+    gc(open_storage(uri, options=opts), older_than_s=0)
+    assert s3_endpoint.open_uploads(prefix) == []
 
 
 def test_every_request_failing_fails_within_bound_and_commits_nothing(

@@ -96,8 +96,8 @@ class FsspecStorage(Storage):
         return f"{self.root}/{path}" if path else self.root
 
     def _relative(self, full: str) -> str:
-        stripped = self.fs._strip_protocol(full).rstrip("/")
-        root = self.fs._strip_protocol(self.root).rstrip("/")
+        stripped = str(self.fs._strip_protocol(full)).rstrip("/")
+        root = str(self.fs._strip_protocol(self.root)).rstrip("/")
         return stripped[len(root) + 1 :] if root else stripped.lstrip("/")
 
     # -- writing -------------------------------------------------------------

@@ -169,7 +169,7 @@ def _make_client(options: StorageOptions) -> Any:
     config = Config(
         # total_max_attempts counts the first try, like StorageOptions.max_attempts
         # (botocore's "max_attempts" would count retries only).
-        retries={"mode": _retry_mode(), "total_max_attempts": options.max_attempts},  # type: ignore[typeddict-item]
+        retries={"mode": _retry_mode(), "total_max_attempts": options.max_attempts},
         connect_timeout=options.connect_timeout_s,
         read_timeout=options.read_timeout_s,
         # Several files per rank, each with max_concurrency parts in flight.
@@ -388,16 +388,34 @@ class _S3Writer(ObjectWriter):
             self._ship(part)
         self._drain(0)
         parts = [{"PartNumber": n, "ETag": self._etags[n]} for n in sorted(self._etags)]
-        self._st.call(
-            f"cannot complete multipart upload of {self._st.describe(self._path)}",
-            self._st.client.complete_multipart_upload,
-            Bucket=self._st.bucket,
-            Key=self._key,
-            UploadId=self._upload_id,
-            MultipartUpload={"Parts": parts},
-        )
+        try:
+            self._st.call(
+                f"cannot complete multipart upload of {self._st.describe(self._path)}",
+                self._st.client.complete_multipart_upload,
+                Bucket=self._st.bucket,
+                Key=self._key,
+                UploadId=self._upload_id,
+                MultipartUpload={"Parts": parts},
+            )
+        except StorageNotFound:
+            # NoSuchUpload: a retry after the connection dropped *after* S3
+            # had completed the upload. Done iff the object is ours.
+            if not self._landed(parts):
+                raise
         self._upload_id = None
         self._shutdown()
+
+    def _landed(self, parts: list[dict[str, Any]]) -> bool:
+        """Is the object at our key the one these parts make (by multipart ETag)?"""
+        digest = hashlib.md5(usedforsecurity=False)
+        for part in parts:
+            digest.update(bytes.fromhex(str(part["ETag"]).strip('"')))
+        expected = f"{digest.hexdigest()}-{len(parts)}"
+        try:
+            head = self._st.client.head_object(Bucket=self._st.bucket, Key=self._key)
+        except Exception:
+            return False
+        return str(head.get("ETag", "")).strip('"') == expected
 
     def _shutdown(self) -> None:
         if self._pool is not None:
@@ -495,12 +513,9 @@ class S3Storage(Storage):
         if if_match:
             kwargs["IfMatch"] = if_match
         deadline = time.monotonic() + self.options.op_timeout_s
-        attempt = 0
-        while True:
-            attempt += 1
+        for attempt in range(1, self.options.max_attempts + 1):
             try:
-                resp = self.client.get_object(**kwargs)
-                return resp["Body"].read(), resp
+                resp = self.client.get_object(**kwargs)  # botocore retries this call itself
             except bexc.ClientError as e:
                 code, status = _status_code(e)
                 if status == 416 or code == "InvalidRange":
@@ -508,14 +523,18 @@ class S3Storage(Storage):
                 if status == 412 or code == "PreconditionFailed":
                     raise StorageError(f"{what}: the object changed while it was being read") from e
                 raise map_error(e, what, self.bucket, self.endpoint) from e
-            except _BODY_ERRORS as e:
-                # The headers arrived but the body broke off: botocore's retry
-                # loop is already over, so retry the GET here, bounded alike.
-                if attempt >= self.options.max_attempts or time.monotonic() > deadline:
-                    raise map_error(e, what, self.bucket, self.endpoint) from e
-                time.sleep(min(random.uniform(0, 2**attempt) * 0.1, 5.0))
             except Exception as e:
                 raise map_error(e, what, self.bucket, self.endpoint) from e
+            try:
+                return resp["Body"].read(), resp
+            except _BODY_ERRORS as e:
+                # The headers arrived but the body broke off. botocore's retry
+                # loop is over by then, so the GET is retried here, bounded alike.
+                if attempt >= self.options.max_attempts or time.monotonic() > deadline:
+                    raise map_error(e, what, self.bucket, self.endpoint) from e
+                log.debug("%s: body read failed (%s), retrying", what, type(e).__name__)
+                time.sleep(min(random.uniform(0, 2**attempt) * 0.05, 2.0))
+        raise AssertionError("unreachable")  # the loop returns or raises
 
     def read_range(self, path: str, offset: int, length: int) -> bytes:
         if length <= 0:
