@@ -8,7 +8,9 @@ request, either forwards it or injects a fault:
 * ``drop``: read the request headers and half the body, then reset the
   connection (the client sees a connection error mid-request);
 * ``drop_response``: forward the request, relay half of the response body,
-  then reset (the client sees an incomplete read).
+  then reset (the client sees an incomplete read);
+* ``answer``: a canned response of the test's choosing (e.g. S3's
+  ``NoSuchUpload`` for a retried ``CompleteMultipartUpload``).
 
 Shares are probabilities per request, drawn from a seeded RNG; ``applies``
 restricts faults to some requests (e.g. only ``UploadPart``). Counters record
@@ -40,11 +42,26 @@ _MAX_REQUESTS_PER_CONNECTION = 10_000
 _SOCKET_TIMEOUT_S = 60.0
 _MAX_HEADER_BYTES = 64 * 1024
 
-SLOWDOWN_BODY = (
-    b'<?xml version="1.0" encoding="UTF-8"?>\n'
-    b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message>"
-    b"<RequestId>faultproxy</RequestId><HostId>faultproxy</HostId></Error>"
-)
+
+
+def s3_error(status: int, reason: str, code: str, message: str) -> bytes:
+    """A complete HTTP response carrying an S3 XML error body."""
+    body = (
+        '<?xml version="1.0" encoding="UTF-8"?>\n'
+        f"<Error><Code>{code}</Code><Message>{message}</Message>"
+        "<RequestId>faultproxy</RequestId><HostId>faultproxy</HostId></Error>"
+    ).encode()
+    head = (
+        f"HTTP/1.1 {status} {reason}\r\n"
+        "Content-Type: application/xml\r\n"
+        f"Content-Length: {len(body)}\r\n"
+        "x-amz-request-id: faultproxy\r\n"
+        "Connection: keep-alive\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+SLOWDOWN = s3_error(503, "Slow Down", "SlowDown", "Please reduce your request rate.")
 
 
 @dataclass
@@ -91,6 +108,9 @@ class FaultConfig:
     drop_response: float = 0.0
     #: Only requests for which this returns True can get a fault.
     applies: Callable[[Request], bool] = lambda req: True
+    #: A canned raw HTTP response for a request, instead of forwarding it
+    #: (e.g. ``s3_error(404, ..., "NoSuchUpload", ...)``); None forwards.
+    answer: Callable[[Request], bytes | None] = lambda req: None
     #: Seconds to hold each forwarded request matching ``delay_applies``.
     delay_s: float = 0.0
     delay_applies: Callable[[Request], bool] = lambda req: False
@@ -279,7 +299,13 @@ class FaultProxy:
                 if action == "slowdown":
                     with self._lock:
                         self.stats.faults["slowdown"] += 1
-                    client.sendall(self._slowdown_response())
+                    client.sendall(SLOWDOWN)
+                    continue
+                canned = self.config.answer(req)
+                if canned is not None:
+                    with self._lock:
+                        self.stats.faults["answer"] += 1
+                    client.sendall(canned)
                     continue
                 try:
                     upstream = upstream or self._connect()
@@ -323,17 +349,6 @@ class FaultProxy:
             return _read_chunked(sock, buf)
         length = int(_get(headers, "Content-Length") or 0)
         return _recv_exact(sock, buf, length) if length else b""
-
-    @staticmethod
-    def _slowdown_response() -> bytes:
-        head = (
-            "HTTP/1.1 503 Slow Down\r\n"
-            "Content-Type: application/xml\r\n"
-            f"Content-Length: {len(SLOWDOWN_BODY)}\r\n"
-            "x-amz-request-id: faultproxy\r\n"
-            "Connection: keep-alive\r\n\r\n"
-        )
-        return head.encode() + SLOWDOWN_BODY
 
     def _connect(self) -> socket.socket:
         sock = socket.create_connection(self._upstream, timeout=_SOCKET_TIMEOUT_S)

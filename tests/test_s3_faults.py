@@ -11,13 +11,13 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
 
 import dcpstore
-from faultproxy import FaultConfig, FaultProxy
+from faultproxy import FaultConfig, FaultProxy, Request, s3_error
 from helpers import assert_state_equal, zeros_like_state
 from s3_server import S3Endpoint
 from dcpstore.maintenance import gc
@@ -133,7 +133,7 @@ def test_unabortable_upload_is_reported_and_gc_removes_it(
     uri = _uri(s3_endpoint)
     st = open_storage(uri, options=opts)
     with caplog.at_level(logging.WARNING, logger="dcpstore"):
-        with pytest.raises(dcpstore.StorageError, match="cannot upload part 1"):
+        with pytest.raises(dcpstore.StorageError, match=r"cannot upload part \d"):
             with st.open_write("__0_0.distcp") as w:
                 w.write(b"z" * (2 * PART))
                 w.commit()
@@ -144,3 +144,48 @@ def test_unabortable_upload_is_reported_and_gc_removes_it(
     assert list(st.list_incomplete()) == ["__0_0.distcp"]
     assert gc(st, older_than_s=0).incomplete_uploads == 1
     assert s3_endpoint.open_uploads(prefix) == []
+
+
+def _nth(kind: str, n: int) -> Callable[[Request], bool]:
+    """A rule matching only the n-th request (1-based) of ``kind``."""
+    seen = [0]
+
+    def rule(req: Request) -> bool:
+        if req.kind != kind:
+            return False
+        seen[0] += 1
+        return seen[0] == n
+
+    return rule
+
+
+NO_SUCH_UPLOAD = s3_error(404, "Not Found", "NoSuchUpload", "The specified upload does not exist.")
+
+
+def test_lost_complete_reply_still_commits(proxy: FaultProxy, s3_endpoint: S3Endpoint) -> None:
+    # S3 completed the upload but the reply broke off; botocore retries and
+    # S3 may then answer NoSuchUpload: the writer recognises its own object
+    # (by the multipart ETag) and reports success.
+    second = _nth("CompleteMultipartUpload", 2)
+    proxy.config = FaultConfig(
+        drop_response=1.0,
+        applies=_nth("CompleteMultipartUpload", 1),
+        answer=lambda req: NO_SUCH_UPLOAD if second(req) else None,
+    )
+    st = open_storage(_uri(s3_endpoint), options=StorageOptions(part_size=PART, max_attempts=3))
+    payload = bytes(range(256)) * (11 * MiB // 256)
+    with st.open_write("obj") as w:
+        w.write(payload)
+    assert proxy.stats.faults == {"drop_response": 1, "answer": 1}
+    assert st.read("obj") == payload
+
+
+def test_no_such_upload_on_complete_without_the_object_fails(proxy: FaultProxy, s3_endpoint: S3Endpoint) -> None:
+    proxy.config = FaultConfig(answer=lambda req: NO_SUCH_UPLOAD if req.kind == "CompleteMultipartUpload" else None)
+    uri = _uri(s3_endpoint)
+    st = open_storage(uri, options=StorageOptions(part_size=PART, max_attempts=3))
+    with pytest.raises(dcpstore.StorageNotFound, match="cannot complete multipart upload"):
+        with st.open_write("obj") as w:
+            w.write(b"q" * (11 * MiB))
+    assert not st.exists("obj")
+    assert s3_endpoint.open_uploads(uri.split("/", 3)[3]) == []  # aborted after all
