@@ -15,10 +15,12 @@ same state dict with:
 
 Every contender uses ``--workers`` threads and its library's default part
 sizes; runs alternate contender by contender so that endpoint state affects
-all alike. Prints, per contender, the median seconds and GB/s of save and
-load, and the ratio to dcpstore native (``x`` > 1: dcpstore native is faster).
-The endpoint is moto, an in-memory Python server: absolute numbers measure
-the clients *and* moto on this machine; the ratios are the result.
+all alike. Prints, per contender, the median wall seconds and GB/s of save
+and load, the client CPU seconds they cost (this process, all threads), and
+the ratios to dcpstore native (``x`` > 1: dcpstore native is faster / cheaper).
+The endpoint is moto, an in-memory Python server on the same machine: wall
+times measure the clients *and* moto (usually the bottleneck); client CPU is
+the steadier signal on a busy machine.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import statistics
 import sys
 import tempfile
@@ -80,6 +83,12 @@ def _delete_prefix(client: Any, prefix: str) -> None:
             client.delete_objects(Bucket=BUCKET, Delete={"Objects": keys, "Quiet": True})
 
 
+def _cpu() -> float:
+    """CPU seconds of this process, all threads (the S3 server is another process)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def _versions() -> dict[str, str]:
     from importlib.metadata import version
 
@@ -115,7 +124,8 @@ def run(args: argparse.Namespace, client: Any) -> dict[str, dict[str, list[float
     g = torch.Generator().manual_seed(0)
     state = {f"t{i}": torch.randn(numel, generator=g) for i in range(args.tensors)}
     contenders = _contenders(args.workers)
-    times: dict[str, dict[str, list[float]]] = {name: {"save": [], "load": []} for name in contenders}
+    ops = ("save", "load", "save_cpu", "load_cpu")
+    times: dict[str, dict[str, list[float]]] = {name: {op: [] for op in ops} for name in contenders}
     # Warm-up: client creation (boto3 model loading, connection pools, MSC
     # profiles) is a once-per-process cost that would otherwise land on the
     # first timed run of each contender.
@@ -128,13 +138,15 @@ def run(args: argparse.Namespace, client: Any) -> dict[str, dict[str, list[float
         for i, (name, (save, load)) in enumerate(contenders.items()):
             prefix = f"r{r}-c{i}"
             uri = f"s3://{BUCKET}/{prefix}"
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), _cpu()
             save(state, uri)
             times[name]["save"].append(time.perf_counter() - t0)
+            times[name]["save_cpu"].append(_cpu() - c0)
             restored = {k: torch.empty_like(v) for k, v in state.items()}
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), _cpu()
             load(restored, uri)
             times[name]["load"].append(time.perf_counter() - t0)
+            times[name]["load_cpu"].append(_cpu() - c0)
             bad = [k for k in state if not torch.equal(state[k], restored[k])]
             if bad:
                 raise SystemExit(f"{name}: loaded data differs in {bad[:3]}")
@@ -150,25 +162,26 @@ def report(args: argparse.Namespace, times: dict[str, dict[str, list[float]]]) -
     base = med["dcpstore native"]
     print(f"{nbytes / 2**20:.0f} MiB in {args.tensors} tensors, {args.workers} threads each, "
           f"median of {args.repeat}, local moto S3 endpoint on loopback")
-    header = f"{'':34s} {'save s':>7s} {'GB/s':>6s} {'vs native':>9s}   {'load s':>7s} {'GB/s':>6s} {'vs native':>9s}"
+    header = (f"{'':34s} {'save s':>7s} {'GB/s':>6s} {'x':>6s} {'cpu s':>6s} {'x':>6s}"
+              f"   {'load s':>7s} {'GB/s':>6s} {'x':>6s} {'cpu s':>6s} {'x':>6s}")
     print(header)
     rows = []
     for name, m in med.items():
-        row = {
-            "name": name,
-            "save_s": m["save"],
-            "save_gbps": nbytes / m["save"] / 1e9,
-            "save_ratio": m["save"] / base["save"],
-            "load_s": m["load"],
-            "load_gbps": nbytes / m["load"] / 1e9,
-            "load_ratio": m["load"] / base["load"],
-            "save_runs_s": times[name]["save"],
-            "load_runs_s": times[name]["load"],
-        }
+        row: dict[str, Any] = {"name": name}
+        line = f"{name:34s}"
+        for op in ("save", "load"):
+            row[f"{op}_s"] = m[op]
+            row[f"{op}_gbps"] = nbytes / m[op] / 1e9
+            row[f"{op}_ratio"] = m[op] / base[op]
+            row[f"{op}_cpu_s"] = m[f"{op}_cpu"]
+            row[f"{op}_cpu_ratio"] = m[f"{op}_cpu"] / base[f"{op}_cpu"]
+            row[f"{op}_runs_s"] = times[name][op]
+            line += (f" {m[op]:7.2f} {row[f'{op}_gbps']:6.2f} {row[f'{op}_ratio']:5.2f}x"
+                     f" {m[f'{op}_cpu']:6.2f} {row[f'{op}_cpu_ratio']:5.2f}x  ")
         rows.append(row)
-        print(f"{name:34s} {row['save_s']:7.2f} {row['save_gbps']:6.2f} {row['save_ratio']:8.2f}x"
-              f"   {row['load_s']:7.2f} {row['load_gbps']:6.2f} {row['load_ratio']:8.2f}x")
-    print("(vs native = that contender's time / dcpstore native's time)")
+        print(line.rstrip())
+    print("x = that contender's wall (or client CPU) time / dcpstore native's; > 1: native is faster.\n"
+          "cpu s = CPU seconds spent in this (client) process; the moto server is not included.")
     if args.json:
         doc = {
             "benchmark": "s3_compare",
