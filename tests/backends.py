@@ -58,19 +58,28 @@ def _local(request: pytest.FixtureRequest, unique: str) -> Target:
     return Target("local", str(tmp_path / unique))
 
 
-def _s3(request: pytest.FixtureRequest, unique: str) -> Target:
+def _s3_endpoint(request: pytest.FixtureRequest, unique: str) -> Any:
+    """The session's S3 endpoint; the test's objects are deleted when it ends
+    (moto keeps everything in memory)."""
     endpoint = request.getfixturevalue("s3_endpoint")
+    request.addfinalizer(lambda: endpoint.delete_prefix(f"{unique}/"))
+    return endpoint
+
+
+def _s3(request: pytest.FixtureRequest, unique: str) -> Target:
+    endpoint = _s3_endpoint(request, unique)
     return Target("s3", f"s3://{endpoint.bucket}/{unique}", {"storage_options": OBJECT_STORE_OPTIONS})
 
 
 def _s3_msc(request: pytest.FixtureRequest, unique: str) -> Target:
-    endpoint = request.getfixturevalue("s3_endpoint")
+    endpoint = _s3_endpoint(request, unique)
     kwargs = {"enable_msc": True, "storage_options": OBJECT_STORE_OPTIONS}
     return Target("s3+msc", f"s3://{endpoint.bucket}/{unique}", kwargs)
 
 
 def _msc(request: pytest.FixtureRequest, unique: str) -> Target:
     profile = request.getfixturevalue("msc_config")
+    _s3_endpoint(request, unique)  # the profile's base_path is the session bucket
     return Target("msc", f"msc://{profile}/{unique}", {"storage_options": OBJECT_STORE_OPTIONS})
 
 
@@ -81,6 +90,14 @@ def _local_msc(request: pytest.FixtureRequest, unique: str) -> Target:
 
 
 def _memory(request: pytest.FixtureRequest, unique: str) -> Target:
+    def drop() -> None:  # memory:// is one process-wide store
+        import fsspec
+
+        fs = fsspec.filesystem("memory")
+        if fs.exists(f"/{unique}"):
+            fs.rm(f"/{unique}", recursive=True)
+
+    request.addfinalizer(drop)
     return Target("memory", f"memory://{unique}")
 
 

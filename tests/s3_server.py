@@ -131,6 +131,16 @@ class S3Endpoint:
     def client(self, **kwargs: Any) -> Any:
         return self.server.client(**kwargs)
 
+    def delete_prefix(self, prefix: str) -> None:
+        """Delete every object and open upload under ``prefix`` (test cleanup)."""
+        client = self.client()
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):
+            keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+            if keys:
+                client.delete_objects(Bucket=self.bucket, Delete={"Objects": keys, "Quiet": True})
+        for upload in self.open_uploads(prefix):
+            client.abort_multipart_upload(Bucket=self.bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+
     def open_uploads(self, prefix: str = "") -> list[dict[str, Any]]:
         """Multipart uploads still open under ``prefix`` (for leak checks)."""
         resp = self.client().list_multipart_uploads(Bucket=self.bucket, Prefix=prefix)
