@@ -128,11 +128,27 @@ class _ChecksummingStream:
         self._writer = writer
         self.file_crc = 0
         self.item_crc = 0
+        #: The first storage error. torch.save's C++ writer swallows
+        #: exceptions raised by ``write`` and reports its own RuntimeError
+        #: ("unexpected pos ..."); we re-raise this one instead.
+        self.error: BaseException | None = None
 
     def write(self, data: Any) -> int:
         self.item_crc = crc32c.crc32c(data, self.item_crc)
         self.file_crc = crc32c.crc32c(data, self.file_crc)
-        return self._writer.write(data)
+        try:
+            return self._writer.write(data)
+        except BaseException as e:
+            self.error = self.error or e
+            raise
+
+    def save_tensor(self, tensor: torch.Tensor) -> None:
+        try:
+            torch.save(tensor, cast(IO[bytes], self))
+        except Exception:
+            if self.error is not None:
+                raise self.error  # keeps its own __cause__ (the OSError)
+            raise
 
     def tell(self) -> int:
         return self._writer.tell()
@@ -274,7 +290,7 @@ class DcpStorageWriter(StorageWriter):
                 if isinstance(data, io.BytesIO):
                     stream.write(data.getbuffer())
                 else:
-                    torch.save(_cpu_tensor(data), cast(IO[bytes], stream))
+                    stream.save_tensor(_cpu_tensor(data))
                 pending.append((item, offset, writer.tell() - offset, stream.item_crc))
             file_size, file_crc = writer.tell(), stream.file_crc
         return [
