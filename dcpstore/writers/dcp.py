@@ -55,9 +55,17 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
-from ..errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound, InvalidArgument, StorageNotFound
+from ..errors import (
+    CheckpointCorrupt,
+    CheckpointError,
+    CheckpointNotFound,
+    InvalidArgument,
+    SaveError,
+    StorageNotFound,
+)
 from ..storage.base import MiB, ObjectWriter, Storage
 from .layout import (
+    INFLIGHT,
     MANIFEST,
     METADATA,
     FileEntry,
@@ -107,6 +115,14 @@ class ItemRecord:
     crc32c: int
     file_size: int
     file_crc32c: int
+
+
+@dataclass
+class SaveToken(_StoragePrefix):
+    """The coordinator's per-rank plan data: the file prefix (``__{rank}_``,
+    as stock DCP) and the save id every rank checks before publishing."""
+
+    save_id: str = ""
 
 
 @dataclass
@@ -228,14 +244,14 @@ class DcpStorageWriter(StorageWriter):
                     f"this writer is bound to {self.storage.uri}; cannot switch to another checkpoint_id"
                 )
             self.storage = self._reopen(os.fspath(checkpoint_id))
-        self.stats = SaveStats(_t0=time.perf_counter())
-        self.save_id = os.urandom(8).hex()
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        # DCP calls reset() only when given a checkpoint_id; this runs on
+        # every save, so per-save state starts here.
         self.is_coordinator = is_coordinator
         self.rank = kwargs.get("rank") or 0
-        if not self.stats._t0:
-            self.stats._t0 = time.perf_counter()
+        self.stats = SaveStats(_t0=time.perf_counter())
+        self.save_id = os.urandom(8).hex()
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         self.storage.makedirs()
@@ -246,22 +262,25 @@ class DcpStorageWriter(StorageWriter):
         # its data files: a crash mid-save must never leave an old .metadata
         # pointing at new, partial data.
         self.storage.delete([METADATA, MANIFEST])
-        return [dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{i}_")) for i, plan in enumerate(plans)]
+        self.storage.put(INFLIGHT, self.save_id.encode())
+        return [
+            dataclasses.replace(plan, storage_data=SaveToken(f"__{i}_", self.save_id)) for i, plan in enumerate(plans)
+        ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         t_start = time.perf_counter()
         self.stats.plan_s = t_start - self.stats._t0
-        prefix: _StoragePrefix = plan.storage_data
+        token: SaveToken = plan.storage_data
         buckets = split_buckets(plan.items, self.workers)
         lock = threading.Lock()  # planners are not promised to be thread-safe
         future: Future[list[WriteResult]] = Future()
         try:
             if len(buckets) <= 1:
-                per_file = [self._write_file(data_file_name(prefix.prefix, i), b, planner, lock) for i, b in enumerate(buckets)]
+                per_file = [self._write_file(data_file_name(token.prefix, i), b, token.save_id, planner, lock) for i, b in enumerate(buckets)]
             else:
                 with ThreadPoolExecutor(len(buckets), thread_name_prefix="dcpstore-write") as pool:
                     futures = [
-                        pool.submit(self._write_file, data_file_name(prefix.prefix, i), bucket, planner, lock)
+                        pool.submit(self._write_file, data_file_name(token.prefix, i), bucket, token.save_id, planner, lock)
                         for i, bucket in enumerate(buckets)
                     ]
                     per_file = [f.result() for f in futures]
@@ -276,7 +295,7 @@ class DcpStorageWriter(StorageWriter):
         return future
 
     def _write_file(
-        self, name: str, items: list[WriteItem], planner: SavePlanner, lock: threading.Lock
+        self, name: str, items: list[WriteItem], save_id: str, planner: SavePlanner, lock: threading.Lock
     ) -> list[WriteResult]:
         pending: list[tuple[WriteItem, int, int, int]] = []
         size_hint = sum(_item_nbytes(it) for it in items)
@@ -293,6 +312,9 @@ class DcpStorageWriter(StorageWriter):
                     stream.save_tensor(_cpu_tensor(data))
                 pending.append((item, offset, writer.tell() - offset, stream.item_crc))
             file_size, file_crc = writer.tell(), stream.file_crc
+            # Leaving the block publishes the file; a save that lost its
+            # URI to a later save must not clobber that save's files.
+            self._check_still_ours(save_id)
         return [
             WriteResult(
                 index=item.index,
@@ -316,10 +338,26 @@ class DcpStorageWriter(StorageWriter):
         metadata.storage_data = storage_data
         metadata.storage_meta = self.storage_meta()
         blob = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
+        self._check_still_ours(self.save_id)
         self.storage.put(MANIFEST, build_manifest(files, items, crc32c.crc32c(blob)))
         self.storage.put(METADATA, blob)  # the commit point
+        self.storage.delete([INFLIGHT])
         self._remove_stale_data(files)
         self.stats.commit_s = time.perf_counter() - t_start
+
+    def _check_still_ours(self, save_id: str) -> None:
+        """Refuse to publish a file or commit once another save to this URI
+        has started (it replaced our in-flight marker): the later save wins,
+        this one fails clearly and never writes over the winner's files."""
+        try:
+            owner = self.storage.read(INFLIGHT).decode(errors="replace")
+        except StorageNotFound:
+            owner = "<none>"
+        if owner != save_id:
+            raise SaveError(
+                f"another save to {self.storage.uri} started while this one was writing "
+                f"(its save id {owner}, ours {save_id}); nothing was committed by this save"
+            )
 
     def _remove_stale_data(self, live: dict[str, FileEntry]) -> None:
         """Delete data files an older checkpoint at this URI left behind."""
@@ -441,7 +479,6 @@ class DcpStorageReader(StorageReader):
                 raise InvalidArgument(f"this reader is bound to {self.storage.uri}")
             self.storage = self._reopen(os.fspath(checkpoint_id))
             self._metadata = None
-        self.bytes_read = 0
 
     def preload_metadata(self) -> Metadata:
         """Read and verify the commit now (every rank), so that a missing or
@@ -460,6 +497,7 @@ class DcpStorageReader(StorageReader):
         if metadata.storage_data is None:
             raise CheckpointCorrupt(f"{self.storage.describe(METADATA)}: no storage_data")
         self._storage_data = metadata.storage_data
+        self.bytes_read = 0
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
