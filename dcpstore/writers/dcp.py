@@ -212,6 +212,16 @@ def _cpu_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def _resolve(planner: SavePlanner, item: WriteItem, lock: threading.Lock) -> io.BytesIO | torch.Tensor:
+    """The bytes or CPU tensor to write for ``item``; errors name the key."""
+    try:
+        with lock:
+            data = planner.resolve_data(item)
+        return data if isinstance(data, io.BytesIO) else _cpu_tensor(data)
+    except Exception as e:
+        raise SaveError(f"cannot serialise {item.index.fqn!r}: {type(e).__name__}: {e}") from e
+
+
 class DcpStorageWriter(StorageWriter):
     """A DCP ``StorageWriter`` over any :class:`Storage`.
 
@@ -302,14 +312,13 @@ class DcpStorageWriter(StorageWriter):
         with self.storage.open_write(name, size_hint=size_hint) as writer:
             stream = _ChecksummingStream(writer)
             for item in items:
-                with lock:
-                    data = planner.resolve_data(item)
+                data = _resolve(planner, item, lock)
                 offset = writer.tell()
                 stream.item_crc = 0
                 if isinstance(data, io.BytesIO):
                     stream.write(data.getbuffer())
                 else:
-                    stream.save_tensor(_cpu_tensor(data))
+                    stream.save_tensor(data)
                 pending.append((item, offset, writer.tell() - offset, stream.item_crc))
             file_size, file_crc = writer.tell(), stream.file_crc
             # Leaving the block publishes the file; a save that lost its
