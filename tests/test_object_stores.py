@@ -51,6 +51,15 @@ def test_small_objects_are_one_put_large_ones_multipart(s3: S3Storage, s3_endpoi
     assert s3.read_range("big", PART - 10, 20) == payload[PART - 10 : PART + 10]
 
 
+def test_part_size_grows_for_objects_beyond_10000_parts() -> None:
+    from dcpstore.storage.s3 import _part_size_for
+
+    assert _part_size_for(PART, None) == PART
+    assert _part_size_for(PART, 10_000 * PART) == PART
+    grown = _part_size_for(PART, 10_000 * PART + 1)
+    assert grown > PART and grown % MiB == 0 and grown * 10_000 >= 10_000 * PART + 1
+
+
 def test_abort_mid_multipart_leaves_no_upload(s3: S3Storage, s3_endpoint: S3Endpoint) -> None:
     with pytest.raises(RuntimeError, match="boom"):
         with s3.open_write("partial.bin") as w:

@@ -290,15 +290,28 @@ def _status_code(e: BaseException) -> tuple[str, int]:
 # ---------------------------------------------------------------------------
 
 
+#: S3 allows at most this many parts per multipart upload.
+_MAX_PARTS = 10_000
+
+
+def _part_size_for(part_size: int, size_hint: int | None) -> int:
+    """``part_size``, grown (in whole MiB) if ``size_hint`` would need more than 10,000 parts."""
+    if not size_hint or size_hint <= part_size * _MAX_PARTS:
+        return part_size
+    mib = 1 << 20
+    needed = -(-size_hint // _MAX_PARTS)
+    return -(-needed // mib) * mib
+
+
 class _S3Writer(ObjectWriter):
     """Streams one object; see the module docstring for the protocol."""
 
-    def __init__(self, storage: S3Storage, path: str) -> None:
+    def __init__(self, storage: S3Storage, path: str, size_hint: int | None = None) -> None:
         super().__init__()
         self._st = storage
         self._path = path
         self._key = storage.key(path)
-        self._part_size = storage.options.part_size
+        self._part_size = _part_size_for(storage.options.part_size, size_hint)
         self._max_inflight = storage.options.max_concurrency
         self._buf = bytearray()
         self._pos = 0
@@ -335,6 +348,11 @@ class _S3Writer(ObjectWriter):
         """Hand one full part to the pool, waiting while too many are in flight."""
         if self._upload_id is None:
             self._start()
+        if self._next_part > _MAX_PARTS:
+            raise StorageError(
+                f"cannot write {self._st.describe(self._path)}: more than {_MAX_PARTS} parts of "
+                f"{self._part_size} bytes (S3's limit); raise StorageOptions.part_size or pass size_hint"
+            )
         self._drain(self._max_inflight - 1)
         assert self._pool is not None
         number = self._next_part
@@ -487,8 +505,9 @@ class S3Storage(Storage):
 
     # -- writing -------------------------------------------------------------
     def open_write(self, path: str, *, size_hint: int | None = None) -> ObjectWriter:
-        # size_hint is not needed: the first full part decides on multipart.
-        return _S3Writer(self, path)
+        # The first full part decides on multipart; size_hint only grows the
+        # part size for objects that would otherwise need > 10,000 parts.
+        return _S3Writer(self, path, size_hint)
 
     def put(self, path: str, data: bytes | bytearray | memoryview) -> None:
         if memoryview(data).nbytes < self.options.part_size:
