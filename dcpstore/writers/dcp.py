@@ -454,8 +454,8 @@ def read_checkpoint_metadata(storage: Storage) -> tuple[Metadata, Manifest | Non
 def _why_missing(storage: Storage) -> str:
     try:
         leftovers = [o["path"] for o in storage.list() if is_data_file(o["path"]) or o["path"] == MANIFEST]
-    except StorageNotFound:
-        leftovers = []
+    except StorageNotFound as e:  # e.g. the bucket itself does not exist: say so
+        return f"no checkpoint at {storage.uri}: {e}"
     except CheckpointError as e:
         return f"no checkpoint at {storage.uri} (and listing it failed: {e})"
     if leftovers:
