@@ -35,8 +35,8 @@ where it is installed and can write the URI, else native with one
 
 State kept by a saver, all bounded: the background thread, the staging-buffer
 pool (``staging_cache`` structures x ``max_in_flight`` buffer sets), one
-background group per process group used, and NVRx metadata caches for the two
-most recent structures. ``close()`` releases them.
+background group per process group used, and one NVRx metadata cache per
+background group (for the structure saved last). ``close()`` releases them.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ import logging
 import threading
 import time
 import warnings
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
@@ -196,7 +196,8 @@ class AsyncSaver:
         self.pool = StagingPool(max_structures=staging_cache, max_sets=self.max_in_flight)
         self._stager = Stager(self.pool)
         self._groups = _BackgroundGroups(collective_timeout)
-        self._nvrx_caches: OrderedDict[Hashable, Any] = OrderedDict()
+        # id(background group) -> (structure key of the last NVRx save, its cache)
+        self._nvrx_caches: dict[int, tuple[Hashable, Any]] = {}
         self._pending: deque[Future[CheckpointInfo]] = deque()
         self._executor: ThreadPoolExecutor | None = None
         self._lock = threading.RLock()
@@ -316,20 +317,20 @@ class AsyncSaver:
             if engine == "nvrx":
                 from .nvrx import nvrx_save
 
-                cache_key = (staged.key, id(group))
-                cache = self._nvrx_cache(cache_key, group) if planner is None else None
+                # A user planner may plan differently per call: never cache its plans.
+                cache = self._nvrx_cache(staged.key, group) if planner is None else None
                 try:
                     stats = nvrx_save(
                         staged.state_dict, storage, workers=workers, process_group=group, planner=planner, cache=cache
                     )
                 except BaseException:
-                    self._nvrx_caches.pop(cache_key, None)  # every rank fails together: re-plan next time
+                    self._nvrx_caches.pop(id(group), None)  # every rank fails together: re-plan next time
                     raise
             else:
                 stats = native_save(staged.state_dict, storage, workers=workers, process_group=group, planner=planner)
         except BaseException as e:
             err = _as_save_error(e, storage)
-            log.error("async save to %s failed: %s", storage.uri, err)
+            log.error("%s", err)
             raise err from e
         finally:
             staged.release()
@@ -346,23 +347,32 @@ class AsyncSaver:
         )
 
     def _nvrx_cache(self, key: Hashable, group: dist.ProcessGroup | None) -> Any | None:
-        """NVRx's metadata cache for this structure, if *every* rank saw the
-        same structure last time (NVRx would otherwise skip the plan exchange
-        on some ranks only and hang). One tiny all-reduce on the background
-        group decides; single-process saves need no cache."""
+        """NVRx's metadata cache for this save, kept in lockstep across ranks.
+
+        NVRx decides *locally* whether to skip the plan exchange (its cache is
+        "validated" once two consecutive plans are equal); if ranks disagreed,
+        some would skip a collective the others enter, and hang. So the cache
+        is reused only when every rank saves the same structure as in its
+        previous NVRx save on this group *and* every rank's cache is in the
+        same state; otherwise every rank starts a fresh one. One 3-int
+        all-reduce on the background group decides. Single-process saves
+        plan locally and need no cache.
+        """
         if group is None:
             return None
         fresh = nvrx_adapter.new_metadata_cache()
         if fresh is None:
             return None
-        hit = torch.tensor([1 if key in self._nvrx_caches else 0], dtype=torch.int32)
-        dist.all_reduce(hit, op=dist.ReduceOp.MIN, group=group)
-        if int(hit.item()) == 0:
-            self._nvrx_caches[key] = fresh
-        self._nvrx_caches.move_to_end(key)
-        while len(self._nvrx_caches) > 2:
-            self._nvrx_caches.popitem(last=False)
-        return self._nvrx_caches[key]
+        last = self._nvrx_caches.get(id(group))
+        same = last is not None and last[0] == key
+        validated = int(bool(getattr(last[1], "validated_cache_reuse", False))) if same and last else 0
+        votes = torch.tensor([int(same), validated, -validated], dtype=torch.int32)
+        dist.all_reduce(votes, op=dist.ReduceOp.MIN, group=group)
+        all_same, min_validated, max_validated = int(votes[0]), int(votes[1]), -int(votes[2])
+        if not all_same or min_validated != max_validated or last is None:
+            last = (key, fresh)
+            self._nvrx_caches[id(group)] = last
+        return last[1]
 
 
 def _as_save_error(e: BaseException, storage: Storage) -> SaveError:

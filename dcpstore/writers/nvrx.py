@@ -145,15 +145,17 @@ def nvrx_save(
     process_group: dist.ProcessGroup | None,
     planner: SavePlanner | None,
     cache: Any | None,
+    target: adapter.NvrxTarget | None = None,
 ) -> SaveStats:
     """One NVRx save of an already staged ``state_dict`` (see the module doc).
 
     ``process_group`` is the dedicated background group (``None``: a single
     process without torch.distributed). ``cache`` is the private NVRx
-    metadata cache to use, or ``None``. Raises :class:`SaveError` on every
-    rank if any rank failed.
+    metadata cache to use, or ``None``. ``target`` overrides where NVRx
+    writes (default: derived from ``storage``). Raises on every rank if any
+    rank failed.
     """
-    target = adapter.check_target(storage)
+    target = target or adapter.check_target(storage)
     writer = writer_class()(storage, target, workers)
     if process_group is None:
         metadata = _plan_single_process(state_dict, writer, planner)

@@ -234,17 +234,18 @@ class Stager:
         return self._leaf(t, path, walk, alias_cpu)
 
     def _leaf(self, t: torch.Tensor, path: tuple[Any, ...], walk: _Walk, alias_cpu: bool) -> Any:
+        ident = id(t)  # before detach(), which makes a new object every call
         t = t.detach()
         if alias_cpu and t.device.type == "cpu":
             walk.key.append((path, "alias-cpu"))
             return t
-        seen = walk.seen.get(id(t))
+        seen = walk.seen.get(ident)
         if seen is not None:  # the same tensor twice (tied weights): stage once
             walk.key.append((path, "same-as", seen))
             return _Slot(seen)
         spec = _buffer_spec(t)
         index = len(walk.specs)
-        walk.seen[id(t)] = index
+        walk.seen[ident] = index
         walk.specs.append(spec)
         walk.sources.append(t)
         walk.key.append((path, t.device.type, spec))
