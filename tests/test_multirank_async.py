@@ -188,6 +188,6 @@ def _one_rank_fails(rank: int, world: int, mesh: object, saver: dcpstore.AsyncSa
     assert os.path.exists(os.path.join(uri, ".metadata"))
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_multirank_async_save(world: int, tmp_path: object) -> None:
     mp.spawn(_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True)

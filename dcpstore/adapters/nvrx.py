@@ -132,7 +132,8 @@ def plan(
     kwargs: dict[str, Any] = {"process_group": process_group, "coordinator_rank": 0, "planner": planner}
     if cache is not None:
         kwargs.update(enable_cache=True, metadata_cache=cache)
-    return tuple(saver.save_state_dict_async_plan(state_dict, writer, **kwargs))  # type: ignore[return-value]
+    writer, metadata, wrapper = saver.save_state_dict_async_plan(state_dict, writer, **kwargs)
+    return writer, metadata, wrapper
 
 
 def finalize(writer: Any, metadata: Any, dist_wrapper: Any) -> None:
@@ -196,5 +197,7 @@ def _open_file(writer: Any, use_msc: bool) -> Callable[..., Any]:
     if use_msc:
         import multistorageclient as msc
 
-        return msc.open  # type: ignore[no-any-return]
-    return getattr(writer, "open_file", open)  # type: ignore[no-any-return]
+        opener: Callable[..., Any] = msc.open
+        return opener
+    opener = getattr(writer, "open_file", open)
+    return opener

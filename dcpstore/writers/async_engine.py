@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import SavePlanner
 
@@ -112,7 +112,7 @@ def native_save(
 ) -> SaveStats:
     """The native engine: the whole DCP save with dcpstore's writer."""
     writer = DcpStorageWriter(storage, workers=workers)
-    dcp.save(
+    dcp_save(
         state_dict,
         storage_writer=writer,
         planner=planner,

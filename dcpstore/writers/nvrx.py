@@ -88,7 +88,7 @@ def writer_class() -> type:
 
         def _buckets(self, plan: SavePlan, planner: SavePlanner) -> list[Any]:
             prefix: _StoragePrefix = plan.storage_data
-            buckets = []
+            buckets: list[Any] = []
             for items in adapter.split_items(self.thread_count, list(plan.items)):
                 if not items:
                     continue
@@ -158,16 +158,17 @@ def nvrx_save(
     target = target or adapter.check_target(storage)
     writer = writer_class()(storage, target, workers)
     if process_group is None:
-        metadata = _plan_single_process(state_dict, writer, planner)
+        local_metadata = _plan_single_process(state_dict, writer, planner)
         writer.stats.plan_s = time.perf_counter() - writer.stats._t0
         writer.write_all()
         if writer.error is not None:
             raise writer.error
-        writer.finish(metadata, [writer.results])
-        return writer.stats  # type: ignore[no-any-return]
+        writer.finish(local_metadata, [writer.results])
+        single: SaveStats = writer.stats
+        return single
 
     wrapper = _DistWrapper(process_group, True, 0)
-    metadata = None
+    metadata: Metadata | None = None
     try:
         writer, metadata, wrapper = adapter.plan(state_dict, writer, process_group, planner, cache)
     except CheckpointException:
@@ -188,7 +189,8 @@ def nvrx_save(
         raise writer.error
     if summary is not None:
         raise SaveError(f"save to {storage.uri} failed on another rank: {summary}")
-    return writer.stats  # type: ignore[no-any-return]
+    stats: SaveStats = writer.stats
+    return stats
 
 
 def _plan_single_process(state_dict: dict[str, Any], writer: Any, planner: SavePlanner | None) -> Metadata:

@@ -51,7 +51,7 @@ try:  # DTensor and ShardedTensor exist on every torch that dcpstore supports,
 except ImportError:  # pragma: no cover - torch built without distributed
     DTensor = None  # type: ignore[assignment,misc]
 try:
-    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor  # type: ignore[attr-defined]
 except ImportError:  # pragma: no cover
     Shard = ShardedTensor = None  # type: ignore[assignment,misc]
 from torch.distributed.checkpoint.stateful import Stateful
@@ -216,7 +216,7 @@ class Stager:
             local = self._leaf(t._local_tensor, path, walk, alias_cpu)
             spec = t._spec
             walk.key.append((path, "dtensor", tuple(t.shape), repr(spec.placements), tuple(spec.mesh.shape)))
-            return _Rewrap(lambda loc, spec=spec: DTensor(loc, spec, requires_grad=False), [local])
+            return _Rewrap(lambda loc, spec=spec: DTensor(loc, spec, requires_grad=False), [local])  # type: ignore[no-untyped-call]
         if ShardedTensor is not None and isinstance(t, ShardedTensor):
             shards = t.local_shards()
             locals_ = [self._leaf(s.tensor, (*path, i), walk, alias_cpu) for i, s in enumerate(shards)]
