@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 
@@ -25,6 +27,11 @@ from .storage import Storage, StorageOptions, open_storage, redact
 from .writers.async_engine import ENGINES, AsyncSaver, default_saver
 from .writers.dcp import DcpStorageReader, DcpStorageWriter, SaveStats, check_workers
 
+
+# DCP warns on every call made without an initialised process group; a
+# single-process save is a supported, deliberate use here, so silence that
+# one message (only it, matched exactly).
+warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled, unavailable or uninitialized")
 
 
 @dataclass(frozen=True)
@@ -171,7 +178,7 @@ def save(
     storage = open_checkpoint_storage(uri, enable_msc=enable_msc, options=storage_options)
     writer = DcpStorageWriter(storage, workers=workers)
     try:
-        dcp.save(
+        dcp_save(
             state_dict,
             storage_writer=writer,
             planner=planner,
@@ -233,7 +240,7 @@ def load(
     reader = DcpStorageReader(storage, workers=workers, verify=verify)
     reader.preload_metadata()
     try:
-        dcp.load(
+        dcp_load(
             state_dict,
             storage_reader=reader,
             planner=planner,
@@ -250,5 +257,6 @@ def load(
 def _root_cause(e: CheckpointException) -> BaseException | None:
     failures = getattr(e, "failures", None) or {}
     for _, exc in sorted(failures.items()):
-        return exc[0] if isinstance(exc, tuple) else exc
+        cause: BaseException = exc[0] if isinstance(exc, tuple) else exc
+        return cause
     return None

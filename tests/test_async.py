@@ -119,6 +119,21 @@ def test_old_commit_is_retracted_before_data_is_overwritten(engine: str, local_t
     assert torch.equal(loaded["w"], torch.ones(100))
 
 
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_later_save_to_the_same_uri_wins(engine: str, local_target: Target, saver: Any) -> None:
+    uri = local_target.uri
+    planner = GatedPlanner("resolve")  # the first save claimed the URI and stops before writing
+    first = saver.save({"w": torch.zeros(100)}, uri, engine=engine, planner=planner, workers=2)
+    assert planner.reached.wait(30)
+    dcpstore.save({"w": torch.ones(100)}, uri, workers=2)  # another writer: sync, to completion
+    planner.gate.set()
+    with pytest.raises(SaveError, match="another save"):
+        first.result(timeout=60)
+    loaded = {"w": torch.empty(100)}
+    dcpstore.load(loaded, uri)
+    assert torch.equal(loaded["w"], torch.ones(100))  # the later save's checkpoint, intact
+
+
 def test_unpicklable_value_fails_in_save_naming_the_key(local_target: Target, saver: Any) -> None:
     with pytest.raises(InvalidArgument, match="bad"):
         saver.save({"bad": threading.Lock()}, local_target.uri, engine="native")

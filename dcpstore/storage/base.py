@@ -35,6 +35,8 @@ from types import TracebackType
 from dataclasses import dataclass
 from typing import ClassVar, TypedDict
 
+from typing_extensions import NotRequired
+
 from ..errors import InvalidArgument, StorageNotFound
 from .uri import StorageURL, redact
 
@@ -76,10 +78,15 @@ class StorageOptions:
 
 
 class ObjectInfo(TypedDict):
-    """One listed object: its path relative to the storage root and its size."""
+    """One listed object: its path relative to the storage root and its size.
+
+    ``mtime`` (seconds since the epoch) is given where the backend knows it;
+    ``dcpstore gc`` uses it to leave recent, possibly in-flight saves alone.
+    """
 
     path: str
     size: int
+    mtime: NotRequired[float]
 
 
 class ObjectWriter(abc.ABC):

@@ -34,6 +34,8 @@ def _mapped_errors(what: str) -> Iterator[None]:
         yield
     except FileNotFoundError as e:
         raise StorageNotFound(f"{what}: no such file or directory") from e
+    except NotADirectoryError as e:  # a path component is a file
+        raise StorageNotFound(f"{what}: a parent is not a directory") from e
     except PermissionError as e:
         raise StoragePermissionError(f"{what}: permission denied") from e
     except OSError as e:
@@ -147,7 +149,8 @@ class LocalStorage(Storage):
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         base = self._full(prefix.rstrip("/"))
         if os.path.isfile(base):
-            yield {"path": prefix.rstrip("/"), "size": os.path.getsize(base)}
+            st = os.stat(base)
+            yield {"path": prefix.rstrip("/"), "size": st.st_size, "mtime": st.st_mtime}
             return
         for dirpath, dirnames, filenames in os.walk(base):
             dirnames.sort()
@@ -155,8 +158,11 @@ class LocalStorage(Storage):
                 if _is_tmp(name):
                     continue
                 full = os.path.join(dirpath, name)
-                with contextlib.suppress(FileNotFoundError):
-                    yield {"path": os.path.relpath(full, self.root), "size": os.path.getsize(full)}
+                try:
+                    st = os.stat(full)
+                except FileNotFoundError:  # deleted while we walked
+                    continue
+                yield {"path": os.path.relpath(full, self.root), "size": st.st_size, "mtime": st.st_mtime}
 
     def delete(self, paths: Iterable[str]) -> None:
         parents = set()

@@ -36,7 +36,7 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import IO, Any, cast
 
 import crc32c
 import torch
@@ -55,9 +55,17 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
-from ..errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound, InvalidArgument, StorageNotFound
+from ..errors import (
+    CheckpointCorrupt,
+    CheckpointError,
+    CheckpointNotFound,
+    InvalidArgument,
+    SaveError,
+    StorageNotFound,
+)
 from ..storage.base import MiB, ObjectWriter, Storage
 from .layout import (
+    INFLIGHT,
     MANIFEST,
     METADATA,
     FileEntry,
@@ -112,6 +120,14 @@ class ItemRecord:
 
 
 @dataclass
+class SaveToken(_StoragePrefix):
+    """The coordinator's per-rank plan data: the file prefix (``__{rank}_``,
+    as stock DCP) and the save id every rank checks before publishing."""
+
+    save_id: str = ""
+
+
+@dataclass
 class SaveStats:
     """Phase timings and volume of one save on this rank (seconds, bytes)."""
 
@@ -130,11 +146,27 @@ class _ChecksummingStream:
         self._writer = writer
         self.file_crc = 0
         self.item_crc = 0
+        #: The first storage error. torch.save's C++ writer swallows
+        #: exceptions raised by ``write`` and reports its own RuntimeError
+        #: ("unexpected pos ..."); we re-raise this one instead.
+        self.error: BaseException | None = None
 
     def write(self, data: Any) -> int:
         self.item_crc = crc32c.crc32c(data, self.item_crc)
         self.file_crc = crc32c.crc32c(data, self.file_crc)
-        return self._writer.write(data)
+        try:
+            return self._writer.write(data)
+        except BaseException as e:
+            self.error = self.error or e
+            raise
+
+    def save_tensor(self, tensor: torch.Tensor) -> None:
+        try:
+            torch.save(tensor, cast(IO[bytes], self))
+        except Exception:
+            if self.error is not None:
+                raise self.error  # keeps its own __cause__ (the OSError)
+            raise
 
     def tell(self) -> int:
         return self._writer.tell()
@@ -182,6 +214,16 @@ def _cpu_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def _resolve(planner: SavePlanner, item: WriteItem, lock: threading.Lock) -> io.BytesIO | torch.Tensor:
+    """The bytes or CPU tensor to write for ``item``; errors name the key."""
+    try:
+        with lock:
+            data = planner.resolve_data(item)
+        return data if isinstance(data, io.BytesIO) else _cpu_tensor(data)
+    except Exception as e:
+        raise SaveError(f"cannot serialise {item.index.fqn!r}: {type(e).__name__}: {e}") from e
+
+
 class DcpStorageWriter(StorageWriter):
     """A DCP ``StorageWriter`` over any :class:`Storage`.
 
@@ -214,14 +256,14 @@ class DcpStorageWriter(StorageWriter):
                     f"this writer is bound to {self.storage.uri}; cannot switch to another checkpoint_id"
                 )
             self.storage = self._reopen(os.fspath(checkpoint_id))
-        self.stats = SaveStats(_t0=time.perf_counter())
-        self.save_id = os.urandom(8).hex()
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        # DCP calls reset() only when given a checkpoint_id; this runs on
+        # every save, so per-save state starts here.
         self.is_coordinator = is_coordinator
         self.rank = kwargs.get("rank") or 0
-        if not self.stats._t0:
-            self.stats._t0 = time.perf_counter()
+        self.stats = SaveStats(_t0=time.perf_counter())
+        self.save_id = os.urandom(8).hex()
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         self.storage.makedirs()
@@ -231,28 +273,30 @@ class DcpStorageWriter(StorageWriter):
         # Retract any older commit at this URI *before* any rank overwrites
         # its data files: a crash mid-save must never leave an old .metadata
         # pointing at new, partial data.
-        self.storage.delete([METADATA, MANIFEST])
-        return [dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{i}_")) for i, plan in enumerate(plans)]
+        claim(self.storage, self.save_id)
+        return [
+            dataclasses.replace(plan, storage_data=SaveToken(f"__{i}_", self.save_id)) for i, plan in enumerate(plans)
+        ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         t_start = time.perf_counter()
         self.stats.plan_s = t_start - self.stats._t0
-        prefix: _StoragePrefix = plan.storage_data
+        token: SaveToken = plan.storage_data
         buckets = split_buckets(plan.items, self.workers)
         lock = threading.Lock()  # planners are not promised to be thread-safe
         future: Future[list[WriteResult]] = Future()
         try:
             if len(buckets) <= 1:
-                per_file = [self._write_file(data_file_name(prefix.prefix, i), b, planner, lock) for i, b in enumerate(buckets)]
+                per_file = [self._write_file(data_file_name(token.prefix, i), b, token.save_id, planner, lock) for i, b in enumerate(buckets)]
             else:
                 with ThreadPoolExecutor(len(buckets), thread_name_prefix="dcpstore-write") as pool:
                     futures = [
-                        pool.submit(self._write_file, data_file_name(prefix.prefix, i), bucket, planner, lock)
+                        pool.submit(self._write_file, data_file_name(token.prefix, i), bucket, token.save_id, planner, lock)
                         for i, bucket in enumerate(buckets)
                     ]
                     per_file = [f.result() for f in futures]
         except BaseException as e:  # DCP gathers exceptions across ranks
-            future.set_exception(e)
+            future.set_exception(e)  # type: ignore[arg-type]  # torch's stub types it as the value
             return future
         results = [r for rs in per_file for r in rs]
         self.stats.write_s = time.perf_counter() - t_start
@@ -262,23 +306,25 @@ class DcpStorageWriter(StorageWriter):
         return future
 
     def _write_file(
-        self, name: str, items: list[WriteItem], planner: SavePlanner, lock: threading.Lock
+        self, name: str, items: list[WriteItem], save_id: str, planner: SavePlanner, lock: threading.Lock
     ) -> list[WriteResult]:
         pending: list[tuple[WriteItem, int, int, int]] = []
         size_hint = sum(_item_nbytes(it) for it in items)
         with self.storage.open_write(name, size_hint=size_hint) as writer:
             stream = _ChecksummingStream(writer)
             for item in items:
-                with lock:
-                    data = planner.resolve_data(item)
+                data = _resolve(planner, item, lock)
                 offset = writer.tell()
                 stream.item_crc = 0
-                if item.type == WriteItemType.BYTE_IO:
+                if isinstance(data, io.BytesIO):
                     stream.write(data.getbuffer())
                 else:
-                    torch.save(_cpu_tensor(data), stream)
+                    stream.save_tensor(data)
                 pending.append((item, offset, writer.tell() - offset, stream.item_crc))
             file_size, file_crc = writer.tell(), stream.file_crc
+            # Leaving the block publishes the file; a save that lost its
+            # URI to a later save must not clobber that save's files.
+            self._check_still_ours(save_id)
         return [
             WriteResult(
                 index=item.index,
@@ -290,8 +336,11 @@ class DcpStorageWriter(StorageWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         t_start = time.perf_counter()
-        commit_checkpoint(self.storage, metadata, results, self.storage_meta())
+        commit_checkpoint(self.storage, metadata, results, self.storage_meta(), self.save_id)
         self.stats.commit_s = time.perf_counter() - t_start
+
+    def _check_still_ours(self, save_id: str) -> None:
+        check_still_ours(self.storage, save_id)
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.storage.uri, save_id=self.save_id)
@@ -312,11 +361,16 @@ class DcpStorageWriter(StorageWriter):
 
 
 def commit_checkpoint(
-    storage: Storage, metadata: Metadata, results: list[list[WriteResult]], storage_meta: StorageMeta | None
+    storage: Storage,
+    metadata: Metadata,
+    results: list[list[WriteResult]],
+    storage_meta: StorageMeta | None,
+    save_id: str,
 ) -> None:
-    """The coordinator's commit, shared by every writer: manifest, then
-    ``.metadata`` last, then removal of data files an older checkpoint at
-    this URI left behind.
+    """The coordinator's commit, shared by every writer: check the URI is
+    still this save's (``save_id`` in the in-flight marker), then the
+    manifest, then ``.metadata`` last; then drop the marker and the data
+    files an older checkpoint at this URI left behind.
 
     ``results`` are every rank's write results whose ``storage_data`` is an
     :class:`ItemRecord`. Call only after *every* rank's data files are
@@ -334,9 +388,35 @@ def commit_checkpoint(
     metadata.storage_data = storage_data
     metadata.storage_meta = storage_meta
     blob = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
+    check_still_ours(storage, save_id)
     storage.put(MANIFEST, build_manifest(files, items, crc32c.crc32c(blob)))
     storage.put(METADATA, blob)  # the commit point
+    storage.delete([INFLIGHT])
     remove_stale_data(storage, files)
+
+
+def claim(storage: Storage, save_id: str) -> None:
+    """Start a save at ``storage`` (coordinator, before any rank writes):
+    retract an older commit, so that a crash mid-save never leaves an old
+    ``.metadata`` pointing at new, partial data, and mark the URI as this
+    save's."""
+    storage.delete([METADATA, MANIFEST])
+    storage.put(INFLIGHT, save_id.encode())
+
+
+def check_still_ours(storage: Storage, save_id: str) -> None:
+    """Refuse to publish a file or commit once another save to this URI
+    has started (it replaced our in-flight marker): the later save wins,
+    this one fails clearly and never writes over the winner's files."""
+    try:
+        owner = storage.read(INFLIGHT).decode(errors="replace")
+    except StorageNotFound:
+        owner = "<none>"
+    if owner != save_id:
+        raise SaveError(
+            f"another save to {storage.uri} started while this one was writing "
+            f"(its save id {owner}, ours {save_id}); nothing was committed by this save"
+        )
 
 
 def checksum_written_file(storage: Storage, path: str, results: list[WriteResult]) -> list[WriteResult]:
@@ -486,7 +566,6 @@ class DcpStorageReader(StorageReader):
                 raise InvalidArgument(f"this reader is bound to {self.storage.uri}")
             self.storage = self._reopen(os.fspath(checkpoint_id))
             self._metadata = None
-        self.bytes_read = 0
 
     def preload_metadata(self) -> Metadata:
         """Read and verify the commit now (every rank), so that a missing or
@@ -505,6 +584,7 @@ class DcpStorageReader(StorageReader):
         if metadata.storage_data is None:
             raise CheckpointCorrupt(f"{self.storage.describe(METADATA)}: no storage_data")
         self._storage_data = metadata.storage_data
+        self.bytes_read = 0
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -537,7 +617,7 @@ class DcpStorageReader(StorageReader):
                     for f in [pool.submit(self._read_span, s, planner, lock) for s in spans]:
                         f.result()
         except BaseException as e:
-            future.set_exception(e)
+            future.set_exception(e)  # type: ignore[arg-type]  # torch's stub types it as the value
             return future
         future.set_result(None)
         return future

@@ -6,25 +6,30 @@ Release differences are handled in :mod:`dcpstore.adapters.nvrx`.
 
 Call order of one save, per rank::
 
+    claim       coordinator: retract .metadata/manifest, write the in-flight
+                marker with a fresh save id; then broadcast the id (the sync
+                point: no rank writes before the old commit is gone)
     plan        NVRx save_state_dict_async_plan (reduce_scatter of plans, or
                 NVRx's metadata cache when every rank's structure is unchanged)
-                -> prepare_local_plan: makedirs, retract .metadata/manifest
-                   (every rank, before it writes: no old commit can point at
-                   data being overwritten)
                 -> prepare_write_data: size-balanced buckets, one file each
-    write       one thread per bucket: NVRx's per-bucket writer (torch.save per
-                item, fsync), then the file is read back once to compute its
-                CRC32Cs for the manifest (NVRx has no checksum hook)
+    write       one thread per bucket: check the URI is still ours, NVRx's
+                per-bucket writer (torch.save per item, fsync), read the file
+                back once to compute its CRC32Cs for the manifest (NVRx has no
+                checksum hook), check again
     finalize    NVRx save_state_dict_async_finalize: gather write results on the
-                coordinator; if every rank succeeded, finish(): manifest, then
-                .metadata last, both through dcpstore's Storage (atomic, durable)
+                coordinator; if every rank succeeded, finish(): ownership
+                check, manifest, .metadata last (dcpstore's Storage: atomic,
+                durable), marker removed
     outcome     the coordinator broadcasts success or the failure, so every
                 rank's handle raises when any rank failed
 
 Durability on POSIX: NVRx fsyncs each data file in place (no rename); the
 manifest's atomic put then fsyncs the checkpoint directory, which makes the
 data files' directory entries durable before ``.metadata`` is renamed into
-place. Integrity: the same manifest (file sizes and CRC32C, item CRC32C,
+place. Two saves to one URI: as with the native writer the later one wins
+and the earlier fails before committing; but NVRx writes data files in place
+(no rename), so the earlier save checks before and after each file rather
+than at the moment the file is published. Integrity: the same manifest (file sizes and CRC32C, item CRC32C,
 ``.metadata`` CRC) as the native writer, computed from a read-back of what
 NVRx wrote rather than while streaming; on an MSC object store that read-back
 is one extra GET of each data file.
@@ -49,8 +54,7 @@ from torch.distributed.checkpoint.utils import _DistWrapper
 from ..adapters import nvrx as adapter
 from ..errors import SaveError
 from ..storage import Storage, redact
-from .dcp import SaveStats, checksum_written_file, commit_checkpoint
-from .layout import MANIFEST, METADATA
+from .dcp import SaveStats, check_still_ours, checksum_written_file, claim, commit_checkpoint
 
 
 @functools.lru_cache(maxsize=1)
@@ -67,13 +71,13 @@ def writer_class() -> type:
             super().__init__(target.path, thread_count=workers, use_msc=target.use_msc)
             self.storage = storage
             self.stats = SaveStats(_t0=time.perf_counter())
+            self.save_id = ""  # set by nvrx_save once the coordinator claimed the URI
             self.error: BaseException | None = None
             self.results: list[WriteResult] = []
             self.write_buckets: list[Any] = []
 
         def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-            self.storage.makedirs()
-            self.storage.delete([METADATA, MANIFEST])
+            self.storage.makedirs()  # the claim already retracted any old commit
             return plan
 
         def prepare_write_data(self, plan: SavePlan, planner: SavePlanner) -> None:
@@ -106,8 +110,10 @@ def writer_class() -> type:
             write = adapter.bucket_writer(self)
 
             def one(bucket: Any) -> list[WriteResult]:
-                results = write(bucket)
-                return checksum_written_file(self.storage, bucket[1], results)
+                check_still_ours(self.storage, self.save_id)
+                results = checksum_written_file(self.storage, bucket[1], write(bucket))
+                check_still_ours(self.storage, self.save_id)
+                return results
 
             try:
                 with ThreadPoolExecutor(len(self.write_buckets), thread_name_prefix="dcpstore-nvrx") as pool:
@@ -127,7 +133,8 @@ def writer_class() -> type:
 
         def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
             t0 = time.perf_counter()
-            commit_checkpoint(self.storage, metadata, results, StorageMeta(self.storage.uri, os.urandom(8).hex()))
+            meta = StorageMeta(self.storage.uri, self.save_id)
+            commit_checkpoint(self.storage, metadata, results, meta, self.save_id)
             self.stats.commit_s = time.perf_counter() - t0
 
         @property
@@ -158,6 +165,9 @@ def nvrx_save(
     target = target or adapter.check_target(storage)
     writer = writer_class()(storage, target, workers)
     if process_group is None:
+        writer.save_id = os.urandom(8).hex()
+        storage.makedirs()
+        claim(storage, writer.save_id)
         local_metadata = _plan_single_process(state_dict, writer, planner)
         writer.stats.plan_s = time.perf_counter() - writer.stats._t0
         writer.write_all()
@@ -168,6 +178,7 @@ def nvrx_save(
         return single
 
     wrapper = _DistWrapper(process_group, True, 0)
+    writer.save_id = _claim_and_share(storage, wrapper)
     metadata: Metadata | None = None
     try:
         writer, metadata, wrapper = adapter.plan(state_dict, writer, process_group, planner, cache)
@@ -191,6 +202,26 @@ def nvrx_save(
         raise SaveError(f"save to {storage.uri} failed on another rank: {summary}")
     stats: SaveStats = writer.stats
     return stats
+
+
+def _claim_and_share(storage: Storage, wrapper: _DistWrapper) -> str:
+    """The coordinator claims the URI; every rank gets the save id (or the
+    coordinator's failure) by broadcast, so no rank writes before the old
+    commit is retracted."""
+    outcome: tuple[bool, str] = (True, "")
+    error: Exception | None = None
+    if wrapper.is_coordinator:
+        try:
+            save_id = os.urandom(8).hex()
+            storage.makedirs()
+            claim(storage, save_id)
+            outcome = (True, save_id)
+        except Exception as e:
+            outcome, error = (False, _summary(e)), e
+    ok, value = wrapper.broadcast_object(outcome)
+    if not ok:
+        raise SaveError(f"save to {storage.uri} failed: could not start it on rank 0: {value}") from error
+    return value
 
 
 def _plan_single_process(state_dict: dict[str, Any], writer: Any, planner: SavePlanner | None) -> Metadata:

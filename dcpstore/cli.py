@@ -1,0 +1,142 @@
+"""``dcpstore`` command line: ls, inspect, verify, gc.
+
+Exit codes: 0 success; 1 the checkpoint is damaged (verify) or absent;
+2 bad usage or a storage error. Errors print one line, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from .errors import CheckpointError, CheckpointNotFound
+from .maintenance import gc, inspect_checkpoint, list_checkpoints, verify_checkpoint
+from .storage import Storage, open_storage
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def _open(args: argparse.Namespace) -> Storage:
+    return open_storage(args.uri, enable_msc=args.enable_msc)
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    storage = _open(args)
+    entries = list_checkpoints(storage)
+    if args.json:
+        print(json.dumps([e.__dict__ for e in entries], indent=2, default=str))
+        return 0
+    if not entries:
+        print(f"no checkpoints under {storage.uri}")
+        return 0
+    width = max(len("CHECKPOINT"), *(len(e.path or ".") for e in entries))
+    print(f"{'CHECKPOINT':<{width}}  {'STATUS':<10}  {'FILES':>5}  {'SIZE':>10}")
+    for e in entries:
+        status = "committed" if e.committed else "incomplete"
+        print(f"{e.path or '.':<{width}}  {status:<10}  {e.files:>5}  {_human(e.bytes):>10}")
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    info = inspect_checkpoint(_open(args))
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    print(f"checkpoint  {info['uri']}")
+    print(f"checksums   {'crc32c manifest' if info['verified_format'] else 'none (stock DCP checkpoint)'}")
+    print(f"tensors     {_human(info['tensor_bytes'])} in {sum(k['kind'] == 'tensor' for k in info['keys'].values())} keys")
+    print(f"files       {len(info['files'])} totalling {_human(info['file_bytes'])}\n")
+    width = max(3, *(len(k) for k in info["keys"]))
+    print(f"{'KEY':<{width}}  {'DTYPE':<10}  {'SHAPE':<20}  {'BYTES':>10}")
+    for key, k in info["keys"].items():
+        if k["kind"] == "tensor":
+            print(f"{key:<{width}}  {k['dtype']:<10}  {str(tuple(k['shape'])):<20}  {_human(k['bytes']):>10}")
+        else:
+            print(f"{key:<{width}}  {'object':<10}  {'':<20}  {'':>10}")
+    print()
+    for name, f in info["files"].items():
+        crc = f" crc32c={f['crc32c']:08x}" if "crc32c" in f else ""
+        print(f"  {name}  {_human(f['size'])}{crc}")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    storage = _open(args)
+    total = sum(f["size"] for f in inspect_checkpoint(storage)["files"].values())
+    t0 = time.perf_counter()
+    with tqdm(total=total, unit="B", unit_scale=True, desc="verify", disable=args.quiet or None, file=sys.stderr) as bar:
+        report = verify_checkpoint(storage, progress=bar.update)
+    elapsed = time.perf_counter() - t0
+    for problem in report.problems:
+        print(f"DAMAGED  {problem}")
+    if report.ok:
+        print(f"OK  {report.files_checked} files, {_human(report.bytes_checked)} verified in {elapsed:.2f} s")
+        return 0
+    print(f"FAILED  {len(report.problems)} problem(s) in {storage.uri}")
+    return 1
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    report = gc(_open(args), older_than_s=args.older_than, dry_run=args.dry_run)
+    verb = "would remove" if args.dry_run else "removed"
+    for path in report.removed:
+        print(f"{verb} incomplete checkpoint {path}")
+    for path in report.kept_recent:
+        print(f"kept {path}: modified within {args.older_than:g} s (a save may be running)")
+    if report.incomplete_uploads:
+        print(f"{verb} {report.incomplete_uploads} in-progress upload(s)/temporary file(s)")
+    if not (report.removed or report.kept_recent or report.incomplete_uploads):
+        print("nothing to clean up")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dcpstore", description="Inspect and maintain DCP checkpoints on any backend.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def add(name: str, fn: Callable[[argparse.Namespace], int], help: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help, description=help)
+        p.add_argument("uri", help="checkpoint URI or path (local path, file://, s3://, msc://, fsspec URL)")
+        p.add_argument("--enable-msc", action="store_true", help="route s3:// and local paths through MSC")
+        p.set_defaults(fn=fn)
+        return p
+
+    add("ls", cmd_ls, "list checkpoints (committed and incomplete) under a root").add_argument("--json", action="store_true")
+    add("inspect", cmd_inspect, "show keys, shapes, dtypes, bytes and files of a checkpoint").add_argument(
+        "--json", action="store_true"
+    )
+    p = add("verify", cmd_verify, "read every data file and check its size and checksum")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p = add("gc", cmd_gc, "remove leftovers of interrupted saves (never a committed checkpoint)")
+    p.add_argument("--older-than", type=float, default=300.0, metavar="SECONDS",
+                   help="keep leftovers modified more recently than this (default 300)")
+    p.add_argument("--dry-run", action="store_true")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args: Any = build_parser().parse_args(argv)
+    try:
+        return int(args.fn(args))
+    except CheckpointNotFound as e:
+        print(f"dcpstore {args.command}: {e}", file=sys.stderr)
+        return 1
+    except CheckpointError as e:
+        print(f"dcpstore {args.command}: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

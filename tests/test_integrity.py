@@ -1,0 +1,127 @@
+"""Damage to a committed checkpoint is caught, and the error names the file."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import dcpstore
+from backends import Target
+from helpers import assert_state_equal, sample_state, zeros_like_state
+
+
+@pytest.fixture
+def saved(local_target: Target) -> tuple[str, dict]:
+    state = sample_state(3)
+    dcpstore.save(state, local_target.uri, workers=2).result()
+    return local_target.uri, state
+
+
+def _data_files(root: str) -> list[str]:
+    return sorted(f for f in os.listdir(root) if f.endswith(".distcp"))
+
+
+def _flip(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x10]))
+
+
+def _load_error(root: str, state: dict) -> dcpstore.CheckpointError:
+    with pytest.raises(dcpstore.CheckpointError) as info:
+        dcpstore.load(zeros_like_state(state), root)
+    return info.value
+
+
+@pytest.mark.parametrize("where", [0.1, 0.5, 0.95])
+def test_flipped_byte_is_named(saved: tuple[str, dict], where: float) -> None:
+    root, state = saved
+    name = _data_files(root)[0]
+    path = os.path.join(root, name)
+    _flip(path, int(os.path.getsize(path) * where))
+    err = _load_error(root, state)
+    assert isinstance(err, dcpstore.CheckpointCorrupt)
+    assert name in str(err) and "checksum" in str(err)
+
+
+def test_truncation_is_named(saved: tuple[str, dict]) -> None:
+    root, state = saved
+    name = _data_files(root)[-1]
+    path = os.path.join(root, name)
+    os.truncate(path, os.path.getsize(path) - 7)
+    err = _load_error(root, state)
+    assert isinstance(err, dcpstore.CheckpointCorrupt)
+    assert name in str(err) and "truncated" in str(err)
+
+
+def test_missing_data_file_is_named(saved: tuple[str, dict]) -> None:
+    root, state = saved
+    name = _data_files(root)[0]
+    os.unlink(os.path.join(root, name))
+    err = _load_error(root, state)
+    assert isinstance(err, dcpstore.CheckpointCorrupt)
+    assert name in str(err) and "missing" in str(err)
+
+
+def test_damaged_metadata_is_named(saved: tuple[str, dict]) -> None:
+    root, state = saved
+    _flip(os.path.join(root, ".metadata"), 40)
+    err = _load_error(root, state)
+    assert isinstance(err, dcpstore.CheckpointCorrupt)
+    assert ".metadata" in str(err)
+
+
+def test_damaged_manifest_is_named(saved: tuple[str, dict]) -> None:
+    root, state = saved
+    with open(os.path.join(root, ".dcpstore.json"), "r+b") as f:
+        f.write(b"{{{")
+    err = _load_error(root, state)
+    assert ".dcpstore.json" in str(err)
+
+
+def test_verify_disabled_loads_without_manifest_checks(saved: tuple[str, dict]) -> None:
+    root, state = saved
+    restored = zeros_like_state(state)
+    dcpstore.load(restored, root, verify=False)
+    assert_state_equal(state, restored)
+
+
+def test_stock_dcp_reads_dcpstore_checkpoint(saved: tuple[str, dict]) -> None:
+    root, state = saved
+    restored = zeros_like_state(state)
+    dcp.load(restored, checkpoint_id=root)
+    assert_state_equal(state, restored)
+
+
+def test_dcpstore_reads_stock_dcp_checkpoint(tmp_path) -> None:
+    state = sample_state(4)
+    root = str(tmp_path / "stock")
+    dcp.save(state, checkpoint_id=root)
+    assert not os.path.exists(os.path.join(root, ".dcpstore.json"))
+    restored = zeros_like_state(state)
+    dcpstore.load(restored, root)
+    assert_state_equal(state, restored)
+
+
+def test_stock_dcp_in_fresh_process_without_dcpstore(saved: tuple[str, dict], tmp_path) -> None:
+    """The .metadata must unpickle where dcpstore is not importable at all."""
+    root, state = saved
+    copy = tmp_path / "copy"
+    shutil.copytree(root, copy)
+    code = (
+        "import sys; sys.modules['dcpstore'] = None\n"
+        "import torch, torch.distributed.checkpoint as dcp\n"
+        "sd = {'f32': torch.zeros(64, 33)}\n"
+        f"dcp.load(sd, checkpoint_id={str(copy)!r})\n"
+        "print(float(sd['f32'].sum()))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert abs(float(out.stdout.strip().splitlines()[-1]) - float(state["f32"].sum())) < 1e-3
