@@ -16,13 +16,21 @@ from dcpstore.adapters import nvrx as nvrx_adapter
 ENGINES = ("native", "nvrx")
 
 
+def open_target(target: Target) -> dcpstore.storage.Storage:
+    """``open_storage`` for a target (its ``storage_options`` is ``options`` there)."""
+    kwargs = dict(target.kwargs)
+    if "storage_options" in kwargs:
+        kwargs["options"] = kwargs.pop("storage_options")
+    return dcpstore.open_storage(target.uri, **kwargs)
+
+
 def skip_unless_engine_serves(engine: str, target: Target) -> None:
     """Skip NVRx cases on backends NVRx cannot write (native S3, fsspec)."""
     if engine != "nvrx":
         return
     if nvrx_adapter.import_error() is not None:
         pytest.skip(nvrx_adapter.import_error() or "")
-    storage = dcpstore.open_storage(target.uri, **target.kwargs)
+    storage = open_target(target)
     try:
         why = nvrx_adapter.target_for(storage)
     finally:

@@ -20,6 +20,7 @@ from async_helpers import (
     assert_same,
     mixed_state,
     mutate,
+    open_target,
     skip_unless_engine_serves,
     snapshot,
     zeros_like_state,
@@ -64,7 +65,7 @@ def test_module_level_async_save_roundtrip(engine: str, target: Target) -> None:
     state["w"].mul_(0)
     info = handle.result(timeout=60)
     assert handle.done() and handle.exception() is None
-    assert info.uri == dcpstore.open_storage(target.uri, **target.kwargs).uri
+    assert info.uri == open_target(target).uri
     loaded = {"w": torch.empty(300, 30), "step": 0}
     dcpstore.load(loaded, target.uri, **target.kwargs)
     assert_same(loaded, expected)

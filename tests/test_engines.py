@@ -18,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 import dcpstore
+from async_helpers import open_target
 from backends import Target
 from dcpstore.adapters import nvrx as nvrx_adapter
 from dcpstore.errors import BackendUnavailable, CheckpointCorrupt, EngineFallbackWarning, InvalidArgument
@@ -85,7 +86,7 @@ def test_engine_choice_on_every_backend(target: Target) -> None:
     """Where NVRx can write, auto uses it silently; elsewhere explicit nvrx
     is refused (naming enable_msc and engine='native') before anything is
     written, and auto warns once and saves with the native engine."""
-    storage = dcpstore.open_storage(target.uri, **target.kwargs)
+    storage = open_target(target)
     reason = nvrx_adapter.target_for(storage)
     storage.close()
     state = {"w": torch.arange(6.0)}
