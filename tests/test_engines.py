@@ -188,3 +188,13 @@ def test_nvrx_runs_without_forks_or_gc_switches(local_target: Target) -> None:
     dcpstore.save(state, local_target.uri, async_=True, engine="nvrx", workers=3, planner=_ProbePlanner()).result(timeout=60)
     assert _ProbeBytes.seen == [True]  # written by NVRx's writer, with GC left on
     assert set(multiprocessing.active_children()) == before
+
+
+def test_auto_fallback_warning_is_shown_once_per_call_site(tmp_path: Any, no_nvrx: None) -> None:
+    """Saving every N steps to new URIs must not repeat the warning: its text
+    names the reason, not the URI, so the default filter shows it once."""
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("default")
+        for step in range(3):
+            dcpstore.save({"w": torch.ones(2)}, str(tmp_path / f"step{step}"), async_=True).result(timeout=60)
+    assert len(_fallback_warnings(record)) == 1

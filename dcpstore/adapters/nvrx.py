@@ -98,16 +98,18 @@ def target_for(storage: Storage) -> NvrxTarget | str:
         # MSC resolves msc://profile/..., s3://bucket/... (implicit profile)
         # and POSIX paths itself.
         return NvrxTarget(storage.url.uri, use_msc=True)
+    # No URI in the reason: the auto-fallback warning built from it stays
+    # one message per backend, which Python's warning filter shows once.
     return (
-        f"NVRx writes only POSIX paths and MSC URLs, not the {storage.backend} backend "
-        f"({storage.uri}); pass enable_msc=True to go through MSC, or engine='native'"
+        f"NVRx writes only POSIX paths and MSC URLs, not the {storage.backend} backend; "
+        "pass enable_msc=True to go through MSC, or engine='native'"
     )
 
 
 def check_target(storage: Storage) -> NvrxTarget:
     target = target_for(storage)
     if isinstance(target, str):
-        raise InvalidArgument(f"engine='nvrx' cannot save here: {target}")
+        raise InvalidArgument(f"engine='nvrx' cannot save to {storage.uri}: {target}")
     return target
 
 
