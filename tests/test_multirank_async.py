@@ -4,8 +4,9 @@ Each job runs every scenario in one set of processes (start-up dominates):
 both engines save and reload (plain tensors, a replicated tensor, a DTensor
 and per-rank tensors), training collectives run on the default group while
 the background save runs its own, NVRx's plan cache survives repeated saves
-and a structure change on one rank only, and a write failure on one rank
-commits nothing and raises on every rank.
+and a structure change on one rank only, a write failure on one rank commits
+nothing and raises on every rank, and so do ranks that chose different
+engines.
 """
 
 from __future__ import annotations
@@ -95,6 +96,8 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
             if world == 2:  # the cache logic does not depend on the world size
                 _repeated_and_changed_structure(rank, world, mesh, saver, engine, os.path.join(root, f"rep-{engine}"))
             _one_rank_fails(rank, world, mesh, saver, engine, os.path.join(root, f"fail-{engine}"))
+        if world == 2:
+            _ranks_disagree_on_engine(rank, world, mesh, saver, os.path.join(root, "mixed"))
         # The module-level API (per-process default saver) across ranks too.
         uri = os.path.join(root, "default-saver")
         state = _state(rank, world, mesh, step=7)
@@ -186,6 +189,16 @@ def _one_rank_fails(rank: int, world: int, mesh: object, saver: dcpstore.AsyncSa
     saver.save(state, uri, engine=engine, workers=2).result(timeout=120)
     dist.barrier()
     assert os.path.exists(os.path.join(uri, ".metadata"))
+
+
+def _ranks_disagree_on_engine(rank: int, world: int, mesh: object, saver: dcpstore.AsyncSaver, uri: str) -> None:
+    # As if one node lacked NVRx under engine="auto": refused on every rank, no hang.
+    state = _state(rank, world, mesh, step=4)
+    handle = saver.save(state, uri, engine="nvrx" if rank == 0 else "native")
+    with pytest.raises(SaveError, match="different async engines"):
+        handle.result(timeout=120)
+    dist.barrier()
+    assert not os.path.exists(os.path.join(uri, ".metadata"))
 
 
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])

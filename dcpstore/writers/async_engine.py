@@ -314,6 +314,7 @@ class AsyncSaver:
         from ..api import CheckpointInfo
 
         try:
+            _agree_on_engine(engine, group)
             if engine == "nvrx":
                 from .nvrx import nvrx_save
 
@@ -373,6 +374,22 @@ class AsyncSaver:
             last = (key, fresh)
             self._nvrx_caches[id(group)] = last
         return last[1]
+
+
+def _agree_on_engine(engine: str, group: dist.ProcessGroup | None) -> None:
+    """Every rank must run the same engine (their collectives differ): with
+    engine="auto" a node without NVRx would otherwise pick native and hang
+    the others. One tiny all-reduce on the background group checks it."""
+    if group is None:
+        return
+    code = ENGINES.index(engine)
+    votes = torch.tensor([code, -code], dtype=torch.int32)
+    dist.all_reduce(votes, op=dist.ReduceOp.MIN, group=group)
+    if int(votes[0]) != -int(votes[1]):
+        raise SaveError(
+            f"ranks chose different async engines (this one: {engine!r}); pass the same explicit "
+            "engine= on every rank, or install nvidia-resiliency-ext on every node"
+        )
 
 
 def _as_save_error(e: BaseException, storage: Storage) -> SaveError:
