@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import threading
 import time
 import warnings
@@ -61,7 +62,7 @@ from torch.distributed.checkpoint.planner import SavePlanner
 
 from ..adapters import nvrx as nvrx_adapter
 from ..errors import CheckpointError, EngineFallbackWarning, InvalidArgument, SaveError
-from ..storage import Storage, redact
+from ..storage import Storage, StorageOptions, redact
 from .dcp import DcpStorageWriter, SaveStats, check_workers, default_workers
 from .staging import StagedState, Stager, StagingPool
 
@@ -207,14 +208,14 @@ class AsyncSaver:
     def save(
         self,
         state_dict: dict[str, Any],
-        uri: Any,
+        uri: str | os.PathLike[str],
         *,
         workers: int | None = None,
         enable_msc: bool = False,
         engine: str = "auto",
         process_group: dist.ProcessGroup | None = None,
         planner: SavePlanner | None = None,
-        storage_options: Any = None,
+        storage_options: StorageOptions | None = None,
         max_in_flight: int | None = None,
         _snapshot: bool = True,
         _stacklevel: int = 1,
@@ -232,23 +233,27 @@ class AsyncSaver:
         limit = self.max_in_flight if max_in_flight is None else _check_positive("max_in_flight", max_in_flight)
         workers = check_workers(workers, default_workers())
         storage = open_checkpoint_storage(uri, enable_msc=enable_msc, options=storage_options)
-        name = select_engine(engine, storage, stacklevel=_stacklevel + 1)
-        with self._lock:
-            if self._closed:
-                raise InvalidArgument("this AsyncSaver is closed")
-            self._wait_for_slot(limit)
-            group = self._groups.get(process_group)
-            t_stage = time.perf_counter()
-            staged = self._stager.stage(state_dict, alias_cpu=not _snapshot)
-            stage_s = time.perf_counter() - t_stage
-            blocked_s = time.perf_counter() - t0
-            job = functools.partial(
-                self._run, name, staged, storage, group, workers, planner, t0, stage_s, blocked_s
-            )
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(1, thread_name_prefix="dcpstore-async")
-            future = self._executor.submit(job)
-            self._pending.append(future)
+        try:  # until the background job owns the storage, close it on any failure
+            name = select_engine(engine, storage, stacklevel=_stacklevel + 1)
+            with self._lock:
+                if self._closed:
+                    raise InvalidArgument("this AsyncSaver is closed")
+                self._wait_for_slot(limit)
+                group = self._groups.get(process_group)
+                t_stage = time.perf_counter()
+                staged = self._stager.stage(state_dict, alias_cpu=not _snapshot)
+                stage_s = time.perf_counter() - t_stage
+                blocked_s = time.perf_counter() - t0
+                job = functools.partial(
+                    self._run, name, staged, storage, group, workers, planner, t0, stage_s, blocked_s
+                )
+                if self._executor is None:
+                    self._executor = ThreadPoolExecutor(1, thread_name_prefix="dcpstore-async")
+                future = self._executor.submit(job)
+                self._pending.append(future)
+        except BaseException:
+            storage.close()
+            raise
         from ..api import SaveHandle
 
         return SaveHandle(future, storage.uri, engine=name)

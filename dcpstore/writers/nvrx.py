@@ -26,10 +26,14 @@ Call order of one save, per rank::
 Durability on POSIX: NVRx fsyncs each data file in place (no rename); the
 manifest's atomic put then fsyncs the checkpoint directory, which makes the
 data files' directory entries durable before ``.metadata`` is renamed into
-place. Two saves to one URI: as with the native writer the later one wins
-and the earlier fails before committing; but NVRx writes data files in place
-(no rename), so the earlier save checks before and after each file rather
-than at the moment the file is published. Integrity: the same manifest (file sizes and CRC32C, item CRC32C,
+place.
+
+Two saves to one URI: as with the native writer the later one wins and the
+earlier fails before committing; but NVRx writes data files in place (no
+rename), so the earlier save checks before and after each file rather than at
+the moment the file is published.
+
+Integrity: the same manifest (file sizes and CRC32C, item CRC32C,
 ``.metadata`` CRC) as the native writer, computed from a read-back of what
 NVRx wrote rather than while streaming; on an MSC object store that read-back
 is one extra GET of each data file.
@@ -41,7 +45,9 @@ import functools
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, cast
+
+import torch
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
@@ -54,7 +60,7 @@ from torch.distributed.checkpoint.utils import _DistWrapper
 from ..adapters import nvrx as adapter
 from ..errors import SaveError
 from ..storage import Storage, redact
-from .dcp import SaveStats, check_still_ours, checksum_written_file, claim, commit_checkpoint
+from .dcp import SaveStats, _cpu_tensor, check_still_ours, checksum_written_file, claim, commit_checkpoint
 
 
 @functools.lru_cache(maxsize=1)
@@ -98,7 +104,13 @@ def writer_class() -> type:
                     continue
                 name = f"{prefix.prefix}{len(buckets)}{DEFAULT_SUFFIX}"
                 blobs = [(it, planner.resolve_data(it)) for it in items if it.type == WriteItemType.BYTE_IO]
-                tensors = [(it, planner.resolve_data(it).detach()) for it in items if it.type != WriteItemType.BYTE_IO]
+                # _cpu_tensor: a view of a larger storage is written compactly
+                # (torch.save would write the whole storage), as NVRx does too.
+                tensors = [
+                    (it, _cpu_tensor(cast(torch.Tensor, planner.resolve_data(it))))
+                    for it in items
+                    if it.type != WriteItemType.BYTE_IO
+                ]
                 buckets.append((os.path.join(self.checkpoint_dir, name), name, (blobs, tensors)))
             return buckets
 
