@@ -17,15 +17,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 
 from .errors import CheckpointError, InvalidArgument, LoadError, SaveError
 from .storage import Storage, StorageOptions, open_storage, redact
+from .writers.async_engine import ENGINES, AsyncSaver, default_saver
 from .writers.dcp import DcpStorageReader, DcpStorageWriter, SaveStats, check_workers
 
-ENGINES = ("auto", "native", "nvrx")
 
 # DCP warns on every call made without an initialised process group; a
 # single-process save is a supported, deliberate use here, so silence that
@@ -62,24 +63,30 @@ class SaveHandle:
     """The outcome of :func:`save`, shaped like ``concurrent.futures.Future``.
 
     A background error is raised from :meth:`result` (every call) as a
-    dcpstore exception chained to its cause; :meth:`exception` returns it.
+    :class:`SaveError` chained to its cause; :meth:`exception` returns it.
+    ``engine`` is the engine that runs the save (``"sync"`` for plain
+    synchronous saves).
     """
 
-    def __init__(self, future: Future[CheckpointInfo], uri: str) -> None:
+    def __init__(self, future: Future[CheckpointInfo], uri: str, *, engine: str = "sync") -> None:
         self._future = future
         self.uri = uri
+        self.engine = engine
 
     @classmethod
     def completed(cls, info: CheckpointInfo) -> SaveHandle:
         future: Future[CheckpointInfo] = Future()
         future.set_result(info)
-        return cls(future, info.uri)
+        return cls(future, info.uri, engine=info.engine)
 
     def done(self) -> bool:
         return self._future.done()
 
     def result(self, timeout: float | None = None) -> CheckpointInfo:
-        """Block until the save is committed; re-raise its error if it failed."""
+        """Block until the save is committed; re-raise its error if it failed.
+
+        ``TimeoutError`` if it is still running after ``timeout`` seconds.
+        """
         return self._future.result(timeout)
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
@@ -90,7 +97,7 @@ class SaveHandle:
 
     def __repr__(self) -> str:
         state = "done" if self.done() else "pending"
-        return f"<SaveHandle {self.uri} {state}>"
+        return f"<SaveHandle {self.uri} {self.engine} {state}>"
 
 
 def _check_common(workers: int | None, process_group: Any) -> None:
@@ -101,13 +108,6 @@ def _check_common(workers: int | None, process_group: Any) -> None:
 
 def _no_dist(process_group: Any) -> bool:
     return not (dist.is_available() and dist.is_initialized())
-
-
-def open_checkpoint_storage(
-    uri: str | os.PathLike[str], *, enable_msc: bool = False, options: StorageOptions | None = None
-) -> Storage:
-    """Open the storage for a checkpoint URI (the same choice save/load make)."""
-    return open_storage(uri, enable_msc=enable_msc, options=options)
 
 
 def save(
@@ -121,26 +121,57 @@ def save(
     process_group: dist.ProcessGroup | None = None,
     planner: SavePlanner | None = None,
     storage_options: StorageOptions | None = None,
+    max_in_flight: int = 1,
 ) -> SaveHandle:
     """Save ``state_dict`` to ``uri`` as a DCP checkpoint.
 
     Every rank calls it with its own shard of the state (SPMD, like
-    ``dcp.save``). Sync saves return a handle that is already done. The
-    checkpoint becomes visible only when its ``.metadata`` is committed,
-    after every rank's data is durable.
+    ``dcp.save``). The checkpoint becomes visible only when its ``.metadata``
+    is committed, after every rank's data is durable.
+
+    Sync (default): returns a handle that is already done; errors raise here.
+
+    ``async_=True``: returns once the state is staged (a host-memory copy);
+    from then on the caller may mutate its tensors. The write, commit and
+    finalize run on a background thread of the per-process default
+    :class:`AsyncSaver` (keep your own ``AsyncSaver`` to control its
+    lifetime); ``handle.result()`` re-raises a background failure as
+    :class:`SaveError`. At most ``max_in_flight`` async saves are pending: a
+    new one first waits for the oldest. ``engine`` chooses the async engine:
+    ``"native"`` (every backend), ``"nvrx"`` (NVRx's writer; local paths and
+    MSC), ``"auto"`` (NVRx where it can, else native with an
+    :class:`EngineFallbackWarning` saying why).
+
+    Sync saves use dcpstore's native writer unless ``engine="nvrx"``, which
+    runs the NVRx engine and waits for it.
     """
     if not isinstance(state_dict, dict):
         raise InvalidArgument(f"state_dict must be a dict, got {type(state_dict).__name__}")
     if engine not in ENGINES:
         raise InvalidArgument(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
     _check_common(workers, process_group)
-    if async_:
-        raise NotImplementedError("async_=True arrives with the async engines")
+    if async_ or engine == "nvrx":
+        handle = default_saver().save(
+            state_dict,
+            uri,
+            workers=workers,
+            enable_msc=enable_msc,
+            engine=engine,
+            process_group=process_group,
+            planner=planner,
+            storage_options=storage_options,
+            max_in_flight=max_in_flight,
+            _snapshot=async_,
+            _stacklevel=2,
+        )
+        if not async_:
+            handle.result()  # sync: raise here, like the native sync path
+        return handle
     t0 = time.perf_counter()
-    storage = open_checkpoint_storage(uri, enable_msc=enable_msc, options=storage_options)
+    storage = open_storage(uri, enable_msc=enable_msc, storage_options=storage_options)
     writer = DcpStorageWriter(storage, workers=workers)
     try:
-        dcp.save(
+        dcp_save(
             state_dict,
             storage_writer=writer,
             planner=planner,
@@ -198,11 +229,11 @@ def load(
     if not isinstance(state_dict, dict):
         raise InvalidArgument(f"state_dict must be a dict, got {type(state_dict).__name__}")
     _check_common(workers, process_group)
-    storage = open_checkpoint_storage(uri, enable_msc=enable_msc, options=storage_options)
+    storage = open_storage(uri, enable_msc=enable_msc, storage_options=storage_options)
     reader = DcpStorageReader(storage, workers=workers, verify=verify)
     reader.preload_metadata()
     try:
-        dcp.load(
+        dcp_load(
             state_dict,
             storage_reader=reader,
             planner=planner,
@@ -219,5 +250,6 @@ def load(
 def _root_cause(e: CheckpointException) -> BaseException | None:
     failures = getattr(e, "failures", None) or {}
     for _, exc in sorted(failures.items()):
-        return exc[0] if isinstance(exc, tuple) else exc
+        cause: BaseException = exc[0] if isinstance(exc, tuple) else exc
+        return cause
     return None

@@ -55,3 +55,7 @@ class SaveError(CheckpointError):
 
 class LoadError(CheckpointError):
     """A load failed."""
+
+
+class EngineFallbackWarning(UserWarning):
+    """``engine="auto"`` chose the native async engine; the message says why."""

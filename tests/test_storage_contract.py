@@ -79,6 +79,12 @@ def test_list_is_recursive_and_relative(storage: Storage) -> None:
     assert {o["path"] for o in storage.list("x")} == {"x/1.bin", "x/y/2.bin"}
 
 
+def test_list_prefix_is_a_directory_not_a_string_prefix(storage: Storage) -> None:
+    storage.put("x/1.bin", b"1")
+    storage.put("xy.bin", b"2")
+    assert [o["path"] for o in storage.list("x")] == ["x/1.bin"]
+
+
 def test_delete_ignores_missing(storage: Storage) -> None:
     storage.put("d.bin", b"d")
     storage.delete(["d.bin", "never-existed.bin"])

@@ -14,10 +14,12 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 from ..errors import InvalidURI
 
+#: Schemes whose authority is a bucket (or MSC profile) name.
+_OBJECT_SCHEMES = ("s3", "msc", "gs", "gcs", "az", "abfs")
 _SCHEME_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
 
 
@@ -48,16 +50,26 @@ class StorageURL:
 
 
 def redact(uri: str) -> str:
-    """Return ``uri`` with any user info and query string removed."""
-    if not _SCHEME_RE.match(uri):
+    """Return ``uri`` with any user info, query string and fragment removed.
+
+    Textual on purpose (no URL parser that could reject odd input): it must
+    be safe to call on anything a user passed in.
+    """
+    match = _SCHEME_RE.match(uri)
+    if not match:
         return uri
-    try:
-        parts = urlsplit(uri)
-    except ValueError:
-        return "<unparseable URI>"
-    netloc = parts.netloc.rsplit("@", 1)[-1]
-    query = "<redacted>" if parts.query else ""
-    return urlunsplit((parts.scheme, netloc, parts.path, query, ""))
+    rest = uri[match.end():]
+    authority, slash, path = rest.partition("/")
+    if ":" in authority and "@" in rest and "@" not in authority:
+        # "s3://KEY:SECRET@bucket/..." where the secret contains "/" (AWS
+        # secrets may): the user info runs past the first "/". Cut it there.
+        authority, slash, path = rest.split("@", 1)[1].partition("/")
+    authority = authority.rsplit("@", 1)[-1]
+    path, hook, _ = (slash + path).partition("?")
+    path = path.split("#", 1)[0]
+    if not hook and "?" in authority:
+        authority, hook = authority.split("?", 1)[0], "?"
+    return f"{match.group(0)}{authority.split('#', 1)[0]}{path}{'?<redacted>' if hook else ''}"
 
 
 def parse_uri(uri: str | os.PathLike[str]) -> StorageURL:
@@ -80,8 +92,13 @@ def parse_uri(uri: str | os.PathLike[str]) -> StorageURL:
             raise InvalidURI(f"malformed URI {redact(uri)!r}: expected 'scheme://...'")
         return StorageURL("file", "", os.path.abspath(os.path.expanduser(uri)), uri)
     scheme = match.group(1).lower()
-    parts = urlsplit(uri)
-    if "@" in parts.netloc:
+    try:
+        parts = urlsplit(uri)
+    except ValueError as e:  # e.g. an unbalanced '[' in the authority
+        raise InvalidURI(f"malformed URI {redact(uri)!r}: {e}") from e
+    # Bucket and profile names never hold ':'; there it starts "KEY:SECRET@"
+    # whose secret contained '/' and so ran into the path.
+    if "@" in parts.netloc or (scheme in _OBJECT_SCHEMES and ":" in parts.netloc):
         raise InvalidURI(
             f"URI {redact(uri)!r} embeds credentials; pass them through the "
             "backend's standard sources (environment, profile, config file) instead"
@@ -93,7 +110,7 @@ def parse_uri(uri: str | os.PathLike[str]) -> StorageURL:
             raise InvalidURI(f"file URI {uri!r} has no path")
         return StorageURL("file", "", os.path.abspath(parts.path), uri)
     path = parts.path.strip("/")
-    if scheme in ("s3", "msc", "gs", "gcs", "az", "abfs") and not parts.netloc:
+    if scheme in _OBJECT_SCHEMES and not parts.netloc:
         what = "profile" if scheme == "msc" else "bucket"
         raise InvalidURI(f"URI {redact(uri)!r} has no {what}: expected {scheme}://{what}/path")
     return StorageURL(scheme, parts.netloc, path, uri)

@@ -57,9 +57,17 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
-from ..errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound, InvalidArgument, StorageNotFound
+from ..errors import (
+    CheckpointCorrupt,
+    CheckpointError,
+    CheckpointNotFound,
+    InvalidArgument,
+    SaveError,
+    StorageNotFound,
+)
 from ..storage.base import MiB, ObjectWriter, Storage
 from .layout import (
+    INFLIGHT,
     MANIFEST,
     METADATA,
     FileEntry,
@@ -75,6 +83,8 @@ log = logging.getLogger(__name__)
 
 #: Neighbouring items of one file are read together up to this many bytes.
 COALESCE_LIMIT = 64 * MiB
+#: Read-back piece size when checksumming a file another writer produced.
+CHECKSUM_CHUNK = 16 * MiB
 
 
 def check_workers(workers: int | None, default: int) -> int:
@@ -112,6 +122,14 @@ class ItemRecord:
 
 
 @dataclass
+class SaveToken(_StoragePrefix):
+    """The coordinator's per-rank plan data: the file prefix (``__{rank}_``,
+    as stock DCP) and the save id every rank checks before publishing."""
+
+    save_id: str = ""
+
+
+@dataclass
 class SaveStats:
     """Phase timings and volume of one save on this rank (seconds, bytes)."""
 
@@ -124,37 +142,60 @@ class SaveStats:
 
 
 class _ChecksummingStream:
-    """File-like adapter: keeps item and file CRC32Cs and coalesces small writes.
+    """File-like adapter between torch.save and an :class:`ObjectWriter`.
 
-    ``torch.save`` makes about a dozen tiny writes per tensor (zip headers,
-    the pickle, the record names); passed on one by one they cost one backend
-    call each -- a syscall on local files, ~240,000 of them for 20,000 small
-    tensors -- which costs more than the bytes. Writes under
-    ``SMALL_WRITE`` are gathered and handed on in ``FLUSH_AT`` pieces;
-    large ones (the tensor data) go straight through without a copy.
+    Keeps the item and file CRC32Cs, and coalesces small writes: torch.save
+    emits ~40 tiny writes (zip headers) per tensor, and 20,000 small tensors
+    would otherwise cost ~800,000 storage calls. Large writes (tensor data)
+    pass straight through without a copy.
     """
 
-    SMALL_WRITE = 64 * 1024
-    FLUSH_AT = 1 * MiB
+    SMALL = 64 << 10
+    BUFFER = 1 << 20
 
     def __init__(self, writer: ObjectWriter) -> None:
         self._writer = writer
         self._buf = bytearray()
         self.file_crc = 0
         self.item_crc = 0
+        #: The first storage error. torch.save's C++ writer swallows
+        #: exceptions raised by ``write`` and reports its own RuntimeError
+        #: ("unexpected pos ..."); we re-raise this one instead.
+        self.error: BaseException | None = None
 
     def write(self, data: Any) -> int:
-        n = memoryview(data).nbytes
+        size = memoryview(data).nbytes
         self.item_crc = crc32c.crc32c(data, self.item_crc)
-        if n < self.SMALL_WRITE:
+        self.file_crc = crc32c.crc32c(data, self.file_crc)
+        if size < self.SMALL:
             self._buf += data
-            if len(self._buf) >= self.FLUSH_AT:
-                self.flush()
+            if len(self._buf) >= self.BUFFER:
+                self.drain()
         else:
-            self.flush()
-            self.file_crc = crc32c.crc32c(data, self.file_crc)
+            self.drain()
+            self._forward(data)
+        return size
+
+    def drain(self) -> None:
+        """Hand buffered bytes to the writer (before commit, and when full)."""
+        if self._buf:
+            buf, self._buf = self._buf, bytearray()
+            self._forward(buf)
+
+    def _forward(self, data: Any) -> None:
+        try:
             self._writer.write(data)
-        return n
+        except BaseException as e:
+            self.error = self.error or e
+            raise
+
+    def save_tensor(self, tensor: torch.Tensor) -> None:
+        try:
+            torch.save(tensor, cast(IO[bytes], self))
+        except Exception:
+            if self.error is not None:
+                raise self.error  # keeps its own __cause__ (the OSError)
+            raise
 
     def tell(self) -> int:
         return self._writer.tell() + len(self._buf)
@@ -163,10 +204,8 @@ class _ChecksummingStream:
         return True
 
     def flush(self) -> None:
-        if self._buf:
-            self.file_crc = crc32c.crc32c(self._buf, self.file_crc)
-            self._writer.write(self._buf)
-            self._buf = bytearray()  # a fresh one: the writer may not keep a reference, but never risk it
+        """torch.save flushes after every tensor; batching across tensors is
+        the point of the buffer, so this is deliberately a no-op."""
 
 
 def _item_nbytes(item: WriteItem) -> int:
@@ -205,6 +244,16 @@ def _cpu_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def _resolve(planner: SavePlanner, item: WriteItem, lock: threading.Lock) -> io.BytesIO | torch.Tensor:
+    """The bytes or CPU tensor to write for ``item``; errors name the key."""
+    try:
+        with lock:
+            data = planner.resolve_data(item)
+        return data if isinstance(data, io.BytesIO) else _cpu_tensor(data)
+    except Exception as e:
+        raise SaveError(f"cannot serialise {item.index.fqn!r}: {type(e).__name__}: {e}") from e
+
+
 class DcpStorageWriter(StorageWriter):
     """A DCP ``StorageWriter`` over any :class:`Storage`.
 
@@ -237,14 +286,14 @@ class DcpStorageWriter(StorageWriter):
                     f"this writer is bound to {self.storage.uri}; cannot switch to another checkpoint_id"
                 )
             self.storage = self._reopen(os.fspath(checkpoint_id))
-        self.stats = SaveStats(_t0=time.perf_counter())
-        self.save_id = os.urandom(8).hex()
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        # DCP calls reset() only when given a checkpoint_id; this runs on
+        # every save, so per-save state starts here.
         self.is_coordinator = is_coordinator
         self.rank = kwargs.get("rank") or 0
-        if not self.stats._t0:
-            self.stats._t0 = time.perf_counter()
+        self.stats = SaveStats(_t0=time.perf_counter())
+        self.save_id = os.urandom(8).hex()
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         self.storage.makedirs()
@@ -254,28 +303,30 @@ class DcpStorageWriter(StorageWriter):
         # Retract any older commit at this URI *before* any rank overwrites
         # its data files: a crash mid-save must never leave an old .metadata
         # pointing at new, partial data.
-        self.storage.delete([METADATA, MANIFEST])
-        return [dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{i}_")) for i, plan in enumerate(plans)]
+        claim(self.storage, self.save_id)
+        return [
+            dataclasses.replace(plan, storage_data=SaveToken(f"__{i}_", self.save_id)) for i, plan in enumerate(plans)
+        ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         t_start = time.perf_counter()
         self.stats.plan_s = t_start - self.stats._t0
-        prefix: _StoragePrefix = plan.storage_data
+        token: SaveToken = plan.storage_data
         buckets = split_buckets(plan.items, self.workers)
         lock = threading.Lock()  # planners are not promised to be thread-safe
         future: Future[list[WriteResult]] = Future()
         try:
             if len(buckets) <= 1:
-                per_file = [self._write_file(data_file_name(prefix.prefix, i), b, planner, lock) for i, b in enumerate(buckets)]
+                per_file = [self._write_file(data_file_name(token.prefix, i), b, token.save_id, planner, lock) for i, b in enumerate(buckets)]
             else:
                 with ThreadPoolExecutor(len(buckets), thread_name_prefix="dcpstore-write") as pool:
                     futures = [
-                        pool.submit(self._write_file, data_file_name(prefix.prefix, i), bucket, planner, lock)
+                        pool.submit(self._write_file, data_file_name(token.prefix, i), bucket, token.save_id, planner, lock)
                         for i, bucket in enumerate(buckets)
                     ]
                     per_file = [f.result() for f in futures]
         except BaseException as e:  # DCP gathers exceptions across ranks
-            future.set_exception(e)
+            future.set_exception(e)  # type: ignore[arg-type]  # torch's stub types it as the value
             return future
         results = [r for rs in per_file for r in rs]
         self.stats.write_s = time.perf_counter() - t_start
@@ -285,24 +336,26 @@ class DcpStorageWriter(StorageWriter):
         return future
 
     def _write_file(
-        self, name: str, items: list[WriteItem], planner: SavePlanner, lock: threading.Lock
+        self, name: str, items: list[WriteItem], save_id: str, planner: SavePlanner, lock: threading.Lock
     ) -> list[WriteResult]:
         pending: list[tuple[WriteItem, int, int, int]] = []
         size_hint = sum(_item_nbytes(it) for it in items)
         with self.storage.open_write(name, size_hint=size_hint) as writer:
             stream = _ChecksummingStream(writer)
             for item in items:
-                with lock:
-                    data = planner.resolve_data(item)
+                data = _resolve(planner, item, lock)
                 offset = stream.tell()
                 stream.item_crc = 0
-                if item.type == WriteItemType.BYTE_IO:
+                if isinstance(data, io.BytesIO):
                     stream.write(data.getbuffer())
                 else:
-                    torch.save(_cpu_tensor(data), stream)
+                    stream.save_tensor(data)
                 pending.append((item, offset, stream.tell() - offset, stream.item_crc))
-            stream.flush()
+            stream.drain()
             file_size, file_crc = writer.tell(), stream.file_crc
+            # Leaving the block publishes the file; a save that lost its
+            # URI to a later save must not clobber that save's files.
+            self._check_still_ours(save_id)
         return [
             WriteResult(
                 index=item.index,
@@ -314,31 +367,11 @@ class DcpStorageWriter(StorageWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         t_start = time.perf_counter()
-        storage_data: dict[MetadataIndex, _StorageInfo] = {}
-        files: dict[str, FileEntry] = {}
-        items: dict[str, int] = {}
-        for rank_results in results:
-            for wr in rank_results:
-                rec: ItemRecord = wr.storage_data
-                storage_data[wr.index] = _StorageInfo(rec.relative_path, rec.offset, rec.length)
-                files[rec.relative_path] = {"size": rec.file_size, "crc32c": rec.file_crc32c}
-                items[item_key(rec.relative_path, rec.offset)] = rec.crc32c
-        metadata.storage_data = storage_data
-        metadata.storage_meta = self.storage_meta()
-        blob = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
-        self.storage.put(MANIFEST, build_manifest(files, items, crc32c.crc32c(blob)))
-        self.storage.put(METADATA, blob)  # the commit point
-        self._remove_stale_data(files)
+        commit_checkpoint(self.storage, metadata, results, self.storage_meta(), self.save_id)
         self.stats.commit_s = time.perf_counter() - t_start
 
-    def _remove_stale_data(self, live: dict[str, FileEntry]) -> None:
-        """Delete data files an older checkpoint at this URI left behind."""
-        try:
-            stale = [o["path"] for o in self.storage.list() if is_data_file(o["path"]) and o["path"] not in live]
-            if stale:
-                self.storage.delete(stale)
-        except CheckpointError as e:  # the commit already happened; cleanup is best effort
-            log.warning("could not remove stale data files under %s: %s", self.storage.uri, e)
+    def _check_still_ours(self, save_id: str) -> None:
+        check_still_ours(self.storage, save_id)
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.storage.uri, save_id=self.save_id)
@@ -356,6 +389,119 @@ class DcpStorageWriter(StorageWriter):
         except CheckpointError:
             return False
         return True
+
+
+def commit_checkpoint(
+    storage: Storage,
+    metadata: Metadata,
+    results: list[list[WriteResult]],
+    storage_meta: StorageMeta | None,
+    save_id: str,
+) -> None:
+    """The coordinator's commit, shared by every writer: check the URI is
+    still this save's (``save_id`` in the in-flight marker), then the
+    manifest, then ``.metadata`` last; then drop the marker and the data
+    files an older checkpoint at this URI left behind.
+
+    ``results`` are every rank's write results whose ``storage_data`` is an
+    :class:`ItemRecord`. Call only after *every* rank's data files are
+    durable (DCP and NVRx both gather the results first).
+    """
+    storage_data: dict[MetadataIndex, _StorageInfo] = {}
+    files: dict[str, FileEntry] = {}
+    items: dict[str, int] = {}
+    for rank_results in results:
+        for wr in rank_results:
+            rec: ItemRecord = wr.storage_data
+            storage_data[wr.index] = _StorageInfo(rec.relative_path, rec.offset, rec.length)
+            files[rec.relative_path] = {"size": rec.file_size, "crc32c": rec.file_crc32c}
+            items[item_key(rec.relative_path, rec.offset)] = rec.crc32c
+    metadata.storage_data = storage_data
+    metadata.storage_meta = storage_meta
+    blob = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
+    check_still_ours(storage, save_id)
+    storage.put(MANIFEST, build_manifest(files, items, crc32c.crc32c(blob)))
+    storage.put(METADATA, blob)  # the commit point
+    storage.delete([INFLIGHT])
+    remove_stale_data(storage, files)
+
+
+def claim(storage: Storage, save_id: str) -> None:
+    """Start a save at ``storage`` (coordinator, before any rank writes):
+    retract an older commit, so that a crash mid-save never leaves an old
+    ``.metadata`` pointing at new, partial data, and mark the URI as this
+    save's."""
+    storage.delete([METADATA, MANIFEST])
+    storage.put(INFLIGHT, save_id.encode())
+
+
+def check_still_ours(storage: Storage, save_id: str) -> None:
+    """Refuse to publish a file or commit once another save to this URI
+    has started (it replaced our in-flight marker): the later save wins,
+    this one fails clearly and never writes over the winner's files."""
+    try:
+        owner = storage.read(INFLIGHT).decode(errors="replace")
+    except StorageNotFound:
+        owner = "<none>"
+    if owner != save_id:
+        raise SaveError(
+            f"another save to {storage.uri} started while this one was writing "
+            f"(its save id {owner}, ours {save_id}); nothing was committed by this save"
+        )
+
+
+def checksum_written_file(storage: Storage, path: str, results: list[WriteResult]) -> list[WriteResult]:
+    """Checksum a data file that another writer (NVRx) produced, by reading it
+    back once in ``CHECKSUM_CHUNK`` pieces, and return ``results`` with
+    :class:`ItemRecord` storage data for the manifest.
+
+    ``results`` are that file's DCP write results (``_StorageInfo`` storage
+    data: offset and length of each item).
+    """
+    spans = sorted(results, key=lambda wr: wr.storage_data.offset)
+    size = storage.size(path)
+    file_crc = 0
+    item_crcs = [0] * len(spans)
+    pos = first = 0  # spans before ``first`` end before ``pos``
+    while pos < size:
+        chunk = memoryview(storage.read_range(path, pos, min(CHECKSUM_CHUNK, size - pos)))
+        if not chunk:
+            break
+        file_crc = crc32c.crc32c(chunk, file_crc)
+        end = pos + len(chunk)
+        while first < len(spans) and _span_end(spans[first]) <= pos:
+            first += 1
+        i = first
+        while i < len(spans) and spans[i].storage_data.offset < end:
+            lo, hi = max(pos, spans[i].storage_data.offset), min(end, _span_end(spans[i]))
+            if lo < hi:
+                item_crcs[i] = crc32c.crc32c(chunk[lo - pos : hi - pos], item_crcs[i])
+            i += 1
+        pos = end
+    if pos != size:
+        raise CheckpointCorrupt(f"{storage.describe(path)}: read back {pos} of {size} bytes right after writing it")
+    return [
+        WriteResult(
+            index=wr.index,
+            size_in_bytes=wr.size_in_bytes,
+            storage_data=ItemRecord(path, wr.storage_data.offset, wr.storage_data.length, crc, size, file_crc),
+        )
+        for wr, crc in zip(spans, item_crcs)
+    ]
+
+
+def _span_end(wr: WriteResult) -> int:
+    return int(wr.storage_data.offset + wr.storage_data.length)
+
+
+def remove_stale_data(storage: Storage, live: dict[str, FileEntry]) -> None:
+    """Delete data files an older checkpoint at this URI left behind."""
+    try:
+        stale = [o["path"] for o in storage.list() if is_data_file(o["path"]) and o["path"] not in live]
+        if stale:
+            storage.delete(stale)
+    except CheckpointError as e:  # the commit already happened; cleanup is best effort
+        log.warning("could not remove stale data files under %s: %s", storage.uri, e)
 
 
 # ---------------------------------------------------------------------------
@@ -388,8 +534,8 @@ def read_checkpoint_metadata(storage: Storage) -> tuple[Metadata, Manifest | Non
 def _why_missing(storage: Storage) -> str:
     try:
         leftovers = [o["path"] for o in storage.list() if is_data_file(o["path"]) or o["path"] == MANIFEST]
-    except StorageNotFound:
-        leftovers = []
+    except StorageNotFound as e:  # e.g. the bucket itself does not exist: say so
+        return f"no checkpoint at {storage.uri}: {e}"
     except CheckpointError as e:
         return f"no checkpoint at {storage.uri} (and listing it failed: {e})"
     if leftovers:
@@ -451,7 +597,6 @@ class DcpStorageReader(StorageReader):
                 raise InvalidArgument(f"this reader is bound to {self.storage.uri}")
             self.storage = self._reopen(os.fspath(checkpoint_id))
             self._metadata = None
-        self.bytes_read = 0
 
     def preload_metadata(self) -> Metadata:
         """Read and verify the commit now (every rank), so that a missing or
@@ -470,6 +615,7 @@ class DcpStorageReader(StorageReader):
         if metadata.storage_data is None:
             raise CheckpointCorrupt(f"{self.storage.describe(METADATA)}: no storage_data")
         self._storage_data = metadata.storage_data
+        self.bytes_read = 0
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -502,7 +648,7 @@ class DcpStorageReader(StorageReader):
                     for f in [pool.submit(self._read_span, s, planner, lock) for s in spans]:
                         f.result()
         except BaseException as e:
-            future.set_exception(e)
+            future.set_exception(e)  # type: ignore[arg-type]  # torch's stub types it as the value
             return future
         future.set_result(None)
         return future
