@@ -44,15 +44,16 @@ def _note(r: Row) -> str:
 
 
 def rows_table(rows: Sequence[Row]) -> str:
-    head = ["entry", "backend", "W", "save GB/s", "load GB/s", "blocked s", "plan/stage/write/commit s",
-            "RSS growth", "note"]  # fmt: skip
+    head = ["entry", "backend", "W", "save GB/s", "load GB/s", "blocked s", "CPU s save/load",
+            "plan/stage/write/commit s", "RSS growth", "note"]  # fmt: skip
     body = []
     for r in rows:
         ph = r.get("phases") or {}
         phases = "/".join(f"{ph[p]:.2f}" for p in ("plan", "stage", "write", "commit") if p in ph) or "-"
         growth = r.get("rss_growth_bytes")
         body.append([r["name"], r["backend"], str(r["workers"]), _num(r.get("write_gbps")), _num(r.get("read_gbps")),
-                     _num(r.get("blocked_s")), phases if r["status"] == "ok" else "-",
+                     _num(r.get("blocked_s")), f"{_num(r.get('write_cpu_s'), '.2f')}/{_num(r.get('read_cpu_s'), '.2f')}",
+                     phases if r["status"] == "ok" else "-",
                      human_bytes(growth) if growth is not None else "-", _note(r)])  # fmt: skip
     return targets.markdown_table(head, body)
 

@@ -64,7 +64,7 @@ def test_cli_bench_measures_verifies_and_cleans_up(tmp_path) -> None:
         assert r["backend"] == "local" and r["engine"] == "sync" and r["mode"] == "sync"
         assert r["bytes"] == 16 * 2**20 and r["tensors"] == 8
         assert r["bytes_written"] >= r["bytes"]  # torch.save framing on top of the payload
-        assert r["write_s"] > 0 and r["read_s"] > 0
+        assert r["write_s"] > 0 and r["read_s"] > 0 and r["write_cpu_s"] > 0 and r["read_cpu_s"] > 0
         assert r["write_gbps"] == pytest.approx(r["bytes"] / r["write_s"] / 1e9)
         assert r["read_gbps"] == pytest.approx(r["bytes"] / r["read_s"] / 1e9)
         assert r["blocked_s"] == pytest.approx(r["write_s"], rel=0.05, abs=0.01)  # sync: blocks for the whole save

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import re
+import resource
 import threading
 import time
 from types import TracebackType
@@ -217,16 +218,24 @@ def drop_page_cache() -> bool:
     return True
 
 
+def process_cpu_s() -> float:
+    """CPU seconds this process has used, all threads (not its children)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 class Stopwatch:
-    """``with Stopwatch() as sw: ...; sw.s`` -- wall seconds of the block."""
+    """``with Stopwatch() as sw: ...`` -- ``sw.s`` wall seconds of the block,
+    ``sw.cpu_s`` this process's CPU seconds during it."""
 
     def __init__(self) -> None:
-        self.s = 0.0
-        self._t0 = 0.0
+        self.s = self.cpu_s = 0.0
+        self._t0 = self._c0 = 0.0
 
     def __enter__(self) -> Stopwatch:
-        self._t0 = time.perf_counter()
+        self._t0, self._c0 = time.perf_counter(), process_cpu_s()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.s = time.perf_counter() - self._t0
+        self.cpu_s = process_cpu_s() - self._c0

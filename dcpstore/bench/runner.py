@@ -39,9 +39,9 @@ log = logging.getLogger(__name__)
 #: Keys every JSON record carries (the schema the tests check).
 RECORD_KEYS = (
     "name", "group", "backend", "engine", "mode", "workers", "ranks", "tensors", "bytes", "repeat",
-    "status", "reason", "write_s", "write_gbps", "read_s", "read_gbps", "blocked_s", "phases",
-    "bytes_written", "peak_rss_bytes", "rss_before_bytes", "rss_growth_bytes", "load_peak_rss_bytes", "cold_read",
-    "verified",
+    "status", "reason", "write_s", "write_gbps", "read_s", "read_gbps", "blocked_s", "write_cpu_s",
+    "read_cpu_s", "phases", "bytes_written", "peak_rss_bytes", "rss_before_bytes", "rss_growth_bytes",
+    "load_peak_rss_bytes", "cold_read", "verified",
 )  # fmt: skip
 
 
@@ -121,6 +121,11 @@ class Record:
     read_s: float | None = None
     read_gbps: float | None = None
     blocked_s: float | None = None
+    #: CPU seconds of this process (all threads, not children or servers)
+    #: during the save (until durable) and the load: steadier than wall time
+    #: on a shared machine.
+    write_cpu_s: float | None = None
+    read_cpu_s: float | None = None
     phases: dict[str, float] = field(default_factory=dict)
     bytes_written: int | None = None
     peak_rss_bytes: int | None = None
@@ -251,7 +256,7 @@ def _measure_once(
             with Stopwatch() as stall:
                 wait = entry.save(state)
             outcome = wait()
-    rec.blocked_s, rec.write_s = stall.s, total.s
+    rec.blocked_s, rec.write_s, rec.write_cpu_s = stall.s, total.s, total.cpu_s
     rec.write_gbps = _gbps(nbytes, total.s)
     rec.phases = dict(outcome.phases)
     rec.bytes_written = outcome.bytes_written
@@ -266,7 +271,7 @@ def _measure_once(
     with PeakRSS() as load_rss:
         with Stopwatch() as read:
             entry.load(dest)
-    rec.read_s, rec.read_gbps = read.s, _gbps(nbytes, read.s)
+    rec.read_s, rec.read_gbps, rec.read_cpu_s = read.s, _gbps(nbytes, read.s), read.cpu_s
     rec.load_peak_rss_bytes = load_rss.peak
     if verify:
         rec.verified = states_equal(state, dest)
@@ -278,8 +283,8 @@ def _measure_once(
 # Summaries
 # ---------------------------------------------------------------------------
 
-_MEDIAN_KEYS = ("write_s", "write_gbps", "read_s", "read_gbps", "blocked_s", "peak_rss_bytes", "rss_before_bytes",
-                "rss_growth_bytes", "load_peak_rss_bytes")  # fmt: skip
+_MEDIAN_KEYS = ("write_s", "write_gbps", "read_s", "read_gbps", "blocked_s", "write_cpu_s", "read_cpu_s",
+                "peak_rss_bytes", "rss_before_bytes", "rss_growth_bytes", "load_peak_rss_bytes")  # fmt: skip
 
 
 def summarize(records: Iterable[Record | dict[str, Any]]) -> list[dict[str, Any]]:
