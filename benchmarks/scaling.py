@@ -56,6 +56,18 @@ def point_entries(root: str, run_id: str, workers: int, *, raw: bool = True) -> 
     return out
 
 
+def repeat_entries(root: str, run_id: str, workers: int) -> list[tuple[str, Entry]]:
+    """Saves of one structure again and again: sync, both async engines (the
+    nvrx engine caches its plan for a repeated structure) and dcp's own."""
+    base = os.path.join(root, "dcpstore")
+    return [
+        *point_entries(root, run_id, workers, raw=False),
+        ("dcpstore async/native", DcpstoreEntry(base, run_id, workers=workers, engine="native", async_=True)),
+        ("dcpstore async/nvrx", DcpstoreEntry(base, run_id, workers=workers, engine="nvrx", async_=True)),
+        ("dcp.async_save", peers.DcpFileSystem(root, workers, async_=True)),
+    ]
+
+
 def run_point(sweep: str, x_name: str, x: Any, entries: list[tuple[str, Entry]], state: dict[str, torch.Tensor],
               dest: dict[str, torch.Tensor], repeat: int, progress: bool, drop_caches: bool) -> list[Record]:  # fmt: skip
     for family, entry in entries:
@@ -197,7 +209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for n in parse_int_list(args.workers):
                 records += run_point("workers", "workers", n, point_entries(root, run_id, n), state, dest, args.repeat, **opts)
         if "repeat" in sweeps:
-            records += run_point("repeat", "saves", args.saves, point_entries(root, run_id, w, raw=False), state, dest,
+            records += run_point("repeat", "saves", args.saves, repeat_entries(root, run_id, w), state, dest,
                                  args.saves, **opts)  # fmt: skip
         if "tensors" in sweeps:
             for n in parse_int_list(args.counts, "counts"):
@@ -242,9 +254,11 @@ def write_plots(directory: str, rows: list[dict[str, Any]], records: list[Record
                 print(f"wrote {path}")
     per_save = [dict(r.to_json(), x=r.repeat + 1) for r in records if r.extra.get("sweep") == "repeat"]
     if per_save:
-        path = os.path.join(directory, "scaling_repeat.png")
-        plots.sweep_plot(path, per_save, "x", "time per save, same structure saved again", logx=False, metric="write_s")
-        print(f"wrote {path}")
+        for metric, name, title in (("write_s", "scaling_repeat.png", "seconds until durable, per save"),
+                                    ("blocked_s", "scaling_repeat_blocked.png", "seconds the caller was blocked, per save")):  # fmt: skip
+            path = os.path.join(directory, name)
+            plots.sweep_plot(path, per_save, "x", f"same structure saved again: {title}", logx=False, metric=metric)
+            print(f"wrote {path}")
 
 
 if __name__ == "__main__":
