@@ -182,7 +182,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     state = make_state(size, args.tensors)
     dest = zeros_like_state(state)
     all_records: list[Record] = []
-    common = {"repeat": args.repeat, "progress": not args.quiet, "drop_caches": not args.warm}
+    server_pids: set[int] = set()  # moto and the proxy: their memory is the storage's, not the client's
+    common = {"repeat": args.repeat, "progress": not args.quiet, "drop_caches": not args.warm,
+              "rss_ignore_pids": server_pids}  # fmt: skip
 
     def run(title: str, entries: list[Entry], st: dict[str, torch.Tensor], de: dict[str, torch.Tensor]) -> None:
         recs = run_entries(_select(entries, args.only), st, de, desc=title, **common)
@@ -195,7 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "local" in sections:
             run("local", local_section(root, run_id, workers), state, dest)
         if sections & {"s3", "wan"}:
-            with servers.moto_server() as endpoint:
+            with servers.moto_server(server_pids) as endpoint:
                 servers.create_bucket(endpoint, BUCKET)
                 msc_config = os.path.join(root, "msc.json")
                 if "s3" in sections:
@@ -205,7 +207,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if "wan" in sections:
                     wan_state = make_state(parse_size(args.wan_size), args.tensors)
                     wan_dest = zeros_like_state(wan_state)
-                    with servers.wan_proxy(endpoint, latency_ms=args.wan_latency_ms, rate_mbps=args.wan_rate_mbps) as proxy:
+                    with servers.wan_proxy(endpoint, latency_ms=args.wan_latency_ms, rate_mbps=args.wan_rate_mbps,
+                                           pids=server_pids) as proxy:  # fmt: skip
                         servers.write_msc_config(msc_config, {"wan": (proxy, BUCKET)})
                         with servers.env({"MSC_CONFIG": msc_config, **servers.FAKE_CREDENTIALS}):
                             run("wan", wan_section(proxy, run_id, workers, "wan"), wan_state, wan_dest)

@@ -23,6 +23,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
 import targets  # noqa: E402
+from dcpstore.bench import summarize  # noqa: E402
 from dcpstore.bench.measure import human_bytes  # noqa: E402
 
 Row = dict[str, Any]
@@ -84,13 +85,13 @@ def blocks(compare: dict[str, Any] | None, scaling: dict[str, Any] | None) -> di
     out["meta"] = meta_block(docs)
     results: list[Row] = []
     if compare:
-        summary = compare["summary"]
+        summary = summarize(compare["records"])  # re-derived: summaries gain fields over time
         for section in ("local", "s3", "wan"):
             out[section] = rows_table([r for r in summary if r.get("extra", {}).get("section") == section])
         # Recomputed from the summary so that edited target definitions apply to old runs too.
         results += targets.evaluate_all(targets.compare_targets(max(compare["meta"]["workers"])), summary)
     if scaling:
-        summary = scaling["summary"]
+        summary = summarize(scaling["records"])
         for sweep in ("bytes", "tensors", "workers", "ranks", "repeat"):
             sub = [r for r in summary if r.get("extra", {}).get("sweep") == sweep]
             if sweep == "repeat":

@@ -65,13 +65,16 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 @contextlib.contextmanager
-def moto_server() -> Iterator[str]:
-    """A moto S3 server on a free loopback port; yields its endpoint URL."""
+def moto_server(pids: set[int] | None = None) -> Iterator[str]:
+    """A moto S3 server on a free loopback port; yields its endpoint URL.
+    Its pid goes into ``pids`` (to leave the server out of RSS figures)."""
     port = free_port()
     proc = subprocess.Popen(
         [_moto_binary(), "-H", "127.0.0.1", "-p", str(port)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
+    if pids is not None:
+        pids.add(proc.pid)
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_http(url, proc)
@@ -81,7 +84,7 @@ def moto_server() -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def wan_proxy(endpoint: str, *, latency_ms: float, rate_mbps: float) -> Iterator[str]:
+def wan_proxy(endpoint: str, *, latency_ms: float, rate_mbps: float, pids: set[int] | None = None) -> Iterator[str]:
     """The shaping proxy (benchmarks/wanproxy.py) in front of ``endpoint``."""
     upstream = endpoint.split("://", 1)[-1].rstrip("/")
     proc = subprocess.Popen(
@@ -89,6 +92,8 @@ def wan_proxy(endpoint: str, *, latency_ms: float, rate_mbps: float) -> Iterator
          "--latency-ms", str(latency_ms), "--rate-mbps", str(rate_mbps)],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
     )  # fmt: skip
+    if pids is not None:
+        pids.add(proc.pid)
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline().decode().strip()

@@ -19,7 +19,7 @@ import contextlib
 import os
 import sys
 import uuid
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from .measure import human_bytes, make_state, parse_int_list, parse_size, zeros_like_state
@@ -64,6 +64,7 @@ def run_entries(
     verify: bool = True,
     progress: bool = True,
     desc: str = "bench",
+    rss_ignore_pids: Collection[int] = (),
 ) -> list[Record]:
     """Measure the entries (interleaved, see :func:`measure_all`) under one
     progress bar on stderr; a line per measurement is printed above the bar."""
@@ -80,7 +81,7 @@ def run_entries(
                 tqdm.write(_line(rec), file=sys.stderr)
 
         records = measure_all(entries, state, dest, repeat=repeat, drop_caches=drop_caches, verify=verify,
-                              on_record=on_record)  # fmt: skip
+                              on_record=on_record, rss_ignore_pids=rss_ignore_pids)  # fmt: skip
     return records
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import abc
 import logging
 import statistics
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -177,13 +177,16 @@ def measure_all(
     drop_caches: bool = True,
     verify: bool = True,
     on_record: Callable[[Record], None] | None = None,
+    rss_ignore_pids: Collection[int] = (),
 ) -> list[Record]:
     """Measure every entry ``repeat`` times, *interleaved*: repeat 1 of every
     entry, then repeat 2 of every entry, ... so that a slow spell of a shared
     machine lands on all entries alike instead of on whichever ran then.
 
     Records come back grouped by entry (in ``entries`` order), then repeat.
-    An entry that skips or fails stops there; the others go on.
+    An entry that skips or fails stops there; the others go on. Child
+    processes in ``rss_ignore_pids`` (an S3 server the benchmark started)
+    are left out of the RSS figures.
     """
     nbytes = state_bytes(state)
     records: dict[int, list[Record]] = {i: [] for i in range(len(entries))}
@@ -211,7 +214,7 @@ def measure_all(
             for i in list(active):
                 entry, rec = entries[i], blank(entries[i], r)
                 try:
-                    _measure_once(entry, state, dest, rec, nbytes, drop_caches, verify)
+                    _measure_once(entry, state, dest, rec, nbytes, drop_caches, verify, rss_ignore_pids)
                 except SKIP_ERRORS as e:
                     _mark(rec, "skipped", e)
                 except Exception as e:
@@ -250,8 +253,9 @@ def _measure_once(
     nbytes: int,
     drop_caches: bool,
     verify: bool,
+    rss_ignore_pids: Collection[int] = (),
 ) -> None:
-    with PeakRSS() as rss:
+    with PeakRSS(ignore_pids=rss_ignore_pids) as rss:
         with Stopwatch() as total:
             with Stopwatch() as stall:
                 wait = entry.save(state)
@@ -268,7 +272,7 @@ def _measure_once(
         return
     zero_state(dest)
     rec.cold_read = drop_page_cache() if (drop_caches and entry.page_cached) else False
-    with PeakRSS() as load_rss:
+    with PeakRSS(ignore_pids=rss_ignore_pids) as load_rss:
         with Stopwatch() as read:
             entry.load(dest)
     rec.read_s, rec.read_gbps, rec.read_cpu_s = read.s, _gbps(nbytes, read.s), read.cpu_s
@@ -307,6 +311,10 @@ def summarize(records: Iterable[Record | dict[str, Any]]) -> list[dict[str, Any]
         for key in _MEDIAN_KEYS:
             values = [r[key] for r in ok if r.get(key) is not None]
             first[key] = statistics.median(values) if values else None
+        # The first save of an engine that keeps staging buffers allocates
+        # them; later saves reuse them, so the median growth hides it.
+        growths = [r["rss_growth_bytes"] for r in ok if r.get("rss_growth_bytes") is not None]
+        first["rss_growth_max_bytes"] = max(growths) if growths else None
         phase_names = {p for r in ok for p in r.get("phases", {})}
         first["phases"] = {p: statistics.median(r["phases"].get(p, 0.0) for r in ok) for p in sorted(phase_names)}
         out.append(first)
