@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shlex
 import sys
 import tempfile
 import uuid
@@ -232,7 +233,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(targets.format_targets(results, targets.text_table))
     if args.json:
         write_json(args.json, all_records, {
-            "command": "python benchmarks/compare.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "command": shlex.join(["python", "benchmarks/compare.py", *(argv if argv is not None else sys.argv[1:])]),
             "label": args.label, "size": size, "tensors": args.tensors, "workers": workers,
             "wan": {"size": parse_size(args.wan_size), "latency_ms": args.wan_latency_ms, "rate_mbps": args.wan_rate_mbps,
                     "part_size": args.wan_part_size},

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import sys
 import tempfile
@@ -236,7 +237,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(format_table(sub))
     if args.json:
         write_json(args.json, records, {
-            "command": "python benchmarks/scaling.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "command": shlex.join(["python", "benchmarks/scaling.py", *(argv if argv is not None else sys.argv[1:])]),
             "label": args.label, "size": size, "tensors": args.tensors, "fixed_workers": w,
         })  # fmt: skip
         print(f"wrote {args.json}")
