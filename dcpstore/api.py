@@ -22,10 +22,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 
 from .errors import CheckpointError, InvalidArgument, LoadError, SaveError
+from .options import ENGINES as _ENGINE_TABLE
+from .options import check_save_options
 from .storage import Storage, StorageOptions, open_storage, redact
 from .writers.dcp import DcpStorageReader, DcpStorageWriter, SaveStats, check_workers
 
-ENGINES = ("auto", "native", "nvrx")
+#: Engine names; the table with what each supports is :data:`dcpstore.options.ENGINES`.
+ENGINES = tuple(_ENGINE_TABLE)
 
 # DCP warns on every call made without an initialised process group; a
 # single-process save is a supported, deliberate use here, so silence that
@@ -131,11 +134,9 @@ def save(
     """
     if not isinstance(state_dict, dict):
         raise InvalidArgument(f"state_dict must be a dict, got {type(state_dict).__name__}")
-    if engine not in ENGINES:
-        raise InvalidArgument(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    # One table decides what save accepts (config layers consult it too).
+    check_save_options(async_=async_, engine=engine, workers=workers)
     _check_common(workers, process_group)
-    if async_:
-        raise NotImplementedError("async_=True arrives with the async engines")
     t0 = time.perf_counter()
     storage = open_checkpoint_storage(uri, enable_msc=enable_msc, options=storage_options)
     writer = DcpStorageWriter(storage, workers=workers)
@@ -221,3 +222,4 @@ def _root_cause(e: CheckpointException) -> BaseException | None:
     for _, exc in sorted(failures.items()):
         return exc[0] if isinstance(exc, tuple) else exc
     return None
+

@@ -1,0 +1,96 @@
+"""What dcpstore's save path accepts, in one table.
+
+:func:`dcpstore.save` validates its engine/async/workers arguments here, and
+so do the layers that build those arguments from a configuration
+(:class:`dcpstore.CheckpointManager` at construction,
+:class:`dcpstore.adapters.megatron.CheckpointConfig` in ``__post_init__``).
+No config layer keeps rules of its own about which combinations work: a
+combination is valid exactly when :func:`save_option_problems` finds nothing,
+so a config can never allow what the writer refuses, or refuse what it
+supports (the seed PR's config allowed async only for ``torch_dist`` while
+the writer handled ``fsdp_dtensor`` too).
+
+The state-dict *format* (``fsdp_dtensor`` / ``torch_dist``) is deliberately
+not a column here: every format reaches storage through the same DCP writer,
+so sync/async and the engine are properties of the writer alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from .errors import InvalidArgument
+from .writers.dcp import check_workers
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """One way of running a save."""
+
+    name: str
+    #: Whether ``save(..., async_=True, engine=name)`` works in this build.
+    #: The async engines set this when they land; nothing else may decide it.
+    supports_async: bool
+    summary: str
+
+
+ENGINES: Mapping[str, EngineSpec] = {
+    spec.name: spec
+    for spec in (
+        EngineSpec("auto", False, "NVRx where it works, else native, with one warning naming why"),
+        EngineSpec("native", False, "dcpstore's own staging + thread pool"),
+        EngineSpec("nvrx", False, "NVIDIA Resiliency Extension's async writer"),
+    )
+}
+
+
+@dataclass(frozen=True)
+class OptionProblem:
+    """Why one argument of a save is not accepted.
+
+    ``option`` is the keyword of :func:`dcpstore.save` at fault, so callers
+    that map their own field names onto save's arguments can name the field.
+    ``unsupported`` marks a valid request this build cannot serve (raised by
+    ``save`` as ``NotImplementedError``) as opposed to a bad value.
+    """
+
+    option: str
+    message: str
+    unsupported: bool = False
+
+
+def save_option_problems(*, async_: bool, engine: str, workers: int | None) -> list[OptionProblem]:
+    """Everything wrong with this combination of save arguments (empty: fine)."""
+    problems: list[OptionProblem] = []
+    if not isinstance(async_, bool):
+        problems.append(OptionProblem("async_", f"async_ must be a bool, got {async_!r}"))
+    spec = ENGINES.get(engine) if isinstance(engine, str) else None
+    if spec is None:
+        problems.append(OptionProblem("engine", f"engine must be one of {', '.join(ENGINES)}, got {engine!r}"))
+    elif async_ is True and not spec.supports_async:
+        problems.append(
+            OptionProblem(
+                "async_",
+                f"async saves are not available with engine {engine!r} in this build "
+                f"(engines that can run them: {', '.join(n for n, s in ENGINES.items() if s.supports_async) or 'none'})",
+                unsupported=True,
+            )
+        )
+    try:
+        check_workers(workers, 1)
+    except InvalidArgument as e:
+        problems.append(OptionProblem("workers", str(e)))
+    return problems
+
+
+def check_save_options(*, async_: bool, engine: str, workers: int | None) -> None:
+    """Raise for the first problem :func:`save_option_problems` finds.
+
+    A bad value raises :class:`InvalidArgument`; a valid request this build
+    cannot serve raises ``NotImplementedError``.
+    """
+    for problem in save_option_problems(async_=async_, engine=engine, workers=workers):
+        if problem.unsupported:
+            raise NotImplementedError(problem.message)
+        raise InvalidArgument(problem.message)
