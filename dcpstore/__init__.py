@@ -6,7 +6,7 @@
     dcpstore.load(state_dict, "s3://bucket/run/step100")
 """
 
-from .api import CheckpointInfo, SaveHandle, load, save
+from .api import CheckpointInfo, CheckpointManager, SaveHandle, load, save
 from .errors import (
     BackendUnavailable,
     CheckpointCorrupt,
@@ -16,6 +16,7 @@ from .errors import (
     InvalidURI,
     LoadError,
     SaveError,
+    StateDictMismatch,
     StorageError,
     StorageNotFound,
     StoragePermissionError,
@@ -29,12 +30,14 @@ __all__ = [
     "CheckpointCorrupt",
     "CheckpointError",
     "CheckpointInfo",
+    "CheckpointManager",
     "CheckpointNotFound",
     "InvalidArgument",
     "InvalidURI",
     "LoadError",
     "SaveError",
     "SaveHandle",
+    "StateDictMismatch",
     "StorageError",
     "StorageNotFound",
     "StorageOptions",

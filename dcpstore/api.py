@@ -223,3 +223,7 @@ def _root_cause(e: CheckpointException) -> BaseException | None:
         return exc[0] if isinstance(exc, tuple) else exc
     return None
 
+
+# Re-exported here so the whole public API lives in one module (DESIGN.md);
+# imported last because the manager is built on save/load above.
+from .manager import CheckpointManager  # noqa: E402
