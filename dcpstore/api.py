@@ -226,4 +226,4 @@ def _root_cause(e: CheckpointException) -> BaseException | None:
 
 # Re-exported here so the whole public API lives in one module (DESIGN.md);
 # imported last because the manager is built on save/load above.
-from .manager import CheckpointManager  # noqa: E402
+from .manager import CheckpointManager as CheckpointManager  # noqa: E402
