@@ -309,8 +309,19 @@ def _describe_saved(md: Any) -> str:
     return type(md).__name__
 
 
-def compare_keys(flat: Mapping[str, Any], metadata: Metadata, uri: str, step: int | None = None) -> LoadReport:
-    """Match a flattened template against a checkpoint's ``.metadata``."""
+def compare_keys(
+    flat: Mapping[str, Any],
+    metadata: Metadata,
+    uri: str,
+    step: int | None = None,
+    sections: Sequence[str] = SECTIONS,
+) -> LoadReport:
+    """Match a flattened template against a checkpoint's ``.metadata``.
+
+    Checkpoint keys under ``sections`` that the template lacks are
+    unexpected; other sections were not asked for (a model-only load leaves
+    the optimizer section alone) and are not reported.
+    """
     saved = metadata.state_dict_metadata
     loaded, missing, mismatched = [], [], []
     for key, value in flat.items():
@@ -323,7 +334,7 @@ def compare_keys(flat: Mapping[str, Any], metadata: Metadata, uri: str, step: in
             mismatched.append(KeyMismatch(key, have, want))
         else:
             loaded.append(key)
-    unexpected = [k for k in saved if k.split(".", 1)[0] in SECTIONS and k not in flat]
+    unexpected = [k for k in saved if k.split(".", 1)[0] in sections and k not in flat]
     return LoadReport(
         uri=uri,
         step=step,
@@ -412,7 +423,7 @@ def load_app_state(
     if full_state_dict and cpu_offload:
         template = {k: (tree_map_only(torch.Tensor, torch.Tensor.cpu, v) if k in SECTIONS else v) for k, v in template.items()}
     flat_template, paths = flatten_state_dict(template)
-    report = _report(flat_template, uri, step, load_kwargs)
+    report = _report(flat_template, uri, step, load_kwargs, [k for k in SECTIONS if k in template])
     if strict and not report.ok:
         raise StateDictMismatch(f"checkpoint {report.uri} does not match this model/optimizer: "
                                 f"{report.describe()}; strict=False loads the keys that match", report)
@@ -433,7 +444,9 @@ def load_app_state(
     return report
 
 
-def _report(flat_template: dict[str, Any], uri: str, step: int | None, load_kwargs: dict[str, Any]) -> LoadReport:
+def _report(
+    flat_template: dict[str, Any], uri: str, step: int | None, load_kwargs: dict[str, Any], sections: list[str]
+) -> LoadReport:
     """Compare the template with the checkpoint's keys. Every rank holds the
     same keys and reads the same .metadata, so every rank reaches the same
     verdict and a strict failure never leaves some ranks in a collective."""
@@ -442,7 +455,7 @@ def _report(flat_template: dict[str, Any], uri: str, step: int | None, load_kwar
         metadata, _ = read_checkpoint_metadata(storage)
     finally:
         storage.close()
-    return compare_keys(flat_template, metadata, storage.uri, step)
+    return compare_keys(flat_template, metadata, storage.uri, step, sections)
 
 
 def _apply(
