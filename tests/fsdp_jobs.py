@@ -137,6 +137,12 @@ def job_manager(rank: int, world: int, root: str) -> None:
     resume from the latest committed step."""
     model, optim = build(0)
     mgr = dcpstore.CheckpointManager(root, keep=2, async_=False)
+    if rank != 0:  # only rank 0 may delete (retention) or write the pointer
+        def refuse(*args: Any, **kwargs: Any) -> None:
+            raise AssertionError(f"rank {rank} modified the root outside a save")
+
+        mgr._storage.delete = refuse  # type: ignore[method-assign]
+        mgr._write_pointer = refuse  # type: ignore[method-assign]
     for step in range(1, 5):
         train(model, optim, 1, seed=step)
         fsdp.save_app_state(model, optim, mgr, step=step, extra={"step": step})
