@@ -49,7 +49,9 @@ def full_state(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]
     """Gathered model + flattened optimizer state (rank 0 gets it all)."""
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True, flatten_optimizer_state_dict=True)
     model_sd, optim_sd = get_state_dict(model, optim, options=opts)
-    return {"model": model_sd, "optimizer": optim_sd}
+    # Unsharded CPU models hand back their live tensors: snapshot them.
+    snap = lambda sd: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in sd.items()}  # noqa: E731
+    return {"model": snap(model_sd), "optimizer": snap(optim_sd)}
 
 
 def assert_same(expected: dict[str, Any], actual: dict[str, Any], where: str) -> None:
@@ -158,3 +160,24 @@ def job_manager(rank: int, world: int, root: str) -> None:
     got = full_state(fresh, fresh_optim)
     if rank == 0:
         assert_same(ref, got, "manager resume")
+
+
+def job_save_to(rank: int, world: int, uri: str, kwargs: dict[str, Any], ref_path: str) -> None:
+    """Save on ``world`` ranks to any backend target; rank 0 writes the reference."""
+    model, optim = build(0)
+    train(model, optim, 2)
+    ref = full_state(model, optim)
+    if rank == 0:
+        torch.save(ref, ref_path)
+    fsdp.save_app_state(model, optim, uri, extra={"step": 3}, **kwargs).result()
+
+
+def load_unsharded_from(uri: str, kwargs: dict[str, Any], ref_path: str) -> None:
+    model, optim = build(1, sharded=False)
+    before = full_state(model, optim)
+    extra: dict[str, Any] = {"step": 0}
+    report = fsdp.load_app_state(model, optim, uri, extra=extra, **kwargs)
+    assert report.ok and extra["step"] == 3, report.describe()
+    ref = torch.load(ref_path, weights_only=False)
+    assert differs(ref, before)
+    assert_same(ref, full_state(model, optim), f"{uri} -> 1 process")

@@ -29,10 +29,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, args: tuple[Any, ...]) -> None:
+def _entry(
+    rank: int, fn: Callable[..., Any], world: int, port: int, env: dict[str, str], args: tuple[Any, ...]
+) -> None:
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # The forkserver's environment is the one it started with; fixtures set
+    # things later (e.g. the S3 endpoint), so take the caller's as of now.
+    os.environ.clear()
+    os.environ.update(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         fn(rank, world, *args)
@@ -45,7 +50,7 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 1
     """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; raise on failure."""
     multiprocessing.set_forkserver_preload(PRELOAD)
     ctx = tmp.start_processes(
-        _entry, args=(fn, world, free_port(), args), nprocs=world, join=False, start_method="forkserver"
+        _entry, args=(fn, world, free_port(), dict(os.environ), args), nprocs=world, join=False, start_method="forkserver"
     )
     deadline = time.monotonic() + timeout
     while not ctx.join(timeout=0.5):

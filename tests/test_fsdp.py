@@ -38,6 +38,14 @@ def test_fsdp2_saved_on_2_loads_on_1_2_4_and_4_loads_on_1_2(tmp_path) -> None:
     run_ranks(fsdp_jobs.job_load, 2, root, [("td4", "fsdp_dtensor", False)], False)
 
 
+def test_fsdp2_checkpoint_on_every_backend_target(target: Target, tmp_path) -> None:
+    """One resharding combination (2 ranks -> 1 process) per backend; the
+    full world-size matrix above runs on the local backend."""
+    ref = str(tmp_path / "ref.pt")
+    run_ranks(fsdp_jobs.job_save_to, 2, target.uri, target.kwargs, ref)
+    fsdp_jobs.load_unsharded_from(target.uri, target.kwargs, ref)
+
+
 def test_manager_saves_retains_and_resumes_on_two_ranks(tmp_path) -> None:
     run_ranks(fsdp_jobs.job_manager, 2, str(tmp_path / "run"))
     mgr = dcpstore.CheckpointManager(str(tmp_path / "run"), async_=False)
