@@ -96,7 +96,7 @@ def train_step(model: nn.Module, optim: torch.optim.Optimizer, plan: Plan, step:
     optim.zero_grad()
     loss.backward()
     optim.step()
-    return loss.item()
+    return float(loss.item())
 
 
 def full_state(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
@@ -177,6 +177,7 @@ def run_resume(rank: int, world: int, port: int, args: argparse.Namespace) -> No
         extra: dict[str, Any] = {"step": -1}
         report = fsdp.load_app_state(model, optim, loader, format=cfg.ckpt_format, extra=extra)
         load_s = time.perf_counter() - t0
+        assert report.step is not None  # loads through a manager always name their step
         got = full_state(model, optim)
         if rank == 0:
             expected = torch.load(os.path.join(args.root, f"expected-{report.step}.pt"), weights_only=False)
@@ -315,14 +316,19 @@ def main() -> None:
     try:
         with local_s3_endpoint() if args.s3 else contextlib.nullcontext(None) as s3_uri:
             args.s3_uri = s3_uri
-            names = list(configs(args))  # validates the configs before any rank starts
+            try:
+                names = list(configs(args))  # validates the configs before any rank starts
+            except dcpstore.InvalidArgument as e:
+                raise SystemExit(f"demo: {e}") from e
             print(f"training on {args.world} ranks, checkpointing every {args.plan.every} steps to {', '.join(names)} "
                   f"({'async' if args.async_save else 'sync'}); rank {CRASH_RANK} will die at step {args.plan.crash_at}")
             killed = launch(run_training, args.world, args)
             if killed != signal.SIGKILL:
                 raise SystemExit(f"expected rank {CRASH_RANK} to be SIGKILLed, got {killed}")
+            survivor = dcpstore.CheckpointManager(os.path.join(args.root, "ckpt"), async_=False)
             print(f"crash: rank {CRASH_RANK} was killed at step {args.plan.crash_at}; "
-                  f"committed steps left: {dcpstore.CheckpointManager(configs(args)['local'].save, async_=False).all_steps()}")
+                  f"committed steps left: {survivor.all_steps()}")
+            survivor.close()
             print(f"resuming on {resume_world} rank(s) from the newest committed step")
             launch(run_resume, resume_world, args)
             ok = summary(args, names)
