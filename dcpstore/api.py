@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 
@@ -141,7 +142,7 @@ def save(
     storage = open_checkpoint_storage(uri, enable_msc=enable_msc, options=storage_options)
     writer = DcpStorageWriter(storage, workers=workers)
     try:
-        dcp.save(
+        dcp_save(
             state_dict,
             storage_writer=writer,
             planner=planner,
@@ -203,7 +204,7 @@ def load(
     reader = DcpStorageReader(storage, workers=workers, verify=verify)
     reader.preload_metadata()
     try:
-        dcp.load(
+        dcp_load(
             state_dict,
             storage_reader=reader,
             planner=planner,
@@ -220,7 +221,8 @@ def load(
 def _root_cause(e: CheckpointException) -> BaseException | None:
     failures = getattr(e, "failures", None) or {}
     for _, exc in sorted(failures.items()):
-        return exc[0] if isinstance(exc, tuple) else exc
+        cause: BaseException = exc[0] if isinstance(exc, tuple) else exc
+        return cause
     return None
 
 

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 from .errors import CheckpointCorrupt, StorageNotFound
 from .storage import MiB, Storage
 from .writers.dcp import read_checkpoint_metadata
-from .writers.layout import MANIFEST, METADATA, is_data_file
+from .writers.layout import INFLIGHT, MANIFEST, METADATA, is_data_file
 
 #: How much ``verify`` reads per request.
 VERIFY_CHUNK = 16 * MiB
@@ -46,7 +46,7 @@ def list_checkpoints(storage: Storage) -> list[CheckpointEntry]:
     by_dir: dict[str, CheckpointEntry] = {}
     for obj in storage.list():
         directory, name = posixpath.split(obj["path"])
-        if name != METADATA and name != MANIFEST and not is_data_file(name):
+        if name not in (METADATA, MANIFEST, INFLIGHT) and not is_data_file(name):
             continue
         entry = by_dir.setdefault(directory, CheckpointEntry(directory, committed=False))
         entry.committed |= name == METADATA
@@ -57,8 +57,8 @@ def list_checkpoints(storage: Storage) -> list[CheckpointEntry]:
         if mtime is not None:
             entry.newest_mtime = max(entry.newest_mtime or 0.0, mtime)
     for entry in by_dir.values():
-        if entry.committed:
-            entry.leftovers = []
+        if entry.committed:  # only an in-flight marker can be left over
+            entry.leftovers = [p for p in entry.leftovers if posixpath.basename(p) == INFLIGHT]
     return sorted(by_dir.values(), key=lambda e: e.path)
 
 
@@ -178,7 +178,7 @@ def gc(storage: Storage, *, older_than_s: float = 300.0, dry_run: bool = False) 
     now = time.time()
     doomed: list[str] = []
     for entry in list_checkpoints(storage):
-        if entry.committed:
+        if not entry.leftovers:
             continue
         label = entry.path or "."
         if entry.newest_mtime is None and older_than_s > 0 or (
@@ -187,7 +187,8 @@ def gc(storage: Storage, *, older_than_s: float = 300.0, dry_run: bool = False) 
             report.kept_recent.append(label)
             continue
         doomed.extend(entry.leftovers)
-        report.removed.append(label)
+        if not entry.committed:  # a committed one only loses a stale in-flight marker
+            report.removed.append(label)
     if not dry_run:
         if doomed:
             storage.delete(doomed)

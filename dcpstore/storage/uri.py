@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 from ..errors import InvalidURI
 
@@ -48,16 +48,22 @@ class StorageURL:
 
 
 def redact(uri: str) -> str:
-    """Return ``uri`` with any user info and query string removed."""
-    if not _SCHEME_RE.match(uri):
+    """Return ``uri`` with any user info, query string and fragment removed.
+
+    Textual on purpose (no URL parser that could reject odd input): it must
+    be safe to call on anything a user passed in.
+    """
+    match = _SCHEME_RE.match(uri)
+    if not match:
         return uri
-    try:
-        parts = urlsplit(uri)
-    except ValueError:
-        return "<unparseable URI>"
-    netloc = parts.netloc.rsplit("@", 1)[-1]
-    query = "<redacted>" if parts.query else ""
-    return urlunsplit((parts.scheme, netloc, parts.path, query, ""))
+    rest = uri[match.end():]
+    authority, slash, path = rest.partition("/")
+    authority = authority.rsplit("@", 1)[-1]
+    path, hook, _ = (slash + path).partition("?")
+    path = path.split("#", 1)[0]
+    if not hook and "?" in authority:
+        authority, hook = authority.split("?", 1)[0], "?"
+    return f"{match.group(0)}{authority.split('#', 1)[0]}{path}{'?<redacted>' if hook else ''}"
 
 
 def parse_uri(uri: str | os.PathLike[str]) -> StorageURL:
@@ -80,7 +86,10 @@ def parse_uri(uri: str | os.PathLike[str]) -> StorageURL:
             raise InvalidURI(f"malformed URI {redact(uri)!r}: expected 'scheme://...'")
         return StorageURL("file", "", os.path.abspath(os.path.expanduser(uri)), uri)
     scheme = match.group(1).lower()
-    parts = urlsplit(uri)
+    try:
+        parts = urlsplit(uri)
+    except ValueError as e:  # e.g. an unbalanced '[' in the authority
+        raise InvalidURI(f"malformed URI {redact(uri)!r}: {e}") from e
     if "@" in parts.netloc:
         raise InvalidURI(
             f"URI {redact(uri)!r} embeds credentials; pass them through the "

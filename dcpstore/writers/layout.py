@@ -2,6 +2,7 @@
 
 A checkpoint directory (or key prefix) holds, in stock DCP layout::
 
+    .dcpstore.inflight      the save id of the save in progress (removed at commit)
     __{rank}_{n}.distcp     data files, one per writer thread per rank
     .dcpstore.json          the integrity manifest (written just before .metadata)
     .metadata               the commit: pickled DCP ``Metadata``, written last
@@ -26,6 +27,10 @@ from ..errors import CheckpointCorrupt
 
 METADATA = ".metadata"
 MANIFEST = ".dcpstore.json"
+#: Written by the coordinator when a save starts, holding its save id, and
+#: removed after the commit. A save whose marker was replaced by another
+#: save's while it wrote refuses to commit (two writers, one URI).
+INFLIGHT = ".dcpstore.inflight"
 DATA_SUFFIX = ".distcp"
 MANIFEST_FORMAT = "dcpstore-manifest/1"
 _DATA_RE = re.compile(r"^__\d+_\d+\.distcp$")

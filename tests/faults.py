@@ -1,0 +1,120 @@
+"""Fault injection at the storage interface, for the reliability suites.
+
+``EventStorage`` wraps any :class:`Storage` and calls ``hook(event)`` before
+and after every operation a save performs (and before/after each chunk
+written and each object commit). A hook can count events, raise an error
+there, or SIGKILL the process there — the crash tests use the last.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Callable, Iterable, Iterator
+from dcpstore.storage.base import ObjectInfo, ObjectWriter, Storage
+
+Hook = Callable[[str], None]
+
+
+class _EventWriter(ObjectWriter):
+    def __init__(self, inner: ObjectWriter, path: str, hook: Hook) -> None:
+        super().__init__()
+        self._inner, self._path, self._hook = inner, path, hook
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        self._hook(f"write:{self._path}")
+        n = self._inner.write(data)
+        self._hook(f"wrote:{self._path}")
+        return n
+
+    def tell(self) -> int:
+        return self._inner.tell()
+
+    def _commit(self) -> None:
+        self._hook(f"commit:{self._path}")
+        self._inner.commit()
+        self._hook(f"committed:{self._path}")
+
+    def _abort(self) -> None:
+        self._inner.abort()
+
+
+class EventStorage(Storage):
+    """A transparent proxy around ``inner`` that reports every operation."""
+
+    def __init__(self, inner: Storage, hook: Hook) -> None:
+        super().__init__(inner.url, inner.options)
+        self.inner, self.hook = inner, hook
+        self.backend = inner.backend  # type: ignore[misc]
+
+    def open_write(self, path: str, *, size_hint: int | None = None) -> ObjectWriter:
+        self.hook(f"open:{path}")
+        return _EventWriter(self.inner.open_write(path, size_hint=size_hint), path, self.hook)
+
+    def makedirs(self, path: str = "") -> None:
+        self.hook("makedirs")
+        self.inner.makedirs(path)
+
+    def read_range(self, path: str, offset: int, length: int) -> bytes:
+        self.hook(f"read:{path}")
+        return self.inner.read_range(path, offset, length)
+
+    def size(self, path: str) -> int:
+        return self.inner.size(path)
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        self.hook("list")
+        return self.inner.list(prefix)
+
+    def delete(self, paths: Iterable[str]) -> None:
+        paths = list(paths)
+        self.hook(f"delete:{','.join(paths)}")
+        self.inner.delete(paths)
+
+    def list_incomplete(self) -> Iterator[str]:
+        return self.inner.list_incomplete()
+
+    def cleanup_incomplete(self, older_than_s: float = 0.0) -> int:
+        return self.inner.cleanup_incomplete(older_than_s)
+
+
+class Recorder:
+    """A hook that only records the events, to plan where to inject."""
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+
+    def __call__(self, event: str) -> None:
+        self.events.append(event)
+
+
+class KillAt:
+    """A hook that SIGKILLs this process at the ``n``-th event (0-based)."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.seen = n, 0
+
+    def __call__(self, event: str) -> None:
+        if self.seen == self.n:
+            os.kill(os.getpid(), signal.SIGKILL)
+        self.seen += 1
+
+
+class FailAt:
+    """A hook that raises ``error`` at the first event matching ``predicate``."""
+
+    def __init__(self, predicate: Callable[[str], bool], error: BaseException) -> None:
+        self.predicate, self.error, self.fired = predicate, error, False
+
+    def __call__(self, event: str) -> None:
+        if not self.fired and self.predicate(event):
+            self.fired = True
+            raise self.error
+
+
+def spread(total: int, count: int) -> list[int]:
+    """``count`` indices spread evenly over ``range(total)`` (all, if fewer)."""
+    if total <= count:
+        return list(range(total))
+    return sorted({round(i * (total - 1) / (count - 1)) for i in range(count)})
+

@@ -1,0 +1,118 @@
+"""The bad-input matrix: every case raises a dcpstore Exception subclass that
+names the argument or URI and the cause (never a bare KeyError, never a
+BaseException, never a secret). Object-store cases (missing bucket, bad
+credentials) live with the S3 suite."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import dcpstore
+from dcpstore.storage import join_uri, parse_uri, redact
+
+
+def _save(uri: str, state=None, **kwargs):
+    return dcpstore.save(state if state is not None else {"a": torch.ones(2)}, uri, **kwargs)
+
+
+# (case id, callable(tmp_path), expected exception, text the message must contain)
+CASES = [
+    ("empty-uri", lambda p: _save(""), dcpstore.InvalidURI, "empty"),
+    ("blank-uri", lambda p: _save("  "), dcpstore.InvalidURI, "empty"),
+    ("nul-in-uri", lambda p: _save(f"{p}/a\x00b"), dcpstore.InvalidURI, "NUL"),
+    ("s3-no-bucket", lambda p: _save("s3:///key"), dcpstore.InvalidURI, "bucket"),
+    ("s3-bare", lambda p: _save("s3://"), dcpstore.InvalidURI, "bucket"),
+    ("msc-no-profile", lambda p: _save("msc:///x"), dcpstore.InvalidURI, "profile"),
+    ("single-slash-scheme", lambda p: _save("s3:/bucket/x"), dcpstore.InvalidURI, "malformed"),
+    ("unknown-scheme", lambda p: _save("zzz://a/b"), dcpstore.InvalidURI, "'zzz'"),
+    ("file-uri-with-host", lambda p: _save("file://otherhost/x"), dcpstore.InvalidURI, "otherhost"),
+    ("uri-not-a-string", lambda p: _save(42), dcpstore.InvalidURI, "int"),
+    ("credentials-in-uri", lambda p: _save("s3://AKIAX:s3cr3t@b/k"), dcpstore.InvalidURI, "credentials"),
+    ("state-not-dict", lambda p: dcpstore.save([1], f"{p}/x"), dcpstore.InvalidArgument, "state_dict"),
+    ("load-state-not-dict", lambda p: dcpstore.load(None, f"{p}/x"), dcpstore.InvalidArgument, "state_dict"),
+    ("workers-zero", lambda p: _save(f"{p}/x", workers=0), dcpstore.InvalidArgument, "workers"),
+    ("workers-negative", lambda p: _save(f"{p}/x", workers=-3), dcpstore.InvalidArgument, "workers"),
+    ("workers-float", lambda p: _save(f"{p}/x", workers=2.5), dcpstore.InvalidArgument, "workers"),
+    ("workers-str", lambda p: _save(f"{p}/x", workers="8"), dcpstore.InvalidArgument, "workers"),
+    ("workers-bool", lambda p: _save(f"{p}/x", workers=True), dcpstore.InvalidArgument, "workers"),
+    ("load-workers-zero", lambda p: dcpstore.load({}, f"{p}/x", workers=0), dcpstore.InvalidArgument, "workers"),
+    ("engine-unknown", lambda p: _save(f"{p}/x", engine="fast"), dcpstore.InvalidArgument, "engine"),
+    ("process-group-without-dist", lambda p: _save(f"{p}/x", process_group=object()), dcpstore.InvalidArgument, "process_group"),
+    ("part-size-too-small", lambda p: dcpstore.StorageOptions(part_size=1024), dcpstore.InvalidArgument, "part_size"),
+    ("concurrency-zero", lambda p: dcpstore.StorageOptions(max_concurrency=0), dcpstore.InvalidArgument, "max_concurrency"),
+    ("timeout-negative", lambda p: dcpstore.StorageOptions(op_timeout_s=-1), dcpstore.InvalidArgument, "op_timeout_s"),
+    ("unpicklable-value", lambda p: _save(f"{p}/x", {"fn": lambda: 1}), dcpstore.SaveError, "'fn'"),
+    ("meta-tensor", lambda p: _save(f"{p}/x", {"m": torch.empty(3, device="meta")}), dcpstore.SaveError, "'m'"),
+    ("sparse-tensor", lambda p: _save(f"{p}/x", {"s": torch.eye(3).to_sparse()}), dcpstore.SaveError, "'s'"),
+    ("path-is-a-file", lambda p: (open(f"{p}/f", "w").close(), _save(f"{p}/f")), dcpstore.SaveError, "is a file"),
+    ("parent-is-a-file", lambda p: (open(f"{p}/g", "w").close(), _save(f"{p}/g/ck")), dcpstore.SaveError, "not a directory"),
+    ("name-too-long", lambda p: _save(f"{p}/{'n' * 300}"), dcpstore.SaveError, "too long"),
+    ("unwritable", lambda p: _save("/sys/dcpstore-x"), dcpstore.SaveError, "permission denied"),
+    ("load-missing", lambda p: dcpstore.load({"a": torch.zeros(2)}, f"{p}/none"), dcpstore.CheckpointNotFound, "no checkpoint"),
+    ("join-dotdot", lambda p: join_uri(str(p), ".."), dcpstore.InvalidURI, "'..'"),
+    ("join-escape", lambda p: join_uri("s3://b/root", "a/../../etc"), dcpstore.InvalidURI, ".."),
+    ("join-absolute", lambda p: join_uri(str(p), "/etc"), dcpstore.InvalidURI, "/etc"),
+]
+
+
+@pytest.mark.parametrize("case,call,exc,needle", CASES, ids=[c[0] for c in CASES])
+def test_bad_input(tmp_path, case, call, exc, needle) -> None:
+    with pytest.raises(exc) as info:
+        call(str(tmp_path))
+    assert isinstance(info.value, dcpstore.CheckpointError) and isinstance(info.value, Exception)
+    assert needle in str(info.value), f"{case}: {info.value}"
+
+
+def test_matrix_size() -> None:
+    assert len(CASES) >= 30
+
+
+def test_missing_key_on_load_is_named(tmp_path) -> None:
+    _save(str(tmp_path / "ck"))
+    with pytest.raises(dcpstore.LoadError, match="not_saved"):
+        dcpstore.load({"not_saved": torch.zeros(2)}, str(tmp_path / "ck"))
+
+
+def test_secrets_never_logged_or_raised(tmp_path, caplog) -> None:
+    caplog.set_level(logging.DEBUG)
+    secret = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYzzSECRET"
+    for uri in (f"s3://AKIAFAKEKEY:{secret}@bucket/x", f"s3://bucket/x?X-Amz-Signature={secret}"):
+        try:
+            _save(uri)
+        except dcpstore.CheckpointError as e:
+            assert secret not in str(e) and "AKIAFAKEKEY" not in str(e)
+    assert secret not in caplog.text
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.text(max_size=80))
+def test_parse_uri_never_crashes(text: str) -> None:
+    """Any string parses to a URL or raises InvalidURI; nothing else."""
+    try:
+        url = parse_uri(text)
+    except dcpstore.InvalidURI:
+        return
+    assert url.scheme and (url.scheme != "file" or os.path.isabs(url.path))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from(["a", "b", "..", ".", "", "/", "c/d"]), min_size=1, max_size=4).map("/".join))
+def test_join_uri_never_escapes(name: str) -> None:
+    try:
+        joined = join_uri("s3://bucket/root", name)
+    except dcpstore.InvalidURI:
+        return
+    assert joined.startswith("s3://bucket/root/") and "/../" not in joined + "/"
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(alphabet=st.characters(min_codepoint=33, max_codepoint=126, exclude_characters="@/?#"), min_size=1, max_size=30))
+def test_redact_hides_userinfo_and_query(secret: str) -> None:
+    assert redact(f"s3://user:{secret}@bucket/key") == "s3://bucket/key"
+    assert redact(f"s3://bucket/key?sig={secret}") == "s3://bucket/key?<redacted>"
