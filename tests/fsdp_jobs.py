@@ -1,4 +1,4 @@
-"""Rank functions for the multi-rank FSDP2 suites (run through multirank.run_ranks).
+"""Rank functions for the multi-rank FSDP2 suites (run through dist_utils.run_ranks).
 
 The model's row counts (10 and 3) shard unevenly on 2 and 4 ranks, and on 4
 ranks one rank holds an empty shard of the 3-row tensors: the awkward cases.

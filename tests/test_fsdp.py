@@ -1,7 +1,7 @@
 """FSDP2 model + optimizer state through dcpstore: formats, resharding,
 strict and partial loads.
 
-Multi-rank jobs are gloo on CPU (tests/multirank.py); each compares against
+Multi-rank jobs are gloo on CPU (tests/dist_utils.py); each compares against
 the full state rank 0 gathered at save time (tests/fsdp_jobs.py).
 """
 
@@ -17,7 +17,7 @@ import dcpstore
 import fsdp_jobs
 from backends import Target
 from dcpstore.adapters import fsdp
-from multirank import run_ranks
+from dist_utils import run_ranks
 
 # torch_dist hands DCP ShardedTensors, which torch marks deprecated.
 pytestmark = pytest.mark.filterwarnings("ignore:Please use DTensor instead:FutureWarning")
