@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import dcpstore
+import dcpstore.storage
 from asyncprobe import ASYNC_UNAVAILABLE, requires_async
 from backends import Target
 from dcpstore.maintenance import list_checkpoints
@@ -29,6 +30,14 @@ CHILD = str(Path(__file__).with_name("manager_child.py"))
 
 def _state(step: int) -> dict[str, Any]:
     return {"w": torch.full((64,), float(step)), "step": step}
+
+
+def _open(target: Target) -> dcpstore.storage.Storage:
+    """The target's storage (open_storage names save's storage_options ``options``)."""
+    kwargs = dict(target.kwargs)
+    if "storage_options" in kwargs:
+        kwargs["options"] = kwargs.pop("storage_options")
+    return dcpstore.open_storage(target.uri, **kwargs)
 
 
 def _manager(target: Target, **kwargs: Any) -> dcpstore.CheckpointManager:
@@ -93,7 +102,7 @@ def test_only_committed_canonical_steps_are_listed(target: Target) -> None:
     assert mgr.all_steps() == [] and mgr.latest_step() is None
     for step in (1, 5, 3):
         mgr.save(step, _state(step))
-    storage = dcpstore.open_storage(target.uri, **target.kwargs)
+    storage = _open(target)
     for foreign in ("step_5/.metadata", "step_00000007.bak/.metadata", "other/.metadata", "step_00000011/nested/.metadata"):
         storage.put(foreign, b"not a checkpoint")
     storage.put("step_00000009/__0_0.distcp", b"data of an interrupted save")
@@ -108,7 +117,7 @@ def test_the_listing_wins_over_the_pointer(target: Target) -> None:
     mgr = _manager(target)
     mgr.save(1, _state(1))
     mgr.save(2, _state(2))
-    storage = dcpstore.open_storage(target.uri, **target.kwargs)
+    storage = _open(target)
     storage.put("latest", b"99\n")  # a stale or foreign pointer
     assert mgr.latest_step() == 2 and _loaded_step(mgr)[0] == 2
     storage.delete([f"{step_dir(2)}/.metadata"])  # step 2 un-committed behind our back
@@ -145,7 +154,7 @@ def test_retention_keeps_the_newest_k_committed_steps(target: Target) -> None:
     for step in range(1, 6):
         mgr.save(step, _state(step))
         assert mgr.all_steps() == list(range(max(1, step - 1), step + 1))
-    paths = {o["path"] for o in dcpstore.open_storage(target.uri, **target.kwargs).list()}
+    paths = {o["path"] for o in _open(target).list()}
     assert not any(p.startswith(("step_00000001/", "step_00000002/", "step_00000003/")) for p in paths), paths
     assert [h.step for h in mgr.history] == [1, 2, 3, 4, 5] and mgr.history[-1].info.bytes_written > 0
     mgr.close()
@@ -155,7 +164,7 @@ def test_retention_never_touches_newer_or_uncommitted_steps(target: Target) -> N
     mgr = _manager(target, keep=1)
     # Another timeline's step 10 (committed) and an interrupted step 2.
     dcpstore.save(_state(10), mgr.step_uri(10), **target.kwargs).result()
-    storage = dcpstore.open_storage(target.uri, **target.kwargs)
+    storage = _open(target)
     storage.put("step_00000002/__0_0.distcp", b"partial")
     mgr.save(1, _state(1))
     mgr.save(3, _state(3))
