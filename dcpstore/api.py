@@ -136,7 +136,7 @@ def save(
     if not isinstance(state_dict, dict):
         raise InvalidArgument(f"state_dict must be a dict, got {type(state_dict).__name__}")
     # One table decides what save accepts (config layers consult it too).
-    check_save_options(async_=async_, engine=engine, workers=workers)
+    check_save_options(async_=async_, engine=engine, workers=workers, planner=planner)
     _check_common(workers, process_group)
     t0 = time.perf_counter()
     storage = open_checkpoint_storage(uri, enable_msc=enable_msc, options=storage_options)

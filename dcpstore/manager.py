@@ -26,7 +26,8 @@ Call order of one save (every rank calls ``save`` with the same step)::
       2. refuse to overwrite a committed step unless overwrite=True
       3. dcpstore.save(sd, root/step_..., async_=...)  -> SaveHandle
       4. sync saves: finish now (same as 1). Async saves finish at the next
-         save(), wait(), load() or close() -- at the latest at interpreter exit.
+         save(), wait(), load() or close() -- at the latest at interpreter
+         exit, even if the manager was dropped without close().
 
 Retention (``keep=K``) runs on rank 0 only, only after a save is committed,
 and only over *committed* steps no newer than the one just committed: it
@@ -47,6 +48,8 @@ import logging
 import os
 import posixpath
 import re
+import threading
+import weakref
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -93,6 +96,39 @@ def parse_step_dir(name: str) -> int | None:
     return step if step_dir(step) == name else None
 
 
+# -- interpreter exit ------------------------------------------------------------
+# Managers still open at exit are closed, finishing the save in flight. The
+# hook must run *before* concurrent.futures refuses new work (its
+# _python_exit runs among threading's exit callbacks, before atexit's), or a
+# background save that still has files to submit dies with "cannot schedule
+# new futures after interpreter shutdown". Hence threading's exit callbacks
+# where this Python has them (3.9+), atexit otherwise.
+_OPEN: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
+_IN_FLIGHT: set[CheckpointManager] = set()  # strong refs: a dropped manager still finishes
+_hook_lock = threading.Lock()
+_hook_installed = False
+
+
+def _close_all_at_exit() -> None:
+    for mgr in [*_IN_FLIGHT, *_OPEN]:
+        mgr._close_at_exit()
+
+
+def _install_exit_hook() -> None:
+    global _hook_installed
+    with _hook_lock:
+        if _hook_installed:
+            return
+        register = getattr(threading, "_register_atexit", None)
+        try:
+            if register is None:
+                raise RuntimeError("no threading exit callbacks")
+            register(_close_all_at_exit)
+        except RuntimeError:  # older Python, or already shutting down
+            atexit.register(_close_all_at_exit)
+        _hook_installed = True
+
+
 @dataclass(frozen=True)
 class SavedStep:
     """One save this manager finished: the step and what the save reported."""
@@ -137,7 +173,7 @@ class CheckpointManager:
     ) -> None:
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
             raise InvalidArgument(f"keep must be None (keep all) or an int >= 1, got {keep!r}")
-        check_save_options(async_=async_, engine=engine, workers=workers)
+        check_save_options(async_=async_, engine=engine, workers=workers, planner=planner)
         if process_group is not None and not dist.is_initialized():
             raise InvalidArgument("process_group was given but torch.distributed is not initialised")
         self.root_uri = os.fspath(root_uri)
@@ -156,7 +192,8 @@ class CheckpointManager:
         self._closed = False
         #: Saves this manager finished, oldest first (committed ones only).
         self.history: list[SavedStep] = []
-        atexit.register(self._close_at_exit)
+        _install_exit_hook()
+        _OPEN.add(self)
 
     # -- naming and listing -------------------------------------------------
     @property
@@ -224,6 +261,7 @@ class CheckpointManager:
             )
         handle = save(state_dict, uri, async_=self.async_, engine=self.engine, planner=self.planner, **self._io)
         self._pending = _Pending(step, handle)
+        _IN_FLIGHT.add(self)
         if handle.done():
             self._finish_pending()
         return handle
@@ -242,6 +280,9 @@ class CheckpointManager:
         except TimeoutError:
             self._pending = pending  # still in flight; keep tracking it
             raise
+        finally:
+            if self._pending is None:
+                _IN_FLIGHT.discard(self)
         self.history.append(SavedStep(pending.step, info))
         if self.is_coordinator:
             self._write_pointer(pending.step)
@@ -311,7 +352,7 @@ class CheckpointManager:
         if self._closed:
             return
         self._closed = True
-        atexit.unregister(self._close_at_exit)
+        _OPEN.discard(self)
         try:
             self._finish_pending()
         finally:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from .errors import InvalidArgument
 from .writers.dcp import check_workers
@@ -45,6 +46,23 @@ ENGINES: Mapping[str, EngineSpec] = {
 }
 
 
+#: Whether the writer can run from a plan DCP replays out of its save-plan
+#: cache (``DefaultSavePlanner(enable_plan_caching=True)``, what Megatron's
+#: ``ckpt_assume_constant_structure`` asks for). It cannot: each save's plan
+#: carries that save's token (the two-writers check in
+#: :mod:`dcpstore.writers.dcp`), and a replayed plan carries the first save's.
+PLAN_CACHING = False
+PLAN_CACHING_WHY = (
+    "DCP's save-plan cache replays the first save's plan, and dcpstore's writer puts a per-save token in "
+    "every plan (so that a concurrent writer to the same URI is detected); a replayed token looks like such a writer"
+)
+
+
+def uses_plan_caching(planner: Any) -> bool:
+    """Whether ``planner`` is a DCP planner with its plan cache switched on."""
+    return bool(getattr(planner, "_enable_plan_caching", False))
+
+
 @dataclass(frozen=True)
 class OptionProblem:
     """Why one argument of a save is not accepted.
@@ -60,9 +78,13 @@ class OptionProblem:
     unsupported: bool = False
 
 
-def save_option_problems(*, async_: bool, engine: str, workers: int | None) -> list[OptionProblem]:
+def save_option_problems(
+    *, async_: bool, engine: str, workers: int | None, planner: Any = None
+) -> list[OptionProblem]:
     """Everything wrong with this combination of save arguments (empty: fine)."""
     problems: list[OptionProblem] = []
+    if uses_plan_caching(planner) and not PLAN_CACHING:
+        problems.append(OptionProblem("planner", f"a planner with plan caching cannot be used: {PLAN_CACHING_WHY}"))
     if not isinstance(async_, bool):
         problems.append(OptionProblem("async_", f"async_ must be a bool, got {async_!r}"))
     spec = ENGINES.get(engine) if isinstance(engine, str) else None
@@ -84,13 +106,13 @@ def save_option_problems(*, async_: bool, engine: str, workers: int | None) -> l
     return problems
 
 
-def check_save_options(*, async_: bool, engine: str, workers: int | None) -> None:
+def check_save_options(*, async_: bool, engine: str, workers: int | None, planner: Any = None) -> None:
     """Raise for the first problem :func:`save_option_problems` finds.
 
     A bad value raises :class:`InvalidArgument`; a valid request this build
     cannot serve raises ``NotImplementedError``.
     """
-    for problem in save_option_problems(async_=async_, engine=engine, workers=workers):
+    for problem in save_option_problems(async_=async_, engine=engine, workers=workers, planner=planner):
         if problem.unsupported:
             raise NotImplementedError(problem.message)
         raise InvalidArgument(problem.message)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -24,9 +25,14 @@ def test_demo_trains_crashes_and_resumes_on_another_world_size(tmp_path: Path, f
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
-    assert "rank 1 was killed at step 8" in out and "committed steps left: [4, 6]" in out, out
-    assert "local" in out and " match" in out and "demo passed" in out, out
-    # The resumed run (1 rank) continued from step 6 and committed step 8; keep=2.
+    left = re.search(r"rank 1 was killed at step 8; committed steps left: \[([\d, ]*)\]", out)
+    assert left, out
+    steps = [int(s) for s in left.group(1).split(",") if s.strip()]
+    # keep=2; a sync run has committed 4 and 6, an async one may have lost
+    # the save in flight when rank 1 died.
+    assert steps == [4, 6] if not flags else (steps and len(steps) <= 2 and steps[-1] >= 4), steps
+    assert " match" in out and "demo passed" in out, out
+    # The resumed run (1 rank) continued from the newest step and committed two steps later.
     mgr = dcpstore.CheckpointManager(str(tmp_path / "ckpt"), async_=False)
-    assert mgr.all_steps() == [6, 8] and mgr.read_pointer() == 8
+    assert mgr.all_steps() == [steps[-1], steps[-1] + 2] and mgr.read_pointer() == steps[-1] + 2
     mgr.close()

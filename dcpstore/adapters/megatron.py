@@ -15,7 +15,9 @@ field                                validated by
 ``dist_ckpt_workers``                (what :func:`dcpstore.save` checks)
 ``save``, ``load``, ``enable_msc``   URI parsing + the backend registry, as
                                      ``open_storage`` resolves them
-``ckpt_assume_constant_structure``   torch's DCP plan caching being present
+``ckpt_assume_constant_structure``   :data:`dcpstore.options.PLAN_CACHING` (the writer
+                                     cannot replay cached plans today) and torch's
+                                     DCP plan caching being present
 ===================================  =========================================
 
 So a format can never be refused async while the writer would save it
@@ -43,7 +45,7 @@ from torch.distributed.checkpoint.planner import SavePlanner
 
 from ..errors import CheckpointError, InvalidArgument
 from ..manager import CheckpointManager, check_step
-from ..options import save_option_problems
+from ..options import PLAN_CACHING, PLAN_CACHING_WHY, save_option_problems
 from ..storage import StorageOptions, backend_class, backend_name, parse_uri
 from .fsdp import FORMATS
 
@@ -52,8 +54,9 @@ _FIELD_OF_OPTION = {"async_": "async_save", "engine": "engine", "workers": "dist
 
 
 def plan_caching_supported() -> bool:
-    """Whether this torch's DCP can cache save plans across saves."""
-    return "enable_plan_caching" in inspect.signature(DefaultSavePlanner.__init__).parameters
+    """Whether this torch's DCP can cache save plans *and* the writer can
+    use cached plans (:data:`dcpstore.options.PLAN_CACHING`)."""
+    return PLAN_CACHING and "enable_plan_caching" in inspect.signature(DefaultSavePlanner.__init__).parameters
 
 
 @dataclass
@@ -90,7 +93,8 @@ class CheckpointConfig:
         for name in ("save", "load"):
             self._check_root(name)
         if self.ckpt_assume_constant_structure and not plan_caching_supported():
-            self._fail("ckpt_assume_constant_structure", "this torch's DCP has no save-plan caching (DefaultSavePlanner(enable_plan_caching=...))")
+            why = PLAN_CACHING_WHY if not PLAN_CACHING else "this torch's DCP has no save-plan caching"
+            self._fail("ckpt_assume_constant_structure", f"True is not supported: {why}; leave it False")
 
     def _check_types(self) -> None:
         for name in ("async_save", "enable_msc", "ckpt_assume_constant_structure"):
