@@ -28,9 +28,10 @@ def test_demo_trains_crashes_and_resumes_on_another_world_size(tmp_path: Path, f
     left = re.search(r"rank 1 was killed at step 8; committed steps left: \[([\d, ]*)\]", out)
     assert left, out
     steps = [int(s) for s in left.group(1).split(",") if s.strip()]
-    # keep=2; a sync run has committed 4 and 6, an async one may have lost
-    # the save in flight when rank 1 died.
-    assert steps == [4, 6] if not flags else (steps and len(steps) <= 2 and steps[-1] >= 4), steps
+    # keep=2; a sync run has committed 4 and 6. An async one may have lost
+    # the save in flight when rank 1 died, or have been stopped after a commit
+    # but before that commit's retention ran (keep + 1 steps then).
+    assert steps == [4, 6] if not flags else (steps and len(steps) <= 3 and steps[-1] >= 4), steps
     assert " match" in out and "demo passed" in out, out
     # The resumed run (1 rank) continued from the newest step and committed two steps later.
     mgr = dcpstore.CheckpointManager(str(tmp_path / "ckpt"), async_=False)
