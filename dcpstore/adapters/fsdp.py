@@ -34,10 +34,12 @@ against this same table):
 On storage the two are identical -- stock DCP chunked tensors with global
 shapes and offsets -- so either loads into the other, on any world size.
 
-``full_state_dict=True`` gathers full tensors instead of shards (plain
-tensors; with ``cpu_offload=True`` only rank 0 holds them, and a load
-broadcasts from rank 0). ``cpu_offload=True`` moves what is handed to DCP to
-host memory.
+``full_state_dict=True`` saves gathered full tensors instead of shards
+(plain tensors; with ``cpu_offload=True`` only rank 0 holds and writes
+them). A full-state *load* reads full tensors on every rank and keeps each
+rank's shard: DCP reads directly from storage, so torch's rank-0 read and
+broadcast would only add traffic (and it hangs on gloo in torch 2.13).
+``cpu_offload=True`` keeps what DCP reads or writes in host memory.
 
 Load, on every rank (collective)::
 
