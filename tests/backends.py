@@ -3,9 +3,14 @@
 Every suite that should hold on every backend takes the ``target`` fixture
 (see conftest.py), which is parametrised over ``TARGETS``: one entry per way
 of reaching storage. A target is a URI plus the keyword arguments that
-``dcpstore.save`` / ``load`` / ``open_storage`` need with it (e.g.
-``enable_msc=True``). Object-store targets add themselves here and pull in the
-session's S3 endpoint fixture lazily, so local-only runs start no server.
+``dcpstore.save`` / ``load`` need with it (e.g. ``enable_msc=True``,
+``storage_options=``); :meth:`Target.open_kwargs` gives the same for
+``open_storage``. Object-store targets pull in the session's S3 endpoint
+fixture (tests/s3_server.py) lazily, so local-only runs start no server.
+
+Object-store targets use a small part size (5 MiB, S3's minimum) so that the
+suites' multi-MiB objects really go up as multipart uploads and come back as
+parallel ranged reads.
 """
 
 from __future__ import annotations
@@ -16,6 +21,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+
+from dcpstore.storage import MiB, StorageOptions
+
+#: Tuning for the object-store targets: multipart from 5 MiB, bounded retries.
+OBJECT_STORE_OPTIONS = StorageOptions(
+    part_size=5 * MiB,
+    max_concurrency=4,
+    max_attempts=5,
+    connect_timeout_s=5.0,
+    read_timeout_s=30.0,
+    op_timeout_s=60.0,
+)
 
 
 @dataclass
@@ -28,15 +45,70 @@ class Target:
         """The same backend, at ``uri/name``."""
         return Target(self.name, f"{self.uri.rstrip('/')}/{name}", dict(self.kwargs))
 
+    def open_kwargs(self) -> dict[str, Any]:
+        """``kwargs`` for ``open_storage``, which names ``storage_options`` ``options``."""
+        kwargs = dict(self.kwargs)
+        if "storage_options" in kwargs:
+            kwargs["options"] = kwargs.pop("storage_options")
+        return kwargs
+
 
 def _local(request: pytest.FixtureRequest, unique: str) -> Target:
     tmp_path = request.getfixturevalue("tmp_path")
     return Target("local", str(tmp_path / unique))
 
 
+def _s3_endpoint(request: pytest.FixtureRequest, unique: str) -> Any:
+    """The session's S3 endpoint; the test's objects are deleted when it ends
+    (moto keeps everything in memory)."""
+    endpoint = request.getfixturevalue("s3_endpoint")
+    request.addfinalizer(lambda: endpoint.delete_prefix(f"{unique}/"))
+    return endpoint
+
+
+def _s3(request: pytest.FixtureRequest, unique: str) -> Target:
+    endpoint = _s3_endpoint(request, unique)
+    return Target("s3", f"s3://{endpoint.bucket}/{unique}", {"storage_options": OBJECT_STORE_OPTIONS})
+
+
+def _s3_msc(request: pytest.FixtureRequest, unique: str) -> Target:
+    endpoint = _s3_endpoint(request, unique)
+    kwargs = {"enable_msc": True, "storage_options": OBJECT_STORE_OPTIONS}
+    return Target("s3+msc", f"s3://{endpoint.bucket}/{unique}", kwargs)
+
+
+def _msc(request: pytest.FixtureRequest, unique: str) -> Target:
+    profile = request.getfixturevalue("msc_config")
+    _s3_endpoint(request, unique)  # the profile's base_path is the session bucket
+    return Target("msc", f"msc://{profile}/{unique}", {"storage_options": OBJECT_STORE_OPTIONS})
+
+
+def _local_msc(request: pytest.FixtureRequest, unique: str) -> Target:
+    # A plain path with enable_msc=True: MSC's POSIX profile (Megatron's --enable-msc).
+    tmp_path = request.getfixturevalue("tmp_path")
+    return Target("local+msc", str(tmp_path / unique), {"enable_msc": True})
+
+
+def _memory(request: pytest.FixtureRequest, unique: str) -> Target:
+    def drop() -> None:  # memory:// is one process-wide store
+        import fsspec
+
+        fs = fsspec.filesystem("memory")
+        if fs.exists(f"/{unique}"):
+            fs.rm(f"/{unique}", recursive=True)
+
+    request.addfinalizer(drop)
+    return Target("memory", f"memory://{unique}")
+
+
 #: name -> factory(request, unique_name) -> Target. Keep "local" first.
 TARGETS: dict[str, Callable[[pytest.FixtureRequest, str], Target]] = {
     "local": _local,
+    "s3": _s3,
+    "s3+msc": _s3_msc,
+    "msc": _msc,
+    "local+msc": _local_msc,
+    "memory": _memory,
 }
 
 

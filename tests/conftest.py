@@ -5,6 +5,7 @@ import warnings
 import pytest
 
 from backends import TARGETS, Target, make_target
+from s3_server import msc_config, s3_endpoint  # noqa: F401  (session fixtures, requested lazily)
 
 warnings.filterwarnings("ignore", message="The pynvml package is deprecated")
 

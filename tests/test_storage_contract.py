@@ -15,7 +15,7 @@ from dcpstore.storage import MiB, Storage
 
 @pytest.fixture
 def storage(target: Target) -> Storage:
-    st = dcpstore.open_storage(target.uri, **target.kwargs)
+    st = dcpstore.open_storage(target.uri, **target.open_kwargs())
     st.makedirs()
     yield st
     st.close()
@@ -77,6 +77,12 @@ def test_list_is_recursive_and_relative(storage: Storage) -> None:
     listed = {o["path"]: o["size"] for o in storage.list()}
     assert listed == {"x/1.bin": 1, "x/y/2.bin": 2, "3.bin": 3}
     assert {o["path"] for o in storage.list("x")} == {"x/1.bin", "x/y/2.bin"}
+
+
+def test_list_prefix_is_a_directory_not_a_string_prefix(storage: Storage) -> None:
+    storage.put("x/1.bin", b"1")
+    storage.put("xy.bin", b"2")
+    assert [o["path"] for o in storage.list("x")] == ["x/1.bin"]
 
 
 def test_delete_ignores_missing(storage: Storage) -> None:

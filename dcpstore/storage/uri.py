@@ -18,6 +18,8 @@ from urllib.parse import urlsplit
 
 from ..errors import InvalidURI
 
+#: Schemes whose authority is a bucket (or MSC profile) name.
+_OBJECT_SCHEMES = ("s3", "msc", "gs", "gcs", "az", "abfs")
 _SCHEME_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
 
 
@@ -58,6 +60,10 @@ def redact(uri: str) -> str:
         return uri
     rest = uri[match.end():]
     authority, slash, path = rest.partition("/")
+    if ":" in authority and "@" in rest and "@" not in authority:
+        # "s3://KEY:SECRET@bucket/..." where the secret contains "/" (AWS
+        # secrets may): the user info runs past the first "/". Cut it there.
+        authority, slash, path = rest.split("@", 1)[1].partition("/")
     authority = authority.rsplit("@", 1)[-1]
     path, hook, _ = (slash + path).partition("?")
     path = path.split("#", 1)[0]
@@ -90,7 +96,9 @@ def parse_uri(uri: str | os.PathLike[str]) -> StorageURL:
         parts = urlsplit(uri)
     except ValueError as e:  # e.g. an unbalanced '[' in the authority
         raise InvalidURI(f"malformed URI {redact(uri)!r}: {e}") from e
-    if "@" in parts.netloc:
+    # Bucket and profile names never hold ':'; there it starts "KEY:SECRET@"
+    # whose secret contained '/' and so ran into the path.
+    if "@" in parts.netloc or (scheme in _OBJECT_SCHEMES and ":" in parts.netloc):
         raise InvalidURI(
             f"URI {redact(uri)!r} embeds credentials; pass them through the "
             "backend's standard sources (environment, profile, config file) instead"
@@ -102,7 +110,7 @@ def parse_uri(uri: str | os.PathLike[str]) -> StorageURL:
             raise InvalidURI(f"file URI {uri!r} has no path")
         return StorageURL("file", "", os.path.abspath(parts.path), uri)
     path = parts.path.strip("/")
-    if scheme in ("s3", "msc", "gs", "gcs", "az", "abfs") and not parts.netloc:
+    if scheme in _OBJECT_SCHEMES and not parts.netloc:
         what = "profile" if scheme == "msc" else "bucket"
         raise InvalidURI(f"URI {redact(uri)!r} has no {what}: expected {scheme}://{what}/path")
     return StorageURL(scheme, parts.netloc, path, uri)

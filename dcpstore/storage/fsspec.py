@@ -1,0 +1,266 @@
+"""fsspec backend: any scheme an installed fsspec filesystem serves.
+
+``memory://`` (tests), ``gs://`` with gcsfs, ``az://`` with adlfs, ...
+The URI goes to ``fsspec.core.url_to_fs`` unchanged; filesystem options come
+from fsspec's own configuration (``FSSPEC_<PROTOCOL>_<OPTION>`` variables or
+its config files), credentials from each filesystem's standard sources.
+
+Commit protocol (how an object becomes visible), chosen per filesystem:
+
+* **Transactional** (object-store filesystems: s3fs, gcsfs, adlfs, ...; their
+  files are fsspec ``AbstractBufferedFile`` s): the object is opened under its
+  final name with ``autocommit=False``; the filesystem streams it (s3fs and
+  gcsfs as a multipart / resumable upload) but publishes it only in
+  ``commit()``, atomically. An abort calls ``discard()``, which cancels the
+  upload (s3fs aborts the multipart upload).
+* **Temp + move** (every other filesystem, e.g. ``memory://``): the object is
+  written under a hidden temporary name in the same directory,
+  ``.<name>.dcpstore-tmp-<random>``, and moved over the final name at commit
+  with ``fs.mv``. Visibility is atomic where the filesystem's move is (a
+  rename; ``memory://`` swaps one dict entry); on filesystems whose move is a
+  copy plus delete, a reader sees either no object or the whole one, but the
+  temporary may survive a crash. Temporary names are never listed;
+  ``list_incomplete`` / ``cleanup_incomplete`` (``dcpstore gc``) find them.
+
+Durability is whatever the filesystem provides on close (no fsync: local
+paths use the native local backend instead). ``.metadata`` is written last
+by the writer, so a crash between data and commit leaves no checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from collections.abc import Iterable, Iterator
+from datetime import datetime
+from typing import Any
+
+import fsspec
+from fsspec.spec import AbstractBufferedFile
+
+from ..errors import BackendUnavailable, CheckpointError, StorageError, StorageNotFound, StoragePermissionError
+from .base import ObjectInfo, ObjectWriter, Storage, StorageOptions
+from .uri import StorageURL, redact
+
+_TMP_MARK = ".dcpstore-tmp-"
+
+
+def _is_tmp(path: str) -> bool:
+    name = path.rsplit("/", 1)[-1]
+    return name.startswith(".") and _TMP_MARK in name
+
+
+@contextlib.contextmanager
+def _mapped(what: str) -> Iterator[None]:
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except FileNotFoundError as e:
+        raise StorageNotFound(f"{what}: no such file or object") from e
+    except PermissionError as e:
+        raise StoragePermissionError(f"{what}: permission denied (credentials refused or insufficient)") from e
+    except Exception as e:
+        raise StorageError(f"{what}: {type(e).__name__}: {redact(str(e))}") from e
+
+
+class FsspecStorage(Storage):
+    """A directory (or prefix) on an fsspec filesystem."""
+
+    backend = "fsspec"
+
+    def __init__(self, url: StorageURL, options: StorageOptions | None = None) -> None:
+        super().__init__(url, options)
+        try:
+            self.fs, root = fsspec.core.url_to_fs(url.uri)
+        except ImportError as e:
+            raise BackendUnavailable(f"no fsspec filesystem installed for {self.uri}: {e}") from e
+        except ValueError as e:
+            raise StorageError(f"fsspec cannot open {self.uri}: {redact(str(e))}") from e
+        self.root = str(root).rstrip("/")
+        # An AbstractBufferedFile honours autocommit=False (upload now, publish
+        # at commit); memory:// and local files do not, so they use temp + mv.
+        self.transactional = self._has_buffered_files()
+
+    def _has_buffered_files(self) -> bool:
+        protocols = self.fs.protocol if isinstance(self.fs.protocol, (tuple, list)) else (self.fs.protocol,)
+        if {"memory", "file", "local"} & set(protocols):
+            return False
+        return type(self.fs).__module__.split(".")[0] in _TRANSACTIONAL_MODULES
+
+    def _full(self, path: str) -> str:
+        if path.startswith("/") or ".." in path.split("/"):
+            raise StorageError(f"{self.describe(path)}: path escapes the checkpoint root")
+        path = path.rstrip("/")
+        return f"{self.root}/{path}" if path else self.root
+
+    def _relative(self, full: str) -> str:
+        stripped = str(self.fs._strip_protocol(full)).rstrip("/")
+        root = str(self.fs._strip_protocol(self.root)).rstrip("/")
+        return stripped[len(root) + 1 :] if root else stripped.lstrip("/")
+
+    # -- writing -------------------------------------------------------------
+    def open_write(self, path: str, *, size_hint: int | None = None) -> ObjectWriter:
+        full = self._full(path)
+        what = f"cannot write {self.describe(path)}"
+        if self.transactional:
+            with _mapped(what):
+                handle = self.fs.open(full, "wb", autocommit=False, block_size=self.options.part_size)
+            if isinstance(handle, AbstractBufferedFile) and not handle.autocommit:
+                return _TransactionalWriter(handle, what)
+            # The filesystem ignored autocommit=False: never leave it half-written.
+            with contextlib.suppress(Exception):
+                handle.close()
+            raise StorageError(f"{what}: {type(self.fs).__name__} does not support uncommitted writes")
+        directory, _, name = full.rpartition("/")
+        tmp = f"{directory}/.{name}{_TMP_MARK}{uuid.uuid4().hex[:12]}"
+        with _mapped(what):
+            handle = self.fs.open(tmp, "wb")
+        return _TempMoveWriter(self.fs, handle, tmp, full, what)
+
+    def makedirs(self, path: str = "") -> None:
+        with _mapped(f"cannot create directory {self.describe(path)}"):
+            self.fs.makedirs(self._full(path), exist_ok=True)
+
+    # -- reading -------------------------------------------------------------
+    def read_range(self, path: str, offset: int, length: int) -> bytes:
+        full = self._full(path)
+        with _mapped(f"cannot read {self.describe(path)}"):
+            if length <= 0:
+                self.size(path)
+                return b""
+            return bytes(self.fs.cat_file(full, start=offset, end=offset + length))
+
+    def read(self, path: str) -> bytes:
+        with _mapped(f"cannot read {self.describe(path)}"):
+            self.size(path)  # a directory is not an object
+            return bytes(self.fs.cat_file(self._full(path)))
+
+    def size(self, path: str) -> int:
+        with _mapped(f"cannot stat {self.describe(path)}"):
+            info = self.fs.info(self._full(path))
+        if info.get("type") != "file":
+            raise StorageNotFound(f"cannot stat {self.describe(path)}: is a {info.get('type')}, not an object")
+        return int(info["size"])
+
+    def _find(self, prefix: str) -> dict[str, dict[str, Any]]:
+        full = self._full(prefix.strip("/"))
+        with _mapped(f"cannot list {self.describe(prefix)}"):
+            self.fs.invalidate_cache(full)  # listings are cached per instance (s3fs, gcsfs)
+            found: dict[str, dict[str, Any]] = self.fs.find(full, detail=True)
+        return found
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        for name, info in sorted(self._find(prefix).items()):
+            if info.get("type") == "file" and not _is_tmp(name):
+                entry: ObjectInfo = {"path": self._relative(name), "size": int(info.get("size") or 0)}
+                mtime = _mtime(info)
+                if mtime is not None:
+                    entry["mtime"] = mtime
+                yield entry
+
+    # -- deleting ------------------------------------------------------------
+    def delete(self, paths: Iterable[str]) -> None:
+        for path in paths:
+            with _mapped(f"cannot delete {self.describe(path)}"), contextlib.suppress(FileNotFoundError):
+                self.fs.rm_file(self._full(path))
+
+    def list_incomplete(self) -> Iterator[str]:
+        for name, info in sorted(self._find("").items()):
+            if info.get("type") == "file" and _is_tmp(name):
+                yield self._relative(name)
+
+    def cleanup_incomplete(self, older_than_s: float = 0.0) -> int:
+        now = time.time()
+        removed = 0
+        for name, info in sorted(self._find("").items()):
+            if info.get("type") != "file" or not _is_tmp(name):
+                continue
+            mtime = _mtime(info)
+            if older_than_s > 0 and (mtime is None or now - mtime < older_than_s):
+                continue  # recent (or of unknown age): it may be a live write
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm_file(name)
+                removed += 1
+        return removed
+
+
+def _mtime(info: dict[str, Any]) -> float | None:
+    """Modification time from an fsspec info dict; each filesystem names it differently."""
+    for key in ("mtime", "LastModified", "last_modified", "updated", "modified", "created"):
+        value = info.get(key)
+        if isinstance(value, datetime):
+            return value.timestamp()
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            with contextlib.suppress(ValueError):
+                return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+    return None
+
+
+#: Top-level modules of filesystems whose files are AbstractBufferedFiles
+#: that publish only in commit() when opened with autocommit=False.
+_TRANSACTIONAL_MODULES = {"s3fs", "gcsfs", "adlfs", "ossfs", "ocifs"}
+
+
+class _TransactionalWriter(ObjectWriter):
+    def __init__(self, handle: AbstractBufferedFile, what: str) -> None:
+        super().__init__()
+        self._f = handle
+        self._what = what
+        self._pos = 0
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        n = memoryview(data).nbytes
+        with _mapped(self._what):
+            self._f.write(data)
+        self._pos += n
+        return n
+
+    def tell(self) -> int:
+        return self._pos
+
+    def _commit(self) -> None:
+        with _mapped(self._what):
+            self._f.close()  # uploads the tail; publishes nothing (autocommit=False)
+            self._f.commit()
+
+    def _abort(self) -> None:
+        with contextlib.suppress(Exception):
+            self._f.discard()
+        with contextlib.suppress(Exception):
+            self._f.closed = True  # discard() dropped the buffer; don't flush on close
+
+
+class _TempMoveWriter(ObjectWriter):
+    def __init__(self, fs: Any, handle: Any, tmp: str, final: str, what: str) -> None:
+        super().__init__()
+        self._fs = fs
+        self._f = handle
+        self._tmp = tmp
+        self._final = final
+        self._what = what
+        self._pos = 0
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        n = memoryview(data).nbytes
+        with _mapped(self._what):
+            self._f.write(data)
+        self._pos += n
+        return n
+
+    def tell(self) -> int:
+        return self._pos
+
+    def _commit(self) -> None:
+        with _mapped(self._what):
+            self._f.close()
+            self._fs.mv(self._tmp, self._final)
+
+    def _abort(self) -> None:
+        with contextlib.suppress(Exception):
+            self._f.close()
+        with contextlib.suppress(Exception):
+            self._fs.rm_file(self._tmp)

@@ -1,0 +1,356 @@
+"""MSC backend: storage through NVIDIA Multi-Storage-Client.
+
+Which URIs come here (see :func:`dcpstore.storage.registry.backend_name`):
+
+* ``msc://profile/path``: always. The profile comes from the user's MSC
+  config (``MSC_CONFIG``, ``~/.msc_config.yaml``, ``/etc/msc_config.yaml``,
+  rclone config) exactly as MSC reads it; endpoint, credentials, retries,
+  multipart thresholds and caches are MSC's settings, not dcpstore's.
+* ``s3://bucket/path`` and local paths with ``enable_msc=True`` (like
+  Megatron's ``--enable-msc``). They are handed to
+  ``multistorageclient.resolve_storage_client`` unchanged, so MSC applies its
+  ``path_mapping`` first; without a mapping MSC 1.3.1 builds an *implicit
+  profile*: ``s3://bucket/...`` becomes profile ``_s3-bucket`` (an S3 provider
+  with ``base_path=bucket`` and otherwise boto3's standard sources: env,
+  ``AWS_ENDPOINT_URL``, profiles), and a local path becomes the reserved POSIX
+  profile ``__filesystem__`` rooted at ``/``.
+
+All I/O goes through MSC's client API (``open``, ``upload_file``, ``read``
+with a byte range, ``info``, ``list``, ``delete_many``); dcpstore adds only
+what its storage contract needs on top:
+
+Commit protocol, object-store profiles (S3, GCS, ...): ``write`` spools the
+object into a local buffer (memory up to :data:`SPOOL_LIMIT`, then a temporary
+file); commit hands it to ``StorageClient.upload_file``, which MSC sends as one
+``PutObject`` or, above its ``multipart_threshold``, as a boto3 (s3transfer)
+multipart upload that aborts itself on failure. The object becomes visible
+atomically when that upload completes; an abort before commit sends nothing.
+A process killed mid-upload can leave an open multipart upload that MSC has no
+API to list: use ``dcpstore gc`` on the plain ``s3://`` URI (native backend)
+or a bucket lifecycle rule to remove those.
+
+Commit protocol, POSIX profiles: MSC's ``open(path, "wb")`` writes a
+``PosixFile`` to ``.<name>.tmp`` in the target directory and renames it over
+the final name on ``close`` (atomic visibility). MSC 1.3.1 does not fsync, so
+dcpstore calls the file's ``fsync()`` before that close and fsyncs the
+directory after it, which makes the rename durable like the local backend's.
+The temporary name is fixed per object, so two concurrent writers of the
+*same* object would collide (DCP never does that). ``.<name>.tmp`` files are
+hidden from :meth:`MSCStorage.list` and reported by ``list_incomplete``.
+
+:class:`~dcpstore.storage.base.StorageOptions` here sets only how dcpstore
+splits large reads (``part_size`` ranges, ``max_concurrency`` threads); every
+request's retries are MSC's (its ``retry`` config) and boto3's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import tempfile
+import time
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import IO, Any
+
+import multistorageclient as msc
+from multistorageclient.types import Range
+
+from ..errors import CheckpointError, InvalidURI, StorageError, StorageNotFound, StoragePermissionError
+from .base import MiB, ObjectInfo, ObjectWriter, Storage, StorageOptions
+from .uri import StorageURL, redact
+
+#: Per object, spooled bytes stay in memory up to this size, then go to a temp file.
+SPOOL_LIMIT = 512 * MiB
+
+
+def _is_posix_tmp(name: str) -> bool:
+    """MSC's PosixFile writes ``.<name>.tmp`` before renaming it into place."""
+    base = name.rsplit("/", 1)[-1]
+    return base.startswith(".") and base.endswith(".tmp") and len(base) > len("..tmp")
+
+
+def _client_error_code(e: BaseException) -> str:
+    """The S3/botocore error code somewhere in ``e``'s cause chain, if any.
+
+    MSC re-raises provider errors as built-ins (FileNotFoundError for any 404,
+    PermissionError for 403, RuntimeError otherwise); the original botocore
+    ``ClientError`` stays in the chain and tells NoSuchBucket from NoSuchKey.
+    """
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        response = getattr(cur, "response", None)
+        if isinstance(response, dict):
+            code = response.get("Error", {}).get("Code")
+            if code:
+                return str(code)
+        cur = cur.__cause__ or cur.__context__
+    # MSC reports DeleteObjects' per-key errors only as text.
+    match = _KNOWN_CODES.search(str(e))
+    return match.group(0) if match else ""
+
+
+_KNOWN_CODES = re.compile(
+    r"\b(NoSuchBucket|AccessDenied|InvalidAccessKeyId|SignatureDoesNotMatch|ExpiredToken|InvalidToken)\b"
+)
+
+
+class MSCStorage(Storage):
+    """A path in one MSC profile (explicit, implicit or the POSIX default)."""
+
+    backend = "msc"
+
+    def __init__(self, url: StorageURL, options: StorageOptions | None = None) -> None:
+        super().__init__(url, options)
+        msc_url = url.path if url.scheme == "file" else url.uri
+        try:
+            self.client, root = msc.resolve_storage_client(msc_url)
+        except ValueError as e:
+            raise InvalidURI(f"MSC cannot open {self.uri}: {redact(str(e))}") from e
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise StorageError(f"MSC cannot open {self.uri}: {type(e).__name__}: {redact(str(e))}") from e
+        self.root = root.rstrip("/")
+        self.posix_root = self.client.get_posix_path(self.root) if self.root else self.client.get_posix_path("")
+        # MSC returns listed keys relative to the profile's base path, without
+        # a leading slash (also for the POSIX profile rooted at "/").
+        self._key_root = self.root.strip("/")
+        self._bucket = url.netloc if url.scheme == "s3" else self.client.profile
+
+    @property
+    def is_posix(self) -> bool:
+        return self.posix_root is not None
+
+    def _full(self, path: str) -> str:
+        if path.startswith("/") or ".." in path.split("/"):
+            raise StorageError(f"{self.describe(path)}: path escapes the checkpoint root")
+        path = path.rstrip("/")
+        if not self.root:
+            return path
+        return f"{self.root}/{path}" if path else self.root
+
+    def _relative(self, key: str) -> str:
+        key = key.lstrip("/")
+        return key[len(self._key_root) + 1 :] if self._key_root else key
+
+    @contextlib.contextmanager
+    def _mapped(self, what: str) -> Iterator[None]:
+        try:
+            yield
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise self._map(e, what) from e
+
+    def _map(self, e: BaseException, what: str) -> CheckpointError:
+        code = _client_error_code(e)
+        if code == "NoSuchBucket":
+            return StorageNotFound(f"{what}: bucket {self._bucket!r} does not exist (MSC profile {self.client.profile!r})")
+        if isinstance(e, FileNotFoundError) or code in ("NoSuchKey", "404", "NotFound"):
+            return StorageNotFound(f"{what}: no such object")
+        if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken"):
+            return StoragePermissionError(
+                f"{what}: the storage refused the credentials of MSC profile {self.client.profile!r} ({code})"
+            )
+        if isinstance(e, PermissionError) or code in ("AccessDenied", "403"):
+            return StoragePermissionError(
+                f"{what}: access denied for MSC profile {self.client.profile!r} ({code or 'permission denied'}): "
+                "the credentials were refused or lack permission"
+            )
+        detail = f" ({code})" if code else ""
+        return StorageError(f"{what}: {type(e).__name__}{detail}: {redact(str(e))}")
+
+    # -- writing -------------------------------------------------------------
+    def open_write(self, path: str, *, size_hint: int | None = None) -> ObjectWriter:
+        what = f"cannot write {self.describe(path)}"
+        if self.is_posix:
+            with self._mapped(what):
+                handle = self.client.open(self._full(path), "wb")
+            return _PosixWriter(handle, what, self._map)
+        return _SpoolWriter(self, self._full(path), what)
+
+    def put(self, path: str, data: bytes | bytearray | memoryview) -> None:
+        if self.is_posix:
+            super().put(path, data)
+            return
+        with self._mapped(f"cannot write {self.describe(path)}"):
+            self.client.write(self._full(path), bytes(data))
+
+    def makedirs(self, path: str = "") -> None:
+        if self.is_posix:
+            target = self.client.get_posix_path(self._full(path))
+            assert target is not None
+            with self._mapped(f"cannot create directory {self.describe(path)}"):
+                os.makedirs(target, exist_ok=True)
+
+    # -- reading -------------------------------------------------------------
+    def _read_one(self, full: str, offset: int, length: int) -> bytes:
+        try:
+            return bytes(self.client.read(full, byte_range=Range(offset=offset, size=length)))
+        except Exception as e:
+            if _client_error_code(e) == "InvalidRange":
+                return b""  # offset at or past the end of the object
+            raise
+
+    def read_range(self, path: str, offset: int, length: int) -> bytes:
+        if length <= 0:
+            self.size(path)
+            return b""
+        full = self._full(path)
+        ps = self.options.part_size
+        with self._mapped(f"cannot read {self.describe(path)}"):
+            if length <= ps or self.options.max_concurrency == 1:
+                return self._read_one(full, offset, length)
+            ranges = [(o, min(ps, offset + length - o)) for o in range(offset, offset + length, ps)]
+            workers = min(self.options.max_concurrency, len(ranges))
+            with ThreadPoolExecutor(workers, thread_name_prefix="dcpstore-msc-get") as pool:
+                chunks = list(pool.map(lambda r: self._read_one(full, r[0], r[1]), ranges))
+        return b"".join(chunks)
+
+    def read(self, path: str) -> bytes:
+        try:
+            size = self.size(path)
+        except (StorageNotFound, StoragePermissionError):
+            # A HEAD's 404/403 carries no error code; a GET's says whether the
+            # key or the bucket is missing, or which credential check failed.
+            with self._mapped(f"cannot read {self.describe(path)}"):
+                return bytes(self.client.read(self._full(path)))
+        if size <= self.options.part_size:
+            with self._mapped(f"cannot read {self.describe(path)}"):
+                return bytes(self.client.read(self._full(path)))
+        return self.read_range(path, 0, size)
+
+    def size(self, path: str) -> int:
+        with self._mapped(f"cannot stat {self.describe(path)}"):
+            info = self.client.info(self._full(path))
+        if info.type != "file":
+            raise StorageNotFound(f"cannot stat {self.describe(path)}: is a {info.type}, not an object")
+        return int(info.content_length)
+
+    def _walk(self, prefix: str) -> Iterator[Any]:
+        prefix = prefix.strip("/")
+        full = self._full(prefix) if prefix else self.root
+        key_full = full.strip("/")
+        listing = f"{full}/" if full else ""
+        with self._mapped(f"cannot list {self.describe(prefix)}"):
+            for obj in self.client.list(path=listing, include_directories=False):
+                key = obj.key.lstrip("/")
+                if key_full and key != key_full and not key.startswith(key_full + "/"):
+                    continue
+                yield obj
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        for obj in self._walk(prefix):
+            if obj.type == "file" and not (self.is_posix and _is_posix_tmp(obj.key)):
+                info: ObjectInfo = {"path": self._relative(obj.key), "size": int(obj.content_length)}
+                if obj.last_modified is not None:
+                    info["mtime"] = obj.last_modified.timestamp()
+                yield info
+
+    # -- deleting ------------------------------------------------------------
+    def delete(self, paths: Iterable[str]) -> None:
+        full = [self._full(p) for p in paths]
+        if not full:
+            return
+        with self._mapped(f"cannot delete {len(full)} object(s) under {self.uri}"):
+            self.client.delete_many(full)
+
+    def list_incomplete(self) -> Iterator[str]:
+        """POSIX profiles: MSC's ``.<name>.tmp`` files. Object profiles: none
+        visible through MSC (see the module docstring)."""
+        if not self.is_posix:
+            return
+        for obj in self._walk(""):
+            if _is_posix_tmp(obj.key):
+                yield self._relative(obj.key)
+
+    def cleanup_incomplete(self, older_than_s: float = 0.0) -> int:
+        now = time.time()
+        stale = [
+            self._relative(obj.key)
+            for obj in self._walk("")
+            if self.is_posix and _is_posix_tmp(obj.key) and now - obj.last_modified.timestamp() >= older_than_s
+        ]
+        self.delete(stale)
+        return len(stale)
+
+
+class _PosixWriter(ObjectWriter):
+    """MSC's PosixFile (temp + rename on close), made durable with fsyncs."""
+
+    def __init__(self, handle: Any, what: str, mapper: Any) -> None:
+        super().__init__()
+        self._f = handle
+        self._what = what
+        self._map = mapper
+        self._pos = 0
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        n = memoryview(data).nbytes
+        try:
+            self._f.write(data)
+        except Exception as e:
+            raise self._map(e, self._what) from e
+        self._pos += n
+        return n
+
+    def tell(self) -> int:
+        return self._pos
+
+    def _commit(self) -> None:
+        try:
+            self._f.flush()
+            self._f.fsync()  # MSC renames without fsync; make the data durable first
+            final = self._f.resolve_filesystem_path()
+            self._f.close()  # renames .<name>.tmp over <name>
+            _fsync_dir(os.path.dirname(final) or ".")
+        except Exception as e:
+            raise self._map(e, self._what) from e
+
+    def _abort(self) -> None:
+        with contextlib.suppress(Exception):
+            self._f.discard()
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class _SpoolWriter(ObjectWriter):
+    """Spool locally, then one MSC ``upload_file`` at commit (PUT or multipart)."""
+
+    def __init__(self, storage: MSCStorage, full: str, what: str) -> None:
+        super().__init__()
+        self._st = storage
+        self._full = full
+        self._what = what
+        self._spool: IO[bytes] = tempfile.SpooledTemporaryFile(max_size=SPOOL_LIMIT, prefix=".dcpstore-msc-")
+        self._pos = 0
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        n = memoryview(data).nbytes
+        self._spool.write(data)
+        self._pos += n
+        return n
+
+    def tell(self) -> int:
+        return self._pos
+
+    def _commit(self) -> None:
+        try:
+            with self._st._mapped(self._what):
+                self._spool.seek(0)
+                self._st.client.upload_file(self._full, self._spool)
+        finally:
+            self._spool.close()
+
+    def _abort(self) -> None:
+        self._spool.close()

@@ -1,0 +1,215 @@
+"""A real S3 endpoint for the tests: ``moto_server`` on loopback, in its own process.
+
+The session fixture :func:`s3_endpoint` starts one server on a free
+``127.0.0.1`` port, creates the test bucket, and points the standard AWS
+environment at it **for the rest of the test session** (``AWS_ENDPOINT_URL``,
+fake ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY``, region; the user's
+``~/.aws`` files are masked). It is requested lazily by the object-store
+targets in ``backends.py``, so a local-only run starts nothing and changes no
+environment; the variables are restored when the session ends. Tests stay
+independent through unique key prefixes (``ckpt-<random>``), not resets.
+
+:func:`msc_config` writes an MSC config file whose profile points at the same
+endpoint and sets ``MSC_CONFIG`` for the session, likewise.
+
+Everything here talks to loopback only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+LOOPBACK = "127.0.0.1"
+BUCKET = "dcpstore-test"
+MSC_PROFILE = "dcpstore-s3"
+# Distinctive, so that tests can assert they never show up in output or logs.
+FAKE_KEY_ID = "AKIADCPSTORESESSION1"
+FAKE_SECRET = "dcpstore/session+SECRET/never-printed-0001"
+REGION = "us-east-1"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((LOOPBACK, 0))
+        return int(s.getsockname()[1])
+
+
+def _moto_command(port: int) -> list[str]:
+    exe = Path(sys.executable).with_name("moto_server")
+    if not exe.exists():
+        found = shutil.which("moto_server")
+        exe = Path(found) if found else exe
+    if exe.exists():
+        return [str(exe), "-H", LOOPBACK, "-p", str(port)]
+    return [sys.executable, "-m", "moto.server", "-H", LOOPBACK, "-p", str(port)]
+
+
+_no_proxy = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+class MotoServer:
+    """One ``moto_server`` process on a free loopback port."""
+
+    def __init__(self, log_dir: Path, env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://{LOOPBACK}:{self.port}"
+        self._log_path = log_dir / f"moto-{self.port}.log"
+        self._env = {**os.environ, **(env or {})}
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout_s: float = 30.0) -> MotoServer:
+        with open(self._log_path, "wb") as log:
+            self._proc = subprocess.Popen(
+                _moto_command(self.port), stdout=log, stderr=subprocess.STDOUT, env=self._env, start_new_session=True
+            )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"moto_server exited with {self._proc.returncode}: {self.log_tail()}")
+            try:
+                with _no_proxy.open(f"{self.url}/moto-api/data.json", timeout=1) as resp:
+                    if resp.status == 200:
+                        return self
+            except OSError:
+                time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"moto_server did not answer on {self.url} within {timeout_s}s: {self.log_tail()}")
+
+    def log_tail(self, n: int = 2000) -> str:
+        with contextlib.suppress(OSError):
+            return self._log_path.read_text(errors="replace")[-n:]
+        return ""
+
+    def reset(self) -> None:
+        """Drop every bucket and object (moto's reset API)."""
+        req = urllib.request.Request(f"{self.url}/moto-api/reset", method="POST")
+        with _no_proxy.open(req, timeout=10):
+            pass
+
+    def stop(self) -> None:
+        if self._proc is None:
+            return
+        self._proc.terminate()
+        try:
+            self._proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait(10)
+        self._proc = None
+
+    def client(self, **kwargs: Any) -> Any:
+        """A plain boto3 client for this server (test setup and inspection)."""
+        import boto3
+
+        kwargs.setdefault("aws_access_key_id", FAKE_KEY_ID)
+        kwargs.setdefault("aws_secret_access_key", FAKE_SECRET)
+        return boto3.session.Session().client("s3", endpoint_url=self.url, region_name=REGION, **kwargs)
+
+
+@dataclass(frozen=True)
+class S3Endpoint:
+    server: MotoServer
+    bucket: str
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def client(self, **kwargs: Any) -> Any:
+        return self.server.client(**kwargs)
+
+    def delete_prefix(self, prefix: str) -> None:
+        """Delete every object and open upload under ``prefix`` (test cleanup)."""
+        client = self.client()
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):
+            keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+            if keys:
+                client.delete_objects(Bucket=self.bucket, Delete={"Objects": keys, "Quiet": True})
+        for upload in self.open_uploads(prefix):
+            client.abort_multipart_upload(Bucket=self.bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+
+    def open_uploads(self, prefix: str = "") -> list[dict[str, Any]]:
+        """Multipart uploads still open under ``prefix`` (for leak checks)."""
+        resp = self.client().list_multipart_uploads(Bucket=self.bucket, Prefix=prefix)
+        return list(resp.get("Uploads", []))
+
+
+def aws_env(url: str) -> dict[str, str | None]:
+    """The AWS environment that points boto3 (and MSC, s3fs) at ``url``; None unsets."""
+    return {
+        "AWS_ENDPOINT_URL": url,
+        "AWS_ENDPOINT_URL_S3": None,
+        "AWS_ACCESS_KEY_ID": FAKE_KEY_ID,
+        "AWS_SECRET_ACCESS_KEY": FAKE_SECRET,
+        "AWS_SESSION_TOKEN": None,
+        "AWS_SECURITY_TOKEN": None,
+        "AWS_PROFILE": None,
+        "AWS_DEFAULT_PROFILE": None,
+        "AWS_DEFAULT_REGION": REGION,
+        "AWS_REGION": REGION,
+        "AWS_CONFIG_FILE": os.devnull,
+        "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+        "AWS_EC2_METADATA_DISABLED": "true",
+        "NO_PROXY": f"{LOOPBACK},localhost",
+        "no_proxy": f"{LOOPBACK},localhost",
+    }
+
+
+def apply_env(mp: pytest.MonkeyPatch, env: dict[str, str | None]) -> None:
+    for key, value in env.items():
+        if value is None:
+            mp.delenv(key, raising=False)
+        else:
+            mp.setenv(key, value)
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Endpoint]:
+    """A moto S3 server for the session, with the AWS environment pointing at it."""
+    server = MotoServer(tmp_path_factory.mktemp("moto")).start()
+    mp = pytest.MonkeyPatch()
+    try:
+        apply_env(mp, aws_env(server.url))
+        server.client().create_bucket(Bucket=BUCKET)
+        yield S3Endpoint(server, BUCKET)
+    finally:
+        mp.undo()
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def msc_config(s3_endpoint: S3Endpoint, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """An MSC config file with profile ``dcpstore-s3`` on the session's endpoint; sets MSC_CONFIG."""
+    path = tmp_path_factory.mktemp("msc") / "msc_config.yaml"
+    path.write_text(
+        "profiles:\n"
+        f"  {MSC_PROFILE}:\n"
+        "    storage_provider:\n"
+        "      type: s3\n"
+        "      options:\n"
+        f"        base_path: {s3_endpoint.bucket}\n"
+        f"        endpoint_url: {s3_endpoint.url}\n"
+        f"        region_name: {REGION}\n"
+        # Small parts so the suites' multipart-sized objects really go up in parts.
+        "        multipart_threshold: 5242880\n"
+        "        multipart_chunksize: 5242880\n"
+    )
+    mp = pytest.MonkeyPatch()
+    mp.setenv("MSC_CONFIG", str(path))
+    try:
+        yield MSC_PROFILE
+    finally:
+        mp.undo()

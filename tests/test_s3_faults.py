@@ -1,0 +1,191 @@
+"""Saves through a faulty network (tests/faultproxy.py in front of moto).
+
+A share of requests answered ``503 SlowDown`` and of connections dropped
+mid-request or mid-response: saves still commit and round-trip. Every request
+failing: the save fails within its bound, clearly, with nothing committed and
+no multipart upload left open.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+import dcpstore
+from faultproxy import FaultConfig, FaultProxy, Request, s3_error
+from helpers import assert_state_equal, zeros_like_state
+from s3_server import S3Endpoint
+from dcpstore.maintenance import gc
+from dcpstore.storage import MiB, StorageOptions, open_storage
+
+PART = 5 * MiB
+
+
+@pytest.fixture
+def proxy(s3_endpoint: S3Endpoint, monkeypatch: pytest.MonkeyPatch) -> Iterator[FaultProxy]:
+    """A proxy in front of the session's moto server; dcpstore's S3 traffic goes through it."""
+    with FaultProxy(s3_endpoint.url) as p:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", p.url)
+        yield p
+
+
+def _uri(endpoint: S3Endpoint) -> str:
+    return f"s3://{endpoint.bucket}/faults-{uuid.uuid4().hex[:8]}"
+
+
+def _direct_keys(endpoint: S3Endpoint, uri: str) -> list[str]:
+    """Keys under ``uri`` as the server has them (bypassing the proxy)."""
+    prefix = uri.split("/", 3)[3]
+    resp = endpoint.client().list_objects_v2(Bucket=endpoint.bucket, Prefix=prefix + "/")
+    return [o["Key"].rsplit("/", 1)[-1] for o in resp.get("Contents", [])]
+
+
+def _state() -> dict[str, torch.Tensor]:
+    # One multipart-sized file (3 parts) and a small one (workers=2).
+    g = torch.Generator().manual_seed(7)
+    return {"a": torch.randn(3 * MiB, generator=g), "c": torch.arange(10)}
+
+
+def test_save_through_slowdowns_and_drops_commits_and_roundtrips(proxy: FaultProxy, s3_endpoint: S3Endpoint) -> None:
+    # Every fault kind on every request kind; the proxy's RNG is seeded, so
+    # how many faults the first N requests draw is fixed (botocore's backoff
+    # sleeps dominate this test's time, hence modest shares).
+    proxy.config = FaultConfig(slowdown=0.1, drop=0.07, drop_response=0.07)
+    opts = StorageOptions(part_size=PART, max_concurrency=4, max_attempts=8, op_timeout_s=60)
+    uri = _uri(s3_endpoint)
+    state = _state()
+    dcpstore.save(state, uri, workers=2, storage_options=opts).result()
+    restored = zeros_like_state(state)
+    dcpstore.load(restored, uri, storage_options=opts)
+    assert_state_equal(state, restored)
+    assert sum(proxy.stats.faults.values()) >= 3, proxy.stats  # the faults really happened
+    assert proxy.stats.requests["UploadPart"] >= 3
+    assert ".metadata" in _direct_keys(s3_endpoint, uri)
+    # No parts are left behind. A CreateMultipartUpload whose *response* was
+    # dropped and then retried leaves an empty upload that no client can know
+    # of; gc (or a lifecycle rule) removes those.
+    prefix = uri.split("/", 3)[3]
+    client = s3_endpoint.client()
+    for upload in s3_endpoint.open_uploads(prefix):
+        parts = client.list_parts(Bucket=s3_endpoint.bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+        assert parts.get("Parts", []) == []
+    gc(open_storage(uri, options=opts), older_than_s=0)
+    assert s3_endpoint.open_uploads(prefix) == []
+
+
+def test_every_request_failing_fails_within_bound_and_commits_nothing(
+    proxy: FaultProxy, s3_endpoint: S3Endpoint
+) -> None:
+    proxy.config = FaultConfig(slowdown=1.0)
+    opts = StorageOptions(part_size=PART, max_attempts=3, op_timeout_s=20)
+    uri = _uri(s3_endpoint)
+    t0 = time.monotonic()
+    with pytest.raises(dcpstore.SaveError) as info:
+        dcpstore.save(_state(), uri, storage_options=opts)
+    elapsed = time.monotonic() - t0
+    # botocore standard backoff: <= 1 s + 2 s for 3 attempts; far below the bound.
+    assert elapsed < opts.op_timeout_s
+    message = str(info.value)
+    assert uri in message and "SlowDown" in message and "3 attempts" in message
+    assert _direct_keys(s3_endpoint, uri) == []
+    assert s3_endpoint.open_uploads(uri.split("/", 3)[3]) == []
+
+
+def test_failing_parts_abort_their_upload(proxy: FaultProxy, s3_endpoint: S3Endpoint) -> None:
+    # Only UploadPart fails: the multipart upload was opened, so the writer
+    # must abort it; .metadata must never be written.
+    proxy.config = FaultConfig(slowdown=1.0, applies=lambda r: r.kind == "UploadPart")
+    opts = StorageOptions(part_size=PART, max_attempts=2, op_timeout_s=20)
+    uri = _uri(s3_endpoint)
+    with pytest.raises(dcpstore.SaveError, match="cannot upload part"):
+        dcpstore.save(_state(), uri, workers=2, storage_options=opts)
+    assert proxy.stats.requests["CreateMultipartUpload"] >= 1
+    assert proxy.stats.requests["AbortMultipartUpload"] >= 1
+    assert ".metadata" not in _direct_keys(s3_endpoint, uri)
+    assert s3_endpoint.open_uploads(uri.split("/", 3)[3]) == []
+
+
+def test_retry_time_is_bounded_by_op_timeout(proxy: FaultProxy, s3_endpoint: S3Endpoint) -> None:
+    proxy.config = FaultConfig(slowdown=1.0)
+    opts = StorageOptions(part_size=PART, max_attempts=50, op_timeout_s=0.5)
+    st = open_storage(_uri(s3_endpoint), options=opts)
+    t0 = time.monotonic()
+    with pytest.raises(dcpstore.StorageError, match=r"gave up after .* \(op_timeout_s=0\.5\); last error: SlowDown"):
+        st.put("x", b"x")
+    # Past the deadline no further attempt starts; one backoff sleep (<= 20 s
+    # in botocore's standard mode) may still run before that check.
+    assert time.monotonic() - t0 < 25
+    assert proxy.stats.requests["PutObject"] < 50
+
+
+def test_unabortable_upload_is_reported_and_gc_removes_it(
+    proxy: FaultProxy, s3_endpoint: S3Endpoint, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The network dies after the upload was opened: even the abort fails. The
+    # writer says so (naming gc); gc over a healthy connection cleans it up.
+    proxy.config = FaultConfig(slowdown=1.0, applies=lambda r: r.kind in ("UploadPart", "AbortMultipartUpload"))
+    opts = StorageOptions(part_size=PART, max_attempts=2)
+    uri = _uri(s3_endpoint)
+    st = open_storage(uri, options=opts)
+    with caplog.at_level(logging.WARNING, logger="dcpstore"):
+        with pytest.raises(dcpstore.StorageError, match=r"cannot upload part \d"):
+            with st.open_write("__0_0.distcp") as w:
+                w.write(b"z" * (2 * PART))
+                w.commit()
+    assert "dcpstore gc" in caplog.text
+    prefix = uri.split("/", 3)[3]
+    assert len(s3_endpoint.open_uploads(prefix)) == 1
+    proxy.config = FaultConfig()  # the network is back
+    assert list(st.list_incomplete()) == ["__0_0.distcp"]
+    assert gc(st, older_than_s=0).incomplete_uploads == 1
+    assert s3_endpoint.open_uploads(prefix) == []
+
+
+def _nth(kind: str, n: int) -> Callable[[Request], bool]:
+    """A rule matching only the n-th request (1-based) of ``kind``."""
+    seen = [0]
+
+    def rule(req: Request) -> bool:
+        if req.kind != kind:
+            return False
+        seen[0] += 1
+        return seen[0] == n
+
+    return rule
+
+
+NO_SUCH_UPLOAD = s3_error(404, "Not Found", "NoSuchUpload", "The specified upload does not exist.")
+
+
+def test_lost_complete_reply_still_commits(proxy: FaultProxy, s3_endpoint: S3Endpoint) -> None:
+    # S3 completed the upload but the reply broke off; botocore retries and
+    # S3 may then answer NoSuchUpload: the writer recognises its own object
+    # (by the multipart ETag) and reports success.
+    second = _nth("CompleteMultipartUpload", 2)
+    proxy.config = FaultConfig(
+        drop_response=1.0,
+        applies=_nth("CompleteMultipartUpload", 1),
+        answer=lambda req: NO_SUCH_UPLOAD if second(req) else None,
+    )
+    st = open_storage(_uri(s3_endpoint), options=StorageOptions(part_size=PART, max_attempts=3))
+    payload = bytes(range(256)) * (11 * MiB // 256)
+    with st.open_write("obj") as w:
+        w.write(payload)
+    assert proxy.stats.faults == {"drop_response": 1, "answer": 1}
+    assert st.read("obj") == payload
+
+
+def test_no_such_upload_on_complete_without_the_object_fails(proxy: FaultProxy, s3_endpoint: S3Endpoint) -> None:
+    proxy.config = FaultConfig(answer=lambda req: NO_SUCH_UPLOAD if req.kind == "CompleteMultipartUpload" else None)
+    uri = _uri(s3_endpoint)
+    st = open_storage(uri, options=StorageOptions(part_size=PART, max_attempts=3))
+    with pytest.raises(dcpstore.StorageNotFound, match="cannot complete multipart upload"):
+        with st.open_write("obj") as w:
+            w.write(b"q" * (11 * MiB))
+    assert not st.exists("obj")
+    assert s3_endpoint.open_uploads(uri.split("/", 3)[3]) == []  # aborted after all
