@@ -3,7 +3,7 @@
     python examples/fsdp_demo.py            # ~1 min: 2 ranks train, crash, resume on 4
     python examples/fsdp_demo.py --fast     # ~15 s (CI): smaller model, resume on 1
     python examples/fsdp_demo.py --async    # checkpoint asynchronously
-    python examples/fsdp_demo.py --s3       # also checkpoint to a local S3 endpoint
+    python examples/fsdp_demo.py --s3       # also checkpoint to a local S3 endpoint (moto)
 
 It launches its own ranks (gloo on CPU, one process per rank), so no
 torchrun is needed:
@@ -34,12 +34,13 @@ import os
 import shutil
 import signal
 import socket
-import subprocess
+import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -240,38 +241,24 @@ def launch(fn: Any, world: int, args: argparse.Namespace) -> int | None:
 
 
 @contextlib.contextmanager
-def local_s3_endpoint() -> Iterator[str]:
-    """A moto S3 server on loopback for ``--s3``; yields the checkpoint root URI.
+def local_s3_endpoint(workdir: str) -> Iterator[str]:
+    """For ``--s3``: a moto S3 server on loopback (the test suite's launcher,
+    as examples/s3_demo.py uses it), with this process's AWS environment
+    pointed at it before any rank starts; yields the checkpoint root URI."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    from s3_server import MotoServer, aws_env
 
-    HOOK: the objstore branch ships the S3 backend (dcpstore/storage/s3.py) and
-    the test suite's moto helper; wire that helper in here when it lands.
-    """
+    server = MotoServer(Path(workdir)).start()
     try:
-        dcpstore.storage.backend_class("s3")
-    except dcpstore.BackendUnavailable as e:
-        raise SystemExit(f"--s3 needs dcpstore's S3 backend, which this build lacks: {e}") from e
-    import boto3
-
-    exe = shutil.which("moto_server") or os.path.join(os.path.dirname(sys.executable), "moto_server")
-    port = _free_port()
-    server = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    os.environ.update(
-        AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}", AWS_ACCESS_KEY_ID="demo", AWS_SECRET_ACCESS_KEY="demo",
-        AWS_DEFAULT_REGION="us-east-1",
-    )
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
-                break
-            if time.monotonic() > deadline:
-                raise SystemExit("the local S3 endpoint (moto_server) did not start")
-            time.sleep(0.1)
-        boto3.client("s3").create_bucket(Bucket="dcpstore-demo")
+        for key, value in aws_env(server.url).items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        server.client().create_bucket(Bucket="dcpstore-demo")
         yield "s3://dcpstore-demo/run"
     finally:
-        server.terminate()
-        server.wait(10)
+        server.stop()
 
 
 def summary(args: argparse.Namespace, names: list[str]) -> bool:
@@ -283,15 +270,15 @@ def summary(args: argparse.Namespace, names: list[str]) -> bool:
             resume = json.load(f)
         match = not resume["mismatches"] and resume["extra_step"] == resume["step"]
         ok &= match
-        mean = lambda k: 1e3 * sum(r[k] for r in rows) / len(rows)  # noqa: E731
+        med = lambda k: 1e3 * statistics.median(r[k] for r in rows)  # noqa: E731
         print(
             f"  {name:<7}  {len(rows):>5}  {sum(r['bytes'] for r in rows) / len(rows) / 1e6:>7.2f}  "
-            f"{mean('stall_s'):>8.1f}  {mean('write_s'):>8.1f}  {mean('commit_s'):>9.1f}  "
+            f"{med('stall_s'):>8.1f}  {med('write_s'):>8.1f}  {med('commit_s'):>9.1f}  "
             f"{resume['step']:>7}  {resume['world']:>2}  {resume['load_s'] * 1e3:>7.1f}  "
             f"{'match' if match else 'MISMATCH: ' + ', '.join(resume['mismatches'][:5])}"
         )
-    print("  (stall: time training was blocked by save(); write: time to make the data durable;"
-          " bytes and write are rank 0's)")
+    print("  (medians over the saves; stall: time training was blocked by save(); write: time to make"
+          " the data durable; bytes and write are rank 0's)")
     return ok
 
 
@@ -314,7 +301,7 @@ def main() -> None:
     multiprocessing.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed.fsdp", "dcpstore.adapters.fsdp"])
     t0 = time.perf_counter()
     try:
-        with local_s3_endpoint() if args.s3 else contextlib.nullcontext(None) as s3_uri:
+        with local_s3_endpoint(args.root) if args.s3 else contextlib.nullcontext(None) as s3_uri:
             args.s3_uri = s3_uri
             try:
                 names = list(configs(args))  # validates the configs before any rank starts

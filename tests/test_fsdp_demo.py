@@ -1,4 +1,5 @@
-"""The FSDP2 demo runs end to end (fast mode), as CI and the README run it."""
+"""The FSDP2 demo runs end to end (fast mode, local + S3 on a moto endpoint
+it starts), as CI and the README run it."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ REPO = Path(__file__).parents[1]
 def test_demo_trains_crashes_and_resumes_on_another_world_size(tmp_path: Path, flags: list[str]) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(
-        [sys.executable, str(REPO / "examples" / "fsdp_demo.py"), "--fast", "--root", str(tmp_path), *flags],
+        [sys.executable, str(REPO / "examples" / "fsdp_demo.py"), "--fast", "--s3", "--root", str(tmp_path), *flags],
         capture_output=True, text=True, timeout=240, env=env,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -32,7 +33,9 @@ def test_demo_trains_crashes_and_resumes_on_another_world_size(tmp_path: Path, f
     # the save in flight when rank 1 died, or have been stopped after a commit
     # but before that commit's retention ran (keep + 1 steps then).
     assert steps == [4, 6] if not flags else (steps and len(steps) <= 3 and steps[-1] >= 4), steps
-    assert " match" in out and "demo passed" in out, out
+    rows = [line.split() for line in out.splitlines() if line.strip().startswith(("local ", "s3 "))]
+    assert [r[0] for r in rows] == ["local", "s3"] and all(r[-1] == "match" for r in rows), out
+    assert "demo passed" in out, out
     # The resumed run (1 rank) continued from the newest step and committed two steps later.
     mgr = dcpstore.CheckpointManager(str(tmp_path / "ckpt"), async_=False)
     assert mgr.all_steps() == [steps[-1], steps[-1] + 2] and mgr.read_pointer() == steps[-1] + 2
