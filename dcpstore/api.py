@@ -23,13 +23,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 
 from .errors import CheckpointError, InvalidArgument, LoadError, SaveError
-from .options import ENGINES as _ENGINE_TABLE
 from .options import check_save_options
 from .storage import Storage, StorageOptions, open_storage, redact
+from .writers.async_engine import ENGINES, AsyncSaver, default_saver
 from .writers.dcp import DcpStorageReader, DcpStorageWriter, SaveStats, check_workers
 
-#: Engine names; the table with what each supports is :data:`dcpstore.options.ENGINES`.
-ENGINES = tuple(_ENGINE_TABLE)
 
 # DCP warns on every call made without an initialised process group; a
 # single-process save is a supported, deliberate use here, so silence that
@@ -66,24 +64,30 @@ class SaveHandle:
     """The outcome of :func:`save`, shaped like ``concurrent.futures.Future``.
 
     A background error is raised from :meth:`result` (every call) as a
-    dcpstore exception chained to its cause; :meth:`exception` returns it.
+    :class:`SaveError` chained to its cause; :meth:`exception` returns it.
+    ``engine`` is the engine that runs the save (``"sync"`` for plain
+    synchronous saves).
     """
 
-    def __init__(self, future: Future[CheckpointInfo], uri: str) -> None:
+    def __init__(self, future: Future[CheckpointInfo], uri: str, *, engine: str = "sync") -> None:
         self._future = future
         self.uri = uri
+        self.engine = engine
 
     @classmethod
     def completed(cls, info: CheckpointInfo) -> SaveHandle:
         future: Future[CheckpointInfo] = Future()
         future.set_result(info)
-        return cls(future, info.uri)
+        return cls(future, info.uri, engine=info.engine)
 
     def done(self) -> bool:
         return self._future.done()
 
     def result(self, timeout: float | None = None) -> CheckpointInfo:
-        """Block until the save is committed; re-raise its error if it failed."""
+        """Block until the save is committed; re-raise its error if it failed.
+
+        ``TimeoutError`` if it is still running after ``timeout`` seconds.
+        """
         return self._future.result(timeout)
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
@@ -94,7 +98,7 @@ class SaveHandle:
 
     def __repr__(self) -> str:
         state = "done" if self.done() else "pending"
-        return f"<SaveHandle {self.uri} {state}>"
+        return f"<SaveHandle {self.uri} {self.engine} {state}>"
 
 
 def _check_common(workers: int | None, process_group: Any) -> None:
@@ -125,19 +129,52 @@ def save(
     process_group: dist.ProcessGroup | None = None,
     planner: SavePlanner | None = None,
     storage_options: StorageOptions | None = None,
+    max_in_flight: int = 1,
 ) -> SaveHandle:
     """Save ``state_dict`` to ``uri`` as a DCP checkpoint.
 
     Every rank calls it with its own shard of the state (SPMD, like
-    ``dcp.save``). Sync saves return a handle that is already done. The
-    checkpoint becomes visible only when its ``.metadata`` is committed,
-    after every rank's data is durable.
+    ``dcp.save``). The checkpoint becomes visible only when its ``.metadata``
+    is committed, after every rank's data is durable.
+
+    Sync (default): returns a handle that is already done; errors raise here.
+
+    ``async_=True``: returns once the state is staged (a host-memory copy);
+    from then on the caller may mutate its tensors. The write, commit and
+    finalize run on a background thread of the per-process default
+    :class:`AsyncSaver` (keep your own ``AsyncSaver`` to control its
+    lifetime); ``handle.result()`` re-raises a background failure as
+    :class:`SaveError`. At most ``max_in_flight`` async saves are pending: a
+    new one first waits for the oldest. ``engine`` chooses the async engine:
+    ``"native"`` (every backend), ``"nvrx"`` (NVRx's writer; local paths and
+    MSC), ``"auto"`` (NVRx where it can, else native with an
+    :class:`EngineFallbackWarning` saying why).
+
+    Sync saves use dcpstore's native writer unless ``engine="nvrx"``, which
+    runs the NVRx engine and waits for it.
     """
     if not isinstance(state_dict, dict):
         raise InvalidArgument(f"state_dict must be a dict, got {type(state_dict).__name__}")
     # One table decides what save accepts (config layers consult it too).
     check_save_options(async_=async_, engine=engine, workers=workers, planner=planner)
     _check_common(workers, process_group)
+    if async_ or engine == "nvrx":
+        handle = default_saver().save(
+            state_dict,
+            uri,
+            workers=workers,
+            enable_msc=enable_msc,
+            engine=engine,
+            process_group=process_group,
+            planner=planner,
+            storage_options=storage_options,
+            max_in_flight=max_in_flight,
+            _snapshot=async_,
+            _stacklevel=2,
+        )
+        if not async_:
+            handle.result()  # sync: raise here, like the native sync path
+        return handle
     t0 = time.perf_counter()
     storage = open_checkpoint_storage(uri, enable_msc=enable_msc, options=storage_options)
     writer = DcpStorageWriter(storage, workers=workers)

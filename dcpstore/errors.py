@@ -67,3 +67,7 @@ class StateDictMismatch(LoadError):
     def __init__(self, message: str, report: object = None) -> None:
         super().__init__(message)
         self.report = report
+
+
+class EngineFallbackWarning(UserWarning):
+    """``engine="auto"`` chose the native async engine; the message says why."""

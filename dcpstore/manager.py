@@ -59,7 +59,7 @@ from torch.distributed.checkpoint.planner import SavePlanner
 
 from .api import CheckpointInfo, SaveHandle, load, save
 from .errors import CheckpointError, CheckpointNotFound, InvalidArgument, StorageError
-from .options import check_save_options
+from .options import check_save_options, engine_problem
 from .storage import Storage, StorageOptions, join_uri, open_storage
 from .writers.layout import METADATA
 
@@ -188,6 +188,10 @@ class CheckpointManager:
             "storage_options": storage_options,
         }
         self._storage: Storage = open_storage(self.root_uri, enable_msc=enable_msc, options=storage_options)
+        problem = engine_problem(engine, self._storage)
+        if problem:
+            self._storage.close()
+            raise InvalidArgument(problem)
         self._pending: _Pending | None = None
         self._closed = False
         #: Saves this manager finished, oldest first (committed ones only).

@@ -21,7 +21,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import InvalidArgument
+from .adapters import nvrx as nvrx_adapter
+from .errors import CheckpointError, InvalidArgument
+from .storage import Storage
+from .writers.async_engine import ENGINES as ENGINE_NAMES
 from .writers.dcp import check_workers
 
 
@@ -36,14 +39,33 @@ class EngineSpec:
     summary: str
 
 
-ENGINES: Mapping[str, EngineSpec] = {
-    spec.name: spec
-    for spec in (
-        EngineSpec("auto", False, "NVRx where it works, else native, with one warning naming why"),
-        EngineSpec("native", False, "dcpstore's own staging + thread pool"),
-        EngineSpec("nvrx", False, "NVIDIA Resiliency Extension's async writer"),
-    )
+_SUMMARIES = {
+    "auto": "NVRx where it works, else native, with one warning naming why",
+    "native": "dcpstore's own staging + thread pool",
+    "nvrx": "NVIDIA Resiliency Extension's async writer",
 }
+
+#: The engines, by name. The names are the async engine's own list
+#: (:data:`dcpstore.writers.async_engine.ENGINES`), so there is one list.
+#: Every engine runs sync and async saves; whether NVRx is installed, and
+#: whether it can write to a given backend, is asked of the NVRx adapter
+#: (:func:`engine_problem`), again the writer's own function.
+ENGINES: Mapping[str, EngineSpec] = {
+    name: EngineSpec(name, True, _SUMMARIES.get(name, "")) for name in ENGINE_NAMES
+}
+
+
+def engine_problem(engine: str, storage: Storage) -> str | None:
+    """Why ``engine`` cannot save to ``storage`` (``None``: it can), decided
+    by the same NVRx adapter functions the engine itself calls."""
+    if engine != "nvrx":
+        return None
+    try:
+        nvrx_adapter.require()
+        nvrx_adapter.check_target(storage)
+    except CheckpointError as e:
+        return str(e)
+    return None
 
 
 #: Whether the writer can run from a plan DCP replays out of its save-plan

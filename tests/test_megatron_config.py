@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 import dcpstore
+from backends import Target
 from dcpstore.adapters import fsdp
 from dcpstore.adapters.megatron import CheckpointConfig, plan_caching_supported
 from dcpstore.writers.dcp import DcpStorageWriter
@@ -148,3 +149,23 @@ def test_constant_structure_is_accepted_exactly_when_the_writer_can_replay_cache
         mgr.load(out, step)
         assert torch.equal(out["w"], torch.full((8,), float(step)))
     mgr.close()
+
+
+@pytest.mark.filterwarnings("ignore::dcpstore.EngineFallbackWarning")
+@pytest.mark.parametrize("engine", ["auto", "native", "nvrx"])
+def test_engine_and_backend_are_accepted_exactly_when_the_writer_accepts_them(target: Target, engine: str) -> None:
+    """engine x backend (NVRx writes POSIX and MSC only): the config's verdict
+    must be the writer's, on every backend target."""
+    try:
+        dcpstore.save({"w": torch.ones(2)}, f"{target.uri}/probe", async_=True, engine=engine, **target.kwargs).result()
+        refusal = None
+    except (dcpstore.InvalidArgument, dcpstore.BackendUnavailable) as e:
+        refusal = str(e)
+    kwargs: dict[str, Any] = {"save": target.uri, "async_save": True, "engine": engine, "enable_msc": target.kwargs.get("enable_msc", False)}
+    if refusal is None:
+        CheckpointConfig(**kwargs).manager(storage_options=target.kwargs.get("storage_options")).close()
+    else:
+        with pytest.raises(dcpstore.InvalidArgument, match=r"^CheckpointConfig\.engine: "):
+            CheckpointConfig(**kwargs)
+        with pytest.raises(dcpstore.InvalidArgument):
+            dcpstore.CheckpointManager(target.uri, engine=engine, **target.kwargs)

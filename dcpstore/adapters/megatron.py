@@ -12,7 +12,9 @@ field                                validated by
 ===================================  =========================================
 ``ckpt_format``                      :data:`dcpstore.adapters.fsdp.FORMATS`
 ``async_save``, ``engine``,          :func:`dcpstore.options.save_option_problems`
-``dist_ckpt_workers``                (what :func:`dcpstore.save` checks)
+``dist_ckpt_workers``                (what :func:`dcpstore.save` checks) and, for
+                                     ``engine`` x ``save``, the NVRx adapter's own
+                                     target check (NVRx writes POSIX/MSC only)
 ``save``, ``load``, ``enable_msc``   URI parsing + the backend registry, as
                                      ``open_storage`` resolves them
 ``ckpt_assume_constant_structure``   :data:`dcpstore.options.PLAN_CACHING` (the writer
@@ -45,8 +47,8 @@ from torch.distributed.checkpoint.planner import SavePlanner
 
 from ..errors import CheckpointError, InvalidArgument
 from ..manager import CheckpointManager, check_step
-from ..options import PLAN_CACHING, PLAN_CACHING_WHY, save_option_problems
-from ..storage import StorageOptions, backend_class, backend_name, parse_uri
+from ..options import PLAN_CACHING, PLAN_CACHING_WHY, engine_problem, save_option_problems
+from ..storage import StorageOptions, backend_class, backend_name, open_storage, parse_uri
 from .fsdp import FORMATS
 
 #: save()'s keyword -> the config field that feeds it, for error messages.
@@ -92,6 +94,7 @@ class CheckpointConfig:
             self._fail(_FIELD_OF_OPTION.get(problem.option, problem.option), problem.message)
         for name in ("save", "load"):
             self._check_root(name)
+        self._check_engine_target()
         if self.ckpt_assume_constant_structure and not plan_caching_supported():
             why = PLAN_CACHING_WHY if not PLAN_CACHING else "this torch's DCP has no save-plan caching"
             self._fail("ckpt_assume_constant_structure", f"True is not supported: {why}; leave it False")
@@ -126,6 +129,19 @@ class CheckpointConfig:
             backend_class(backend_name(parse_uri(value), enable_msc=self.enable_msc))
         except CheckpointError as e:
             self._fail(name, str(e), cause=e)
+
+    def _check_engine_target(self) -> None:
+        """The engine can write where ``save`` points (NVRx: POSIX or MSC only),
+        asked of the same adapter the engine asks at save time."""
+        if self.save is None:
+            return
+        storage = open_storage(self.save, enable_msc=self.enable_msc)
+        try:
+            problem = engine_problem(self.engine, storage)
+        finally:
+            storage.close()
+        if problem:
+            self._fail("engine", problem)
 
     @staticmethod
     def _fail(name: str, message: str, cause: BaseException | None = None) -> None:

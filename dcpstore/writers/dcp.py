@@ -81,6 +81,8 @@ log = logging.getLogger(__name__)
 
 #: Neighbouring items of one file are read together up to this many bytes.
 COALESCE_LIMIT = 64 * MiB
+#: Read-back piece size when checksumming a file another writer produced.
+CHECKSUM_CHUNK = 16 * MiB
 
 
 def check_workers(workers: int | None, default: int) -> int:
@@ -299,8 +301,7 @@ class DcpStorageWriter(StorageWriter):
         # Retract any older commit at this URI *before* any rank overwrites
         # its data files: a crash mid-save must never leave an old .metadata
         # pointing at new, partial data.
-        self.storage.delete([METADATA, MANIFEST])
-        self.storage.put(INFLIGHT, self.save_id.encode())
+        claim(self.storage, self.save_id)
         return [
             dataclasses.replace(plan, storage_data=SaveToken(f"__{i}_", self.save_id)) for i, plan in enumerate(plans)
         ]
@@ -364,47 +365,11 @@ class DcpStorageWriter(StorageWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         t_start = time.perf_counter()
-        storage_data: dict[MetadataIndex, _StorageInfo] = {}
-        files: dict[str, FileEntry] = {}
-        items: dict[str, int] = {}
-        for rank_results in results:
-            for wr in rank_results:
-                rec: ItemRecord = wr.storage_data
-                storage_data[wr.index] = _StorageInfo(rec.relative_path, rec.offset, rec.length)
-                files[rec.relative_path] = {"size": rec.file_size, "crc32c": rec.file_crc32c}
-                items[item_key(rec.relative_path, rec.offset)] = rec.crc32c
-        metadata.storage_data = storage_data
-        metadata.storage_meta = self.storage_meta()
-        blob = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
-        self._check_still_ours(self.save_id)
-        self.storage.put(MANIFEST, build_manifest(files, items, crc32c.crc32c(blob)))
-        self.storage.put(METADATA, blob)  # the commit point
-        self.storage.delete([INFLIGHT])
-        self._remove_stale_data(files)
+        commit_checkpoint(self.storage, metadata, results, self.storage_meta(), self.save_id)
         self.stats.commit_s = time.perf_counter() - t_start
 
     def _check_still_ours(self, save_id: str) -> None:
-        """Refuse to publish a file or commit once another save to this URI
-        has started (it replaced our in-flight marker): the later save wins,
-        this one fails clearly and never writes over the winner's files."""
-        try:
-            owner = self.storage.read(INFLIGHT).decode(errors="replace")
-        except StorageNotFound:
-            owner = "<none>"
-        if owner != save_id:
-            raise SaveError(
-                f"another save to {self.storage.uri} started while this one was writing "
-                f"(its save id {owner}, ours {save_id}); nothing was committed by this save"
-            )
-
-    def _remove_stale_data(self, live: dict[str, FileEntry]) -> None:
-        """Delete data files an older checkpoint at this URI left behind."""
-        try:
-            stale = [o["path"] for o in self.storage.list() if is_data_file(o["path"]) and o["path"] not in live]
-            if stale:
-                self.storage.delete(stale)
-        except CheckpointError as e:  # the commit already happened; cleanup is best effort
-            log.warning("could not remove stale data files under %s: %s", self.storage.uri, e)
+        check_still_ours(self.storage, save_id)
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.storage.uri, save_id=self.save_id)
@@ -422,6 +387,119 @@ class DcpStorageWriter(StorageWriter):
         except CheckpointError:
             return False
         return True
+
+
+def commit_checkpoint(
+    storage: Storage,
+    metadata: Metadata,
+    results: list[list[WriteResult]],
+    storage_meta: StorageMeta | None,
+    save_id: str,
+) -> None:
+    """The coordinator's commit, shared by every writer: check the URI is
+    still this save's (``save_id`` in the in-flight marker), then the
+    manifest, then ``.metadata`` last; then drop the marker and the data
+    files an older checkpoint at this URI left behind.
+
+    ``results`` are every rank's write results whose ``storage_data`` is an
+    :class:`ItemRecord`. Call only after *every* rank's data files are
+    durable (DCP and NVRx both gather the results first).
+    """
+    storage_data: dict[MetadataIndex, _StorageInfo] = {}
+    files: dict[str, FileEntry] = {}
+    items: dict[str, int] = {}
+    for rank_results in results:
+        for wr in rank_results:
+            rec: ItemRecord = wr.storage_data
+            storage_data[wr.index] = _StorageInfo(rec.relative_path, rec.offset, rec.length)
+            files[rec.relative_path] = {"size": rec.file_size, "crc32c": rec.file_crc32c}
+            items[item_key(rec.relative_path, rec.offset)] = rec.crc32c
+    metadata.storage_data = storage_data
+    metadata.storage_meta = storage_meta
+    blob = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
+    check_still_ours(storage, save_id)
+    storage.put(MANIFEST, build_manifest(files, items, crc32c.crc32c(blob)))
+    storage.put(METADATA, blob)  # the commit point
+    storage.delete([INFLIGHT])
+    remove_stale_data(storage, files)
+
+
+def claim(storage: Storage, save_id: str) -> None:
+    """Start a save at ``storage`` (coordinator, before any rank writes):
+    retract an older commit, so that a crash mid-save never leaves an old
+    ``.metadata`` pointing at new, partial data, and mark the URI as this
+    save's."""
+    storage.delete([METADATA, MANIFEST])
+    storage.put(INFLIGHT, save_id.encode())
+
+
+def check_still_ours(storage: Storage, save_id: str) -> None:
+    """Refuse to publish a file or commit once another save to this URI
+    has started (it replaced our in-flight marker): the later save wins,
+    this one fails clearly and never writes over the winner's files."""
+    try:
+        owner = storage.read(INFLIGHT).decode(errors="replace")
+    except StorageNotFound:
+        owner = "<none>"
+    if owner != save_id:
+        raise SaveError(
+            f"another save to {storage.uri} started while this one was writing "
+            f"(its save id {owner}, ours {save_id}); nothing was committed by this save"
+        )
+
+
+def checksum_written_file(storage: Storage, path: str, results: list[WriteResult]) -> list[WriteResult]:
+    """Checksum a data file that another writer (NVRx) produced, by reading it
+    back once in ``CHECKSUM_CHUNK`` pieces, and return ``results`` with
+    :class:`ItemRecord` storage data for the manifest.
+
+    ``results`` are that file's DCP write results (``_StorageInfo`` storage
+    data: offset and length of each item).
+    """
+    spans = sorted(results, key=lambda wr: wr.storage_data.offset)
+    size = storage.size(path)
+    file_crc = 0
+    item_crcs = [0] * len(spans)
+    pos = first = 0  # spans before ``first`` end before ``pos``
+    while pos < size:
+        chunk = memoryview(storage.read_range(path, pos, min(CHECKSUM_CHUNK, size - pos)))
+        if not chunk:
+            break
+        file_crc = crc32c.crc32c(chunk, file_crc)
+        end = pos + len(chunk)
+        while first < len(spans) and _span_end(spans[first]) <= pos:
+            first += 1
+        i = first
+        while i < len(spans) and spans[i].storage_data.offset < end:
+            lo, hi = max(pos, spans[i].storage_data.offset), min(end, _span_end(spans[i]))
+            if lo < hi:
+                item_crcs[i] = crc32c.crc32c(chunk[lo - pos : hi - pos], item_crcs[i])
+            i += 1
+        pos = end
+    if pos != size:
+        raise CheckpointCorrupt(f"{storage.describe(path)}: read back {pos} of {size} bytes right after writing it")
+    return [
+        WriteResult(
+            index=wr.index,
+            size_in_bytes=wr.size_in_bytes,
+            storage_data=ItemRecord(path, wr.storage_data.offset, wr.storage_data.length, crc, size, file_crc),
+        )
+        for wr, crc in zip(spans, item_crcs)
+    ]
+
+
+def _span_end(wr: WriteResult) -> int:
+    return int(wr.storage_data.offset + wr.storage_data.length)
+
+
+def remove_stale_data(storage: Storage, live: dict[str, FileEntry]) -> None:
+    """Delete data files an older checkpoint at this URI left behind."""
+    try:
+        stale = [o["path"] for o in storage.list() if is_data_file(o["path"]) and o["path"] not in live]
+        if stale:
+            storage.delete(stale)
+    except CheckpointError as e:  # the commit already happened; cleanup is best effort
+        log.warning("could not remove stale data files under %s: %s", storage.uri, e)
 
 
 # ---------------------------------------------------------------------------
@@ -454,8 +532,8 @@ def read_checkpoint_metadata(storage: Storage) -> tuple[Metadata, Manifest | Non
 def _why_missing(storage: Storage) -> str:
     try:
         leftovers = [o["path"] for o in storage.list() if is_data_file(o["path"]) or o["path"] == MANIFEST]
-    except StorageNotFound:
-        leftovers = []
+    except StorageNotFound as e:  # e.g. the bucket itself does not exist: say so
+        return f"no checkpoint at {storage.uri}: {e}"
     except CheckpointError as e:
         return f"no checkpoint at {storage.uri} (and listing it failed: {e})"
     if leftovers:

@@ -1,0 +1,292 @@
+"""``save(..., async_=True)``: snapshot semantics, background errors, limits,
+and bounded resources, on every backend the engine can write."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import threading
+from typing import Any
+
+import psutil
+import pytest
+import torch
+
+import dcpstore
+from async_helpers import (
+    ENGINES,
+    GatedPlanner,
+    assert_same,
+    mixed_state,
+    mutate,
+    open_target,
+    skip_unless_engine_serves,
+    snapshot,
+    zeros_like_state,
+)
+from backends import Target
+from dcpstore.errors import CheckpointNotFound, InvalidArgument, SaveError
+from dcpstore.writers.staging import Stager, StagingPool
+
+
+@pytest.fixture
+def saver() -> Any:
+    s = dcpstore.AsyncSaver()
+    yield s
+    s.close()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_mutation_after_save_never_reaches_storage(engine: str, target: Target, saver: Any) -> None:
+    skip_unless_engine_serves(engine, target)
+    state = mixed_state()
+    expected = snapshot(state)
+    # Hold the background save before it plans, so every byte it writes is
+    # written after the mutation below: aliasing anything would show.
+    planner = GatedPlanner("setup")
+    handle = saver.save(state, target.uri, engine=engine, planner=planner, workers=3, **target.kwargs)
+    assert not handle.done()
+    mutate(state)
+    planner.gate.set()
+    info = handle.result(timeout=60)
+    assert info.engine == engine and info.bytes_written > 0 and info.phases["stage"] > 0
+    loaded = zeros_like_state(state)
+    dcpstore.load(loaded, target.uri, **target.kwargs)
+    assert_same(loaded, expected)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_module_level_async_save_roundtrip(engine: str, target: Target) -> None:
+    skip_unless_engine_serves(engine, target)
+    state = {"w": torch.randn(300, 30), "step": 3}
+    expected = snapshot(state)
+    handle = dcpstore.save(state, target.uri, async_=True, engine=engine, **target.kwargs)
+    state["w"].mul_(0)
+    info = handle.result(timeout=60)
+    assert handle.done() and handle.exception() is None
+    assert info.uri == open_target(target).uri
+    loaded = {"w": torch.empty(300, 30), "step": 0}
+    dcpstore.load(loaded, target.uri, **target.kwargs)
+    assert_same(loaded, expected)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_background_error_surfaces_from_result(engine: str, local_target: Target, saver: Any) -> None:
+    # The parent of the checkpoint directory is a regular file: the failure
+    # happens in the background (creating the directory), not in save().
+    blocker = local_target.uri + "-file"
+    with open(blocker, "w") as f:
+        f.write("not a directory")
+    uri = os.path.join(blocker, "ckpt")
+    handle = saver.save({"w": torch.ones(10)}, uri, engine=engine)
+    with pytest.raises(SaveError) as info:
+        handle.result(timeout=60)
+    assert uri in str(info.value)
+    assert info.value.__cause__ is not None  # chained to the backend error
+    assert handle.exception() is info.value
+    with pytest.raises(SaveError):  # every call re-raises
+        handle.result()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_failed_write_commits_nothing(engine: str, local_target: Target, saver: Any) -> None:
+    uri = local_target.uri
+    state = {"a": torch.randn(64, 64), "b": torch.randn(64, 64)}
+    saver.save(state, uri, engine=engine, workers=2).result(timeout=60)
+    # A directory squats on a data file's name: that write fails mid-save.
+    os.remove(os.path.join(uri, "__0_1.distcp"))
+    os.mkdir(os.path.join(uri, "__0_1.distcp"))
+    with pytest.raises(SaveError, match="__0_1.distcp"):
+        saver.save(state, uri, engine=engine, workers=2).result(timeout=60)
+    assert not os.path.exists(os.path.join(uri, ".metadata"))  # the old commit was retracted first
+    with pytest.raises(CheckpointNotFound):
+        dcpstore.load({"a": torch.empty(64, 64), "b": torch.empty(64, 64)}, uri)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_old_commit_is_retracted_before_data_is_overwritten(engine: str, local_target: Target, saver: Any) -> None:
+    uri = local_target.uri
+    saver.save({"w": torch.zeros(100)}, uri, engine=engine).result(timeout=60)
+    planner = GatedPlanner("resolve")  # stops before the first data byte is written
+    handle = saver.save({"w": torch.ones(100)}, uri, engine=engine, planner=planner)
+    assert planner.reached.wait(30)
+    assert not os.path.exists(os.path.join(uri, ".metadata"))
+    assert not os.path.exists(os.path.join(uri, ".dcpstore.json"))
+    planner.gate.set()
+    handle.result(timeout=60)
+    loaded = {"w": torch.empty(100)}
+    dcpstore.load(loaded, uri)
+    assert torch.equal(loaded["w"], torch.ones(100))
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_later_save_to_the_same_uri_wins(engine: str, local_target: Target, saver: Any) -> None:
+    uri = local_target.uri
+    planner = GatedPlanner("resolve")  # the first save claimed the URI and stops before writing
+    first = saver.save({"w": torch.zeros(100)}, uri, engine=engine, planner=planner, workers=2)
+    assert planner.reached.wait(30)
+    dcpstore.save({"w": torch.ones(100)}, uri, workers=2)  # another writer: sync, to completion
+    planner.gate.set()
+    with pytest.raises(SaveError, match="another save"):
+        first.result(timeout=60)
+    loaded = {"w": torch.empty(100)}
+    dcpstore.load(loaded, uri)
+    assert torch.equal(loaded["w"], torch.ones(100))  # the later save's checkpoint, intact
+
+
+def test_unpicklable_value_fails_in_save_naming_the_key(local_target: Target, saver: Any) -> None:
+    with pytest.raises(InvalidArgument, match="bad"):
+        saver.save({"bad": threading.Lock()}, local_target.uri, engine="native")
+    assert saver.pending() == 0
+
+
+def test_max_in_flight_one_finishes_the_previous_save_first(local_target: Target, saver: Any) -> None:
+    planner = GatedPlanner("setup")
+    first = saver.save({"w": torch.ones(10)}, local_target.child("a").uri, engine="native", planner=planner)
+    returned = threading.Event()
+    second: list[Any] = []
+
+    def save_second() -> None:
+        second.append(saver.save({"w": torch.ones(10)}, local_target.child("b").uri, engine="native"))
+        returned.set()
+
+    thread = threading.Thread(target=save_second)
+    thread.start()
+    assert not returned.wait(0.5)  # blocked: the first save is still pending
+    planner.gate.set()
+    assert returned.wait(30)
+    thread.join()
+    assert first.done()  # finished before the second one was even staged
+    second[0].result(timeout=60)
+
+
+def test_max_in_flight_two_allows_two_pending_and_finishes_in_order(local_target: Target) -> None:
+    order: list[str] = []
+    with dcpstore.AsyncSaver(max_in_flight=2) as saver:
+        planner = GatedPlanner("setup")
+        h1 = saver.save({"w": torch.ones(10)}, local_target.child("a").uri, engine="native", planner=planner)
+        h2 = saver.save({"w": torch.ones(10)}, local_target.child("b").uri, engine="native")
+        h1.add_done_callback(lambda h: order.append("a"))
+        h2.add_done_callback(lambda h: order.append("b"))
+        assert saver.pending() == 2 and not h1.done() and not h2.done()
+        third_returned = threading.Event()
+        thread = threading.Thread(
+            target=lambda: (saver.save({"w": torch.ones(10)}, local_target.child("c").uri, engine="native"), third_returned.set())
+        )
+        thread.start()
+        assert not third_returned.wait(0.5)  # a third must wait for the oldest
+        planner.gate.set()
+        assert third_returned.wait(30)
+        thread.join()
+        saver.wait(timeout=60)
+    assert order == ["a", "b"]
+    for name in "abc":
+        assert os.path.exists(os.path.join(local_target.uri, name, ".metadata"))
+
+
+def test_closed_saver_refuses_and_close_waits(local_target: Target) -> None:
+    saver = dcpstore.AsyncSaver()
+    handle = saver.save({"w": torch.ones(1000)}, local_target.uri, engine="native")
+    saver.close()
+    assert handle.done() and handle.result().bytes_written > 0
+    with pytest.raises(InvalidArgument, match="closed"):
+        saver.save({"w": torch.ones(1)}, local_target.uri, engine="native")
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_sync_save_with_engine_runs_it_and_raises_directly(engine: str, local_target: Target) -> None:
+    handle = dcpstore.save({"w": torch.ones(10)}, local_target.uri, engine=engine)
+    assert handle.done()
+    assert handle.result().engine == ("nvrx" if engine == "nvrx" else "sync")
+    blocker = local_target.uri + "-file"
+    open(blocker, "w").close()
+    with pytest.raises(SaveError):
+        dcpstore.save({"w": torch.ones(10)}, os.path.join(blocker, "x"), engine=engine)
+
+
+def _repeated_saves_stay_flat(engine: str, target: Target) -> None:
+    """50 async saves of one structure: RSS, open files and threads stay flat."""
+    skip_unless_engine_serves(engine, target)
+    proc = psutil.Process()
+    state: dict[str, Any] = {f"layer{i}": torch.randn(256, 256) for i in range(8)}  # 2 MiB
+    state["step"] = 0
+    state_bytes = 8 * 256 * 256 * 4
+
+    def usage() -> tuple[int, int, int]:
+        gc.collect()
+        return proc.memory_info().rss, proc.num_fds(), threading.active_count()
+
+    with dcpstore.AsyncSaver() as saver:
+        for step in range(50):
+            state["step"] = step
+            for name in list(state)[:8]:
+                state[name].add_(1)
+            uri = target.child(f"step{step % 3}").uri  # overwrite a few URIs, like a rotating manager
+            saver.save(state, uri, engine=engine, workers=2, **target.kwargs).result(timeout=60)
+            if step == 9:
+                rss0, fds0, threads0 = usage()
+        rss1, fds1, threads1 = usage()
+        assert fds1 == fds0, "open files grew"
+        assert threads1 == threads0, "threads grew"
+        # Staging reuses one buffer set: 40 saves grow RSS by less than half a state.
+        assert rss1 - rss0 < state_bytes // 2, f"RSS grew by {(rss1 - rss0) / 2**20:.1f} MiB"
+        assert saver.pool.held_bytes() == state_bytes
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_repeated_saves_keep_memory_files_and_threads_flat(
+    engine: str, local_target: Target, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # DCP logs every phase at DEBUG and pytest keeps those records in memory:
+    # that is the test's growth, not ours.
+    monkeypatch.setattr(logging.getLogger("c10d-NullHandler-dcp_logger"), "disabled", True)
+    _repeated_saves_stay_flat(engine, local_target)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ENGINES)
+def test_repeated_saves_stay_flat_on_every_backend(engine: str, target: Target, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(logging.getLogger("c10d-NullHandler-dcp_logger"), "disabled", True)
+    _repeated_saves_stay_flat(engine, target)
+
+
+# -- staging ------------------------------------------------------------------
+
+
+def test_staging_copies_and_reuses_buffers_per_structure() -> None:
+    stager = Stager(StagingPool(max_structures=1, max_sets=1))
+    state = {"a": torch.randn(10, 10), "b": torch.randn(64, 64)[:, 1:5], "c": torch.randn(3, 4).t()}
+    first = stager.stage(state)
+    for k, v in state.items():
+        staged = first.state_dict[k]
+        assert torch.equal(staged, v)
+        assert staged.untyped_storage().data_ptr() != v.untyped_storage().data_ptr()  # a copy, never an alias
+        assert staged.untyped_storage().nbytes() == staged.nbytes  # views staged compactly
+    assert first.state_dict["c"].stride() == state["c"].stride()  # dense layouts kept
+    ptrs = [t.data_ptr() for t in first.state_dict.values()]
+    first.release()
+    second = stager.stage(state)
+    assert [t.data_ptr() for t in second.state_dict.values()] == ptrs  # same structure: same buffers
+    second.release()
+    other = stager.stage({"a": torch.randn(10, 11)})  # another structure: new buffers
+    other.release()
+    assert stager.pool.held_bytes() == 10 * 11 * 4  # bounded: one structure kept
+
+
+def test_staging_keeps_tied_tensors_tied_and_resolves_stateful() -> None:
+    class Counter:
+        def __init__(self) -> None:
+            self.n = 4
+
+        def state_dict(self) -> dict[str, Any]:
+            return {"n": self.n, "t": torch.full((2,), float(self.n))}
+
+        def load_state_dict(self, sd: dict[str, Any]) -> None:
+            self.n = sd["n"]
+
+    tied = torch.randn(5)
+    staged = Stager().stage({"x": tied, "y": tied, "counter": Counter()})
+    assert staged.state_dict["x"] is staged.state_dict["y"]
+    assert staged.state_dict["counter"]["n"] == 4
+    assert torch.equal(staged.state_dict["counter"]["t"], torch.full((2,), 4.0))
