@@ -12,13 +12,12 @@ from pathlib import Path
 import pytest
 
 import dcpstore
-from asyncprobe import requires_async
 
 REPO = Path(__file__).parents[1]
 
 
 @pytest.mark.parametrize(
-    "flags", [pytest.param([], marks=requires_async), pytest.param(["--sync"], marks=pytest.mark.slow)], ids=["async", "sync"]
+    "flags", [[], pytest.param(["--sync"], marks=pytest.mark.slow)], ids=["async", "sync"]
 )
 def test_demo_trains_crashes_and_resumes_on_another_world_size(tmp_path: Path, flags: list[str]) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}

@@ -19,7 +19,6 @@ import torch
 
 import dcpstore
 import dcpstore.storage
-from asyncprobe import ASYNC_UNAVAILABLE, requires_async
 from backends import Target
 from dcpstore.maintenance import list_checkpoints
 from dcpstore.manager import parse_step_dir, step_dir
@@ -86,12 +85,13 @@ def test_bad_options_fail_at_construction(local_target: Target, kwargs: dict[str
         _manager(local_target, **kwargs)
 
 
-def test_default_async_is_accepted_exactly_when_save_accepts_it(local_target: Target) -> None:
-    if ASYNC_UNAVAILABLE:
-        with pytest.raises(NotImplementedError):
-            dcpstore.CheckpointManager(local_target.uri, **local_target.kwargs)
-    else:
-        dcpstore.CheckpointManager(local_target.uri, **local_target.kwargs).close()
+def test_async_is_the_default(local_target: Target) -> None:
+    mgr = dcpstore.CheckpointManager(local_target.uri, **local_target.kwargs)
+    assert mgr.async_ is True
+    handle = mgr.save(1, _state(1))
+    mgr.wait()  # None if the save had already finished inside save()
+    assert handle.done() and handle.result().engine != "sync" and mgr.all_steps() == [1]
+    mgr.close()
 
 
 # -- listing and the pointer ----------------------------------------------------
@@ -237,7 +237,7 @@ def _kill_mid_write(root: str, async_: bool) -> int:
     return child.returncode
 
 
-@pytest.mark.parametrize("async_", [False, pytest.param(True, marks=requires_async)], ids=["sync", "async"])
+@pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
 def test_sigkill_mid_save_leaves_only_loadable_committed_steps(tmp_path: Path, async_: bool) -> None:
     root = str(tmp_path / "run")
     assert _kill_mid_write(root, async_) == -signal.SIGKILL
@@ -255,7 +255,6 @@ def test_sigkill_mid_save_leaves_only_loadable_committed_steps(tmp_path: Path, a
 # -- async ------------------------------------------------------------------------
 
 
-@requires_async
 def test_async_step_is_listed_only_after_commit_and_retention_waits_for_it(local_target: Target) -> None:
     mgr = _manager(local_target, keep=1, async_=True)
     mgr.save(1, _state(1))
@@ -270,7 +269,6 @@ def test_async_step_is_listed_only_after_commit_and_retention_waits_for_it(local
     mgr.close()
 
 
-@requires_async
 def test_async_save_pending_at_exit_is_finished_by_atexit(tmp_path: Path) -> None:
     root = str(tmp_path / "run")
     child = _child("exit", root, keep=1, async_=True)
