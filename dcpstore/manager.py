@@ -187,7 +187,7 @@ class CheckpointManager:
             "process_group": process_group,
             "storage_options": storage_options,
         }
-        self._storage: Storage = open_storage(self.root_uri, enable_msc=enable_msc, options=storage_options)
+        self._storage: Storage = open_storage(self.root_uri, enable_msc=enable_msc, storage_options=storage_options)
         problem = engine_problem(engine, self._storage)
         if problem:
             self._storage.close()

@@ -32,11 +32,8 @@ def _state(step: int) -> dict[str, Any]:
 
 
 def _open(target: Target) -> dcpstore.storage.Storage:
-    """The target's storage (open_storage names save's storage_options ``options``)."""
-    kwargs = dict(target.kwargs)
-    if "storage_options" in kwargs:
-        kwargs["options"] = kwargs.pop("storage_options")
-    return dcpstore.open_storage(target.uri, **kwargs)
+    """The target's storage, opened with the same keywords save/load take."""
+    return dcpstore.open_storage(target.uri, **target.kwargs)
 
 
 def _manager(target: Target, **kwargs: Any) -> dcpstore.CheckpointManager:

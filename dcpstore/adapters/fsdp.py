@@ -452,7 +452,9 @@ def _report(
     """Compare the template with the checkpoint's keys. Every rank holds the
     same keys and reads the same .metadata, so every rank reaches the same
     verdict and a strict failure never leaves some ranks in a collective."""
-    storage = open_storage(uri, enable_msc=load_kwargs.get("enable_msc", False), options=load_kwargs.get("storage_options"))
+    storage = open_storage(
+        uri, enable_msc=load_kwargs.get("enable_msc", False), storage_options=load_kwargs.get("storage_options")
+    )
     try:
         metadata, _ = read_checkpoint_metadata(storage)
     finally:
