@@ -13,6 +13,7 @@ import time
 import warnings
 from collections.abc import Callable
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,9 +86,13 @@ class SaveHandle:
     def result(self, timeout: float | None = None) -> CheckpointInfo:
         """Block until the save is committed; re-raise its error if it failed.
 
-        ``TimeoutError`` if it is still running after ``timeout`` seconds.
+        ``TimeoutError`` if it is still running after ``timeout`` seconds
+        (the save goes on; call again to keep waiting).
         """
-        return self._future.result(timeout)
+        try:
+            return self._future.result(timeout)
+        except FutureTimeoutError as e:
+            raise type(e)(f"save to {self.uri} still running after {timeout} s") from None
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         return self._future.exception(timeout)

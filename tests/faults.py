@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from dcpstore.storage.base import ObjectInfo, ObjectWriter, Storage
 
@@ -110,6 +111,31 @@ class FailAt:
         if not self.fired and self.predicate(event):
             self.fired = True
             raise self.error
+
+
+class BlockAt:
+    """A hook that hangs (like a storage call that never returns) at the
+    first event matching ``predicate``, until :meth:`release`; then raises
+    ``then`` if given (so the released save fails instead of committing)."""
+
+    def __init__(self, predicate: Callable[[str], bool], then: BaseException | None = None) -> None:
+        self.predicate, self.then = predicate, then
+        self.reached = threading.Event()
+        self._gate = threading.Event()
+        self._lock = threading.Lock()
+
+    def __call__(self, event: str) -> None:
+        with self._lock:
+            hang = not self.reached.is_set() and self.predicate(event)
+            if hang:
+                self.reached.set()
+        if hang:
+            self._gate.wait()
+            if self.then is not None:
+                raise self.then
+
+    def release(self) -> None:
+        self._gate.set()
 
 
 def spread(total: int, count: int) -> list[int]:
