@@ -115,13 +115,6 @@ def _no_dist(process_group: Any) -> bool:
     return not (dist.is_available() and dist.is_initialized())
 
 
-def open_checkpoint_storage(
-    uri: str | os.PathLike[str], *, enable_msc: bool = False, options: StorageOptions | None = None
-) -> Storage:
-    """Open the storage for a checkpoint URI (the same choice save/load make)."""
-    return open_storage(uri, enable_msc=enable_msc, options=options)
-
-
 def save(
     state_dict: dict[str, Any],
     uri: str | os.PathLike[str],
@@ -180,7 +173,7 @@ def save(
             handle.result()  # sync: raise here, like the native sync path
         return handle
     t0 = time.perf_counter()
-    storage = open_checkpoint_storage(uri, enable_msc=enable_msc, options=storage_options)
+    storage = open_storage(uri, enable_msc=enable_msc, storage_options=storage_options)
     writer = DcpStorageWriter(storage, workers=workers)
     try:
         dcp_save(
@@ -241,7 +234,7 @@ def load(
     if not isinstance(state_dict, dict):
         raise InvalidArgument(f"state_dict must be a dict, got {type(state_dict).__name__}")
     _check_common(workers, process_group)
-    storage = open_checkpoint_storage(uri, enable_msc=enable_msc, options=storage_options)
+    storage = open_storage(uri, enable_msc=enable_msc, storage_options=storage_options)
     reader = DcpStorageReader(storage, workers=workers, verify=verify)
     reader.preload_metadata()
     try:

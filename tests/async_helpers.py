@@ -17,11 +17,7 @@ ENGINES = ("native", "nvrx")
 
 
 def open_target(target: Target) -> dcpstore.storage.Storage:
-    """``open_storage`` for a target (its ``storage_options`` is ``options`` there)."""
-    kwargs = dict(target.kwargs)
-    if "storage_options" in kwargs:
-        kwargs["options"] = kwargs.pop("storage_options")
-    return dcpstore.open_storage(target.uri, **kwargs)
+    return dcpstore.open_storage(target.uri, **target.kwargs)
 
 
 def skip_unless_engine_serves(engine: str, target: Target) -> None:

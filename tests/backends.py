@@ -3,9 +3,8 @@
 Every suite that should hold on every backend takes the ``target`` fixture
 (see conftest.py), which is parametrised over ``TARGETS``: one entry per way
 of reaching storage. A target is a URI plus the keyword arguments that
-``dcpstore.save`` / ``load`` need with it (e.g. ``enable_msc=True``,
-``storage_options=``); :meth:`Target.open_kwargs` gives the same for
-``open_storage``. Object-store targets pull in the session's S3 endpoint
+``dcpstore.save`` / ``load`` / ``open_storage`` need with it (e.g.
+``enable_msc=True``, ``storage_options=``). Object-store targets pull in the session's S3 endpoint
 fixture (tests/s3_server.py) lazily, so local-only runs start no server.
 
 Object-store targets use a small part size (5 MiB, S3's minimum) so that the
@@ -45,12 +44,6 @@ class Target:
         """The same backend, at ``uri/name``."""
         return Target(self.name, f"{self.uri.rstrip('/')}/{name}", dict(self.kwargs))
 
-    def open_kwargs(self) -> dict[str, Any]:
-        """``kwargs`` for ``open_storage``, which names ``storage_options`` ``options``."""
-        kwargs = dict(self.kwargs)
-        if "storage_options" in kwargs:
-            kwargs["options"] = kwargs.pop("storage_options")
-        return kwargs
 
 
 def _local(request: pytest.FixtureRequest, unique: str) -> Target:

@@ -103,7 +103,7 @@ def test_bad_credentials_say_so_and_never_leak(
     with pytest.raises(dcpstore.SaveError) as saved:
         dcpstore.save({"w": torch.ones(4)}, uri, storage_options=OBJECT_STORE_OPTIONS, **kwargs)
     with pytest.raises(dcpstore.StoragePermissionError) as read:
-        open_storage(uri, options=OBJECT_STORE_OPTIONS, **kwargs).read(".metadata")
+        open_storage(uri, storage_options=OBJECT_STORE_OPTIONS, **kwargs).read(".metadata")
     assert isinstance(read.value, PermissionError)
     for exc in (saved.value, read.value):
         assert uri in str(exc)

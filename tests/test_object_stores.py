@@ -27,7 +27,7 @@ def _prefix() -> str:
 
 @pytest.fixture
 def s3(s3_endpoint: S3Endpoint) -> S3Storage:
-    st = open_storage(f"s3://{s3_endpoint.bucket}/{_prefix()}", options=OBJECT_STORE_OPTIONS)
+    st = open_storage(f"s3://{s3_endpoint.bucket}/{_prefix()}", storage_options=OBJECT_STORE_OPTIONS)
     assert isinstance(st, S3Storage)
     return st
 
@@ -78,7 +78,7 @@ def test_parts_in_flight_are_bounded_by_max_concurrency(
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
         for limit in (1, 3):
             opts = StorageOptions(part_size=PART, max_concurrency=limit)
-            st = open_storage(f"s3://{s3_endpoint.bucket}/{_prefix()}", options=opts)
+            st = open_storage(f"s3://{s3_endpoint.bucket}/{_prefix()}", storage_options=opts)
             proxy.stats.peak_inflight.clear()
             chunk = os.urandom(MiB)
             with st.open_write("obj") as w:
@@ -95,7 +95,7 @@ def test_large_reads_are_parallel_ranged_gets(s3_endpoint: S3Endpoint, monkeypat
     slow_gets = FaultConfig(delay_s=0.2, delay_applies=lambda r: r.kind == "GetObject")
     with FaultProxy(s3_endpoint.url, slow_gets) as proxy:
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
-        st = open_storage(f"s3://{s3_endpoint.bucket}/{prefix}", options=OBJECT_STORE_OPTIONS)
+        st = open_storage(f"s3://{s3_endpoint.bucket}/{prefix}", storage_options=OBJECT_STORE_OPTIONS)
         assert st.read_range("obj", 1, 13 * MiB - 2) == payload[1:-1]
         assert proxy.stats.requests["GetObject"] == 3
         assert proxy.stats.peak_inflight["GetObject"] == 3
@@ -144,7 +144,7 @@ def test_client_is_cached_per_configuration(s3_endpoint: S3Endpoint, monkeypatch
 
 def test_msc_posix_temp_files_are_hidden_then_gone(request: pytest.FixtureRequest) -> None:
     target = make_target("local+msc", request)
-    st = open_storage(target.uri, **target.open_kwargs())
+    st = open_storage(target.uri, **target.kwargs)
     st.makedirs()
     w = st.open_write("x.bin")
     w.write(b"partial")
@@ -160,7 +160,7 @@ def test_msc_posix_temp_files_are_hidden_then_gone(request: pytest.FixtureReques
 @pytest.mark.parametrize("name", ["s3+msc", "msc"])
 def test_msc_object_abort_sends_nothing(name: str, request: pytest.FixtureRequest, s3_endpoint: S3Endpoint) -> None:
     target = make_target(name, request)
-    st = open_storage(target.uri, **target.open_kwargs())
+    st = open_storage(target.uri, **target.kwargs)
     with pytest.raises(RuntimeError):
         with st.open_write("big.bin") as w:
             w.write(os.urandom(11 * MiB))

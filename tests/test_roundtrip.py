@@ -58,7 +58,7 @@ def test_overwrite_same_uri_keeps_only_the_new_checkpoint(target: Target) -> Non
     restored = {"t0": torch.zeros(100)}
     dcpstore.load(restored, target.uri, **target.kwargs)
     assert torch.equal(restored["t0"], second["t0"])
-    listed = {o["path"] for o in dcpstore.open_storage(target.uri, **target.open_kwargs()).list()}
+    listed = {o["path"] for o in dcpstore.open_storage(target.uri, **target.kwargs).list()}
     assert {p for p in listed if p.endswith(".distcp")} == set(info.files)
 
 

@@ -74,7 +74,7 @@ def test_save_through_slowdowns_and_drops_commits_and_roundtrips(proxy: FaultPro
     for upload in s3_endpoint.open_uploads(prefix):
         parts = client.list_parts(Bucket=s3_endpoint.bucket, Key=upload["Key"], UploadId=upload["UploadId"])
         assert parts.get("Parts", []) == []
-    gc(open_storage(uri, options=opts), older_than_s=0)
+    gc(open_storage(uri, storage_options=opts), older_than_s=0)
     assert s3_endpoint.open_uploads(prefix) == []
 
 
@@ -113,7 +113,7 @@ def test_failing_parts_abort_their_upload(proxy: FaultProxy, s3_endpoint: S3Endp
 def test_retry_time_is_bounded_by_op_timeout(proxy: FaultProxy, s3_endpoint: S3Endpoint) -> None:
     proxy.config = FaultConfig(slowdown=1.0)
     opts = StorageOptions(part_size=PART, max_attempts=50, op_timeout_s=0.5)
-    st = open_storage(_uri(s3_endpoint), options=opts)
+    st = open_storage(_uri(s3_endpoint), storage_options=opts)
     t0 = time.monotonic()
     with pytest.raises(dcpstore.StorageError, match=r"gave up after .* \(op_timeout_s=0\.5\); last error: SlowDown"):
         st.put("x", b"x")
@@ -131,7 +131,7 @@ def test_unabortable_upload_is_reported_and_gc_removes_it(
     proxy.config = FaultConfig(slowdown=1.0, applies=lambda r: r.kind in ("UploadPart", "AbortMultipartUpload"))
     opts = StorageOptions(part_size=PART, max_attempts=2)
     uri = _uri(s3_endpoint)
-    st = open_storage(uri, options=opts)
+    st = open_storage(uri, storage_options=opts)
     with caplog.at_level(logging.WARNING, logger="dcpstore"):
         with pytest.raises(dcpstore.StorageError, match=r"cannot upload part \d"):
             with st.open_write("__0_0.distcp") as w:
@@ -172,7 +172,7 @@ def test_lost_complete_reply_still_commits(proxy: FaultProxy, s3_endpoint: S3End
         applies=_nth("CompleteMultipartUpload", 1),
         answer=lambda req: NO_SUCH_UPLOAD if second(req) else None,
     )
-    st = open_storage(_uri(s3_endpoint), options=StorageOptions(part_size=PART, max_attempts=3))
+    st = open_storage(_uri(s3_endpoint), storage_options=StorageOptions(part_size=PART, max_attempts=3))
     payload = bytes(range(256)) * (11 * MiB // 256)
     with st.open_write("obj") as w:
         w.write(payload)
@@ -183,7 +183,7 @@ def test_lost_complete_reply_still_commits(proxy: FaultProxy, s3_endpoint: S3End
 def test_no_such_upload_on_complete_without_the_object_fails(proxy: FaultProxy, s3_endpoint: S3Endpoint) -> None:
     proxy.config = FaultConfig(answer=lambda req: NO_SUCH_UPLOAD if req.kind == "CompleteMultipartUpload" else None)
     uri = _uri(s3_endpoint)
-    st = open_storage(uri, options=StorageOptions(part_size=PART, max_attempts=3))
+    st = open_storage(uri, storage_options=StorageOptions(part_size=PART, max_attempts=3))
     with pytest.raises(dcpstore.StorageNotFound, match="cannot complete multipart upload"):
         with st.open_write("obj") as w:
             w.write(b"q" * (11 * MiB))

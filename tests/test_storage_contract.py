@@ -15,7 +15,7 @@ from dcpstore.storage import MiB, Storage
 
 @pytest.fixture
 def storage(target: Target) -> Storage:
-    st = dcpstore.open_storage(target.uri, **target.open_kwargs())
+    st = dcpstore.open_storage(target.uri, **target.kwargs)
     st.makedirs()
     yield st
     st.close()

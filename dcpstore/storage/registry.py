@@ -93,8 +93,12 @@ def open_storage(
     uri: str | os.PathLike[str] | StorageURL,
     *,
     enable_msc: bool = False,
-    options: StorageOptions | None = None,
+    storage_options: StorageOptions | None = None,
 ) -> Storage:
-    """Open the storage a checkpoint URI names, on the backend it selects."""
+    """Open the storage a checkpoint URI names, on the backend it selects.
+
+    Takes the same ``enable_msc`` and ``storage_options`` keywords as
+    :func:`dcpstore.save` and :func:`dcpstore.load`.
+    """
     url = uri if isinstance(uri, StorageURL) else parse_uri(uri)
-    return backend_class(backend_name(url, enable_msc=enable_msc))(url, options)
+    return backend_class(backend_name(url, enable_msc=enable_msc))(url, storage_options)

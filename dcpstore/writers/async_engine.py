@@ -69,7 +69,7 @@ from torch.distributed.checkpoint.planner import SavePlanner
 
 from ..adapters import nvrx as nvrx_adapter
 from ..errors import CheckpointError, EngineFallbackWarning, InvalidArgument, SaveError
-from ..storage import Storage, StorageOptions, redact
+from ..storage import Storage, StorageOptions, open_storage, redact
 from .dcp import DcpStorageWriter, SaveStats, check_workers, default_workers
 from .staging import StagedState, Stager, StagingPool
 from .threads import BackgroundThread
@@ -248,14 +248,12 @@ class AsyncSaver:
         Returns once the snapshot is taken. Arguments as :func:`dcpstore.save`;
         ``max_in_flight`` overrides the saver's limit for this call.
         """
-        from ..api import open_checkpoint_storage
-
         t0 = time.perf_counter()
         if not isinstance(state_dict, dict):
             raise InvalidArgument(f"state_dict must be a dict, got {type(state_dict).__name__}")
         limit = self.max_in_flight if max_in_flight is None else _check_positive("max_in_flight", max_in_flight)
         workers = check_workers(workers, default_workers())
-        storage = open_checkpoint_storage(uri, enable_msc=enable_msc, options=storage_options)
+        storage = open_storage(uri, enable_msc=enable_msc, storage_options=storage_options)
         try:  # until the background job owns the storage, close it on any failure
             name = select_engine(engine, storage, stacklevel=_stacklevel + 1)
             with self._lock:
