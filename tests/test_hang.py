@@ -22,9 +22,8 @@ import pytest
 import torch
 
 import dcpstore
-import dcpstore.api
 from dcpstore.errors import SaveError, StorageError
-from faults import BlockAt, EventStorage
+from faults import BlockAt, hook_all_storage
 from helpers import assert_state_equal
 
 REPO = Path(__file__).resolve().parents[1]
@@ -35,15 +34,9 @@ def _state() -> dict[str, torch.Tensor]:
     return {"a": torch.randn(1 << 16, generator=g), "b": torch.randn(1 << 16, generator=g)}
 
 
-def _hook_storage(monkeypatch: pytest.MonkeyPatch, hook) -> None:
-    """Every storage dcpstore opens for a save/load goes through ``hook``."""
-    real = dcpstore.api.open_checkpoint_storage
-    monkeypatch.setattr(dcpstore.api, "open_checkpoint_storage", lambda uri, **kw: EventStorage(real(uri, **kw), hook))
-
-
 def test_hung_write_bounds_result_next_save_and_close(tmp_path, monkeypatch) -> None:
     hook = BlockAt(lambda e: e.startswith("write:__0_"), then=StorageError("the hung call finally failed"))
-    _hook_storage(monkeypatch, hook)
+    hook_all_storage(hook, monkeypatch.setattr)
     saver = dcpstore.AsyncSaver(hang_timeout=1.0)
     uri = str(tmp_path / "hung")
     handle = saver.save(_state(), uri, engine="native", workers=2)
@@ -89,14 +82,12 @@ def test_exit_finishes_healthy_saves_and_gives_up_on_a_hung_one(tmp_path) -> Non
         tmp_path,
         f"""
         import time, torch
-        import dcpstore, dcpstore.api
-        from faults import BlockAt, EventStorage
-        hooks = {{
+        import dcpstore
+        from faults import BlockAt, hook_all_storage
+        hook_all_storage({{
             {str(slow)!r}: lambda e: time.sleep(0.3) if e.startswith("write:") else None,
             {str(hung)!r}: BlockAt(lambda e: e.startswith("write:__0_")),
-        }}
-        real = dcpstore.api.open_checkpoint_storage
-        dcpstore.api.open_checkpoint_storage = lambda uri, **kw: EventStorage(real(uri, **kw), hooks[str(uri)])
+        }})
         state = {{"a": torch.arange(1 << 16, dtype=torch.float32), "b": torch.ones(1 << 16)}}
         h = dcpstore.AsyncSaver(hang_timeout=2).save(state, {str(hung)!r}, engine="native", workers=2)
         dcpstore.save(state, {str(slow)!r}, async_=True, engine="native", workers=2)
