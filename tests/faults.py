@@ -60,6 +60,10 @@ class EventStorage(Storage):
         self.hook(f"read:{path}")
         return self.inner.read_range(path, offset, length)
 
+    def read(self, path: str) -> bytes:
+        self.hook(f"read:{path}")
+        return self.inner.read(path)
+
     def size(self, path: str) -> int:
         return self.inner.size(path)
 
@@ -105,9 +109,11 @@ class Recorder:
 
     def __init__(self) -> None:
         self.events: list[str] = []
+        self._lock = threading.Lock()
 
     def __call__(self, event: str) -> None:
-        self.events.append(event)
+        with self._lock:
+            self.events.append(event)
 
 
 class KillAt:
@@ -115,11 +121,13 @@ class KillAt:
 
     def __init__(self, n: int) -> None:
         self.n, self.seen = n, 0
+        self._lock = threading.Lock()  # events come from several writer threads
 
     def __call__(self, event: str) -> None:
-        if self.seen == self.n:
-            os.kill(os.getpid(), signal.SIGKILL)
-        self.seen += 1
+        with self._lock:
+            if self.seen == self.n:
+                os.kill(os.getpid(), signal.SIGKILL)
+            self.seen += 1
 
 
 class FailAt:
