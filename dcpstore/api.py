@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 
 from .errors import CheckpointError, InvalidArgument, LoadError, SaveError
+from .options import check_save_options
 from .storage import Storage, StorageOptions, open_storage, redact
 from .writers.async_engine import ENGINES, AsyncSaver, default_saver
 from .writers.dcp import DcpStorageReader, DcpStorageWriter, SaveStats, check_workers
@@ -152,8 +153,8 @@ def save(
     """
     if not isinstance(state_dict, dict):
         raise InvalidArgument(f"state_dict must be a dict, got {type(state_dict).__name__}")
-    if engine not in ENGINES:
-        raise InvalidArgument(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    # One table decides what save accepts (config layers consult it too).
+    check_save_options(async_=async_, engine=engine, workers=workers, planner=planner)
     _check_common(workers, process_group)
     if async_ or engine == "nvrx":
         handle = default_saver().save(
@@ -258,3 +259,8 @@ def _root_cause(e: CheckpointException) -> BaseException | None:
         cause: BaseException = exc[0] if isinstance(exc, tuple) else exc
         return cause
     return None
+
+
+# Re-exported here so the whole public API lives in one module (DESIGN.md);
+# imported last because the manager is built on save/load above.
+from .manager import CheckpointManager as CheckpointManager  # noqa: E402
