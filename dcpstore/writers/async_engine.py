@@ -275,7 +275,13 @@ class AsyncSaver:
             raise
         from ..api import SaveHandle
 
-        return SaveHandle(future, storage.uri, engine=name)
+        return SaveHandle(
+            future,
+            storage.uri,
+            engine=name,
+            bounded_wait=functools.partial(self._wait_bounded, future),
+            hang_timeout=self.hang_timeout,
+        )
 
     def pending(self) -> int:
         """Saves submitted and not finished yet."""
