@@ -83,22 +83,25 @@ class EventStorage(Storage):
         return self.inner.cleanup_incomplete(older_than_s)
 
 
-#: Where dcpstore.save / load / AsyncSaver look up ``open_storage``.
-_OPENERS = ("dcpstore.api", "dcpstore.writers.async_engine")
+#: Where dcpstore.save / load / AsyncSaver / CheckpointManager look up ``open_storage``.
+_OPENERS = ("dcpstore.api", "dcpstore.writers.async_engine", "dcpstore.manager")
 
 
 def hook_all_storage(hook: Hook | dict[str, Hook], setattr: Callable[[object, str, object], None] = setattr) -> None:
     """Route every storage that ``dcpstore.save`` / ``load`` / ``AsyncSaver``
-    open through :class:`EventStorage` with ``hook`` (or ``hook[uri]``, by
-    the URI as given). Pass pytest's ``monkeypatch.setattr`` to have it undone
+    / ``CheckpointManager`` open through :class:`EventStorage` with ``hook``
+    (or ``hook[uri]`` by the URI as given; other URIs untouched). Pass pytest's ``monkeypatch.setattr`` to have it undone
     after the test; in a crash child the plain ``setattr`` is right."""
     import importlib
 
     from dcpstore.storage import open_storage as real
 
     def opener(uri: object, **kwargs: object) -> Storage:
-        chosen = hook[os.fspath(uri)] if isinstance(hook, dict) else hook  # type: ignore[arg-type]
-        return EventStorage(real(uri, **kwargs), chosen)  # type: ignore[arg-type]
+        storage = real(uri, **kwargs)  # type: ignore[arg-type]
+        if isinstance(hook, dict):
+            chosen = hook.get(os.fspath(uri))  # type: ignore[arg-type]
+            return storage if chosen is None else EventStorage(storage, chosen)
+        return EventStorage(storage, hook)
 
     for name in _OPENERS:
         setattr(importlib.import_module(name), "open_storage", opener)

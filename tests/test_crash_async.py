@@ -7,10 +7,13 @@ the window between the last data file and the commit (manifest), and the
 commit itself (``.metadata`` before and after it lands, marker removal).
 The child mutates its state as soon as ``save`` returns, as training would.
 
-Afterwards: the previous checkpoint loads exactly; each interrupted one
-loads exactly the state at ``save`` time or is absent (never the mutated
-state, never a mixture); the listing agrees; a new save over a wreck commits
-cleanly; ``gc`` removes every leftover.
+The child saves step N through a ``CheckpointManager`` (so the kill points
+also cover the ``latest`` pointer written after the commit). Afterwards: the
+previous checkpoint loads exactly; each interrupted one loads exactly the
+state at ``save`` time or is absent (never the mutated state, never a
+mixture); ``CheckpointManager.all_steps()`` lists exactly the committed
+steps and ``load()`` picks the newest; ``dcpstore ls``'s listing agrees; a
+new save over a wreck commits cleanly; ``gc`` removes every leftover.
 """
 
 from __future__ import annotations
@@ -34,9 +37,11 @@ from crashkit import (
 )
 from dcpstore.adapters import nvrx as nvrx_adapter
 from dcpstore.maintenance import gc, list_checkpoints
+from dcpstore.manager import step_dir
 from dcpstore.storage import open_storage
 from dcpstore.writers.layout import MANIFEST, METADATA
 from faults import KillAt, Recorder, hook_all_storage
+from helpers import assert_state_equal, zeros_like_state
 
 needs_nvrx = pytest.mark.skipif(nvrx_adapter.import_error() is not None, reason="nvidia-resiliency-ext not installed")
 #: engine -> kill-point budget (None: every point). The default run keeps
@@ -51,25 +56,27 @@ ENGINES = [
 KEEP = ("stage:", "open:.dcpstore.json", "commit:.metadata", "committed:.metadata")
 
 
-def _save(uri: str, seed: int, engine: str, hook) -> None:
+def _save(root: str, step: int, seed: int, engine: str, hook) -> None:
+    """One async save of step ``step`` through a CheckpointManager (which
+    writes the ``latest`` pointer after the commit: kill points too)."""
     instrument_staging(hook)
     hook_all_storage(hook)
     if engine == "nvrx":
         instrument_nvrx(hook)
     state = crash_state(seed)
-    with dcpstore.AsyncSaver() as saver:
-        handle = saver.save(state, uri, engine=engine, workers=3)
-        mutate(state)  # training goes on; the checkpoint must not see this
-        handle.result(timeout=120)
+    manager = dcpstore.CheckpointManager(root, engine=engine, workers=3)
+    manager.save(step, state)
+    mutate(state)  # training goes on; the checkpoint must not see this
+    manager.wait(timeout=120)
 
 
-def _child(uri: str, seed: int, engine: str, kill_at: int) -> None:
-    _save(uri, seed, engine, KillAt(kill_at))
+def _child(root: str, step: int, seed: int, engine: str, kill_at: int) -> None:
+    _save(root, step, seed, engine, KillAt(kill_at))
 
 
-def _probe(uri: str, engine: str, events) -> None:
+def _probe(root: str, engine: str, events) -> None:
     recorder = Recorder()
-    _save(uri, 2, engine, recorder)
+    _save(root, 1, 2, engine, recorder)
     events.put(recorder.events)
 
 
@@ -87,7 +94,8 @@ def _events(ctx, tmp_path, engine: str) -> list[str]:
 @pytest.mark.parametrize(("engine", "budget"), ENGINES)
 def test_kill_anywhere_in_an_async_save(tmp_path, ctx, engine: str, budget: int | None) -> None:
     root = tmp_path / "root"
-    previous = str(root / "step_1")
+    manager = dcpstore.CheckpointManager(str(root))
+    previous = manager.step_uri(1)
     dcpstore.save(crash_state(1), previous)
     events = _events(ctx, tmp_path, engine)
     points = kill_points(events, total=budget, keep=KEEP)
@@ -96,22 +104,27 @@ def test_kill_anywhere_in_an_async_save(tmp_path, ctx, engine: str, budget: int 
     assert any(e.startswith("stage:") for e in killed), "no kill point during staging"
     assert f"open:{MANIFEST}" in killed and f"commit:{METADATA}" in killed and f"committed:{METADATA}" in killed
     landed = commit_index(events)
+    assert points[0] < landed <= points[-1]
+    step = {k: 100 + k for k in points}  # kill point -> the step its child saves
     for k in points:
-        uri = str(root / f"crash_{k:03d}")
-        code = crash(ctx, _child, uri, 2, engine, k)
+        code = crash(ctx, _child, str(root), step[k], 2, engine, k)
         assert code == -signal.SIGKILL, f"kill point {k} ({events[k]}): exit code {code}"
         # Exactly the state at save() time once .metadata has landed; before, nothing.
         expected = "complete" if k >= landed else "absent"
-        assert outcome(uri, crash_state(2)) == expected, f"kill point {k} ({events[k]})"
+        assert outcome(manager.step_uri(step[k]), crash_state(2)) == expected, f"kill point {k} ({events[k]})"
         assert outcome(previous, crash_state(1)) == "complete"
-    assert points[0] < landed <= points[-1]
+    # The manager lists exactly the committed steps (never by the pointer).
+    committed = [1] + [step[k] for k in points if k >= landed]
+    assert manager.all_steps() == committed
+    restored = zeros_like_state(crash_state(2))
+    assert manager.load(restored) == committed[-1]
+    assert_state_equal(crash_state(2), restored)
     storage = open_storage(str(root))
     listed = {e.path: e.committed for e in list_checkpoints(storage)}
     for k in points:
-        name = f"crash_{k:03d}"
-        assert listed.get(name, False) == (k >= landed), name
+        assert listed.get(step_dir(step[k]), False) == (k >= landed), step_dir(step[k])
     # A new save over a wreck commits, and leaves no stray data file of the crash.
-    for name in [n for n, committed in listed.items() if not committed][:3]:
+    for name in [n for n, committed_ in listed.items() if not committed_][:3]:
         uri = str(root / name)
         dcpstore.save(crash_state(3), uri, workers=2)
         assert outcome(uri, crash_state(3)) == "complete"

@@ -7,7 +7,8 @@ manifest and of ``.metadata``, the marker's ``DeleteObjects``), the storage
 calls around them and, for async saves, staging.
 
 Afterwards: the previous checkpoint loads exactly; each interrupted one
-loads exactly or is absent; the listing agrees; some kills left multipart
+loads exactly or is absent; ``CheckpointManager.all_steps()`` and the
+``dcpstore ls`` listing show exactly the committed ones; some kills left multipart
 uploads open (checked with ``ListMultipartUploads``) and ``dcpstore gc URI``
 aborts every one of them and removes the uncommitted prefixes, leaving the
 committed checkpoints loadable.
@@ -37,6 +38,7 @@ from crashkit import (
 )
 from dcpstore.cli import main as cli_main
 from dcpstore.maintenance import list_checkpoints
+from dcpstore.manager import step_dir
 from dcpstore.storage import MiB, open_storage
 from dcpstore.writers.dcp import DcpStorageWriter
 from dcpstore.writers.layout import METADATA
@@ -98,7 +100,8 @@ def root(s3_endpoint: S3Endpoint):
 
 def _run(ctx, s3_endpoint: S3Endpoint, root: str, mode: str, total: int | None) -> None:
     env = aws_env(s3_endpoint.url)
-    previous = f"{root}/step_1"
+    manager = dcpstore.CheckpointManager(root, storage_options=OPTS)
+    previous = manager.step_uri(1)
     dcpstore.save(_state(1), previous, storage_options=OPTS)
     queue = ctx.Queue()
     assert crash(ctx, _probe, env, f"{root}/probe", mode, queue) == 0
@@ -109,23 +112,27 @@ def _run(ctx, s3_endpoint: S3Endpoint, root: str, mode: str, total: int | None) 
     assert "s3:UploadPart" in killed and "s3:CompleteMultipartUpload" in killed and f"commit:{METADATA}" in killed
     landed = commit_index(events)
     assert points[0] < landed <= points[-1]
+    step = {k: 100 + k for k in points}  # kill point -> the step directory its child saves to
     for k in points:
-        uri = f"{root}/crash_{k:03d}"
+        uri = manager.step_uri(step[k])
         code = crash(ctx, _child, env, uri, 2, mode, k)
         assert code == -signal.SIGKILL, f"kill point {k} ({events[k]}): exit code {code}"
         expected = "complete" if k >= landed else "absent"
         assert outcome(uri, _state(2), storage_options=OPTS) == expected, f"kill point {k} ({events[k]})"
     assert outcome(previous, _state(1), storage_options=OPTS) == "complete"
+    committed = [1] + [step[k] for k in points if k >= landed]
+    assert manager.all_steps() == committed
     storage = open_storage(root, storage_options=OPTS)
     listed = {e.path: e.committed for e in list_checkpoints(storage)}
     for k in points:
-        assert listed.get(f"crash_{k:03d}", False) == (k >= landed), f"crash_{k:03d}"
+        assert listed.get(step_dir(step[k]), False) == (k >= landed), step_dir(step[k])
     prefix = root.split("/", 3)[3] + "/"
     assert s3_endpoint.open_uploads(prefix), "no kill left a multipart upload open: the suite lost its point"
     assert cli_main(["gc", "--older-than", "0", root]) == 0
     assert s3_endpoint.open_uploads(prefix) == []
     after = list_checkpoints(storage)
     assert all(e.committed for e in after) and {e.path for e in after} == {n for n, c in listed.items() if c}
+    assert manager.all_steps() == committed
     assert outcome(previous, _state(1), storage_options=OPTS) == "complete"
 
 

@@ -1,8 +1,8 @@
 """Soak: 100 async saves with keep=2; RSS, open files and threads stay flat.
 
-A training loop in miniature: every step mutates the state, saves it
-asynchronously under a step-numbered root and keeps the newest two
-checkpoints. Every ``SAMPLE_EVERY`` steps the loop waits for the save in
+A training loop in miniature: every step mutates the state and saves it
+with ``CheckpointManager(root, keep=2, async_=True)``, which keeps the newest
+two committed steps. Every ``SAMPLE_EVERY`` steps the loop waits for the save in
 flight (a quiescent point: no per-save writer threads alive) and samples
 the process's RSS, open file descriptors and threads.
 
@@ -29,52 +29,11 @@ import torch
 
 import dcpstore
 from backends import Target
-from dcpstore.maintenance import list_checkpoints
-from dcpstore.storage import open_storage
 from helpers import assert_state_equal, zeros_like_state
 
 SAVES = 100
 KEEP = 2
 SAMPLE_EVERY = 10
-
-
-class Rotation:
-    """``CheckpointManager(root, keep=K, async_=True)``'s save/wait/steps,
-    built from dcpstore.save and a listing, until the manager lands on main.
-
-    As the manager promises: a save first finishes the previous one; only
-    then, with that one committed, retention deletes older committed steps.
-    """
-
-    def __init__(self, target: Target, keep: int, engine: str) -> None:
-        self.target, self.keep, self.engine = target, keep, engine
-        self.storage = open_storage(target.uri, **target.kwargs)
-        self._pending: Any = None
-
-    def save(self, step: int, state: dict[str, Any]) -> None:
-        self.wait()
-        uri = self.target.child(f"step_{step:08d}")
-        self._pending = dcpstore.save(state, uri.uri, async_=True, engine=self.engine, workers=2, **uri.kwargs)
-
-    def wait(self) -> None:
-        if self._pending is not None:
-            self._pending.result(timeout=120)
-            self._pending = None
-            steps = self.all_steps()
-            old = [f"step_{s:08d}" for s in steps[: -self.keep]]
-            for name in old:
-                self.storage.delete([f"{name}/.metadata"])  # un-commit first
-                self.storage.delete([o["path"] for o in self.storage.list(f"{name}/")])
-
-    def all_steps(self) -> list[int]:
-        return sorted(int(e.path.removeprefix("step_")) for e in list_checkpoints(self.storage) if e.committed)
-
-    def __enter__(self) -> "Rotation":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.wait()
-        self.storage.close()
 
 
 def _state(numel: int) -> dict[str, Any]:
@@ -102,7 +61,8 @@ def _soak(target: Target, numel: int, engine: str = "native") -> None:
     state = _state(numel)
     state_bytes = numel * 4
     samples: list[tuple[int, int, int]] = []
-    with Rotation(target, KEEP, engine) as manager:
+    manager = dcpstore.CheckpointManager(target.uri, keep=KEEP, async_=True, engine=engine, workers=2, **target.kwargs)
+    with manager:
         for step in range(SAVES):
             for name, value in state.items():
                 if isinstance(value, torch.Tensor):
@@ -115,7 +75,7 @@ def _soak(target: Target, numel: int, engine: str = "native") -> None:
         manager.wait()
         assert manager.all_steps() == [SAVES - 2, SAVES - 1]
     restored = zeros_like_state(state)
-    dcpstore.load(restored, target.child(f"step_{SAVES - 1:08d}").uri, **target.kwargs)
+    assert dcpstore.CheckpointManager(target.uri, **target.kwargs).load(restored) == SAVES - 1
     assert_state_equal(state, restored)
 
     steady = samples[len(samples) // 5 :]  # after the warm-up
