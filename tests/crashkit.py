@@ -130,9 +130,13 @@ def instrument_s3(hook: Hook, options: dcpstore.StorageOptions) -> None:
 # -- running and judging ------------------------------------------------------
 
 
-def forkserver(*modules: str) -> mp.context.BaseContext:
+def forkserver() -> mp.context.BaseContext:
+    """The session's forkserver context, preloading dist_utils.PRELOAD
+    (which names every crash suite, so their children import nothing)."""
+    from dist_utils import PRELOAD
+
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "dcpstore", "crashkit", *modules])
+    ctx.set_forkserver_preload(PRELOAD)
     return ctx
 
 

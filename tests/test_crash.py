@@ -38,7 +38,7 @@ def _child(uri: str, seed: int, kill_at: int) -> None:
 
 @pytest.fixture(scope="module")
 def ctx():
-    return forkserver("test_crash")
+    return forkserver()
 
 
 def _crash(ctx, uri: str, seed: int, kill_at: int) -> int:

@@ -82,7 +82,7 @@ def _probe(root: str, engine: str, events) -> None:
 
 @pytest.fixture(scope="module")
 def ctx():
-    return forkserver("test_crash_async")
+    return forkserver()
 
 
 def _events(ctx, tmp_path, engine: str) -> list[str]:

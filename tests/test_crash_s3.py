@@ -88,7 +88,7 @@ def _probe(env: dict, uri: str, mode: str, queue) -> None:
 
 @pytest.fixture(scope="module")
 def ctx():
-    return forkserver("test_crash_s3")
+    return forkserver()
 
 
 @pytest.fixture
