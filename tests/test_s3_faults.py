@@ -233,6 +233,7 @@ def test_500s_and_stalled_responses_are_retried_save_and_load_roundtrip(
     assert ".metadata" in _direct_keys(s3_endpoint, uri)
 
 
+@pytest.mark.slow
 def test_slow_responses_only_slow_a_save_down(proxy: FaultProxy, s3_endpoint: S3Endpoint) -> None:
     # Every request answered late, but within the read timeout: no retry needed.
     opts = StorageOptions(part_size=PART, max_attempts=1, read_timeout_s=5.0)
