@@ -46,6 +46,7 @@ background group (for the structure saved last). ``close()`` releases them.
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures.thread  # noqa: F401  (registers its exit hook before ours: see _finish_all_at_exit)
 import functools
 import logging
@@ -504,7 +505,10 @@ def _finish_all_at_exit() -> None:
         saver._finish_at_exit()
 
 
-threading._register_atexit(_finish_all_at_exit)  # type: ignore[attr-defined]
+try:
+    threading._register_atexit(_finish_all_at_exit)  # type: ignore[attr-defined]
+except RuntimeError:  # imported while the interpreter is already shutting down
+    atexit.register(_finish_all_at_exit)
 
 _default_lock = threading.Lock()
 _default_saver: AsyncSaver | None = None
