@@ -13,6 +13,8 @@ import time
 import warnings
 from collections.abc import Callable
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeoutError
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,10 +71,21 @@ class SaveHandle:
     synchronous saves).
     """
 
-    def __init__(self, future: Future[CheckpointInfo], uri: str, *, engine: str = "sync") -> None:
+    def __init__(
+        self,
+        future: Future[CheckpointInfo],
+        uri: str,
+        *,
+        engine: str = "sync",
+        bounded_wait: Callable[[], bool] | None = None,
+        hang_timeout: float | None = None,
+    ) -> None:
         self._future = future
         self.uri = uri
         self.engine = engine
+        self._bounded_wait = bounded_wait
+        #: The saver's hang_timeout (None: a sync save, or no bound).
+        self.hang_timeout = hang_timeout
 
     @classmethod
     def completed(cls, info: CheckpointInfo) -> SaveHandle:
@@ -86,9 +99,23 @@ class SaveHandle:
     def result(self, timeout: float | None = None) -> CheckpointInfo:
         """Block until the save is committed; re-raise its error if it failed.
 
-        ``TimeoutError`` if it is still running after ``timeout`` seconds.
+        ``TimeoutError`` if it is still running after ``timeout`` seconds
+        (the save goes on; call again to keep waiting).
         """
-        return self._future.result(timeout)
+        try:
+            return self._future.result(timeout)
+        except FutureTimeoutError as e:
+            raise type(e)(f"save to {self.uri} still running after {timeout} s") from None
+
+    def _wait_bounded(self) -> bool:
+        """Wait until the save finishes, either way (True), or until its saver
+        presumes it hung (False: running longer than ``hang_timeout``).
+        Callers that must not block forever (the next save, close, exit)
+        use this instead of ``result()``."""
+        if self._bounded_wait is None:
+            wait_futures([self._future])
+            return True
+        return self._bounded_wait()
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         return self._future.exception(timeout)

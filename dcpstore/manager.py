@@ -58,7 +58,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.planner import SavePlanner
 
 from .api import CheckpointInfo, SaveHandle, load, save
-from .errors import CheckpointError, CheckpointNotFound, InvalidArgument, StorageError
+from .errors import CheckpointError, CheckpointNotFound, InvalidArgument, SaveError, StorageError
 from .options import check_save_options, engine_problem
 from .storage import Storage, StorageOptions, join_uri, open_storage
 from .writers.layout import METADATA
@@ -279,6 +279,16 @@ class CheckpointManager:
         pending, self._pending = self._pending, None
         if pending is None:
             return None
+        if timeout is None and not pending.handle._wait_bounded():
+            # Presumed hung: never block the next save, close() or exit on it
+            # forever (Megatron-LM #2422); it stays the save in flight.
+            self._pending = pending
+            raise SaveError(
+                f"the save of step {pending.step} to {pending.handle.uri} has been running for more than "
+                f"hang_timeout={pending.handle.hang_timeout:g} s and is presumed hung (a storage call that "
+                f"does not return); step {pending.step} is not committed and the newest committed step is "
+                "untouched. 'dcpstore gc ROOT' removes its leftovers"
+            )
         try:
             info = pending.handle.result(timeout)
         except TimeoutError:

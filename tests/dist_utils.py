@@ -29,7 +29,24 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-PRELOAD = ["torch", "torch._dynamo", "torch.distributed.fsdp", "torch.distributed.checkpoint", "dcpstore"]
+#: What the session's one forkserver imports before forking. multiprocessing
+#: has a single forkserver per process and the first suite to start it fixes
+#: its preload list, so every suite that forks from it (these ranks,
+#: crashkit's crash children, test_concurrency's racers) names this same
+#: list; otherwise every child of a later suite re-imports its modules.
+PRELOAD = [
+    "torch",
+    "torch._dynamo",
+    "torch.distributed.fsdp",
+    "torch.distributed.checkpoint",
+    "dcpstore",
+    "dcpstore.storage.s3",
+    "crashkit",
+    "test_crash",
+    "test_crash_async",
+    "test_crash_s3",
+    "test_concurrency",
+]
 
 
 def free_port() -> int:

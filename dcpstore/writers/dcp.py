@@ -34,7 +34,6 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import IO, Any, cast
 
@@ -76,6 +75,7 @@ from .layout import (
     item_key,
     parse_manifest,
 )
+from .threads import run_parallel
 
 log = logging.getLogger(__name__)
 
@@ -313,16 +313,14 @@ class DcpStorageWriter(StorageWriter):
         buckets = split_buckets(plan.items, self.workers)
         lock = threading.Lock()  # planners are not promised to be thread-safe
         future: Future[list[WriteResult]] = Future()
+        named = [(data_file_name(token.prefix, i), bucket) for i, bucket in enumerate(buckets)]
         try:
-            if len(buckets) <= 1:
-                per_file = [self._write_file(data_file_name(token.prefix, i), b, token.save_id, planner, lock) for i, b in enumerate(buckets)]
-            else:
-                with ThreadPoolExecutor(len(buckets), thread_name_prefix="dcpstore-write") as pool:
-                    futures = [
-                        pool.submit(self._write_file, data_file_name(token.prefix, i), bucket, token.save_id, planner, lock)
-                        for i, bucket in enumerate(buckets)
-                    ]
-                    per_file = [f.result() for f in futures]
+            per_file = run_parallel(
+                lambda nb: self._write_file(nb[0], nb[1], token.save_id, planner, lock),
+                named,
+                len(named),
+                "dcpstore-write",
+            )
         except BaseException as e:  # DCP gathers exceptions across ranks
             future.set_exception(e)  # type: ignore[arg-type]  # torch's stub types it as the value
             return future
@@ -638,13 +636,7 @@ class DcpStorageReader(StorageReader):
         lock = threading.Lock()
         future: Future[None] = Future()
         try:
-            if len(spans) <= 1 or self.workers == 1:
-                for span in spans:
-                    self._read_span(span, planner, lock)
-            else:
-                with ThreadPoolExecutor(min(self.workers, len(spans)), thread_name_prefix="dcpstore-read") as pool:
-                    for f in [pool.submit(self._read_span, s, planner, lock) for s in spans]:
-                        f.result()
+            run_parallel(lambda span: self._read_span(span, planner, lock), spans, self.workers, "dcpstore-read")
         except BaseException as e:
             future.set_exception(e)  # type: ignore[arg-type]  # torch's stub types it as the value
             return future
