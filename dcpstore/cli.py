@@ -1,7 +1,9 @@
-"""``dcpstore`` command line: ls, inspect, verify, gc.
+"""``dcpstore`` command line: ls, inspect, verify, gc, bench.
 
-Exit codes: 0 success; 1 the checkpoint is damaged (verify) or absent;
-2 bad usage or a storage error. Errors print one line, never a traceback.
+Exit codes: 0 success; 1 the checkpoint is damaged (verify) or absent, or a
+benchmark run failed (wrong data loaded, an error); 2 bad usage or a storage
+error, or a benchmark that could measure nothing here (every run skipped).
+Errors print one line, never a traceback.
 """
 
 from __future__ import annotations
@@ -102,6 +104,41 @@ def cmd_gc(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    # Imported here: the benchmark pulls in psutil and (for --plot) matplotlib.
+    from .bench import bench, parse_int_list, parse_size, summarize
+    from .bench.report import format_table, plot_workers, write_json
+
+    size, workers = parse_size(args.size), parse_int_list(args.workers)
+    print(f"dcpstore bench {args.uri}: {_human(size)} in {args.tensors} tensors, workers {workers}, "
+          f"{'async/' + args.engine if args.async_ else 'sync'}, {args.repeat} repeat(s)", flush=True)  # fmt: skip
+    records = bench(
+        args.uri, size=size, tensors=args.tensors, workers=workers, engine=args.engine, async_=args.async_,
+        repeat=args.repeat, enable_msc=args.enable_msc, drop_caches=not args.warm, progress=not args.quiet,
+    )  # fmt: skip
+    rows = summarize(records)
+    print(format_table(rows))
+    if args.json:
+        write_json(args.json, records, {"command": "dcpstore bench", "uri": args.uri, "size": size})
+        print(f"wrote {args.json}")
+    if args.plot:
+        plot_workers(args.plot, rows, f"dcpstore bench {args.uri} ({_human(size)}, {args.tensors} tensors)")
+        print(f"wrote {args.plot}")
+    if any(r.status == "failed" for r in records):
+        return 1
+    return 0 if any(r.status == "ok" for r in records) else 2
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dcpstore", description="Inspect and maintain DCP checkpoints on any backend.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -123,6 +160,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--older-than", type=float, default=300.0, metavar="SECONDS",
                    help="keep leftovers modified more recently than this (default 300)")
     p.add_argument("--dry-run", action="store_true")
+    p = add("bench", cmd_bench, "benchmark save and load at a URI (writes under it, then removes what it wrote)")
+    p.add_argument("--size", default="256MiB", help="total tensor bytes, e.g. 64MiB, 1GiB (default 256MiB)")
+    p.add_argument("--tensors", type=_positive_int, default=32, metavar="N",
+                   help="split the bytes into N float32 tensors (default 32)")
+    p.add_argument("--workers", default="1,2,4,8", help="comma-separated worker counts to try (default 1,2,4,8)")
+    p.add_argument("--engine", choices=("auto", "native", "nvrx"), default="auto", help="async engine (with --async)")
+    p.add_argument("--async", dest="async_", action="store_true", help="save with async_=True; reports the blocked time")
+    p.add_argument("--repeat", type=_positive_int, default=1, help="saves per worker count (default 1)")
+    p.add_argument("--json", metavar="FILE", help="write every measurement as JSON records")
+    p.add_argument("--plot", metavar="FILE.png", help="plot GB/s against workers")
+    p.add_argument("--warm", action="store_true",
+                   help="do not drop the page cache before loads (dropping needs root; without it loads read memory)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     return parser
 
 

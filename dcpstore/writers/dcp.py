@@ -30,8 +30,10 @@ import logging
 import operator
 import os
 import pickle
+import sys
 import threading
 import time
+import warnings
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -679,8 +681,7 @@ class DcpStorageReader(StorageReader):
                 with lock:
                     planner.load_bytes(req, io.BytesIO(item))
                 continue
-            tensor = torch.load(io.BytesIO(item), map_location="cpu", weights_only=True)
-            tensor = _narrow(tensor, req.storage_offsets, req.lengths)
+            tensor = _narrow(item_tensor(item), req.storage_offsets, req.lengths)
             with lock:
                 target = planner.resolve_tensor(req).detach()
             if target.size() != tensor.size():
@@ -711,6 +712,89 @@ class DcpStorageReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return DcpStorageWriter.validate_checkpoint_id(checkpoint_id)
+
+
+class _ViewReader(io.RawIOBase):
+    """A read-only file over a memoryview, for ``torch.load``.
+
+    ``io.BytesIO(view)`` copies the whole item before torch reads it (and
+    torch then copies it again into the tensor's storage); torch's zip reader
+    uses ``readinto``, so this reader hands it the bytes with one copy only.
+    """
+
+    def __init__(self, view: memoryview) -> None:
+        super().__init__()
+        self._view = view.cast("B") if view.format != "B" else view
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        out = memoryview(buffer).cast("B")
+        n = max(0, min(len(out), len(self._view) - self._pos))
+        out[:n] = self._view[self._pos : self._pos + n]
+        self._pos += n
+        return n
+
+
+# item_tensor views read-only bytes (it only ever reads them); torch warns
+# once per process that such tensors must not be written to. Silence only that.
+warnings.filterwarnings("ignore", message=r"The given buffer is not writable")
+
+_SKIP_DATA = getattr(torch.serialization, "skip_data", None)
+#: Items smaller than this are copied by torch.load: parsing the header twice
+#: costs more than copying a small tensor (measured on 20,000 x 3 KiB items).
+VIEW_MIN_BYTES = 1 * MiB
+
+
+def item_tensor(item: memoryview) -> torch.Tensor:
+    """The tensor one ``torch.save`` item holds, as a view on ``item`` (no copy).
+
+    ``torch.load`` copies the tensor's bytes into a new storage, which the
+    reader then copies into the caller's tensor: on a VM where fresh memory
+    costs page faults that extra copy dominated loads. Instead, read only the
+    item's header (``skip_data``: shape, dtype, strides, no bytes) and view
+    its single storage record where it lies in ``item``. Anything else --
+    small items, several storages, another byte order, an older torch -- goes
+    through ``torch.load``.
+    """
+    if _SKIP_DATA is not None and len(item) >= VIEW_MIN_BYTES:
+        try:
+            view = _view_record(item)
+        except Exception:  # an unexpected layout: the general path below decides
+            view = None
+        if view is not None:
+            return view
+    return torch.load(cast(IO[bytes], _ViewReader(item)), map_location="cpu", weights_only=True)
+
+
+def _view_record(item: memoryview) -> torch.Tensor | None:
+    reader = torch._C.PyTorchFileReader(_ViewReader(item))
+    records = [r for r in reader.get_all_records() if r.startswith("data/")]
+    if records != ["data/0"] or bytes(reader.get_record("byteorder")).decode() != sys.byteorder:
+        return None
+    assert _SKIP_DATA is not None
+    with _SKIP_DATA():
+        meta = torch.load(cast(IO[bytes], _ViewReader(item)), map_location="cpu", weights_only=True)
+    if not isinstance(meta, torch.Tensor):
+        return None
+    offset, nbytes = reader.get_record_offset("data/0"), meta.untyped_storage().nbytes()
+    if nbytes == 0 or offset + nbytes > len(item):
+        return None
+    raw = torch.frombuffer(item[offset : offset + nbytes], dtype=torch.uint8)
+    return raw.view(meta.dtype).as_strided(meta.size(), meta.stride(), meta.storage_offset())
 
 
 def _narrow(tensor: torch.Tensor, offsets: torch.Size, lengths: torch.Size) -> torch.Tensor:

@@ -1,0 +1,241 @@
+"""Side-by-side comparison: dcpstore vs the limits vs the peers, one run, same bytes.
+
+    python benchmarks/compare.py --size 512MiB --json benchmarks/results/compare.json
+
+Sections (each a list of entries measured one after the other on the same
+state dict; see dcpstore/bench/runner.py for how each is timed):
+
+* local: raw threads write+fsync / read (the disk limit), ``clone()`` (the
+  async stall limit), ``dcp.save`` / ``dcp.async_save`` with
+  ``FileSystemWriter``, NVRx ``FileSystemWriterAsync``, and dcpstore sync
+  and async (native, nvrx) per worker count;
+* s3: a moto server this script starts on loopback: raw parallel PUT/GET,
+  DCP ``FsspecWriter`` + s3fs, MSC's writer, s3torchconnector, and dcpstore
+  on every object-store route (native s3, s3 via MSC, msc://, memory://);
+* wan: the same endpoint behind benchmarks/wanproxy.py (latency + per-
+  connection bandwidth), throughput against workers.
+
+Entries whose dependency is absent (a backend not merged, ``async_``
+raising NotImplementedError, a peer not installed) are reported as
+``skipped: <reason>``; the targets they feed say ``pending merge``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+import tempfile
+import uuid
+import warnings
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))  # run from a checkout without installing
+
+import torch  # noqa: E402
+
+from dcpstore.bench import Entry, Record, Waiter, make_state, parse_int_list, parse_size, run_entries, summarize, zeros_like_state  # noqa: E402
+from dcpstore.bench.entries import DcpstoreEntry  # noqa: E402
+from dcpstore.bench.measure import human_bytes  # noqa: E402
+from dcpstore.bench.report import format_table, write_json  # noqa: E402
+
+import limits  # noqa: E402
+import peers  # noqa: E402
+import servers  # noqa: E402
+import targets  # noqa: E402
+
+BUCKET = "dcpstore-bench"
+ENGINES = ("native", "nvrx")
+
+
+class WithEnv(Entry):
+    """Runs another entry with environment variables set (e.g. the S3 endpoint
+    for dcpstore's s3 backend, which reads AWS_ENDPOINT_URL like boto3)."""
+
+    def __init__(self, inner: Entry, values: dict[str, str | None]) -> None:
+        self.inner, self.values = inner, values
+        for attr in ("name", "group", "backend", "engine", "mode", "workers", "ranks", "reads", "page_cached"):
+            setattr(self, attr, getattr(inner, attr))
+
+    def _sync_labels(self) -> None:
+        self.backend, self.page_cached = self.inner.backend, self.inner.page_cached
+
+    def setup(self, state: dict[str, torch.Tensor]) -> None:
+        with servers.env(self.values):
+            self.inner.setup(state)
+        self._sync_labels()
+
+    def save(self, state: dict[str, torch.Tensor]) -> Waiter:
+        with servers.env(self.values):
+            wait = self.inner.save(state)
+
+        def waiter() -> Any:
+            with servers.env(self.values):
+                return wait()
+
+        return waiter
+
+    def load(self, dest: dict[str, torch.Tensor]) -> None:
+        with servers.env(self.values):
+            self.inner.load(dest)
+
+    def cleanup(self) -> None:
+        with servers.env(self.values):
+            self.inner.cleanup()
+
+    def close(self) -> None:
+        with servers.env(self.values):
+            self.inner.close()
+
+
+def dcpstore_entries(label: str, uri: str, run_id: str, workers: Sequence[int], *, async_workers: int | None,
+                     enable_msc: bool = False, backend: str | None = None) -> Iterator[DcpstoreEntry]:  # fmt: skip
+    """dcpstore sync at every worker count, plus async per engine at ``async_workers``."""
+    for w in workers:
+        yield DcpstoreEntry(uri, run_id, workers=w, enable_msc=enable_msc, backend=backend,
+                            name=f"dcpstore {label} sync w={w}")  # fmt: skip
+    if async_workers:
+        for engine in ENGINES:
+            yield DcpstoreEntry(uri, run_id, workers=async_workers, engine=engine, async_=True, enable_msc=enable_msc,
+                                backend=backend, name=f"dcpstore {label} async/{engine} w={async_workers}")  # fmt: skip
+
+
+def local_section(root: str, run_id: str, workers: Sequence[int]) -> list[Entry]:
+    w = max(workers)
+    entries: list[Entry] = [limits.RawFiles(root, n) for n in workers]
+    entries.append(limits.Clone())
+    entries += [peers.DcpFileSystem(root, 1), peers.DcpFileSystem(root, w), peers.DcpFileSystem(root, w, async_=True)]
+    entries.append(peers.NvrxDirect(root, w))
+    entries += dcpstore_entries("local", os.path.join(root, "dcpstore"), run_id, workers, async_workers=w)
+    return entries
+
+
+def s3_section(endpoint: str, run_id: str, workers: Sequence[int], msc_profile: str) -> list[Entry]:
+    w = max(workers)
+    env = servers.s3_env(endpoint)
+    entries: list[Entry] = [limits.RawS3(endpoint, BUCKET, w)]
+    entries += [peers.FsspecS3(endpoint, BUCKET, w), peers.MscWriter(msc_profile, endpoint, BUCKET, w),
+                peers.S3TorchConnector(endpoint, BUCKET, w)]  # fmt: skip
+    routes = [
+        ("s3", f"s3://{BUCKET}/dcpstore", False),
+        ("s3+msc", f"s3://{BUCKET}/dcpstore-msc", True),
+        ("msc", f"msc://{msc_profile}/dcpstore-mscuri", False),
+    ]
+    for label, uri, enable_msc in routes:
+        entries += [WithEnv(e, env) for e in dcpstore_entries(label, uri, run_id, [w], async_workers=w,
+                                                              enable_msc=enable_msc, backend=label)]  # fmt: skip
+    entries += dcpstore_entries("memory", f"memory://{BUCKET}/dcpstore", run_id, [w], async_workers=None, backend="memory")
+    return entries
+
+
+def wan_section(proxy: str, run_id: str, workers: Sequence[int], msc_profile: str) -> list[Entry]:
+    env = servers.s3_env(proxy)
+    entries: list[Entry] = []
+    for w in workers:
+        entries.append(limits.RawS3(proxy, BUCKET, w, backend="s3-wan"))
+        entries.append(peers.FsspecS3(proxy, BUCKET, w, backend="s3-wan"))
+        entries.append(peers.MscWriter(msc_profile, proxy, BUCKET, w, backend="s3-wan"))
+        entries += [WithEnv(e, env) for e in dcpstore_entries("s3-wan", f"s3://{BUCKET}/dcpstore-wan", run_id, [w],
+                                                              async_workers=None, backend="s3-wan")]  # fmt: skip
+    return entries
+
+
+def _select(entries: list[Entry], only: str | None) -> list[Entry]:
+    return [e for e in entries if not only or re.search(only, e.name)]
+
+
+def _print_section(title: str, records: list[Record]) -> None:
+    print(f"\n== {title}")
+    print(format_table(summarize(records)), flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--size", default="512MiB", help="state size (default 512MiB)")
+    p.add_argument("--tensors", type=int, default=64, help="number of float32 tensors (default 64)")
+    p.add_argument("--workers", default="1,2,4", help="worker counts (default 1,2,4); peers use the largest")
+    p.add_argument("--repeat", type=int, default=3, help="measurements per entry (median reported; default 3)")
+    p.add_argument("--sections", default="local,s3,wan", help="which of local,s3,wan to run")
+    p.add_argument("--wan-size", default="64MiB", help="state size for the WAN section (default 64MiB)")
+    p.add_argument("--wan-latency-ms", type=float, default=20.0)
+    p.add_argument("--wan-rate-mbps", type=float, default=25.0, help="MB/s per connection and direction")
+    p.add_argument("--only", help="regular expression: run only entries whose name matches")
+    p.add_argument("--root", help="directory for local files (default: a temporary directory under /tmp)")
+    p.add_argument("--label", default="", help="free text stored with the results (e.g. 'pre-merge')")
+    p.add_argument("--json", help="write records, summary and targets here")
+    p.add_argument("--plot", help="PNG of the local and S3 sections")
+    p.add_argument("--warm", action="store_true", help="do not drop the page cache before loads (it needs root)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+    warnings.filterwarnings("ignore")
+
+    size, workers = parse_size(args.size), parse_int_list(args.workers)
+    sections = set(args.sections.split(","))
+    run_id = f"compare-{uuid.uuid4().hex[:6]}"
+    root = tempfile.mkdtemp(prefix="dcpstore-compare-", dir=args.root)
+    print(f"compare: {human_bytes(size)} in {args.tensors} tensors, workers {workers}, repeat {args.repeat}, "
+          f"files under {root}", flush=True)  # fmt: skip
+    state = make_state(size, args.tensors)
+    dest = zeros_like_state(state)
+    all_records: list[Record] = []
+    server_pids: set[int] = set()  # moto and the proxy: their memory is the storage's, not the client's
+    common = {"repeat": args.repeat, "progress": not args.quiet, "drop_caches": not args.warm,
+              "rss_ignore_pids": server_pids}  # fmt: skip
+
+    def run(title: str, entries: list[Entry], st: dict[str, torch.Tensor], de: dict[str, torch.Tensor]) -> None:
+        recs = run_entries(_select(entries, args.only), st, de, desc=title, **common)
+        for r in recs:
+            r.extra["section"] = title
+        all_records.extend(recs)
+        _print_section(title, recs)
+
+    try:
+        if "local" in sections:
+            run("local", local_section(root, run_id, workers), state, dest)
+        if sections & {"s3", "wan"}:
+            with servers.moto_server(server_pids) as endpoint:
+                servers.create_bucket(endpoint, BUCKET)
+                msc_config = os.path.join(root, "msc.json")
+                if "s3" in sections:
+                    servers.write_msc_config(msc_config, {"bench": (endpoint, BUCKET)})
+                    with servers.env({"MSC_CONFIG": msc_config, **servers.FAKE_CREDENTIALS}):
+                        run("s3", s3_section(endpoint, run_id, workers, "bench"), state, dest)
+                if "wan" in sections:
+                    wan_state = make_state(parse_size(args.wan_size), args.tensors)
+                    wan_dest = zeros_like_state(wan_state)
+                    with servers.wan_proxy(endpoint, latency_ms=args.wan_latency_ms, rate_mbps=args.wan_rate_mbps,
+                                           pids=server_pids) as proxy:  # fmt: skip
+                        servers.write_msc_config(msc_config, {"wan": (proxy, BUCKET)})
+                        with servers.env({"MSC_CONFIG": msc_config, **servers.FAKE_CREDENTIALS}):
+                            run("wan", wan_section(proxy, run_id, workers, "wan"), wan_state, wan_dest)
+    finally:
+        import shutil
+
+        shutil.rmtree(root, ignore_errors=True)
+
+    rows = summarize(all_records)
+    results = targets.evaluate_all(targets.compare_targets(max(workers)), rows)
+    print("\n== targets (ratios within this run)")
+    print(targets.format_targets(results, targets.text_table))
+    if args.json:
+        write_json(args.json, all_records, {
+            "command": "python benchmarks/compare.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "label": args.label, "size": size, "tensors": args.tensors, "workers": workers,
+            "wan": {"size": parse_size(args.wan_size), "latency_ms": args.wan_latency_ms, "rate_mbps": args.wan_rate_mbps},
+            "targets": results,
+        })  # fmt: skip
+        print(f"wrote {args.json}")
+    if args.plot:
+        import plots
+
+        plots.compare_plot(args.plot, rows)
+        print(f"wrote {args.plot}")
+    return 1 if any(r.status == "failed" for r in all_records) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

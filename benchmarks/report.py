@@ -1,0 +1,141 @@
+"""Regenerate the tables in BENCHMARKS.md from benchmarks/results/*.json.
+
+    python benchmarks/report.py
+
+Replaces the text between ``<!-- BEGIN generated:NAME -->`` and
+``<!-- END generated:NAME -->`` markers; everything else in the page (the
+analysis) is left as written. Blocks: ``meta``, ``local``, ``s3``, ``wan``,
+``targets``, and ``scaling-<sweep>`` for each sweep.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+import targets  # noqa: E402
+from dcpstore.bench import summarize  # noqa: E402
+from dcpstore.bench.measure import human_bytes  # noqa: E402
+
+Row = dict[str, Any]
+
+
+def _num(value: float | None, spec: str = ".3f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _note(r: Row) -> str:
+    if r["status"] != "ok":
+        return f"{r['status']}: {r['reason']}"
+    notes = []
+    if r.get("read_s") is not None and r["backend"] == "local" and r.get("cold_read") is False:
+        notes.append("warm read")
+    if r.get("repeats", 1) > 1:
+        notes.append(f"median of {r['repeats']}")
+    return ", ".join(notes)
+
+
+def rows_table(rows: Sequence[Row]) -> str:
+    head = ["entry", "backend", "W", "save GB/s", "load GB/s", "blocked s", "CPU s save/load",
+            "plan/stage/write/commit s", "RSS growth", "note"]  # fmt: skip
+    body = []
+    for r in rows:
+        ph = r.get("phases") or {}
+        phases = "/".join(f"{ph[p]:.2f}" for p in ("plan", "stage", "write", "commit") if p in ph) or "-"
+        growth = r.get("rss_growth_bytes")
+        body.append([r["name"], r["backend"], str(r["workers"]), _num(r.get("write_gbps")), _num(r.get("read_gbps")),
+                     _num(r.get("blocked_s")), f"{_num(r.get('write_cpu_s'), '.2f')}/{_num(r.get('read_cpu_s'), '.2f')}",
+                     phases if r["status"] == "ok" else "-",
+                     human_bytes(growth) if growth is not None else "-", _note(r)])  # fmt: skip
+    return targets.markdown_table(head, body)
+
+
+def targets_table(results: Sequence[Row]) -> str:
+    head = ["target", "ours / reference", "ratio", "status", "why"]
+    body = [[r["target"], f"{r['ours']} / {r['ref'] or 'state size'}", targets.ratio_text(r), f"**{r['status']}**",
+             r["why"] or "see analysis below"] for r in results]  # fmt: skip
+    return targets.markdown_table(head, body)
+
+
+def meta_block(docs: dict[str, dict[str, Any]]) -> str:
+    lines = []
+    for name, doc in docs.items():
+        m = doc["meta"]
+        mach = m.get("machine", {})
+        label = f" -- **{m['label']}**" if m.get("label") else ""
+        lines.append(f"- `{name}`: {m['date']}{label}, commit `{m.get('git_commit')}`, "
+                     f"{mach.get('cpus')} CPUs, {human_bytes(mach.get('memory_bytes', 0))} RAM, "
+                     f"torch {mach.get('torch')}, Python {mach.get('python')}  \n"
+                     f"  regenerate: `{m.get('command')}`")  # fmt: skip
+    return "\n".join(lines)
+
+
+def blocks(compare: dict[str, Any] | None, scaling: dict[str, Any] | None) -> dict[str, str]:
+    out: dict[str, str] = {}
+    docs = {k: v for k, v in (("compare.json", compare), ("scaling.json", scaling)) if v}
+    out["meta"] = meta_block(docs)
+    results: list[Row] = []
+    if compare:
+        summary = summarize(compare["records"])  # re-derived: summaries gain fields over time
+        for section in ("local", "s3", "wan"):
+            out[section] = rows_table([r for r in summary if r.get("extra", {}).get("section") == section])
+        # Recomputed from the summary so that edited target definitions apply to old runs too.
+        results += targets.evaluate_all(targets.compare_targets(max(compare["meta"]["workers"])), summary)
+    if scaling:
+        summary = summarize(scaling["records"])
+        for sweep in ("bytes", "tensors", "workers", "ranks", "repeat"):
+            sub = [r for r in summary if r.get("extra", {}).get("sweep") == sweep]
+            if sweep == "repeat":
+                sub = [r for r in scaling["records"] if r.get("extra", {}).get("sweep") == "repeat"]
+                sub = [dict(r, name=f"{r['name']} save #{r['repeat'] + 1}") for r in sub]
+            out[f"scaling-{sweep}"] = rows_table(sub)
+        counts = [r["extra"]["x"] for r in summary if r.get("extra", {}).get("sweep") == "tensors"]
+        if counts:
+            results += targets.evaluate_all(targets.scaling_targets(scaling["meta"]["fixed_workers"], max(counts)), summary)
+    out["targets"] = targets_table(results)
+    return out
+
+
+def render(page: str, generated: dict[str, str]) -> str:
+    for name, text in generated.items():
+        pattern = re.compile(rf"(<!-- BEGIN generated:{re.escape(name)} -->\n).*?(<!-- END generated:{re.escape(name)} -->)", re.S)
+        if pattern.search(page):
+            page = pattern.sub(lambda m: m.group(1) + text.rstrip() + "\n" + m.group(2), page)
+    return page
+
+
+def _read(path: str) -> dict[str, Any] | None:
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        data: dict[str, Any] = json.load(f)
+    return data
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    results = os.path.join(HERE, "results")
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--compare", default=os.path.join(results, "compare.json"))
+    p.add_argument("--scaling", default=os.path.join(results, "scaling.json"))
+    p.add_argument("--page", default=os.path.join(os.path.dirname(HERE), "BENCHMARKS.md"))
+    args = p.parse_args(argv)
+    with open(args.page) as f:
+        page = f.read()
+    page = render(page, blocks(_read(args.compare), _read(args.scaling)))
+    with open(args.page, "w") as f:
+        f.write(page)
+    print(f"updated {args.page}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""The issue's targets as ratios between rows of one run.
+
+Each target names the dcpstore row and the reference row it is compared
+with (by entry name, as compare.py builds them). A target is
+
+* ``met`` / ``missed`` when both rows ran,
+* ``pending merge`` when the dcpstore row was skipped because the code it
+  needs (a backend, the async engines) is not in this tree yet,
+* ``n/a`` when a row was skipped or failed for another reason (the reason
+  is shown).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+Row = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Target:
+    title: str
+    ours: str  # entry name of the dcpstore row
+    ref: str  # entry name of the reference row ("" for rss_extra: the row's own state size)
+    #: "write_gbps" / "read_gbps" (higher is better), "write_s" / "blocked_s"
+    #: (lower is better), or "rss_extra": the largest RSS growth of any of the
+    #: row's saves (peak - before; the first save allocates staging) / state bytes.
+    metric: str
+    bound: float  # ours/ref must be >= bound (throughput) or <= bound (time, memory)
+
+    @property
+    def higher_is_better(self) -> bool:
+        return self.metric.endswith("gbps")
+
+
+def compare_targets(workers: int) -> list[Target]:
+    """The issue's targets at ``workers`` (the largest worker count of the run)."""
+    w = workers
+    return [
+        Target("local save >= 0.95x raw write+fsync", f"dcpstore local sync w={w}", f"raw write+fsync / read, {w} thread(s)", "write_gbps", 0.95),
+        Target("local load >= 0.9x raw read (cold cache)", f"dcpstore local sync w={w}", f"raw write+fsync / read, {w} thread(s)", "read_gbps", 0.9),
+        Target("async stall <= 1.0x clone() (native)", f"dcpstore local async/native w={w}", "clone() of every tensor", "blocked_s", 1.0),
+        Target("async stall <= 1.0x clone() (nvrx)", f"dcpstore local async/nvrx w={w}", "clone() of every tensor", "blocked_s", 1.0),
+        Target("S3 save >= 0.85x raw parallel PUT", f"dcpstore s3 sync w={w}", f"raw PUT/GET (s3), {w} thread(s)", "write_gbps", 0.85),
+        Target("S3 load >= 0.9x raw parallel GET", f"dcpstore s3 sync w={w}", f"raw PUT/GET (s3), {w} thread(s)", "read_gbps", 0.9),
+        Target("S3 save >= 2x FsspecWriter+s3fs", f"dcpstore s3 sync w={w}", f"dcp FsspecWriter+s3fs (s3) threads={w}", "write_gbps", 2.0),
+        Target("S3 save >= 1.3x MSC writer", f"dcpstore s3 sync w={w}", f"MSC MultiStorageFileSystemWriter (s3) threads={w}", "write_gbps", 1.3),
+        Target("WAN S3 save >= 0.85x raw parallel PUT", f"dcpstore s3-wan sync w={w}", f"raw PUT/GET (s3-wan), {w} thread(s)", "write_gbps", 0.85),
+        Target("WAN S3 load >= 0.9x raw parallel GET", f"dcpstore s3-wan sync w={w}", f"raw PUT/GET (s3-wan), {w} thread(s)", "read_gbps", 0.9),
+        Target("WAN S3 save >= 2x FsspecWriter+s3fs", f"dcpstore s3-wan sync w={w}", f"dcp FsspecWriter+s3fs (s3-wan) threads={w}", "write_gbps", 2.0),
+        Target("WAN S3 save >= 1.3x MSC writer", f"dcpstore s3-wan sync w={w}", f"MSC MultiStorageFileSystemWriter (s3-wan) threads={w}", "write_gbps", 1.3),
+        Target("async save: peak RSS growth <= 1.1x state (staging cap = one state)", f"dcpstore local async/native w={w}", "", "rss_extra", 1.1),
+    ]  # fmt: skip
+
+
+def scaling_targets(workers: int, count: int = 20000) -> list[Target]:
+    return [
+        Target(f"{count:,} small tensors: save no slower than dcp.save", f"dcpstore [tensors={count}]", f"dcp.save [tensors={count}]", "write_s", 1.0),
+        Target(f"{count:,} small tensors: load no slower than dcp.load (info)", f"dcpstore [tensors={count}]", f"dcp.save [tensors={count}]", "read_s", 1.0),
+    ]  # fmt: skip
+
+
+def _pending(row: Row) -> bool:
+    reason = row.get("reason", "")
+    return row["status"] == "skipped" and (
+        "not built yet" in reason or "arrives with" in reason or "NotImplementedError" in reason
+    )
+
+
+def _rss_extra(row: Row) -> float | None:
+    growth = row.get("rss_growth_max_bytes", row.get("rss_growth_bytes"))
+    return None if growth is None else float(growth) / row["bytes"]
+
+
+def evaluate(target: Target, rows: Sequence[Row]) -> Row:
+    by_name = {r["name"]: r for r in rows}
+    ours = by_name.get(target.ours)
+    if target.metric == "rss_extra" and ours is not None:
+        ours = dict(ours, rss_extra=_rss_extra(ours))
+        ref: Row | None = {"name": "state size", "status": "ok", "rss_extra": 1.0}
+    else:
+        ref = by_name.get(target.ref)
+    out: Row = {"target": target.title, "ours": target.ours, "ref": target.ref, "metric": target.metric,
+                "bound": target.bound, "ratio": None, "status": "n/a", "why": ""}  # fmt: skip
+    if ours is None or ref is None:
+        out["why"] = f"not in this run: {target.ours if ours is None else target.ref}"
+        return out
+    if _pending(ours):
+        out["status"], out["why"] = "pending merge", ours["reason"]
+        return out
+    for row in (ours, ref):
+        if row["status"] != "ok" or row.get(target.metric) in (None, 0):
+            out["why"] = f"{row['name']}: {row['status']} {row.get('reason', '')}".strip()
+            return out
+    ratio = ours[target.metric] / ref[target.metric]
+    out["ratio"] = ratio
+    ok = ratio >= target.bound if target.higher_is_better else ratio <= target.bound
+    out["status"] = "met" if ok else "missed"
+    return out
+
+
+def evaluate_all(targets: Sequence[Target], rows: Sequence[Row]) -> list[Row]:
+    return [evaluate(t, rows) for t in targets]
+
+
+def ratio_text(row: Row) -> str:
+    return "-" if row["ratio"] is None else f"{row['ratio']:.2f}x"
+
+
+def format_targets(results: Sequence[Row], table: Callable[[list[str], list[list[str]]], str]) -> str:
+    head = ["target", "ratio", "status", "note"]
+    body = [[r["target"], ratio_text(r), r["status"], r["why"]] for r in results]
+    return table(head, body)
+
+
+def text_table(head: list[str], body: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(row[i]) for row in body)) if body else len(h) for i, h in enumerate(head)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [head, *body])
+
+
+def markdown_table(head: list[str], body: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in body]
+    return "\n".join(lines)

@@ -1,0 +1,119 @@
+"""Storage benchmarks: ``dcpstore bench URI`` and the building blocks of
+``benchmarks/compare.py``.
+
+The pieces (all importable without matplotlib or psutil until used):
+
+* :mod:`.measure` -- the state dict, peak RSS, page-cache dropping, sizes;
+* :mod:`.runner`  -- :class:`Entry` (one row: a way to save and load the
+  state), :func:`run_entry` (measures it, turning missing dependencies into
+  ``skipped`` records), :func:`summarize`;
+* :mod:`.entries` -- the dcpstore entry over any URI;
+* :mod:`.report`  -- the text table, the JSON file, the plot.
+
+:func:`bench` is what the CLI runs: one dcpstore entry per worker count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import uuid
+from collections.abc import Collection, Sequence
+from typing import Any
+
+from .measure import human_bytes, make_state, parse_int_list, parse_size, zeros_like_state
+from .runner import RECORD_KEYS, Entry, Record, SaveOutcome, Skip, Waiter, done, measure_all, run_entry, summarize
+
+__all__ = [
+    "RECORD_KEYS",
+    "Entry",
+    "Record",
+    "SaveOutcome",
+    "Skip",
+    "Waiter",
+    "bench",
+    "done",
+    "human_bytes",
+    "make_state",
+    "measure_all",
+    "parse_int_list",
+    "parse_size",
+    "run_entry",
+    "run_entries",
+    "summarize",
+    "zeros_like_state",
+]
+
+
+def _line(rec: Record) -> str:
+    if rec.status != "ok":
+        return f"  {rec.name}: {rec.status}: {rec.reason}"
+    read = f", load {rec.read_gbps:.3f} GB/s" if rec.read_gbps is not None else ""
+    return (f"  {rec.name} #{rec.repeat + 1}: save {rec.write_gbps:.3f} GB/s{read}, "
+            f"blocked {rec.blocked_s:.3f} s, peak RSS {human_bytes(rec.peak_rss_bytes or 0)}")  # fmt: skip
+
+
+def run_entries(
+    entries: Sequence[Entry],
+    state: dict[str, Any],
+    dest: dict[str, Any],
+    *,
+    repeat: int = 1,
+    drop_caches: bool = True,
+    verify: bool = True,
+    progress: bool = True,
+    desc: str = "bench",
+    rss_ignore_pids: Collection[int] = (),
+) -> list[Record]:
+    """Measure the entries (interleaved, see :func:`measure_all`) under one
+    progress bar on stderr; a line per measurement is printed above the bar."""
+    from tqdm import tqdm
+
+    with tqdm(total=len(entries) * repeat, desc=desc, unit="run", file=sys.stderr,
+              disable=not progress, leave=False) as bar:  # fmt: skip
+
+        def on_record(rec: Record) -> None:
+            # A skipped or failed entry will not run its remaining repeats.
+            bar.update(1 if rec.status == "ok" else repeat - rec.repeat)
+            bar.set_postfix_str(rec.name)
+            if progress:
+                tqdm.write(_line(rec), file=sys.stderr)
+
+        records = measure_all(entries, state, dest, repeat=repeat, drop_caches=drop_caches, verify=verify,
+                              on_record=on_record, rss_ignore_pids=rss_ignore_pids)  # fmt: skip
+    return records
+
+
+def bench(
+    uri: str,
+    *,
+    size: int,
+    tensors: int,
+    workers: Sequence[int],
+    engine: str = "auto",
+    async_: bool = False,
+    repeat: int = 1,
+    enable_msc: bool = False,
+    drop_caches: bool = True,
+    progress: bool = True,
+) -> list[Record]:
+    """Save and load ``size`` bytes in ``tensors`` tensors at ``uri`` once per
+    worker count (``repeat`` times each) and return the records."""
+    from ..storage import parse_uri
+    from .entries import DcpstoreEntry
+
+    url = parse_uri(uri)
+    created_root = url.scheme == "file" and not os.path.exists(url.path)
+    state = make_state(size, tensors)
+    dest = zeros_like_state(state)
+    run_id = f"dcpstore-bench-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    entries = [
+        DcpstoreEntry(uri, run_id, workers=w, engine=engine, async_=async_, enable_msc=enable_msc) for w in workers
+    ]
+    try:
+        return run_entries(entries, state, dest, repeat=repeat, drop_caches=drop_caches, progress=progress)
+    finally:
+        if created_root:  # the saves made it; leave nothing behind (only if empty)
+            with contextlib.suppress(OSError):
+                os.rmdir(url.path)

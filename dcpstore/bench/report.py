@@ -1,0 +1,131 @@
+"""Turning records into a table, a JSON file and a plot."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import subprocess
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from .measure import human_bytes
+from .runner import Record, summarize
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _rss(r: dict[str, Any]) -> str:
+    if not r.get("peak_rss_bytes"):
+        return "-"
+    growth = r.get("rss_growth_bytes")
+    return human_bytes(r["peak_rss_bytes"]) + (f" (+{human_bytes(growth)})" if growth is not None else "")
+
+
+def format_table(rows: Iterable[dict[str, Any]]) -> str:
+    """A fixed-width text table of summary rows (see :func:`summarize`)."""
+    head = ("ENTRY", "BACKEND", "ENGINE", "W", "WRITE GB/s", "READ GB/s", "BLOCKED s",
+            "PLAN/STAGE/WRITE/COMMIT s", "PEAK RSS (+SAVE)", "NOTE")  # fmt: skip
+    lines: list[tuple[str, ...]] = []
+    for r in rows:
+        ph = r.get("phases") or {}
+        phases = "/".join(f"{ph[p]:.2f}" for p in ("plan", "stage", "write", "commit") if p in ph) or "-"
+        note = "" if r["status"] == "ok" else f"{r['status']}: {r['reason']}"
+        if r["status"] == "ok" and r.get("cold_read") is False and r.get("read_s") is not None and r["backend"] == "local":
+            note = "warm read (page cache not dropped)"
+        lines.append((
+            r["name"], r["backend"], r["engine"], str(r["workers"]),
+            _fmt(r.get("write_gbps"), ".3f"), _fmt(r.get("read_gbps"), ".3f"), _fmt(r.get("blocked_s"), ".3f"),
+            phases if r["status"] == "ok" else "-",
+            _rss(r), note,
+        ))  # fmt: skip
+    widths = [max(len(h), *(len(line[i]) for line in lines)) if lines else len(h) for i, h in enumerate(head)]
+    right = {3, 4, 5, 6, 8}
+
+    def row(cells: Sequence[str]) -> str:
+        return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    return "\n".join([row(head), *(row(line) for line in lines)])
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
+                             cwd=os.path.dirname(os.path.abspath(__file__)))  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def machine() -> dict[str, Any]:
+    """What the numbers were measured on."""
+    import torch
+
+    info: dict[str, Any] = {
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+    try:
+        import psutil
+
+        info["memory_bytes"] = psutil.virtual_memory().total
+    except ImportError:
+        pass
+    return info
+
+
+def write_json(path: str, records: Sequence[Record | dict[str, Any]], meta: dict[str, Any] | None = None) -> None:
+    """``{"meta": ..., "records": [...], "summary": [...]}``; records are per repeat."""
+    rows = [r.to_json() if isinstance(r, Record) else r for r in records]
+    doc = {
+        "meta": {
+            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "git_commit": _git_commit(),
+            "machine": machine(),
+            **(meta or {}),
+        },
+        "records": rows,
+        "summary": summarize(rows),
+    }
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1, default=str)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def plot_workers(path: str, rows: Sequence[dict[str, Any]], title: str) -> None:
+    """Write and read GB/s against workers, one line per backend/engine/mode."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; never a display
+    import matplotlib.pyplot as plt
+
+    series: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        if r["status"] == "ok":
+            series.setdefault(f"{r['backend']} {r['mode']}/{r['engine']}", []).append(r)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharex=True)
+    for ax, key, label in ((axes[0], "write_gbps", "save"), (axes[1], "read_gbps", "load")):
+        for name, pts in series.items():
+            pts = sorted((p for p in pts if p.get(key) is not None), key=lambda p: p["workers"])
+            if pts:
+                ax.plot([p["workers"] for p in pts], [p[key] for p in pts], marker="o", label=name)
+        ax.set_title(label)
+        ax.set_xlabel("workers")
+        ax.set_ylabel("GB/s")
+        ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
+    if series:
+        axes[0].legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

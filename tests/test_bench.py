@@ -1,0 +1,302 @@
+"""`dcpstore bench`, the benchmark harness and its helpers, on small sizes.
+
+Real saves and loads on real files; the full comparison (benchmarks/compare.py
+at hundreds of MiB) is not part of the test run -- only a tiny smoke of it.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import pytest
+import torch
+
+from dcpstore.bench import (
+    RECORD_KEYS,
+    Entry,
+    SaveOutcome,
+    Skip,
+    done,
+    make_state,
+    measure_all,
+    parse_size,
+    run_entry,
+    zeros_like_state,
+)
+from dcpstore.bench.measure import PeakRSS, parse_int_list
+from dcpstore.cli import main
+from dcpstore.errors import InvalidArgument
+
+from test_cli import run_cli
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCHMARKS = os.path.join(ROOT, "benchmarks")
+
+
+def _load_json(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def test_cli_bench_measures_verifies_and_cleans_up(tmp_path) -> None:
+    root = tmp_path / "bench-root"
+    root.mkdir()
+    (root / "keep.txt").write_text("not the benchmark's")
+    out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
+    out = run_cli("bench", str(root), "--size", "16MiB", "--tensors", "8", "--workers", "1,2", "--repeat", "2",
+                  "--json", str(out_json), "--plot", str(out_png), "-q", "--warm")  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "dcpstore sync w=1" in out.stdout and "dcpstore sync w=2" in out.stdout
+
+    doc = _load_json(str(out_json))
+    records = doc["records"]
+    assert [(r["workers"], r["repeat"]) for r in records] == [(1, 0), (1, 1), (2, 0), (2, 1)]
+    for r in records:
+        assert set(RECORD_KEYS) <= r.keys()
+        assert r["status"] == "ok" and r["verified"] is True
+        assert r["backend"] == "local" and r["engine"] == "sync" and r["mode"] == "sync"
+        assert r["bytes"] == 16 * 2**20 and r["tensors"] == 8
+        assert r["bytes_written"] >= r["bytes"]  # torch.save framing on top of the payload
+        assert r["write_s"] > 0 and r["read_s"] > 0 and r["write_cpu_s"] > 0 and r["read_cpu_s"] > 0
+        assert r["write_gbps"] == pytest.approx(r["bytes"] / r["write_s"] / 1e9)
+        assert r["read_gbps"] == pytest.approx(r["bytes"] / r["read_s"] / 1e9)
+        assert r["blocked_s"] == pytest.approx(r["write_s"], rel=0.05, abs=0.01)  # sync: blocks for the whole save
+        assert set(r["phases"]) == {"plan", "stage", "write", "commit"}
+        assert r["peak_rss_bytes"] >= r["rss_before_bytes"] > 0
+    assert [s["workers"] for s in doc["summary"]] == [1, 2] and all(s["repeats"] == 2 for s in doc["summary"])
+    assert doc["meta"]["machine"]["cpus"] >= 1 and doc["meta"]["size"] == 16 * 2**20
+
+    with open(out_png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    # Everything the benchmark wrote is gone; what was there before is not.
+    assert sorted(os.listdir(root)) == ["keep.txt"]
+
+
+def test_cli_bench_removes_a_root_it_created(tmp_path) -> None:
+    root = tmp_path / "fresh"
+    out = run_cli("bench", str(root), "--size", "1MiB", "--tensors", "2", "--workers", "1", "-q", "--warm")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert not root.exists()
+
+
+def test_cli_bench_async_runs_or_reports_why_not(tmp_path) -> None:
+    out_json = tmp_path / "a.json"
+    out = run_cli("bench", str(tmp_path / "a"), "--size", "4MiB", "--tensors", "4", "--workers", "2", "--async",
+                  "--engine", "native", "--json", str(out_json), "-q", "--warm")  # fmt: skip
+    [rec] = _load_json(str(out_json))["records"]
+    assert rec["mode"] == "async" and rec["workers"] == 2
+    if rec["status"] == "ok":  # the async engines are in this tree
+        assert out.returncode == 0 and rec["verified"] is True
+        assert rec["blocked_s"] <= rec["write_s"]
+    else:  # not yet: a clear skip, not a crash
+        assert rec["status"] == "skipped" and rec["reason"], rec
+        assert out.returncode == 2 and "skipped:" in out.stdout and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [(["--size", "lots"], "size 'lots'"), (["--workers", "0,2"], "workers '0,2'"), (["--tensors", "0"], "--tensors")],
+)
+def test_cli_bench_bad_arguments(tmp_path, capsys, args, needle) -> None:
+    try:
+        code = main(["bench", str(tmp_path / "x"), *args])
+    except SystemExit as e:  # argparse's own validation
+        code = int(e.code or 0)
+    err = capsys.readouterr().err
+    assert code == 2 and needle in err and "Traceback" not in err
+
+
+def test_parse_size_and_lists() -> None:
+    assert parse_size("64MiB") == 64 * 2**20 and parse_size("1GiB") == 2**30
+    assert parse_size("500MB") == 500 * 10**6 and parse_size("4096") == 4096 and parse_size("1.5k") == 1536
+    assert parse_int_list("1,2,4,8") == [1, 2, 4, 8] and parse_int_list("2, 2,1") == [2, 1]
+    for bad in ("", "12 parsecs", "-1MiB", "0"):
+        with pytest.raises(InvalidArgument):
+            parse_size(bad)
+
+
+def test_make_state_is_deterministic_and_exact() -> None:
+    a, b = make_state(10_000, 3, seed=1), make_state(10_000, 3, seed=1)
+    assert list(a) == ["t0", "t1", "t2"] and sum(t.nbytes for t in a.values()) == 10_000
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(a["t0"], make_state(10_000, 3, seed=2)["t0"])
+    with pytest.raises(InvalidArgument, match="too small"):
+        make_state(8, 3)
+
+
+def test_peak_rss_sees_an_allocation() -> None:
+    with PeakRSS() as rss:
+        block = torch.ones(64 * 2**20, dtype=torch.uint8)  # 64 MiB, touched
+        del block
+    assert rss.peak - rss.before >= 60 * 2**20
+
+
+class _Scripted(Entry):
+    """An entry that saves into memory and can be told to misbehave."""
+
+    group, backend, engine = "limit", "memory", "test"
+
+    def __init__(self, name: str, *, setup_error: BaseException | None = None, save_error: BaseException | None = None,
+                 corrupt: bool = False) -> None:  # fmt: skip
+        self.name, self.setup_error, self.save_error, self.corrupt = name, setup_error, save_error, corrupt
+        self.page_cached = False
+        self.saved: dict[str, torch.Tensor] = {}
+        self.cleanups = 0
+
+    def setup(self, state):
+        if self.setup_error:
+            raise self.setup_error
+
+    def save(self, state):
+        if self.save_error:
+            raise self.save_error
+        self.saved = {k: v.clone() for k, v in state.items()}
+        return done(SaveOutcome(phases={"write": 0.0}, bytes_written=123))
+
+    def load(self, dest):
+        for k, v in self.saved.items():
+            dest[k].copy_(v)
+        if self.corrupt:
+            next(iter(dest.values())).add_(1)
+
+    def cleanup(self):
+        self.cleanups += 1
+
+
+@pytest.mark.parametrize(
+    "entry, status, reason",
+    [
+        (_Scripted("ok"), "ok", ""),
+        (_Scripted("missing", setup_error=Skip("peer x is not installed")), "skipped", "peer x is not installed"),
+        (_Scripted("import", setup_error=ImportError("no module y")), "skipped", "ImportError: no module y"),
+        (_Scripted("nyi", save_error=NotImplementedError("async_ later")), "skipped", "NotImplementedError: async_ later"),
+        (_Scripted("boom", save_error=RuntimeError("disk on fire")), "failed", "RuntimeError: disk on fire"),
+        (_Scripted("wrong", corrupt=True), "failed", "differ"),
+    ],
+)
+def test_run_entry_outcomes(entry: _Scripted, status: str, reason: str) -> None:
+    state = make_state(1 << 16, 4)
+    records = run_entry(entry, state, zeros_like_state(state), repeat=2)
+    assert records[-1].status == status and reason in records[-1].reason
+    if status == "ok":
+        assert len(records) == 2 and all(r.verified and r.bytes_written == 123 for r in records)
+        assert entry.cleanups == 2
+    elif entry.setup_error is None:
+        assert len(records) == 1 and entry.cleanups == 1  # stops at the first bad repeat, still cleans up
+
+
+def test_measure_all_interleaves_repeats_and_groups_records() -> None:
+    order: list[str] = []
+
+    class Logged(_Scripted):
+        def save(self, state):
+            order.append(self.name)
+            return super().save(state)
+
+    a, b, c = Logged("a"), Logged("b", save_error=RuntimeError("x")), Logged("c")
+    state = make_state(1 << 12, 2)
+    records = measure_all([a, b, c], state, zeros_like_state(state), repeat=3)
+    assert order == ["a", "b", "c", "a", "c", "a", "c"]  # b broke in round 1 and left the rotation
+    assert [(r.name, r.repeat, r.status) for r in records] == [
+        ("a", 0, "ok"), ("a", 1, "ok"), ("a", 2, "ok"), ("b", 0, "failed"), ("c", 0, "ok"), ("c", 1, "ok"), ("c", 2, "ok"),
+    ]  # fmt: skip
+
+
+# ---------------------------------------------------------------------------
+# benchmarks/: the WAN proxy and a tiny comparison
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def http_origin(tmp_path):
+    """A plain HTTP server on loopback serving a 2 MB file."""
+    payload = os.urandom(2_000_000)
+    (tmp_path / "blob").write_bytes(payload)
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, directory=str(tmp_path), **kw)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Quiet)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"127.0.0.1:{server.server_address[1]}", payload
+    server.shutdown()
+
+
+def test_wan_proxy_shapes_bandwidth_and_latency(http_origin) -> None:
+    origin, payload = http_origin
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(BENCHMARKS, "wanproxy.py"), "--upstream", origin,
+         "--latency-ms", "100", "--rate-mbps", "4"], stdout=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        line = proc.stdout.readline().decode().split()
+        assert line[0] == "listening"
+        url = f"http://{line[1]}/blob"
+        t0 = time.perf_counter()
+        body = urllib.request.urlopen(url, timeout=30).read()
+        elapsed = time.perf_counter() - t0
+        assert body == payload
+        # 2 MB at 4 MB/s is >= 0.5 s, plus 100 ms for the request.
+        assert 0.55 <= elapsed < 5, elapsed
+        t0 = time.perf_counter()
+        with pytest.raises(urllib.error.HTTPError):
+            urllib.request.urlopen(url + "-missing", timeout=30)
+        assert time.perf_counter() - t0 >= 0.1  # a tiny request still pays the latency
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_wan_proxy_refuses_non_loopback() -> None:
+    out = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "wanproxy.py"), "--upstream", "10.1.2.3:80"],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert out.returncode != 0 and "not a loopback address" in out.stderr
+
+
+def test_compare_smoke_local_section(tmp_path) -> None:
+    """The comparison runs end to end on a few MiB and writes ratios."""
+    out_json = tmp_path / "compare.json"
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    out = subprocess.run(
+        [sys.executable, os.path.join(BENCHMARKS, "compare.py"), "--size", "4MiB", "--tensors", "4",
+         "--workers", "2", "--repeat", "1", "--sections", "local", "--quiet", "--warm", "--root", str(tmp_path),
+         "--only", r"raw|clone|dcp\.save FileSystemWriter threads=2|dcpstore local", "--json", str(out_json)],
+        capture_output=True, text=True, timeout=240, env=env,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    doc = _load_json(str(out_json))
+    by_name = {r["name"]: r for r in doc["summary"]}
+    for name in ("raw write+fsync / read, 2 thread(s)", "clone() of every tensor",
+                 "dcp.save FileSystemWriter threads=2", "dcpstore local sync w=2"):  # fmt: skip
+        assert by_name[name]["status"] == "ok", by_name[name]
+    assert by_name["dcpstore local sync w=2"]["verified"] is True
+    targets = {t["target"]: t for t in doc["meta"]["targets"]}
+    local = targets["local save >= 0.95x raw write+fsync"]
+    assert local["status"] in ("met", "missed") and local["ratio"] > 0
+    assert targets["async stall <= 1.0x clone() (native)"]["status"] in ("met", "missed", "pending merge")
+    assert os.listdir(tmp_path) == ["compare.json"]  # its scratch directory is gone
+
+    # benchmarks/report.py fills the page's generated blocks from that JSON.
+    page = tmp_path / "PAGE.md"
+    page.write_text("intro\n<!-- BEGIN generated:local -->\nold\n<!-- END generated:local -->\n"
+                    "<!-- BEGIN generated:targets -->\n<!-- END generated:targets -->\noutro\n")  # fmt: skip
+    out = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "report.py"), "--compare", str(out_json),
+                          "--scaling", str(tmp_path / "none.json"), "--page", str(page)],
+                         capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    text = page.read_text()
+    assert "old" not in text and text.startswith("intro\n") and text.endswith("outro\n")
+    assert "| dcpstore local sync w=2 | local | 2 |" in text
+    assert "| local save >= 0.95x raw write+fsync |" in text
