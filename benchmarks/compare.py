@@ -42,6 +42,7 @@ from dcpstore.bench import Entry, Record, Waiter, make_state, parse_int_list, pa
 from dcpstore.bench.entries import DcpstoreEntry  # noqa: E402
 from dcpstore.bench.measure import human_bytes  # noqa: E402
 from dcpstore.bench.report import format_table, write_json  # noqa: E402
+from dcpstore.storage import StorageOptions  # noqa: E402
 
 import limits  # noqa: E402
 import peers  # noqa: E402
@@ -132,15 +133,20 @@ def s3_section(endpoint: str, run_id: str, workers: Sequence[int], msc_profile: 
     return entries
 
 
-def wan_section(proxy: str, run_id: str, workers: Sequence[int], msc_profile: str) -> list[Entry]:
+def wan_section(proxy: str, run_id: str, workers: Sequence[int], msc_profile: str, part_size: int | None) -> list[Entry]:
     env = servers.s3_env(proxy)
+    uri = f"s3://{BUCKET}/dcpstore-wan"
     entries: list[Entry] = []
     for w in workers:
         entries.append(limits.RawS3(proxy, BUCKET, w, backend="s3-wan"))
         entries.append(peers.FsspecS3(proxy, BUCKET, w, backend="s3-wan"))
         entries.append(peers.MscWriter(msc_profile, proxy, BUCKET, w, backend="s3-wan"))
-        entries += [WithEnv(e, env) for e in dcpstore_entries("s3-wan", f"s3://{BUCKET}/dcpstore-wan", run_id, [w],
-                                                              async_workers=None, backend="s3-wan")]  # fmt: skip
+        entries += [WithEnv(e, env) for e in dcpstore_entries("s3-wan", uri, run_id, [w], async_workers=None,
+                                                              backend="s3-wan")]  # fmt: skip
+        if part_size:  # smaller parts: more connections per file, which is what a WAN rewards
+            options = StorageOptions(part_size=part_size)
+            entries.append(WithEnv(DcpstoreEntry(uri, run_id, workers=w, backend="s3-wan", storage_options=options,
+                                                 name=f"dcpstore s3-wan sync w={w} part={human_bytes(part_size)}"), env))
     return entries
 
 
@@ -163,6 +169,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--wan-size", default="64MiB", help="state size for the WAN section (default 64MiB)")
     p.add_argument("--wan-latency-ms", type=float, default=20.0)
     p.add_argument("--wan-rate-mbps", type=float, default=25.0, help="MB/s per connection and direction")
+    p.add_argument("--wan-part-size", default="8MiB",
+                   help="also run dcpstore s3 through the WAN with this part size ('' to skip; default 8MiB)")
     p.add_argument("--only", help="regular expression: run only entries whose name matches")
     p.add_argument("--root", help="directory for local files (default: a temporary directory under /tmp)")
     p.add_argument("--label", default="", help="free text stored with the results (e.g. 'pre-merge')")
@@ -211,7 +219,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                            pids=server_pids) as proxy:  # fmt: skip
                         servers.write_msc_config(msc_config, {"wan": (proxy, BUCKET)})
                         with servers.env({"MSC_CONFIG": msc_config, **servers.FAKE_CREDENTIALS}):
-                            run("wan", wan_section(proxy, run_id, workers, "wan"), wan_state, wan_dest)
+                            part = parse_size(args.wan_part_size) if args.wan_part_size else None
+                            run("wan", wan_section(proxy, run_id, workers, "wan", part), wan_state, wan_dest)
     finally:
         import shutil
 
@@ -225,7 +234,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         write_json(args.json, all_records, {
             "command": "python benchmarks/compare.py " + " ".join(argv if argv is not None else sys.argv[1:]),
             "label": args.label, "size": size, "tensors": args.tensors, "workers": workers,
-            "wan": {"size": parse_size(args.wan_size), "latency_ms": args.wan_latency_ms, "rate_mbps": args.wan_rate_mbps},
+            "wan": {"size": parse_size(args.wan_size), "latency_ms": args.wan_latency_ms, "rate_mbps": args.wan_rate_mbps,
+                    "part_size": args.wan_part_size},
             "targets": results,
         })  # fmt: skip
         print(f"wrote {args.json}")

@@ -35,7 +35,8 @@ def _bars(ax: Any, rows: Sequence[Row], title: str) -> None:
 
 
 def _family(name: str) -> str:
-    return re.sub(r"\s*(w=|threads=|, )\d+.*$", "", name)
+    """The entry name without its worker count: one line per family."""
+    return re.sub(r"\s+", " ", re.sub(r"(w=|threads=)\d+|, \d+ thread\(s\)", "", name)).strip()
 
 
 def _lines(ax: Any, rows: Sequence[Row], key: str, title: str) -> None:

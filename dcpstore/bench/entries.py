@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ..errors import BackendUnavailable, InvalidArgument
-from ..storage import Storage, join_uri, open_storage
+from ..storage import Storage, StorageOptions, join_uri, open_storage
 from .runner import Entry, SaveOutcome, Skip, Waiter
 
 
@@ -24,10 +24,10 @@ def _not_built(e: BackendUnavailable) -> str | None:
     return missing if missing.startswith("dcpstore.") else None
 
 
-def open_root(uri: str, *, enable_msc: bool = False) -> Storage:
+def open_root(uri: str, *, enable_msc: bool = False, storage_options: StorageOptions | None = None) -> Storage:
     """Open the storage at ``uri``, turning a missing backend into :class:`Skip`."""
     try:
-        return open_storage(uri, enable_msc=enable_msc)
+        return open_storage(uri, enable_msc=enable_msc, storage_options=storage_options)
     except BackendUnavailable as e:
         module = _not_built(e)
         if module:
@@ -51,6 +51,7 @@ class DcpstoreEntry(Entry):
         enable_msc: bool = False,
         backend: str | None = None,
         name: str | None = None,
+        storage_options: StorageOptions | None = None,
         save_kwargs: dict[str, Any] | None = None,
     ) -> None:
         self.root_uri = os.fspath(root_uri)
@@ -61,14 +62,16 @@ class DcpstoreEntry(Entry):
         self.engine = engine if async_ else "sync"
         self.enable_msc = enable_msc
         self.backend = backend or ""
+        self.storage_options = storage_options
         self.save_kwargs = save_kwargs or {}
-        self.slug = f"{run_id}/{self.mode}-{engine}-w{workers}"
+        part = f"-p{storage_options.part_size >> 20}" if storage_options else ""
+        self.slug = f"{run_id}/{self.mode}-{engine}-w{workers}{part}"
         self.name = name or f"dcpstore {self.mode}{'/' + engine if async_ else ''} w={workers}"
         self.uri = join_uri(self.root_uri, *self.slug.split("/"))
         self._root: Storage | None = None
 
     def setup(self, state: dict[str, torch.Tensor]) -> None:
-        self._root = open_root(self.root_uri, enable_msc=self.enable_msc)
+        self._root = open_root(self.root_uri, enable_msc=self.enable_msc, storage_options=self.storage_options)
         self.backend = self.backend or self._root.backend
         self.page_cached = self._root.backend == "local"
 
@@ -83,6 +86,7 @@ class DcpstoreEntry(Entry):
                 workers=self.workers,
                 engine=self.requested_engine,
                 enable_msc=self.enable_msc,
+                storage_options=self.storage_options,
                 **self.save_kwargs,
             )
         except InvalidArgument as e:
@@ -100,7 +104,8 @@ class DcpstoreEntry(Entry):
     def load(self, dest: dict[str, torch.Tensor]) -> None:
         import dcpstore
 
-        dcpstore.load(dest, self.uri, workers=self.workers, enable_msc=self.enable_msc)
+        dcpstore.load(dest, self.uri, workers=self.workers, enable_msc=self.enable_msc,
+                      storage_options=self.storage_options)  # fmt: skip
 
     def cleanup(self) -> None:
         if self._root is not None:
