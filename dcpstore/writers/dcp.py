@@ -777,11 +777,12 @@ def item_tensor(item: memoryview) -> torch.Tensor:
             view = None
         if view is not None:
             return view
-    return torch.load(cast(IO[bytes], _ViewReader(item)), map_location="cpu", weights_only=True)
+    loaded: torch.Tensor = torch.load(cast(IO[bytes], _ViewReader(item)), map_location="cpu", weights_only=True)
+    return loaded
 
 
 def _view_record(item: memoryview) -> torch.Tensor | None:
-    reader = torch._C.PyTorchFileReader(_ViewReader(item))
+    reader = torch._C.PyTorchFileReader(cast(IO[bytes], _ViewReader(item)))
     records = [r for r in reader.get_all_records() if r.startswith("data/")]
     if records != ["data/0"] or bytes(reader.get_record("byteorder")).decode() != sys.byteorder:
         return None
@@ -790,7 +791,8 @@ def _view_record(item: memoryview) -> torch.Tensor | None:
         meta = torch.load(cast(IO[bytes], _ViewReader(item)), map_location="cpu", weights_only=True)
     if not isinstance(meta, torch.Tensor):
         return None
-    offset, nbytes = reader.get_record_offset("data/0"), meta.untyped_storage().nbytes()
+    offset = reader.get_record_offset("data/0")  # type: ignore[attr-defined]  # missing from the stubs
+    nbytes = meta.untyped_storage().nbytes()
     if nbytes == 0 or offset + nbytes > len(item):
         return None
     raw = torch.frombuffer(item[offset : offset + nbytes], dtype=torch.uint8)
