@@ -136,6 +136,7 @@ def _run(ctx, s3_endpoint: S3Endpoint, root: str, mode: str, total: int | None) 
     assert outcome(previous, _state(1), storage_options=OPTS) == "complete"
 
 
+@pytest.mark.slow  # ~20 s against moto: CI's slow pass runs it, the quick run stays under 5 min
 def test_kill_anywhere_in_a_sync_s3_save(ctx, s3_endpoint: S3Endpoint, root: str) -> None:
     _run(ctx, s3_endpoint, root, "sync", total=20)
 
