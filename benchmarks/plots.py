@@ -76,7 +76,8 @@ def compare_plot(path: str, rows: Sequence[Row]) -> None:
     plt.close(fig)
 
 
-def sweep_plot(path: str, rows: Sequence[Row], x: str, title: str, *, logx: bool = True, metric: str = "write_gbps") -> None:
+def sweep_plot(path: str, rows: Sequence[Row], x: str, title: str, *, logx: bool = True, metric: str = "write_gbps",
+               xlabel: str | None = None, base: int = 2) -> None:  # fmt: skip
     """One line per family (entry name without its parameter) of ``metric`` vs ``x``."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -88,8 +89,8 @@ def sweep_plot(path: str, rows: Sequence[Row], x: str, title: str, *, logx: bool
         pts.sort(key=lambda r: r[x])
         ax.plot([r[x] for r in pts], [r[metric] for r in pts], marker="o", label=fam)
     if logx:
-        ax.set_xscale("log", base=2 if x != "tensors" else 10)
-    ax.set_xlabel(x)
+        ax.set_xscale("log", base=base)
+    ax.set_xlabel(xlabel or x)
     ax.set_ylabel("seconds" if metric.endswith("_s") else "GB/s")
     ax.set_title(title)
     ax.grid(alpha=0.3)

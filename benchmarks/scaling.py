@@ -19,6 +19,7 @@ write+fsync/read limit -- each on the same state dict.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -187,7 +188,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--plots", help="directory for scaling_*.png")
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--warm", action="store_true", help="do not drop the page cache before loads (it needs root)")
+    p.add_argument("--replot", metavar="JSON", help="only redraw --plots from an earlier run's JSON")
     args = p.parse_args(argv)
+    if args.replot:
+        with open(args.replot) as f:
+            write_plots(args.plots or os.path.dirname(os.path.abspath(args.replot)), json.load(f)["records"])
+        return 0
     warnings.filterwarnings("ignore")
 
     sweeps = args.sweeps.split(",")
@@ -235,29 +241,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         })  # fmt: skip
         print(f"wrote {args.json}")
     if args.plots:
-        write_plots(args.plots, rows, records)
+        write_plots(args.plots, [r.to_json() for r in records])
     return 1 if any(r.status == "failed" for r in records) else 0
 
 
-def write_plots(directory: str, rows: list[dict[str, Any]], records: list[Record]) -> None:
+def write_plots(directory: str, records: Sequence[dict[str, Any]]) -> None:
+    """All scaling_*.png from the per-repeat records (JSON dicts)."""
     import plots
 
+    rows = summarize(records)
     os.makedirs(directory, exist_ok=True)
-    for sweep, x, title in (("bytes", "x", "save GB/s vs state size"), ("tensors", "x", "save GB/s vs tensor count"),
-                            ("workers", "x", "save GB/s vs workers"), ("ranks", "x", "save GB/s vs ranks (gloo)")):  # fmt: skip
+    sweeps = (("bytes", "state size (bytes)", 2), ("tensors", "tensors (same total bytes)", 10),
+              ("workers", "workers", 2), ("ranks", "ranks (gloo processes)", 2))  # fmt: skip
+    for sweep, xlabel, base in sweeps:
         sub = [dict(r, x=r["extra"]["x"]) for r in rows if r["extra"].get("sweep") == sweep]
-        if sub:
-            for metric in ("write_gbps", "read_gbps"):
-                what = "save" if metric == "write_gbps" else "load"
+        for metric, what in (("write_gbps", "save"), ("read_gbps", "load")):
+            if sub:
                 path = os.path.join(directory, f"scaling_{sweep}_{what}.png")
-                plots.sweep_plot(path, sub, "x", title.replace("save", what), metric=metric)
+                plots.sweep_plot(path, sub, "x", f"{what} GB/s vs {xlabel}", metric=metric, xlabel=xlabel, base=base)
                 print(f"wrote {path}")
-    per_save = [dict(r.to_json(), x=r.repeat + 1) for r in records if r.extra.get("sweep") == "repeat"]
+    per_save = [dict(r, x=r["repeat"] + 1) for r in records if r.get("extra", {}).get("sweep") == "repeat"]
     if per_save:
         for metric, name, title in (("write_s", "scaling_repeat.png", "seconds until durable, per save"),
                                     ("blocked_s", "scaling_repeat_blocked.png", "seconds the caller was blocked, per save")):  # fmt: skip
             path = os.path.join(directory, name)
-            plots.sweep_plot(path, per_save, "x", f"same structure saved again: {title}", logx=False, metric=metric)
+            plots.sweep_plot(path, per_save, "x", f"same structure saved again: {title}", logx=False, metric=metric,
+                             xlabel="save # (same structure)")  # fmt: skip
             print(f"wrote {path}")
 
 
