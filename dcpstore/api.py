@@ -57,6 +57,21 @@ class CheckpointInfo:
     blocked_s: float = 0.0
     total_s: float = 0.0
 
+    @classmethod
+    def from_stats(
+        cls, storage: Storage, stats: SaveStats, engine: str, *, stage_s: float, blocked_s: float, total_s: float
+    ) -> CheckpointInfo:
+        return cls(
+            uri=storage.uri,
+            backend=storage.backend,
+            engine=engine,
+            bytes_written=stats.bytes_written,
+            files=tuple(stats.files),
+            phases={"plan": stats.plan_s, "stage": stage_s, "write": stats.write_s, "commit": stats.commit_s},
+            blocked_s=blocked_s,
+            total_s=total_s,
+        )
+
     @property
     def write_gbps(self) -> float:
         return self.bytes_written / self.phases["write"] / 1e9 if self.phases.get("write") else 0.0
@@ -211,21 +226,8 @@ def save(
     except CheckpointError as e:
         raise SaveError(f"save to {storage.uri} failed: {e}") from e
     elapsed = time.perf_counter() - t0
-    info = _info(storage, writer.stats, "sync", stage_s=0.0, blocked_s=elapsed, total_s=elapsed)
+    info = CheckpointInfo.from_stats(storage, writer.stats, "sync", stage_s=0.0, blocked_s=elapsed, total_s=elapsed)
     return SaveHandle.completed(info)
-
-
-def _info(storage: Storage, stats: SaveStats, engine: str, *, stage_s: float, blocked_s: float, total_s: float) -> CheckpointInfo:
-    return CheckpointInfo(
-        uri=storage.uri,
-        backend=storage.backend,
-        engine=engine,
-        bytes_written=stats.bytes_written,
-        files=tuple(stats.files),
-        phases={"plan": stats.plan_s, "stage": stage_s, "write": stats.write_s, "commit": stats.commit_s},
-        blocked_s=blocked_s,
-        total_s=total_s,
-    )
 
 
 def _first_failure(e: CheckpointException) -> str:

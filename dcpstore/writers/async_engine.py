@@ -419,15 +419,8 @@ class AsyncSaver:
         finally:
             staged.release()
             storage.close()
-        return CheckpointInfo(
-            uri=storage.uri,
-            backend=storage.backend,
-            engine=engine,
-            bytes_written=stats.bytes_written,
-            files=tuple(stats.files),
-            phases={"plan": stats.plan_s, "stage": stage_s, "write": stats.write_s, "commit": stats.commit_s},
-            blocked_s=blocked_s,
-            total_s=time.perf_counter() - t0,
+        return CheckpointInfo.from_stats(
+            storage, stats, engine, stage_s=stage_s, blocked_s=blocked_s, total_s=time.perf_counter() - t0
         )
 
     def _nvrx_cache(self, key: Hashable, group: dist.ProcessGroup | None) -> Any | None:
