@@ -7,7 +7,7 @@
     dcpstore.load(state_dict, "s3://bucket/run/step100")
 """
 
-from .api import CheckpointInfo, SaveHandle, load, save
+from .api import CheckpointInfo, CheckpointManager, SaveHandle, load, save
 from .writers.async_engine import AsyncSaver
 from .errors import (
     BackendUnavailable,
@@ -19,6 +19,7 @@ from .errors import (
     InvalidURI,
     LoadError,
     SaveError,
+    StateDictMismatch,
     StorageError,
     StorageNotFound,
     StoragePermissionError,
@@ -33,6 +34,7 @@ __all__ = [
     "CheckpointCorrupt",
     "CheckpointError",
     "CheckpointInfo",
+    "CheckpointManager",
     "CheckpointNotFound",
     "EngineFallbackWarning",
     "InvalidArgument",
@@ -40,6 +42,7 @@ __all__ = [
     "LoadError",
     "SaveError",
     "SaveHandle",
+    "StateDictMismatch",
     "StorageError",
     "StorageNotFound",
     "StorageOptions",

@@ -13,6 +13,8 @@ import time
 import warnings
 from collections.abc import Callable
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeoutError
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +25,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 
 from .errors import CheckpointError, InvalidArgument, LoadError, SaveError
+from .options import check_save_options
 from .storage import Storage, StorageOptions, open_storage, redact
 from .writers.async_engine import ENGINES, AsyncSaver, default_saver
 from .writers.dcp import DcpStorageReader, DcpStorageWriter, SaveStats, check_workers
@@ -54,6 +57,21 @@ class CheckpointInfo:
     blocked_s: float = 0.0
     total_s: float = 0.0
 
+    @classmethod
+    def from_stats(
+        cls, storage: Storage, stats: SaveStats, engine: str, *, stage_s: float, blocked_s: float, total_s: float
+    ) -> CheckpointInfo:
+        return cls(
+            uri=storage.uri,
+            backend=storage.backend,
+            engine=engine,
+            bytes_written=stats.bytes_written,
+            files=tuple(stats.files),
+            phases={"plan": stats.plan_s, "stage": stage_s, "write": stats.write_s, "commit": stats.commit_s},
+            blocked_s=blocked_s,
+            total_s=total_s,
+        )
+
     @property
     def write_gbps(self) -> float:
         return self.bytes_written / self.phases["write"] / 1e9 if self.phases.get("write") else 0.0
@@ -68,10 +86,21 @@ class SaveHandle:
     synchronous saves).
     """
 
-    def __init__(self, future: Future[CheckpointInfo], uri: str, *, engine: str = "sync") -> None:
+    def __init__(
+        self,
+        future: Future[CheckpointInfo],
+        uri: str,
+        *,
+        engine: str = "sync",
+        bounded_wait: Callable[[], bool] | None = None,
+        hang_timeout: float | None = None,
+    ) -> None:
         self._future = future
         self.uri = uri
         self.engine = engine
+        self._bounded_wait = bounded_wait
+        #: The saver's hang_timeout (None: a sync save, or no bound).
+        self.hang_timeout = hang_timeout
 
     @classmethod
     def completed(cls, info: CheckpointInfo) -> SaveHandle:
@@ -85,9 +114,23 @@ class SaveHandle:
     def result(self, timeout: float | None = None) -> CheckpointInfo:
         """Block until the save is committed; re-raise its error if it failed.
 
-        ``TimeoutError`` if it is still running after ``timeout`` seconds.
+        ``TimeoutError`` if it is still running after ``timeout`` seconds
+        (the save goes on; call again to keep waiting).
         """
-        return self._future.result(timeout)
+        try:
+            return self._future.result(timeout)
+        except FutureTimeoutError as e:
+            raise type(e)(f"save to {self.uri} still running after {timeout} s") from None
+
+    def _wait_bounded(self) -> bool:
+        """Wait until the save finishes, either way (True), or until its saver
+        presumes it hung (False: running longer than ``hang_timeout``).
+        Callers that must not block forever (the next save, close, exit)
+        use this instead of ``result()``."""
+        if self._bounded_wait is None:
+            wait_futures([self._future])
+            return True
+        return self._bounded_wait()
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         return self._future.exception(timeout)
@@ -147,8 +190,8 @@ def save(
     """
     if not isinstance(state_dict, dict):
         raise InvalidArgument(f"state_dict must be a dict, got {type(state_dict).__name__}")
-    if engine not in ENGINES:
-        raise InvalidArgument(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    # One table decides what save accepts (config layers consult it too).
+    check_save_options(async_=async_, engine=engine, workers=workers, planner=planner)
     _check_common(workers, process_group)
     if async_ or engine == "nvrx":
         handle = default_saver().save(
@@ -183,21 +226,8 @@ def save(
     except CheckpointError as e:
         raise SaveError(f"save to {storage.uri} failed: {e}") from e
     elapsed = time.perf_counter() - t0
-    info = _info(storage, writer.stats, "sync", stage_s=0.0, blocked_s=elapsed, total_s=elapsed)
+    info = CheckpointInfo.from_stats(storage, writer.stats, "sync", stage_s=0.0, blocked_s=elapsed, total_s=elapsed)
     return SaveHandle.completed(info)
-
-
-def _info(storage: Storage, stats: SaveStats, engine: str, *, stage_s: float, blocked_s: float, total_s: float) -> CheckpointInfo:
-    return CheckpointInfo(
-        uri=storage.uri,
-        backend=storage.backend,
-        engine=engine,
-        bytes_written=stats.bytes_written,
-        files=tuple(stats.files),
-        phases={"plan": stats.plan_s, "stage": stage_s, "write": stats.write_s, "commit": stats.commit_s},
-        blocked_s=blocked_s,
-        total_s=total_s,
-    )
 
 
 def _first_failure(e: CheckpointException) -> str:
@@ -253,3 +283,8 @@ def _root_cause(e: CheckpointException) -> BaseException | None:
         cause: BaseException = exc[0] if isinstance(exc, tuple) else exc
         return cause
     return None
+
+
+# Re-exported here so the whole public API lives in one module (DESIGN.md);
+# imported last because the manager is built on save/load above.
+from .manager import CheckpointManager as CheckpointManager  # noqa: E402

@@ -57,5 +57,17 @@ class LoadError(CheckpointError):
     """A load failed."""
 
 
+class StateDictMismatch(LoadError):
+    """A strict load found keys the checkpoint and the model do not share.
+
+    ``report`` (a :class:`dcpstore.adapters.fsdp.LoadReport`) lists the
+    missing, unexpected and mismatched keys; nothing was loaded.
+    """
+
+    def __init__(self, message: str, report: object = None) -> None:
+        super().__init__(message)
+        self.report = report
+
+
 class EngineFallbackWarning(UserWarning):
     """``engine="auto"`` chose the native async engine; the message says why."""

@@ -3,20 +3,50 @@
     run_ranks(_worker, 2, some_arg)     # _worker(rank, world_size, some_arg)
 
 The function must live at module level in an importable module (the test
-file itself is fine) since ranks are spawned fresh. A failure on any rank
-re-raises here with that rank's traceback.
+file itself is fine). A failure on any rank re-raises here with that rank's
+traceback; a job that runs past ``timeout`` (a deadlock) is killed and fails.
+
+Ranks fork from a forkserver that has already imported torch, FSDP2 and
+dcpstore: importing those costs seconds per process on a small box, so a
+spawned job paid them on every rank of every job. Forking from the server
+(started once per session, single-threaded, before any torch op) is safe
+where forking the test process itself would not be. The forkserver keeps the
+environment it started with, so each rank takes the caller's environment as
+of the call (fixtures may have set, say, an S3 endpoint since).
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import socket
+import time
 import warnings
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+#: What the session's one forkserver imports before forking. multiprocessing
+#: has a single forkserver per process and the first suite to start it fixes
+#: its preload list, so every suite that forks from it (these ranks,
+#: crashkit's crash children, test_concurrency's racers) names this same
+#: list; otherwise every child of a later suite re-imports its modules.
+PRELOAD = [
+    "torch",
+    "torch._dynamo",
+    "torch.distributed.fsdp",
+    "torch.distributed.checkpoint",
+    "dcpstore",
+    "dcpstore.storage.s3",
+    "crashkit",
+    "test_crash",
+    "test_crash_async",
+    "test_crash_s3",
+    "test_concurrency",
+]
 
 
 def free_port() -> int:
@@ -25,10 +55,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, args: tuple[Any, ...]) -> None:
+def _entry(
+    rank: int, fn: Callable[..., Any], world_size: int, port: int, env: dict[str, str], args: tuple[Any, ...]
+) -> None:
     warnings.filterwarnings("ignore", message="The pynvml package is deprecated")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.clear()
+    os.environ.update(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    # OMP_NUM_THREADS is read when torch loads (in the forkserver): set the
+    # thread count directly so ranks do not oversubscribe the cores.
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
@@ -37,5 +72,20 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, args: 
         dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
-    mp.spawn(_entry, args=(fn, world_size, free_port(), args), nprocs=world_size, join=True)
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0) -> None:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; raise on failure."""
+    multiprocessing.set_forkserver_preload(PRELOAD)  # no effect once the server runs
+    ctx = mp.start_processes(
+        _entry,
+        args=(fn, world_size, free_port(), dict(os.environ), args),
+        nprocs=world_size,
+        join=False,
+        start_method="forkserver",
+    )
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=0.5):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            raise TimeoutError(f"{getattr(fn, '__name__', fn)} on {world_size} ranks ran past {timeout}s (deadlock?)")

@@ -5,12 +5,15 @@ request, either forwards it or injects a fault:
 
 * ``slowdown``: answer ``503 SlowDown`` with S3's XML error body (the request
   body is read first, so the connection stays usable, as with real S3);
+* ``internal_error``: the same with ``500 InternalError``;
 * ``drop``: read the request headers and half the body, then reset the
   connection (the client sees a connection error mid-request);
 * ``drop_response``: forward the request, relay half of the response body,
   then reset (the client sees an incomplete read);
 * ``answer``: a canned response of the test's choosing (e.g. S3's
-  ``NoSuchUpload`` for a retried ``CompleteMultipartUpload``).
+  ``NoSuchUpload`` for a retried ``CompleteMultipartUpload``);
+* ``delay_s``: hold matching requests that long before forwarding them: a
+  slow response, or a stall when longer than the client's read timeout.
 
 Shares are probabilities per request, drawn from a seeded RNG; ``applies``
 restricts faults to some requests (e.g. only ``UploadPart``). Counters record
@@ -62,6 +65,7 @@ def s3_error(status: int, reason: str, code: str, message: str) -> bytes:
 
 
 SLOWDOWN = s3_error(503, "Slow Down", "SlowDown", "Please reduce your request rate.")
+INTERNAL_ERROR = s3_error(500, "Internal Server Error", "InternalError", "We encountered an internal error. Please try again.")
 
 
 @dataclass
@@ -104,6 +108,7 @@ class Request:
 @dataclass
 class FaultConfig:
     slowdown: float = 0.0
+    internal_error: float = 0.0
     drop: float = 0.0
     drop_response: float = 0.0
     #: Only requests for which this returns True can get a fault.
@@ -267,12 +272,11 @@ class FaultProxy:
             return "forward"
         with self._lock:
             x = self._rng.random()
-        if x < cfg.slowdown:
-            return "slowdown"
-        if x < cfg.slowdown + cfg.drop:
-            return "drop"
-        if x < cfg.slowdown + cfg.drop + cfg.drop_response:
-            return "drop_response"
+        for action in ("slowdown", "internal_error", "drop", "drop_response"):
+            share = getattr(cfg, action)
+            if x < share:
+                return action
+            x -= share
         return "forward"
 
     def _serve(self, client: socket.socket) -> None:
@@ -296,10 +300,10 @@ class FaultProxy:
                 if (req.header("Expect") or "").lower() == "100-continue":
                     client.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
                 req.body = self._read_body(client, buf, req.headers)
-                if action == "slowdown":
+                if action in ("slowdown", "internal_error"):
                     with self._lock:
-                        self.stats.faults["slowdown"] += 1
-                    client.sendall(SLOWDOWN)
+                        self.stats.faults[action] += 1
+                    client.sendall(SLOWDOWN if action == "slowdown" else INTERNAL_ERROR)
                     continue
                 canned = self.config.answer(req)
                 if canned is not None:
@@ -363,6 +367,8 @@ class FaultProxy:
             self.stats.peak_inflight[kind] = max(self.stats.peak_inflight[kind], self._inflight[kind])
         try:
             if self.config.delay_s and self.config.delay_applies(req):
+                with self._lock:
+                    self.stats.faults["delay"] += 1
                 time.sleep(self.config.delay_s)
             head = f"{req.method} {req.target} HTTP/1.1\r\n" + "".join(
                 f"{k}: {v}\r\n" for k, v in req.headers if k.lower() != "expect"

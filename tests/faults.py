@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from dcpstore.storage.base import ObjectInfo, ObjectWriter, Storage
 
@@ -59,6 +60,10 @@ class EventStorage(Storage):
         self.hook(f"read:{path}")
         return self.inner.read_range(path, offset, length)
 
+    def read(self, path: str) -> bytes:
+        self.hook(f"read:{path}")
+        return self.inner.read(path)
+
     def size(self, path: str) -> int:
         return self.inner.size(path)
 
@@ -78,14 +83,40 @@ class EventStorage(Storage):
         return self.inner.cleanup_incomplete(older_than_s)
 
 
+#: Where dcpstore.save / load / AsyncSaver / CheckpointManager look up ``open_storage``.
+_OPENERS = ("dcpstore.api", "dcpstore.writers.async_engine", "dcpstore.manager")
+
+
+def hook_all_storage(hook: Hook | dict[str, Hook], setattr: Callable[[object, str, object], None] = setattr) -> None:
+    """Route every storage that ``dcpstore.save`` / ``load`` / ``AsyncSaver``
+    / ``CheckpointManager`` open through :class:`EventStorage` with ``hook``
+    (or ``hook[uri]`` by the URI as given; other URIs untouched). Pass pytest's ``monkeypatch.setattr`` to have it undone
+    after the test; in a crash child the plain ``setattr`` is right."""
+    import importlib
+
+    from dcpstore.storage import open_storage as real
+
+    def opener(uri: object, **kwargs: object) -> Storage:
+        storage = real(uri, **kwargs)  # type: ignore[arg-type]
+        if isinstance(hook, dict):
+            chosen = hook.get(os.fspath(uri))  # type: ignore[arg-type]
+            return storage if chosen is None else EventStorage(storage, chosen)
+        return EventStorage(storage, hook)
+
+    for name in _OPENERS:
+        setattr(importlib.import_module(name), "open_storage", opener)
+
+
 class Recorder:
     """A hook that only records the events, to plan where to inject."""
 
     def __init__(self) -> None:
         self.events: list[str] = []
+        self._lock = threading.Lock()
 
     def __call__(self, event: str) -> None:
-        self.events.append(event)
+        with self._lock:
+            self.events.append(event)
 
 
 class KillAt:
@@ -93,11 +124,13 @@ class KillAt:
 
     def __init__(self, n: int) -> None:
         self.n, self.seen = n, 0
+        self._lock = threading.Lock()  # events come from several writer threads
 
     def __call__(self, event: str) -> None:
-        if self.seen == self.n:
-            os.kill(os.getpid(), signal.SIGKILL)
-        self.seen += 1
+        with self._lock:
+            if self.seen == self.n:
+                os.kill(os.getpid(), signal.SIGKILL)
+            self.seen += 1
 
 
 class FailAt:
@@ -110,6 +143,31 @@ class FailAt:
         if not self.fired and self.predicate(event):
             self.fired = True
             raise self.error
+
+
+class BlockAt:
+    """A hook that hangs (like a storage call that never returns) at the
+    first event matching ``predicate``, until :meth:`release`; then raises
+    ``then`` if given (so the released save fails instead of committing)."""
+
+    def __init__(self, predicate: Callable[[str], bool], then: BaseException | None = None) -> None:
+        self.predicate, self.then = predicate, then
+        self.reached = threading.Event()
+        self._gate = threading.Event()
+        self._lock = threading.Lock()
+
+    def __call__(self, event: str) -> None:
+        with self._lock:
+            hang = not self.reached.is_set() and self.predicate(event)
+            if hang:
+                self.reached.set()
+        if hang:
+            self._gate.wait()
+            if self.then is not None:
+                raise self.then
+
+    def release(self) -> None:
+        self._gate.set()
 
 
 def spread(total: int, count: int) -> list[int]:

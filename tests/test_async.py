@@ -229,8 +229,11 @@ def _repeated_saves_stay_flat(engine: str, target: Target) -> None:
         rss1, fds1, threads1 = usage()
         assert fds1 == fds0, "open files grew"
         assert threads1 == threads0, "threads grew"
-        # Staging reuses one buffer set: 40 saves grow RSS by less than half a state.
-        assert rss1 - rss0 < state_bytes // 2, f"RSS grew by {(rss1 - rss0) / 2**20:.1f} MiB"
+        # Staging reuses one buffer set: 40 saves grow RSS by less than half a
+        # state. memory:// keeps the checkpoints themselves in this heap, where
+        # rewriting them fragments it, so RSS says nothing about staging there.
+        if target.name != "memory":
+            assert rss1 - rss0 < state_bytes // 2, f"RSS grew by {(rss1 - rss0) / 2**20:.1f} MiB"
         assert saver.pool.held_bytes() == state_bytes
 
 

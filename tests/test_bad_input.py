@@ -50,6 +50,10 @@ CASES = [
     ("unpicklable-value", lambda p: _save(f"{p}/x", {"fn": lambda: 1}), dcpstore.SaveError, "'fn'"),
     ("meta-tensor", lambda p: _save(f"{p}/x", {"m": torch.empty(3, device="meta")}), dcpstore.SaveError, "'m'"),
     ("sparse-tensor", lambda p: _save(f"{p}/x", {"s": torch.eye(3).to_sparse()}), dcpstore.SaveError, "'s'"),
+    # A view whose logical size no machine can hold (2**62 bytes over a 4-byte storage).
+    ("huge-view", lambda p: _save(f"{p}/x", {"h": torch.zeros(1).expand(2**60)}), dcpstore.SaveError, "'h'"),
+    ("huge-view-async", lambda p: _save(f"{p}/x", {"h": torch.zeros(1).expand(2**60)}, async_=True, engine="native"),
+     dcpstore.SaveError, "'h'"),
     ("path-is-a-file", lambda p: (open(f"{p}/f", "w").close(), _save(f"{p}/f")), dcpstore.SaveError, "is a file"),
     ("parent-is-a-file", lambda p: (open(f"{p}/g", "w").close(), _save(f"{p}/g/ck")), dcpstore.SaveError, "not a directory"),
     ("name-too-long", lambda p: _save(f"{p}/{'n' * 300}"), dcpstore.SaveError, "too long"),

@@ -290,13 +290,13 @@ def test_compare_smoke_local_section(tmp_path) -> None:
 
     # benchmarks/report.py fills the page's generated blocks from that JSON.
     page = tmp_path / "PAGE.md"
-    page.write_text("intro\n<!-- BEGIN generated:local -->\nSTALE-TEXT\n<!-- END generated:local -->\n"
+    page.write_text("intro\n<!-- BEGIN generated:local -->\nSTALE-ROW\n<!-- END generated:local -->\n"
                     "<!-- BEGIN generated:targets -->\n<!-- END generated:targets -->\noutro\n")  # fmt: skip
     out = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "report.py"), "--compare", str(out_json),
                           "--scaling", str(tmp_path / "none.json"), "--page", str(page)],
                          capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     text = page.read_text()
-    assert "STALE-TEXT" not in text and text.startswith("intro\n") and text.endswith("outro\n")
+    assert "STALE-ROW" not in text and text.startswith("intro\n") and text.endswith("outro\n")
     assert "| dcpstore local sync w=2 | local | 2 |" in text
     assert "| local save >= 0.95x raw write+fsync |" in text

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import dcpstore
+from crashkit import forkserver
 
 
 def writer_state(seed: int) -> dict:
@@ -31,9 +32,7 @@ def _racer(uri: str, seed: int, barrier, results) -> None:
 
 @pytest.fixture(scope="module")
 def ctx() -> mp.context.BaseContext:
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "dcpstore", "test_concurrency"])
-    return ctx
+    return forkserver()
 
 
 def test_two_writers_one_uri(tmp_path, ctx) -> None:

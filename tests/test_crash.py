@@ -1,15 +1,15 @@
 """SIGKILL a saving process at >= 20 points; nothing wrong ever loads.
 
 Each crash runs in a child forked from a forkserver that has torch and
-dcpstore imported, so a kill costs milliseconds, not an interpreter start.
-The child saves through :class:`faults.EventStorage`, which SIGKILLs it at
+dcpstore imported, so a kill costs milliseconds, not an interpreter start
+(crashkit.py; the async and S3 variants are test_crash_async.py and
+test_crash_s3.py). The child saves through :class:`faults.EventStorage`, which SIGKILLs it at
 the n-th storage event: open, each chunk written, each commit (before and
 after the rename), the manifest, and ``.metadata``.
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 
@@ -18,30 +18,13 @@ import torch
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 import dcpstore
+from crashkit import crash, crash_state, forkserver, kill_points
+from crashkit import outcome as _outcome_of
 from dcpstore.maintenance import gc, list_checkpoints
 from dcpstore.storage import open_storage
 from dcpstore.writers.dcp import DcpStorageWriter
-from faults import EventStorage, KillAt, Recorder, spread
+from faults import EventStorage, KillAt, Recorder
 from helpers import assert_state_equal, zeros_like_state
-
-#: Kill points spread over the chunk writes, on top of every other event.
-WRITE_POINTS = 12
-
-
-def kill_points(events: list[str]) -> list[int]:
-    """Every structural event (open, commit before/after rename, manifest,
-    .metadata, deletes) plus ``WRITE_POINTS`` spread over the chunk writes."""
-    writes = [i for i, e in enumerate(events) if e.startswith(("write:", "wrote:"))]
-    structural = [i for i, e in enumerate(events) if not e.startswith(("write:", "wrote:"))]
-    return sorted(structural + [writes[j] for j in spread(len(writes), WRITE_POINTS)])
-
-
-def crash_state(seed: int) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    state = {f"layer{i}.w": torch.randn(128, 96 + i, generator=g) for i in range(10)}
-    state["opt"] = {"m": torch.randn(300, generator=g).bfloat16(), "step": seed}
-    state["big"] = torch.randn(256 * 1024, generator=g)  # 1 MiB: several chunks
-    return state
 
 
 def _save(uri: str, seed: int, hook) -> None:
@@ -54,18 +37,12 @@ def _child(uri: str, seed: int, kill_at: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def forkserver() -> mp.context.BaseContext:
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "dcpstore", "test_crash"])
-    return ctx
+def ctx():
+    return forkserver()
 
 
-def _crash(ctx: mp.context.BaseContext, uri: str, seed: int, kill_at: int) -> int:
-    proc = ctx.Process(target=_child, args=(uri, seed, kill_at))
-    proc.start()
-    proc.join(120)
-    assert proc.exitcode is not None, "child hung"
-    return proc.exitcode
+def _crash(ctx, uri: str, seed: int, kill_at: int) -> int:
+    return crash(ctx, _child, uri, seed, kill_at)
 
 
 def _count_events(tmp_path) -> list[str]:
@@ -76,16 +53,10 @@ def _count_events(tmp_path) -> list[str]:
 
 def _outcome(uri: str, seed: int) -> str:
     """'absent' or 'complete'; anything else fails the test."""
-    restored = zeros_like_state(crash_state(seed))
-    try:
-        dcpstore.load(restored, uri)
-    except dcpstore.CheckpointNotFound:
-        return "absent"
-    assert_state_equal(crash_state(seed), restored)
-    return "complete"
+    return _outcome_of(uri, crash_state(seed))
 
 
-def test_kill_anywhere_in_a_save(tmp_path, forkserver) -> None:
+def test_kill_anywhere_in_a_save(tmp_path, ctx) -> None:
     root = tmp_path / "root"
     dcpstore.save(crash_state(1), str(root / "step_1")).result()
     events = _count_events(tmp_path)
@@ -94,7 +65,7 @@ def test_kill_anywhere_in_a_save(tmp_path, forkserver) -> None:
     outcomes: dict[str, list[str]] = {"absent": [], "complete": []}
     for k in points:
         uri = str(root / f"crash_{k}")
-        code = _crash(forkserver, uri, 2, k)
+        code = _crash(ctx, uri, 2, k)
         assert code == -signal.SIGKILL, f"kill point {k} ({events[k]}): exit code {code}"
         outcomes[_outcome(uri, 2)].append(events[k])
         assert _outcome(str(root / "step_1"), 1) == "complete"  # the previous one, untouched
@@ -114,7 +85,7 @@ def test_kill_anywhere_in_a_save(tmp_path, forkserver) -> None:
     assert _outcome(str(root / "step_1"), 1) == "complete"
 
 
-def test_kill_while_overwriting_never_mixes_old_and_new(tmp_path, forkserver) -> None:
+def test_kill_while_overwriting_never_mixes_old_and_new(tmp_path, ctx) -> None:
     """Re-saving over a committed checkpoint: old, new or absent, never a mixture."""
     events = _count_events(tmp_path)
     seen = set()
@@ -122,7 +93,7 @@ def test_kill_while_overwriting_never_mixes_old_and_new(tmp_path, forkserver) ->
     for k in sorted(set(points[::3] + points[-2:])):  # a sample, and after the commit
         uri = str(tmp_path / f"over_{k}")
         dcpstore.save(crash_state(3), uri, workers=3).result()
-        assert _crash(forkserver, uri, 2, k) == -signal.SIGKILL
+        assert _crash(ctx, uri, 2, k) == -signal.SIGKILL
         restored = zeros_like_state(crash_state(2))
         try:
             dcpstore.load(restored, uri)
@@ -138,11 +109,11 @@ def test_kill_while_overwriting_never_mixes_old_and_new(tmp_path, forkserver) ->
     assert "absent" in seen and "new" in seen
 
 
-def test_temp_files_never_listed(tmp_path, forkserver) -> None:
+def test_temp_files_never_listed(tmp_path, ctx) -> None:
     events = _count_events(tmp_path)
     mid = next(i for i, e in enumerate(events) if e.startswith("wrote:__0_"))
     uri = str(tmp_path / "mid")
-    assert _crash(forkserver, uri, 2, mid) == -signal.SIGKILL
+    assert _crash(ctx, uri, 2, mid) == -signal.SIGKILL
     on_disk = os.listdir(uri)
     assert any(".dcpstore-tmp-" in f for f in on_disk)
     storage = open_storage(uri)

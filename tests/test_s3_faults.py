@@ -1,15 +1,23 @@
 """Saves through a faulty network (tests/faultproxy.py in front of moto).
 
-A share of requests answered ``503 SlowDown`` and of connections dropped
-mid-request or mid-response: saves still commit and round-trip. Every request
-failing: the save fails within its bound, clearly, with nothing committed and
-no multipart upload left open.
+A share of requests answered ``503 SlowDown`` or ``500 InternalError``, of
+connections dropped mid-request or mid-response, of responses stalled past
+the read timeout, or every response slow: saves still commit and round-trip.
+Every request failing, every part upload stalled, or a dead endpoint (nothing
+listening, or a black hole that accepts connections and never answers): the
+save or load fails within a bound, clearly, with nothing committed and no
+multipart upload left open.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import random
+import socket
+import threading
 import time
+import traceback
 import uuid
 from collections.abc import Callable, Iterator
 
@@ -189,3 +197,112 @@ def test_no_such_upload_on_complete_without_the_object_fails(proxy: FaultProxy, 
             w.write(b"q" * (11 * MiB))
     assert not st.exists("obj")
     assert s3_endpoint.open_uploads(uri.split("/", 3)[3]) == []  # aborted after all
+
+
+# -- 500s, slow responses, stalls, dead endpoints -----------------------------------
+
+
+def _share(p: float, seed: int, kinds: tuple[str, ...] | None = None) -> Callable[[Request], bool]:
+    """A seeded predicate true for a share ``p`` of requests (of ``kinds``)."""
+    rng, lock = random.Random(seed), threading.Lock()
+
+    def rule(req: Request) -> bool:
+        if kinds is not None and req.kind not in kinds:
+            return False
+        with lock:
+            return rng.random() < p
+
+    return rule
+
+
+def test_500s_and_stalled_responses_are_retried_save_and_load_roundtrip(
+    proxy: FaultProxy, s3_endpoint: S3Endpoint
+) -> None:
+    # 500 InternalError on a share of requests, and a share held past the
+    # read timeout (a stalled response: botocore gives up on it and retries;
+    # a CompleteMultipartUpload may so land twice, which the writer handles).
+    opts = StorageOptions(part_size=PART, max_concurrency=4, max_attempts=8, read_timeout_s=0.5, op_timeout_s=60)
+    proxy.config = FaultConfig(internal_error=0.1, delay_s=0.8, delay_applies=_share(0.08, seed=3))
+    uri = _uri(s3_endpoint)
+    state = _state()
+    dcpstore.save(state, uri, workers=2, storage_options=opts).result()
+    restored = zeros_like_state(state)
+    dcpstore.load(restored, uri, storage_options=opts)
+    assert_state_equal(state, restored)
+    assert proxy.stats.faults["internal_error"] >= 1 and proxy.stats.faults["delay"] >= 1, proxy.stats
+    assert ".metadata" in _direct_keys(s3_endpoint, uri)
+
+
+@pytest.mark.slow
+def test_slow_responses_only_slow_a_save_down(proxy: FaultProxy, s3_endpoint: S3Endpoint) -> None:
+    # Every request answered late, but within the read timeout: no retry needed.
+    opts = StorageOptions(part_size=PART, max_attempts=1, read_timeout_s=5.0)
+    proxy.config = FaultConfig(delay_s=0.15, delay_applies=lambda req: True)
+    uri = _uri(s3_endpoint)
+    state = _state()
+    dcpstore.save(state, uri, workers=2, storage_options=opts).result()
+    restored = zeros_like_state(state)
+    dcpstore.load(restored, uri, storage_options=opts)
+    assert_state_equal(state, restored)
+    assert proxy.stats.faults["delay"] == sum(proxy.stats.requests.values())
+
+
+#: Bounds for the dead-endpoint cases: generous for a loaded 2-core box,
+#: far below "forever". Expected: attempts x (connect/read timeout + backoff).
+DEAD_OPTS = StorageOptions(part_size=PART, max_attempts=2, connect_timeout_s=0.5, read_timeout_s=0.5, op_timeout_s=5.0)
+DEAD_BOUND_S = 60.0
+
+
+@contextlib.contextmanager
+def _dead_endpoint(kind: str) -> Iterator[str]:
+    """``refused``: nothing listens. ``blackhole``: TCP connects (the kernel's
+    backlog) but no byte is ever answered, like a wedged server."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        if kind == "blackhole":
+            sock.listen(64)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+@pytest.mark.parametrize(("kind", "cause"), [("refused", "cannot connect"), ("blackhole", "ReadTimeoutError")])
+def test_dead_endpoint_fails_saves_and_loads_within_a_bound(
+    kind: str, cause: str, s3_endpoint: S3Endpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    uri = _uri(s3_endpoint)
+    dcpstore.save(_state(), uri, storage_options=DEAD_OPTS)  # a checkpoint to load, on the live endpoint
+    with _dead_endpoint(kind) as dead:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", dead)
+        other = _uri(s3_endpoint)
+        calls = {
+            "sync save": lambda: dcpstore.save(_state(), other, storage_options=DEAD_OPTS),
+            "async save": lambda: dcpstore.save(
+                _state(), other, async_=True, engine="native", storage_options=DEAD_OPTS
+            ).result(timeout=DEAD_BOUND_S),
+            "load": lambda: dcpstore.load(zeros_like_state(_state()), uri, storage_options=DEAD_OPTS),
+        }
+        for what, call in calls.items():
+            t0 = time.monotonic()
+            with pytest.raises(dcpstore.CheckpointError) as info:
+                call()
+            elapsed = time.monotonic() - t0
+            assert elapsed < DEAD_BOUND_S, f"{what} took {elapsed:.1f} s"
+            message = "".join(traceback.format_exception(info.value))
+            assert cause in message and dead in message, (what, message)
+            assert (other if "save" in what else uri) in str(info.value), what
+    assert _direct_keys(s3_endpoint, other) == []  # nothing committed, nothing at all
+    assert s3_endpoint.open_uploads(other.split("/", 3)[3]) == []
+
+
+def test_stalled_part_uploads_fail_the_save_within_a_bound(proxy: FaultProxy, s3_endpoint: S3Endpoint) -> None:
+    # Every UploadPart stalls past the read timeout, for good: the async save
+    # fails by itself (no hang), its upload is aborted, nothing is committed.
+    proxy.config = FaultConfig(delay_s=3.0, delay_applies=lambda req: req.kind == "UploadPart")
+    uri = _uri(s3_endpoint)
+    t0 = time.monotonic()
+    handle = dcpstore.save(_state(), uri, async_=True, engine="native", storage_options=DEAD_OPTS)
+    with pytest.raises(dcpstore.SaveError, match="cannot upload part") as info:
+        handle.result(timeout=DEAD_BOUND_S)
+    assert time.monotonic() - t0 < DEAD_BOUND_S
+    assert "ReadTimeoutError" in str(info.value) or "op_timeout_s" in str(info.value), str(info.value)
+    assert ".metadata" not in _direct_keys(s3_endpoint, uri)
+    assert s3_endpoint.open_uploads(uri.split("/", 3)[3]) == []

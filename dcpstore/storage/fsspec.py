@@ -205,8 +205,10 @@ def _mtime(info: dict[str, Any]) -> float | None:
 _TRANSACTIONAL_MODULES = {"s3fs", "gcsfs", "adlfs", "ossfs", "ocifs"}
 
 
-class _TransactionalWriter(ObjectWriter):
-    def __init__(self, handle: AbstractBufferedFile, what: str) -> None:
+class _HandleWriter(ObjectWriter):
+    """Streams into an open fsspec file handle; subclasses decide how it lands."""
+
+    def __init__(self, handle: Any, what: str) -> None:
         super().__init__()
         self._f = handle
         self._what = what
@@ -222,6 +224,8 @@ class _TransactionalWriter(ObjectWriter):
     def tell(self) -> int:
         return self._pos
 
+
+class _TransactionalWriter(_HandleWriter):
     def _commit(self) -> None:
         with _mapped(self._what):
             self._f.close()  # uploads the tail; publishes nothing (autocommit=False)
@@ -234,25 +238,12 @@ class _TransactionalWriter(ObjectWriter):
             self._f.closed = True  # discard() dropped the buffer; don't flush on close
 
 
-class _TempMoveWriter(ObjectWriter):
+class _TempMoveWriter(_HandleWriter):
     def __init__(self, fs: Any, handle: Any, tmp: str, final: str, what: str) -> None:
-        super().__init__()
+        super().__init__(handle, what)
         self._fs = fs
-        self._f = handle
         self._tmp = tmp
         self._final = final
-        self._what = what
-        self._pos = 0
-
-    def write(self, data: bytes | bytearray | memoryview) -> int:
-        n = memoryview(data).nbytes
-        with _mapped(self._what):
-            self._f.write(data)
-        self._pos += n
-        return n
-
-    def tell(self) -> int:
-        return self._pos
 
     def _commit(self) -> None:
         with _mapped(self._what):

@@ -46,7 +46,8 @@ def _mapped_errors(what: str) -> Iterator[None]:
         raise StorageError(f"{what}: {reason}" + (f" ({code})" if code else "")) from e
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
+    """Make a rename or unlink in ``path`` durable (POSIX needs the directory fsynced)."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -84,7 +85,7 @@ class _LocalWriter(ObjectWriter):
             os.close(self._fd)
             self._fd = -1
             os.replace(self._tmp, self._final)
-            _fsync_dir(self._dir)
+            fsync_dir(self._dir)
 
     def _abort(self) -> None:
         if self._fd >= 0:

@@ -59,6 +59,7 @@ from multistorageclient.types import Range
 
 from ..errors import CheckpointError, InvalidURI, StorageError, StorageNotFound, StoragePermissionError
 from .base import MiB, ObjectInfo, ObjectWriter, Storage, StorageOptions
+from .local import fsync_dir
 from .uri import StorageURL, redact
 
 #: Per object, spooled bytes stay in memory up to this size, then go to a temp file.
@@ -307,21 +308,13 @@ class _PosixWriter(ObjectWriter):
             self._f.fsync()  # MSC renames without fsync; make the data durable first
             final = self._f.resolve_filesystem_path()
             self._f.close()  # renames .<name>.tmp over <name>
-            _fsync_dir(os.path.dirname(final) or ".")
+            fsync_dir(os.path.dirname(final) or ".")
         except Exception as e:
             raise self._map(e, self._what) from e
 
     def _abort(self) -> None:
         with contextlib.suppress(Exception):
             self._f.discard()
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class _SpoolWriter(ObjectWriter):

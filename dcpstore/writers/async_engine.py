@@ -14,7 +14,12 @@ runs on a per-process default saver)::
                       the staging buffers back for the next save
 
 There is one background thread per saver, so saves finalize in save order and
-every rank runs its background collectives in the same order.
+every rank runs its background collectives in the same order. It is a daemon
+thread (writers/threads.py says why): at interpreter exit the saver waits for
+its pending saves, but a save running longer than ``hang_timeout`` is
+presumed hung and abandoned with a logged error, so a storage call that never
+returns cannot keep the process from exiting; nor does it block the next
+``save`` or ``close()`` forever (they raise :class:`SaveError`).
 
 Background collectives. DCP's planning and commit are collectives. Run on a
 background thread they must not interleave with the training thread's own
@@ -41,15 +46,18 @@ background group (for the structure saved last). ``close()`` releases them.
 
 from __future__ import annotations
 
+import atexit
+import concurrent.futures.thread  # noqa: F401  (registers its exit hook before ours: see _finish_all_at_exit)
 import functools
 import logging
 import os
 import threading
 import time
 import warnings
+import weakref
 from collections import deque
 from collections.abc import Hashable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -65,6 +73,7 @@ from ..errors import CheckpointError, EngineFallbackWarning, InvalidArgument, Sa
 from ..storage import Storage, StorageOptions, open_storage, redact
 from .dcp import DcpStorageWriter, SaveStats, check_workers, default_workers
 from .staging import StagedState, Stager, StagingPool
+from .threads import BackgroundThread
 
 if TYPE_CHECKING:
     from ..api import CheckpointInfo, SaveHandle
@@ -180,6 +189,13 @@ class AsyncSaver:
     ``staging_cache``: how many state-dict structures keep their staging
     buffers between saves (0: allocate every time).
     ``collective_timeout``: timeout of the background process groups.
+    ``hang_timeout``: seconds a background save may run before it is
+    presumed hung (default 1800; ``None``: never). Past it, a new ``save``
+    no longer waits for it but raises :class:`SaveError`, ``close()`` stops
+    waiting and raises, and interpreter exit stops waiting and logs an error
+    naming the URI (the process then exits; nothing hangs forever --
+    Megatron-LM #2422). Raise it for saves that legitimately take longer.
+    ``handle.result(timeout=...)`` bounds a single wait independently.
     """
 
     def __init__(
@@ -188,8 +204,14 @@ class AsyncSaver:
         max_in_flight: int = 1,
         staging_cache: int = 2,
         collective_timeout: timedelta | float | None = None,
+        hang_timeout: float | None = 1800.0,
     ) -> None:
         self.max_in_flight = _check_positive("max_in_flight", max_in_flight)
+        if hang_timeout is not None and (
+            isinstance(hang_timeout, bool) or not isinstance(hang_timeout, (int, float)) or not hang_timeout > 0
+        ):
+            raise InvalidArgument(f"hang_timeout must be None or a positive number of seconds, got {hang_timeout!r}")
+        self.hang_timeout = hang_timeout
         if isinstance(staging_cache, bool) or not isinstance(staging_cache, int) or staging_cache < 0:
             raise InvalidArgument(f"staging_cache must be an int >= 0, got {staging_cache!r}")
         if isinstance(collective_timeout, (int, float)):
@@ -199,10 +221,12 @@ class AsyncSaver:
         self._groups = _BackgroundGroups(collective_timeout)
         # id(background group) -> (structure key of the last NVRx save, its cache)
         self._nvrx_caches: dict[int, tuple[Hashable, Any]] = {}
-        self._pending: deque[Future[CheckpointInfo]] = deque()
-        self._executor: ThreadPoolExecutor | None = None
+        # (future, printable URI) of every save not yet popped, oldest first
+        self._pending: deque[tuple[Future[CheckpointInfo], str]] = deque()
+        self._background = BackgroundThread("dcpstore-async")
         self._lock = threading.RLock()
         self._closed = False
+        _LIVE.add(self)
 
     # -- public ---------------------------------------------------------------
     def save(
@@ -245,43 +269,53 @@ class AsyncSaver:
                 job = functools.partial(
                     self._run, name, staged, storage, group, workers, planner, t0, stage_s, blocked_s
                 )
-                if self._executor is None:
-                    self._executor = ThreadPoolExecutor(1, thread_name_prefix="dcpstore-async")
-                future = self._executor.submit(job)
-                self._pending.append(future)
+                future = self._background.submit(job)
+                self._pending.append((future, storage.uri))
         except BaseException:
             storage.close()
             raise
         from ..api import SaveHandle
 
-        return SaveHandle(future, storage.uri, engine=name)
+        return SaveHandle(
+            future,
+            storage.uri,
+            engine=name,
+            bounded_wait=functools.partial(self._wait_bounded, future),
+            hang_timeout=self.hang_timeout,
+        )
 
     def pending(self) -> int:
         """Saves submitted and not finished yet."""
         with self._lock:
-            return sum(not f.done() for f in self._pending)
+            return sum(not f.done() for f, _ in self._pending)
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until every pending save has finished (their handles report
         success or failure); raise ``TimeoutError`` after ``timeout`` seconds."""
         with self._lock:
-            futures = list(self._pending)
+            futures = [f for f, _ in self._pending]
         _, not_done = wait_futures(futures, timeout=timeout)
         if not_done:
             raise TimeoutError(f"{len(not_done)} async save(s) still running after {timeout} s")
 
     def close(self) -> None:
-        """Finish pending saves, then release the thread, buffers and groups."""
+        """Finish pending saves, then release the thread, buffers and groups.
+
+        Raises :class:`SaveError` if a pending save runs past ``hang_timeout``:
+        it is abandoned (its daemon thread cannot keep the process alive) and
+        the background groups it may still use are left alone.
+        """
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            self.wait()
-            if self._executor is not None:
-                self._executor.shutdown(wait=True)
-                self._executor = None
+            _LIVE.discard(self)
+            hung = self._finish_pending()
             self.pool.clear()
             self._nvrx_caches.clear()
+            if hung:
+                raise SaveError(self._hung_message(hung, "close() stopped waiting"))
+            self._background.shutdown()
             self._groups.destroy()
 
     def __enter__(self) -> AsyncSaver:
@@ -294,12 +328,58 @@ class AsyncSaver:
     def _wait_for_slot(self, limit: int) -> None:
         self.pool.max_sets = max(self.pool.max_sets, limit)
         while True:
-            while self._pending and self._pending[0].done():
+            while self._pending and self._pending[0][0].done():
                 self._pending.popleft()
-            if sum(not f.done() for f in self._pending) < limit:
+            if sum(not f.done() for f, _ in self._pending) < limit:
                 return
             # One background thread: the oldest pending save finishes first.
-            wait_futures([next(f for f in self._pending if not f.done())])
+            oldest = next(p for p in self._pending if not p[0].done())
+            if not self._wait_bounded(oldest[0]):
+                raise SaveError(
+                    self._hung_message([oldest[1]], "this save was not started (its handle can still be waited on)")
+                )
+
+    def _wait_bounded(self, future: Future[CheckpointInfo]) -> bool:
+        """Wait for ``future`` until it is done (True) or has been running for
+        ``hang_timeout`` seconds (False)."""
+        while not future.done():
+            if self.hang_timeout is None:
+                wait_futures([future])
+                continue
+            started = self._background.started_at(future)
+            if started is None:  # queued, or finishing right now: look again shortly
+                wait_futures([future], timeout=0.05)
+                continue
+            left = started + self.hang_timeout - time.monotonic()
+            if left <= 0:
+                return False
+            wait_futures([future], timeout=left)
+        return True
+
+    def _finish_pending(self) -> list[str]:
+        """Wait for every pending save, oldest first, each bounded by
+        ``hang_timeout``; return the URIs of those abandoned as hung."""
+        pending = list(self._pending)
+        for i, (future, _) in enumerate(pending):
+            if not self._wait_bounded(future):
+                return [uri for f, uri in pending[i:] if not f.done()]
+        return []
+
+    def _hung_message(self, uris: list[str], consequence: str) -> str:
+        return (
+            f"async save to {', '.join(uris)} has been running for more than hang_timeout={self.hang_timeout:g} s "
+            f"and is presumed hung (a storage call that does not return); {consequence}. Nothing it left "
+            "is visible as a checkpoint unless its .metadata was written; 'dcpstore gc ROOT' removes leftovers. "
+            "Pass AsyncSaver(hang_timeout=...) for saves that legitimately take longer"
+        )
+
+    def _finish_at_exit(self) -> None:
+        """Interpreter exit: let pending saves finish, but never forever."""
+        if self._closed:
+            return
+        hung = self._finish_pending()
+        if hung:
+            log.error("dcpstore: at interpreter exit, %s", self._hung_message(hung, "exit stopped waiting for it"))
 
     def _run(
         self,
@@ -339,15 +419,8 @@ class AsyncSaver:
         finally:
             staged.release()
             storage.close()
-        return CheckpointInfo(
-            uri=storage.uri,
-            backend=storage.backend,
-            engine=engine,
-            bytes_written=stats.bytes_written,
-            files=tuple(stats.files),
-            phases={"plan": stats.plan_s, "stage": stage_s, "write": stats.write_s, "commit": stats.commit_s},
-            blocked_s=blocked_s,
-            total_s=time.perf_counter() - t0,
+        return CheckpointInfo.from_stats(
+            storage, stats, engine, stage_s=stage_s, blocked_s=blocked_s, total_s=time.perf_counter() - t0
         )
 
     def _nvrx_cache(self, key: Hashable, group: dist.ProcessGroup | None) -> Any | None:
@@ -412,6 +485,23 @@ def _check_positive(name: str, value: Any) -> int:
         raise InvalidArgument(f"{name} must be a positive int, got {value!r}")
     return value
 
+
+#: Savers not closed yet; at interpreter exit each gets to finish its saves.
+_LIVE: weakref.WeakSet[AsyncSaver] = weakref.WeakSet()
+
+
+def _finish_all_at_exit() -> None:
+    """Runs among threading's exit callbacks (newest first), so before
+    ``concurrent.futures``' own, registered when it was imported: the S3
+    backend's part pool still accepts work while a last save finishes."""
+    for saver in list(_LIVE):
+        saver._finish_at_exit()
+
+
+try:
+    threading._register_atexit(_finish_all_at_exit)  # type: ignore[attr-defined]
+except RuntimeError:  # imported while the interpreter is already shutting down
+    atexit.register(_finish_all_at_exit)
 
 _default_lock = threading.Lock()
 _default_saver: AsyncSaver | None = None

@@ -36,7 +36,6 @@ import time
 import warnings
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import IO, Any, cast
 
@@ -78,6 +77,7 @@ from .layout import (
     item_key,
     parse_manifest,
 )
+from .threads import run_parallel
 
 log = logging.getLogger(__name__)
 
@@ -315,16 +315,14 @@ class DcpStorageWriter(StorageWriter):
         buckets = split_buckets(plan.items, self.workers)
         lock = threading.Lock()  # planners are not promised to be thread-safe
         future: Future[list[WriteResult]] = Future()
+        named = [(data_file_name(token.prefix, i), bucket) for i, bucket in enumerate(buckets)]
         try:
-            if len(buckets) <= 1:
-                per_file = [self._write_file(data_file_name(token.prefix, i), b, token.save_id, planner, lock) for i, b in enumerate(buckets)]
-            else:
-                with ThreadPoolExecutor(len(buckets), thread_name_prefix="dcpstore-write") as pool:
-                    futures = [
-                        pool.submit(self._write_file, data_file_name(token.prefix, i), bucket, token.save_id, planner, lock)
-                        for i, bucket in enumerate(buckets)
-                    ]
-                    per_file = [f.result() for f in futures]
+            per_file = run_parallel(
+                lambda nb: self._write_file(nb[0], nb[1], token.save_id, planner, lock),
+                named,
+                len(named),
+                "dcpstore-write",
+            )
         except BaseException as e:  # DCP gathers exceptions across ranks
             future.set_exception(e)  # type: ignore[arg-type]  # torch's stub types it as the value
             return future
@@ -640,13 +638,7 @@ class DcpStorageReader(StorageReader):
         lock = threading.Lock()
         future: Future[None] = Future()
         try:
-            if len(spans) <= 1 or self.workers == 1:
-                for span in spans:
-                    self._read_span(span, planner, lock)
-            else:
-                with ThreadPoolExecutor(min(self.workers, len(spans)), thread_name_prefix="dcpstore-read") as pool:
-                    for f in [pool.submit(self._read_span, s, planner, lock) for s in spans]:
-                        f.result()
+            run_parallel(lambda span: self._read_span(span, planner, lock), spans, self.workers, "dcpstore-read")
         except BaseException as e:
             future.set_exception(e)  # type: ignore[arg-type]  # torch's stub types it as the value
             return future
@@ -785,11 +777,12 @@ def item_tensor(item: memoryview) -> torch.Tensor:
             view = None
         if view is not None:
             return view
-    return torch.load(cast(IO[bytes], _ViewReader(item)), map_location="cpu", weights_only=True)
+    loaded: torch.Tensor = torch.load(cast(IO[bytes], _ViewReader(item)), map_location="cpu", weights_only=True)
+    return loaded
 
 
 def _view_record(item: memoryview) -> torch.Tensor | None:
-    reader = torch._C.PyTorchFileReader(_ViewReader(item))
+    reader = torch._C.PyTorchFileReader(cast(IO[bytes], _ViewReader(item)))
     records = [r for r in reader.get_all_records() if r.startswith("data/")]
     if records != ["data/0"] or bytes(reader.get_record("byteorder")).decode() != sys.byteorder:
         return None
@@ -798,7 +791,8 @@ def _view_record(item: memoryview) -> torch.Tensor | None:
         meta = torch.load(cast(IO[bytes], _ViewReader(item)), map_location="cpu", weights_only=True)
     if not isinstance(meta, torch.Tensor):
         return None
-    offset, nbytes = reader.get_record_offset("data/0"), meta.untyped_storage().nbytes()
+    offset = reader.get_record_offset("data/0")  # type: ignore[attr-defined]  # missing from the stubs
+    nbytes = meta.untyped_storage().nbytes()
     if nbytes == 0 or offset + nbytes > len(item):
         return None
     raw = torch.frombuffer(item[offset : offset + nbytes], dtype=torch.uint8)

@@ -44,7 +44,6 @@ from __future__ import annotations
 import functools
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
 
 import torch
@@ -61,6 +60,7 @@ from ..adapters import nvrx as adapter
 from ..errors import SaveError
 from ..storage import Storage, redact
 from .dcp import SaveStats, _cpu_tensor, check_still_ours, checksum_written_file, claim, commit_checkpoint
+from .threads import run_parallel
 
 
 @functools.lru_cache(maxsize=1)
@@ -128,8 +128,7 @@ def writer_class() -> type:
                 return results
 
             try:
-                with ThreadPoolExecutor(len(self.write_buckets), thread_name_prefix="dcpstore-nvrx") as pool:
-                    per_file = list(pool.map(one, self.write_buckets))
+                per_file = run_parallel(one, self.write_buckets, len(self.write_buckets), "dcpstore-nvrx")
             except BaseException as e:
                 self.error = e
                 return

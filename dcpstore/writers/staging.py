@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from ..errors import InvalidArgument
+from ..errors import InvalidArgument, SaveError
 
 try:  # DTensor and ShardedTensor exist on every torch that dcpstore supports,
     from torch.distributed.tensor import DTensor  # but keep import failures local.
@@ -105,6 +105,7 @@ class _Walk:
     key: list[Hashable] = field(default_factory=list)
     specs: list[_BufferSpec] = field(default_factory=list)
     sources: list[torch.Tensor] = field(default_factory=list)
+    paths: list[tuple[Any, ...]] = field(default_factory=list)  # per buffer, for messages
     seen: dict[int, int] = field(default_factory=dict)  # id(tensor) -> buffer index
 
 
@@ -186,7 +187,7 @@ class Stager:
         key = tuple(walk.key)
         buffers = self.pool.take(key) if walk.specs else []
         if buffers is None:
-            buffers = [spec.allocate() for spec in walk.specs]
+            buffers = [_allocate(spec, path) for spec, path in zip(walk.specs, walk.paths)]
         self._copy(buffers, walk.sources)
         staged = _fill(skeleton, buffers)
         return StagedState(staged, key, buffers, self.pool if walk.specs else None)
@@ -248,6 +249,7 @@ class Stager:
         walk.seen[ident] = index
         walk.specs.append(spec)
         walk.sources.append(t)
+        walk.paths.append(path)
         walk.key.append((path, t.device.type, spec))
         return _Slot(index)
 
@@ -264,6 +266,22 @@ class Stager:
         # One synchronisation per device, after every copy is queued.
         for device in cuda_devices:  # pragma: no cover - needs a GPU
             torch.cuda.synchronize(device)
+
+
+def _allocate(spec: _BufferSpec, path: tuple[Any, ...]) -> torch.Tensor:
+    """Allocate one host buffer; a failure names the key (e.g. an expanded
+    view whose logical size no host can hold)."""
+    try:
+        return spec.allocate()
+    except RuntimeError as e:  # torch's allocator errors (OutOfMemoryError too)
+        where = ".".join(map(str, path)) or "<root>"
+        numel = 1
+        for dim in spec.shape:
+            numel *= dim
+        raise SaveError(
+            f"cannot stage {where!r} for an async save: no host buffer of shape {spec.shape} "
+            f"{str(spec.dtype).removeprefix('torch.')} ({numel * spec.dtype.itemsize} bytes): {e}"
+        ) from e
 
 
 @dataclass

@@ -1,0 +1,495 @@
+"""FSDP2 (``fully_shard``) model + optimizer state through dcpstore.
+
+Thin over :func:`dcpstore.save` / :func:`dcpstore.load` and torch's
+``torch.distributed.checkpoint.state_dict`` (``get_state_dict`` /
+``set_state_dict``), which know how FSDP2, DDP and plain modules lay out
+their parameters and optimizer state.
+
+What is saved is one dict::
+
+    {"model": {fqn: tensor}, "optimizer": {"state.<fqn>.exp_avg": ..., "param_groups.<fqn>.lr": ...}, **extra}
+
+The optimizer half is torch's *flattened* optimizer state dict (every entry
+keyed by parameter FQN), so it reshards per key and a partial load can name
+exactly which entries it lacks.
+
+Formats (:data:`FORMATS`; the Megatron config validates ``ckpt_format``
+against this same table):
+
+``fsdp_dtensor``
+    DCP receives FSDP2's own DTensor shards (``full_state_dict=False``).
+``torch_dist``
+    Every DTensor is handed to DCP as a torch ``ShardedTensor`` over the same
+    local storage: each rank's shard with its global shape and offsets, built
+    from one metadata all-gather per mesh (no copies). That is what Megatron's
+    ``torch_dist`` strategy hands DCP. Megatron additionally stores its
+    distributed-optimizer state as *flattened* 1-D ranges, which ties those
+    files to the data-parallel size; that layout is deliberately not
+    reproduced: FSDP2 shards are row ranges of the original shape, so both
+    formats stay fully reshardable. ``torch_dist`` needs a 1-D device mesh
+    (plain FSDP2); use ``fsdp_dtensor`` for HSDP/TP meshes. ShardedTensor is
+    deprecated in torch in favour of DTensor, hence ``fsdp_dtensor`` is the
+    default.
+
+On storage the two are identical -- stock DCP chunked tensors with global
+shapes and offsets -- so either loads into the other, on any world size.
+
+``full_state_dict=True`` saves gathered full tensors instead of shards
+(plain tensors; with ``cpu_offload=True`` only rank 0 holds and writes
+them). A full-state *load* reads full tensors on every rank and keeps each
+rank's shard: DCP reads directly from storage, so torch's rank-0 read and
+broadcast would only add traffic (and it hangs on gloo in torch 2.13).
+``cpu_offload=True`` keeps what DCP reads or writes in host memory.
+
+Load, on every rank (collective)::
+
+    template = get_state_dict(model, optimizer)     # shaped like *this* run
+    report   = keys/shapes of template vs the checkpoint's .metadata
+    strict and report not ok -> StateDictMismatch, nothing loaded
+    dcpstore.load(the entries present, uri)          # in place, resharding
+    set_state_dict(model, optimizer, template)       # absent entries keep their values
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.utils._pytree import tree_map_only
+
+from ..api import SaveHandle, load, save
+from ..errors import InvalidArgument, StateDictMismatch
+from ..storage import StorageOptions, open_storage
+from ..writers.dcp import read_checkpoint_metadata
+
+if TYPE_CHECKING:
+    from ..manager import CheckpointManager
+
+MODEL = "model"
+OPTIMIZER = "optimizer"
+#: Top-level sections that belong to the model/optimizer: a checkpoint key
+#: under them that this run does not want is reported as unexpected.
+SECTIONS = (MODEL, OPTIMIZER)
+
+Optimizers = torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None
+
+
+# ---------------------------------------------------------------------------
+# Formats
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StateDictFormat:
+    """How a model/optimizer section is handed to DCP."""
+
+    name: str
+    summary: str
+    #: Turns a section of DTensors into what DCP receives (collective).
+    convert: Callable[[dict[str, Any]], dict[str, Any]]
+
+
+def _as_is(section: dict[str, Any]) -> dict[str, Any]:
+    return section
+
+
+def _as_sharded_tensors(section: dict[str, Any]) -> dict[str, Any]:
+    """DTensors -> torch ShardedTensors over the same local storage."""
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor.api import ShardedTensor
+    from torch.distributed._shard.sharded_tensor.shard import Shard as StShard
+    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+
+    dtensors = {k: v for k, v in section.items() if isinstance(v, DTensor)}
+    if not dtensors:
+        return dict(section)
+    pieces = _gather_pieces(dtensors)
+    me = dist.get_rank()
+    out = dict(section)
+    for key, dt in dtensors.items():
+        shards_md, mine = [], None
+        for rank, device, offsets, sizes in pieces[key]:
+            md = ShardMetadata(shard_offsets=list(offsets), shard_sizes=list(sizes), placement=f"rank:{rank}/{device}")
+            shards_md.append(md)
+            if rank == me:
+                mine = md
+        props = TensorProperties(dtype=dt.dtype, layout=torch.strided, requires_grad=False)
+        st_md = ShardedTensorMetadata(shards_metadata=shards_md, size=dt.shape, tensor_properties=props)
+        local = [StShard(tensor=dt.to_local().detach(), metadata=mine)] if mine is not None else []
+        out[key] = ShardedTensor._init_from_local_shards_and_global_metadata(local, st_md)
+    return out
+
+
+def _gather_pieces(dtensors: dict[str, DTensor]) -> dict[str, list[tuple[int, str, tuple[int, ...], tuple[int, ...]]]]:
+    """Every rank's (rank, device, offsets, sizes) of each DTensor, from one
+    all-gather per device mesh. Zero-size pieces and the non-first copies of
+    replicated ones are left out: a ShardedTensor's shards must not overlap."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    by_mesh: dict[int, list[str]] = {}
+    for key, dt in dtensors.items():
+        mesh = dt.device_mesh
+        if mesh.ndim != 1:
+            raise InvalidArgument(
+                f"format 'torch_dist' needs a 1-D device mesh (plain FSDP2); {key!r} lives on a "
+                f"{mesh.ndim}-D mesh: use format 'fsdp_dtensor'"
+            )
+        if not all(isinstance(p, (Shard, Replicate)) for p in dt.placements):
+            raise InvalidArgument(f"format 'torch_dist' cannot express {key!r} with placements {dt.placements}")
+        by_mesh.setdefault(id(mesh), []).append(key)
+    result: dict[str, list[tuple[int, str, tuple[int, ...], tuple[int, ...]]]] = {k: [] for k in dtensors}
+    for keys in by_mesh.values():
+        mesh = dtensors[keys[0]].device_mesh
+        mine: dict[str, tuple[tuple[int, ...], tuple[int, ...]] | None] = {}
+        for key in keys:
+            dt = dtensors[key]
+            sizes, offsets = compute_local_shape_and_global_offset(dt.shape, mesh, dt.placements)
+            replica = isinstance(dt.placements[0], Replicate) and mesh.get_local_rank() != 0
+            empty = any(s == 0 for s in sizes)
+            mine[key] = None if replica or empty else (tuple(offsets), tuple(sizes))
+        device = str(dtensors[keys[0]].to_local().device)
+        gathered: list[Any] = [None] * mesh.size()
+        dist.all_gather_object(gathered, (dist.get_rank(), device, mine), group=mesh.get_group())
+        for rank, dev, pieces in gathered:
+            for key, piece in pieces.items():
+                if piece is not None:
+                    result[key].append((rank, dev, piece[0], piece[1]))
+    return result
+
+
+FORMATS: Mapping[str, StateDictFormat] = {
+    f.name: f
+    for f in (
+        StateDictFormat("fsdp_dtensor", "DTensor shards, as FSDP2 holds them", _as_is),
+        StateDictFormat("torch_dist", "torch ShardedTensors (global shape + row offsets), as Megatron's torch_dist", _as_sharded_tensors),
+    )
+}
+DEFAULT_FORMAT = "fsdp_dtensor"
+
+
+def check_format(name: str) -> StateDictFormat:
+    try:
+        return FORMATS[name]
+    except (KeyError, TypeError):
+        raise InvalidArgument(f"format must be one of {', '.join(FORMATS)}, got {name!r}") from None
+
+
+# ---------------------------------------------------------------------------
+# Getting and setting state
+# ---------------------------------------------------------------------------
+
+
+def _optimizers(optimizer: Optimizers) -> tuple[torch.optim.Optimizer, ...]:
+    if optimizer is None:
+        return ()
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return (optimizer,)
+    return tuple(optimizer)
+
+
+def _options(*, full_state_dict: bool, cpu_offload: bool) -> StateDictOptions:
+    return StateDictOptions(full_state_dict=full_state_dict, cpu_offload=cpu_offload, flatten_optimizer_state_dict=True)
+
+
+def _dtensor_state(
+    model: nn.Module, optimizer: Optimizers, *, full_state_dict: bool, cpu_offload: bool
+) -> dict[str, Any]:
+    options = _options(full_state_dict=full_state_dict, cpu_offload=cpu_offload)
+    optims = _optimizers(optimizer)
+    if not optims:
+        return {MODEL: get_model_state_dict(model, options=options)}
+    model_sd, optim_sd = get_state_dict(model, optims, options=options)
+    return {MODEL: model_sd, OPTIMIZER: optim_sd}
+
+
+def get_app_state(
+    model: nn.Module,
+    optimizer: Optimizers = None,
+    *,
+    format: str = DEFAULT_FORMAT,
+    full_state_dict: bool = False,
+    cpu_offload: bool = False,
+    extra: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The dict to hand :func:`dcpstore.save` (collective on every rank).
+
+    ``extra`` entries (step counters, RNG state, ...) are added at the top
+    level; ``"model"`` and ``"optimizer"`` are reserved.
+    """
+    fmt = check_format(format)
+    state = _dtensor_state(model, optimizer, full_state_dict=full_state_dict, cpu_offload=cpu_offload)
+    state = {name: fmt.convert(section) for name, section in state.items()}
+    return _with_extra(state, extra)
+
+
+def _with_extra(state: dict[str, Any], extra: Mapping[str, Any] | None) -> dict[str, Any]:
+    for key, value in (extra or {}).items():
+        if key in SECTIONS:
+            raise InvalidArgument(f"extra may not use the reserved key {key!r}")
+        state[key] = value
+    return state
+
+
+# ---------------------------------------------------------------------------
+# Key report
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KeyMismatch:
+    """A key both sides have, with a different shape (or kind)."""
+
+    key: str
+    saved: str
+    expected: str
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What a load matched. Keys are DCP's flattened names
+    (``model.<fqn>``, ``optimizer.state.<fqn>.exp_avg``, ``<extra key>``).
+
+    ``missing_keys``: this run wants them, the checkpoint lacks them (left as
+    they were). ``unexpected_keys``: under ``model.``/``optimizer.`` in the
+    checkpoint, unknown to this run (ignored). ``mismatched_keys``: on both
+    sides with another shape (left as they were).
+    """
+
+    uri: str
+    step: int | None = None
+    loaded_keys: tuple[str, ...] = ()
+    missing_keys: tuple[str, ...] = ()
+    unexpected_keys: tuple[str, ...] = ()
+    mismatched_keys: tuple[KeyMismatch, ...] = field(default_factory=tuple)
+
+    @property
+    def ok(self) -> bool:
+        return not (self.missing_keys or self.unexpected_keys or self.mismatched_keys)
+
+    def describe(self, limit: int = 8) -> str:
+        """One line naming the problems (at most ``limit`` keys per kind)."""
+        parts = []
+        for label, keys in (
+            ("missing", self.missing_keys),
+            ("unexpected", self.unexpected_keys),
+            ("mismatched", [f"{m.key} (saved {m.saved}, expected {m.expected})" for m in self.mismatched_keys]),
+        ):
+            if keys:
+                shown = ", ".join(keys[:limit]) + (f", ... {len(keys) - limit} more" if len(keys) > limit else "")
+                parts.append(f"{len(keys)} {label}: {shown}")
+        return "; ".join(parts) or f"all {len(self.loaded_keys)} keys matched"
+
+
+def _describe_value(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        size = value.size() if callable(getattr(value, "size", None)) else value.shape
+        return f"tensor{tuple(size)}"
+    return "object"
+
+
+def _describe_saved(md: Any) -> str:
+    if isinstance(md, TensorStorageMetadata):
+        return f"tensor{tuple(md.size)}"
+    if isinstance(md, BytesStorageMetadata):
+        return "object"
+    return type(md).__name__
+
+
+def compare_keys(
+    flat: Mapping[str, Any],
+    metadata: Metadata,
+    uri: str,
+    step: int | None = None,
+    sections: Sequence[str] = SECTIONS,
+) -> LoadReport:
+    """Match a flattened template against a checkpoint's ``.metadata``.
+
+    Checkpoint keys under ``sections`` that the template lacks are
+    unexpected; other sections were not asked for (a model-only load leaves
+    the optimizer section alone) and are not reported.
+    """
+    saved = metadata.state_dict_metadata
+    loaded, missing, mismatched = [], [], []
+    for key, value in flat.items():
+        md = saved.get(key)
+        if md is None:
+            missing.append(key)
+            continue
+        want, have = _describe_value(value), _describe_saved(md)
+        if want != have:
+            mismatched.append(KeyMismatch(key, have, want))
+        else:
+            loaded.append(key)
+    unexpected = [k for k in saved if k.split(".", 1)[0] in sections and k not in flat]
+    return LoadReport(
+        uri=uri,
+        step=step,
+        loaded_keys=tuple(sorted(loaded)),
+        missing_keys=tuple(sorted(missing)),
+        unexpected_keys=tuple(sorted(unexpected)),
+        mismatched_keys=tuple(sorted(mismatched, key=lambda m: m.key)),
+    )
+
+
+# ---------------------------------------------------------------------------
+# Save and load
+# ---------------------------------------------------------------------------
+
+
+def save_app_state(
+    model: nn.Module,
+    optimizer: Optimizers,
+    dest: str | os.PathLike[str] | CheckpointManager,
+    *,
+    step: int | None = None,
+    format: str = DEFAULT_FORMAT,
+    full_state_dict: bool = False,
+    cpu_offload: bool = False,
+    extra: Mapping[str, Any] | None = None,
+    **save_kwargs: Any,
+) -> SaveHandle:
+    """Save model + optimizer (+ ``extra``) to a URI, or as ``step`` of a
+    :class:`~dcpstore.CheckpointManager` (whose options then apply)."""
+    from ..manager import CheckpointManager
+
+    state = get_app_state(
+        model, optimizer, format=format, full_state_dict=full_state_dict, cpu_offload=cpu_offload, extra=extra
+    )
+    if isinstance(dest, CheckpointManager):
+        if step is None:
+            raise InvalidArgument("step is required when saving through a CheckpointManager")
+        if save_kwargs:
+            raise InvalidArgument(f"pass {sorted(save_kwargs)} to the CheckpointManager, not to save_app_state")
+        return dest.save(step, state)
+    if step is not None:
+        raise InvalidArgument("step is only meaningful with a CheckpointManager; put it in extra={'step': ...}")
+    return save(state, dest, **save_kwargs)
+
+
+def load_app_state(
+    model: nn.Module,
+    optimizer: Optimizers,
+    src: str | os.PathLike[str] | CheckpointManager,
+    *,
+    step: int | None = None,
+    format: str = DEFAULT_FORMAT,
+    full_state_dict: bool = False,
+    cpu_offload: bool = False,
+    strict: bool = True,
+    extra: dict[str, Any] | None = None,
+    **load_kwargs: Any,
+) -> LoadReport:
+    """Load model + optimizer (+ ``extra``, updated in place) from a URI, or
+    from ``step`` (default: the newest committed) of a manager.
+
+    Reshards to this run's layout. ``strict=True`` raises
+    :class:`~dcpstore.StateDictMismatch` naming every missing, unexpected or
+    mismatched key before anything is loaded; ``strict=False`` loads what
+    matches and returns the report. Collective: every rank calls it.
+    """
+    from ..manager import CheckpointManager
+
+    fmt = check_format(format)
+    if isinstance(src, CheckpointManager):
+        if load_kwargs:
+            raise InvalidArgument(f"pass {sorted(load_kwargs)} to the CheckpointManager, not to load_app_state")
+        src.wait()
+        step = src.resolve_step(step)
+        uri, load_kwargs = src.step_uri(step), src.io_kwargs
+    else:
+        uri = os.fspath(src)
+    # A full-state load reads full tensors on every rank (DCP reads them
+    # directly, so a rank-0 read + broadcast would only add traffic), then
+    # each rank keeps its shard. Templates must then exist on every rank,
+    # which torch's cpu_offload+full_state_dict would restrict to rank 0.
+    template = _with_extra(
+        _dtensor_state(model, optimizer, full_state_dict=full_state_dict, cpu_offload=cpu_offload and not full_state_dict),
+        extra,
+    )
+    if full_state_dict and cpu_offload:
+        template = {k: (tree_map_only(torch.Tensor, torch.Tensor.cpu, v) if k in SECTIONS else v) for k, v in template.items()}
+    flat_template, paths = flatten_state_dict(template)
+    report = _report(flat_template, uri, step, load_kwargs, [k for k in SECTIONS if k in template])
+    if strict and not report.ok:
+        raise StateDictMismatch(f"checkpoint {report.uri} does not match this model/optimizer: "
+                                f"{report.describe()}; strict=False loads the keys that match", report)
+    # What DCP fills: only entries the checkpoint has with the right shape,
+    # in the requested format (sharing storage with the template's tensors).
+    converted = {k: (fmt.convert(v) if k in SECTIONS else v) for k, v in template.items()}
+    flat_converted, _ = flatten_state_dict(converted)
+    wanted = set(report.loaded_keys)
+    to_load = {k: v for k, v in flat_converted.items() if k in wanted}
+    load(to_load, uri, **load_kwargs)
+    for key, value in to_load.items():  # objects are replaced, not filled: put them back
+        if not isinstance(value, torch.Tensor):
+            set_element(template, paths[key], value)
+    _apply(model, optimizer, template, full_state_dict=full_state_dict, cpu_offload=cpu_offload)
+    if extra is not None:
+        for key in extra:
+            extra[key] = template[key]
+    return report
+
+
+def _report(
+    flat_template: dict[str, Any], uri: str, step: int | None, load_kwargs: dict[str, Any], sections: list[str]
+) -> LoadReport:
+    """Compare the template with the checkpoint's keys. Every rank holds the
+    same keys and reads the same .metadata, so every rank reaches the same
+    verdict and a strict failure never leaves some ranks in a collective."""
+    storage = open_storage(
+        uri, enable_msc=load_kwargs.get("enable_msc", False), storage_options=load_kwargs.get("storage_options")
+    )
+    try:
+        metadata, _ = read_checkpoint_metadata(storage)
+    finally:
+        storage.close()
+    return compare_keys(flat_template, metadata, storage.uri, step, sections)
+
+
+def _apply(
+    model: nn.Module, optimizer: Optimizers, template: dict[str, Any], *, full_state_dict: bool, cpu_offload: bool
+) -> None:
+    # Every rank holds what it needs (see load_app_state): no rank-0 broadcast.
+    options = _options(full_state_dict=full_state_dict, cpu_offload=False)
+    if full_state_dict:
+        # torch's full-state optimizer load re-reads the *local* optimizer
+        # state with these options and indexes its "param_groups", which a
+        # flattened dict lacks (KeyError, torch 2.6-2.13). set_state_dict
+        # recognises our flattened input by its missing "state" key either
+        # way, so ask only for the nested local form.
+        options.flatten_optimizer_state_dict = False
+    optims = _optimizers(optimizer)
+    if not optims:
+        set_model_state_dict(model, template[MODEL], options=options)
+        return
+    set_state_dict(model, optims, model_state_dict=template[MODEL], optim_state_dict=template[OPTIMIZER], options=options)
+
+
+def set_app_state(
+    model: nn.Module,
+    optimizer: Optimizers,
+    state: dict[str, Any],
+    *,
+    full_state_dict: bool = False,
+    cpu_offload: bool = False,
+) -> None:
+    """Apply a state dict shaped like :func:`get_app_state`'s
+    (``fsdp_dtensor`` format) to the model and optimizer."""
+    _apply(model, optimizer, state, full_state_dict=full_state_dict, cpu_offload=cpu_offload)
+

@@ -1,0 +1,274 @@
+"""CheckpointManager: listing, pointer, retention, crashes, lifetime.
+
+The listing/retention suites run on every backend target; the crash suites
+SIGKILL a child process (tests/manager_child.py) on the local backend.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import dcpstore
+import dcpstore.storage
+from backends import Target
+from dcpstore.maintenance import list_checkpoints
+from dcpstore.manager import parse_step_dir, step_dir
+from manager_child import state as child_state
+
+CHILD = str(Path(__file__).with_name("manager_child.py"))
+
+
+def _state(step: int) -> dict[str, Any]:
+    return {"w": torch.full((64,), float(step)), "step": step}
+
+
+def _open(target: Target) -> dcpstore.storage.Storage:
+    """The target's storage, opened with the same keywords save/load take."""
+    return dcpstore.open_storage(target.uri, **target.kwargs)
+
+
+def _manager(target: Target, **kwargs: Any) -> dcpstore.CheckpointManager:
+    kwargs.setdefault("async_", False)
+    return dcpstore.CheckpointManager(target.uri, **target.kwargs, **kwargs)
+
+
+def _loaded_step(mgr: dcpstore.CheckpointManager, step: int | None = None, like: dict[str, Any] | None = None) -> tuple[int, float, int]:
+    """(step loaded, the value its tensors hold, its "step" entry)."""
+    dest = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else -1) for k, v in (like or _state(0)).items()}
+    got = mgr.load(dest, step)
+    tensors = [v for v in dest.values() if isinstance(v, torch.Tensor)]
+    assert all(torch.all(t == tensors[0][0]) for t in tensors), "a step mixes values of several saves"
+    return got, float(tensors[0][0]), dest["step"]
+
+
+# -- naming ------------------------------------------------------------------
+
+
+def test_step_directory_names_round_trip() -> None:
+    assert step_dir(100) == "step_00000100" and step_dir(0) == "step_00000000"
+    assert step_dir(10**9) == "step_1000000000"
+    for step in (0, 7, 12_345_678, 10**9, 10**12):
+        assert parse_step_dir(step_dir(step)) == step
+    for foreign in ("step_100", "step_000000100", "step_00000100.bak", "Step_00000100", "step_-0000001", "latest", ""):
+        assert parse_step_dir(foreign) is None, foreign
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "3", None, "../x"])
+def test_steps_must_be_non_negative_ints(local_target: Target, bad: Any) -> None:
+    mgr = _manager(local_target)
+    with pytest.raises(dcpstore.InvalidArgument, match="step must be a non-negative int"):
+        mgr.save(bad, _state(0))
+    with pytest.raises(dcpstore.InvalidArgument, match="step must be a non-negative int"):
+        mgr.step_uri(bad)
+    assert not os.path.exists(local_target.uri) or not os.listdir(local_target.uri)
+    mgr.close()
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [({"keep": 0}, "keep"), ({"keep": True}, "keep"), ({"engine": "turbo"}, "engine"), ({"workers": 0}, "workers")],
+)
+def test_bad_options_fail_at_construction(local_target: Target, kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(dcpstore.InvalidArgument, match=match):
+        _manager(local_target, **kwargs)
+
+
+def test_async_is_the_default(local_target: Target) -> None:
+    mgr = dcpstore.CheckpointManager(local_target.uri, **local_target.kwargs)
+    assert mgr.async_ is True
+    handle = mgr.save(1, _state(1))
+    mgr.wait()  # None if the save had already finished inside save()
+    assert handle.done() and handle.result().engine != "sync" and mgr.all_steps() == [1]
+    mgr.close()
+
+
+# -- listing and the pointer ----------------------------------------------------
+
+
+def test_only_committed_canonical_steps_are_listed(target: Target) -> None:
+    mgr = _manager(target)
+    assert mgr.all_steps() == [] and mgr.latest_step() is None
+    for step in (1, 5, 3):
+        mgr.save(step, _state(step))
+    storage = _open(target)
+    for foreign in ("step_5/.metadata", "step_00000007.bak/.metadata", "other/.metadata", "step_00000011/nested/.metadata"):
+        storage.put(foreign, b"not a checkpoint")
+    storage.put("step_00000009/__0_0.distcp", b"data of an interrupted save")
+    assert mgr.all_steps() == [1, 3, 5] and mgr.latest_step() == 5
+    assert mgr.read_pointer() == 3  # the step this job committed last
+    assert _loaded_step(mgr) == (5, 5.0, 5)
+    assert _loaded_step(mgr, 1) == (1, 1.0, 1)
+    mgr.close()
+
+
+def test_the_listing_wins_over_the_pointer(target: Target) -> None:
+    mgr = _manager(target)
+    mgr.save(1, _state(1))
+    mgr.save(2, _state(2))
+    storage = _open(target)
+    storage.put("latest", b"99\n")  # a stale or foreign pointer
+    assert mgr.latest_step() == 2 and _loaded_step(mgr)[0] == 2
+    storage.delete([f"{step_dir(2)}/.metadata"])  # step 2 un-committed behind our back
+    assert mgr.all_steps() == [1] and _loaded_step(mgr) == (1, 1.0, 1)
+    mgr.close()
+
+
+def test_load_without_any_committed_step_names_the_root(target: Target) -> None:
+    mgr = _manager(target)
+    with pytest.raises(dcpstore.CheckpointNotFound, match="no committed checkpoint under"):
+        mgr.load(_state(0))
+    mgr.save(4, _state(4))
+    with pytest.raises(dcpstore.CheckpointNotFound):
+        mgr.load(_state(0), step=3)
+    mgr.close()
+
+
+def test_committed_steps_are_not_overwritten_unless_asked(target: Target) -> None:
+    mgr = _manager(target)
+    mgr.save(7, _state(7))
+    with pytest.raises(dcpstore.InvalidArgument, match="already committed.*overwrite=True"):
+        mgr.save(7, _state(70))
+    assert _loaded_step(mgr) == (7, 7.0, 7)
+    mgr.save(7, _state(70), overwrite=True)
+    assert _loaded_step(mgr) == (7, 70.0, 70)
+    mgr.close()
+
+
+# -- retention -------------------------------------------------------------------
+
+
+def test_retention_keeps_the_newest_k_committed_steps(target: Target) -> None:
+    mgr = _manager(target, keep=2)
+    for step in range(1, 6):
+        mgr.save(step, _state(step))
+        assert mgr.all_steps() == list(range(max(1, step - 1), step + 1))
+    paths = {o["path"] for o in _open(target).list()}
+    assert not any(p.startswith(("step_00000001/", "step_00000002/", "step_00000003/")) for p in paths), paths
+    assert [h.step for h in mgr.history] == [1, 2, 3, 4, 5] and mgr.history[-1].info.bytes_written > 0
+    mgr.close()
+
+
+def test_retention_never_touches_newer_or_uncommitted_steps(target: Target) -> None:
+    mgr = _manager(target, keep=1)
+    # Another timeline's step 10 (committed) and an interrupted step 2.
+    dcpstore.save(_state(10), mgr.step_uri(10), **target.kwargs).result()
+    storage = _open(target)
+    storage.put("step_00000002/__0_0.distcp", b"partial")
+    mgr.save(1, _state(1))
+    mgr.save(3, _state(3))
+    assert mgr.all_steps() == [3, 10]  # 1 retired after 3 committed; 10 is newer than 3: untouched
+    assert storage.exists("step_00000002/__0_0.distcp")  # gc's job, not retention's
+    assert mgr.latest_step() == 10 and mgr.read_pointer() == 3
+    mgr.close()
+
+
+# -- lifetime ----------------------------------------------------------------------
+
+
+def test_close_is_idempotent_and_final(local_target: Target) -> None:
+    with _manager(local_target) as mgr:
+        mgr.save(1, _state(1))
+    mgr.close()
+    with pytest.raises(dcpstore.InvalidArgument, match="closed"):
+        mgr.save(2, _state(2))
+    with _manager(local_target) as again:
+        assert again.all_steps() == [1]
+
+
+# -- crashes ----------------------------------------------------------------------
+
+
+def _child(mode: str, root: str, keep: int, async_: bool = False) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.Popen(
+        [sys.executable, CHILD, mode, root, str(keep), "1" if async_ else "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+
+
+def test_kill_between_data_and_commit_keeps_the_newest_committed_step(tmp_path: Path) -> None:
+    root = str(tmp_path / "run")
+    child = _child("commit-kill", root, keep=1)
+    out, err = child.communicate(timeout=120)
+    assert child.returncode == -signal.SIGKILL, (child.returncode, out, err)
+    assert "committed 2" in out
+    step3 = Path(root, step_dir(3))
+    assert any(p.name.endswith(".distcp") for p in step3.iterdir()), "the kill came before the data was written"
+    mgr = dcpstore.CheckpointManager(root, keep=1, async_=False)
+    assert mgr.all_steps() == [2], "keep=1 must not retire step 2 before step 3 commits"
+    assert mgr.read_pointer() == 2
+    assert _loaded_step(mgr, like=child_state(0)) == (2, 2.0, 2)
+    # The resumed run saves step 3 over the leftovers; only now does 2 go.
+    mgr.save(3, _state(3))
+    assert mgr.all_steps() == [3] and _loaded_step(mgr) == (3, 3.0, 3)
+    mgr.close()
+
+
+def _kill_mid_write(root: str, async_: bool) -> int:
+    """Run the loop child; SIGKILL it while step 3's data files are being written."""
+    child = _child("loop", root, keep=2, async_=async_)
+    step3, deadline = Path(root, step_dir(3)), time.monotonic() + 120
+    try:
+        while time.monotonic() < deadline and child.poll() is None:
+            if step3.is_dir() and any(".dcpstore-tmp-" in p.name for p in step3.iterdir()):
+                break
+            time.sleep(0.001)
+        else:
+            pytest.fail(f"the child never started writing step 3: {child.communicate()}")
+        child.send_signal(signal.SIGKILL)
+    finally:
+        child.kill()
+        child.communicate()
+    return child.returncode
+
+
+@pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
+def test_sigkill_mid_save_leaves_only_loadable_committed_steps(tmp_path: Path, async_: bool) -> None:
+    root = str(tmp_path / "run")
+    assert _kill_mid_write(root, async_) == -signal.SIGKILL
+    mgr = dcpstore.CheckpointManager(root, keep=2, async_=False)
+    steps = mgr.all_steps()
+    assert steps and steps[-1] >= 2 and len(steps) <= 3, steps  # keep=2, plus one awaiting retention
+    for step in steps:
+        assert _loaded_step(mgr, step, like=child_state(0)) == (step, float(step), step)
+    if 3 not in steps:  # killed before its commit: what it left is no checkpoint
+        assert Path(root, step_dir(3)).is_dir() and not Path(root, step_dir(3), ".metadata").exists()
+        assert all(e.committed == (parse_step_dir(e.path) in steps) for e in list_checkpoints(dcpstore.open_storage(root)))
+    mgr.close()
+
+
+# -- async ------------------------------------------------------------------------
+
+
+def test_async_step_is_listed_only_after_commit_and_retention_waits_for_it(local_target: Target) -> None:
+    mgr = _manager(local_target, keep=1, async_=True)
+    mgr.save(1, _state(1))
+    mgr.wait()
+    state = _state(2)
+    handle = mgr.save(2, state)
+    state["w"].fill_(-1.0)  # after save returns: must not reach storage
+    assert 1 in mgr.all_steps() or handle.done(), "step 1 retired before step 2 was committed"
+    info = mgr.wait()
+    assert info is not None and mgr.all_steps() == [2] and mgr.read_pointer() == 2
+    assert _loaded_step(mgr) == (2, 2.0, 2)
+    mgr.close()
+
+
+def test_async_save_pending_at_exit_is_finished_by_atexit(tmp_path: Path) -> None:
+    root = str(tmp_path / "run")
+    child = _child("exit", root, keep=1, async_=True)
+    out, err = child.communicate(timeout=120)
+    assert child.returncode == 0, err
+    assert dcpstore.CheckpointManager(root, async_=False).all_steps() == [1]
