@@ -45,7 +45,7 @@ import dcpstore
 
 # The moto_server launcher is the tests' own (tests/s3_server.py): one copy.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from s3_server import MotoServer, aws_env  # noqa: E402
+from s3_server import MotoServer, export_aws_env  # noqa: E402
 
 BUCKET = "dcpstore-bench"
 
@@ -106,11 +106,7 @@ def main() -> None:
 
     server = MotoServer(Path(tempfile.mkdtemp(prefix="dcpstore-moto-"))).start()
     try:
-        for key, value in aws_env(server.url).items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        export_aws_env(server.url)
         client = server.client()
         client.create_bucket(Bucket=BUCKET)
         results = run(args, client)

@@ -249,15 +249,11 @@ def local_s3_endpoint(workdir: str) -> Iterator[str]:
     as examples/s3_demo.py uses it), with this process's AWS environment
     pointed at it before any rank starts; yields the checkpoint root URI."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-    from s3_server import MotoServer, aws_env
+    from s3_server import MotoServer, export_aws_env
 
     server = MotoServer(Path(workdir)).start()
     try:
-        for key, value in aws_env(server.url).items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        export_aws_env(server.url)
         server.client().create_bucket(Bucket="dcpstore-demo")
         yield "s3://dcpstore-demo/run"
     finally:

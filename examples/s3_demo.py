@@ -27,7 +27,7 @@ from dcpstore.maintenance import list_checkpoints
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from demo import build, state_of, train  # noqa: E402  (the POSIX demo's model)
-from s3_server import MotoServer, aws_env  # noqa: E402  (the tests' moto launcher)
+from s3_server import MotoServer, export_aws_env  # noqa: E402  (the tests' moto launcher)
 
 
 def roundtrip(uri: str, state: dict, model: torch.nn.Module, **kwargs: object) -> None:
@@ -51,11 +51,7 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="dcpstore-s3-demo-"))
     server = MotoServer(workdir).start()
     try:
-        for key, value in aws_env(server.url).items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        export_aws_env(server.url)
         server.client().create_bucket(Bucket="demo")
         print(f"local S3 endpoint: {server.url} (moto_server)\n")
         model, opt = build(0)

@@ -168,6 +168,15 @@ def aws_env(url: str) -> dict[str, str | None]:
     }
 
 
+def export_aws_env(url: str) -> None:
+    """Point this process (and the processes it starts) at the endpoint ``url``."""
+    for key, value in aws_env(url).items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
 def apply_env(mp: pytest.MonkeyPatch, env: dict[str, str | None]) -> None:
     for key, value in env.items():
         if value is None:
