@@ -64,6 +64,7 @@ from ..errors import (
     SaveError,
     StorageNotFound,
 )
+from ..adapters.torch_save import save_record
 from ..storage.base import MiB, ObjectWriter, Storage
 from .layout import (
     INFLIGHT,
@@ -77,6 +78,7 @@ from .layout import (
     item_key,
     parse_manifest,
 )
+from .checksum import DualCrc
 from .threads import run_parallel
 
 log = logging.getLogger(__name__)
@@ -144,7 +146,8 @@ class SaveStats:
 class _ChecksummingStream:
     """File-like adapter between torch.save and an :class:`ObjectWriter`.
 
-    Keeps the item and file CRC32Cs, and coalesces small writes: torch.save
+    Keeps the item and file CRC32Cs (:class:`DualCrc`: one pass over the
+    bytes), and coalesces small writes: torch.save
     emits ~40 tiny writes (zip headers) per tensor, and 20,000 small tensors
     would otherwise cost ~800,000 storage calls. Large writes (tensor data)
     pass straight through without a copy.
@@ -156,17 +159,16 @@ class _ChecksummingStream:
     def __init__(self, writer: ObjectWriter) -> None:
         self._writer = writer
         self._buf = bytearray()
-        self.file_crc = 0
-        self.item_crc = 0
+        self.crc = DualCrc()
         #: The first storage error. torch.save's C++ writer swallows
         #: exceptions raised by ``write`` and reports its own RuntimeError
         #: ("unexpected pos ..."); we re-raise this one instead.
         self.error: BaseException | None = None
 
     def write(self, data: Any) -> int:
-        size = memoryview(data).nbytes
-        self.item_crc = crc32c.crc32c(data, self.item_crc)
-        self.file_crc = crc32c.crc32c(data, self.file_crc)
+        view = memoryview(data)
+        size = view.nbytes
+        self.crc.update(view)
         if size < self.SMALL:
             self._buf += data
             if len(self._buf) >= self.BUFFER:
@@ -191,7 +193,7 @@ class _ChecksummingStream:
 
     def save_tensor(self, tensor: torch.Tensor) -> None:
         try:
-            torch.save(tensor, cast(IO[bytes], self))
+            save_record(tensor, cast(IO[bytes], self))
         except Exception:
             if self.error is not None:
                 raise self.error  # keeps its own __cause__ (the OSError)
@@ -343,14 +345,14 @@ class DcpStorageWriter(StorageWriter):
             for item in items:
                 data = _resolve(planner, item, lock)
                 offset = stream.tell()
-                stream.item_crc = 0
+                stream.crc.item = 0
                 if isinstance(data, io.BytesIO):
                     stream.write(data.getbuffer())
                 else:
                     stream.save_tensor(data)
-                pending.append((item, offset, stream.tell() - offset, stream.item_crc))
+                pending.append((item, offset, stream.tell() - offset, stream.crc.item))
             stream.drain()
-            file_size, file_crc = writer.tell(), stream.file_crc
+            file_size, file_crc = writer.tell(), stream.crc.file
             # Leaving the block publishes the file; a save that lost its
             # URI to a later save must not clobber that save's files.
             self._check_still_ours(save_id)
