@@ -36,8 +36,8 @@ Saver = Callable[[Any, IO[bytes]], None]
 
 def _save_without_crc(obj: Any, stream: IO[bytes]) -> None:
     alignment = _ser._get_storage_alignment()
-    writer = torch._C.PyTorchFileWriter(stream, False, alignment)  # type: ignore[call-overload]
-    _ser._save(obj, writer, pickle, _ser.DEFAULT_PROTOCOL, False)
+    writer = torch._C.PyTorchFileWriter(stream, False, alignment)
+    _ser._save(obj, writer, pickle, _ser.DEFAULT_PROTOCOL, False)  # type: ignore[no-untyped-call]
     writer.write_end_of_file()
 
 
