@@ -117,3 +117,19 @@ def test_concurrent_writers(storage: Storage) -> None:
     assert not errors
     for i in range(8):
         assert storage.read(f"t/{i}.bin") == bytes([i]) * (100_000 + i)
+
+
+def test_read_range_into(storage: Storage) -> None:
+    payload = os.urandom(3 * MiB + 123)
+    storage.put("into.bin", payload)
+    whole = bytearray(len(payload))
+    assert storage.read_range_into("into.bin", 0, memoryview(whole)) == len(payload)
+    assert whole == payload
+    part = bytearray(MiB + 5)
+    assert storage.read_range_into("into.bin", 777, memoryview(part)) == len(part)
+    assert part == payload[777 : 777 + len(part)]
+    tail = bytearray(1000)  # short at the end: the count says how much arrived
+    assert storage.read_range_into("into.bin", len(payload) - 10, memoryview(tail)) == 10
+    assert tail[:10] == payload[-10:]
+    with pytest.raises(StorageNotFound):
+        storage.read_range_into("nope.bin", 0, memoryview(bytearray(4)))

@@ -202,6 +202,20 @@ class Storage(abc.ABC):
     def read_range(self, path: str, offset: int, length: int) -> bytes:
         """Read ``length`` bytes at ``offset``; fewer only if the object ends."""
 
+    def read_range_into(self, path: str, offset: int, buffer: memoryview) -> int:
+        """Read ``buffer.nbytes`` bytes at ``offset`` into ``buffer`` (a
+        writable, contiguous byte view); return how many arrived (fewer only
+        if the object ends).
+
+        Loads read tensor bytes through this straight into the caller's
+        tensors. The default copies from :meth:`read_range`; backends that can
+        land bytes in place (``preadv``, a response body's ``readinto``)
+        override it.
+        """
+        data = self.read_range(path, offset, buffer.nbytes)
+        buffer[: len(data)] = data
+        return len(data)
+
     def read(self, path: str) -> bytes:
         """Read a whole object."""
         return self.read_range(path, 0, self.size(path))

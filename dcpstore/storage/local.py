@@ -140,6 +140,20 @@ class LocalStorage(Storage):
                 os.close(fd)
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
+    def read_range_into(self, path: str, offset: int, buffer: memoryview) -> int:
+        done = 0
+        with _mapped_errors(f"cannot read {self.describe(path)}"):
+            fd = os.open(self._full(path), os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                while done < buffer.nbytes:
+                    n = os.preadv(fd, [buffer[done:]], offset + done)  # releases the GIL
+                    if n == 0:
+                        break
+                    done += n
+            finally:
+                os.close(fd)
+        return done
+
     def size(self, path: str) -> int:
         with _mapped_errors(f"cannot stat {self.describe(path)}"):
             st = os.stat(self._full(path))

@@ -81,6 +81,20 @@ _DENIED = {"AccessDenied", "403", "Forbidden", "AllAccessDisabled", "AccountProb
 
 #: Errors raised while *reading a response body*, after botocore's retry loop
 #: has already returned: retried here (s3transfer does the same).
+def _readinto_full(body: Any, out: memoryview) -> int:
+    """Fill ``out`` from a botocore ``StreamingBody``; fewer bytes only at its end."""
+    done = 0
+    try:
+        while done < out.nbytes:
+            n = body.readinto(out[done:])
+            if not n:
+                break
+            done += n
+    finally:
+        body.close()
+    return done
+
+
 _BODY_ERRORS = (
     bexc.IncompleteReadError,
     bexc.ResponseStreamingError,
@@ -526,34 +540,15 @@ class S3Storage(Storage):
 
     # -- reading -------------------------------------------------------------
     def _get(self, path: str, offset: int, length: int, if_match: str | None = None) -> tuple[bytes, dict[str, Any]]:
-        """One ranged GET, body included, retrying errors in the body stream."""
-        what = f"cannot read {self.describe(path)}"
-        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": self.key(path), "Range": f"bytes={offset}-{offset + length - 1}"}
-        if if_match:
-            kwargs["IfMatch"] = if_match
-        deadline = time.monotonic() + self.options.op_timeout_s
-        for attempt in range(1, self.options.max_attempts + 1):
-            try:
-                resp = self.client.get_object(**kwargs)  # botocore retries this call itself
-            except bexc.ClientError as e:
-                code, status = _status_code(e)
-                if status == 416 or code == "InvalidRange":
-                    return b"", {}  # offset at or past the end
-                if status == 412 or code == "PreconditionFailed":
-                    raise StorageError(f"{what}: the object changed while it was being read") from e
-                raise map_error(e, what, self.bucket, self.endpoint) from e
-            except Exception as e:
-                raise map_error(e, what, self.bucket, self.endpoint) from e
-            try:
-                return resp["Body"].read(), resp
-            except _BODY_ERRORS as e:
-                # The headers arrived but the body broke off. botocore's retry
-                # loop is over by then, so the GET is retried here, bounded alike.
-                if attempt >= self.options.max_attempts or time.monotonic() > deadline:
-                    raise map_error(e, what, self.bucket, self.endpoint) from e
-                log.debug("%s: body read failed (%s), retrying", what, type(e).__name__)
-                time.sleep(min(random.uniform(0, 2**attempt) * 0.05, 2.0))
-        raise AssertionError("unreachable")  # the loop returns or raises
+        """One ranged GET, body included (``b""`` and ``{}`` past the end)."""
+        got: list[tuple[bytes, dict[str, Any]]] = []
+
+        def read(resp: dict[str, Any]) -> None:
+            got.append((resp["Body"].read(), resp))
+
+        if not self._ranged_get(path, offset, length, read, if_match):
+            return b"", {}
+        return got[-1]
 
     def read_range(self, path: str, offset: int, length: int) -> bytes:
         if length <= 0:
@@ -564,6 +559,75 @@ class S3Storage(Storage):
             return self._get(path, offset, length)[0]
         ranges = [(o, min(ps, offset + length - o)) for o in range(offset, offset + length, ps)]
         return b"".join(self._get_many(path, ranges))
+
+    def read_range_into(self, path: str, offset: int, buffer: memoryview) -> int:
+        """Ranged GETs of ``part_size`` in parallel, each body read straight
+        into its slice of ``buffer`` (no whole-object bytes in between)."""
+        if buffer.nbytes == 0:
+            self.size(path)  # still report a missing object
+            return 0
+        ps = self.options.part_size
+        slices = [(o, buffer[o : o + ps]) for o in range(0, buffer.nbytes, ps)]
+        workers = min(self.options.max_concurrency, len(slices))
+        if workers == 1:
+            counts = [self._get_into(path, offset + o, out) for o, out in slices]
+        else:
+            with ThreadPoolExecutor(workers, thread_name_prefix="dcpstore-s3-get") as pool:
+                futures = [pool.submit(self._get_into, path, offset + o, out) for o, out in slices]
+                counts = [f.result() for f in futures]
+        done = 0
+        for (_, out), n in zip(slices, counts):
+            done += n
+            if n < out.nbytes:  # the object ended here
+                break
+        return done
+
+    def _get_into(self, path: str, offset: int, out: memoryview) -> int:
+        """One ranged GET into ``out``; its size, 0 past the end."""
+        got = [0]
+
+        def read(resp: dict[str, Any]) -> None:
+            got[0] = _readinto_full(resp["Body"], out)
+
+        self._ranged_get(path, offset, out.nbytes, read, None)
+        return got[0]
+
+    def _ranged_get(
+        self, path: str, offset: int, length: int, consume: Callable[[dict[str, Any]], None], if_match: str | None
+    ) -> bool:
+        """GET ``length`` bytes at ``offset`` and ``consume`` the response
+        (its body); False if ``offset`` is at or past the end.
+
+        botocore retries the request itself; a body that breaks off after the
+        headers arrived is past its retry loop, so the GET is retried here,
+        bounded alike (``max_attempts``, ``op_timeout_s``).
+        """
+        what = f"cannot read {self.describe(path)}"
+        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": self.key(path), "Range": f"bytes={offset}-{offset + length - 1}"}
+        if if_match:
+            kwargs["IfMatch"] = if_match
+        deadline = time.monotonic() + self.options.op_timeout_s
+        for attempt in range(1, self.options.max_attempts + 1):
+            try:
+                resp = self.client.get_object(**kwargs)
+            except bexc.ClientError as e:
+                code, status = _status_code(e)
+                if status == 416 or code == "InvalidRange":
+                    return False
+                if status == 412 or code == "PreconditionFailed":
+                    raise StorageError(f"{what}: the object changed while it was being read") from e
+                raise map_error(e, what, self.bucket, self.endpoint) from e
+            except Exception as e:
+                raise map_error(e, what, self.bucket, self.endpoint) from e
+            try:
+                consume(resp)
+                return True
+            except _BODY_ERRORS as e:
+                if attempt >= self.options.max_attempts or time.monotonic() > deadline:
+                    raise map_error(e, what, self.bucket, self.endpoint) from e
+                log.debug("%s: body read failed (%s), retrying", what, type(e).__name__)
+                time.sleep(min(random.uniform(0, 2**attempt) * 0.05, 2.0))
+        raise AssertionError("unreachable")  # the loop returns or raises
 
     def _get_many(self, path: str, ranges: list[tuple[int, int]], if_match: str | None = None) -> list[bytes]:
         workers = min(self.options.max_concurrency, len(ranges))

@@ -74,11 +74,14 @@ class DualCrc:
         self.file = 0
         self.item = 0
 
-    def update(self, data: memoryview) -> None:
+    def update(self, data: memoryview) -> int | None:
+        """Append ``data`` to both CRCs; return its own CRC32C if a large
+        write needed it anyway (None for small writes)."""
         if data.nbytes < COMBINE_MIN:
             self.item = _crc32c.crc32c(data, self.item)
             self.file = _crc32c.crc32c(data, self.file)
-            return
-        crc = _crc32c.crc32c(data)
+            return None
+        crc: int = _crc32c.crc32c(data)
         self.item = crc32c_combine(self.item, crc, data.nbytes)
         self.file = crc32c_combine(self.file, crc, data.nbytes)
+        return crc

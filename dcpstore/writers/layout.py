@@ -13,7 +13,13 @@ sidecar that stock DCP ignores. It records, for every data file, its size and
 CRC32C; for every item (tensor or bytes blob) its CRC32C, keyed by
 ``"<file>@<offset>"`` so ranged reads verify exactly what they read; and the
 CRC32C of the ``.metadata`` blob that follows it, so a damaged commit object
-is detected too. A checkpoint written by plain DCP has no manifest and loads
+is detected too. Optionally (``tensors``), for an item whose ``torch.save``
+record holds its tensor's bytes row-major and contiguous: where those bytes
+start within the item, how many there are, and their own CRC32C -- a load
+then reads them straight into the destination tensor and verifies just them
+(the record's header is not needed: shape and dtype are in ``.metadata``).
+Readers that predate the key ignore it; manifests without it load through
+the records. A checkpoint written by plain DCP has no manifest and loads
 unverified.
 """
 
@@ -60,15 +66,23 @@ class Manifest(TypedDict):
     metadata_crc32c: int
     files: dict[str, FileEntry]
     items: dict[str, int]
+    #: item key -> [offset of the tensor bytes in the item, nbytes, CRC32C]
+    tensors: dict[str, list[int]]
 
 
-def build_manifest(files: dict[str, FileEntry], items: dict[str, int], metadata_crc: int) -> bytes:
+def build_manifest(
+    files: dict[str, FileEntry],
+    items: dict[str, int],
+    metadata_crc: int,
+    tensors: dict[str, list[int]] | None = None,
+) -> bytes:
     manifest: Manifest = {
         "format": MANIFEST_FORMAT,
         "checksum": "crc32c",
         "metadata_crc32c": metadata_crc,
         "files": dict(sorted(files.items())),
         "items": items,
+        "tensors": tensors or {},
     }
     return json.dumps(manifest, separators=(",", ":")).encode()
 
@@ -82,6 +96,7 @@ def parse_manifest(blob: bytes, where: str) -> Manifest:
         for key in ("metadata_crc32c", "files", "items"):
             if key not in data:
                 raise ValueError(f"missing key {key!r}")
+        data.setdefault("tensors", {})  # absent from manifests written before it existed
     except (ValueError, AttributeError, UnicodeDecodeError) as e:
         raise CheckpointCorrupt(f"{where}: damaged integrity manifest ({e})") from e
     manifest: Manifest = data

@@ -1,0 +1,113 @@
+"""Loads read a whole tensor's bytes straight into the destination tensor.
+
+The manifest locates each large tensor's raw bytes inside its record; the
+reader lands them in place with ``Storage.read_range_into`` and verifies their
+CRC32C. Destinations that cannot take raw bytes (another dtype, a
+non-contiguous view, a slice of the stored tensor) go through the record.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+import dcpstore
+from backends import Target
+from dcpstore.storage import Storage
+from dcpstore.writers.layout import MANIFEST
+
+
+def _state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return {
+        "big": torch.randn(640, 512, generator=g),  # 1.25 MiB
+        "bf16": torch.randn(1024, 600, generator=g).bfloat16(),
+        "small": torch.randn(10, generator=g),
+        "t": torch.randn(512, 700, generator=g).t(),  # non-contiguous source
+    }
+
+
+def _spy(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Record the size of every ``read_range_into`` call, on every backend."""
+    sizes: list[int] = []
+
+    def spy_on(cls: type[Storage]) -> None:
+        if "read_range_into" in vars(cls):
+            original = vars(cls)["read_range_into"]
+
+            def spy(self: Storage, path: str, offset: int, buffer: memoryview) -> int:
+                sizes.append(buffer.nbytes)
+                return original(self, path, offset, buffer)  # type: ignore[no-any-return]
+
+            monkeypatch.setattr(cls, "read_range_into", spy)
+        for sub in cls.__subclasses__():
+            spy_on(sub)
+
+    spy_on(Storage)
+    return sizes
+
+
+def test_large_contiguous_tensors_load_in_place(target: Target, monkeypatch: pytest.MonkeyPatch) -> None:
+    state = _state()
+    dcpstore.save(state, target.uri, workers=2, **target.kwargs).result()
+    manifest = json.loads(dcpstore.open_storage(target.uri, **target.kwargs).read(MANIFEST))
+    # Only the large row-major tensors are located (the transposed one is not).
+    assert len(manifest["tensors"]) == 2
+    sizes = _spy(monkeypatch)
+    dest = {k: torch.zeros_like(v.contiguous()) for k, v in state.items()}
+    big_ptr = dest["big"].data_ptr()
+    dcpstore.load(dest, target.uri, **target.kwargs)
+    assert sorted(sizes) == sorted([state["big"].nbytes, state["bf16"].nbytes])
+    assert dest["big"].data_ptr() == big_ptr
+    for key, want in state.items():
+        assert torch.equal(dest[key], want), key
+
+
+def test_other_destinations_go_through_the_record(local_target: Target, monkeypatch: pytest.MonkeyPatch) -> None:
+    state = _state()
+    dcpstore.save(state, local_target.uri).result()
+    sizes = _spy(monkeypatch)
+    dest = {
+        "big": torch.zeros(640, 512, dtype=torch.float64),  # another dtype: converted
+        "bf16": torch.zeros(600, 1024, dtype=torch.bfloat16).t(),  # non-contiguous view
+        "small": torch.zeros(10),
+        "t": torch.zeros(700, 512),
+    }
+    dcpstore.load(dest, local_target.uri)
+    assert sizes == []
+    assert torch.equal(dest["big"], state["big"].double())
+    assert torch.equal(dest["bf16"], state["bf16"])
+    assert torch.equal(dest["t"], state["t"])
+
+
+def test_damage_in_a_tensor_read_in_place_is_named(local_target: Target) -> None:
+    state = _state()
+    dcpstore.save(state, local_target.uri, workers=1).result()
+    manifest = json.loads(open(os.path.join(local_target.uri, MANIFEST), "rb").read())
+    key, (data_offset, nbytes, _) = next(iter(manifest["tensors"].items()))
+    name, _, item_offset = key.rpartition("@")
+    with open(os.path.join(local_target.uri, name), "r+b") as f:
+        f.seek(int(item_offset) + data_offset + nbytes // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x01]))
+    with pytest.raises(dcpstore.CheckpointCorrupt, match=rf"{name}.*checksum mismatch"):
+        dcpstore.load({k: torch.zeros_like(v.contiguous()) for k, v in state.items()}, local_target.uri)
+
+
+def test_manifest_without_tensor_locations_still_loads(local_target: Target, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A manifest written before ``tensors`` existed loads through the records."""
+    state = _state()
+    dcpstore.save(state, local_target.uri).result()
+    path = os.path.join(local_target.uri, MANIFEST)
+    manifest = json.loads(open(path, "rb").read())
+    del manifest["tensors"]
+    with open(path, "w") as f:
+        json.dump(manifest, f)
+    sizes = _spy(monkeypatch)
+    dest = {k: torch.zeros_like(v.contiguous()) for k, v in state.items()}
+    dcpstore.load(dest, local_target.uri)
+    assert sizes == [] and all(torch.equal(dest[k], v) for k, v in state.items())
