@@ -119,17 +119,18 @@ def test_concurrent_writers(storage: Storage) -> None:
         assert storage.read(f"t/{i}.bin") == bytes([i]) * (100_000 + i)
 
 
-def test_read_range_into(storage: Storage) -> None:
+def test_read_into_scatters_in_order(storage: Storage) -> None:
     payload = os.urandom(3 * MiB + 123)
     storage.put("into.bin", payload)
     whole = bytearray(len(payload))
-    assert storage.read_range_into("into.bin", 0, memoryview(whole)) == len(payload)
+    assert storage.read_into("into.bin", 0, [memoryview(whole)]) == len(payload)
     assert whole == payload
-    part = bytearray(MiB + 5)
-    assert storage.read_range_into("into.bin", 777, memoryview(part)) == len(part)
-    assert part == payload[777 : 777 + len(part)]
-    tail = bytearray(1000)  # short at the end: the count says how much arrived
-    assert storage.read_range_into("into.bin", len(payload) - 10, memoryview(tail)) == 10
-    assert tail[:10] == payload[-10:]
+    # Several buffers, split across part boundaries, from an offset.
+    a, b, c = bytearray(MiB + 5), bytearray(7), bytearray(2 * MiB - 1000)
+    assert storage.read_into("into.bin", 777, [memoryview(a), memoryview(b), memoryview(c)]) == len(a) + len(b) + len(c)
+    assert a + b + c == payload[777 : 777 + len(a) + len(b) + len(c)]
+    tail, rest = bytearray(6), bytearray(1000)  # short at the end: the count says how much arrived
+    assert storage.read_into("into.bin", len(payload) - 10, [memoryview(tail), memoryview(rest)]) == 10
+    assert tail + rest[:4] == payload[-10:]
     with pytest.raises(StorageNotFound):
-        storage.read_range_into("nope.bin", 0, memoryview(bytearray(4)))
+        storage.read_into("nope.bin", 0, [memoryview(bytearray(4))])

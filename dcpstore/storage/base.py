@@ -30,7 +30,7 @@ retries, raises :class:`~dcpstore.errors.StorageError` chained to the cause.
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from types import TracebackType
 from dataclasses import dataclass
 from typing import ClassVar, TypedDict
@@ -75,6 +75,22 @@ class StorageOptions:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
                 raise InvalidArgument(f"{name} must be a positive number of seconds, got {value!r}")
+
+
+def slice_buffers(buffers: Sequence[memoryview], start: int, length: int) -> list[memoryview]:
+    """The views of bytes ``[start, start + length)`` of the concatenation of
+    ``buffers`` (for splitting a scatter read into requests, or resuming one)."""
+    out: list[memoryview] = []
+    pos = 0
+    end = start + length
+    for buf in buffers:
+        lo, hi = max(start, pos), min(end, pos + buf.nbytes)
+        if lo < hi:
+            out.append(buf[lo - pos : hi - pos])
+        pos += buf.nbytes
+        if pos >= end:
+            break
+    return out
 
 
 class ObjectInfo(TypedDict):
@@ -202,19 +218,27 @@ class Storage(abc.ABC):
     def read_range(self, path: str, offset: int, length: int) -> bytes:
         """Read ``length`` bytes at ``offset``; fewer only if the object ends."""
 
-    def read_range_into(self, path: str, offset: int, buffer: memoryview) -> int:
-        """Read ``buffer.nbytes`` bytes at ``offset`` into ``buffer`` (a
-        writable, contiguous byte view); return how many arrived (fewer only
-        if the object ends).
+    def read_into(self, path: str, offset: int, buffers: Sequence[memoryview]) -> int:
+        """Scatter-read: fill ``buffers`` (writable, contiguous byte views),
+        in order, from the bytes at ``offset``; return how many arrived
+        (fewer only if the object ends).
 
         Loads read tensor bytes through this straight into the caller's
-        tensors. The default copies from :meth:`read_range`; backends that can
-        land bytes in place (``preadv``, a response body's ``readinto``)
-        override it.
+        tensors: one call covers a run of neighbouring tensors, with scratch
+        buffers for the record headers between them, so it costs one request
+        per ``part_size`` on object stores and one ``preadv`` locally. The
+        default copies from :meth:`read_range`; backends that can land bytes
+        in place (``preadv``, a response body's ``readinto``) override it.
         """
-        data = self.read_range(path, offset, buffer.nbytes)
-        buffer[: len(data)] = data
-        return len(data)
+        data = memoryview(self.read_range(path, offset, sum(b.nbytes for b in buffers)))
+        pos = 0
+        for buf in buffers:
+            take = min(buf.nbytes, data.nbytes - pos)
+            buf[:take] = data[pos : pos + take]
+            pos += take
+            if take < buf.nbytes:
+                break
+        return pos
 
     def read(self, path: str) -> bytes:
         """Read a whole object."""

@@ -15,12 +15,14 @@ import errno
 import os
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 from ..errors import StorageError, StorageNotFound, StoragePermissionError
-from .base import ObjectInfo, ObjectWriter, Storage
+from .base import ObjectInfo, ObjectWriter, Storage, slice_buffers
 
 _TMP_MARK = ".dcpstore-tmp-"
+#: Buffers per preadv call (the kernel's UIO_MAXIOV).
+_IOV_MAX = getattr(os, "IOV_MAX", 1024)
 
 
 def _is_tmp(name: str) -> bool:
@@ -140,16 +142,19 @@ class LocalStorage(Storage):
                 os.close(fd)
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
-    def read_range_into(self, path: str, offset: int, buffer: memoryview) -> int:
+    def read_into(self, path: str, offset: int, buffers: Sequence[memoryview]) -> int:
+        total = sum(b.nbytes for b in buffers)
         done = 0
         with _mapped_errors(f"cannot read {self.describe(path)}"):
             fd = os.open(self._full(path), os.O_RDONLY | os.O_CLOEXEC)
             try:
-                while done < buffer.nbytes:
-                    n = os.preadv(fd, [buffer[done:]], offset + done)  # releases the GIL
+                todo = list(buffers)
+                while todo:
+                    n = os.preadv(fd, todo[:_IOV_MAX], offset + done)  # releases the GIL
                     if n == 0:
                         break
                     done += n
+                    todo = slice_buffers(todo, n, total - done)
             finally:
                 os.close(fd)
         return done

@@ -48,7 +48,7 @@ import os
 import random
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any, TypeVar
 
@@ -57,7 +57,7 @@ import botocore.exceptions as bexc
 from botocore.config import Config
 
 from ..errors import CheckpointError, StorageError, StorageNotFound, StoragePermissionError
-from .base import ObjectInfo, ObjectWriter, Storage, StorageOptions
+from .base import ObjectInfo, ObjectWriter, Storage, StorageOptions, slice_buffers
 from .uri import StorageURL, redact
 
 log = logging.getLogger(__name__)
@@ -81,15 +81,19 @@ _DENIED = {"AccessDenied", "403", "Forbidden", "AllAccessDisabled", "AccountProb
 
 #: Errors raised while *reading a response body*, after botocore's retry loop
 #: has already returned: retried here (s3transfer does the same).
-def _readinto_full(body: Any, out: memoryview) -> int:
-    """Fill ``out`` from a botocore ``StreamingBody``; fewer bytes only at its end."""
+def _readinto_full(body: Any, buffers: list[memoryview]) -> int:
+    """Fill ``buffers`` in order from a botocore ``StreamingBody``; fewer
+    bytes only at its end."""
     done = 0
     try:
-        while done < out.nbytes:
-            n = body.readinto(out[done:])
-            if not n:
-                break
-            done += n
+        for out in buffers:
+            pos = 0
+            while pos < out.nbytes:
+                n = body.readinto(out[pos:])
+                if not n:
+                    return done + pos
+                pos += n
+            done += pos
     finally:
         body.close()
     return done
@@ -560,36 +564,38 @@ class S3Storage(Storage):
         ranges = [(o, min(ps, offset + length - o)) for o in range(offset, offset + length, ps)]
         return b"".join(self._get_many(path, ranges))
 
-    def read_range_into(self, path: str, offset: int, buffer: memoryview) -> int:
+    def read_into(self, path: str, offset: int, buffers: Sequence[memoryview]) -> int:
         """Ranged GETs of ``part_size`` in parallel, each body read straight
-        into its slice of ``buffer`` (no whole-object bytes in between)."""
-        if buffer.nbytes == 0:
+        into its stretch of ``buffers`` (no whole-object bytes in between)."""
+        total = sum(b.nbytes for b in buffers)
+        if total == 0:
             self.size(path)  # still report a missing object
             return 0
         ps = self.options.part_size
-        slices = [(o, buffer[o : o + ps]) for o in range(0, buffer.nbytes, ps)]
-        workers = min(self.options.max_concurrency, len(slices))
+        ranges = [(o, min(ps, total - o)) for o in range(0, total, ps)]
+        jobs = [(offset + o, slice_buffers(buffers, o, n)) for o, n in ranges]
+        workers = min(self.options.max_concurrency, len(jobs))
         if workers == 1:
-            counts = [self._get_into(path, offset + o, out) for o, out in slices]
+            counts = [self._get_into(path, at, segs) for at, segs in jobs]
         else:
             with ThreadPoolExecutor(workers, thread_name_prefix="dcpstore-s3-get") as pool:
-                futures = [pool.submit(self._get_into, path, offset + o, out) for o, out in slices]
+                futures = [pool.submit(self._get_into, path, at, segs) for at, segs in jobs]
                 counts = [f.result() for f in futures]
         done = 0
-        for (_, out), n in zip(slices, counts):
-            done += n
-            if n < out.nbytes:  # the object ended here
+        for (_, n), got in zip(ranges, counts):
+            done += got
+            if got < n:  # the object ended here
                 break
         return done
 
-    def _get_into(self, path: str, offset: int, out: memoryview) -> int:
-        """One ranged GET into ``out``; its size, 0 past the end."""
+    def _get_into(self, path: str, offset: int, buffers: list[memoryview]) -> int:
+        """One ranged GET filling ``buffers`` in order; bytes read, 0 past the end."""
         got = [0]
 
         def read(resp: dict[str, Any]) -> None:
-            got[0] = _readinto_full(resp["Body"], out)
+            got[0] = _readinto_full(resp["Body"], buffers)
 
-        self._ranged_get(path, offset, out.nbytes, read, None)
+        self._ranged_get(path, offset, sum(b.nbytes for b in buffers), read, None)
         return got[0]
 
     def _ranged_get(

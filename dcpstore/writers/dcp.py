@@ -600,6 +600,11 @@ class _Direct:
     def length(self) -> int:
         return self.nbytes
 
+    @property
+    def start(self) -> int:
+        """Where the tensor's bytes start in the file."""
+        return self.info.offset + self.data_offset
+
 
 @dataclass
 class _DirectRun:
@@ -613,6 +618,27 @@ class _DirectRun:
     @property
     def length(self) -> int:
         return sum(d.nbytes for d in self.items)
+
+
+#: Neighbouring tensors further apart than this are read separately rather
+#: than through a scratch buffer for the bytes between them.
+SCATTER_GAP_LIMIT = 1 * MiB
+
+
+def _scatter_groups(
+    placed: list[tuple[_Direct, torch.Tensor, memoryview]],
+) -> list[list[tuple[_Direct, torch.Tensor, memoryview]]]:
+    """Split file-ordered direct reads where the gap between them is large."""
+    groups: list[list[tuple[_Direct, torch.Tensor, memoryview]]] = []
+    end = -1
+    for entry in placed:
+        d = entry[0]
+        if groups and 0 <= d.start - end <= SCATTER_GAP_LIMIT:
+            groups[-1].append(entry)
+        else:
+            groups.append([entry])
+        end = d.start + d.nbytes
+    return groups
 
 
 def _sequential_runs(direct: list[_Direct], workers: int) -> list[_DirectRun]:
@@ -796,41 +822,62 @@ class DcpStorageReader(StorageReader):
 
     def _read_job(self, job: _Span | _DirectRun, planner: LoadPlanner, lock: threading.Lock) -> None:
         if isinstance(job, _DirectRun):
-            for item in job.items:
-                self._read_direct(item, planner, lock)
+            self._read_run(job, planner, lock)
         else:
             self._read_span(job, planner, lock)
 
-    def _read_direct(self, job: _Direct, planner: LoadPlanner, lock: threading.Lock) -> None:
-        """Read a tensor's bytes into its destination and verify their CRC32C.
+    def _read_run(self, run: _DirectRun, planner: LoadPlanner, lock: threading.Lock) -> None:
+        """Read tensors' bytes straight into their destinations, verify each
+        one's CRC32C, and commit them.
 
-        The destination must be a contiguous CPU tensor of the stored dtype
-        and size (a plain state dict's tensors are); any other goes through
-        the record as :meth:`_read_span` does.
+        A destination must be a contiguous CPU tensor of the stored dtype and
+        size (a plain state dict's tensors are); any other goes through its
+        record as :meth:`_read_span` does. Neighbouring tensors are read with
+        one scatter read (:meth:`Storage.read_into`), the record bytes between
+        them landing in scratch buffers.
         """
         with lock:
-            target = planner.resolve_tensor(job.req).detach()
-        dest = _byte_view(target, job.dtype, job.nbytes)
-        if dest is None:
-            span = _Span(job.path, job.info.offset, job.info.length, [(job.req, job.info)])
-            return self._read_span(span, planner, lock, target)
+            targets = [planner.resolve_tensor(d.req).detach() for d in run.items]
+        placed: list[tuple[_Direct, torch.Tensor, memoryview]] = []
+        for d, target in zip(run.items, targets):
+            dest = _byte_view(target, d.dtype, d.nbytes)
+            if dest is None:
+                span = _Span(d.path, d.info.offset, d.info.length, [(d.req, d.info)])
+                self._read_span(span, planner, lock, target)
+            else:
+                placed.append((d, target, dest))
+        for group in _scatter_groups(placed):
+            self._scatter_read(group)
+            with lock:
+                for d, target, _ in group:
+                    self.bytes_read += d.nbytes
+                    planner.commit_tensor(d.req, target)
+
+    def _scatter_read(self, group: list[tuple[_Direct, torch.Tensor, memoryview]]) -> None:
+        path = group[0][0].path
+        start = pos = group[0][0].start
+        buffers: list[memoryview] = []
+        for d, _, dest in group:
+            if d.start > pos:
+                buffers.append(memoryview(bytearray(d.start - pos)))  # record bytes between tensors
+            buffers.append(dest)
+            pos = d.start + d.nbytes
         try:
-            n = self.storage.read_range_into(job.path, job.info.offset + job.data_offset, dest)
+            n = self.storage.read_into(path, start, buffers)
         except StorageNotFound as e:
-            raise CheckpointCorrupt(f"{self.storage.describe(job.path)}: data file is missing") from e
-        where = job.info.offset + job.data_offset
-        if n != job.nbytes:
+            raise CheckpointCorrupt(f"{self.storage.describe(path)}: data file is missing") from e
+        if n != pos - start:
             raise CheckpointCorrupt(
-                f"{self.storage.describe(job.path)}: short read at offset {where} ({n} of {job.nbytes} bytes; truncated?)"
+                f"{self.storage.describe(path)}: short read at offset {start} ({n} of {pos - start} bytes; truncated?)"
             )
-        if self.verify and crc32c.crc32c(dest) != job.crc:
-            raise CheckpointCorrupt(
-                f"{self.storage.describe(job.path)}: checksum mismatch in item at offset {job.info.offset} "
-                f"(tensor {job.req.storage_index.fqn!r}, {job.nbytes} bytes at {where}): the data file is damaged"
-            )
-        with lock:
-            self.bytes_read += n
-            planner.commit_tensor(job.req, target)
+        if not self.verify:
+            return
+        for d, _, dest in group:
+            if crc32c.crc32c(dest) != d.crc:
+                raise CheckpointCorrupt(
+                    f"{self.storage.describe(path)}: checksum mismatch in item at offset {d.info.offset} "
+                    f"(tensor {d.req.storage_index.fqn!r}, {d.nbytes} bytes at {d.start}): the data file is damaged"
+                )
 
     def _read_span(
         self, span: _Span, planner: LoadPlanner, lock: threading.Lock, target: torch.Tensor | None = None
