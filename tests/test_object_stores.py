@@ -60,6 +60,27 @@ def test_part_size_grows_for_objects_beyond_10000_parts() -> None:
     assert grown > PART and grown % MiB == 0 and grown * 10_000 >= 10_000 * PART + 1
 
 
+def test_automatic_part_size_follows_the_object_size() -> None:
+    auto = StorageOptions(max_concurrency=8)
+    assert auto.part_size_for(None) == 16 * MiB  # a stream of unknown size
+    assert auto.part_size_for(10 * MiB) == 8 * MiB  # never below 8 MiB
+    assert auto.part_size_for(128 * MiB) == 16 * MiB  # ~max_concurrency parts
+    assert auto.part_size_for(100 * MiB + 1) == 13 * MiB  # whole MiB, rounded up
+    assert auto.part_size_for(64 << 30) == 64 * MiB  # never above 64 MiB
+    assert StorageOptions(max_concurrency=2).part_size_for(128 * MiB) == 64 * MiB
+    assert StorageOptions(part_size=PART).part_size_for(1 << 30) == PART  # set: used as is
+
+
+def test_auto_parts_upload_a_file_as_several_parts(s3_endpoint: S3Endpoint) -> None:
+    """A 24 MiB object goes up as 3 parts of 8 MiB (ETag ``-3``) and reads back."""
+    st = open_storage(f"s3://{s3_endpoint.bucket}/{_prefix()}", storage_options=StorageOptions())
+    payload = os.urandom(24 * MiB)
+    with st.open_write("auto.bin", size_hint=len(payload)) as w:
+        w.write(payload)
+    assert _etag(s3_endpoint, st, "auto.bin").endswith("-3")
+    assert st.read("auto.bin") == payload
+
+
 def test_abort_mid_multipart_leaves_no_upload(s3: S3Storage, s3_endpoint: S3Endpoint) -> None:
     with pytest.raises(RuntimeError, match="boom"):
         with s3.open_write("partial.bin") as w:

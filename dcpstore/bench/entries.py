@@ -64,7 +64,7 @@ class DcpstoreEntry(Entry):
         self.backend = backend or ""
         self.storage_options = storage_options
         self.save_kwargs = save_kwargs or {}
-        part = f"-p{storage_options.part_size >> 20}" if storage_options else ""
+        part = f"-p{storage_options.part_size >> 20}" if storage_options and storage_options.part_size else ""
         self.slug = f"{run_id}/{self.mode}-{engine}-w{workers}{part}"
         self.name = name or f"dcpstore {self.mode}{'/' + engine if async_ else ''} w={workers}"
         self.uri = join_uri(self.root_uri, *self.slug.split("/"))

@@ -52,8 +52,9 @@ class StorageOptions:
 
     #: Object stores: objects larger than this go up as multipart uploads in
     #: parts of this size; reads larger than this are split into parallel
-    #: ranged GETs of this size.
-    part_size: int = 32 * MiB
+    #: ranged GETs of this size. None (default): chosen per object or read
+    #: from its size (:meth:`part_size_for`).
+    part_size: int | None = None
     #: Object stores: concurrent part uploads / ranged GETs per object.
     max_concurrency: int = 8
     #: Object stores: attempts per request (the first try included).
@@ -65,8 +66,10 @@ class StorageOptions:
     op_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.part_size, int) or self.part_size < 5 * MiB:
-            raise InvalidArgument(f"part_size must be an int >= 5 MiB (S3's minimum part), got {self.part_size!r}")
+        if self.part_size is not None and (not isinstance(self.part_size, int) or self.part_size < 5 * MiB):
+            raise InvalidArgument(
+                f"part_size must be None (automatic) or an int >= 5 MiB (S3's minimum part), got {self.part_size!r}"
+            )
         for name in ("max_concurrency", "max_attempts"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -75,6 +78,23 @@ class StorageOptions:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
                 raise InvalidArgument(f"{name} must be a positive number of seconds, got {value!r}")
+
+    def part_size_for(self, nbytes: int | None) -> int:
+        """The part (upload) or range (read) size for ``nbytes`` bytes.
+
+        ``part_size`` if set. Automatic: about ``max_concurrency`` pieces per
+        object or read, so that one object keeps that many connections busy
+        (an object store's throughput is per connection), in whole MiB
+        between 8 MiB (the range size AWS recommends; S3's minimum part is
+        5 MiB) and 64 MiB (few requests for large objects); 16 MiB for a
+        stream of unknown size.
+        """
+        if self.part_size is not None:
+            return self.part_size
+        if not nbytes:
+            return AUTO_PART_UNKNOWN
+        per_piece = -(-nbytes // self.max_concurrency)
+        return min(AUTO_PART_MAX, max(AUTO_PART_MIN, -(-per_piece // MiB) * MiB))
 
 
 def slice_buffers(buffers: Sequence[memoryview], start: int, length: int) -> list[memoryview]:
@@ -91,6 +111,12 @@ def slice_buffers(buffers: Sequence[memoryview], start: int, length: int) -> lis
         if pos >= end:
             break
     return out
+
+
+#: Bounds of the automatic part size (see StorageOptions.part_size_for).
+AUTO_PART_MIN = 8 * MiB
+AUTO_PART_MAX = 64 * MiB
+AUTO_PART_UNKNOWN = 16 * MiB
 
 
 class ObjectInfo(TypedDict):

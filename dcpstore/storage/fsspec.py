@@ -106,7 +106,7 @@ class FsspecStorage(Storage):
         what = f"cannot write {self.describe(path)}"
         if self.transactional:
             with _mapped(what):
-                handle = self.fs.open(full, "wb", autocommit=False, block_size=self.options.part_size)
+                handle = self.fs.open(full, "wb", autocommit=False, block_size=self.options.part_size_for(size_hint))
             if isinstance(handle, AbstractBufferedFile) and not handle.autocommit:
                 return _TransactionalWriter(handle, what)
             # The filesystem ignored autocommit=False: never leave it half-written.

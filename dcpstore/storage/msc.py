@@ -202,7 +202,7 @@ class MSCStorage(Storage):
             self.size(path)
             return b""
         full = self._full(path)
-        ps = self.options.part_size
+        ps = self.options.part_size_for(length)
         with self._mapped(f"cannot read {self.describe(path)}"):
             if length <= ps or self.options.max_concurrency == 1:
                 return self._read_one(full, offset, length)
@@ -220,7 +220,7 @@ class MSCStorage(Storage):
             # key or the bucket is missing, or which credential check failed.
             with self._mapped(f"cannot read {self.describe(path)}"):
                 return bytes(self.client.read(self._full(path)))
-        if size <= self.options.part_size:
+        if size <= self.options.part_size_for(size):
             with self._mapped(f"cannot read {self.describe(path)}"):
                 return bytes(self.client.read(self._full(path)))
         return self.read_range(path, 0, size)

@@ -2,7 +2,10 @@
 
 Writing one object (:meth:`S3Storage.open_write`)::
 
-    write()   bytes are buffered into ``part_size`` chunks. While the object
+    write()   bytes are buffered into parts (``StorageOptions.part_size_for``
+              the size hint: by default about ``max_concurrency`` parts of
+              8-64 MiB per object, so one object keeps that many
+              connections busy). While the object
               is smaller than one part nothing is sent. The first full part
               starts a multipart upload; every full part goes to a small
               per-object thread pool (``max_concurrency`` parts in flight at
@@ -26,8 +29,9 @@ lists and :meth:`S3Storage.cleanup_incomplete` (``dcpstore gc``) aborts those
 under the prefix (a bucket lifecycle rule ``AbortIncompleteMultipartUpload``
 does the same server-side).
 
-Reads are ranged GETs; a read longer than ``part_size`` is split into
-``part_size`` ranges fetched by up to ``max_concurrency`` threads.
+Reads are ranged GETs; a long read is split into ranges (sized like parts)
+fetched by up to ``max_concurrency`` threads, each response body read
+straight into the caller's buffers (:meth:`S3Storage.read_into`).
 
 Retries are botocore's own (``standard`` mode, or ``adaptive`` when
 ``AWS_RETRY_MODE`` says so) with ``max_attempts`` attempts per request and the
@@ -329,7 +333,7 @@ class _S3Writer(ObjectWriter):
         self._st = storage
         self._path = path
         self._key = storage.key(path)
-        self._part_size = _part_size_for(storage.options.part_size, size_hint)
+        self._part_size = _part_size_for(storage.options.part_size_for(size_hint), size_hint)
         self._max_inflight = storage.options.max_concurrency
         self._buf = bytearray()
         self._pos = 0
@@ -528,7 +532,8 @@ class S3Storage(Storage):
         return _S3Writer(self, path, size_hint)
 
     def put(self, path: str, data: bytes | bytearray | memoryview) -> None:
-        if memoryview(data).nbytes < self.options.part_size:
+        nbytes = memoryview(data).nbytes
+        if nbytes < self.options.part_size_for(nbytes):
             self.call(
                 f"cannot write {self.describe(path)}",
                 self.client.put_object,
@@ -558,7 +563,7 @@ class S3Storage(Storage):
         if length <= 0:
             self.size(path)  # still report a missing object
             return b""
-        ps = self.options.part_size
+        ps = self.options.part_size_for(length)
         if length <= ps or self.options.max_concurrency == 1:
             return self._get(path, offset, length)[0]
         ranges = [(o, min(ps, offset + length - o)) for o in range(offset, offset + length, ps)]
@@ -571,7 +576,7 @@ class S3Storage(Storage):
         if total == 0:
             self.size(path)  # still report a missing object
             return 0
-        ps = self.options.part_size
+        ps = self.options.part_size_for(total)
         ranges = [(o, min(ps, total - o)) for o in range(0, total, ps)]
         jobs = [(offset + o, slice_buffers(buffers, o, n)) for o, n in ranges]
         workers = min(self.options.max_concurrency, len(jobs))
@@ -643,7 +648,7 @@ class S3Storage(Storage):
 
     def read(self, path: str) -> bytes:
         """Whole object: the first ranged GET also tells the size (no HEAD)."""
-        ps = self.options.part_size
+        ps = self.options.part_size_for(None)
         first, resp = self._get(path, 0, ps)
         if not resp:  # 416: an empty object (or none at all)
             if self.size(path) == 0:
@@ -653,6 +658,7 @@ class S3Storage(Storage):
         if total <= len(first):
             return first
         etag = resp.get("ETag")
+        ps = self.options.part_size_for(total - len(first))
         ranges = [(o, min(ps, total - o)) for o in range(len(first), total, ps)]
         return b"".join([first, *self._get_many(path, ranges, if_match=etag)])
 
