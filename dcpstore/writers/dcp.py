@@ -300,6 +300,7 @@ class DcpStorageWriter(StorageWriter):
         self.is_coordinator = True
         self.stats = SaveStats()
         self.save_id = ""
+        self._old_data: frozenset[str] | None = None  # what claim() found (coordinator)
 
     # -- DCP protocol -----------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -326,7 +327,7 @@ class DcpStorageWriter(StorageWriter):
         # Retract any older commit at this URI *before* any rank overwrites
         # its data files: a crash mid-save must never leave an old .metadata
         # pointing at new, partial data.
-        claim(self.storage, self.save_id)
+        self._old_data = claim(self.storage, self.save_id)
         return [
             dataclasses.replace(plan, storage_data=SaveToken(f"__{i}_", self.save_id)) for i, plan in enumerate(plans)
         ]
@@ -391,7 +392,7 @@ class DcpStorageWriter(StorageWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         t_start = time.perf_counter()
-        commit_checkpoint(self.storage, metadata, results, self.storage_meta(), self.save_id)
+        commit_checkpoint(self.storage, metadata, results, self.storage_meta(), self.save_id, self._old_data)
         self.stats.commit_s = time.perf_counter() - t_start
 
     def _check_still_ours(self, save_id: str) -> None:
@@ -421,11 +422,13 @@ def commit_checkpoint(
     results: list[list[WriteResult]],
     storage_meta: StorageMeta | None,
     save_id: str,
+    old_data: frozenset[str] | None = None,
 ) -> None:
     """The coordinator's commit, shared by every writer: check the URI is
     still this save's (``save_id`` in the in-flight marker), then the
     manifest, then ``.metadata`` last; then drop the marker and the data
-    files an older checkpoint at this URI left behind.
+    files an older checkpoint at this URI left behind (``old_data``, what
+    :func:`claim` found; None: list them now).
 
     ``results`` are every rank's write results whose ``storage_data`` is an
     :class:`ItemRecord`. Call only after *every* rank's data files are
@@ -450,17 +453,23 @@ def commit_checkpoint(
     check_still_ours(storage, save_id)
     storage.put(MANIFEST, build_manifest(files, items, crc32c.crc32c(blob), tensors))
     storage.put(METADATA, blob)  # the commit point
-    storage.delete([INFLIGHT])
-    remove_stale_data(storage, files)
+    remove_stale_data(storage, files, old_data)
 
 
-def claim(storage: Storage, save_id: str) -> None:
+def claim(storage: Storage, save_id: str) -> frozenset[str]:
     """Start a save at ``storage`` (coordinator, before any rank writes):
     retract an older commit, so that a crash mid-save never leaves an old
     ``.metadata`` pointing at new, partial data, and mark the URI as this
-    save's."""
-    storage.delete([METADATA, MANIFEST])
+    save's. Returns the data files already there, for the commit to delete
+    those it did not rewrite: one listing per save, at its start (a file
+    that appears later belongs to a save that replaced our marker, and then
+    this save never commits)."""
+    present = {o["path"] for o in storage.list()}
+    old_commit = [p for p in (METADATA, MANIFEST) if p in present]
+    if old_commit:
+        storage.delete(old_commit)
     storage.put(INFLIGHT, save_id.encode())
+    return frozenset(p for p in present if is_data_file(p))
 
 
 def check_still_ours(storage: Storage, save_id: str) -> None:
@@ -522,14 +531,15 @@ def _span_end(wr: WriteResult) -> int:
     return int(wr.storage_data.offset + wr.storage_data.length)
 
 
-def remove_stale_data(storage: Storage, live: dict[str, FileEntry]) -> None:
-    """Delete data files an older checkpoint at this URI left behind."""
+def remove_stale_data(storage: Storage, live: dict[str, FileEntry], old_data: frozenset[str] | None = None) -> None:
+    """After the commit: delete the in-flight marker and the data files an
+    older checkpoint at this URI left behind, in one request."""
     try:
-        stale = [o["path"] for o in storage.list() if is_data_file(o["path"]) and o["path"] not in live]
-        if stale:
-            storage.delete(stale)
+        if old_data is None:
+            old_data = frozenset(o["path"] for o in storage.list() if is_data_file(o["path"]))
+        storage.delete([INFLIGHT, *sorted(old_data - live.keys())])
     except CheckpointError as e:  # the commit already happened; cleanup is best effort
-        log.warning("could not remove stale data files under %s: %s", storage.uri, e)
+        log.warning("could not remove the in-flight marker or stale data files under %s: %s", storage.uri, e)
 
 
 # ---------------------------------------------------------------------------

@@ -78,6 +78,7 @@ def writer_class() -> type:
             self.storage = storage
             self.stats = SaveStats(_t0=time.perf_counter())
             self.save_id = ""  # set by nvrx_save once the coordinator claimed the URI
+            self.old_data: frozenset[str] | None = None  # what the claim found (coordinator)
             self.error: BaseException | None = None
             self.results: list[WriteResult] = []
             self.write_buckets: list[Any] = []
@@ -145,7 +146,7 @@ def writer_class() -> type:
         def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
             t0 = time.perf_counter()
             meta = StorageMeta(self.storage.uri, self.save_id)
-            commit_checkpoint(self.storage, metadata, results, meta, self.save_id)
+            commit_checkpoint(self.storage, metadata, results, meta, self.save_id, self.old_data)
             self.stats.commit_s = time.perf_counter() - t0
 
         @property
@@ -178,7 +179,7 @@ def nvrx_save(
     if process_group is None:
         writer.save_id = os.urandom(8).hex()
         storage.makedirs()
-        claim(storage, writer.save_id)
+        writer.old_data = claim(storage, writer.save_id)
         local_metadata = _plan_single_process(state_dict, writer, planner)
         writer.stats.plan_s = time.perf_counter() - writer.stats._t0
         writer.write_all()
@@ -189,7 +190,7 @@ def nvrx_save(
         return single
 
     wrapper = _DistWrapper(process_group, True, 0)
-    writer.save_id = _claim_and_share(storage, wrapper)
+    writer.save_id, writer.old_data = _claim_and_share(storage, wrapper)
     metadata: Metadata | None = None
     try:
         writer, metadata, wrapper = adapter.plan(state_dict, writer, process_group, planner, cache)
@@ -215,24 +216,26 @@ def nvrx_save(
     return stats
 
 
-def _claim_and_share(storage: Storage, wrapper: _DistWrapper) -> str:
+def _claim_and_share(storage: Storage, wrapper: _DistWrapper) -> tuple[str, frozenset[str] | None]:
     """The coordinator claims the URI; every rank gets the save id (or the
     coordinator's failure) by broadcast, so no rank writes before the old
-    commit is retracted."""
+    commit is retracted. Also returns what the claim found (coordinator;
+    None elsewhere)."""
     outcome: tuple[bool, str] = (True, "")
     error: Exception | None = None
+    old_data: frozenset[str] | None = None
     if wrapper.is_coordinator:
         try:
             save_id = os.urandom(8).hex()
             storage.makedirs()
-            claim(storage, save_id)
+            old_data = claim(storage, save_id)
             outcome = (True, save_id)
         except Exception as e:
             outcome, error = (False, _summary(e)), e
     ok, value = wrapper.broadcast_object(outcome)
     if not ok:
         raise SaveError(f"save to {storage.uri} failed: could not start it on rank 0: {value}") from error
-    return value
+    return value, old_data
 
 
 def _plan_single_process(state_dict: dict[str, Any], writer: Any, planner: SavePlanner | None) -> Metadata:
