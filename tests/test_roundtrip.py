@@ -60,6 +60,7 @@ def test_overwrite_same_uri_keeps_only_the_new_checkpoint(target: Target) -> Non
     assert torch.equal(restored["t0"], second["t0"])
     listed = {o["path"] for o in dcpstore.open_storage(target.uri, **target.kwargs).list()}
     assert {p for p in listed if p.endswith(".distcp")} == set(info.files)
+    assert ".dcpstore.inflight" not in listed  # the commit removed its marker
 
 
 def test_reshape_mismatch_is_reported(target: Target) -> None:
