@@ -116,7 +116,7 @@ def local_section(root: str, run_id: str, workers: Sequence[int]) -> list[Entry]
     return entries
 
 
-def s3_section(endpoint: str, run_id: str, workers: Sequence[int], msc_profile: str) -> list[Entry]:
+def s3_section(endpoint: str, run_id: str, workers: Sequence[int], msc_profile: str, part_size: int | None) -> list[Entry]:
     w = max(workers)
     env = servers.s3_env(endpoint)
     entries: list[Entry] = [limits.RawS3(endpoint, BUCKET, w)]
@@ -130,6 +130,10 @@ def s3_section(endpoint: str, run_id: str, workers: Sequence[int], msc_profile: 
     for label, uri, enable_msc in routes:
         entries += [WithEnv(e, env) for e in dcpstore_entries(label, uri, run_id, [w], async_workers=w,
                                                               enable_msc=enable_msc, backend=label)]  # fmt: skip
+    if part_size:  # the raw row's own part size: moto serves a ranged GET by slicing the whole object
+        options = StorageOptions(part_size=part_size)
+        entries.append(WithEnv(DcpstoreEntry(f"s3://{BUCKET}/dcpstore", run_id, workers=w, backend="s3", storage_options=options,
+                                             name=f"dcpstore s3 sync w={w} part={human_bytes(part_size)}"), env))  # fmt: skip
     entries += dcpstore_entries("memory", f"memory://{BUCKET}/dcpstore", run_id, [w], async_workers=None, backend="memory")
     return entries
 
@@ -144,7 +148,7 @@ def wan_section(proxy: str, run_id: str, workers: Sequence[int], msc_profile: st
         entries.append(peers.MscWriter(msc_profile, proxy, BUCKET, w, backend="s3-wan"))
         entries += [WithEnv(e, env) for e in dcpstore_entries("s3-wan", uri, run_id, [w], async_workers=None,
                                                               backend="s3-wan")]  # fmt: skip
-        if part_size:  # smaller parts: more connections per file, which is what a WAN rewards
+        if part_size:  # a fixed part size against the automatic one: connections per file is what a WAN rewards
             options = StorageOptions(part_size=part_size)
             entries.append(WithEnv(DcpstoreEntry(uri, run_id, workers=w, backend="s3-wan", storage_options=options,
                                                  name=f"dcpstore s3-wan sync w={w} part={human_bytes(part_size)}"), env))
@@ -170,8 +174,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--wan-size", default="64MiB", help="state size for the WAN section (default 64MiB)")
     p.add_argument("--wan-latency-ms", type=float, default=20.0)
     p.add_argument("--wan-rate-mbps", type=float, default=25.0, help="MB/s per connection and direction")
-    p.add_argument("--wan-part-size", default="8MiB",
-                   help="also run dcpstore s3 through the WAN with this part size ('' to skip; default 8MiB)")
+    p.add_argument("--wan-part-size", default="32MiB",
+                   help="also run dcpstore s3 through the WAN with this fixed part size, against the automatic "
+                        "default ('' to skip; default 32MiB, the raw rows' part size)")
+    p.add_argument("--s3-part-size", default="32MiB",
+                   help="also run dcpstore s3 (4 workers) with this fixed part size ('' to skip; default 32MiB, "
+                        "the raw rows' part size)")
     p.add_argument("--only", help="regular expression: run only entries whose name matches")
     p.add_argument("--root", help="directory for local files (default: a temporary directory under /tmp)")
     p.add_argument("--label", default="", help="free text stored with the results (e.g. 'pre-merge')")
@@ -212,7 +220,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if "s3" in sections:
                     servers.write_msc_config(msc_config, {"bench": (endpoint, BUCKET)})
                     with servers.env({"MSC_CONFIG": msc_config, **servers.FAKE_CREDENTIALS}):
-                        run("s3", s3_section(endpoint, run_id, workers, "bench"), state, dest)
+                        part = parse_size(args.s3_part_size) if args.s3_part_size else None
+                        run("s3", s3_section(endpoint, run_id, workers, "bench", part), state, dest)
                 if "wan" in sections:
                     wan_state = make_state(parse_size(args.wan_size), args.tensors)
                     wan_dest = zeros_like_state(wan_state)
@@ -237,6 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "label": args.label, "size": size, "tensors": args.tensors, "workers": workers,
             "wan": {"size": parse_size(args.wan_size), "latency_ms": args.wan_latency_ms, "rate_mbps": args.wan_rate_mbps,
                     "part_size": args.wan_part_size},
+            "s3_part_size": args.s3_part_size,
             "targets": results,
         })  # fmt: skip
         print(f"wrote {args.json}")
