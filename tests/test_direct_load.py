@@ -1,6 +1,6 @@
 """Loads read a whole tensor's bytes straight into the destination tensor.
 
-The manifest locates each large tensor's raw bytes inside its record; the
+The manifest locates each row-major tensor's raw bytes inside its record; the
 reader lands them in place with ``Storage.read_into`` and verifies their
 CRC32C. Destinations that cannot take raw bytes (another dtype, a
 non-contiguous view, a slice of the stored tensor) go through the record.
@@ -54,13 +54,14 @@ def test_large_contiguous_tensors_load_in_place(target: Target, monkeypatch: pyt
     state = _state()
     dcpstore.save(state, target.uri, workers=2, **target.kwargs).result()
     manifest = json.loads(dcpstore.open_storage(target.uri, **target.kwargs).read(MANIFEST))
-    # Only the large row-major tensors are located (the transposed one is not).
-    assert len(manifest["tensors"]) == 2
+    # Every row-major tensor is located, whatever its size; the transposed one is not.
+    assert len(manifest["tensors"]) == 3
     filled = _spy(monkeypatch)
     dest = {k: torch.zeros_like(v.contiguous()) for k, v in state.items()}
     in_place = {dest["big"].data_ptr(), dest["bf16"].data_ptr()}
     dcpstore.load(dest, target.uri, **target.kwargs)
     assert in_place <= set(filled)
+    # Small tensors come with their record and are copied out; "t" goes through torch.load.
     assert dest["small"].data_ptr() not in filled and dest["t"].data_ptr() not in filled
     for key, want in state.items():
         assert torch.equal(dest[key], want), key
@@ -73,11 +74,12 @@ def test_other_destinations_go_through_the_record(local_target: Target, monkeypa
     dest = {
         "big": torch.zeros(640, 512, dtype=torch.float64),  # another dtype: converted
         "bf16": torch.zeros(600, 1024, dtype=torch.bfloat16).t(),  # non-contiguous view
-        "small": torch.zeros(10),
+        "small": torch.zeros(10, dtype=torch.float64),
         "t": torch.zeros(700, 512),
     }
     dcpstore.load(dest, local_target.uri)
     assert filled == []
+    assert torch.equal(dest["small"], state["small"].double())
     assert torch.equal(dest["big"], state["big"].double())
     assert torch.equal(dest["bf16"], state["bf16"])
     assert torch.equal(dest["t"], state["t"])
@@ -87,7 +89,7 @@ def test_damage_in_a_tensor_read_in_place_is_named(local_target: Target) -> None
     state = _state()
     dcpstore.save(state, local_target.uri, workers=1).result()
     manifest = json.loads(open(os.path.join(local_target.uri, MANIFEST), "rb").read())
-    key, (data_offset, nbytes, _) = next(iter(manifest["tensors"].items()))
+    key, (data_offset, nbytes) = next(iter(manifest["tensors"].items()))
     name, _, item_offset = key.rpartition("@")
     with open(os.path.join(local_target.uri, name), "r+b") as f:
         f.seek(int(item_offset) + data_offset + nbytes // 2)
@@ -125,3 +127,21 @@ def test_a_run_with_a_destination_that_needs_the_record(local_target: Target, mo
     assert dest["big"].data_ptr() in filled and dest["bf16"].data_ptr() not in filled
     for key, want in state.items():
         assert torch.equal(dest[key], want), key
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [torch.tensor(True), torch.tensor([7], dtype=torch.int8), torch.arange(6, dtype=torch.uint8), torch.tensor(2.5)],
+    ids=["bool-scalar", "one-byte", "six-bytes", "f32-scalar"],
+)
+def test_tiny_tensors_are_located_by_address_not_by_size(local_target: Target, tensor: torch.Tensor) -> None:
+    """A record's header writes are 1-6 bytes long too ("1", "64", "little");
+    only the write from the tensor's own memory is its data."""
+    state = {"x": tensor, "pad": torch.randn(300)}
+    dcpstore.save(state, local_target.uri, workers=1).result()
+    manifest = json.loads(open(os.path.join(local_target.uri, MANIFEST), "rb").read())
+    offsets = {v[0] for v in manifest["tensors"].values()}
+    assert len(manifest["tensors"]) == 2 and all(o % 64 == 0 for o in offsets)  # torch aligns data records
+    dest = {k: torch.zeros_like(v) for k, v in state.items()}
+    dcpstore.load(dest, local_target.uri)
+    assert torch.equal(dest["x"], tensor) and torch.equal(dest["pad"], state["pad"])

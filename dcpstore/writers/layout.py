@@ -13,11 +13,12 @@ sidecar that stock DCP ignores. It records, for every data file, its size and
 CRC32C; for every item (tensor or bytes blob) its CRC32C, keyed by
 ``"<file>@<offset>"`` so ranged reads verify exactly what they read; and the
 CRC32C of the ``.metadata`` blob that follows it, so a damaged commit object
-is detected too. Optionally (``tensors``), for an item whose ``torch.save``
+is detected too. And (``tensors``), for every item whose ``torch.save``
 record holds its tensor's bytes row-major and contiguous: where those bytes
-start within the item, how many there are, and their own CRC32C -- a load
-then reads them straight into the destination tensor and verifies just them
-(the record's header is not needed: shape and dtype are in ``.metadata``).
+start within the item and how many there are -- a load then reads them
+straight into the destination tensor (shape and dtype are in
+``.metadata``), the record's other bytes into scratch, and verifies the
+item's CRC32C over all of them.
 Readers that predate the key ignore it; manifests without it load through
 the records. A checkpoint written by plain DCP has no manifest and loads
 unverified.
@@ -66,7 +67,7 @@ class Manifest(TypedDict):
     metadata_crc32c: int
     files: dict[str, FileEntry]
     items: dict[str, int]
-    #: item key -> [offset of the tensor bytes in the item, nbytes, CRC32C]
+    #: item key -> [offset of the tensor bytes in the item, nbytes]
     tensors: dict[str, list[int]]
 
 
