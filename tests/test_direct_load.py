@@ -145,3 +145,16 @@ def test_tiny_tensors_are_located_by_address_not_by_size(local_target: Target, t
     dest = {k: torch.zeros_like(v) for k, v in state.items()}
     dcpstore.load(dest, local_target.uri)
     assert torch.equal(dest["x"], tensor) and torch.equal(dest["pad"], state["pad"])
+
+
+def test_a_tensor_location_outside_its_item_is_named(local_target: Target) -> None:
+    state = _state()
+    dcpstore.save(state, local_target.uri).result()
+    path = os.path.join(local_target.uri, MANIFEST)
+    manifest = json.loads(open(path, "rb").read())
+    key = next(iter(manifest["tensors"]))
+    manifest["tensors"][key][0] += 10 << 20
+    with open(path, "w") as f:
+        json.dump(manifest, f)
+    with pytest.raises(dcpstore.CheckpointCorrupt, match=r"\.dcpstore\.json.*outside its item"):
+        dcpstore.load({k: torch.zeros_like(v.contiguous()) for k, v in state.items()}, local_target.uri)

@@ -836,7 +836,7 @@ class DcpStorageReader(StorageReader):
     def _split_direct(self, per_file: dict[str, list[tuple[ReadItem, _StorageInfo]]]) -> list[_Direct]:
         """Take out of ``per_file`` the requests that read a whole tensor whose
         raw bytes the manifest locates: those are read straight into their
-        destination (see :meth:`_read_direct`)."""
+        destination (see :meth:`_read_run`)."""
         raw = self._manifest["tensors"] if self._manifest is not None else {}
         if not raw:
             return []
@@ -846,6 +846,11 @@ class DcpStorageReader(StorageReader):
             keep = []
             for req, info in reqs:
                 entry = raw.get(item_key(path, info.offset))
+                if entry is not None and not 0 <= entry[0] <= entry[0] + entry[1] <= info.length:
+                    raise CheckpointCorrupt(
+                        f"{self.storage.describe(MANIFEST)}: tensor location {entry} lies outside its item "
+                        f"({path} at offset {info.offset}, {info.length} bytes)"
+                    )
                 dtype = _whole_tensor_dtype(req, self._metadata, entry[1]) if entry is not None else None
                 if entry is not None and dtype is not None:
                     direct.append(_Direct(path, info, req, dtype, entry[0], entry[1]))
@@ -862,7 +867,7 @@ class DcpStorageReader(StorageReader):
 
     def _read_run(self, run: _DirectRun, planner: LoadPlanner, lock: threading.Lock) -> None:
         """Read tensors' bytes straight into their destinations, verify each
-        one's CRC32C, and commit them.
+        item's CRC32C, and commit them.
 
         A destination must be a contiguous CPU tensor of the stored dtype and
         size (a plain state dict's tensors are); any other goes through its
@@ -884,7 +889,7 @@ class DcpStorageReader(StorageReader):
             self._scatter_read(group)
             with lock:
                 for d, target, _ in group:
-                    self.bytes_read += d.nbytes
+                    self.bytes_read += d.length
                     planner.commit_tensor(d.req, target)
 
     def _scatter_read(self, group: list[tuple[_Direct, torch.Tensor, memoryview]]) -> None:
