@@ -17,17 +17,10 @@ from typing import Any
 
 from tqdm import tqdm
 
+from .bench.measure import human_bytes
 from .errors import CheckpointError, CheckpointNotFound
 from .maintenance import gc, inspect_checkpoint, list_checkpoints, verify_checkpoint
 from .storage import Storage, open_storage
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
 
 
 def _open(args: argparse.Namespace) -> Storage:
@@ -47,7 +40,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     print(f"{'CHECKPOINT':<{width}}  {'STATUS':<10}  {'FILES':>5}  {'SIZE':>10}")
     for e in entries:
         status = "committed" if e.committed else "incomplete"
-        print(f"{e.path or '.':<{width}}  {status:<10}  {e.files:>5}  {_human(e.bytes):>10}")
+        print(f"{e.path or '.':<{width}}  {status:<10}  {e.files:>5}  {human_bytes(e.bytes):>10}")
     return 0
 
 
@@ -58,19 +51,19 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         return 0
     print(f"checkpoint  {info['uri']}")
     print(f"checksums   {'crc32c manifest' if info['verified_format'] else 'none (stock DCP checkpoint)'}")
-    print(f"tensors     {_human(info['tensor_bytes'])} in {sum(k['kind'] == 'tensor' for k in info['keys'].values())} keys")
-    print(f"files       {len(info['files'])} totalling {_human(info['file_bytes'])}\n")
+    print(f"tensors     {human_bytes(info['tensor_bytes'])} in {sum(k['kind'] == 'tensor' for k in info['keys'].values())} keys")
+    print(f"files       {len(info['files'])} totalling {human_bytes(info['file_bytes'])}\n")
     width = max(3, *(len(k) for k in info["keys"]))
     print(f"{'KEY':<{width}}  {'DTYPE':<10}  {'SHAPE':<20}  {'BYTES':>10}")
     for key, k in info["keys"].items():
         if k["kind"] == "tensor":
-            print(f"{key:<{width}}  {k['dtype']:<10}  {str(tuple(k['shape'])):<20}  {_human(k['bytes']):>10}")
+            print(f"{key:<{width}}  {k['dtype']:<10}  {str(tuple(k['shape'])):<20}  {human_bytes(k['bytes']):>10}")
         else:
             print(f"{key:<{width}}  {'object':<10}  {'':<20}  {'':>10}")
     print()
     for name, f in info["files"].items():
         crc = f" crc32c={f['crc32c']:08x}" if "crc32c" in f else ""
-        print(f"  {name}  {_human(f['size'])}{crc}")
+        print(f"  {name}  {human_bytes(f['size'])}{crc}")
     return 0
 
 
@@ -84,7 +77,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     for problem in report.problems:
         print(f"DAMAGED  {problem}")
     if report.ok:
-        print(f"OK  {report.files_checked} files, {_human(report.bytes_checked)} verified in {elapsed:.2f} s")
+        print(f"OK  {report.files_checked} files, {human_bytes(report.bytes_checked)} verified in {elapsed:.2f} s")
         return 0
     print(f"FAILED  {len(report.problems)} problem(s) in {storage.uri}")
     return 1
@@ -110,7 +103,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from .bench.report import format_table, plot_workers, write_json
 
     size, workers = parse_size(args.size), parse_int_list(args.workers)
-    print(f"dcpstore bench {args.uri}: {_human(size)} in {args.tensors} tensors, workers {workers}, "
+    print(f"dcpstore bench {args.uri}: {human_bytes(size)} in {args.tensors} tensors, workers {workers}, "
           f"{'async/' + args.engine if args.async_ else 'sync'}, {args.repeat} repeat(s)", flush=True)  # fmt: skip
     records = bench(
         args.uri, size=size, tensors=args.tensors, workers=workers, engine=args.engine, async_=args.async_,
@@ -122,7 +115,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         write_json(args.json, records, {"command": "dcpstore bench", "uri": args.uri, "size": size})
         print(f"wrote {args.json}")
     if args.plot:
-        plot_workers(args.plot, rows, f"dcpstore bench {args.uri} ({_human(size)}, {args.tensors} tensors)")
+        plot_workers(args.plot, rows, f"dcpstore bench {args.uri} ({human_bytes(size)}, {args.tensors} tensors)")
         print(f"wrote {args.plot}")
     if any(r.status == "failed" for r in records):
         return 1

@@ -59,6 +59,15 @@ def _state() -> dict[str, torch.Tensor]:
     return {"a": torch.randn(3 * MiB, generator=g), "c": torch.arange(10)}
 
 
+def _save_and_load_back(uri: str, opts: StorageOptions) -> None:
+    """Save the test state through the faults, load it back, compare."""
+    state = _state()
+    dcpstore.save(state, uri, workers=2, storage_options=opts).result()
+    restored = zeros_like_state(state)
+    dcpstore.load(restored, uri, storage_options=opts)
+    assert_state_equal(state, restored)
+
+
 def test_save_through_slowdowns_and_drops_commits_and_roundtrips(proxy: FaultProxy, s3_endpoint: S3Endpoint) -> None:
     # Every fault kind on every request kind; the proxy's RNG is seeded, so
     # how many faults the first N requests draw is fixed (botocore's backoff
@@ -66,11 +75,7 @@ def test_save_through_slowdowns_and_drops_commits_and_roundtrips(proxy: FaultPro
     proxy.config = FaultConfig(slowdown=0.1, drop=0.07, drop_response=0.07)
     opts = StorageOptions(part_size=PART, max_concurrency=4, max_attempts=8, op_timeout_s=60)
     uri = _uri(s3_endpoint)
-    state = _state()
-    dcpstore.save(state, uri, workers=2, storage_options=opts).result()
-    restored = zeros_like_state(state)
-    dcpstore.load(restored, uri, storage_options=opts)
-    assert_state_equal(state, restored)
+    _save_and_load_back(uri, opts)
     assert sum(proxy.stats.faults.values()) >= 3, proxy.stats  # the faults really happened
     assert proxy.stats.requests["UploadPart"] >= 3
     assert ".metadata" in _direct_keys(s3_endpoint, uri)
@@ -224,11 +229,7 @@ def test_500s_and_stalled_responses_are_retried_save_and_load_roundtrip(
     opts = StorageOptions(part_size=PART, max_concurrency=4, max_attempts=8, read_timeout_s=0.5, op_timeout_s=60)
     proxy.config = FaultConfig(internal_error=0.1, delay_s=0.8, delay_applies=_share(0.08, seed=3))
     uri = _uri(s3_endpoint)
-    state = _state()
-    dcpstore.save(state, uri, workers=2, storage_options=opts).result()
-    restored = zeros_like_state(state)
-    dcpstore.load(restored, uri, storage_options=opts)
-    assert_state_equal(state, restored)
+    _save_and_load_back(uri, opts)
     assert proxy.stats.faults["internal_error"] >= 1 and proxy.stats.faults["delay"] >= 1, proxy.stats
     assert ".metadata" in _direct_keys(s3_endpoint, uri)
 
@@ -239,11 +240,7 @@ def test_slow_responses_only_slow_a_save_down(proxy: FaultProxy, s3_endpoint: S3
     opts = StorageOptions(part_size=PART, max_attempts=1, read_timeout_s=5.0)
     proxy.config = FaultConfig(delay_s=0.15, delay_applies=lambda req: True)
     uri = _uri(s3_endpoint)
-    state = _state()
-    dcpstore.save(state, uri, workers=2, storage_options=opts).result()
-    restored = zeros_like_state(state)
-    dcpstore.load(restored, uri, storage_options=opts)
-    assert_state_equal(state, restored)
+    _save_and_load_back(uri, opts)
     assert proxy.stats.faults["delay"] == sum(proxy.stats.requests.values())
 
 

@@ -97,6 +97,12 @@ class StorageOptions:
         return min(AUTO_PART_MAX, max(AUTO_PART_MIN, -(-per_piece // MiB) * MiB))
 
 
+def byte_ranges(offset: int, length: int, piece: int) -> list[tuple[int, int]]:
+    """``(offset, length)`` of consecutive pieces covering ``length`` bytes at ``offset``."""
+    end = offset + length
+    return [(o, min(piece, end - o)) for o in range(offset, end, piece)]
+
+
 def slice_buffers(buffers: Sequence[memoryview], start: int, length: int) -> list[memoryview]:
     """The views of bytes ``[start, start + length)`` of the concatenation of
     ``buffers`` (for splitting a scatter read into requests, or resuming one)."""

@@ -58,7 +58,7 @@ import multistorageclient as msc
 from multistorageclient.types import Range
 
 from ..errors import CheckpointError, InvalidURI, StorageError, StorageNotFound, StoragePermissionError
-from .base import MiB, ObjectInfo, ObjectWriter, Storage, StorageOptions
+from .base import MiB, ObjectInfo, ObjectWriter, Storage, StorageOptions, byte_ranges
 from .local import fsync_dir
 from .uri import StorageURL, redact
 
@@ -206,7 +206,7 @@ class MSCStorage(Storage):
         with self._mapped(f"cannot read {self.describe(path)}"):
             if length <= ps or self.options.max_concurrency == 1:
                 return self._read_one(full, offset, length)
-            ranges = [(o, min(ps, offset + length - o)) for o in range(offset, offset + length, ps)]
+            ranges = byte_ranges(offset, length, ps)
             workers = min(self.options.max_concurrency, len(ranges))
             with ThreadPoolExecutor(workers, thread_name_prefix="dcpstore-msc-get") as pool:
                 chunks = list(pool.map(lambda r: self._read_one(full, r[0], r[1]), ranges))

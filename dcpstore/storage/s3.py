@@ -61,7 +61,7 @@ import botocore.exceptions as bexc
 from botocore.config import Config
 
 from ..errors import CheckpointError, StorageError, StorageNotFound, StoragePermissionError
-from .base import ObjectInfo, ObjectWriter, Storage, StorageOptions, slice_buffers
+from .base import ObjectInfo, ObjectWriter, Storage, StorageOptions, byte_ranges, slice_buffers
 from .uri import StorageURL, redact
 
 log = logging.getLogger(__name__)
@@ -550,64 +550,21 @@ class S3Storage(Storage):
     # -- reading -------------------------------------------------------------
     def _get(self, path: str, offset: int, length: int, if_match: str | None = None) -> tuple[bytes, dict[str, Any]]:
         """One ranged GET, body included (``b""`` and ``{}`` past the end)."""
-        got: list[tuple[bytes, dict[str, Any]]] = []
-
-        def read(resp: dict[str, Any]) -> None:
-            got.append((resp["Body"].read(), resp))
-
-        if not self._ranged_get(path, offset, length, read, if_match):
-            return b"", {}
-        return got[-1]
-
-    def read_range(self, path: str, offset: int, length: int) -> bytes:
-        if length <= 0:
-            self.size(path)  # still report a missing object
-            return b""
-        ps = self.options.part_size_for(length)
-        if length <= ps or self.options.max_concurrency == 1:
-            return self._get(path, offset, length)[0]
-        ranges = [(o, min(ps, offset + length - o)) for o in range(offset, offset + length, ps)]
-        return b"".join(self._get_many(path, ranges))
-
-    def read_into(self, path: str, offset: int, buffers: Sequence[memoryview]) -> int:
-        """Ranged GETs of ``part_size`` in parallel, each body read straight
-        into its stretch of ``buffers`` (no whole-object bytes in between)."""
-        total = sum(b.nbytes for b in buffers)
-        if total == 0:
-            self.size(path)  # still report a missing object
-            return 0
-        ps = self.options.part_size_for(total)
-        ranges = [(o, min(ps, total - o)) for o in range(0, total, ps)]
-        jobs = [(offset + o, slice_buffers(buffers, o, n)) for o, n in ranges]
-        workers = min(self.options.max_concurrency, len(jobs))
-        if workers == 1:
-            counts = [self._get_into(path, at, segs) for at, segs in jobs]
-        else:
-            with ThreadPoolExecutor(workers, thread_name_prefix="dcpstore-s3-get") as pool:
-                futures = [pool.submit(self._get_into, path, at, segs) for at, segs in jobs]
-                counts = [f.result() for f in futures]
-        done = 0
-        for (_, n), got in zip(ranges, counts):
-            done += got
-            if got < n:  # the object ended here
-                break
-        return done
+        got = self._ranged_get(path, offset, length, lambda resp: (resp["Body"].read(), resp), if_match)
+        return got if got is not None else (b"", {})
 
     def _get_into(self, path: str, offset: int, buffers: list[memoryview]) -> int:
         """One ranged GET filling ``buffers`` in order; bytes read, 0 past the end."""
-        got = [0]
-
-        def read(resp: dict[str, Any]) -> None:
-            got[0] = _readinto_full(resp["Body"], buffers)
-
-        self._ranged_get(path, offset, sum(b.nbytes for b in buffers), read, None)
-        return got[0]
+        length = sum(b.nbytes for b in buffers)
+        got = self._ranged_get(path, offset, length, lambda resp: _readinto_full(resp["Body"], buffers), None)
+        return got or 0
 
     def _ranged_get(
-        self, path: str, offset: int, length: int, consume: Callable[[dict[str, Any]], None], if_match: str | None
-    ) -> bool:
-        """GET ``length`` bytes at ``offset`` and ``consume`` the response
-        (its body); False if ``offset`` is at or past the end.
+        self, path: str, offset: int, length: int, consume: Callable[[dict[str, Any]], T], if_match: str | None
+    ) -> T | None:
+        """GET ``length`` bytes at ``offset`` and return what ``consume`` makes
+        of the response (it reads the body); None if ``offset`` is at or past
+        the end.
 
         botocore retries the request itself; a body that breaks off after the
         headers arrived is past its retry loop, so the GET is retried here,
@@ -624,15 +581,14 @@ class S3Storage(Storage):
             except bexc.ClientError as e:
                 code, status = _status_code(e)
                 if status == 416 or code == "InvalidRange":
-                    return False
+                    return None
                 if status == 412 or code == "PreconditionFailed":
                     raise StorageError(f"{what}: the object changed while it was being read") from e
                 raise map_error(e, what, self.bucket, self.endpoint) from e
             except Exception as e:
                 raise map_error(e, what, self.bucket, self.endpoint) from e
             try:
-                consume(resp)
-                return True
+                return consume(resp)
             except _BODY_ERRORS as e:
                 if attempt >= self.options.max_attempts or time.monotonic() > deadline:
                     raise map_error(e, what, self.bucket, self.endpoint) from e
@@ -640,11 +596,39 @@ class S3Storage(Storage):
                 time.sleep(min(random.uniform(0, 2**attempt) * 0.05, 2.0))
         raise AssertionError("unreachable")  # the loop returns or raises
 
-    def _get_many(self, path: str, ranges: list[tuple[int, int]], if_match: str | None = None) -> list[bytes]:
-        workers = min(self.options.max_concurrency, len(ranges))
+    def _in_parallel(self, fn: Callable[..., T], jobs: list[tuple[Any, ...]]) -> list[T]:
+        """``[fn(*job) for job in jobs]`` on up to ``max_concurrency`` threads, in order."""
+        workers = min(self.options.max_concurrency, len(jobs))
+        if workers <= 1:
+            return [fn(*job) for job in jobs]
         with ThreadPoolExecutor(workers, thread_name_prefix="dcpstore-s3-get") as pool:
-            futures = [pool.submit(self._get, path, o, n, if_match) for o, n in ranges]
-            return [f.result()[0] for f in futures]
+            futures = [pool.submit(fn, *job) for job in jobs]
+            return [f.result() for f in futures]
+
+    def read_range(self, path: str, offset: int, length: int) -> bytes:
+        if length <= 0:
+            self.size(path)  # still report a missing object
+            return b""
+        # One worker: one GET for the whole range, not several in a row.
+        piece = length if self.options.max_concurrency == 1 else self.options.part_size_for(length)
+        chunks = self._in_parallel(lambda o, n: self._get(path, o, n)[0], byte_ranges(offset, length, piece))
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    def read_into(self, path: str, offset: int, buffers: Sequence[memoryview]) -> int:
+        """Ranged GETs in parallel, each body read straight into its stretch
+        of ``buffers`` (no whole-object bytes in between)."""
+        total = sum(b.nbytes for b in buffers)
+        if total == 0:
+            self.size(path)  # still report a missing object
+            return 0
+        ranges = byte_ranges(0, total, self.options.part_size_for(total))
+        counts = self._in_parallel(self._get_into, [(path, offset + o, slice_buffers(buffers, o, n)) for o, n in ranges])
+        done = 0
+        for (_, n), got in zip(ranges, counts):
+            done += got
+            if got < n:  # the object ended here
+                break
+        return done
 
     def read(self, path: str) -> bytes:
         """Whole object: the first ranged GET also tells the size (no HEAD)."""
@@ -658,9 +642,10 @@ class S3Storage(Storage):
         if total <= len(first):
             return first
         etag = resp.get("ETag")
-        ps = self.options.part_size_for(total - len(first))
-        ranges = [(o, min(ps, total - o)) for o in range(len(first), total, ps)]
-        return b"".join([first, *self._get_many(path, ranges, if_match=etag)])
+        rest = total - len(first)
+        ranges = byte_ranges(len(first), rest, self.options.part_size_for(rest))
+        chunks = self._in_parallel(lambda o, n: self._get(path, o, n, etag)[0], ranges)
+        return b"".join([first, *chunks])
 
     def size(self, path: str) -> int:
         resp = self.call(
