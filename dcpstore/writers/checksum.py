@@ -3,8 +3,9 @@
 The writer records a CRC32C per item and per data file. Feeding every byte to
 two running CRCs costs two passes over the data; instead a large write is
 checksummed once and its CRC is *appended* to the running CRCs with
-:func:`crc32c_combine` -- the GF(2) polynomial arithmetic that zlib's
-``crc32_combine`` uses, for the Castagnoli polynomial. Combining costs
+:func:`crc32c_combine` -- the GF(2) polynomial arithmetic of zlib's
+``crc32_combine``, for the Castagnoli polynomial (without zlib's period-32
+shortcut, which holds only for CRC-32's polynomial). Combining costs
 O(log n) 32-bit steps in Python (~tens of microseconds), so it only pays for
 writes of about a MiB and more; smaller writes just update both CRCs.
 """
@@ -34,23 +35,34 @@ def _multmodp(a: int, b: int) -> int:
     return product
 
 
+#: Lengths up to 2**61 bytes (x^(8n) needs x^(2^k) for k < 64).
+_TABLE_SIZE = 64
+
+
 @cache
 def _x2n_table() -> tuple[int, ...]:
-    """x^(2^k) modulo the polynomial, k = 0..31 (x^1 is ``1 << 30``)."""
+    """x^(2^k) modulo the polynomial, k = 0..63 (x^1 is ``1 << 30``).
+
+    zlib keeps 32 entries and indexes them ``k & 31``: that relies on
+    x^(2^32) = x modulo the CRC-32 polynomial. It does not hold for the
+    Castagnoli polynomial, so every power a length needs gets its own entry.
+    """
     table = [1 << 30]
-    for _ in range(31):
+    for _ in range(_TABLE_SIZE - 1):
         table.append(_multmodp(table[-1], table[-1]))
     return tuple(table)
 
 
 def _x8nmodp(nbytes: int) -> int:
     """x^(8 * nbytes) modulo the polynomial: shifting a CRC past n bytes."""
+    if not 0 <= nbytes < 1 << (_TABLE_SIZE - 3):
+        raise ValueError(f"cannot combine a CRC32C over {nbytes} bytes")
     table = _x2n_table()
     power = _ONE
     k = 3  # 8 * n = n << 3
     while nbytes:
         if nbytes & 1:
-            power = _multmodp(table[k & 31], power)
+            power = _multmodp(table[k], power)
         nbytes >>= 1
         k += 1
     return power
