@@ -231,8 +231,16 @@ class _ChecksummingStream:
 
 
 def _is_raw(tensor: torch.Tensor) -> bool:
+    """Whether the tensor's storage bytes, as they lie, are its values.
+
+    A conjugate or negative view stores the un-conjugated / un-negated bytes
+    plus a flag (torch.save keeps the flag in the record): its bytes are not
+    its values, so a load must go through the record.
+    """
     return (
         tensor.nbytes > 0
+        and not tensor.is_conj()
+        and not tensor.is_neg()
         and tensor.is_contiguous()
         and tensor.storage_offset() == 0
         and tensor.untyped_storage().nbytes() == tensor.nbytes
@@ -1071,7 +1079,13 @@ def _view_record(item: memoryview) -> torch.Tensor | None:
     if nbytes == 0 or offset + nbytes > len(item):
         return None
     raw = torch.frombuffer(item[offset : offset + nbytes], dtype=torch.uint8)
-    return raw.view(meta.dtype).as_strided(meta.size(), meta.stride(), meta.storage_offset())
+    view = raw.view(meta.dtype).as_strided(meta.size(), meta.stride(), meta.storage_offset())
+    # The record's view bits, as torch.load would set them.
+    if meta.is_conj():
+        view = view.conj()
+    if meta.is_neg():
+        view = torch._neg_view(view)
+    return view
 
 
 def _narrow(tensor: torch.Tensor, offsets: torch.Size, lengths: torch.Size) -> torch.Tensor:
