@@ -23,6 +23,7 @@ from .errors import (
     StorageError,
     StorageNotFound,
     StoragePermissionError,
+    UnsafeCheckpoint,
 )
 from .storage import StorageOptions, open_storage
 
@@ -47,6 +48,7 @@ __all__ = [
     "StorageNotFound",
     "StorageOptions",
     "StoragePermissionError",
+    "UnsafeCheckpoint",
     "load",
     "open_storage",
     "save",

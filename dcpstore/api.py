@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from concurrent.futures import wait as wait_futures
@@ -222,8 +222,10 @@ def save(
             no_dist=_no_dist(process_group),
         )
     except CheckpointException as e:
+        writer.release()  # e.g. another rank failed: gc may collect what this save left
         raise SaveError(f"save to {storage.uri} failed: {_first_failure(e)}") from e
     except CheckpointError as e:
+        writer.release()
         raise SaveError(f"save to {storage.uri} failed: {e}") from e
     elapsed = time.perf_counter() - t0
     info = CheckpointInfo.from_stats(storage, writer.stats, "sync", stage_s=0.0, blocked_s=elapsed, total_s=elapsed)
@@ -249,18 +251,26 @@ def load(
     planner: LoadPlanner | None = None,
     verify: bool = True,
     storage_options: StorageOptions | None = None,
+    safe_globals: Sequence[Any] | None = None,
+    trusted: bool = False,
 ) -> None:
     """Load the checkpoint at ``uri`` into ``state_dict`` in place.
 
     Like ``dcp.load``: tensors are filled in place and resharded to the
     caller's layout (saved on N ranks, loaded on M). Sizes and checksums are
     verified; a damaged file raises :class:`CheckpointCorrupt` naming it.
+
+    Never executes checkpoint content: ``.metadata`` and non-tensor items are
+    unpickled through allowlists (tensors, containers, plain Python values);
+    another class raises :class:`UnsafeCheckpoint` naming the item and the
+    class. ``safe_globals=[cls, ...]`` allows those classes; ``trusted=True``
+    allows anything (only for checkpoints you trust as you trust code).
     """
     if not isinstance(state_dict, dict):
         raise InvalidArgument(f"state_dict must be a dict, got {type(state_dict).__name__}")
     _check_common(workers, process_group)
     storage = open_storage(uri, enable_msc=enable_msc, storage_options=storage_options)
-    reader = DcpStorageReader(storage, workers=workers, verify=verify)
+    reader = DcpStorageReader(storage, workers=workers, verify=verify, safe_globals=safe_globals, trusted=trusted)
     reader.preload_metadata()
     try:
         dcp_load(

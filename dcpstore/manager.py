@@ -50,6 +50,7 @@ import posixpath
 import re
 import threading
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -58,9 +59,10 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.planner import SavePlanner
 
 from .api import CheckpointInfo, SaveHandle, load, save
-from .errors import CheckpointError, CheckpointNotFound, InvalidArgument, SaveError, StorageError
+from .errors import CheckpointError, CheckpointNotFound, InvalidArgument, SaveError
 from .options import check_save_options, engine_problem
 from .storage import Storage, StorageOptions, join_uri, open_storage
+from .format.manifest import SMALL_FILE_LIMIT, read_capped
 from .writers.layout import METADATA
 
 log = logging.getLogger(__name__)
@@ -241,8 +243,8 @@ class CheckpointManager:
     def read_pointer(self) -> int | None:
         """The step in ``root/latest`` (a hint; see the module docstring)."""
         try:
-            text = self._storage.read(LATEST).decode("ascii", "replace").strip()
-        except StorageError:
+            text = read_capped(self._storage, LATEST, SMALL_FILE_LIMIT).decode("ascii", "replace").strip()
+        except CheckpointError:  # missing, unreadable, or too large to be a step number
             return None
         return int(text) if text.isdigit() else None
 
@@ -351,13 +353,22 @@ class CheckpointManager:
             raise CheckpointNotFound(f"no committed checkpoint under {self.uri} (no {STEP_PREFIX}*/{METADATA})")
         return found
 
-    def load(self, state_dict: dict[str, Any], step: int | None = None) -> int:
+    def load(
+        self,
+        state_dict: dict[str, Any],
+        step: int | None = None,
+        *,
+        safe_globals: Sequence[Any] | None = None,
+        trusted: bool = False,
+    ) -> int:
         """Load ``step`` (default: the newest committed) into ``state_dict``
-        in place, resharding as :func:`dcpstore.load` does. Returns the step."""
+        in place, resharding as :func:`dcpstore.load` does. Returns the step.
+        ``safe_globals`` / ``trusted``: as :func:`dcpstore.load` (what a
+        non-tensor item may hold beyond the allowlist)."""
         self._check_open()
         self._finish_pending()
         resolved = self.resolve_step(step)
-        load(state_dict, self.step_uri(resolved), **self._io)
+        load(state_dict, self.step_uri(resolved), safe_globals=safe_globals, trusted=trusted, **self._io)
         return resolved
 
     # -- lifetime -----------------------------------------------------------

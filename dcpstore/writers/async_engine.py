@@ -122,13 +122,17 @@ def native_save(
 ) -> SaveStats:
     """The native engine: the whole DCP save with dcpstore's writer."""
     writer = DcpStorageWriter(storage, workers=workers)
-    dcp_save(
-        state_dict,
-        storage_writer=writer,
-        planner=planner,
-        process_group=process_group,
-        no_dist=process_group is None,
-    )
+    try:
+        dcp_save(
+            state_dict,
+            storage_writer=writer,
+            planner=planner,
+            process_group=process_group,
+            no_dist=process_group is None,
+        )
+    except BaseException:
+        writer.release()  # e.g. another rank failed: gc may collect what this save left
+        raise
     return writer.stats
 
 

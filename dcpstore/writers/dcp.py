@@ -66,6 +66,16 @@ from ..errors import (
     StorageNotFound,
 )
 from ..adapters.torch_save import save_record
+from ..format.manifest import (
+    MANIFEST_LIMIT,
+    METADATA_LIMIT,
+    SMALL_FILE_LIMIT,
+    check_items_listed,
+    check_metadata_crc,
+    read_capped,
+)
+from ..format.inflight import alive_name, is_alive_file, release_claims, start_refresher, stop_refresher
+from ..format.safe_pickle import TOOLS, Trust, check_record_end, load_metadata, load_object
 from ..storage.base import MiB, ObjectWriter, Storage
 from .layout import (
     INFLIGHT,
@@ -75,6 +85,7 @@ from .layout import (
     Manifest,
     build_manifest,
     data_file_name,
+    is_commit_file,
     is_data_file,
     item_key,
     parse_manifest,
@@ -341,6 +352,7 @@ class DcpStorageWriter(StorageWriter):
         self.is_coordinator = is_coordinator
         self.rank = kwargs.get("rank") or 0
         self.stats = SaveStats(_t0=time.perf_counter())
+        self.release()  # a previous save through this writer that never finished
         self.save_id = os.urandom(8).hex()
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
@@ -372,6 +384,7 @@ class DcpStorageWriter(StorageWriter):
                 "dcpstore-write",
             )
         except BaseException as e:  # DCP gathers exceptions across ranks
+            self.release()
             future.set_exception(e)  # type: ignore[arg-type]  # torch's stub types it as the value
             return future
         results = [r for rs in per_file for r in rs]
@@ -416,11 +429,21 @@ class DcpStorageWriter(StorageWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         t_start = time.perf_counter()
-        commit_checkpoint(self.storage, metadata, results, self.storage_meta(), self.save_id, self._old_data)
+        try:
+            commit_checkpoint(self.storage, metadata, results, self.storage_meta(), self.save_id, self._old_data)
+        except BaseException:
+            self.release()
+            raise
         self.stats.commit_s = time.perf_counter() - t_start
 
     def _check_still_ours(self, save_id: str) -> None:
         check_still_ours(self.storage, save_id)
+
+    def release(self) -> None:
+        """The save failed (or never finished): stop its proof of life, so
+        that ``gc`` may collect its leftovers (coordinator; a no-op elsewhere
+        and after the commit, which does this itself). Idempotent."""
+        release_claims(self.storage)
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.storage.uri, save_id=self.save_id)
@@ -477,7 +500,8 @@ def commit_checkpoint(
     check_still_ours(storage, save_id)
     storage.put(MANIFEST, build_manifest(files, items, crc32c.crc32c(blob), tensors))
     storage.put(METADATA, blob)  # the commit point
-    remove_stale_data(storage, files, old_data)
+    stop_refresher(storage, save_id)
+    remove_stale_data(storage, files, old_data, save_id)
 
 
 def claim(storage: Storage, save_id: str) -> frozenset[str]:
@@ -489,11 +513,13 @@ def claim(storage: Storage, save_id: str) -> frozenset[str]:
     that appears later belongs to a save that replaced our marker, and then
     this save never commits)."""
     present = {o["path"] for o in storage.list()}
-    old_commit = [p for p in (METADATA, MANIFEST) if p in present]
+    old_commit = sorted(p for p in present if is_commit_file(p) or p == MANIFEST)  # rank-local ones too
     if old_commit:
         storage.delete(old_commit)
     storage.put(INFLIGHT, save_id.encode())
-    return frozenset(p for p in present if is_data_file(p))
+    start_refresher(storage, save_id, INFLIGHT)  # proof of life for gc, until commit or failure
+    # Alive files of earlier saves are leftovers too: the commit removes them.
+    return frozenset(p for p in present if is_data_file(p) or is_alive_file(p))
 
 
 def check_still_ours(storage: Storage, save_id: str) -> None:
@@ -501,9 +527,14 @@ def check_still_ours(storage: Storage, save_id: str) -> None:
     has started (it replaced our in-flight marker): the later save wins,
     this one fails clearly and never writes over the winner's files."""
     try:
-        owner = storage.read(INFLIGHT).decode(errors="replace")
+        owner = read_capped(storage, INFLIGHT, SMALL_FILE_LIMIT).decode(errors="replace")
     except StorageNotFound:
         owner = "<none>"
+    if owner == "<none>" and not storage.exists(METADATA):  # no later save committed and removed it
+        raise SaveError(
+            f"the in-flight marker {storage.describe(INFLIGHT)} of this save ({save_id}) was removed while "
+            "it was writing (by 'dcpstore gc', or by hand); nothing was committed by this save"
+        )
     if owner != save_id:
         raise SaveError(
             f"another save to {storage.uri} started while this one was writing "
@@ -555,13 +586,17 @@ def _span_end(wr: WriteResult) -> int:
     return int(wr.storage_data.offset + wr.storage_data.length)
 
 
-def remove_stale_data(storage: Storage, live: dict[str, FileEntry], old_data: frozenset[str] | None = None) -> None:
-    """After the commit: delete the in-flight marker and the data files an
-    older checkpoint at this URI left behind, in one request."""
+def remove_stale_data(
+    storage: Storage, live: dict[str, FileEntry], old_data: frozenset[str] | None = None, save_id: str = ""
+) -> None:
+    """After the commit: delete the in-flight marker, the save's alive file
+    and the data files an older checkpoint at this URI left behind, in one
+    request."""
     try:
         if old_data is None:
-            old_data = frozenset(o["path"] for o in storage.list() if is_data_file(o["path"]))
-        storage.delete([INFLIGHT, *sorted(old_data - live.keys())])
+            old_data = frozenset(o["path"] for o in storage.list() if is_data_file(o["path"]) or is_alive_file(o["path"]))
+        mine = [alive_name(save_id)] if save_id else []
+        storage.delete([INFLIGHT, *mine, *sorted(old_data - live.keys())])
     except CheckpointError as e:  # the commit already happened; cleanup is best effort
         log.warning("could not remove the in-flight marker or stale data files under %s: %s", storage.uri, e)
 
@@ -571,25 +606,25 @@ def remove_stale_data(storage: Storage, live: dict[str, FileEntry], old_data: fr
 # ---------------------------------------------------------------------------
 
 
-def read_checkpoint_metadata(storage: Storage) -> tuple[Metadata, Manifest | None]:
-    """Read and verify ``.metadata`` (and the manifest, if there is one)."""
+def read_checkpoint_metadata(storage: Storage, trust: Trust = TOOLS) -> tuple[Metadata, Manifest | None]:
+    """Read and verify ``.metadata`` (and the manifest, if there is one):
+    capped reads, the manifest's schema, the CRC, the restricted unpickle
+    (``trust``: what it may build beyond the allowlist), and every stored
+    item checked against the manifest. Load, verify and inspect all come here."""
     try:
-        blob = storage.read(METADATA)
+        blob = read_capped(storage, METADATA, METADATA_LIMIT)
     except StorageNotFound as e:
         raise CheckpointNotFound(_why_missing(storage)) from e
     manifest = None
     try:
-        manifest = parse_manifest(storage.read(MANIFEST), storage.describe(MANIFEST))
+        manifest = parse_manifest(read_capped(storage, MANIFEST, MANIFEST_LIMIT), storage.describe(MANIFEST))
     except StorageNotFound:
         log.debug("%s has no integrity manifest (written by stock DCP?); loading unverified", storage.uri)
-    if manifest is not None and crc32c.crc32c(blob) != manifest["metadata_crc32c"]:
-        raise CheckpointCorrupt(f"{storage.describe(METADATA)}: checksum mismatch (damaged commit object)")
-    try:
-        metadata = pickle.loads(blob)
-    except Exception as e:
-        raise CheckpointCorrupt(f"{storage.describe(METADATA)}: cannot be unpickled ({e})") from e
-    if not isinstance(metadata, Metadata):
-        raise CheckpointCorrupt(f"{storage.describe(METADATA)}: holds a {type(metadata).__name__}, not DCP Metadata")
+    if manifest is not None:
+        check_metadata_crc(blob, manifest, storage.describe(METADATA))
+    metadata, stored = load_metadata(blob, storage.describe(METADATA), trust)
+    if manifest is not None:
+        check_items_listed(manifest, stored, storage.describe, storage.describe(MANIFEST))
     return metadata, manifest
 
 
@@ -748,7 +783,12 @@ def _coalesce(path: str, reqs: list[tuple[ReadItem, _StorageInfo]]) -> list[_Spa
 
 
 class DcpStorageReader(StorageReader):
-    """A DCP ``StorageReader`` over any :class:`Storage`; verifies as it reads."""
+    """A DCP ``StorageReader`` over any :class:`Storage`; verifies as it reads.
+
+    Never executes checkpoint content: ``.metadata`` and non-tensor items are
+    unpickled through allowlists (:mod:`dcpstore.format.safe_pickle`);
+    ``safe_globals=[cls, ...]`` allows more classes, ``trusted=True`` all.
+    """
 
     def __init__(
         self,
@@ -757,11 +797,14 @@ class DcpStorageReader(StorageReader):
         workers: int | None = None,
         reopen: Callable[[str], Storage] | None = None,
         verify: bool = True,
+        safe_globals: Sequence[Any] | None = None,
+        trusted: bool = False,
     ) -> None:
         super().__init__()
         self.storage = storage
         self.workers = check_workers(workers, default_workers())
         self.verify = verify
+        self._trust = Trust.of(safe_globals, trusted)
         self._reopen = reopen
         self._manifest: Manifest | None = None
         self._metadata: Metadata | None = None
@@ -779,7 +822,7 @@ class DcpStorageReader(StorageReader):
         """Read and verify the commit now (every rank), so that a missing or
         damaged checkpoint fails fast with a clear error, outside DCP."""
         if self._metadata is None:
-            self._metadata, self._manifest = read_checkpoint_metadata(self.storage)
+            self._metadata, self._manifest = read_checkpoint_metadata(self.storage, self._trust)
         return self._metadata
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
@@ -810,8 +853,7 @@ class DcpStorageReader(StorageReader):
                     f"{list(info.transform_descriptors)}, which dcpstore does not read"
                 )
             per_file[info.relative_path].append((req, info))
-        if self.verify and self._manifest is not None:
-            self._check_sizes(per_file)
+        self._check_sizes(per_file)
         direct = _sequential_runs(self._split_direct(per_file), self.workers)
         spans = [span for path, reqs in per_file.items() for span in _coalesce(path, reqs)]
         jobs: list[_Span | _DirectRun] = [*spans, *direct]
@@ -827,19 +869,31 @@ class DcpStorageReader(StorageReader):
         return future
 
     def _check_sizes(self, per_file: dict[str, list[tuple[ReadItem, _StorageInfo]]]) -> None:
-        assert self._manifest is not None
-        for path in per_file:
-            entry = self._manifest["files"].get(path)
-            if entry is None:
+        """Each file's real size against the manifest, and against the items
+        to read from it: nothing is allocated for bytes a file does not hold
+        (a plain file: a FIFO or device is refused here, before any read)."""
+        manifest = self._manifest if self.verify else None
+        for path, reqs in per_file.items():
+            entry = manifest["files"].get(path) if manifest is not None else None
+            if manifest is not None and entry is None:
                 raise CheckpointCorrupt(f"{self.storage.describe(path)}: not listed in the integrity manifest")
             try:
                 actual = self.storage.size(path)
             except StorageNotFound as e:
                 raise CheckpointCorrupt(f"{self.storage.describe(path)}: data file is missing") from e
-            if actual != entry["size"]:
+            if entry is not None and actual != entry["size"]:
                 raise CheckpointCorrupt(
                     f"{self.storage.describe(path)}: size {actual} bytes, expected {entry['size']} (truncated or damaged)"
                 )
+            end = max(info.offset + info.length for _, info in reqs)
+            if end > actual:
+                raise CheckpointCorrupt(
+                    f"{self.storage.describe(path)}: items run to byte {end}, but the file holds {actual} "
+                    "(truncated, or a damaged .metadata)"
+                )
+            for req, info in reqs:
+                if req.type == LoadItemType.BYTE_IO and not self._trust.trusted:
+                    check_record_end(self.storage, path, info.offset, info.length, repr(req.storage_index.fqn))
 
     def _split_direct(self, per_file: dict[str, list[tuple[ReadItem, _StorageInfo]]]) -> list[_Direct]:
         """Take out of ``per_file`` the requests that read a whole tensor whose
@@ -955,6 +1009,8 @@ class DcpStorageReader(StorageReader):
             item = view[start : start + info.length]
             self._verify_item(span.path, info, item)
             if req.type == LoadItemType.BYTE_IO:
+                if not self._trust.trusted:  # built through the allowlist first: refused before the planner runs it
+                    load_object(item, f"checkpoint item {req.storage_index.fqn!r}", self._trust)
                 with lock:
                     planner.load_bytes(req, io.BytesIO(item))
                 continue

@@ -26,11 +26,17 @@ unverified.
 
 from __future__ import annotations
 
-import json
 import re
-from typing import Any, TypedDict
 
-from ..errors import CheckpointCorrupt
+# The manifest's schema and validation live in dcpstore.format.manifest.
+from ..format.manifest import (
+    MANIFEST_FORMAT as MANIFEST_FORMAT,
+    FileEntry as FileEntry,
+    Manifest as Manifest,
+    build_manifest as build_manifest,
+    item_key as item_key,
+    parse_manifest as parse_manifest,
+)
 
 METADATA = ".metadata"
 MANIFEST = ".dcpstore.json"
@@ -39,8 +45,9 @@ MANIFEST = ".dcpstore.json"
 #: save's while it wrote refuses to commit (two writers, one URI).
 INFLIGHT = ".dcpstore.inflight"
 DATA_SUFFIX = ".distcp"
-MANIFEST_FORMAT = "dcpstore-manifest/1"
 _DATA_RE = re.compile(r"^__\d+_\d+\.distcp$")
+#: Stock DCP with ``use_collectives=False`` commits one ``__{rank}.metadata`` per rank.
+_RANK_METADATA_RE = re.compile(r"^__\d+\.metadata$")
 
 
 def data_file_name(rank_prefix: str, index: int) -> str:
@@ -52,53 +59,7 @@ def is_data_file(path: str) -> bool:
     return _DATA_RE.match(path) is not None
 
 
-def item_key(path: str, offset: int) -> str:
-    return f"{path}@{offset}"
-
-
-class FileEntry(TypedDict):
-    size: int
-    crc32c: int
-
-
-class Manifest(TypedDict):
-    format: str
-    checksum: str
-    metadata_crc32c: int
-    files: dict[str, FileEntry]
-    items: dict[str, int]
-    #: item key -> [offset of the tensor bytes in the item, nbytes]
-    tensors: dict[str, list[int]]
-
-
-def build_manifest(
-    files: dict[str, FileEntry],
-    items: dict[str, int],
-    metadata_crc: int,
-    tensors: dict[str, list[int]] | None = None,
-) -> bytes:
-    manifest: Manifest = {
-        "format": MANIFEST_FORMAT,
-        "checksum": "crc32c",
-        "metadata_crc32c": metadata_crc,
-        "files": dict(sorted(files.items())),
-        "items": items,
-        "tensors": tensors or {},
-    }
-    return json.dumps(manifest, separators=(",", ":")).encode()
-
-
-def parse_manifest(blob: bytes, where: str) -> Manifest:
-    """Parse a manifest, raising :class:`CheckpointCorrupt` naming ``where``."""
-    try:
-        data: Any = json.loads(blob)
-        if data.get("format") != MANIFEST_FORMAT:
-            raise ValueError(f"unknown format {data.get('format')!r}")
-        for key in ("metadata_crc32c", "files", "items"):
-            if key not in data:
-                raise ValueError(f"missing key {key!r}")
-        data.setdefault("tensors", {})  # absent from manifests written before it existed
-    except (ValueError, AttributeError, UnicodeDecodeError) as e:
-        raise CheckpointCorrupt(f"{where}: damaged integrity manifest ({e})") from e
-    manifest: Manifest = data
-    return manifest
+def is_commit_file(name: str) -> bool:
+    """``.metadata``, or a rank-local ``__{rank}.metadata`` (stock DCP's commit
+    with ``use_collectives=False``): a directory holding one is a checkpoint."""
+    return name == METADATA or _RANK_METADATA_RE.match(name) is not None

@@ -59,6 +59,7 @@ from torch.distributed.checkpoint.utils import _DistWrapper
 from ..adapters import nvrx as adapter
 from ..errors import SaveError
 from ..storage import Storage, redact
+from ..format.inflight import release_claims
 from .dcp import SaveStats, _cpu_tensor, check_still_ours, checksum_written_file, claim, commit_checkpoint
 from .threads import run_parallel
 
@@ -156,7 +157,17 @@ def writer_class() -> type:
     return NvrxWriter
 
 
-def nvrx_save(
+def nvrx_save(state_dict: dict[str, Any], storage: Storage, **kwargs: Any) -> SaveStats:
+    """:func:`_nvrx_save`; when it fails, the claim's proof of life goes (so
+    that ``gc`` may collect what the save left)."""
+    try:
+        return _nvrx_save(state_dict, storage, **kwargs)
+    except BaseException:
+        release_claims(storage)
+        raise
+
+
+def _nvrx_save(
     state_dict: dict[str, Any],
     storage: Storage,
     *,
