@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 from .errors import CheckpointError, InvalidArgument, LoadError, SaveError
 from .options import check_save_options
 from .storage import Storage, StorageOptions, open_storage, redact
+from .storage.secrets import scrub
 from .writers.async_engine import ENGINES, AsyncSaver, default_saver
 from .writers.dcp import DcpStorageReader, DcpStorageWriter, SaveStats, check_workers
 
@@ -237,7 +238,7 @@ def _first_failure(e: CheckpointException) -> str:
     failures = getattr(e, "failures", None) or {}
     for rank, exc in sorted(failures.items()):
         cause = exc[0] if isinstance(exc, tuple) else exc
-        return f"rank {rank}: {type(cause).__name__}: {redact(str(cause))}"
+        return f"rank {rank}: {type(cause).__name__}: {scrub(redact(str(cause)))}"
     return str(e)
 
 

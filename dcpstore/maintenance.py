@@ -150,10 +150,12 @@ class VerifyReport:
     files_checked: int = 0
     bytes_checked: int = 0
     problems: list[str] = field(default_factory=list)
+    #: Content a load refuses without an opt-in (a class off the allowlist).
+    refused: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return not self.problems
+        return not (self.problems or self.refused)
 
 
 #: (offset, length, label) of one stored item within its file.
@@ -178,8 +180,11 @@ def verify_checkpoint(storage: Storage, progress: Callable[[int], Any] | None = 
         metadata, manifest = read_checkpoint_metadata(storage)
     except CheckpointNotFound:
         raise
-    except (CheckpointCorrupt, UnsafeCheckpoint) as e:
+    except CheckpointCorrupt as e:
         report.problems.append(str(e))
+        return report
+    except UnsafeCheckpoint as e:
+        report.refused.append(str(e))
         return report
     if manifest is None:
         report.problems.append(f"{storage.describe(MANIFEST)}: missing; a checkpoint written by stock DCP carries no checksums")
@@ -206,8 +211,10 @@ def verify_checkpoint(storage: Storage, progress: Callable[[int], Any] | None = 
             try:
                 check_record_end(storage, path, offset, length, item)
                 load_object(storage.read_range(path, offset, length), f"checkpoint item {item}")
-            except (CheckpointCorrupt, UnsafeCheckpoint) as e:
+            except CheckpointCorrupt as e:
                 report.problems.append(str(e))
+            except UnsafeCheckpoint as e:
+                report.refused.append(str(e))
     return report
 
 

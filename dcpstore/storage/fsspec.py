@@ -41,6 +41,7 @@ from fsspec.spec import AbstractBufferedFile
 
 from ..errors import BackendUnavailable, CheckpointError, StorageError, StorageNotFound, StoragePermissionError
 from .base import ObjectInfo, ObjectWriter, Storage, StorageOptions
+from .secrets import scrub_exception
 from .uri import StorageURL, redact
 
 _TMP_MARK = ".dcpstore-tmp-"
@@ -62,6 +63,7 @@ def _mapped(what: str) -> Iterator[None]:
     except PermissionError as e:
         raise StoragePermissionError(f"{what}: permission denied (credentials refused or insufficient)") from e
     except Exception as e:
+        scrub_exception(e)  # an endpoint may echo credentials in its error body
         raise StorageError(f"{what}: {type(e).__name__}: {redact(str(e))}") from e
 
 

@@ -60,6 +60,7 @@ from multistorageclient.types import Range
 from ..errors import CheckpointError, InvalidURI, StorageError, StorageNotFound, StoragePermissionError
 from .base import MiB, ObjectInfo, ObjectWriter, Storage, StorageOptions, byte_ranges
 from .local import fsync_dir
+from .secrets import scrub_exception
 from .uri import StorageURL, redact
 
 #: Per object, spooled bytes stay in memory up to this size, then go to a temp file.
@@ -110,10 +111,12 @@ class MSCStorage(Storage):
         try:
             self.client, root = msc.resolve_storage_client(msc_url)
         except ValueError as e:
+            scrub_exception(e)  # a config error may quote the profile's keys
             raise InvalidURI(f"MSC cannot open {self.uri}: {redact(str(e))}") from e
         except CheckpointError:
             raise
         except Exception as e:
+            scrub_exception(e)
             raise StorageError(f"MSC cannot open {self.uri}: {type(e).__name__}: {redact(str(e))}") from e
         self.root = root.rstrip("/")
         self.posix_root = self.client.get_posix_path(self.root) if self.root else self.client.get_posix_path("")
@@ -148,6 +151,7 @@ class MSCStorage(Storage):
             raise self._map(e, what) from e
 
     def _map(self, e: BaseException, what: str) -> CheckpointError:
+        scrub_exception(e)  # an endpoint may echo credentials in its error body
         code = _client_error_code(e)
         if code == "NoSuchBucket":
             return StorageNotFound(f"{what}: bucket {self._bucket!r} does not exist (MSC profile {self.client.profile!r})")

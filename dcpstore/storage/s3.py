@@ -62,6 +62,7 @@ from botocore.config import Config
 
 from ..errors import CheckpointError, StorageError, StorageNotFound, StoragePermissionError
 from .base import ObjectInfo, ObjectWriter, Storage, StorageOptions, byte_ranges, slice_buffers
+from .secrets import remember_boto_credentials, scrub, scrub_exception
 from .uri import StorageURL, redact
 
 log = logging.getLogger(__name__)
@@ -199,8 +200,10 @@ def _make_client(options: StorageOptions) -> Any:
         tcp_keepalive=True,
     )
     # A Session per client: sessions are not thread-safe, clients are.
-    client = boto3.session.Session().client("s3", config=config)
+    session = boto3.session.Session()
+    client = session.client("s3", config=config)
     _install_deadline(client, options.op_timeout_s)
+    remember_boto_credentials(session, client)  # so that no message ever shows them
     return client
 
 
@@ -260,6 +263,7 @@ def map_error(e: BaseException, what: str, bucket: str, endpoint: str) -> Checkp
     """
     if isinstance(e, CheckpointError):
         return e
+    scrub_exception(e)  # an endpoint may echo credentials in its error body
     if isinstance(e, bexc.ClientError):
         code, status, message, retries = _client_error_parts(e)
         return _map_code(code, status, message, retries, what, bucket, endpoint)
@@ -281,6 +285,7 @@ def _map_code(
     code: str, status: int, message: str, retries: int, what: str, bucket: str, endpoint: str
 ) -> CheckpointError:
     """Map one S3 error code (a request's, or one key's in DeleteObjects)."""
+    code, message = scrub(code), scrub(message)
     if code == "NoSuchBucket":
         return StorageNotFound(f"{what}: bucket {bucket!r} does not exist (S3 endpoint {endpoint})")
     if code in _NOT_FOUND or status == 404:

@@ -66,6 +66,7 @@ from ..errors import (
     StorageNotFound,
 )
 from ..adapters.torch_save import save_record
+from ..format.inflight import alive_name, is_alive_file, release_claims, start_refresher, stop_refresher
 from ..format.manifest import (
     MANIFEST_LIMIT,
     METADATA_LIMIT,
@@ -74,7 +75,6 @@ from ..format.manifest import (
     check_metadata_crc,
     read_capped,
 )
-from ..format.inflight import alive_name, is_alive_file, release_claims, start_refresher, stop_refresher
 from ..format.safe_pickle import TOOLS, Trust, check_record_end, load_metadata, load_object
 from ..storage.base import MiB, ObjectWriter, Storage
 from .layout import (

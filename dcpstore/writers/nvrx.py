@@ -58,8 +58,9 @@ from torch.distributed.checkpoint.utils import _DistWrapper
 
 from ..adapters import nvrx as adapter
 from ..errors import SaveError
-from ..storage import Storage, redact
 from ..format.inflight import release_claims
+from ..storage import Storage, redact
+from ..storage.secrets import scrub
 from .dcp import SaveStats, _cpu_tensor, check_still_ours, checksum_written_file, claim, commit_checkpoint
 from .threads import run_parallel
 
@@ -270,6 +271,6 @@ def _summary(e: BaseException) -> str:
         parts = []
         for rank, exc in sorted(failures.items()):
             cause = exc[0] if isinstance(exc, tuple) else exc
-            parts.append(f"rank {rank}: {type(cause).__name__}: {redact(str(cause))}")
+            parts.append(f"rank {rank}: {type(cause).__name__}: {scrub(redact(str(cause)))}")
         return "; ".join(parts)
-    return f"{type(e).__name__}: {redact(str(e))}"
+    return f"{type(e).__name__}: {scrub(redact(str(e)))}"
