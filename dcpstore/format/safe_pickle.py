@@ -26,6 +26,7 @@ for all (:class:`Trust`). The command line tools never opt in.
 
 from __future__ import annotations
 
+import _compat_pickle
 import argparse
 import collections
 import datetime
@@ -136,18 +137,23 @@ class _Refused(Exception):
 
 class _RestrictedUnpickler(pickle.Unpickler):
     """An unpickler whose every global comes from ``allowed`` (a class attribute
-    of the subclass built per load); no persistent ids."""
+    of the subclass built per load). Persistent ids only where the loader
+    sets ``persistent_load`` (torch.load, for a record's storages); plain
+    pickle refuses them otherwise."""
 
     allowed: Mapping[str, Any] = {}
 
     def find_class(self, module: str, name: str) -> Any:
+        # Protocol 2 (torch.save's) names Python 2 modules: map them as
+        # pickle's own find_class does.
+        if (module, name) in _compat_pickle.NAME_MAPPING:
+            module, name = _compat_pickle.NAME_MAPPING[(module, name)]
+        elif module in _compat_pickle.IMPORT_MAPPING:
+            module = _compat_pickle.IMPORT_MAPPING[module]
         key = f"{module}.{name}"
         if key in self.allowed:
             return self.allowed[key]
         raise _Refused(key)
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise pickle.UnpicklingError("persistent ids are not allowed here")
 
 
 def _unpickler(allowed: Mapping[str, Any]) -> type[_RestrictedUnpickler]:
