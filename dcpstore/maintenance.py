@@ -23,6 +23,7 @@ from .format.manifest import SMALL_FILE_LIMIT, Manifest, item_key, read_capped
 from .format.safe_pickle import check_record_end, load_object
 from .storage import MiB, Storage
 from .storage.base import ObjectInfo
+from .storage.uri import join_uri, parse_uri
 from .writers.dcp import read_checkpoint_metadata
 from .writers.layout import INFLIGHT, MANIFEST, METADATA, is_commit_file, is_data_file
 
@@ -305,10 +306,31 @@ def gc(storage: Storage, *, older_than_s: float = 300.0, dry_run: bool = False) 
         doomed.extend(entry.leftovers)
         if not entry.committed:  # a committed one only loses stale markers
             report.removed.append(label)
+    running = ["" if label == "." else label for label in report.kept_running]
     if not dry_run:
         if doomed:
             storage.delete(doomed)
-        report.incomplete_uploads = storage.cleanup_incomplete(older_than_s)
+        if not running:
+            report.incomplete_uploads = storage.cleanup_incomplete(older_than_s)
+        else:  # never a running save's temp files or open uploads: only other directories'
+            report.incomplete_uploads = sum(
+                _under(storage, d).cleanup_incomplete(older_than_s) for d in _idle_dirs(storage, running)
+            )
     else:
         report.incomplete_uploads = len(list(storage.list_incomplete()))
     return report
+
+
+def _idle_dirs(storage: Storage, running: list[str]) -> list[str]:
+    """Directories holding incomplete writes with no running save in or under them."""
+
+    def holds(directory: str, other: str) -> bool:
+        return not directory or other == directory or other.startswith(directory + "/")
+
+    dirs = {posixpath.dirname(p) for p in storage.list_incomplete()}
+    return sorted(d for d in dirs if not any(holds(d, r) for r in running))
+
+
+def _under(storage: Storage, directory: str) -> Storage:
+    """The same backend and options, rooted at ``directory`` of ``storage``."""
+    return type(storage)(parse_uri(join_uri(storage.url.uri, *directory.split("/"))), storage.options)

@@ -137,14 +137,14 @@ class Refresher:
     :meth:`stop`, until the save's storage object is gone, or until the URI
     is no longer the save's (its in-flight marker replaced or removed)."""
 
-    def __init__(self, storage: Storage, save_id: str, marker: str, interval: float = REFRESH_S) -> None:
+    def __init__(self, storage: Storage, save_id: str, marker: str, interval: float | None = None) -> None:
         self._storage = weakref.ref(storage)
         self._storage_id = id(storage)
         self._uri = storage.uri
         self._save_id = save_id
         self._marker = marker
         self._blob = encode_alive(save_id, Owner.current())
-        self._interval = interval
+        self._interval = REFRESH_S if interval is None else interval
         self._stopped = threading.Event()
         storage.put(alive_name(save_id), self._blob)
         with _running_lock:

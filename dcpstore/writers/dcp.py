@@ -630,11 +630,19 @@ def read_checkpoint_metadata(storage: Storage, trust: Trust = TOOLS) -> tuple[Me
 
 def _why_missing(storage: Storage) -> str:
     try:
-        leftovers = [o["path"] for o in storage.list() if is_data_file(o["path"]) or o["path"] == MANIFEST]
+        listed = [o["path"] for o in storage.list()]
+        leftovers = [p for p in listed if is_data_file(p) or p == MANIFEST]
     except StorageNotFound as e:  # e.g. the bucket itself does not exist: say so
         return f"no checkpoint at {storage.uri}: {e}"
     except CheckpointError as e:
         return f"no checkpoint at {storage.uri} (and listing it failed: {e})"
+    rank_local = sorted(p for p in listed if is_commit_file(p) and p != METADATA)
+    if rank_local:
+        return (
+            f"no global {METADATA} at {storage.uri}: it holds rank-local metadata ({', '.join(rank_local[:3])}"
+            f"{', ...' if len(rank_local) > 3 else ''}), a checkpoint of dcp.save(..., use_collectives=False) "
+            "that dcpstore does not read (stock dcp.load does)"
+        )
     if leftovers:
         return (
             f"no committed checkpoint at {storage.uri}: data files exist but no {METADATA} "
