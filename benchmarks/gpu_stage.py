@@ -382,6 +382,31 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def over_sizes(
+    phase: str,
+    sizes: list[float],
+    measure: Callable[[float], dict[str, Any]],
+    seconds_left: Callable[[], float],
+    result: dict[str, Any],
+    lines: Callable[[dict[str, Any]], list[str]],
+) -> None:
+    """``measure`` each size, smallest first, into ``result[phase]``; skip a
+    size (recorded) when the previous one's time, scaled by size, exceeds
+    what is left."""
+    last: tuple[float, float] | None = None  # (size, seconds) of the previous size
+    for size in sizes:
+        if seconds_left() <= 0 or (last is not None and last[1] * size / last[0] > seconds_left()):
+            result["skipped"].append({"phase": phase, "size_gib": size, "why": "time budget"})
+            continue
+        t = time.perf_counter()
+        row = measure(size)
+        last = (size, time.perf_counter() - t)
+        row["elapsed_s"] = last[1]
+        result[phase].append(row)
+        for line in lines(row):
+            print(line, flush=True)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     t_start = time.perf_counter()
 
@@ -410,19 +435,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     flat_src = torch.randint(0, 255, (big,), dtype=torch.uint8, device=args.device)
     limit = PinnedCopyLimit(main, tail, flat_src, args.device)
     result["limit_buffers_s"] = time.perf_counter() - t0
-    # Staging may use the first half of the budget, blocked time the rest; a
-    # size is skipped when the previous one, scaled, would overrun its share.
-    last: tuple[float, float] | None = None  # (size, seconds) of the previous size
-    for size in args.sizes_gib:
-        if last is not None and last[1] * size / last[0] > left() - args.budget_s / 2:
-            result["skipped"].append({"phase": "staging", "size_gib": size, "why": "time budget"})
-            continue
-        t = time.perf_counter()
-        row = measure_staging(size, args, limit)
-        last = (size, time.perf_counter() - t)
-        row["elapsed_s"] = last[1]
-        result["staging"].append(row)
-        print(_staging_line(row), flush=True)
+    # Staging may use the first half of the budget, blocked time the rest.
+    over_sizes(
+        "staging", args.sizes_gib, lambda size: measure_staging(size, args, limit),
+        lambda: left() - args.budget_s / 2, result, lambda row: [_staging_line(row)],
+    )  # fmt: skip
     del limit, main, tail, flat_src
     gc.collect()
     if args.device == "cuda":
@@ -435,18 +452,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         root = tempfile.mkdtemp(prefix="gpu-stage-", dir=parent)
         result["save_dir"] = root
         try:
-            last = None
-            for size in args.save_sizes_gib:
-                if last is not None and last[1] * size / last[0] > left():
-                    result["skipped"].append({"phase": "blocked", "size_gib": size, "why": "time budget"})
-                    continue
-                t = time.perf_counter()
-                row = measure_blocked(size, args, root)
-                last = (size, time.perf_counter() - t)
-                row["elapsed_s"] = last[1]
-                result["blocked"].append(row)
-                for line in _blocked_lines(row):
-                    print(line, flush=True)
+            over_sizes(
+                "blocked", args.save_sizes_gib, lambda size: measure_blocked(size, args, root), left, result, _blocked_lines
+            )
         finally:
             shutil.rmtree(root, ignore_errors=True)
     result["goals"] = goals(result)

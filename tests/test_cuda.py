@@ -223,7 +223,7 @@ def test_snapshot_holds_while_the_next_step_mutates_on_another_stream(engine: st
                 for t in state.values():
                     t.add_(1.0)
         planner.gate.set()
-        info = handle.result(timeout=300)
+        info = handle.result(timeout=90)
     side.synchronize()
     assert info.bytes_written >= sum(v.nbytes for v in expected.values())
     assert not torch.equal(state["w0"].cpu(), expected["w0"])  # the mutation really happened
@@ -313,7 +313,7 @@ def test_fsdp2_over_nccl_async_save_and_resume(engine: str, tmp_path: Any) -> No
         pytest.skip("this torch has no NCCL")
     from dist_utils import run_ranks
 
-    run_ranks(job_fsdp_nccl, 1, str(tmp_path / "run"), engine, backend="nccl", timeout=240)
+    run_ranks(job_fsdp_nccl, 1, str(tmp_path / "run"), engine, backend="nccl", timeout=90)
 
 
 def test_manager_resumes_cuda_training_from_the_newest_step(tmp_path: Any) -> None:

@@ -69,6 +69,11 @@ def test_benchmark_dry_run_writes_what_the_summary_reads(tmp_path: Path, gpu_sta
     assert "steady_s" in blocked["rows"][0] and blocked["ratio_vs_dcp_default"] > 0
     # A dry run judges nothing.
     assert {g["met"] for g in result["goals"].values()} == {None}
+    # Out of time: every size is skipped, and says so.
+    assert gpu_stage.main(["--dry-run", "--budget-s", "0", "--json", str(tmp_path / "none.json")]) == 0
+    late = json.loads((tmp_path / "none.json").read_text())
+    assert late["staging"] == [] and late["blocked"] == []
+    assert [(s["phase"], s["why"]) for s in late["skipped"]] == [("staging", "time budget")] * 2 + [("blocked", "time budget")]
 
     junit_report(out, PASS)
     summary = gpu_check.summarise(str(out), tests_rc=0, bench_rc=0, dry_run=True)
