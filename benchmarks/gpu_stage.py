@@ -23,6 +23,10 @@ blocked time against ``dcp.async_save``, on one GPU, in one run.
    is waited for before the next, and its files deleted. Goal: dcpstore's
    steady-state blocked time <= the best of the ``dcp.async_save`` variants.
 
+Also recorded, with no goal: the pinned host memory staging holds per byte
+of state when tensor sizes are not powers of two (torch's pinned allocator
+rounds every block up to one).
+
 Sizes run in increasing order and stop when ``--budget-s`` would be
 exceeded (recorded as skipped). Memory at the default sizes: GPU about 2x the
 largest size; host about 2x the largest staging size pinned, plus the save
@@ -370,6 +374,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--dry-run", action="store_true", help="tiny CPU run: exercises the plumbing, measures nothing")
     args = ap.parse_args(argv)
+    if not args.sizes_gib:
+        ap.error("--sizes-gib needs at least one size")
     if args.dry_run:
         args.device = "cpu"
         args.sizes_gib = [4 / 1024, 8 / 1024]
