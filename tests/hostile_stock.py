@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_hostile import METADATA, Payload, good, write_metadata  # noqa: E402
+from test_hostile import METADATA, Payload, _declare as declare, good, write_metadata  # noqa: E402
+from test_hostile_format import replace_data_files  # noqa: E402
 
 GiB = 1 << 30
 
@@ -59,15 +60,6 @@ def run(action: str, timeout: float = 120) -> str:
 
 def load(ckpt: Path, sd: str = "{'w': torch.zeros(3, 4), 'b': torch.zeros(4), 'step': 0}") -> str:
     return f"dcp.load({sd}, storage_reader=FileSystemReader({str(ckpt)!r}), no_dist=True)"
-
-
-def declare(ckpt: Path, fqn: str, size: int) -> None:
-    md = pickle.loads((ckpt / METADATA).read_bytes())
-    for index, info in md.storage_data.items():
-        if index.fqn == fqn:
-            info.length = size - info.offset
-            os.truncate(ckpt / info.relative_path, size)
-    write_metadata(ckpt, md, manifest=False)
 
 
 def main() -> None:
@@ -114,19 +106,13 @@ def main() -> None:
 
     for special in ("fifo", "dev-zero"):
         ck = good(root / f"special-{special}")
-        for n in os.listdir(ck):
-            if n.endswith(".distcp"):
-                os.unlink(ck / n)
-                os.mkfifo(ck / n) if special == "fifo" else os.symlink("/dev/zero", ck / n)
+        replace_data_files(ck, os.mkfifo if special == "fifo" else lambda path: os.symlink("/dev/zero", path))
         cases[f"data file is {special}"] = run(load(ck), timeout=60)
 
     ck = good(root / "symlinked")
     victim = root / "victim.bin"
     victim.write_bytes(b"precious")
-    for n in os.listdir(ck):
-        if n.endswith(".distcp"):
-            os.unlink(ck / n)
-            os.symlink(victim, ck / n)
+    replace_data_files(ck, lambda path: os.symlink(victim, path))
     save = f"dcp.save({{'w': torch.ones(3, 4)}}, storage_writer=FileSystemWriter({str(ck)!r}), no_dist=True)"
     cases["save over a symlinked data file"] = run(save) + f"; victim now {victim.read_bytes()[:12]!r}"
 

@@ -201,16 +201,21 @@ def test_malformed_metadata_is_named_by_every_tool(pristine: Path, tmp_path: Pat
 # ---------------------------------------------------------------------------
 
 
+def replace_data_files(ckpt: Path, make: Any) -> None:
+    """Replace every data file of ``ckpt`` by ``make(path)`` (a link, a FIFO)."""
+    for name in os.listdir(ckpt):
+        if name.endswith(".distcp"):
+            os.unlink(ckpt / name)
+            make(ckpt / name)
+
+
 def test_symlinked_data_file_is_never_written_through(tmp_path: Path) -> None:
     """A checkpoint whose data file is a symlink to a file elsewhere: a save
     over it replaces the link, gc removes links not targets."""
     ckpt = good(tmp_path / "root" / "ck")
     victim = tmp_path / "victim.bin"
     victim.write_bytes(b"precious")
-    for name in os.listdir(ckpt):
-        if name.endswith(".distcp"):
-            os.unlink(ckpt / name)
-            os.symlink(victim, ckpt / name)
+    replace_data_files(ckpt, lambda path: os.symlink(victim, path))
     (ckpt / "__7_7.distcp").symlink_to(victim)  # a stale data file the next commit deletes
     dcpstore.save(state(), str(ckpt)).result()
     assert victim.read_bytes() == b"precious"
