@@ -26,6 +26,8 @@ from xml.sax.saxutils import escape
 import boto3
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import dcpstore
 from dcpstore.storage import StorageOptions, open_storage
@@ -209,3 +211,27 @@ def test_credentials_typed_into_a_scheme_typo_are_not_echoed() -> None:
     with pytest.raises(dcpstore.InvalidURI) as info:
         dcpstore.open_storage(f"s3:{KEY_ID}:{SECRET}@bucket/x")
     assert SECRET not in str(info.value) and KEY_ID not in str(info.value)
+
+
+_B64 = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/="
+_SEPARATORS = st.sampled_from([": ", "=", "': b'", '": "', ":", " = "])
+_AROUND = st.text(alphabet=" ;,\n\t<>()[]{}", max_size=10)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    value=st.text(alphabet=_B64, min_size=16, max_size=80),
+    name=st.sampled_from(["X-Amz-Security-Token", "x-amz-signature", "Signature", "AWS_SESSION_TOKEN", "sig"]),
+    sep=_SEPARATORS,
+    before=_AROUND,
+    after=_AROUND,
+)
+def test_credential_shaped_fields_are_scrubbed(value: str, name: str, sep: str, before: str, after: str) -> None:
+    """Whatever an echo looks like, a credential-shaped field loses its value,
+    and a value this process holds goes wherever it appears."""
+    from dcpstore.storage.secrets import REDACTED, remember, scrub
+
+    text = f"{before}{name}{sep}{value}{after}"
+    assert value not in scrub(text) and REDACTED in scrub(text)
+    remember(value)
+    assert value not in scrub(f"{before}{value}{after}{value}")
