@@ -42,8 +42,8 @@ from fsspec.spec import AbstractBufferedFile
 from ..errors import BackendUnavailable, CheckpointError, StorageError, StorageNotFound
 from .base import ObjectInfo, ObjectWriter, Storage, StorageOptions
 from .buffered import BufferedObjectWriter
-from .kit import map_os_error
-from .uri import StorageURL, redact
+from .kit import library_text, map_os_error
+from .uri import StorageURL
 
 _TMP_MARK = ".dcpstore-tmp-"
 
@@ -65,7 +65,7 @@ class FsspecStorage(Storage):
         except ImportError as e:
             raise BackendUnavailable(f"no fsspec filesystem installed for {self.uri}: {e}") from e
         except ValueError as e:
-            raise StorageError(f"fsspec cannot open {self.uri}: {redact(str(e))}") from e
+            raise StorageError(f"fsspec cannot open {self.uri}: {library_text(str(e))}") from e
         self.root = str(root).rstrip("/")
         # An AbstractBufferedFile honours autocommit=False (upload now, publish
         # at commit); memory:// and local files do not, so they use temp + mv.

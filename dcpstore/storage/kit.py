@@ -2,7 +2,8 @@
 
 Byte arithmetic for splitting reads (:func:`byte_ranges`,
 :func:`slice_buffers`), the built-in exceptions mapped to the dcpstore
-family (:func:`map_os_error`, :func:`library_detail`), how many connections
+family (:func:`map_os_error`; :func:`library_text` is where every text
+from a library or server passes before it enters a message), how many connections
 and read threads a storage keeps (:func:`connection_limit`), and POSIX
 durability (:func:`fsync_dir`).
 
@@ -49,8 +50,15 @@ def connection_limit(max_concurrency: int) -> int:
     return max(32, 8 * max_concurrency)
 
 
+def library_text(text: str) -> str:
+    """Text from a storage library or server (an exception's message, an
+    S3 error body) made fit for our messages. Every such text passes here,
+    so that this is the one place where it is cleaned (URIs redacted)."""
+    return redact(str(text)).strip()
+
+
 def library_detail(e: BaseException) -> str:
-    """A library exception, as error messages quote it (credentials redacted).
+    """A library exception, as error messages quote it (see :func:`library_text`).
 
     An ``OSError`` with an errno reads ``No space left on device (ENOSPC)``;
     anything else ``TypeName: its text``.
@@ -58,7 +66,7 @@ def library_detail(e: BaseException) -> str:
     if isinstance(e, OSError) and e.strerror and e.errno:
         code = errno.errorcode.get(e.errno, "")
         return e.strerror + (f" ({code})" if code else "")
-    text = redact(str(e)).strip()
+    text = library_text(str(e))
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 

@@ -59,8 +59,8 @@ from ..errors import CheckpointError, InvalidURI, StorageError, StorageNotFound,
 from .base import MiB, ObjectInfo, ObjectWriter, Storage, StorageOptions
 from .buffered import BufferedObjectWriter
 from .codes import Meaning, code_in_text, meaning
-from .kit import byte_ranges, fsync_dir, map_os_error
-from .uri import StorageURL, redact
+from .kit import byte_ranges, fsync_dir, library_detail, library_text, map_os_error
+from .uri import StorageURL
 
 #: Per object, spooled bytes stay in memory up to this size, then go to a temp file.
 SPOOL_LIMIT = 512 * MiB
@@ -105,11 +105,11 @@ class MSCStorage(Storage):
         try:
             self.client, root = msc.resolve_storage_client(msc_url)
         except ValueError as e:
-            raise InvalidURI(f"MSC cannot open {self.uri}: {redact(str(e))}") from e
+            raise InvalidURI(f"MSC cannot open {self.uri}: {library_text(str(e))}") from e
         except CheckpointError:
             raise
         except Exception as e:
-            raise StorageError(f"MSC cannot open {self.uri}: {type(e).__name__}: {redact(str(e))}") from e
+            raise StorageError(f"MSC cannot open {self.uri}: {library_detail(e)}") from e
         self.root = root.rstrip("/")
         self.posix_root = self.client.get_posix_path(self.root) if self.root else self.client.get_posix_path("")
         # MSC returns listed keys relative to the profile's base path, without
@@ -146,7 +146,7 @@ class MSCStorage(Storage):
                 "the credentials were refused or lack permission"
             )
         if code:
-            return StorageError(f"{what}: {type(e).__name__} ({code}): {redact(str(e))}")
+            return StorageError(f"{what}: {type(e).__name__} ({code}): {library_text(str(e))}")
         return map_os_error(e, what)
 
     # -- writing -------------------------------------------------------------

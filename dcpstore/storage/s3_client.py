@@ -29,9 +29,8 @@ from botocore.config import Config
 
 from ..errors import CheckpointError, StorageError, StorageNotFound, StoragePermissionError
 from .base import StorageOptions
-from .kit import connection_limit
+from .kit import connection_limit, library_detail, library_text
 from .codes import Meaning, meaning
-from .uri import redact
 
 
 class OperationTimeout(Exception):
@@ -201,7 +200,7 @@ def map_error(e: BaseException, what: str, bucket: str, endpoint: str) -> Checkp
         return StorageError(f"{what}: cannot connect to the S3 endpoint {endpoint} ({type(e).__name__}), retries exhausted")
     if isinstance(e, bexc.BotoCoreError | OSError):
         return StorageError(f"{what}: {type(e).__name__} talking to the S3 endpoint {endpoint}, retries exhausted")
-    return StorageError(f"{what}: unexpected {type(e).__name__}: {redact(str(e))}")
+    return StorageError(f"{what}: unexpected {library_detail(e)}")
 
 
 def map_code(
@@ -225,4 +224,4 @@ def map_code(
         )
     tries = f" after {retries + 1} attempts" if retries else ""
     http = f" (HTTP {status})" if status else ""
-    return StorageError(f"{what}: S3 error {code or '?'}{http}{tries}: {message}")
+    return StorageError(f"{what}: S3 error {code or '?'}{http}{tries}: {library_text(message)}")
