@@ -2,6 +2,7 @@
 
 * the buffered object writer (position, ``tell``, part buffering) against a
   recording backend, property-tested over write and part sizes;
+* the kit's arithmetic (read ranges, buffer slices, S3 part sizes);
 * the root-containment check, on every backend;
 * one read pool per storage: bounded per call, kept between calls, gone
   after ``close``;
@@ -30,6 +31,8 @@ from dcpstore.errors import StorageError, StorageNotFound, StoragePermissionErro
 from dcpstore.storage import MiB, Storage, StorageOptions, open_storage
 from dcpstore.storage.buffered import BufferedObjectWriter
 from dcpstore.storage.codes import CODES, STATUSES, Meaning, code_in_text, meaning
+from dcpstore.storage.kit import byte_ranges, slice_buffers
+from dcpstore.storage.s3_upload import _MAX_PARTS, _part_size_for
 
 STORAGE_DIR = Path(dcpstore.__file__).parent / "storage"
 
@@ -146,6 +149,52 @@ def test_an_error_in_the_block_discards_and_publishes_nothing(local: Storage) ->
     assert w.discarded == 1 and w.tail is None
     w.commit()  # closed: a late commit does nothing
     assert w.tail is None
+
+
+# ---------------------------------------------------------------------------
+# Arithmetic
+# ---------------------------------------------------------------------------
+
+
+@given(offset=st.integers(0, 1 << 40), length=st.integers(0, 10_000), piece=st.integers(1, 3_000))
+def test_byte_ranges_tile_the_range(offset: int, length: int, piece: int) -> None:
+    ranges = byte_ranges(offset, length, piece)
+    assert sum(n for _, n in ranges) == length
+    pos = offset
+    for i, (o, n) in enumerate(ranges):
+        assert o == pos and 0 < n <= piece
+        assert n == piece or i == len(ranges) - 1  # only the last is short
+        pos += n
+
+
+@given(
+    sizes=st.lists(st.integers(0, 50), min_size=1, max_size=8),
+    start=st.integers(0, 450),
+    length=st.integers(0, 450),
+)
+def test_slice_buffers_views_the_requested_bytes(sizes: list[int], start: int, length: int) -> None:
+    buffers = [memoryview(bytearray(n)) for n in sizes]
+    for b, n in zip(buffers, sizes):
+        b[:] = bytes(range(n))
+    whole = b"".join(bytes(b) for b in buffers)
+    views = slice_buffers(buffers, start, length)
+    assert b"".join(bytes(v) for v in views) == whole[start : start + length]
+    assert all(v.nbytes for v in views)
+    for v in views:  # views into the caller's buffers, not copies
+        v[:] = b"\xee" * v.nbytes
+    changed = b"".join(bytes(b) for b in buffers)
+    end = min(start + length, len(whole))
+    assert changed[start:end] == b"\xee" * max(0, end - start)
+    assert changed[:start] == whole[:start] and changed[end:] == whole[end:]
+
+
+@given(part=st.integers(5 * MiB, 64 * MiB), size=st.one_of(st.none(), st.integers(0, 5 << 40)))
+def test_s3_parts_fit_the_part_limit(part: int, size: int | None) -> None:
+    grown = _part_size_for(part, size)
+    assert grown >= part
+    if size:
+        assert -(-size // grown) <= _MAX_PARTS  # the object fits in 10,000 parts
+        assert grown == part or grown % MiB == 0 and (grown - MiB) * _MAX_PARTS < size  # no bigger than needed
 
 
 # ---------------------------------------------------------------------------
