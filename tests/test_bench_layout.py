@@ -2,7 +2,7 @@
 
 ``dcpstore.bench`` ships in the wheel and builds on the package only;
 ``benchmarks/`` builds on ``dcpstore.bench`` and never reaches into
-``tests/``; the CLI loads the bench package only for ``dcpstore bench``.
+``tests/``; the CLI's size formatting does not come from the bench package.
 """
 
 from __future__ import annotations
@@ -50,7 +50,17 @@ def test_benchmarks_never_import_tests() -> None:
         assert '"tests"' not in path.read_text(), f"benchmarks/{path.name} reaches into tests/"
 
 
-def test_the_cli_loads_the_bench_package_only_for_bench() -> None:
-    code = "import sys, dcpstore.cli; print(sorted(m for m in sys.modules if m.startswith('dcpstore.bench')))"
+def test_the_cli_formats_sizes_without_the_bench_package() -> None:
+    """``dcpstore ls`` / ``inspect`` print sizes; the helper lives in
+    :mod:`dcpstore.units`, not in the benchmark harness."""
+    cli = Path(dcpstore.__file__).parent / "cli.py"
+    sources = {
+        alias.name: ("." * node.level) + (node.module or "")
+        for node in ast.walk(ast.parse(cli.read_text()))
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    }
+    assert sources.get("human_bytes") == ".units", sources.get("human_bytes")
+    code = "import sys, dcpstore.units; print(sorted(m for m in sys.modules if m.startswith('dcpstore.bench')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout

@@ -347,8 +347,8 @@ def test_native_and_msc_read_an_s3_answer_alike(s3_endpoint: S3Endpoint, code: s
     native = open_storage(uri)
     via_msc = open_storage(uri, enable_msc=True)
     expected = FAMILY[meaning(code, status)]
-    got_native = native._map_error(_client_error(code, status), "cannot read x")
-    got_msc = via_msc._map_error(_as_msc_raises(_client_error(code, status)), "cannot read x")
+    got_native = native._error(_client_error(code, status), "cannot read x")
+    got_msc = via_msc._error(_as_msc_raises(_client_error(code, status)), "cannot read x")
     assert type(got_native) is expected, got_native
     assert type(got_msc) is expected, got_msc
     if meaning(code, status) is Meaning.NO_BUCKET:

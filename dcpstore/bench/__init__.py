@@ -30,6 +30,8 @@ import uuid
 from collections.abc import Collection, Sequence
 from typing import Any
 
+from tqdm import tqdm
+
 from ..storage import parse_uri
 from ..units import human_bytes, parse_size
 from .entries import DcpstoreEntry
@@ -79,8 +81,6 @@ def run_entries(
 ) -> list[Record]:
     """Measure the entries (interleaved, see :func:`measure_all`) under one
     progress bar on stderr; a line per measurement is printed above the bar."""
-    from tqdm import tqdm
-
     with tqdm(total=len(entries) * repeat, desc=desc, unit="run", file=sys.stderr,
               disable=not progress, leave=False) as bar:  # fmt: skip
 

@@ -29,7 +29,8 @@ retries, raises :class:`~dcpstore.errors.StorageError` chained to the cause.
 The backend kit: what every backend needs is written once, as protected
 members of :class:`Storage` that only backends call -- the root-containment
 check (``_relpath``), the error mapping (``_mapped`` around each library
-call, translating through the backend's ``_map_error``), and one read thread
+call, or ``_error`` in a handler of the backend's own, both translating
+through the backend's ``_map_error``), and one read thread
 pool per instance (``_in_parallel``), shut down by :meth:`Storage.close`.
 Object writers build on :class:`~dcpstore.storage.buffered.BufferedObjectWriter`,
 which owns position, ``tell`` and part buffering.
@@ -249,20 +250,27 @@ class Storage(abc.ABC):
         raised while doing ``what`` (the operation and the URI).
 
         Backends override this with their library's knowledge (S3 error
-        codes, ...); the default reads the built-in exceptions.
+        codes, ...); the default reads the built-in exceptions. Callers go
+        through :meth:`_error`.
         """
         return map_os_error(e, what)
 
+    def _error(self, e: Exception, what: str) -> CheckpointError:
+        """The one way a library exception becomes ours (raise it ``from e``):
+        :meth:`_mapped` and a backend's own handlers all pass here, so that
+        whatever every mapping must do is done here once."""
+        return e if isinstance(e, CheckpointError) else self._map_error(e, what)
+
     @contextlib.contextmanager
     def _mapped(self, what: str) -> Iterator[None]:
-        """Run the block; raise its library errors as :meth:`_map_error` says,
+        """Run the block; raise its library errors as :meth:`_error` says,
         chained to the original. dcpstore's own errors pass unchanged."""
         try:
             yield
         except CheckpointError:
             raise
         except self._library_errors as e:
-            raise self._map_error(e, what) from e
+            raise self._error(e, what) from e
 
     def _in_parallel(self, fn: Callable[..., T], jobs: Sequence[tuple[Any, ...]]) -> list[T]:
         """``[fn(*job) for job in jobs]``, up to ``max_concurrency`` at a time.

@@ -146,7 +146,7 @@ class MSCStorage(Storage):
                 "the credentials were refused or lack permission"
             )
         if code:
-            return StorageError(f"{what}: {type(e).__name__} ({code}): {library_text(str(e))}")
+            return StorageError(f"{what}: {type(e).__name__} ({library_text(code)}): {library_text(str(e))}")
         return map_os_error(e, what)
 
     # -- writing -------------------------------------------------------------

@@ -171,12 +171,12 @@ class S3Storage(Storage):
                     return None
                 if found is Meaning.CHANGED:
                     raise StorageError(f"{what}: the object changed while it was being read") from e
-                raise self._map_error(e, what) from e
+                raise self._error(e, what) from e
             try:
                 return consume(resp)
             except _BODY_ERRORS as e:
                 if attempt >= self.options.max_attempts or time.monotonic() > deadline:
-                    raise self._map_error(e, what) from e
+                    raise self._error(e, what) from e
                 log.debug("%s: body read failed (%s), retrying", what, type(e).__name__)
                 time.sleep(min(random.uniform(0, 2**attempt) * 0.05, 2.0))
         raise AssertionError("unreachable")  # the loop returns or raises

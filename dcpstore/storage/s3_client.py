@@ -224,4 +224,4 @@ def map_code(
         )
     tries = f" after {retries + 1} attempts" if retries else ""
     http = f" (HTTP {status})" if status else ""
-    return StorageError(f"{what}: S3 error {code or '?'}{http}{tries}: {library_text(message)}")
+    return StorageError(f"{what}: S3 error {library_text(code) or '?'}{http}{tries}: {library_text(message)}")
