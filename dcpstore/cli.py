@@ -20,11 +20,11 @@ from typing import Any
 
 from tqdm import tqdm
 
-from .bench.measure import human_bytes
 from .errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound, UnsafeCheckpoint
 from .maintenance import gc, inspect_checkpoint, list_checkpoints, verify_checkpoint
 from .storage import Storage, open_storage
 from .storage.secrets import scrub
+from .units import human_bytes
 
 
 def _open(args: argparse.Namespace) -> Storage:

@@ -71,6 +71,7 @@ from torch.distributed.checkpoint.planner import SavePlanner
 from ..adapters import nvrx as nvrx_adapter
 from ..errors import CheckpointError, EngineFallbackWarning, InvalidArgument, SaveError
 from ..storage import Storage, StorageOptions, open_storage, redact
+from ..storage.secrets import scrub
 from .dcp import DcpStorageWriter, SaveStats, check_workers, default_workers
 from .staging import StagedState, Stager, StagingPool
 from .threads import BackgroundThread
@@ -481,7 +482,7 @@ def _as_save_error(e: BaseException, storage: Storage) -> SaveError:
         return SaveError(f"async save to {storage.uri} failed: {_first_failure(e)}")
     if isinstance(e, CheckpointError):
         return SaveError(f"async save to {storage.uri} failed: {e}")
-    return SaveError(f"async save to {storage.uri} failed: {type(e).__name__}: {redact(str(e))}")
+    return SaveError(f"async save to {storage.uri} failed: {type(e).__name__}: {scrub(redact(str(e)))}")
 
 
 def _check_positive(name: str, value: Any) -> int:
