@@ -462,9 +462,9 @@ def _plan_single_process(state_dict: dict[str, Any], writer: Any, planner: SaveP
     return metadata
 
 
-class PlanCaches:
-    """NVRx metadata caches, one per background group, kept in lockstep
-    across ranks (for the structure each group saved last).
+class PlanCaches(dict[int, tuple[Hashable, Any]]):
+    """NVRx metadata caches by background group (``id(group)`` -> (structure
+    key of the group's last save, its cache)), kept in lockstep across ranks.
 
     NVRx decides *locally* whether to skip the plan exchange (its cache is
     "validated" once two consecutive plans are equal); if ranks disagreed,
@@ -476,11 +476,7 @@ class PlanCaches:
     cache.
     """
 
-    def __init__(self) -> None:
-        # id(background group) -> (structure key of the last save, its cache)
-        self._caches: dict[int, tuple[Hashable, Any]] = {}
-
-    def get(self, key: Hashable, group: dist.ProcessGroup | None) -> Any | None:
+    def for_save(self, key: Hashable, group: dist.ProcessGroup | None) -> Any | None:
         """The cache for a save of structure ``key`` on ``group`` (collective
         on ``group``: every rank calls it), or None."""
         if group is None:
@@ -488,7 +484,7 @@ class PlanCaches:
         fresh = new_metadata_cache()
         if fresh is None:
             return None
-        last = self._caches.get(id(group))
+        last = self.get(id(group))
         same = last is not None and last[0] == key
         validated = int(bool(getattr(last[1], "validated_cache_reuse", False))) if same and last else 0
         votes = torch.tensor([int(same), validated, -validated], dtype=torch.int32)
@@ -496,12 +492,9 @@ class PlanCaches:
         all_same, min_validated, max_validated = int(votes[0]), int(votes[1]), -int(votes[2])
         if not all_same or min_validated != max_validated or last is None:
             last = (key, fresh)
-            self._caches[id(group)] = last
+            self[id(group)] = last
         return last[1]
 
     def drop(self, group: dist.ProcessGroup | None) -> None:
         """Forget ``group``'s cache (a failed save: every rank re-plans)."""
-        self._caches.pop(id(group), None)
-
-    def clear(self) -> None:
-        self._caches.clear()
+        self.pop(id(group), None)

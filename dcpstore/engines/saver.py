@@ -84,6 +84,7 @@ from .staging import StagedState, Stager, StagingPool
 
 log = logging.getLogger(__name__)
 
+
 class _BackgroundGroups:
     """One dedicated gloo group per process group (see the module docstring)."""
 
@@ -171,7 +172,7 @@ class AsyncSaver:
         self.pool = StagingPool(max_structures=staging_cache, max_sets=self.max_in_flight)
         self._stager = Stager(self.pool)
         self._groups = _BackgroundGroups(collective_timeout)
-        self._plan_caches = PlanCaches()
+        self._nvrx_caches = PlanCaches()
         # (future, printable URI) of every save not yet popped, oldest first
         self._pending: deque[tuple[Future[CheckpointInfo], str]] = deque()
         self._background = BackgroundThread("dcpstore-async")
@@ -279,7 +280,7 @@ class AsyncSaver:
             exit_hook.forget(self)
             hung = self._finish_pending()
             self.pool.clear()
-            self._plan_caches.clear()
+            self._nvrx_caches.clear()
             if hung:
                 raise SaveError(self._hung_message(hung, "close() stopped waiting"))
             self._background.shutdown()
@@ -365,13 +366,13 @@ class AsyncSaver:
             agree_on_engine(engine, group)
             if engine == "nvrx":
                 # A user planner may plan differently per call: never cache its plans.
-                cache = self._plan_caches.get(staged.key, group) if planner is None else None
+                cache = self._nvrx_caches.for_save(staged.key, group) if planner is None else None
                 try:
                     stats = nvrx_save(
                         staged.state_dict, storage, workers=workers, process_group=group, planner=planner, cache=cache
                     )
                 except BaseException:
-                    self._plan_caches.drop(group)  # every rank fails together: re-plan next time
+                    self._nvrx_caches.drop(group)  # every rank fails together: re-plan next time
                     raise
             else:
                 stats = save_state_dict(
