@@ -129,7 +129,16 @@ class DcpStorageWriter(StorageWriter):
         self.rank = 0
         self.is_coordinator = True
         self.stats = SaveStats()
-        self.session = SaveSession(storage)
+        self._session: SaveSession | None = None
+
+    @property
+    def session(self) -> SaveSession:
+        """This save's commit protocol (a new one per save, from
+        ``set_up_storage_writer``; a follower rank's takes the coordinator's
+        save id in ``write_data``)."""
+        if self._session is None:
+            raise SaveError("the DCP writer was used before set_up_storage_writer")
+        return self._session
 
     # -- DCP protocol -----------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -146,7 +155,7 @@ class DcpStorageWriter(StorageWriter):
         self.is_coordinator = is_coordinator
         self.rank = kwargs.get("rank") or 0
         self.stats = SaveStats(started=time.perf_counter())
-        self.session = SaveSession(self.storage)
+        self._session = SaveSession(self.storage)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         self.storage.makedirs()
@@ -164,7 +173,7 @@ class DcpStorageWriter(StorageWriter):
         self.stats.plan_s = t_start - self.stats.started
         token: SaveToken = plan.storage_data
         if token.save_id != self.session.save_id:  # a follower: the coordinator's save
-            self.session = SaveSession(self.storage, token.save_id)
+            self._session = SaveSession(self.storage, token.save_id)
         buckets = split_buckets(plan.items, self.workers)
         lock = threading.Lock()  # planners are not promised to be thread-safe
         future: Future[list[WriteResult]] = Future()
@@ -209,7 +218,10 @@ class DcpStorageWriter(StorageWriter):
         self.stats.commit_s = time.perf_counter() - t_start
 
     def storage_meta(self) -> StorageMeta | None:
-        return self.session.storage_meta()
+        # DCP may ask before set_up_storage_writer: then there is no save id yet.
+        if self._session is None:
+            return StorageMeta(checkpoint_id=self.storage.uri, save_id="")
+        return self._session.storage_meta()
 
     @property
     def checkpoint_id(self) -> str:
