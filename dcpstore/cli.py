@@ -20,12 +20,12 @@ from typing import Any
 
 from tqdm import tqdm
 
-from .bench import bench, parse_int_list, parse_size, summarize
-from .bench.measure import human_bytes
+from .bench import bench, parse_int_list, summarize
 from .bench.report import format_table, plot_workers, write_json
 from .errors import CheckpointError, CheckpointNotFound
 from .maintenance import gc, inspect_checkpoint, list_checkpoints, verify_checkpoint
 from .storage import Storage, open_storage
+from .units import human_bytes, parse_size
 
 
 def _open(args: argparse.Namespace) -> Storage:
