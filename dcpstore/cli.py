@@ -7,6 +7,9 @@ Errors print one line, never a traceback, and never a credential
 (:func:`dcpstore.storage.secrets.scrub`). No command executes checkpoint
 content: ``inspect`` and ``verify`` unpickle through dcpstore's allowlists
 only, ``ls`` and ``gc`` never read what a checkpoint holds.
+
+Layer: the top. Imports the maintenance commands, the bench package and
+:mod:`dcpstore.storage`.
 """
 
 from __future__ import annotations
@@ -20,11 +23,13 @@ from typing import Any
 
 from tqdm import tqdm
 
+from .bench import bench, parse_int_list, summarize
+from .bench.report import format_table, plot_workers, write_json
 from .errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound, UnsafeCheckpoint
 from .maintenance import gc, inspect_checkpoint, list_checkpoints, verify_checkpoint
 from .storage import Storage, open_storage
 from .storage.secrets import scrub
-from .units import human_bytes
+from .units import human_bytes, parse_size
 
 
 def _open(args: argparse.Namespace) -> Storage:
@@ -115,10 +120,6 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    # Imported here: the benchmark pulls in psutil and (for --plot) matplotlib.
-    from .bench import bench, parse_int_list, parse_size, summarize
-    from .bench.report import format_table, plot_workers, write_json
-
     size, workers = parse_size(args.size), parse_int_list(args.workers)
     print(f"dcpstore bench {args.uri}: {human_bytes(size)} in {args.tensors} tensors, workers {workers}, "
           f"{'async/' + args.engine if args.async_ else 'sync'}, {args.repeat} repeat(s)", flush=True)  # fmt: skip

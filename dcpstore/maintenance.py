@@ -3,6 +3,9 @@
 These back the ``dcpstore`` CLI and are plain functions so that scripts (and
 tests) can call them directly. They work on every backend through
 :class:`~dcpstore.storage.base.Storage`.
+
+Layer: front door (beside :mod:`dcpstore.api`). Imports the DCP protocol's
+read side, the format, :mod:`dcpstore.storage` and the foundation.
 """
 
 from __future__ import annotations
@@ -17,15 +20,15 @@ from typing import Any
 import crc32c
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
+from .dcp.commit import read_checkpoint_metadata
 from .errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound, StorageNotFound, UnsafeCheckpoint
 from .format.inflight import decode_owner, is_alive_file, is_running
-from .format.manifest import SMALL_FILE_LIMIT, Manifest, item_key, read_capped
+from .format.layout import INFLIGHT, MANIFEST, METADATA, is_commit_file, is_data_file, item_key
+from .format.manifest import SMALL_FILE_LIMIT, Manifest, read_capped
 from .format.safe_pickle import check_record_end, load_object
 from .storage import MiB, Storage
 from .storage.base import ObjectInfo
 from .storage.uri import join_uri, parse_uri
-from .writers.dcp import read_checkpoint_metadata
-from .writers.layout import INFLIGHT, MANIFEST, METADATA, is_commit_file, is_data_file
 
 #: How much ``verify`` reads per request.
 VERIFY_CHUNK = 16 * MiB

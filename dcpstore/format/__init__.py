@@ -1,6 +1,16 @@
-"""What the bytes of a checkpoint mean, the same for every writer and reader.
+"""What the bytes mean: the on-storage format, the same for every writer.
 
-Nothing here writes; modules here parse and validate what storage holds
-(the integrity manifest, ``.metadata``, the in-flight marker) without ever
+Owns the checkpoint layout and file names (:mod:`.layout`), the integrity
+manifest's schema and the shared validation of a commit (:mod:`.manifest`),
+the restricted unpicklers for ``.metadata`` and non-tensor items
+(:mod:`.safe_pickle`), a running save's proof of life for ``gc``
+(:mod:`.inflight`), the CRC32C arithmetic (:mod:`.checksum`) and the tensor
+record codec (:mod:`.record`). Nothing here talks to DCP's protocol or
+decides when anything is written: the DCP writer and reader
+(:mod:`dcpstore.dcp`) and the maintenance commands use these definitions.
+What is read from storage is parsed and validated here without ever
 executing checkpoint content.
+
+Layer: format. May import :mod:`dcpstore.errors`, the value objects and
+:mod:`dcpstore.storage`; nothing above.
 """

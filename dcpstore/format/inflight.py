@@ -1,11 +1,13 @@
 """Proof of life of a running save, so that ``gc`` never collects one.
 
 A save marks its URI as its own with the in-flight marker (its save id, see
-:mod:`dcpstore.writers.layout`). Beside it, the coordinator keeps an *alive
-file*, ``.dcpstore.alive.<save id>``, naming the process that runs the save
-(host, boot id, pid namespace, pid and start time) and rewritten every
-:data:`REFRESH_S` seconds while the save runs (:class:`Refresher`). One file
-per save, so a refresh never overwrites another save's marker.
+:mod:`.layout`). Beside it, the coordinator keeps an *alive file*,
+``.dcpstore.alive.<save id>``, naming the process that runs the save (host,
+boot id, pid namespace, pid and start time) and rewritten every
+:data:`REFRESH_S` seconds while the save runs (the commit protocol's
+refresher, :class:`dcpstore.dcp.commit.SaveSession`). One file per save, so
+a refresh never overwrites another save's marker. This module is the
+file's format and what ``gc`` concludes from it; it writes nothing.
 
 ``gc`` (:func:`is_running`) keeps a directory whose alive file names a
 process of this machine that still runs (whatever ``--older-than`` says),
@@ -17,19 +19,10 @@ collectable at once; elsewhere, a lease later.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import socket
-import threading
-import weakref
 from dataclasses import asdict, dataclass
 from typing import Any
-
-from ..errors import CheckpointError
-from ..storage.base import Storage
-from .manifest import SMALL_FILE_LIMIT, read_capped
-
-log = logging.getLogger(__name__)
 
 ALIVE_PREFIX = ".dcpstore.alive."
 #: How often a running save rewrites its alive file.
@@ -124,94 +117,3 @@ def is_running(owner: Owner | None, age_s: float | None, older_than_s: float) ->
     # A running save rewrites its file every REFRESH_S; one that has not for a
     # lease stopped (or its process cannot refresh it any more).
     return age_s is None or age_s < max(older_than_s, LEASE_S)
-
-
-#: Refreshers by (id of the save's storage object, save id), so that the
-#: commit or a failure path can stop the one its claim started.
-_running: dict[tuple[int, str], Refresher] = {}
-_running_lock = threading.Lock()
-
-
-class Refresher:
-    """Rewrites a save's alive file every :data:`REFRESH_S` seconds until
-    :meth:`stop`, until the save's storage object is gone, or until the URI
-    is no longer the save's (its in-flight marker replaced or removed)."""
-
-    def __init__(self, storage: Storage, save_id: str, marker: str, interval: float | None = None) -> None:
-        self._storage = weakref.ref(storage)
-        self._storage_id = id(storage)
-        self._uri = storage.uri
-        self._save_id = save_id
-        self._marker = marker
-        self._blob = encode_alive(save_id, Owner.current())
-        self._interval = REFRESH_S if interval is None else interval
-        self._stopped = threading.Event()
-        storage.put(alive_name(save_id), self._blob)
-        with _running_lock:
-            _running[self._key] = self
-        self._thread = threading.Thread(target=self._run, name="dcpstore-alive", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stopped.set()
-
-    def _run(self) -> None:
-        try:
-            self._refresh_until_stopped()
-        finally:
-            with _running_lock:
-                if _running.get(self._key) is self:
-                    del _running[self._key]
-
-    @property
-    def _key(self) -> tuple[int, str]:
-        return (self._storage_id, self._save_id)
-
-    def _refresh_until_stopped(self) -> None:
-        while not self._stopped.wait(self._interval):
-            storage = self._storage()
-            if storage is None:
-                return
-            try:
-                if read_capped(storage, self._marker, SMALL_FILE_LIMIT).decode(errors="replace") != self._save_id:
-                    return  # the URI is another save's now (or gc took it): this save will not commit
-                storage.put(alive_name(self._save_id), self._blob)
-            except CheckpointError as e:
-                if isinstance(e, FileNotFoundError):
-                    return
-                log.debug("could not refresh the alive file of save %s under %s: %s", self._save_id, self._uri, e)
-            finally:
-                del storage
-
-
-def start_refresher(storage: Storage, save_id: str, marker: str) -> None:
-    """Write the save's alive file and keep it fresh (coordinator, at claim)."""
-    Refresher(storage, save_id, marker)
-
-
-def stop_refresher(storage: Storage, save_id: str, *, remove: bool = False) -> None:
-    """Stop refreshing the save's alive file: at commit (which deletes it
-    with the marker), or when the save failed (``remove=True``: delete it
-    now, best effort, so that ``gc`` may collect what the save left).
-    Idempotent."""
-    with _running_lock:
-        refresher = _running.pop((id(storage), save_id), None)
-    if refresher is not None:
-        refresher.stop()
-    if remove and save_id:
-        try:
-            storage.delete([alive_name(save_id)])
-        except CheckpointError as e:
-            log.debug("could not remove the alive file of failed save %s under %s: %s", save_id, storage.uri, e)
-
-
-
-
-def release_claims(storage: Storage) -> None:
-    """:func:`stop_refresher` (removing the alive files) for every save
-    claimed through this storage object: for failure paths that do not
-    know the save id."""
-    with _running_lock:
-        save_ids = [sid for (sid_storage, sid) in _running if sid_storage == id(storage)]
-    for save_id in save_ids:
-        stop_refresher(storage, save_id, remove=True)

@@ -8,7 +8,7 @@ bytes lie inside each item whose record holds them row-major. Stock DCP
 ignores the file.
 
 Everything read from storage is hostile until checked: :func:`parse_manifest`
-checks every field's type and range, :func:`decode_commit` checks the
+checks every field's type and range, :func:`check_items_listed` checks the
 manifest against ``.metadata`` (every stored item listed, inside its file,
 its tensor bytes inside the item), and :func:`read_capped` refuses commit
 files larger than any real checkpoint's, before allocating. Errors are
@@ -25,6 +25,7 @@ import crc32c
 
 from ..errors import CheckpointCorrupt
 from ..storage.base import Storage
+from .layout import item_key
 
 MANIFEST_FORMAT = "dcpstore-manifest/1"
 _UINT32 = 1 << 32
@@ -52,10 +53,6 @@ class Manifest(TypedDict):
     items: dict[str, int]
     #: item key -> [offset of the tensor bytes in the item, nbytes]
     tensors: dict[str, list[int]]
-
-
-def item_key(path: str, offset: int) -> str:
-    return f"{path}@{offset}"
 
 
 def build_manifest(

@@ -43,7 +43,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import IO, Any, cast
 
+import numpy as np
 import torch
+from torch import _weights_only_unpickler
+from torch.distributed._shard.sharded_tensor import metadata as sharded
+from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -55,7 +59,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ..errors import CheckpointCorrupt, InvalidArgument, UnsafeCheckpoint
+from ..errors import CheckpointCorrupt, UnsafeCheckpoint
+from ..options import check_safe_globals, check_trusted
 from ..storage.base import Storage
 from .manifest import StoredItem, check_relative_name
 
@@ -90,25 +95,15 @@ class Trust:
 
     @classmethod
     def of(cls, safe_globals: Iterable[Any] | None = None, trusted: bool = False) -> Trust:
-        """Validate ``load``'s ``safe_globals`` / ``trusted`` arguments."""
-        if not isinstance(trusted, bool):
-            raise InvalidArgument(f"trusted must be a bool, got {trusted!r}")
-        if safe_globals is None:
-            return cls(trusted=trusted)
-        if isinstance(safe_globals, (str, bytes)) or not isinstance(safe_globals, Iterable):
-            raise InvalidArgument(f"safe_globals must be a list of classes or functions, got {safe_globals!r}")
+        """From ``load``'s ``safe_globals`` / ``trusted`` arguments (validated
+        as :class:`~dcpstore.options.LoadOptions` validates them)."""
+        check_trusted(trusted)
         extra: dict[str, Any] = {}
-        for entry in safe_globals:
-            if isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[1], str):
+        for entry in check_safe_globals(safe_globals):
+            if isinstance(entry, tuple):
                 extra[entry[1]] = entry[0]  # (obj, "module.Name"), as torch.serialization takes them
-            elif isinstance(getattr(entry, "__module__", None), str) and isinstance(
-                getattr(entry, "__qualname__", None), str
-            ):
-                extra[_name_of(entry)] = entry
             else:
-                raise InvalidArgument(
-                    f"safe_globals entries must be classes or functions (or (obj, 'module.Name') pairs), got {entry!r}"
-                )
+                extra[_name_of(entry)] = entry
         return cls(extra=extra, trusted=trusted)
 
 
@@ -175,9 +170,6 @@ def _paths(*, pure: bool) -> dict[str, Any]:
 
 @functools.cache
 def _metadata_globals() -> dict[str, Any]:
-    from torch.distributed._shard.sharded_tensor import metadata as sharded
-    from torch.distributed.checkpoint import metadata as dcp_metadata
-
     classes: list[Any] = [
         Metadata,
         MetadataIndex,
@@ -213,8 +205,6 @@ def _safe_bytearray(*args: Any) -> bytearray:
 
 @functools.cache
 def _item_globals() -> dict[str, Any]:
-    from torch import _weights_only_unpickler
-
     allowed = dict(_weights_only_unpickler._get_allowed_globals())
     allowed["builtins.bytearray"] = _safe_bytearray
     plain: list[Any] = [
@@ -232,10 +222,6 @@ def _item_globals() -> dict[str, Any]:
 def _numpy_globals() -> dict[str, Any]:
     """numpy arrays, scalars and dtypes (RNG states are arrays), under the
     module names numpy 1.x and 2.x pickle them as."""
-    try:
-        import numpy as np
-    except ImportError:
-        return {}
     core = getattr(np, "_core", None) or np.core
     out: dict[str, Any] = {"numpy.ndarray": np.ndarray, "numpy.dtype": np.dtype}
     for mod in ("numpy.core.multiarray", "numpy._core.multiarray"):

@@ -1,8 +1,10 @@
-"""On-storage layout: file names, the integrity manifest, commit markers.
+"""On-storage layout: file names, item keys, commit markers.
 
 A checkpoint directory (or key prefix) holds, in stock DCP layout::
 
     .dcpstore.inflight      the save id of the save in progress (removed at commit)
+    .dcpstore.alive.<id>    the running save's proof of life for gc (removed at
+                            commit or failure; :mod:`.inflight`)
     __{rank}_{n}.distcp     data files, one per writer thread per rank
     .dcpstore.json          the integrity manifest (written just before .metadata)
     .metadata               the commit: pickled DCP ``Metadata``, written last
@@ -21,22 +23,21 @@ straight into the destination tensor (shape and dtype are in
 item's CRC32C over all of them.
 Readers that predate the key ignore it; manifests without it load through
 the records. A checkpoint written by plain DCP has no manifest and loads
-unverified.
+unverified. The manifest's schema and its validation against ``.metadata``
+are :mod:`.manifest`'s.
+
+Stock DCP saving with ``use_collectives=False`` commits one
+``__{rank}.metadata`` per rank instead of ``.metadata``
+(:func:`is_commit_file`): dcpstore does not load such a checkpoint, but
+``ls`` and ``gc`` count it as committed.
+
+Which save writes these names, in which order, and when a file counts as
+committed is the commit protocol's business (:mod:`dcpstore.dcp.commit`).
 """
 
 from __future__ import annotations
 
 import re
-
-# The manifest's schema and validation live in dcpstore.format.manifest.
-from ..format.manifest import (
-    MANIFEST_FORMAT as MANIFEST_FORMAT,
-    FileEntry as FileEntry,
-    Manifest as Manifest,
-    build_manifest as build_manifest,
-    item_key as item_key,
-    parse_manifest as parse_manifest,
-)
 
 METADATA = ".metadata"
 MANIFEST = ".dcpstore.json"
@@ -57,6 +58,11 @@ def data_file_name(rank_prefix: str, index: int) -> str:
 
 def is_data_file(path: str) -> bool:
     return _DATA_RE.match(path) is not None
+
+
+def item_key(path: str, offset: int) -> str:
+    """The manifest's key of the item at ``offset`` of data file ``path``."""
+    return f"{path}@{offset}"
 
 
 def is_commit_file(name: str) -> bool:
