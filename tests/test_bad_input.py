@@ -85,8 +85,8 @@ def test_missing_key_on_load_is_named(tmp_path) -> None:
 
 
 SECRET = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYzzSECRET"
-#: (case, call(tmp_path, bucket), the error it must raise). All but the
-#: first reach real storage (moto over HTTP, or local files) before failing.
+#: (case, call(tmp_path, bucket), the error it must raise). The signed-query
+#: and file cases reach real storage (moto over HTTP, local files) first.
 SECRET_CASES = [
     ("credentials-in-uri", lambda p, b: _save(f"s3://AKIAFAKEKEY:{SECRET}@{b}/x"), dcpstore.InvalidURI),
     ("signed-query-load", lambda p, b: dcpstore.load({"a": torch.zeros(2)}, f"s3://{b}/none?X-Amz-Signature={SECRET}"),
@@ -95,6 +95,7 @@ SECRET_CASES = [
     ("signed-query-msc", lambda p, b: dcpstore.load({"a": torch.zeros(2)}, f"s3://{b}/none?sig={SECRET}", enable_msc=True),
      dcpstore.CheckpointNotFound),
     ("file-uri-query", lambda p, b: dcpstore.load({"a": torch.zeros(2)}, f"file://{p}/none?sig={SECRET}"), dcpstore.CheckpointNotFound),
+    ("unknown-scheme-query", lambda p, b: _save(f"zzz://{b}/x?X-Amz-Signature={SECRET}"), dcpstore.InvalidURI),
 ]
 
 

@@ -265,12 +265,14 @@ def test_async_step_is_listed_only_after_commit_and_retention_waits_for_it(
     hook_all_storage({mgr.step_uri(2): held}, monkeypatch.setattr)
     state = _state(2)
     handle = mgr.save(2, state)
-    state["w"].fill_(-1.0)  # after save returns: must not reach storage
-    assert held.reached.wait(60), "step 2 never reached its commit"
-    assert not handle.done() and mgr.all_steps() == [1], "step 2 listed, or step 1 retired, before step 2 was committed"
-    reader = _manager(local_target)  # another process's view; mgr.load would wait for step 2
-    assert _loaded_step(reader) == (1, 1.0, 1)
-    held.release()
+    try:
+        state["w"].fill_(-1.0)  # after save returns: must not reach storage
+        assert held.reached.wait(60), "step 2 never reached its commit"
+        assert not handle.done() and mgr.all_steps() == [1], "step 2 listed, or step 1 retired, before step 2 was committed"
+        reader = _manager(local_target)  # another process's view; mgr.load would wait for step 2
+        assert _loaded_step(reader) == (1, 1.0, 1)
+    finally:
+        held.release()  # never leave a held save for the exit hook to wait on
     handle.result(timeout=60)
     # Committed, and retention (keep=1) has not run: it runs when the manager
     # finishes the save (the next save, wait, load or close), not in the background.
