@@ -100,7 +100,7 @@ def test_kill_anywhere_in_a_managed_sync_save(tmp_path, ctx, scenario: str) -> N
     """keep=1: retention deletes step 1 once step 2 is committed ("next"), or
     step 1 is saved again over itself ("overwrite"); see run_managed_crashes."""
     how = Managed({"async_": False, "workers": 3})
-    run_managed_crashes(ctx, str(tmp_path / "runs"), scenario, how, budget=24)
+    run_managed_crashes(ctx, str(tmp_path / "runs"), scenario, how, budget=20)
 
 
 def test_temp_files_never_listed(tmp_path, ctx) -> None:
