@@ -253,9 +253,9 @@ def which_state(uri: str, candidates: dict[str, dict[str, Any]], **load_kwargs: 
 
 # -- saves through CheckpointManager(keep=1), killed anywhere ------------------
 
-#: scenario -> (the step a crash child saves, the steps of its root before).
-#: "next": step 2 beside a committed step 1, which retention (keep=1) deletes
-#: once step 2 is committed. "overwrite": step 1 again, over itself.
+#: scenario -> the step a crash child saves; its root holds committed step 1.
+#: "next": step 2, after whose commit retention (keep=1) deletes step 1.
+#: "overwrite": step 1 again, over itself (the same URI).
 SCENARIOS = {"next": 2, "overwrite": 1}
 
 
@@ -342,7 +342,6 @@ def run_managed_crashes(
     wreck commits cleanly, and ``dcpstore gc`` removes every leftover and no
     committed step. Returns the probe's events, for backend-specific checks.
     """
-    step = SCENARIOS[scenario]
     queue = ctx.Queue()
     assert crash(ctx, managed_probe, _seeded_root(base, "probe", how), scenario, how, queue) == 0
     events: list[str] = queue.get(timeout=30)
