@@ -44,7 +44,7 @@ from dcpstore.cli import main as cli_main
 from dcpstore.maintenance import inspect_checkpoint, list_checkpoints
 from dcpstore.manager import parse_step_dir, step_dir
 from dcpstore.storage import join_uri, open_storage
-from dcpstore.writers.layout import MANIFEST, METADATA
+from dcpstore.format.layout import MANIFEST, METADATA
 from faults import Hook, KillAt, Recorder, hook_all_storage, spread
 from helpers import assert_state_equal, zeros_like_state
 
@@ -158,7 +158,7 @@ def overwrite_expected(events: list[str], k: int) -> str:
 
 def instrument_staging(hook: Hook) -> None:
     """Report each tensor copy of async staging (on the caller's thread)."""
-    from dcpstore.writers.staging import Stager
+    from dcpstore.engines.staging import Stager
 
     real = Stager._copy
 

@@ -26,7 +26,7 @@ from crashkit import Managed, commit_index, crash, crash_state, forkserver, kill
 from crashkit import outcome as _outcome_of
 from dcpstore.maintenance import gc, list_checkpoints
 from dcpstore.storage import open_storage
-from dcpstore.writers.dcp import DcpStorageWriter
+from dcpstore.dcp.writer import DcpStorageWriter
 from faults import EventStorage, KillAt, Recorder
 
 #: Kill-point budget of the quick run (None: every point, in the slow run).

@@ -27,8 +27,8 @@ from __future__ import annotations
 import pytest
 
 from crashkit import Managed, forkserver, run_managed_crashes
-from dcpstore.adapters import nvrx as nvrx_adapter
-from dcpstore.writers.layout import MANIFEST, METADATA
+from dcpstore.engines import nvrx as nvrx_adapter
+from dcpstore.format.layout import MANIFEST, METADATA
 
 needs_nvrx = pytest.mark.skipif(nvrx_adapter.import_error() is not None, reason="nvidia-resiliency-ext not installed")
 slow = pytest.mark.slow

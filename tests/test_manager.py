@@ -22,7 +22,7 @@ import dcpstore.storage
 from backends import Target
 from dcpstore.maintenance import list_checkpoints
 from dcpstore.manager import parse_step_dir, step_dir
-from dcpstore.writers.layout import METADATA
+from dcpstore.format.layout import METADATA
 from faults import BlockAt, hook_all_storage
 from manager_child import state as child_state
 

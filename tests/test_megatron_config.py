@@ -27,9 +27,9 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 import dcpstore
 from backends import Target
 from dcpstore.adapters import fsdp
-from dcpstore.adapters import nvrx as nvrx_adapter
+from dcpstore.engines import nvrx as nvrx_adapter
 from dcpstore.adapters.megatron import CheckpointConfig, plan_caching_supported
-from dcpstore.writers.dcp import DcpStorageWriter
+from dcpstore.dcp.writer import DcpStorageWriter
 
 FORMATS = ["torch_dist", "fsdp_dtensor", "zarr", "torch"]
 ENGINES = ["auto", "native", "nvrx", "turbo"]

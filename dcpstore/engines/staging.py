@@ -34,6 +34,8 @@ most ``max_sets`` per structure, so repeated saves of one model stage into
 the same, already-faulted-in memory: no allocation, no page faults, flat RSS.
 Memory held between saves is bounded by ``max_structures * max_sets`` state
 copies; :meth:`StagingPool.clear` drops it all.
+
+Layer: engines. Imports only :mod:`dcpstore.errors`.
 """
 
 from __future__ import annotations
