@@ -282,6 +282,9 @@ def split_buckets(items: Sequence[WriteItem], bins: int) -> list[list[WriteItem]
 
 def _cpu_tensor(tensor: torch.Tensor) -> torch.Tensor:
     tensor = tensor.detach()
+    if tensor._is_zerotensor():
+        # An efficient zero tensor has no storage to write: write real zeros.
+        return torch.zeros(tensor.shape, dtype=tensor.dtype)
     if tensor.device.type != "cpu":
         tensor = tensor.to("cpu")
     if tensor.untyped_storage().nbytes() != tensor.nbytes:
@@ -725,8 +728,10 @@ def _whole_tensor_dtype(req: ReadItem, metadata: Metadata, nbytes: int) -> torch
 
 def _byte_view(target: torch.Tensor, dtype: torch.dtype, nbytes: int) -> memoryview | None:
     """``target``'s bytes as a writable memoryview, if it can take the raw
-    bytes as they lie (contiguous, on the CPU, same dtype and size)."""
+    bytes as they lie (contiguous, on the CPU, same dtype and size, and no
+    conjugate or negative bit: such a view's bytes are not its values)."""
     ok = target.device.type == "cpu" and target.dtype == dtype and target.is_contiguous() and target.nbytes == nbytes
+    ok = ok and not target.is_conj() and not target.is_neg()
     if not ok or nbytes == 0:
         return None
     array: Any = target.reshape(-1).view(torch.uint8).numpy()
