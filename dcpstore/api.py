@@ -29,6 +29,7 @@ from .options import check_save_options
 from .storage import Storage, StorageOptions, open_storage, redact
 from .writers.async_engine import ENGINES, AsyncSaver, default_saver
 from .writers.dcp import DcpStorageReader, DcpStorageWriter, SaveStats, check_workers
+from .writers.state_checks import check_saveable, check_top_level_keys
 
 
 # DCP warns on every call made without an initialised process group; a
@@ -211,6 +212,7 @@ def save(
             handle.result()  # sync: raise here, like the native sync path
         return handle
     t0 = time.perf_counter()
+    check_saveable(state_dict)  # async saves check while staging
     storage = open_storage(uri, enable_msc=enable_msc, storage_options=storage_options)
     writer = DcpStorageWriter(storage, workers=workers)
     try:
@@ -259,9 +261,10 @@ def load(
     if not isinstance(state_dict, dict):
         raise InvalidArgument(f"state_dict must be a dict, got {type(state_dict).__name__}")
     _check_common(workers, process_group)
+    check_top_level_keys(state_dict, loading=True)
     storage = open_storage(uri, enable_msc=enable_msc, storage_options=storage_options)
     reader = DcpStorageReader(storage, workers=workers, verify=verify)
-    reader.preload_metadata()
+    reader.check_destination(state_dict)
     try:
         dcp_load(
             state_dict,

@@ -63,6 +63,7 @@ from ..errors import (
     CheckpointNotFound,
     InvalidArgument,
     SaveError,
+    StateDictMismatch,
     StorageNotFound,
 )
 from ..adapters.torch_save import save_record
@@ -80,6 +81,7 @@ from .layout import (
     parse_manifest,
 )
 from .checksum import DualCrc
+from .state_checks import load_mismatches
 from .threads import run_parallel
 
 log = logging.getLogger(__name__)
@@ -771,6 +773,7 @@ class DcpStorageReader(StorageReader):
         self._manifest: Manifest | None = None
         self._metadata: Metadata | None = None
         self._storage_data: dict[MetadataIndex, _StorageInfo] = {}
+        self._mismatches: list[str] = []
         self.bytes_read = 0
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -799,7 +802,19 @@ class DcpStorageReader(StorageReader):
         self._storage_data = metadata.storage_data
         self.bytes_read = 0
 
+    def check_destination(self, state_dict: dict[str, Any]) -> None:
+        """Compare the caller's ``state_dict`` with the checkpoint before
+        ``dcp.load`` (see :func:`~dcpstore.writers.state_checks.load_mismatches`).
+        What it finds is raised from :meth:`prepare_local_plan`, inside DCP's
+        planning step, which gathers every rank's failure: all ranks then
+        raise together and none is left waiting in a collective."""
+        self._mismatches = load_mismatches(state_dict, self.preload_metadata())
+
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        if self._mismatches:
+            raise StateDictMismatch(
+                f"cannot load {self.storage.uri} into this state_dict; nothing was loaded: " + "; ".join(self._mismatches)
+            )
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:

@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from ..errors import InvalidArgument, SaveError
+from .state_checks import check_saveable
 
 try:  # DTensor and ShardedTensor exist on every torch that dcpstore supports,
     from torch.distributed.tensor import DTensor  # but keep import failures local.
@@ -183,6 +184,7 @@ class Stager:
     def stage(self, state_dict: Mapping[str, Any], *, alias_cpu: bool = False) -> StagedState:
         walk = _Walk()
         resolved = {k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in state_dict.items()}
+        check_saveable(resolved)
         skeleton = self._walk(resolved, (), walk, alias_cpu)
         key = tuple(walk.key)
         buffers = self.pool.take(key) if walk.specs else []
@@ -244,6 +246,11 @@ class Stager:
         if seen is not None:  # the same tensor twice (tied weights): stage once
             walk.key.append((path, "same-as", seen))
             return _Slot(seen)
+        if t.is_quantized:
+            # No pooled buffer: an empty quantized tensor has no quantizer
+            # for copy_ to fill. A fresh host copy keeps scale and zero point.
+            walk.key.append((path, "quantized"))
+            return t.to("cpu", copy=True)
         spec = _buffer_spec(t)
         index = len(walk.specs)
         walk.seen[ident] = index
