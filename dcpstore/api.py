@@ -257,6 +257,15 @@ def load(
     Like ``dcp.load``: tensors are filled in place and resharded to the
     caller's layout (saved on N ranks, loaded on M). Sizes and checksums are
     verified; a damaged file raises :class:`CheckpointCorrupt` naming it.
+
+    A destination that disagrees with the checkpoint (a stored object where
+    it holds a tensor; complex -> real, floating -> integer, anything ->
+    bool) raises :class:`StateDictMismatch` before anything is read.
+    Missing or truncated files are found before anything is changed too. A
+    damaged item stops the load where it is found; the error says which keys
+    it had already changed on this rank (its ``loaded_keys``,
+    ``partly_loaded_keys`` and ``damaged_keys``; every other key is
+    unchanged). Loading a good copy again overwrites every key.
     """
     if not isinstance(state_dict, dict):
         raise InvalidArgument(f"state_dict must be a dict, got {type(state_dict).__name__}")
@@ -276,7 +285,9 @@ def load(
     except CheckpointException as e:
         cause = _root_cause(e)
         if isinstance(cause, CheckpointError):
-            raise type(cause)(str(cause)) from e
+            error = type(cause)(str(cause))
+            vars(error).update(vars(cause))  # e.g. which keys a failed read changed
+            raise error from e
         raise LoadError(f"load from {storage.uri} failed: {_first_failure(e)}") from e
 
 

@@ -17,9 +17,12 @@ Save, as ``torch.distributed.checkpoint.save`` drives it::
                                         manifest, then ``.metadata`` last
 
 Load: ``read_metadata`` (verifying ``.metadata`` against the manifest), then
-``read_data`` reads the planned items with ``workers`` threads, coalescing
-neighbouring items of a file into one ranged read, and verifies sizes and
-checksums before anything reaches the caller's tensors.
+``read_data`` checks every planned file's size against the manifest, and
+reads the planned items with ``workers`` threads, coalescing neighbouring
+items of a file into one ranged read. Each item's CRC32C is verified before
+it is copied into the caller's state, except for tensors of 64 KiB or more,
+which are read straight into their destination and verified there; a failed
+load says which keys it changed (see :mod:`.load_progress`).
 """
 
 from __future__ import annotations
@@ -81,6 +84,7 @@ from .layout import (
     parse_manifest,
 )
 from .checksum import DualCrc
+from .load_progress import LoadProgress
 from .state_checks import load_mismatches
 from .threads import run_parallel
 
@@ -774,6 +778,7 @@ class DcpStorageReader(StorageReader):
         self._metadata: Metadata | None = None
         self._storage_data: dict[MetadataIndex, _StorageInfo] = {}
         self._mismatches: list[str] = []
+        self._progress = LoadProgress(())
         self.bytes_read = 0
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -838,10 +843,12 @@ class DcpStorageReader(StorageReader):
         jobs.sort(key=operator.attrgetter("length"), reverse=True)
         lock = threading.Lock()
         future: Future[None] = Future()
+        self._progress = LoadProgress(req.dest_index.fqn for req in plan.items)
         try:
             run_parallel(lambda job: self._read_job(job, planner, lock), jobs, self.workers, "dcpstore-read")
         except BaseException as e:
-            future.set_exception(e)  # type: ignore[arg-type]  # torch's stub types it as the value
+            error = self._progress.annotate(e, self.storage.uri)  # what this rank's state now holds
+            future.set_exception(error)  # type: ignore[arg-type]  # torch's stub types it as the value
             return future
         future.set_result(None)
         return future
@@ -888,10 +895,15 @@ class DcpStorageReader(StorageReader):
         return direct
 
     def _read_job(self, job: _Span | _DirectRun, planner: LoadPlanner, lock: threading.Lock) -> None:
-        if isinstance(job, _DirectRun):
-            self._read_run(job, planner, lock)
-        else:
-            self._read_span(job, planner, lock)
+        try:
+            self._progress.check()
+            if isinstance(job, _DirectRun):
+                self._read_run(job, planner, lock)
+            else:
+                self._read_span(job, planner, lock)
+        except BaseException as e:
+            self._progress.fail(e)  # the other jobs start no new item
+            raise
 
     def _read_run(self, run: _DirectRun, planner: LoadPlanner, lock: threading.Lock) -> None:
         """Read tensors' bytes straight into their destinations, verify each
@@ -914,16 +926,27 @@ class DcpStorageReader(StorageReader):
             else:
                 placed.append((d, target, dest))
         for group in _scatter_groups(placed):
-            self._scatter_read(group)
+            self._progress.check()
+            verified, error = self._scatter_read(group)
             with lock:
-                for d, target, _ in group:
+                for (d, target, _), exposed in verified:
                     self.bytes_read += d.length
                     planner.commit_tensor(d.req, target)
+                    self._progress.loaded([d.req.dest_index.fqn], exposed=exposed)
+            if error is not None:
+                raise error
 
-    def _scatter_read(self, group: list[tuple[_Direct, torch.Tensor, memoryview]]) -> None:
+    def _scatter_read(
+        self, group: list[tuple[_Direct, torch.Tensor, memoryview]]
+    ) -> tuple[list[tuple[tuple[_Direct, torch.Tensor, memoryview], bool]], CheckpointCorrupt | None]:
         """One scatter read of every byte of the group's items: each record's
         header and trailer into scratch buffers, its tensor bytes into the
-        destination; then each item's CRC32C over all three, as recorded."""
+        destination; then each item's CRC32C over all three, as recorded.
+
+        Returns the verified entries (with whether their bytes went straight
+        into the destination), and the first checksum failure, if any. A
+        failed or short read raises: the destinations read into directly
+        then hold unverified bytes (recorded in ``self._progress``)."""
         path = group[0][0].path
         start = pos = group[0][0].info.offset
         buffers: list[memoryview] = []
@@ -940,6 +963,7 @@ class DcpStorageReader(StorageReader):
             buffers += pieces
             parts.append((d, pieces, dest))
             pos = d.end
+        self._progress.exposing(d.req.dest_index.fqn for d, pieces, _ in parts if len(pieces) > 1)
         try:
             n = self.storage.read_into(path, start, buffers)
         except StorageNotFound as e:
@@ -948,10 +972,18 @@ class DcpStorageReader(StorageReader):
             raise CheckpointCorrupt(
                 f"{self.storage.describe(path)}: short read at offset {start} ({n} of {pos - start} bytes; truncated?)"
             )
-        for d, pieces, dest in parts:
-            self._verify_item(path, d.info, *pieces)
+        verified = []
+        error = None
+        for entry, (d, pieces, dest) in zip(group, parts):
+            try:
+                self._verify_item(path, d.info, *pieces)
+            except CheckpointCorrupt as e:
+                error = error or e
+                continue
             if len(pieces) == 1:
                 dest[:] = pieces[0][d.data_offset : d.data_offset + d.nbytes]
+            verified.append((entry, len(pieces) > 1))
+        return verified, error
 
     def _read_span(
         self, span: _Span, planner: LoadPlanner, lock: threading.Lock, target: torch.Tensor | None = None
@@ -974,9 +1006,11 @@ class DcpStorageReader(StorageReader):
             start = info.offset - span.offset
             item = view[start : start + info.length]
             self._verify_item(span.path, info, item)
+            self._progress.check()  # verified, and the load goes on: change the destination
             if req.type == LoadItemType.BYTE_IO:
                 with lock:
                     planner.load_bytes(req, io.BytesIO(item))
+                self._progress.loaded([req.dest_index.fqn])
                 continue
             tensor = _narrow(item_tensor(item), req.storage_offsets, req.lengths)
             if target is None:
@@ -990,6 +1024,7 @@ class DcpStorageReader(StorageReader):
             target.copy_(tensor)
             with lock:
                 planner.commit_tensor(req, target)
+            self._progress.loaded([req.dest_index.fqn])
             target = None
 
     def _verify_item(self, path: str, info: _StorageInfo, *pieces: memoryview) -> None:

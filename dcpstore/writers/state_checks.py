@@ -38,6 +38,10 @@ try:
     from torch.distributed.tensor import DTensor
 except ImportError:  # pragma: no cover - torch built without distributed
     DTensor = None  # type: ignore[assignment,misc]
+try:
+    from torch.distributed._shard.sharded_tensor import ShardedTensor  # type: ignore[attr-defined]
+except ImportError:  # pragma: no cover
+    ShardedTensor = None  # type: ignore[assignment,misc]
 
 
 # ---------------------------------------------------------------------------
@@ -87,10 +91,28 @@ def check_top_level_keys(state_dict: Mapping[Any, Any], *, loading: bool = False
 def unsaveable_reason(tensor: torch.Tensor) -> str | None:
     """Why DCP cannot save ``tensor`` as a tensor item (``None``: it can).
 
-    For a DTensor the local shard is what is written, so that is checked.
-    Quantized and zero tensors are saveable (zero tensors as real zeros).
+    For a DTensor or ShardedTensor the local shards are what is written, so
+    they are checked. Quantized and zero tensors are saveable (zero tensors
+    as real zeros).
     """
-    local = tensor._local_tensor if DTensor is not None and isinstance(tensor, DTensor) else tensor
+    for local in _local_parts(tensor):
+        reason = _local_reason(local)
+        if reason is not None:
+            return reason
+    return None
+
+
+def _local_parts(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """What is written for ``tensor``: a DTensor's local shard, a
+    ShardedTensor's local shards, else the tensor itself."""
+    if DTensor is not None and isinstance(tensor, DTensor):
+        return [tensor._local_tensor]
+    if ShardedTensor is not None and isinstance(tensor, ShardedTensor):
+        return [shard.tensor for shard in tensor.local_shards()]
+    return [tensor]
+
+
+def _local_reason(local: torch.Tensor) -> str | None:
     if local.device.type == "meta":
         return "it is a meta tensor, which has no data (materialise the module, e.g. to_empty() and init, first)"
     if local.layout != torch.strided:
