@@ -30,6 +30,7 @@ What dcpstore takes from NVRx, and why it drives the pieces itself:
 
 from __future__ import annotations
 
+import errno
 import inspect
 import queue
 from collections.abc import Callable
@@ -159,21 +160,42 @@ def writer_base() -> type:
 def bucket_writer(writer: Any) -> Callable[[Any], list[Any]]:
     """A function writing one NVRx ``WriteBucket`` (file path, storage key,
     (bytes items, tensor items)) on the calling thread and returning its
-    DCP write results; raises what the write raised."""
+    DCP write results; raises what the write raised.
+
+    A storage error inside ``torch.save`` (ENOSPC, EIO) reaches torch's C++
+    zip writer, which reports only its own ``RuntimeError`` ("unexpected
+    pos ..."), and a disk that fills mid-write first returns a short write,
+    which the zip writer counts as written. Where torch's ``_write_item``
+    takes stream transforms (torch >= 2.7; NVRx passes them on), every write
+    goes through :class:`CheckedTransforms`, which completes short writes
+    and keeps the first ``OSError``: that is what this function raises then.
+    """
     cls = type(writer)
-    transforms = [writer.transforms] if hasattr(writer, "transforms") else []
+    base = writer.transforms if hasattr(writer, "transforms") else None
     use_msc = bool(writer.use_msc)
     open_file = _open_file(writer, use_msc)
     direct = getattr(cls, "_write_bucket_to_storage", None)
     if direct is not None:  # 0.5+: a plain per-bucket function
-        return lambda bucket: list(direct(transforms, open_file, bucket, True, use_msc))
+
+        def write_direct(bucket: Any) -> list[Any]:
+            checked = CheckedTransforms(base) if base is not None else None
+            try:
+                return list(direct([checked] if checked else [], open_file, bucket, True, use_msc))
+            except BaseException:
+                if checked is not None and checked.error is not None:
+                    raise checked.error from None
+                raise
+
+        return write_direct
     raw = inspect.unwrap(cls.write_preloaded_data)  # skip the process-wide _disable_gc
     params = inspect.signature(raw).parameters
-    lead = [transforms, open_file] if "open_file" in params else [transforms]
     idx_name = next((p for p in ("local_proc_idx", "local_thread_idx") if p in params), "local_proc_idx")
     msc_kw = "use_msc" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
     def write(bucket: Any) -> list[Any]:
+        checked = CheckedTransforms(base) if base is not None else None
+        transforms = [checked] if checked is not None else []
+        lead = [transforms, open_file] if "open_file" in params else [transforms]
         results: queue.Queue[Any] = queue.Queue()
         done: queue.Queue[int] = queue.Queue()  # NVRx's count queue: get() + task_done()
         done.put(0)
@@ -189,10 +211,63 @@ def bucket_writer(writer: Any) -> Callable[[Any], list[Any]]:
         raw(*lead, **kwargs)
         _, out = results.get_nowait()
         if isinstance(out, BaseException):
+            if checked is not None and checked.error is not None:
+                raise checked.error from None  # the storage's error, not torch's report of it
             raise out
         return list(out)
 
     return write
+
+
+class CheckedTransforms:
+    """torch's stream transforms for one bucket, with every write made whole
+    and the first ``OSError`` kept (see :func:`bucket_writer`)."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.error: OSError | None = None
+
+    def transform_save_stream(self, write_item: Any, raw_stream: Any) -> Any:
+        return self._inner.transform_save_stream(write_item, _WholeWrites(raw_stream, self))
+
+
+class _WholeWrites:
+    """Writes all of every buffer to ``raw`` (a short write is retried, so a
+    full disk surfaces as its ENOSPC) and records the first ``OSError``.
+    (Not an ``io.IOBase``: its finaliser would flush ``raw`` again at
+    garbage collection, long after NVRx closed it.)"""
+
+    def __init__(self, raw: Any, owner: CheckedTransforms) -> None:
+        self._raw = raw
+        self._owner = owner
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        size = view.nbytes
+        try:
+            while view.nbytes:
+                n = self._raw.write(view)
+                if not n:  # neither progress nor an error: say so rather than spin
+                    raise OSError(errno.EIO, f"write made no progress ({view.nbytes} bytes left)")
+                view = view[n:]
+        except OSError as e:
+            self._owner.error = self._owner.error or e
+            raise
+        return size
+
+    def flush(self) -> None:
+        try:
+            self._raw.flush()
+        except OSError as e:
+            self._owner.error = self._owner.error or e
+            raise
+
+    def close(self) -> None:
+        """The bucket's file stays open for its next item; NVRx closes it."""
+        self.flush()
 
 
 def _open_file(writer: Any, use_msc: bool) -> Callable[..., Any]:

@@ -33,6 +33,12 @@ earlier fails before committing; but NVRx writes data files in place (no
 rename), so the earlier save checks before and after each file rather than at
 the moment the file is published.
 
+A failed save: every rank removes the data files it wrote (NVRx writes them
+in place, under their final names, so they would otherwise hold the space the
+next save needs), and a write error inside torch.save -- a full disk -- is
+raised as a StorageError naming the file and its errno rather than torch's
+"unexpected pos" (see ``adapters.nvrx.bucket_writer``).
+
 Integrity: the same manifest (file sizes and CRC32C, item CRC32C,
 ``.metadata`` CRC) as the native writer, computed from a read-back of what
 NVRx wrote rather than while streaming; on an MSC object store that read-back
@@ -41,7 +47,9 @@ is one extra GET of each data file.
 
 from __future__ import annotations
 
+import errno
 import functools
+import logging
 import os
 import time
 from typing import Any, cast
@@ -57,9 +65,12 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.checkpoint.utils import _DistWrapper
 
 from ..adapters import nvrx as adapter
-from ..errors import SaveError
+from ..errors import CheckpointError, SaveError, StorageError
 from ..storage import Storage, redact
 from .dcp import SaveStats, _cpu_tensor, check_still_ours, checksum_written_file, claim, commit_checkpoint
+from .layout import METADATA
+
+log = logging.getLogger(__name__)
 from .threads import run_parallel
 
 
@@ -124,7 +135,11 @@ def writer_class() -> type:
 
             def one(bucket: Any) -> list[WriteResult]:
                 check_still_ours(self.storage, self.save_id)
-                results = checksum_written_file(self.storage, bucket[1], write(bucket))
+                try:
+                    written = write(bucket)
+                except OSError as e:  # NVRx writes with open(): name the file and the cause
+                    raise storage_error(self.storage, bucket[1], e) from e
+                results = checksum_written_file(self.storage, bucket[1], written)
                 check_still_ours(self.storage, self.save_id)
                 return results
 
@@ -137,6 +152,23 @@ def writer_class() -> type:
             self.stats.write_s = time.perf_counter() - t0
             self.stats.bytes_written = sum(r.storage_data.file_size for r in self.results if r.storage_data.offset == 0)
             self.stats.files = sorted({r.storage_data.relative_path for r in self.results})
+
+        def discard(self) -> None:
+            """After a failed save: remove the data files this rank wrote.
+            NVRx writes them in place under their final names, so without
+            this a failed save (say, a full disk) leaves them taking the
+            space the next save needs. Left alone when another save to the
+            URI has taken over (they are its files now) or when this save's
+            ``.metadata`` exists after all (a failure after the commit)."""
+            names = [bucket[1] for bucket in self.write_buckets]
+            if not names or not self.save_id:
+                return
+            try:
+                check_still_ours(self.storage, self.save_id)
+                if not self.storage.exists(METADATA):
+                    self.storage.delete(names)
+            except CheckpointError as e:
+                log.warning("failed save to %s: left its data files in place (%s)", self.storage.uri, e)
 
         def retrieve_write_results(self) -> Any:
             # Returned, not raised: finalize gathers it and the coordinator
@@ -184,6 +216,7 @@ def nvrx_save(
         writer.stats.plan_s = time.perf_counter() - writer.stats._t0
         writer.write_all()
         if writer.error is not None:
+            writer.discard()
             raise writer.error
         writer.finish(local_metadata, [writer.results])
         single: SaveStats = writer.stats
@@ -206,6 +239,8 @@ def nvrx_save(
     except BaseException as e:
         failure = e
     summary = wrapper.broadcast_object(None if failure is None else _summary(failure))
+    if failure is not None or writer.error is not None or summary is not None:
+        writer.discard()
     if failure is not None:
         raise failure
     if writer.error is not None:
@@ -214,6 +249,14 @@ def nvrx_save(
         raise SaveError(f"save to {storage.uri} failed on another rank: {summary}")
     stats: SaveStats = writer.stats
     return stats
+
+
+def storage_error(storage: Storage, name: str, e: OSError) -> StorageError:
+    """A write error NVRx met, as a StorageError naming the file and the
+    cause (e.g. "No space left on device (ENOSPC)")."""
+    code = errno.errorcode.get(e.errno or 0, "")
+    reason = e.strerror or str(e)
+    return StorageError(f"cannot write {storage.describe(name)}: {reason}" + (f" ({code})" if code else ""))
 
 
 def _claim_and_share(storage: Storage, wrapper: _DistWrapper) -> tuple[str, frozenset[str] | None]:
