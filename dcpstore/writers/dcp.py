@@ -83,6 +83,7 @@ from .layout import (
     item_key,
     parse_manifest,
 )
+from .bitcopy import copy_values
 from .checksum import DualCrc
 from .load_progress import LoadProgress
 from .state_checks import load_mismatches
@@ -740,7 +741,9 @@ def _byte_view(target: torch.Tensor, dtype: torch.dtype, nbytes: int) -> memoryv
     ok = ok and not target.is_conj() and not target.is_neg()
     if not ok or nbytes == 0:
         return None
-    array: Any = target.reshape(-1).view(torch.uint8).numpy()
+    # as_strided, not reshape(-1): a contiguous one-element view (x[:1, 2])
+    # may carry any stride, which view(uint8) refuses.
+    array: Any = target.as_strided((target.numel(),), (1,)).view(torch.uint8).numpy()
     return memoryview(array).cast("B")
 
 
@@ -1021,7 +1024,7 @@ class DcpStorageReader(StorageReader):
                     f"{self.storage.describe(span.path)}: item {req.storage_index.fqn} has shape "
                     f"{tuple(tensor.size())}, the plan expects {tuple(target.size())}"
                 )
-            target.copy_(tensor)
+            copy_values(target, tensor)
             with lock:
                 planner.commit_tensor(req, target)
             self._progress.loaded([req.dest_index.fqn])

@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from ..errors import InvalidArgument, SaveError
+from .bitcopy import copy_values
 from .state_checks import check_saveable
 
 try:  # DTensor and ShardedTensor exist on every torch that dcpstore supports,
@@ -266,10 +267,10 @@ class Stager:
         cuda_devices: set[torch.device] = set()
         for buf, src in zip(buffers, sources):
             if src.device.type == "cuda":
-                buf.copy_(src, non_blocking=True)
+                copy_values(buf, src, non_blocking=True)
                 cuda_devices.add(src.device)
             else:
-                buf.copy_(src)
+                copy_values(buf, src)
         # One synchronisation per device, after every copy is queued.
         for device in cuda_devices:  # pragma: no cover - needs a GPU
             torch.cuda.synchronize(device)
