@@ -17,7 +17,7 @@ object stores through its fsspec reader and writer (s3fs), the msc://
 profile through the bucket it names.
 
 The quick run draws two examples per engine and backend; the slow run
-(``-m slow``) draws 8 more on each and 60 more on the local backend.
+(``-m slow``) draws 5 more on each and 30 more on the local backend.
 """
 
 from __future__ import annotations
@@ -151,8 +151,8 @@ def _fresh(target: Target) -> Target:
 QUICK = settings(
     max_examples=2, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
 )
-WIDER = settings(QUICK, max_examples=8)  # slow run, every backend
-MANY = settings(QUICK, max_examples=60)  # slow run, local
+WIDER = settings(QUICK, max_examples=5)  # slow run, every backend
+MANY = settings(QUICK, max_examples=30)  # slow run, local
 
 
 #: The one thing stock dcp.load cannot do with what it saved: torch has no
