@@ -41,12 +41,13 @@ import torch
 import dcpstore
 
 
-def make_state(size_mib: int, device: str) -> dict[str, Any]:
-    """A model-like state dict: mostly 8 MiB fp32 matrices, some bf16, small
-    vectors and a few plain values."""
+def make_state(size_mib: int, device: str, tensor_mib: int = 8) -> dict[str, Any]:
+    """A model-like state dict: mostly ``tensor_mib`` MiB fp32 matrices, every
+    fourth one bf16 (same bytes), a small vector beside each, and a few
+    plain values."""
     state: dict[str, Any] = {"step": 100, "lr": 1e-4}
-    elems = 2 * 1024 * 1024  # 8 MiB of fp32
-    n_big = max(1, size_mib // 8)
+    elems = tensor_mib * 1024 * 1024 // 4  # tensor_mib MiB of fp32
+    n_big = max(1, size_mib // tensor_mib)
     for i in range(n_big):
         dtype = torch.bfloat16 if i % 4 == 3 else torch.float32
         numel = elems if dtype == torch.float32 else 2 * elems

@@ -41,7 +41,7 @@ import torch  # noqa: E402
 
 from dcpstore.bench import Entry, Record, Waiter, make_state, parse_int_list, parse_size, run_entries, summarize, zeros_like_state  # noqa: E402
 from dcpstore.bench.entries import DcpstoreEntry  # noqa: E402
-from dcpstore.bench.measure import human_bytes  # noqa: E402
+from dcpstore.units import human_bytes  # noqa: E402
 from dcpstore.bench.report import format_table, write_json  # noqa: E402
 from dcpstore.storage import StorageOptions  # noqa: E402
 

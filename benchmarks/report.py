@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import targets  # noqa: E402
 from dcpstore.bench import summarize  # noqa: E402
-from dcpstore.bench.measure import human_bytes  # noqa: E402
+from dcpstore.units import human_bytes  # noqa: E402
 
 Row = dict[str, Any]
 

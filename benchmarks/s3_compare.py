@@ -32,7 +32,6 @@ import platform
 import resource
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -43,9 +42,7 @@ import torch.distributed.checkpoint as dcp
 
 import dcpstore
 
-# The moto_server launcher is the tests' own (tests/s3_server.py): one copy.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from s3_server import MotoServer, export_aws_env  # noqa: E402
+import servers
 
 BUCKET = "dcpstore-bench"
 
@@ -104,14 +101,10 @@ def main() -> None:
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     args = p.parse_args()
 
-    server = MotoServer(Path(tempfile.mkdtemp(prefix="dcpstore-moto-"))).start()
-    try:
-        export_aws_env(server.url)
-        client = server.client()
+    with servers.moto_server() as endpoint, servers.env(servers.s3_env(endpoint)):
+        client = servers.admin_client(endpoint)
         client.create_bucket(Bucket=BUCKET)
         results = run(args, client)
-    finally:
-        server.stop()
     report(args, results)
 
 

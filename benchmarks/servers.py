@@ -18,6 +18,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -128,15 +129,19 @@ def s3_env(endpoint: str) -> dict[str, str | None]:
     return {"AWS_ENDPOINT_URL": endpoint, **FAKE_CREDENTIALS}
 
 
-def create_bucket(endpoint: str, bucket: str) -> None:
+def admin_client(endpoint: str) -> Any:
+    """A plain boto3 client for setting up and cleaning ``endpoint`` (not what is measured)."""
     import boto3
 
-    client = boto3.client(
+    return boto3.client(
         "s3", endpoint_url=endpoint, region_name="us-east-1",
         aws_access_key_id=FAKE_CREDENTIALS["AWS_ACCESS_KEY_ID"],
         aws_secret_access_key=FAKE_CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
     )  # fmt: skip
-    client.create_bucket(Bucket=bucket)
+
+
+def create_bucket(endpoint: str, bucket: str) -> None:
+    admin_client(endpoint).create_bucket(Bucket=bucket)
 
 
 def write_msc_config(path: str, profiles: dict[str, tuple[str, str]]) -> str:

@@ -17,10 +17,10 @@ from typing import Any
 
 from tqdm import tqdm
 
-from .bench.measure import human_bytes
 from .errors import CheckpointError, CheckpointNotFound
 from .maintenance import gc, inspect_checkpoint, list_checkpoints, verify_checkpoint
 from .storage import Storage, open_storage
+from .units import human_bytes
 
 
 def _open(args: argparse.Namespace) -> Storage:

@@ -56,7 +56,13 @@ def free_port() -> int:
 
 
 def _entry(
-    rank: int, fn: Callable[..., Any], world_size: int, port: int, env: dict[str, str], args: tuple[Any, ...]
+    rank: int,
+    fn: Callable[..., Any],
+    world_size: int,
+    port: int,
+    env: dict[str, str],
+    args: tuple[Any, ...],
+    backend: str = "gloo",
 ) -> None:
     warnings.filterwarnings("ignore", message="The pynvml package is deprecated")
     os.environ.clear()
@@ -64,7 +70,12 @@ def _entry(
     # OMP_NUM_THREADS is read when torch loads (in the forkserver): set the
     # thread count directly so ranks do not oversubscribe the cores.
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    if backend == "nccl":  # one GPU per rank, bound before the group exists
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=device)
+    else:
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
         dist.barrier()
@@ -72,15 +83,20 @@ def _entry(
         dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0) -> None:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; raise on failure."""
+def run_ranks(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0, backend: str = "gloo"
+) -> None:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks of a
+    ``backend`` group (``"nccl"``: one GPU per rank); raise on failure."""
     multiprocessing.set_forkserver_preload(PRELOAD)  # no effect once the server runs
     ctx = mp.start_processes(
         _entry,
-        args=(fn, world_size, free_port(), dict(os.environ), args),
+        args=(fn, world_size, free_port(), dict(os.environ), args, backend),
         nprocs=world_size,
         join=False,
-        start_method="forkserver",
+        # CUDA ranks are spawned: a process that may have touched the CUDA
+        # driver (the forkserver's imports, this one) must not fork them.
+        start_method="spawn" if backend == "nccl" else "forkserver",
     )
     deadline = time.monotonic() + timeout
     while not ctx.join(timeout=0.5):

@@ -22,12 +22,13 @@ import dcpstore
 from dcpstore.adapters import fsdp
 
 
-def build(seed: int, *, sharded: bool = True) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """The test model (FSDP2 over all ranks unless ``sharded=False``) and AdamW."""
+def build(seed: int, *, sharded: bool = True, device: str = "cpu") -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The test model (FSDP2 over all ranks unless ``sharded=False``) and
+    AdamW, on ``device`` ("cuda": the rank's current GPU)."""
     torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(8, 10), nn.ReLU(), nn.Linear(10, 3))
+    model = nn.Sequential(nn.Linear(8, 10), nn.ReLU(), nn.Linear(10, 3)).to(device)
     if sharded:
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        mesh = init_device_mesh(device, (dist.get_world_size(),))
         for layer in model:
             if isinstance(layer, nn.Linear):
                 fully_shard(layer, mesh=mesh)
@@ -37,9 +38,10 @@ def build(seed: int, *, sharded: bool = True) -> tuple[nn.Module, torch.optim.Op
 
 def train(model: nn.Module, optim: torch.optim.Optimizer, steps: int, seed: int = 0) -> None:
     rank = dist.get_rank() if dist.is_initialized() else 0
+    device = next(model.parameters()).device
     for step in range(steps):
         g = torch.Generator().manual_seed(seed * 1000 + step * 10 + rank)
-        loss = model(torch.randn(4, 8, generator=g)).square().mean()
+        loss = model(torch.randn(4, 8, generator=g).to(device)).square().mean()
         optim.zero_grad()
         loss.backward()
         optim.step()

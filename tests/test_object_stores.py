@@ -52,7 +52,7 @@ def test_small_objects_are_one_put_large_ones_multipart(s3: S3Storage, s3_endpoi
 
 
 def test_part_size_grows_for_objects_beyond_10000_parts() -> None:
-    from dcpstore.storage.s3 import _part_size_for
+    from dcpstore.storage.s3_upload import _part_size_for
 
     assert _part_size_for(PART, None) == PART
     assert _part_size_for(PART, 10_000 * PART) == PART

@@ -1,16 +1,24 @@
-"""Storage benchmarks: ``dcpstore bench URI`` and the building blocks of
-``benchmarks/compare.py``.
+"""``dcpstore bench URI``: measure save and load at a URI, honestly.
 
-The pieces (all importable without matplotlib or psutil until used):
+Owns the measuring harness that ships in the wheel, so a user can time
+dcpstore on their own storage:
 
-* :mod:`.measure` -- the state dict, peak RSS, page-cache dropping, sizes;
+* :mod:`.measure` -- the state dict, peak RSS, page-cache dropping, timers;
 * :mod:`.runner`  -- :class:`Entry` (one row: a way to save and load the
-  state), :func:`run_entry` (measures it, turning missing dependencies into
-  ``skipped`` records), :func:`summarize`;
+  state), :func:`measure_all` / :func:`run_entry` (interleaved repeats,
+  missing dependencies become ``skipped`` records, wrong data a failure),
+  :func:`summarize`;
 * :mod:`.entries` -- the dcpstore entry over any URI;
 * :mod:`.report`  -- the text table, the JSON file, the plot.
 
 :func:`bench` is what the CLI runs: one dcpstore entry per worker count.
+
+May import: dcpstore's public API (``save``/``load``), :mod:`dcpstore.storage`,
+:mod:`dcpstore.errors` and :mod:`dcpstore.units`; torch, tqdm, and (late,
+only where used) psutil and matplotlib. Never ``benchmarks/`` and never the
+CLI: the peer comparisons in ``benchmarks/`` build on this package (their
+peers and hardware limits are more :class:`Entry` subclasses), not the
+other way round.
 """
 
 from __future__ import annotations
@@ -22,7 +30,12 @@ import uuid
 from collections.abc import Collection, Sequence
 from typing import Any
 
-from .measure import human_bytes, make_state, parse_int_list, parse_size, zeros_like_state
+from tqdm import tqdm
+
+from ..storage import parse_uri
+from ..units import human_bytes, parse_size
+from .entries import DcpstoreEntry
+from .measure import make_state, parse_int_list, zeros_like_state
 from .runner import RECORD_KEYS, Entry, Record, SaveOutcome, Skip, Waiter, done, measure_all, run_entry, summarize
 
 __all__ = [
@@ -68,8 +81,6 @@ def run_entries(
 ) -> list[Record]:
     """Measure the entries (interleaved, see :func:`measure_all`) under one
     progress bar on stderr; a line per measurement is printed above the bar."""
-    from tqdm import tqdm
-
     with tqdm(total=len(entries) * repeat, desc=desc, unit="run", file=sys.stderr,
               disable=not progress, leave=False) as bar:  # fmt: skip
 
@@ -100,9 +111,6 @@ def bench(
 ) -> list[Record]:
     """Save and load ``size`` bytes in ``tensors`` tensors at ``uri`` once per
     worker count (``repeat`` times each) and return the records."""
-    from ..storage import parse_uri
-    from .entries import DcpstoreEntry
-
     url = parse_uri(uri)
     created_root = url.scheme == "file" and not os.path.exists(url.path)
     state = make_state(size, tensors)

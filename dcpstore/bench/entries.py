@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from .. import load, save
 from ..errors import BackendUnavailable, InvalidArgument
 from ..storage import Storage, StorageOptions, join_uri, open_storage
 from .runner import Entry, SaveOutcome, Skip, Waiter
@@ -76,10 +77,8 @@ class DcpstoreEntry(Entry):
         self.page_cached = self._root.backend == "local"
 
     def save(self, state: dict[str, torch.Tensor]) -> Waiter:
-        import dcpstore
-
         try:
-            handle = dcpstore.save(
+            handle = save(
                 state,
                 self.uri,
                 async_=self.async_,
@@ -102,9 +101,7 @@ class DcpstoreEntry(Entry):
         return wait
 
     def load(self, dest: dict[str, torch.Tensor]) -> None:
-        import dcpstore
-
-        dcpstore.load(dest, self.uri, workers=self.workers, enable_msc=self.enable_msc,
+        load(dest, self.uri, workers=self.workers, enable_msc=self.enable_msc,
                       storage_options=self.storage_options)  # fmt: skip
 
     def cleanup(self) -> None:

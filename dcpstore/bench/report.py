@@ -10,7 +10,9 @@ import subprocess
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from .measure import human_bytes
+import torch
+
+from ..units import human_bytes
 from .runner import Record, summarize
 
 
@@ -62,8 +64,6 @@ def _git_commit() -> str | None:
 
 def machine() -> dict[str, Any]:
     """What the numbers were measured on."""
-    import torch
-
     info: dict[str, Any] = {
         "cpus": os.cpu_count(),
         "platform": platform.platform(),

@@ -25,20 +25,36 @@ one thread per file.
 Errors: a missing object raises :class:`~dcpstore.errors.StorageNotFound`
 (also a ``FileNotFoundError``); any other failure, after the backend's own
 retries, raises :class:`~dcpstore.errors.StorageError` chained to the cause.
+
+The backend kit: what every backend needs is written once, as protected
+members of :class:`Storage` that only backends call -- the root-containment
+check (``_relpath``), the error mapping (``_mapped`` around each library
+call, or ``_error`` in a handler of the backend's own, both translating
+through the backend's ``_map_error``), and one read thread
+pool per instance (``_in_parallel``), shut down by :meth:`Storage.close`.
+Object writers build on :class:`~dcpstore.storage.buffered.BufferedObjectWriter`,
+which owns position, ``tell`` and part buffering.
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable, Iterator, Sequence
-from types import TracebackType
+import contextlib
+import os
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import ClassVar, TypedDict
+from types import TracebackType
+from typing import Any, ClassVar, TypedDict, TypeVar
 
 from typing_extensions import NotRequired
 
-from ..errors import InvalidArgument, StorageNotFound
+from ..errors import CheckpointError, InvalidArgument, StorageError, StorageNotFound
+from .kit import connection_limit, map_os_error
 from .uri import StorageURL, redact
+
+T = TypeVar("T")
 
 MiB = 1 << 20
 
@@ -95,28 +111,6 @@ class StorageOptions:
             return AUTO_PART_UNKNOWN
         per_piece = -(-nbytes // self.max_concurrency)
         return min(AUTO_PART_MAX, max(AUTO_PART_MIN, -(-per_piece // MiB) * MiB))
-
-
-def byte_ranges(offset: int, length: int, piece: int) -> list[tuple[int, int]]:
-    """``(offset, length)`` of consecutive pieces covering ``length`` bytes at ``offset``."""
-    end = offset + length
-    return [(o, min(piece, end - o)) for o in range(offset, end, piece)]
-
-
-def slice_buffers(buffers: Sequence[memoryview], start: int, length: int) -> list[memoryview]:
-    """The views of bytes ``[start, start + length)`` of the concatenation of
-    ``buffers`` (for splitting a scatter read into requests, or resuming one)."""
-    out: list[memoryview] = []
-    pos = 0
-    end = start + length
-    for buf in buffers:
-        lo, hi = max(start, pos), min(end, pos + buf.nbytes)
-        if lo < hi:
-            out.append(buf[lo - pos : hi - pos])
-        pos += buf.nbytes
-        if pos >= end:
-            break
-    return out
 
 
 #: Bounds of the automatic part size (see StorageOptions.part_size_for).
@@ -210,10 +204,16 @@ class Storage(abc.ABC):
 
     #: The registry name of this backend (``"local"``, ``"s3"``, ...).
     backend: ClassVar[str]
+    #: What this backend's library raises, which :meth:`_mapped` translates
+    #: through :meth:`_map_error`; anything else (a bug) passes unchanged.
+    _library_errors: ClassVar[tuple[type[Exception], ...]] = (Exception,)
 
     def __init__(self, url: StorageURL, options: StorageOptions | None = None) -> None:
         self.url = url
         self.options = options or StorageOptions()
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_pid = 0
+        self._pool_lock = threading.Lock()
 
     @property
     def uri(self) -> str:
@@ -223,6 +223,110 @@ class Storage(abc.ABC):
     def describe(self, path: str = "") -> str:
         """A printable URI for ``path`` under this root, for messages."""
         return f"{self.uri.rstrip('/')}/{path}" if path else self.uri
+
+    # -- the backend kit -----------------------------------------------------
+    def _relpath(self, path: str) -> str:
+        """``path``, checked to stay under the root, without a trailing ``/``.
+
+        Every backend resolves a path through this before it touches the
+        store: an absolute path or a ``..`` component raises
+        :class:`StorageError` (a crafted manifest must not reach outside the
+        checkpoint).
+        """
+        if path.startswith("/") or ".." in path.split("/"):
+            raise StorageError(f"{self.describe(path)}: path escapes the checkpoint root")
+        return path.rstrip("/")
+
+    def _join_root(self, root: str, path: str) -> str:
+        """``root/path`` for an object-store style ``root`` (``""``: the bucket or
+        filesystem root), ``path`` checked by :meth:`_relpath`."""
+        path = self._relpath(path)
+        if not root:
+            return path
+        return f"{root}/{path}" if path else root
+
+    def _map_error(self, e: Exception, what: str) -> CheckpointError:
+        """The dcpstore exception for ``e``, one of :attr:`_library_errors`
+        raised while doing ``what`` (the operation and the URI).
+
+        Backends override this with their library's knowledge (S3 error
+        codes, ...); the default reads the built-in exceptions. Callers go
+        through :meth:`_error`.
+        """
+        return map_os_error(e, what)
+
+    def _error(self, e: Exception, what: str) -> CheckpointError:
+        """The one way a library exception becomes ours (raise it ``from e``):
+        :meth:`_mapped` and a backend's own handlers all pass here, so that
+        whatever every mapping must do is done here once."""
+        return e if isinstance(e, CheckpointError) else self._map_error(e, what)
+
+    @contextlib.contextmanager
+    def _mapped(self, what: str) -> Iterator[None]:
+        """Run the block; raise its library errors as :meth:`_error` says,
+        chained to the original. dcpstore's own errors pass unchanged."""
+        try:
+            yield
+        except CheckpointError:
+            raise
+        except self._library_errors as e:
+            raise self._error(e, what) from e
+
+    def _in_parallel(self, fn: Callable[..., T], jobs: Sequence[tuple[Any, ...]]) -> list[T]:
+        """``[fn(*job) for job in jobs]``, up to ``max_concurrency`` at a time.
+
+        The calling thread works too; the rest run on this storage's read
+        pool (created on first use, at most :func:`connection_limit`
+        threads, shared by every call). A call never has more than
+        ``max_concurrency`` jobs running, and never waits for a pool thread
+        to start: a busy pool only makes it less parallel. On a failure no further job of this call starts; the call
+        returns or raises only once none of its jobs is running (they may
+        be filling the caller's buffers), raising the failure of the
+        earliest job.
+        """
+        width = min(self.options.max_concurrency, len(jobs))
+        if width <= 1:
+            return [fn(*job) for job in jobs]
+        results: list[Any] = [None] * len(jobs)
+        failures: dict[int, BaseException] = {}
+        todo = iter(range(len(jobs)))
+        lock = threading.Lock()
+
+        def lane() -> None:
+            while True:
+                with lock:
+                    i = None if failures else next(todo, None)
+                if i is None:
+                    return
+                try:
+                    results[i] = fn(*jobs[i])
+                except BaseException as e:
+                    with lock:
+                        failures[i] = e
+                    return
+
+        pool = self._read_pool()
+        helpers = [pool.submit(lane) for _ in range(width - 1)]
+        try:
+            lane()
+        finally:
+            # Helpers still queued (a busy pool) have nothing left to do.
+            for helper in helpers:
+                helper.cancel()
+            wait(helpers)
+        if failures:
+            raise failures[min(failures)]
+        return results
+
+    def _read_pool(self) -> ThreadPoolExecutor:
+        # A forked child inherits the pool but not its threads: it makes its own.
+        with self._pool_lock:
+            if self._pool is None or self._pool_pid != os.getpid():
+                self._pool = ThreadPoolExecutor(
+                    connection_limit(self.options.max_concurrency), thread_name_prefix=f"dcpstore-{self.backend}-read"
+                )
+                self._pool_pid = os.getpid()
+            return self._pool
 
     # -- writing -----------------------------------------------------------
     @abc.abstractmethod
@@ -315,7 +419,12 @@ class Storage(abc.ABC):
         return 0
 
     def close(self) -> None:
-        """Release clients and connections. The storage is unusable afterwards."""
+        """Release clients, connections and the read pool. The storage is
+        unusable afterwards. Backends that hold more extend this."""
+        with self._pool_lock:
+            pool, self._pool = self._pool, None
+        if pool is not None and self._pool_pid == os.getpid():
+            pool.shutdown(wait=True)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.uri!r})"

@@ -39,9 +39,11 @@ from typing import Any
 import fsspec
 from fsspec.spec import AbstractBufferedFile
 
-from ..errors import BackendUnavailable, CheckpointError, StorageError, StorageNotFound, StoragePermissionError
+from ..errors import BackendUnavailable, CheckpointError, StorageError, StorageNotFound
 from .base import ObjectInfo, ObjectWriter, Storage, StorageOptions
-from .uri import StorageURL, redact
+from .buffered import BufferedObjectWriter
+from .kit import library_text, map_os_error
+from .uri import StorageURL
 
 _TMP_MARK = ".dcpstore-tmp-"
 
@@ -49,20 +51,6 @@ _TMP_MARK = ".dcpstore-tmp-"
 def _is_tmp(path: str) -> bool:
     name = path.rsplit("/", 1)[-1]
     return name.startswith(".") and _TMP_MARK in name
-
-
-@contextlib.contextmanager
-def _mapped(what: str) -> Iterator[None]:
-    try:
-        yield
-    except CheckpointError:
-        raise
-    except FileNotFoundError as e:
-        raise StorageNotFound(f"{what}: no such file or object") from e
-    except PermissionError as e:
-        raise StoragePermissionError(f"{what}: permission denied (credentials refused or insufficient)") from e
-    except Exception as e:
-        raise StorageError(f"{what}: {type(e).__name__}: {redact(str(e))}") from e
 
 
 class FsspecStorage(Storage):
@@ -77,7 +65,7 @@ class FsspecStorage(Storage):
         except ImportError as e:
             raise BackendUnavailable(f"no fsspec filesystem installed for {self.uri}: {e}") from e
         except ValueError as e:
-            raise StorageError(f"fsspec cannot open {self.uri}: {redact(str(e))}") from e
+            raise StorageError(f"fsspec cannot open {self.uri}: {library_text(str(e))}") from e
         self.root = str(root).rstrip("/")
         # An AbstractBufferedFile honours autocommit=False (upload now, publish
         # at commit); memory:// and local files do not, so they use temp + mv.
@@ -90,10 +78,11 @@ class FsspecStorage(Storage):
         return type(self.fs).__module__.split(".")[0] in _TRANSACTIONAL_MODULES
 
     def _full(self, path: str) -> str:
-        if path.startswith("/") or ".." in path.split("/"):
-            raise StorageError(f"{self.describe(path)}: path escapes the checkpoint root")
-        path = path.rstrip("/")
-        return f"{self.root}/{path}" if path else self.root
+        return self._join_root(self.root, path)
+
+    def _map_error(self, e: Exception, what: str) -> CheckpointError:
+        # Object-store filesystems raise PermissionError for refused credentials too.
+        return map_os_error(e, what, denied="permission denied (credentials refused or insufficient)")
 
     def _relative(self, full: str) -> str:
         stripped = str(self.fs._strip_protocol(full)).rstrip("/")
@@ -105,40 +94,40 @@ class FsspecStorage(Storage):
         full = self._full(path)
         what = f"cannot write {self.describe(path)}"
         if self.transactional:
-            with _mapped(what):
+            with self._mapped(what):
                 handle = self.fs.open(full, "wb", autocommit=False, block_size=self.options.part_size_for(size_hint))
             if isinstance(handle, AbstractBufferedFile) and not handle.autocommit:
-                return _TransactionalWriter(handle, what)
+                return _TransactionalWriter(self, path, handle)
             # The filesystem ignored autocommit=False: never leave it half-written.
             with contextlib.suppress(Exception):
                 handle.close()
             raise StorageError(f"{what}: {type(self.fs).__name__} does not support uncommitted writes")
         directory, _, name = full.rpartition("/")
         tmp = f"{directory}/.{name}{_TMP_MARK}{uuid.uuid4().hex[:12]}"
-        with _mapped(what):
+        with self._mapped(what):
             handle = self.fs.open(tmp, "wb")
-        return _TempMoveWriter(self.fs, handle, tmp, full, what)
+        return _TempMoveWriter(self, path, handle, tmp, full)
 
     def makedirs(self, path: str = "") -> None:
-        with _mapped(f"cannot create directory {self.describe(path)}"):
+        with self._mapped(f"cannot create directory {self.describe(path)}"):
             self.fs.makedirs(self._full(path), exist_ok=True)
 
     # -- reading -------------------------------------------------------------
     def read_range(self, path: str, offset: int, length: int) -> bytes:
         full = self._full(path)
-        with _mapped(f"cannot read {self.describe(path)}"):
+        with self._mapped(f"cannot read {self.describe(path)}"):
             if length <= 0:
                 self.size(path)
                 return b""
             return bytes(self.fs.cat_file(full, start=offset, end=offset + length))
 
     def read(self, path: str) -> bytes:
-        with _mapped(f"cannot read {self.describe(path)}"):
+        with self._mapped(f"cannot read {self.describe(path)}"):
             self.size(path)  # a directory is not an object
             return bytes(self.fs.cat_file(self._full(path)))
 
     def size(self, path: str) -> int:
-        with _mapped(f"cannot stat {self.describe(path)}"):
+        with self._mapped(f"cannot stat {self.describe(path)}"):
             info = self.fs.info(self._full(path))
         if info.get("type") != "file":
             raise StorageNotFound(f"cannot stat {self.describe(path)}: is a {info.get('type')}, not an object")
@@ -146,7 +135,7 @@ class FsspecStorage(Storage):
 
     def _find(self, prefix: str) -> dict[str, dict[str, Any]]:
         full = self._full(prefix.strip("/"))
-        with _mapped(f"cannot list {self.describe(prefix)}"):
+        with self._mapped(f"cannot list {self.describe(prefix)}"):
             self.fs.invalidate_cache(full)  # listings are cached per instance (s3fs, gcsfs)
             found: dict[str, dict[str, Any]] = self.fs.find(full, detail=True)
         return found
@@ -163,7 +152,7 @@ class FsspecStorage(Storage):
     # -- deleting ------------------------------------------------------------
     def delete(self, paths: Iterable[str]) -> None:
         for path in paths:
-            with _mapped(f"cannot delete {self.describe(path)}"), contextlib.suppress(FileNotFoundError):
+            with self._mapped(f"cannot delete {self.describe(path)}"), contextlib.suppress(FileNotFoundError):
                 self.fs.rm_file(self._full(path))
 
     def list_incomplete(self) -> Iterator[str]:
@@ -205,33 +194,24 @@ def _mtime(info: dict[str, Any]) -> float | None:
 _TRANSACTIONAL_MODULES = {"s3fs", "gcsfs", "adlfs", "ossfs", "ocifs"}
 
 
-class _HandleWriter(ObjectWriter):
-    """Streams into an open fsspec file handle; subclasses decide how it lands."""
+class _HandleWriter(BufferedObjectWriter):
+    """Streams into an open fsspec file handle (which buffers by itself);
+    subclasses decide how the object lands."""
 
-    def __init__(self, handle: Any, what: str) -> None:
-        super().__init__()
+    def __init__(self, storage: FsspecStorage, path: str, handle: Any) -> None:
+        super().__init__(storage, path)
         self._f = handle
-        self._what = what
-        self._pos = 0
 
-    def write(self, data: bytes | bytearray | memoryview) -> int:
-        n = memoryview(data).nbytes
-        with _mapped(self._what):
-            self._f.write(data)
-        self._pos += n
-        return n
-
-    def tell(self) -> int:
-        return self._pos
+    def _write_part(self, part: bytes | bytearray | memoryview) -> None:
+        self._f.write(part)
 
 
 class _TransactionalWriter(_HandleWriter):
-    def _commit(self) -> None:
-        with _mapped(self._what):
-            self._f.close()  # uploads the tail; publishes nothing (autocommit=False)
-            self._f.commit()
+    def _publish(self, tail: bytearray) -> None:
+        self._f.close()  # uploads the tail; publishes nothing (autocommit=False)
+        self._f.commit()
 
-    def _abort(self) -> None:
+    def _discard(self) -> None:
         with contextlib.suppress(Exception):
             self._f.discard()
         with contextlib.suppress(Exception):
@@ -239,18 +219,17 @@ class _TransactionalWriter(_HandleWriter):
 
 
 class _TempMoveWriter(_HandleWriter):
-    def __init__(self, fs: Any, handle: Any, tmp: str, final: str, what: str) -> None:
-        super().__init__(handle, what)
-        self._fs = fs
+    def __init__(self, storage: FsspecStorage, path: str, handle: Any, tmp: str, final: str) -> None:
+        super().__init__(storage, path, handle)
+        self._fs = storage.fs
         self._tmp = tmp
         self._final = final
 
-    def _commit(self) -> None:
-        with _mapped(self._what):
-            self._f.close()
-            self._fs.mv(self._tmp, self._final)
+    def _publish(self, tail: bytearray) -> None:
+        self._f.close()
+        self._fs.mv(self._tmp, self._final)
 
-    def _abort(self) -> None:
+    def _discard(self) -> None:
         with contextlib.suppress(Exception):
             self._f.close()
         with contextlib.suppress(Exception):

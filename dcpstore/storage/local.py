@@ -11,14 +11,15 @@ plus at most a temporary file that is never listed and that
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import time
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
 
-from ..errors import StorageError, StorageNotFound, StoragePermissionError
-from .base import ObjectInfo, ObjectWriter, Storage, slice_buffers
+from ..errors import StorageError, StorageNotFound
+from .base import ObjectInfo, ObjectWriter, Storage
+from .buffered import BufferedObjectWriter
+from .kit import fsync_dir, slice_buffers
 
 _TMP_MARK = ".dcpstore-tmp-"
 #: Buffers per preadv call (the kernel's UIO_MAXIOV).
@@ -29,67 +30,32 @@ def _is_tmp(name: str) -> bool:
     return name.startswith(".") and _TMP_MARK in name
 
 
-@contextlib.contextmanager
-def _mapped_errors(what: str) -> Iterator[None]:
-    """Translate OSError into the dcpstore family, naming ``what``."""
-    try:
-        yield
-    except FileNotFoundError as e:
-        raise StorageNotFound(f"{what}: no such file or directory") from e
-    except NotADirectoryError as e:  # a path component is a file
-        raise StorageNotFound(f"{what}: a parent is not a directory") from e
-    except PermissionError as e:
-        raise StoragePermissionError(f"{what}: permission denied") from e
-    except OSError as e:
-        if isinstance(e, StorageError):
-            raise
-        reason = e.strerror or str(e)
-        code = errno.errorcode.get(e.errno or 0, "")
-        raise StorageError(f"{what}: {reason}" + (f" ({code})" if code else "")) from e
+class _LocalWriter(BufferedObjectWriter):
+    """Unbuffered: each write goes to the temporary file's descriptor."""
 
-
-def fsync_dir(path: str) -> None:
-    """Make a rename or unlink in ``path`` durable (POSIX needs the directory fsynced)."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-class _LocalWriter(ObjectWriter):
-    def __init__(self, final: str, what: str) -> None:
-        super().__init__()
+    def __init__(self, storage: LocalStorage, path: str, final: str) -> None:
+        super().__init__(storage, path)
         self._final = final
-        self._what = what
         directory, name = os.path.split(final)
         self._dir = directory
         self._tmp = os.path.join(directory, f".{name}{_TMP_MARK}{uuid.uuid4().hex[:12]}")
-        with _mapped_errors(what):
+        with storage._mapped(self._what):
             self._fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-        self._pos = 0
 
-    def write(self, data: bytes | bytearray | memoryview) -> int:
-        view = memoryview(data).cast("B")
-        with _mapped_errors(self._what):
-            while view:
-                n = os.write(self._fd, view)  # releases the GIL
-                view = view[n:]
-                self._pos += n
-        return len(data) if not isinstance(data, memoryview) else data.nbytes
+    def _write_part(self, part: bytes | bytearray | memoryview) -> None:
+        view = memoryview(part)
+        while view:
+            n = os.write(self._fd, view)  # releases the GIL
+            view = view[n:]
 
-    def tell(self) -> int:
-        return self._pos
+    def _publish(self, tail: bytearray) -> None:
+        os.fsync(self._fd)
+        os.close(self._fd)
+        self._fd = -1
+        os.replace(self._tmp, self._final)
+        fsync_dir(self._dir)
 
-    def _commit(self) -> None:
-        with _mapped_errors(self._what):
-            os.fsync(self._fd)
-            os.close(self._fd)
-            self._fd = -1
-            os.replace(self._tmp, self._final)
-            fsync_dir(self._dir)
-
-    def _abort(self) -> None:
+    def _discard(self) -> None:
         if self._fd >= 0:
             with contextlib.suppress(OSError):
                 os.close(self._fd)
@@ -102,14 +68,14 @@ class LocalStorage(Storage):
     """A directory on a local (or locally mounted) POSIX filesystem."""
 
     backend = "local"
+    _library_errors = (OSError,)
 
     @property
     def root(self) -> str:
         return self.url.path
 
     def _full(self, path: str) -> str:
-        if path.startswith("/") or ".." in path.split("/"):
-            raise StorageError(f"{self.describe(path)}: path escapes the checkpoint root")
+        path = self._relpath(path)
         return os.path.join(self.root, path) if path else self.root
 
     def open_write(self, path: str, *, size_hint: int | None = None) -> ObjectWriter:
@@ -117,17 +83,17 @@ class LocalStorage(Storage):
         parent = os.path.dirname(full)
         if parent != self.root:
             self.makedirs(os.path.relpath(parent, self.root))
-        return _LocalWriter(full, f"cannot write {self.describe(path)}")
+        return _LocalWriter(self, path, full)
 
     def makedirs(self, path: str = "") -> None:
         full = self._full(path)
-        with _mapped_errors(f"cannot create directory {self.describe(path)}"):
+        with self._mapped(f"cannot create directory {self.describe(path)}"):
             if os.path.isfile(full):
                 raise StorageError(f"{self.describe(path)} is a file, not a directory")
             os.makedirs(full, exist_ok=True)
 
     def read_range(self, path: str, offset: int, length: int) -> bytes:
-        with _mapped_errors(f"cannot read {self.describe(path)}"):
+        with self._mapped(f"cannot read {self.describe(path)}"):
             fd = os.open(self._full(path), os.O_RDONLY | os.O_CLOEXEC)
             try:
                 chunks = []
@@ -145,7 +111,7 @@ class LocalStorage(Storage):
     def read_into(self, path: str, offset: int, buffers: Sequence[memoryview]) -> int:
         total = sum(b.nbytes for b in buffers)
         done = 0
-        with _mapped_errors(f"cannot read {self.describe(path)}"):
+        with self._mapped(f"cannot read {self.describe(path)}"):
             fd = os.open(self._full(path), os.O_RDONLY | os.O_CLOEXEC)
             try:
                 todo = list(buffers)
@@ -160,7 +126,7 @@ class LocalStorage(Storage):
         return done
 
     def size(self, path: str) -> int:
-        with _mapped_errors(f"cannot stat {self.describe(path)}"):
+        with self._mapped(f"cannot stat {self.describe(path)}"):
             st = os.stat(self._full(path))
         if not os.path.isfile(self._full(path)):
             raise StorageNotFound(f"{self.describe(path)} is not a file")
@@ -188,7 +154,7 @@ class LocalStorage(Storage):
         parents = set()
         for path in paths:
             full = self._full(path)
-            with _mapped_errors(f"cannot delete {self.describe(path)}"):
+            with self._mapped(f"cannot delete {self.describe(path)}"):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(full)
             parents.add(os.path.dirname(full))

@@ -47,20 +47,20 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import tempfile
 import time
 from collections.abc import Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import IO, Any
 
 import multistorageclient as msc
 from multistorageclient.types import Range
 
 from ..errors import CheckpointError, InvalidURI, StorageError, StorageNotFound, StoragePermissionError
-from .base import MiB, ObjectInfo, ObjectWriter, Storage, StorageOptions, byte_ranges
-from .local import fsync_dir
-from .uri import StorageURL, redact
+from .base import MiB, ObjectInfo, ObjectWriter, Storage, StorageOptions
+from .buffered import BufferedObjectWriter
+from .codes import Meaning, code_in_text, meaning
+from .kit import byte_ranges, fsync_dir, library_detail, library_text, map_os_error
+from .uri import StorageURL
 
 #: Per object, spooled bytes stay in memory up to this size, then go to a temp file.
 SPOOL_LIMIT = 512 * MiB
@@ -72,12 +72,13 @@ def _is_posix_tmp(name: str) -> bool:
     return base.startswith(".") and base.endswith(".tmp") and len(base) > len("..tmp")
 
 
-def _client_error_code(e: BaseException) -> str:
-    """The S3/botocore error code somewhere in ``e``'s cause chain, if any.
+def _client_error(e: BaseException) -> tuple[str, int]:
+    """The S3 error code and HTTP status somewhere in ``e``'s cause chain.
 
     MSC re-raises provider errors as built-ins (FileNotFoundError for any 404,
     PermissionError for 403, RuntimeError otherwise); the original botocore
     ``ClientError`` stays in the chain and tells NoSuchBucket from NoSuchKey.
+    DeleteObjects' per-key errors MSC reports only as text.
     """
     seen: set[int] = set()
     cur: BaseException | None = e
@@ -85,18 +86,12 @@ def _client_error_code(e: BaseException) -> str:
         seen.add(id(cur))
         response = getattr(cur, "response", None)
         if isinstance(response, dict):
-            code = response.get("Error", {}).get("Code")
-            if code:
-                return str(code)
+            code = str(response.get("Error", {}).get("Code") or "")
+            status = int(response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
+            if code or status:
+                return code, status
         cur = cur.__cause__ or cur.__context__
-    # MSC reports DeleteObjects' per-key errors only as text.
-    match = _KNOWN_CODES.search(str(e))
-    return match.group(0) if match else ""
-
-
-_KNOWN_CODES = re.compile(
-    r"\b(NoSuchBucket|AccessDenied|InvalidAccessKeyId|SignatureDoesNotMatch|ExpiredToken|InvalidToken)\b"
-)
+    return code_in_text(str(e)), 0
 
 
 class MSCStorage(Storage):
@@ -110,11 +105,11 @@ class MSCStorage(Storage):
         try:
             self.client, root = msc.resolve_storage_client(msc_url)
         except ValueError as e:
-            raise InvalidURI(f"MSC cannot open {self.uri}: {redact(str(e))}") from e
+            raise InvalidURI(f"MSC cannot open {self.uri}: {library_text(str(e))}") from e
         except CheckpointError:
             raise
         except Exception as e:
-            raise StorageError(f"MSC cannot open {self.uri}: {type(e).__name__}: {redact(str(e))}") from e
+            raise StorageError(f"MSC cannot open {self.uri}: {library_detail(e)}") from e
         self.root = root.rstrip("/")
         self.posix_root = self.client.get_posix_path(self.root) if self.root else self.client.get_posix_path("")
         # MSC returns listed keys relative to the profile's base path, without
@@ -127,43 +122,32 @@ class MSCStorage(Storage):
         return self.posix_root is not None
 
     def _full(self, path: str) -> str:
-        if path.startswith("/") or ".." in path.split("/"):
-            raise StorageError(f"{self.describe(path)}: path escapes the checkpoint root")
-        path = path.rstrip("/")
-        if not self.root:
-            return path
-        return f"{self.root}/{path}" if path else self.root
+        return self._join_root(self.root, path)
 
     def _relative(self, key: str) -> str:
         key = key.lstrip("/")
         return key[len(self._key_root) + 1 :] if self._key_root else key
 
-    @contextlib.contextmanager
-    def _mapped(self, what: str) -> Iterator[None]:
-        try:
-            yield
-        except CheckpointError:
-            raise
-        except Exception as e:
-            raise self._map(e, what) from e
-
-    def _map(self, e: BaseException, what: str) -> CheckpointError:
-        code = _client_error_code(e)
-        if code == "NoSuchBucket":
-            return StorageNotFound(f"{what}: bucket {self._bucket!r} does not exist (MSC profile {self.client.profile!r})")
-        if isinstance(e, FileNotFoundError) or code in ("NoSuchKey", "404", "NotFound"):
+    def _map_error(self, e: Exception, what: str) -> CheckpointError:
+        code, status = _client_error(e)
+        found = meaning(code, status)
+        profile = self.client.profile
+        if found is Meaning.NO_BUCKET:
+            return StorageNotFound(f"{what}: bucket {self._bucket!r} does not exist (MSC profile {profile!r})")
+        if found is Meaning.NOT_FOUND or isinstance(e, FileNotFoundError):
             return StorageNotFound(f"{what}: no such object")
-        if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken"):
+        if found is Meaning.BAD_CREDENTIALS:
             return StoragePermissionError(
-                f"{what}: the storage refused the credentials of MSC profile {self.client.profile!r} ({code})"
+                f"{what}: the storage refused the credentials of MSC profile {profile!r} ({code})"
             )
-        if isinstance(e, PermissionError) or code in ("AccessDenied", "403"):
+        if found is Meaning.DENIED or isinstance(e, PermissionError):
             return StoragePermissionError(
-                f"{what}: access denied for MSC profile {self.client.profile!r} ({code or 'permission denied'}): "
+                f"{what}: access denied for MSC profile {profile!r} ({code or status or 'permission denied'}): "
                 "the credentials were refused or lack permission"
             )
-        detail = f" ({code})" if code else ""
-        return StorageError(f"{what}: {type(e).__name__}{detail}: {redact(str(e))}")
+        if code:
+            return StorageError(f"{what}: {type(e).__name__} ({library_text(code)}): {library_text(str(e))}")
+        return map_os_error(e, what)
 
     # -- writing -------------------------------------------------------------
     def open_write(self, path: str, *, size_hint: int | None = None) -> ObjectWriter:
@@ -171,8 +155,8 @@ class MSCStorage(Storage):
         if self.is_posix:
             with self._mapped(what):
                 handle = self.client.open(self._full(path), "wb")
-            return _PosixWriter(handle, what, self._map)
-        return _SpoolWriter(self, self._full(path), what)
+            return _PosixWriter(self, path, handle)
+        return _SpoolWriter(self, path)
 
     def put(self, path: str, data: bytes | bytearray | memoryview) -> None:
         if self.is_posix:
@@ -182,8 +166,9 @@ class MSCStorage(Storage):
             self.client.write(self._full(path), bytes(data))
 
     def makedirs(self, path: str = "") -> None:
+        full = self._full(path)  # object stores need no directories, but the path is still checked
         if self.is_posix:
-            target = self.client.get_posix_path(self._full(path))
+            target = self.client.get_posix_path(full)
             assert target is not None
             with self._mapped(f"cannot create directory {self.describe(path)}"):
                 os.makedirs(target, exist_ok=True)
@@ -193,7 +178,7 @@ class MSCStorage(Storage):
         try:
             return bytes(self.client.read(full, byte_range=Range(offset=offset, size=length)))
         except Exception as e:
-            if _client_error_code(e) == "InvalidRange":
+            if meaning(*_client_error(e)) is Meaning.PAST_END:
                 return b""  # offset at or past the end of the object
             raise
 
@@ -206,10 +191,7 @@ class MSCStorage(Storage):
         with self._mapped(f"cannot read {self.describe(path)}"):
             if length <= ps or self.options.max_concurrency == 1:
                 return self._read_one(full, offset, length)
-            ranges = byte_ranges(offset, length, ps)
-            workers = min(self.options.max_concurrency, len(ranges))
-            with ThreadPoolExecutor(workers, thread_name_prefix="dcpstore-msc-get") as pool:
-                chunks = list(pool.map(lambda r: self._read_one(full, r[0], r[1]), ranges))
+            chunks = self._in_parallel(self._read_one, [(full, o, n) for o, n in byte_ranges(offset, length, ps)])
         return b"".join(chunks)
 
     def read(self, path: str) -> bytes:
@@ -280,70 +262,46 @@ class MSCStorage(Storage):
         return len(stale)
 
 
-class _PosixWriter(ObjectWriter):
+class _PosixWriter(BufferedObjectWriter):
     """MSC's PosixFile (temp + rename on close), made durable with fsyncs."""
 
-    def __init__(self, handle: Any, what: str, mapper: Any) -> None:
-        super().__init__()
+    def __init__(self, storage: MSCStorage, path: str, handle: Any) -> None:
+        super().__init__(storage, path)
         self._f = handle
-        self._what = what
-        self._map = mapper
-        self._pos = 0
 
-    def write(self, data: bytes | bytearray | memoryview) -> int:
-        n = memoryview(data).nbytes
-        try:
-            self._f.write(data)
-        except Exception as e:
-            raise self._map(e, self._what) from e
-        self._pos += n
-        return n
+    def _write_part(self, part: bytes | bytearray | memoryview) -> None:
+        self._f.write(part)
 
-    def tell(self) -> int:
-        return self._pos
+    def _publish(self, tail: bytearray) -> None:
+        self._f.flush()
+        self._f.fsync()  # MSC renames without fsync; make the data durable first
+        final = self._f.resolve_filesystem_path()
+        self._f.close()  # renames .<name>.tmp over <name>
+        fsync_dir(os.path.dirname(final) or ".")
 
-    def _commit(self) -> None:
-        try:
-            self._f.flush()
-            self._f.fsync()  # MSC renames without fsync; make the data durable first
-            final = self._f.resolve_filesystem_path()
-            self._f.close()  # renames .<name>.tmp over <name>
-            fsync_dir(os.path.dirname(final) or ".")
-        except Exception as e:
-            raise self._map(e, self._what) from e
-
-    def _abort(self) -> None:
+    def _discard(self) -> None:
         with contextlib.suppress(Exception):
             self._f.discard()
 
 
-class _SpoolWriter(ObjectWriter):
+class _SpoolWriter(BufferedObjectWriter):
     """Spool locally, then one MSC ``upload_file`` at commit (PUT or multipart)."""
 
-    def __init__(self, storage: MSCStorage, full: str, what: str) -> None:
-        super().__init__()
-        self._st = storage
-        self._full = full
-        self._what = what
+    def __init__(self, storage: MSCStorage, path: str) -> None:
+        super().__init__(storage, path)
+        self._client = storage.client
+        self._full = storage._full(path)
         self._spool: IO[bytes] = tempfile.SpooledTemporaryFile(max_size=SPOOL_LIMIT, prefix=".dcpstore-msc-")
-        self._pos = 0
 
-    def write(self, data: bytes | bytearray | memoryview) -> int:
-        n = memoryview(data).nbytes
-        self._spool.write(data)
-        self._pos += n
-        return n
+    def _write_part(self, part: bytes | bytearray | memoryview) -> None:
+        self._spool.write(part)
 
-    def tell(self) -> int:
-        return self._pos
-
-    def _commit(self) -> None:
+    def _publish(self, tail: bytearray) -> None:
         try:
-            with self._st._mapped(self._what):
-                self._spool.seek(0)
-                self._st.client.upload_file(self._full, self._spool)
+            self._spool.seek(0)
+            self._client.upload_file(self._full, self._spool)
         finally:
             self._spool.close()
 
-    def _abort(self) -> None:
+    def _discard(self) -> None:
         self._spool.close()

@@ -11,8 +11,11 @@ Per leaf of the state dict (nested dicts, lists and tuples are walked):
 * CPU tensor -> ``copy_`` into a host buffer of the same shape and dtype. Dense
   tensors keep their strides; views of a larger storage get a compact buffer,
   so the writer never serialises the whole base storage.
-* CUDA tensor -> a *pinned* host buffer, ``copy_(non_blocking=True)``; one
-  ``torch.cuda.synchronize`` per device after all copies are queued.
+* CUDA tensor -> a *pinned* host buffer, ``copy_(non_blocking=True)`` on the
+  caller's current stream of its device (so the copy is ordered after the
+  work that produced the values); once every copy is queued, one wait per
+  device on that stream. The wait covers exactly the copies: other streams'
+  work (a prefetch, a collective) does not lengthen the caller's block.
 * DTensor -> its local shard is staged and re-wrapped with the same spec
   (mesh, placements, global shape): DCP's planner needs that metadata. A
   ShardedTensor likewise keeps its metadata around staged local shards.
@@ -264,16 +267,23 @@ class Stager:
     # -- copy ----------------------------------------------------------------
     @staticmethod
     def _copy(buffers: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
-        cuda_devices: set[torch.device] = set()
+        streams: dict[torch.device, torch.cuda.Stream] = {}
         for buf, src in zip(buffers, sources):
-            if src.device.type == "cuda":
-                copy_values(buf, src, non_blocking=True)
-                cuda_devices.add(src.device)
+            if src.device.type == "cuda":  # pragma: no cover - needs a GPU (tests/test_cuda.py)
+                if src.is_conj() or src.is_neg():
+                    # For a conjugate or negative view torch queues the raw
+                    # bytes and then fixes the bits up *on the host* at once,
+                    # racing its own non-blocking copy (aten/native/cuda/Copy.cu):
+                    # resolve them on the device, in stream order, instead.
+                    src = src.resolve_conj().resolve_neg()
+                copy_values(buf, src, non_blocking=True)  # on the current stream of src's device
+                if src.device not in streams:
+                    streams[src.device] = torch.cuda.current_stream(src.device)
             else:
                 copy_values(buf, src)
-        # One synchronisation per device, after every copy is queued.
-        for device in cuda_devices:  # pragma: no cover - needs a GPU
-            torch.cuda.synchronize(device)
+        # One wait per device, after every copy is queued.
+        for stream in streams.values():  # pragma: no cover - needs a GPU
+            stream.synchronize()
 
 
 def _allocate(spec: _BufferSpec, path: tuple[Any, ...]) -> torch.Tensor:

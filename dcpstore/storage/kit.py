@@ -1,0 +1,91 @@
+"""Helpers every backend shares; the interface itself is :mod:`.base`.
+
+Byte arithmetic for splitting reads (:func:`byte_ranges`,
+:func:`slice_buffers`), the built-in exceptions mapped to the dcpstore
+family (:func:`map_os_error`; :func:`library_text` is where every text
+from a library or server passes before it enters a message), how many connections
+and read threads a storage keeps (:func:`connection_limit`), and POSIX
+durability (:func:`fsync_dir`).
+
+Imports only :mod:`dcpstore.errors` and :mod:`.uri`.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Sequence
+
+from ..errors import CheckpointError, StorageError, StorageNotFound, StoragePermissionError
+from .uri import redact
+
+
+def byte_ranges(offset: int, length: int, piece: int) -> list[tuple[int, int]]:
+    """``(offset, length)`` of consecutive pieces covering ``length`` bytes at ``offset``."""
+    end = offset + length
+    return [(o, min(piece, end - o)) for o in range(offset, end, piece)]
+
+
+def slice_buffers(buffers: Sequence[memoryview], start: int, length: int) -> list[memoryview]:
+    """The views of bytes ``[start, start + length)`` of the concatenation of
+    ``buffers`` (for splitting a scatter read into requests, or resuming one)."""
+    out: list[memoryview] = []
+    pos = 0
+    end = start + length
+    for buf in buffers:
+        lo, hi = max(start, pos), min(end, pos + buf.nbytes)
+        if lo < hi:
+            out.append(buf[lo - pos : hi - pos])
+        pos += buf.nbytes
+        if pos >= end:
+            break
+    return out
+
+
+def connection_limit(max_concurrency: int) -> int:
+    """Connections an object-store client keeps open, and the most threads a
+    storage's read pool grows to: several files are read at once (one per
+    reader worker), each with up to ``max_concurrency`` requests in flight,
+    and a thread beyond the connections would only queue for one."""
+    return max(32, 8 * max_concurrency)
+
+
+def library_text(text: str) -> str:
+    """Text from a storage library or server (an exception's message, an
+    S3 error body) made fit for our messages. Every such text passes here,
+    so that this is the one place where it is cleaned (URIs redacted)."""
+    return redact(str(text)).strip()
+
+
+def library_detail(e: BaseException) -> str:
+    """A library exception, as error messages quote it (see :func:`library_text`).
+
+    An ``OSError`` with an errno reads ``No space left on device (ENOSPC)``;
+    anything else ``TypeName: its text``.
+    """
+    if isinstance(e, OSError) and e.strerror and e.errno:
+        code = errno.errorcode.get(e.errno, "")
+        return e.strerror + (f" ({code})" if code else "")
+    text = library_text(str(e))
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def map_os_error(e: BaseException, what: str, *, denied: str = "permission denied") -> CheckpointError:
+    """The dcpstore exception for a built-in error (``OSError`` and kin, which
+    most storage libraries raise), ``what`` naming the operation and URI."""
+    if isinstance(e, FileNotFoundError):
+        return StorageNotFound(f"{what}: no such file or directory")
+    if isinstance(e, NotADirectoryError):  # a path component is a file
+        return StorageNotFound(f"{what}: a parent is not a directory")
+    if isinstance(e, PermissionError):
+        return StoragePermissionError(f"{what}: {denied}")
+    return StorageError(f"{what}: {library_detail(e)}")
+
+
+def fsync_dir(path: str) -> None:
+    """Make a rename or unlink in ``path`` durable (POSIX needs the directory fsynced)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# GPU check: the cuda-marked tests (tests/test_cuda.py) and
+# benchmarks/gpu_stage.py on one GPU machine, then a summary. Sized to finish
+# in under 8 minutes on one H200 (16 cores, 128 GiB).
+#
+#   bash scripts/gpu-check.sh                  on the GPU machine (no network needed)
+#   bash scripts/gpu-check.sh --fetch-wheels   beforehand, where PyPI is reachable: fill .whl/
+#   bash scripts/gpu-check.sh --dry-run        anywhere: the plumbing on a CPU, nothing measured
+#
+# The GPU machine brings Python 3.12 and a CUDA build of torch (2.11+) with
+# pytest, hypothesis, numpy, psutil and tqdm, but no network. The rest travels
+# as cp312 manylinux wheels in the git-ignored .whl/ (--fetch-wheels) and is
+# installed into /tmp/site, put first on PYTHONPATH; dcpstore runs from this
+# checkout. Logs and JSON go to $OUT when it is set (the device tool returns
+# what is there), else to .out/gpu-check/. Exit status: 0 when every cuda test
+# passed and the benchmark ran (goals are reported, not enforced).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+# What dcpstore needs on that machine beyond its image (KINDS.md lists the
+# image): crc32c (a dependency), NVRx for the nvrx engine, and defusedxml (an
+# NVRx requirement). NVRx's other requirements are in the image (psutil,
+# packaging, pyyaml, nvidia-ml-py, which provides the pynvml module; the
+# 'pynvml' distribution itself is only a redirector to it).
+WHEELS=(crc32c==2.9.post0 nvidia-resiliency-ext==0.4.1 defusedxml==0.7.1)
+SITE=/tmp/site
+# Time plan (8 minutes at most): wheels and environment ~15 s, the cuda tests
+# at most TEST_TIMEOUT (each test at most 100 s, so one hang costs one test),
+# the benchmark stops starting sizes at BENCH_BUDGET and is killed at
+# BENCH_TIMEOUT. Typical: about 5 minutes.
+TEST_TIMEOUT=${GPU_CHECK_TEST_TIMEOUT:-200}
+BENCH_BUDGET=${GPU_CHECK_BENCH_BUDGET:-180}
+BENCH_TIMEOUT=$((BENCH_BUDGET + 50))
+
+usage() { sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; }
+
+dry_run=0
+fetch=0
+for arg in "$@"; do
+  case "$arg" in
+    --dry-run) dry_run=1 ;;
+    --fetch-wheels) fetch=1 ;;
+    -h|--help) usage; exit 0 ;;
+    *) echo "gpu-check.sh: unknown argument: $arg" >&2; usage >&2; exit 2 ;;
+  esac
+done
+
+if [ "$fetch" = 1 ]; then
+  mkdir -p .whl
+  platforms=()
+  for p in manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64 manylinux_2_28_x86_64 manylinux_2_31_x86_64; do
+    platforms+=(--platform "$p")
+  done
+  exec "${PYTHON:-python3}" -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+    --implementation cp "${platforms[@]}" -d .whl "${WHEELS[@]}"
+fi
+
+PY=${PYTHON:-python3}
+if [ "$dry_run" = 1 ] && [ -z "${PYTHON:-}" ] && [ -x .venv/bin/python ]; then
+  PY=.venv/bin/python
+fi
+OUT_DIR=${OUT:-$PWD/.out/gpu-check}
+mkdir -p "$OUT_DIR"
+export PYTHONUNBUFFERED=1
+# One node: keep NCCL and gloo on the loopback interface unless told otherwise.
+export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-lo} GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo}
+started=$(date +%s)
+
+if [ "$dry_run" = 1 ]; then
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+else
+  if ! ls .whl/*.whl >/dev/null 2>&1; then
+    echo "gpu-check.sh: no wheels in .whl/ (run 'bash scripts/gpu-check.sh --fetch-wheels' where PyPI is reachable)" >&2
+    exit 1
+  fi
+  echo "== installing $(ls .whl/*.whl | wc -l) carried wheel(s) into $SITE"
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl || exit 1
+  export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+
+echo "== environment"
+"$PY" scripts/gpu_check.py env "$OUT_DIR" || { echo "gpu-check.sh: dcpstore cannot be imported here" >&2; exit 1; }
+
+echo "== cuda tests (timeout ${TEST_TIMEOUT}s)"
+per_test=()
+"$PY" -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout 100)
+timeout -k 10 "$TEST_TIMEOUT" "$PY" -m pytest tests/test_cuda.py -m cuda -q -rA "${per_test[@]}" \
+  --junitxml="$OUT_DIR/cuda-tests.xml" 2>&1 | tee "$OUT_DIR/cuda-tests.log"
+tests_rc=${PIPESTATUS[0]}
+
+echo "== benchmarks/gpu_stage.py (budget ${BENCH_BUDGET}s)"
+bench_args=(--json "$OUT_DIR/gpu_stage.json" --budget-s "$BENCH_BUDGET")
+[ "$dry_run" = 1 ] && bench_args+=(--dry-run)
+timeout -k 10 "$BENCH_TIMEOUT" "$PY" benchmarks/gpu_stage.py "${bench_args[@]}" 2>&1 | tee "$OUT_DIR/gpu_stage.log"
+bench_rc=${PIPESTATUS[0]}
+
+summary_args=(--tests-rc "$tests_rc" --bench-rc "$bench_rc")
+[ "$dry_run" = 1 ] && summary_args+=(--dry-run)
+"$PY" scripts/gpu_check.py summary "$OUT_DIR" "${summary_args[@]}"
+rc=$?
+echo "gpu-check: $(($(date +%s) - started)) s; results in $OUT_DIR"
+exit $rc
