@@ -736,9 +736,10 @@ def _whole_tensor_dtype(req: ReadItem, metadata: Metadata, nbytes: int) -> torch
 def _byte_view(target: torch.Tensor, dtype: torch.dtype, nbytes: int) -> memoryview | None:
     """``target``'s bytes as a writable memoryview, if it can take the raw
     bytes as they lie (contiguous, on the CPU, same dtype and size, and no
-    conjugate or negative bit: such a view's bytes are not its values)."""
+    conjugate or negative bit: such a view's bytes are not its values; not
+    quantized: its values need its quantizer, which copy_ applies)."""
     ok = target.device.type == "cpu" and target.dtype == dtype and target.is_contiguous() and target.nbytes == nbytes
-    ok = ok and not target.is_conj() and not target.is_neg()
+    ok = ok and not target.is_conj() and not target.is_neg() and not target.is_quantized
     if not ok or nbytes == 0:
         return None
     # as_strided, not reshape(-1): a contiguous one-element view (x[:1, 2])
