@@ -113,6 +113,22 @@ def test_structural_damage_changes_nothing(local_target: Target) -> None:
     assert not (info.value.__dict__.get("loaded_keys") or info.value.__dict__.get("damaged_keys"))
 
 
+def test_a_missing_file_found_mid_load_changes_nothing_it_reports(local_target: Target) -> None:
+    """With ``verify=False`` sizes are not checked first: the missing file is
+    found when its scatter read opens it, and its large tensors, which were
+    about to be read in place, are not reported as damaged."""
+    saved = _state()
+    dcpstore.save(saved, local_target.uri, workers=3).result()
+    data = sorted(f for f in os.listdir(local_target.uri) if f.endswith(".distcp"))
+    os.unlink(os.path.join(local_target.uri, data[0]))
+    dest = destination(saved, FILL)
+    dest["obj"] = {"lr": None, "betas": None}
+    with pytest.raises(dcpstore.CheckpointCorrupt, match="missing") as info:
+        dcpstore.load(dest, local_target.uri, workers=1, verify=False)
+    assert info.value.damaged_keys == ()
+    _assert_report_matches_state(info.value, dest, saved)
+
+
 FULL = torch.arange(4 * 40_000, dtype=torch.float32).reshape(4, 40_000)
 
 

@@ -967,10 +967,12 @@ class DcpStorageReader(StorageReader):
             buffers += pieces
             parts.append((d, pieces, dest))
             pos = d.end
-        self._progress.exposing(d.req.dest_index.fqn for d, pieces, _ in parts if len(pieces) > 1)
+        exposed = [d.req.dest_index.fqn for d, pieces, _ in parts if len(pieces) > 1]
+        self._progress.exposing(exposed)
         try:
             n = self.storage.read_into(path, start, buffers)
         except StorageNotFound as e:
+            self._progress.exposing(exposed, undo=True)  # never opened: nothing was written
             raise CheckpointCorrupt(f"{self.storage.describe(path)}: data file is missing") from e
         if n != pos - start:
             raise CheckpointCorrupt(

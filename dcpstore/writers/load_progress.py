@@ -61,9 +61,14 @@ class LoadProgress:
         if self._failed.is_set():
             raise Stopped
 
-    def exposing(self, keys: Iterable[str]) -> None:
+    def exposing(self, keys: Iterable[str], *, undo: bool = False) -> None:
+        """Unverified bytes are about to go into these keys' destinations
+        (``undo``: after all, none went)."""
         with self._lock:
-            self._exposed.update(keys)
+            if undo:
+                self._exposed.subtract(keys)
+            else:
+                self._exposed.update(keys)
 
     def loaded(self, keys: Iterable[str], *, exposed: bool = False) -> None:
         with self._lock:
