@@ -47,7 +47,6 @@ is one extra GET of each data file.
 
 from __future__ import annotations
 
-import errno
 import functools
 import logging
 import os
@@ -65,13 +64,14 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.checkpoint.utils import _DistWrapper
 
 from ..adapters import nvrx as adapter
-from ..errors import CheckpointError, SaveError, StorageError
+from ..errors import CheckpointError, SaveError
 from ..storage import Storage, redact
+from ..storage.kit import map_os_error
 from .dcp import SaveStats, _cpu_tensor, check_still_ours, checksum_written_file, claim, commit_checkpoint
 from .layout import METADATA
+from .threads import run_parallel
 
 log = logging.getLogger(__name__)
-from .threads import run_parallel
 
 
 @functools.lru_cache(maxsize=1)
@@ -138,7 +138,7 @@ def writer_class() -> type:
                 try:
                     written = write(bucket)
                 except OSError as e:  # NVRx writes with open(): name the file and the cause
-                    raise storage_error(self.storage, bucket[1], e) from e
+                    raise map_os_error(e, f"cannot write {self.storage.describe(bucket[1])}") from e
                 results = checksum_written_file(self.storage, bucket[1], written)
                 check_still_ours(self.storage, self.save_id)
                 return results
@@ -249,14 +249,6 @@ def nvrx_save(
         raise SaveError(f"save to {storage.uri} failed on another rank: {summary}")
     stats: SaveStats = writer.stats
     return stats
-
-
-def storage_error(storage: Storage, name: str, e: OSError) -> StorageError:
-    """A write error NVRx met, as a StorageError naming the file and the
-    cause (e.g. "No space left on device (ENOSPC)")."""
-    code = errno.errorcode.get(e.errno or 0, "")
-    reason = e.strerror or str(e)
-    return StorageError(f"cannot write {storage.describe(name)}: {reason}" + (f" ({code})" if code else ""))
 
 
 def _claim_and_share(storage: Storage, wrapper: _DistWrapper) -> tuple[str, frozenset[str] | None]:
