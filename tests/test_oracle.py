@@ -17,7 +17,7 @@ object stores through its fsspec reader and writer (s3fs), the msc://
 profile through the bucket it names.
 
 The quick run draws two examples per engine and backend; the slow run
-(``-m slow``) draws 10 more on each.
+(``-m slow``) draws 6 more on each.
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ def _fresh(target: Target) -> Target:
 QUICK = settings(
     max_examples=2, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
 )
-WIDER = settings(QUICK, max_examples=10)  # the slow run
+WIDER = settings(QUICK, max_examples=6)  # the slow run
 
 
 #: The one thing stock dcp.load cannot do with what it saved: torch has no
