@@ -5,10 +5,13 @@
     # ... training goes on and may mutate state_dict in place ...
     info = h.result()
     dcpstore.load(state_dict, "s3://bucket/run/step100")
+
+This module is the public surface and nothing else; the package layout (and
+which layer may import which) is in the README's Layout section.
 """
 
-from .api import CheckpointInfo, CheckpointManager, SaveHandle, load, save
-from .writers.async_engine import AsyncSaver
+from .api import load, save
+from .engines.saver import AsyncSaver
 from .errors import (
     BackendUnavailable,
     CheckpointCorrupt,
@@ -24,6 +27,8 @@ from .errors import (
     StorageNotFound,
     StoragePermissionError,
 )
+from .handle import CheckpointInfo, SaveHandle
+from .manager import CheckpointManager
 from .storage import StorageOptions, open_storage
 
 __version__ = "0.1.0"

@@ -4,6 +4,9 @@ Exit codes: 0 success; 1 the checkpoint is damaged (verify) or absent, or a
 benchmark run failed (wrong data loaded, an error); 2 bad usage or a storage
 error, or a benchmark that could measure nothing here (every run skipped).
 Errors print one line, never a traceback.
+
+Layer: the top. Imports the maintenance commands, the bench package and
+:mod:`dcpstore.storage`.
 """
 
 from __future__ import annotations
@@ -17,10 +20,12 @@ from typing import Any
 
 from tqdm import tqdm
 
+from .bench import bench, parse_int_list, summarize
+from .bench.report import format_table, plot_workers, write_json
 from .errors import CheckpointError, CheckpointNotFound
 from .maintenance import gc, inspect_checkpoint, list_checkpoints, verify_checkpoint
 from .storage import Storage, open_storage
-from .units import human_bytes
+from .units import human_bytes, parse_size
 
 
 def _open(args: argparse.Namespace) -> Storage:
@@ -98,10 +103,6 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    # Imported here: the benchmark pulls in psutil and (for --plot) matplotlib.
-    from .bench import bench, parse_int_list, parse_size, summarize
-    from .bench.report import format_table, plot_workers, write_json
-
     size, workers = parse_size(args.size), parse_int_list(args.workers)
     print(f"dcpstore bench {args.uri}: {human_bytes(size)} in {args.tensors} tensors, workers {workers}, "
           f"{'async/' + args.engine if args.async_ else 'sync'}, {args.repeat} repeat(s)", flush=True)  # fmt: skip

@@ -3,6 +3,9 @@
 These back the ``dcpstore`` CLI and are plain functions so that scripts (and
 tests) can call them directly. They work on every backend through
 :class:`~dcpstore.storage.base.Storage`.
+
+Layer: front door (beside :mod:`dcpstore.api`). Imports the DCP protocol's
+read side, the format, :mod:`dcpstore.storage` and the foundation.
 """
 
 from __future__ import annotations
@@ -18,8 +21,8 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 
 from .errors import CheckpointCorrupt, StorageNotFound
 from .storage import MiB, Storage
-from .writers.dcp import read_checkpoint_metadata
-from .writers.layout import INFLIGHT, MANIFEST, METADATA, is_data_file
+from .dcp.commit import read_checkpoint_metadata
+from .format.layout import INFLIGHT, MANIFEST, METADATA, is_data_file
 
 #: How much ``verify`` reads per request.
 VERIFY_CHUNK = 16 * MiB

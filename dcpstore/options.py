@@ -1,83 +1,70 @@
-"""What dcpstore's save path accepts, in one table.
+"""How a save or a load runs, as one value: :class:`SaveOptions`, :class:`LoadOptions`.
 
-:func:`dcpstore.save` validates its engine/async/workers arguments here, and
-so do the layers that build those arguments from a configuration
-(:class:`dcpstore.CheckpointManager` at construction,
-:class:`dcpstore.adapters.megatron.CheckpointConfig` in ``__post_init__``).
-No config layer keeps rules of its own about which combinations work: a
-combination is valid exactly when :func:`save_option_problems` finds nothing,
-so a config can never allow what the writer refuses, or refuse what it
-supports (the seed PR's config allowed async only for ``torch_dist`` while
-the writer handled ``fsdp_dtensor`` too).
+:func:`dcpstore.save` builds a :class:`SaveOptions` from its keywords and
+hands it down; so do :meth:`dcpstore.AsyncSaver.save`,
+:class:`dcpstore.CheckpointManager` (which keeps one for all its saves) and
+:class:`dcpstore.adapters.megatron.CheckpointConfig` (which maps its fields
+onto one). Every layer below receives the one object, so no layer repeats
+the keyword list, and every value is checked once, here, when the object is
+built: a :class:`SaveOptions` that exists is valid.
 
-The state-dict *format* (``fsdp_dtensor`` / ``torch_dist``) is deliberately
-not a column here: every format reaches storage through the same DCP writer,
-so sync/async and the engine are properties of the writer alone.
+What a value object cannot know -- whether NVRx is installed, and whether it
+can write a given backend -- is asked of the NVRx engine
+(:func:`dcpstore.engines.choice.engine_problem`), again by every layer that
+needs it, so a configuration can never allow what the writer refuses.
+
+Layer: value objects. Imports only :mod:`dcpstore.errors` and
+:mod:`dcpstore.storage` (for the :class:`StorageOptions` type).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
-from .adapters import nvrx as nvrx_adapter
-from .errors import CheckpointError, InvalidArgument
-from .storage import Storage
-from .writers.async_engine import ENGINES as ENGINE_NAMES
-from .writers.dcp import check_workers
+import torch.distributed as dist
+from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 
+from .errors import InvalidArgument
+from .storage import StorageOptions
 
-@dataclass(frozen=True)
-class EngineSpec:
-    """One way of running a save."""
-
-    name: str
-    #: Whether ``save(..., async_=True, engine=name)`` works in this build.
-    #: The async engines set this when they land; nothing else may decide it.
-    supports_async: bool
-    summary: str
-
-
-_SUMMARIES = {
+#: The save engines, by name (the async engines' own list).
+ENGINES: Mapping[str, str] = {
     "auto": "NVRx where it works, else native, with one warning naming why",
     "native": "dcpstore's own staging + thread pool",
     "nvrx": "NVIDIA Resiliency Extension's async writer",
 }
 
-#: The engines, by name. The names are the async engine's own list
-#: (:data:`dcpstore.writers.async_engine.ENGINES`), so there is one list.
-#: Every engine runs sync and async saves; whether NVRx is installed, and
-#: whether it can write to a given backend, is asked of the NVRx adapter
-#: (:func:`engine_problem`), again the writer's own function.
-ENGINES: Mapping[str, EngineSpec] = {
-    name: EngineSpec(name, True, _SUMMARIES.get(name, "")) for name in ENGINE_NAMES
-}
-
-
-def engine_problem(engine: str, storage: Storage) -> str | None:
-    """Why ``engine`` cannot save to ``storage`` (``None``: it can), decided
-    by the same NVRx adapter functions the engine itself calls."""
-    if engine != "nvrx":
-        return None
-    try:
-        nvrx_adapter.require()
-        nvrx_adapter.check_target(storage)
-    except CheckpointError as e:
-        return str(e)
-    return None
-
-
-#: Whether the writer can run from a plan DCP replays out of its save-plan
-#: cache (``DefaultSavePlanner(enable_plan_caching=True)``, what Megatron's
-#: ``ckpt_assume_constant_structure`` asks for). It cannot: each save's plan
-#: carries that save's token (the two-writers check in
-#: :mod:`dcpstore.writers.dcp`), and a replayed plan carries the first save's.
-PLAN_CACHING = False
+#: Why a planner with DCP's save-plan cache switched on
+#: (``DefaultSavePlanner(enable_plan_caching=True)``, what Megatron's
+#: ``ckpt_assume_constant_structure`` asks for) is refused.
 PLAN_CACHING_WHY = (
     "DCP's save-plan cache replays the first save's plan, and dcpstore's writer puts a per-save token in "
     "every plan (so that a concurrent writer to the same URI is detected); a replayed token looks like such a writer"
 )
+
+
+def default_workers() -> int:
+    """Writer/reader threads per rank when ``workers`` is None."""
+    return max(2, min(8, os.cpu_count() or 1))
+
+
+def check_workers(workers: int | None, default: int) -> int:
+    """Validate a ``workers`` argument (``None`` means ``default``)."""
+    if workers is None:
+        return default
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise InvalidArgument(f"workers must be a positive int, got {workers!r}")
+    return workers
+
+
+def check_positive(name: str, value: Any) -> int:
+    """``value`` if it is an int >= 1 (bools refused), else InvalidArgument naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidArgument(f"{name} must be a positive int, got {value!r}")
+    return value
 
 
 def uses_plan_caching(planner: Any) -> bool:
@@ -87,54 +74,104 @@ def uses_plan_caching(planner: Any) -> bool:
 
 @dataclass(frozen=True)
 class OptionProblem:
-    """Why one argument of a save is not accepted.
-
-    ``option`` is the keyword of :func:`dcpstore.save` at fault, so callers
-    that map their own field names onto save's arguments can name the field.
-    ``unsupported`` marks a valid request this build cannot serve (raised by
-    ``save`` as ``NotImplementedError``) as opposed to a bad value.
-    """
+    """Why one option of a save is not accepted; ``option`` is the keyword of
+    :func:`dcpstore.save` at fault, so that a layer mapping its own field names
+    onto save's options can name its field."""
 
     option: str
     message: str
-    unsupported: bool = False
 
 
 def save_option_problems(
-    *, async_: bool, engine: str, workers: int | None, planner: Any = None
+    *, async_: Any = False, engine: Any = "auto", workers: Any = None, planner: Any = None, max_in_flight: Any = None
 ) -> list[OptionProblem]:
-    """Everything wrong with this combination of save arguments (empty: fine)."""
+    """Everything wrong with these save options (empty: fine)."""
     problems: list[OptionProblem] = []
-    if uses_plan_caching(planner) and not PLAN_CACHING:
+    if uses_plan_caching(planner):
         problems.append(OptionProblem("planner", f"a planner with plan caching cannot be used: {PLAN_CACHING_WHY}"))
     if not isinstance(async_, bool):
         problems.append(OptionProblem("async_", f"async_ must be a bool, got {async_!r}"))
-    spec = ENGINES.get(engine) if isinstance(engine, str) else None
-    if spec is None:
+    if not isinstance(engine, str) or engine not in ENGINES:
         problems.append(OptionProblem("engine", f"engine must be one of {', '.join(ENGINES)}, got {engine!r}"))
-    elif async_ is True and not spec.supports_async:
-        problems.append(
-            OptionProblem(
-                "async_",
-                f"async saves are not available with engine {engine!r} in this build "
-                f"(engines that can run them: {', '.join(n for n, s in ENGINES.items() if s.supports_async) or 'none'})",
-                unsupported=True,
-            )
-        )
     try:
         check_workers(workers, 1)
     except InvalidArgument as e:
         problems.append(OptionProblem("workers", str(e)))
+    if max_in_flight is not None:
+        try:
+            check_positive("max_in_flight", max_in_flight)
+        except InvalidArgument as e:
+            problems.append(OptionProblem("max_in_flight", str(e)))
     return problems
 
 
-def check_save_options(*, async_: bool, engine: str, workers: int | None, planner: Any = None) -> None:
-    """Raise for the first problem :func:`save_option_problems` finds.
+def _check_process_group(process_group: Any) -> None:
+    if process_group is not None and not (dist.is_available() and dist.is_initialized()):
+        raise InvalidArgument("process_group was given but torch.distributed is not initialised")
 
-    A bad value raises :class:`InvalidArgument`; a valid request this build
-    cannot serve raises ``NotImplementedError``.
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """How :func:`dcpstore.load` reads: threads, backend, verification, DCP's
+    process group and planner (see :func:`dcpstore.load`)."""
+
+    workers: int | None = None
+    enable_msc: bool = False
+    storage_options: StorageOptions | None = None
+    process_group: dist.ProcessGroup | None = None
+    planner: LoadPlanner | None = None
+    verify: bool = True
+
+    def __post_init__(self) -> None:
+        check_workers(self.workers, 1)
+        _check_process_group(self.process_group)
+
+
+@dataclass(frozen=True)
+class SaveOptions:
+    """How :func:`dcpstore.save` runs a save (see its docstring for each
+    option). Built once from the caller's keywords, validated on
+    construction, and handed down whole.
+
+    ``max_in_flight`` ``None`` means the saver's own limit (1 for
+    :func:`dcpstore.save`'s per-process saver).
     """
-    for problem in save_option_problems(async_=async_, engine=engine, workers=workers, planner=planner):
-        if problem.unsupported:
-            raise NotImplementedError(problem.message)
-        raise InvalidArgument(problem.message)
+
+    async_: bool = False
+    engine: str = "auto"
+    workers: int | None = None
+    enable_msc: bool = False
+    storage_options: StorageOptions | None = None
+    process_group: dist.ProcessGroup | None = None
+    planner: SavePlanner | None = None
+    max_in_flight: int | None = None
+
+    def __post_init__(self) -> None:
+        for problem in save_option_problems(
+            async_=self.async_,
+            engine=self.engine,
+            workers=self.workers,
+            planner=self.planner,
+            max_in_flight=self.max_in_flight,
+        ):
+            raise InvalidArgument(problem.message)
+        _check_process_group(self.process_group)
+
+    @property
+    def runs_in_background(self) -> bool:
+        """Whether the save runs on an :class:`~dcpstore.AsyncSaver`: every
+        async save, and sync saves on the NVRx engine (which then wait)."""
+        return self.async_ or self.engine == "nvrx"
+
+    def for_load(self) -> LoadOptions:
+        """The options a load of what these options saved reads with."""
+        return LoadOptions(
+            workers=self.workers,
+            enable_msc=self.enable_msc,
+            storage_options=self.storage_options,
+            process_group=self.process_group,
+        )
+
+    def as_kwargs(self) -> dict[str, Any]:
+        """These options as :func:`dcpstore.save`'s keyword arguments."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}

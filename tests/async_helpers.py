@@ -11,7 +11,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 import dcpstore
 from backends import Target
-from dcpstore.adapters import nvrx as nvrx_adapter
+from dcpstore.engines import nvrx as nvrx_adapter
 
 ENGINES = ("native", "nvrx")
 

@@ -89,7 +89,7 @@ def commit_index(events: list[str]) -> int:
 
 def instrument_staging(hook: Hook) -> None:
     """Report each tensor copy of async staging (on the caller's thread)."""
-    from dcpstore.writers.staging import Stager
+    from dcpstore.engines.staging import Stager
 
     real = Stager._copy
 

@@ -84,7 +84,7 @@ class EventStorage(Storage):
 
 
 #: Where dcpstore.save / load / AsyncSaver / CheckpointManager look up ``open_storage``.
-_OPENERS = ("dcpstore.api", "dcpstore.writers.async_engine", "dcpstore.manager")
+_OPENERS = ("dcpstore.api", "dcpstore.engines.saver", "dcpstore.manager.manager")
 
 
 def hook_all_storage(hook: Hook | dict[str, Hook], setattr: Callable[[object, str, object], None] = setattr) -> None:

@@ -17,6 +17,7 @@ import torch
 import dcpstore
 from async_helpers import skip_unless_engine_serves
 from backends import Target
+from dcpstore.engines import nvrx
 
 #: Keyword arguments of ``dcpstore.save`` per engine.
 SAVE_ENGINES: dict[str, dict[str, Any]] = {
@@ -96,7 +97,4 @@ def _walked(value: list[Any]) -> bool:
     )
 
 
-needs_nvrx = pytest.mark.skipif(
-    __import__("dcpstore.adapters.nvrx", fromlist=["import_error"]).import_error() is not None,
-    reason="nvidia-resiliency-ext not installed",
-)
+needs_nvrx = pytest.mark.skipif(nvrx.import_error() is not None, reason="nvidia-resiliency-ext not installed")

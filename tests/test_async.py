@@ -27,7 +27,7 @@ from async_helpers import (
 )
 from backends import Target
 from dcpstore.errors import CheckpointNotFound, InvalidArgument, SaveError
-from dcpstore.writers.staging import Stager, StagingPool
+from dcpstore.engines.staging import Stager, StagingPool
 
 
 @pytest.fixture

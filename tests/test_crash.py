@@ -22,7 +22,7 @@ from crashkit import crash, crash_state, forkserver, kill_points
 from crashkit import outcome as _outcome_of
 from dcpstore.maintenance import gc, list_checkpoints
 from dcpstore.storage import open_storage
-from dcpstore.writers.dcp import DcpStorageWriter
+from dcpstore.dcp.writer import DcpStorageWriter
 from faults import EventStorage, KillAt, Recorder
 from helpers import assert_state_equal, zeros_like_state
 

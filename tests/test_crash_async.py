@@ -35,11 +35,11 @@ from crashkit import (
     mutate,
     outcome,
 )
-from dcpstore.adapters import nvrx as nvrx_adapter
+from dcpstore.engines import nvrx as nvrx_adapter
 from dcpstore.maintenance import gc, list_checkpoints
 from dcpstore.manager import step_dir
 from dcpstore.storage import open_storage
-from dcpstore.writers.layout import MANIFEST, METADATA
+from dcpstore.format.layout import MANIFEST, METADATA
 from faults import KillAt, Recorder, hook_all_storage
 from helpers import assert_state_equal, zeros_like_state
 

@@ -40,8 +40,8 @@ from dcpstore.cli import main as cli_main
 from dcpstore.maintenance import list_checkpoints
 from dcpstore.manager import step_dir
 from dcpstore.storage import MiB, open_storage
-from dcpstore.writers.dcp import DcpStorageWriter
-from dcpstore.writers.layout import METADATA
+from dcpstore.dcp.writer import DcpStorageWriter
+from dcpstore.format.layout import METADATA
 from faults import EventStorage, KillAt, Recorder, hook_all_storage
 from s3_server import S3Endpoint, aws_env
 

@@ -17,7 +17,7 @@ import torch
 import dcpstore
 from backends import Target
 from dcpstore.storage import Storage
-from dcpstore.writers.layout import MANIFEST
+from dcpstore.format.layout import MANIFEST
 
 
 def _state() -> dict[str, torch.Tensor]:

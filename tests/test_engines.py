@@ -20,9 +20,9 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 import dcpstore
 from async_helpers import open_target
 from backends import Target
-from dcpstore.adapters import nvrx as nvrx_adapter
+from dcpstore.engines import nvrx as nvrx_adapter
 from dcpstore.errors import BackendUnavailable, CheckpointCorrupt, EngineFallbackWarning, InvalidArgument
-from dcpstore.writers.staging import Stager
+from dcpstore.engines.staging import Stager
 
 needs_nvrx = pytest.mark.skipif(nvrx_adapter.import_error() is not None, reason="nvidia-resiliency-ext not installed")
 
@@ -139,7 +139,7 @@ def test_nvrx_writes_through_msc_when_asked(local_target: Target) -> None:
     """NVRx's use_msc path (msc.open + stream.fsync) end to end, on MSC's
     POSIX profile; dcpstore's commit and manifest stay the same."""
     pytest.importorskip("multistorageclient")
-    from dcpstore.writers.nvrx import nvrx_save
+    from dcpstore.engines.nvrx import nvrx_save
 
     storage = dcpstore.open_storage(local_target.uri)
     state = {"a": torch.randn(40, 40), "b": torch.ones(7)}

@@ -7,8 +7,8 @@ import io
 import pytest
 import torch
 
-from dcpstore.writers import dcp as dcp_writer
-from dcpstore.writers.dcp import item_tensor
+from dcpstore.format import record as dcp_writer
+from dcpstore.format.record import item_tensor
 
 
 @pytest.fixture(autouse=True)

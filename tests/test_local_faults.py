@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 import dcpstore
 from dcpstore.errors import StorageError
 from dcpstore.storage import open_storage
-from dcpstore.writers.dcp import DcpStorageWriter
+from dcpstore.dcp.writer import DcpStorageWriter
 from faults import EventStorage, FailAt
 from helpers import assert_state_equal, sample_state, zeros_like_state
 

@@ -25,7 +25,7 @@ import dcpstore
 from backends import Target
 from dcpstore.adapters import fsdp
 from dcpstore.adapters.megatron import CheckpointConfig, plan_caching_supported
-from dcpstore.writers.dcp import DcpStorageWriter
+from dcpstore.dcp.writer import DcpStorageWriter
 
 FORMATS = ["torch_dist", "fsdp_dtensor", "zarr", "torch"]
 ENGINES = ["auto", "native", "nvrx", "turbo"]

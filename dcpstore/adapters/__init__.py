@@ -1,2 +1,7 @@
-"""Seams to other projects: FSDP2 state dicts (:mod:`.fsdp`), Megatron-style
-configuration (:mod:`.megatron`). Third-party version churn stays here."""
+"""Other projects' shapes, mapped onto dcpstore: FSDP2 model + optimizer
+state (:mod:`.fsdp`), Megatron's ``torch_dist`` format and a
+Megatron-Bridge-style configuration (:mod:`.megatron`).
+
+Layer: adapters, above the manager and the front door :mod:`dcpstore.api`
+they build on; nothing else in dcpstore imports them. (NVRx's release churn is engine internals: :mod:`dcpstore.engines.nvrx`.)
+"""

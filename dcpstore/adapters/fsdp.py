@@ -13,24 +13,12 @@ The optimizer half is torch's *flattened* optimizer state dict (every entry
 keyed by parameter FQN), so it reshards per key and a partial load can name
 exactly which entries it lacks.
 
-Formats (:data:`FORMATS`; the Megatron config validates ``ckpt_format``
-against this same table):
-
-``fsdp_dtensor``
-    DCP receives FSDP2's own DTensor shards (``full_state_dict=False``).
-``torch_dist``
-    Every DTensor is handed to DCP as a torch ``ShardedTensor`` over the same
-    local storage: each rank's shard with its global shape and offsets, built
-    from one metadata all-gather per mesh (no copies). That is what Megatron's
-    ``torch_dist`` strategy hands DCP. Megatron additionally stores its
-    distributed-optimizer state as *flattened* 1-D ranges, which ties those
-    files to the data-parallel size; that layout is deliberately not
-    reproduced: FSDP2 shards are row ranges of the original shape, so both
-    formats stay fully reshardable. ``torch_dist`` needs a 1-D device mesh
-    (plain FSDP2); use ``fsdp_dtensor`` for HSDP/TP meshes. ShardedTensor is
-    deprecated in torch in favour of DTensor, hence ``fsdp_dtensor`` is the
-    default.
-
+Formats (:data:`FORMATS`, defined with Megatron's ``torch_dist`` format in
+:mod:`.megatron`; the Megatron config validates ``ckpt_format`` against the
+same table): ``fsdp_dtensor`` hands DCP FSDP2's own DTensor shards
+(``full_state_dict=False``; the default), ``torch_dist`` hands it torch
+``ShardedTensor`` objects over the same local storage, as Megatron's ``torch_dist``
+strategy does.
 On storage the two are identical -- stock DCP chunked tensors with global
 shapes and offsets -- so either loads into the other, on any world size.
 
@@ -48,17 +36,20 @@ Load, on every rank (collective)::
     strict and report not ok -> StateDictMismatch, nothing loaded
     dcpstore.load(the entries present, uri)          # in place, resharding
     set_state_dict(model, optimizer, template)       # absent entries keep their values
+
+Layer: adapters. Imports the front doors (:mod:`dcpstore.api`,
+:mod:`dcpstore.manager`), :mod:`.megatron`'s format table and the layers
+below.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint._traverse import set_element
@@ -70,16 +61,16 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
-from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils._pytree import tree_map_only
 
-from ..api import SaveHandle, load, save
+from ..api import load, save
+from ..dcp.commit import read_checkpoint_metadata
 from ..errors import InvalidArgument, StateDictMismatch
-from ..storage import StorageOptions, open_storage
-from ..writers.dcp import read_checkpoint_metadata
-
-if TYPE_CHECKING:
-    from ..manager import CheckpointManager
+from ..handle import SaveHandle
+from ..manager import CheckpointManager
+from ..storage import open_storage
+from .megatron import DEFAULT_FORMAT, check_format
+from .megatron import FORMATS as FORMATS  # the table save_app_state and load_app_state accept
 
 MODEL = "model"
 OPTIMIZER = "optimizer"
@@ -88,106 +79,6 @@ OPTIMIZER = "optimizer"
 SECTIONS = (MODEL, OPTIMIZER)
 
 Optimizers = torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None
-
-
-# ---------------------------------------------------------------------------
-# Formats
-# ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class StateDictFormat:
-    """How a model/optimizer section is handed to DCP."""
-
-    name: str
-    summary: str
-    #: Turns a section of DTensors into what DCP receives (collective).
-    convert: Callable[[dict[str, Any]], dict[str, Any]]
-
-
-def _as_is(section: dict[str, Any]) -> dict[str, Any]:
-    return section
-
-
-def _as_sharded_tensors(section: dict[str, Any]) -> dict[str, Any]:
-    """DTensors -> torch ShardedTensors over the same local storage."""
-    from torch.distributed._shard.metadata import ShardMetadata
-    from torch.distributed._shard.sharded_tensor.api import ShardedTensor
-    from torch.distributed._shard.sharded_tensor.shard import Shard as StShard
-    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
-
-    dtensors = {k: v for k, v in section.items() if isinstance(v, DTensor)}
-    if not dtensors:
-        return dict(section)
-    pieces = _gather_pieces(dtensors)
-    me = dist.get_rank()
-    out = dict(section)
-    for key, dt in dtensors.items():
-        shards_md, mine = [], None
-        for rank, device, offsets, sizes in pieces[key]:
-            md = ShardMetadata(shard_offsets=list(offsets), shard_sizes=list(sizes), placement=f"rank:{rank}/{device}")
-            shards_md.append(md)
-            if rank == me:
-                mine = md
-        props = TensorProperties(dtype=dt.dtype, layout=torch.strided, requires_grad=False)
-        st_md = ShardedTensorMetadata(shards_metadata=shards_md, size=dt.shape, tensor_properties=props)
-        local = [StShard(tensor=dt.to_local().detach(), metadata=mine)] if mine is not None else []
-        out[key] = ShardedTensor._init_from_local_shards_and_global_metadata(local, st_md)
-    return out
-
-
-def _gather_pieces(dtensors: dict[str, DTensor]) -> dict[str, list[tuple[int, str, tuple[int, ...], tuple[int, ...]]]]:
-    """Every rank's (rank, device, offsets, sizes) of each DTensor, from one
-    all-gather per device mesh. Zero-size pieces and the non-first copies of
-    replicated ones are left out: a ShardedTensor's shards must not overlap."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    by_mesh: dict[int, list[str]] = {}
-    for key, dt in dtensors.items():
-        mesh = dt.device_mesh
-        if mesh.ndim != 1:
-            raise InvalidArgument(
-                f"format 'torch_dist' needs a 1-D device mesh (plain FSDP2); {key!r} lives on a "
-                f"{mesh.ndim}-D mesh: use format 'fsdp_dtensor'"
-            )
-        if not all(isinstance(p, (Shard, Replicate)) for p in dt.placements):
-            raise InvalidArgument(f"format 'torch_dist' cannot express {key!r} with placements {dt.placements}")
-        by_mesh.setdefault(id(mesh), []).append(key)
-    result: dict[str, list[tuple[int, str, tuple[int, ...], tuple[int, ...]]]] = {k: [] for k in dtensors}
-    for keys in by_mesh.values():
-        mesh = dtensors[keys[0]].device_mesh
-        mine: dict[str, tuple[tuple[int, ...], tuple[int, ...]] | None] = {}
-        for key in keys:
-            dt = dtensors[key]
-            sizes, offsets = compute_local_shape_and_global_offset(dt.shape, mesh, dt.placements)
-            replica = isinstance(dt.placements[0], Replicate) and mesh.get_local_rank() != 0
-            empty = any(s == 0 for s in sizes)
-            mine[key] = None if replica or empty else (tuple(offsets), tuple(sizes))
-        device = str(dtensors[keys[0]].to_local().device)
-        gathered: list[Any] = [None] * mesh.size()
-        dist.all_gather_object(gathered, (dist.get_rank(), device, mine), group=mesh.get_group())
-        for rank, dev, pieces in gathered:
-            for key, piece in pieces.items():
-                if piece is not None:
-                    result[key].append((rank, dev, piece[0], piece[1]))
-    return result
-
-
-FORMATS: Mapping[str, StateDictFormat] = {
-    f.name: f
-    for f in (
-        StateDictFormat("fsdp_dtensor", "DTensor shards, as FSDP2 holds them", _as_is),
-        StateDictFormat("torch_dist", "torch ShardedTensors (global shape + row offsets), as Megatron's torch_dist", _as_sharded_tensors),
-    )
-}
-DEFAULT_FORMAT = "fsdp_dtensor"
-
-
-def check_format(name: str) -> StateDictFormat:
-    try:
-        return FORMATS[name]
-    except (KeyError, TypeError):
-        raise InvalidArgument(f"format must be one of {', '.join(FORMATS)}, got {name!r}") from None
 
 
 # ---------------------------------------------------------------------------
@@ -366,8 +257,6 @@ def save_app_state(
 ) -> SaveHandle:
     """Save model + optimizer (+ ``extra``) to a URI, or as ``step`` of a
     :class:`~dcpstore.CheckpointManager` (whose options then apply)."""
-    from ..manager import CheckpointManager
-
     state = get_app_state(
         model, optimizer, format=format, full_state_dict=full_state_dict, cpu_offload=cpu_offload, extra=extra
     )
@@ -403,8 +292,6 @@ def load_app_state(
     mismatched key before anything is loaded; ``strict=False`` loads what
     matches and returns the report. Collective: every rank calls it.
     """
-    from ..manager import CheckpointManager
-
     fmt = check_format(format)
     if isinstance(src, CheckpointManager):
         if load_kwargs:

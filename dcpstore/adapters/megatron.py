@@ -1,25 +1,47 @@
-"""A Megatron-Bridge-style ``CheckpointConfig`` mapped onto dcpstore.
+"""Megatron's shapes: the ``torch_dist`` state-dict format, and a
+Megatron-Bridge-style ``CheckpointConfig`` mapped onto dcpstore.
 
-Field names are Megatron-Bridge's (``save``, ``load``, ``save_interval``,
-``async_save``, ``ckpt_format``, ``dist_ckpt_workers``, ``enable_msc``,
-``most_recent_k``, ``ckpt_assume_constant_structure``, ``ckpt_step``), plus
-dcpstore's ``engine``. The config is validated once, in ``__post_init__``,
-and keeps **no rules of its own** about which combinations work. It asks
-the tables the writers ask:
+State-dict formats (:data:`FORMATS`, Megatron-Bridge's ``ckpt_format``
+values; :func:`dcpstore.adapters.fsdp.save_app_state` takes them as
+``format``):
+
+``fsdp_dtensor``
+    DCP receives FSDP2's own DTensor shards (``full_state_dict=False``).
+``torch_dist``
+    Every DTensor is handed to DCP as a torch ``ShardedTensor`` over the same
+    local storage: each rank's shard with its global shape and offsets, built
+    from one metadata all-gather per mesh (no copies). That is what Megatron's
+    ``torch_dist`` strategy hands DCP. Megatron additionally stores its
+    distributed-optimizer state as *flattened* 1-D ranges, which ties those
+    files to the data-parallel size; that layout is deliberately not
+    reproduced: FSDP2 shards are row ranges of the original shape, so both
+    formats stay fully reshardable. ``torch_dist`` needs a 1-D device mesh
+    (plain FSDP2); use ``fsdp_dtensor`` for HSDP/TP meshes. ShardedTensor is
+    deprecated in torch in favour of DTensor, hence ``fsdp_dtensor`` is the
+    default.
+
+On storage the two are identical -- stock DCP chunked tensors with global
+shapes and offsets -- so either loads into the other, on any world size.
+
+``CheckpointConfig``. Field names are Megatron-Bridge's (``save``, ``load``,
+``save_interval``, ``async_save``, ``ckpt_format``, ``dist_ckpt_workers``,
+``enable_msc``, ``most_recent_k``, ``ckpt_assume_constant_structure``,
+``ckpt_step``), plus dcpstore's ``engine``. The config is validated once, in
+``__post_init__``, without opening any storage, and keeps **no rules of its
+own** about which combinations work. It asks the tables the writers ask:
 
 ===================================  =========================================
 field                                validated by
 ===================================  =========================================
-``ckpt_format``                      :data:`dcpstore.adapters.fsdp.FORMATS`
+``ckpt_format``                      :data:`FORMATS`
 ``async_save``, ``engine``,          :func:`dcpstore.options.save_option_problems`
 ``dist_ckpt_workers``                (what :func:`dcpstore.save` checks) and, for
-                                     ``engine`` x ``save``, the NVRx adapter's own
-                                     target check (NVRx writes POSIX/MSC only)
+                                     ``engine`` x ``save``, the NVRx engine's own
+                                     backend check (NVRx writes POSIX/MSC only)
 ``save``, ``load``, ``enable_msc``   URI parsing + the backend registry, as
                                      ``open_storage`` resolves them
-``ckpt_assume_constant_structure``   :data:`dcpstore.options.PLAN_CACHING` (the writer
-                                     cannot replay cached plans today) and torch's
-                                     DCP plan caching being present
+``ckpt_assume_constant_structure``   :func:`plan_caching_supported`: the writer
+                                     cannot replay DCP's cached plans
 ===================================  =========================================
 
 So a format can never be refused async while the writer would save it
@@ -27,38 +49,143 @@ So a format can never be refused async while the writer would save it
 worker count the writer rejects fails here, naming the field, instead of at
 the first save hours into a run.
 
-Mapping: :meth:`CheckpointConfig.manager` builds the
-:class:`~dcpstore.CheckpointManager` for ``save`` (``most_recent_k`` ->
-``keep``, ``-1`` keeps all); :meth:`~CheckpointConfig.save_kwargs` /
-:meth:`~CheckpointConfig.load_kwargs` are the keyword arguments for
-:func:`dcpstore.save` / :func:`dcpstore.load`; ``ckpt_format`` is the
-``format`` of :func:`dcpstore.adapters.fsdp.save_app_state`.
+Mapping: :meth:`CheckpointConfig.save_options` is the one
+:class:`~dcpstore.options.SaveOptions` the config stands for;
+:meth:`~CheckpointConfig.manager` builds the
+:class:`~dcpstore.CheckpointManager` for ``save`` with it (``most_recent_k``
+-> ``keep``, ``-1`` keeps all); :meth:`~CheckpointConfig.save_kwargs` /
+:meth:`~CheckpointConfig.load_kwargs` are the same as keyword arguments for
+:func:`dcpstore.save` / :func:`dcpstore.load`.
+
+Layer: adapters. Imports the manager, the engines' engine check, the value
+objects, :mod:`dcpstore.storage` and the foundation.
 """
 
 from __future__ import annotations
 
-import inspect
+from collections.abc import Callable, Mapping
+import dataclasses
 from dataclasses import dataclass, fields
 from typing import Any
 
+import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.planner import SavePlanner
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor.api import ShardedTensor
+from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+from torch.distributed._shard.sharded_tensor.shard import Shard as StShard
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from ..engines.choice import engine_problem
 from ..errors import CheckpointError, InvalidArgument
 from ..manager import CheckpointManager, check_step
-from ..options import PLAN_CACHING, PLAN_CACHING_WHY, engine_problem, save_option_problems
-from ..storage import StorageOptions, backend_class, backend_name, open_storage, parse_uri
-from .fsdp import FORMATS
+from ..options import PLAN_CACHING_WHY, SaveOptions, save_option_problems
+from ..storage import StorageOptions, backend_class, backend_name, parse_uri
+
+# ---------------------------------------------------------------------------
+# State-dict formats (``ckpt_format``)
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StateDictFormat:
+    """How a model/optimizer section is handed to DCP."""
+
+    name: str
+    summary: str
+    #: Turns a section of DTensors into what DCP receives (collective).
+    convert: Callable[[dict[str, Any]], dict[str, Any]]
+
+
+def _as_is(section: dict[str, Any]) -> dict[str, Any]:
+    return section
+
+
+def _as_sharded_tensors(section: dict[str, Any]) -> dict[str, Any]:
+    """DTensors -> torch ShardedTensors over the same local storage."""
+    dtensors = {k: v for k, v in section.items() if isinstance(v, DTensor)}
+    if not dtensors:
+        return dict(section)
+    pieces = _gather_pieces(dtensors)
+    me = dist.get_rank()
+    out = dict(section)
+    for key, dt in dtensors.items():
+        shards_md, mine = [], None
+        for rank, device, offsets, sizes in pieces[key]:
+            md = ShardMetadata(shard_offsets=list(offsets), shard_sizes=list(sizes), placement=f"rank:{rank}/{device}")
+            shards_md.append(md)
+            if rank == me:
+                mine = md
+        props = TensorProperties(dtype=dt.dtype, layout=torch.strided, requires_grad=False)
+        st_md = ShardedTensorMetadata(shards_metadata=shards_md, size=dt.shape, tensor_properties=props)
+        local = [StShard(tensor=dt.to_local().detach(), metadata=mine)] if mine is not None else []
+        out[key] = ShardedTensor._init_from_local_shards_and_global_metadata(local, st_md)
+    return out
+
+
+def _gather_pieces(dtensors: dict[str, DTensor]) -> dict[str, list[tuple[int, str, tuple[int, ...], tuple[int, ...]]]]:
+    """Every rank's (rank, device, offsets, sizes) of each DTensor, from one
+    all-gather per device mesh. Zero-size pieces and the non-first copies of
+    replicated ones are left out: a ShardedTensor's shards must not overlap."""
+    by_mesh: dict[int, list[str]] = {}
+    for key, dt in dtensors.items():
+        mesh = dt.device_mesh
+        if mesh.ndim != 1:
+            raise InvalidArgument(
+                f"format 'torch_dist' needs a 1-D device mesh (plain FSDP2); {key!r} lives on a "
+                f"{mesh.ndim}-D mesh: use format 'fsdp_dtensor'"
+            )
+        if not all(isinstance(p, (Shard, Replicate)) for p in dt.placements):
+            raise InvalidArgument(f"format 'torch_dist' cannot express {key!r} with placements {dt.placements}")
+        by_mesh.setdefault(id(mesh), []).append(key)
+    result: dict[str, list[tuple[int, str, tuple[int, ...], tuple[int, ...]]]] = {k: [] for k in dtensors}
+    for keys in by_mesh.values():
+        mesh = dtensors[keys[0]].device_mesh
+        mine: dict[str, tuple[tuple[int, ...], tuple[int, ...]] | None] = {}
+        for key in keys:
+            dt = dtensors[key]
+            sizes, offsets = compute_local_shape_and_global_offset(dt.shape, mesh, dt.placements)
+            replica = isinstance(dt.placements[0], Replicate) and mesh.get_local_rank() != 0
+            empty = any(s == 0 for s in sizes)
+            mine[key] = None if replica or empty else (tuple(offsets), tuple(sizes))
+        device = str(dtensors[keys[0]].to_local().device)
+        gathered: list[Any] = [None] * mesh.size()
+        dist.all_gather_object(gathered, (dist.get_rank(), device, mine), group=mesh.get_group())
+        for rank, dev, pieces in gathered:
+            for key, piece in pieces.items():
+                if piece is not None:
+                    result[key].append((rank, dev, piece[0], piece[1]))
+    return result
+
+
+FORMATS: Mapping[str, StateDictFormat] = {
+    f.name: f
+    for f in (
+        StateDictFormat("fsdp_dtensor", "DTensor shards, as FSDP2 holds them", _as_is),
+        StateDictFormat("torch_dist", "torch ShardedTensors (global shape + row offsets), as Megatron's torch_dist", _as_sharded_tensors),
+    )
+}
+DEFAULT_FORMAT = "fsdp_dtensor"
+
+
+def check_format(name: str) -> StateDictFormat:
+    try:
+        return FORMATS[name]
+    except (KeyError, TypeError):
+        raise InvalidArgument(f"format must be one of {', '.join(FORMATS)}, got {name!r}") from None
+
 
 #: save()'s keyword -> the config field that feeds it, for error messages.
 _FIELD_OF_OPTION = {"async_": "async_save", "engine": "engine", "workers": "dist_ckpt_workers"}
 
 
 def plan_caching_supported() -> bool:
-    """Whether this torch's DCP can cache save plans *and* the writer can
-    use cached plans (:data:`dcpstore.options.PLAN_CACHING`)."""
-    return PLAN_CACHING and "enable_plan_caching" in inspect.signature(DefaultSavePlanner.__init__).parameters
+    """Whether ``ckpt_assume_constant_structure=True`` (DCP's save-plan cache)
+    can be honoured: no, because the writer cannot run from a replayed plan
+    (:data:`dcpstore.options.PLAN_CACHING_WHY`); ``dcpstore.save`` refuses
+    such planners for the same reason."""
+    return False
 
 
 @dataclass
@@ -72,7 +199,7 @@ class CheckpointConfig:
     #: Save every this many steps; ``None``: only when asked.
     save_interval: int | None = None
     async_save: bool = False
-    #: ``torch_dist`` or ``fsdp_dtensor`` (:data:`dcpstore.adapters.fsdp.FORMATS`).
+    #: ``torch_dist`` or ``fsdp_dtensor`` (:data:`FORMATS`).
     ckpt_format: str = "torch_dist"
     #: Writer threads per rank; ``None``: dcpstore's default.
     dist_ckpt_workers: int | None = None
@@ -96,8 +223,7 @@ class CheckpointConfig:
             self._check_root(name)
         self._check_engine_target()
         if self.ckpt_assume_constant_structure and not plan_caching_supported():
-            why = PLAN_CACHING_WHY if not PLAN_CACHING else "this torch's DCP has no save-plan caching"
-            self._fail("ckpt_assume_constant_structure", f"True is not supported: {why}; leave it False")
+            self._fail("ckpt_assume_constant_structure", f"True is not supported: {PLAN_CACHING_WHY}; leave it False")
 
     def _check_types(self) -> None:
         for name in ("async_save", "enable_msc", "ckpt_assume_constant_structure"):
@@ -132,14 +258,12 @@ class CheckpointConfig:
 
     def _check_engine_target(self) -> None:
         """The engine can write where ``save`` points (NVRx: POSIX or MSC only),
-        asked of the same adapter the engine asks at save time."""
+        asked of the same NVRx checks the engine makes at save time, without
+        opening the storage."""
         if self.save is None:
             return
-        storage = open_storage(self.save, enable_msc=self.enable_msc)
-        try:
-            problem = engine_problem(self.engine, storage)
-        finally:
-            storage.close()
+        url = parse_uri(self.save)
+        problem = engine_problem(self.engine, backend_name(url, enable_msc=self.enable_msc), str(url))
         if problem:
             self._fail("engine", problem)
 
@@ -153,25 +277,28 @@ class CheckpointConfig:
         """``most_recent_k`` as :class:`~dcpstore.CheckpointManager`'s ``keep``."""
         return None if self.most_recent_k == -1 else self.most_recent_k
 
-    def planner(self) -> SavePlanner | None:
-        """A save planner that caches its plan, if the structure is constant."""
-        if not self.ckpt_assume_constant_structure:
-            return None
-        return DefaultSavePlanner(enable_plan_caching=True)  # type: ignore[call-arg,unused-ignore]
+    def save_options(
+        self, *, process_group: dist.ProcessGroup | None = None, storage_options: StorageOptions | None = None
+    ) -> SaveOptions:
+        """The options of every save this config asks for."""
+        return SaveOptions(
+            async_=self.async_save,
+            engine=self.engine,
+            workers=self.dist_ckpt_workers,
+            enable_msc=self.enable_msc,
+            storage_options=storage_options,
+            process_group=process_group,
+        )
 
     def save_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for :func:`dcpstore.save`."""
-        return {
-            "async_": self.async_save,
-            "workers": self.dist_ckpt_workers,
-            "enable_msc": self.enable_msc,
-            "engine": self.engine,
-            "planner": self.planner(),
-        }
+        options = self.save_options()
+        return {k: options.as_kwargs()[k] for k in ("async_", "workers", "enable_msc", "engine")}
 
     def load_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for :func:`dcpstore.load`."""
-        return {"workers": self.dist_ckpt_workers, "enable_msc": self.enable_msc}
+        options = self.save_options().for_load()
+        return {"workers": options.workers, "enable_msc": options.enable_msc}
 
     def should_save(self, step: int) -> bool:
         """Whether ``step`` is a ``save_interval`` step."""
@@ -184,17 +311,8 @@ class CheckpointConfig:
         if self.save is None:
             self._fail("save", "is None: there is no root to save under")
         assert self.save is not None
-        return CheckpointManager(
-            self.save,
-            keep=self.keep,
-            async_=self.async_save,
-            workers=self.dist_ckpt_workers,
-            enable_msc=self.enable_msc,
-            engine=self.engine,
-            process_group=process_group,
-            planner=self.planner(),
-            storage_options=storage_options,
-        )
+        options = self.save_options(process_group=process_group, storage_options=storage_options)
+        return CheckpointManager(self.save, keep=self.keep, options=options)
 
     def load_manager(
         self, *, process_group: dist.ProcessGroup | None = None, storage_options: StorageOptions | None = None
@@ -203,15 +321,9 @@ class CheckpointConfig:
         Resume ``ckpt_step`` if set, else the newest committed step."""
         if self.load is None:
             return None
-        return CheckpointManager(
-            self.load,
-            async_=False,  # it only loads
-            workers=self.dist_ckpt_workers,
-            enable_msc=self.enable_msc,
-            engine=self.engine,
-            process_group=process_group,
-            storage_options=storage_options,
-        )
+        options = self.save_options(process_group=process_group, storage_options=storage_options)
+        # It only loads: no background saver to start.
+        return CheckpointManager(self.load, options=dataclasses.replace(options, async_=False))
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:

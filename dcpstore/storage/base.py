@@ -1,6 +1,6 @@
 """The byte-level storage interface every backend implements.
 
-dcpstore's DCP writer and reader (:mod:`dcpstore.writers`) are written once
+dcpstore's DCP writer and reader (:mod:`dcpstore.dcp`) are written once
 against :class:`Storage`; a backend is one module in this package that maps
 these few operations onto a filesystem or object store.
 

@@ -10,7 +10,7 @@ The backend is three modules, one job each:
   the mapping of botocore errors to the :mod:`dcpstore.errors` family.
 
 A checkpoint commits by writing ``.metadata`` last (see
-:mod:`dcpstore.writers.dcp`), after every data object is complete. If the
+:mod:`dcpstore.dcp.commit`), after every data object is complete. If the
 process dies between data and commit, the prefix holds data objects but no
 ``.metadata``: it is not a checkpoint, the next save to the same URI
 overwrites it (and deletes stale data files after its own commit), and

@@ -1,13 +1,13 @@
 """Async saves: stage on the caller's thread, write and commit in the background.
 
 Call order of ``AsyncSaver.save`` (what ``dcpstore.save(..., async_=True)``
-runs on a per-process default saver)::
+runs on the per-process default saver, :func:`default_saver`)::
 
     caller's thread   validate; open the storage; choose the engine
                       wait until fewer than ``max_in_flight`` saves are pending
                       (a new save first finishes the oldest one)
                       first use of a process group: create its background group
-                      stage: a consistent host copy (writers/staging.py)
+                      stage: a consistent host copy (engines/staging.py)
                       submit to the background thread; return a SaveHandle
     background thread plan, write, commit, finalize (the whole DCP save, or
                       NVRx's plan/write/finalize) on the staged copy, then hand
@@ -15,7 +15,7 @@ runs on a per-process default saver)::
 
 There is one background thread per saver, so saves finalize in save order and
 every rank runs its background collectives in the same order. It is a daemon
-thread (writers/threads.py says why): at interpreter exit the saver waits for
+thread (dcpstore/threads.py says why): at interpreter exit the saver waits for
 its pending saves, but a save running longer than ``hang_timeout`` is
 presumed hung and abandoned with a logged error, so a storage call that never
 returns cannot keep the process from exiting; nor does it block the next
@@ -33,103 +33,56 @@ write succeeded (DCP / NVRx gather the results); otherwise every rank's handle
 raises. A rank that fails *before* its first background collective (e.g. dies)
 leaves the others waiting until the group's timeout (``collective_timeout``).
 
-Engines: ``native`` (dcpstore's ``DcpStorageWriter``, any backend) and
-``nvrx`` (:mod:`dcpstore.writers.nvrx`, POSIX and MSC). ``auto`` picks NVRx
-where it is installed and can write the URI, else native with one
+Engines (:mod:`.choice`): ``native`` (DCP's save with dcpstore's writer,
+:func:`dcpstore.dcp.writer.save_state_dict`; any backend) and ``nvrx``
+(:mod:`.nvrx`, POSIX and MSC). ``auto`` picks NVRx where it is installed and
+can write the URI, else native with one
 :class:`~dcpstore.errors.EngineFallbackWarning` naming why.
 
 State kept by a saver, all bounded: the background thread, the staging-buffer
 pool (``staging_cache`` structures x ``max_in_flight`` buffer sets), one
 background group per process group used, and one NVRx metadata cache per
 background group (for the structure saved last). ``close()`` releases them.
+
+Process state: :func:`default_saver` keeps one saver per process for
+``dcpstore.save(async_=True)`` and :class:`~dcpstore.CheckpointManager`. It
+is a cache (thread, buffers, groups), not a setting: every call still
+chooses its engine, URI and limits. Exit: every saver registers with
+:mod:`.exit`, the one interpreter-exit hook.
+
+Layer: engines. Imports :mod:`dcpstore.dcp`, the value objects,
+:mod:`dcpstore.storage` and the foundation.
 """
 
 from __future__ import annotations
 
-import atexit
-import concurrent.futures.thread  # noqa: F401  (registers its exit hook before ours: see _finish_all_at_exit)
 import functools
 import logging
 import os
 import threading
 import time
-import warnings
-import weakref
 from collections import deque
-from collections.abc import Hashable
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import SavePlanner
 
-from ..adapters import nvrx as nvrx_adapter
-from ..errors import CheckpointError, EngineFallbackWarning, InvalidArgument, SaveError
-from ..storage import Storage, StorageOptions, open_storage, redact
-from .dcp import DcpStorageWriter, SaveStats, check_workers, default_workers
+from ..dcp.failures import save_error
+from ..dcp.writer import save_state_dict
+from ..errors import InvalidArgument, SaveError
+from ..handle import CheckpointInfo, SaveHandle
+from ..options import SaveOptions, check_positive, check_workers, default_workers
+from ..storage import Storage, StorageOptions, open_storage
+from ..threads import BackgroundThread
+from . import exit as exit_hook
+from .choice import agree_on_engine, select_engine
+from .nvrx import PlanCaches, nvrx_save
 from .staging import StagedState, Stager, StagingPool
-from .threads import BackgroundThread
-
-if TYPE_CHECKING:
-    from ..api import CheckpointInfo, SaveHandle
 
 log = logging.getLogger(__name__)
-
-ENGINES = ("auto", "native", "nvrx")
-
-
-def select_engine(engine: str, storage: Storage, *, stacklevel: int = 2) -> str:
-    """Resolve ``engine`` for ``storage`` to ``"native"`` or ``"nvrx"``.
-
-    Explicit choices are honoured or refused with the reason; ``"auto"``
-    falls back to native with one warning that says why. Never silently.
-    """
-    if engine not in ENGINES:
-        raise InvalidArgument(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
-    if engine == "native":
-        return "native"
-    if engine == "nvrx":
-        nvrx_adapter.require()
-        nvrx_adapter.check_target(storage)
-        return "nvrx"
-    reason = nvrx_adapter.import_error()
-    if reason is None:
-        target = nvrx_adapter.target_for(storage)
-        if not isinstance(target, str):
-            return "nvrx"
-        reason = target
-    warnings.warn(
-        f"engine='auto' uses dcpstore's native async engine: {reason} "
-        "(pass engine='native' to choose it explicitly)",
-        EngineFallbackWarning,
-        stacklevel=stacklevel + 1,
-    )
-    return "native"
-
-
-def native_save(
-    state_dict: dict[str, Any],
-    storage: Storage,
-    *,
-    workers: int,
-    process_group: dist.ProcessGroup | None,
-    planner: SavePlanner | None,
-) -> SaveStats:
-    """The native engine: the whole DCP save with dcpstore's writer."""
-    writer = DcpStorageWriter(storage, workers=workers)
-    dcp_save(
-        state_dict,
-        storage_writer=writer,
-        planner=planner,
-        process_group=process_group,
-        no_dist=process_group is None,
-    )
-    return writer.stats
 
 
 class _BackgroundGroups:
@@ -206,7 +159,7 @@ class AsyncSaver:
         collective_timeout: timedelta | float | None = None,
         hang_timeout: float | None = 1800.0,
     ) -> None:
-        self.max_in_flight = _check_positive("max_in_flight", max_in_flight)
+        self.max_in_flight = check_positive("max_in_flight", max_in_flight)
         if hang_timeout is not None and (
             isinstance(hang_timeout, bool) or not isinstance(hang_timeout, (int, float)) or not hang_timeout > 0
         ):
@@ -219,14 +172,13 @@ class AsyncSaver:
         self.pool = StagingPool(max_structures=staging_cache, max_sets=self.max_in_flight)
         self._stager = Stager(self.pool)
         self._groups = _BackgroundGroups(collective_timeout)
-        # id(background group) -> (structure key of the last NVRx save, its cache)
-        self._nvrx_caches: dict[int, tuple[Hashable, Any]] = {}
+        self._nvrx_caches = PlanCaches()
         # (future, printable URI) of every save not yet popped, oldest first
         self._pending: deque[tuple[Future[CheckpointInfo], str]] = deque()
         self._background = BackgroundThread("dcpstore-async")
         self._lock = threading.RLock()
         self._closed = False
-        _LIVE.add(self)
+        exit_hook.watch(self, exit_hook.Stage.SAVERS)
 
     # -- public ---------------------------------------------------------------
     def save(
@@ -241,41 +193,57 @@ class AsyncSaver:
         planner: SavePlanner | None = None,
         storage_options: StorageOptions | None = None,
         max_in_flight: int | None = None,
-        _snapshot: bool = True,
-        _stacklevel: int = 1,
     ) -> SaveHandle:
         """Stage ``state_dict`` and save it to ``uri`` in the background.
 
         Returns once the snapshot is taken. Arguments as :func:`dcpstore.save`;
         ``max_in_flight`` overrides the saver's limit for this call.
         """
+        options = SaveOptions(
+            async_=True,
+            engine=engine,
+            workers=workers,
+            enable_msc=enable_msc,
+            storage_options=storage_options,
+            process_group=process_group,
+            planner=planner,
+            max_in_flight=max_in_flight,
+        )
+        return self.submit(state_dict, uri, options, stacklevel=2)
+
+    def submit(
+        self, state_dict: dict[str, Any], uri: str | os.PathLike[str], options: SaveOptions, *, stacklevel: int = 1
+    ) -> SaveHandle:
+        """:meth:`save` with its options as one value. A sync save
+        (``options.async_`` False: the NVRx engine's sync saves) is not
+        snapshotted: its CPU tensors are written as they are, so the caller
+        must wait for the handle before changing them. ``stacklevel`` points
+        an engine-fallback warning at the caller's caller."""
         t0 = time.perf_counter()
         if not isinstance(state_dict, dict):
             raise InvalidArgument(f"state_dict must be a dict, got {type(state_dict).__name__}")
-        limit = self.max_in_flight if max_in_flight is None else _check_positive("max_in_flight", max_in_flight)
-        workers = check_workers(workers, default_workers())
-        storage = open_storage(uri, enable_msc=enable_msc, storage_options=storage_options)
+        limit = self.max_in_flight if options.max_in_flight is None else options.max_in_flight
+        workers = check_workers(options.workers, default_workers())
+        storage = open_storage(uri, enable_msc=options.enable_msc, storage_options=options.storage_options)
         try:  # until the background job owns the storage, close it on any failure
-            name = select_engine(engine, storage, stacklevel=_stacklevel + 1)
+            name = select_engine(options.engine, storage, stacklevel=stacklevel + 1)
             with self._lock:
                 if self._closed:
                     raise InvalidArgument("this AsyncSaver is closed")
                 self._wait_for_slot(limit)
-                group = self._groups.get(process_group)
+                group = self._groups.get(options.process_group)
                 t_stage = time.perf_counter()
-                staged = self._stager.stage(state_dict, alias_cpu=not _snapshot)
+                staged = self._stager.stage(state_dict, alias_cpu=not options.async_)
                 stage_s = time.perf_counter() - t_stage
                 blocked_s = time.perf_counter() - t0
                 job = functools.partial(
-                    self._run, name, staged, storage, group, workers, planner, t0, stage_s, blocked_s
+                    self._run, name, staged, storage, group, workers, options.planner, t0, stage_s, blocked_s
                 )
                 future = self._background.submit(job)
                 self._pending.append((future, storage.uri))
         except BaseException:
             storage.close()
             raise
-        from ..api import SaveHandle
-
         return SaveHandle(
             future,
             storage.uri,
@@ -309,7 +277,7 @@ class AsyncSaver:
             if self._closed:
                 return
             self._closed = True
-            _LIVE.discard(self)
+            exit_hook.forget(self)
             hung = self._finish_pending()
             self.pool.clear()
             self._nvrx_caches.clear()
@@ -373,7 +341,7 @@ class AsyncSaver:
             "Pass AsyncSaver(hang_timeout=...) for saves that legitimately take longer"
         )
 
-    def _finish_at_exit(self) -> None:
+    def finish_at_exit(self) -> None:
         """Interpreter exit: let pending saves finish, but never forever."""
         if self._closed:
             return
@@ -394,26 +362,24 @@ class AsyncSaver:
         blocked_s: float,
     ) -> CheckpointInfo:
         """The background half of one save (runs on the saver's thread)."""
-        from ..api import CheckpointInfo
-
         try:
-            _agree_on_engine(engine, group)
+            agree_on_engine(engine, group)
             if engine == "nvrx":
-                from .nvrx import nvrx_save
-
                 # A user planner may plan differently per call: never cache its plans.
-                cache = self._nvrx_cache(staged.key, group) if planner is None else None
+                cache = self._nvrx_caches.for_save(staged.key, group) if planner is None else None
                 try:
                     stats = nvrx_save(
                         staged.state_dict, storage, workers=workers, process_group=group, planner=planner, cache=cache
                     )
                 except BaseException:
-                    self._nvrx_caches.pop(id(group), None)  # every rank fails together: re-plan next time
+                    self._nvrx_caches.drop(group)  # every rank fails together: re-plan next time
                     raise
             else:
-                stats = native_save(staged.state_dict, storage, workers=workers, process_group=group, planner=planner)
+                stats = save_state_dict(
+                    staged.state_dict, storage, workers=workers, process_group=group, planner=planner
+                )
         except BaseException as e:
-            err = _as_save_error(e, storage)
+            err = save_error(e, storage.uri, "async save")
             log.error("%s", err)
             raise err from e
         finally:
@@ -423,95 +389,18 @@ class AsyncSaver:
             storage, stats, engine, stage_s=stage_s, blocked_s=blocked_s, total_s=time.perf_counter() - t0
         )
 
-    def _nvrx_cache(self, key: Hashable, group: dist.ProcessGroup | None) -> Any | None:
-        """NVRx's metadata cache for this save, kept in lockstep across ranks.
-
-        NVRx decides *locally* whether to skip the plan exchange (its cache is
-        "validated" once two consecutive plans are equal); if ranks disagreed,
-        some would skip a collective the others enter, and hang. So the cache
-        is reused only when every rank saves the same structure as in its
-        previous NVRx save on this group *and* every rank's cache is in the
-        same state; otherwise every rank starts a fresh one. One 3-int
-        all-reduce on the background group decides. Single-process saves
-        plan locally and need no cache.
-        """
-        if group is None:
-            return None
-        fresh = nvrx_adapter.new_metadata_cache()
-        if fresh is None:
-            return None
-        last = self._nvrx_caches.get(id(group))
-        same = last is not None and last[0] == key
-        validated = int(bool(getattr(last[1], "validated_cache_reuse", False))) if same and last else 0
-        votes = torch.tensor([int(same), validated, -validated], dtype=torch.int32)
-        dist.all_reduce(votes, op=dist.ReduceOp.MIN, group=group)
-        all_same, min_validated, max_validated = int(votes[0]), int(votes[1]), -int(votes[2])
-        if not all_same or min_validated != max_validated or last is None:
-            last = (key, fresh)
-            self._nvrx_caches[id(group)] = last
-        return last[1]
-
-
-def _agree_on_engine(engine: str, group: dist.ProcessGroup | None) -> None:
-    """Every rank must run the same engine (their collectives differ): with
-    engine="auto" a node without NVRx would otherwise pick native and hang
-    the others. One tiny all-reduce on the background group checks it."""
-    if group is None:
-        return
-    code = ENGINES.index(engine)
-    votes = torch.tensor([code, -code], dtype=torch.int32)
-    dist.all_reduce(votes, op=dist.ReduceOp.MIN, group=group)
-    if int(votes[0]) != -int(votes[1]):
-        raise SaveError(
-            f"ranks chose different async engines (this one: {engine!r}); pass the same explicit "
-            "engine= on every rank, or install nvidia-resiliency-ext on every node"
-        )
-
-
-def _as_save_error(e: BaseException, storage: Storage) -> SaveError:
-    if isinstance(e, SaveError):
-        return SaveError(str(e))
-    if isinstance(e, CheckpointException):
-        from ..api import _first_failure
-
-        return SaveError(f"async save to {storage.uri} failed: {_first_failure(e)}")
-    if isinstance(e, CheckpointError):
-        return SaveError(f"async save to {storage.uri} failed: {e}")
-    return SaveError(f"async save to {storage.uri} failed: {type(e).__name__}: {redact(str(e))}")
-
-
-def _check_positive(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InvalidArgument(f"{name} must be a positive int, got {value!r}")
-    return value
-
-
-#: Savers not closed yet; at interpreter exit each gets to finish its saves.
-_LIVE: weakref.WeakSet[AsyncSaver] = weakref.WeakSet()
-
-
-def _finish_all_at_exit() -> None:
-    """Runs among threading's exit callbacks (newest first), so before
-    ``concurrent.futures``' own, registered when it was imported: the S3
-    backend's part pool still accepts work while a last save finishes."""
-    for saver in list(_LIVE):
-        saver._finish_at_exit()
-
-
-try:
-    threading._register_atexit(_finish_all_at_exit)  # type: ignore[attr-defined]
-except RuntimeError:  # imported while the interpreter is already shutting down
-    atexit.register(_finish_all_at_exit)
 
 _default_lock = threading.Lock()
 _default_saver: AsyncSaver | None = None
 
 
 def default_saver() -> AsyncSaver:
-    """The per-process saver behind ``dcpstore.save(async_=True)``.
+    """The per-process saver behind ``dcpstore.save(async_=True)`` (and sync
+    saves on the NVRx engine, and :class:`~dcpstore.CheckpointManager`).
 
     Created on first use; it is a cache (thread, buffers, groups), not a
     setting: every call still chooses its engine, URI and limits itself.
+    Keep your own :class:`AsyncSaver` to control its lifetime and limits.
     """
     global _default_saver
     with _default_lock:

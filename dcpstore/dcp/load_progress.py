@@ -23,6 +23,8 @@ changed instead:
 
 Small tensors (under 64 KiB) and objects are verified before they are copied,
 so they are never among the damaged.
+
+Layer: DCP protocol. Imports :mod:`dcpstore.errors`.
 """
 
 from __future__ import annotations

@@ -8,10 +8,13 @@ checksummed once and its CRC is *appended* to the running CRCs with
 shortcut, which holds only for CRC-32's polynomial). Combining costs
 O(log n) 32-bit steps in Python (~tens of microseconds), so it only pays for
 writes of about a MiB and more; smaller writes just update both CRCs.
+
+Layer: format. Imports nothing of dcpstore's.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from functools import cache
 
 import crc32c as _crc32c
@@ -86,6 +89,10 @@ class DualCrc:
         self.file = 0
         self.item = 0
 
+    def start_item(self) -> None:
+        """A new item starts here; the file CRC runs on."""
+        self.item = 0
+
     def update(self, data: memoryview) -> int | None:
         """Append ``data`` to both CRCs; return its own CRC32C if a large
         write needed it anyway (None for small writes)."""
@@ -97,3 +104,36 @@ class DualCrc:
         self.item = crc32c_combine(self.item, crc, data.nbytes)
         self.file = crc32c_combine(self.file, crc, data.nbytes)
         return crc
+
+
+def file_and_span_crcs(
+    read: Callable[[int, int], bytes], size: int, spans: Sequence[tuple[int, int]], chunk: int = 16 << 20
+) -> tuple[int, list[int], int]:
+    """Read a file of ``size`` bytes once, front to back, through
+    ``read(offset, length)`` in ``chunk``-byte pieces, and return its CRC32C,
+    the CRC32C of each ``(offset, length)`` span in it (in the order given),
+    and how many bytes were read (less than ``size`` if a read came back
+    empty). For a file another writer produced (NVRx), so that its manifest
+    entries are computed from what is actually stored.
+    """
+    order = sorted(range(len(spans)), key=lambda i: spans[i][0])
+    crcs = [0] * len(spans)
+    file_crc = 0
+    pos = first = 0  # spans before ``first`` (in offset order) end before ``pos``
+    while pos < size:
+        piece = memoryview(read(pos, min(chunk, size - pos)))
+        if not piece:
+            break
+        file_crc = _crc32c.crc32c(piece, file_crc)
+        end = pos + len(piece)
+        while first < len(order) and sum(spans[order[first]]) <= pos:
+            first += 1
+        k = first
+        while k < len(order) and spans[order[k]][0] < end:
+            offset, length = spans[order[k]]
+            lo, hi = max(pos, offset), min(end, offset + length)
+            if lo < hi:
+                crcs[order[k]] = _crc32c.crc32c(piece[lo - pos : hi - pos], crcs[order[k]])
+            k += 1
+        pos = end
+    return file_crc, crcs, pos

@@ -6,6 +6,8 @@ although their bytes can be moved like any other: a transposed or strided
 tensor of such a dtype could then not be staged for an async save, nor
 loaded (stock ``dcp.load`` fails the same way). Same-dtype copies fall back
 to an integer view of the same width.
+
+Layer: format. Imports torch only.
 """
 
 from __future__ import annotations

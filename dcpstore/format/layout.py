@@ -22,6 +22,9 @@ item's CRC32C over all of them.
 Readers that predate the key ignore it; manifests without it load through
 the records. A checkpoint written by plain DCP has no manifest and loads
 unverified.
+
+Which save writes these names, in which order, and when a file counts as
+committed is the commit protocol's business (:mod:`dcpstore.dcp.commit`).
 """
 
 from __future__ import annotations

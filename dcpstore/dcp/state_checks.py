@@ -19,6 +19,8 @@ itself writes as tensors (its own traversal); a tensor inside a tuple is
 pickled whole by DCP, which torch.save handles for any tensor.
 Top-level ``Stateful`` values are skipped: DCP calls their ``state_dict()``,
 and calling it here as well could be costly.
+
+Layer: DCP protocol. Imports :mod:`dcpstore.errors` and torch's DCP.
 """
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
 """Daemon threads for the writers' per-file work and the async background.
 
+Foundation layer: imports nothing of dcpstore's.
+
 Why not ``concurrent.futures.ThreadPoolExecutor``: its workers are not daemon
 threads, and at interpreter exit ``concurrent.futures`` joins every one of
 them with no timeout. One storage call that never returns (a hung NFS write,
@@ -7,7 +9,7 @@ a stalled FUSE mount, a socket without a timeout) then keeps the process
 from ever exiting -- the hang of Megatron-LM #2422. dcpstore's own threads
 are daemon threads, so exit is never held hostage by them; how long exit
 *waits* for a pending async save is bounded separately
-(:class:`~dcpstore.writers.async_engine.AsyncSaver`'s ``hang_timeout``).
+(:class:`~dcpstore.engines.saver.AsyncSaver`'s ``hang_timeout``).
 
 The storage backends' small pools (S3 parts and ranged GETs, MSC reads) stay
 ``ThreadPoolExecutor``s: every call they make is bounded by the client's

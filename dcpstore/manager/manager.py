@@ -1,22 +1,11 @@
 """Step-numbered checkpoints under one root: :class:`CheckpointManager`.
 
-Layout, on any backend (only the :class:`~dcpstore.storage.Storage`
-interface is used, so local paths, ``s3://`` and ``msc://`` roots behave the
-same)::
-
-    root/step_00000100/.metadata + __*_*.distcp + .dcpstore.json
-    root/step_00000200/...
-    root/latest                 "200\\n": a hint, written after the commit
-
-**The listing is the truth.** A step exists once ``step_<8+ digits>/.metadata``
-is listed (``.metadata`` is the commit, written last by the DCP writer);
-:meth:`CheckpointManager.all_steps`, :meth:`~CheckpointManager.latest_step`
-and :meth:`~CheckpointManager.load` read the listing and ignore the
-``latest`` pointer, so a crash between the commit and the pointer update (or
-a pointer left by another job) can never send a resume to a missing or
-partial step. The pointer exists for humans and tools that want one read;
-it names the step this job committed last. Directories that do not parse as
-``step_NNNNNNNN`` (exactly the canonical, zero-padded spelling) are ignored.
+Steps are named, listed, pointed at and deleted by :mod:`.steps` (on any
+backend: only the :class:`~dcpstore.storage.Storage` interface is used, so
+local paths, ``s3://`` and ``msc://`` roots behave the same); the listing,
+never the ``latest`` pointer, decides which steps exist. Each save is a
+:func:`dcpstore.save` with the manager's one
+:class:`~dcpstore.options.SaveOptions`.
 
 Call order of one save (every rank calls ``save`` with the same step)::
 
@@ -39,17 +28,16 @@ is the bug this ordering rules out: retention that ran when an async save
 was *scheduled* deleted the only complete checkpoint. A step is deleted
 ``.metadata`` first, so a crash mid-delete leaves an uncommitted directory,
 never a committed-looking partial one.
+
+Layer: manager. Imports the front door :mod:`dcpstore.api`, the engines'
+exit hook and engine check, the value objects, :mod:`dcpstore.storage` and
+the foundation.
 """
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
-import posixpath
-import re
-import threading
-import weakref
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -57,76 +45,17 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.checkpoint.planner import SavePlanner
 
-from .api import CheckpointInfo, SaveHandle, load, save
-from .errors import CheckpointError, CheckpointNotFound, InvalidArgument, SaveError, StorageError
-from .options import check_save_options, engine_problem
-from .storage import Storage, StorageOptions, join_uri, open_storage
-from .writers.layout import METADATA
+from ..api import load_with, save_with
+from ..engines import exit as exit_hook
+from ..engines.choice import engine_problem
+from ..errors import CheckpointNotFound, InvalidArgument, SaveError
+from ..format.layout import METADATA
+from ..handle import CheckpointInfo, SaveHandle
+from ..options import SaveOptions
+from ..storage import Storage, StorageOptions, join_uri, open_storage
+from .steps import STEP_PREFIX, check_step, committed_steps, is_committed, read_pointer, retire, step_dir, write_pointer
 
 log = logging.getLogger(__name__)
-
-STEP_PREFIX = "step_"
-STEP_DIGITS = 8
-LATEST = "latest"
-_STEP_RE = re.compile(rf"^{STEP_PREFIX}(\d{{{STEP_DIGITS},}})$")
-
-
-def check_step(step: object) -> int:
-    """A step is a non-negative int (bools are refused)."""
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise InvalidArgument(f"step must be a non-negative int, got {step!r}")
-    return step
-
-
-def step_dir(step: int) -> str:
-    """The directory name of ``step``: ``step_00000100``."""
-    return f"{STEP_PREFIX}{check_step(step):0{STEP_DIGITS}d}"
-
-
-def parse_step_dir(name: str) -> int | None:
-    """The step a directory name denotes, or ``None`` for foreign names.
-
-    Only the canonical spelling counts (``step_00000100``, not ``step_100`` or
-    ``step_000000100``), so every step has exactly one directory.
-    """
-    match = _STEP_RE.match(name)
-    if match is None:
-        return None
-    step = int(match.group(1))
-    return step if step_dir(step) == name else None
-
-
-# -- interpreter exit ------------------------------------------------------------
-# Managers still open at exit are closed, finishing the save in flight. The
-# hook must run *before* concurrent.futures refuses new work (its
-# _python_exit runs among threading's exit callbacks, before atexit's), or a
-# background save that still has files to submit dies with "cannot schedule
-# new futures after interpreter shutdown". Hence threading's exit callbacks
-# where this Python has them (3.9+), atexit otherwise.
-_OPEN: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
-_IN_FLIGHT: set[CheckpointManager] = set()  # strong refs: a dropped manager still finishes
-_hook_lock = threading.Lock()
-_hook_installed = False
-
-
-def _close_all_at_exit() -> None:
-    for mgr in [*_IN_FLIGHT, *_OPEN]:
-        mgr._close_at_exit()
-
-
-def _install_exit_hook() -> None:
-    global _hook_installed
-    with _hook_lock:
-        if _hook_installed:
-            return
-        register = getattr(threading, "_register_atexit", None)
-        try:
-            if register is None:
-                raise RuntimeError("no threading exit callbacks")
-            register(_close_all_at_exit)
-        except RuntimeError:  # older Python, or already shutting down
-            atexit.register(_close_all_at_exit)
-        _hook_installed = True
 
 
 @dataclass(frozen=True)
@@ -149,9 +78,11 @@ class CheckpointManager:
     Every rank constructs it with the same arguments and calls ``save`` /
     ``load`` together (SPMD, like :func:`dcpstore.save`). ``async_``,
     ``workers``, ``enable_msc``, ``engine``, ``process_group``, ``planner``
-    and ``storage_options`` are passed through to :func:`dcpstore.save` /
-    :func:`dcpstore.load`; they are validated here, once, against the same
-    table ``save`` uses (:mod:`dcpstore.options`).
+    and ``storage_options`` are :func:`dcpstore.save`'s, validated here, once,
+    into one :class:`~dcpstore.options.SaveOptions` used for every save (and,
+    its I/O part, every load). A layer that already holds such a value
+    passes it as ``options=`` instead (then those keywords must be left at
+    their defaults).
 
     At most one save is in flight: ``save`` first finishes the previous one.
     ``close()`` (also run at interpreter exit, and by ``with``) finishes the
@@ -170,25 +101,28 @@ class CheckpointManager:
         process_group: dist.ProcessGroup | None = None,
         planner: SavePlanner | None = None,
         storage_options: StorageOptions | None = None,
+        options: SaveOptions | None = None,
     ) -> None:
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
             raise InvalidArgument(f"keep must be None (keep all) or an int >= 1, got {keep!r}")
-        check_save_options(async_=async_, engine=engine, workers=workers, planner=planner)
-        if process_group is not None and not dist.is_initialized():
-            raise InvalidArgument("process_group was given but torch.distributed is not initialised")
+        from_keywords = SaveOptions(
+            async_=async_,
+            engine=engine,
+            workers=workers,
+            enable_msc=enable_msc,
+            storage_options=storage_options,
+            process_group=process_group,
+            planner=planner,
+        )
+        if options is not None and from_keywords != _DEFAULTS:
+            raise InvalidArgument("pass the save options either as options= or as keywords, not both")
+        self.options = options if options is not None else from_keywords
         self.root_uri = os.fspath(root_uri)
         self.keep = keep
-        self.async_ = async_
-        self.engine = engine
-        self.planner = planner
-        self._io: dict[str, Any] = {
-            "workers": workers,
-            "enable_msc": enable_msc,
-            "process_group": process_group,
-            "storage_options": storage_options,
-        }
-        self._storage: Storage = open_storage(self.root_uri, enable_msc=enable_msc, storage_options=storage_options)
-        problem = engine_problem(engine, self._storage)
+        self._storage: Storage = open_storage(
+            self.root_uri, enable_msc=self.options.enable_msc, storage_options=self.options.storage_options
+        )
+        problem = engine_problem(self.options.engine, self._storage.backend, self._storage.uri)
         if problem:
             self._storage.close()
             raise InvalidArgument(problem)
@@ -196,8 +130,7 @@ class CheckpointManager:
         self._closed = False
         #: Saves this manager finished, oldest first (committed ones only).
         self.history: list[SavedStep] = []
-        _install_exit_hook()
-        _OPEN.add(self)
+        exit_hook.watch(self, exit_hook.Stage.MANAGERS)
 
     # -- naming and listing -------------------------------------------------
     @property
@@ -206,9 +139,27 @@ class CheckpointManager:
         return self._storage.uri
 
     @property
+    def async_(self) -> bool:
+        return self.options.async_
+
+    @property
+    def engine(self) -> str:
+        return self.options.engine
+
+    @property
+    def planner(self) -> SavePlanner | None:
+        return self.options.planner
+
+    @property
     def io_kwargs(self) -> dict[str, Any]:
         """The keyword arguments this manager passes to save and load."""
-        return dict(self._io)
+        o = self.options
+        return {
+            "workers": o.workers,
+            "enable_msc": o.enable_msc,
+            "process_group": o.process_group,
+            "storage_options": o.storage_options,
+        }
 
     @property
     def is_coordinator(self) -> bool:
@@ -216,7 +167,7 @@ class CheckpointManager:
         writes the pointer and deletes retired steps."""
         if not (dist.is_available() and dist.is_initialized()):
             return True
-        return dist.get_rank(self._io["process_group"]) == 0
+        return dist.get_rank(self.options.process_group) == 0
 
     def step_uri(self, step: int) -> str:
         """The URI of ``step``'s checkpoint (committed or not)."""
@@ -224,14 +175,7 @@ class CheckpointManager:
 
     def all_steps(self) -> list[int]:
         """Committed steps, ascending. Reads the listing (never the pointer)."""
-        steps = set()
-        for obj in self._storage.list():
-            directory, name = posixpath.split(obj["path"])
-            if name == METADATA and "/" not in directory:
-                step = parse_step_dir(directory)
-                if step is not None:
-                    steps.add(step)
-        return sorted(steps)
+        return committed_steps(self._storage)
 
     def latest_step(self) -> int | None:
         """The newest committed step, or ``None`` if there is none."""
@@ -240,11 +184,7 @@ class CheckpointManager:
 
     def read_pointer(self) -> int | None:
         """The step in ``root/latest`` (a hint; see the module docstring)."""
-        try:
-            text = self._storage.read(LATEST).decode("ascii", "replace").strip()
-        except StorageError:
-            return None
-        return int(text) if text.isdigit() else None
+        return read_pointer(self._storage)
 
     # -- saving -------------------------------------------------------------
     def save(self, step: int, state_dict: dict[str, Any], *, overwrite: bool = False) -> SaveHandle:
@@ -257,15 +197,14 @@ class CheckpointManager:
         self._check_open()
         step = check_step(step)
         self._finish_pending()
-        uri = self.step_uri(step)
-        if not overwrite and self._storage.exists(f"{step_dir(step)}/{METADATA}"):
+        if not overwrite and is_committed(self._storage, step):
             raise InvalidArgument(
                 f"step {step} is already committed at {self._storage.describe(step_dir(step))}; "
                 "pass overwrite=True to replace it"
             )
-        handle = save(state_dict, uri, async_=self.async_, engine=self.engine, planner=self.planner, **self._io)
+        handle = save_with(state_dict, self.step_uri(step), self.options, stacklevel=2)
         self._pending = _Pending(step, handle)
-        _IN_FLIGHT.add(self)
+        exit_hook.hold(self, exit_hook.Stage.MANAGERS)
         if handle.done():
             self._finish_pending()
         return handle
@@ -279,7 +218,7 @@ class CheckpointManager:
         pending, self._pending = self._pending, None
         if pending is None:
             return None
-        if timeout is None and not pending.handle._wait_bounded():
+        if timeout is None and not pending.handle.wait_bounded():
             # Presumed hung: never block the next save, close() or exit on it
             # forever (Megatron-LM #2422); it stays the save in flight.
             self._pending = pending
@@ -296,39 +235,16 @@ class CheckpointManager:
             raise
         finally:
             if self._pending is None:
-                _IN_FLIGHT.discard(self)
+                exit_hook.release(self)
         self.history.append(SavedStep(pending.step, info))
         if self.is_coordinator:
             self._write_pointer(pending.step)
-            self._apply_retention(pending.step)
+            if self.keep is not None:
+                retire(self._storage, pending.step, self.keep)
         return info
 
     def _write_pointer(self, step: int) -> None:
-        try:
-            self._storage.put(LATEST, f"{step}\n".encode())
-        except CheckpointError as e:  # the step is committed; the pointer is only a hint
-            log.warning("could not update %s: %s", self._storage.describe(LATEST), e)
-
-    def _apply_retention(self, committed: int) -> None:
-        if self.keep is None:
-            return
-        candidates = [s for s in self.all_steps() if s <= committed]
-        for step in candidates[: -self.keep]:
-            try:
-                self._delete_step(step)
-            except CheckpointError as e:  # retention must never fail a committed save
-                log.warning("retention could not delete step %d under %s: %s", step, self.uri, e)
-            else:
-                log.info("retention deleted step %d under %s (keep=%d)", step, self.uri, self.keep)
-
-    def _delete_step(self, step: int) -> None:
-        name = step_dir(step)
-        # Un-commit first: a crash mid-delete then leaves an uncommitted
-        # directory (never listed, removable by gc), not a partial checkpoint.
-        self._storage.delete([f"{name}/{METADATA}"])
-        rest = [o["path"] for o in self._storage.list(f"{name}/")]
-        if rest:
-            self._storage.delete(rest)
+        write_pointer(self._storage, step)
 
     # -- loading ------------------------------------------------------------
     def resolve_step(self, step: int | None = None) -> int:
@@ -343,7 +259,7 @@ class CheckpointManager:
             return check_step(step)
         found = self.latest_step() if self.is_coordinator else None
         if dist.is_available() and dist.is_initialized():
-            group = self._io["process_group"]
+            group = self.options.process_group
             box: list[int | None] = [found]
             dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group else 0, group=group)
             found = box[0]
@@ -357,7 +273,7 @@ class CheckpointManager:
         self._check_open()
         self._finish_pending()
         resolved = self.resolve_step(step)
-        load(state_dict, self.step_uri(resolved), **self._io)
+        load_with(state_dict, self.step_uri(resolved), self.options.for_load())
         return resolved
 
     # -- lifetime -----------------------------------------------------------
@@ -366,16 +282,17 @@ class CheckpointManager:
         if self._closed:
             return
         self._closed = True
-        _OPEN.discard(self)
         try:
             self._finish_pending()
         finally:
+            exit_hook.forget(self)
             self._storage.close()
 
-    def _close_at_exit(self) -> None:
+    def finish_at_exit(self) -> None:
+        """Interpreter exit: :meth:`close`, saying what was lost if it fails."""
         try:
             self.close()
-        except Exception as e:  # nobody is left to catch it; say what was lost
+        except Exception as e:  # nobody is left to catch it
             log.error("dcpstore: the last save under %s failed at exit: %s", self.uri, e)
 
     def _check_open(self) -> None:
@@ -398,3 +315,7 @@ class CheckpointManager:
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.uri!r}, keep={self.keep}, async_={self.async_})"
+
+
+#: A manager's options when none of the option keywords is given.
+_DEFAULTS = SaveOptions(async_=True)

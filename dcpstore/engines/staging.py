@@ -34,6 +34,8 @@ most ``max_sets`` per structure, so repeated saves of one model stage into
 the same, already-faulted-in memory: no allocation, no page faults, flat RSS.
 Memory held between saves is bounded by ``max_structures * max_sets`` state
 copies; :meth:`StagingPool.clear` drops it all.
+
+Layer: engines. Imports only :mod:`dcpstore.errors`.
 """
 
 from __future__ import annotations
@@ -47,9 +49,9 @@ from typing import Any
 
 import torch
 
+from ..dcp.state_checks import check_saveable
 from ..errors import InvalidArgument, SaveError
-from .bitcopy import copy_values
-from .state_checks import check_saveable
+from ..format.bitcopy import copy_values
 
 try:  # DTensor and ShardedTensor exist on every torch that dcpstore supports,
     from torch.distributed.tensor import DTensor  # but keep import failures local.

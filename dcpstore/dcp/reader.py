@@ -1,0 +1,385 @@
+"""DCP ``StorageReader`` written once over :class:`~dcpstore.storage.Storage`.
+
+Load, as ``torch.distributed.checkpoint.load`` drives it::
+
+    (all ranks)   read_metadata        ``.metadata``, verified against the
+                                       manifest (read_checkpoint_metadata)
+    (all ranks)   set_up_storage_reader -> prepare_local_plan
+                                       (raises what check_destination found
+                                       wrong with the caller's state dict)
+    (coordinator) prepare_global_plan
+    (all ranks)   read_data            the plan's items: sizes checked against
+                                       the manifest, read jobs planned
+                                       (:mod:`.read_plan`) and run on
+                                       ``workers`` threads; every item's
+                                       CRC32C verified before it is copied
+                                       into the caller's state, except
+                                       tensors of 64 KiB or more, read
+                                       straight into their destination and
+                                       verified there
+
+A failed load says which keys it changed (:mod:`.load_progress`).
+:func:`load_state_dict` runs a whole load with this reader.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import threading
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import crc32c
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from ..errors import CheckpointCorrupt, CheckpointError, InvalidArgument, StateDictMismatch, StorageNotFound
+from ..format.bitcopy import copy_values
+from ..format.layout import MANIFEST, METADATA, Manifest, item_key
+from ..format.record import item_tensor
+from ..options import LoadOptions, check_workers, default_workers
+from ..quiet import ignoring
+from ..storage import Storage
+from ..threads import run_parallel
+from .commit import read_checkpoint_metadata
+from .failures import load_error
+from .load_progress import LoadProgress
+from .read_plan import Direct, DirectRun, Request, Span, plan_reads, scatter_groups
+from .state_checks import check_top_level_keys, load_mismatches
+from .writer import NO_DIST_WARNING, DcpStorageWriter
+
+#: Tensors smaller than this are read with their record into scratch and
+#: copied out (measured on 20,000 x 3 KiB tensors).
+SMALL_TENSOR_COPY = 64 * 1024
+
+
+class DcpStorageReader(StorageReader):
+    """A DCP ``StorageReader`` over any :class:`Storage`; verifies as it reads."""
+
+    def __init__(
+        self,
+        storage: Storage,
+        *,
+        workers: int | None = None,
+        reopen: Callable[[str], Storage] | None = None,
+        verify: bool = True,
+    ) -> None:
+        super().__init__()
+        self.storage = storage
+        self.workers = check_workers(workers, default_workers())
+        self.verify = verify
+        self._reopen = reopen
+        self._manifest: Manifest | None = None
+        self._metadata: Metadata | None = None
+        self._storage_data: dict[MetadataIndex, _StorageInfo] = {}
+        self._mismatches: list[str] = []
+        self._progress = LoadProgress(())
+        self.bytes_read = 0
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None and os.fspath(checkpoint_id) != self.storage.url.uri:
+            if self._reopen is None:
+                raise InvalidArgument(f"this reader is bound to {self.storage.uri}")
+            self.storage = self._reopen(os.fspath(checkpoint_id))
+            self._metadata = None
+
+    def preload_metadata(self) -> Metadata:
+        """Read and verify the commit now (every rank), so that a missing or
+        damaged checkpoint fails fast with a clear error, outside DCP."""
+        if self._metadata is None:
+            self._metadata, self._manifest = read_checkpoint_metadata(self.storage)
+        return self._metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        metadata = self.preload_metadata()
+        if metadata.storage_meta is None:
+            metadata.storage_meta = StorageMeta()
+        return metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if metadata.storage_data is None:
+            raise CheckpointCorrupt(f"{self.storage.describe(METADATA)}: no storage_data")
+        self._storage_data = metadata.storage_data
+        self.bytes_read = 0
+
+    def check_destination(self, state_dict: dict[str, Any]) -> None:
+        """Compare the caller's ``state_dict`` with the checkpoint before
+        ``dcp.load`` (see :func:`~dcpstore.dcp.state_checks.load_mismatches`).
+        What it finds is raised from :meth:`prepare_local_plan`, inside DCP's
+        planning step, which gathers every rank's failure: all ranks then
+        raise together and none is left waiting in a collective."""
+        self._mismatches = load_mismatches(state_dict, self.preload_metadata())
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        if self._mismatches:
+            raise StateDictMismatch(
+                f"cannot load {self.storage.uri} into this state_dict; nothing was loaded: " + "; ".join(self._mismatches)
+            )
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        per_file: dict[str, list[Request]] = defaultdict(list)
+        for req in plan.items:
+            info = self._storage_data[req.storage_index]
+            if info.transform_descriptors:
+                raise CheckpointError(
+                    f"{self.storage.describe(info.relative_path)} uses DCP stream extensions "
+                    f"{list(info.transform_descriptors)}, which dcpstore does not read"
+                )
+            per_file[info.relative_path].append((req, info))
+        if self.verify and self._manifest is not None:
+            self._check_sizes(per_file)
+        assert self._metadata is not None
+        raw = self._manifest["tensors"] if self._manifest is not None else {}
+        jobs = plan_reads(per_file, raw, self._metadata, self.workers, self.storage.describe(MANIFEST))
+        lock = threading.Lock()
+        future: Future[None] = Future()
+        self._progress = LoadProgress(req.dest_index.fqn for req in plan.items)
+        try:
+            run_parallel(lambda job: self._read_job(job, planner, lock), jobs, self.workers, "dcpstore-read")
+        except BaseException as e:
+            error = self._progress.annotate(e, self.storage.uri)  # what this rank's state now holds
+            future.set_exception(error)  # type: ignore[arg-type]  # torch's stub types it as the value
+            return future
+        future.set_result(None)
+        return future
+
+    def _check_sizes(self, per_file: dict[str, list[Request]]) -> None:
+        assert self._manifest is not None
+        for path in per_file:
+            entry = self._manifest["files"].get(path)
+            if entry is None:
+                raise CheckpointCorrupt(f"{self.storage.describe(path)}: not listed in the integrity manifest")
+            try:
+                actual = self.storage.size(path)
+            except StorageNotFound as e:
+                raise CheckpointCorrupt(f"{self.storage.describe(path)}: data file is missing") from e
+            if actual != entry["size"]:
+                raise CheckpointCorrupt(
+                    f"{self.storage.describe(path)}: size {actual} bytes, expected {entry['size']} (truncated or damaged)"
+                )
+
+    def _read_job(self, job: Span | DirectRun, planner: LoadPlanner, lock: threading.Lock) -> None:
+        try:
+            self._progress.check()
+            if isinstance(job, DirectRun):
+                self._read_run(job, planner, lock)
+            else:
+                self._read_span(job, planner, lock)
+        except BaseException as e:
+            self._progress.fail(e)  # the other jobs start no new item
+            raise
+
+    def _read_run(self, run: DirectRun, planner: LoadPlanner, lock: threading.Lock) -> None:
+        """Read tensors' bytes straight into their destinations, verify each
+        item's CRC32C, and commit them.
+
+        A destination must be a contiguous CPU tensor of the stored dtype and
+        size (a plain state dict's tensors are); any other goes through its
+        record as :meth:`_read_span` does. Neighbouring tensors are read with
+        one scatter read (:meth:`Storage.read_into`), the record bytes between
+        them landing in scratch buffers.
+        """
+        with lock:
+            targets = [planner.resolve_tensor(d.req).detach() for d in run.items]
+        placed: list[tuple[Direct, torch.Tensor, memoryview]] = []
+        for d, target in zip(run.items, targets):
+            dest = _byte_view(target, d.dtype, d.nbytes)
+            if dest is None:
+                span = Span(d.path, d.info.offset, d.info.length, ((d.req, d.info),))
+                self._read_span(span, planner, lock, target)
+            else:
+                placed.append((d, target, dest))
+        for group in scatter_groups(placed):
+            self._progress.check()
+            verified, error = self._scatter_read(group)
+            with lock:
+                for (d, target, _), exposed in verified:
+                    self.bytes_read += d.length
+                    planner.commit_tensor(d.req, target)
+                    self._progress.loaded([d.req.dest_index.fqn], exposed=exposed)
+            if error is not None:
+                raise error
+
+    def _scatter_read(
+        self, group: list[tuple[Direct, torch.Tensor, memoryview]]
+    ) -> tuple[list[tuple[tuple[Direct, torch.Tensor, memoryview], bool]], CheckpointCorrupt | None]:
+        """One scatter read of every byte of the group's items: each record's
+        header and trailer into scratch buffers, its tensor bytes into the
+        destination; then each item's CRC32C over all three, as recorded.
+
+        Returns the verified entries (with whether their bytes went straight
+        into the destination), and the first checksum failure, if any. A
+        failed or short read raises: the destinations read into directly
+        then hold unverified bytes (recorded in ``self._progress``)."""
+        path = group[0][0].path
+        start = pos = group[0][0].info.offset
+        buffers: list[memoryview] = []
+        parts: list[tuple[Direct, list[memoryview], memoryview]] = []
+        for d, _, dest in group:
+            if d.info.offset > pos:
+                buffers.append(memoryview(bytearray(d.info.offset - pos)))  # another item, not ours
+            if d.nbytes < SMALL_TENSOR_COPY:
+                # Small: the whole record in one scratch buffer, then a copy
+                # (3 buffers and 3 CRC calls per tiny tensor cost more).
+                pieces = [memoryview(bytearray(d.length))]
+            else:
+                pieces = [memoryview(bytearray(d.data_offset)), dest, memoryview(bytearray(d.end - d.start - d.nbytes))]
+            buffers += pieces
+            parts.append((d, pieces, dest))
+            pos = d.end
+        exposed = [d.req.dest_index.fqn for d, pieces, _ in parts if len(pieces) > 1]
+        self._progress.exposing(exposed)
+        try:
+            n = self.storage.read_into(path, start, buffers)
+        except StorageNotFound as e:
+            self._progress.exposing(exposed, undo=True)  # never opened: nothing was written
+            raise CheckpointCorrupt(f"{self.storage.describe(path)}: data file is missing") from e
+        if n != pos - start:
+            raise CheckpointCorrupt(
+                f"{self.storage.describe(path)}: short read at offset {start} ({n} of {pos - start} bytes; truncated?)"
+            )
+        verified = []
+        error = None
+        for entry, (d, pieces, dest) in zip(group, parts):
+            try:
+                self._verify_item(path, d.info, *pieces)
+            except CheckpointCorrupt as e:
+                error = error or e
+                continue
+            if len(pieces) == 1:
+                dest[:] = pieces[0][d.data_offset : d.data_offset + d.nbytes]
+            verified.append((entry, len(pieces) > 1))
+        return verified, error
+
+    def _read_span(
+        self, span: Span, planner: LoadPlanner, lock: threading.Lock, target: torch.Tensor | None = None
+    ) -> None:
+        """Read a run of neighbouring items with one ranged read; ``target``:
+        the destination of its single tensor item, if already resolved."""
+        try:
+            blob = self.storage.read_range(span.path, span.offset, span.length)
+        except StorageNotFound as e:
+            raise CheckpointCorrupt(f"{self.storage.describe(span.path)}: data file is missing") from e
+        if len(blob) != span.length:
+            raise CheckpointCorrupt(
+                f"{self.storage.describe(span.path)}: short read at offset {span.offset} "
+                f"({len(blob)} of {span.length} bytes; truncated?)"
+            )
+        view = memoryview(blob)
+        with lock:
+            self.bytes_read += len(blob)
+        for req, info in span.reqs:
+            start = info.offset - span.offset
+            item = view[start : start + info.length]
+            self._verify_item(span.path, info, item)
+            self._progress.check()  # verified, and the load goes on: change the destination
+            if req.type == LoadItemType.BYTE_IO:
+                with lock:
+                    planner.load_bytes(req, io.BytesIO(item))
+                self._progress.loaded([req.dest_index.fqn])
+                continue
+            tensor = _narrow(item_tensor(item), req.storage_offsets, req.lengths)
+            if target is None:
+                with lock:
+                    target = planner.resolve_tensor(req).detach()
+            if target.size() != tensor.size():
+                raise CheckpointCorrupt(
+                    f"{self.storage.describe(span.path)}: item {req.storage_index.fqn} has shape "
+                    f"{tuple(tensor.size())}, the plan expects {tuple(target.size())}"
+                )
+            copy_values(target, tensor)
+            with lock:
+                planner.commit_tensor(req, target)
+            self._progress.loaded([req.dest_index.fqn])
+            target = None
+
+    def _verify_item(self, path: str, info: _StorageInfo, *pieces: memoryview) -> None:
+        """Check an item's CRC32C; ``pieces`` are its bytes, in order."""
+        if not self.verify or self._manifest is None:
+            return
+        expected = self._manifest["items"].get(item_key(path, info.offset))
+        if expected is None:
+            raise CheckpointCorrupt(f"{self.storage.describe(path)}: item at offset {info.offset} not in the manifest")
+        crc = 0
+        for piece in pieces:
+            crc = crc32c.crc32c(piece, crc)
+        if crc != expected:
+            raise CheckpointCorrupt(
+                f"{self.storage.describe(path)}: checksum mismatch in item at offset {info.offset} "
+                f"({info.length} bytes): the data file is damaged"
+            )
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.storage.url.uri
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return DcpStorageWriter.validate_checkpoint_id(checkpoint_id)
+
+
+def _byte_view(target: torch.Tensor, dtype: torch.dtype, nbytes: int) -> memoryview | None:
+    """``target``'s bytes as a writable memoryview, if it can take the raw
+    bytes as they lie (contiguous, on the CPU, same dtype and size, and no
+    conjugate or negative bit: such a view's bytes are not its values; not
+    quantized: its values need its quantizer, which copy_ applies)."""
+    ok = target.device.type == "cpu" and target.dtype == dtype and target.is_contiguous() and target.nbytes == nbytes
+    ok = ok and not target.is_conj() and not target.is_neg() and not target.is_quantized
+    if not ok or nbytes == 0:
+        return None
+    # as_strided, not reshape(-1): a contiguous one-element view (x[:1, 2])
+    # may carry any stride, which view(uint8) refuses.
+    array: Any = target.as_strided((target.numel(),), (1,)).view(torch.uint8).numpy()
+    return memoryview(array).cast("B")
+
+
+def _narrow(tensor: torch.Tensor, offsets: torch.Size, lengths: torch.Size) -> torch.Tensor:
+    for dim, (start, length) in enumerate(zip(offsets, lengths)):
+        if start != 0 or length != tensor.size(dim):
+            tensor = torch.narrow(tensor, dim, start, length)
+    return tensor
+
+
+def load_state_dict(state_dict: dict[str, Any], storage: Storage, options: LoadOptions) -> None:
+    """One whole DCP load of ``storage`` into ``state_dict`` in place, with
+    dcpstore's reader (every rank calls it). A failure on any rank raises
+    the first failed rank's :class:`CheckpointError` (or a
+    :class:`~dcpstore.LoadError`) on every rank.
+
+    A destination that disagrees with the checkpoint (a stored object where
+    it holds a tensor; complex -> real, floating -> integer, anything ->
+    bool) raises :class:`~dcpstore.StateDictMismatch` before anything is
+    read; missing or truncated files are found before anything is changed
+    too. A damaged item stops the load where it is found; the error says
+    which keys it had already changed on this rank (its ``loaded_keys``,
+    ``partly_loaded_keys`` and ``damaged_keys``; every other key is
+    unchanged)."""
+    check_top_level_keys(state_dict, loading=True)
+    reader = DcpStorageReader(storage, workers=options.workers, verify=options.verify)
+    reader.check_destination(state_dict)
+    no_dist = not (dist.is_available() and dist.is_initialized())
+    try:
+        with ignoring(NO_DIST_WARNING) if no_dist else contextlib.nullcontext():
+            dcp_load(
+                state_dict,
+                storage_reader=reader,
+                planner=options.planner,
+                process_group=options.process_group,
+                no_dist=no_dist,
+            )
+    except CheckpointException as e:
+        raise load_error(e, storage.uri) from e

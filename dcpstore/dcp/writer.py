@@ -1,0 +1,256 @@
+"""DCP ``StorageWriter`` written once over :class:`~dcpstore.storage.Storage`.
+
+Nothing here knows which backend it talks to: local files, S3, MSC and fsspec
+all arrive through the same few byte-level calls (see
+:mod:`dcpstore.storage.base`). The commit protocol is the
+:class:`~dcpstore.dcp.commit.SaveSession`'s; this module plans the files and
+writes them.
+
+Save, as ``torch.distributed.checkpoint.save`` drives it::
+
+    (all ranks)   set_up_storage_writer -> prepare_local_plan
+    (coordinator) prepare_global_plan   assigns each rank its ``__{rank}_`` prefix
+                                        and claims the URI (SaveSession.claim)
+    (all ranks)   write_data            ``workers`` threads, one data file each,
+                                        size-balanced buckets, largest first;
+                                        every file checked to be still this
+                                        save's and committed (durable) on return
+    (coordinator) finish                runs only if *every* rank's write_data
+                                        succeeded (DCP gathers the results):
+                                        SaveSession.publish -- manifest, then
+                                        ``.metadata`` last
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.filesystem import _StoragePrefix
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from ..errors import CheckpointError, InvalidArgument, SaveError
+from ..format.record import RecordStream, compact_cpu_tensor
+from ..handle import SaveStats
+from ..options import check_workers, default_workers
+from ..quiet import ignoring
+from ..storage import Storage, parse_uri
+from ..threads import run_parallel
+from .commit import ItemRecord, SaveSession
+
+#: DCP warns on every call made without an initialised process group; a
+#: single-process save or load is a supported, deliberate use here.
+NO_DIST_WARNING = r"torch\.distributed is disabled, unavailable or uninitialized"
+
+
+@dataclass
+class SaveToken(_StoragePrefix):
+    """The coordinator's per-rank plan data: the file prefix (``__{rank}_``,
+    as stock DCP) and the save id every rank checks before publishing."""
+
+    save_id: str = ""
+
+
+def item_nbytes(item: WriteItem) -> int:
+    """The bytes of a tensor item's data (0 for a bytes item)."""
+    if item.tensor_data is None:
+        return 0
+    numel = 1
+    for dim in item.tensor_data.size:
+        numel *= dim
+    return numel * item.tensor_data.properties.dtype.itemsize
+
+
+def split_buckets(items: Sequence[WriteItem], bins: int) -> list[list[WriteItem]]:
+    """Size-balanced buckets: tensors largest first into the lightest bucket,
+    byte blobs round-robin. Empty buckets are dropped."""
+    buckets: list[list[WriteItem]] = [[] for _ in range(bins)]
+    sizes = [0] * bins
+    blobs = [it for it in items if it.type == WriteItemType.BYTE_IO]
+    tensors = sorted((it for it in items if it.type != WriteItemType.BYTE_IO), key=item_nbytes, reverse=True)
+    for i, item in enumerate(blobs):
+        buckets[i % bins].append(item)
+    for item in tensors:
+        idx = min(range(bins), key=sizes.__getitem__)
+        buckets[idx].append(item)
+        sizes[idx] += item_nbytes(item)
+    return [b for b in buckets if b]
+
+
+def _resolve(planner: SavePlanner, item: WriteItem, lock: threading.Lock) -> io.BytesIO | torch.Tensor:
+    """The bytes or CPU tensor to write for ``item``; errors name the key."""
+    try:
+        with lock:
+            data = planner.resolve_data(item)
+        return data if isinstance(data, io.BytesIO) else compact_cpu_tensor(data)
+    except Exception as e:
+        raise SaveError(f"cannot serialise {item.index.fqn!r}: {type(e).__name__}: {e}") from e
+
+
+def write_stats(stats: SaveStats, results: Sequence[WriteResult], started: float) -> None:
+    """Fill in ``stats``' write phase from this rank's write results."""
+    stats.write_s = time.perf_counter() - started
+    stats.bytes_written = sum(r.storage_data.file_size for r in results if r.storage_data.offset == 0)
+    stats.files = sorted({r.storage_data.relative_path for r in results})
+
+
+class DcpStorageWriter(StorageWriter):
+    """A DCP ``StorageWriter`` over any :class:`Storage`.
+
+    ``workers`` threads write one data file each per rank. Use it directly
+    with ``torch.distributed.checkpoint.save(sd, storage_writer=...)`` or
+    through :func:`dcpstore.save`.
+    """
+
+    def __init__(
+        self,
+        storage: Storage,
+        *,
+        workers: int | None = None,
+        reopen: Callable[[str], Storage] | None = None,
+    ) -> None:
+        super().__init__()
+        self.storage = storage
+        self.workers = check_workers(workers, default_workers())
+        self._reopen = reopen
+        self.rank = 0
+        self.is_coordinator = True
+        self.stats = SaveStats()
+        self._session: SaveSession | None = None
+
+    @property
+    def session(self) -> SaveSession:
+        """This save's commit protocol (a new one per save, from
+        ``set_up_storage_writer``; a follower rank's takes the coordinator's
+        save id in ``write_data``)."""
+        if self._session is None:
+            raise SaveError("the DCP writer was used before set_up_storage_writer")
+        return self._session
+
+    # -- DCP protocol -----------------------------------------------------
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None and os.fspath(checkpoint_id) != self.storage.url.uri:
+            if self._reopen is None:
+                raise InvalidArgument(
+                    f"this writer is bound to {self.storage.uri}; cannot switch to another checkpoint_id"
+                )
+            self.storage = self._reopen(os.fspath(checkpoint_id))
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        # DCP calls reset() only when given a checkpoint_id; this runs on
+        # every save, so per-save state starts here.
+        self.is_coordinator = is_coordinator
+        self.rank = kwargs.get("rank") or 0
+        self.stats = SaveStats(started=time.perf_counter())
+        self._session = SaveSession(self.storage)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        self.storage.makedirs()
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        self.session.claim()
+        return [
+            dataclasses.replace(plan, storage_data=SaveToken(f"__{i}_", self.session.save_id))
+            for i, plan in enumerate(plans)
+        ]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        t_start = time.perf_counter()
+        self.stats.plan_s = t_start - self.stats.started
+        token: SaveToken = plan.storage_data
+        if token.save_id != self.session.save_id:  # a follower: the coordinator's save
+            self._session = SaveSession(self.storage, token.save_id)
+        buckets = split_buckets(plan.items, self.workers)
+        lock = threading.Lock()  # planners are not promised to be thread-safe
+        future: Future[list[WriteResult]] = Future()
+        named = [(self.session.data_file(token.prefix, i), bucket) for i, bucket in enumerate(buckets)]
+        try:
+            per_file = run_parallel(
+                lambda nb: self._write_file(nb[0], nb[1], planner, lock), named, len(named), "dcpstore-write"
+            )
+        except BaseException as e:  # DCP gathers exceptions across ranks
+            future.set_exception(e)  # type: ignore[arg-type]  # torch's stub types it as the value
+            return future
+        results = [r for rs in per_file for r in rs]
+        write_stats(self.stats, results, t_start)
+        future.set_result(results)
+        return future
+
+    def _write_file(
+        self, name: str, items: list[WriteItem], planner: SavePlanner, lock: threading.Lock
+    ) -> list[WriteResult]:
+        written = []
+        size_hint = sum(item_nbytes(it) for it in items)
+        with self.storage.open_write(name, size_hint=size_hint) as writer:
+            stream = RecordStream(writer)
+            for item in items:
+                written.append((item, stream.write_item(_resolve(planner, item, lock))))
+            file_size, file_crc = stream.finish()
+            # Leaving the block publishes the file; a save that lost its
+            # URI to a later save must not clobber that save's files.
+            self.session.check_owner()
+        return [
+            WriteResult(
+                index=item.index,
+                size_in_bytes=w.length,
+                storage_data=ItemRecord(name, w.offset, w.length, w.crc32c, file_size, file_crc, w.raw),
+            )
+            for item, w in written
+        ]
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        t_start = time.perf_counter()
+        self.session.publish(metadata, results)
+        self.stats.commit_s = time.perf_counter() - t_start
+
+    def storage_meta(self) -> StorageMeta | None:
+        # DCP may ask before set_up_storage_writer: then there is no save id yet.
+        if self._session is None:
+            return StorageMeta(checkpoint_id=self.storage.uri, save_id="")
+        return self._session.storage_meta()
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.storage.url.uri
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        try:
+            parse_uri(checkpoint_id)
+        except CheckpointError:
+            return False
+        return True
+
+
+def save_state_dict(
+    state_dict: dict[str, Any],
+    storage: Storage,
+    *,
+    workers: int | None,
+    process_group: dist.ProcessGroup | None,
+    planner: SavePlanner | None,
+) -> SaveStats:
+    """One whole DCP save of ``state_dict`` to ``storage`` with dcpstore's
+    writer (every rank calls it; ``process_group`` None: no collectives).
+    The native engine, sync or on an async saver's background thread.
+    Raises what DCP raises (a ``CheckpointException`` for a failure on any
+    rank)."""
+    writer = DcpStorageWriter(storage, workers=workers)
+    no_dist = not (dist.is_available() and dist.is_initialized())
+    with ignoring(NO_DIST_WARNING) if no_dist else contextlib.nullcontext():
+        dcp_save(state_dict, storage_writer=writer, planner=planner, process_group=process_group, no_dist=no_dist)
+    return writer.stats

@@ -1,0 +1,26 @@
+"""When and how many: step-numbered checkpoints under one root.
+
+Owns :class:`CheckpointManager` (:mod:`.manager`: one save in flight,
+retention after a commit, resume from the newest committed step) and the
+step layout on any storage root (:mod:`.steps`: names, listing, the
+``latest`` pointer, deletion, retention).
+
+Layer: manager. May import the front door :mod:`dcpstore.api`, the engines,
+the DCP protocol, the format, the value objects, :mod:`dcpstore.storage` and
+the foundation; nothing above (the adapters, the package's public surface,
+the CLI).
+"""
+
+from .manager import CheckpointManager, SavedStep
+from .steps import LATEST, STEP_DIGITS, STEP_PREFIX, check_step, parse_step_dir, step_dir
+
+__all__ = [
+    "LATEST",
+    "STEP_DIGITS",
+    "STEP_PREFIX",
+    "CheckpointManager",
+    "SavedStep",
+    "check_step",
+    "parse_step_dir",
+    "step_dir",
+]

@@ -1,0 +1,74 @@
+"""Ignore one known warning for as long as dcpstore's own call runs.
+
+Foundation layer: imports nothing of dcpstore's.
+
+torch raises two warnings from inside dcpstore's calls that tell a dcpstore
+user nothing: DCP's "torch.distributed is disabled, unavailable or
+uninitialized" on every save and load without a process group (a
+single-process save is a supported use here), and ``torch.frombuffer``'s "The
+given buffer is not writable" (an item view is only ever read). They are
+ignored exactly while the call that raises them runs, never by changing the
+filters at import.
+
+Why not ``warnings.catch_warnings``: it swaps the process-wide filter list and
+restores its saved copy on exit, so two threads using it at once -- the async
+saver's background thread, the reader's threads, the training thread, a test
+runner -- restore each other's stale copies and leak or lose filters.
+:func:`ignoring` inserts one filter entry while any call needs it
+(reference-counted, under a lock) and then removes exactly that entry, by
+identity, from every filter list it went into, leaving every other change
+alone. An ``ignore`` entry never records anything in a warning registry, so
+adding and removing it needs no cache invalidation.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, cast
+
+
+class _Entry:
+    """One ignored message: its filter entry, how many calls need it, and the
+    filter lists it was inserted into."""
+
+    def __init__(self, message: str) -> None:
+        self.filter: tuple[Any, ...] = ("ignore", re.compile(message, re.I), Warning, None, 0)
+        self.users = 0
+        self.lists: list[list[Any]] = []
+
+
+_lock = threading.Lock()
+_entries: dict[str, _Entry] = {}
+
+
+@contextmanager
+def ignoring(message: str) -> Iterator[None]:
+    """Ignore warnings whose text starts with the regular expression
+    ``message`` (as ``warnings.filterwarnings`` matches it) while the block
+    runs, on every thread."""
+    with _lock:
+        entry = _entries.setdefault(message, _Entry(message))
+        entry.users += 1
+        # Typed as a Sequence in typeshed; it is the module's list.
+        current = cast(list[Any], warnings.filters)
+        # Another thread's catch_warnings may have swapped the list since
+        # the entry went in: make sure the current list has it too.
+        if not any(f is entry.filter for f in current):
+            current.insert(0, entry.filter)
+            entry.lists.append(current)
+    try:
+        yield
+    finally:
+        with _lock:
+            entry.users -= 1
+            if entry.users == 0:
+                for filters in [*entry.lists, cast(list[Any], warnings.filters)]:
+                    for i, f in enumerate(filters):
+                        if f is entry.filter:
+                            del filters[i]
+                            break
+                entry.lists.clear()

@@ -1,0 +1,114 @@
+"""The commit protocol as one object: dcpstore.dcp.commit.SaveSession.
+
+Every writer (native, NVRx) runs a save through a session; these tests drive
+one directly on a real local directory, with the storage calls recorded, so
+the protocol's order is checked where it is written: claim before any data,
+the manifest before ``.metadata``, ``.metadata`` (the commit point) before
+any clean-up, and a save that lost its URI to a later one commits nothing.
+"""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import crc32c
+import pytest
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.storage import WriteResult
+
+import dcpstore
+from dcpstore.dcp.commit import ItemRecord, SaveSession, read_checkpoint_metadata
+from dcpstore.engines import nvrx
+from dcpstore.format.layout import INFLIGHT, MANIFEST, METADATA
+from faults import EventStorage, Recorder
+
+
+def _storage(path: Path) -> tuple[EventStorage, Recorder]:
+    recorder = Recorder()
+    return EventStorage(dcpstore.open_storage(str(path)), recorder), recorder
+
+
+def _write(session: SaveSession, rank: int, payload: bytes) -> list[WriteResult]:
+    """One data file of one item, as a writer would publish it."""
+    name = session.data_file(f"__{rank}_", 0)
+    session.check_owner()
+    session.storage.put(name, payload)
+    crc = crc32c.crc32c(payload)
+    record = ItemRecord(name, 0, len(payload), crc, len(payload), crc)
+    return [WriteResult(index=MetadataIndex(f"k{rank}"), size_in_bytes=len(payload), storage_data=record)]
+
+
+def _metadata() -> Metadata:
+    return Metadata(state_dict_metadata={})
+
+
+def test_claim_write_publish_in_order(tmp_path: Path) -> None:
+    storage, events = _storage(tmp_path / "ck")
+    coordinator = SaveSession(storage)
+    coordinator.claim()
+    follower = SaveSession(storage, coordinator.save_id)  # what rank 1 builds from the plan
+    results = [_write(coordinator, 0, b"zero"), _write(follower, 1, b"one")]
+    coordinator.publish(_metadata(), results)
+
+    puts = [e.split(":", 1)[1] for e in events.events if e.startswith("commit:")]
+    assert puts == [INFLIGHT, "__0_0.distcp", "__1_0.distcp", MANIFEST, METADATA]
+    assert events.events[-1].startswith("delete:") and INFLIGHT in events.events[-1]
+    metadata, manifest = read_checkpoint_metadata(storage)
+    assert manifest is not None and sorted(manifest["files"]) == ["__0_0.distcp", "__1_0.distcp"]
+    assert metadata.storage_meta is not None and metadata.storage_meta.save_id == coordinator.save_id
+    assert not (tmp_path / "ck" / INFLIGHT).exists()
+
+
+def test_claim_retracts_the_old_commit_and_publish_removes_stale_files(tmp_path: Path) -> None:
+    storage, _ = _storage(tmp_path / "ck")
+    first = SaveSession(storage)
+    first.claim()
+    first.publish(_metadata(), [_write(first, 0, b"old0"), _write(first, 1, b"old1")])
+    assert (tmp_path / "ck" / "__1_0.distcp").exists()
+
+    second = SaveSession(storage)
+    second.claim()
+    assert not (tmp_path / "ck" / METADATA).exists() and not (tmp_path / "ck" / MANIFEST).exists()
+    second.publish(_metadata(), [_write(second, 0, b"new0")])  # one rank this time
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == sorted([METADATA, MANIFEST, "__0_0.distcp"])
+    assert (tmp_path / "ck" / "__0_0.distcp").read_bytes() == b"new0"
+
+
+def test_a_save_that_lost_its_uri_commits_nothing(tmp_path: Path) -> None:
+    storage, _ = _storage(tmp_path / "ck")
+    early = SaveSession(storage)
+    early.claim()
+    results = [_write(early, 0, b"early")]
+    late = SaveSession(storage)
+    late.claim()  # a later save to the same URI
+    with pytest.raises(dcpstore.SaveError, match="another save .* started while this one was writing"):
+        early.publish(_metadata(), results)
+    with pytest.raises(dcpstore.SaveError, match="another save"):
+        _write(early, 1, b"more")
+    assert not (tmp_path / "ck" / METADATA).exists()
+    late.publish(_metadata(), [_write(late, 0, b"late")])
+    assert pickle.loads((tmp_path / "ck" / METADATA).read_bytes()).storage_meta.save_id == late.save_id
+
+
+def test_every_writer_commits_through_the_session(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Native sync, native async and (where installed) NVRx: each save claims
+    and publishes exactly once, through SaveSession."""
+    calls: list[str] = []
+    for name in ("claim", "publish"):
+        real = getattr(SaveSession, name)
+
+        def spy(self: SaveSession, *args: object, _real: object = real, _name: str = name) -> None:
+            calls.append(_name)
+            _real(self, *args)  # type: ignore[operator]
+
+        monkeypatch.setattr(SaveSession, name, spy)
+    state = {"w": torch.arange(8.0)}
+    dcpstore.save(state, str(tmp_path / "sync"), engine="native")
+    dcpstore.save(state, str(tmp_path / "async"), async_=True, engine="native").result()
+    saves = 2
+    if nvrx.import_error() is None:
+        dcpstore.save(state, str(tmp_path / "nvrx"), async_=True, engine="nvrx").result()
+        saves += 1
+    assert calls == ["claim", "publish"] * saves
