@@ -18,6 +18,12 @@ Call order of one save (every rank calls ``save`` with the same step)::
          save(), wait(), load() or close() -- at the latest at interpreter
          exit, even if the manager was dropped without close().
 
+Where the steps live is a :class:`~.roots.Roots`: one root
+(:class:`~.roots.OneRoot`), or with ``local_dir=`` a local tier that saves
+commit to and a durable tier that steps are replicated to in the background
+(:class:`~.tiered.TieredRoots`; retention per tier, loads from the nearest
+whole copy). The manager only delegates to it.
+
 Retention (``keep=K``) runs on rank 0 only, only after a save is committed,
 and only over *committed* steps no newer than the one just committed: it
 keeps that step and the K-1 newest committed steps below it and deletes the
@@ -39,7 +45,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Any
 
@@ -49,12 +55,13 @@ from torch.distributed.checkpoint.planner import SavePlanner
 from ..api import load_with, save_with
 from ..engines import exit as exit_hook
 from ..engines.choice import engine_problem
-from ..errors import CheckpointNotFound, InvalidArgument, SaveError
-from ..format.layout import METADATA
+from ..errors import InvalidArgument, SaveError
 from ..handle import CheckpointInfo, SaveHandle
 from ..options import SaveOptions
-from ..storage import Storage, StorageOptions, join_uri, open_storage
-from .steps import STEP_PREFIX, check_step, committed_steps, is_committed, read_pointer, retire, step_dir, write_pointer
+from ..storage import StorageOptions, join_uri, open_storage
+from .roots import OneRoot, Roots
+from .steps import check_step, step_dir
+from .tiered import REPLICATE_TIMEOUT_S, TieredRoots, check_tier_options
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +92,13 @@ class CheckpointManager:
     passes it as ``options=`` instead (then those keywords must be left at
     their defaults).
 
+    Tiered (``local_dir=PATH``): saves commit to ``PATH/step_N`` (the handle
+    completes there) and are replicated to ``root_uri/step_N`` in the
+    background; ``keep`` is the durable tier's retention, ``local_keep`` the
+    local tier's; ``replicate_every=N`` replicates only steps divisible by
+    N; ``replicate_timeout_s`` bounds one step's replication and
+    ``close()``'s wait for them (:mod:`dcpstore.manager.tiered`).
+
     At most one save is in flight: ``save`` first finishes the previous one.
     ``close()`` (also run at interpreter exit, and by ``with``) finishes the
     last one, so no save is lost.
@@ -103,6 +117,10 @@ class CheckpointManager:
         planner: SavePlanner | None = None,
         storage_options: StorageOptions | None = None,
         options: SaveOptions | None = None,
+        local_dir: str | os.PathLike[str] | None = None,
+        local_keep: int | None = None,
+        replicate_every: int = 1,
+        replicate_timeout_s: float = REPLICATE_TIMEOUT_S,
     ) -> None:
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
             raise InvalidArgument(f"keep must be None (keep all) or an int >= 1, got {keep!r}")
@@ -120,12 +138,13 @@ class CheckpointManager:
         self.options = options if options is not None else from_keywords
         self.root_uri = os.fspath(root_uri)
         self.keep = keep
-        self._storage: Storage = open_storage(
-            self.root_uri, enable_msc=self.options.enable_msc, storage_options=self.options.storage_options
-        )
-        problem = engine_problem(self.options.engine, self._storage.backend, self._storage.uri)
+        self._roots = self._open_roots(local_dir, local_keep, replicate_every, replicate_timeout_s)
+        #: What each save runs with: the local tier is plain local I/O.
+        self._save_options = self.options if not self.tiered else replace(self.options, enable_msc=False, storage_options=None)
+        saves_to = self._roots.save_storage
+        problem = engine_problem(self.options.engine, saves_to.backend, saves_to.uri)
         if problem:
-            self._storage.close()
+            self._roots.close()
             raise InvalidArgument(problem)
         self._pending: _Pending | None = None
         self._closed = False
@@ -133,11 +152,49 @@ class CheckpointManager:
         self.history: list[SavedStep] = []
         exit_hook.watch(self, exit_hook.Stage.MANAGERS)
 
+    def _open_roots(
+        self, local_dir: str | os.PathLike[str] | None, local_keep: int | None, every: int, timeout_s: float
+    ) -> Roots:
+        o = self.options
+        durable = open_storage(self.root_uri, enable_msc=o.enable_msc, storage_options=o.storage_options)
+        if local_dir is None:
+            if local_keep is not None or every != 1:
+                durable.close()
+                raise InvalidArgument("local_keep and replicate_every need local_dir= (a tiered manager)")
+            return OneRoot(durable, self.root_uri, self.keep)
+        try:
+            check_tier_options(local_keep, every, timeout_s)
+            local_uri = os.fspath(local_dir)
+            local = open_storage(local_uri)
+            if local.backend != "local":
+                local.close()
+                raise InvalidArgument(f"local_dir must be a local path, got {local.uri!r} ({local.backend})")
+        except BaseException:
+            durable.close()
+            raise
+        self.local_dir = local_uri
+        return TieredRoots(
+            durable,
+            self.root_uri,
+            local,
+            local_uri,
+            keep=self.keep,
+            local_keep=local_keep,
+            replicate_every=every,
+            workers=o.workers or 8,
+            group=o.process_group,
+            timeout_s=timeout_s,
+        )
+
     # -- naming and listing -------------------------------------------------
     @property
     def uri(self) -> str:
         """The root, safe to print."""
-        return self._storage.uri
+        return self._roots.uri
+
+    @property
+    def tiered(self) -> bool:
+        return isinstance(self._roots, TieredRoots)
 
     @property
     def async_(self) -> bool:
@@ -171,12 +228,13 @@ class CheckpointManager:
         return dist.get_rank(self.options.process_group) == 0
 
     def step_uri(self, step: int) -> str:
-        """The URI of ``step``'s checkpoint (committed or not)."""
+        """The URI of ``step``'s checkpoint under the root (committed or not)."""
         return join_uri(self.root_uri, step_dir(step))
 
     def all_steps(self) -> list[int]:
-        """Committed steps, ascending. Reads the listing (never the pointer)."""
-        return committed_steps(self._storage)
+        """Committed steps, ascending (in either tier when tiered). Reads the
+        listings (never the pointer)."""
+        return self._roots.all_steps()
 
     def latest_step(self) -> int | None:
         """The newest committed step, or ``None`` if there is none."""
@@ -185,7 +243,7 @@ class CheckpointManager:
 
     def read_pointer(self) -> int | None:
         """The step in ``root/latest`` (a hint; see the module docstring)."""
-        return read_pointer(self._storage)
+        return self._roots.read_pointer()
 
     # -- saving -------------------------------------------------------------
     def save(self, step: int, state_dict: dict[str, Any], *, overwrite: bool = False) -> SaveHandle:
@@ -198,12 +256,13 @@ class CheckpointManager:
         self._check_open()
         step = check_step(step)
         self._finish_pending()
-        if not overwrite and is_committed(self._storage, step):
+        if not overwrite and self._roots.is_committed(step):
             raise InvalidArgument(
-                f"step {step} is already committed at {self._storage.describe(step_dir(step))}; "
-                "pass overwrite=True to replace it"
+                f"step {step} is already committed under {self.uri}; pass overwrite=True to replace it"
             )
-        handle = save_with(state_dict, self.step_uri(step), self.options, stacklevel=2)
+        self._roots.before_save(step, overwrite)
+        handle = save_with(state_dict, self._roots.save_uri(step), self._save_options, stacklevel=2)
+        self._roots.saved(step, handle)
         self._pending = _Pending(step, handle)
         exit_hook.hold(self, exit_hook.Stage.MANAGERS)
         if handle.done():
@@ -211,9 +270,12 @@ class CheckpointManager:
         return handle
 
     def wait(self, timeout: float | None = None) -> CheckpointInfo | None:
-        """Block until the save in flight (if any) is committed and finished;
-        re-raise its error. Returns its info, or ``None`` if none was pending."""
-        return self._finish_pending(timeout)
+        """Block until the save in flight (if any) is committed and finished,
+        and (tiered) every committed step is replicated; re-raise the error.
+        Returns the save's info, or ``None`` if none was pending."""
+        info = self._finish_pending(timeout)
+        self._roots.wait(timeout)
+        return info
 
     def _finish_pending(self, timeout: float | None = None) -> CheckpointInfo | None:
         pending, self._pending = self._pending, None
@@ -239,13 +301,8 @@ class CheckpointManager:
                 exit_hook.release(self)
         self.history.append(SavedStep(pending.step, info))
         if self.is_coordinator:
-            self._write_pointer(pending.step)
-            if self.keep is not None:
-                retire(self._storage, pending.step, self.keep)
+            self._roots.committed(pending.step)
         return info
-
-    def _write_pointer(self, step: int) -> None:
-        write_pointer(self._storage, step)
 
     # -- loading ------------------------------------------------------------
     def resolve_step(self, step: int | None = None) -> int:
@@ -256,17 +313,7 @@ class CheckpointManager:
         between their listings. Raises :class:`CheckpointNotFound` if there
         is no committed step.
         """
-        if step is not None:
-            return check_step(step)
-        found = self.latest_step() if self.is_coordinator else None
-        if dist.is_available() and dist.is_initialized():
-            group = self.options.process_group
-            box: list[int | None] = [found]
-            dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group else 0, group=group)
-            found = box[0]
-        if found is None:
-            raise CheckpointNotFound(f"no committed checkpoint under {self.uri} (no {STEP_PREFIX}*/{METADATA})")
-        return found
+        return self._roots.locate(step, self.options.process_group)[0]
 
     def load(
         self,
@@ -282,9 +329,11 @@ class CheckpointManager:
         non-tensor item may hold beyond the allowlist)."""
         self._check_open()
         self._finish_pending()
-        resolved = self.resolve_step(step)
+        resolved, uri = self._roots.locate(step, self.options.process_group)
         options = self.options.for_load(safe_globals=safe_globals or (), trusted=trusted)
-        load_with(state_dict, self.step_uri(resolved), options)
+        if uri != self.step_uri(resolved):  # the local tier: plain local I/O
+            options = replace(options, enable_msc=False, storage_options=None)
+        load_with(state_dict, uri, options)
         return resolved
 
     # -- lifetime -----------------------------------------------------------
@@ -297,7 +346,7 @@ class CheckpointManager:
             self._finish_pending()
         finally:
             exit_hook.forget(self)
-            self._storage.close()
+            self._roots.close()
 
     def finish_at_exit(self) -> None:
         """Interpreter exit: :meth:`close`, saying what was lost if it fails."""

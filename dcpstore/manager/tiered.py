@@ -1,0 +1,356 @@
+"""Tiered checkpoints: commit to a local directory at disk speed, replicate
+to the durable root in the background, resume from the nearest good copy.
+
+Layout: the same step directories in both tiers::
+
+    local_dir/step_00000100/...    committed by the save itself (its handle
+                                   completes here)
+    root_uri/step_00000100/...     the replica: data files, manifest,
+                                   .metadata last (:mod:`.replicate`)
+
+Which rank does what (every rank constructs the manager alike):
+
+* **Saving**: every rank saves to ``local_dir/step_N`` through the ordinary
+  save path (same layout and commit protocol as any dcpstore checkpoint).
+  When its save commits, each rank queues the step on its own replicator
+  thread, which uploads the data files *this rank* wrote; the coordinator
+  commits the replica once every file arrived (:mod:`.replicate`). Steps are
+  replicated one at a time, in the order they were committed.
+  ``replicate_every=N``: only steps divisible by N are replicated (``step %
+  N == 0``: the same choice on every rank and after a restart).
+* **Retention** (coordinator, on the replicator thread, after each step):
+  the durable tier keeps the ``keep`` newest committed steps (as a plain
+  manager does); the local tier the ``local_keep`` newest committed, but a
+  local step that still needs replicating is never deleted (one replication
+  failed: it stays until a later manager replicates it).
+* **Catch-up**: a new manager's coordinator queues the committed local steps
+  that need replicating (selected, missing from the durable tier and not
+  older than the durable tier's ``keep`` newest), so that a crash during
+  replication loses nothing that was committed locally. It needs a whole
+  local copy (one local directory for the job); a node-local copy that lacks
+  other ranks' files is left for the next save of a newer step to supersede.
+* **Loading** (collective): every rank lists its *whole* local copies (the
+  manifest and every file it names, at its size); the step is the newest
+  committed one in either tier; it is read from the local tier if every rank
+  holds a whole local copy of it, else by every rank from the durable tier.
+  A fresh node with an empty ``local_dir`` thus resumes from the durable
+  tier; DCP resharding works from either, since every rank reads one whole
+  checkpoint.
+* **Errors**: a failed replication is logged when it happens and raised
+  from the next :meth:`wait` or :meth:`close`; saves keep committing locally.
+  ``close()`` waits for the queue at most ``replicate_timeout_s``.
+
+Layer: manager. Imports :mod:`dcpstore.storage`, :mod:`dcpstore.format`,
+:mod:`dcpstore.handle`, :mod:`dcpstore.errors` and this package's
+:mod:`.steps`, :mod:`.roots` and :mod:`.replicate`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from ..errors import CheckpointError, InvalidArgument, SaveError
+from ..format.layout import MANIFEST, METADATA
+from ..format.manifest import MANIFEST_LIMIT, parse_manifest, read_capped
+from ..handle import SaveHandle
+from ..storage import Storage, join_uri
+from .replicate import commit_replica, read_local_manifest, upload_files, write_report
+from .roots import coordinator_rank, group_rank, is_distributed, not_found
+from .steps import check_step, committed_steps, delete_step, parse_step_dir, read_pointer, retire, step_dir, write_pointer
+
+log = logging.getLogger(__name__)
+
+#: Default bound on one step's replication and on ``close()``'s wait.
+REPLICATE_TIMEOUT_S = 1800.0
+
+
+def whole_local_steps(local: Storage) -> list[int]:
+    """The steps of which ``local`` holds a whole committed copy: ``.metadata``,
+    the manifest, and every data file the manifest names at its size."""
+    found: dict[int, dict[str, int]] = {}
+    for obj in local.list():
+        directory, _, name = obj["path"].partition("/")
+        step = parse_step_dir(directory)
+        if step is not None and name and "/" not in name:
+            found.setdefault(step, {})[name] = obj["size"]
+    whole = []
+    for step, sizes in sorted(found.items()):
+        if METADATA not in sizes or MANIFEST not in sizes:
+            continue
+        where = f"{step_dir(step)}/{MANIFEST}"
+        try:
+            manifest = parse_manifest(read_capped(local, where, MANIFEST_LIMIT), local.describe(where))
+        except CheckpointError as e:
+            log.warning("the local copy of step %d is not used: %s", step, e)
+            continue
+        if all(sizes.get(name) == entry["size"] for name, entry in manifest["files"].items()):
+            whole.append(step)
+    return whole
+
+
+@dataclass(frozen=True)
+class _Job:
+    step: int
+    #: The data files this rank's save wrote; None: catch-up (coordinator,
+    #: every file the local manifest names).
+    files: tuple[str, ...] | None
+
+
+class TieredRoots:
+    """A local tier and a durable tier; see the module docstring.
+
+    ``durable`` and ``local`` are the two roots' storages (this object owns
+    and closes them); ``workers``: parallel file uploads per rank.
+    """
+
+    def __init__(
+        self,
+        durable: Storage,
+        durable_uri: str,
+        local: Storage,
+        local_uri: str,
+        *,
+        keep: int | None,
+        local_keep: int | None,
+        replicate_every: int,
+        workers: int,
+        group: dist.ProcessGroup | None,
+        timeout_s: float,
+    ) -> None:
+        self._durable, self._durable_uri = durable, durable_uri
+        self._local, self._local_uri = local, local_uri
+        self._keep, self._local_keep = keep, local_keep
+        self._every = replicate_every
+        self._workers = workers
+        self._group = group
+        self._timeout_s = timeout_s
+        self._rank = group_rank(group)
+        self._cond = threading.Condition()
+        self._queue: deque[_Job] = deque()
+        self._busy = False
+        self._errors: list[BaseException] = []
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        if self._coordinator:
+            self._catch_up()
+
+    @property
+    def _coordinator(self) -> bool:
+        return self._rank == 0
+
+    # -- naming and listing ---------------------------------------------------
+    @property
+    def uri(self) -> str:
+        return self._durable.uri
+
+    @property
+    def local_uri(self) -> str:
+        return self._local.uri
+
+    @property
+    def save_storage(self) -> Storage:
+        return self._local
+
+    def save_uri(self, step: int) -> str:
+        return join_uri(self._local_uri, step_dir(step))
+
+    def durable_uri(self, step: int) -> str:
+        return join_uri(self._durable_uri, step_dir(step))
+
+    def selected(self, step: int) -> bool:
+        """Whether ``step`` goes to the durable tier (``replicate_every``)."""
+        return step % self._every == 0
+
+    def is_committed(self, step: int) -> bool:
+        name = f"{step_dir(step)}/{METADATA}"
+        return self._local.exists(name) or self._durable.exists(name)
+
+    def local_steps(self) -> list[int]:
+        """Steps this rank holds a whole local copy of."""
+        return whole_local_steps(self._local)
+
+    def durable_steps(self) -> list[int]:
+        return committed_steps(self._durable)
+
+    def all_steps(self) -> list[int]:
+        return sorted(set(self.local_steps()) | set(self.durable_steps()))
+
+    def read_pointer(self) -> int | None:
+        """The newer of the two tiers' ``latest`` hints."""
+        hints = [p for p in (read_pointer(self._local), read_pointer(self._durable)) if p is not None]
+        return max(hints) if hints else None
+
+    def _needs_replication(self, step: int, durable: list[int]) -> bool:
+        if not self.selected(step) or step in durable:
+            return False
+        # Older than the durable tier's keep newest: retention would delete it at once.
+        return self._keep is None or sum(1 for d in durable if d > step) < self._keep
+
+    # -- saving ---------------------------------------------------------------
+    def before_save(self, step: int, overwrite: bool) -> None:
+        """Overwriting a step: its durable copy is retracted (coordinator,
+        after any replication of it under way), so that the durable tier
+        never pairs the old ``.metadata`` with the new data files."""
+        if overwrite and self._coordinator:
+            self.wait(self._timeout_s)
+            if self._durable.exists(f"{step_dir(step)}/{METADATA}"):
+                delete_step(self._durable, step)
+
+    def saved(self, step: int, handle: SaveHandle) -> None:
+        """Queue ``step`` for replication as soon as its local save commits."""
+
+        def done(h: SaveHandle) -> None:
+            if h.exception() is None:
+                self._submit(_Job(step, h.result().files))
+
+        handle.add_done_callback(done)
+
+    def committed(self, step: int) -> None:
+        write_pointer(self._local, step)
+
+    def _submit(self, job: _Job) -> None:
+        with self._cond:
+            if self._closed:
+                log.error("step %d committed locally after the manager closed; not replicated", job.step)
+                return
+            self._queue.append(job)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="dcpstore-replicate", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def _catch_up(self) -> None:
+        durable = self.durable_steps()
+        for step in self.local_steps():
+            if self._needs_replication(step, durable):
+                log.info("step %d is committed locally but not in %s: replicating it", step, self.uri)
+                self._submit(_Job(step, None))
+
+    # -- the replicator thread ------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue:
+                    self._busy = False
+                    self._cond.notify_all()
+                    if self._closed:
+                        return
+                    self._cond.wait()
+                job = self._queue.popleft()
+                self._busy = True
+            try:
+                self._replicate(job)
+            except BaseException as e:  # kept for wait()/close(); the thread goes on
+                log.error("replicating step %d to %s failed: %s", job.step, self.uri, e)
+                with self._cond:
+                    self._errors.append(e)
+            if self._coordinator and self._local_keep is not None:
+                self._retire_local(job.step)
+
+    def _replicate(self, job: _Job) -> None:
+        if not self.selected(job.step):
+            return
+        started = time.monotonic()
+        expected = read_local_manifest(self._local, job.step)
+        files = job.files
+        if files is None:  # catch-up: the coordinator copies every file the manifest names
+            if expected is None:
+                raise SaveError(f"{self._local.describe(step_dir(job.step))} has no integrity manifest")
+            files = tuple(expected["files"])
+        own = upload_files(self._local, self._durable, job.step, files, expected, self._workers)
+        if not self._coordinator:
+            write_report(self._durable, job.step, self._rank, own)
+            return
+        commit_replica(self._local, self._durable, job.step, own, started + self._timeout_s)
+        log.info("step %d replicated to %s in %.2f s", job.step, self.uri, time.monotonic() - started)
+        write_pointer(self._durable, job.step)
+        if self._keep is not None:
+            retire(self._durable, job.step, self._keep)
+
+    def _retire_local(self, newest: int) -> None:
+        """Keep the ``local_keep`` newest committed local steps up to ``newest``;
+        delete older ones unless they still need replicating."""
+        assert self._local_keep is not None
+        try:
+            durable = self.durable_steps()
+            candidates = [s for s in committed_steps(self._local) if s <= newest]
+        except CheckpointError as e:
+            log.warning("local retention under %s skipped: %s", self.local_uri, e)
+            return
+        for step in candidates[: -self._local_keep]:
+            if self._needs_replication(step, durable):
+                continue
+            try:
+                delete_step(self._local, step)
+            except CheckpointError as e:
+                log.warning("local retention could not delete step %d under %s: %s", step, self.local_uri, e)
+
+    # -- loading --------------------------------------------------------------
+    def locate(self, step: int | None, group: dist.ProcessGroup | None) -> tuple[int, str]:
+        """Collective: every rank's whole local steps and the coordinator's
+        durable listing are gathered, so every rank decides alike."""
+        mine = (self.local_steps(), self.durable_steps() if self._coordinator else [])
+        views: list[tuple[list[int], list[int]]] = [mine]
+        if is_distributed():
+            views = [mine] * dist.get_world_size(group)
+            dist.all_gather_object(views, mine, group=group)
+        local = set.intersection(*(set(v[0]) for v in views))
+        durable = set(views[0][1])
+        if step is None:
+            if not local and not durable:
+                raise not_found(f"{self.uri} or {self.local_uri}")
+            step = max(local | durable)
+        step = check_step(step)
+        if step in local:
+            return step, self.save_uri(step)
+        if step in durable:
+            return step, self.durable_uri(step)
+        raise not_found(f"{self.uri} or {self.local_uri}")
+
+    # -- waiting --------------------------------------------------------------
+    def wait(self, timeout: float | None) -> None:
+        """Until every queued step is replicated (or ``timeout`` s); then
+        raise the first replication error since the last wait, if any."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._queue or self._busy:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    pending = sorted({j.step for j in self._queue})
+                    raise SaveError(
+                        f"replication to {self.uri} still running after {timeout:g} s "
+                        f"(steps queued: {pending or 'none'}; one in progress: {self._busy})"
+                    )
+                self._cond.wait(left)
+            errors, self._errors = self._errors, []
+        if errors:
+            raise SaveError(f"replication to {self.uri} failed: {errors[0]}") from errors[0]
+
+    def close(self) -> None:
+        """Finish the queued replications (at most ``replicate_timeout_s``),
+        then release both storages."""
+        try:
+            self.wait(self._timeout_s)
+        finally:
+            with self._cond:
+                self._closed = True
+                idle = not (self._busy or self._queue)
+                self._cond.notify_all()
+            if idle:
+                self._durable.close()
+                self._local.close()
+
+
+def check_tier_options(local_keep: object, replicate_every: object, timeout_s: object) -> None:
+    if local_keep is not None and (isinstance(local_keep, bool) or not isinstance(local_keep, int) or local_keep < 1):
+        raise InvalidArgument(f"local_keep must be None (keep all) or an int >= 1, got {local_keep!r}")
+    if isinstance(replicate_every, bool) or not isinstance(replicate_every, int) or replicate_every < 1:
+        raise InvalidArgument(f"replicate_every must be an int >= 1, got {replicate_every!r}")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+        raise InvalidArgument(f"replicate_timeout_s must be a positive number of seconds, got {timeout_s!r}")

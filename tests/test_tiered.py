@@ -1,0 +1,382 @@
+"""Tiered checkpoints: CheckpointManager(root, local_dir=...).
+
+Saves commit to a local directory; the committed steps are replicated to
+the durable root (local path, native S3 over moto, MSC) in the background.
+Checked against real files and a real S3 endpoint: what each tier lists,
+that every durable step loads exactly what was saved (with stock-shaped
+loads of the durable URI), retention per tier, resume on a fresh local
+directory, the nearest copy chosen on load, corrupt local copies never
+replicated, failed replications leaving the local step in place until a
+later manager catches up, SIGKILLs at every point of a replication, and two
+gloo ranks (one shared local directory, and node-local directories).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import dcpstore
+from backends import Target, make_target
+from crashkit import crash, forkserver
+from dcpstore.format.layout import MANIFEST, METADATA
+from dcpstore.manager import step_dir
+from dcpstore.manager.replicate import REPORT_PREFIX
+from dist_utils import run_ranks
+from faults import KillAt, Recorder, hook_all_storage, spread
+from helpers import assert_state_equal, zeros_like_state
+
+#: Durable tiers: a local path, native S3 (moto over HTTP), S3 through MSC.
+DURABLE = ["local", "s3", "msc"]
+
+
+@pytest.fixture(params=DURABLE)
+def durable(request: pytest.FixtureRequest) -> Target:
+    return make_target(request.param, request)
+
+
+def _state(step: int, big: int = 4096) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(step)
+    return {
+        "w": torch.randn(64, 33, generator=g),
+        "big": torch.randn(big, generator=g),
+        "opt": {"m": torch.randn(17, generator=g).bfloat16(), "step": step},
+        "step": step,
+    }
+
+
+def _manager(durable: Target, local: Path, **kwargs: Any) -> dcpstore.CheckpointManager:
+    kwargs.setdefault("async_", False)
+    return dcpstore.CheckpointManager(durable.uri, local_dir=str(local), **durable.kwargs, **kwargs)
+
+
+def _durable_steps(durable: Target) -> list[int]:
+    return dcpstore.CheckpointManager(durable.uri, **durable.kwargs).all_steps()
+
+
+def _local_steps(local: Path) -> list[int]:
+    return sorted(int(p.name[5:]) for p in local.glob("step_*") if (p / METADATA).exists())
+
+
+def _assert_durable_step(durable: Target, step: int, big: int = 4096) -> None:
+    """The durable copy of ``step`` loads exactly (a plain load of its URI),
+    and holds exactly what the commit protocol writes: no replica reports."""
+    uri = f"{durable.uri.rstrip('/')}/{step_dir(step)}"
+    expected = _state(step, big)
+    restored = zeros_like_state(expected)
+    dcpstore.load(restored, uri, **durable.kwargs)
+    assert_state_equal(expected, restored)
+    storage = dcpstore.open_storage(uri, **durable.kwargs)
+    try:
+        names = {o["path"] for o in storage.list()}
+        manifest = json.loads(storage.read(MANIFEST))
+    finally:
+        storage.close()
+    assert names == {METADATA, MANIFEST, *manifest["files"]}, names
+
+
+def _loads(mgr: dcpstore.CheckpointManager, step: int | None = None, big: int = 4096) -> int:
+    """Load through the manager; check the state is exactly that step's."""
+    restored = zeros_like_state(_state(0, big))
+    got = mgr.load(restored, step)
+    assert_state_equal(_state(got, big), restored)
+    return got
+
+
+# -- the core: local commit, background replication, retention per tier -------
+
+
+@pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
+def test_steps_commit_locally_and_replicate_whole(durable: Target, tmp_path: Path, async_: bool) -> None:
+    local = tmp_path / "local"
+    big = (3 << 20) if durable.name != "local" else 4096  # 12 MiB: multipart at the targets' 5 MiB parts
+    with _manager(durable, local, keep=2, local_keep=1, async_=async_) as mgr:
+        for step in (10, 20, 30):
+            handle = mgr.save(step, _state(step, big))
+            info = handle.result()
+            assert info.uri.startswith(str(local)), info.uri  # the handle completes at the local commit
+        mgr.wait()
+        assert _durable_steps(durable) == [20, 30]
+        assert _local_steps(local) == [30]
+        assert mgr.all_steps() == [20, 30]
+        assert mgr.latest_step() == 30
+        assert _loads(mgr, big=big) == 30
+        assert _loads(mgr, 20, big=big) == 20  # only durable: read from there
+    for step in (20, 30):
+        _assert_durable_step(durable, step, big)
+
+
+def test_fresh_local_dir_resumes_from_the_durable_tier(durable: Target, tmp_path: Path) -> None:
+    with _manager(durable, tmp_path / "node-a") as mgr:
+        for step in (1, 2):
+            mgr.save(step, _state(step))
+    fresh = tmp_path / "node-b"
+    with _manager(durable, fresh) as mgr:
+        assert mgr.all_steps() == [1, 2]
+        assert _loads(mgr) == 2
+        mgr.save(3, _state(3))  # and goes on from there
+        mgr.wait()
+        assert _local_steps(fresh) == [3]
+    assert _durable_steps(durable) == [1, 2, 3]
+
+
+def test_load_reads_the_local_copy_when_it_is_whole(tmp_path: Path) -> None:
+    durable = Target("local", str(tmp_path / "durable"))
+    local = tmp_path / "local"
+    with _manager(durable, local) as mgr:
+        mgr.save(5, _state(5))
+        mgr.wait()
+        # Damage the durable copy: a load that read it would fail its checksums.
+        data = next(p for p in (tmp_path / "durable" / step_dir(5)).iterdir() if p.suffix == ".distcp")
+        data.write_bytes(b"\0" * data.stat().st_size)
+        assert _loads(mgr) == 5
+        # A local copy that lost a file is not whole: the (repaired) durable copy is read.
+        shutil_copy = (local / step_dir(5) / data.name).read_bytes()
+        data.write_bytes(shutil_copy)
+        (local / step_dir(5) / data.name).unlink()
+        assert mgr.all_steps() == [5]
+        assert _loads(mgr) == 5
+
+
+def test_replicate_every_and_local_retention(tmp_path: Path) -> None:
+    durable = Target("local", str(tmp_path / "durable"))
+    local = tmp_path / "local"
+    with _manager(durable, local, local_keep=2, replicate_every=2) as mgr:
+        for step in range(1, 6):
+            mgr.save(step, _state(step))
+        mgr.wait()
+        assert _durable_steps(durable) == [2, 4]  # only even steps go to the durable tier
+        assert _local_steps(local) == [4, 5]
+        assert mgr.all_steps() == [2, 4, 5]
+
+
+def test_a_local_step_is_kept_until_it_is_replicated(tmp_path: Path) -> None:
+    durable_path = tmp_path / "durable"
+    durable_path.write_text("a file where the durable root should be")  # every replication fails
+    durable = Target("local", str(durable_path))
+    local = tmp_path / "local"
+    mgr = _manager(durable, local, local_keep=1, keep=2)
+    for step in (1, 2, 3):
+        mgr.save(step, _state(step))  # local commits go on
+    with pytest.raises(dcpstore.SaveError, match="replication to .*durable.* failed"):
+        mgr.wait()
+    assert _local_steps(local) == [1, 2, 3]  # none replicated: none deleted
+    mgr.close()
+    durable_path.unlink()
+    # The next manager over the same local dir replicates what the durable tier lacks.
+    with _manager(durable, local, local_keep=1, keep=2) as mgr:
+        mgr.wait()
+        assert _durable_steps(durable) == [2, 3]
+        assert _local_steps(local) == [3]
+    for step in (2, 3):
+        _assert_durable_step(durable, step)
+
+
+def test_a_corrupt_local_copy_is_never_replicated(tmp_path: Path) -> None:
+    durable = Target("local", str(tmp_path / "durable"))
+    local = tmp_path / "local"
+    dcpstore.save(_state(7), str(local / step_dir(7)))
+    data = next(p for p in (local / step_dir(7)).iterdir() if p.suffix == ".distcp")
+    blob = bytearray(data.read_bytes())
+    blob[len(blob) // 2] ^= 0x40  # bit rot after the local commit
+    data.write_bytes(bytes(blob))
+    mgr = _manager(durable, local)  # catch-up replicates step 7
+    with pytest.raises(dcpstore.SaveError, match="does not match its integrity manifest"):
+        mgr.wait()
+    mgr.close()
+    assert _durable_steps(durable) == []
+    assert not (tmp_path / "durable" / step_dir(7) / data.name).exists()
+
+
+def test_overwrite_retracts_the_durable_copy_first(durable: Target, tmp_path: Path) -> None:
+    with _manager(durable, tmp_path / "local") as mgr:
+        mgr.save(1, _state(1))
+        mgr.wait()
+        with pytest.raises(dcpstore.InvalidArgument, match="already committed"):
+            mgr.save(1, _state(2))
+        mgr.save(1, _state(2), overwrite=True)
+        mgr.wait()
+        restored = zeros_like_state(_state(2))
+        mgr.load(restored, 1)
+        assert_state_equal(_state(2), restored)
+    restored = zeros_like_state(_state(2))
+    dcpstore.load(restored, f"{durable.uri}/{step_dir(1)}", **durable.kwargs)
+    assert_state_equal(_state(2), restored)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"local_keep": 0}, "local_keep"),
+        ({"replicate_every": 0}, "replicate_every"),
+        ({"replicate_every": True}, "replicate_every"),
+        ({"replicate_timeout_s": 0}, "replicate_timeout_s"),
+        ({"local_dir": "s3://bucket/x"}, "local_dir must be a local path"),
+    ],
+)
+def test_bad_tier_arguments_are_refused(tmp_path: Path, kwargs: dict[str, Any], match: str) -> None:
+    kwargs.setdefault("local_dir", str(tmp_path / "local"))
+    with pytest.raises(dcpstore.InvalidArgument, match=match):
+        dcpstore.CheckpointManager(str(tmp_path / "durable"), **kwargs)
+    with pytest.raises(dcpstore.InvalidArgument, match="need local_dir"):
+        dcpstore.CheckpointManager(str(tmp_path / "durable"), local_keep=1)
+
+
+def test_ls_shows_where_each_step_lives(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from dcpstore.cli import main as cli_main
+
+    durable = Target("local", str(tmp_path / "durable"))
+    local = tmp_path / "local"
+    with _manager(durable, local, keep=2, local_keep=2) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, _state(step))
+    # durable: 2, 3; local: 2, 3 -> add a local-only step (replicate_every skips it)
+    with _manager(durable, local, keep=2, local_keep=3, replicate_every=2) as mgr:
+        mgr.save(5, _state(5))
+    assert cli_main(["ls", durable.uri, "--local-dir", str(local)]) == 0
+    out = capsys.readouterr().out
+    lines = {line.split()[0]: line for line in out.splitlines() if line.startswith("step_")}
+    assert "both" in lines[step_dir(2)] and "both" in lines[step_dir(3)], out
+    assert "local" in lines[step_dir(5)] and "both" not in lines[step_dir(5)], out
+    assert step_dir(1) not in lines, out
+
+
+# -- crash safety: SIGKILL anywhere in a replication -----------------------------
+
+
+def _replicating_child(durable_uri: str, local: str, kwargs: dict[str, Any], hook: Any) -> None:
+    """Commit step 1 (replicated), then step 2, killed by ``hook`` (on the
+    durable tier's storage calls only) while step 2 is replicated."""
+    with dcpstore.CheckpointManager(durable_uri, local_dir=local, async_=False, keep=1, **kwargs) as mgr:
+        mgr.save(1, _state(1, 1 << 20))
+        mgr.wait()
+    hook_all_storage({durable_uri: hook})
+    with dcpstore.CheckpointManager(durable_uri, local_dir=local, async_=False, keep=1, **kwargs) as mgr:
+        mgr.save(2, _state(2, 1 << 20))
+        mgr.wait()
+
+
+def _kill_child(durable_uri: str, local: str, kwargs: dict[str, Any], n: int) -> None:
+    _replicating_child(durable_uri, local, kwargs, KillAt(n))
+
+
+def _probe_child(durable_uri: str, local: str, kwargs: dict[str, Any], queue: Any) -> None:
+    recorder = Recorder()
+    _replicating_child(durable_uri, local, kwargs, recorder)
+    queue.put(recorder.events)
+
+
+def _run_replication_crashes(durable: Target, tmp_path: Path, points: int) -> None:
+    ctx = forkserver()
+    queue = ctx.Queue()
+    probe = durable.child("probe")
+    assert crash(ctx, _probe_child, probe.uri, str(tmp_path / "probe"), durable.kwargs, queue) == 0
+    events = queue.get(timeout=30)
+    commit = events.index(f"commit:{step_dir(2)}/{METADATA}")
+    committed = events.index(f"committed:{step_dir(2)}/{METADATA}")
+    kills = sorted(set(spread(len(events), points)) | {0, commit, committed, committed + 1, len(events) - 1})
+    for k in kills:
+        root = durable.child(f"kill{k}")
+        local = tmp_path / f"local{k}"
+        assert crash(ctx, _kill_child, root.uri, str(local), durable.kwargs, k) == -9, events[k]
+        steps = _durable_steps(root)
+        # Whole committed steps only, never none: step 1 is retired only after step 2 committed.
+        assert steps in ([1], [2], [1, 2]), (k, events[k], steps)
+        if k <= commit:
+            assert 2 not in steps, (k, events[k])
+        if k > committed:
+            assert 2 in steps, (k, events[k])
+        for step in steps:
+            _assert_durable_step(root, step, 1 << 20)
+        # The next manager over the same local dir replicates step 2 (if the
+        # kill came after its local commit: the first events are the manager's own listings).
+        newest = _local_steps(local)[-1]
+        with _manager(root, local, keep=1) as mgr:
+            mgr.wait()
+        after = _durable_steps(root)
+        # Retention (keep=1) of step 1 runs after the next commit, as a plain manager's does.
+        assert after[-1] == newest and set(after) <= {1, 2}, (k, events[k], after)
+        _assert_durable_step(root, newest, 1 << 20)
+        replicated_from = min(i for i, e in enumerate(events) if e.startswith(f"open:{step_dir(2)}/"))
+        assert newest == 2 or k < replicated_from, (k, events[k])
+
+
+def test_sigkill_during_replication_leaves_whole_steps_local(tmp_path: Path) -> None:
+    _run_replication_crashes(Target("local", str(tmp_path / "durable")), tmp_path, 10)
+
+
+@pytest.mark.slow
+def test_sigkill_during_replication_leaves_whole_steps_s3(request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    _run_replication_crashes(make_target("s3", request), tmp_path, 16)
+
+
+# -- two gloo ranks ---------------------------------------------------------------
+
+
+def _dtensor_state(world_size: int, step: int) -> dict[str, Any]:
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    full = torch.arange(64 * 24, dtype=torch.float32).reshape(64, 24) + step
+    return {"w": distribute_tensor(full, mesh, [Shard(0)]), "step": step}
+
+
+def _full(step: int) -> torch.Tensor:
+    return torch.arange(64 * 24, dtype=torch.float32).reshape(64, 24) + step
+
+
+def _ranks_save(rank: int, world_size: int, durable_uri: str, local_dirs: list[str], env: dict[str, str]) -> None:
+    # One local directory that every rank sees: the commit protocol's
+    # ownership check reads the coordinator's in-flight marker.
+    local = local_dirs[rank % len(local_dirs)]
+    with dcpstore.CheckpointManager(durable_uri, local_dir=local, async_=True, keep=2, local_keep=2, workers=2) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, _dtensor_state(world_size, step))
+        mgr.wait()
+        dist.barrier()
+        assert mgr.all_steps()[-1] == 3
+        state = _dtensor_state(world_size, 0)
+        assert mgr.load(state) == 3
+        assert torch.equal(state["w"].full_tensor(), _full(3)) and state["step"] == 3
+
+
+def _ranks_load(rank: int, world_size: int, durable_uri: str, local_dirs: list[str], expect: int) -> None:
+    local = local_dirs[rank % len(local_dirs)]
+    with dcpstore.CheckpointManager(durable_uri, local_dir=local) as mgr:
+        state = _dtensor_state(world_size, 0)
+        assert mgr.load(state) == expect
+        assert torch.equal(state["w"].full_tensor(), _full(expect)) and state["step"] == expect
+
+
+def test_two_ranks_replicate_and_agree_on_the_copy(tmp_path: Path) -> None:
+    durable_uri = str(tmp_path / "durable")
+    shared = str(tmp_path / "local")
+    run_ranks(_ranks_save, 2, durable_uri, [shared], {})
+    assert _durable_steps(Target("local", durable_uri)) == [2, 3]
+    assert not list(Path(durable_uri).glob(f"*/{REPORT_PREFIX}*"))  # reports removed after the commit
+    # Resharding: one process reads it back, from the durable tier (a fresh dir) or the local one.
+    for local in (str(tmp_path / "fresh"), shared):
+        with dcpstore.CheckpointManager(durable_uri, local_dir=local) as mgr:
+            dest = {"w": torch.zeros(64, 24), "step": 0}
+            assert mgr.load(dest) == 3
+            assert torch.equal(dest["w"], _full(3))
+    # Both ranks hold the whole local copy: both read it (the durable one is damaged).
+    durable_files = list(Path(durable_uri, step_dir(3)).glob("*.distcp"))
+    saved = {p: p.read_bytes() for p in durable_files}
+    for data in durable_files:
+        data.write_bytes(b"\0" * data.stat().st_size)
+    run_ranks(_ranks_load, 2, durable_uri, [shared], 3)
+    # Rank 1 has no local copy (a fresh node): both read the durable tier, even
+    # though rank 0's local copy looks whole (it is damaged here, at its sizes).
+    for data, blob in saved.items():
+        data.write_bytes(blob)
+    for data in Path(shared, step_dir(3)).glob("*.distcp"):
+        data.write_bytes(b"\0" * data.stat().st_size)
+    run_ranks(_ranks_load, 2, durable_uri, [shared, str(tmp_path / "fresh")], 3)
