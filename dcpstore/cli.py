@@ -38,22 +38,41 @@ def _open(args: argparse.Namespace) -> Storage:
 
 def cmd_ls(args: argparse.Namespace) -> int:
     storage = _open(args)
-    entries = list_checkpoints(storage)
+    # With --local-dir (a tiered manager's local tier): each entry with the tier it lives in.
+    rows = [(e, storage, "durable") for e in list_checkpoints(storage)]
+    committed_in: dict[str, set[str]] = {}
+    if args.local_dir:
+        local = open_storage(args.local_dir)
+        rows += [(e, local, "local") for e in list_checkpoints(local)]
+        for e, _, tier in rows:
+            if e.committed:
+                committed_in.setdefault(e.path, set()).add(tier)
+        # A step committed in both tiers is one row; uncommitted copies keep their own.
+        rows = [r for r in rows if not (r[2] == "local" and len(committed_in.get(r[0].path, ())) == 2 and r[0].committed)]
+        rows.sort(key=lambda r: (r[0].path, r[2]))
     if args.json:
-        print(json.dumps([e.__dict__ for e in entries], indent=2, default=str))
+        records = [dict(e.__dict__, **({"where": _where(e, tier, committed_in)} if args.local_dir else {})) for e, _, tier in rows]
+        print(json.dumps(records, indent=2, default=str))
         return 0
-    if not entries:
-        print(f"no checkpoints under {storage.uri}")
+    if not rows:
+        print(f"no checkpoints under {storage.uri}" + (f" or {args.local_dir}" if args.local_dir else ""))
         return 0
-    width = max(len("CHECKPOINT"), *(len(e.path or ".") for e in entries))
-    print(f"{'CHECKPOINT':<{width}}  {'STATUS':<10}  {'FILES':>5}  {'SIZE':>10}")
-    for e in entries:
-        status = "committed" if e.committed else "saving" if e.running(storage) else "incomplete"
+    width = max(len("CHECKPOINT"), *(len(e.path or ".") for e, _, _ in rows))
+    where = f"  {'WHERE':<7}" if args.local_dir else ""
+    print(f"{'CHECKPOINT':<{width}}  {'STATUS':<10}{where}  {'FILES':>5}  {'SIZE':>10}")
+    for e, root, tier in rows:
+        status = "committed" if e.committed else "saving" if e.running(root) else "incomplete"
         note = "  (rank-local metadata)" if e.rank_local else ""
         if e.unknown and not e.committed:
             note = f"  (also holds {len(e.unknown)} file(s) no DCP save writes: gc leaves it alone)"
-        print(f"{e.path or '.':<{width}}  {status:<10}  {e.files:>5}  {human_bytes(e.bytes):>10}{note}")
+        where = f"  {_where(e, tier, committed_in):<7}" if args.local_dir else ""
+        print(f"{e.path or '.':<{width}}  {status:<10}{where}  {e.files:>5}  {human_bytes(e.bytes):>10}{note}")
     return 0
+
+
+def _where(entry: Any, tier: str, committed_in: dict[str, set[str]]) -> str:
+    """``local``, ``durable`` or ``both`` (committed in both tiers)."""
+    return "both" if entry.committed and len(committed_in.get(entry.path, ())) == 2 else tier
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -161,7 +180,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(fn=fn)
         return p
 
-    add("ls", cmd_ls, "list checkpoints (committed and incomplete) under a root").add_argument("--json", action="store_true")
+    p = add("ls", cmd_ls, "list checkpoints (committed and incomplete) under a root")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--local-dir", metavar="PATH",
+                   help="a tiered manager's local tier: show where each step lives (local, durable, both)")
     add("inspect", cmd_inspect, "show keys, shapes, dtypes, bytes and files of a checkpoint").add_argument(
         "--json", action="store_true"
     )

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 from .dcp.commit import read_checkpoint_metadata
 from .errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound, StorageNotFound, UnsafeCheckpoint
 from .format.inflight import decode_owner, is_alive_file, is_running
-from .format.layout import INFLIGHT, MANIFEST, METADATA, is_commit_file, is_data_file, item_key
+from .format.layout import INFLIGHT, MANIFEST, METADATA, is_commit_file, is_data_file, is_replica_report, item_key
 from .format.manifest import SMALL_FILE_LIMIT, Manifest, read_capped
 from .format.safe_pickle import check_record_end, load_object
 from .storage import MiB, Storage
@@ -39,7 +39,13 @@ _STOCK_TEMP_RE = re.compile(r"^(__\d+)?\.metadata\.tmp$")
 
 def _is_leftover(name: str) -> bool:
     """Files an interrupted save (ours or stock DCP's) leaves."""
-    return name in (MANIFEST, INFLIGHT) or is_data_file(name) or is_alive_file(name) or bool(_STOCK_TEMP_RE.match(name))
+    return (
+        name in (MANIFEST, INFLIGHT)
+        or is_data_file(name)
+        or is_alive_file(name)
+        or is_replica_report(name)
+        or bool(_STOCK_TEMP_RE.match(name))
+    )
 
 
 @dataclass

@@ -26,9 +26,8 @@ import torch.distributed as dist
 import dcpstore
 from backends import Target, make_target
 from crashkit import crash, forkserver
-from dcpstore.format.layout import MANIFEST, METADATA
+from dcpstore.format.layout import MANIFEST, METADATA, REPLICA_REPORT_PREFIX
 from dcpstore.manager import step_dir
-from dcpstore.manager.replicate import REPORT_PREFIX
 from dist_utils import run_ranks
 from faults import KillAt, Recorder, hook_all_storage, spread
 from helpers import assert_state_equal, zeros_like_state
@@ -360,7 +359,7 @@ def test_two_ranks_replicate_and_agree_on_the_copy(tmp_path: Path) -> None:
     shared = str(tmp_path / "local")
     run_ranks(_ranks_save, 2, durable_uri, [shared], {})
     assert _durable_steps(Target("local", durable_uri)) == [2, 3]
-    assert not list(Path(durable_uri).glob(f"*/{REPORT_PREFIX}*"))  # reports removed after the commit
+    assert not list(Path(durable_uri).glob(f"*/{REPLICA_REPORT_PREFIX}*"))  # reports removed after the commit
     # Resharding: one process reads it back, from the durable tier (a fresh dir) or the local one.
     for local in (str(tmp_path / "fresh"), shared):
         with dcpstore.CheckpointManager(durable_uri, local_dir=local) as mgr:

@@ -7,6 +7,8 @@ A checkpoint directory (or key prefix) holds, in stock DCP layout::
                             commit or failure; :mod:`.inflight`)
     __{rank}_{n}.distcp     data files, one per writer thread per rank
     .dcpstore.json          the integrity manifest (written just before .metadata)
+    .dcpstore.replica.<r>   a tiered manager's replication report of rank r
+                            (durable tier only; removed after the commit)
     .metadata               the commit: pickled DCP ``Metadata``, written last
 
 ``.metadata`` stays exactly what ``torch.distributed.checkpoint`` writes, so
@@ -45,6 +47,9 @@ MANIFEST = ".dcpstore.json"
 #: removed after the commit. A save whose marker was replaced by another
 #: save's while it wrote refuses to commit (two writers, one URI).
 INFLIGHT = ".dcpstore.inflight"
+#: A tiered manager's per-rank report of the files it replicated to the
+#: durable tier (``.dcpstore.replica.<rank>``; removed after that copy's commit).
+REPLICA_REPORT_PREFIX = ".dcpstore.replica."
 DATA_SUFFIX = ".distcp"
 _DATA_RE = re.compile(r"^__\d+_\d+\.distcp$")
 #: Stock DCP with ``use_collectives=False`` commits one ``__{rank}.metadata`` per rank.
@@ -58,6 +63,10 @@ def data_file_name(rank_prefix: str, index: int) -> str:
 
 def is_data_file(path: str) -> bool:
     return _DATA_RE.match(path) is not None
+
+
+def is_replica_report(name: str) -> bool:
+    return name.startswith(REPLICA_REPORT_PREFIX)
 
 
 def item_key(path: str, offset: int) -> str:

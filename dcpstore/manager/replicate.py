@@ -44,7 +44,7 @@ from concurrent.futures import ThreadPoolExecutor
 import crc32c
 
 from ..errors import CheckpointCorrupt, CheckpointError, SaveError, StorageNotFound
-from ..format.layout import MANIFEST, METADATA
+from ..format.layout import MANIFEST, METADATA, REPLICA_REPORT_PREFIX, is_replica_report
 from ..format.manifest import (
     MANIFEST_LIMIT,
     METADATA_LIMIT,
@@ -59,19 +59,13 @@ from ..format.manifest import (
 from ..storage import Storage
 from .steps import step_dir
 
-#: Per-rank report of a step's uploads, beside the durable step's data files.
-REPORT_PREFIX = ".dcpstore.replica."
 #: How often the coordinator looks for the other ranks' reports.
 POLL_S = 0.05
 POLL_MAX_S = 1.0
 
 
 def report_name(rank: int) -> str:
-    return f"{REPORT_PREFIX}{rank}"
-
-
-def is_report(name: str) -> bool:
-    return name.startswith(REPORT_PREFIX)
+    return f"{REPLICA_REPORT_PREFIX}{rank}"
 
 
 def read_local_manifest(local: Storage, step: int) -> Manifest | None:
@@ -160,7 +154,7 @@ def _read_reports(durable: Storage, step: int) -> tuple[dict[str, FileEntry], di
     for obj in durable.list(f"{prefix}/"):
         name = obj["path"][len(prefix) + 1 :]
         sizes[name] = obj["size"]
-        if is_report(name):
+        if is_replica_report(name):
             reports.append(name)
     reported: dict[str, FileEntry] = {}
     for name in reports:
