@@ -24,7 +24,7 @@ from typing import Any
 from tqdm import tqdm
 
 from .bench import bench, parse_int_list, summarize
-from .bench.report import format_table, plot_workers, write_json
+from .bench.report import format_table, plot_workers, tiered_lines, write_json
 from .errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound, UnsafeCheckpoint
 from .maintenance import gc, inspect_checkpoint, list_checkpoints, verify_checkpoint
 from .storage import Storage, open_storage
@@ -140,14 +140,20 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     size, workers = parse_size(args.size), parse_int_list(args.workers)
+    mode = "async/" + args.engine if args.async_ or args.tiered else "sync"
+    if args.tiered:
+        mode += f", tiered through {args.tiered}"
     print(f"dcpstore bench {args.uri}: {human_bytes(size)} in {args.tensors} tensors, workers {workers}, "
-          f"{'async/' + args.engine if args.async_ else 'sync'}, {args.repeat} repeat(s)", flush=True)  # fmt: skip
+          f"{mode}, {args.repeat} repeat(s)", flush=True)  # fmt: skip
     records = bench(
         args.uri, size=size, tensors=args.tensors, workers=workers, engine=args.engine, async_=args.async_,
         repeat=args.repeat, enable_msc=args.enable_msc, drop_caches=not args.warm, progress=not args.quiet,
+        tiered=args.tiered,
     )  # fmt: skip
     rows = summarize(records)
     print(format_table(rows))
+    for line in tiered_lines(rows):
+        print(line)
     if args.json:
         write_json(args.json, records, {"command": "dcpstore bench", "uri": args.uri, "size": size})
         print(f"wrote {args.json}")
@@ -201,6 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", choices=("auto", "native", "nvrx"), default="auto", help="async engine (with --async)")
     p.add_argument("--async", dest="async_", action="store_true", help="save with async_=True; reports the blocked time")
     p.add_argument("--repeat", type=_positive_int, default=1, help="saves per worker count (default 1)")
+    p.add_argument("--tiered", metavar="LOCAL_DIR",
+                   help="compare a tiered manager (commit to LOCAL_DIR, replicate to URI) with plain async saves "
+                        "to LOCAL_DIR and to URI")
     p.add_argument("--json", metavar="FILE", help="write every measurement as JSON records")
     p.add_argument("--plot", metavar="FILE.png", help="plot GB/s against workers")
     p.add_argument("--warm", action="store_true",

@@ -98,6 +98,24 @@ def test_cli_bench_async_measures_and_verifies(tmp_path) -> None:
     assert rec["phases"]["stage"] > 0
 
 
+def test_cli_bench_tiered_compares_with_both_baselines(tmp_path) -> None:
+    out_json = tmp_path / "t.json"
+    durable, local = tmp_path / "durable", tmp_path / "local"
+    out = run_cli("bench", str(durable), "--tiered", str(local), "--size", "4MiB", "--tensors", "4", "--workers", "2",
+                  "--engine", "native", "--json", str(out_json), "-q", "--warm")  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    records = {r["name"]: r for r in _load_json(str(out_json))["records"]}
+    assert set(records) == {"local async/native w=2", "dcpstore tiered/native w=2", "direct async/native w=2"}
+    assert all(r["status"] == "ok" and r["verified"] is True for r in records.values()), records
+    tiered = records["dcpstore tiered/native w=2"]
+    assert tiered["backend"] == "local+local" and tiered["mode"] == "async"
+    # blocked <= local commit <= durable commit (= write_s), all from the start of save
+    assert 0 < tiered["blocked_s"] <= tiered["phases"]["local_commit"] <= tiered["phases"]["durable"] <= tiered["write_s"]
+    assert "x plain local async" in out.stdout and "x direct async save" in out.stdout, out.stdout
+    # Everything the entries wrote is gone from both tiers.
+    assert not [p for p in (*durable.rglob("*"), *local.rglob("*")) if p.is_file()]
+
+
 @pytest.mark.parametrize(
     "args, needle",
     [(["--size", "lots"], "size 'lots'"), (["--workers", "0,2"], "workers '0,2'"), (["--tensors", "0"], "--tensors")],

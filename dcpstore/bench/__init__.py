@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from ..storage import parse_uri
 from ..units import human_bytes, parse_size
-from .entries import DcpstoreEntry
+from .entries import DcpstoreEntry, TieredEntry
 from .measure import make_state, parse_int_list, zeros_like_state
 from .runner import RECORD_KEYS, Entry, Record, SaveOutcome, Skip, Waiter, done, measure_all, run_entry, summarize
 
@@ -108,17 +108,31 @@ def bench(
     enable_msc: bool = False,
     drop_caches: bool = True,
     progress: bool = True,
+    tiered: str | None = None,
 ) -> list[Record]:
     """Save and load ``size`` bytes in ``tensors`` tensors at ``uri`` once per
-    worker count (``repeat`` times each) and return the records."""
+    worker count (``repeat`` times each) and return the records.
+
+    ``tiered=LOCAL_DIR``: per worker count, three async entries side by side:
+    a plain save to ``LOCAL_DIR`` (the local baseline), a tiered manager
+    (local commit, then replication to ``uri``) and a direct save to ``uri``
+    (the durable baseline)."""
     url = parse_uri(uri)
     created_root = url.scheme == "file" and not os.path.exists(url.path)
     state = make_state(size, tensors)
     dest = zeros_like_state(state)
     run_id = f"dcpstore-bench-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-    entries = [
-        DcpstoreEntry(uri, run_id, workers=w, engine=engine, async_=async_, enable_msc=enable_msc) for w in workers
-    ]
+    entries: list[Entry] = []
+    for w in workers:
+        if tiered is None:
+            entries.append(DcpstoreEntry(uri, run_id, workers=w, engine=engine, async_=async_, enable_msc=enable_msc))
+            continue
+        entries += [
+            DcpstoreEntry(tiered, run_id, workers=w, engine=engine, async_=True, name=f"local async/{engine} w={w}"),
+            TieredEntry(uri, tiered, run_id, workers=w, engine=engine, enable_msc=enable_msc),
+            DcpstoreEntry(uri, run_id, workers=w, engine=engine, async_=True, enable_msc=enable_msc,
+                          name=f"direct async/{engine} w={w}"),
+        ]  # fmt: skip
     try:
         return run_entries(entries, state, dest, repeat=repeat, drop_caches=drop_caches, progress=progress)
     finally:

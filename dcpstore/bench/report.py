@@ -53,6 +53,33 @@ def format_table(rows: Iterable[dict[str, Any]]) -> str:
     return "\n".join([row(head), *(row(line) for line in lines)])
 
 
+def tiered_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """For ``bench --tiered``: each tiered row against its baselines of the
+    same worker count, as ratios (tiered / baseline; 1.00 = as fast)."""
+    by_name = {r["name"]: r for r in rows if r["status"] == "ok"}
+    out = []
+    for r in by_name.values():
+        if not r["name"].startswith("dcpstore tiered/"):
+            continue
+        suffix = r["name"].removeprefix("dcpstore tiered/")
+        local, direct = by_name.get(f"local async/{suffix}"), by_name.get(f"direct async/{suffix}")
+        ph = r.get("phases") or {}
+        parts = [f"{r['name']}: blocked {r['blocked_s']:.3f} s"]
+        if local and local.get("blocked_s"):
+            parts[0] += f" ({r['blocked_s'] / local['blocked_s']:.2f}x plain local async)"
+        if "local_commit" in ph:
+            text = f"local commit {ph['local_commit']:.3f} s"
+            if local and local.get("write_s"):
+                text += f" ({ph['local_commit'] / local['write_s']:.2f}x plain local async)"
+            parts.append(text)
+        text = f"durable {r['write_s']:.3f} s"
+        if direct and direct.get("write_s"):
+            text += f" ({r['write_s'] / direct['write_s']:.2f}x direct async save)"
+        parts.append(text)
+        out.append(", ".join(parts))
+    return out
+
+
 def _git_commit() -> str | None:
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
