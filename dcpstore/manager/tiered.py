@@ -137,6 +137,9 @@ class TieredRoots:
         self._errors: list[BaseException] = []
         self._thread: threading.Thread | None = None
         self._closed = False
+        #: Durable steps as of construction, plus those replicated since: what
+        #: ``save`` checks (no object-store round trip while the caller waits).
+        self._durable_known = set(self.durable_steps())
         if self._coordinator:
             self._catch_up()
 
@@ -168,8 +171,9 @@ class TieredRoots:
         return step % self._every == 0
 
     def is_committed(self, step: int) -> bool:
-        name = f"{step_dir(step)}/{METADATA}"
-        return self._local.exists(name) or self._durable.exists(name)
+        """In the local tier (looked up) or the durable one (as this manager
+        knows it: listed at construction, plus what it replicated since)."""
+        return step in self._durable_known or self._local.exists(f"{step_dir(step)}/{METADATA}")
 
     def local_steps(self) -> list[int]:
         """Steps this rank holds a whole local copy of."""
@@ -201,6 +205,7 @@ class TieredRoots:
             self.wait(self._timeout_s)
             if self._durable.exists(f"{step_dir(step)}/{METADATA}"):
                 delete_step(self._durable, step)
+        self._durable_known.discard(step)
 
     def saved(self, step: int, handle: SaveHandle) -> None:
         """Queue ``step`` for replication as soon as its local save commits."""
@@ -226,7 +231,7 @@ class TieredRoots:
             self._cond.notify_all()
 
     def _catch_up(self) -> None:
-        durable = self.durable_steps()
+        durable = sorted(self._durable_known)
         for step in self.local_steps():
             if self._needs_replication(step, durable):
                 log.info("step %d is committed locally but not in %s: replicating it", step, self.uri)
@@ -266,12 +271,15 @@ class TieredRoots:
         own = upload_files(self._local, self._durable, job.step, files, expected, self._workers)
         if not self._coordinator:
             write_report(self._durable, job.step, self._rank, own)
+            self._durable_known.add(job.step)  # the coordinator commits it (or wait() raises there)
             return
         commit_replica(self._local, self._durable, job.step, own, started + self._timeout_s)
+        self._durable_known.add(job.step)
         log.info("step %d replicated to %s in %.2f s", job.step, self.uri, time.monotonic() - started)
         write_pointer(self._durable, job.step)
         if self._keep is not None:
             retire(self._durable, job.step, self._keep)
+            self._durable_known = set(self.durable_steps())
 
     def _retire_local(self, newest: int) -> None:
         """Keep the ``local_keep`` newest committed local steps up to ``newest``;
