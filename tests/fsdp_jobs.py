@@ -145,8 +145,8 @@ def job_manager(rank: int, world: int, root: str) -> None:
         def refuse(*args: Any, **kwargs: Any) -> None:
             raise AssertionError(f"rank {rank} modified the root outside a save")
 
-        mgr._storage.delete = refuse  # type: ignore[method-assign]
-        mgr._write_pointer = refuse  # type: ignore[method-assign]
+        mgr._roots.save_storage.delete = refuse  # type: ignore[method-assign]
+        mgr._roots.committed = refuse  # type: ignore[method-assign]  # the pointer and retention
     for step in range(1, 5):
         train(model, optim, 1, seed=step)
         fsdp.save_app_state(model, optim, mgr, step=step, extra={"step": step})

@@ -26,10 +26,12 @@ import torch.distributed as dist
 import dcpstore
 from backends import Target, make_target
 from crashkit import crash, forkserver
+from dcpstore.format.inflight import ALIVE_PREFIX
+from dcpstore.maintenance import gc, list_checkpoints
 from dcpstore.format.layout import MANIFEST, METADATA, REPLICA_REPORT_PREFIX
 from dcpstore.manager import step_dir
 from dist_utils import run_ranks
-from faults import KillAt, Recorder, hook_all_storage, spread
+from faults import BlockAt, KillAt, Recorder, hook_all_storage, spread
 from helpers import assert_state_equal, zeros_like_state
 
 #: Durable tiers: a local path, native S3 (moto over HTTP), S3 through MSC.
@@ -64,9 +66,11 @@ def _local_steps(local: Path) -> list[int]:
     return sorted(int(p.name[5:]) for p in local.glob("step_*") if (p / METADATA).exists())
 
 
-def _assert_durable_step(durable: Target, step: int, big: int = 4096) -> None:
+def _assert_durable_step(durable: Target, step: int, big: int = 4096, *, killed: bool = False) -> None:
     """The durable copy of ``step`` loads exactly (a plain load of its URI),
-    and holds exactly what the commit protocol writes: no replica reports."""
+    and holds exactly what the commit protocol writes: no replica reports,
+    no alive file (``killed``: a kill after the commit may have left those,
+    which gc removes)."""
     uri = f"{durable.uri.rstrip('/')}/{step_dir(step)}"
     expected = _state(step, big)
     restored = zeros_like_state(expected)
@@ -78,6 +82,8 @@ def _assert_durable_step(durable: Target, step: int, big: int = 4096) -> None:
         manifest = json.loads(storage.read(MANIFEST))
     finally:
         storage.close()
+    if killed:
+        names = {n for n in names if not (n.startswith(REPLICA_REPORT_PREFIX) or n.startswith(ALIVE_PREFIX))}
     assert names == {METADATA, MANIFEST, *manifest["files"]}, names
 
 
@@ -210,6 +216,25 @@ def test_overwrite_retracts_the_durable_copy_first(durable: Target, tmp_path: Pa
     assert_state_equal(_state(2), restored)
 
 
+def test_gc_keeps_a_replication_in_progress(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    durable = Target("local", str(tmp_path / "durable"))
+    gate = BlockAt(lambda e: e.startswith(f"commit:{step_dir(1)}/__"))  # a data file's upload hangs
+    hook_all_storage({durable.uri: gate}, monkeypatch.setattr)
+    mgr = _manager(durable, tmp_path / "local")
+    mgr.save(1, _state(1))
+    assert gate.reached.wait(60)
+    root = dcpstore.open_storage(durable.uri)
+    try:
+        report = gc(root, older_than_s=0)
+        assert report.kept_running == [step_dir(1)] and not report.removed, report
+    finally:
+        gate.release()
+        root.close()
+    mgr.wait()
+    mgr.close()
+    _assert_durable_step(durable, 1)
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
@@ -293,7 +318,15 @@ def _run_replication_crashes(durable: Target, tmp_path: Path, points: int) -> No
         if k > committed:
             assert 2 in steps, (k, events[k])
         for step in steps:
-            _assert_durable_step(root, step, 1 << 20)
+            _assert_durable_step(root, step, 1 << 20, killed=True)
+        # gc removes what the killed replication left (its process is gone), never a committed step.
+        storage = dcpstore.open_storage(root.uri, **root.kwargs)
+        try:
+            gc(storage, older_than_s=0)
+            assert all(e.committed for e in list_checkpoints(storage)), (k, events[k])
+        finally:
+            storage.close()
+        assert _durable_steps(root) == steps, (k, events[k])
         # The next manager over the same local dir replicates step 2 (if the
         # kill came after its local commit: the first events are the manager's own listings).
         newest = _local_steps(local)[-1]
@@ -302,7 +335,7 @@ def _run_replication_crashes(durable: Target, tmp_path: Path, points: int) -> No
         after = _durable_steps(root)
         # Retention (keep=1) of step 1 runs after the next commit, as a plain manager's does.
         assert after[-1] == newest and set(after) <= {1, 2}, (k, events[k], after)
-        _assert_durable_step(root, newest, 1 << 20)
+        _assert_durable_step(root, newest, 1 << 20, killed=True)  # a kill after the commit: gc's markers
         replicated_from = min(i for i, e in enumerate(events) if e.startswith(f"open:{step_dir(2)}/"))
         assert newest == 2 or k < replicated_from, (k, events[k])
 

@@ -18,11 +18,16 @@ process group from a background thread)::
     other ranks   write_report(durable, step, rank, entries)
                       ``.dcpstore.replica.<rank>``: what it uploaded (size and
                       CRC32C per file)
+    coordinator   with keep_alive(durable, step):  around its own uploads and
+                      the commit: an alive file, refreshed, so that ``dcpstore
+                      gc`` never collects a replication in progress
     coordinator   commit_replica(local, durable, step, own, deadline)
                       waits until every file the local manifest lists is
                       either its own upload or covered by a report whose
                       size and CRC32C match the manifest, then writes the
                       manifest, then ``.metadata``; then removes the reports
+                      and what an earlier, interrupted replica left (data
+                      files no longer named, its alive file)
 
 The coordinator's own local copy must hold the manifest and ``.metadata``
 (it does: the coordinator commits the local save). Other ranks check their
@@ -36,15 +41,20 @@ Layer: manager. Imports :mod:`dcpstore.format`, :mod:`dcpstore.storage` and
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
+import os
+import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 
 import crc32c
 
 from ..errors import CheckpointCorrupt, CheckpointError, SaveError, StorageNotFound
-from ..format.layout import MANIFEST, METADATA, REPLICA_REPORT_PREFIX, is_replica_report
+from ..format import inflight
+from ..format.layout import MANIFEST, METADATA, REPLICA_REPORT_PREFIX, is_data_file, is_replica_report
 from ..format.manifest import (
     MANIFEST_LIMIT,
     METADATA_LIMIT,
@@ -58,6 +68,8 @@ from ..format.manifest import (
 )
 from ..storage import Storage
 from .steps import step_dir
+
+log = logging.getLogger(__name__)
 
 #: How often the coordinator looks for the other ranks' reports.
 POLL_S = 0.05
@@ -208,8 +220,46 @@ def commit_replica(
         pause = min(POLL_MAX_S, pause * 2)
     durable.put(f"{prefix}/{MANIFEST}", manifest_blob)
     durable.put(f"{prefix}/{METADATA}", metadata_blob)  # the commit point
-    if reports:
+    try:
+        stale = [
+            o["path"]
+            for o in durable.list(f"{prefix}/")
+            if (name := o["path"][len(prefix) + 1 :]) not in wanted
+            and (is_data_file(name) or is_replica_report(name) or inflight.is_alive_file(name))
+        ]
+        if stale:
+            durable.delete(stale)
+    except CheckpointError as e:  # harmless leftovers beside a committed step
+        log.warning("could not remove leftovers beside the replica %s: %s", durable.describe(prefix), e)
+
+
+@contextlib.contextmanager
+def keep_alive(durable: Storage, step: int) -> Iterator[None]:
+    """An alive file in the durable ``step`` (:mod:`dcpstore.format.inflight`),
+    rewritten every ``REFRESH_S`` while the block runs and removed after it,
+    either way: ``dcpstore gc`` keeps a replication in progress, and may
+    collect what a failed or killed one left."""
+    replica_id = os.urandom(8).hex()
+    name = f"{step_dir(step)}/{inflight.alive_name(replica_id)}"
+    blob = inflight.encode_alive(replica_id, inflight.Owner.current())
+    durable.put(name, blob)
+    stop = threading.Event()
+
+    def refresh() -> None:
+        while not stop.wait(inflight.REFRESH_S):
+            try:
+                durable.put(name, blob)
+            except CheckpointError as e:
+                log.debug("could not refresh %s: %s", durable.describe(name), e)
+
+    thread = threading.Thread(target=refresh, name="dcpstore-replica-alive", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
         try:
-            durable.delete([f"{prefix}/{r}" for r in reports])
-        except CheckpointError:
-            pass  # harmless leftovers beside a committed step
+            durable.delete([name])
+        except CheckpointError as e:
+            log.debug("could not remove %s: %s", durable.describe(name), e)

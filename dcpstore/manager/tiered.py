@@ -60,7 +60,7 @@ from ..format.layout import MANIFEST, METADATA
 from ..format.manifest import MANIFEST_LIMIT, parse_manifest, read_capped
 from ..handle import SaveHandle
 from ..storage import Storage, join_uri
-from .replicate import commit_replica, read_local_manifest, upload_files, write_report
+from .replicate import commit_replica, keep_alive, read_local_manifest, upload_files, write_report
 from .roots import coordinator_rank, group_rank, is_distributed, not_found
 from .steps import check_step, committed_steps, delete_step, parse_step_dir, read_pointer, retire, step_dir, write_pointer
 
@@ -268,12 +268,14 @@ class TieredRoots:
             if expected is None:
                 raise SaveError(f"{self._local.describe(step_dir(job.step))} has no integrity manifest")
             files = tuple(expected["files"])
-        own = upload_files(self._local, self._durable, job.step, files, expected, self._workers)
         if not self._coordinator:
+            own = upload_files(self._local, self._durable, job.step, files, expected, self._workers)
             write_report(self._durable, job.step, self._rank, own)
             self._durable_known.add(job.step)  # the coordinator commits it (or wait() raises there)
             return
-        commit_replica(self._local, self._durable, job.step, own, started + self._timeout_s)
+        with keep_alive(self._durable, job.step):
+            own = upload_files(self._local, self._durable, job.step, files, expected, self._workers)
+            commit_replica(self._local, self._durable, job.step, own, started + self._timeout_s)
         self._durable_known.add(job.step)
         log.info("step %d replicated to %s in %.2f s", job.step, self.uri, time.monotonic() - started)
         write_pointer(self._durable, job.step)
