@@ -412,3 +412,38 @@ def test_two_ranks_replicate_and_agree_on_the_copy(tmp_path: Path) -> None:
     for data in Path(shared, step_dir(3)).glob("*.distcp"):
         data.write_bytes(b"\0" * data.stat().st_size)
     run_ranks(_ranks_load, 2, durable_uri, [shared, str(tmp_path / "fresh")], 3)
+
+
+def _ranks_one_fails(rank: int, world_size: int, durable_uri: str, local: str) -> None:
+    import dcpstore.manager.tiered as tiered
+
+    if rank == 1:  # rank 1's uploads fail: its files never reach the durable tier
+        def broken(*args: Any, **kwargs: Any) -> Any:
+            raise dcpstore.StorageError("injected: rank 1 cannot reach the object store")
+
+        tiered.upload_files = broken  # type: ignore[assignment]
+    mgr = dcpstore.CheckpointManager(durable_uri, local_dir=local, async_=False, replicate_timeout_s=3.0)
+    mgr.save(1, _dtensor_state(world_size, 1))
+    expected = "injected" if rank == 1 else r"\(__1_0\.distcp\) never arrived"
+    with pytest.raises(dcpstore.SaveError, match=expected):
+        mgr.wait()
+    mgr.close()
+
+
+def test_a_rank_whose_uploads_fail_leaves_no_durable_step(tmp_path: Path) -> None:
+    durable_uri = str(tmp_path / "durable")
+    run_ranks(_ranks_one_fails, 2, durable_uri, str(tmp_path / "local"))
+    assert _durable_steps(Target("local", durable_uri)) == []
+    assert _local_steps(tmp_path / "local") == [1]  # kept: it still needs replicating
+
+
+@pytest.mark.slow
+def test_an_item_over_512_mib_replicates_to_s3_and_loads_back(request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    durable = make_target("s3", request)
+    big = (600 << 20) // 4  # one 600 MiB float32 tensor
+    with _manager(durable, tmp_path / "local", local_keep=1) as mgr:
+        mgr.save(1, _state(1, big))
+        mgr.wait()
+    _assert_durable_step(durable, 1, big)
+    with _manager(durable, tmp_path / "fresh") as mgr:
+        assert _loads(mgr, big=big) == 1
