@@ -14,8 +14,6 @@ gloo ranks (one shared local directory, and node-local directories).
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
-import os
 from pathlib import Path
 from typing import Any
 

@@ -31,9 +31,10 @@ process group from a background thread)::
 
 The coordinator's own local copy must hold the manifest and ``.metadata``
 (it does: the coordinator commits the local save). Other ranks check their
-uploads against the manifest when their local directory holds it (one local
-directory shared by the job); on node-local directories they report their
-CRCs and the coordinator checks them.
+uploads against the manifest when their local directory holds it; where it
+does not, the coordinator checks the CRCs they report. The manifest is found
+as the one whose recorded ``.metadata`` CRC32C matches (:func:`read_local_commit`),
+whatever name the save gave it.
 
 Layer: manager. Imports :mod:`dcpstore.format`, :mod:`dcpstore.storage` and
 :mod:`dcpstore.errors`.
@@ -49,6 +50,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import crc32c
 
@@ -58,10 +60,8 @@ from ..format.layout import MANIFEST, METADATA, REPLICA_REPORT_PREFIX, is_data_f
 from ..format.manifest import (
     MANIFEST_LIMIT,
     METADATA_LIMIT,
-    SMALL_FILE_LIMIT,
     FileEntry,
     Manifest,
-    check_metadata_crc,
     check_relative_name,
     parse_manifest,
     read_capped,
@@ -80,15 +80,47 @@ def report_name(rank: int) -> str:
     return f"{REPLICA_REPORT_PREFIX}{rank}"
 
 
-def read_local_manifest(local: Storage, step: int) -> Manifest | None:
-    """The manifest of the local copy of ``step``, or None if this rank's
-    local directory holds none (node-local directories of other ranks)."""
-    name = f"{step_dir(step)}/{MANIFEST}"
+@dataclass(frozen=True)
+class LocalCommit:
+    """The commit of a step's local copy: ``.metadata`` and the manifest that
+    belongs to it (its name as the save wrote it, its bytes, parsed)."""
+
+    metadata_blob: bytes
+    manifest_name: str
+    manifest_blob: bytes
+    manifest: Manifest
+
+
+def _may_be_manifest(name: str) -> bool:
+    # The plain name, or a save-unique one (.dcpstore.<tag>.json) of an overwrite.
+    return name == MANIFEST or (name.startswith(".dcpstore.") and name.endswith(".json") and "/" not in name)
+
+
+def read_local_commit(local: Storage, step: int, names: Iterable[str] | None = None) -> LocalCommit | None:
+    """The commit of the local copy of ``step``, or None if there is none
+    (no ``.metadata``, or no manifest: node-local directories of other
+    ranks). The manifest is the one whose ``metadata_crc32c`` is the CRC32C
+    of this ``.metadata``: a directory may also hold the manifest of an
+    earlier save at the same step (an overwrite), never the right one twice.
+    ``names``: the file names in the step's directory, if already listed."""
+    prefix = step_dir(step)
     try:
-        blob = read_capped(local, name, MANIFEST_LIMIT)
+        metadata_blob = read_capped(local, f"{prefix}/{METADATA}", METADATA_LIMIT)
     except StorageNotFound:
         return None
-    return parse_manifest(blob, local.describe(name))
+    if names is None:
+        names = [o["path"][len(prefix) + 1 :] for o in local.list(f"{prefix}/")]
+    crc = crc32c.crc32c(metadata_blob)
+    for name in sorted(n for n in names if _may_be_manifest(n)):
+        where = f"{prefix}/{name}"
+        try:
+            blob = read_capped(local, where, MANIFEST_LIMIT)
+        except StorageNotFound:
+            continue
+        manifest = parse_manifest(blob, local.describe(where))
+        if manifest["metadata_crc32c"] == crc:
+            return LocalCommit(metadata_blob, name, blob, manifest)
+    return None
 
 
 def copy_file(local: Storage, durable: Storage, path: str, expected: FileEntry | None, chunk: int) -> FileEntry:
@@ -193,11 +225,12 @@ def commit_replica(
     ``.metadata``, the commit point. Raises :class:`SaveError` at
     ``deadline`` (``time.monotonic()``) naming the files still missing."""
     prefix = step_dir(step)
-    manifest_blob = read_capped(local, f"{prefix}/{MANIFEST}", MANIFEST_LIMIT)
-    manifest = parse_manifest(manifest_blob, local.describe(f"{prefix}/{MANIFEST}"))
-    metadata_blob = read_capped(local, f"{prefix}/{METADATA}", METADATA_LIMIT)
-    check_metadata_crc(metadata_blob, manifest, local.describe(f"{prefix}/{METADATA}"))
-    wanted = manifest["files"]
+    commit = read_local_commit(local, step)
+    if commit is None:
+        raise CheckpointCorrupt(
+            f"{local.describe(prefix)}: no {METADATA} with its integrity manifest; the local copy cannot be replicated"
+        )
+    wanted = commit.manifest["files"]
     for name, entry in own.items():
         if wanted.get(name) != entry:
             raise CheckpointCorrupt(f"{local.describe(f'{prefix}/{name}')}: does not match the local manifest")
@@ -218,14 +251,15 @@ def commit_replica(
             )
         time.sleep(pause)
         pause = min(POLL_MAX_S, pause * 2)
-    durable.put(f"{prefix}/{MANIFEST}", manifest_blob)
-    durable.put(f"{prefix}/{METADATA}", metadata_blob)  # the commit point
+    durable.put(f"{prefix}/{commit.manifest_name}", commit.manifest_blob)
+    durable.put(f"{prefix}/{METADATA}", commit.metadata_blob)  # the commit point
     try:
         stale = [
             o["path"]
             for o in durable.list(f"{prefix}/")
             if (name := o["path"][len(prefix) + 1 :]) not in wanted
-            and (is_data_file(name) or is_replica_report(name) or inflight.is_alive_file(name))
+            and name != commit.manifest_name
+            and (is_data_file(name) or _may_be_manifest(name) or is_replica_report(name) or inflight.is_alive_file(name))
         ]
         if stale:
             durable.delete(stale)

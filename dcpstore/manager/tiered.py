@@ -26,9 +26,13 @@ Which rank does what (every rank constructs the manager alike):
 * **Catch-up**: a new manager's coordinator queues the committed local steps
   that need replicating (selected, missing from the durable tier and not
   older than the durable tier's ``keep`` newest), so that a crash during
-  replication loses nothing that was committed locally. It needs a whole
-  local copy (one local directory for the job); a node-local copy that lacks
-  other ranks' files is left for the next save of a newer step to supersede.
+  replication loses nothing that was committed locally (from its whole
+  local copy: every file the manifest names).
+* **One local directory**: ``local_dir`` must be the same directory for
+  every rank of the job (one node's disk, or a path every node sees): the
+  save's commit protocol checks ownership through the coordinator's
+  in-flight marker there. (Replication itself would work from node-local
+  directories: ranks without the manifest report their CRCs.)
 * **Loading** (collective): every rank lists its *whole* local copies (the
   manifest and every file it names, at its size); the step is the newest
   committed one in either tier; it is read from the local tier if every rank
@@ -56,12 +60,11 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from ..errors import CheckpointError, InvalidArgument, SaveError
-from ..format.layout import MANIFEST, METADATA
-from ..format.manifest import MANIFEST_LIMIT, parse_manifest, read_capped
+from ..format.layout import METADATA
 from ..handle import SaveHandle
 from ..storage import Storage, join_uri
-from .replicate import commit_replica, keep_alive, read_local_manifest, upload_files, write_report
-from .roots import coordinator_rank, group_rank, is_distributed, not_found
+from .replicate import commit_replica, keep_alive, read_local_commit, upload_files, write_report
+from .roots import group_rank, is_distributed, not_found
 from .steps import check_step, committed_steps, delete_step, parse_step_dir, read_pointer, retire, step_dir, write_pointer
 
 log = logging.getLogger(__name__)
@@ -72,7 +75,7 @@ REPLICATE_TIMEOUT_S = 1800.0
 
 def whole_local_steps(local: Storage) -> list[int]:
     """The steps of which ``local`` holds a whole committed copy: ``.metadata``,
-    the manifest, and every data file the manifest names at its size."""
+    its manifest, and every data file the manifest names at its size."""
     found: dict[int, dict[str, int]] = {}
     for obj in local.list():
         directory, _, name = obj["path"].partition("/")
@@ -81,15 +84,14 @@ def whole_local_steps(local: Storage) -> list[int]:
             found.setdefault(step, {})[name] = obj["size"]
     whole = []
     for step, sizes in sorted(found.items()):
-        if METADATA not in sizes or MANIFEST not in sizes:
+        if METADATA not in sizes:
             continue
-        where = f"{step_dir(step)}/{MANIFEST}"
         try:
-            manifest = parse_manifest(read_capped(local, where, MANIFEST_LIMIT), local.describe(where))
+            commit = read_local_commit(local, step, sizes)
         except CheckpointError as e:
             log.warning("the local copy of step %d is not used: %s", step, e)
             continue
-        if all(sizes.get(name) == entry["size"] for name, entry in manifest["files"].items()):
+        if commit is not None and all(sizes.get(n) == e["size"] for n, e in commit.manifest["files"].items()):
             whole.append(step)
     return whole
 
@@ -262,11 +264,12 @@ class TieredRoots:
         if not self.selected(job.step):
             return
         started = time.monotonic()
-        expected = read_local_manifest(self._local, job.step)
+        commit = read_local_commit(self._local, job.step)
+        expected = commit.manifest if commit is not None else None
         files = job.files
         if files is None:  # catch-up: the coordinator copies every file the manifest names
             if expected is None:
-                raise SaveError(f"{self._local.describe(step_dir(job.step))} has no integrity manifest")
+                raise SaveError(f"{self._local.describe(step_dir(job.step))} has no {METADATA} with its manifest")
             files = tuple(expected["files"])
         if not self._coordinator:
             own = upload_files(self._local, self._durable, job.step, files, expected, self._workers)
