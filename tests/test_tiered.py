@@ -251,6 +251,12 @@ def test_bad_tier_arguments_are_refused(tmp_path: Path, kwargs: dict[str, Any], 
         dcpstore.CheckpointManager(str(tmp_path / "durable"), local_keep=1)
 
 
+def test_an_unreachable_durable_root_fails_at_construction(request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    s3 = make_target("s3", request)  # the session's endpoint; a bucket that does not exist
+    with pytest.raises(dcpstore.CheckpointError, match="s3://dcpstore-no-such-bucket/run"):
+        dcpstore.CheckpointManager("s3://dcpstore-no-such-bucket/run", local_dir=str(tmp_path / "local"), **s3.kwargs)
+
+
 def test_ls_shows_where_each_step_lives(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from dcpstore.cli import main as cli_main
 

@@ -141,9 +141,13 @@ class TieredRoots:
         self._closed = False
         #: Durable steps as of construction, plus those replicated since: what
         #: ``save`` checks (no object-store round trip while the caller waits).
-        self._durable_known = set(self.durable_steps())
-        if self._coordinator:
-            self._catch_up()
+        try:
+            self._durable_known = set(self.durable_steps())  # also: the durable root is reachable
+            if self._coordinator:
+                self._catch_up()
+        except BaseException:
+            self.close()
+            raise
 
     @property
     def _coordinator(self) -> bool:
@@ -329,7 +333,10 @@ class TieredRoots:
     # -- waiting --------------------------------------------------------------
     def wait(self, timeout: float | None) -> None:
         """Until every queued step is replicated (or ``timeout`` s); then
-        raise the first replication error since the last wait, if any."""
+        raise the first replication error since the last wait, if any. On the
+        coordinator "replicated" means the replica is committed; on other
+        ranks, that their files are uploaded and reported (a failure on any
+        rank makes the coordinator's wait raise, naming the missing files)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while self._queue or self._busy:
