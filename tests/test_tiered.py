@@ -19,6 +19,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 import torch.distributed as dist
 
 import dcpstore
@@ -158,6 +160,33 @@ def test_replicate_every_and_local_retention(tmp_path: Path) -> None:
         assert _durable_steps(durable) == [2, 4]  # only even steps go to the durable tier
         assert _local_steps(local) == [4, 5]
         assert mgr.all_steps() == [2, 4, 5]
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    gaps=st.lists(st.integers(1, 3), min_size=1, max_size=6),
+    every=st.integers(1, 3),
+    keep=st.one_of(st.none(), st.integers(1, 3)),
+    local_keep=st.one_of(st.none(), st.integers(1, 3)),
+)
+def test_retention_per_tier_matches_the_model(
+    tmp_path_factory: pytest.TempPathFactory, gaps: list[int], every: int, keep: int | None, local_keep: int | None
+) -> None:
+    """Whatever the steps and settings: the durable tier holds the ``keep``
+    newest steps divisible by ``every``, the local tier the ``local_keep``
+    newest steps, and a load gets the newest step, exactly."""
+    base = tmp_path_factory.mktemp("model")
+    durable, local = Target("local", str(base / "durable")), base / "local"
+    steps = [sum(gaps[: i + 1]) for i in range(len(gaps))]
+    with _manager(durable, local, keep=keep, local_keep=local_keep, replicate_every=every) as mgr:
+        for step in steps:
+            mgr.save(step, _state(step, 64))
+        mgr.wait()
+        selected = [s for s in steps if s % every == 0]
+        assert _durable_steps(durable) == (selected[-keep:] if keep else selected)
+        assert _local_steps(local) == (steps[-local_keep:] if local_keep else steps)
+        assert mgr.all_steps() == sorted(set(_durable_steps(durable)) | set(_local_steps(local)))
+        assert _loads(mgr, big=64) == steps[-1]
 
 
 def test_a_local_step_is_kept_until_it_is_replicated(tmp_path: Path) -> None:
