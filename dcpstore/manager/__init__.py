@@ -3,7 +3,9 @@
 Owns :class:`CheckpointManager` (:mod:`.manager`: one save in flight,
 retention after a commit, resume from the newest committed step) and the
 step layout on any storage root (:mod:`.steps`: names, listing, the
-``latest`` pointer, deletion, retention).
+``latest`` pointer, deletion, retention), and where the steps live
+(:mod:`.roots`: one root; :mod:`.tiered`: a local tier that saves commit to,
+replicated in the background to a durable root by :mod:`.replicate`).
 
 Layer: manager. May import the front door :mod:`dcpstore.api`, the engines,
 the DCP protocol, the format, the value objects, :mod:`dcpstore.storage` and
