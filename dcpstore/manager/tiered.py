@@ -29,10 +29,17 @@ Which rank does what (every rank constructs the manager alike):
   replication loses nothing that was committed locally (from its whole
   local copy: every file the manifest names).
 * **One local directory**: ``local_dir`` must be the same directory for
-  every rank of the job (one node's disk, or a path every node sees): the
+  every rank of the job (one node's disk, or a path every node sees). The
+  first save checks it (collective, once per manager): each rank writes a
+  probe file there and every rank looks for every other rank's; if any rank
+  misses one, every rank's save raises :class:`InvalidArgument` before
+  anything is written. Node-local directories are not supported yet: the
   save's commit protocol checks ownership through the coordinator's
-  in-flight marker there. (Replication itself would work from node-local
-  directories: ranks without the manifest report their CRCs.)
+  in-flight marker on every rank, and only the coordinator's directory
+  would hold the commit (``.metadata`` and manifest), which the other
+  nodes' loads, retention and catch-up need. (Loads alone already work
+  with differing directories: a rank without a whole copy sends every rank
+  to the durable tier.)
 * **Loading** (collective): every rank lists its *whole* local copies (the
   manifest and every file it names, at its size); the step is the newest
   committed one in either tier; it is read from the local tier if every rank
@@ -52,6 +59,7 @@ Layer: manager. Imports :mod:`dcpstore.storage`, :mod:`dcpstore.format`,
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -71,6 +79,10 @@ log = logging.getLogger(__name__)
 
 #: Default bound on one step's replication and on ``close()``'s wait.
 REPLICATE_TIMEOUT_S = 1800.0
+
+#: The probe files of the one-directory check (``<prefix><rank>.<random>``,
+#: in ``local_dir`` itself, removed right after the check).
+PROBE_PREFIX = ".dcpstore.probe."
 
 
 def whole_local_steps(local: Storage) -> list[int]:
@@ -139,6 +151,7 @@ class TieredRoots:
         self._errors: list[BaseException] = []
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._one_dir_checked = False
         #: Durable steps as of construction, plus those replicated since: what
         #: ``save`` checks (no object-store round trip while the caller waits).
         try:
@@ -204,14 +217,62 @@ class TieredRoots:
 
     # -- saving ---------------------------------------------------------------
     def before_save(self, step: int, overwrite: bool) -> None:
-        """Overwriting a step: its durable copy is retracted (coordinator,
+        """Every rank, before each save: the first one checks that every
+        rank sees one ``local_dir`` (:meth:`_check_one_local_dir`).
+        Overwriting a step: its durable copy is retracted (coordinator,
         after any replication of it under way), so that the durable tier
         never pairs the old ``.metadata`` with the new data files."""
+        self._check_one_local_dir()
         if overwrite and self._coordinator:
             self.wait(self._timeout_s)
             if self._durable.exists(f"{step_dir(step)}/{METADATA}"):
                 delete_step(self._durable, step)
         self._durable_known.discard(step)
+
+    def _check_one_local_dir(self) -> None:
+        """Collective, once: every rank writes a probe file into ``local_dir``
+        and looks for every rank's; raise :class:`InvalidArgument` on every
+        rank alike (the gathered views are the same everywhere) if some rank
+        misses one. A rank that cannot write its probe still joins both
+        gathers, so that no rank waits for it forever."""
+        if self._one_dir_checked or not is_distributed():
+            return
+        probe = f"{PROBE_PREFIX}{self._rank}.{os.urandom(8).hex()}"
+        token: str | None = probe
+        try:
+            self._local.makedirs()
+            self._local.put(probe, b"")
+        except CheckpointError as e:
+            log.error("could not write the probe file %s: %s", self._local.describe(probe), e)
+            token = None
+        try:
+            world = dist.get_world_size(self._group)
+            tokens: list[str | None] = [None] * world
+            dist.all_gather_object(tokens, token, group=self._group)
+            unseen = [r for r, t in enumerate(tokens) if not self._sees(t)]
+            views: list[list[int]] = [[]] * world
+            dist.all_gather_object(views, unseen, group=self._group)  # also: no probe goes before every rank looked
+        finally:
+            if token is not None:
+                try:
+                    self._local.delete([token])
+                except CheckpointError as e:  # an empty file beside the steps: harmless
+                    log.warning("could not remove the probe file %s: %s", self._local.describe(token), e)
+        blind = {rank: missed for rank, missed in enumerate(views) if missed}
+        if blind:
+            shown = "; ".join(f"rank {r} does not see the file(s) of rank(s) {m}" for r, m in sorted(blind.items()))
+            raise InvalidArgument(
+                f"local_dir {self.local_uri} is not one directory that every rank sees ({shown}): a tiered "
+                "manager needs one local directory for the whole job (one node's disk, or a path every node "
+                "mounts); node-local directories are not supported yet. Nothing was saved"
+            )
+        self._one_dir_checked = True
+
+    def _sees(self, probe: str | None) -> bool:
+        try:
+            return probe is not None and self._local.exists(probe)
+        except CheckpointError:
+            return False
 
     def saved(self, step: int, handle: SaveHandle) -> None:
         """Queue ``step`` for replication as soon as its local save commits."""
