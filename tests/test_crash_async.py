@@ -65,7 +65,7 @@ def _save(root: str, step: int, seed: int, engine: str, hook) -> None:
         instrument_nvrx(hook)
     state = crash_state(seed)
     manager = dcpstore.CheckpointManager(root, engine=engine, workers=3)
-    manager.save(step, state)
+    manager.save(state, step)
     mutate(state)  # training goes on; the checkpoint must not see this
     manager.wait(timeout=120)
 

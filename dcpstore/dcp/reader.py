@@ -22,6 +22,7 @@ import contextlib
 import io
 import os
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
@@ -40,7 +41,9 @@ from torch.futures import Future
 from ..errors import CheckpointCorrupt, CheckpointError, InvalidArgument, StorageNotFound
 from ..format.layout import MANIFEST, METADATA, Manifest, item_key
 from ..format.record import item_tensor
+from ..handle import LoadStats
 from ..options import LoadOptions, check_workers, default_workers
+from ..progress import NO_PROGRESS, Progress
 from ..quiet import ignoring
 from ..storage import Storage
 from ..threads import run_parallel
@@ -55,7 +58,8 @@ SMALL_TENSOR_COPY = 64 * 1024
 
 
 class DcpStorageReader(StorageReader):
-    """A DCP ``StorageReader`` over any :class:`Storage`; verifies as it reads."""
+    """A DCP ``StorageReader`` over any :class:`Storage`; verifies as it
+    reads. ``progress`` counts this rank's bytes as items are read."""
 
     def __init__(
         self,
@@ -64,11 +68,13 @@ class DcpStorageReader(StorageReader):
         workers: int | None = None,
         reopen: Callable[[str], Storage] | None = None,
         verify: bool = True,
+        progress: Progress = NO_PROGRESS,
     ) -> None:
         super().__init__()
         self.storage = storage
         self.workers = check_workers(workers, default_workers())
         self.verify = verify
+        self.progress = progress
         self._reopen = reopen
         self._manifest: Manifest | None = None
         self._metadata: Metadata | None = None
@@ -122,6 +128,7 @@ class DcpStorageReader(StorageReader):
         assert self._metadata is not None
         raw = self._manifest["tensors"] if self._manifest is not None else {}
         jobs = plan_reads(per_file, raw, self._metadata, self.workers, self.storage.describe(MANIFEST))
+        self.progress.start(sum(info.length for reqs in per_file.values() for _, info in reqs))
         lock = threading.Lock()
         future: Future[None] = Future()
         try:
@@ -179,6 +186,7 @@ class DcpStorageReader(StorageReader):
                 for d, target, _ in group:
                     self.bytes_read += d.length
                     planner.commit_tensor(d.req, target)
+            self.progress.update(sum(d.length for d, _, _ in group))
 
     def _scatter_read(self, group: list[tuple[Direct, torch.Tensor, memoryview]]) -> None:
         """One scatter read of every byte of the group's items: each record's
@@ -230,6 +238,7 @@ class DcpStorageReader(StorageReader):
         view = memoryview(blob)
         with lock:
             self.bytes_read += len(blob)
+        self.progress.update(len(blob))
         for req, info in span.reqs:
             start = info.offset - span.offset
             item = view[start : start + info.length]
@@ -294,13 +303,18 @@ def _narrow(tensor: torch.Tensor, offsets: torch.Size, lengths: torch.Size) -> t
     return tensor
 
 
-def load_state_dict(state_dict: dict[str, Any], storage: Storage, options: LoadOptions) -> None:
+def load_state_dict(
+    state_dict: dict[str, Any], storage: Storage, options: LoadOptions, progress: Progress = NO_PROGRESS
+) -> LoadStats:
     """One whole DCP load of ``storage`` into ``state_dict`` in place, with
-    dcpstore's reader (every rank calls it). A failure on any rank raises
-    the first failed rank's :class:`CheckpointError` (or a
-    :class:`~dcpstore.LoadError`) on every rank."""
-    reader = DcpStorageReader(storage, workers=options.workers, verify=options.verify)
+    dcpstore's reader (every rank calls it); returns what this rank read. A
+    failure on any rank raises the first failed rank's
+    :class:`CheckpointError` (or a :class:`~dcpstore.LoadError`) on every
+    rank."""
+    t0 = time.perf_counter()
+    reader = DcpStorageReader(storage, workers=options.workers, verify=options.verify, progress=progress)
     reader.preload_metadata()
+    t_read = time.perf_counter()
     no_dist = not (dist.is_available() and dist.is_initialized())
     try:
         with ignoring(NO_DIST_WARNING) if no_dist else contextlib.nullcontext():
@@ -313,3 +327,4 @@ def load_state_dict(state_dict: dict[str, Any], storage: Storage, options: LoadO
             )
     except CheckpointException as e:
         raise load_error(e, storage.uri) from e
+    return LoadStats(bytes_read=reader.bytes_read, metadata_s=t_read - t0, read_s=time.perf_counter() - t_read)
