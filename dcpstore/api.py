@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 
 from .dcp.failures import save_error
 from .dcp.reader import load_state_dict
+from .dcp.state_checks import check_saveable
 from .dcp.writer import save_state_dict
 from .engines.saver import default_saver
 from .errors import CheckpointError, InvalidArgument
@@ -134,6 +135,7 @@ def save_with(state_dict: dict[str, Any], uri: str | os.PathLike[str], options: 
             handle.result()  # sync: raise here, like the native sync path
         return handle
     t0 = time.perf_counter()
+    check_saveable(state_dict)  # background saves check while staging
     storage = open_storage(uri, enable_msc=options.enable_msc, storage_options=options.storage_options)
     bar = Progress(f"save {storage.uri}", enabled=shows_progress(options.progress, options.process_group))
     try:
@@ -176,6 +178,15 @@ def load(
     and checksums are verified as the bytes arrive. Each load logs one INFO
     line on the ``dcpstore`` logger (URI, bytes, GB/s, phases).
 
+    A destination that disagrees with the checkpoint (a stored object where
+    it holds a tensor; complex -> real, floating -> integer, anything ->
+    bool) raises :class:`StateDictMismatch` before anything is read.
+    Missing or truncated files are found before anything is changed too. A
+    damaged item stops the load where it is found; the error says which keys
+    it had already changed on this rank (its ``loaded_keys``,
+    ``partly_loaded_keys`` and ``damaged_keys``; every other key is
+    unchanged). Loading a good copy again overwrites every key.
+
     Args:
         state_dict: the state to fill, with this rank's tensors already
             allocated in the layout wanted (as for ``dcp.load``).
@@ -196,6 +207,8 @@ def load(
         CheckpointNotFound: no committed checkpoint at ``uri`` (including a
             save that was interrupted before its commit).
         CheckpointCorrupt: a file is damaged or missing; the message names it.
+        StateDictMismatch: ``state_dict`` disagrees with the checkpoint
+            (nothing was read).
         LoadError: the load failed on some rank for another reason.
         StorageError: the backend failed after its retries.
         InvalidArgument: a bad option (an unknown keyword is a ``TypeError``
