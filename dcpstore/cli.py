@@ -21,7 +21,7 @@ from typing import Any
 from tqdm import tqdm
 
 from .bench import bench, parse_int_list, summarize
-from .bench.report import format_table, plot_workers, write_json
+from .bench.report import cache_note, format_table, plot_workers, write_json
 from .errors import CheckpointError, CheckpointNotFound
 from .maintenance import gc, inspect_checkpoint, list_checkpoints, verify_checkpoint
 from .storage import Storage, open_storage
@@ -108,10 +108,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
           f"{'async/' + args.engine if args.async_ else 'sync'}, {args.repeat} repeat(s)", flush=True)  # fmt: skip
     records = bench(
         args.uri, size=size, tensors=args.tensors, workers=workers, engine=args.engine, async_=args.async_,
-        repeat=args.repeat, enable_msc=args.enable_msc, drop_caches=not args.warm, progress=not args.quiet,
+        repeat=args.repeat, enable_msc=args.enable_msc, drop_caches=args.drop_caches, progress=not args.quiet,
     )  # fmt: skip
     rows = summarize(records)
     print(format_table(rows))
+    if note := cache_note(records, args.drop_caches):
+        print(note)
     if args.json:
         write_json(args.json, records, {"command": "dcpstore bench", "uri": args.uri, "size": size})
         print(f"wrote {args.json}")
@@ -164,8 +166,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat", type=_positive_int, default=1, help="saves per worker count (default 1)")
     p.add_argument("--json", metavar="FILE", help="write every measurement as JSON records")
     p.add_argument("--plot", metavar="FILE.png", help="plot GB/s against workers")
-    p.add_argument("--warm", action="store_true",
-                   help="do not drop the page cache before loads (dropping needs root; without it loads read memory)")
+    p.add_argument("--drop-caches", action="store_true",
+                   help="drop the page cache before each local load, so that loads read the disk (needs root; "
+                        "it empties the whole host's cache). Off by default: loads may then read memory")
+    p.add_argument("--warm", action="store_true", help=argparse.SUPPRESS)  # the default now; older scripts pass it
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     return parser
 
