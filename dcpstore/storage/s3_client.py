@@ -145,7 +145,7 @@ class RetryBursts:
     REMIND_S = 30.0
 
     def __init__(self, endpoint: str, max_attempts: int, op_timeout_s: float) -> None:
-        self.endpoint = redact(endpoint)
+        self.endpoint = library_text(endpoint)  # redacted and scrubbed
         self.max_attempts = max_attempts
         self.op_timeout_s = op_timeout_s
         self._lock = threading.Lock()
