@@ -36,6 +36,7 @@ from .errors import (
     StorageError,
     StorageNotFound,
     StoragePermissionError,
+    UnsafeCheckpoint,
 )
 from .storage import StorageOptions, open_storage
 
@@ -90,6 +91,7 @@ __all__ = [
     "StorageNotFound",
     "StorageOptions",
     "StoragePermissionError",
+    "UnsafeCheckpoint",
     "load",
     "open_storage",
     "save",

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch.distributed as dist
@@ -170,6 +171,8 @@ def load(
     verify: bool = True,
     storage_options: StorageOptions | None = None,
     progress: bool = False,
+    safe_globals: Sequence[Any] | None = None,
+    trusted: bool = False,
 ) -> None:
     """Load the checkpoint at ``uri`` into ``state_dict`` in place.
 
@@ -187,6 +190,12 @@ def load(
     ``partly_loaded_keys`` and ``damaged_keys``; every other key is
     unchanged). Loading a good copy again overwrites every key.
 
+    Never executes checkpoint content: ``.metadata`` and non-tensor items are
+    unpickled through allowlists (tensors, containers, plain Python values);
+    another class raises :class:`UnsafeCheckpoint` naming the item and the
+    class. ``safe_globals=[cls, ...]`` allows those classes; ``trusted=True``
+    allows anything (only for checkpoints you trust as you trust code).
+
     Args:
         state_dict: the state to fill, with this rank's tensors already
             allocated in the layout wanted (as for ``dcp.load``).
@@ -202,11 +211,17 @@ def load(
         storage_options: backend tuning (:class:`~dcpstore.StorageOptions`).
         progress: draw a progress bar of this rank's bytes on stderr (rank 0
             only, under torch.distributed).
+        safe_globals: classes a non-tensor item may hold beyond the
+            allowlist (``[cls, ...]``).
+        trusted: unpickle anything (only for checkpoints you trust as you
+            trust code).
 
     Raises:
         CheckpointNotFound: no committed checkpoint at ``uri`` (including a
             save that was interrupted before its commit).
         CheckpointCorrupt: a file is damaged or missing; the message names it.
+        UnsafeCheckpoint: an item holds a class off the allowlist (nothing
+            of it was executed).
         StateDictMismatch: ``state_dict`` disagrees with the checkpoint
             (nothing was read).
         LoadError: the load failed on some rank for another reason.
@@ -223,6 +238,8 @@ def load(
         planner=planner,
         verify=verify,
         progress=progress,
+        safe_globals=safe_globals or (),
+        trusted=trusted,
     )
     load_with(state_dict, uri, options)
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, overload
@@ -353,7 +354,14 @@ class CheckpointManager:
         return found
 
     @hint_keywords
-    def load(self, state_dict: dict[str, Any], step: int | None = None) -> int:
+    def load(
+        self,
+        state_dict: dict[str, Any],
+        step: int | None = None,
+        *,
+        safe_globals: Sequence[Any] | None = None,
+        trusted: bool = False,
+    ) -> int:
         """Load ``step`` into ``state_dict`` in place, resharding as
         :func:`dcpstore.load` does (every rank calls it). The save in flight,
         if any, is finished first.
@@ -361,6 +369,9 @@ class CheckpointManager:
         Args:
             state_dict: the state to fill, as for :func:`dcpstore.load`.
             step: the step to load (default: the newest committed one).
+            safe_globals: as for :func:`dcpstore.load` (classes a non-tensor
+                item may hold beyond the allowlist).
+            trusted: as for :func:`dcpstore.load`.
 
         Returns:
             The step loaded.
@@ -368,13 +379,14 @@ class CheckpointManager:
         Raises:
             CheckpointNotFound: no such committed step (or none at all).
             SaveError: the save in flight, finished first, failed.
-            CheckpointCorrupt, LoadError, StorageError: as for
-                :func:`dcpstore.load`.
+            CheckpointCorrupt, UnsafeCheckpoint, LoadError, StorageError: as
+                for :func:`dcpstore.load`.
         """
         self._check_open()
         self._finish_pending()
         resolved = self.resolve_step(step)
-        load_with(state_dict, self.step_uri(resolved), self.options.for_load())
+        options = self.options.for_load(safe_globals=safe_globals or (), trusted=trusted)
+        load_with(state_dict, self.step_uri(resolved), options)
         return resolved
 
     # -- lifetime -----------------------------------------------------------
