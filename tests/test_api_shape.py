@@ -187,3 +187,28 @@ def test_public_docstrings_say_args_returns_raises(name: str, fn: Any) -> None:
 
 def test_every_entry_point_that_must_say_what_it_raises_is_checked() -> None:
     assert RAISES <= {name for name, _ in _documented()}
+
+
+#: Keyword options of the entry points: each has a row in the README's table.
+OPTION_TAKERS = [
+    dcpstore.save,
+    dcpstore.load,
+    dcpstore.AsyncSaver.__init__,
+    dcpstore.AsyncSaver.save,
+    dcpstore.CheckpointManager.__init__,
+    dcpstore.CheckpointManager.save,
+    dcpstore.CheckpointManager.load,
+]
+
+
+def test_every_option_has_a_row_in_the_readme_table() -> None:
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    table = readme[readme.index("### Options") :].split("\n### ", 1)[0]
+    rows = {line.split("`")[1] for line in table.splitlines() if line.startswith("| `")}
+    options = {
+        p.name
+        for fn in OPTION_TAKERS
+        for p in inspect.signature(fn).parameters.values()
+        if p.kind is p.KEYWORD_ONLY
+    }
+    assert options <= rows, f"options without a row in the README's table: {sorted(options - rows)}"
