@@ -150,3 +150,15 @@ def test_s3_retries_warn_once_per_burst_with_the_cause_and_no_secret(
     dcpstore.save({"w": torch.ones(10)}, uri, workers=1, storage_options=StorageOptions(max_attempts=10))
     everything = caplog.text + "".join(str(r.args) for r in caplog.records)
     assert SECRET not in everything and TOKEN not in everything
+
+
+def test_retry_warnings_pass_through_the_scrubber(caplog: pytest.LogCaptureFixture) -> None:
+    """The endpoint and the cause pass through the one scrubber (an endpoint
+    URL with user info, a cause text carrying a signature), whatever made them."""
+    caplog.set_level(logging.WARNING, logger="dcpstore")
+    signature = "X-Amz-Signature=" + uuid.uuid4().hex
+    bursts = RetryBursts(f"http://AKIDEXAMPLE:{SECRET}@127.0.0.1:9", max_attempts=5, op_timeout_s=60)
+    bursts.retrying("GetObject", 2, f"EndpointConnectionError at /b/k?{signature}", now=1.0)
+    [line] = [r.getMessage() for r in caplog.records]
+    assert "GetObject" in line and "EndpointConnectionError" in line and "127.0.0.1:9" in line
+    assert SECRET not in line and signature not in line, line
