@@ -164,15 +164,15 @@ class DcpStorageReader(StorageReader):
                     f"{list(info.transform_descriptors)}, which dcpstore does not read"
                 )
             per_file[info.relative_path].append((req, info))
-        self._check_sizes(per_file)
         assert self._metadata is not None
-        raw = self._manifest["tensors"] if self._manifest is not None else {}
-        jobs = plan_reads(per_file, raw, self._metadata, self.workers, self.storage.describe(MANIFEST))
-        self.bar.start(sum(info.length for reqs in per_file.values() for _, info in reqs))
         lock = threading.Lock()
         future: Future[None] = Future()
         self._progress = LoadProgress(req.dest_index.fqn for req in plan.items)
         try:
+            self._check_sizes(per_file)
+            raw = self._manifest["tensors"] if self._manifest is not None else {}
+            jobs = plan_reads(per_file, raw, self._metadata, self.workers, self.storage.describe(MANIFEST))
+            self.bar.start(sum(info.length for reqs in per_file.values() for _, info in reqs))
             run_parallel(lambda job: self._read_job(job, planner, lock), jobs, self.workers, "dcpstore-read")
         except BaseException as e:
             error = self._progress.annotate(e, self.storage.uri)  # what this rank's state now holds
