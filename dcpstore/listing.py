@@ -41,6 +41,8 @@ class CheckpointEntry:
 
     path: str  # relative to the listed root ("" for the root itself)
     committed: bool
+    #: Every file of the checkpoint (data files, ``.metadata``, the manifest,
+    #: markers), and their total size.
     files: int = 0
     bytes: int = 0
     newest_mtime: float | None = None

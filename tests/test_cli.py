@@ -12,9 +12,11 @@ import warnings
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 import dcpstore
 from dcpstore.cli import main
+from dcpstore.dcp.commit import read_checkpoint_metadata
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -163,8 +165,6 @@ def test_gc_given_the_checkpoint_itself_names_it(root: str) -> None:
 
 
 def _stock_checkpoint(path: str) -> dict:
-    import torch.distributed.checkpoint as dcp
-
     state = {"w": torch.randn(64, 32), "half": torch.ones(5, dtype=torch.bfloat16), "scalar": torch.tensor(2.5),
              "step": 7, "opt": {"lr": 0.1, "betas": (0.9, 0.99)}}  # fmt: skip
     with warnings.catch_warnings():
@@ -183,8 +183,6 @@ def test_verify_checks_what_it_can_of_a_stock_dcp_checkpoint(tmp_path) -> None:
 
 
 def _item(path: str, fqn: str) -> tuple[str, int, int]:
-    from dcpstore.dcp.commit import read_checkpoint_metadata
-
     metadata, _ = read_checkpoint_metadata(dcpstore.open_storage(path))
     [(rel, offset, length)] = [
         (i.relative_path, i.offset, i.length) for index, i in metadata.storage_data.items() if index.fqn == fqn
