@@ -108,7 +108,7 @@ def test_steps_commit_locally_and_replicate_whole(durable: Target, tmp_path: Pat
     big = (3 << 20) if durable.name != "local" else 4096  # 12 MiB: multipart at the targets' 5 MiB parts
     with _manager(durable, local, keep=2, local_keep=1, async_=async_) as mgr:
         for step in (10, 20, 30):
-            handle = mgr.save(step, _state(step, big))
+            handle = mgr.save(_state(step, big), step)
             info = handle.result()
             assert info.uri.startswith(str(local)), info.uri  # the handle completes at the local commit
         mgr.wait()
@@ -125,12 +125,12 @@ def test_steps_commit_locally_and_replicate_whole(durable: Target, tmp_path: Pat
 def test_fresh_local_dir_resumes_from_the_durable_tier(durable: Target, tmp_path: Path) -> None:
     with _manager(durable, tmp_path / "node-a") as mgr:
         for step in (1, 2):
-            mgr.save(step, _state(step))
+            mgr.save(_state(step), step)
     fresh = tmp_path / "node-b"
     with _manager(durable, fresh) as mgr:
         assert mgr.all_steps() == [1, 2]
         assert _loads(mgr) == 2
-        mgr.save(3, _state(3))  # and goes on from there
+        mgr.save(_state(3), 3)  # and goes on from there
         mgr.wait()
         assert _local_steps(fresh) == [3]
     assert _durable_steps(durable) == [1, 2, 3]
@@ -140,7 +140,7 @@ def test_load_reads_the_local_copy_when_it_is_whole(tmp_path: Path) -> None:
     durable = Target("local", str(tmp_path / "durable"))
     local = tmp_path / "local"
     with _manager(durable, local) as mgr:
-        mgr.save(5, _state(5))
+        mgr.save(_state(5), 5)
         mgr.wait()
         # Damage the durable copy: a load that read it would fail its checksums.
         data = next(p for p in (tmp_path / "durable" / step_dir(5)).iterdir() if p.suffix == ".distcp")
@@ -159,7 +159,7 @@ def test_replicate_every_and_local_retention(tmp_path: Path) -> None:
     local = tmp_path / "local"
     with _manager(durable, local, local_keep=2, replicate_every=2) as mgr:
         for step in range(1, 6):
-            mgr.save(step, _state(step))
+            mgr.save(_state(step), step)
         mgr.wait()
         assert _durable_steps(durable) == [2, 4]  # only even steps go to the durable tier
         assert _local_steps(local) == [4, 5]
@@ -184,7 +184,7 @@ def test_retention_per_tier_matches_the_model(
     steps = [sum(gaps[: i + 1]) for i in range(len(gaps))]
     with _manager(durable, local, keep=keep, local_keep=local_keep, replicate_every=every) as mgr:
         for step in steps:
-            mgr.save(step, _state(step, 64))
+            mgr.save(_state(step, 64), step)
         mgr.wait()
         selected = [s for s in steps if s % every == 0]
         assert _durable_steps(durable) == (selected[-keep:] if keep else selected)
@@ -200,7 +200,7 @@ def test_a_local_step_is_kept_until_it_is_replicated(tmp_path: Path) -> None:
     local = tmp_path / "local"
     mgr = _manager(durable, local, local_keep=1, keep=2)
     for step in (1, 2, 3):
-        mgr.save(step, _state(step))  # local commits go on
+        mgr.save(_state(step), step)  # local commits go on
     with pytest.raises(dcpstore.SaveError, match="replication to .*durable.* failed"):
         mgr.wait()
     assert _local_steps(local) == [1, 2, 3]  # none replicated: none deleted
@@ -233,11 +233,11 @@ def test_a_corrupt_local_copy_is_never_replicated(tmp_path: Path) -> None:
 
 def test_overwrite_retracts_the_durable_copy_first(durable: Target, tmp_path: Path) -> None:
     with _manager(durable, tmp_path / "local") as mgr:
-        mgr.save(1, _state(1))
+        mgr.save(_state(1), 1)
         mgr.wait()
         with pytest.raises(dcpstore.InvalidArgument, match="already committed"):
-            mgr.save(1, _state(2))
-        mgr.save(1, _state(2), overwrite=True)
+            mgr.save(_state(2), 1)
+        mgr.save(_state(2), 1, overwrite=True)
         mgr.wait()
         restored = zeros_like_state(_state(2))
         mgr.load(restored, 1)
@@ -252,7 +252,7 @@ def test_gc_keeps_a_replication_in_progress(tmp_path: Path, monkeypatch: pytest.
     gate = BlockAt(lambda e: e.startswith(f"commit:{step_dir(1)}/__"))  # a data file's upload hangs
     hook_all_storage({durable.uri: gate}, monkeypatch.setattr)
     mgr = _manager(durable, tmp_path / "local")
-    mgr.save(1, _state(1))
+    mgr.save(_state(1), 1)
     assert gate.reached.wait(60)
     root = dcpstore.open_storage(durable.uri)
     try:
@@ -291,7 +291,7 @@ def test_replication_pending_at_exit_is_finished_by_atexit(tmp_path: Path) -> No
     script = (
         "import torch, dcpstore\n"
         f"mgr = dcpstore.CheckpointManager({str(durable)!r}, local_dir={str(local)!r}, async_=True)\n"
-        "mgr.save(1, {'w': torch.full((1 << 20,), 1.0)})\n"
+        "mgr.save({'w': torch.full((1 << 20,), 1.0)}, 1)\n"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr
@@ -312,10 +312,10 @@ def test_ls_shows_where_each_step_lives(tmp_path: Path, capsys: pytest.CaptureFi
     local = tmp_path / "local"
     with _manager(durable, local, keep=2, local_keep=2) as mgr:
         for step in (1, 2, 3):
-            mgr.save(step, _state(step))
+            mgr.save(_state(step), step)
     # durable: 2, 3; local: 2, 3 -> add a local-only step (replicate_every skips it)
     with _manager(durable, local, keep=2, local_keep=3, replicate_every=2) as mgr:
-        mgr.save(5, _state(5))
+        mgr.save(_state(5), 5)
     assert cli_main(["ls", durable.uri, "--local-dir", str(local)]) == 0
     out = capsys.readouterr().out
     lines = {line.split()[0]: line for line in out.splitlines() if line.startswith("step_")}
@@ -331,11 +331,11 @@ def _replicating_child(durable_uri: str, local: str, kwargs: dict[str, Any], hoo
     """Commit step 1 (replicated), then step 2, killed by ``hook`` (on the
     durable tier's storage calls only) while step 2 is replicated."""
     with dcpstore.CheckpointManager(durable_uri, local_dir=local, async_=False, keep=1, **kwargs) as mgr:
-        mgr.save(1, _state(1, 1 << 20))
+        mgr.save(_state(1, 1 << 20), 1)
         mgr.wait()
     hook_all_storage({durable_uri: hook})
     with dcpstore.CheckpointManager(durable_uri, local_dir=local, async_=False, keep=1, **kwargs) as mgr:
-        mgr.save(2, _state(2, 1 << 20))
+        mgr.save(_state(2, 1 << 20), 2)
         mgr.wait()
 
 
@@ -421,7 +421,7 @@ def _ranks_save(rank: int, world_size: int, durable_uri: str, local_dirs: list[s
     local = local_dirs[rank % len(local_dirs)]
     with dcpstore.CheckpointManager(durable_uri, local_dir=local, async_=True, keep=2, local_keep=2, workers=2) as mgr:
         for step in (1, 2, 3):
-            mgr.save(step, _dtensor_state(world_size, step))
+            mgr.save(_dtensor_state(world_size, step), step)
         mgr.wait()
         dist.barrier()
         assert mgr.all_steps()[-1] == 3
@@ -469,7 +469,7 @@ def _ranks_node_local_save(rank: int, world_size: int, durable_uri: str, local_d
     with dcpstore.CheckpointManager(durable_uri, local_dir=local_dirs[rank], async_=True) as mgr:
         for _ in range(2):  # refused alike on every rank, before anything is written; again on a retry
             with pytest.raises(dcpstore.InvalidArgument, match=r"not one directory that every rank sees.*rank 0 does"):
-                mgr.save(1, _dtensor_state(world_size, 1))
+                mgr.save(_dtensor_state(world_size, 1), 1)
         mgr.wait()
 
 
@@ -491,7 +491,7 @@ def _ranks_one_fails(rank: int, world_size: int, durable_uri: str, local: str) -
 
         tiered.upload_files = broken  # type: ignore[assignment]
     mgr = dcpstore.CheckpointManager(durable_uri, local_dir=local, async_=False, replicate_timeout_s=3.0)
-    mgr.save(1, _dtensor_state(world_size, 1))
+    mgr.save(_dtensor_state(world_size, 1), 1)
     expected = "injected" if rank == 1 else r"\(__1_0\.distcp\) never arrived"
     with pytest.raises(dcpstore.SaveError, match=expected):
         mgr.wait()
@@ -516,7 +516,7 @@ def test_an_item_over_512_mib_replicates_to_s3_and_loads_back(request: pytest.Fi
     )
     big = (600 << 20) // 4 + 3  # one float32 tensor past 2**29 bytes, not a multiple of a MiB
     with _manager(durable, tmp_path / "local", local_keep=1) as mgr:
-        mgr.save(1, _state(1, big))
+        mgr.save(_state(1, big), 1)
         mgr.wait()
     _assert_durable_step(durable, 1, big, load=False)
     with _manager(durable, tmp_path / "fresh") as mgr:  # a fresh node: resumes from S3, every CRC checked

@@ -106,7 +106,7 @@ def bench(
     async_: bool = False,
     repeat: int = 1,
     enable_msc: bool = False,
-    drop_caches: bool = True,
+    drop_caches: bool = False,
     progress: bool = True,
     tiered: str | None = None,
 ) -> list[Record]:
@@ -116,7 +116,11 @@ def bench(
     ``tiered=LOCAL_DIR``: per worker count, three async entries side by side:
     a plain save to ``LOCAL_DIR`` (the local baseline), a tiered manager
     (local commit, then replication to ``uri``) and a direct save to ``uri``
-    (the durable baseline)."""
+    (the durable baseline).
+
+    ``drop_caches``: drop the page cache before each local load (root only;
+    it empties the whole host's cache, so it is never done unasked). Each
+    record's ``cold_read`` says whether it was (:func:`.report.cache_note`)."""
     url = parse_uri(uri)
     created_root = url.scheme == "file" and not os.path.exists(url.path)
     state = make_state(size, tensors)

@@ -164,7 +164,7 @@ class TieredEntry(Entry):
         assert self._manager is not None
         self._step += 1
         t0 = time.perf_counter()
-        handle = self._manager.save(self._step, state)
+        handle = self._manager.save(state, self._step)
 
         def wait() -> SaveOutcome:
             assert self._manager is not None
