@@ -11,11 +11,13 @@ which layer may import which) is in the README's Layout section.
 """
 
 from .api import load, save
+from .dropin import StorageReader, StorageWriter
 from .engines.saver import AsyncSaver
 from .errors import (
     BackendUnavailable,
     CheckpointCorrupt,
     CheckpointError,
+    CheckpointExists,
     CheckpointNotFound,
     EngineFallbackWarning,
     InvalidArgument,
@@ -38,6 +40,7 @@ __all__ = [
     "BackendUnavailable",
     "CheckpointCorrupt",
     "CheckpointError",
+    "CheckpointExists",
     "CheckpointInfo",
     "CheckpointManager",
     "CheckpointNotFound",
@@ -51,6 +54,8 @@ __all__ = [
     "StorageError",
     "StorageNotFound",
     "StorageOptions",
+    "StorageReader",
+    "StorageWriter",
     "StoragePermissionError",
     "load",
     "open_storage",

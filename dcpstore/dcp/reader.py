@@ -37,17 +37,17 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from ..errors import CheckpointCorrupt, CheckpointError, InvalidArgument, StorageNotFound
+from ..errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound, InvalidArgument, StorageNotFound
 from ..format.layout import MANIFEST, METADATA, Manifest, item_key
 from ..format.record import item_tensor
 from ..options import LoadOptions, check_workers, default_workers
 from ..quiet import ignoring
-from ..storage import Storage
+from ..storage import Storage, parse_uri
 from ..threads import run_parallel
 from .commit import read_checkpoint_metadata
 from .failures import load_error
 from .read_plan import Direct, DirectRun, Request, Span, plan_reads, scatter_groups
-from .writer import NO_DIST_WARNING, DcpStorageWriter
+from .writer import NO_DIST_WARNING, serves
 
 #: Tensors smaller than this are read with their record into scratch and
 #: copied out (measured on 20,000 x 3 KiB tensors).
@@ -72,25 +72,45 @@ class DcpStorageReader(StorageReader):
         self._reopen = reopen
         self._manifest: Manifest | None = None
         self._metadata: Metadata | None = None
+        self._preloaded = False
         self._storage_data: dict[MetadataIndex, _StorageInfo] = {}
         self.bytes_read = 0
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        if checkpoint_id is not None and os.fspath(checkpoint_id) != self.storage.url.uri:
-            if self._reopen is None:
-                raise InvalidArgument(f"this reader is bound to {self.storage.uri}")
-            self.storage = self._reopen(os.fspath(checkpoint_id))
-            self._metadata = None
+        """Point the next load at ``checkpoint_id`` (DCP calls this only when
+        ``dcp.load`` is given a ``checkpoint_id``). The commit is read afresh
+        on every load: the checkpoint at a URI may have been replaced since."""
+        self._preloaded = False
+        if checkpoint_id is None or parse_uri(checkpoint_id).uri == self.storage.url.uri:
+            return
+        if self._reopen is None:
+            raise InvalidArgument(
+                f"this reader is bound to {self.storage.uri}; cannot switch to checkpoint_id "
+                f"{os.fspath(checkpoint_id)!r} (dcpstore.StorageReader can)"
+            )
+        self.storage = self._reopen(os.fspath(checkpoint_id))
 
     def preload_metadata(self) -> Metadata:
         """Read and verify the commit now (every rank), so that a missing or
-        damaged checkpoint fails fast with a clear error, outside DCP."""
-        if self._metadata is None:
+        damaged checkpoint fails fast with a clear error, outside DCP. The
+        next load uses it; any later load reads the commit again (the
+        checkpoint at a URI may be replaced between two loads)."""
+        if not self._preloaded:
             self._metadata, self._manifest = read_checkpoint_metadata(self.storage)
+            self._preloaded = True
+        assert self._metadata is not None
         return self._metadata
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if kwargs.get("rank") is not None:
+            # DCP asks for rank-local metadata only after the global one
+            # failed: the checkpoint of a save with use_collectives=False.
+            raise CheckpointNotFound(
+                f"no {METADATA} at {self.storage.uri}: dcpstore reads checkpoints with one global {METADATA} "
+                "and does not read rank-local __{rank}.metadata (saves with use_collectives=False)"
+            )
         metadata = self.preload_metadata()
+        self._preloaded = False  # this load has it; the next one reads it again
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
         return metadata
@@ -274,7 +294,7 @@ class DcpStorageReader(StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return DcpStorageWriter.validate_checkpoint_id(checkpoint_id)
+        return serves(checkpoint_id)
 
 
 def _byte_view(target: torch.Tensor, dtype: torch.dtype, nbytes: int) -> memoryview | None:

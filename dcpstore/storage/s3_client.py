@@ -93,6 +93,7 @@ def s3_client(options: StorageOptions) -> Any:
         options.connect_timeout_s,
         options.read_timeout_s,
         options.op_timeout_s,
+        options.region,
     )
     client = _clients.get(key)
     if client is not None:
@@ -117,7 +118,7 @@ def _make_client(options: StorageOptions) -> Any:
         tcp_keepalive=True,
     )
     # A Session per client: sessions are not thread-safe, clients are.
-    client = boto3.session.Session().client("s3", config=config)
+    client = boto3.session.Session().client("s3", config=config, region_name=options.region)
     _install_deadline(client, options.op_timeout_s)
     return client
 
