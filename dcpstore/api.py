@@ -49,6 +49,7 @@ def save(
     planner: SavePlanner | None = None,
     storage_options: StorageOptions | None = None,
     max_in_flight: int = 1,
+    overwrite: bool = True,
 ) -> SaveHandle:
     """Save ``state_dict`` to ``uri`` as a DCP checkpoint.
 
@@ -71,6 +72,11 @@ def save(
 
     Sync saves use dcpstore's native writer unless ``engine="nvrx"``, which
     runs the NVRx engine and waits for it.
+
+    Saving over a committed checkpoint replaces it; until the new
+    ``.metadata`` lands the URI loads the old one (a failed or killed save
+    leaves the old one). ``overwrite=False`` refuses such a URI with
+    :class:`CheckpointExists` instead.
     """
     _check_state_dict(state_dict)
     options = SaveOptions(
@@ -82,6 +88,7 @@ def save(
         process_group=process_group,
         planner=planner,
         max_in_flight=max_in_flight,
+        overwrite=overwrite,
     )
     return save_with(state_dict, uri, options, stacklevel=2)
 
@@ -101,7 +108,12 @@ def save_with(
     storage = open_storage(uri, enable_msc=options.enable_msc, storage_options=options.storage_options)
     try:
         stats = save_state_dict(
-            state_dict, storage, workers=options.workers, process_group=options.process_group, planner=options.planner
+            state_dict,
+            storage,
+            workers=options.workers,
+            process_group=options.process_group,
+            planner=options.planner,
+            overwrite=options.overwrite,
         )
     except (CheckpointException, CheckpointError) as e:
         raise save_error(e, storage.uri) from e

@@ -156,9 +156,12 @@ class StorageWriter(DcpStorageWriter, AsyncStager):
             raise InvalidArgument("_extensions (DCP stream transforms) are not supported yet")
         opener = _Opener(enable_msc, _storage_options(storage_options, region))
         super().__init__(
-            opener(path), workers=thread_count, reopen=opener, single_file_per_rank=single_file_per_rank
+            opener(path),
+            workers=thread_count,
+            reopen=opener,
+            single_file_per_rank=single_file_per_rank,
+            overwrite=overwrite,
         )
-        self.overwrite = overwrite
         self.sync_files = sync_files
         self.per_thread_copy_ahead = per_thread_copy_ahead
         self.cache_staged_state_dict = cache_staged_state_dict

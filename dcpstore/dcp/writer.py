@@ -136,11 +136,13 @@ class DcpStorageWriter(StorageWriter):
         workers: int | None = None,
         reopen: Callable[[str], Storage] | None = None,
         single_file_per_rank: bool = True,
+        overwrite: bool = True,
     ) -> None:
         super().__init__()
         self.storage = storage
         self.workers = check_workers(workers, default_workers())
         self.single_file_per_rank = single_file_per_rank
+        self.overwrite = overwrite
         self._reopen = reopen
         self.rank = 0
         self.is_coordinator = True
@@ -282,13 +284,14 @@ def save_state_dict(
     workers: int | None,
     process_group: dist.ProcessGroup | None,
     planner: SavePlanner | None,
+    overwrite: bool = True,
 ) -> SaveStats:
     """One whole DCP save of ``state_dict`` to ``storage`` with dcpstore's
     writer (every rank calls it; ``process_group`` None: no collectives).
     The native engine, sync or on an async saver's background thread.
     Raises what DCP raises (a ``CheckpointException`` for a failure on any
     rank)."""
-    writer = DcpStorageWriter(storage, workers=workers)
+    writer = DcpStorageWriter(storage, workers=workers, overwrite=overwrite)
     no_dist = not (dist.is_available() and dist.is_initialized())
     with ignoring(NO_DIST_WARNING) if no_dist else contextlib.nullcontext():
         dcp_save(state_dict, storage_writer=writer, planner=planner, process_group=process_group, no_dist=no_dist)

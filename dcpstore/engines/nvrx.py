@@ -379,13 +379,15 @@ def nvrx_save(
     planner: SavePlanner | None,
     cache: Any | None,
     target: NvrxTarget | None = None,
+    overwrite: bool = True,
 ) -> SaveStats:
     """One NVRx save of an already staged ``state_dict`` (see the module doc).
 
     ``process_group`` is the dedicated background group (``None``: a single
     process without torch.distributed). ``cache`` is the private NVRx
     metadata cache to use, or ``None``. ``target`` overrides where NVRx
-    writes (default: derived from ``storage``). Raises on every rank if any
+    writes (default: derived from ``storage``). ``overwrite=False``: refuse
+    a URI that holds a committed checkpoint. Raises on every rank if any
     rank failed.
     """
     target = target or check_target(storage)

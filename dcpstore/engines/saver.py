@@ -193,6 +193,7 @@ class AsyncSaver:
         planner: SavePlanner | None = None,
         storage_options: StorageOptions | None = None,
         max_in_flight: int | None = None,
+        overwrite: bool = True,
     ) -> SaveHandle:
         """Stage ``state_dict`` and save it to ``uri`` in the background.
 
@@ -208,6 +209,7 @@ class AsyncSaver:
             process_group=process_group,
             planner=planner,
             max_in_flight=max_in_flight,
+            overwrite=overwrite,
         )
         return self.submit(state_dict, uri, options, stacklevel=2)
 
@@ -237,7 +239,7 @@ class AsyncSaver:
                 stage_s = time.perf_counter() - t_stage
                 blocked_s = time.perf_counter() - t0
                 job = functools.partial(
-                    self._run, name, staged, storage, group, workers, options.planner, t0, stage_s, blocked_s
+                    self._run, name, staged, storage, group, workers, options, t0, stage_s, blocked_s
                 )
                 future = self._background.submit(job)
                 self._pending.append((future, storage.uri))
@@ -356,12 +358,13 @@ class AsyncSaver:
         storage: Storage,
         group: dist.ProcessGroup | None,
         workers: int,
-        planner: SavePlanner | None,
+        options: SaveOptions,
         t0: float,
         stage_s: float,
         blocked_s: float,
     ) -> CheckpointInfo:
         """The background half of one save (runs on the saver's thread)."""
+        planner = options.planner
         try:
             agree_on_engine(engine, group)
             if engine == "nvrx":
@@ -369,14 +372,25 @@ class AsyncSaver:
                 cache = self._nvrx_caches.for_save(staged.key, group) if planner is None else None
                 try:
                     stats = nvrx_save(
-                        staged.state_dict, storage, workers=workers, process_group=group, planner=planner, cache=cache
+                        staged.state_dict,
+                        storage,
+                        workers=workers,
+                        process_group=group,
+                        planner=planner,
+                        cache=cache,
+                        overwrite=options.overwrite,
                     )
                 except BaseException:
                     self._nvrx_caches.drop(group)  # every rank fails together: re-plan next time
                     raise
             else:
                 stats = save_state_dict(
-                    staged.state_dict, storage, workers=workers, process_group=group, planner=planner
+                    staged.state_dict,
+                    storage,
+                    workers=workers,
+                    process_group=group,
+                    planner=planner,
+                    overwrite=options.overwrite,
                 )
         except BaseException as e:
             err = save_error(e, storage.uri, "async save")

@@ -13,6 +13,7 @@ Call order of one save (every rank calls ``save`` with the same step)::
       1. finish the previous save: wait for it, then (rank 0) write the
          pointer and apply retention; its error, if any, is raised here
       2. refuse to overwrite a committed step unless overwrite=True
+         (CheckpointExists; the save refuses too, should one land meanwhile)
       3. dcpstore.save(sd, root/step_..., async_=...)  -> SaveHandle
       4. sync saves: finish now (same as 1). Async saves finish at the next
          save(), wait(), load() or close() -- at the latest at interpreter
@@ -38,7 +39,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Any
 
@@ -48,7 +49,7 @@ from torch.distributed.checkpoint.planner import SavePlanner
 from ..api import load_with, save_with
 from ..engines import exit as exit_hook
 from ..engines.choice import engine_problem
-from ..errors import CheckpointNotFound, InvalidArgument, SaveError
+from ..errors import CheckpointExists, CheckpointNotFound, InvalidArgument, SaveError
 from ..format.layout import METADATA
 from ..handle import CheckpointInfo, SaveHandle
 from ..options import SaveOptions
@@ -190,19 +191,22 @@ class CheckpointManager:
     def save(self, step: int, state_dict: dict[str, Any], *, overwrite: bool = False) -> SaveHandle:
         """Save ``state_dict`` as ``step``; returns the save's handle.
 
-        Refuses a step that is already committed unless ``overwrite=True``:
-        replacing it retracts the old commit before the new data is written,
-        so a crash mid-save would lose that step.
+        Refuses a step that is already committed with
+        :class:`~dcpstore.CheckpointExists` unless ``overwrite=True`` (saving
+        a step twice is usually a bug). A replaced step loads as the old save
+        until the new one is committed, and as the new one after.
         """
         self._check_open()
         step = check_step(step)
         self._finish_pending()
         if not overwrite and is_committed(self._storage, step):
-            raise InvalidArgument(
-                f"step {step} is already committed at {self._storage.describe(step_dir(step))}; "
+            raise CheckpointExists(
+                f"Checkpoint already exists: step {step} is committed at {self._storage.describe(step_dir(step))}; "
                 "pass overwrite=True to replace it"
             )
-        handle = save_with(state_dict, self.step_uri(step), self.options, stacklevel=2)
+        # The save itself refuses too, should the step be committed meanwhile.
+        options = self.options if overwrite == self.options.overwrite else replace(self.options, overwrite=overwrite)
+        handle = save_with(state_dict, self.step_uri(step), options, stacklevel=2)
         self._pending = _Pending(step, handle)
         exit_hook.hold(self, exit_hook.Stage.MANAGERS)
         if handle.done():
