@@ -152,8 +152,6 @@ class StorageWriter(DcpStorageWriter, AsyncStager):
                 f"serialization_format={serialization_format!r} is not supported: dcpstore writes DCP's "
                 "torch.save data files (SerializationFormat.TORCH_SAVE)"
             )
-        if _extensions:
-            raise InvalidArgument("_extensions (DCP stream transforms) are not supported yet")
         opener = _Opener(enable_msc, _storage_options(storage_options, region))
         super().__init__(
             opener(path),
@@ -161,6 +159,7 @@ class StorageWriter(DcpStorageWriter, AsyncStager):
             reopen=opener,
             single_file_per_rank=single_file_per_rank,
             overwrite=overwrite,
+            extensions=_extensions or (),
         )
         self.sync_files = sync_files
         self.per_thread_copy_ahead = per_thread_copy_ahead
@@ -232,7 +231,9 @@ class StorageReader(DcpStorageReader):
         _refuse_s3torch(s3client_config=s3client_config, reader_constructor=reader_constructor)
         _check_flags(verify=verify, enable_msc=enable_msc)
         opener = _Opener(enable_msc, _storage_options(storage_options, region))
-        super().__init__(opener(path), workers=thread_count, reopen=opener, verify=verify)
+        super().__init__(
+            opener(path), workers=thread_count, reopen=opener, verify=verify, extension_registry=_extension_registry
+        )
         self._opener = opener
 
     def __getstate__(self) -> dict[str, Any]:

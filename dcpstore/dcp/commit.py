@@ -73,6 +73,8 @@ class ItemRecord:
     Carries its file's size and CRC too, so that the coordinator's
     :meth:`SaveSession.publish` builds the manifest from the gathered
     results alone. ``raw``: see :class:`~dcpstore.format.record.WrittenItem`.
+    ``transforms``: the descriptors of DCP stream transforms the item was
+    stored with (``.metadata`` records them).
     """
 
     relative_path: str
@@ -82,6 +84,7 @@ class ItemRecord:
     file_size: int
     file_crc32c: int
     raw: tuple[int, int] | None = None
+    transforms: tuple[str, ...] = ()
 
 
 class SaveSession:
@@ -154,7 +157,9 @@ class SaveSession:
         for rank_results in results:
             for wr in rank_results:
                 rec: ItemRecord = wr.storage_data
-                storage_data[wr.index] = _StorageInfo(rec.relative_path, rec.offset, rec.length)
+                storage_data[wr.index] = _StorageInfo(
+                    rec.relative_path, rec.offset, rec.length, list(rec.transforms) if rec.transforms else None
+                )
                 files[rec.relative_path] = {"size": rec.file_size, "crc32c": rec.file_crc32c}
                 key = item_key(rec.relative_path, rec.offset)
                 items[key] = rec.crc32c

@@ -30,16 +30,17 @@ import crc32c
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+from torch.distributed.checkpoint._extension import ExtensionRegistry
+from torch.distributed.checkpoint.filesystem import _StorageInfo, _StorageReaderTransforms
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from ..errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound, InvalidArgument, StorageNotFound
+from ..errors import CheckpointCorrupt, CheckpointNotFound, InvalidArgument, StorageNotFound
 from ..format.layout import MANIFEST, METADATA, Manifest, item_key
-from ..format.record import item_tensor
+from ..format.record import BYTES_ITEM_LIMIT, RECORD_OVERHEAD, decode_item, item_tensor
 from ..options import LoadOptions, check_workers, default_workers
 from ..quiet import ignoring
 from ..storage import Storage, parse_uri
@@ -64,8 +65,11 @@ class DcpStorageReader(StorageReader):
         workers: int | None = None,
         reopen: Callable[[str], Storage] | None = None,
         verify: bool = True,
+        extension_registry: ExtensionRegistry | None = None,
     ) -> None:
         super().__init__()
+        #: Undoes the DCP stream transforms an item names (default registry: ZStandard).
+        self.transforms = _StorageReaderTransforms(extension_registry)
         self.storage = storage
         self.workers = check_workers(workers, default_workers())
         self.verify = verify
@@ -129,18 +133,18 @@ class DcpStorageReader(StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         per_file: dict[str, list[Request]] = defaultdict(list)
+        transformed = set()
         for req in plan.items:
             info = self._storage_data[req.storage_index]
-            if info.transform_descriptors:
-                raise CheckpointError(
-                    f"{self.storage.describe(info.relative_path)} uses DCP stream extensions "
-                    f"{list(info.transform_descriptors)}, which dcpstore does not read"
-                )
             per_file[info.relative_path].append((req, info))
+            if info.transform_descriptors:
+                transformed.add(item_key(info.relative_path, info.offset))
         if self.verify and self._manifest is not None:
             self._check_sizes(per_file)
         assert self._metadata is not None
         raw = self._manifest["tensors"] if self._manifest is not None else {}
+        if transformed:  # their stored bytes are not the tensor's: always through the record
+            raw = {key: where for key, where in raw.items() if key not in transformed}
         jobs = plan_reads(per_file, raw, self._metadata, self.workers, self.storage.describe(MANIFEST))
         lock = threading.Lock()
         future: Future[None] = Future()
@@ -254,6 +258,8 @@ class DcpStorageReader(StorageReader):
             start = info.offset - span.offset
             item = view[start : start + info.length]
             self._verify_item(span.path, info, item)
+            if info.transform_descriptors:
+                item = self._decode(span.path, req, info, item)
             if req.type == LoadItemType.BYTE_IO:
                 with lock:
                     planner.load_bytes(req, io.BytesIO(item))
@@ -271,6 +277,24 @@ class DcpStorageReader(StorageReader):
             with lock:
                 planner.commit_tensor(req, target)
             target = None
+
+    def _decode(self, path: str, req: ReadItem, info: _StorageInfo, stored: memoryview) -> memoryview:
+        """Undo the DCP stream transforms ``info`` names (e.g. ZStandard)."""
+        assert info.transform_descriptors is not None and self._metadata is not None
+        declared = self._metadata.state_dict_metadata.get(req.storage_index.fqn)
+        limit = BYTES_ITEM_LIMIT
+        if isinstance(declared, TensorStorageMetadata):
+            numel = 1
+            for dim in declared.size:
+                numel *= dim
+            limit = numel * declared.properties.dtype.itemsize + RECORD_OVERHEAD
+        try:
+            return decode_item(stored, info.transform_descriptors, req, self.transforms, limit)
+        except Exception as e:  # an unknown transform, damaged or hostile compressed bytes
+            raise CheckpointCorrupt(
+                f"{self.storage.describe(path)}: item {req.storage_index.fqn} at offset {info.offset} cannot be "
+                f"decoded with its stream transforms {list(info.transform_descriptors)}: {type(e).__name__}: {e}"
+            ) from e
 
     def _verify_item(self, path: str, info: _StorageInfo, *pieces: memoryview) -> None:
         """Check an item's CRC32C; ``pieces`` are its bytes, in order."""

@@ -39,7 +39,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.filesystem import _StoragePrefix
+from torch.distributed.checkpoint._extension import StreamTransformExtension
+from torch.distributed.checkpoint.filesystem import _StoragePrefix, _StorageWriterTransforms
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
@@ -47,7 +48,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ..errors import CheckpointError, InvalidArgument, SaveError
-from ..format.record import RecordStream, compact_cpu_tensor
+from ..format.record import RecordStream, compact_cpu_tensor, encode_item
 from ..handle import SaveStats
 from ..options import check_workers, default_workers
 from ..quiet import ignoring
@@ -124,7 +125,8 @@ class DcpStorageWriter(StorageWriter):
 
     ``workers`` threads write one data file each per rank
     (``single_file_per_rank=False``: one file per item, as stock DCP's
-    option). Built by :func:`save_state_dict` (:func:`dcpstore.save`) and,
+    option); ``extensions``: DCP's stream transforms, applied to every item
+    as stock DCP applies them. Built by :func:`save_state_dict` (:func:`dcpstore.save`) and,
     from a URI, by :class:`dcpstore.StorageWriter` (which passes ``reopen``
     so that :meth:`reset` can re-point it to another URI).
     """
@@ -137,12 +139,15 @@ class DcpStorageWriter(StorageWriter):
         reopen: Callable[[str], Storage] | None = None,
         single_file_per_rank: bool = True,
         overwrite: bool = True,
+        extensions: Sequence[StreamTransformExtension] = (),
     ) -> None:
         super().__init__()
         self.storage = storage
         self.workers = check_workers(workers, default_workers())
         self.single_file_per_rank = single_file_per_rank
         self.overwrite = overwrite
+        #: DCP's stream transforms for every item (None: store items as they are).
+        self.transforms = _StorageWriterTransforms(list(extensions)) if extensions else None
         self._reopen = reopen
         self.rank = 0
         self.is_coordinator = True
@@ -237,7 +242,11 @@ class DcpStorageWriter(StorageWriter):
         with self.storage.open_write(name, size_hint=size_hint) as writer:
             stream = RecordStream(writer)
             for item in items:
-                written.append((item, stream.write_item(_resolve(planner, item, lock))))
+                data = _resolve(planner, item, lock)
+                descriptors: tuple[str, ...] = ()
+                if self.transforms is not None:
+                    data, descriptors = encode_item(data, item, self.transforms)
+                written.append((item, stream.write_item(data), descriptors))
             file_size, file_crc = stream.finish()
             # Leaving the block publishes the file; a save that lost its
             # URI to a later save must not clobber that save's files.
@@ -246,9 +255,9 @@ class DcpStorageWriter(StorageWriter):
             WriteResult(
                 index=item.index,
                 size_in_bytes=w.length,
-                storage_data=ItemRecord(name, w.offset, w.length, w.crc32c, file_size, file_crc, w.raw),
+                storage_data=ItemRecord(name, w.offset, w.length, w.crc32c, file_size, file_crc, w.raw, descriptors),
             )
-            for item, w in written
+            for item, w, descriptors in written
         ]
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
