@@ -28,6 +28,7 @@ from .errors import (
     StorageError,
     StorageNotFound,
     StoragePermissionError,
+    UnsafeCheckpoint,
 )
 from .handle import CheckpointInfo, SaveHandle
 from .manager import CheckpointManager
@@ -57,6 +58,7 @@ __all__ = [
     "StorageReader",
     "StorageWriter",
     "StoragePermissionError",
+    "UnsafeCheckpoint",
     "load",
     "open_storage",
     "save",

@@ -213,6 +213,9 @@ class StorageReader(DcpStorageReader):
     the checkpoint's items may name. s3torchconnector's ``region`` sets the
     native S3 backend's region; its ``s3client_config`` and
     ``reader_constructor`` are refused with what to use instead.
+    Nothing in the checkpoint is executed: ``safe_globals=[cls, ...]`` allows
+    more classes in ``.metadata`` and non-tensor items, ``trusted=True`` any
+    (as :func:`dcpstore.load`).
     """
 
     def __init__(
@@ -222,6 +225,8 @@ class StorageReader(DcpStorageReader):
         thread_count: int | None = None,
         _extension_registry: ExtensionRegistry | None = None,
         verify: bool = True,
+        safe_globals: Sequence[Any] | None = None,
+        trusted: bool = False,
         enable_msc: bool = False,
         storage_options: StorageOptions | None = None,
         region: str | None = None,
@@ -229,10 +234,16 @@ class StorageReader(DcpStorageReader):
         reader_constructor: Any = None,
     ) -> None:
         _refuse_s3torch(s3client_config=s3client_config, reader_constructor=reader_constructor)
-        _check_flags(verify=verify, enable_msc=enable_msc)
+        _check_flags(verify=verify, trusted=trusted, enable_msc=enable_msc)
         opener = _Opener(enable_msc, _storage_options(storage_options, region))
         super().__init__(
-            opener(path), workers=thread_count, reopen=opener, verify=verify, extension_registry=_extension_registry
+            opener(path),
+            workers=thread_count,
+            reopen=opener,
+            verify=verify,
+            extension_registry=_extension_registry,
+            safe_globals=safe_globals,
+            trusted=trusted,
         )
         self._opener = opener
 

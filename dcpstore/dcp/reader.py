@@ -9,14 +9,22 @@ Load, as ``torch.distributed.checkpoint.load`` drives it::
                                        wrong with the caller's state dict)
     (coordinator) prepare_global_plan
     (all ranks)   read_data            the plan's items: sizes checked against
-                                       the manifest, read jobs planned
+                                       the manifest and the files' real
+                                       sizes, read jobs planned
                                        (:mod:`.read_plan`) and run on
                                        ``workers`` threads; every item's
                                        CRC32C verified before it is copied
                                        into the caller's state, except
                                        tensors of 64 KiB or more, read
                                        straight into their destination and
-                                       verified there
+                                       verified there; every non-tensor item
+                                       unpickled through the allowlist before
+                                       DCP's planner sees it
+
+Never executes checkpoint content: ``.metadata`` and non-tensor items are
+unpickled through allowlists (:mod:`dcpstore.format.safe_pickle`);
+``safe_globals`` / ``trusted`` (from :class:`~dcpstore.options.LoadOptions`)
+allow more. Nothing is allocated for bytes a file does not hold.
 
 A failed load says which keys it changed (:mod:`.load_progress`).
 :func:`load_state_dict` runs a whole load with this reader.
@@ -29,7 +37,7 @@ import io
 import os
 import threading
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import crc32c
@@ -46,8 +54,10 @@ from torch.futures import Future
 
 from ..errors import CheckpointCorrupt, CheckpointNotFound, InvalidArgument, StateDictMismatch, StorageNotFound
 from ..format.bitcopy import copy_values
-from ..format.layout import MANIFEST, METADATA, Manifest, item_key
+from ..format.layout import MANIFEST, METADATA, item_key
+from ..format.manifest import Manifest
 from ..format.record import BYTES_ITEM_LIMIT, RECORD_OVERHEAD, decode_item, item_tensor
+from ..format.safe_pickle import Trust, check_record_end, load_object
 from ..options import LoadOptions, check_workers, default_workers
 from ..quiet import ignoring
 from ..storage import Storage, parse_uri
@@ -65,7 +75,12 @@ SMALL_TENSOR_COPY = 64 * 1024
 
 
 class DcpStorageReader(StorageReader):
-    """A DCP ``StorageReader`` over any :class:`Storage`; verifies as it reads."""
+    """A DCP ``StorageReader`` over any :class:`Storage`; verifies as it reads.
+
+    Never executes checkpoint content: ``.metadata`` and non-tensor items are
+    unpickled through allowlists (:mod:`dcpstore.format.safe_pickle`);
+    ``safe_globals=[cls, ...]`` allows more classes, ``trusted=True`` all.
+    """
 
     def __init__(
         self,
@@ -75,6 +90,8 @@ class DcpStorageReader(StorageReader):
         reopen: Callable[[str], Storage] | None = None,
         verify: bool = True,
         extension_registry: ExtensionRegistry | None = None,
+        safe_globals: Sequence[Any] | None = None,
+        trusted: bool = False,
     ) -> None:
         super().__init__()
         #: Undoes the DCP stream transforms an item names (default registry: ZStandard).
@@ -82,6 +99,7 @@ class DcpStorageReader(StorageReader):
         self.storage = storage
         self.workers = check_workers(workers, default_workers())
         self.verify = verify
+        self._trust = Trust.of(safe_globals, trusted)
         self._reopen = reopen
         self._manifest: Manifest | None = None
         self._metadata: Metadata | None = None
@@ -111,7 +129,7 @@ class DcpStorageReader(StorageReader):
         next load uses it; any later load reads the commit again (the
         checkpoint at a URI may be replaced between two loads)."""
         if not self._preloaded:
-            self._metadata, self._manifest = read_checkpoint_metadata(self.storage)
+            self._metadata, self._manifest = read_checkpoint_metadata(self.storage, self._trust)
             self._preloaded = True
         assert self._metadata is not None
         return self._metadata
@@ -162,8 +180,7 @@ class DcpStorageReader(StorageReader):
             per_file[info.relative_path].append((req, info))
             if info.transform_descriptors:
                 transformed.add(item_key(info.relative_path, info.offset))
-        if self.verify and self._manifest is not None:
-            self._check_sizes(per_file)
+        self._check_sizes(per_file)
         assert self._metadata is not None
         raw = self._manifest["tensors"] if self._manifest is not None else {}
         if transformed:  # their stored bytes are not the tensor's: always through the record
@@ -182,19 +199,31 @@ class DcpStorageReader(StorageReader):
         return future
 
     def _check_sizes(self, per_file: dict[str, list[Request]]) -> None:
-        assert self._manifest is not None
-        for path in per_file:
-            entry = self._manifest["files"].get(path)
-            if entry is None:
+        """Each file's real size against the manifest, and against the items
+        to read from it: nothing is allocated for bytes a file does not hold
+        (a plain file: a FIFO or device is refused here, before any read)."""
+        manifest = self._manifest if self.verify else None
+        for path, reqs in per_file.items():
+            entry = manifest["files"].get(path) if manifest is not None else None
+            if manifest is not None and entry is None:
                 raise CheckpointCorrupt(f"{self.storage.describe(path)}: not listed in the integrity manifest")
             try:
                 actual = self.storage.size(path)
             except StorageNotFound as e:
                 raise CheckpointCorrupt(f"{self.storage.describe(path)}: data file is missing") from e
-            if actual != entry["size"]:
+            if entry is not None and actual != entry["size"]:
                 raise CheckpointCorrupt(
                     f"{self.storage.describe(path)}: size {actual} bytes, expected {entry['size']} (truncated or damaged)"
                 )
+            end = max(info.offset + info.length for _, info in reqs)
+            if end > actual:
+                raise CheckpointCorrupt(
+                    f"{self.storage.describe(path)}: items run to byte {end}, but the file holds {actual} "
+                    "(truncated, or a damaged .metadata)"
+                )
+            for req, info in reqs:
+                if req.type == LoadItemType.BYTE_IO and not self._trust.trusted:
+                    check_record_end(self.storage, path, info.offset, info.length, repr(req.storage_index.fqn))
 
     def _read_job(self, job: Span | DirectRun, planner: LoadPlanner, lock: threading.Lock) -> None:
         try:
@@ -314,6 +343,8 @@ class DcpStorageReader(StorageReader):
                 item = self._decode(span.path, req, info, item)
             self._progress.check()  # verified, and the load goes on: change the destination
             if req.type == LoadItemType.BYTE_IO:
+                if not self._trust.trusted:  # built through the allowlist first: refused before the planner runs it
+                    load_object(item, f"checkpoint item {req.storage_index.fqn!r}", self._trust)
                 with lock:
                     planner.load_bytes(req, io.BytesIO(item))
                 self._progress.loaded([req.dest_index.fqn])
@@ -413,7 +444,13 @@ def load_state_dict(state_dict: dict[str, Any], storage: Storage, options: LoadO
     ``partly_loaded_keys`` and ``damaged_keys``; every other key is
     unchanged)."""
     check_top_level_keys(state_dict, loading=True)
-    reader = DcpStorageReader(storage, workers=options.workers, verify=options.verify)
+    reader = DcpStorageReader(
+        storage,
+        workers=options.workers,
+        verify=options.verify,
+        safe_globals=options.safe_globals,
+        trusted=options.trusted,
+    )
     reader.check_destination(state_dict)
     no_dist = not (dist.is_available() and dist.is_initialized())
     try:
