@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from .dcp.load_progress import LoadProgress
 from .dcp.reader import DcpStorageReader
 from .dcp.writer import DcpStorageWriter
 from .engines.staging import StagedState, Stager, StagingPool
@@ -250,11 +251,13 @@ class StorageReader(DcpStorageReader):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state.update(storage=self.storage.url.uri, _metadata=None, _manifest=None, _preloaded=False)
+        del state["_progress"]  # per load, and holds a lock
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.storage = self._opener(state["storage"])
+        self._progress = LoadProgress(())
 
 
 def _check_flags(**flags: Any) -> None:
