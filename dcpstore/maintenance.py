@@ -13,7 +13,8 @@ from __future__ import annotations
 import posixpath
 import re
 import time
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,12 +24,24 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 from .dcp.commit import read_checkpoint_metadata
 from .errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound, StorageNotFound, UnsafeCheckpoint
 from .format.inflight import decode_owner, is_alive_file, is_running
-from .format.layout import INFLIGHT, MANIFEST, METADATA, is_commit_file, is_data_file, item_key
+from .format.layout import (
+    INFLIGHT,
+    MANIFEST,
+    METADATA,
+    is_commit_file,
+    is_data_file,
+    is_manifest,
+    item_key,
+    manifest_names,
+    name_tag,
+)
 from .format.manifest import SMALL_FILE_LIMIT, Manifest, read_capped
 from .format.safe_pickle import check_record_end, load_object
 from .storage import MiB, Storage
 from .storage.base import ObjectInfo
 from .storage.uri import join_uri, parse_uri
+
+log = logging.getLogger(__name__)
 
 #: How much ``verify`` reads per request.
 VERIFY_CHUNK = 16 * MiB
@@ -39,7 +52,7 @@ _STOCK_TEMP_RE = re.compile(r"^(__\d+)?\.metadata\.tmp$")
 
 def _is_leftover(name: str) -> bool:
     """Files an interrupted save (ours or stock DCP's) leaves."""
-    return name in (MANIFEST, INFLIGHT) or is_data_file(name) or is_alive_file(name) or bool(_STOCK_TEMP_RE.match(name))
+    return name == INFLIGHT or is_manifest(name) or is_data_file(name) or is_alive_file(name) or bool(_STOCK_TEMP_RE.match(name))
 
 
 @dataclass
@@ -58,6 +71,10 @@ class CheckpointEntry:
     unknown: list[str] = field(default_factory=list)
     #: Alive files of saves (``.dcpstore.alive.*``): (path, age in seconds or None).
     alive: list[tuple[str, float | None]] = field(default_factory=list)
+    #: Committed, and holding data files or manifests of more than one save
+    #: (an overwrite interrupted after its commit, or a failed save's).
+    mixed: bool = False
+    all_files: list[str] = field(default_factory=list)
 
     def running(self, storage: Storage, older_than_s: float = 0.0) -> bool:
         """Whether a save is (or may still be) writing here: its alive file
@@ -103,12 +120,45 @@ def list_checkpoints(storage: Storage) -> list[CheckpointEntry]:
                 entry.newest_mtime = max(entry.newest_mtime or 0.0, mtime)
             if is_alive_file(name):
                 entry.alive.append((obj["path"], None if mtime is None else now - mtime))
-            # A committed checkpoint only ever loses our markers; an
-            # uncommitted one everything a save left.
+            # A committed checkpoint only ever loses our markers (and, see
+            # gc, files its commit does not name); an uncommitted one
+            # everything a save left.
             if not entry.committed or name == INFLIGHT or is_alive_file(name):
                 entry.leftovers.append(obj["path"])
+        entry.mixed = entry.committed and _mixed(names)
+        entry.all_files = [o["path"] for o in objs]
         entries.append(entry)
     return sorted(entries, key=lambda e: e.path)
+
+
+def _mixed(names: Iterable[str]) -> bool:
+    """Whether the data files and manifests in one directory come from more
+    than one save (by their names' save tags)."""
+    names = list(names)
+    return len({name_tag(n) for n in names} - {None}) > 1 or sum(map(is_manifest, names)) > 1
+
+
+def _stale_files(storage: Storage, directory: str, names: Iterable[str]) -> list[str]:
+    """The files of a committed directory that its commit does not name:
+    data files and manifests of the save it replaced (a crash between the
+    commit and the clean-up) or of a save that failed beside it. Reads the
+    commit (``.metadata`` through the restricted unpickler, the manifest as
+    checked JSON). Keeps every file of a directory whose commit cannot be
+    read, or that holds stock DCP's rank-local commits beside ``.metadata``
+    (which one is meant cannot be told)."""
+    names = set(names)
+    under = _under(storage, directory) if directory else storage
+    if any(is_commit_file(n) and n != METADATA for n in names):
+        return []
+    try:
+        metadata, _ = read_checkpoint_metadata(under)
+    except CheckpointError as e:
+        log.info("gc keeps every file of %s: its commit cannot be read (%s)", under.uri, e)
+        return []
+    live = {info.relative_path for info in metadata.storage_data.values()}
+    save_id = getattr(getattr(metadata, "storage_meta", None), "save_id", None)
+    live |= {next((n for n in manifest_names(save_id) if n in names), METADATA)}  # the manifest it was checked with
+    return [posixpath.join(directory, n) for n in sorted(names - live) if is_data_file(n) or is_manifest(n)]
 
 
 def inspect_checkpoint(storage: Storage) -> dict[str, Any]:
@@ -279,20 +329,23 @@ def gc(storage: Storage, *, older_than_s: float = 300.0, dry_run: bool = False) 
 
     That is: everything a save (dcpstore's or stock DCP's) leaves in a
     directory that has no commit (``.metadata``, or stock DCP's rank-local
-    ``__{rank}.metadata``), a committed checkpoint's stale in-flight
-    markers, and the backend's in-progress leftovers (temporary files, open
-    multipart uploads). Kept: anything modified within ``older_than_s``
+    ``__{rank}.metadata``); in a committed checkpoint, stale in-flight
+    markers and the data files and manifests its commit does not name (of
+    the checkpoint an overwrite replaced, or of a save that failed beside
+    it: read from the commit, through the restricted unpickler); and the
+    backend's in-progress leftovers (temporary files, open multipart
+    uploads). Kept: anything modified within ``older_than_s``
     seconds; a directory where a save is running (its alive file names a
     live process of this machine, or was refreshed within max(``older_than_s``,
     the lease) -- whatever ``older_than_s`` says); a directory holding files
-    no DCP save writes. Committed checkpoints are never touched. Never reads
-    checkpoint content.
+    no DCP save writes. A committed checkpoint never loses a file it
+    needs. Never executes checkpoint content.
     """
     report = GcReport()
     now = time.time()
     doomed: list[str] = []
     for entry in list_checkpoints(storage):
-        if not entry.leftovers:
+        if not (entry.leftovers or entry.mixed):
             continue
         label = entry.path or "."
         if entry.unknown and not entry.committed:
@@ -307,8 +360,13 @@ def gc(storage: Storage, *, older_than_s: float = 300.0, dry_run: bool = False) 
             report.kept_recent.append(label)
             continue
         doomed.extend(entry.leftovers)
-        if not entry.committed:  # a committed one only loses stale markers
+        if not entry.committed:
             report.removed.append(label)
+        elif entry.mixed:  # a committed one loses stale markers, and files its commit does not name
+            names = [posixpath.basename(p) for p in entry.all_files]
+            stale = _stale_files(storage, entry.path, names)
+            doomed.extend(stale)
+            report.removed.extend(stale)
     running = ["" if label == "." else label for label in report.kept_running]
     if not dry_run:
         if doomed:

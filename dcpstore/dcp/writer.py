@@ -70,6 +70,8 @@ class SaveToken(_StoragePrefix):
     as stock DCP) and the save id every rank checks before publishing."""
 
     save_id: str = ""
+    #: Whether the save writes save-unique names (the claim's choice).
+    tagged: bool = False
 
 
 def item_nbytes(item: WriteItem) -> int:
@@ -207,9 +209,10 @@ class DcpStorageWriter(StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        self.session.claim()
+        self.session.claim(self.overwrite)
+        save_id, tagged = self.session.token
         return [
-            dataclasses.replace(plan, storage_data=SaveToken(f"__{i}_", self.session.save_id))
+            dataclasses.replace(plan, storage_data=SaveToken(f"__{i}_", save_id, tagged))
             for i, plan in enumerate(plans)
         ]
 
@@ -218,7 +221,7 @@ class DcpStorageWriter(StorageWriter):
         self.stats.plan_s = t_start - self.stats.started
         token: SaveToken = plan.storage_data
         if token.save_id != self.session.save_id:  # a follower: the coordinator's save
-            self._session = SaveSession(self.storage, token.save_id)
+            self._session = SaveSession(self.storage, token.save_id, token.tagged)
         if self.single_file_per_rank:
             buckets = split_buckets(plan.items, self.workers)
         else:
