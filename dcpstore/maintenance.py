@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 
 from .dcp.commit import read_checkpoint_metadata
 from .errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound, StorageNotFound, UnsafeCheckpoint
-from .format.inflight import decode_owner, is_alive_file, is_running
+from .format.inflight import alive_name, decode_owner, is_alive_file, is_running
 from .format.layout import (
     INFLIGHT,
     MANIFEST,
@@ -136,6 +136,18 @@ def _mixed(names: Iterable[str]) -> bool:
     than one save (by their names' save tags)."""
     names = list(names)
     return len({name_tag(n) for n in names} - {None}) > 1 or sum(map(is_manifest, names)) > 1
+
+
+def _commit_save_id(storage: Storage, directory: str) -> str | None:
+    """The save id the commit of ``directory`` records (None: unreadable).
+    A save whose clean-up after its commit failed leaves its alive file,
+    naming a process that may well still run."""
+    try:
+        metadata, _ = read_checkpoint_metadata(_under(storage, directory) if directory else storage)
+    except CheckpointError:
+        return None
+    save_id = getattr(getattr(metadata, "storage_meta", None), "save_id", None)
+    return save_id if isinstance(save_id, str) else None
 
 
 def _stale_files(storage: Storage, directory: str, names: Iterable[str]) -> list[str]:
@@ -351,6 +363,9 @@ def gc(storage: Storage, *, older_than_s: float = 300.0, dry_run: bool = False) 
         if entry.unknown and not entry.committed:
             report.kept_unknown.append((label, entry.unknown))
             continue
+        if entry.committed and entry.alive:  # the save that committed is not running, whatever its alive file says
+            done = alive_name(_commit_save_id(storage, entry.path) or "")
+            entry.alive = [(p, age) for p, age in entry.alive if posixpath.basename(p) != done]
         if entry.running(storage, older_than_s):
             report.kept_running.append(label)
             continue

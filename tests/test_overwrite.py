@@ -26,6 +26,7 @@ from async_helpers import skip_unless_engine_serves
 from backends import Target
 from faults import FailAt, hook_all_storage
 from helpers import assert_state_equal, zeros_like_state
+from dcpstore import maintenance
 from dcpstore.storage import open_storage
 
 
@@ -132,6 +133,38 @@ def test_a_failed_overwrite_leaves_the_old_checkpoint(
     info = dcpstore.save(new, target.uri, workers=2, **target.kwargs).result()
     assert loads_as(target, {"old": old, "new": new}) == "new"
     assert {p for p in listing(target) if p.endswith(".distcp")} == set(info.files)
+
+
+@pytest.mark.parametrize("stopped", ["before-commit", "before-clean-up"])
+def test_gc_removes_what_an_interrupted_overwrite_left_and_nothing_the_commit_names(
+    target: Target, stopped: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A save over a committed checkpoint that failed before its commit leaves
+    its own files beside the old checkpoint; one whose clean-up failed leaves
+    the old checkpoint's files beside the new one. Either way the URI loads
+    exactly one of them, ``gc`` removes the other's files, and it still
+    loads exactly the same."""
+    old, new = state(1), state(2)
+    dcpstore.save(old, target.uri, workers=2, **target.kwargs)
+    at = (lambda e: e == "commit:.metadata") if stopped == "before-commit" else (lambda e: e.startswith("delete:"))
+    hook_all_storage({target.uri: FailAt(at, dcpstore.StorageError("injected"))}, monkeypatch.setattr)
+    if stopped == "before-commit":
+        with pytest.raises(dcpstore.SaveError):
+            dcpstore.save(new, target.uri, workers=2, **target.kwargs)
+    else:
+        dcpstore.save(new, target.uri, workers=2, **target.kwargs)  # the clean-up is best effort
+    monkeypatch.undo()
+    expected = "old" if stopped == "before-commit" else "new"
+    assert loads_as(target, {"old": old, "new": new}) == expected
+    names = listing(target)
+    assert len({p for p in names if p.endswith(".json")}) == 2  # both saves' manifests are there
+    report = maintenance.gc(open_storage(target.uri, **target.kwargs), older_than_s=0)
+    assert report.removed, report
+    assert loads_as(target, {"old": old, "new": new}) == expected
+    after = listing(target)
+    manifests = {p for p in after if p.endswith(".json")}
+    files = set(maintenance.inspect_checkpoint(open_storage(target.uri, **target.kwargs))["files"])
+    assert len(manifests) == 1 and after == files | manifests | {".metadata"}
 
 
 def test_stock_dcp_reads_the_old_and_then_the_new(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

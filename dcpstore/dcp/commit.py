@@ -65,7 +65,15 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.storage import WriteResult
 
-from ..errors import CheckpointError, CheckpointExists, CheckpointNotFound, SaveError, StorageNotFound
+from ..errors import (
+    CheckpointCorrupt,
+    CheckpointError,
+    CheckpointExists,
+    CheckpointNotFound,
+    SaveError,
+    StorageNotFound,
+    UnsafeCheckpoint,
+)
 from ..format import inflight
 from ..format.inflight import Owner, alive_name, encode_alive, is_alive_file
 from ..format.layout import (
@@ -373,7 +381,11 @@ def read_checkpoint_metadata(storage: Storage, trust: Trust = TOOLS) -> tuple[Me
         raise CheckpointNotFound(_why_missing(storage)) from e
     # The save id .metadata records names its manifest, so the restricted
     # unpickle comes first; the CRC check then covers every byte of the blob.
-    metadata, stored = load_metadata(blob, storage.describe(METADATA), trust)
+    try:
+        metadata, stored = load_metadata(blob, storage.describe(METADATA), trust)
+    except (CheckpointCorrupt, UnsafeCheckpoint) as e:
+        _check_damage(storage, blob, e)
+        raise
     manifest = None
     for name in manifest_names(getattr(getattr(metadata, "storage_meta", None), "save_id", None)):
         try:
@@ -386,6 +398,28 @@ def read_checkpoint_metadata(storage: Storage, trust: Trust = TOOLS) -> tuple[Me
     else:
         log.debug("%s has no integrity manifest (written by stock DCP?); loading unverified", storage.uri)
     return metadata, manifest
+
+
+def _check_damage(storage: Storage, blob: bytes, refused: CheckpointError) -> None:
+    """``.metadata`` could not be unpickled (or names a class off the
+    allowlist): if the directory holds manifests and none records this
+    blob's CRC32C, the blob is damaged -- say that rather than what the
+    damage happens to look like. Lists the directory (a failure path only)."""
+    try:
+        names = [o["path"] for o in storage.list() if is_manifest(o["path"])]
+        crcs = set()
+        for name in names:
+            try:
+                crcs.add(parse_manifest(read_capped(storage, name, MANIFEST_LIMIT), storage.describe(name))["metadata_crc32c"])
+            except CheckpointError:
+                continue
+    except CheckpointError:
+        return
+    if crcs and crc32c.crc32c(blob) not in crcs:
+        raise CheckpointCorrupt(
+            f"{storage.describe(METADATA)}: checksum mismatch (damaged commit object: no manifest records its "
+            f"CRC32C; unpickling it said: {refused})"
+        ) from refused
 
 
 def _why_missing(storage: Storage) -> str:
