@@ -203,10 +203,14 @@ class SaveSession:
         except StorageNotFound:
             owner = "<none>"
         if owner == "<none>":
+            if not self.storage.exists(METADATA):  # no save committed here since
+                raise SaveError(
+                    f"the in-flight marker {self.storage.describe(INFLIGHT)} of this save ({self.save_id}) was "
+                    "removed while it was writing (by 'dcpstore gc', or by hand); nothing was committed by this save"
+                )
             raise SaveError(
-                f"the in-flight marker {self.storage.describe(INFLIGHT)} of this save ({self.save_id}) was removed "
-                "while it was writing (by 'dcpstore gc', or by hand), or a later save committed; "
-                "nothing was committed by this save"
+                f"another save to {self.storage.uri} started while this one was writing and committed (or this "
+                f"save's in-flight marker was removed by hand); nothing was committed by this save ({self.save_id})"
             )
         if owner != self.save_id:
             raise SaveError(
