@@ -27,10 +27,13 @@ import crc32c
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 import dcpstore
 from dcpstore.cli import main
+from dcpstore.dcp.reader import DcpStorageReader
 from dcpstore.manager import CheckpointManager, step_dir
+from dcpstore.storage import open_storage
 
 MANIFEST, METADATA = ".dcpstore.json", ".metadata"
 
@@ -171,11 +174,18 @@ def item_payload(tmp_path: Path) -> tuple[Path, Path]:
 def test_item_payload_never_runs(tmp_path: Path) -> None:
     ckpt, marker = item_payload(tmp_path)
     expected = "checkpoint item 'sched' holds class builtins.exec: pass safe_globals=.builtins.exec."
-    # Even where the caller expected a tensor, not an object.
-    for sd in ({**fresh(), "sched": None}, {**fresh(), "sched": torch.zeros(2)}):
-        with pytest.raises(dcpstore.UnsafeCheckpoint, match=expected):
-            dcpstore.load(sd, str(ckpt))
-        assert_untouched(marker)
+    with pytest.raises(dcpstore.UnsafeCheckpoint, match=expected):
+        dcpstore.load({**fresh(), "sched": None}, str(ckpt))
+    assert_untouched(marker)
+    # Where the caller expected a tensor, the mismatch is found from .metadata
+    # alone, before any item is read: the payload never runs either.
+    with pytest.raises(dcpstore.StateDictMismatch, match="'sched': the checkpoint holds a non-tensor object"):
+        dcpstore.load({**fresh(), "sched": torch.zeros(2)}, str(ckpt))
+    assert_untouched(marker)
+    # DCP's own load with our reader (no destination check) refuses it too.
+    with pytest.raises(CheckpointException, match="UnsafeCheckpoint: " + expected):
+        dcp.load({**fresh(), "sched": torch.zeros(2)}, storage_reader=DcpStorageReader(open_storage(str(ckpt))), no_dist=True)
+    assert_untouched(marker)
     with CheckpointManager(str(ckpt.parent), async_=False) as manager:
         with pytest.raises(dcpstore.UnsafeCheckpoint, match=expected):
             manager.load({**fresh(), "sched": None})
@@ -202,6 +212,7 @@ def test_stock_dcp_runs_the_item_payload(tmp_path: Path) -> None:
 _PEAKS = """
 import contextlib, io, json, resource, sys, dcpstore, torch
 from dcpstore.cli import main
+from dcpstore.dcp.reader import DcpStorageReader
 outcomes = {}
 for name, action in json.loads(sys.argv[1]).items():
     try:
