@@ -180,16 +180,16 @@ class DcpStorageReader(StorageReader):
             per_file[info.relative_path].append((req, info))
             if info.transform_descriptors:
                 transformed.add(item_key(info.relative_path, info.offset))
-        self._check_sizes(per_file)
         assert self._metadata is not None
-        raw = self._manifest["tensors"] if self._manifest is not None else {}
-        if transformed:  # their stored bytes are not the tensor's: always through the record
-            raw = {key: where for key, where in raw.items() if key not in transformed}
-        jobs = plan_reads(per_file, raw, self._metadata, self.workers, self.storage.describe(MANIFEST))
         lock = threading.Lock()
         future: Future[None] = Future()
         self._progress = LoadProgress(req.dest_index.fqn for req in plan.items)
         try:
+            self._check_sizes(per_file)
+            raw = self._manifest["tensors"] if self._manifest is not None else {}
+            if transformed:  # their stored bytes are not the tensor's: always through the record
+                raw = {key: where for key, where in raw.items() if key not in transformed}
+            jobs = plan_reads(per_file, raw, self._metadata, self.workers, self.storage.describe(MANIFEST))
             run_parallel(lambda job: self._read_job(job, planner, lock), jobs, self.workers, "dcpstore-read")
         except BaseException as e:
             error = self._progress.annotate(e, self.storage.uri)  # what this rank's state now holds
