@@ -106,11 +106,15 @@ def bench(
     async_: bool = False,
     repeat: int = 1,
     enable_msc: bool = False,
-    drop_caches: bool = True,
+    drop_caches: bool = False,
     progress: bool = True,
 ) -> list[Record]:
     """Save and load ``size`` bytes in ``tensors`` tensors at ``uri`` once per
-    worker count (``repeat`` times each) and return the records."""
+    worker count (``repeat`` times each) and return the records.
+
+    ``drop_caches``: drop the page cache before each local load (root only;
+    it empties the whole host's cache, so it is never done unasked). Each
+    record's ``cold_read`` says whether it was (:func:`.report.cache_note`)."""
     url = parse_uri(uri)
     created_root = url.scheme == "file" and not os.path.exists(url.path)
     state = make_state(size, tensors)

@@ -54,6 +54,7 @@ from ..errors import CheckpointError, InvalidArgument, SaveError
 from ..format.record import RecordStream, compact_cpu_tensor, encode_item
 from ..handle import SaveStats
 from ..options import check_workers, default_workers
+from ..progress import NO_PROGRESS, Progress
 from ..quiet import ignoring
 from ..storage import Storage, backend_name, parse_uri
 from ..threads import run_parallel
@@ -131,9 +132,10 @@ class DcpStorageWriter(StorageWriter):
     ``workers`` threads write one data file each per rank
     (``single_file_per_rank=False``: one file per item, as stock DCP's
     option); ``extensions``: DCP's stream transforms, applied to every item
-    as stock DCP applies them. Built by :func:`save_state_dict` (:func:`dcpstore.save`) and,
-    from a URI, by :class:`dcpstore.StorageWriter` (which passes ``reopen``
-    so that :meth:`reset` can re-point it to another URI).
+    as stock DCP applies them; ``progress`` counts this rank's bytes as
+    items are written. Built by :func:`save_state_dict` (:func:`dcpstore.save`)
+    and, from a URI, by :class:`dcpstore.StorageWriter` (which passes
+    ``reopen`` so that :meth:`reset` can re-point it to another URI).
     """
 
     def __init__(
@@ -145,6 +147,7 @@ class DcpStorageWriter(StorageWriter):
         single_file_per_rank: bool = True,
         overwrite: bool = True,
         extensions: Sequence[StreamTransformExtension] = (),
+        progress: Progress = NO_PROGRESS,
     ) -> None:
         super().__init__()
         self.storage = storage
@@ -154,6 +157,7 @@ class DcpStorageWriter(StorageWriter):
         #: DCP's stream transforms for every item (None: store items as they are).
         self.transforms = _StorageWriterTransforms(list(extensions)) if extensions else None
         self._reopen = reopen
+        self.progress = progress
         self.rank = 0
         self.is_coordinator = True
         self.stats = SaveStats()
@@ -226,6 +230,7 @@ class DcpStorageWriter(StorageWriter):
             buckets = split_buckets(plan.items, self.workers)
         else:
             buckets = [[item] for item in plan.items]
+        self.progress.start(sum(item_nbytes(it) for it in plan.items))
         lock = threading.Lock()  # planners are not promised to be thread-safe
         future: Future[list[WriteResult]] = Future()
         named = [(self.session.data_file(token.prefix, i), bucket) for i, bucket in enumerate(buckets)]
@@ -255,6 +260,7 @@ class DcpStorageWriter(StorageWriter):
                 if self.transforms is not None:
                     data, descriptors = encode_item(data, item, self.transforms)
                 written.append((item, stream.write_item(data), descriptors))
+                self.progress.update(item_nbytes(item))
             file_size, file_crc = stream.finish()
             # Leaving the block publishes the file; a save that lost its
             # URI to a later save must not clobber that save's files.
@@ -311,13 +317,14 @@ def save_state_dict(
     process_group: dist.ProcessGroup | None,
     planner: SavePlanner | None,
     overwrite: bool = True,
+    progress: Progress = NO_PROGRESS,
 ) -> SaveStats:
     """One whole DCP save of ``state_dict`` to ``storage`` with dcpstore's
     writer (every rank calls it; ``process_group`` None: no collectives).
     The native engine, sync or on an async saver's background thread.
     Raises what DCP raises (a ``CheckpointException`` for a failure on any
     rank)."""
-    writer = DcpStorageWriter(storage, workers=workers, overwrite=overwrite)
+    writer = DcpStorageWriter(storage, workers=workers, overwrite=overwrite, progress=progress)
     no_dist = not (dist.is_available() and dist.is_initialized())
     try:
         with ignoring(NO_DIST_WARNING) if no_dist else contextlib.nullcontext():

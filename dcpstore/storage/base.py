@@ -65,6 +65,19 @@ class StorageOptions:
     """Tuning shared by all backends; each reads the fields that apply to it.
 
     Parsed and validated once (here), then handed to the backend constructor.
+    Each field's comment below says what it does and its default.
+
+    Args:
+        part_size: object stores: multipart part and ranged-read size
+            (``None``: chosen per object, :meth:`part_size_for`).
+        max_concurrency: object stores: parts or ranges in flight per object.
+        max_attempts: object stores: attempts per request, the first included.
+        connect_timeout_s, read_timeout_s: socket timeouts, seconds.
+        op_timeout_s: most seconds one object operation may take, retries
+            included.
+
+    Raises:
+        InvalidArgument: a value out of range (the message names the field).
     """
 
     #: Object stores: objects larger than this go up as multipart uploads in
@@ -103,7 +116,8 @@ class StorageOptions:
                 raise InvalidArgument(f"{name} must be a positive number of seconds, got {value!r}")
 
     def part_size_for(self, nbytes: int | None) -> int:
-        """The part (upload) or range (read) size for ``nbytes`` bytes.
+        """The part (upload) or range (read) size, in bytes, for an object or
+        read of ``nbytes`` bytes (``None`` or 0: unknown).
 
         ``part_size`` if set. Automatic: about ``max_concurrency`` pieces per
         object or read, so that one object keeps that many connections busy
@@ -111,6 +125,9 @@ class StorageOptions:
         between 8 MiB (the range size AWS recommends; S3's minimum part is
         5 MiB) and 64 MiB (few requests for large objects); 16 MiB for a
         stream of unknown size.
+
+        Returns:
+            The size in bytes.
         """
         if self.part_size is not None:
             return self.part_size
