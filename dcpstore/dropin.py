@@ -44,6 +44,7 @@ from .dcp.reader import DcpStorageReader
 from .dcp.writer import DcpStorageWriter
 from .engines.staging import StagedState, Stager, StagingPool
 from .errors import InvalidArgument
+from .progress import NO_PROGRESS
 from .storage import Storage, StorageOptions, open_storage
 
 #: What to use instead of s3torchconnector's arguments that select its own
@@ -196,11 +197,13 @@ class StorageWriter(DcpStorageWriter, AsyncStager):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state.update(storage=self.storage.url.uri, _session=None, _next=None, _staging=None)
+        del state["progress"]  # this process's bar, and it holds a lock
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.storage = self._opener(state["storage"])
+        self.progress = NO_PROGRESS
 
 
 class StorageReader(DcpStorageReader):
@@ -217,6 +220,21 @@ class StorageReader(DcpStorageReader):
     Nothing in the checkpoint is executed: ``safe_globals=[cls, ...]`` allows
     more classes in ``.metadata`` and non-tensor items, ``trusted=True`` any
     (as :func:`dcpstore.load`).
+
+    Args:
+        path: a local path or a URI dcpstore serves.
+        thread_count: reader threads (default: dcpstore's).
+        _extension_registry: ``FileSystemReader``'s: the stream transforms
+            the checkpoint's items may name.
+        verify: check every item's size and CRC32C as it is read.
+        safe_globals: classes ``.metadata`` and non-tensor items may hold
+            beyond the allowlist.
+        trusted: unpickle anything (only for checkpoints trusted like code).
+        enable_msc: route through NVIDIA Multi-Storage-Client.
+        storage_options: backend tuning (:class:`~dcpstore.StorageOptions`).
+        region: s3torchconnector's: the native S3 backend's region.
+        s3client_config, reader_constructor: s3torchconnector's; refused
+            with :class:`~dcpstore.InvalidArgument` saying what to use.
     """
 
     def __init__(
@@ -251,13 +269,14 @@ class StorageReader(DcpStorageReader):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state.update(storage=self.storage.url.uri, _metadata=None, _manifest=None, _preloaded=False)
-        del state["_progress"]  # per load, and holds a lock
+        del state["_progress"], state["bar"]  # per load and per process, and they hold locks
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.storage = self._opener(state["storage"])
         self._progress = LoadProgress(())
+        self.bar = NO_PROGRESS
 
 
 def _check_flags(**flags: Any) -> None:
