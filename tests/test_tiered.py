@@ -235,7 +235,7 @@ def test_overwrite_retracts_the_durable_copy_first(durable: Target, tmp_path: Pa
     with _manager(durable, tmp_path / "local") as mgr:
         mgr.save(_state(1), 1)
         mgr.wait()
-        with pytest.raises(dcpstore.InvalidArgument, match="already committed"):
+        with pytest.raises(dcpstore.CheckpointExists, match="already exists: step 1 is committed"):
             mgr.save(_state(2), 1)
         mgr.save(_state(2), 1, overwrite=True)
         mgr.wait()

@@ -34,7 +34,12 @@ The coordinator's own local copy must hold the manifest and ``.metadata``
 uploads against the manifest when their local directory holds it; where it
 does not, the coordinator checks the CRCs they report. The manifest is found
 as the one whose recorded ``.metadata`` CRC32C matches (:func:`read_local_commit`),
-whatever name the save gave it.
+whatever name the save gave it (the plain ``.dcpstore.json`` or a save-unique
+``.dcpstore.<tag>.json``, :func:`~dcpstore.format.layout.manifest_names`),
+without unpickling ``.metadata``; this is the rule ``dcpstore gc`` keeps a
+commit's files by. The durable copy gets the manifest under that same name and
+the same ``.metadata`` bytes, so the durable reader, which looks the manifest
+up by the save id ``.metadata`` records, finds exactly it.
 
 Layer: manager. Imports :mod:`dcpstore.format`, :mod:`dcpstore.storage` and
 :mod:`dcpstore.errors`.
@@ -56,7 +61,7 @@ import crc32c
 
 from ..errors import CheckpointCorrupt, CheckpointError, SaveError, StorageNotFound
 from ..format import inflight
-from ..format.layout import MANIFEST, METADATA, REPLICA_REPORT_PREFIX, is_data_file, is_replica_report
+from ..format.layout import METADATA, REPLICA_REPORT_PREFIX, is_data_file, is_manifest, is_replica_report
 from ..format.manifest import (
     MANIFEST_LIMIT,
     METADATA_LIMIT,
@@ -91,11 +96,6 @@ class LocalCommit:
     manifest: Manifest
 
 
-def _may_be_manifest(name: str) -> bool:
-    # The plain name, or a save-unique one (.dcpstore.<tag>.json) of an overwrite.
-    return name == MANIFEST or (name.startswith(".dcpstore.") and name.endswith(".json") and "/" not in name)
-
-
 def read_local_commit(local: Storage, step: int, names: Iterable[str] | None = None) -> LocalCommit | None:
     """The commit of the local copy of ``step``, or None if there is none
     (no ``.metadata``, or no manifest: node-local directories of other
@@ -111,7 +111,7 @@ def read_local_commit(local: Storage, step: int, names: Iterable[str] | None = N
     if names is None:
         names = [o["path"][len(prefix) + 1 :] for o in local.list(f"{prefix}/")]
     crc = crc32c.crc32c(metadata_blob)
-    for name in sorted(n for n in names if _may_be_manifest(n)):
+    for name in sorted(n for n in names if is_manifest(n)):
         where = f"{prefix}/{name}"
         try:
             blob = read_capped(local, where, MANIFEST_LIMIT)
@@ -259,7 +259,7 @@ def commit_replica(
             for o in durable.list(f"{prefix}/")
             if (name := o["path"][len(prefix) + 1 :]) not in wanted
             and name != commit.manifest_name
-            and (is_data_file(name) or _may_be_manifest(name) or is_replica_report(name) or inflight.is_alive_file(name))
+            and (is_data_file(name) or is_manifest(name) or is_replica_report(name) or inflight.is_alive_file(name))
         ]
         if stale:
             durable.delete(stale)
