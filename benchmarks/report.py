@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import targets  # noqa: E402
 from dcpstore.bench import summarize  # noqa: E402
+from dcpstore.bench.limits import best_limits, limit_ratios  # noqa: E402
 from dcpstore.units import human_bytes  # noqa: E402
 
 Row = dict[str, Any]
@@ -44,18 +45,58 @@ def _note(r: Row) -> str:
     return ", ".join(notes)
 
 
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
 def rows_table(rows: Sequence[Row]) -> str:
-    head = ["entry", "backend", "W", "save GB/s", "load GB/s", "blocked s", "CPU s save/load",
-            "plan/stage/write/commit s", "RSS growth", "note"]  # fmt: skip
+    """One row per entry. ``save/limit`` and ``load/limit``: its speed over the
+    best limit row of its backend (the fastest raw row of the sweep, per
+    direction); ``CPU s/GB``: client CPU seconds per GB moved."""
+    head = ["entry", "backend", "W", "save GB/s", "load GB/s", "save/limit", "load/limit", "blocked s",
+            "CPU s/GB save/load", "plan/stage/write/commit s", "RSS growth", "note"]  # fmt: skip
+    by_backend: dict[str, list[Row]] = {}
+    for r in rows:
+        by_backend.setdefault(r["backend"], []).append(r)
+    ratios = {id_: r for group in by_backend.values() for id_, r in zip((id(x) for x in group), limit_ratios(group))}
     body = []
     for r in rows:
+        d = targets.with_derived(r)
+        lim = ratios[id(r)]
         ph = r.get("phases") or {}
         phases = "/".join(f"{ph[p]:.2f}" for p in ("plan", "stage", "write", "commit") if p in ph) or "-"
         growth = r.get("rss_growth_bytes")
         body.append([r["name"], r["backend"], str(r["workers"]), _num(r.get("write_gbps")), _num(r.get("read_gbps")),
-                     _num(r.get("blocked_s")), f"{_num(r.get('write_cpu_s'), '.2f')}/{_num(r.get('read_cpu_s'), '.2f')}",
+                     _ratio(lim.get("write_vs_limit")), _ratio(lim.get("read_vs_limit")), _num(r.get("blocked_s")),
+                     f"{_num(d.get('write_cpu_per_gb'), '.2f')}/{_num(d.get('read_cpu_per_gb'), '.2f')}",
                      phases if r["status"] == "ok" else "-",
                      human_bytes(growth) if growth is not None else "-", _note(r)])  # fmt: skip
+    return targets.markdown_table(head, body)
+
+
+def sweep_table(rows: Sequence[Row]) -> str:
+    """The raw limit sweep of one section as a grid: connections down, part
+    size across, save / load GB/s in each cell; the best of each direction
+    in bold."""
+    raw = [r for r in rows if r.get("group") == "limit" and r.get("engine") == "boto3"]
+    if not raw:
+        return "_no raw sweep in this run_"
+    best = best_limits(raw)
+    parts = sorted({r["extra"]["part_size"] for r in raw})
+    conns = sorted({r["workers"] for r in raw})
+    cell = {(r["workers"], r["extra"]["part_size"]): r for r in raw}
+
+    def text(r: Row | None, direction: str) -> str:
+        if r is None:
+            return ""
+        if r["status"] != "ok":
+            return r["status"]
+        value = _num(r.get(f"{direction}_gbps"))
+        return f"**{value}**" if best.get(direction) is r else value
+
+    head = ["connections", *(f"part {human_bytes(p)}" for p in parts)]
+    body = [[str(c), *(f"{text(cell.get((c, p)), 'write')} / {text(cell.get((c, p)), 'read')}"
+                       if (c, p) in cell else "" for p in parts)] for c in conns]  # fmt: skip
     return targets.markdown_table(head, body)
 
 
@@ -87,7 +128,9 @@ def blocks(compare: dict[str, Any] | None, scaling: dict[str, Any] | None) -> di
     if compare:
         summary = summarize(compare["records"])  # re-derived: summaries gain fields over time
         for section in ("local", "s3", "wan"):
-            out[section] = rows_table([r for r in summary if r.get("extra", {}).get("section") == section])
+            rows = [r for r in summary if r.get("extra", {}).get("section") == section]
+            out[section] = rows_table(rows)
+            out[f"sweep-{section}"] = sweep_table(rows)
         # Recomputed from the summary so that edited target definitions apply to old runs too.
         results += targets.evaluate_all(targets.compare_targets(max(compare["meta"]["workers"])), summary)
     if scaling:

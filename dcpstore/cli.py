@@ -109,6 +109,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     records = bench(
         args.uri, size=size, tensors=args.tensors, workers=workers, engine=args.engine, async_=args.async_,
         repeat=args.repeat, enable_msc=args.enable_msc, drop_caches=not args.warm, progress=not args.quiet,
+        limit=args.limit,
     )  # fmt: skip
     rows = summarize(records)
     print(format_table(rows))
@@ -162,6 +163,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", choices=("auto", "native", "nvrx"), default="auto", help="async engine (with --async)")
     p.add_argument("--async", dest="async_", action="store_true", help="save with async_=True; reports the blocked time")
     p.add_argument("--repeat", type=_positive_int, default=1, help="saves per worker count (default 1)")
+    p.add_argument("--limit", action="store_true",
+                   help="also measure the storage's limit with the plainest code (a local path: raw threads per "
+                        "worker count; s3://: raw boto3 over 1-32 connections and 8-64 MiB parts) and show every "
+                        "row's save and load speed over the best limit")
     p.add_argument("--json", metavar="FILE", help="write every measurement as JSON records")
     p.add_argument("--plot", metavar="FILE.png", help="plot GB/s against workers")
     p.add_argument("--warm", action="store_true",

@@ -40,7 +40,7 @@ from torch.futures import Future
 from ..errors import CheckpointCorrupt, CheckpointError, InvalidArgument, StorageNotFound
 from ..format.layout import MANIFEST, METADATA, Manifest, item_key
 from ..format.record import item_tensor
-from ..options import LoadOptions, check_workers, default_workers
+from ..options import LoadOptions, check_workers
 from ..quiet import ignoring
 from ..storage import Storage
 from ..threads import run_parallel
@@ -67,7 +67,7 @@ class DcpStorageReader(StorageReader):
     ) -> None:
         super().__init__()
         self.storage = storage
-        self.workers = check_workers(workers, default_workers())
+        self.workers = check_workers(workers, storage.default_workers())
         self.verify = verify
         self._reopen = reopen
         self._manifest: Manifest | None = None
@@ -118,7 +118,7 @@ class DcpStorageReader(StorageReader):
                 )
             per_file[info.relative_path].append((req, info))
         if self.verify and self._manifest is not None:
-            self._check_sizes(per_file)
+            self._check_listed(per_file)
         assert self._metadata is not None
         raw = self._manifest["tensors"] if self._manifest is not None else {}
         jobs = plan_reads(per_file, raw, self._metadata, self.workers, self.storage.describe(MANIFEST))
@@ -126,26 +126,46 @@ class DcpStorageReader(StorageReader):
         future: Future[None] = Future()
         try:
             run_parallel(lambda job: self._read_job(job, planner, lock), jobs, self.workers, "dcpstore-read")
+            if self.verify and self._manifest is not None:
+                self._check_sizes(per_file)
         except BaseException as e:
             future.set_exception(e)  # type: ignore[arg-type]  # torch's stub types it as the value
             return future
         future.set_result(None)
         return future
 
-    def _check_sizes(self, per_file: dict[str, list[Request]]) -> None:
+    def _check_listed(self, per_file: dict[str, list[Request]]) -> None:
         assert self._manifest is not None
         for path in per_file:
-            entry = self._manifest["files"].get(path)
-            if entry is None:
+            if path not in self._manifest["files"]:
                 raise CheckpointCorrupt(f"{self.storage.describe(path)}: not listed in the integrity manifest")
-            try:
-                actual = self.storage.size(path)
-            except StorageNotFound as e:
-                raise CheckpointCorrupt(f"{self.storage.describe(path)}: data file is missing") from e
-            if actual != entry["size"]:
+
+    def _check_sizes(self, per_file: dict[str, list[Request]]) -> None:
+        """Every data file this rank read has the size the manifest records.
+
+        Checked after the reads: an object store reports each object's size
+        with every ranged GET (:meth:`Storage.size_seen`), so this costs no
+        request there; elsewhere one per file, all in flight together (on an
+        object store in a row they would delay the load by one round trip
+        per file). A truncated item fails earlier, as a short read.
+        """
+        assert self._manifest is not None
+        files = self._manifest["files"]
+
+        def check(path: str) -> None:
+            actual = self.storage.size_seen(path)
+            if actual is None:
+                try:
+                    actual = self.storage.size(path)
+                except StorageNotFound as e:
+                    raise CheckpointCorrupt(f"{self.storage.describe(path)}: data file is missing") from e
+            if actual != files[path]["size"]:
                 raise CheckpointCorrupt(
-                    f"{self.storage.describe(path)}: size {actual} bytes, expected {entry['size']} (truncated or damaged)"
+                    f"{self.storage.describe(path)}: size {actual} bytes, expected {files[path]['size']} "
+                    "(truncated or damaged)"
                 )
+
+        run_parallel(check, sorted(per_file), len(per_file), "dcpstore-size")
 
     def _read_job(self, job: Span | DirectRun, planner: LoadPlanner, lock: threading.Lock) -> None:
         if isinstance(job, DirectRun):

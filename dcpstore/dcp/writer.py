@@ -45,7 +45,7 @@ from torch.futures import Future
 from ..errors import CheckpointError, InvalidArgument, SaveError
 from ..format.record import RecordStream, compact_cpu_tensor
 from ..handle import SaveStats
-from ..options import check_workers, default_workers
+from ..options import check_workers
 from ..quiet import ignoring
 from ..storage import Storage, parse_uri
 from ..threads import run_parallel
@@ -124,7 +124,7 @@ class DcpStorageWriter(StorageWriter):
     ) -> None:
         super().__init__()
         self.storage = storage
-        self.workers = check_workers(workers, default_workers())
+        self.workers = check_workers(workers, storage.default_workers())
         self._reopen = reopen
         self.rank = 0
         self.is_coordinator = True

@@ -59,7 +59,7 @@ from ..errors import CheckpointError, InvalidURI, StorageError, StorageNotFound,
 from .base import MiB, ObjectInfo, ObjectWriter, Storage, StorageOptions
 from .buffered import BufferedObjectWriter
 from .codes import Meaning, code_in_text, meaning
-from .kit import byte_ranges, fsync_dir, library_detail, library_text, map_os_error
+from .kit import byte_ranges, disk_workers, fsync_dir, library_detail, library_text, map_os_error
 from .uri import StorageURL
 
 #: Per object, spooled bytes stay in memory up to this size, then go to a temp file.
@@ -120,6 +120,11 @@ class MSCStorage(Storage):
     @property
     def is_posix(self) -> bool:
         return self.posix_root is not None
+
+    def default_workers(self) -> int:
+        """A POSIX profile is a disk (see :func:`~dcpstore.storage.kit.disk_workers`);
+        any other profile an object store (see :meth:`Storage.default_workers`)."""
+        return disk_workers() if self.is_posix else super().default_workers()
 
     def _full(self, path: str) -> str:
         return self._join_root(self.root, path)
