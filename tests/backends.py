@@ -9,7 +9,11 @@ fixture (tests/s3_server.py) lazily, so local-only runs start no server.
 
 Object-store targets use a small part size (5 MiB, S3's minimum) so that the
 suites' multi-MiB objects really go up as multipart uploads and come back as
-parallel ranged reads.
+parallel ranged reads: ``OBJECT_STORE_OPTIONS`` for the native S3 backend,
+and the MSC profiles' own ``multipart_threshold`` for MSC (tests/s3_server.py:
+``s3+msc`` resolves through the MSC config's ``path_mapping``, since MSC's
+implicit profile keeps its 64 MiB threshold). test_object_stores.py checks
+that each object-store target really uploads a multi-MiB file in parts.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import Any
 import pytest
 
 from dcpstore.storage import MiB, StorageOptions
+from s3_server import MSC_MAPPED_PREFIX
 
 #: Tuning for the object-store targets: multipart from 5 MiB, bounded retries.
 OBJECT_STORE_OPTIONS = StorageOptions(
@@ -51,11 +56,11 @@ def _local(request: pytest.FixtureRequest, unique: str) -> Target:
     return Target("local", str(tmp_path / unique))
 
 
-def _s3_endpoint(request: pytest.FixtureRequest, unique: str) -> Any:
-    """The session's S3 endpoint; the test's objects are deleted when it ends
-    (moto keeps everything in memory)."""
+def _s3_endpoint(request: pytest.FixtureRequest, key_prefix: str) -> Any:
+    """The session's S3 endpoint; the test's objects (under ``key_prefix``)
+    are deleted when it ends (moto keeps everything in memory)."""
     endpoint = request.getfixturevalue("s3_endpoint")
-    request.addfinalizer(lambda: endpoint.delete_prefix(f"{unique}/"))
+    request.addfinalizer(lambda: endpoint.delete_prefix(f"{key_prefix}/"))
     return endpoint
 
 
@@ -65,9 +70,11 @@ def _s3(request: pytest.FixtureRequest, unique: str) -> Target:
 
 
 def _s3_msc(request: pytest.FixtureRequest, unique: str) -> Target:
-    endpoint = _s3_endpoint(request, unique)
+    request.getfixturevalue("msc_config")  # its path_mapping sets MSC's part size
+    key_prefix = f"{MSC_MAPPED_PREFIX}/{unique}"
+    endpoint = _s3_endpoint(request, key_prefix)
     kwargs = {"enable_msc": True, "storage_options": OBJECT_STORE_OPTIONS}
-    return Target("s3+msc", f"s3://{endpoint.bucket}/{unique}", kwargs)
+    return Target("s3+msc", f"s3://{endpoint.bucket}/{key_prefix}", kwargs)
 
 
 def _msc(request: pytest.FixtureRequest, unique: str) -> Target:

@@ -35,6 +35,12 @@ import pytest
 LOOPBACK = "127.0.0.1"
 BUCKET = "dcpstore-test"
 MSC_PROFILE = "dcpstore-s3"
+#: ``s3://BUCKET/<this>/...`` with ``enable_msc=True`` resolves, through the
+#: MSC config's ``path_mapping``, to profile ``MSC_MAPPED_PROFILE`` (base path
+#: ``BUCKET/<this>``): the suites' ``s3+msc`` target. Other keys get MSC's
+#: implicit profile, whose 64 MiB multipart threshold no config can change.
+MSC_MAPPED_PREFIX = "msc-mapped"
+MSC_MAPPED_PROFILE = "dcpstore-s3-mapped"
 # Distinctive, so that tests can assert they never show up in output or logs.
 FAKE_KEY_ID = "AKIADCPSTORESESSION1"
 FAKE_SECRET = "dcpstore/session+SECRET/never-printed-0001"
@@ -201,21 +207,27 @@ def s3_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Endpoint
 
 @pytest.fixture(scope="session")
 def msc_config(s3_endpoint: S3Endpoint, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """An MSC config file with profile ``dcpstore-s3`` on the session's endpoint; sets MSC_CONFIG."""
+    """An MSC config file on the session's endpoint; sets MSC_CONFIG. Profile
+    ``dcpstore-s3`` (base path: the bucket), and ``dcpstore-s3-mapped`` that
+    ``s3://BUCKET/msc-mapped/`` maps to. Both use 5 MiB parts, so that the
+    suites' multi-MiB objects really go up as multipart uploads."""
     path = tmp_path_factory.mktemp("msc") / "msc_config.yaml"
-    path.write_text(
-        "profiles:\n"
-        f"  {MSC_PROFILE}:\n"
-        "    storage_provider:\n"
-        "      type: s3\n"
-        "      options:\n"
-        f"        base_path: {s3_endpoint.bucket}\n"
-        f"        endpoint_url: {s3_endpoint.url}\n"
-        f"        region_name: {REGION}\n"
-        # Small parts so the suites' multipart-sized objects really go up in parts.
-        "        multipart_threshold: 5242880\n"
-        "        multipart_chunksize: 5242880\n"
-    )
+    profiles = {MSC_PROFILE: s3_endpoint.bucket, MSC_MAPPED_PROFILE: f"{s3_endpoint.bucket}/{MSC_MAPPED_PREFIX}"}
+    text = "profiles:\n"
+    for name, base_path in profiles.items():
+        text += (
+            f"  {name}:\n"
+            "    storage_provider:\n"
+            "      type: s3\n"
+            "      options:\n"
+            f"        base_path: {base_path}\n"
+            f"        endpoint_url: {s3_endpoint.url}\n"
+            f"        region_name: {REGION}\n"
+            "        multipart_threshold: 5242880\n"
+            "        multipart_chunksize: 5242880\n"
+        )
+    text += f"path_mapping:\n  s3://{s3_endpoint.bucket}/{MSC_MAPPED_PREFIX}/: msc://{MSC_MAPPED_PROFILE}/\n"
+    path.write_text(text)
     mp = pytest.MonkeyPatch()
     mp.setenv("MSC_CONFIG", str(path))
     try:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import traceback
 
 import pytest
 import torch
@@ -83,15 +84,46 @@ def test_missing_key_on_load_is_named(tmp_path) -> None:
         dcpstore.load({"not_saved": torch.zeros(2)}, str(tmp_path / "ck"))
 
 
-def test_secrets_never_logged_or_raised(tmp_path, caplog) -> None:
+SECRET = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYzzSECRET"
+#: (case, call(tmp_path, bucket), the error it must raise). The signed-query
+#: and file cases reach real storage (moto over HTTP, local files) first.
+SECRET_CASES = [
+    ("credentials-in-uri", lambda p, b: _save(f"s3://AKIAFAKEKEY:{SECRET}@{b}/x"), dcpstore.InvalidURI),
+    ("signed-query-load", lambda p, b: dcpstore.load({"a": torch.zeros(2)}, f"s3://{b}/none?X-Amz-Signature={SECRET}"),
+     dcpstore.CheckpointNotFound),
+    ("signed-query-no-bucket", lambda p, b: _save(f"s3://dcpstore-no-such-bucket/x?X-Amz-Signature={SECRET}"), dcpstore.SaveError),
+    ("signed-query-msc", lambda p, b: dcpstore.load({"a": torch.zeros(2)}, f"s3://{b}/none?sig={SECRET}", enable_msc=True),
+     dcpstore.CheckpointNotFound),
+    ("file-uri-query", lambda p, b: dcpstore.load({"a": torch.zeros(2)}, f"file://{p}/none?sig={SECRET}"), dcpstore.CheckpointNotFound),
+    ("unknown-scheme-query", lambda p, b: _save(f"zzz://{b}/x?X-Amz-Signature={SECRET}"), dcpstore.InvalidURI),
+]
+
+
+def _chain_text(exc: BaseException) -> str:
+    """Every exception of the cause/context chain: type, message and args
+    (not the traceback's source lines, which quote this file)."""
+    texts, seen = [], set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        texts += ["".join(traceback.format_exception_only(cur)), repr(cur.args)]
+        cur = cur.__cause__ or cur.__context__
+    return "\n".join(texts)
+
+
+@pytest.mark.parametrize("case,call,exc", SECRET_CASES, ids=[c[0] for c in SECRET_CASES])
+def test_secrets_never_logged_or_raised(tmp_path, caplog, s3_endpoint, case, call, exc) -> None:
+    """The secret is in no exception of the chain (message, cause, traceback
+    text) and in no log record, at DEBUG, of any logger."""
     caplog.set_level(logging.DEBUG)
-    secret = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYzzSECRET"
-    for uri in (f"s3://AKIAFAKEKEY:{secret}@bucket/x", f"s3://bucket/x?X-Amz-Signature={secret}"):
-        try:
-            _save(uri)
-        except dcpstore.CheckpointError as e:
-            assert secret not in str(e) and "AKIAFAKEKEY" not in str(e)
-    assert secret not in caplog.text
+    with pytest.raises(exc) as info:
+        call(str(tmp_path), s3_endpoint.bucket)
+    chain = _chain_text(info.value)
+    assert SECRET not in chain and "AKIAFAKEKEY" not in chain, chain
+    for record in caplog.records:
+        text = record.getMessage() + (logging.Formatter().formatException(record.exc_info) if record.exc_info else "")
+        assert SECRET not in text and "AKIAFAKEKEY" not in text, text
+    assert SECRET not in caplog.text
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

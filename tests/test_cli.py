@@ -74,7 +74,10 @@ def test_verify_ok_then_damaged(root: str) -> None:
         f.write(bytes([b[0] ^ 1]))
     bad = run_cli("verify", ck, "-q")
     assert bad.returncode == 1
-    assert victim in bad.stdout and "checksum" in bad.stdout
+    lines = bad.stdout.splitlines()
+    damaged = [line for line in lines if line.startswith("DAMAGED")]
+    assert len(damaged) == 1 and victim in damaged[0] and "checksum" in damaged[0], bad.stdout
+    assert lines[-1].startswith("FAILED  1 problem(s)") and not any(line.startswith("OK") for line in lines)
 
 
 def test_verify_missing_checkpoint_exit_code(tmp_path) -> None:

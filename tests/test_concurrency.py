@@ -1,7 +1,14 @@
 """Two processes saving to one URI at once: one wins or a clear error.
 
-Whatever the interleaving, a load afterwards returns exactly one writer's
-state, or fails with a clear error; it never returns a mixture.
+Whatever the interleaving, each writer succeeds or fails with "another
+save"; at least one succeeds; a load afterwards returns exactly the state
+of a writer that reported success, never a mixture. The one documented
+exception (RELIABILITY.md, "Known limits": the check-then-publish window)
+is a load that fails with a clear error: ``CheckpointCorrupt`` naming a
+data file when one writer's file landed over the other's, or
+``CheckpointNotFound`` when the later writer's claim retracted the
+earlier one's fresh commit and the later one then failed. The window is
+narrow, so at most ``MAX_ERROR_ROUNDS`` of the rounds may end that way.
 """
 
 from __future__ import annotations
@@ -35,9 +42,24 @@ def ctx() -> mp.context.BaseContext:
     return forkserver()
 
 
+#: Rounds and how many of them may end in a load error (the known window;
+#: none in 20 rounds measured on a loaded 2-core box).
+ROUNDS = 6
+MAX_ERROR_ROUNDS = 2
+
+
+def _load_error_is_documented(e: dcpstore.CheckpointError, said: dict[int, str]) -> bool:
+    if isinstance(e, dcpstore.CheckpointCorrupt):
+        return ".distcp" in str(e)  # a data file of the other writer, named
+    # Both committed: the later commit's .metadata stands, so only the
+    # data-file window can fail a load. One failed: its claim may have
+    # retracted the other's fresh commit.
+    return isinstance(e, dcpstore.CheckpointNotFound) and list(said.values()).count("ok") == 1
+
+
 def test_two_writers_one_uri(tmp_path, ctx) -> None:
     outcomes = []
-    for round_ in range(6):
+    for round_ in range(ROUNDS):
         uri = str(tmp_path / f"race_{round_}")
         barrier, results = ctx.Barrier(2), ctx.Queue()
         procs = [ctx.Process(target=_racer, args=(uri, seed, barrier, results)) for seed in (1, 2)]
@@ -49,14 +71,17 @@ def test_two_writers_one_uri(tmp_path, ctx) -> None:
         said = dict(results.get(timeout=5) for _ in procs)
         for seed, what in said.items():
             assert what == "ok" or "another save" in what, what
+        assert "ok" in said.values(), f"both writers failed: {said}"
         restored = {k: torch.zeros_like(v) for k, v in writer_state(1).items()}
         try:
             dcpstore.load(restored, uri)
-        except dcpstore.CheckpointError as e:  # clear error, never silent garbage
+        except dcpstore.CheckpointError as e:
+            assert _load_error_is_documented(e, said), f"{said}: {type(e).__name__}: {e}"
             outcomes.append(f"load error: {type(e).__name__}: {e}")
             continue
         winners = [s for s in (1, 2) if all(torch.equal(restored[k], v) for k, v in writer_state(s).items())]
         assert len(winners) == 1, "loaded a mixture of two saves"
         assert said[winners[0]] == "ok", "loaded the state of a save that reported failure"
         outcomes.append(f"winner {winners[0]}")
-    assert any(o.startswith("winner") for o in outcomes), outcomes
+    errors = [o for o in outcomes if o.startswith("load error")]
+    assert len(errors) <= MAX_ERROR_ROUNDS, outcomes

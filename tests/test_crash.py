@@ -5,7 +5,12 @@ dcpstore imported, so a kill costs milliseconds, not an interpreter start
 (crashkit.py; the async and S3 variants are test_crash_async.py and
 test_crash_s3.py). The child saves through :class:`faults.EventStorage`, which SIGKILLs it at
 the n-th storage event: open, each chunk written, each commit (before and
-after the rename), the manifest, and ``.metadata``.
+after the rename), the manifest, ``.metadata``, deletes and listings.
+
+Two suites: a plain DCP save to a fresh URI (the previous checkpoint beside
+it), and a save through ``CheckpointManager(keep=1)`` whose retention races
+the kill, or which saves over the committed checkpoint at the same URI
+(crashkit.run_managed_crashes, shared with the async and S3 suites).
 """
 
 from __future__ import annotations
@@ -14,17 +19,18 @@ import os
 import signal
 
 import pytest
-import torch
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 import dcpstore
-from crashkit import crash, crash_state, forkserver, kill_points
+from crashkit import Managed, commit_index, crash, crash_state, forkserver, kill_points, run_managed_crashes
 from crashkit import outcome as _outcome_of
 from dcpstore.maintenance import gc, list_checkpoints
 from dcpstore.storage import open_storage
 from dcpstore.dcp.writer import DcpStorageWriter
 from faults import EventStorage, KillAt, Recorder
-from helpers import assert_state_equal, zeros_like_state
+
+#: Kill-point budget of the quick run (None: every point, in the slow run).
+BUDGETS = [pytest.param(24, id="sampled"), pytest.param(None, id="all", marks=pytest.mark.slow)]
 
 
 def _save(uri: str, seed: int, hook) -> None:
@@ -56,57 +62,45 @@ def _outcome(uri: str, seed: int) -> str:
     return _outcome_of(uri, crash_state(seed))
 
 
-def test_kill_anywhere_in_a_save(tmp_path, ctx) -> None:
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_kill_anywhere_in_a_save(tmp_path, ctx, budget: int | None) -> None:
     root = tmp_path / "root"
     dcpstore.save(crash_state(1), str(root / "step_1")).result()
     events = _count_events(tmp_path)
-    points = kill_points(events)
+    landed = commit_index(events)
+    points = kill_points(events, total=budget, always=(landed - 1, landed))
     assert len(points) >= 20, f"only {len(events)} storage events to kill at"
-    outcomes: dict[str, list[str]] = {"absent": [], "complete": []}
+    assert points[0] < landed <= points[-1]
     for k in points:
         uri = str(root / f"crash_{k}")
         code = _crash(ctx, uri, 2, k)
         assert code == -signal.SIGKILL, f"kill point {k} ({events[k]}): exit code {code}"
-        outcomes[_outcome(uri, 2)].append(events[k])
-        assert _outcome(str(root / "step_1"), 1) == "complete"  # the previous one, untouched
-    # Kills before the .metadata rename leave nothing loadable; after it, all.
-    assert outcomes["absent"] and outcomes["complete"]
-    assert all(not e.startswith("committed:.metadata") for e in outcomes["absent"])
-    listed = {e.path: e.committed for e in list_checkpoints(open_storage(str(root)))}
-    for k in points:
-        loadable = _outcome(str(root / f"crash_{k}"), 2) == "complete"
-        assert listed.get(f"crash_{k}", False) == loadable
-    # gc removes every leftover of the interrupted saves and nothing else.
+        # Absent until .metadata has landed, exactly the saved state from then on
+        # (the marker removal and stale-file cleanup after it change nothing).
+        expected = "complete" if k >= landed else "absent"
+        assert _outcome(uri, 2) == expected, f"kill point {k} ({events[k]})"
+    assert _outcome(str(root / "step_1"), 1) == "complete"  # the previous one, untouched
+    committed = {"step_1"} | {f"crash_{k}" for k in points if k >= landed}
     storage = open_storage(str(root))
+    listed = list_checkpoints(storage)
+    assert {e.path for e in listed if e.committed} == committed
+    assert {e.path for e in listed if not e.committed} <= {f"crash_{k}" for k in points if k < landed}
+    # gc removes every leftover of the interrupted saves and nothing else.
     gc(storage, older_than_s=0)
     assert list(storage.list_incomplete()) == []
     after = list_checkpoints(storage)
-    assert all(e.committed for e in after)
-    assert _outcome(str(root / "step_1"), 1) == "complete"
+    assert all(e.committed for e in after) and {e.path for e in after} == committed
+    assert not any(".dcpstore-tmp-" in f for _, _, files in os.walk(root) for f in files)
+    for name in sorted(committed):
+        assert _outcome(str(root / name), 1 if name == "step_1" else 2) == "complete", name
 
 
-def test_kill_while_overwriting_never_mixes_old_and_new(tmp_path, ctx) -> None:
-    """Re-saving over a committed checkpoint: old, new or absent, never a mixture."""
-    events = _count_events(tmp_path)
-    seen = set()
-    points = kill_points(events)
-    for k in sorted(set(points[::3] + points[-2:])):  # a sample, and after the commit
-        uri = str(tmp_path / f"over_{k}")
-        dcpstore.save(crash_state(3), uri, workers=3).result()
-        assert _crash(ctx, uri, 2, k) == -signal.SIGKILL
-        restored = zeros_like_state(crash_state(2))
-        try:
-            dcpstore.load(restored, uri)
-        except dcpstore.CheckpointNotFound:
-            seen.add("absent")
-            continue
-        if torch.equal(restored["big"], crash_state(3)["big"]):
-            assert_state_equal(crash_state(3), restored)
-            seen.add("old")
-        else:
-            assert_state_equal(crash_state(2), restored)
-            seen.add("new")
-    assert "absent" in seen and "new" in seen
+@pytest.mark.parametrize("scenario", ["next", "overwrite"])
+def test_kill_anywhere_in_a_managed_sync_save(tmp_path, ctx, scenario: str) -> None:
+    """keep=1: retention deletes step 1 once step 2 is committed ("next"), or
+    step 1 is saved again over itself ("overwrite"); see run_managed_crashes."""
+    how = Managed({"async_": False, "workers": 3})
+    run_managed_crashes(ctx, str(tmp_path / "runs"), scenario, how, budget=20)
 
 
 def test_temp_files_never_listed(tmp_path, ctx) -> None:

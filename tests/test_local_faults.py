@@ -2,8 +2,12 @@
 
 The failures are injected at the OS boundary the local backend uses (so its
 error mapping and abort path run for real) and at the storage interface.
-Every case checks the same promises: a SaveError naming the URI and the
-cause, no .metadata, no temporary files left, the previous checkpoint intact.
+Every case saves through ``CheckpointManager(keep=1)`` next to a committed
+step 1, or over it (the same URI), and checks the same promises: a SaveError
+naming the URI and the real cause (not torch's "unexpected pos"), no
+.metadata, no temporary files left; step 1 untouched by the failure of the
+next step (retention never runs for a failed save), and over the same URI
+what the protocol leaves (crashkit.OVERWRITE_GAP), never a mixture.
 """
 
 from __future__ import annotations
@@ -18,9 +22,10 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 import dcpstore
 from dcpstore.errors import StorageError
 from dcpstore.storage import open_storage
+from crashkit import OVERWRITE_GAP, which_state
 from dcpstore.dcp.writer import DcpStorageWriter
 from faults import EventStorage, FailAt
-from helpers import assert_state_equal, sample_state, zeros_like_state
+from helpers import sample_state, zeros_like_state
 
 
 def _is_tmp_fd(fd: int) -> bool:
@@ -46,10 +51,12 @@ def _failing(real, code: int, after: int):
 
 @pytest.fixture
 def previous(tmp_path) -> tuple[str, dict]:
+    """A manager root whose step 1 is committed: the checkpoint to keep."""
     state = sample_state(7)
-    uri = str(tmp_path / "step_1")
-    dcpstore.save(state, uri).result()
-    return uri, state
+    root = str(tmp_path / "run")
+    with dcpstore.CheckpointManager(root, async_=False) as manager:
+        manager.save(1, state)
+    return root, state
 
 
 def _next_state() -> dict:
@@ -57,31 +64,60 @@ def _next_state() -> dict:
     return {**sample_state(8), **{f"big{i}": torch.randn(1 << 18) for i in range(3)}}
 
 
-def _assert_clean_failure(uri: str, previous: tuple[str, dict], cause: str) -> None:
+#: Where the failing save goes: the next step (retention, keep=1, must not
+#: run for a failed save) or over step 1 itself (the same URI).
+SCENARIOS = {"next": 2, "overwrite": 1}
+
+
+@pytest.fixture(params=list(SCENARIOS))
+def scenario(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def _failed_save_uri(previous: tuple[str, dict], scenario: str) -> str:
+    return dcpstore.CheckpointManager(previous[0]).step_uri(SCENARIOS[scenario])
+
+
+def _assert_clean_failure(previous: tuple[str, dict], scenario: str, cause: str) -> None:
+    """A failing save through CheckpointManager(keep=1): a SaveError naming
+    the URI and the real cause; nothing half-written; step 1 as it was."""
+    uri = _failed_save_uri(previous, scenario)
+    manager = dcpstore.CheckpointManager(previous[0], keep=1, async_=False, workers=3)
     with pytest.raises(dcpstore.SaveError) as info:
-        dcpstore.save(_next_state(), uri, workers=3)
+        manager.save(SCENARIOS[scenario], _next_state(), overwrite=scenario == "overwrite")
     message = str(info.value)
     assert uri in message and cause in message, message
+    assert "unexpected pos" not in message, message  # torch's stream error, not the storage's
+    _assert_nothing_half_written(uri)
+    _assert_previous(previous, scenario, manager)
+
+
+def _assert_nothing_half_written(uri: str) -> None:
     assert not os.path.exists(os.path.join(uri, ".metadata"))
     assert not any(".dcpstore-tmp-" in f for f in os.listdir(uri)) if os.path.isdir(uri) else True
-    prev_uri, prev_state = previous
-    restored = zeros_like_state(prev_state)
-    dcpstore.load(restored, prev_uri)
-    assert_state_equal(prev_state, restored)
+
+
+def _assert_previous(previous: tuple[str, dict], scenario: str, manager: dcpstore.CheckpointManager) -> None:
+    """Step 1 loads exactly. Over the same URI, the claim retracted it
+    before the failure (crashkit.OVERWRITE_GAP says what is left)."""
+    _, prev_state = previous
+    expected = "old" if scenario == "next" else OVERWRITE_GAP
+    assert which_state(manager.step_uri(1), {"old": prev_state}) == expected
+    assert manager.all_steps() == ([1] if expected == "old" else [])
 
 
 @pytest.mark.parametrize("after", [0, 1, 3])
-def test_enospc_mid_write(tmp_path, monkeypatch, previous, after: int) -> None:
+def test_enospc_mid_write(monkeypatch, previous, scenario, after: int) -> None:
     monkeypatch.setattr(os, "write", _failing(os.write, errno.ENOSPC, after))
-    _assert_clean_failure(str(tmp_path / "step_2"), previous, "ENOSPC")
+    _assert_clean_failure(previous, scenario, "ENOSPC")
 
 
-def test_eio_on_fsync(tmp_path, monkeypatch, previous) -> None:
+def test_eio_on_fsync(monkeypatch, previous, scenario) -> None:
     monkeypatch.setattr(os, "fsync", _failing(os.fsync, errno.EIO, 1))
-    _assert_clean_failure(str(tmp_path / "step_2"), previous, "EIO")
+    _assert_clean_failure(previous, scenario, "EIO")
 
 
-def test_eacces_on_open(tmp_path, monkeypatch, previous) -> None:
+def test_eacces_on_open(monkeypatch, previous, scenario) -> None:
     real_open = os.open
 
     def fake_open(path, flags, *args, **kwargs):
@@ -90,17 +126,18 @@ def test_eacces_on_open(tmp_path, monkeypatch, previous) -> None:
         return real_open(path, flags, *args, **kwargs)
 
     monkeypatch.setattr(os, "open", fake_open)
-    _assert_clean_failure(str(tmp_path / "step_2"), previous, "permission denied")
+    _assert_clean_failure(previous, scenario, "permission denied")
 
 
 @pytest.mark.parametrize("event", ["commit:.metadata", "commit:.dcpstore.json", "open:__0_1.distcp", "write:__0_2.distcp"])
-def test_interface_failure_commits_nothing(tmp_path, previous, event: str) -> None:
-    uri = str(tmp_path / "step_2")
+def test_interface_failure_commits_nothing(previous, scenario, event: str) -> None:
+    uri = _failed_save_uri(previous, scenario)
     storage = EventStorage(open_storage(uri), FailAt(lambda e: e.startswith(event), StorageError(f"injected at {event}")))
     with pytest.raises(BaseException) as info:  # DCP's CheckpointException, a BaseException
-        dcp_save(sample_state(8), storage_writer=DcpStorageWriter(storage, workers=3), no_dist=True)
+        dcp_save(_next_state(), storage_writer=DcpStorageWriter(storage, workers=3), no_dist=True)
     assert "injected" in str(info.value)
-    assert not os.path.exists(os.path.join(uri, ".metadata"))
-    assert not any(".dcpstore-tmp-" in f for f in os.listdir(uri))
-    with pytest.raises(dcpstore.CheckpointNotFound, match="interrupted save"):
-        dcpstore.load(zeros_like_state(sample_state(8)), uri)
+    _assert_nothing_half_written(uri)
+    if scenario == "next":
+        with pytest.raises(dcpstore.CheckpointNotFound, match="interrupted save"):
+            dcpstore.load(zeros_like_state(_next_state()), uri)
+    _assert_previous(previous, scenario, dcpstore.CheckpointManager(previous[0]))

@@ -22,6 +22,8 @@ import dcpstore.storage
 from backends import Target
 from dcpstore.maintenance import list_checkpoints
 from dcpstore.manager import parse_step_dir, step_dir
+from dcpstore.format.layout import METADATA
+from faults import BlockAt, hook_all_storage
 from manager_child import state as child_state
 
 CHILD = str(Path(__file__).with_name("manager_child.py"))
@@ -252,14 +254,29 @@ def test_sigkill_mid_save_leaves_only_loadable_committed_steps(tmp_path: Path, a
 # -- async ------------------------------------------------------------------------
 
 
-def test_async_step_is_listed_only_after_commit_and_retention_waits_for_it(local_target: Target) -> None:
+def test_async_step_is_listed_only_after_commit_and_retention_waits_for_it(
+    local_target: Target, monkeypatch: pytest.MonkeyPatch
+) -> None:
     mgr = _manager(local_target, keep=1, async_=True)
     mgr.save(1, _state(1))
     mgr.wait()
+    # Step 2's data files are durable; its commit is held until released.
+    held = BlockAt(lambda e: e == f"commit:{METADATA}")
+    hook_all_storage({mgr.step_uri(2): held}, monkeypatch.setattr)
     state = _state(2)
     handle = mgr.save(2, state)
-    state["w"].fill_(-1.0)  # after save returns: must not reach storage
-    assert 1 in mgr.all_steps() or handle.done(), "step 1 retired before step 2 was committed"
+    try:
+        state["w"].fill_(-1.0)  # after save returns: must not reach storage
+        assert held.reached.wait(60), "step 2 never reached its commit"
+        assert not handle.done() and mgr.all_steps() == [1], "step 2 listed, or step 1 retired, before step 2 was committed"
+        reader = _manager(local_target)  # another process's view; mgr.load would wait for step 2
+        assert _loaded_step(reader) == (1, 1.0, 1)
+    finally:
+        held.release()  # never leave a held save for the exit hook to wait on
+    handle.result(timeout=60)
+    # Committed, and retention (keep=1) has not run: it runs when the manager
+    # finishes the save (the next save, wait, load or close), not in the background.
+    assert mgr.all_steps() == [1, 2]
     info = mgr.wait()
     assert info is not None and mgr.all_steps() == [2] and mgr.read_pointer() == 2
     assert _loaded_step(mgr) == (2, 2.0, 2)

@@ -1,10 +1,13 @@
 """CheckpointConfig: validated once, and exactly as the writers validate.
 
-The matrix does not hard-code which combinations are valid: for each one it
-asks the config, then does what the config maps to (a real save with
-save_kwargs(), a real get_app_state with ckpt_format) and requires both to
-agree. When the async engines land, async_save=True flips from refused to
-accepted on both sides at once, with no change here.
+The contract is written down here, not asked of dcpstore: which formats,
+engines and worker counts must be accepted, sync and async, and which field
+each refusal must name. Each accepted combination must really save through
+both paths (a plain save of ``get_app_state`` with the mapped arguments, and
+the config's manager); each refused one must be refused by the config
+(``InvalidArgument`` naming the field) and by the writer with the same
+exception type. ``NotImplementedError`` is never a refusal: a combination
+that must work and raises it fails the test.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 import dcpstore
 from backends import Target
 from dcpstore.adapters import fsdp
+from dcpstore.engines import nvrx as nvrx_adapter
 from dcpstore.adapters.megatron import CheckpointConfig, plan_caching_supported
 from dcpstore.dcp.writer import DcpStorageWriter
 
@@ -32,39 +36,73 @@ ENGINES = ["auto", "native", "nvrx", "turbo"]
 WORKERS = [None, 2, 0]
 MATRIX = list(itertools.product(FORMATS, [False, True], ENGINES, WORKERS))
 
-
-def _writer_accepts(tmp_path: Path, fmt: str, async_: bool, engine: str, workers: int | None) -> str | None:
-    """None if the writer side takes this combination, else why not."""
-    try:
-        state = fsdp.get_app_state(nn.Linear(2, 2), None, format=fmt)
-        dcpstore.save(state, str(tmp_path / "probe"), async_=async_, engine=engine, workers=workers).result()
-    except (dcpstore.InvalidArgument, NotImplementedError) as e:
-        return str(e)
-    return None
+#: What must be accepted, sync and async alike (Megatron-Bridge's two DCP
+#: formats; every dcpstore engine; any positive worker count, None: default).
+ACCEPTED_FORMATS = {"torch_dist", "fsdp_dtensor"}
+ACCEPTED_ENGINES = {"auto", "native", "nvrx"}
+HAS_NVRX = nvrx_adapter.import_error() is None
 
 
+def _bad_fields(fmt: str, engine: str, workers: int | None) -> set[str]:
+    """The config fields at fault in this combination (empty: it must work)."""
+    bad = set()
+    if fmt not in ACCEPTED_FORMATS:
+        bad.add("ckpt_format")
+    if engine not in ACCEPTED_ENGINES:
+        bad.add("engine")
+    if workers is not None and workers < 1:
+        bad.add("dist_ckpt_workers")
+    return bad
+
+
+def _linear(seed: int) -> nn.Linear:
+    torch.manual_seed(seed)
+    return nn.Linear(3, 2)
+
+
+@pytest.mark.filterwarnings("ignore::dcpstore.EngineFallbackWarning")
 @pytest.mark.parametrize("fmt, async_save, engine, workers", MATRIX, ids=["-".join(map(str, c)) for c in MATRIX])
-def test_config_accepts_exactly_what_the_writers_accept(
+def test_config_accepts_exactly_the_supported_combinations(
     tmp_path: Path, fmt: str, async_save: bool, engine: str, workers: int | None
 ) -> None:
-    writer_refusal = _writer_accepts(tmp_path, fmt, async_save, engine, workers)
+    bad = _bad_fields(fmt, engine, workers)
     kwargs = dict(save=str(tmp_path / "run"), ckpt_format=fmt, async_save=async_save, engine=engine, dist_ckpt_workers=workers)
-    if writer_refusal is None:
+    if engine == "nvrx" and not HAS_NVRX and not bad:
+        pytest.skip("nvidia-resiliency-ext not installed")
+    if not bad:
+        # The writer path: a plain save of the format's state with these arguments.
+        uri = str(tmp_path / "plain")
+        dcpstore.save(fsdp.get_app_state(_linear(1), None, format=fmt), uri, async_=async_save, engine=engine, workers=workers).result()
+        # The config path: its manager, its format; both load back exactly.
         cfg = CheckpointConfig(**kwargs)  # type: ignore[arg-type]
-        mgr = cfg.manager()
-        fsdp.save_app_state(nn.Linear(2, 2), None, mgr, step=1, format=cfg.ckpt_format)
-        mgr.close()
+        assert (cfg.async_save, cfg.engine, cfg.dist_ckpt_workers) == (async_save, engine, workers)
+        with cfg.manager() as mgr:
+            fsdp.save_app_state(_linear(1), None, mgr, step=1, format=cfg.ckpt_format)
         assert mgr.all_steps() == [1]
-    else:
-        with pytest.raises(dcpstore.InvalidArgument) as info:
-            CheckpointConfig(**kwargs)  # type: ignore[arg-type]
-        field = str(info.value).split(":", 1)[0]
-        assert field in {
-            "CheckpointConfig.ckpt_format",
-            "CheckpointConfig.async_save",
-            "CheckpointConfig.engine",
-            "CheckpointConfig.dist_ckpt_workers",
-        }, info.value
+        for src in (uri, mgr):
+            model = _linear(2)
+            fsdp.load_app_state(model, None, src, format=fmt)
+            assert torch.equal(model.weight, _linear(1).weight) and torch.equal(model.bias, _linear(1).bias)
+        return
+    with pytest.raises(dcpstore.InvalidArgument) as info:
+        CheckpointConfig(**kwargs)  # type: ignore[arg-type]
+    field = str(info.value).split(":", 1)[0].removeprefix("CheckpointConfig.")
+    assert field in bad, f"named {field!r}, expected one of {sorted(bad)}: {info.value}"
+    # The writer refuses it too, as a bad argument (never "not implemented").
+    with pytest.raises(dcpstore.InvalidArgument):
+        state = fsdp.get_app_state(_linear(1), None, format=fmt)
+        dcpstore.save(state, str(tmp_path / "probe"), async_=async_save, engine=engine, workers=workers).result()
+
+
+def test_every_field_at_fault_is_refused_on_its_own() -> None:
+    """Each refusal names its own field when it is the only fault."""
+    for kwargs, field in [
+        ({"ckpt_format": "zarr"}, "ckpt_format"),
+        ({"engine": "turbo", "async_save": True}, "engine"),
+        ({"dist_ckpt_workers": 0, "async_save": True}, "dist_ckpt_workers"),
+    ]:
+        with pytest.raises(dcpstore.InvalidArgument, match=rf"^CheckpointConfig\.{field}: "):
+            CheckpointConfig(**kwargs)
 
 
 @pytest.mark.parametrize(
@@ -151,21 +189,27 @@ def test_constant_structure_is_accepted_exactly_when_the_writer_can_replay_cache
     mgr.close()
 
 
+#: Targets (backends.TARGETS) NVRx can write to: POSIX paths and MSC URLs.
+NVRX_TARGETS = {"local", "local+msc", "msc", "s3+msc"}
+
+
 @pytest.mark.filterwarnings("ignore::dcpstore.EngineFallbackWarning")
 @pytest.mark.parametrize("engine", ["auto", "native", "nvrx"])
-def test_engine_and_backend_are_accepted_exactly_when_the_writer_accepts_them(target: Target, engine: str) -> None:
-    """engine x backend (NVRx writes POSIX and MSC only): the config's verdict
-    must be the writer's, on every backend target."""
-    try:
-        dcpstore.save({"w": torch.ones(2)}, f"{target.uri}/probe", async_=True, engine=engine, **target.kwargs).result()
-        refusal = None
-    except (dcpstore.InvalidArgument, dcpstore.BackendUnavailable) as e:
-        refusal = str(e)
+def test_engine_and_backend_are_accepted_exactly_where_they_work(target: Target, engine: str) -> None:
+    """engine x backend: auto and native everywhere, NVRx on POSIX and MSC
+    only. Accepted: an async save really works; refused: the config names
+    ``engine`` and the writer and the manager refuse it too."""
+    if engine == "nvrx" and not HAS_NVRX:
+        pytest.skip("nvidia-resiliency-ext not installed")
     kwargs: dict[str, Any] = {"save": target.uri, "async_save": True, "engine": engine, "enable_msc": target.kwargs.get("enable_msc", False)}
-    if refusal is None:
+    if engine != "nvrx" or target.name in NVRX_TARGETS:
+        info = dcpstore.save({"w": torch.ones(2)}, f"{target.uri}/probe", async_=True, engine=engine, **target.kwargs).result()
+        assert info.engine == ("nvrx" if engine == "nvrx" or (engine == "auto" and target.name in NVRX_TARGETS) else "native")
         CheckpointConfig(**kwargs).manager(storage_options=target.kwargs.get("storage_options")).close()
-    else:
-        with pytest.raises(dcpstore.InvalidArgument, match=r"^CheckpointConfig\.engine: "):
-            CheckpointConfig(**kwargs)
-        with pytest.raises(dcpstore.InvalidArgument):
-            dcpstore.CheckpointManager(target.uri, engine=engine, **target.kwargs)
+        return
+    with pytest.raises(dcpstore.InvalidArgument, match=r"^CheckpointConfig\.engine: "):
+        CheckpointConfig(**kwargs)
+    with pytest.raises(dcpstore.InvalidArgument):
+        dcpstore.save({"w": torch.ones(2)}, f"{target.uri}/probe", async_=True, engine=engine, **target.kwargs).result()
+    with pytest.raises(dcpstore.InvalidArgument):
+        dcpstore.CheckpointManager(target.uri, engine=engine, **target.kwargs)

@@ -93,11 +93,9 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
         saver = dcpstore.AsyncSaver(collective_timeout=timedelta(seconds=120))
         for engine in ENGINES:
             _roundtrip(rank, world, mesh, saver, engine, os.path.join(root, f"ok-{engine}"))
-            if world == 2:  # the cache logic does not depend on the world size
-                _repeated_and_changed_structure(rank, world, mesh, saver, engine, os.path.join(root, f"rep-{engine}"))
+            _repeated_and_changed_structure(rank, world, mesh, saver, engine, os.path.join(root, f"rep-{engine}"))
             _one_rank_fails(rank, world, mesh, saver, engine, os.path.join(root, f"fail-{engine}"))
-        if world == 2:
-            _ranks_disagree_on_engine(rank, world, mesh, saver, os.path.join(root, "mixed"))
+        _ranks_disagree_on_engine(rank, world, mesh, saver, os.path.join(root, "mixed"))
         # The module-level API (per-process default saver) across ranks too.
         uri = os.path.join(root, "default-saver")
         state = _state(rank, world, mesh, step=7)
@@ -141,7 +139,8 @@ def _repeated_and_changed_structure(
     rank: int, world: int, mesh: object, saver: dcpstore.AsyncSaver, engine: str, root: str
 ) -> None:
     # Several saves of one structure (NVRx reuses its plan from the second on),
-    # then rank 1 alone changes a tensor's shape: every rank must re-plan.
+    # then rank 1 alone changes a tensor's shape: every rank must re-plan
+    # (at world 4, ranks that never saw the change too).
     for step in range(4):
         rows = 8 if step < 3 or rank != 1 else 12
         state = _state(rank, world, mesh, step=step, rows=rows)
@@ -192,9 +191,10 @@ def _one_rank_fails(rank: int, world: int, mesh: object, saver: dcpstore.AsyncSa
 
 
 def _ranks_disagree_on_engine(rank: int, world: int, mesh: object, saver: dcpstore.AsyncSaver, uri: str) -> None:
-    # As if one node lacked NVRx under engine="auto": refused on every rank, no hang.
+    # As if the last node lacked NVRx under engine="auto" (one rank of
+    # ``world`` disagrees): refused on every rank, no hang.
     state = _state(rank, world, mesh, step=4)
-    handle = saver.save(state, uri, engine="nvrx" if rank == 0 else "native")
+    handle = saver.save(state, uri, engine="native" if rank == world - 1 else "nvrx")
     with pytest.raises(SaveError, match="different async engines"):
         handle.result(timeout=120)
     dist.barrier()

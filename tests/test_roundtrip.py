@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 import torch
 
@@ -41,13 +43,55 @@ def test_multi_file_objects_larger_than_a_part(target: Target) -> None:
     assert_state_equal(state, restored)
 
 
-def test_partial_load_reads_only_requested_keys(target: Target) -> None:
-    state = sample_state(1)
+def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Union of ``(start, end)`` byte spans, as sorted disjoint spans."""
+    out: list[tuple[int, int]] = []
+    for start, end in sorted(spans):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
+def test_partial_load_reads_only_requested_keys(target: Target, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A partial load reads every byte of the requested items and nothing of
+    a large item it was not asked for. Between two requested items of one
+    file it may read through a gap of up to 1 MiB (one scatter read instead
+    of two requests), never more."""
+    state = {**sample_state(1), "big_a": torch.randn(MiB // 2), "big_b": torch.randn(MiB // 2)}  # 2 MiB each
     dcpstore.save(state, target.uri, **target.kwargs).result()
-    subset = {"f32": torch.zeros(64, 33), "nested": {"w": torch.zeros(3, 3)}}
+    storage = dcpstore.open_storage(target.uri, **target.kwargs)
+    items = {index.fqn: info for index, info in pickle.loads(storage.read(".metadata")).storage_data.items()}
+    reads: list[tuple[str, int, int]] = []  # every data-file read the load makes
+    cls = type(storage)
+    real_range, real_into = cls.read_range, cls.read_into
+
+    def read_range(self, path: str, offset: int, length: int) -> bytes:
+        reads.append((path, offset, length))
+        return real_range(self, path, offset, length)
+
+    def read_into(self, path: str, offset: int, buffers) -> int:
+        reads.append((path, offset, sum(b.nbytes for b in buffers)))
+        return real_into(self, path, offset, buffers)
+
+    monkeypatch.setattr(cls, "read_range", read_range)
+    monkeypatch.setattr(cls, "read_into", read_into)
+    subset = {"f32": torch.zeros(64, 33), "nested": {"w": torch.zeros(3, 3)}, "big_a": torch.zeros(MiB // 2)}
     dcpstore.load(subset, target.uri, **target.kwargs)
-    assert torch.equal(subset["f32"], state["f32"])
+    monkeypatch.undo()
+    assert torch.equal(subset["f32"], state["f32"]) and torch.equal(subset["big_a"], state["big_a"])
     assert torch.equal(subset["nested"]["w"], state["nested"]["w"])
+    wanted = [items[k] for k in ("f32", "nested.w", "big_a")]
+    for path in {info.relative_path for info in items.values()}:
+        got = _merged([(o, o + n) for p, o, n in reads if p == path])
+        want = _merged([(i.offset, i.offset + i.length) for i in wanted if i.relative_path == path])
+        for start, end in want:  # every requested byte was read
+            assert any(s <= start and end <= e for s, e in got), (path, start, end, got)
+        extra = sum(e - s for s, e in got) - sum(e - s for s, e in want)
+        assert extra <= max(0, len(want) - 1) * MiB, f"{path}: {extra} bytes read beyond the requested items"
+    big_b = items["big_b"]
+    assert not any(p == big_b.relative_path and o < big_b.offset + big_b.length and big_b.offset < o + n for p, o, n in reads)
 
 
 def test_overwrite_same_uri_keeps_only_the_new_checkpoint(target: Target) -> None:

@@ -9,9 +9,9 @@ the process's RSS, open file descriptors and threads.
 Flat means: after a warm-up (the first fifth of the saves: allocator, caches,
 the background thread and staging buffers come into being), the samples grow
 by less than a tolerance, and RSS has no upward trend (least-squares slope
-per save below a small bound). The default run saves a small state (2 MiB)
-on a local root; the full size (64 MiB per save, 6.4 GB written) and the S3
-variant are ``slow``::
+per save below a small bound). The default run saves a small state (512
+KiB) on a local root; the full size (64 MiB per save, 6.4 GB written) and
+the S3 variant (8 MiB) are ``slow``::
 
     PYTHONPATH=$PWD python -m pytest -q -m slow tests/test_soak.py
 """
