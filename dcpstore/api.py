@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 
 from .dcp.failures import save_error
 from .dcp.reader import load_state_dict
+from .dcp.state_checks import check_saveable
 from .dcp.writer import save_state_dict
 from .engines.saver import default_saver
 from .errors import CheckpointError, InvalidArgument
@@ -98,6 +99,7 @@ def save_with(
             handle.result()  # sync: raise here, like the native sync path
         return handle
     t0 = time.perf_counter()
+    check_saveable(state_dict)  # background saves check while staging
     storage = open_storage(uri, enable_msc=options.enable_msc, storage_options=options.storage_options)
     try:
         stats = save_state_dict(
@@ -128,6 +130,15 @@ def load(
     Like ``dcp.load``: tensors are filled in place and resharded to the
     caller's layout (saved on N ranks, loaded on M). Sizes and checksums are
     verified; a damaged file raises :class:`CheckpointCorrupt` naming it.
+
+    A destination that disagrees with the checkpoint (a stored object where
+    it holds a tensor; complex -> real, floating -> integer, anything ->
+    bool) raises :class:`StateDictMismatch` before anything is read.
+    Missing or truncated files are found before anything is changed too. A
+    damaged item stops the load where it is found; the error says which keys
+    it had already changed on this rank (its ``loaded_keys``,
+    ``partly_loaded_keys`` and ``damaged_keys``; every other key is
+    unchanged). Loading a good copy again overwrites every key.
     """
     _check_state_dict(state_dict)
     options = LoadOptions(

@@ -134,6 +134,23 @@ class SaveSession:
                 f"(its save id {owner}, ours {self.save_id}); nothing was committed by this save"
             )
 
+    def discard(self, written: Iterable[str]) -> None:
+        """After this save failed on some rank: remove the data files this
+        rank wrote in place under their final names (the NVRx engine does),
+        so that they do not hold the space the next save needs. Left alone
+        when another save has taken the URI over (they are its files now) or
+        when this save's ``.metadata`` exists after all (a failure after the
+        commit point). Best effort: a failure here is logged."""
+        names = sorted(written)
+        if not names:
+            return
+        try:
+            self.check_owner()
+            if not self.storage.exists(METADATA):
+                self.storage.delete(names)
+        except CheckpointError as e:
+            log.warning("a failed save left its data files under %s in place: %s", self.storage.uri, e)
+
     def storage_meta(self) -> StorageMeta:
         """What ``.metadata`` records about this save."""
         return StorageMeta(checkpoint_id=self.storage.uri, save_id=self.save_id)

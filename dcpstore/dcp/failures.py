@@ -73,5 +73,7 @@ def load_error(e: BaseException, uri: str) -> CheckpointError:
     else a :class:`LoadError` naming the URI and the failed ranks."""
     cause = root_cause(e)
     if isinstance(cause, CheckpointError):
-        return type(cause)(str(cause))
+        error = type(cause)(str(cause))
+        vars(error).update(vars(cause))  # e.g. which keys a failed read changed
+        return error
     return LoadError(f"load from {uri} failed: {describe_failure(e)}")

@@ -5,14 +5,20 @@ Load, as ``torch.distributed.checkpoint.load`` drives it::
     (all ranks)   read_metadata        ``.metadata``, verified against the
                                        manifest (read_checkpoint_metadata)
     (all ranks)   set_up_storage_reader -> prepare_local_plan
+                                       (raises what check_destination found
+                                       wrong with the caller's state dict)
     (coordinator) prepare_global_plan
     (all ranks)   read_data            the plan's items: sizes checked against
                                        the manifest, read jobs planned
                                        (:mod:`.read_plan`) and run on
                                        ``workers`` threads; every item's
-                                       CRC32C verified before its bytes reach
-                                       the caller's tensors
+                                       CRC32C verified before it is copied
+                                       into the caller's state, except
+                                       tensors of 64 KiB or more, read
+                                       straight into their destination and
+                                       verified there
 
+A failed load says which keys it changed (:mod:`.load_progress`).
 :func:`load_state_dict` runs a whole load with this reader.
 """
 
@@ -37,7 +43,8 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from ..errors import CheckpointCorrupt, CheckpointError, InvalidArgument, StorageNotFound
+from ..errors import CheckpointCorrupt, CheckpointError, InvalidArgument, StateDictMismatch, StorageNotFound
+from ..format.bitcopy import copy_values
 from ..format.layout import MANIFEST, METADATA, Manifest, item_key
 from ..format.record import item_tensor
 from ..options import LoadOptions, check_workers
@@ -46,7 +53,9 @@ from ..storage import Storage
 from ..threads import run_parallel
 from .commit import read_checkpoint_metadata
 from .failures import load_error
+from .load_progress import LoadProgress
 from .read_plan import Direct, DirectRun, Request, Span, plan_reads, scatter_groups
+from .state_checks import check_top_level_keys, load_mismatches
 from .writer import NO_DIST_WARNING, DcpStorageWriter
 
 #: Tensors smaller than this are read with their record into scratch and
@@ -73,6 +82,8 @@ class DcpStorageReader(StorageReader):
         self._manifest: Manifest | None = None
         self._metadata: Metadata | None = None
         self._storage_data: dict[MetadataIndex, _StorageInfo] = {}
+        self._mismatches: list[str] = []
+        self._progress = LoadProgress(())
         self.bytes_read = 0
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -101,7 +112,19 @@ class DcpStorageReader(StorageReader):
         self._storage_data = metadata.storage_data
         self.bytes_read = 0
 
+    def check_destination(self, state_dict: dict[str, Any]) -> None:
+        """Compare the caller's ``state_dict`` with the checkpoint before
+        ``dcp.load`` (see :func:`~dcpstore.dcp.state_checks.load_mismatches`).
+        What it finds is raised from :meth:`prepare_local_plan`, inside DCP's
+        planning step, which gathers every rank's failure: all ranks then
+        raise together and none is left waiting in a collective."""
+        self._mismatches = load_mismatches(state_dict, self.preload_metadata())
+
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        if self._mismatches:
+            raise StateDictMismatch(
+                f"cannot load {self.storage.uri} into this state_dict; nothing was loaded: " + "; ".join(self._mismatches)
+            )
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
@@ -124,12 +147,14 @@ class DcpStorageReader(StorageReader):
         jobs = plan_reads(per_file, raw, self._metadata, self.workers, self.storage.describe(MANIFEST))
         lock = threading.Lock()
         future: Future[None] = Future()
+        self._progress = LoadProgress(req.dest_index.fqn for req in plan.items)
         try:
             run_parallel(lambda job: self._read_job(job, planner, lock), jobs, self.workers, "dcpstore-read")
             if self.verify and self._manifest is not None:
                 self._check_sizes(per_file)
         except BaseException as e:
-            future.set_exception(e)  # type: ignore[arg-type]  # torch's stub types it as the value
+            error = self._progress.annotate(e, self.storage.uri)  # what this rank's state now holds
+            future.set_exception(error)  # type: ignore[arg-type]  # torch's stub types it as the value
             return future
         future.set_result(None)
         return future
@@ -168,10 +193,15 @@ class DcpStorageReader(StorageReader):
         run_parallel(check, sorted(per_file), len(per_file), "dcpstore-size")
 
     def _read_job(self, job: Span | DirectRun, planner: LoadPlanner, lock: threading.Lock) -> None:
-        if isinstance(job, DirectRun):
-            self._read_run(job, planner, lock)
-        else:
-            self._read_span(job, planner, lock)
+        try:
+            self._progress.check()
+            if isinstance(job, DirectRun):
+                self._read_run(job, planner, lock)
+            else:
+                self._read_span(job, planner, lock)
+        except BaseException as e:
+            self._progress.fail(e)  # the other jobs start no new item
+            raise
 
     def _read_run(self, run: DirectRun, planner: LoadPlanner, lock: threading.Lock) -> None:
         """Read tensors' bytes straight into their destinations, verify each
@@ -194,16 +224,27 @@ class DcpStorageReader(StorageReader):
             else:
                 placed.append((d, target, dest))
         for group in scatter_groups(placed):
-            self._scatter_read(group)
+            self._progress.check()
+            verified, error = self._scatter_read(group)
             with lock:
-                for d, target, _ in group:
+                for (d, target, _), exposed in verified:
                     self.bytes_read += d.length
                     planner.commit_tensor(d.req, target)
+                    self._progress.loaded([d.req.dest_index.fqn], exposed=exposed)
+            if error is not None:
+                raise error
 
-    def _scatter_read(self, group: list[tuple[Direct, torch.Tensor, memoryview]]) -> None:
+    def _scatter_read(
+        self, group: list[tuple[Direct, torch.Tensor, memoryview]]
+    ) -> tuple[list[tuple[tuple[Direct, torch.Tensor, memoryview], bool]], CheckpointCorrupt | None]:
         """One scatter read of every byte of the group's items: each record's
         header and trailer into scratch buffers, its tensor bytes into the
-        destination; then each item's CRC32C over all three, as recorded."""
+        destination; then each item's CRC32C over all three, as recorded.
+
+        Returns the verified entries (with whether their bytes went straight
+        into the destination), and the first checksum failure, if any. A
+        failed or short read raises: the destinations read into directly
+        then hold unverified bytes (recorded in ``self._progress``)."""
         path = group[0][0].path
         start = pos = group[0][0].info.offset
         buffers: list[memoryview] = []
@@ -220,18 +261,29 @@ class DcpStorageReader(StorageReader):
             buffers += pieces
             parts.append((d, pieces, dest))
             pos = d.end
+        exposed = [d.req.dest_index.fqn for d, pieces, _ in parts if len(pieces) > 1]
+        self._progress.exposing(exposed)
         try:
             n = self.storage.read_into(path, start, buffers)
         except StorageNotFound as e:
+            self._progress.exposing(exposed, undo=True)  # never opened: nothing was written
             raise CheckpointCorrupt(f"{self.storage.describe(path)}: data file is missing") from e
         if n != pos - start:
             raise CheckpointCorrupt(
                 f"{self.storage.describe(path)}: short read at offset {start} ({n} of {pos - start} bytes; truncated?)"
             )
-        for d, pieces, dest in parts:
-            self._verify_item(path, d.info, *pieces)
+        verified = []
+        error = None
+        for entry, (d, pieces, dest) in zip(group, parts):
+            try:
+                self._verify_item(path, d.info, *pieces)
+            except CheckpointCorrupt as e:
+                error = error or e
+                continue
             if len(pieces) == 1:
                 dest[:] = pieces[0][d.data_offset : d.data_offset + d.nbytes]
+            verified.append((entry, len(pieces) > 1))
+        return verified, error
 
     def _read_span(
         self, span: Span, planner: LoadPlanner, lock: threading.Lock, target: torch.Tensor | None = None
@@ -254,9 +306,11 @@ class DcpStorageReader(StorageReader):
             start = info.offset - span.offset
             item = view[start : start + info.length]
             self._verify_item(span.path, info, item)
+            self._progress.check()  # verified, and the load goes on: change the destination
             if req.type == LoadItemType.BYTE_IO:
                 with lock:
                     planner.load_bytes(req, io.BytesIO(item))
+                self._progress.loaded([req.dest_index.fqn])
                 continue
             tensor = _narrow(item_tensor(item), req.storage_offsets, req.lengths)
             if target is None:
@@ -267,9 +321,10 @@ class DcpStorageReader(StorageReader):
                     f"{self.storage.describe(span.path)}: item {req.storage_index.fqn} has shape "
                     f"{tuple(tensor.size())}, the plan expects {tuple(target.size())}"
                 )
-            target.copy_(tensor)
+            copy_values(target, tensor)
             with lock:
                 planner.commit_tensor(req, target)
+            self._progress.loaded([req.dest_index.fqn])
             target = None
 
     def _verify_item(self, path: str, info: _StorageInfo, *pieces: memoryview) -> None:
@@ -299,11 +354,16 @@ class DcpStorageReader(StorageReader):
 
 def _byte_view(target: torch.Tensor, dtype: torch.dtype, nbytes: int) -> memoryview | None:
     """``target``'s bytes as a writable memoryview, if it can take the raw
-    bytes as they lie (contiguous, on the CPU, same dtype and size)."""
+    bytes as they lie (contiguous, on the CPU, same dtype and size, and no
+    conjugate or negative bit: such a view's bytes are not its values; not
+    quantized: its values need its quantizer, which copy_ applies)."""
     ok = target.device.type == "cpu" and target.dtype == dtype and target.is_contiguous() and target.nbytes == nbytes
+    ok = ok and not target.is_conj() and not target.is_neg() and not target.is_quantized
     if not ok or nbytes == 0:
         return None
-    array: Any = target.reshape(-1).view(torch.uint8).numpy()
+    # as_strided, not reshape(-1): a contiguous one-element view (x[:1, 2])
+    # may carry any stride, which view(uint8) refuses.
+    array: Any = target.as_strided((target.numel(),), (1,)).view(torch.uint8).numpy()
     return memoryview(array).cast("B")
 
 
@@ -318,9 +378,19 @@ def load_state_dict(state_dict: dict[str, Any], storage: Storage, options: LoadO
     """One whole DCP load of ``storage`` into ``state_dict`` in place, with
     dcpstore's reader (every rank calls it). A failure on any rank raises
     the first failed rank's :class:`CheckpointError` (or a
-    :class:`~dcpstore.LoadError`) on every rank."""
+    :class:`~dcpstore.LoadError`) on every rank.
+
+    A destination that disagrees with the checkpoint (a stored object where
+    it holds a tensor; complex -> real, floating -> integer, anything ->
+    bool) raises :class:`~dcpstore.StateDictMismatch` before anything is
+    read; missing or truncated files are found before anything is changed
+    too. A damaged item stops the load where it is found; the error says
+    which keys it had already changed on this rank (its ``loaded_keys``,
+    ``partly_loaded_keys`` and ``damaged_keys``; every other key is
+    unchanged)."""
+    check_top_level_keys(state_dict, loading=True)
     reader = DcpStorageReader(storage, workers=options.workers, verify=options.verify)
-    reader.preload_metadata()
+    reader.check_destination(state_dict)
     no_dist = not (dist.is_available() and dist.is_initialized())
     try:
         with ignoring(NO_DIST_WARNING) if no_dist else contextlib.nullcontext():

@@ -25,7 +25,11 @@ manifest's atomic put then fsyncs the checkpoint directory, which makes the
 data files' directory entries durable before ``.metadata`` is renamed into
 place. Two saves to one URI: the later wins and the earlier fails before
 committing, as with the native writer; NVRx writes files in place, so the
-ownership check runs before and after each file. Integrity: the native
+ownership check runs before and after each file. A failed save: every rank
+removes the files it wrote (in place, they would hold the space the next
+save needs), and a write error inside torch.save -- a full disk -- is raised
+as a StorageError naming the file and errno, not torch's "unexpected pos"
+(:mod:`.nvrx_stream`). Integrity: the native
 writer's manifest, computed from a read-back of what NVRx wrote (on an MSC
 object store, one extra GET of each data file).
 
@@ -81,7 +85,9 @@ from ..format.checksum import file_and_span_crcs
 from ..format.record import compact_cpu_tensor
 from ..handle import SaveStats
 from ..storage import Storage
+from ..storage.kit import map_os_error
 from ..threads import run_parallel
+from .nvrx_stream import CheckedTransforms
 
 INSTALL_HINT = "pip install 'dcpstore[nvrx]' (nvidia-resiliency-ext)"
 _FS_MODULE = "nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async"
@@ -210,21 +216,41 @@ def _split_items(bins: int, items: list[Any]) -> list[list[Any]]:
 def _bucket_writer(writer: Any) -> Callable[[Any], list[Any]]:
     """A function writing one NVRx ``WriteBucket`` (file path, storage key,
     (bytes items, tensor items)) on the calling thread and returning its
-    DCP write results; raises what the write raised."""
+    DCP write results; raises what the write raised, or the storage's
+    ``OSError`` where torch's zip writer hid it (:mod:`.nvrx_stream`)."""
     cls = type(writer)
-    transforms = [writer.transforms] if hasattr(writer, "transforms") else []
+    base = writer.transforms if hasattr(writer, "transforms") else None
     use_msc = bool(writer.use_msc)
     open_file = _open_file(writer, use_msc)
+    write_one: Callable[[list[Any], Any], list[Any]]
     direct = getattr(cls, "_write_bucket_to_storage", None)
     if direct is not None:  # 0.5+: a plain per-bucket function
-        return lambda bucket: list(direct(transforms, open_file, bucket, True, use_msc))
-    raw = inspect.unwrap(cls.write_preloaded_data)  # skip the process-wide _disable_gc
+        write_one = lambda transforms, bucket: list(direct(transforms, open_file, bucket, True, use_msc))  # noqa: E731
+    else:
+        write_one = _preloaded_writer(cls, open_file, use_msc)
+
+    def write(bucket: Any) -> list[Any]:
+        checked = CheckedTransforms(base) if base is not None else None
+        try:
+            return write_one([checked] if checked is not None else [], bucket)
+        except BaseException:
+            if checked is not None and checked.error is not None:
+                raise checked.error from None  # the storage's error, not torch's report of it
+            raise
+
+    return write
+
+
+def _preloaded_writer(cls: type, open_file: Callable[..., Any], use_msc: bool) -> Callable[[list[Any], Any], list[Any]]:
+    """0.4.x: ``write_preloaded_data`` with its process-pool queues, called
+    on this thread."""
+    raw = inspect.unwrap(cls.write_preloaded_data)  # type: ignore[attr-defined]  # skip the process-wide _disable_gc
     params = inspect.signature(raw).parameters
-    lead = [transforms, open_file] if "open_file" in params else [transforms]
     idx_name = next((p for p in ("local_proc_idx", "local_thread_idx") if p in params), "local_proc_idx")
     msc_kw = "use_msc" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
-    def write(bucket: Any) -> list[Any]:
+    def write(transforms: list[Any], bucket: Any) -> list[Any]:
+        lead = [transforms, open_file] if "open_file" in params else [transforms]
         results: queue.Queue[Any] = queue.Queue()
         done: queue.Queue[int] = queue.Queue()  # NVRx's count queue: get() + task_done()
         done.put(0)
@@ -319,7 +345,11 @@ def writer_class() -> type:
 
             def one(bucket: Any) -> list[WriteResult]:
                 self.session.check_owner()
-                results = _checksum_written_file(self.storage, bucket[1], write(bucket))
+                try:
+                    written = write(bucket)
+                except OSError as e:  # NVRx writes with open(): name the file and the cause
+                    raise map_os_error(e, f"cannot write {self.storage.describe(bucket[1])}") from e
+                results = _checksum_written_file(self.storage, bucket[1], written)
                 self.session.check_owner()
                 return results
 
@@ -330,6 +360,11 @@ def writer_class() -> type:
                 return
             self.results = [r for rs in per_file for r in rs]
             write_stats(self.stats, self.results, t0)
+
+        def discard(self) -> None:
+            """The save failed: remove this rank's data files (NVRx wrote
+            them in place; see :meth:`SaveSession.discard`)."""
+            self.session.discard(bucket[1] for bucket in self.write_buckets)
 
         def retrieve_write_results(self) -> Any:
             # Returned, not raised: finalize gathers it and the coordinator
@@ -397,6 +432,7 @@ def nvrx_save(
         writer.stats.plan_s = time.perf_counter() - writer.stats.started
         writer.write_all()
         if writer.error is not None:
+            writer.discard()
             raise writer.error
         writer.finish(local_metadata, [writer.results])
         single: SaveStats = writer.stats
@@ -419,6 +455,8 @@ def nvrx_save(
     except BaseException as e:
         failure = e
     summary = wrapper.broadcast_object(None if failure is None else describe_failure(failure))
+    if failure is not None or writer.error is not None or summary is not None:
+        writer.discard()
     if failure is not None:
         raise failure
     if writer.error is not None:

@@ -49,7 +49,9 @@ from typing import Any
 
 import torch
 
+from ..dcp.state_checks import check_saveable
 from ..errors import InvalidArgument, SaveError
+from ..format.bitcopy import copy_values
 
 try:  # DTensor and ShardedTensor exist on every torch that dcpstore supports,
     from torch.distributed.tensor import DTensor  # but keep import failures local.
@@ -188,6 +190,7 @@ class Stager:
     def stage(self, state_dict: Mapping[str, Any], *, alias_cpu: bool = False) -> StagedState:
         walk = _Walk()
         resolved = {k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in state_dict.items()}
+        check_saveable(resolved)
         skeleton = self._walk(resolved, (), walk, alias_cpu)
         key = tuple(walk.key)
         buffers = self.pool.take(key) if walk.specs else []
@@ -249,6 +252,11 @@ class Stager:
         if seen is not None:  # the same tensor twice (tied weights): stage once
             walk.key.append((path, "same-as", seen))
             return _Slot(seen)
+        if t.is_quantized:
+            # No pooled buffer: an empty quantized tensor has no quantizer
+            # for copy_ to fill. A fresh host copy keeps scale and zero point.
+            walk.key.append((path, "quantized"))
+            return t.to("cpu", copy=True)
         spec = _buffer_spec(t)
         index = len(walk.specs)
         walk.seen[ident] = index
@@ -270,11 +278,11 @@ class Stager:
                     # racing its own non-blocking copy (aten/native/cuda/Copy.cu):
                     # resolve them on the device, in stream order, instead.
                     src = src.resolve_conj().resolve_neg()
-                buf.copy_(src, non_blocking=True)  # on the current stream of src's device
+                copy_values(buf, src, non_blocking=True)  # on the current stream of src's device
                 if src.device not in streams:
                     streams[src.device] = torch.cuda.current_stream(src.device)
             else:
-                buf.copy_(src)
+                copy_values(buf, src)
         # One wait per device, after every copy is queued.
         for stream in streams.values():  # pragma: no cover - needs a GPU
             stream.synchronize()

@@ -90,6 +90,9 @@ def compact_cpu_tensor(tensor: torch.Tensor) -> torch.Tensor:
     than itself (a view of a larger storage is cloned: torch.save would write
     the whole storage; stock DCP saves only the projection too)."""
     tensor = tensor.detach()
+    if tensor._is_zerotensor():
+        # An efficient zero tensor has no storage to write: write real zeros.
+        return torch.zeros(tensor.shape, dtype=tensor.dtype)
     if tensor.device.type != "cpu":
         tensor = tensor.to("cpu")
     if tensor.untyped_storage().nbytes() != tensor.nbytes:
