@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 from .errors import CheckpointCorrupt, StorageNotFound
 from .storage import MiB, Storage
 from .dcp.commit import read_checkpoint_metadata
-from .format.layout import INFLIGHT, MANIFEST, METADATA, is_data_file
+from .format.layout import INFLIGHT, MANIFEST, METADATA, is_data_file, split_data_path
 
 #: How much ``verify`` reads per request.
 VERIFY_CHUNK = 16 * MiB
@@ -49,7 +49,10 @@ def list_checkpoints(storage: Storage) -> list[CheckpointEntry]:
     by_dir: dict[str, CheckpointEntry] = {}
     for obj in storage.list():
         directory, name = posixpath.split(obj["path"])
-        if name not in (METADATA, MANIFEST, INFLIGHT) and not is_data_file(name):
+        data = split_data_path(obj["path"])
+        if data is not None:
+            directory, name = data  # a spread data file belongs to the directory above its own
+        elif name not in (METADATA, MANIFEST, INFLIGHT):
             continue
         entry = by_dir.setdefault(directory, CheckpointEntry(directory, committed=False))
         entry.committed |= name == METADATA

@@ -10,7 +10,8 @@ Save, as ``torch.distributed.checkpoint.save`` drives it::
 
     (all ranks)   set_up_storage_writer -> prepare_local_plan
     (coordinator) prepare_global_plan   assigns each rank its ``__{rank}_`` prefix
-                                        and claims the URI (SaveSession.claim)
+                                        (in its spread directory, if the storage
+                                        spreads) and claims the URI (SaveSession.claim)
     (all ranks)   write_data            ``workers`` threads, one data file each,
                                         size-balanced buckets, largest first;
                                         every file checked to be still this
@@ -43,6 +44,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ..errors import CheckpointError, InvalidArgument, SaveError
+from ..format.layout import spread_file_prefix
 from ..format.record import RecordStream, compact_cpu_tensor
 from ..handle import SaveStats
 from ..options import check_workers
@@ -163,8 +165,9 @@ class DcpStorageWriter(StorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         self.session.claim()
+        spread, save_id = self.storage.options.spread_prefixes, self.session.save_id
         return [
-            dataclasses.replace(plan, storage_data=SaveToken(f"__{i}_", self.session.save_id))
+            dataclasses.replace(plan, storage_data=SaveToken(spread_file_prefix(f"__{i}_", i, spread), save_id))
             for i, plan in enumerate(plans)
         ]
 

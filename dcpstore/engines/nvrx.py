@@ -59,9 +59,11 @@ optional: imported only when an NVRx save runs.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import os
+import posixpath
 import queue
 import time
 from collections.abc import Callable, Hashable, Mapping
@@ -83,6 +85,7 @@ from ..dcp.failures import describe_failure
 from ..dcp.writer import write_stats
 from ..errors import BackendUnavailable, CheckpointCorrupt, InvalidArgument, SaveError
 from ..format.checksum import file_and_span_crcs
+from ..format.layout import spread_file_prefix
 from ..format.record import compact_cpu_tensor
 from ..handle import SaveStats
 from ..storage import Storage
@@ -314,6 +317,15 @@ def writer_class() -> type:
             self.storage.makedirs()  # the claim happened before planning
             return plan
 
+        def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+            # torch's ``__{i}_`` prefixes, in each rank's spread directory
+            # (NVRx's metadata cache replays this plan while it is valid).
+            spread = self.storage.options.spread_prefixes
+            return [
+                dataclasses.replace(plan, storage_data=_StoragePrefix(spread_file_prefix(f"__{i}_", i, spread)))
+                for i, plan in enumerate(plans)
+            ]
+
         def prepare_write_data(self, plan: SavePlan, planner: SavePlanner) -> None:
             # NVRx's version also starts its spawn-context Manager; build the
             # same buckets without it. A failure here is local to this rank:
@@ -331,6 +343,8 @@ def writer_class() -> type:
                 if not items:
                     continue
                 name = self.session.data_file(prefix.prefix, len(buckets))
+                if "/" in name:  # a spread directory: NVRx's open() does not create it
+                    self.storage.makedirs(posixpath.dirname(name))
                 blobs = [(it, planner.resolve_data(it)) for it in items if it.type == WriteItemType.BYTE_IO]
                 tensors = [
                     (it, compact_cpu_tensor(cast(torch.Tensor, planner.resolve_data(it))))

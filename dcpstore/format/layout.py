@@ -4,6 +4,7 @@ A checkpoint directory (or key prefix) holds, in stock DCP layout::
 
     .dcpstore.inflight      the save id of the save in progress (removed at commit)
     __{rank}_{n}.distcp     data files, one per writer thread per rank
+    p{d}/__{rank}_{n}.distcp  the same, spread over key prefixes (see below)
     .dcpstore.json          the integrity manifest (written just before .metadata)
     .metadata               the commit: pickled DCP ``Metadata``, written last
 
@@ -22,6 +23,19 @@ item's CRC32C over all of them.
 Readers that predate the key ignore it; manifests without it load through
 the records. A checkpoint written by plain DCP has no manifest and loads
 unverified.
+
+Spreading (``StorageOptions.spread_prefixes`` = P > 1): each rank's data
+files go one directory down, into ``p{d}/``, where ``d`` is ``rank mod P`` in
+hex digits, least significant first (``p0``, ``p1``, ... ``pf``, then
+``p01``, ``p11``, ... for P = 256). An object store partitions its key space
+by prefix and limits the request rate of each partition (S3: about 3,500
+PUT/s); with the fastest-changing digit first, consecutive ranks land in
+different partitions as soon as the store splits at that character, the way
+s3torchconnector's binary and hex prefix strategies do. The directory is
+part of each file's relative path in ``.metadata``, so stock ``dcp.load``
+reads the result. It is added in front of whatever name the writer gives
+the rank's files (the rank's DCP ``_StoragePrefix``), so it composes with
+any naming of the files themselves.
 
 Which save writes these names, in which order, and when a file counts as
 committed is the commit protocol's business (:mod:`dcpstore.dcp.commit`).
@@ -44,6 +58,11 @@ INFLIGHT = ".dcpstore.inflight"
 DATA_SUFFIX = ".distcp"
 MANIFEST_FORMAT = "dcpstore-manifest/1"
 _DATA_RE = re.compile(r"^__\d+_\d+\.distcp$")
+#: The directory of a rank's data files when a save spreads them (``p`` +
+#: up to 3 hex digits: StorageOptions.spread_prefixes <= 4096; see the
+#: module doc).
+SPREAD_DIR_PREFIX = "p"
+_SPREAD_RE = re.compile(rf"^{SPREAD_DIR_PREFIX}[0-9a-f]{{1,3}}$")
 
 
 def data_file_name(rank_prefix: str, index: int) -> str:
@@ -51,8 +70,44 @@ def data_file_name(rank_prefix: str, index: int) -> str:
     return f"{rank_prefix}{index}{DATA_SUFFIX}"
 
 
+def spread_dir(rank: int, prefixes: int) -> str:
+    """The directory of ``rank``'s data files when a save spreads them over
+    ``prefixes`` key prefixes (``""``: not spread, for ``prefixes`` <= 1)."""
+    if prefixes <= 1:
+        return ""
+    width = len(f"{prefixes - 1:x}")
+    return SPREAD_DIR_PREFIX + f"{rank % prefixes:0{width}x}"[::-1]
+
+
+def spread_file_prefix(file_prefix: str, rank: int, prefixes: int) -> str:
+    """``file_prefix`` (the names a writer gives ``rank``'s data files start
+    with, e.g. ``__{rank}_``) moved into the rank's spread directory."""
+    directory = spread_dir(rank, prefixes)
+    return f"{directory}/{file_prefix}" if directory else file_prefix
+
+
+def split_data_path(path: str) -> tuple[str, str] | None:
+    """``(checkpoint directory, data file path inside it)`` if ``path`` (a
+    listed path, ``/``-separated) is a DCP data file, spread or not; else None.
+
+    A data file inside a directory named like a spread directory
+    (``p3a/__0_0.distcp``) counts as spread: it belongs to the checkpoint one
+    level up.
+    """
+    head, _, name = path.rpartition("/")
+    if _DATA_RE.match(name) is None:
+        return None
+    parent, _, last = head.rpartition("/")
+    if _SPREAD_RE.match(last) is not None:
+        return parent, f"{last}/{name}"
+    return head, name
+
+
 def is_data_file(path: str) -> bool:
-    return _DATA_RE.match(path) is not None
+    """Whether ``path``, relative to a checkpoint, is one of its data files
+    (``__{rank}_{n}.distcp``, directly or in a spread directory)."""
+    split = split_data_path(path)
+    return split is not None and split[0] == ""
 
 
 def item_key(path: str, offset: int) -> str:

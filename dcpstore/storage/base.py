@@ -88,6 +88,13 @@ class StorageOptions:
     read_timeout_s: float = 60.0
     #: Upper bound on the time one object operation may take, retries included.
     op_timeout_s: float = 600.0
+    #: Saves: spread the ranks' data files over this many key prefixes
+    #: (rank ``r`` writes under ``p{r mod N, hex digits reversed}/``; see
+    #: :mod:`dcpstore.format.layout`), so that many ranks writing one
+    #: checkpoint do not all hit one object-store partition's request limit
+    #: (S3: about 3,500 PUT/s per prefix). 1 (default): stock DCP's flat
+    #: layout. Loads read either layout, whatever this is set to.
+    spread_prefixes: int = 1
 
     def __post_init__(self) -> None:
         if self.part_size is not None and (not isinstance(self.part_size, int) or self.part_size < 5 * MiB):
@@ -98,6 +105,9 @@ class StorageOptions:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InvalidArgument(f"{name} must be an int >= 1, got {value!r}")
+        spread = self.spread_prefixes
+        if not isinstance(spread, int) or isinstance(spread, bool) or not 1 <= spread <= MAX_SPREAD_PREFIXES:
+            raise InvalidArgument(f"spread_prefixes must be an int from 1 to {MAX_SPREAD_PREFIXES}, got {spread!r}")
         for name in ("connect_timeout_s", "read_timeout_s", "op_timeout_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
@@ -123,6 +133,8 @@ class StorageOptions:
         return min(AUTO_PART_MAX, max(AUTO_PART_MIN, -(-per_piece // MiB) * MiB))
 
 
+#: Most key prefixes a save may spread its data files over (3 hex digits).
+MAX_SPREAD_PREFIXES = 4096
 #: Writer/reader threads per rank on an object store (see Storage.default_workers).
 OBJECT_STORE_WORKERS = 4
 #: Pieces per object or read that the automatic part size aims at.
@@ -227,7 +239,9 @@ class Storage(abc.ABC):
         self.options = options or StorageOptions()
         #: This storage's connection budget: every parallel request (ranged
         #: GETs, part uploads) of every file runs here.
-        self._requests = RequestPool(self.options.max_concurrency, f"dcpstore-{self.backend}-io")
+        #: (A wrapping Storage may set ``backend`` only after this returns.)
+        name = getattr(self, "backend", type(self).__name__)
+        self._requests = RequestPool(self.options.max_concurrency, f"dcpstore-{name}-io")
 
     @property
     def uri(self) -> str:
