@@ -5,7 +5,9 @@
 Replaces the text between ``<!-- BEGIN generated:NAME -->`` and
 ``<!-- END generated:NAME -->`` markers; everything else in the page (the
 analysis) is left as written. Blocks: ``meta``, ``local``, ``s3``, ``wan``,
-``targets``, and ``scaling-<sweep>`` for each sweep.
+``sweep-<section>`` (the raw limit sweep as a grid), ``targets``,
+``scaling-<sweep>`` for each sweep, and ``scale`` (benchmarks/scale_sim.py's
+modelled points).
 """
 
 from __future__ import annotations
@@ -78,9 +80,11 @@ def sweep_table(rows: Sequence[Row]) -> str:
     """The raw limit sweep of one section as a grid: connections down, part
     size across, save / load GB/s in each cell; the best of each direction
     in bold."""
-    raw = [r for r in rows if r.get("group") == "limit" and r.get("engine") == "boto3"]
+    # Runs from before the sweep have one raw row without a part size.
+    raw = [r for r in rows if r.get("group") == "limit" and r.get("engine") == "boto3"
+           and "part_size" in r.get("extra", {})]  # fmt: skip
     if not raw:
-        return "_no raw sweep in this run_"
+        return "_no raw sweep in this run (the committed run predates it)_"
     best = best_limits(raw)
     parts = sorted({r["extra"]["part_size"] for r in raw})
     conns = sorted({r["workers"] for r in raw})
@@ -120,10 +124,22 @@ def meta_block(docs: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def blocks(compare: dict[str, Any] | None, scaling: dict[str, Any] | None) -> dict[str, str]:
+def scale_block(scale: dict[str, Any]) -> str:
+    """scale_sim.py's table, as markdown."""
+    import scale_sim
+
+    rows = scale_sim.table([scale_sim.Point(**p) for p in scale["points"]])
+    return targets.markdown_table(rows[0], rows[1:])
+
+
+def blocks(compare: dict[str, Any] | None, scaling: dict[str, Any] | None,
+           scale: dict[str, Any] | None = None) -> dict[str, str]:  # fmt: skip
     out: dict[str, str] = {}
-    docs = {k: v for k, v in (("compare.json", compare), ("scaling.json", scaling)) if v}
+    named = (("compare.json", compare), ("scaling.json", scaling), ("scale_sim.json", scale))
+    docs = {k: v for k, v in named if v}
     out["meta"] = meta_block(docs)
+    if scale:
+        out["scale"] = scale_block(scale)
     results: list[Row] = []
     if compare:
         summary = summarize(compare["records"])  # re-derived: summaries gain fields over time
@@ -169,11 +185,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--compare", default=os.path.join(results, "compare.json"))
     p.add_argument("--scaling", default=os.path.join(results, "scaling.json"))
+    p.add_argument("--scale", default=os.path.join(results, "scale_sim.json"))
     p.add_argument("--page", default=os.path.join(os.path.dirname(HERE), "BENCHMARKS.md"))
     args = p.parse_args(argv)
     with open(args.page) as f:
         page = f.read()
-    page = render(page, blocks(_read(args.compare), _read(args.scaling)))
+    page = render(page, blocks(_read(args.compare), _read(args.scaling), _read(args.scale)))
     with open(args.page, "w") as f:
         f.write(page)
     print(f"updated {args.page}")

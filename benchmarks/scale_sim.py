@@ -1,6 +1,6 @@
 """Scale simulation: N ranks saving one checkpoint to S3, up to 1,024 of them.
 
-    python benchmarks/scale_sim.py --ranks 1,8,64,256,1024 --json benchmarks/results/scale_sim.json
+    python benchmarks/scale_sim.py --ranks 1,8,64,256,1024 --spread 1,64 --json benchmarks/results/scale_sim.json
 
 What is real and what is a model:
 
@@ -22,9 +22,14 @@ What is real and what is a model:
   GET/HEAD per second; beyond them S3 answers 503 SlowDown). Ranks run one
   after another here; the model puts them side by side.
 
-Per N it reports the requests (by kind), bytes, the phases' modelled
-durations (claim, write, commit), the busiest key prefix's request rate
-against S3's limit, and the write phase stretched by that limit.
+Per N (and per ``--spread``: ``StorageOptions.spread_prefixes``, rank files
+spread over that many key prefixes) it reports the requests (by kind),
+bytes, the phases' modelled durations (claim, write, commit), the busiest
+key prefix's request rate against S3's limit, and the write phase stretched
+by that limit. A prefix here is a key's directory: the model assumes the
+store has already split its partitions at the spread directories, as S3
+does for a prefix under sustained load (it takes minutes, and until then
+the spread keys share the checkpoint's partition).
 BENCHMARKS.md ("Scale") says what changes beyond this model.
 """
 
@@ -32,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import math
 import os
@@ -52,7 +58,7 @@ import torch  # noqa: E402
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner  # noqa: E402
 
 from dcpstore.bench import make_state, parse_int_list, parse_size  # noqa: E402
-from dcpstore.bench.report import machine  # noqa: E402
+from dcpstore.bench.report import git_commit, machine  # noqa: E402
 from dcpstore.dcp.writer import DcpStorageWriter  # noqa: E402
 from dcpstore.format.layout import is_data_file  # noqa: E402
 from dcpstore.storage import StorageOptions, open_storage  # noqa: E402
@@ -348,6 +354,7 @@ def evaluate(model: Model, rec: Recorder, connections: int) -> dict[str, Any]:
     limit = limit_of(kind)
     throttled_s = max([write_s] + [n / limit_of(k) for (_, k), n in demand.items()])
     kinds = collections.Counter(r.kind for r in rec.requests)
+    per_kind = {k: max((n for (_, kk), n in demand.items() if kk == k), default=0) for k in ("write", "read")}
     return {
         "requests": len(rec.requests),
         "by_kind": dict(sorted(kinds.items())),
@@ -360,6 +367,12 @@ def evaluate(model: Model, rec: Recorder, connections: int) -> dict[str, Any]:
         "busiest_kind": kind,
         "busiest_requests": count,
         "busiest_rate": count / write_s if write_s else 0.0,
+        # per rate: the busiest prefix's requests and rate, writes and reads apart
+        "busiest_write_requests": per_kind["write"],
+        "busiest_write_rate": per_kind["write"] / write_s if write_s else 0.0,
+        "busiest_read_requests": per_kind["read"],
+        "busiest_read_rate": per_kind["read"] / write_s if write_s else 0.0,
+        "write_prefixes": sorted({p for p, k in demand if k == "write"}),
         "rate_limit": limit,
         "write_s_throttled": throttled_s,
     }
@@ -379,28 +392,33 @@ class Point:
 
 
 def run(ranks: Sequence[int], state: dict[str, torch.Tensor], model: Model, options: StorageOptions,
-        workers: int | None, uri: str, progress: bool) -> list[Point]:  # fmt: skip
+        workers: int | None, uri: str, progress: bool, spreads: Sequence[int] = (1,)) -> list[Point]:  # fmt: skip
     points = []
-    for n in ranks:
-        t0 = time.perf_counter()
-        rec, measured = simulate(n, state, options=options, workers=workers, uri=uri)
-        point = Point(n, evaluate(model, rec, options.max_concurrency), measured)
-        point.extra["simulated_in_s"] = time.perf_counter() - t0
-        points.append(point)
-        if progress:
-            print(f"  {n} ranks simulated in {point.extra['simulated_in_s']:.1f} s", file=sys.stderr, flush=True)
+    for spread in spreads:
+        spread_options = dataclasses.replace(options, spread_prefixes=spread)
+        for n in ranks:
+            t0 = time.perf_counter()
+            rec, measured = simulate(n, state, options=spread_options, workers=workers, uri=uri)
+            point = Point(n, evaluate(model, rec, options.max_concurrency), measured, {"spread": spread})
+            point.extra["simulated_in_s"] = time.perf_counter() - t0
+            points.append(point)
+            if progress:
+                took = point.extra["simulated_in_s"]
+                print(f"  {n} ranks, spread {spread}: simulated in {took:.1f} s", file=sys.stderr, flush=True)
     return points
 
 
 def table(points: Sequence[Point]) -> list[list[str]]:
-    head = ["ranks", "requests", "data", "prefixes", "claim s", "write s", "commit s", "busiest prefix req/s",
-            "S3 limit", "write s at the limit", "manifest + .metadata", "finish CPU s"]  # fmt: skip
+    head = ["ranks", "spread", "requests", "data", "prefixes", "claim s", "write s", "commit s", "busiest prefix req/s",
+            "S3 limit", "busiest PUT/s", "busiest GET/s", "write s at the limit", "manifest + .metadata",
+            "finish CPU s"]  # fmt: skip
     body = [head]
     for p in points:
         m, x = p.model, p.measured
-        body.append([str(p.ranks), f"{m['requests']:,}", human_bytes(m["data_bytes"]), str(m["prefixes"]),
+        body.append([str(p.ranks), str(p.extra.get("spread", 1)), f"{m['requests']:,}", human_bytes(m["data_bytes"]), str(m["prefixes"]),
                      f"{m['claim_s']:.3f}", f"{m['write_s']:.2f}", f"{m['commit_s']:.3f}",
                      f"{m['busiest_rate']:,.0f} ({m['busiest_kind']})", f"{m['rate_limit']:,.0f}",
+                     f"{m['busiest_write_rate']:,.0f}", f"{m['busiest_read_rate']:,.0f}",
                      f"{m['write_s_throttled']:.2f}",
                      human_bytes(x["manifest_bytes"] + x["metadata_bytes"]), f"{x['finish_cpu_s']:.3f}"])  # fmt: skip
     return body
@@ -417,17 +435,23 @@ def plot(path: str, points: Sequence[Point]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    n = [p.ranks for p in points]
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
-    axes[0].plot(n, [p.model["requests"] for p in points], marker="o")
+    by_spread: dict[int, list[Point]] = collections.defaultdict(list)
+    for p in points:
+        by_spread[p.extra.get("spread", 1)].append(p)
+    for spread, group in sorted(by_spread.items()):
+        n = [p.ranks for p in group]
+        tag = "" if len(by_spread) == 1 else f", spread {spread}"
+        axes[0].plot(n, [p.model["requests"] for p in group], marker="o", label=f"requests{tag}")
+        axes[1].plot(n, [p.model["busiest_rate"] for p in group], marker="o", label=f"busiest prefix{tag}")
+        axes[2].plot(n, [p.model["write_s"] for p in group], marker="o", label=f"write (unthrottled){tag}")
+        axes[2].plot(n, [p.model["write_s_throttled"] for p in group], marker="o", label=f"write at the prefix limit{tag}")
+        axes[2].plot(n, [p.model["commit_s"] for p in group], marker="o", label=f"commit{tag}")
+    n = sorted({p.ranks for p in points})
+    axes[1].plot(n, [points[0].model["rate_limit"]] * len(n), linestyle="--", label="S3 limit per prefix")
     axes[0].set_title("requests per save")
-    axes[1].plot(n, [p.model["busiest_rate"] for p in points], marker="o", label="busiest prefix")
-    axes[1].plot(n, [p.model["rate_limit"] for p in points], linestyle="--", label="S3 limit per prefix")
     axes[1].set_title("request rate (per s)")
     axes[1].legend(fontsize=8)
-    axes[2].plot(n, [p.model["write_s"] for p in points], marker="o", label="write (unthrottled)")
-    axes[2].plot(n, [p.model["write_s_throttled"] for p in points], marker="o", label="write at the prefix limit")
-    axes[2].plot(n, [p.model["commit_s"] for p in points], marker="o", label="commit")
     axes[2].set_title("modelled seconds")
     axes[2].legend(fontsize=8)
     for ax in axes:
@@ -446,6 +470,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--tensors", type=int, default=8, help="tensors per rank (default 8)")
     p.add_argument("--workers", type=int, help="writer threads per rank (default: the S3 backend's)")
     p.add_argument("--max-concurrency", type=int, help="connections per rank (default: StorageOptions')")
+    p.add_argument("--spread", default="1", help="spread_prefixes values to simulate at every rank count (default 1)")
     p.add_argument("--latency-ms", type=float, default=Model.latency_s * 1e3)
     p.add_argument("--connection-mbps", type=float, default=Model.connection_bps / 1e6, help="MB/s per connection")
     p.add_argument("--rank-gbps", type=float, default=Model.rank_bps / 1e9, help="GB/s per rank")
@@ -460,12 +485,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     options = StorageOptions() if args.max_concurrency is None else StorageOptions(max_concurrency=args.max_concurrency)
     state = make_state(parse_size(args.size), args.tensors)
     ranks = parse_int_list(args.ranks, "ranks")
-    points = run(ranks, state, model, options, args.workers, args.uri, not args.quiet)
+    points = run(ranks, state, model, options, args.workers, args.uri, not args.quiet,
+                 parse_int_list(args.spread, "spread"))  # fmt: skip
     print(_text(table(points)))
     if args.json:
         doc = {
             "meta": {"command": shlex.join(["python", "benchmarks/scale_sim.py", *(argv if argv is not None else sys.argv[1:])]),
                      "label": args.label, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine(),
+                     "git_commit": git_commit(),
                      "model": asdict(model), "max_concurrency": options.max_concurrency,
                      "state_bytes": parse_size(args.size), "tensors": args.tensors},  # fmt: skip
             "points": [asdict(pt) for pt in points],

@@ -133,11 +133,13 @@ def test_scale_simulation_counts_what_dcpstore_sends(tmp_path: Path) -> None:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     out = subprocess.run(
         [sys.executable, str(BENCHMARKS / "scale_sim.py"), "--ranks", "1,4", "--size", "24MiB", "--tensors", "4",
-         "--workers", "2", "--json", str(out_json), "--quiet"],
+         "--workers", "2", "--spread", "1,4", "--json", str(out_json), "--quiet"],
         capture_output=True, text=True, timeout=240, env=env,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    points = {p["ranks"]: p for p in json.loads(out_json.read_text())["points"]}
+    every = json.loads(out_json.read_text())["points"]
+    points = {p["ranks"]: p for p in every if p["extra"]["spread"] == 1}
+    spread = {p["ranks"]: p["model"] for p in every if p["extra"]["spread"] == 4}
     one, four = points[1]["model"], points[4]["model"]
     # Each rank writes 2 files of 12 MiB: multipart in 8 MiB parts (2 each).
     assert one["by_kind"]["UploadPart"] == 4 and four["by_kind"]["UploadPart"] == 16
@@ -148,3 +150,9 @@ def test_scale_simulation_counts_what_dcpstore_sends(tmp_path: Path) -> None:
     assert four["busiest_rate"] > one["busiest_rate"]
     assert points[4]["measured"]["manifest_bytes"] > points[1]["measured"]["manifest_bytes"]
     assert four["write_s_throttled"] >= four["write_s"] > 0
+    # Spread over 4 prefixes: the same requests, each rank's data under its own
+    # prefix, the commit objects under the checkpoint's; the busiest prefix's
+    # data writes drop to one rank's.
+    assert spread[4]["requests"] == four["requests"] and spread[4]["prefixes"] == 5
+    assert {p.rsplit("/", 2)[-2] for p in spread[4]["write_prefixes"]} >= {"p0", "p1", "p2", "p3"}
+    assert spread[4]["busiest_write_requests"] * 4 <= four["busiest_write_requests"] + 8

@@ -70,7 +70,8 @@ def format_table(rows: Iterable[dict[str, Any]]) -> str:
     return "\n".join([row(head), *(row(line) for line in lines)])
 
 
-def _git_commit() -> str | None:
+def git_commit() -> str | None:
+    """The short hash of the checkout the benchmark runs from, if it is one."""
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
                              cwd=os.path.dirname(os.path.abspath(__file__)))  # fmt: skip
@@ -102,7 +103,7 @@ def write_json(path: str, records: Sequence[Record | dict[str, Any]], meta: dict
     doc = {
         "meta": {
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            "git_commit": _git_commit(),
+            "git_commit": git_commit(),
             "machine": machine(),
             **(meta or {}),
         },
