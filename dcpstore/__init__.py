@@ -26,6 +26,7 @@ from .errors import (
     StorageError,
     StorageNotFound,
     StoragePermissionError,
+    UnsafeCheckpoint,
 )
 from .handle import CheckpointInfo, SaveHandle
 from .manager import CheckpointManager
@@ -52,6 +53,7 @@ __all__ = [
     "StorageNotFound",
     "StorageOptions",
     "StoragePermissionError",
+    "UnsafeCheckpoint",
     "load",
     "open_storage",
     "save",

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch.distributed as dist
@@ -124,6 +125,8 @@ def load(
     planner: LoadPlanner | None = None,
     verify: bool = True,
     storage_options: StorageOptions | None = None,
+    safe_globals: Sequence[Any] | None = None,
+    trusted: bool = False,
 ) -> None:
     """Load the checkpoint at ``uri`` into ``state_dict`` in place.
 
@@ -139,6 +142,12 @@ def load(
     it had already changed on this rank (its ``loaded_keys``,
     ``partly_loaded_keys`` and ``damaged_keys``; every other key is
     unchanged). Loading a good copy again overwrites every key.
+
+    Never executes checkpoint content: ``.metadata`` and non-tensor items are
+    unpickled through allowlists (tensors, containers, plain Python values);
+    another class raises :class:`UnsafeCheckpoint` naming the item and the
+    class. ``safe_globals=[cls, ...]`` allows those classes; ``trusted=True``
+    allows anything (only for checkpoints you trust as you trust code).
     """
     _check_state_dict(state_dict)
     options = LoadOptions(
@@ -148,6 +157,8 @@ def load(
         process_group=process_group,
         planner=planner,
         verify=verify,
+        safe_globals=safe_globals or (),
+        trusted=trusted,
     )
     load_with(state_dict, uri, options)
 

@@ -3,7 +3,10 @@
 Exit codes: 0 success; 1 the checkpoint is damaged (verify) or absent, or a
 benchmark run failed (wrong data loaded, an error); 2 bad usage or a storage
 error, or a benchmark that could measure nothing here (every run skipped).
-Errors print one line, never a traceback.
+Errors print one line, never a traceback, and never a credential
+(:func:`dcpstore.storage.secrets.scrub`). No command executes checkpoint
+content: ``inspect`` and ``verify`` unpickle through dcpstore's allowlists
+only, ``ls`` and ``gc`` never read what a checkpoint holds.
 
 Layer: the top. Imports the maintenance commands, the bench package and
 :mod:`dcpstore.storage`.
@@ -22,9 +25,10 @@ from tqdm import tqdm
 
 from .bench import bench, parse_int_list, summarize
 from .bench.report import format_table, plot_workers, write_json
-from .errors import CheckpointError, CheckpointNotFound
+from .errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound, UnsafeCheckpoint
 from .maintenance import gc, inspect_checkpoint, list_checkpoints, verify_checkpoint
 from .storage import Storage, open_storage
+from .storage.secrets import scrub
 from .units import human_bytes, parse_size
 
 
@@ -44,8 +48,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
     width = max(len("CHECKPOINT"), *(len(e.path or ".") for e in entries))
     print(f"{'CHECKPOINT':<{width}}  {'STATUS':<10}  {'FILES':>5}  {'SIZE':>10}")
     for e in entries:
-        status = "committed" if e.committed else "incomplete"
-        print(f"{e.path or '.':<{width}}  {status:<10}  {e.files:>5}  {human_bytes(e.bytes):>10}")
+        status = "committed" if e.committed else "saving" if e.running(storage) else "incomplete"
+        note = "  (rank-local metadata)" if e.rank_local else ""
+        if e.unknown and not e.committed:
+            note = f"  (also holds {len(e.unknown)} file(s) no DCP save writes: gc leaves it alone)"
+        print(f"{e.path or '.':<{width}}  {status:<10}  {e.files:>5}  {human_bytes(e.bytes):>10}{note}")
     return 0
 
 
@@ -74,17 +81,22 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     storage = _open(args)
-    total = sum(f["size"] for f in inspect_checkpoint(storage)["files"].values())
+    try:
+        total: int | None = sum(f["size"] for f in inspect_checkpoint(storage)["files"].values())
+    except (CheckpointCorrupt, UnsafeCheckpoint):
+        total = None  # verify names the problem below
     t0 = time.perf_counter()
     with tqdm(total=total, unit="B", unit_scale=True, desc="verify", disable=args.quiet or None, file=sys.stderr) as bar:
         report = verify_checkpoint(storage, progress=bar.update)
     elapsed = time.perf_counter() - t0
     for problem in report.problems:
-        print(f"DAMAGED  {problem}")
+        print(f"DAMAGED  {scrub(problem)}")
+    for refusal in report.refused:
+        print(f"REFUSED  {scrub(refusal)}")
     if report.ok:
         print(f"OK  {report.files_checked} files, {human_bytes(report.bytes_checked)} verified in {elapsed:.2f} s")
         return 0
-    print(f"FAILED  {len(report.problems)} problem(s) in {storage.uri}")
+    print(f"FAILED  {len(report.problems) + len(report.refused)} problem(s) in {storage.uri}")
     return 1
 
 
@@ -93,11 +105,16 @@ def cmd_gc(args: argparse.Namespace) -> int:
     verb = "would remove" if args.dry_run else "removed"
     for path in report.removed:
         print(f"{verb} incomplete checkpoint {path}")
+    for path in report.kept_running:
+        print(f"kept {path}: a save is running there (its alive file is fresh or names a live process)")
     for path in report.kept_recent:
         print(f"kept {path}: modified within {args.older_than:g} s (a save may be running)")
+    for path, names in report.kept_unknown:
+        shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+        print(f"kept {path}: holds files no DCP save writes ({shown}); remove it by hand if it is garbage")
     if report.incomplete_uploads:
         print(f"{verb} {report.incomplete_uploads} in-progress upload(s)/temporary file(s)")
-    if not (report.removed or report.kept_recent or report.incomplete_uploads):
+    if not (report.removed or report.kept_recent or report.kept_running or report.kept_unknown or report.incomplete_uploads):
         print("nothing to clean up")
     return 0
 
@@ -180,10 +197,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.fn(args))
     except CheckpointNotFound as e:
-        print(f"dcpstore {args.command}: {e}", file=sys.stderr)
+        print(f"dcpstore {args.command}: {scrub(str(e))}", file=sys.stderr)
         return 1
     except CheckpointError as e:
-        print(f"dcpstore {args.command}: {e}", file=sys.stderr)
+        print(f"dcpstore {args.command}: {scrub(str(e))}", file=sys.stderr)
+        return 2
+    except Exception as e:  # a bug or an unforeseen input: still one line, still scrubbed
+        print(f"dcpstore {args.command}: unexpected {type(e).__name__}: {scrub(str(e))}", file=sys.stderr)
         return 2
 
 

@@ -37,6 +37,12 @@ class CheckpointCorrupt(CheckpointError):
     """A committed checkpoint failed verification (size, checksum, missing file)."""
 
 
+class UnsafeCheckpoint(CheckpointError):
+    """A checkpoint holds a class or function dcpstore does not unpickle
+    without an explicit opt-in (``safe_globals=[...]`` or ``trusted=True``);
+    the message names the file or item and the class."""
+
+
 class StorageError(CheckpointError, OSError):
     """A storage backend operation failed (after its retries)."""
 

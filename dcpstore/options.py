@@ -19,7 +19,7 @@ Layer: value objects. Imports only :mod:`dcpstore.errors` and
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -99,6 +99,32 @@ def save_option_problems(
     return problems
 
 
+def check_safe_globals(safe_globals: Any) -> tuple[Any, ...]:
+    """Validate :func:`dcpstore.load`'s ``safe_globals``: classes or
+    functions, or ``(obj, "module.Name")`` pairs as ``torch.serialization``
+    takes them; ``None`` is none. Returns them as a tuple."""
+    if safe_globals is None:
+        return ()
+    if isinstance(safe_globals, (str, bytes)) or not isinstance(safe_globals, Iterable):
+        raise InvalidArgument(f"safe_globals must be a list of classes or functions, got {safe_globals!r}")
+    entries = tuple(safe_globals)
+    for entry in entries:
+        pair = isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[1], str)
+        named = all(isinstance(getattr(entry, attr, None), str) for attr in ("__module__", "__qualname__"))
+        if not (pair or named):
+            raise InvalidArgument(
+                f"safe_globals entries must be classes or functions (or (obj, 'module.Name') pairs), got {entry!r}"
+            )
+    return entries
+
+
+def check_trusted(trusted: Any) -> bool:
+    """Validate :func:`dcpstore.load`'s ``trusted`` (a bool, never a truthy value)."""
+    if not isinstance(trusted, bool):
+        raise InvalidArgument(f"trusted must be a bool, got {trusted!r}")
+    return trusted
+
+
 def _check_process_group(process_group: Any) -> None:
     if process_group is not None and not (dist.is_available() and dist.is_initialized()):
         raise InvalidArgument("process_group was given but torch.distributed is not initialised")
@@ -107,7 +133,9 @@ def _check_process_group(process_group: Any) -> None:
 @dataclass(frozen=True)
 class LoadOptions:
     """How :func:`dcpstore.load` reads: threads, backend, verification, DCP's
-    process group and planner (see :func:`dcpstore.load`)."""
+    process group and planner, and what a non-tensor item may hold beyond
+    the allowlist (``safe_globals``, kept as a tuple, and ``trusted``; see
+    :func:`dcpstore.load`)."""
 
     workers: int | None = None
     enable_msc: bool = False
@@ -115,10 +143,14 @@ class LoadOptions:
     process_group: dist.ProcessGroup | None = None
     planner: LoadPlanner | None = None
     verify: bool = True
+    safe_globals: Sequence[Any] = ()
+    trusted: bool = False
 
     def __post_init__(self) -> None:
         check_workers(self.workers, 1)
         _check_process_group(self.process_group)
+        object.__setattr__(self, "safe_globals", check_safe_globals(self.safe_globals))  # frozen: set once, here
+        check_trusted(self.trusted)
 
 
 @dataclass(frozen=True)
@@ -157,13 +189,16 @@ class SaveOptions:
         async save, and sync saves on the NVRx engine (which then wait)."""
         return self.async_ or self.engine == "nvrx"
 
-    def for_load(self) -> LoadOptions:
-        """The options a load of what these options saved reads with."""
+    def for_load(self, *, safe_globals: Sequence[Any] = (), trusted: bool = False) -> LoadOptions:
+        """The options a load of what these options saved reads with;
+        ``safe_globals`` / ``trusted`` as :class:`LoadOptions` takes them."""
         return LoadOptions(
             workers=self.workers,
             enable_msc=self.enable_msc,
             storage_options=self.storage_options,
             process_group=self.process_group,
+            safe_globals=safe_globals,
+            trusted=trusted,
         )
 
     def as_kwargs(self) -> dict[str, Any]:

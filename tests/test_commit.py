@@ -9,6 +9,7 @@ any clean-up, and a save that lost its URI to a later one commits nothing.
 
 from __future__ import annotations
 
+import os
 import pickle
 from pathlib import Path
 
@@ -21,8 +22,10 @@ from torch.distributed.checkpoint.storage import WriteResult
 import dcpstore
 from dcpstore.dcp.commit import ItemRecord, SaveSession, read_checkpoint_metadata
 from dcpstore.engines import nvrx
+from dcpstore.format.inflight import alive_name, is_alive_file
 from dcpstore.format.layout import INFLIGHT, MANIFEST, METADATA
-from faults import EventStorage, Recorder
+from dcpstore.maintenance import gc
+from faults import EventStorage, FailAt, Recorder, hook_all_storage
 
 
 def _storage(path: Path) -> tuple[EventStorage, Recorder]:
@@ -53,12 +56,13 @@ def test_claim_write_publish_in_order(tmp_path: Path) -> None:
     coordinator.publish(_metadata(), results)
 
     puts = [e.split(":", 1)[1] for e in events.events if e.startswith("commit:")]
-    assert puts == [INFLIGHT, "__0_0.distcp", "__1_0.distcp", MANIFEST, METADATA]
-    assert events.events[-1].startswith("delete:") and INFLIGHT in events.events[-1]
+    alive = alive_name(coordinator.save_id)  # the claim's proof of life for gc
+    assert puts == [INFLIGHT, alive, "__0_0.distcp", "__1_0.distcp", MANIFEST, METADATA]
+    assert events.events[-1].startswith("delete:") and INFLIGHT in events.events[-1] and alive in events.events[-1]
     metadata, manifest = read_checkpoint_metadata(storage)
     assert manifest is not None and sorted(manifest["files"]) == ["__0_0.distcp", "__1_0.distcp"]
     assert metadata.storage_meta is not None and metadata.storage_meta.save_id == coordinator.save_id
-    assert not (tmp_path / "ck" / INFLIGHT).exists()
+    assert not (tmp_path / "ck" / INFLIGHT).exists() and not (tmp_path / "ck" / alive).exists()
 
 
 def test_claim_retracts_the_old_commit_and_publish_removes_stale_files(tmp_path: Path) -> None:
@@ -112,3 +116,24 @@ def test_every_writer_commits_through_the_session(tmp_path: Path, monkeypatch: p
         dcpstore.save(state, str(tmp_path / "nvrx"), async_=True, engine="nvrx").result()
         saves += 1
     assert calls == ["claim", "publish"] * saves
+
+
+@pytest.mark.parametrize("where", ["data", "commit"])
+@pytest.mark.parametrize("engine, async_", [("native", False), ("native", True), ("nvrx", False), ("nvrx", True)])
+def test_every_writer_releases_a_failed_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, engine: str, async_: bool, where: str
+) -> None:
+    """A save that fails -- writing (or, for NVRx, reading back) a data
+    file, or publishing the manifest -- leaves no alive file: ``gc`` then
+    collects what it left instead of keeping it as a running save."""
+    if engine == "nvrx" and nvrx.import_error() is not None:
+        pytest.skip(f"NVRx is not installed: {nvrx.import_error()}")
+    uri = tmp_path / "root" / "ck"
+    at = ("commit:" + MANIFEST,) if where == "commit" else ("write:__0_", "read:__0_")
+    fail = FailAt(lambda e: e.startswith(at), dcpstore.StorageError("disk on fire"))
+    hook_all_storage({str(uri): fail}, monkeypatch.setattr)
+    with pytest.raises(dcpstore.SaveError, match="disk on fire"):
+        dcpstore.save({"w": torch.arange(8.0)}, str(uri), engine=engine, async_=async_).result()
+    names = os.listdir(uri)
+    assert INFLIGHT in names and not any(is_alive_file(n) for n in names), names
+    assert gc(dcpstore.open_storage(str(tmp_path / "root")), older_than_s=0).removed == ["ck"]

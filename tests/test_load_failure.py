@@ -114,9 +114,11 @@ def test_structural_damage_changes_nothing(local_target: Target) -> None:
 
 
 def test_a_missing_file_found_mid_load_changes_nothing_it_reports(local_target: Target) -> None:
-    """With ``verify=False`` sizes are not checked first: the missing file is
-    found when its scatter read opens it, and its large tensors, which were
-    about to be read in place, are not reported as damaged."""
+    """With ``verify=False`` there are no checksums, but every file's real
+    size is still checked before anything is read (nothing is allocated for
+    bytes a file does not hold): the missing file is found then, and the
+    error reports that nothing was changed, not its large tensors (about to
+    be read in place) as damaged."""
     saved = _state()
     dcpstore.save(saved, local_target.uri, workers=3).result()
     data = sorted(f for f in os.listdir(local_target.uri) if f.endswith(".distcp"))
@@ -125,7 +127,7 @@ def test_a_missing_file_found_mid_load_changes_nothing_it_reports(local_target: 
     dest["obj"] = {"lr": None, "betas": None}
     with pytest.raises(dcpstore.CheckpointCorrupt, match="missing") as info:
         dcpstore.load(dest, local_target.uri, workers=1, verify=False)
-    assert info.value.damaged_keys == ()
+    assert info.value.damaged_keys == () and info.value.loaded_keys == ()
     _assert_report_matches_state(info.value, dest, saved)
 
 

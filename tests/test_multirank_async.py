@@ -178,6 +178,8 @@ def _one_rank_fails(rank: int, world: int, mesh: object, saver: dcpstore.AsyncSa
     assert uri in str(info.value)
     dist.barrier()
     assert not os.path.exists(os.path.join(uri, ".metadata"))
+    # The coordinator released its claim: nothing says the save still runs, so gc may collect it.
+    assert not [n for n in os.listdir(uri) if n.startswith(".dcpstore.alive.")], os.listdir(uri)
     with pytest.raises(CheckpointNotFound):
         dcpstore.load(_empty_like_state(state), uri)
     dist.barrier()

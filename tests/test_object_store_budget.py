@@ -142,17 +142,29 @@ def test_every_put_and_part_carries_its_crc32c(
         assert (b"<ChecksumCRC32C>" in r.body) is (setting == "default")
 
 
-def test_a_load_asks_no_sizes_and_still_finds_a_wrong_one(proxy: FaultProxy, s3_endpoint: S3Endpoint) -> None:
-    """File sizes come from the ranged GETs' Content-Range: no HEAD per file,
-    and a data file longer than the manifest says is still refused."""
+def test_a_load_asks_each_size_once_and_still_finds_a_wrong_one(
+    proxy: FaultProxy, s3_endpoint: S3Endpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A load asks each data file's size once, before reading it (nothing is
+    allocated for bytes a file does not hold), not once per ranged GET; and
+    a data file longer than the manifest says is refused."""
+    from dcpstore.storage.s3 import S3Storage
+
     state = {f"t{i}": torch.randn(MiB // 4) for i in range(4)}
     uri = _uri(s3_endpoint)
-    dcpstore.save(state, uri, workers=2).result()
-    before = proxy.stats.requests["HeadObject"]
+    info = dcpstore.save(state, uri, workers=2).result()
+    asked: list[str] = []
+    size = S3Storage.size
+
+    def spy(self: S3Storage, path: str) -> int:
+        asked.append(path)
+        return size(self, path)
+
+    monkeypatch.setattr(S3Storage, "size", spy)
     restored = zeros_like_state(state)
     dcpstore.load(restored, uri)
     assert_state_equal(state, restored)
-    assert proxy.stats.requests["HeadObject"] == before
+    assert sorted(p for p in asked if p.endswith(".distcp")) == sorted(info.files)
 
     prefix = uri.split("/", 3)[3]
     client = s3_endpoint.client()

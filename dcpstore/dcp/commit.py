@@ -17,19 +17,30 @@ written once. Call order, and which rank calls what::
                       rank's data files are durable (DCP and NVRx gather the
                       write results first): ownership check, the manifest,
                       ``.metadata`` last -- the commit point -- then clean up
-                      (the marker, and the data files an older checkpoint at
-                      the URI left behind)
+                      (the marker, the alive file, and the data files an
+                      older checkpoint at the URI left behind)
+    coordinator   session.release()   instead, when the save failed on any
+                      rank (the writers call it): stop its proof of life, so
+                      that ``gc`` may collect what it left; a no-op on other
+                      ranks, after publish, and when called twice
 
-Today a claim retracts the older commit before any rank overwrites the data
-files it points at, so a crash mid-save leaves no checkpoint at that URI
-(never an old ``.metadata`` over new, partial data). Every decision that an
+Today a claim retracts the older commit (``.metadata``, or stock DCP's
+rank-local ``__{rank}.metadata``) before any rank overwrites the data files
+it points at, so a crash mid-save leaves no checkpoint at that URI (never an
+old ``.metadata`` over new, partial data). Every decision that an
 overwrite-safe commit changes lives in this class: which names a save writes
 (:meth:`SaveSession.data_file`), what a claim does to an older commit
 (:meth:`~SaveSession.claim`), what the commit point is
 (:meth:`~SaveSession.publish`) and what is removed after it.
 
+From claim to publish (or release) the coordinator keeps the save's alive
+file fresh (:mod:`dcpstore.format.inflight`): ``gc`` never collects a save
+that is still running, whatever ``--older-than`` says.
+
 :func:`read_checkpoint_metadata` is the other side: what load, inspect and
-verify accept as a committed checkpoint.
+verify accept as a committed checkpoint -- capped reads, the manifest's
+schema, the restricted unpickle of ``.metadata`` (nothing in a checkpoint is
+ever executed), every stored item checked against the manifest.
 
 Layer: DCP protocol. Imports :mod:`dcpstore.format`, :mod:`dcpstore.storage`
 and :mod:`dcpstore.errors`.
@@ -40,6 +51,8 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import threading
+import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -48,19 +61,23 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.storage import WriteResult
 
-from ..errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound, SaveError, StorageNotFound
-from ..format.layout import (
-    INFLIGHT,
-    MANIFEST,
-    METADATA,
+from ..errors import CheckpointError, CheckpointNotFound, SaveError, StorageNotFound
+from ..format import inflight
+from ..format.inflight import Owner, alive_name, encode_alive, is_alive_file
+from ..format.layout import INFLIGHT, MANIFEST, METADATA, data_file_name, is_commit_file, is_data_file, item_key
+from ..format.manifest import (
+    MANIFEST_LIMIT,
+    METADATA_LIMIT,
+    SMALL_FILE_LIMIT,
     FileEntry,
     Manifest,
     build_manifest,
-    data_file_name,
-    is_data_file,
-    item_key,
+    check_items_listed,
+    check_metadata_crc,
     parse_manifest,
+    read_capped,
 )
+from ..format.safe_pickle import TOOLS, Trust, load_metadata
 from ..storage import Storage
 
 log = logging.getLogger(__name__)
@@ -96,6 +113,8 @@ class SaveSession:
         self.save_id = save_id if save_id is not None else os.urandom(8).hex()
         #: The data files the claim found (coordinator); None: not claimed.
         self._found: frozenset[str] | None = None
+        #: Keeps the alive file fresh from claim to publish or release (coordinator).
+        self._refresher: _Refresher | None = None
 
     # -- coordinator, before any rank writes -------------------------------
     def claim(self) -> None:
@@ -107,11 +126,13 @@ class SaveSession:
         never commits)."""
         self.storage.makedirs()
         present = {o["path"] for o in self.storage.list()}
-        old_commit = [p for p in (METADATA, MANIFEST) if p in present]
+        old_commit = sorted(p for p in present if is_commit_file(p) or p == MANIFEST)  # rank-local ones too
         if old_commit:
             self.storage.delete(old_commit)
         self.storage.put(INFLIGHT, self.save_id.encode())
-        self._found = frozenset(p for p in present if is_data_file(p))
+        self._refresher = _Refresher(self.storage, self.save_id)  # proof of life for gc, until publish or release
+        # Alive files of earlier saves are leftovers too: the clean-up removes them.
+        self._found = frozenset(p for p in present if is_data_file(p) or is_alive_file(p))
 
     # -- every rank -----------------------------------------------------------
     def data_file(self, rank_prefix: str, index: int) -> str:
@@ -125,9 +146,14 @@ class SaveSession:
         has started (it replaced our in-flight marker): the later save wins,
         this one fails clearly and never writes over the winner's files."""
         try:
-            owner = self.storage.read(INFLIGHT).decode(errors="replace")
+            owner = read_capped(self.storage, INFLIGHT, SMALL_FILE_LIMIT).decode(errors="replace")
         except StorageNotFound:
             owner = "<none>"
+        if owner == "<none>" and not self.storage.exists(METADATA):  # no later save committed and removed it
+            raise SaveError(
+                f"the in-flight marker {self.storage.describe(INFLIGHT)} of this save ({self.save_id}) was removed "
+                "while it was writing (by 'dcpstore gc', or by hand); nothing was committed by this save"
+            )
         if owner != self.save_id:
             raise SaveError(
                 f"another save to {self.storage.uri} started while this one was writing "
@@ -180,22 +206,94 @@ class SaveSession:
         metadata.storage_data = storage_data
         metadata.storage_meta = self.storage_meta()
         blob = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
-        self.check_owner()
-        self.storage.put(MANIFEST, build_manifest(files, items, crc32c.crc32c(blob), tensors))
-        self.storage.put(METADATA, blob)  # the commit point
+        try:
+            self.check_owner()
+            self.storage.put(MANIFEST, build_manifest(files, items, crc32c.crc32c(blob), tensors))
+            self.storage.put(METADATA, blob)  # the commit point
+        except BaseException:
+            self.release()
+            raise
+        self._stop_refresher()  # the clean-up removes the alive file with the marker
         self._clean_up(files.keys())
 
+    def release(self) -> None:
+        """The save failed (on any rank) or never finished: stop its proof of
+        life and remove its alive file (best effort), so that ``gc`` may
+        collect what it left. Coordinator; a no-op on other ranks, after
+        :meth:`publish`, and when called again. ``with session:`` calls it
+        on leaving the block, for writers that hold the session in one frame."""
+        if self._stop_refresher():
+            try:
+                self.storage.delete([alive_name(self.save_id)])
+            except CheckpointError as e:
+                log.debug("could not remove the alive file of save %s under %s: %s", self.save_id, self.storage.uri, e)
+
+    def __enter__(self) -> SaveSession:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()
+
+    def _stop_refresher(self) -> bool:
+        """Stop the refresher, if running; whether it was."""
+        refresher, self._refresher = self._refresher, None
+        if refresher is None:
+            return False
+        refresher.stop()
+        return True
+
     def _clean_up(self, live: Iterable[str]) -> None:
-        """After the commit: delete the in-flight marker and the data files an
-        older checkpoint at this URI left behind, in one request. Best
-        effort: the commit already happened."""
+        """After the commit: delete the in-flight marker, the save's alive
+        file and the data files (and alive files) an older save at this URI
+        left behind, in one request. Best effort: the commit already happened."""
         try:
             found = self._found
             if found is None:
-                found = frozenset(o["path"] for o in self.storage.list() if is_data_file(o["path"]))
-            self.storage.delete([INFLIGHT, *sorted(found - set(live))])
+                found = frozenset(p for o in self.storage.list() if is_data_file(p := o["path"]) or is_alive_file(p))
+            self.storage.delete([INFLIGHT, alive_name(self.save_id), *sorted(found - set(live))])
         except CheckpointError as e:
             log.warning("could not remove the in-flight marker or stale data files under %s: %s", self.storage.uri, e)
+
+
+class _Refresher:
+    """Rewrites a save's alive file every :data:`~dcpstore.format.inflight.REFRESH_S`
+    seconds on a daemon thread, until :meth:`stop`, until the save's storage
+    object is gone, or until the URI is no longer the save's (its in-flight
+    marker replaced or removed: this save will not commit)."""
+
+    def __init__(self, storage: Storage, save_id: str) -> None:
+        self._storage = weakref.ref(storage)
+        self._uri = storage.uri
+        self._save_id = save_id
+        self._blob = encode_alive(save_id, Owner.current())
+        self._stopped = threading.Event()
+        storage.put(alive_name(save_id), self._blob)
+        self._thread = threading.Thread(target=self._run, name="dcpstore-alive", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop refreshing; returns once no refresh is under way (so none
+        lands after the caller removes the file)."""
+        self._stopped.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stopped.wait(inflight.REFRESH_S):
+            storage = self._storage()
+            if storage is None:
+                return
+            try:
+                if read_capped(storage, INFLIGHT, SMALL_FILE_LIMIT).decode(errors="replace") != self._save_id:
+                    return  # the URI is another save's now (or gc took it): this save will not commit
+                if not self._stopped.is_set():
+                    storage.put(alive_name(self._save_id), self._blob)
+            except StorageNotFound:
+                return
+            except CheckpointError as e:
+                log.debug("could not refresh the alive file of save %s under %s: %s", self._save_id, self._uri, e)
+            finally:
+                del storage
 
 
 # ---------------------------------------------------------------------------
@@ -203,35 +301,43 @@ class SaveSession:
 # ---------------------------------------------------------------------------
 
 
-def read_checkpoint_metadata(storage: Storage) -> tuple[Metadata, Manifest | None]:
-    """Read and verify ``.metadata`` (and the manifest, if there is one)."""
+def read_checkpoint_metadata(storage: Storage, trust: Trust = TOOLS) -> tuple[Metadata, Manifest | None]:
+    """Read and verify ``.metadata`` (and the manifest, if there is one):
+    capped reads, the manifest's schema, the CRC, the restricted unpickle
+    (``trust``: what it may build beyond the allowlist), and every stored
+    item checked against the manifest. Load, verify and inspect all come here."""
     try:
-        blob = storage.read(METADATA)
+        blob = read_capped(storage, METADATA, METADATA_LIMIT)
     except StorageNotFound as e:
         raise CheckpointNotFound(_why_missing(storage)) from e
     manifest = None
     try:
-        manifest = parse_manifest(storage.read(MANIFEST), storage.describe(MANIFEST))
+        manifest = parse_manifest(read_capped(storage, MANIFEST, MANIFEST_LIMIT), storage.describe(MANIFEST))
     except StorageNotFound:
         log.debug("%s has no integrity manifest (written by stock DCP?); loading unverified", storage.uri)
-    if manifest is not None and crc32c.crc32c(blob) != manifest["metadata_crc32c"]:
-        raise CheckpointCorrupt(f"{storage.describe(METADATA)}: checksum mismatch (damaged commit object)")
-    try:
-        metadata = pickle.loads(blob)
-    except Exception as e:
-        raise CheckpointCorrupt(f"{storage.describe(METADATA)}: cannot be unpickled ({e})") from e
-    if not isinstance(metadata, Metadata):
-        raise CheckpointCorrupt(f"{storage.describe(METADATA)}: holds a {type(metadata).__name__}, not DCP Metadata")
+    if manifest is not None:
+        check_metadata_crc(blob, manifest, storage.describe(METADATA))
+    metadata, stored = load_metadata(blob, storage.describe(METADATA), trust)
+    if manifest is not None:
+        check_items_listed(manifest, stored, storage.describe, storage.describe(MANIFEST))
     return metadata, manifest
 
 
 def _why_missing(storage: Storage) -> str:
     try:
-        leftovers = [o["path"] for o in storage.list() if is_data_file(o["path"]) or o["path"] == MANIFEST]
+        listed = [o["path"] for o in storage.list()]
+        leftovers = [p for p in listed if is_data_file(p) or p == MANIFEST]
     except StorageNotFound as e:  # e.g. the bucket itself does not exist: say so
         return f"no checkpoint at {storage.uri}: {e}"
     except CheckpointError as e:
         return f"no checkpoint at {storage.uri} (and listing it failed: {e})"
+    rank_local = sorted(p for p in listed if is_commit_file(p) and p != METADATA)
+    if rank_local:
+        return (
+            f"no global {METADATA} at {storage.uri}: it holds rank-local metadata ({', '.join(rank_local[:3])}"
+            f"{', ...' if len(rank_local) > 3 else ''}), a checkpoint of dcp.save(..., use_collectives=False) "
+            "that dcpstore does not read (stock dcp.load does)"
+        )
     if leftovers:
         return (
             f"no committed checkpoint at {storage.uri}: data files exist but no {METADATA} "

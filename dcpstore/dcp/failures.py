@@ -7,7 +7,9 @@ subclasses; a backend may raise anything. The sync and async saves, the NVRx
 engine (which also broadcasts a failure to the other ranks as text) and the
 load all turn these into one-line messages here, so every path names the
 failed ranks and causes the same way, and never a secret (messages pass
-through :func:`~dcpstore.storage.redact`).
+through :func:`~dcpstore.storage.redact` for URIs and
+:func:`~dcpstore.storage.secrets.scrub` for credentials: an endpoint that
+echoes request headers puts them in a library's exception text).
 
 Layer: DCP protocol. Imports :mod:`dcpstore.errors` and :mod:`dcpstore.storage`.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 from ..errors import CheckpointError, LoadError, SaveError
 from ..storage import redact
+from ..storage.secrets import scrub
 
 #: Failed ranks named in one message; the rest are counted.
 RANKS_SHOWN = 4
@@ -50,7 +53,7 @@ def describe_failure(e: BaseException) -> str:
 
 
 def _describe(e: BaseException) -> str:
-    return f"{type(e).__name__}: {redact(str(e))}"
+    return f"{type(e).__name__}: {scrub(redact(str(e)))}"
 
 
 def save_error(e: BaseException, uri: str, what: str = "save") -> SaveError:

@@ -9,14 +9,22 @@ Load, as ``torch.distributed.checkpoint.load`` drives it::
                                        wrong with the caller's state dict)
     (coordinator) prepare_global_plan
     (all ranks)   read_data            the plan's items: sizes checked against
-                                       the manifest, read jobs planned
+                                       the manifest and the files' real
+                                       sizes, read jobs planned
                                        (:mod:`.read_plan`) and run on
                                        ``workers`` threads; every item's
                                        CRC32C verified before it is copied
                                        into the caller's state, except
                                        tensors of 64 KiB or more, read
                                        straight into their destination and
-                                       verified there
+                                       verified there; every non-tensor item
+                                       unpickled through the allowlist before
+                                       DCP's planner sees it
+
+Never executes checkpoint content: ``.metadata`` and non-tensor items are
+unpickled through allowlists (:mod:`dcpstore.format.safe_pickle`);
+``safe_globals`` / ``trusted`` (from :class:`~dcpstore.options.LoadOptions`)
+allow more. Nothing is allocated for bytes a file does not hold.
 
 A failed load says which keys it changed (:mod:`.load_progress`).
 :func:`load_state_dict` runs a whole load with this reader.
@@ -29,7 +37,7 @@ import io
 import os
 import threading
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import crc32c
@@ -45,8 +53,10 @@ from torch.futures import Future
 
 from ..errors import CheckpointCorrupt, CheckpointError, InvalidArgument, StateDictMismatch, StorageNotFound
 from ..format.bitcopy import copy_values
-from ..format.layout import MANIFEST, METADATA, Manifest, item_key
+from ..format.layout import MANIFEST, METADATA, item_key
+from ..format.manifest import Manifest
 from ..format.record import item_tensor
+from ..format.safe_pickle import Trust, check_record_end, load_object
 from ..options import LoadOptions, check_workers
 from ..quiet import ignoring
 from ..storage import Storage
@@ -64,7 +74,12 @@ SMALL_TENSOR_COPY = 64 * 1024
 
 
 class DcpStorageReader(StorageReader):
-    """A DCP ``StorageReader`` over any :class:`Storage`; verifies as it reads."""
+    """A DCP ``StorageReader`` over any :class:`Storage`; verifies as it reads.
+
+    Never executes checkpoint content: ``.metadata`` and non-tensor items are
+    unpickled through allowlists (:mod:`dcpstore.format.safe_pickle`);
+    ``safe_globals=[cls, ...]`` allows more classes, ``trusted=True`` all.
+    """
 
     def __init__(
         self,
@@ -73,11 +88,14 @@ class DcpStorageReader(StorageReader):
         workers: int | None = None,
         reopen: Callable[[str], Storage] | None = None,
         verify: bool = True,
+        safe_globals: Sequence[Any] | None = None,
+        trusted: bool = False,
     ) -> None:
         super().__init__()
         self.storage = storage
         self.workers = check_workers(workers, storage.default_workers())
         self.verify = verify
+        self._trust = Trust.of(safe_globals, trusted)
         self._reopen = reopen
         self._manifest: Manifest | None = None
         self._metadata: Metadata | None = None
@@ -97,7 +115,7 @@ class DcpStorageReader(StorageReader):
         """Read and verify the commit now (every rank), so that a missing or
         damaged checkpoint fails fast with a clear error, outside DCP."""
         if self._metadata is None:
-            self._metadata, self._manifest = read_checkpoint_metadata(self.storage)
+            self._metadata, self._manifest = read_checkpoint_metadata(self.storage, self._trust)
         return self._metadata
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
@@ -140,18 +158,15 @@ class DcpStorageReader(StorageReader):
                     f"{list(info.transform_descriptors)}, which dcpstore does not read"
                 )
             per_file[info.relative_path].append((req, info))
-        if self.verify and self._manifest is not None:
-            self._check_listed(per_file)
         assert self._metadata is not None
-        raw = self._manifest["tensors"] if self._manifest is not None else {}
-        jobs = plan_reads(per_file, raw, self._metadata, self.workers, self.storage.describe(MANIFEST))
         lock = threading.Lock()
         future: Future[None] = Future()
         self._progress = LoadProgress(req.dest_index.fqn for req in plan.items)
         try:
+            self._check_sizes(per_file)
+            raw = self._manifest["tensors"] if self._manifest is not None else {}
+            jobs = plan_reads(per_file, raw, self._metadata, self.workers, self.storage.describe(MANIFEST))
             run_parallel(lambda job: self._read_job(job, planner, lock), jobs, self.workers, "dcpstore-read")
-            if self.verify and self._manifest is not None:
-                self._check_sizes(per_file)
         except BaseException as e:
             error = self._progress.annotate(e, self.storage.uri)  # what this rank's state now holds
             future.set_exception(error)  # type: ignore[arg-type]  # torch's stub types it as the value
@@ -159,36 +174,43 @@ class DcpStorageReader(StorageReader):
         future.set_result(None)
         return future
 
-    def _check_listed(self, per_file: dict[str, list[Request]]) -> None:
-        assert self._manifest is not None
-        for path in per_file:
-            if path not in self._manifest["files"]:
-                raise CheckpointCorrupt(f"{self.storage.describe(path)}: not listed in the integrity manifest")
-
     def _check_sizes(self, per_file: dict[str, list[Request]]) -> None:
-        """Every data file this rank read has the size the manifest records.
+        """Each file's real size against the manifest, and against the items
+        to read from it: nothing is allocated for bytes a file does not hold
+        (a plain file: a FIFO or device is refused here, before any read).
 
-        Checked after the reads: an object store reports each object's size
-        with every ranged GET (:meth:`Storage.size_seen`), so this costs no
-        request there; elsewhere one per file, all in flight together (on an
-        object store in a row they would delay the load by one round trip
-        per file). A truncated item fails earlier, as a short read.
+        One size request per file, all in flight together (on an object
+        store, one after another they would delay the load by a round trip
+        per file); a size this storage already saw (``Storage.size_seen``)
+        costs none.
         """
-        assert self._manifest is not None
-        files = self._manifest["files"]
+        manifest = self._manifest if self.verify else None
 
         def check(path: str) -> None:
+            reqs = per_file[path]
+            entry = manifest["files"].get(path) if manifest is not None else None
+            if manifest is not None and entry is None:
+                raise CheckpointCorrupt(f"{self.storage.describe(path)}: not listed in the integrity manifest")
             actual = self.storage.size_seen(path)
             if actual is None:
                 try:
                     actual = self.storage.size(path)
                 except StorageNotFound as e:
                     raise CheckpointCorrupt(f"{self.storage.describe(path)}: data file is missing") from e
-            if actual != files[path]["size"]:
+            if entry is not None and actual != entry["size"]:
                 raise CheckpointCorrupt(
-                    f"{self.storage.describe(path)}: size {actual} bytes, expected {files[path]['size']} "
+                    f"{self.storage.describe(path)}: size {actual} bytes, expected {entry['size']} "
                     "(truncated or damaged)"
                 )
+            end = max(info.offset + info.length for _, info in reqs)
+            if end > actual:
+                raise CheckpointCorrupt(
+                    f"{self.storage.describe(path)}: items run to byte {end}, but the file holds {actual} "
+                    "(truncated, or a damaged .metadata)"
+                )
+            for req, info in reqs:
+                if req.type == LoadItemType.BYTE_IO and not self._trust.trusted:
+                    check_record_end(self.storage, path, info.offset, info.length, repr(req.storage_index.fqn))
 
         run_parallel(check, sorted(per_file), len(per_file), "dcpstore-size")
 
@@ -308,6 +330,8 @@ class DcpStorageReader(StorageReader):
             self._verify_item(span.path, info, item)
             self._progress.check()  # verified, and the load goes on: change the destination
             if req.type == LoadItemType.BYTE_IO:
+                if not self._trust.trusted:  # built through the allowlist first: refused before the planner runs it
+                    load_object(item, f"checkpoint item {req.storage_index.fqn!r}", self._trust)
                 with lock:
                     planner.load_bytes(req, io.BytesIO(item))
                 self._progress.loaded([req.dest_index.fqn])
@@ -389,7 +413,13 @@ def load_state_dict(state_dict: dict[str, Any], storage: Storage, options: LoadO
     ``partly_loaded_keys`` and ``damaged_keys``; every other key is
     unchanged)."""
     check_top_level_keys(state_dict, loading=True)
-    reader = DcpStorageReader(storage, workers=options.workers, verify=options.verify)
+    reader = DcpStorageReader(
+        storage,
+        workers=options.workers,
+        verify=options.verify,
+        safe_globals=options.safe_globals,
+        trusted=options.trusted,
+    )
     reader.check_destination(state_dict)
     no_dist = not (dist.is_available() and dist.is_initialized())
     try:

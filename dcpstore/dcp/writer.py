@@ -20,6 +20,9 @@ Save, as ``torch.distributed.checkpoint.save`` drives it::
                                         succeeded (DCP gathers the results):
                                         SaveSession.publish -- manifest, then
                                         ``.metadata`` last
+    (coordinator) release               when the save failed on any rank
+                                        (:func:`save_state_dict` calls it when
+                                        ``dcp.save`` raises): SaveSession.release
 """
 
 from __future__ import annotations
@@ -157,6 +160,7 @@ class DcpStorageWriter(StorageWriter):
         self.is_coordinator = is_coordinator
         self.rank = kwargs.get("rank") or 0
         self.stats = SaveStats(started=time.perf_counter())
+        self.release()  # a previous save through this writer that never finished
         self._session = SaveSession(self.storage)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
@@ -186,6 +190,7 @@ class DcpStorageWriter(StorageWriter):
                 lambda nb: self._write_file(nb[0], nb[1], planner, lock), named, len(named), "dcpstore-write"
             )
         except BaseException as e:  # DCP gathers exceptions across ranks
+            self.release()
             future.set_exception(e)  # type: ignore[arg-type]  # torch's stub types it as the value
             return future
         results = [r for rs in per_file for r in rs]
@@ -219,6 +224,15 @@ class DcpStorageWriter(StorageWriter):
         t_start = time.perf_counter()
         self.session.publish(metadata, results)
         self.stats.commit_s = time.perf_counter() - t_start
+
+    def release(self) -> None:
+        """The save failed (on any rank) or never finished: the session's
+        :meth:`~SaveSession.release` (coordinator: ``gc`` may then collect
+        what the save left; a no-op elsewhere and after the commit). DCP
+        tells no writer that another rank failed: :func:`save_state_dict`
+        calls this when ``dcp.save`` raises. Idempotent."""
+        if self._session is not None:
+            self._session.release()
 
     def storage_meta(self) -> StorageMeta | None:
         # DCP may ask before set_up_storage_writer: then there is no save id yet.
@@ -254,6 +268,10 @@ def save_state_dict(
     rank)."""
     writer = DcpStorageWriter(storage, workers=workers)
     no_dist = not (dist.is_available() and dist.is_initialized())
-    with ignoring(NO_DIST_WARNING) if no_dist else contextlib.nullcontext():
-        dcp_save(state_dict, storage_writer=writer, planner=planner, process_group=process_group, no_dist=no_dist)
+    try:
+        with ignoring(NO_DIST_WARNING) if no_dist else contextlib.nullcontext():
+            dcp_save(state_dict, storage_writer=writer, planner=planner, process_group=process_group, no_dist=no_dist)
+    except BaseException:
+        writer.release()  # e.g. another rank failed: gc may collect what this save left
+        raise
     return writer.stats

@@ -443,50 +443,53 @@ def nvrx_save(
     process without torch.distributed). ``cache`` is the private NVRx
     metadata cache to use, or ``None``. ``target`` overrides where NVRx
     writes (default: derived from ``storage``). Raises on every rank if any
-    rank failed.
+    rank failed; the coordinator's session is then released (``with
+    session``), so that ``gc`` may collect what the save left.
     """
     target = target or check_target(storage)
     if process_group is None:
         session = SaveSession(storage)
         session.claim()
-        writer = writer_class()(session, target, workers)
-        local_metadata = _plan_single_process(state_dict, writer, planner)
-        writer.stats.plan_s = time.perf_counter() - writer.stats.started
-        writer.write_all()
-        if writer.error is not None:
-            writer.discard()
-            raise writer.error
-        writer.finish(local_metadata, [writer.results])
-        single: SaveStats = writer.stats
-        return single
+        with session:
+            writer = writer_class()(session, target, workers)
+            local_metadata = _plan_single_process(state_dict, writer, planner)
+            writer.stats.plan_s = time.perf_counter() - writer.stats.started
+            writer.write_all()
+            if writer.error is not None:
+                writer.discard()
+                raise writer.error
+            writer.finish(local_metadata, [writer.results])
+            single: SaveStats = writer.stats
+            return single
 
     wrapper = _DistWrapper(process_group, True, 0)
-    writer = writer_class()(_claim_and_share(storage, wrapper), target, workers)
-    metadata: Metadata | None = None
-    try:
-        writer, metadata, wrapper = _plan(state_dict, writer, process_group, planner, cache)
-    except CheckpointException:
-        raise  # raised by NVRx's plan exchange: every rank raises it together
-    except BaseException as e:  # local to this rank: report it through the gather
-        writer.error = e
-    writer.stats.plan_s = time.perf_counter() - writer.stats.started
-    writer.write_all()
-    failure: BaseException | None = None
-    try:
-        _finalize(writer, metadata, wrapper)
-    except BaseException as e:
-        failure = e
-    summary = wrapper.broadcast_object(None if failure is None else describe_failure(failure))
-    if failure is not None or writer.error is not None or summary is not None:
-        writer.discard()
-    if failure is not None:
-        raise failure
-    if writer.error is not None:
-        raise writer.error
-    if summary is not None:
-        raise SaveError(f"save to {storage.uri} failed on another rank: {summary}")
-    stats: SaveStats = writer.stats
-    return stats
+    with _claim_and_share(storage, wrapper) as session:
+        writer = writer_class()(session, target, workers)
+        metadata: Metadata | None = None
+        try:
+            writer, metadata, wrapper = _plan(state_dict, writer, process_group, planner, cache)
+        except CheckpointException:
+            raise  # raised by NVRx's plan exchange: every rank raises it together
+        except BaseException as e:  # local to this rank: report it through the gather
+            writer.error = e
+        writer.stats.plan_s = time.perf_counter() - writer.stats.started
+        writer.write_all()
+        failure: BaseException | None = None
+        try:
+            _finalize(writer, metadata, wrapper)
+        except BaseException as e:
+            failure = e
+        summary = wrapper.broadcast_object(None if failure is None else describe_failure(failure))
+        if failure is not None or writer.error is not None or summary is not None:
+            writer.discard()
+        if failure is not None:
+            raise failure
+        if writer.error is not None:
+            raise writer.error
+        if summary is not None:
+            raise SaveError(f"save to {storage.uri} failed on another rank: {summary}")
+        stats: SaveStats = writer.stats
+        return stats
 
 
 def _claim_and_share(storage: Storage, wrapper: _DistWrapper) -> SaveSession:
@@ -503,7 +506,12 @@ def _claim_and_share(storage: Storage, wrapper: _DistWrapper) -> SaveSession:
             outcome = (True, session.save_id)
         except Exception as e:
             outcome, error = (False, describe_failure(e)), e
-    ok, value = wrapper.broadcast_object(outcome)
+    try:
+        ok, value = wrapper.broadcast_object(outcome)
+    except BaseException:
+        if session is not None:
+            session.release()
+        raise
     if not ok:
         raise SaveError(f"save to {storage.uri} failed: could not start it on rank 0: {value}") from error
     return session if session is not None else SaveSession(storage, value)

@@ -1,8 +1,10 @@
-"""On-storage layout: file names, the integrity manifest, commit markers.
+"""On-storage layout: file names, item keys, commit markers.
 
 A checkpoint directory (or key prefix) holds, in stock DCP layout::
 
     .dcpstore.inflight      the save id of the save in progress (removed at commit)
+    .dcpstore.alive.<id>    the running save's proof of life for gc (removed at
+                            commit or failure; :mod:`.inflight`)
     __{rank}_{n}.distcp     data files, one per writer thread per rank
     p{d}/__{rank}_{n}.distcp  the same, spread over key prefixes (see below)
     .dcpstore.json          the integrity manifest (written just before .metadata)
@@ -22,7 +24,13 @@ straight into the destination tensor (shape and dtype are in
 item's CRC32C over all of them.
 Readers that predate the key ignore it; manifests without it load through
 the records. A checkpoint written by plain DCP has no manifest and loads
-unverified.
+unverified. The manifest's schema and its validation against ``.metadata``
+are :mod:`.manifest`'s.
+
+Stock DCP saving with ``use_collectives=False`` commits one
+``__{rank}.metadata`` per rank instead of ``.metadata``
+(:func:`is_commit_file`): dcpstore does not load such a checkpoint, but
+``ls`` and ``gc`` count it as committed.
 
 Spreading (``StorageOptions.spread_prefixes`` = P > 1): each rank's data
 files go one directory down, into ``p{d}/``, where ``d`` is ``rank mod P`` in
@@ -43,11 +51,7 @@ committed is the commit protocol's business (:mod:`dcpstore.dcp.commit`).
 
 from __future__ import annotations
 
-import json
 import re
-from typing import Any, TypedDict
-
-from ..errors import CheckpointCorrupt
 
 METADATA = ".metadata"
 MANIFEST = ".dcpstore.json"
@@ -56,13 +60,14 @@ MANIFEST = ".dcpstore.json"
 #: save's while it wrote refuses to commit (two writers, one URI).
 INFLIGHT = ".dcpstore.inflight"
 DATA_SUFFIX = ".distcp"
-MANIFEST_FORMAT = "dcpstore-manifest/1"
 _DATA_RE = re.compile(r"^__\d+_\d+\.distcp$")
 #: The directory of a rank's data files when a save spreads them (``p`` +
 #: up to 3 hex digits: StorageOptions.spread_prefixes <= 4096; see the
 #: module doc).
 SPREAD_DIR_PREFIX = "p"
 _SPREAD_RE = re.compile(rf"^{SPREAD_DIR_PREFIX}[0-9a-f]{{1,3}}$")
+#: Stock DCP with ``use_collectives=False`` commits one ``__{rank}.metadata`` per rank.
+_RANK_METADATA_RE = re.compile(r"^__\d+\.metadata$")
 
 
 def data_file_name(rank_prefix: str, index: int) -> str:
@@ -111,52 +116,11 @@ def is_data_file(path: str) -> bool:
 
 
 def item_key(path: str, offset: int) -> str:
+    """The manifest's key of the item at ``offset`` of data file ``path``."""
     return f"{path}@{offset}"
 
 
-class FileEntry(TypedDict):
-    size: int
-    crc32c: int
-
-
-class Manifest(TypedDict):
-    format: str
-    checksum: str
-    metadata_crc32c: int
-    files: dict[str, FileEntry]
-    items: dict[str, int]
-    #: item key -> [offset of the tensor bytes in the item, nbytes]
-    tensors: dict[str, list[int]]
-
-
-def build_manifest(
-    files: dict[str, FileEntry],
-    items: dict[str, int],
-    metadata_crc: int,
-    tensors: dict[str, list[int]] | None = None,
-) -> bytes:
-    manifest: Manifest = {
-        "format": MANIFEST_FORMAT,
-        "checksum": "crc32c",
-        "metadata_crc32c": metadata_crc,
-        "files": dict(sorted(files.items())),
-        "items": items,
-        "tensors": tensors or {},
-    }
-    return json.dumps(manifest, separators=(",", ":")).encode()
-
-
-def parse_manifest(blob: bytes, where: str) -> Manifest:
-    """Parse a manifest, raising :class:`CheckpointCorrupt` naming ``where``."""
-    try:
-        data: Any = json.loads(blob)
-        if data.get("format") != MANIFEST_FORMAT:
-            raise ValueError(f"unknown format {data.get('format')!r}")
-        for key in ("metadata_crc32c", "files", "items"):
-            if key not in data:
-                raise ValueError(f"missing key {key!r}")
-        data.setdefault("tensors", {})  # absent from manifests written before it existed
-    except (ValueError, AttributeError, UnicodeDecodeError) as e:
-        raise CheckpointCorrupt(f"{where}: damaged integrity manifest ({e})") from e
-    manifest: Manifest = data
-    return manifest
+def is_commit_file(name: str) -> bool:
+    """``.metadata``, or a rank-local ``__{rank}.metadata`` (stock DCP's commit
+    with ``use_collectives=False``): a directory holding one is a checkpoint."""
+    return name == METADATA or _RANK_METADATA_RE.match(name) is not None

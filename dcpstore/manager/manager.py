@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -267,13 +268,23 @@ class CheckpointManager:
             raise CheckpointNotFound(f"no committed checkpoint under {self.uri} (no {STEP_PREFIX}*/{METADATA})")
         return found
 
-    def load(self, state_dict: dict[str, Any], step: int | None = None) -> int:
+    def load(
+        self,
+        state_dict: dict[str, Any],
+        step: int | None = None,
+        *,
+        safe_globals: Sequence[Any] | None = None,
+        trusted: bool = False,
+    ) -> int:
         """Load ``step`` (default: the newest committed) into ``state_dict``
-        in place, resharding as :func:`dcpstore.load` does. Returns the step."""
+        in place, resharding as :func:`dcpstore.load` does. Returns the step.
+        ``safe_globals`` / ``trusted``: as :func:`dcpstore.load` (what a
+        non-tensor item may hold beyond the allowlist)."""
         self._check_open()
         self._finish_pending()
         resolved = self.resolve_step(step)
-        load_with(state_dict, self.step_uri(resolved), self.options.for_load())
+        options = self.options.for_load(safe_globals=safe_globals or (), trusted=trusted)
+        load_with(state_dict, self.step_uri(resolved), options)
         return resolved
 
     # -- lifetime -----------------------------------------------------------

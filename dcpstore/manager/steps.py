@@ -28,8 +28,9 @@ import logging
 import posixpath
 import re
 
-from ..errors import CheckpointError, InvalidArgument, StorageError
+from ..errors import CheckpointError, InvalidArgument
 from ..format.layout import METADATA
+from ..format.manifest import SMALL_FILE_LIMIT, read_capped
 from ..storage import Storage
 
 log = logging.getLogger(__name__)
@@ -84,8 +85,8 @@ def is_committed(root: Storage, step: int) -> bool:
 def read_pointer(root: Storage) -> int | None:
     """The step in ``root/latest`` (a hint), or None."""
     try:
-        text = root.read(LATEST).decode("ascii", "replace").strip()
-    except StorageError:
+        text = read_capped(root, LATEST, SMALL_FILE_LIMIT).decode("ascii", "replace").strip()
+    except CheckpointError:  # missing, unreadable, or too large to be a step number
         return None
     return int(text) if text.isdigit() else None
 

@@ -52,6 +52,7 @@ from typing_extensions import NotRequired
 from ..errors import CheckpointError, InvalidArgument, StorageError, StorageNotFound
 from .kit import map_os_error
 from .pool import RequestPool
+from .secrets import scrub_exception
 from .uri import StorageURL, redact
 
 T = TypeVar("T")
@@ -301,7 +302,10 @@ class Storage(abc.ABC):
         """The one way a library exception becomes ours (raise it ``from e``):
         :meth:`_mapped` and a backend's own handlers all pass here, so that
         whatever every mapping must do is done here once."""
-        return e if isinstance(e, CheckpointError) else self._map_error(e, what)
+        if isinstance(e, CheckpointError):
+            return e
+        scrub_exception(e)  # ours is chained to it: what it quotes (an echoing endpoint) must be clean too
+        return self._map_error(e, what)
 
     @contextlib.contextmanager
     def _mapped(self, what: str) -> Iterator[None]:

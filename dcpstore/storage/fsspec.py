@@ -43,6 +43,7 @@ from ..errors import BackendUnavailable, CheckpointError, StorageError, StorageN
 from .base import ObjectInfo, ObjectWriter, Storage, StorageOptions
 from .buffered import BufferedObjectWriter
 from .kit import library_text, map_os_error
+from .secrets import scrub_exception
 from .uri import StorageURL
 
 _TMP_MARK = ".dcpstore-tmp-"
@@ -65,6 +66,7 @@ class FsspecStorage(Storage):
         except ImportError as e:
             raise BackendUnavailable(f"no fsspec filesystem installed for {self.uri}: {e}") from e
         except ValueError as e:
+            scrub_exception(e)  # a filesystem's options may hold keys
             raise StorageError(f"fsspec cannot open {self.uri}: {library_text(str(e))}") from e
         self.root = str(root).rstrip("/")
         # An AbstractBufferedFile honours autocommit=False (upload now, publish

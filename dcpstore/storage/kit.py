@@ -7,7 +7,7 @@ from a library or server passes before it enters a message), how many connection
 a storage's HTTP client keeps (:func:`http_pool_size`), and POSIX
 durability (:func:`fsync_dir`).
 
-Imports only :mod:`dcpstore.errors` and :mod:`.uri`.
+Imports only :mod:`dcpstore.errors`, :mod:`.secrets` and :mod:`.uri`.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import os
 from collections.abc import Sequence
 
 from ..errors import CheckpointError, StorageError, StorageNotFound, StoragePermissionError
+from .secrets import scrub, scrub_exception
 from .uri import redact
 
 
@@ -69,8 +70,9 @@ def disk_workers() -> int:
 def library_text(text: str) -> str:
     """Text from a storage library or server (an exception's message, an
     S3 error body) made fit for our messages. Every such text passes here,
-    so that this is the one place where it is cleaned (URIs redacted)."""
-    return redact(str(text)).strip()
+    so that this is the one place where it is cleaned (URIs redacted,
+    credentials scrubbed: an endpoint may echo them back)."""
+    return scrub(redact(str(text))).strip()
 
 
 def library_detail(e: BaseException) -> str:
@@ -82,6 +84,7 @@ def library_detail(e: BaseException) -> str:
     if isinstance(e, OSError) and e.strerror and e.errno:
         code = errno.errorcode.get(e.errno, "")
         return e.strerror + (f" ({code})" if code else "")
+    scrub_exception(e)  # quoted here, and chained to ours by the caller
     text = library_text(str(e))
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 

@@ -65,6 +65,7 @@ from .base import MiB, ObjectInfo, ObjectWriter, Storage, StorageOptions
 from .buffered import BufferedObjectWriter
 from .codes import Meaning, code_in_text, meaning
 from .kit import byte_ranges, disk_workers, fsync_dir, library_detail, library_text, map_os_error
+from .secrets import scrub_exception
 from .uri import StorageURL
 
 #: Per object, spooled bytes stay in memory up to this size, then go to a
@@ -111,6 +112,7 @@ class MSCStorage(Storage):
         try:
             self.client, root = msc.resolve_storage_client(msc_url)
         except ValueError as e:
+            scrub_exception(e)  # a config error may quote the profile's keys
             raise InvalidURI(f"MSC cannot open {self.uri}: {library_text(str(e))}") from e
         except CheckpointError:
             raise

@@ -31,6 +31,7 @@ from ..errors import CheckpointError, StorageError, StorageNotFound, StoragePerm
 from .base import StorageOptions
 from .kit import http_pool_size, library_detail, library_text
 from .codes import Meaning, meaning
+from .secrets import remember_boto_credentials
 
 
 class OperationTimeout(Exception):
@@ -118,8 +119,10 @@ def _make_client(options: StorageOptions) -> Any:
         tcp_keepalive=True,
     )
     # A Session per client: sessions are not thread-safe, clients are.
-    client = boto3.session.Session().client("s3", config=config)
+    session = boto3.session.Session()
+    client = session.client("s3", config=config)
     _install_deadline(client, options.op_timeout_s)
+    remember_boto_credentials(session, client)  # so that no message ever shows them
     return client
 
 

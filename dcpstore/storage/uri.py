@@ -21,6 +21,12 @@ from ..errors import InvalidURI
 #: Schemes whose authority is a bucket (or MSC profile) name.
 _OBJECT_SCHEMES = ("s3", "msc", "gs", "gcs", "az", "abfs")
 _SCHEME_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
+#: Scheme names a path is never meant to start with: ``s3:bucket/x`` is a
+#: typo of ``s3://bucket/x``, not a local directory named ``s3:bucket``.
+_KNOWN_SCHEMES = frozenset(
+    (*_OBJECT_SCHEMES, "file", "s3a", "abfss", "adl", "hdfs", "webhdfs", "http", "https", "memory",
+     "ftp", "sftp", "ssh", "hf", "oci", "oss", "r2")  # fmt: skip
+)
 
 
 @dataclass(frozen=True)
@@ -90,6 +96,14 @@ def parse_uri(uri: str | os.PathLike[str]) -> StorageURL:
     if match is None:
         if re.match(r"^[A-Za-z][A-Za-z0-9+.\-]*:/", uri):
             raise InvalidURI(f"malformed URI {redact(uri)!r}: expected 'scheme://...'")
+        scheme, colon, rest = uri.partition(":")
+        if colon and scheme.lower() in _KNOWN_SCHEMES:
+            rest = redact(f"{scheme}://{rest}").partition("://")[2]  # no user info, no query
+            fix = "file:///abs/path" if scheme.lower() == "file" else f"{scheme}://{rest}"
+            raise InvalidURI(
+                f"URI '{scheme}:{rest}' is missing '//' after '{scheme}:'; write '{fix}', "
+                f"or './{scheme}:{rest}' for a local path that really is named so"
+            )
         return StorageURL("file", "", os.path.abspath(os.path.expanduser(uri)), uri)
     scheme = match.group(1).lower()
     try:
