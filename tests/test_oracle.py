@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
@@ -176,14 +176,21 @@ def _stock_save_round_trip(target: Target, state: dict[str, Any]) -> None:
     assert not dcpstore.open_storage(where.uri, **where.kwargs).exists(".dcpstore.json")  # really stock's files
 
 
+#: Found by this suite: pickle protocol 2 (torch.save's) writes an empty
+#: bytes as a call to builtins.bytes(), which the item allowlist refused.
+PLAIN_VALUES = {"t": torch.arange(3.0), "empty": b"", "blob": b"\x00\xff", "none": None, "ba": bytearray()}
+
+
 @pytest.mark.parametrize("engine", list(SAVE_ENGINES))
 @given(state=state_dicts())
+@example(state=PLAIN_VALUES)
 @QUICK
 def test_dcpstore_saves_what_stock_dcp_loads(target: Target, engine: str, state: dict[str, Any]) -> None:
     _dcpstore_save_round_trip(engine, target, state)
 
 
 @given(state=state_dicts())
+@example(state=PLAIN_VALUES)
 @QUICK
 def test_dcpstore_loads_what_stock_dcp_saves(target: Target, state: dict[str, Any]) -> None:
     _stock_save_round_trip(target, state)

@@ -165,7 +165,8 @@ def _training_state() -> dict[str, Any]:
         "sets": [{1, 2}, frozenset({3})],
         "numbers": [complex(1, 2), decimal.Decimal("1.25"), fractions.Fraction(1, 3), float("inf")],
         "ids": [uuid.UUID(int=5), pathlib.PurePosixPath("/a/b"), pathlib.Path("/c")],
-        "blobs": [b"\x00\x01", bytearray(b"xy")],
+        "blobs": [b"\x00\x01", bytearray(b"xy"), bytearray()],
+        "empty_bytes": b"",  # protocol 2 writes it as a call to builtins.bytes()
         "arrays": [np.arange(5, dtype=np.float32), np.float64(1.5), np.int32(3), np.array([[1, 2]], dtype=np.uint8)],
         "torch_values": [torch.float16, torch.device("cpu"), torch.Size([2, 3]), torch.nn.Parameter(torch.ones(2))],
     }
@@ -223,14 +224,20 @@ def test_bad_opt_in_arguments_are_named(bad: Any) -> None:
 
 
 def test_bytearray_of_a_size_allocates_nothing() -> None:
-    """torch's own weights_only list allows ``bytearray``; ``bytearray(n)``
-    from one small int in a pickle would allocate n bytes."""
+    """torch's own weights_only list allows ``bytearray`` (and protocol 2
+    writes an empty ``bytes`` as ``bytes()``); ``bytearray(n)`` or
+    ``bytes(n)`` from one small int in a pickle would allocate n bytes."""
 
     class Bomb:
         def __reduce__(self) -> Any:
             return (bytearray, (1 << 40,))
 
-    buf = io.BytesIO()
-    torch.save(Bomb(), buf)
-    with pytest.raises(dcpstore.CheckpointCorrupt, match="bytearray"):
-        load_object(buf.getvalue(), "checkpoint item 'b'")
+    class BytesBomb:
+        def __reduce__(self) -> Any:
+            return (bytes, (1 << 40,))
+
+    for bomb, name in ((Bomb(), "bytearray"), (BytesBomb(), "bytes")):
+        buf = io.BytesIO()
+        torch.save(bomb, buf)
+        with pytest.raises(dcpstore.CheckpointCorrupt, match=rf"{name}\(int\) is not allowed"):
+            load_object(buf.getvalue(), "checkpoint item 'b'")

@@ -203,10 +203,19 @@ def _safe_bytearray(*args: Any) -> bytearray:
     return bytearray(*args)
 
 
+def _safe_bytes(*args: Any) -> bytes:
+    # Pickle protocol 2 (torch.save's) writes an empty bytes as a call to
+    # builtins.bytes(); bytes(n) would allocate n bytes, as bytearray(n).
+    if args and isinstance(args[0], int):
+        raise pickle.UnpicklingError("bytes(int) is not allowed (it allocates without data)")
+    return bytes(*args)
+
+
 @functools.cache
 def _item_globals() -> dict[str, Any]:
     allowed = dict(_weights_only_unpickler._get_allowed_globals())
     allowed["builtins.bytearray"] = _safe_bytearray
+    allowed["builtins.bytes"] = _safe_bytes
     plain: list[Any] = [
         set, frozenset, complex, slice, list, dict, tuple, int, float, str, bool,  # fmt: skip
         collections.OrderedDict, collections.Counter, collections.defaultdict, collections.deque,
