@@ -8,10 +8,20 @@
 
 This module is the public surface and nothing else; the package layout (and
 which layer may import which) is in the README's Layout section.
+
+The names that need torch (:data:`TORCH_NAMES`: ``save``, ``load``, the
+saver, the manager, the handles) are imported on first use (PEP 562), so
+that ``import dcpstore`` -- and with it the ``dcpstore`` command's ``--help``,
+``ls`` and ``gc`` -- does not import torch (seconds). The exceptions,
+:class:`StorageOptions` and :func:`open_storage` are torch-free and imported
+at once.
 """
 
-from .api import load, save
-from .engines.saver import AsyncSaver
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from .errors import (
     BackendUnavailable,
     CheckpointCorrupt,
@@ -28,11 +38,39 @@ from .errors import (
     StoragePermissionError,
     UnsafeCheckpoint,
 )
-from .handle import CheckpointInfo, SaveHandle
-from .manager import CheckpointManager
 from .storage import StorageOptions, open_storage
 
+if TYPE_CHECKING:
+    from .api import load, save
+    from .engines.saver import AsyncSaver
+    from .handle import CheckpointInfo, SaveHandle
+    from .manager import CheckpointManager
+
 __version__ = "0.1.0"
+
+#: Public names imported on first use: name -> the module that defines it.
+TORCH_NAMES: dict[str, str] = {
+    "AsyncSaver": "dcpstore.engines.saver",
+    "CheckpointInfo": "dcpstore.handle",
+    "CheckpointManager": "dcpstore.manager",
+    "SaveHandle": "dcpstore.handle",
+    "load": "dcpstore.api",
+    "save": "dcpstore.api",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = TORCH_NAMES.get(name)
+    if module is None:
+        raise AttributeError(f"module 'dcpstore' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups are plain attribute reads
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(TORCH_NAMES))
+
 
 __all__ = [
     "AsyncSaver",

@@ -19,6 +19,7 @@ Layer: front door. Imports the engines, the DCP protocol, the value objects,
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Sequence
@@ -35,10 +36,15 @@ from .dcp.writer import save_state_dict
 from .engines.saver import default_saver
 from .errors import CheckpointError, InvalidArgument
 from .handle import CheckpointInfo, SaveHandle
-from .options import LoadOptions, SaveOptions
+from .keywords import hint_keywords
+from .options import LoadOptions, SaveOptions, rank_label, shows_progress
+from .progress import Progress
 from .storage import StorageOptions, open_storage
 
+log = logging.getLogger(__name__)
 
+
+@hint_keywords
 def save(
     state_dict: dict[str, Any],
     uri: str | os.PathLike[str],
@@ -51,28 +57,60 @@ def save(
     planner: SavePlanner | None = None,
     storage_options: StorageOptions | None = None,
     max_in_flight: int = 1,
+    progress: bool = False,
 ) -> SaveHandle:
     """Save ``state_dict`` to ``uri`` as a DCP checkpoint.
 
     Every rank calls it with its own shard of the state (SPMD, like
     ``dcp.save``). The checkpoint becomes visible only when its ``.metadata``
-    is committed, after every rank's data is durable.
+    is committed, after every rank's data is durable. Each finished save
+    logs one INFO line on the ``dcpstore`` logger (URI, bytes, GB/s, phases).
 
     Sync (default): returns a handle that is already done; errors raise here.
+    Sync saves use dcpstore's native writer unless ``engine="nvrx"``, which
+    runs the NVRx engine and waits for it.
 
     ``async_=True``: returns once the state is staged (a host-memory copy);
     from then on the caller may mutate its tensors. The write, commit and
     finalize run on a background thread of the per-process default
     :class:`AsyncSaver` (keep your own ``AsyncSaver`` to control its
-    lifetime); ``handle.result()`` re-raises a background failure as
-    :class:`SaveError`. At most ``max_in_flight`` async saves are pending: a
-    new one first waits for the oldest. ``engine`` chooses the async engine:
-    ``"native"`` (every backend), ``"nvrx"`` (NVRx's writer; local paths and
-    MSC), ``"auto"`` (NVRx where it can, else native with an
-    :class:`EngineFallbackWarning` saying why).
+    lifetime); ``handle.result()`` re-raises a background failure. A failure
+    nobody asked for is raised by the next async save instead, and reported
+    at interpreter exit.
 
-    Sync saves use dcpstore's native writer unless ``engine="nvrx"``, which
-    runs the NVRx engine and waits for it.
+    Args:
+        state_dict: this rank's state: tensors (plain, DTensor, sharded),
+            nested dicts and lists, ``Stateful`` objects, picklable values.
+        uri: where to save: a local path, ``file://``, ``s3://``, ``msc://``
+            or an fsspec URL (README, "URIs").
+        async_: save in the background (see above).
+        workers: writer threads per rank, one data file each (default: the
+            CPU count, between 2 and 8).
+        enable_msc: route ``s3://`` and local paths through NVIDIA
+            Multi-Storage-Client.
+        engine: the engine of async saves: ``"native"`` (every backend),
+            ``"nvrx"`` (NVRx's writer; local paths and MSC) or ``"auto"``
+            (NVRx where it can, else native with an
+            :class:`~dcpstore.EngineFallbackWarning` saying why).
+        process_group: the ranks that save together (default: all).
+        planner: a DCP ``SavePlanner`` (default: DCP's own).
+        storage_options: backend tuning (:class:`~dcpstore.StorageOptions`).
+        max_in_flight: async saves that may be pending at once; a new one
+            first waits for the oldest.
+        progress: draw a progress bar of this rank's bytes on stderr (rank 0
+            only, under torch.distributed).
+
+    Returns:
+        A :class:`~dcpstore.SaveHandle`; ``result()`` gives the
+        :class:`~dcpstore.CheckpointInfo`.
+
+    Raises:
+        SaveError: the save failed (sync), or an earlier async save failed
+            and nobody asked its handle (async).
+        InvalidArgument: a bad option (an unknown keyword is a ``TypeError``
+            naming the likely fix).
+        InvalidURI: a URI dcpstore cannot parse or has no backend for.
+        BackendUnavailable: the backend's optional package is not installed.
     """
     _check_state_dict(state_dict)
     options = SaveOptions(
@@ -84,37 +122,44 @@ def save(
         process_group=process_group,
         planner=planner,
         max_in_flight=max_in_flight,
+        progress=progress,
     )
-    return save_with(state_dict, uri, options, stacklevel=2)
+    return save_with(state_dict, uri, options)
 
 
-def save_with(
-    state_dict: dict[str, Any], uri: str | os.PathLike[str], options: SaveOptions, *, stacklevel: int = 1
-) -> SaveHandle:
-    """:func:`save` with its options as one value; ``stacklevel`` points an
-    engine-fallback warning at the caller's caller."""
+def save_with(state_dict: dict[str, Any], uri: str | os.PathLike[str], options: SaveOptions) -> SaveHandle:
+    """:func:`save` with its options as one value (for layers that keep one)."""
     _check_state_dict(state_dict)
     if options.runs_in_background:
-        handle = default_saver().submit(state_dict, uri, options, stacklevel=stacklevel + 1)
+        handle = default_saver().submit(state_dict, uri, options)
         if not options.async_:
             handle.result()  # sync: raise here, like the native sync path
         return handle
     t0 = time.perf_counter()
     check_saveable(state_dict)  # background saves check while staging
     storage = open_storage(uri, enable_msc=options.enable_msc, storage_options=options.storage_options)
+    bar = Progress(f"save {storage.uri}", enabled=shows_progress(options.progress, options.process_group))
     try:
         stats = save_state_dict(
-            state_dict, storage, workers=options.workers, process_group=options.process_group, planner=options.planner
+            state_dict,
+            storage,
+            workers=options.workers,
+            process_group=options.process_group,
+            planner=options.planner,
+            progress=bar,
         )
     except (CheckpointException, CheckpointError) as e:
         raise save_error(e, storage.uri) from e
     finally:
+        bar.close()
         storage.close()
     elapsed = time.perf_counter() - t0
     info = CheckpointInfo.from_stats(storage, stats, "sync", stage_s=0.0, blocked_s=elapsed, total_s=elapsed)
+    log.info("%s%s", rank_label(options.process_group), info.describe())
     return SaveHandle.completed(info)
 
 
+@hint_keywords
 def load(
     state_dict: dict[str, Any],
     uri: str | os.PathLike[str],
@@ -125,14 +170,16 @@ def load(
     planner: LoadPlanner | None = None,
     verify: bool = True,
     storage_options: StorageOptions | None = None,
+    progress: bool = False,
     safe_globals: Sequence[Any] | None = None,
     trusted: bool = False,
 ) -> None:
     """Load the checkpoint at ``uri`` into ``state_dict`` in place.
 
-    Like ``dcp.load``: tensors are filled in place and resharded to the
-    caller's layout (saved on N ranks, loaded on M). Sizes and checksums are
-    verified; a damaged file raises :class:`CheckpointCorrupt` naming it.
+    Like ``dcp.load``, every rank calls it; tensors are filled in place and
+    resharded to the caller's layout (saved on N ranks, loaded on M). Sizes
+    and checksums are verified as the bytes arrive. Each load logs one INFO
+    line on the ``dcpstore`` logger (URI, bytes, GB/s, phases).
 
     A destination that disagrees with the checkpoint (a stored object where
     it holds a tensor; complex -> real, floating -> integer, anything ->
@@ -148,6 +195,39 @@ def load(
     another class raises :class:`UnsafeCheckpoint` naming the item and the
     class. ``safe_globals=[cls, ...]`` allows those classes; ``trusted=True``
     allows anything (only for checkpoints you trust as you trust code).
+
+    Args:
+        state_dict: the state to fill, with this rank's tensors already
+            allocated in the layout wanted (as for ``dcp.load``).
+        uri: the checkpoint, as for :func:`save`.
+        workers: reader threads per rank (default: the CPU count, between
+            2 and 8).
+        enable_msc: route ``s3://`` and local paths through NVIDIA
+            Multi-Storage-Client.
+        process_group: the ranks that load together (default: all).
+        planner: a DCP ``LoadPlanner`` (default: DCP's own).
+        verify: check every item's CRC32C and every file's size against the
+            manifest (``False``: trust the bytes).
+        storage_options: backend tuning (:class:`~dcpstore.StorageOptions`).
+        progress: draw a progress bar of this rank's bytes on stderr (rank 0
+            only, under torch.distributed).
+        safe_globals: classes a non-tensor item may hold beyond the
+            allowlist (``[cls, ...]``).
+        trusted: unpickle anything (only for checkpoints you trust as you
+            trust code).
+
+    Raises:
+        CheckpointNotFound: no committed checkpoint at ``uri`` (including a
+            save that was interrupted before its commit).
+        CheckpointCorrupt: a file is damaged or missing; the message names it.
+        UnsafeCheckpoint: an item holds a class off the allowlist (nothing
+            of it was executed).
+        StateDictMismatch: ``state_dict`` disagrees with the checkpoint
+            (nothing was read).
+        LoadError: the load failed on some rank for another reason.
+        StorageError: the backend failed after its retries.
+        InvalidArgument: a bad option (an unknown keyword is a ``TypeError``
+            naming the likely fix).
     """
     _check_state_dict(state_dict)
     options = LoadOptions(
@@ -157,6 +237,7 @@ def load(
         process_group=process_group,
         planner=planner,
         verify=verify,
+        progress=progress,
         safe_globals=safe_globals or (),
         trusted=trusted,
     )
@@ -167,10 +248,13 @@ def load_with(state_dict: dict[str, Any], uri: str | os.PathLike[str], options: 
     """:func:`load` with its options as one value."""
     _check_state_dict(state_dict)
     storage = open_storage(uri, enable_msc=options.enable_msc, storage_options=options.storage_options)
+    bar = Progress(f"load {storage.uri}", enabled=shows_progress(options.progress, options.process_group))
     try:
-        load_state_dict(state_dict, storage, options)
+        stats = load_state_dict(state_dict, storage, options, bar)
     finally:
+        bar.close()
         storage.close()
+    log.info("%s%s", rank_label(options.process_group), stats.describe(storage.uri))
 
 
 def _check_state_dict(state_dict: Any) -> None:

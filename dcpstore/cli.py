@@ -1,49 +1,74 @@
 """``dcpstore`` command line: ls, inspect, verify, gc, bench.
 
-Exit codes: 0 success; 1 the checkpoint is damaged (verify) or absent, or a
-benchmark run failed (wrong data loaded, an error); 2 bad usage or a storage
-error, or a benchmark that could measure nothing here (every run skipped).
-Errors print one line, never a traceback, and never a credential
-(:func:`dcpstore.storage.secrets.scrub`). No command executes checkpoint
-content: ``inspect`` and ``verify`` unpickle through dcpstore's allowlists
-only, ``ls`` and ``gc`` never read what a checkpoint holds.
+Exit codes: 0 success; 1 the checkpoint is damaged (verify) or absent (a
+missing root for ``ls``), or a benchmark run failed (wrong data loaded, an
+error); 2 bad usage or a storage error, or a benchmark that could measure
+nothing here (every run skipped). Errors print one line, never a traceback,
+and never a credential (:func:`dcpstore.storage.secrets.scrub`). No command
+executes checkpoint content: ``inspect`` and ``verify`` unpickle through
+dcpstore's allowlists only, ``ls`` and ``gc`` never read what a checkpoint
+holds.
 
-Layer: the top. Imports the maintenance commands, the bench package and
+``--help``, ``ls`` and ``gc`` never import torch (seconds): they use
+:mod:`dcpstore.listing` only. ``inspect``, ``verify`` and ``bench`` import
+their modules (and with them torch) when they run (:func:`_needs_torch`).
+
+Layer: the top. Imports the listing, maintenance and bench modules and
 :mod:`dcpstore.storage`.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 import time
 from collections.abc import Callable, Sequence
+from types import ModuleType
 from typing import Any
 
 from tqdm import tqdm
 
-from .bench import bench, parse_int_list, summarize
-from .bench.report import format_table, plot_workers, write_json
 from .errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound, UnsafeCheckpoint
-from .maintenance import gc, inspect_checkpoint, list_checkpoints, verify_checkpoint
+from .listing import list_checkpoints
+from .listing import gc as collect
 from .storage import Storage, open_storage
 from .storage.secrets import scrub
 from .units import human_bytes, parse_size
+
+#: What ``FILES`` counts in ``ls``, and what ``inspect`` lists.
+LS_FILES = "FILES counts every file of a checkpoint: data files, .metadata, the manifest and markers"
+INSPECT_FILES = "data files only (besides them: .metadata and the .dcpstore.json manifest)"
+
+
+def _needs_torch(module: str) -> ModuleType:
+    """``dcpstore.<module>``, imported by the command that uses it: these
+    import torch, which ``--help``, ``ls`` and ``gc`` must not wait for."""
+    return importlib.import_module(f"{__package__}.{module}")
 
 
 def _open(args: argparse.Namespace) -> Storage:
     return open_storage(args.uri, enable_msc=args.enable_msc)
 
 
+def _name(storage: Storage, path: str) -> str:
+    """A checkpoint found under the command's root, as printed: its path
+    relative to the root, or the URI when it is the root itself."""
+    return path if path not in ("", ".") else storage.uri
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
     storage = _open(args)
     entries = list_checkpoints(storage)
+    if not entries and next(iter(storage.list()), None) is None:
+        print(f"dcpstore ls: nothing at {storage.uri} (no such directory or prefix, or it is empty)", file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps([e.__dict__ for e in entries], indent=2, default=str))
         return 0
     if not entries:
-        print(f"no checkpoints under {storage.uri}")
+        print(f"no checkpoints under {storage.uri} (it holds files, none of them a checkpoint's)")
         return 0
     width = max(len("CHECKPOINT"), *(len(e.path or ".") for e in entries))
     print(f"{'CHECKPOINT':<{width}}  {'STATUS':<10}  {'FILES':>5}  {'SIZE':>10}")
@@ -53,18 +78,19 @@ def cmd_ls(args: argparse.Namespace) -> int:
         if e.unknown and not e.committed:
             note = f"  (also holds {len(e.unknown)} file(s) no DCP save writes: gc leaves it alone)"
         print(f"{e.path or '.':<{width}}  {status:<10}  {e.files:>5}  {human_bytes(e.bytes):>10}{note}")
+    print(f"under {storage.uri}; {LS_FILES}")
     return 0
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    info = inspect_checkpoint(_open(args))
+    info = _needs_torch("maintenance").inspect_checkpoint(_open(args))
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
     print(f"checkpoint  {info['uri']}")
-    print(f"checksums   {'crc32c manifest' if info['verified_format'] else 'none (stock DCP checkpoint)'}")
+    print(f"checksums   {'crc32c manifest' if info['verified_format'] else 'none (written by stock DCP)'}")
     print(f"tensors     {human_bytes(info['tensor_bytes'])} in {sum(k['kind'] == 'tensor' for k in info['keys'].values())} keys")
-    print(f"files       {len(info['files'])} totalling {human_bytes(info['file_bytes'])}\n")
+    print(f"files       {len(info['files'])} totalling {human_bytes(info['file_bytes'])}: {INSPECT_FILES}\n")
     width = max(3, *(len(k) for k in info["keys"]))
     print(f"{'KEY':<{width}}  {'DTYPE':<10}  {'SHAPE':<20}  {'BYTES':>10}")
     for key, k in info["keys"].items():
@@ -80,38 +106,45 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    maintenance = _needs_torch("maintenance")
     storage = _open(args)
     try:
-        total: int | None = sum(f["size"] for f in inspect_checkpoint(storage)["files"].values())
+        total: int | None = sum(f["size"] for f in maintenance.inspect_checkpoint(storage)["files"].values())
     except (CheckpointCorrupt, UnsafeCheckpoint):
         total = None  # verify names the problem below
     t0 = time.perf_counter()
     with tqdm(total=total, unit="B", unit_scale=True, desc="verify", disable=args.quiet or None, file=sys.stderr) as bar:
-        report = verify_checkpoint(storage, progress=bar.update)
+        report = maintenance.verify_checkpoint(storage, progress=bar.update)
     elapsed = time.perf_counter() - t0
     for problem in report.problems:
         print(f"DAMAGED  {scrub(problem)}")
     for refusal in report.refused:
         print(f"REFUSED  {scrub(refusal)}")
     if report.ok:
-        print(f"OK  {report.files_checked} files, {human_bytes(report.bytes_checked)} verified in {elapsed:.2f} s")
+        what = "verified" if report.checksums else "checked"
+        print(f"OK  {report.files_checked} files, {human_bytes(report.bytes_checked)} {what} in {elapsed:.2f} s")
+        if not report.checksums:
+            print("no checksums (written by stock DCP): every data file is there, every item lies inside "
+                  "its file and decodes to the dtype and shape .metadata declares; whether the bytes are "
+                  "the ones saved cannot be checked")  # fmt: skip
         return 0
     print(f"FAILED  {len(report.problems) + len(report.refused)} problem(s) in {storage.uri}")
     return 1
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    report = gc(_open(args), older_than_s=args.older_than, dry_run=args.dry_run)
+    storage = _open(args)
+    report = collect(storage, older_than_s=args.older_than, dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
     for path in report.removed:
-        print(f"{verb} incomplete checkpoint {path}")
+        print(f"{verb} incomplete checkpoint {_name(storage, path)}")
     for path in report.kept_running:
-        print(f"kept {path}: a save is running there (its alive file is fresh or names a live process)")
+        print(f"kept {_name(storage, path)}: a save is running there (its alive file is fresh or names a live process)")
     for path in report.kept_recent:
-        print(f"kept {path}: modified within {args.older_than:g} s (a save may be running)")
+        print(f"kept {_name(storage, path)}: modified within {args.older_than:g} s (a save may be running)")
     for path, names in report.kept_unknown:
         shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
-        print(f"kept {path}: holds files no DCP save writes ({shown}); remove it by hand if it is garbage")
+        print(f"kept {_name(storage, path)}: holds files no DCP save writes ({shown}); remove it by hand if it is garbage")
     if report.incomplete_uploads:
         print(f"{verb} {report.incomplete_uploads} in-progress upload(s)/temporary file(s)")
     if not (report.removed or report.kept_recent or report.kept_running or report.kept_unknown or report.incomplete_uploads):
@@ -120,21 +153,24 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    size, workers = parse_size(args.size), parse_int_list(args.workers)
+    bench, report = _needs_torch("bench"), _needs_torch("bench.report")
+    size, workers = parse_size(args.size), bench.parse_int_list(args.workers)
     print(f"dcpstore bench {args.uri}: {human_bytes(size)} in {args.tensors} tensors, workers {workers}, "
           f"{'async/' + args.engine if args.async_ else 'sync'}, {args.repeat} repeat(s)", flush=True)  # fmt: skip
-    records = bench(
+    records = bench.bench(
         args.uri, size=size, tensors=args.tensors, workers=workers, engine=args.engine, async_=args.async_,
-        repeat=args.repeat, enable_msc=args.enable_msc, drop_caches=not args.warm, progress=not args.quiet,
+        repeat=args.repeat, enable_msc=args.enable_msc, drop_caches=args.drop_caches, progress=not args.quiet,
         limit=args.limit,
     )  # fmt: skip
-    rows = summarize(records)
-    print(format_table(rows))
+    rows = bench.summarize(records)
+    print(report.format_table(rows))
+    if note := report.cache_note(records, args.drop_caches):
+        print(note)
     if args.json:
-        write_json(args.json, records, {"command": "dcpstore bench", "uri": args.uri, "size": size})
+        report.write_json(args.json, records, {"command": "dcpstore bench", "uri": args.uri, "size": size})
         print(f"wrote {args.json}")
     if args.plot:
-        plot_workers(args.plot, rows, f"dcpstore bench {args.uri} ({human_bytes(size)}, {args.tensors} tensors)")
+        report.plot_workers(args.plot, rows, f"dcpstore bench {args.uri} ({human_bytes(size)}, {args.tensors} tensors)")
         print(f"wrote {args.plot}")
     if any(r.status == "failed" for r in records):
         return 1
@@ -162,11 +198,15 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(fn=fn)
         return p
 
-    add("ls", cmd_ls, "list checkpoints (committed and incomplete) under a root").add_argument("--json", action="store_true")
-    add("inspect", cmd_inspect, "show keys, shapes, dtypes, bytes and files of a checkpoint").add_argument(
+    add("ls", cmd_ls, "list checkpoints (committed and incomplete) under a root; FILES counts every file of "
+        "each (data, .metadata, manifest, markers); exit 1 if the root is missing or empty").add_argument(
         "--json", action="store_true"
     )
-    p = add("verify", cmd_verify, "read every data file and check its size and checksum")
+    add("inspect", cmd_inspect, "show keys, shapes, dtypes, bytes and data files of a checkpoint").add_argument(
+        "--json", action="store_true"
+    )
+    p = add("verify", cmd_verify, "read every data file and check its size and checksums (a stock DCP "
+            "checkpoint has none: its sizes, and that every item decodes)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p = add("gc", cmd_gc, "remove leftovers of interrupted saves (never a committed checkpoint)")
     p.add_argument("--older-than", type=float, default=300.0, metavar="SECONDS",
@@ -186,8 +226,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "row's save and load speed over the best limit")
     p.add_argument("--json", metavar="FILE", help="write every measurement as JSON records")
     p.add_argument("--plot", metavar="FILE.png", help="plot GB/s against workers")
-    p.add_argument("--warm", action="store_true",
-                   help="do not drop the page cache before loads (dropping needs root; without it loads read memory)")
+    p.add_argument("--drop-caches", action="store_true",
+                   help="drop the page cache before each local load, so that loads read the disk (needs root; "
+                        "it empties the whole host's cache). Off by default: loads may then read memory")
+    p.add_argument("--warm", action="store_true", help=argparse.SUPPRESS)  # the default now; older scripts pass it
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     return parser
 

@@ -1,13 +1,16 @@
-"""What a save reports: :class:`SaveStats`, :class:`CheckpointInfo`, :class:`SaveHandle`.
+"""What a save or a load reports: :class:`SaveStats`, :class:`CheckpointInfo`,
+:class:`SaveHandle`, :class:`LoadStats`.
 
 Value objects, with no behaviour beyond a future's: the writers fill a
 :class:`SaveStats` per rank, the engines turn it into a
 :class:`CheckpointInfo`, and every save -- sync or async, through
 :func:`dcpstore.save`, an :class:`~dcpstore.AsyncSaver` or a
-:class:`~dcpstore.CheckpointManager` -- returns a :class:`SaveHandle`.
+:class:`~dcpstore.CheckpointManager` -- returns a :class:`SaveHandle`; the
+reader fills a :class:`LoadStats`. ``describe()`` is the one log line of
+each (the ``dcpstore`` logger's INFO line per save and load).
 
 Layer: value objects. Imports only :mod:`dcpstore.storage` (for the
-:class:`Storage` a :class:`CheckpointInfo` describes).
+:class:`Storage` a :class:`CheckpointInfo` describes) and the foundation.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .storage import Storage
+from .units import human_bytes
 
 
 @dataclass
@@ -38,13 +42,18 @@ class SaveStats:
 
 @dataclass(frozen=True)
 class CheckpointInfo:
-    """What one save did, on this rank.
+    """What one save did, on this rank (``handle.result()`` returns it).
 
-    ``bytes_written`` and ``files`` count what *this rank* wrote. Phase times
-    are seconds: ``plan`` (DCP planning), ``stage`` (the consistent snapshot;
-    0 for sync saves), ``write`` (data files durable), ``commit`` (manifest
-    and ``.metadata``; coordinator only). ``blocked_s`` is how long the
-    caller's ``save`` call blocked.
+    Attributes:
+        uri: the checkpoint, safe to print.
+        backend: the storage backend (``"local"``, ``"s3"``, ``"msc"``, ...).
+        engine: ``"sync"``, ``"native"`` or ``"nvrx"``.
+        bytes_written, files: what *this rank* wrote.
+        phases: seconds per phase: ``plan`` (DCP planning), ``stage`` (the
+            consistent snapshot; 0 for sync saves), ``write`` (data files
+            durable), ``commit`` (manifest and ``.metadata``; coordinator only).
+        blocked_s: how long the caller's ``save`` call blocked.
+        total_s: from the ``save`` call to the commit.
     """
 
     uri: str
@@ -60,6 +69,8 @@ class CheckpointInfo:
     def from_stats(
         cls, storage: Storage, stats: SaveStats, engine: str, *, stage_s: float, blocked_s: float, total_s: float
     ) -> CheckpointInfo:
+        """The info of a save that wrote ``stats`` to ``storage`` (the engines
+        call this; the other arguments are the attributes of the same names)."""
         return cls(
             uri=storage.uri,
             backend=storage.backend,
@@ -73,7 +84,39 @@ class CheckpointInfo:
 
     @property
     def write_gbps(self) -> float:
+        """This rank's write rate, GB/s (10^9 bytes) over the write phase."""
         return self.bytes_written / self.phases["write"] / 1e9 if self.phases.get("write") else 0.0
+
+    def describe(self) -> str:
+        """One line: URI, bytes, rate, phases (the INFO line of a save)."""
+        phases = ", ".join(f"{name} {seconds:.3g} s" for name, seconds in self.phases.items())
+        return (
+            f"saved {self.uri}: {human_bytes(self.bytes_written)} in {len(self.files)} file(s), {self.write_gbps:.3g} GB/s "
+            f"write, {self.total_s:.3g} s in all ({phases}; the caller blocked {self.blocked_s:.3g} s) "
+            f"[{self.backend}, {self.engine}]"
+        )
+
+
+@dataclass(frozen=True)
+class LoadStats:
+    """What one load read, on this rank: bytes, and seconds per phase
+    (``metadata``: the commit files read and checked; ``read``: the data)."""
+
+    bytes_read: int
+    metadata_s: float
+    read_s: float
+
+    @property
+    def read_gbps(self) -> float:
+        """This rank's read rate, GB/s (10^9 bytes) over the read phase."""
+        return self.bytes_read / self.read_s / 1e9 if self.read_s > 0 else 0.0
+
+    def describe(self, uri: str) -> str:
+        """One line: URI, bytes, rate, phases (the INFO line of a load)."""
+        return (
+            f"loaded {uri}: {human_bytes(self.bytes_read)}, {self.read_gbps:.3g} GB/s read "
+            f"(metadata {self.metadata_s:.3g} s, read {self.read_s:.3g} s)"
+        )
 
 
 class SaveHandle:
@@ -81,8 +124,22 @@ class SaveHandle:
 
     A background error is raised from :meth:`result` (every call) as a
     :class:`~dcpstore.SaveError` chained to its cause; :meth:`exception`
-    returns it. ``engine`` is the engine that runs the save (``"sync"`` for
-    plain synchronous saves).
+    returns it. Either call *observes* the outcome. A failure nobody observed
+    is not lost: the saver raises it from the next save (and from
+    ``close()``), and reports it at interpreter exit.
+
+    Attributes:
+        uri: the checkpoint's URI, safe to print.
+        engine: the engine that runs the save (``"sync"`` for plain
+            synchronous saves, ``"native"`` or ``"nvrx"``).
+        hang_timeout: the saver's ``hang_timeout`` (``None``: a sync save, or
+            no bound).
+
+    Args:
+        future, uri, engine, bounded_wait, hang_timeout: made by the savers
+            (users get handles, they do not build them): the save's future,
+            the attributes above, and the saver's bounded wait for
+            :meth:`wait_bounded`.
     """
 
     def __init__(
@@ -98,8 +155,8 @@ class SaveHandle:
         self.uri = uri
         self.engine = engine
         self._bounded_wait = bounded_wait
-        #: The saver's hang_timeout (None: a sync save, or no bound).
         self.hang_timeout = hang_timeout
+        self._observed = False
 
     @classmethod
     def completed(cls, info: CheckpointInfo) -> SaveHandle:
@@ -108,33 +165,82 @@ class SaveHandle:
         return cls(future, info.uri, engine=info.engine)
 
     def done(self) -> bool:
+        """Whether the save has finished, committed or failed."""
         return self._future.done()
 
     def result(self, timeout: float | None = None) -> CheckpointInfo:
         """Block until the save is committed; re-raise its error if it failed.
 
-        ``TimeoutError`` if it is still running after ``timeout`` seconds
-        (the save goes on; call again to keep waiting).
+        Args:
+            timeout: seconds to wait at most (``None``: no limit).
+
+        Returns:
+            What the save did on this rank.
+
+        Raises:
+            SaveError: the save failed (chained to its cause); raised by
+                every call.
+            TimeoutError: still running after ``timeout`` seconds (the save
+                goes on; call again to keep waiting).
         """
         try:
-            return self._future.result(timeout)
+            result = self._future.result(timeout)
         except FutureTimeoutError as e:
             raise type(e)(f"save to {self.uri} still running after {timeout} s") from None
+        except BaseException:
+            self._observed = True
+            raise
+        self._observed = True
+        return result
+
+    @property
+    def unobserved_failure(self) -> BaseException | None:
+        """The save's error if it failed and neither :meth:`result` nor
+        :meth:`exception` has reported it yet (else ``None``)."""
+        if self._observed or not self._future.done() or self._future.cancelled():
+            return None
+        return self._future.exception()
+
+    def mark_observed(self) -> None:
+        """Record that the outcome has been reported (by the saver, which
+        raised or logged an unobserved failure in its place)."""
+        self._observed = True
 
     def wait_bounded(self) -> bool:
-        """Wait until the save finishes, either way (True), or until its saver
-        presumes it hung (False: running longer than ``hang_timeout``).
-        Callers that must not block forever (the next save, close, exit)
-        use this instead of ``result()``."""
+        """Wait until the save finishes, either way, or until its saver
+        presumes it hung (running longer than ``hang_timeout``). Callers that
+        must not block forever (the next save, close, exit) use this instead
+        of ``result()``; it does not observe the outcome.
+
+        Returns:
+            ``True`` once finished, ``False`` if presumed hung.
+        """
         if self._bounded_wait is None:
             wait_futures([self._future])
             return True
         return self._bounded_wait()
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        return self._future.exception(timeout)
+        """Wait like :meth:`result`, and observe the outcome.
+
+        Args:
+            timeout: seconds to wait at most (``None``: no limit).
+
+        Returns:
+            The save's error (a :class:`~dcpstore.SaveError`), or ``None`` if
+            it committed.
+
+        Raises:
+            TimeoutError: still running after ``timeout`` seconds.
+        """
+        error = self._future.exception(timeout)
+        self._observed = True
+        return error
 
     def add_done_callback(self, fn: Callable[[SaveHandle], Any]) -> None:
+        """Call ``fn(handle)`` when the save finishes (at once if it has), on
+        the thread that finishes it. A callback that wants the failure calls
+        :meth:`exception`, which observes it."""
         self._future.add_done_callback(lambda _: fn(self))
 
     def __repr__(self) -> str:

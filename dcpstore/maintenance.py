@@ -2,7 +2,10 @@
 
 These back the ``dcpstore`` CLI and are plain functions so that scripts (and
 tests) can call them directly. They work on every backend through
-:class:`~dcpstore.storage.base.Storage`.
+:class:`~dcpstore.storage.base.Storage`. Listing and ``gc`` read no content
+and live in :mod:`dcpstore.listing` (no torch; re-exported here);
+``inspect`` and ``verify`` read ``.metadata`` and the items, through the
+restricted loaders only: nothing read is ever executed.
 
 Layer: front door (beside :mod:`dcpstore.api`). Imports the DCP protocol's
 read side, the format, :mod:`dcpstore.storage` and the foundation.
@@ -10,107 +13,34 @@ read side, the format, :mod:`dcpstore.storage` and the foundation.
 
 from __future__ import annotations
 
-import posixpath
-import re
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import crc32c
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
 from .dcp.commit import read_checkpoint_metadata
-from .errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound, StorageNotFound, UnsafeCheckpoint
-from .format.inflight import decode_owner, is_alive_file, is_running
-from .format.layout import INFLIGHT, MANIFEST, METADATA, is_commit_file, is_data_file, item_key, split_data_path
-from .format.manifest import SMALL_FILE_LIMIT, Manifest, read_capped
+from .errors import CheckpointCorrupt, CheckpointNotFound, StorageNotFound, UnsafeCheckpoint
+from .format.layout import is_data_file, item_key
+from .format.manifest import Manifest
+from .format.record import item_tensor
 from .format.safe_pickle import check_record_end, load_object
+from .listing import CheckpointEntry, GcReport, gc, list_checkpoints
 from .storage import MiB, Storage
-from .storage.base import ObjectInfo
-from .storage.uri import join_uri, parse_uri
+
+__all__ = [
+    "CheckpointEntry",
+    "GcReport",
+    "VerifyReport",
+    "gc",
+    "inspect_checkpoint",
+    "list_checkpoints",
+    "verify_checkpoint",
+]
 
 #: How much ``verify`` reads per request.
 VERIFY_CHUNK = 16 * MiB
-
-#: What an interrupted stock commit leaves (written, then renamed).
-_STOCK_TEMP_RE = re.compile(r"^(__\d+)?\.metadata\.tmp$")
-
-
-def _is_leftover(name: str) -> bool:
-    """Files an interrupted save (ours or stock DCP's) leaves."""
-    return name in (MANIFEST, INFLIGHT) or is_data_file(name) or is_alive_file(name) or bool(_STOCK_TEMP_RE.match(name))
-
-
-@dataclass
-class CheckpointEntry:
-    """One checkpoint (committed or not) found under a root."""
-
-    path: str  # relative to the listed root ("" for the root itself)
-    committed: bool
-    files: int = 0
-    bytes: int = 0
-    newest_mtime: float | None = None
-    leftovers: list[str] = field(default_factory=list)
-    #: Committed by per-rank ``__{rank}.metadata`` (``use_collectives=False``).
-    rank_local: bool = False
-    #: Files in the directory that no DCP save writes: ``gc`` leaves it alone.
-    unknown: list[str] = field(default_factory=list)
-    #: Alive files of saves (``.dcpstore.alive.*``): (path, age in seconds or None).
-    alive: list[tuple[str, float | None]] = field(default_factory=list)
-
-    def running(self, storage: Storage, older_than_s: float = 0.0) -> bool:
-        """Whether a save is (or may still be) writing here: its alive file
-        names a live process of this machine, or was refreshed within
-        max(``older_than_s``, the lease). Reads each alive file (small, capped)."""
-        for path, age in self.alive:
-            try:
-                owner = decode_owner(read_capped(storage, path, SMALL_FILE_LIMIT))
-            except CheckpointError:
-                continue  # gone (the save just finished) or unreadable
-            if is_running(owner, age, older_than_s):
-                return True
-        return False
-
-
-def list_checkpoints(storage: Storage) -> list[CheckpointEntry]:
-    """Every checkpoint directory under ``storage``'s root, committed or not.
-
-    A directory counts as a checkpoint if it holds a commit (``.metadata``,
-    or stock DCP's rank-local ``__{rank}.metadata``) or what an interrupted
-    save leaves (DCP data files, a manifest, an in-flight marker). Never
-    reads checkpoint content.
-    """
-    by_dir: dict[str, list[ObjectInfo]] = {}
-    for obj in storage.list():
-        data = split_data_path(obj["path"])
-        # A spread data file (p3/__3_0.distcp) belongs to the directory above its own.
-        by_dir.setdefault(data[0] if data is not None else posixpath.dirname(obj["path"]), []).append(obj)
-    now = time.time()
-    entries = []
-    for directory, objs in by_dir.items():
-        names = {o["path"][len(directory) + 1 :] if directory else o["path"]: o for o in objs}
-        if not any(is_commit_file(n) or _is_leftover(n) for n in names):
-            continue
-        entry = CheckpointEntry(directory, committed=any(is_commit_file(n) for n in names))
-        entry.rank_local = entry.committed and METADATA not in names
-        for name, obj in sorted(names.items()):
-            if not (is_commit_file(name) or _is_leftover(name)):
-                entry.unknown.append(obj["path"])
-                continue
-            entry.files += 1
-            entry.bytes += obj["size"]
-            mtime = obj.get("mtime")
-            if mtime is not None:
-                entry.newest_mtime = max(entry.newest_mtime or 0.0, mtime)
-            if is_alive_file(name):
-                entry.alive.append((obj["path"], None if mtime is None else now - mtime))
-            # A committed checkpoint only ever loses our markers; an
-            # uncommitted one everything a save left.
-            if not entry.committed or name == INFLIGHT or is_alive_file(name):
-                entry.leftovers.append(obj["path"])
-        entries.append(entry)
-    return sorted(entries, key=lambda e: e.path)
 
 
 def inspect_checkpoint(storage: Storage) -> dict[str, Any]:
@@ -152,12 +82,26 @@ def _files_without_manifest(storage: Storage) -> dict[str, dict[str, int]]:
 
 @dataclass
 class VerifyReport:
+    """What :func:`verify_checkpoint` found.
+
+    Attributes:
+        uri: the checkpoint (redacted).
+        files_checked: data files checked.
+        bytes_checked: their total size.
+        problems: damage found, one line each (naming the file and item).
+        refused: content a load refuses without an opt-in (a class off the
+            allowlist).
+        checksums: ``False`` for a checkpoint without dcpstore's manifest
+            (written by stock DCP): its sizes were checked and every item
+            decoded, but there was nothing to compare the bytes with.
+    """
+
     uri: str
     files_checked: int = 0
     bytes_checked: int = 0
     problems: list[str] = field(default_factory=list)
-    #: Content a load refuses without an opt-in (a class off the allowlist).
     refused: list[str] = field(default_factory=list)
+    checksums: bool = True
 
     @property
     def ok(self) -> bool:
@@ -180,6 +124,12 @@ def verify_checkpoint(storage: Storage, progress: Callable[[int], Any] | None = 
     executed; a class off the allowlist is a problem naming it). Problems
     are collected (not raised) so one run reports all damage; a checkpoint
     that does not exist raises :class:`CheckpointNotFound`.
+
+    A checkpoint without a manifest (written by stock ``dcp.save``) has no
+    checksums to compare with: there, every item must lie inside its file
+    and decode (tensors as ``torch.load(weights_only=True)`` reads them, with
+    the dtype and shape ``.metadata`` declares; other items through the
+    restricted loader), and the report says ``checksums=False``.
     """
     report = VerifyReport(storage.uri)
     try:
@@ -193,7 +143,8 @@ def verify_checkpoint(storage: Storage, progress: Callable[[int], Any] | None = 
         report.refused.append(str(e))
         return report
     if manifest is None:
-        report.problems.append(f"{storage.describe(MANIFEST)}: missing; a checkpoint written by stock DCP carries no checksums")
+        report.checksums = False
+        _verify_without_checksums(storage, metadata, report, progress)
         return report
     spans: dict[str, list[_Span]] = {}
     objects: list[tuple[str, int, int, str]] = []
@@ -222,6 +173,63 @@ def verify_checkpoint(storage: Storage, progress: Callable[[int], Any] | None = 
             except UnsafeCheckpoint as e:
                 report.refused.append(str(e))
     return report
+
+
+def _verify_without_checksums(
+    storage: Storage, metadata: Metadata, report: VerifyReport, progress: Callable[[int], Any] | None
+) -> None:
+    """A stock DCP checkpoint: every data file there, every item inside its
+    file, and every item decoded as a load would (see :func:`verify_checkpoint`)."""
+    by_file: dict[str, list[tuple[int, int, str, Any]]] = {}
+    for index, info in metadata.storage_data.items():
+        label = repr(index.fqn) if index.offset is None else f"{index.fqn!r} chunk at {list(index.offset)}"
+        by_file.setdefault(info.relative_path, []).append((info.offset, info.length, label, index))
+    for name, items in sorted(by_file.items()):
+        where = storage.describe(name)
+        try:
+            size = storage.size(name)
+        except StorageNotFound:
+            report.problems.append(f"{where}: data file is missing")
+            continue
+        report.files_checked += 1
+        report.bytes_checked += size
+        for offset, length, label, index in sorted(items, key=lambda item: item[0]):
+            if offset + length > size:
+                report.problems.append(
+                    f"{where}: item {label} ({length} bytes at offset {offset}) extends past the end of the file "
+                    f"({size} bytes; truncated?)"
+                )
+                continue
+            try:
+                check_record_end(storage, name, offset, length, label)
+                blob = storage.read_range(name, offset, length)
+                if len(blob) != length:
+                    raise CheckpointCorrupt(f"{where}: short read of item {label} ({len(blob)} of {length} bytes)")
+                md = metadata.state_dict_metadata.get(index.fqn)
+                if isinstance(md, TensorStorageMetadata):
+                    _check_tensor_item(blob, md, index.offset, f"{where}: item {label}")
+                else:
+                    load_object(blob, f"checkpoint item {label}")
+            except CheckpointCorrupt as e:
+                report.problems.append(str(e))
+            except UnsafeCheckpoint as e:
+                report.refused.append(str(e))
+            if progress:
+                progress(length)
+
+
+def _check_tensor_item(blob: bytes, md: TensorStorageMetadata, offsets: Any, where: str) -> None:
+    """The item decodes (``torch.load(weights_only=True)``: nothing runs) to
+    the dtype and chunk shape ``.metadata`` declares."""
+    try:
+        tensor = item_tensor(memoryview(blob))
+    except Exception as e:  # torch.load's errors have no common base: any is damage
+        raise CheckpointCorrupt(f"{where} is not a readable tensor record ({type(e).__name__})") from e
+    chunk = next((c for c in md.chunks if offsets is None or tuple(c.offsets) == tuple(offsets)), None)
+    want = (md.properties.dtype, tuple(chunk.sizes) if chunk is not None else tuple(md.size))
+    got = (tensor.dtype, tuple(tensor.shape))
+    if got != want:
+        raise CheckpointCorrupt(f"{where} holds {got[0]} {list(got[1])}; .metadata declares {want[0]} {list(want[1])}")
 
 
 def _verify_file(
@@ -265,77 +273,3 @@ def _verify_file(
     ]
 
 
-@dataclass
-class GcReport:
-    removed: list[str] = field(default_factory=list)
-    kept_recent: list[str] = field(default_factory=list)
-    #: Directories where a save is running (its alive file says so).
-    kept_running: list[str] = field(default_factory=list)
-    #: Uncommitted directories holding files no DCP save writes: (dir, files).
-    kept_unknown: list[tuple[str, list[str]]] = field(default_factory=list)
-    incomplete_uploads: int = 0
-
-
-def gc(storage: Storage, *, older_than_s: float = 300.0, dry_run: bool = False) -> GcReport:
-    """Remove what interrupted saves left under ``storage``'s root.
-
-    That is: everything a save (dcpstore's or stock DCP's) leaves in a
-    directory that has no commit (``.metadata``, or stock DCP's rank-local
-    ``__{rank}.metadata``), a committed checkpoint's stale in-flight
-    markers, and the backend's in-progress leftovers (temporary files, open
-    multipart uploads). Kept: anything modified within ``older_than_s``
-    seconds; a directory where a save is running (its alive file names a
-    live process of this machine, or was refreshed within max(``older_than_s``,
-    the lease) -- whatever ``older_than_s`` says); a directory holding files
-    no DCP save writes. Committed checkpoints are never touched. Never reads
-    checkpoint content.
-    """
-    report = GcReport()
-    now = time.time()
-    doomed: list[str] = []
-    for entry in list_checkpoints(storage):
-        if not entry.leftovers:
-            continue
-        label = entry.path or "."
-        if entry.unknown and not entry.committed:
-            report.kept_unknown.append((label, entry.unknown))
-            continue
-        if entry.running(storage, older_than_s):
-            report.kept_running.append(label)
-            continue
-        if entry.newest_mtime is None and older_than_s > 0 or (
-            entry.newest_mtime is not None and now - entry.newest_mtime < older_than_s
-        ):
-            report.kept_recent.append(label)
-            continue
-        doomed.extend(entry.leftovers)
-        if not entry.committed:  # a committed one only loses stale markers
-            report.removed.append(label)
-    running = ["" if label == "." else label for label in report.kept_running]
-    if not dry_run:
-        if doomed:
-            storage.delete(doomed)
-        if not running:
-            report.incomplete_uploads = storage.cleanup_incomplete(older_than_s)
-        else:  # never a running save's temp files or open uploads: only other directories'
-            report.incomplete_uploads = sum(
-                _under(storage, d).cleanup_incomplete(older_than_s) for d in _idle_dirs(storage, running)
-            )
-    else:
-        report.incomplete_uploads = len(list(storage.list_incomplete()))
-    return report
-
-
-def _idle_dirs(storage: Storage, running: list[str]) -> list[str]:
-    """Directories holding incomplete writes with no running save in or under them."""
-
-    def holds(directory: str, other: str) -> bool:
-        return not directory or other == directory or other.startswith(directory + "/")
-
-    dirs = {posixpath.dirname(p) for p in storage.list_incomplete()}
-    return sorted(d for d in dirs if not any(holds(d, r) for r in running))
-
-
-def _under(storage: Storage, directory: str) -> Storage:
-    """The same backend and options, rooted at ``directory`` of ``storage``."""
-    return type(storage)(parse_uri(join_uri(storage.url.uri, *directory.split("/"))), storage.options)

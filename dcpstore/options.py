@@ -130,6 +130,32 @@ def _check_process_group(process_group: Any) -> None:
         raise InvalidArgument("process_group was given but torch.distributed is not initialised")
 
 
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise InvalidArgument(f"{name} must be a bool, got {value!r}")
+
+
+def rank_in(process_group: dist.ProcessGroup | None) -> tuple[int, int] | None:
+    """``(rank, world size)`` in ``process_group`` (``None``: the default
+    group), or ``None`` without torch.distributed."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return dist.get_rank(process_group), dist.get_world_size(process_group)
+
+
+def rank_label(process_group: dist.ProcessGroup | None) -> str:
+    """``"rank 1/4: "`` under torch.distributed, else ``""`` (log lines)."""
+    where = rank_in(process_group)
+    return f"rank {where[0]}/{where[1]}: " if where else ""
+
+
+def shows_progress(progress: bool, process_group: dist.ProcessGroup | None) -> bool:
+    """Whether this process draws the progress bar: one rank only (rank 0 of
+    the group), as bars of several processes would overwrite each other."""
+    where = rank_in(process_group)
+    return progress and (where is None or where[0] == 0)
+
+
 @dataclass(frozen=True)
 class LoadOptions:
     """How :func:`dcpstore.load` reads: threads, backend, verification, DCP's
@@ -143,11 +169,14 @@ class LoadOptions:
     process_group: dist.ProcessGroup | None = None
     planner: LoadPlanner | None = None
     verify: bool = True
+    progress: bool = False
     safe_globals: Sequence[Any] = ()
     trusted: bool = False
 
     def __post_init__(self) -> None:
         check_workers(self.workers, 1)
+        _check_bool("verify", self.verify)
+        _check_bool("progress", self.progress)
         _check_process_group(self.process_group)
         object.__setattr__(self, "safe_globals", check_safe_globals(self.safe_globals))  # frozen: set once, here
         check_trusted(self.trusted)
@@ -171,8 +200,10 @@ class SaveOptions:
     process_group: dist.ProcessGroup | None = None
     planner: SavePlanner | None = None
     max_in_flight: int | None = None
+    progress: bool = False
 
     def __post_init__(self) -> None:
+        _check_bool("progress", self.progress)
         for problem in save_option_problems(
             async_=self.async_,
             engine=self.engine,
@@ -197,6 +228,7 @@ class SaveOptions:
             enable_msc=self.enable_msc,
             storage_options=self.storage_options,
             process_group=self.process_group,
+            progress=self.progress,
             safe_globals=safe_globals,
             trusted=trusted,
         )

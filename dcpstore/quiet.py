@@ -1,4 +1,5 @@
-"""Ignore one known warning for as long as dcpstore's own call runs.
+"""Ignore one known warning for as long as dcpstore's own call runs; point
+our own warnings at the user's line.
 
 Foundation layer: imports nothing of dcpstore's.
 
@@ -23,7 +24,9 @@ adding and removing it needs no cache invalidation.
 
 from __future__ import annotations
 
+import os
 import re
+import sys
 import threading
 import warnings
 from collections.abc import Iterator
@@ -72,3 +75,19 @@ def ignoring(message: str) -> Iterator[None]:
                             del filters[i]
                             break
                 entry.lists.clear()
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that makes the caller's ``warnings.warn`` name the
+    first frame outside the dcpstore package: the user's line, however many
+    of our layers and wrappers (:func:`dcpstore.keywords.hint_keywords`) lie
+    between (what Python 3.12's ``skip_file_prefixes`` does)."""
+    frame = sys._getframe(1)  # the function that is about to warn
+    level = 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame = frame.f_back
+        level += 1
+    return level

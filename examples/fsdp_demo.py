@@ -151,7 +151,8 @@ def run_training(rank: int, world: int, port: int, args: argparse.Namespace) -> 
             if rank == 0:
                 written[name] = _record(args, name, mgr, written[name], {step: stall})
         if rank == 0:
-            print(f"  step {step:3d}  loss {loss:.4f}  saved (committed: {managers['local'].all_steps()})", flush=True)
+            committed = ", ".join(f"{name} {mgr.all_steps()}" for name, mgr in managers.items())
+            print(f"  step {step:3d}  loss {loss:.4f}  saved; committed steps: {committed}", flush=True)
     raise SystemExit("the crash did not happen")
 
 
@@ -260,8 +261,28 @@ def local_s3_endpoint(workdir: str) -> Iterator[str]:
         server.stop()
 
 
+def report_crash(args: argparse.Namespace, resume_world: int) -> None:
+    """What each backend has committed after the crash, and why one may be behind."""
+    print(f"crash: rank {CRASH_RANK} was killed at step {args.plan.crash_at}, as its save began; committed steps left:")
+    left = {}
+    for name, cfg in configs(args).items():
+        assert cfg.save is not None
+        with dcpstore.CheckpointManager(cfg.save, async_=False) as survivor:
+            left[name] = survivor.all_steps()
+        print(f"  {name + ':':<6} {left[name]}")
+    newest = max((steps[-1] for steps in left.values() if steps), default=None)
+    for name, steps in left.items():
+        if newest is not None and (not steps or steps[-1] < newest):
+            print(f"  note: {name} is a step behind: its save of step {newest} was still being written when rank "
+                  f"{CRASH_RANK} died, so it never committed (each rank writes the backends' saves in turn, on "
+                  f"one background thread, and {name} is the slower)")
+    print("  note: keep=2 retires old steps once a save is finished, at the next save, so 3 can be left")
+    print(f"resuming on {resume_world} rank(s), each backend from its own newest committed step")
+
+
 def summary(args: argparse.Namespace, names: list[str]) -> bool:
     print("\n  backend  saves  MB/ckpt  stall ms  write ms  commit ms  resumed  on  load ms  state")
+    print("  " + "-" * 84)
     ok = True
     for name in names:
         rows = [json.loads(line) for line in open(_stats_file(args, name))]
@@ -311,11 +332,7 @@ def main() -> None:
             killed = launch(run_training, args.world, args)
             if killed != signal.SIGKILL:
                 raise SystemExit(f"expected rank {CRASH_RANK} to be SIGKILLed, got {killed}")
-            survivor = dcpstore.CheckpointManager(os.path.join(args.root, "ckpt"), async_=False)
-            print(f"crash: rank {CRASH_RANK} was killed at step {args.plan.crash_at}; "
-                  f"committed steps left: {survivor.all_steps()}")
-            survivor.close()
-            print(f"resuming on {resume_world} rank(s) from the newest committed step")
+            report_crash(args, resume_world)
             launch(run_resume, resume_world, args)
             ok = summary(args, names)
     finally:

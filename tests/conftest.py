@@ -1,13 +1,9 @@
 from __future__ import annotations
 
-import warnings
-
 import pytest
 
 from backends import TARGETS, Target, make_target
 from s3_server import msc_config, s3_endpoint  # noqa: F401  (session fixtures, requested lazily)
-
-warnings.filterwarnings("ignore", message="The pynvml package is deprecated")
 
 
 @pytest.fixture(params=list(TARGETS))

@@ -294,7 +294,7 @@ def _managed_save(root: str, scenario: str, how: Managed, hook: Hook) -> None:
     hook_all_storage(hook)
     state = how.state(2)
     manager = dcpstore.CheckpointManager(root, keep=1, **how.kwargs)
-    manager.save(SCENARIOS[scenario], state, overwrite=scenario == "overwrite")
+    manager.save(state, SCENARIOS[scenario], overwrite=scenario == "overwrite")
     mutate(state)  # training goes on; an async checkpoint must not see this
     manager.close()  # waits, then writes the pointer and applies retention
 

@@ -21,7 +21,6 @@ import multiprocessing
 import os
 import socket
 import time
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -64,7 +63,6 @@ def _entry(
     args: tuple[Any, ...],
     backend: str = "gloo",
 ) -> None:
-    warnings.filterwarnings("ignore", message="The pynvml package is deprecated")
     os.environ.clear()
     os.environ.update(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     # OMP_NUM_THREADS is read when torch loads (in the forkserver): set the

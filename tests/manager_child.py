@@ -32,7 +32,7 @@ def main() -> None:
     mgr = dcpstore.CheckpointManager(root, keep=keep, async_=async_, workers=4)
     if mode == "commit-kill":
         for step in (1, 2):
-            mgr.save(step, state(step))
+            mgr.save(state(step), step)
             mgr.wait()
             print("committed", step, flush=True)
         original = LocalStorage.put
@@ -43,15 +43,15 @@ def main() -> None:
             original(self, path, data)
 
         LocalStorage.put = put  # type: ignore[method-assign]
-        mgr.save(3, state(3))
+        mgr.save(state(3), 3)
         mgr.wait()
         raise SystemExit("unreachable: step 3 was committed")
     if mode == "loop":
         for step in range(1, 10_000):
-            mgr.save(step, state(step))
+            mgr.save(state(step), step)
             print("committed" if not async_ else "started", step, flush=True)
     if mode == "exit":
-        mgr.save(1, state(1))  # returns at once when async; no wait(), no close()
+        mgr.save(state(1), 1)  # returns at once when async; no wait(), no close()
 
 
 if __name__ == "__main__":

@@ -307,3 +307,27 @@ def test_compare_smoke_local_section(tmp_path) -> None:
     assert "STALE-ROW" not in text and text.startswith("intro\n") and text.endswith("outro\n")
     assert "| dcpstore local sync w=2 | local | 2 |" in text
     assert "| local save >= 0.95x raw write+fsync (best thread count) |" in text
+
+
+def test_cli_bench_drops_the_page_cache_only_when_asked(tmp_path, monkeypatch) -> None:
+    # The one privileged call is replaced: this test runs as root, and the
+    # real one would empty the whole host's page cache.
+    import dcpstore.bench.runner as runner
+
+    drops: list[int] = []
+
+    def fake_drop() -> bool:
+        drops.append(1)
+        return True
+
+    monkeypatch.setattr(runner, "drop_page_cache", fake_drop)
+    args = ("bench", str(tmp_path / "b"), "--size", "1MiB", "--tensors", "2", "--workers", "1", "-q")
+    warm = run_cli(*args)
+    assert warm.returncode == 0, warm.stdout + warm.stderr
+    assert drops == [] and "loads were warm: the page cache was not dropped" in warm.stdout
+    cold = run_cli(*args, "--drop-caches")
+    assert cold.returncode == 0, cold.stdout + cold.stderr
+    assert drops == [1] and "loads were cold" in cold.stdout
+    monkeypatch.setattr(runner, "drop_page_cache", lambda: False)  # not root
+    denied = run_cli(*args, "--drop-caches")
+    assert "could not drop the page cache" in denied.stdout

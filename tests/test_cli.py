@@ -8,12 +8,15 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 import dcpstore
 from dcpstore.cli import main
+from dcpstore.dcp.commit import read_checkpoint_metadata
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -44,7 +47,7 @@ def test_ls_lists_committed_and_incomplete(root: str) -> None:
     os.unlink(os.path.join(root, "step_2", ".metadata"))
     out = run_cli("ls", root)
     assert out.returncode == 0, out.stderr
-    lines = {line.split()[0]: line.split()[1] for line in out.stdout.splitlines()[1:]}
+    lines = {line.split()[0]: line.split()[1] for line in out.stdout.splitlines()[1:-1]}  # header, note
     assert lines == {"step_1": "committed", "step_2": "incomplete"}
     as_json = json.loads(run_cli("ls", root, "--json").stdout)
     assert {e["path"]: e["committed"] for e in as_json} == {"step_1": True, "step_2": False}
@@ -107,3 +110,102 @@ def test_gc_removes_only_incomplete(root: str) -> None:
     restored = {"w": torch.zeros(256, 64)}
     dcpstore.load(restored, os.path.join(root, "step_1"))
     assert restored["w"].abs().sum() > 0
+
+
+def test_help_ls_and_gc_never_import_torch(root: str) -> None:
+    """The commands that read no checkpoint content start without torch
+    (seconds); how much faster is benchmarks/cli_startup.py's to measure."""
+    code = (
+        "import contextlib, io, sys\n"
+        "import dcpstore\n"
+        "from dcpstore.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    with contextlib.suppress(SystemExit):\n"
+        "        main(['--help'])\n"
+        "    with contextlib.suppress(SystemExit):\n"
+        "        main(['ls', '--help'])\n"
+        f"    assert main(['ls', {root!r}]) == 0\n"
+        f"    assert main(['gc', {root!r}, '--dry-run']) == 0\n"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_ls_of_a_missing_or_empty_root_exits_non_zero(tmp_path) -> None:
+    for root in (tmp_path / "no-such-dir", tmp_path):
+        out = run_cli("ls", str(root))
+        assert out.returncode == 1, out.stdout
+        assert f"nothing at {root}" in out.stderr and "no such directory" in out.stderr
+    (tmp_path / "notes.txt").write_text("not a checkpoint")
+    out = run_cli("ls", str(tmp_path))
+    assert out.returncode == 0 and "no checkpoints under" in out.stdout, out.stdout + out.stderr
+
+
+def test_ls_and_inspect_say_what_they_count(root: str) -> None:
+    ck = os.path.join(root, "step_1")
+    ls = run_cli("ls", root)
+    assert "FILES counts every file of a checkpoint: data files, .metadata, the manifest" in ls.stdout
+    inspect = run_cli("inspect", ck)
+    assert "data files only (besides them: .metadata and the .dcpstore.json manifest)" in inspect.stdout
+    # The two counts differ by exactly what each says it leaves out or in.
+    [entry] = [e for e in json.loads(run_cli("ls", root, "--json").stdout) if e["path"] == "step_1"]
+    files = json.loads(run_cli("inspect", ck, "--json").stdout)["files"]
+    assert entry["files"] == len(os.listdir(ck)) == len(files) + 2
+
+
+def test_gc_given_the_checkpoint_itself_names_it(root: str) -> None:
+    ck = os.path.join(root, "step_2")
+    os.unlink(os.path.join(ck, ".metadata"))
+    out = run_cli("gc", ck, "--older-than", "0")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[0] == f"removed incomplete checkpoint {ck}", out.stdout
+    assert not os.path.exists(ck) or os.listdir(ck) == []
+
+
+def _stock_checkpoint(path: str) -> dict:
+    state = {"w": torch.randn(64, 32), "half": torch.ones(5, dtype=torch.bfloat16), "scalar": torch.tensor(2.5),
+             "step": 7, "opt": {"lr": 0.1, "betas": (0.9, 0.99)}}  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "assuming the intent is to save in a single process"
+        dcp.save(state, checkpoint_id=path)
+    return state
+
+
+def test_verify_checks_what_it_can_of_a_stock_dcp_checkpoint(tmp_path) -> None:
+    ck = str(tmp_path / "stock")
+    _stock_checkpoint(ck)
+    out = run_cli("verify", ck, "-q")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.startswith("OK  1 files") and "no checksums (written by stock DCP)" in out.stdout
+    assert "none (written by stock DCP)" in run_cli("inspect", ck).stdout
+
+
+def _item(path: str, fqn: str) -> tuple[str, int, int]:
+    metadata, _ = read_checkpoint_metadata(dcpstore.open_storage(path))
+    [(rel, offset, length)] = [
+        (i.relative_path, i.offset, i.length) for index, i in metadata.storage_data.items() if index.fqn == fqn
+    ]
+    return os.path.join(path, rel), offset, length
+
+
+def test_verify_finds_damage_in_a_stock_dcp_checkpoint(tmp_path) -> None:
+    ck = str(tmp_path / "stock")
+    _stock_checkpoint(ck)
+    data, offset, length = _item(ck, "w")
+    with open(data, "r+b") as f:  # the tensor record's zip header: no longer a record
+        f.seek(offset)
+        f.write(b"\0" * 64)
+    bad = run_cli("verify", ck, "-q")
+    assert bad.returncode == 1, bad.stdout
+    [damaged] = [line for line in bad.stdout.splitlines() if line.startswith("DAMAGED")]
+    assert "'w'" in damaged and "not a readable tensor record" in damaged, bad.stdout
+
+    _stock_checkpoint(ck)  # whole again; then cut short
+    data, offset, length = _item(ck, "w")
+    size = os.path.getsize(data)
+    with open(data, "r+b") as f:
+        f.truncate(size - 100)
+    cut = run_cli("verify", ck, "-q")
+    assert cut.returncode == 1 and "extends past the end of the file" in cut.stdout, cut.stdout

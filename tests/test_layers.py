@@ -26,13 +26,13 @@ PACKAGE = Path(__file__).resolve().parent.parent / "dcpstore"
 #: Bottom first. ``dcpstore`` itself (its __init__: the public surface) sits
 #: above everything it re-exports and below the tools built on the package.
 LAYERS: list[set[str]] = [
-    {"errors", "threads", "quiet", "units"},  # foundation: imports nothing of ours
+    {"errors", "threads", "quiet", "units", "keywords", "progress"},  # foundation: imports nothing of ours
     {"storage"},  # bytes
     {"options", "handle"},  # value objects
     {"format"},  # what the bytes mean
     {"dcp"},  # the DCP protocol: commit, writer, reader
     {"engines"},  # when: async saves, engines, exit hook
-    {"api", "maintenance"},  # front door for one checkpoint; checkpoints at rest
+    {"api", "listing", "maintenance"},  # front door for one checkpoint; checkpoints at rest
     {"manager"},  # many checkpoints under a root
     {"adapters"},  # other projects' shapes
     {""},  # dcpstore/__init__.py: the public surface

@@ -55,7 +55,7 @@ def previous(tmp_path) -> tuple[str, dict]:
     state = sample_state(7)
     root = str(tmp_path / "run")
     with dcpstore.CheckpointManager(root, async_=False) as manager:
-        manager.save(1, state)
+        manager.save(state, 1)
     return root, state
 
 

@@ -68,7 +68,7 @@ def test_step_directory_names_round_trip() -> None:
 def test_steps_must_be_non_negative_ints(local_target: Target, bad: Any) -> None:
     mgr = _manager(local_target)
     with pytest.raises(dcpstore.InvalidArgument, match="step must be a non-negative int"):
-        mgr.save(bad, _state(0))
+        mgr.save(_state(0), bad)
     with pytest.raises(dcpstore.InvalidArgument, match="step must be a non-negative int"):
         mgr.step_uri(bad)
     assert not os.path.exists(local_target.uri) or not os.listdir(local_target.uri)
@@ -87,7 +87,7 @@ def test_bad_options_fail_at_construction(local_target: Target, kwargs: dict[str
 def test_async_is_the_default(local_target: Target) -> None:
     mgr = dcpstore.CheckpointManager(local_target.uri, **local_target.kwargs)
     assert mgr.async_ is True
-    handle = mgr.save(1, _state(1))
+    handle = mgr.save(_state(1), 1)
     mgr.wait()  # None if the save had already finished inside save()
     assert handle.done() and handle.result().engine != "sync" and mgr.all_steps() == [1]
     mgr.close()
@@ -100,7 +100,7 @@ def test_only_committed_canonical_steps_are_listed(target: Target) -> None:
     mgr = _manager(target)
     assert mgr.all_steps() == [] and mgr.latest_step() is None
     for step in (1, 5, 3):
-        mgr.save(step, _state(step))
+        mgr.save(_state(step), step)
     storage = _open(target)
     for foreign in ("step_5/.metadata", "step_00000007.bak/.metadata", "other/.metadata", "step_00000011/nested/.metadata"):
         storage.put(foreign, b"not a checkpoint")
@@ -114,8 +114,8 @@ def test_only_committed_canonical_steps_are_listed(target: Target) -> None:
 
 def test_the_listing_wins_over_the_pointer(target: Target) -> None:
     mgr = _manager(target)
-    mgr.save(1, _state(1))
-    mgr.save(2, _state(2))
+    mgr.save(_state(1), 1)
+    mgr.save(_state(2), 2)
     storage = _open(target)
     storage.put("latest", b"99\n")  # a stale or foreign pointer
     assert mgr.latest_step() == 2 and _loaded_step(mgr)[0] == 2
@@ -128,7 +128,7 @@ def test_load_without_any_committed_step_names_the_root(target: Target) -> None:
     mgr = _manager(target)
     with pytest.raises(dcpstore.CheckpointNotFound, match="no committed checkpoint under"):
         mgr.load(_state(0))
-    mgr.save(4, _state(4))
+    mgr.save(_state(4), 4)
     with pytest.raises(dcpstore.CheckpointNotFound):
         mgr.load(_state(0), step=3)
     mgr.close()
@@ -136,11 +136,11 @@ def test_load_without_any_committed_step_names_the_root(target: Target) -> None:
 
 def test_committed_steps_are_not_overwritten_unless_asked(target: Target) -> None:
     mgr = _manager(target)
-    mgr.save(7, _state(7))
+    mgr.save(_state(7), 7)
     with pytest.raises(dcpstore.InvalidArgument, match="already committed.*overwrite=True"):
-        mgr.save(7, _state(70))
+        mgr.save(_state(70), 7)
     assert _loaded_step(mgr) == (7, 7.0, 7)
-    mgr.save(7, _state(70), overwrite=True)
+    mgr.save(_state(70), 7, overwrite=True)
     assert _loaded_step(mgr) == (7, 70.0, 70)
     mgr.close()
 
@@ -151,7 +151,7 @@ def test_committed_steps_are_not_overwritten_unless_asked(target: Target) -> Non
 def test_retention_keeps_the_newest_k_committed_steps(target: Target) -> None:
     mgr = _manager(target, keep=2)
     for step in range(1, 6):
-        mgr.save(step, _state(step))
+        mgr.save(_state(step), step)
         assert mgr.all_steps() == list(range(max(1, step - 1), step + 1))
     paths = {o["path"] for o in _open(target).list()}
     assert not any(p.startswith(("step_00000001/", "step_00000002/", "step_00000003/")) for p in paths), paths
@@ -165,8 +165,8 @@ def test_retention_never_touches_newer_or_uncommitted_steps(target: Target) -> N
     dcpstore.save(_state(10), mgr.step_uri(10), **target.kwargs).result()
     storage = _open(target)
     storage.put("step_00000002/__0_0.distcp", b"partial")
-    mgr.save(1, _state(1))
-    mgr.save(3, _state(3))
+    mgr.save(_state(1), 1)
+    mgr.save(_state(3), 3)
     assert mgr.all_steps() == [3, 10]  # 1 retired after 3 committed; 10 is newer than 3: untouched
     assert storage.exists("step_00000002/__0_0.distcp")  # gc's job, not retention's
     assert mgr.latest_step() == 10 and mgr.read_pointer() == 3
@@ -178,10 +178,10 @@ def test_retention_never_touches_newer_or_uncommitted_steps(target: Target) -> N
 
 def test_close_is_idempotent_and_final(local_target: Target) -> None:
     with _manager(local_target) as mgr:
-        mgr.save(1, _state(1))
+        mgr.save(_state(1), 1)
     mgr.close()
     with pytest.raises(dcpstore.InvalidArgument, match="closed"):
-        mgr.save(2, _state(2))
+        mgr.save(_state(2), 2)
     with _manager(local_target) as again:
         assert again.all_steps() == [1]
 
@@ -213,7 +213,7 @@ def test_kill_between_data_and_commit_keeps_the_newest_committed_step(tmp_path: 
     assert mgr.read_pointer() == 2
     assert _loaded_step(mgr, like=child_state(0)) == (2, 2.0, 2)
     # The resumed run saves step 3 over the leftovers; only now does 2 go.
-    mgr.save(3, _state(3))
+    mgr.save(_state(3), 3)
     assert mgr.all_steps() == [3] and _loaded_step(mgr) == (3, 3.0, 3)
     mgr.close()
 
@@ -258,13 +258,13 @@ def test_async_step_is_listed_only_after_commit_and_retention_waits_for_it(
     local_target: Target, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     mgr = _manager(local_target, keep=1, async_=True)
-    mgr.save(1, _state(1))
+    mgr.save(_state(1), 1)
     mgr.wait()
     # Step 2's data files are durable; its commit is held until released.
     held = BlockAt(lambda e: e == f"commit:{METADATA}")
     hook_all_storage({mgr.step_uri(2): held}, monkeypatch.setattr)
     state = _state(2)
-    handle = mgr.save(2, state)
+    handle = mgr.save(state, 2)
     try:
         state["w"].fill_(-1.0)  # after save returns: must not reach storage
         assert held.reached.wait(60), "step 2 never reached its commit"

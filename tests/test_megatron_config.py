@@ -134,7 +134,7 @@ def test_mapping_onto_the_manager(tmp_path: Path) -> None:
     mgr = cfg.manager()
     assert mgr.keep == 2 and mgr.io_kwargs["workers"] is None
     for step in range(1, 5):
-        mgr.save(step, {"w": torch.full((4,), float(step))})
+        mgr.save({"w": torch.full((4,), float(step))}, step)
     mgr.close()
     loader = cfg.load_manager()
     assert loader is not None and loader.all_steps() == [3, 4]
@@ -181,7 +181,7 @@ def test_constant_structure_is_accepted_exactly_when_the_writer_can_replay_cache
         return
     mgr = CheckpointConfig(**kwargs).manager()
     for step in (1, 2, 3):
-        mgr.save(step, {"w": torch.full((8,), float(step))})
+        mgr.save({"w": torch.full((8,), float(step))}, step)
     for step in (1, 2, 3):
         out = {"w": torch.zeros(8)}
         mgr.load(out, step)

@@ -15,6 +15,7 @@ import dataclasses
 import json
 import os
 import re
+import time
 from typing import Any
 
 import pytest
@@ -25,9 +26,12 @@ from hypothesis import strategies as st
 
 import dcpstore
 from backends import Target
-from dcpstore.format.layout import MANIFEST, METADATA, spread_dir, spread_file_prefix, split_data_path
+from dcpstore.format import inflight
+from dcpstore.format.inflight import ALIVE_PREFIX
+from dcpstore.format.layout import INFLIGHT, MANIFEST, METADATA, spread_dir, spread_file_prefix, split_data_path
 from dcpstore.maintenance import gc, list_checkpoints
 from dcpstore.storage import StorageOptions
+from dcpstore.storage.local import _TMP_MARK
 from dist_utils import run_ranks
 from oracle import needs_nvrx
 
@@ -186,3 +190,21 @@ def test_nvrx_engine_spreads_too(local_target: Target) -> None:
     dest = {"w": torch.zeros(96, 40), "b": torch.zeros(100)}
     dcpstore.load(dest, local_target.uri)
     assert torch.equal(dest["w"], FULL)
+
+
+def test_gc_leaves_a_running_spread_saves_temporary_files_alone(tmp_path: Any) -> None:
+    """The temporary files of a running save's spread data files lie one
+    directory down (p1/): gc must see them as that save's, not as an idle
+    directory's leftovers, however old they are."""
+    ckpt = tmp_path / "root" / "mine"
+    (ckpt / "p1").mkdir(parents=True)
+    token = "0123456789abcdef"
+    (ckpt / INFLIGHT).write_text(token)
+    (ckpt / f"{ALIVE_PREFIX}{token}").write_bytes(inflight.encode_alive(token, inflight.Owner.current()))
+    temp = ckpt / "p1" / f".__1_0.distcp{_TMP_MARK}x"
+    temp.write_bytes(b"partial")
+    old = time.time() - 600
+    os.utime(temp, (old, old))
+    report = gc(dcpstore.open_storage(str(tmp_path / "root")), older_than_s=300)
+    assert report.kept_running == ["mine"]
+    assert temp.exists() and report.incomplete_uploads == 0

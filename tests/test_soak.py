@@ -68,7 +68,7 @@ def _soak(target: Target, numel: int, engine: str = "native") -> None:
                 if isinstance(value, torch.Tensor):
                     value.add_(1)  # the optimizer step
             state["optim"]["step"] = step
-            manager.save(step, state)
+            manager.save(state, step)
             if (step + 1) % SAMPLE_EVERY == 0:
                 manager.wait()
                 samples.append(_usage(proc))

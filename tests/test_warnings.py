@@ -46,6 +46,16 @@ def test_importing_dcpstore_leaves_the_filters_alone() -> None:
     assert out.returncode == 0, out.stderr
 
 
+def test_importing_torch_dcpstore_and_nvrx_prints_no_warning() -> None:
+    """The environment setup.sh builds is quiet: no pynvml FutureWarning (the
+    'pynvml' shim NVRx requires warns from 13.0 on; constraints.txt and the
+    nvrx extra keep 12.x, nvidia-ml-py provides the module), nor any other."""
+    code = "import torch, dcpstore, dcpstore.cli, dcpstore.adapters.fsdp, dcpstore.engines.nvrx, pynvml\n"
+    out = subprocess.run([sys.executable, "-W", "default", "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "Warning" not in out.stderr, out.stderr
+
+
 def test_single_process_calls_raise_no_dcp_warning_and_leave_the_filters_alone(tmp_path: Path) -> None:
     state = {"w": torch.arange(1 << 19, dtype=torch.float32)}  # 2 MiB: loaded through an item view
     with warnings.catch_warnings(record=True) as caught:

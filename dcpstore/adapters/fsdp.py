@@ -118,10 +118,24 @@ def get_app_state(
     cpu_offload: bool = False,
     extra: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The dict to hand :func:`dcpstore.save` (collective on every rank).
+    """The dict to hand :func:`dcpstore.save` (collective: every rank calls it).
 
-    ``extra`` entries (step counters, RNG state, ...) are added at the top
-    level; ``"model"`` and ``"optimizer"`` are reserved.
+    Args:
+        model: the (FSDP2-sharded) model.
+        optimizer: its optimizer, a sequence of them, or ``None``.
+        format: ``"fsdp_dtensor"`` (DTensor shards) or ``"torch_dist"``
+            (Megatron's ShardedTensor view of the same shards); the module
+            :mod:`dcpstore.adapters.megatron` describes both.
+        full_state_dict: gather full tensors instead of shards.
+        cpu_offload: move the tensors to the CPU.
+        extra: entries added at the top level (step counters, RNG state,
+            ...); ``"model"`` and ``"optimizer"`` are reserved.
+
+    Returns:
+        ``{"model": ..., "optimizer": ..., **extra}``.
+
+    Raises:
+        InvalidArgument: an unknown format, or a reserved key in ``extra``.
     """
     fmt = check_format(format)
     state = _dtensor_state(model, optimizer, full_state_dict=full_state_dict, cpu_offload=cpu_offload)
@@ -256,7 +270,25 @@ def save_app_state(
     **save_kwargs: Any,
 ) -> SaveHandle:
     """Save model + optimizer (+ ``extra``) to a URI, or as ``step`` of a
-    :class:`~dcpstore.CheckpointManager` (whose options then apply)."""
+    :class:`~dcpstore.CheckpointManager` (whose options then apply).
+    Collective: every rank calls it.
+
+    Args:
+        model, optimizer, format, full_state_dict, cpu_offload, extra: as
+            for :func:`get_app_state`.
+        dest: a URI, or a manager.
+        step: the step, with a manager (required there, refused otherwise).
+        **save_kwargs: :func:`dcpstore.save`'s options, with a URI only.
+
+    Returns:
+        The save's :class:`~dcpstore.SaveHandle`.
+
+    Raises:
+        InvalidArgument: ``step`` missing for a manager or given for a URI,
+            save options given with a manager, or a bad option.
+        SaveError: as for :func:`dcpstore.save` and
+            :meth:`~dcpstore.CheckpointManager.save`.
+    """
     state = get_app_state(
         model, optimizer, format=format, full_state_dict=full_state_dict, cpu_offload=cpu_offload, extra=extra
     )
@@ -265,7 +297,7 @@ def save_app_state(
             raise InvalidArgument("step is required when saving through a CheckpointManager")
         if save_kwargs:
             raise InvalidArgument(f"pass {sorted(save_kwargs)} to the CheckpointManager, not to save_app_state")
-        return dest.save(step, state)
+        return dest.save(state, step)
     if step is not None:
         raise InvalidArgument("step is only meaningful with a CheckpointManager; put it in extra={'step': ...}")
     return save(state, dest, **save_kwargs)
@@ -287,10 +319,29 @@ def load_app_state(
     """Load model + optimizer (+ ``extra``, updated in place) from a URI, or
     from ``step`` (default: the newest committed) of a manager.
 
-    Reshards to this run's layout. ``strict=True`` raises
-    :class:`~dcpstore.StateDictMismatch` naming every missing, unexpected or
-    mismatched key before anything is loaded; ``strict=False`` loads what
-    matches and returns the report. Collective: every rank calls it.
+    Reshards to this run's layout. Collective: every rank calls it.
+
+    Args:
+        model, optimizer, format, full_state_dict, cpu_offload: as for
+            :func:`get_app_state` (the format may differ from the one saved).
+        src: a URI, or a manager.
+        step: with a manager, the step to load (default: the newest
+            committed one).
+        strict: raise before anything is loaded if a key is missing,
+            unexpected or of another shape (``False``: load what matches).
+        extra: entries to load too, updated in place.
+        **load_kwargs: :func:`dcpstore.load`'s options, with a URI only.
+
+    Returns:
+        A :class:`LoadReport`: the keys loaded, missing, unexpected and
+        mismatched.
+
+    Raises:
+        StateDictMismatch: ``strict`` and the keys differ (its ``report``
+            lists them).
+        CheckpointNotFound, CheckpointCorrupt, LoadError: as for
+            :func:`dcpstore.load`.
+        InvalidArgument: load options given with a manager, or a bad format.
     """
     fmt = check_format(format)
     if isinstance(src, CheckpointManager):
@@ -376,7 +427,13 @@ def set_app_state(
     full_state_dict: bool = False,
     cpu_offload: bool = False,
 ) -> None:
-    """Apply a state dict shaped like :func:`get_app_state`'s
-    (``fsdp_dtensor`` format) to the model and optimizer."""
+    """Apply a state dict shaped like :func:`get_app_state`'s (``fsdp_dtensor``
+    format) to the model and optimizer (collective: every rank calls it).
+
+    Args:
+        model, optimizer, full_state_dict, cpu_offload: as for
+            :func:`get_app_state`.
+        state: ``{"model": ..., "optimizer": ...}``.
+    """
     _apply(model, optimizer, state, full_state_dict=full_state_dict, cpu_offload=cpu_offload)
 

@@ -190,7 +190,19 @@ def plan_caching_supported() -> bool:
 
 @dataclass
 class CheckpointConfig:
-    """Checkpointing options under Megatron-Bridge's names; see the module docstring."""
+    """Checkpointing options under Megatron-Bridge's names; see the module
+    docstring for how each field maps onto dcpstore.
+
+    Args:
+        save, load, save_interval, async_save, ckpt_format,
+            dist_ckpt_workers, enable_msc, most_recent_k,
+            ckpt_assume_constant_structure, ckpt_step, engine: the fields
+            below, each with its meaning in its comment.
+
+    Raises:
+        InvalidArgument: a field the writers would refuse, named as
+            ``CheckpointConfig.<field>`` with the reason.
+    """
 
     #: Root to save step checkpoints under (``step_00000100/`` ...); ``None``: no saving.
     save: str | None = None
@@ -280,7 +292,15 @@ class CheckpointConfig:
     def save_options(
         self, *, process_group: dist.ProcessGroup | None = None, storage_options: StorageOptions | None = None
     ) -> SaveOptions:
-        """The options of every save this config asks for."""
+        """The options of every save this config asks for.
+
+        Args:
+            process_group: the ranks that save together (default: all).
+            storage_options: backend tuning, as for :func:`dcpstore.save`.
+
+        Returns:
+            One validated :class:`~dcpstore.options.SaveOptions`.
+        """
         return SaveOptions(
             async_=self.async_save,
             engine=self.engine,
@@ -307,7 +327,18 @@ class CheckpointConfig:
     def manager(
         self, *, process_group: dist.ProcessGroup | None = None, storage_options: StorageOptions | None = None
     ) -> CheckpointManager:
-        """The manager that saves (and resumes) under ``save``."""
+        """The manager that saves (and resumes) under ``save``.
+
+        Args:
+            process_group, storage_options: as for :meth:`save_options`.
+
+        Returns:
+            A :class:`~dcpstore.CheckpointManager` with ``keep`` from
+            ``most_recent_k``.
+
+        Raises:
+            InvalidArgument: ``save`` is ``None``.
+        """
         if self.save is None:
             self._fail("save", "is None: there is no root to save under")
         assert self.save is not None
@@ -317,8 +348,16 @@ class CheckpointConfig:
     def load_manager(
         self, *, process_group: dist.ProcessGroup | None = None, storage_options: StorageOptions | None = None
     ) -> CheckpointManager | None:
-        """A manager to resume from ``load`` (``None`` when not resuming).
-        Resume ``ckpt_step`` if set, else the newest committed step."""
+        """A manager to resume from ``load``: resume ``ckpt_step`` if set,
+        else the newest committed step.
+
+        Args:
+            process_group, storage_options: as for :meth:`save_options`.
+
+        Returns:
+            A load-only :class:`~dcpstore.CheckpointManager`, or ``None``
+            when ``load`` is ``None`` (not resuming).
+        """
         if self.load is None:
             return None
         options = self.save_options(process_group=process_group, storage_options=storage_options)

@@ -110,7 +110,7 @@ def bench(
     async_: bool = False,
     repeat: int = 1,
     enable_msc: bool = False,
-    drop_caches: bool = True,
+    drop_caches: bool = False,
     progress: bool = True,
     limit: bool = False,
 ) -> list[Record]:
@@ -118,7 +118,11 @@ def bench(
     worker count (``repeat`` times each) and return the records.
 
     ``limit``: also measure the storage's limit rows first (see
-    :func:`limit_entries`), so that the table shows each row against them."""
+    :func:`limit_entries`), so that the table shows each row against them.
+
+    ``drop_caches``: drop the page cache before each local load (root only;
+    it empties the whole host's cache, so it is never done unasked). Each
+    record's ``cold_read`` says whether it was (:func:`.report.cache_note`)."""
     url = parse_uri(uri)
     created_root = url.scheme == "file" and not os.path.exists(url.path)
     state = make_state(size, tensors)

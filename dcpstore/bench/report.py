@@ -70,6 +70,25 @@ def format_table(rows: Iterable[dict[str, Any]]) -> str:
     return "\n".join([row(head), *(row(line) for line in lines)])
 
 
+def cache_note(records: Sequence[Record], drop_caches: bool) -> str:
+    """One line saying whether the loads of ``records`` were cold (the page
+    cache dropped before each) or may have read memory; empty if none loaded."""
+    loads = [r for r in records if r.status == "ok" and r.read_s is not None]
+    local = [r for r in loads if r.backend == "local"]
+    if not local:
+        return f"loads: read from {loads[0].backend}, not from this host's page cache" if loads else ""
+    cold = sum(bool(r.cold_read) for r in local)
+    if cold == len(local):
+        return "loads were cold: the page cache was dropped before each local load (--drop-caches)"
+    if drop_caches and cold == 0:
+        return ("loads were warm: --drop-caches could not drop the page cache (it needs root: "
+                "/proc/sys/vm/drop_caches), so local loads may have read memory, not the disk")  # fmt: skip
+    if cold:
+        return f"loads were cold in {cold} of {len(local)} local runs (dropping the page cache failed in the others)"
+    return ("loads were warm: the page cache was not dropped, so local loads may have read memory, not the disk "
+            "(--drop-caches, as root, drops it before each load; that empties the whole host's cache)")  # fmt: skip
+
+
 def git_commit() -> str | None:
     """The short hash of the checkout the benchmark runs from, if it is one."""
     try:

@@ -36,6 +36,7 @@ import contextlib
 import io
 import os
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -57,7 +58,9 @@ from ..format.layout import MANIFEST, METADATA, item_key
 from ..format.manifest import Manifest
 from ..format.record import item_tensor
 from ..format.safe_pickle import Trust, check_record_end, load_object
+from ..handle import LoadStats
 from ..options import LoadOptions, check_workers
+from ..progress import NO_PROGRESS, Progress
 from ..quiet import ignoring
 from ..storage import Storage
 from ..threads import run_parallel
@@ -75,6 +78,7 @@ SMALL_TENSOR_COPY = 64 * 1024
 
 class DcpStorageReader(StorageReader):
     """A DCP ``StorageReader`` over any :class:`Storage`; verifies as it reads.
+    ``progress`` counts this rank's bytes as items are read.
 
     Never executes checkpoint content: ``.metadata`` and non-tensor items are
     unpickled through allowlists (:mod:`dcpstore.format.safe_pickle`);
@@ -90,11 +94,13 @@ class DcpStorageReader(StorageReader):
         verify: bool = True,
         safe_globals: Sequence[Any] | None = None,
         trusted: bool = False,
+        progress: Progress = NO_PROGRESS,
     ) -> None:
         super().__init__()
         self.storage = storage
         self.workers = check_workers(workers, storage.default_workers())
         self.verify = verify
+        self.bar = progress
         self._trust = Trust.of(safe_globals, trusted)
         self._reopen = reopen
         self._manifest: Manifest | None = None
@@ -166,6 +172,7 @@ class DcpStorageReader(StorageReader):
             self._check_sizes(per_file)
             raw = self._manifest["tensors"] if self._manifest is not None else {}
             jobs = plan_reads(per_file, raw, self._metadata, self.workers, self.storage.describe(MANIFEST))
+            self.bar.start(sum(info.length for reqs in per_file.values() for _, info in reqs))
             run_parallel(lambda job: self._read_job(job, planner, lock), jobs, self.workers, "dcpstore-read")
         except BaseException as e:
             error = self._progress.annotate(e, self.storage.uri)  # what this rank's state now holds
@@ -253,6 +260,7 @@ class DcpStorageReader(StorageReader):
                     self.bytes_read += d.length
                     planner.commit_tensor(d.req, target)
                     self._progress.loaded([d.req.dest_index.fqn], exposed=exposed)
+                self.bar.update(sum(d.length for (d, _, _), _ in verified))
             if error is not None:
                 raise error
 
@@ -324,6 +332,7 @@ class DcpStorageReader(StorageReader):
         view = memoryview(blob)
         with lock:
             self.bytes_read += len(blob)
+        self.bar.update(len(blob))
         for req, info in span.reqs:
             start = info.offset - span.offset
             item = view[start : start + info.length]
@@ -398,11 +407,14 @@ def _narrow(tensor: torch.Tensor, offsets: torch.Size, lengths: torch.Size) -> t
     return tensor
 
 
-def load_state_dict(state_dict: dict[str, Any], storage: Storage, options: LoadOptions) -> None:
+def load_state_dict(
+    state_dict: dict[str, Any], storage: Storage, options: LoadOptions, progress: Progress = NO_PROGRESS
+) -> LoadStats:
     """One whole DCP load of ``storage`` into ``state_dict`` in place, with
-    dcpstore's reader (every rank calls it). A failure on any rank raises
-    the first failed rank's :class:`CheckpointError` (or a
-    :class:`~dcpstore.LoadError`) on every rank.
+    dcpstore's reader (every rank calls it); returns what this rank read. A
+    failure on any rank raises the first failed rank's
+    :class:`CheckpointError` (or a :class:`~dcpstore.LoadError`) on every
+    rank.
 
     A destination that disagrees with the checkpoint (a stored object where
     it holds a tensor; complex -> real, floating -> integer, anything ->
@@ -412,6 +424,7 @@ def load_state_dict(state_dict: dict[str, Any], storage: Storage, options: LoadO
     which keys it had already changed on this rank (its ``loaded_keys``,
     ``partly_loaded_keys`` and ``damaged_keys``; every other key is
     unchanged)."""
+    t0 = time.perf_counter()
     check_top_level_keys(state_dict, loading=True)
     reader = DcpStorageReader(
         storage,
@@ -419,8 +432,10 @@ def load_state_dict(state_dict: dict[str, Any], storage: Storage, options: LoadO
         verify=options.verify,
         safe_globals=options.safe_globals,
         trusted=options.trusted,
+        progress=progress,
     )
     reader.check_destination(state_dict)
+    t_read = time.perf_counter()
     no_dist = not (dist.is_available() and dist.is_initialized())
     try:
         with ignoring(NO_DIST_WARNING) if no_dist else contextlib.nullcontext():
@@ -433,3 +448,4 @@ def load_state_dict(state_dict: dict[str, Any], storage: Storage, options: LoadO
             )
     except CheckpointException as e:
         raise load_error(e, storage.uri) from e
+    return LoadStats(bytes_read=reader.bytes_read, metadata_s=t_read - t0, read_s=time.perf_counter() - t_read)

@@ -51,6 +51,7 @@ from ..format.layout import spread_file_prefix
 from ..format.record import RecordStream, compact_cpu_tensor
 from ..handle import SaveStats
 from ..options import check_workers
+from ..progress import NO_PROGRESS, Progress
 from ..quiet import ignoring
 from ..storage import Storage, parse_uri
 from ..threads import run_parallel
@@ -117,7 +118,8 @@ class DcpStorageWriter(StorageWriter):
 
     ``workers`` threads write one data file each per rank. Use it directly
     with ``torch.distributed.checkpoint.save(sd, storage_writer=...)`` or
-    through :func:`dcpstore.save`.
+    through :func:`dcpstore.save`. ``progress`` counts this rank's bytes as
+    items are written.
     """
 
     def __init__(
@@ -126,11 +128,13 @@ class DcpStorageWriter(StorageWriter):
         *,
         workers: int | None = None,
         reopen: Callable[[str], Storage] | None = None,
+        progress: Progress = NO_PROGRESS,
     ) -> None:
         super().__init__()
         self.storage = storage
         self.workers = check_workers(workers, storage.default_workers())
         self._reopen = reopen
+        self.progress = progress
         self.rank = 0
         self.is_coordinator = True
         self.stats = SaveStats()
@@ -182,6 +186,7 @@ class DcpStorageWriter(StorageWriter):
         if token.save_id != self.session.save_id:  # a follower: the coordinator's save
             self._session = SaveSession(self.storage, token.save_id)
         buckets = split_buckets(plan.items, self.workers)
+        self.progress.start(sum(item_nbytes(it) for it in plan.items))
         lock = threading.Lock()  # planners are not promised to be thread-safe
         future: Future[list[WriteResult]] = Future()
         named = [(self.session.data_file(token.prefix, i), bucket) for i, bucket in enumerate(buckets)]
@@ -207,6 +212,7 @@ class DcpStorageWriter(StorageWriter):
             stream = RecordStream(writer)
             for item in items:
                 written.append((item, stream.write_item(_resolve(planner, item, lock))))
+                self.progress.update(item_nbytes(item))
             file_size, file_crc = stream.finish()
             # Leaving the block publishes the file; a save that lost its
             # URI to a later save must not clobber that save's files.
@@ -260,13 +266,14 @@ def save_state_dict(
     workers: int | None,
     process_group: dist.ProcessGroup | None,
     planner: SavePlanner | None,
+    progress: Progress = NO_PROGRESS,
 ) -> SaveStats:
     """One whole DCP save of ``state_dict`` to ``storage`` with dcpstore's
     writer (every rank calls it; ``process_group`` None: no collectives).
     The native engine, sync or on an async saver's background thread.
     Raises what DCP raises (a ``CheckpointException`` for a failure on any
     rank)."""
-    writer = DcpStorageWriter(storage, workers=workers)
+    writer = DcpStorageWriter(storage, workers=workers, progress=progress)
     no_dist = not (dist.is_available() and dist.is_initialized())
     try:
         with ignoring(NO_DIST_WARNING) if no_dist else contextlib.nullcontext():

@@ -20,15 +20,17 @@ import torch.distributed as dist
 
 from ..errors import CheckpointError, EngineFallbackWarning, InvalidArgument, SaveError
 from ..options import ENGINES
+from ..quiet import user_stacklevel
 from ..storage import Storage
 from . import nvrx
 
 
-def select_engine(engine: str, storage: Storage, *, stacklevel: int = 2) -> str:
+def select_engine(engine: str, storage: Storage) -> str:
     """Resolve ``engine`` for ``storage`` to ``"native"`` or ``"nvrx"``.
 
     Explicit choices are honoured or refused with the reason; ``"auto"``
-    falls back to native with one warning that says why.
+    falls back to native with one warning that says why, pointed at the
+    user's line.
     """
     if engine not in ENGINES:
         raise InvalidArgument(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
@@ -48,7 +50,7 @@ def select_engine(engine: str, storage: Storage, *, stacklevel: int = 2) -> str:
         f"engine='auto' uses dcpstore's native async engine: {reason} "
         "(pass engine='native' to choose it explicitly)",
         EngineFallbackWarning,
-        stacklevel=stacklevel + 1,
+        stacklevel=user_stacklevel(),
     )
     return "native"
 

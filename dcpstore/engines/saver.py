@@ -6,6 +6,8 @@ runs on the per-process default saver, :func:`default_saver`)::
     caller's thread   validate; open the storage; choose the engine
                       wait until fewer than ``max_in_flight`` saves are pending
                       (a new save first finishes the oldest one)
+                      raise an earlier save's failure that its handle never
+                      reported (see "Failures nobody looked at" below)
                       first use of a process group: create its background group
                       stage: a consistent host copy (engines/staging.py)
                       submit to the background thread; return a SaveHandle
@@ -32,6 +34,14 @@ staged tensors are in host memory. The commit happens only if every rank's
 write succeeded (DCP / NVRx gather the results); otherwise every rank's handle
 raises. A rank that fails *before* its first background collective (e.g. dies)
 leaves the others waiting until the group's timeout (``collective_timeout``).
+
+Failures nobody looked at. A save's failure is *observed* when its handle's
+``result()`` or ``exception()`` reports it. One that is not is raised, once,
+chained to it, by the next ``save`` on the same saver (before it starts
+anything: every rank sees the same failure, so every rank raises) and by
+``close()``; at interpreter exit it is logged at ERROR with its traceback.
+The exit status is left alone (the README's "Async saves" says why). The
+failure is also logged at ERROR when it happens.
 
 Engines (:mod:`.choice`): ``native`` (DCP's save with dcpstore's writer,
 :func:`dcpstore.dcp.writer.save_state_dict`; any backend) and ``nvrx``
@@ -74,7 +84,9 @@ from ..dcp.failures import save_error
 from ..dcp.writer import save_state_dict
 from ..errors import InvalidArgument, SaveError
 from ..handle import CheckpointInfo, SaveHandle
-from ..options import SaveOptions, check_positive, check_workers
+from ..keywords import hint_keywords
+from ..options import SaveOptions, check_positive, check_workers, rank_label, shows_progress
+from ..progress import Progress
 from ..storage import Storage, StorageOptions, open_storage
 from ..threads import BackgroundThread
 from . import exit as exit_hook
@@ -137,20 +149,32 @@ class AsyncSaver:
         h.result()     # CheckpointInfo, or raises SaveError
         saver.close()
 
-    ``max_in_flight``: saves allowed to be pending at once; a new save first
-    waits for the oldest (default 1: each save finishes the previous one).
-    ``staging_cache``: how many state-dict structures keep their staging
-    buffers between saves (0: allocate every time).
-    ``collective_timeout``: timeout of the background process groups.
-    ``hang_timeout``: seconds a background save may run before it is
-    presumed hung (default 1800; ``None``: never). Past it, a new ``save``
-    no longer waits for it but raises :class:`SaveError`, ``close()`` stops
-    waiting and raises, and interpreter exit stops waiting and logs an error
-    naming the URI (the process then exits; nothing hangs forever --
-    Megatron-LM #2422). Raise it for saves that legitimately take longer.
-    ``handle.result(timeout=...)`` bounds a single wait independently.
+    A save whose failure its handle never reported (no ``result()`` or
+    ``exception()``) is raised by the next ``save`` and by ``close()``, and
+    logged at interpreter exit.
+
+    Args:
+        max_in_flight: saves allowed to be pending at once; a new save first
+            waits for the oldest (default 1: each save finishes the previous
+            one).
+        staging_cache: how many state-dict structures keep their staging
+            buffers between saves (0: allocate every time).
+        collective_timeout: timeout of the background process groups
+            (seconds or a ``timedelta``; default: torch's).
+        hang_timeout: seconds a background save may run before it is
+            presumed hung (default 1800; ``None``: never). Past it, a new
+            ``save`` no longer waits for it but raises :class:`SaveError`,
+            ``close()`` stops waiting and raises, and interpreter exit stops
+            waiting and logs an error naming the URI (the process then
+            exits; nothing hangs forever -- Megatron-LM #2422). Raise it for
+            saves that legitimately take longer. ``handle.result(timeout=...)``
+            bounds a single wait independently.
+
+    Raises:
+        InvalidArgument: a value out of range.
     """
 
+    @hint_keywords
     def __init__(
         self,
         *,
@@ -173,14 +197,17 @@ class AsyncSaver:
         self._stager = Stager(self.pool)
         self._groups = _BackgroundGroups(collective_timeout)
         self._nvrx_caches = PlanCaches()
-        # (future, printable URI) of every save not yet popped, oldest first
-        self._pending: deque[tuple[Future[CheckpointInfo], str]] = deque()
+        # every save not yet seen finished, oldest first
+        self._pending: deque[SaveHandle] = deque()
+        # saves seen failed whose handle has not reported it yet (see _raise_unobserved)
+        self._failed: list[SaveHandle] = []
         self._background = BackgroundThread("dcpstore-async")
         self._lock = threading.RLock()
         self._closed = False
         exit_hook.watch(self, exit_hook.Stage.SAVERS)
 
     # -- public ---------------------------------------------------------------
+    @hint_keywords
     def save(
         self,
         state_dict: dict[str, Any],
@@ -193,11 +220,28 @@ class AsyncSaver:
         planner: SavePlanner | None = None,
         storage_options: StorageOptions | None = None,
         max_in_flight: int | None = None,
+        progress: bool = False,
     ) -> SaveHandle:
         """Stage ``state_dict`` and save it to ``uri`` in the background.
 
-        Returns once the snapshot is taken. Arguments as :func:`dcpstore.save`;
-        ``max_in_flight`` overrides the saver's limit for this call.
+        Every rank calls it (SPMD). Returns once the snapshot is taken; the
+        caller may then change its tensors.
+
+        Args:
+            state_dict, uri, workers, enable_msc, engine, process_group,
+            planner, storage_options, progress: as for :func:`dcpstore.save`.
+            max_in_flight: this call's limit on pending saves (default: the
+                saver's).
+
+        Returns:
+            The save's :class:`~dcpstore.SaveHandle`.
+
+        Raises:
+            SaveError: an earlier save on this saver failed and its handle
+                never reported it (this save was not started); or the
+                pending save this one waits for is presumed hung.
+            InvalidArgument: a bad option, or a closed saver.
+            InvalidURI, BackendUnavailable: as for :func:`dcpstore.save`.
         """
         options = SaveOptions(
             async_=True,
@@ -208,17 +252,27 @@ class AsyncSaver:
             process_group=process_group,
             planner=planner,
             max_in_flight=max_in_flight,
+            progress=progress,
         )
-        return self.submit(state_dict, uri, options, stacklevel=2)
+        return self.submit(state_dict, uri, options)
 
-    def submit(
-        self, state_dict: dict[str, Any], uri: str | os.PathLike[str], options: SaveOptions, *, stacklevel: int = 1
-    ) -> SaveHandle:
-        """:meth:`save` with its options as one value. A sync save
-        (``options.async_`` False: the NVRx engine's sync saves) is not
-        snapshotted: its CPU tensors are written as they are, so the caller
-        must wait for the handle before changing them. ``stacklevel`` points
-        an engine-fallback warning at the caller's caller."""
+    def submit(self, state_dict: dict[str, Any], uri: str | os.PathLike[str], options: SaveOptions) -> SaveHandle:
+        """:meth:`save` with its options as one value (for layers that keep
+        one). A sync save (``options.async_`` False: the NVRx engine's sync
+        saves) is not snapshotted: its CPU tensors are written as they are,
+        so the caller must wait for the handle before changing them.
+
+        Args:
+            state_dict, uri: as for :meth:`save`.
+            options: everything else, validated.
+
+        Returns:
+            The save's handle.
+
+        Raises:
+            SaveError, InvalidArgument, InvalidURI, BackendUnavailable: as
+            :meth:`save`.
+        """
         t0 = time.perf_counter()
         if not isinstance(state_dict, dict):
             raise InvalidArgument(f"state_dict must be a dict, got {type(state_dict).__name__}")
@@ -226,42 +280,51 @@ class AsyncSaver:
         storage = open_storage(uri, enable_msc=options.enable_msc, storage_options=options.storage_options)
         workers = check_workers(options.workers, storage.default_workers())
         try:  # until the background job owns the storage, close it on any failure
-            name = select_engine(options.engine, storage, stacklevel=stacklevel + 1)
+            name = select_engine(options.engine, storage)
             with self._lock:
                 if self._closed:
                     raise InvalidArgument("this AsyncSaver is closed")
                 self._wait_for_slot(limit)
+                self._raise_unobserved(f"this save to {storage.uri} was not started")
                 group = self._groups.get(options.process_group)
                 t_stage = time.perf_counter()
                 staged = self._stager.stage(state_dict, alias_cpu=not options.async_)
                 stage_s = time.perf_counter() - t_stage
                 blocked_s = time.perf_counter() - t0
-                job = functools.partial(
-                    self._run, name, staged, storage, group, workers, options.planner, t0, stage_s, blocked_s
-                )
+                job = functools.partial(self._run, name, staged, storage, group, workers, options, t0, stage_s, blocked_s)
                 future = self._background.submit(job)
-                self._pending.append((future, storage.uri))
+                handle = SaveHandle(
+                    future,
+                    storage.uri,
+                    engine=name,
+                    bounded_wait=functools.partial(self._wait_bounded, future),
+                    hang_timeout=self.hang_timeout,
+                )
+                self._pending.append(handle)
         except BaseException:
             storage.close()
             raise
-        return SaveHandle(
-            future,
-            storage.uri,
-            engine=name,
-            bounded_wait=functools.partial(self._wait_bounded, future),
-            hang_timeout=self.hang_timeout,
-        )
+        return handle
 
     def pending(self) -> int:
         """Saves submitted and not finished yet."""
         with self._lock:
-            return sum(not f.done() for f, _ in self._pending)
+            return sum(not h.done() for h in self._pending)
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until every pending save has finished (their handles report
-        success or failure); raise ``TimeoutError`` after ``timeout`` seconds."""
+        """Block until every pending save has finished.
+
+        Their handles report success or failure; a failure no handle has
+        reported is raised by the next save or by :meth:`close`.
+
+        Args:
+            timeout: seconds to wait at most (``None``: no limit).
+
+        Raises:
+            TimeoutError: saves are still running after ``timeout`` seconds.
+        """
         with self._lock:
-            futures = [f for f, _ in self._pending]
+            futures = [h._future for h in self._pending]
         _, not_done = wait_futures(futures, timeout=timeout)
         if not_done:
             raise TimeoutError(f"{len(not_done)} async save(s) still running after {timeout} s")
@@ -269,9 +332,12 @@ class AsyncSaver:
     def close(self) -> None:
         """Finish pending saves, then release the thread, buffers and groups.
 
-        Raises :class:`SaveError` if a pending save runs past ``hang_timeout``:
-        it is abandoned (its daemon thread cannot keep the process alive) and
-        the background groups it may still use are left alone.
+        Idempotent. Raises:
+            SaveError: a save failed and its handle never reported it (no
+                ``result()`` or ``exception()`` call); or a pending save ran
+                past ``hang_timeout``: it is abandoned (its daemon thread
+                cannot keep the process alive) and the background groups it
+                may still use are left alone.
         """
         with self._lock:
             if self._closed:
@@ -285,6 +351,7 @@ class AsyncSaver:
                 raise SaveError(self._hung_message(hung, "close() stopped waiting"))
             self._background.shutdown()
             self._groups.destroy()
+            self._raise_unobserved("the saver is closed")
 
     def __enter__(self) -> AsyncSaver:
         return self
@@ -296,16 +363,43 @@ class AsyncSaver:
     def _wait_for_slot(self, limit: int) -> None:
         self.pool.max_sets = max(self.pool.max_sets, limit)
         while True:
-            while self._pending and self._pending[0][0].done():
-                self._pending.popleft()
-            if sum(not f.done() for f, _ in self._pending) < limit:
+            self._settle()
+            if sum(not h.done() for h in self._pending) < limit:
                 return
             # One background thread: the oldest pending save finishes first.
-            oldest = next(p for p in self._pending if not p[0].done())
-            if not self._wait_bounded(oldest[0]):
+            oldest = next(h for h in self._pending if not h.done())
+            if not oldest.wait_bounded():
                 raise SaveError(
-                    self._hung_message([oldest[1]], "this save was not started (its handle can still be waited on)")
+                    self._hung_message([oldest.uri], "this save was not started (its handle can still be waited on)")
                 )
+
+    def _settle(self) -> None:
+        """Move finished saves off the pending queue, keeping the failed ones."""
+        while self._pending and self._pending[0].done():
+            handle = self._pending.popleft()
+            if handle.unobserved_failure is not None:
+                self._failed.append(handle)
+
+    def _unobserved(self) -> list[tuple[str, BaseException]]:
+        """``(uri, error)`` of finished saves whose failure no handle has
+        reported, oldest first; each is returned once (and counts as observed
+        from then on)."""
+        self._settle()
+        failed: list[tuple[str, BaseException]] = []
+        for handle in self._failed:
+            error = handle.unobserved_failure
+            if error is not None:
+                handle.mark_observed()
+                failed.append((handle.uri, error))
+        self._failed = []
+        return failed
+
+    def _raise_unobserved(self, consequence: str) -> None:
+        """Raise the failure of an earlier save that nobody observed (the
+        first one; the message names every such URI), chained to it."""
+        failed = self._unobserved()
+        if failed:
+            raise SaveError(unobserved_message(failed, consequence)) from failed[0][1]
 
     def _wait_bounded(self, future: Future[CheckpointInfo]) -> bool:
         """Wait for ``future`` until it is done (True) or has been running for
@@ -328,9 +422,9 @@ class AsyncSaver:
         """Wait for every pending save, oldest first, each bounded by
         ``hang_timeout``; return the URIs of those abandoned as hung."""
         pending = list(self._pending)
-        for i, (future, _) in enumerate(pending):
-            if not self._wait_bounded(future):
-                return [uri for f, uri in pending[i:] if not f.done()]
+        for i, handle in enumerate(pending):
+            if not handle.wait_bounded():
+                return [h.uri for h in pending[i:] if not h.done()]
         return []
 
     def _hung_message(self, uris: list[str], consequence: str) -> str:
@@ -342,12 +436,24 @@ class AsyncSaver:
         )
 
     def finish_at_exit(self) -> None:
-        """Interpreter exit: let pending saves finish, but never forever."""
+        """Interpreter exit: let pending saves finish, but never forever, and
+        report every failure no handle reported (the exit status is left
+        alone: see the README's "Async saves")."""
         if self._closed:
             return
         hung = self._finish_pending()
         if hung:
             log.error("dcpstore: at interpreter exit, %s", self._hung_message(hung, "exit stopped waiting for it"))
+        with self._lock:
+            failed = self._unobserved()
+        for uri, error in failed:
+            log.error(
+                "dcpstore: at interpreter exit: the async save to %s FAILED and nobody asked for its result "
+                "(handle.result()); no checkpoint was committed there. %s",
+                uri,
+                error,
+                exc_info=error,
+            )
 
     def _run(
         self,
@@ -356,12 +462,14 @@ class AsyncSaver:
         storage: Storage,
         group: dist.ProcessGroup | None,
         workers: int,
-        planner: SavePlanner | None,
+        options: SaveOptions,
         t0: float,
         stage_s: float,
         blocked_s: float,
     ) -> CheckpointInfo:
         """The background half of one save (runs on the saver's thread)."""
+        planner = options.planner
+        bar = Progress(f"save {storage.uri}", enabled=shows_progress(options.progress, options.process_group))
         try:
             agree_on_engine(engine, group)
             if engine == "nvrx":
@@ -374,20 +482,34 @@ class AsyncSaver:
                 except BaseException:
                     self._nvrx_caches.drop(group)  # every rank fails together: re-plan next time
                     raise
+                bar.update(stats.bytes_written)  # NVRx's writer reports its bytes only at the end
             else:
                 stats = save_state_dict(
-                    staged.state_dict, storage, workers=workers, process_group=group, planner=planner
+                    staged.state_dict, storage, workers=workers, process_group=group, planner=planner, progress=bar
                 )
         except BaseException as e:
             err = save_error(e, storage.uri, "async save")
-            log.error("%s", err)
+            log.error("%s%s", rank_label(options.process_group), err)
             raise err from e
         finally:
+            bar.close()
             staged.release()
             storage.close()
-        return CheckpointInfo.from_stats(
+        info = CheckpointInfo.from_stats(
             storage, stats, engine, stage_s=stage_s, blocked_s=blocked_s, total_s=time.perf_counter() - t0
         )
+        log.info("%s%s", rank_label(options.process_group), info.describe())
+        return info
+
+
+def unobserved_message(failed: list[tuple[str, BaseException]], consequence: str) -> str:
+    """Why a save (or ``close()``) raises an earlier save's failure."""
+    uris = ", ".join(uri for uri, _ in failed)
+    return (
+        f"an earlier async save failed and its handle never reported it (no result() or exception() call): "
+        f"{failed[0][1]}; {consequence}. No checkpoint was committed at {uris}. Call result() on each save's "
+        "handle to see a failure where it happens"
+    )
 
 
 _default_lock = threading.Lock()

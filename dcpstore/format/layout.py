@@ -108,6 +108,15 @@ def split_data_path(path: str) -> tuple[str, str] | None:
     return head, name
 
 
+def checkpoint_dir(directory: str) -> str:
+    """The checkpoint directory that a listed directory (``/``-separated)
+    belongs to: the one above it for a spread directory (``ck/p3a``), else
+    itself. What a save leaves in ``p3a/`` (data files, temporary files,
+    open uploads) is its checkpoint's."""
+    parent, _, last = directory.rpartition("/")
+    return parent if _SPREAD_RE.match(last) is not None else directory
+
+
 def is_data_file(path: str) -> bool:
     """Whether ``path``, relative to a checkpoint, is one of its data files
     (``__{rank}_{n}.distcp``, directly or in a spread directory)."""

@@ -9,7 +9,7 @@ never the ``latest`` pointer, decides which steps exist. Each save is a
 
 Call order of one save (every rank calls ``save`` with the same step)::
 
-    save(step, sd)
+    save(sd, step)
       1. finish the previous save: wait for it, then (rank 0) write the
          pointer and apply retention; its error, if any, is raised here
       2. refuse to overwrite a committed step unless overwrite=True
@@ -38,10 +38,13 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import Any, overload
+
+from typing_extensions import deprecated
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.planner import SavePlanner
@@ -52,7 +55,9 @@ from ..engines.choice import engine_problem
 from ..errors import CheckpointNotFound, InvalidArgument, SaveError
 from ..format.layout import METADATA
 from ..handle import CheckpointInfo, SaveHandle
+from ..keywords import hint_keywords
 from ..options import SaveOptions
+from ..quiet import user_stacklevel
 from ..storage import Storage, StorageOptions, join_uri, open_storage
 from .steps import STEP_PREFIX, check_step, committed_steps, is_committed, read_pointer, retire, step_dir, write_pointer
 
@@ -77,19 +82,38 @@ class CheckpointManager:
     """Step-numbered checkpoints under ``root_uri``; see the module docstring.
 
     Every rank constructs it with the same arguments and calls ``save`` /
-    ``load`` together (SPMD, like :func:`dcpstore.save`). ``async_``,
-    ``workers``, ``enable_msc``, ``engine``, ``process_group``, ``planner``
-    and ``storage_options`` are :func:`dcpstore.save`'s, validated here, once,
-    into one :class:`~dcpstore.options.SaveOptions` used for every save (and,
-    its I/O part, every load). A layer that already holds such a value
-    passes it as ``options=`` instead (then those keywords must be left at
-    their defaults).
+    ``load`` together (SPMD, like :func:`dcpstore.save`)::
 
-    At most one save is in flight: ``save`` first finishes the previous one.
-    ``close()`` (also run at interpreter exit, and by ``with``) finishes the
-    last one, so no save is lost.
+        mgr = dcpstore.CheckpointManager("s3://bucket/run1", keep=3)
+        mgr.save(state, step)          # async by default
+        step = mgr.load(state)         # the newest committed step
+        mgr.close()
+
+    At most one save is in flight: ``save`` first finishes the previous one
+    (and raises its error). ``close()`` (also run at interpreter exit, and by
+    ``with``) finishes the last one, so no save is lost silently.
+
+    Args:
+        root_uri: the root the steps live under (any URI :func:`dcpstore.save`
+            takes).
+        keep: keep the newest ``keep`` committed steps, deleting older ones
+            after each commit (rank 0; ``None``: keep all).
+        async_: save in the background (default ``True``).
+        workers, enable_msc, engine, process_group, planner,
+            storage_options, progress: :func:`dcpstore.save`'s, validated
+            here, once, into one :class:`~dcpstore.options.SaveOptions` used
+            for every save (and, its I/O part, every load).
+        options: a :class:`~dcpstore.options.SaveOptions` instead of those
+            keywords (for a layer that already holds one); the keywords must
+            then be left at their defaults.
+
+    Raises:
+        InvalidArgument: a bad option, both ``options=`` and option
+            keywords, or an engine that cannot write ``root_uri``.
+        InvalidURI, BackendUnavailable: as for :func:`dcpstore.save`.
     """
 
+    @hint_keywords
     def __init__(
         self,
         root_uri: str | os.PathLike[str],
@@ -102,6 +126,7 @@ class CheckpointManager:
         process_group: dist.ProcessGroup | None = None,
         planner: SavePlanner | None = None,
         storage_options: StorageOptions | None = None,
+        progress: bool = False,
         options: SaveOptions | None = None,
     ) -> None:
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
@@ -114,6 +139,7 @@ class CheckpointManager:
             storage_options=storage_options,
             process_group=process_group,
             planner=planner,
+            progress=progress,
         )
         if options is not None and from_keywords != _DEFAULTS:
             raise InvalidArgument("pass the save options either as options= or as keywords, not both")
@@ -188,13 +214,53 @@ class CheckpointManager:
         return read_pointer(self._storage)
 
     # -- saving -------------------------------------------------------------
-    def save(self, step: int, state_dict: dict[str, Any], *, overwrite: bool = False) -> SaveHandle:
-        """Save ``state_dict`` as ``step``; returns the save's handle.
+    @overload
+    def save(self, state_dict: dict[str, Any], step: int, *, overwrite: bool = False) -> SaveHandle: ...
 
-        Refuses a step that is already committed unless ``overwrite=True``:
-        replacing it retracts the old commit before the new data is written,
-        so a crash mid-save would lose that step.
+    @overload
+    @deprecated("CheckpointManager.save(step, state_dict) is deprecated: pass the state first, save(state_dict, step)")
+    def save(self, state_dict: int, step: dict[str, Any], *, overwrite: bool = False) -> SaveHandle: ...
+
+    @hint_keywords
+    def save(
+        self, state_dict: dict[str, Any] | int, step: int | dict[str, Any], *, overwrite: bool = False
+    ) -> SaveHandle:
+        """Save ``state_dict`` as ``step`` (every rank, with the same step).
+
+        The state comes first, as in :func:`dcpstore.save` and :meth:`load`.
+        The older order ``save(step, state_dict)`` still works and warns
+        (:class:`DeprecationWarning`); the two are told apart by type (an int
+        step, a dict state).
+
+        Args:
+            state_dict: this rank's state (a dict, as for :func:`dcpstore.save`).
+            step: the step number, an int >= 0; the checkpoint goes to
+                ``root/step_{step:08d}``.
+            overwrite: replace a step that is already committed. Replacing
+                it retracts the old commit before the new data is written, so
+                a crash mid-save would lose that step.
+
+        Returns:
+            The save's handle (already done for a sync manager).
+
+        Raises:
+            SaveError: the previous save (finished first) or this one failed,
+                or an earlier async save on the same saver failed unobserved.
+            InvalidArgument: a bad step, a step already committed without
+                ``overwrite=True``, or a closed manager.
         """
+        if _is_step(state_dict) and isinstance(step, dict):
+            warnings.warn(
+                "CheckpointManager.save(step, state_dict) is deprecated: pass the state first, "
+                "save(state_dict, step), as dcpstore.save(state_dict, uri) and load(state_dict, step) do",
+                DeprecationWarning,
+                stacklevel=user_stacklevel(),
+            )
+            state_dict, step = step, state_dict
+        if not isinstance(state_dict, dict):
+            raise InvalidArgument(
+                f"CheckpointManager.save(state_dict, step): state_dict must be a dict, got {type(state_dict).__name__}"
+            )
         self._check_open()
         step = check_step(step)
         self._finish_pending()
@@ -203,7 +269,7 @@ class CheckpointManager:
                 f"step {step} is already committed at {self._storage.describe(step_dir(step))}; "
                 "pass overwrite=True to replace it"
             )
-        handle = save_with(state_dict, self.step_uri(step), self.options, stacklevel=2)
+        handle = save_with(state_dict, self.step_uri(step), self.options)
         self._pending = _Pending(step, handle)
         exit_hook.hold(self, exit_hook.Stage.MANAGERS)
         if handle.done():
@@ -211,8 +277,21 @@ class CheckpointManager:
         return handle
 
     def wait(self, timeout: float | None = None) -> CheckpointInfo | None:
-        """Block until the save in flight (if any) is committed and finished;
-        re-raise its error. Returns its info, or ``None`` if none was pending."""
+        """Block until the save in flight (if any) is committed and finished
+        (pointer written, retention applied).
+
+        Args:
+            timeout: seconds to wait at most (``None``: until it finishes, or
+                until the saver presumes it hung).
+
+        Returns:
+            Its info, or ``None`` if no save was in flight.
+
+        Raises:
+            SaveError: the save failed, or is presumed hung.
+            TimeoutError: still running after ``timeout`` seconds (it stays
+                in flight).
+        """
         return self._finish_pending(timeout)
 
     def _finish_pending(self, timeout: float | None = None) -> CheckpointInfo | None:
@@ -252,9 +331,15 @@ class CheckpointManager:
         """``step`` itself, or the newest committed step if ``None``.
 
         With torch.distributed initialised, rank 0 lists and broadcasts its
-        answer, so every rank loads the same step even if a commit lands
-        between their listings. Raises :class:`CheckpointNotFound` if there
-        is no committed step.
+        answer (every rank calls this), so every rank loads the same step even
+        if a commit lands between their listings.
+
+        Returns:
+            The step, the same on every rank.
+
+        Raises:
+            CheckpointNotFound: ``step`` is ``None`` and no step is committed.
+            InvalidArgument: ``step`` is not an int >= 0.
         """
         if step is not None:
             return check_step(step)
@@ -268,6 +353,7 @@ class CheckpointManager:
             raise CheckpointNotFound(f"no committed checkpoint under {self.uri} (no {STEP_PREFIX}*/{METADATA})")
         return found
 
+    @hint_keywords
     def load(
         self,
         state_dict: dict[str, Any],
@@ -276,10 +362,26 @@ class CheckpointManager:
         safe_globals: Sequence[Any] | None = None,
         trusted: bool = False,
     ) -> int:
-        """Load ``step`` (default: the newest committed) into ``state_dict``
-        in place, resharding as :func:`dcpstore.load` does. Returns the step.
-        ``safe_globals`` / ``trusted``: as :func:`dcpstore.load` (what a
-        non-tensor item may hold beyond the allowlist)."""
+        """Load ``step`` into ``state_dict`` in place, resharding as
+        :func:`dcpstore.load` does (every rank calls it). The save in flight,
+        if any, is finished first.
+
+        Args:
+            state_dict: the state to fill, as for :func:`dcpstore.load`.
+            step: the step to load (default: the newest committed one).
+            safe_globals: as for :func:`dcpstore.load` (classes a non-tensor
+                item may hold beyond the allowlist).
+            trusted: as for :func:`dcpstore.load`.
+
+        Returns:
+            The step loaded.
+
+        Raises:
+            CheckpointNotFound: no such committed step (or none at all).
+            SaveError: the save in flight, finished first, failed.
+            CheckpointCorrupt, UnsafeCheckpoint, LoadError, StorageError: as
+                for :func:`dcpstore.load`.
+        """
         self._check_open()
         self._finish_pending()
         resolved = self.resolve_step(step)
@@ -289,7 +391,12 @@ class CheckpointManager:
 
     # -- lifetime -----------------------------------------------------------
     def close(self) -> None:
-        """Finish the save in flight, then release the storage. Idempotent."""
+        """Finish the save in flight, then release the storage. Idempotent.
+
+        Raises:
+            SaveError: the save in flight failed (the storage is released
+                anyway).
+        """
         if self._closed:
             return
         self._closed = True
@@ -300,11 +407,18 @@ class CheckpointManager:
             self._storage.close()
 
     def finish_at_exit(self) -> None:
-        """Interpreter exit: :meth:`close`, saying what was lost if it fails."""
+        """Interpreter exit: :meth:`close`, saying loudly what was lost if it
+        fails (the exit status is left alone: see the README's "Async saves")."""
         try:
             self.close()
         except Exception as e:  # nobody is left to catch it
-            log.error("dcpstore: the last save under %s failed at exit: %s", self.uri, e)
+            log.error(
+                "dcpstore: at interpreter exit: the last save under %s FAILED; it is not committed, and the "
+                "newest committed step is untouched. %s",
+                self.uri,
+                e,
+                exc_info=e,
+            )
 
     def _check_open(self) -> None:
         if self._closed:
@@ -326,6 +440,10 @@ class CheckpointManager:
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.uri!r}, keep={self.keep}, async_={self.async_})"
+
+
+def _is_step(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 #: A manager's options when none of the option keywords is given.

@@ -69,6 +69,22 @@ class StorageOptions:
     """Tuning shared by all backends; each reads the fields that apply to it.
 
     Parsed and validated once (here), then handed to the backend constructor.
+    Each field's comment below says what it does and its default.
+
+    Args:
+        part_size: object stores: multipart part and ranged-read size
+            (``None``: chosen per object, :meth:`part_size_for`).
+        max_concurrency: object stores: requests in flight per storage
+            instance (one rank's connection budget, shared by all its files).
+        max_attempts: object stores: attempts per request, the first included.
+        connect_timeout_s, read_timeout_s: socket timeouts, seconds.
+        op_timeout_s: most seconds one object operation may take, retries
+            included.
+        spread_prefixes: saves: spread the ranks' data files over this many
+            key prefixes (``p{hex}/``); 1: stock DCP's flat layout.
+
+    Raises:
+        InvalidArgument: a value out of range (the message names the field).
     """
 
     #: Object stores: objects larger than this go up as multipart uploads in
@@ -115,7 +131,8 @@ class StorageOptions:
                 raise InvalidArgument(f"{name} must be a positive number of seconds, got {value!r}")
 
     def part_size_for(self, nbytes: int | None) -> int:
-        """The part (upload) or range (read) size for ``nbytes`` bytes.
+        """The part (upload) or range (read) size, in bytes, for an object or
+        read of ``nbytes`` bytes (``None`` or 0: unknown).
 
         ``part_size`` if set. Automatic: about :data:`AUTO_PIECES` pieces per
         object or read, so that one object alone keeps several connections
@@ -125,6 +142,9 @@ class StorageOptions:
         64 MiB (few requests for large objects: request rates, not bytes,
         are what a busy prefix runs out of); 16 MiB for a stream of unknown
         size.
+
+        Returns:
+            The size in bytes.
         """
         if self.part_size is not None:
             return self.part_size

@@ -97,8 +97,20 @@ def open_storage(
 ) -> Storage:
     """Open the storage a checkpoint URI names, on the backend it selects.
 
-    Takes the same ``enable_msc`` and ``storage_options`` keywords as
-    :func:`dcpstore.save` and :func:`dcpstore.load`.
+    Args:
+        uri: a local path, ``file://``, ``s3://``, ``msc://`` or fsspec URL
+            (the README's "URIs" table says which backend each selects).
+        enable_msc: route ``s3://`` and local paths through MSC.
+        storage_options: backend tuning; as for :func:`dcpstore.save`.
+
+    Returns:
+        The :class:`~dcpstore.storage.base.Storage` rooted at ``uri``; close
+        it when done.
+
+    Raises:
+        InvalidURI: the URI cannot be parsed, embeds credentials, or names
+            no backend.
+        BackendUnavailable: the backend's optional package is not installed.
     """
     url = uri if isinstance(uri, StorageURL) else parse_uri(uri)
     return backend_class(backend_name(url, enable_msc=enable_msc))(url, storage_options)

@@ -6,6 +6,9 @@ connect/read timeouts from :class:`~dcpstore.storage.base.StorageOptions`; on
 top of that a request gives up once it has spent ``op_timeout_s`` retrying
 (:func:`_install_deadline`). One client per process and configuration is
 shared by every :class:`~dcpstore.storage.s3.S3Storage` (:func:`s3_client`).
+Retries are not silent: the first retry of a burst logs one WARNING with its
+cause, and a burst that goes on logs a reminder every
+:data:`RetryBursts.REMIND_S` seconds (:class:`RetryBursts`).
 
 Errors after the retries are mapped to the :mod:`dcpstore.errors` family by
 :func:`map_error`, classified by the shared S3 code table
@@ -18,6 +21,7 @@ log line here ever contains a credential.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import threading
 import time
@@ -32,6 +36,8 @@ from .base import StorageOptions
 from .kit import http_pool_size, library_detail, library_text
 from .codes import Meaning, meaning
 from .secrets import remember_boto_credentials
+
+log = logging.getLogger(__name__)
 
 
 class OperationTimeout(Exception):
@@ -121,26 +127,83 @@ def _make_client(options: StorageOptions) -> Any:
     # A Session per client: sessions are not thread-safe, clients are.
     session = boto3.session.Session()
     client = session.client("s3", config=config)
-    _install_deadline(client, options.op_timeout_s)
+    _install_deadline(client, options)
     remember_boto_credentials(session, client)  # so that no message ever shows them
     return client
 
 
-def _install_deadline(client: Any, limit_s: float) -> None:
-    """Bound the time one request may spend retrying (botocore has no such knob).
+class RetryBursts:
+    """Says, on the ``dcpstore`` logger, that requests are being retried.
+
+    A *burst* is a run of retries (any request of one client) with no gap
+    longer than :attr:`QUIET_S`. Its first retry logs one WARNING naming the
+    operation and the cause; while it lasts, a reminder with the count follows
+    every :attr:`REMIND_S` seconds, so an unreachable endpoint is never a
+    silent wait. Causes are error codes and exception class names (never a
+    message body, which an endpoint may fill with anything); the endpoint is
+    redacted. Thread-safe: every request thread of the client reports here.
+    """
+
+    QUIET_S = 30.0
+    REMIND_S = 30.0
+
+    def __init__(self, endpoint: str, max_attempts: int, op_timeout_s: float) -> None:
+        self.endpoint = library_text(endpoint)  # redacted and scrubbed
+        self.max_attempts = max_attempts
+        self.op_timeout_s = op_timeout_s
+        self._lock = threading.Lock()
+        self._last = -float("inf")  # monotonic time of the last retry
+        self._reminded = 0.0
+        self._started = 0.0
+        self._count = 0
+
+    def retrying(self, operation: str, attempt: int, cause: str, now: float | None = None) -> None:
+        """Attempt number ``attempt`` (2 or more) of ``operation`` is starting
+        because the previous one failed with ``cause``."""
+        now = time.monotonic() if now is None else now
+        cause = library_text(cause)
+        with self._lock:
+            new_burst = now - self._last > self.QUIET_S
+            self._last = now
+            if new_burst:
+                self._started = self._reminded = now
+                self._count = 1
+                log.warning(
+                    "S3 %s to %s failed (%s); retrying (attempt %d of %d; a request gives up after op_timeout_s=%g s)",
+                    operation, self.endpoint, cause, attempt, self.max_attempts, self.op_timeout_s,
+                )  # fmt: skip
+                return
+            self._count += 1
+            if now - self._reminded >= self.REMIND_S:
+                self._reminded = now
+                log.warning(
+                    "still retrying S3 requests to %s: %d retries in the last %.0f s, the latest of %s after %s",
+                    self.endpoint, self._count, now - self._started, operation, cause,
+                )  # fmt: skip
+
+
+def _install_deadline(client: Any, options: StorageOptions) -> None:
+    """Bound the time one request may spend retrying (botocore has no such
+    knob), and report retries (:class:`RetryBursts`).
 
     botocore creates a fresh request object for every attempt and emits
     ``request-created``; the per-request ``context`` dict survives retries, so
-    it carries the start time and the last failure for the message.
+    it carries the start time and the last failure for the message. A second
+    ``request-created`` for one context is botocore's retry handler at work.
     """
+    limit_s = options.op_timeout_s
+    bursts = RetryBursts(str(client.meta.endpoint_url), options.max_attempts, limit_s)
 
-    def on_request_created(request: Any, **_: Any) -> None:
+    def on_request_created(request: Any, event_name: str = "", **_: Any) -> None:
         ctx = request.context
         now = time.monotonic()
         ctx["dcpstore_attempts"] = ctx.get("dcpstore_attempts", 0) + 1
         started = ctx.setdefault("dcpstore_t0", now)
         if now - started > limit_s:
             raise OperationTimeout(limit_s, now - started, ctx["dcpstore_attempts"] - 1, ctx.get("dcpstore_last", "?"))
+        if ctx["dcpstore_attempts"] > 1:
+            operation = event_name.rsplit(".", 1)[-1] or "request"
+            bursts.retrying(operation, ctx["dcpstore_attempts"], ctx.get("dcpstore_last", "?"), now)
 
     def on_needs_retry(
         response: Any = None, caught_exception: Any = None, request_dict: Any = None, **_: Any

@@ -1,0 +1,185 @@
+"""Checkpoints at rest, without reading what they hold: list them, and
+remove what interrupted saves left (``dcpstore ls`` and ``dcpstore gc``).
+
+Works on file names, sizes and times (and a running save's small alive
+file), on every backend through :class:`~dcpstore.storage.base.Storage`.
+It never imports torch, so that those two commands start in a fraction of
+the time of ``import torch``; reading a checkpoint's content (``inspect``,
+``verify``) is :mod:`dcpstore.maintenance`, which re-exports these names.
+
+Layer: front door (beside :mod:`dcpstore.api` and :mod:`dcpstore.maintenance`).
+Imports the format, :mod:`dcpstore.storage` and the foundation; never torch.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import re
+import time
+from dataclasses import dataclass, field
+
+from .errors import CheckpointError
+from .format.inflight import decode_owner, is_alive_file, is_running
+from .format.layout import INFLIGHT, MANIFEST, METADATA, checkpoint_dir, is_commit_file, is_data_file, split_data_path
+from .format.manifest import SMALL_FILE_LIMIT, read_capped
+from .storage import Storage
+from .storage.base import ObjectInfo
+from .storage.uri import join_uri, parse_uri
+
+#: What an interrupted stock commit leaves (written, then renamed).
+_STOCK_TEMP_RE = re.compile(r"^(__\d+)?\.metadata\.tmp$")
+
+
+def _is_leftover(name: str) -> bool:
+    """Files an interrupted save (ours or stock DCP's) leaves."""
+    return name in (MANIFEST, INFLIGHT) or is_data_file(name) or is_alive_file(name) or bool(_STOCK_TEMP_RE.match(name))
+
+
+@dataclass
+class CheckpointEntry:
+    """One checkpoint (committed or not) found under a root."""
+
+    path: str  # relative to the listed root ("" for the root itself)
+    committed: bool
+    #: Every file of the checkpoint (data files, ``.metadata``, the manifest,
+    #: markers), and their total size.
+    files: int = 0
+    bytes: int = 0
+    newest_mtime: float | None = None
+    leftovers: list[str] = field(default_factory=list)
+    #: Committed by per-rank ``__{rank}.metadata`` (``use_collectives=False``).
+    rank_local: bool = False
+    #: Files in the directory that no DCP save writes: ``gc`` leaves it alone.
+    unknown: list[str] = field(default_factory=list)
+    #: Alive files of saves (``.dcpstore.alive.*``): (path, age in seconds or None).
+    alive: list[tuple[str, float | None]] = field(default_factory=list)
+
+    def running(self, storage: Storage, older_than_s: float = 0.0) -> bool:
+        """Whether a save is (or may still be) writing here: its alive file
+        names a live process of this machine, or was refreshed within
+        max(``older_than_s``, the lease). Reads each alive file (small, capped)."""
+        for path, age in self.alive:
+            try:
+                owner = decode_owner(read_capped(storage, path, SMALL_FILE_LIMIT))
+            except CheckpointError:
+                continue  # gone (the save just finished) or unreadable
+            if is_running(owner, age, older_than_s):
+                return True
+        return False
+
+
+def list_checkpoints(storage: Storage) -> list[CheckpointEntry]:
+    """Every checkpoint directory under ``storage``'s root, committed or not.
+
+    A directory counts as a checkpoint if it holds a commit (``.metadata``,
+    or stock DCP's rank-local ``__{rank}.metadata``) or what an interrupted
+    save leaves (DCP data files, a manifest, an in-flight marker). Never
+    reads checkpoint content.
+    """
+    by_dir: dict[str, list[ObjectInfo]] = {}
+    for obj in storage.list():
+        data = split_data_path(obj["path"])
+        # A spread data file (p3/__3_0.distcp) belongs to the directory above its own.
+        by_dir.setdefault(data[0] if data is not None else posixpath.dirname(obj["path"]), []).append(obj)
+    now = time.time()
+    entries = []
+    for directory, objs in by_dir.items():
+        names = {o["path"][len(directory) + 1 :] if directory else o["path"]: o for o in objs}
+        if not any(is_commit_file(n) or _is_leftover(n) for n in names):
+            continue
+        entry = CheckpointEntry(directory, committed=any(is_commit_file(n) for n in names))
+        entry.rank_local = entry.committed and METADATA not in names
+        for name, obj in sorted(names.items()):
+            if not (is_commit_file(name) or _is_leftover(name)):
+                entry.unknown.append(obj["path"])
+                continue
+            entry.files += 1
+            entry.bytes += obj["size"]
+            mtime = obj.get("mtime")
+            if mtime is not None:
+                entry.newest_mtime = max(entry.newest_mtime or 0.0, mtime)
+            if is_alive_file(name):
+                entry.alive.append((obj["path"], None if mtime is None else now - mtime))
+            # A committed checkpoint only ever loses our markers; an
+            # uncommitted one everything a save left.
+            if not entry.committed or name == INFLIGHT or is_alive_file(name):
+                entry.leftovers.append(obj["path"])
+        entries.append(entry)
+    return sorted(entries, key=lambda e: e.path)
+
+
+@dataclass
+class GcReport:
+    removed: list[str] = field(default_factory=list)
+    kept_recent: list[str] = field(default_factory=list)
+    #: Directories where a save is running (its alive file says so).
+    kept_running: list[str] = field(default_factory=list)
+    #: Uncommitted directories holding files no DCP save writes: (dir, files).
+    kept_unknown: list[tuple[str, list[str]]] = field(default_factory=list)
+    incomplete_uploads: int = 0
+
+
+def gc(storage: Storage, *, older_than_s: float = 300.0, dry_run: bool = False) -> GcReport:
+    """Remove what interrupted saves left under ``storage``'s root.
+
+    That is: everything a save (dcpstore's or stock DCP's) leaves in a
+    directory that has no commit (``.metadata``, or stock DCP's rank-local
+    ``__{rank}.metadata``), a committed checkpoint's stale in-flight
+    markers, and the backend's in-progress leftovers (temporary files, open
+    multipart uploads). Kept: anything modified within ``older_than_s``
+    seconds; a directory where a save is running (its alive file names a
+    live process of this machine, or was refreshed within max(``older_than_s``,
+    the lease) -- whatever ``older_than_s`` says); a directory holding files
+    no DCP save writes. Committed checkpoints are never touched. Never reads
+    checkpoint content.
+    """
+    report = GcReport()
+    now = time.time()
+    doomed: list[str] = []
+    for entry in list_checkpoints(storage):
+        if not entry.leftovers:
+            continue
+        label = entry.path or "."
+        if entry.unknown and not entry.committed:
+            report.kept_unknown.append((label, entry.unknown))
+            continue
+        if entry.running(storage, older_than_s):
+            report.kept_running.append(label)
+            continue
+        if entry.newest_mtime is None and older_than_s > 0 or (
+            entry.newest_mtime is not None and now - entry.newest_mtime < older_than_s
+        ):
+            report.kept_recent.append(label)
+            continue
+        doomed.extend(entry.leftovers)
+        if not entry.committed:  # a committed one only loses stale markers
+            report.removed.append(label)
+    running = ["" if label == "." else label for label in report.kept_running]
+    if not dry_run:
+        if doomed:
+            storage.delete(doomed)
+        if not running:
+            report.incomplete_uploads = storage.cleanup_incomplete(older_than_s)
+        else:  # never a running save's temp files or open uploads: only other directories'
+            report.incomplete_uploads = sum(
+                _under(storage, d).cleanup_incomplete(older_than_s) for d in _idle_dirs(storage, running)
+            )
+    else:
+        report.incomplete_uploads = len(list(storage.list_incomplete()))
+    return report
+
+
+def _idle_dirs(storage: Storage, running: list[str]) -> list[str]:
+    """Directories holding incomplete writes with no running save in or under them."""
+
+    def holds(directory: str, other: str) -> bool:
+        return not directory or other == directory or other.startswith(directory + "/")
+
+    # A spread save's pieces lie in p{hex}/ below its checkpoint: they are that checkpoint's.
+    dirs = {checkpoint_dir(posixpath.dirname(p)) for p in storage.list_incomplete()}
+    return sorted(d for d in dirs if not any(holds(d, r) for r in running))
+
+
+def _under(storage: Storage, directory: str) -> Storage:
+    """The same backend and options, rooted at ``directory`` of ``storage``."""
+    return type(storage)(parse_uri(join_uri(storage.url.uri, *directory.split("/"))), storage.options)
