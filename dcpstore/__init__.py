@@ -26,6 +26,7 @@ from .errors import (
     BackendUnavailable,
     CheckpointCorrupt,
     CheckpointError,
+    CheckpointExists,
     CheckpointNotFound,
     EngineFallbackWarning,
     InvalidArgument,
@@ -42,6 +43,7 @@ from .storage import StorageOptions, open_storage
 
 if TYPE_CHECKING:
     from .api import load, save
+    from .dropin import StorageReader, StorageWriter
     from .engines.saver import AsyncSaver
     from .handle import CheckpointInfo, SaveHandle
     from .manager import CheckpointManager
@@ -54,6 +56,8 @@ TORCH_NAMES: dict[str, str] = {
     "CheckpointInfo": "dcpstore.handle",
     "CheckpointManager": "dcpstore.manager",
     "SaveHandle": "dcpstore.handle",
+    "StorageReader": "dcpstore.dropin",
+    "StorageWriter": "dcpstore.dropin",
     "load": "dcpstore.api",
     "save": "dcpstore.api",
 }
@@ -77,6 +81,7 @@ __all__ = [
     "BackendUnavailable",
     "CheckpointCorrupt",
     "CheckpointError",
+    "CheckpointExists",
     "CheckpointInfo",
     "CheckpointManager",
     "CheckpointNotFound",
@@ -90,6 +95,8 @@ __all__ = [
     "StorageError",
     "StorageNotFound",
     "StorageOptions",
+    "StorageReader",
+    "StorageWriter",
     "StoragePermissionError",
     "UnsafeCheckpoint",
     "load",

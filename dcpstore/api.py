@@ -57,6 +57,7 @@ def save(
     planner: SavePlanner | None = None,
     storage_options: StorageOptions | None = None,
     max_in_flight: int = 1,
+    overwrite: bool = True,
     progress: bool = False,
 ) -> SaveHandle:
     """Save ``state_dict`` to ``uri`` as a DCP checkpoint.
@@ -99,6 +100,10 @@ def save(
             first waits for the oldest.
         progress: draw a progress bar of this rank's bytes on stderr (rank 0
             only, under torch.distributed).
+        overwrite: saving over a committed checkpoint replaces it (until the
+            new ``.metadata`` lands the URI loads the old one; a failed or
+            killed save leaves the old one); ``False`` refuses such a URI
+            with :class:`~dcpstore.CheckpointExists` instead.
 
     Returns:
         A :class:`~dcpstore.SaveHandle`; ``result()`` gives the
@@ -107,6 +112,8 @@ def save(
     Raises:
         SaveError: the save failed (sync), or an earlier async save failed
             and nobody asked its handle (async).
+        CheckpointExists: ``overwrite=False`` and ``uri`` holds a committed
+            checkpoint (a ``SaveError`` and a ``FileExistsError``).
         InvalidArgument: a bad option (an unknown keyword is a ``TypeError``
             naming the likely fix).
         InvalidURI: a URI dcpstore cannot parse or has no backend for.
@@ -122,6 +129,7 @@ def save(
         process_group=process_group,
         planner=planner,
         max_in_flight=max_in_flight,
+        overwrite=overwrite,
         progress=progress,
     )
     return save_with(state_dict, uri, options)
@@ -146,6 +154,7 @@ def save_with(state_dict: dict[str, Any], uri: str | os.PathLike[str], options: 
             workers=options.workers,
             process_group=options.process_group,
             planner=options.planner,
+            overwrite=options.overwrite,
             progress=bar,
         )
     except (CheckpointException, CheckpointError) as e:

@@ -59,6 +59,11 @@ class SaveError(CheckpointError):
     """A save failed; nothing was committed."""
 
 
+class CheckpointExists(SaveError, FileExistsError):
+    """A save with ``overwrite=False`` found a committed checkpoint at its URI;
+    nothing was written."""
+
+
 class LoadError(CheckpointError):
     """A load failed."""
 

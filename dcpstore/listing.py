@@ -18,10 +18,22 @@ import re
 import time
 from dataclasses import dataclass, field
 
+import crc32c
+
 from .errors import CheckpointError
-from .format.inflight import decode_owner, is_alive_file, is_running
-from .format.layout import INFLIGHT, MANIFEST, METADATA, checkpoint_dir, is_commit_file, is_data_file, split_data_path
-from .format.manifest import SMALL_FILE_LIMIT, read_capped
+from .format.inflight import ALIVE_PREFIX, decode_owner, is_alive_file, is_running
+from .format.layout import (
+    INFLIGHT,
+    METADATA,
+    checkpoint_dir,
+    is_commit_file,
+    is_data_file,
+    is_manifest,
+    name_tag,
+    save_tag,
+    split_data_path,
+)
+from .format.manifest import MANIFEST_LIMIT, METADATA_LIMIT, SMALL_FILE_LIMIT, parse_manifest, read_capped
 from .storage import Storage
 from .storage.base import ObjectInfo
 from .storage.uri import join_uri, parse_uri
@@ -32,7 +44,7 @@ _STOCK_TEMP_RE = re.compile(r"^(__\d+)?\.metadata\.tmp$")
 
 def _is_leftover(name: str) -> bool:
     """Files an interrupted save (ours or stock DCP's) leaves."""
-    return name in (MANIFEST, INFLIGHT) or is_data_file(name) or is_alive_file(name) or bool(_STOCK_TEMP_RE.match(name))
+    return name == INFLIGHT or is_manifest(name) or is_data_file(name) or is_alive_file(name) or bool(_STOCK_TEMP_RE.match(name))
 
 
 @dataclass
@@ -53,6 +65,12 @@ class CheckpointEntry:
     unknown: list[str] = field(default_factory=list)
     #: Alive files of saves (``.dcpstore.alive.*``): (path, age in seconds or None).
     alive: list[tuple[str, float | None]] = field(default_factory=list)
+    #: Committed, and holding data files or manifests of more than one save
+    #: (an overwrite killed between its commit and its clean-up, or a save
+    #: that failed beside the commit).
+    mixed: bool = False
+    #: The names of every file in the directory.
+    names: list[str] = field(default_factory=list)
 
     def running(self, storage: Storage, older_than_s: float = 0.0) -> bool:
         """Whether a save is (or may still be) writing here: its alive file
@@ -100,12 +118,40 @@ def list_checkpoints(storage: Storage) -> list[CheckpointEntry]:
                 entry.newest_mtime = max(entry.newest_mtime or 0.0, mtime)
             if is_alive_file(name):
                 entry.alive.append((obj["path"], None if mtime is None else now - mtime))
-            # A committed checkpoint only ever loses our markers; an
-            # uncommitted one everything a save left.
+            # A committed checkpoint only ever loses our markers (and, see
+            # gc, files its commit does not name); an uncommitted one
+            # everything a save left.
             if not entry.committed or name == INFLIGHT or is_alive_file(name):
                 entry.leftovers.append(obj["path"])
+        entry.names = sorted(names)
+        tags = {name_tag(n) for n in names} - {None}
+        entry.mixed = entry.committed and (len(tags) > 1 or sum(map(is_manifest, names)) > 1)
         entries.append(entry)
     return sorted(entries, key=lambda e: e.path)
+
+
+def _commit_files(storage: Storage, names: list[str]) -> set[str] | None:
+    """The files a committed directory's commit consists of, from its
+    manifest: the one that records ``.metadata``'s CRC32C, ``.metadata``,
+    and the data files it lists. None when no manifest records it (stock
+    DCP's commit, or damage) or the directory holds stock DCP's rank-local
+    commits beside ``.metadata``: then nothing is known to be stale.
+    Reads ``.metadata``'s bytes and the manifests (checked JSON), never
+    unpickles anything."""
+    if any(is_commit_file(n) and n != METADATA for n in names):
+        return None
+    try:
+        crc = crc32c.crc32c(read_capped(storage, METADATA, METADATA_LIMIT))
+    except CheckpointError:
+        return None
+    for name in (n for n in names if is_manifest(n)):
+        try:
+            manifest = parse_manifest(read_capped(storage, name, MANIFEST_LIMIT), storage.describe(name))
+        except CheckpointError:
+            continue
+        if manifest["metadata_crc32c"] == crc:
+            return {METADATA, name, *manifest["files"]}
+    return None
 
 
 @dataclass
@@ -124,25 +170,34 @@ def gc(storage: Storage, *, older_than_s: float = 300.0, dry_run: bool = False) 
 
     That is: everything a save (dcpstore's or stock DCP's) leaves in a
     directory that has no commit (``.metadata``, or stock DCP's rank-local
-    ``__{rank}.metadata``), a committed checkpoint's stale in-flight
-    markers, and the backend's in-progress leftovers (temporary files, open
-    multipart uploads). Kept: anything modified within ``older_than_s``
+    ``__{rank}.metadata``); in a committed checkpoint, stale in-flight
+    markers and the data files and manifests its commit does not name (of
+    the checkpoint an overwrite replaced, or of a save that failed beside
+    it; known from the manifest that records ``.metadata``'s CRC32C); and
+    the backend's in-progress leftovers (temporary files, open multipart
+    uploads). Kept: anything modified within ``older_than_s``
     seconds; a directory where a save is running (its alive file names a
     live process of this machine, or was refreshed within max(``older_than_s``,
     the lease) -- whatever ``older_than_s`` says); a directory holding files
-    no DCP save writes. Committed checkpoints are never touched. Never reads
-    checkpoint content.
+    no DCP save writes. A committed checkpoint never loses a file it needs.
+    Never unpickles anything.
     """
     report = GcReport()
     now = time.time()
     doomed: list[str] = []
     for entry in list_checkpoints(storage):
-        if not entry.leftovers:
+        if not (entry.leftovers or entry.mixed):
             continue
         label = entry.path or "."
         if entry.unknown and not entry.committed:
             report.kept_unknown.append((label, entry.unknown))
             continue
+        live = None
+        if entry.committed and (entry.mixed or entry.alive):
+            live = _commit_files(_under(storage, entry.path) if entry.path else storage, entry.names)
+        if live is not None:  # the save that committed is not running, whatever its alive file says
+            done = {name_tag(n) for n in live} - {None, ""}
+            entry.alive = [a for a in entry.alive if save_tag(posixpath.basename(a[0])[len(ALIVE_PREFIX) :]) not in done]
         if entry.running(storage, older_than_s):
             report.kept_running.append(label)
             continue
@@ -152,8 +207,12 @@ def gc(storage: Storage, *, older_than_s: float = 300.0, dry_run: bool = False) 
             report.kept_recent.append(label)
             continue
         doomed.extend(entry.leftovers)
-        if not entry.committed:  # a committed one only loses stale markers
+        if not entry.committed:
             report.removed.append(label)
+        elif entry.mixed and live is not None:  # and files its commit does not name
+            stale = [posixpath.join(entry.path, n) for n in entry.names if n not in live and (is_data_file(n) or is_manifest(n))]
+            doomed.extend(stale)
+            report.removed.extend(stale)
     running = ["" if label == "." else label for label in report.kept_running]
     if not dry_run:
         if doomed:

@@ -77,7 +77,13 @@ class OptionProblem:
 
 
 def save_option_problems(
-    *, async_: Any = False, engine: Any = "auto", workers: Any = None, planner: Any = None, max_in_flight: Any = None
+    *,
+    async_: Any = False,
+    engine: Any = "auto",
+    workers: Any = None,
+    planner: Any = None,
+    max_in_flight: Any = None,
+    overwrite: Any = True,
 ) -> list[OptionProblem]:
     """Everything wrong with these save options (empty: fine)."""
     problems: list[OptionProblem] = []
@@ -85,6 +91,8 @@ def save_option_problems(
         problems.append(OptionProblem("planner", f"a planner with plan caching cannot be used: {PLAN_CACHING_WHY}"))
     if not isinstance(async_, bool):
         problems.append(OptionProblem("async_", f"async_ must be a bool, got {async_!r}"))
+    if not isinstance(overwrite, bool):
+        problems.append(OptionProblem("overwrite", f"overwrite must be a bool, got {overwrite!r}"))
     if not isinstance(engine, str) or engine not in ENGINES:
         problems.append(OptionProblem("engine", f"engine must be one of {', '.join(ENGINES)}, got {engine!r}"))
     try:
@@ -189,7 +197,8 @@ class SaveOptions:
     construction, and handed down whole.
 
     ``max_in_flight`` ``None`` means the saver's own limit (1 for
-    :func:`dcpstore.save`'s per-process saver).
+    :func:`dcpstore.save`'s per-process saver). ``overwrite=False``: refuse
+    a URI that holds a committed checkpoint (:class:`~dcpstore.CheckpointExists`).
     """
 
     async_: bool = False
@@ -200,6 +209,7 @@ class SaveOptions:
     process_group: dist.ProcessGroup | None = None
     planner: SavePlanner | None = None
     max_in_flight: int | None = None
+    overwrite: bool = True
     progress: bool = False
 
     def __post_init__(self) -> None:
@@ -210,6 +220,7 @@ class SaveOptions:
             workers=self.workers,
             planner=self.planner,
             max_in_flight=self.max_in_flight,
+            overwrite=self.overwrite,
         ):
             raise InvalidArgument(problem.message)
         _check_process_group(self.process_group)

@@ -44,7 +44,7 @@ from dcpstore.cli import main as cli_main
 from dcpstore.maintenance import inspect_checkpoint, list_checkpoints
 from dcpstore.manager import parse_step_dir, step_dir
 from dcpstore.storage import join_uri, open_storage
-from dcpstore.format.layout import MANIFEST, METADATA
+from dcpstore.format.layout import METADATA, is_manifest
 from faults import Hook, KillAt, Recorder, hook_all_storage, spread
 from helpers import assert_state_equal, zeros_like_state
 
@@ -116,15 +116,6 @@ def _delete_landed(events: list[str], start: int) -> int:
     return start + 1
 
 
-def retract_index(events: list[str]) -> int | None:
-    """Where a save over a committed checkpoint has retracted the old commit
-    (its claim's delete of ``.metadata`` has landed); None if it deleted none."""
-    for i, e in enumerate(events):
-        if e.startswith("delete:") and METADATA in e.removeprefix("delete:").split(","):
-            return _delete_landed(events, i)
-    return None
-
-
 def retire_index(events: list[str], step: int) -> int | None:
     """Where retention's delete of ``step``'s ``.metadata`` has landed (the
     step stops being a checkpoint there); None if retention never got to it."""
@@ -135,22 +126,11 @@ def retire_index(events: list[str], step: int) -> int | None:
     return None
 
 
-#: What a load finds at a URI whose save over a committed checkpoint was
-#: killed after that save retracted the old commit and before its own
-#: ``.metadata`` landed. Today's protocol retracts the old ``.metadata``
-#: first (the claim), so there is no checkpoint there: never a mixture, never
-#: a partial load, but the old one is gone. The overwrite-safe commit
-#: (issue #14: old or new, never nothing) turns this into "old"; flip it here.
-OVERWRITE_GAP = "absent"
-
-
 def overwrite_expected(events: list[str], k: int) -> str:
     """What a save over a committed checkpoint, killed at event ``k``, must
-    leave there: "old", "new" or :data:`OVERWRITE_GAP`."""
-    if k >= commit_index(events):
-        return "new"
-    gone = retract_index(events)
-    return "old" if gone is not None and k < gone else OVERWRITE_GAP
+    leave there: exactly the old checkpoint until the new ``.metadata``
+    landed, exactly the new one from then on (never nothing, never a mixture)."""
+    return "new" if k >= commit_index(events) else "old"
 
 
 # -- instrumentation (runs in the crash child, or in a probe) ---------------
@@ -350,7 +330,7 @@ def run_managed_crashes(
         gone = retire_index(events, 1)
         assert gone is not None and gone > landed, "retention never deleted step 1 after step 2's commit"
     else:
-        gone = retract_index(events)
+        gone = None
     edges = [landed] + ([gone] if gone is not None else [])
     points = kill_points(events, total=budget, keep=keep, always=[i - d for i in edges for d in (0, 1)])
     assert len(points) >= 20 and points[0] < landed <= points[-1], (len(points), events)
@@ -358,6 +338,7 @@ def run_managed_crashes(
     missing = [r for r in required if not any(e.startswith(r) for e in killed)]
     assert not missing, f"no kill point at {missing}: {events}"
     committed: dict[str, list[int]] = {}  # root name -> committed steps, oldest first
+    loads: dict[str, str] = {}  # root name -> what step 1 loads after an overwrite was killed
     for k in points:
         name = f"k{k:03d}"
         root = _seeded_root(base, name, how)
@@ -380,6 +361,7 @@ def run_managed_crashes(
         else:
             found = which_state(manager.step_uri(1), {"old": how.state(1), "new": how.state(2)}, **how.io)
             assert found == overwrite_expected(events, k), f"{where}: {found}"
+            loads[name] = found
             steps = [] if found == "absent" else [1]
             assert manager.all_steps() == steps, where
         committed[name] = steps
@@ -389,7 +371,9 @@ def run_managed_crashes(
     want |= {f"probe/{step_dir(s)}" for s in ([2] if scenario == "next" else [1])}
     listed = list_checkpoints(storage)
     assert {e.path for e in listed if e.committed} == want
-    wrecks = [e.path for e in listed if not e.committed]
+    # Wrecks: uncommitted directories, and (an overwrite killed before its
+    # clean-up) committed ones holding a second save's files.
+    wrecks = [e.path for e in listed if not e.committed or e.leftovers or e.mixed]
     assert wrecks, "no kill left an interrupted save behind: the suite lost its point"
     # A new save over a wreck commits and leaves no stray file of the crash.
     for path in wrecks[:2]:
@@ -397,9 +381,12 @@ def run_managed_crashes(
         dcpstore.save(how.state(3), uri, **how.io)
         assert outcome(uri, how.state(3), **how.io) == "complete"
         files = set(inspect_checkpoint(open_storage(uri, **how.io))["files"])
-        assert {o["path"] for o in open_storage(uri, **how.io).list()} == files | {METADATA, MANIFEST}
+        names = {o["path"] for o in open_storage(uri, **how.io).list()}
+        manifests = {n for n in names if is_manifest(n)}
+        assert len(manifests) == 1 and names == files | {METADATA} | manifests
         name, directory = path.split("/")
-        committed[name] = sorted([*committed[name], parse_step_dir(directory)])
+        committed[name] = sorted({*committed[name], parse_step_dir(directory)})
+        loads.pop(name, None)
         want.add(path)
     if before_gc is not None:
         before_gc()
@@ -407,6 +394,10 @@ def run_managed_crashes(
     assert list(storage.list_incomplete()) == []
     after = list_checkpoints(storage)
     assert all(e.committed for e in after) and {e.path for e in after} == want
+    assert not [e.path for e in after if e.leftovers or e.mixed]  # the files no commit names went too
     for name, steps in committed.items():  # gc deleted no committed step
         assert dcpstore.CheckpointManager(join_uri(base, name), **how.io).all_steps() == steps
+    for name, found in loads.items():  # ...and no file one needs
+        uri = dcpstore.CheckpointManager(join_uri(base, name), **how.io).step_uri(1)
+        assert which_state(uri, {"old": how.state(1), "new": how.state(2)}, **how.io) == found, name
     return events

@@ -65,19 +65,55 @@ def test_claim_write_publish_in_order(tmp_path: Path) -> None:
     assert not (tmp_path / "ck" / INFLIGHT).exists() and not (tmp_path / "ck" / alive).exists()
 
 
-def test_claim_retracts_the_old_commit_and_publish_removes_stale_files(tmp_path: Path) -> None:
-    storage, _ = _storage(tmp_path / "ck")
+def _committed(storage: EventStorage) -> tuple[str, list[str]]:
+    """The save id the URI's commit records, and the files its manifest lists."""
+    metadata, manifest = read_checkpoint_metadata(storage)
+    assert metadata.storage_meta is not None and manifest is not None
+    return metadata.storage_meta.save_id, sorted(manifest["files"])
+
+
+def test_an_overwrite_keeps_the_old_commit_until_its_own_then_removes_the_old_files(tmp_path: Path) -> None:
+    ck = tmp_path / "ck"
+    storage, _ = _storage(ck)
     first = SaveSession(storage)
     first.claim()
     first.publish(_metadata(), [_write(first, 0, b"old0"), _write(first, 1, b"old1")])
-    assert (tmp_path / "ck" / "__1_0.distcp").exists()
+    # A fresh URI: stock DCP's names.
+    assert sorted(p.name for p in ck.iterdir()) == sorted([METADATA, MANIFEST, "__0_0.distcp", "__1_0.distcp"])
 
     second = SaveSession(storage)
     second.claim()
-    assert not (tmp_path / "ck" / METADATA).exists() and not (tmp_path / "ck" / MANIFEST).exists()
-    second.publish(_metadata(), [_write(second, 0, b"new0")])  # one rank this time
-    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == sorted([METADATA, MANIFEST, "__0_0.distcp"])
-    assert (tmp_path / "ck" / "__0_0.distcp").read_bytes() == b"new0"
+    follower = SaveSession(storage, *second.token)  # what rank 1 builds from the plan
+    results = [_write(second, 0, b"new0"), _write(follower, 1, b"new1")]
+    new_files = [f"__0_{second.tag}_0.distcp", f"__1_{second.tag}_0.distcp"]
+    assert len(second.tag) == 8 and follower.tag == second.tag
+    assert sorted(r[0].storage_data.relative_path for r in results) == new_files
+    assert _committed(storage) == (first.save_id, ["__0_0.distcp", "__1_0.distcp"])  # until the commit: the old one
+    second.publish(_metadata(), results)
+    assert _committed(storage) == (second.save_id, new_files)
+    assert sorted(p.name for p in ck.iterdir()) == sorted([METADATA, f".dcpstore.{second.tag}.json", *new_files])
+    assert (ck / new_files[0]).read_bytes() == b"new0"
+
+    third = SaveSession(storage)  # and over that one again: a new tag, the old files go
+    third.claim()
+    assert third.tag not in ("", second.tag)
+    third.publish(_metadata(), [_write(third, 0, b"third")])
+    assert sorted(p.name for p in ck.iterdir()) == sorted([METADATA, f".dcpstore.{third.tag}.json", f"__0_{third.tag}_0.distcp"])
+
+
+def test_a_claim_with_overwrite_false_refuses_a_committed_uri(tmp_path: Path) -> None:
+    storage, _ = _storage(tmp_path / "ck")
+    fresh = SaveSession(storage)
+    fresh.claim(overwrite=False)  # nothing committed there: fine
+    fresh.release()
+    first = SaveSession(storage)
+    first.claim(overwrite=False)
+    first.publish(_metadata(), [_write(first, 0, b"old0")])
+    before = sorted(os.listdir(tmp_path / "ck"))
+    with pytest.raises(dcpstore.CheckpointExists, match="already exists") as info:
+        SaveSession(storage).claim(overwrite=False)
+    assert isinstance(info.value, FileExistsError) and str(tmp_path / "ck") in str(info.value)
+    assert sorted(os.listdir(tmp_path / "ck")) == before  # nothing written, nothing removed
 
 
 def test_a_save_that_lost_its_uri_commits_nothing(tmp_path: Path) -> None:

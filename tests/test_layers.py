@@ -32,7 +32,7 @@ LAYERS: list[set[str]] = [
     {"format"},  # what the bytes mean
     {"dcp"},  # the DCP protocol: commit, writer, reader
     {"engines"},  # when: async saves, engines, exit hook
-    {"api", "listing", "maintenance"},  # front door for one checkpoint; checkpoints at rest
+    {"api", "dropin", "listing", "maintenance"},  # front door for one checkpoint, DCP's drop-ins; checkpoints at rest
     {"manager"},  # many checkpoints under a root
     {"adapters"},  # other projects' shapes
     {""},  # dcpstore/__init__.py: the public surface

@@ -5,15 +5,16 @@ error mapping and abort path run for real) and at the storage interface.
 Every case saves through ``CheckpointManager(keep=1)`` next to a committed
 step 1, or over it (the same URI), and checks the same promises: a SaveError
 naming the URI and the real cause (not torch's "unexpected pos"), no
-.metadata, no temporary files left; step 1 untouched by the failure of the
-next step (retention never runs for a failed save), and over the same URI
-what the protocol leaves (crashkit.OVERWRITE_GAP), never a mixture.
+.metadata of the failed save, no temporary files left; step 1 untouched by
+the failure, whether the save went to the next step (retention never runs
+for a failed save) or over step 1 itself (the overwrite-safe commit).
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import re
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 import dcpstore
 from dcpstore.errors import StorageError
 from dcpstore.storage import open_storage
-from crashkit import OVERWRITE_GAP, which_state
+from crashkit import which_state
 from dcpstore.dcp.writer import DcpStorageWriter
 from faults import EventStorage, FailAt
 from helpers import sample_state, zeros_like_state
@@ -88,22 +89,22 @@ def _assert_clean_failure(previous: tuple[str, dict], scenario: str, cause: str)
     message = str(info.value)
     assert uri in message and cause in message, message
     assert "unexpected pos" not in message, message  # torch's stream error, not the storage's
-    _assert_nothing_half_written(uri)
-    _assert_previous(previous, scenario, manager)
+    _assert_nothing_half_written(uri, scenario)
+    _assert_previous(previous, manager)
 
 
-def _assert_nothing_half_written(uri: str) -> None:
-    assert not os.path.exists(os.path.join(uri, ".metadata"))
+def _assert_nothing_half_written(uri: str, scenario: str) -> None:
+    # Over step 1, its .metadata stays: _assert_previous checks it is the old one.
+    assert scenario == "overwrite" or not os.path.exists(os.path.join(uri, ".metadata"))
     assert not any(".dcpstore-tmp-" in f for f in os.listdir(uri)) if os.path.isdir(uri) else True
 
 
-def _assert_previous(previous: tuple[str, dict], scenario: str, manager: dcpstore.CheckpointManager) -> None:
-    """Step 1 loads exactly. Over the same URI, the claim retracted it
-    before the failure (crashkit.OVERWRITE_GAP says what is left)."""
+def _assert_previous(previous: tuple[str, dict], manager: dcpstore.CheckpointManager) -> None:
+    """Step 1 loads exactly, in both scenarios: a failed save over it never
+    touches it."""
     _, prev_state = previous
-    expected = "old" if scenario == "next" else OVERWRITE_GAP
-    assert which_state(manager.step_uri(1), {"old": prev_state}) == expected
-    assert manager.all_steps() == ([1] if expected == "old" else [])
+    assert which_state(manager.step_uri(1), {"old": prev_state}) == "old"
+    assert manager.all_steps() == [1]
 
 
 @pytest.mark.parametrize("after", [0, 1, 3])
@@ -129,15 +130,24 @@ def test_eacces_on_open(monkeypatch, previous, scenario) -> None:
     _assert_clean_failure(previous, scenario, "permission denied")
 
 
-@pytest.mark.parametrize("event", ["commit:.metadata", "commit:.dcpstore.json", "open:__0_1.distcp", "write:__0_2.distcp"])
+#: Events to fail at (over a committed step the names carry the save's tag).
+EVENTS = {
+    "commit:.metadata": r"commit:\.metadata",
+    "commit:manifest": r"commit:\.dcpstore(\.[0-9a-f]{8})?\.json",
+    "open:__0_1.distcp": r"open:__0_([0-9a-f]{8}_)?1\.distcp",
+    "write:__0_2.distcp": r"write:__0_([0-9a-f]{8}_)?2\.distcp",
+}
+
+
+@pytest.mark.parametrize("event", list(EVENTS))
 def test_interface_failure_commits_nothing(previous, scenario, event: str) -> None:
     uri = _failed_save_uri(previous, scenario)
-    storage = EventStorage(open_storage(uri), FailAt(lambda e: e.startswith(event), StorageError(f"injected at {event}")))
+    storage = EventStorage(open_storage(uri), FailAt(lambda e: re.match(EVENTS[event], e) is not None, StorageError(f"injected at {event}")))
     with pytest.raises(BaseException) as info:  # DCP's CheckpointException, a BaseException
         dcp_save(_next_state(), storage_writer=DcpStorageWriter(storage, workers=3), no_dist=True)
     assert "injected" in str(info.value)
-    _assert_nothing_half_written(uri)
+    _assert_nothing_half_written(uri, scenario)
     if scenario == "next":
         with pytest.raises(dcpstore.CheckpointNotFound, match="interrupted save"):
             dcpstore.load(zeros_like_state(_next_state()), uri)
-    _assert_previous(previous, scenario, dcpstore.CheckpointManager(previous[0]))
+    _assert_previous(previous, dcpstore.CheckpointManager(previous[0]))

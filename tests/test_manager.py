@@ -137,8 +137,9 @@ def test_load_without_any_committed_step_names_the_root(target: Target) -> None:
 def test_committed_steps_are_not_overwritten_unless_asked(target: Target) -> None:
     mgr = _manager(target)
     mgr.save(_state(7), 7)
-    with pytest.raises(dcpstore.InvalidArgument, match="already committed.*overwrite=True"):
+    with pytest.raises(dcpstore.CheckpointExists, match="already exists: step 7 is committed.*overwrite=True") as info:
         mgr.save(_state(70), 7)
+    assert isinstance(info.value, FileExistsError)
     assert _loaded_step(mgr) == (7, 7.0, 7)
     mgr.save(_state(70), 7, overwrite=True)
     assert _loaded_step(mgr) == (7, 70.0, 70)

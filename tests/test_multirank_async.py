@@ -162,34 +162,37 @@ def _repeated_and_changed_structure(
 
 
 def _one_rank_fails(rank: int, world: int, mesh: object, saver: dcpstore.AsyncSaver, engine: str, uri: str) -> None:
-    # An older checkpoint at the URI, then a save whose rank-1 write fails: a
-    # directory squats on rank 1's first data file.
+    # A committed checkpoint, then a save beside it whose rank-1 write fails:
+    # a directory squats on rank 1's first data file (a save to a fresh URI
+    # writes stock DCP's names).
     state = _state(rank, world, mesh, step=3)
     saver.save(state, uri, engine=engine, workers=2).result(timeout=120)
+    failing = uri + "-failing"
     dist.barrier()
     if rank == 1:
-        os.remove(os.path.join(uri, "__1_0.distcp"))
-        os.mkdir(os.path.join(uri, "__1_0.distcp"))
+        os.makedirs(os.path.join(failing, "__1_0.distcp"))
     dist.barrier()
-    handle = saver.save(state, uri, engine=engine, workers=2)
+    handle = saver.save(state, failing, engine=engine, workers=2)
     with pytest.raises(SaveError) as info:
         handle.result(timeout=120)
     assert "rank 1" in str(info.value) or rank == 1, str(info.value)
-    assert uri in str(info.value)
+    assert failing in str(info.value)
     dist.barrier()
-    assert not os.path.exists(os.path.join(uri, ".metadata"))
+    assert not os.path.exists(os.path.join(failing, ".metadata"))
     # The coordinator released its claim: nothing says the save still runs, so gc may collect it.
-    assert not [n for n in os.listdir(uri) if n.startswith(".dcpstore.alive.")], os.listdir(uri)
+    assert not [n for n in os.listdir(failing) if n.startswith(".dcpstore.alive.")], os.listdir(failing)
     with pytest.raises(CheckpointNotFound):
-        dcpstore.load(_empty_like_state(state), uri)
+        dcpstore.load(_empty_like_state(state), failing)
+    loaded = _empty_like_state(state)
+    dcpstore.load(loaded, uri)  # the committed one beside it: untouched
     dist.barrier()
     if rank == 1:
-        os.rmdir(os.path.join(uri, "__1_0.distcp"))
+        os.rmdir(os.path.join(failing, "__1_0.distcp"))
     dist.barrier()
     # The saver (and its background group) still works after the failure.
-    saver.save(state, uri, engine=engine, workers=2).result(timeout=120)
+    saver.save(state, failing, engine=engine, workers=2).result(timeout=120)
     dist.barrier()
-    assert os.path.exists(os.path.join(uri, ".metadata"))
+    assert os.path.exists(os.path.join(failing, ".metadata"))
 
 
 def _ranks_disagree_on_engine(rank: int, world: int, mesh: object, saver: dcpstore.AsyncSaver, uri: str) -> None:

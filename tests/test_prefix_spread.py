@@ -28,7 +28,16 @@ import dcpstore
 from backends import Target
 from dcpstore.format import inflight
 from dcpstore.format.inflight import ALIVE_PREFIX
-from dcpstore.format.layout import INFLIGHT, MANIFEST, METADATA, spread_dir, spread_file_prefix, split_data_path
+from dcpstore.format.layout import (
+    INFLIGHT,
+    MANIFEST,
+    METADATA,
+    manifest_name,
+    name_tag,
+    split_data_path,
+    spread_dir,
+    spread_file_prefix,
+)
 from dcpstore.maintenance import gc, list_checkpoints
 from dcpstore.storage import StorageOptions
 from dcpstore.storage.local import _TMP_MARK
@@ -138,20 +147,74 @@ def test_four_ranks_spread_over_four_prefixes(target: Target) -> None:
         assert torch.equal(plain["w"], FULL) and torch.equal(plain["rank3"], torch.full((5,), 3.0))
 
 
+def _on_disk(root: str) -> list[str]:
+    return sorted(os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root) for f in fs)
+
+
+def _committed_files(info: Any) -> list[str]:
+    """A save's whole commit: its data files, its manifest (save-unique when
+    its data files are: saved over a used URI), ``.metadata``."""
+    tags = {name_tag(f) for f in info.files}
+    assert len(tags) == 1, info.files
+    return sorted([*info.files, manifest_name(tags.pop() or ""), METADATA])
+
+
 def test_a_flat_save_over_a_spread_one_leaves_no_spread_files(local_target: Target) -> None:
     """The claim finds the old checkpoint's files wherever they lie and the
-    commit removes them; the other way round too."""
+    commit removes them; the other way round too. Over a used URI the new
+    files carry the save's tag, spread or not."""
     uri = local_target.uri
     dcpstore.save({"w": FULL.clone()}, uri, workers=3, **_spread(local_target, 16)).result()
     info = dcpstore.save({"w": FULL * 2}, uri, workers=2).result()
-    on_disk = sorted(os.path.relpath(os.path.join(d, f), uri) for d, _, fs in os.walk(uri) for f in fs)
-    assert on_disk == sorted([*info.files, MANIFEST, METADATA])
+    assert all("/" not in f and name_tag(f) for f in info.files), info.files
+    assert _on_disk(uri) == _committed_files(info)
     info = dcpstore.save({"w": FULL * 3}, uri, workers=2, **_spread(local_target, 16)).result()
-    on_disk = sorted(os.path.relpath(os.path.join(d, f), uri) for d, _, fs in os.walk(uri) for f in fs)
-    assert on_disk == sorted([*info.files, MANIFEST, METADATA]) and all(f.startswith("p0/") for f in info.files)
+    assert _on_disk(uri) == _committed_files(info)
+    assert all(f.startswith("p0/__0_") and name_tag(f) for f in info.files), info.files
     dest = {"w": torch.zeros(96, 40)}
     dcpstore.load(dest, uri)
     assert torch.equal(dest["w"], FULL * 3)
+
+
+@pytest.mark.parametrize("first_spread", [16, 1], ids=["over-spread", "over-flat"])
+def test_a_spread_overwrite_killed_before_its_clean_up_loads_and_gcs(local_target: Target, first_spread: int) -> None:
+    """A spread save over a committed checkpoint (spread or flat) whose
+    clean-up never ran (killed right after its commit): the new one loads,
+    ls sees one mixed committed entry, and gc removes exactly the old
+    checkpoint's files, in or out of spread directories; the new commit's
+    spread files stay and still load. A later spread overwrite does the same
+    from a URI holding tagged spread files."""
+    uri = local_target.uri
+    old = dcpstore.save({"w": FULL.clone()}, uri, workers=3, **_spread(local_target, first_spread)).result()
+    old_disk = _on_disk(uri)
+    # Keep a copy of the old checkpoint's files, save over it, then put them
+    # back: what an overwrite killed between its commit and its clean-up leaves.
+    kept = {f: open(os.path.join(uri, f), "rb").read() for f in old_disk if f != METADATA}
+    new = dcpstore.save({"w": FULL * 2}, uri, workers=2, **_spread(local_target, 4)).result()
+    assert all(f.startswith("p0/") and name_tag(f) for f in new.files), new.files
+    assert _on_disk(uri) == _committed_files(new)
+    for f, blob in kept.items():
+        os.makedirs(os.path.dirname(os.path.join(uri, f)), exist_ok=True)
+        with open(os.path.join(uri, f), "wb") as out:
+            out.write(blob)
+    storage = dcpstore.open_storage(uri)
+    (entry,) = list_checkpoints(storage)
+    assert entry.committed and entry.mixed
+    dest = {"w": torch.zeros(96, 40)}
+    dcpstore.load(dest, uri)
+    assert torch.equal(dest["w"], FULL * 2)
+    report = gc(storage, older_than_s=0)
+    assert sorted(report.removed) == sorted(kept), report.removed
+    assert _on_disk(uri) == _committed_files(new)
+    dest = {"w": torch.zeros(96, 40)}
+    dcpstore.load(dest, uri)
+    assert torch.equal(dest["w"], FULL * 2)
+    third = dcpstore.save({"w": FULL * 3}, uri, workers=2, **_spread(local_target, 4)).result()
+    assert {name_tag(f) for f in third.files}.isdisjoint({name_tag(f) for f in new.files})
+    assert _on_disk(uri) == _committed_files(third)
+    dcpstore.load(dest, uri)
+    assert torch.equal(dest["w"], FULL * 3)
+    assert old.files  # the first save wrote something that the overwrites replaced
 
 
 def test_ls_and_gc_treat_spread_files_as_the_checkpoints_own(tmp_path: Any) -> None:

@@ -4,11 +4,14 @@ Every writer -- the native :class:`~dcpstore.dcp.writer.DcpStorageWriter` and
 the NVRx engine -- runs a save through a session, so the protocol below is
 written once. Call order, and which rank calls what::
 
-    coordinator   session = SaveSession(storage); session.claim()
-                      before any rank writes: retract an older commit at the
-                      URI, write the in-flight marker holding the save id
-    other ranks   session = SaveSession(storage, save_id)
-                      with the coordinator's id (DCP's plan or a broadcast)
+    coordinator   session = SaveSession(storage); session.claim(overwrite)
+                      before any rank writes: refuse a committed URI if
+                      overwrite=False, choose the names (save-unique ones
+                      where the URI holds anything), write the in-flight
+                      marker holding the save id
+    other ranks   session = SaveSession(storage, save_id, tagged)
+                      with the coordinator's id and choice of names (DCP's
+                      plan or a broadcast: :attr:`~SaveSession.token`)
     every rank    session.data_file(rank_prefix, n)   the names to write
                   session.check_owner()               before publishing each
                       data file: a save whose marker was replaced by a later
@@ -17,21 +20,22 @@ written once. Call order, and which rank calls what::
                       rank's data files are durable (DCP and NVRx gather the
                       write results first): ownership check, the manifest,
                       ``.metadata`` last -- the commit point -- then clean up
-                      (the marker, the alive file, and the data files an
-                      older checkpoint at the URI left behind)
+                      (the marker, the alive file, and the data files and
+                      manifest of the checkpoint it replaced)
     coordinator   session.release()   instead, when the save failed on any
                       rank (the writers call it): stop its proof of life, so
                       that ``gc`` may collect what it left; a no-op on other
                       ranks, after publish, and when called twice
 
-Today a claim retracts the older commit (``.metadata``, or stock DCP's
-rank-local ``__{rank}.metadata``) before any rank overwrites the data files
-it points at, so a crash mid-save leaves no checkpoint at that URI (never an
-old ``.metadata`` over new, partial data). Every decision that an
-overwrite-safe commit changes lives in this class: which names a save writes
-(:meth:`SaveSession.data_file`), what a claim does to an older commit
-(:meth:`~SaveSession.claim`), what the commit point is
-(:meth:`~SaveSession.publish`) and what is removed after it.
+Saving over a committed checkpoint never loses it. The claim leaves the
+committed ``.metadata`` and everything it points at alone; the new save
+writes its data files and its manifest under save-unique names
+(:mod:`dcpstore.format.layout`) beside them. ``.metadata`` is the one file
+both saves write, and writing it is atomic (a rename on POSIX, a single PUT
+on object stores): until it lands the URI loads exactly the old checkpoint
+(its ``.metadata`` still names its own files and its own manifest), after
+it exactly the new one. Only then are the old files removed; a crash before
+that leaves garbage that ``gc`` removes, never a broken checkpoint.
 
 From claim to publish (or release) the coordinator keeps the save's alive
 file fresh (:mod:`dcpstore.format.inflight`): ``gc`` never collects a save
@@ -61,10 +65,30 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.storage import WriteResult
 
-from ..errors import CheckpointError, CheckpointNotFound, SaveError, StorageNotFound
+from ..errors import (
+    CheckpointCorrupt,
+    CheckpointError,
+    CheckpointExists,
+    CheckpointNotFound,
+    SaveError,
+    StorageNotFound,
+    UnsafeCheckpoint,
+)
 from ..format import inflight
 from ..format.inflight import Owner, alive_name, encode_alive, is_alive_file
-from ..format.layout import INFLIGHT, MANIFEST, METADATA, data_file_name, is_commit_file, is_data_file, item_key
+from ..format.layout import (
+    INFLIGHT,
+    METADATA,
+    data_file_name,
+    is_commit_file,
+    is_data_file,
+    is_manifest,
+    item_key,
+    manifest_name,
+    manifest_names,
+    name_tag,
+    save_tag,
+)
 from ..format.manifest import (
     MANIFEST_LIMIT,
     METADATA_LIMIT,
@@ -90,6 +114,8 @@ class ItemRecord:
     Carries its file's size and CRC too, so that the coordinator's
     :meth:`SaveSession.publish` builds the manifest from the gathered
     results alone. ``raw``: see :class:`~dcpstore.format.record.WrittenItem`.
+    ``transforms``: the descriptors of DCP stream transforms the item was
+    stored with (``.metadata`` records them).
     """
 
     relative_path: str
@@ -99,47 +125,74 @@ class ItemRecord:
     file_size: int
     file_crc32c: int
     raw: tuple[int, int] | None = None
+    transforms: tuple[str, ...] = ()
 
 
 class SaveSession:
     """One save at one URI, from claim to clean-up (see the module docstring).
 
-    ``save_id``: the coordinator's id; leave it out on the coordinator (a
-    fresh one is made), pass the coordinator's on every other rank.
+    ``save_id`` and ``tagged``: the coordinator's (:attr:`token`); leave them
+    out on the coordinator (a fresh id is made, and the claim chooses the
+    names), pass the coordinator's on every other rank.
     """
 
-    def __init__(self, storage: Storage, save_id: str | None = None) -> None:
+    def __init__(self, storage: Storage, save_id: str | None = None, tagged: bool = False) -> None:
         self.storage = storage
         self.save_id = save_id if save_id is not None else os.urandom(8).hex()
-        #: The data files the claim found (coordinator); None: not claimed.
+        #: "" for stock DCP's names, else the save tag of save-unique names.
+        self.tag = save_tag(self.save_id) if tagged else ""
+        #: The files the claim found that the commit makes stale (coordinator); None: not claimed.
         self._found: frozenset[str] | None = None
         #: Keeps the alive file fresh from claim to publish or release (coordinator).
         self._refresher: _Refresher | None = None
 
+    @property
+    def token(self) -> tuple[str, bool]:
+        """What every other rank needs to join this save: ``(save_id, tagged)``."""
+        return self.save_id, bool(self.tag)
+
     # -- coordinator, before any rank writes -------------------------------
-    def claim(self) -> None:
-        """Retract an older commit at the URI, so that a crash mid-save never
-        leaves an old ``.metadata`` pointing at new, partial data, and mark
-        the URI as this save's. Lists the URI once: the data files found
-        then are the ones :meth:`publish` may remove (a file that appears
-        later belongs to a save that replaced our marker, and then this save
-        never commits)."""
+    def claim(self, overwrite: bool = True) -> None:
+        """Mark the URI as this save's, leaving any committed checkpoint there
+        untouched. ``overwrite=False``: refuse a URI that holds one
+        (:class:`CheckpointExists`; nothing is written).
+
+        Chooses the names: stock DCP's on a fresh URI, save-unique ones where
+        the URI holds anything of a save (a commit, data files, a manifest, a
+        marker), with a tag no file there carries. Lists the URI once: the
+        files found then are the ones the commit makes stale and
+        :meth:`publish` removes (a file that appears later belongs to a save
+        that replaced our marker, and then this save never commits)."""
         self.storage.makedirs()
         present = {o["path"] for o in self.storage.list()}
-        old_commit = sorted(p for p in present if is_commit_file(p) or p == MANIFEST)  # rank-local ones too
-        if old_commit:
-            self.storage.delete(old_commit)
+        committed = sorted(p for p in present if is_commit_file(p))
+        if committed and not overwrite:
+            raise CheckpointExists(
+                f"Checkpoint already exists at {self.storage.uri} ({', '.join(committed[:3])}) and overwrite=False; "
+                "nothing was written"
+            )
+        stale = {p for p in present if is_data_file(p) or is_manifest(p) or is_alive_file(p) or is_commit_file(p)}
+        stale.discard(METADATA)  # replaced by the commit itself
+        if stale or committed or INFLIGHT in present:
+            taken = {name_tag(p) for p in stale}
+            while save_tag(self.save_id) in taken:  # 1 in 2**32: never reuse a name that is there
+                self.save_id = os.urandom(8).hex()
+            self.tag = save_tag(self.save_id)
         self.storage.put(INFLIGHT, self.save_id.encode())
         self._refresher = _Refresher(self.storage, self.save_id)  # proof of life for gc, until publish or release
-        # Alive files of earlier saves are leftovers too: the clean-up removes them.
-        self._found = frozenset(p for p in present if is_data_file(p) or is_alive_file(p))
+        self._found = frozenset(stale)
 
     # -- every rank -----------------------------------------------------------
     def data_file(self, rank_prefix: str, index: int) -> str:
         """The name of data file ``index`` of the rank whose DCP prefix is
         ``rank_prefix`` (``__{rank}_``): ``__{rank}_{index}.distcp``, as
-        stock DCP names them."""
-        return data_file_name(rank_prefix, index)
+        stock DCP names them, or ``__{rank}_{tag}_{index}.distcp``."""
+        return data_file_name(rank_prefix, index, self.tag)
+
+    @property
+    def manifest(self) -> str:
+        """The name of this save's integrity manifest."""
+        return manifest_name(self.tag)
 
     def check_owner(self) -> None:
         """Refuse to publish a file or commit once another save to this URI
@@ -149,10 +202,15 @@ class SaveSession:
             owner = read_capped(self.storage, INFLIGHT, SMALL_FILE_LIMIT).decode(errors="replace")
         except StorageNotFound:
             owner = "<none>"
-        if owner == "<none>" and not self.storage.exists(METADATA):  # no later save committed and removed it
+        if owner == "<none>":
+            if not self.storage.exists(METADATA):  # no save committed here since
+                raise SaveError(
+                    f"the in-flight marker {self.storage.describe(INFLIGHT)} of this save ({self.save_id}) was "
+                    "removed while it was writing (by 'dcpstore gc', or by hand); nothing was committed by this save"
+                )
             raise SaveError(
-                f"the in-flight marker {self.storage.describe(INFLIGHT)} of this save ({self.save_id}) was removed "
-                "while it was writing (by 'dcpstore gc', or by hand); nothing was committed by this save"
+                f"another save to {self.storage.uri} started while this one was writing and committed (or this "
+                f"save's in-flight marker was removed by hand); nothing was committed by this save ({self.save_id})"
             )
         if owner != self.save_id:
             raise SaveError(
@@ -165,17 +223,29 @@ class SaveSession:
         rank wrote in place under their final names (the NVRx engine does),
         so that they do not hold the space the next save needs. Left alone
         when another save has taken the URI over (they are its files now) or
-        when this save's ``.metadata`` exists after all (a failure after the
-        commit point). Best effort: a failure here is logged."""
+        when this save committed after all (a failure after the commit
+        point). Best effort: a failure here is logged."""
         names = sorted(written)
         if not names:
             return
         try:
             self.check_owner()
-            if not self.storage.exists(METADATA):
+            if not self.committed():
                 self.storage.delete(names)
         except CheckpointError as e:
             log.warning("a failed save left its data files under %s in place: %s", self.storage.uri, e)
+
+    def committed(self) -> bool:
+        """Whether the URI's ``.metadata`` is this save's: its manifest is
+        there and names that ``.metadata``'s CRC32C (before the commit the
+        old ``.metadata`` is there, and after a later save's commit that
+        save's)."""
+        try:
+            mine = parse_manifest(read_capped(self.storage, self.manifest, MANIFEST_LIMIT), self.storage.describe(self.manifest))
+            blob = read_capped(self.storage, METADATA, METADATA_LIMIT)
+        except StorageNotFound:
+            return False
+        return crc32c.crc32c(blob) == mine["metadata_crc32c"]
 
     def storage_meta(self) -> StorageMeta:
         """What ``.metadata`` records about this save."""
@@ -197,7 +267,9 @@ class SaveSession:
         for rank_results in results:
             for wr in rank_results:
                 rec: ItemRecord = wr.storage_data
-                storage_data[wr.index] = _StorageInfo(rec.relative_path, rec.offset, rec.length)
+                storage_data[wr.index] = _StorageInfo(
+                    rec.relative_path, rec.offset, rec.length, list(rec.transforms) if rec.transforms else None
+                )
                 files[rec.relative_path] = {"size": rec.file_size, "crc32c": rec.file_crc32c}
                 key = item_key(rec.relative_path, rec.offset)
                 items[key] = rec.crc32c
@@ -208,7 +280,7 @@ class SaveSession:
         blob = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
         try:
             self.check_owner()
-            self.storage.put(MANIFEST, build_manifest(files, items, crc32c.crc32c(blob), tensors))
+            self.storage.put(self.manifest, build_manifest(files, items, crc32c.crc32c(blob), tensors))
             self.storage.put(METADATA, blob)  # the commit point
         except BaseException:
             self.release()
@@ -244,13 +316,14 @@ class SaveSession:
 
     def _clean_up(self, live: Iterable[str]) -> None:
         """After the commit: delete the in-flight marker, the save's alive
-        file and the data files (and alive files) an older save at this URI
-        left behind, in one request. Best effort: the commit already happened."""
+        file and what the claim found (the replaced checkpoint's data files
+        and manifest, an earlier failed save's leftovers), in one request.
+        Best effort: the commit already happened."""
         try:
             found = self._found
-            if found is None:
-                found = frozenset(p for o in self.storage.list() if is_data_file(p := o["path"]) or is_alive_file(p))
-            self.storage.delete([INFLIGHT, alive_name(self.save_id), *sorted(found - set(live))])
+            if found is None:  # not claimed here: only what no commit can name
+                found = frozenset(p for o in self.storage.list() if is_alive_file(p := o["path"]))
+            self.storage.delete([INFLIGHT, alive_name(self.save_id), *sorted(found - {*live, self.manifest})])
         except CheckpointError as e:
             log.warning("could not remove the in-flight marker or stale data files under %s: %s", self.storage.uri, e)
 
@@ -310,23 +383,53 @@ def read_checkpoint_metadata(storage: Storage, trust: Trust = TOOLS) -> tuple[Me
         blob = read_capped(storage, METADATA, METADATA_LIMIT)
     except StorageNotFound as e:
         raise CheckpointNotFound(_why_missing(storage)) from e
-    manifest = None
+    # The save id .metadata records names its manifest, so the restricted
+    # unpickle comes first; the CRC check then covers every byte of the blob.
     try:
-        manifest = parse_manifest(read_capped(storage, MANIFEST, MANIFEST_LIMIT), storage.describe(MANIFEST))
-    except StorageNotFound:
-        log.debug("%s has no integrity manifest (written by stock DCP?); loading unverified", storage.uri)
-    if manifest is not None:
+        metadata, stored = load_metadata(blob, storage.describe(METADATA), trust)
+    except (CheckpointCorrupt, UnsafeCheckpoint) as e:
+        _check_damage(storage, blob, e)
+        raise
+    manifest = None
+    for name in manifest_names(getattr(getattr(metadata, "storage_meta", None), "save_id", None)):
+        try:
+            manifest = parse_manifest(read_capped(storage, name, MANIFEST_LIMIT), storage.describe(name))
+        except StorageNotFound:
+            continue
         check_metadata_crc(blob, manifest, storage.describe(METADATA))
-    metadata, stored = load_metadata(blob, storage.describe(METADATA), trust)
-    if manifest is not None:
-        check_items_listed(manifest, stored, storage.describe, storage.describe(MANIFEST))
+        check_items_listed(manifest, stored, storage.describe, storage.describe(name))
+        break
+    else:
+        log.debug("%s has no integrity manifest (written by stock DCP?); loading unverified", storage.uri)
     return metadata, manifest
+
+
+def _check_damage(storage: Storage, blob: bytes, refused: CheckpointError) -> None:
+    """``.metadata`` could not be unpickled (or names a class off the
+    allowlist): if the directory holds manifests and none records this
+    blob's CRC32C, the blob is damaged -- say that rather than what the
+    damage happens to look like. Lists the directory (a failure path only)."""
+    try:
+        names = [o["path"] for o in storage.list() if is_manifest(o["path"])]
+        crcs = set()
+        for name in names:
+            try:
+                crcs.add(parse_manifest(read_capped(storage, name, MANIFEST_LIMIT), storage.describe(name))["metadata_crc32c"])
+            except CheckpointError:
+                continue
+    except CheckpointError:
+        return
+    if crcs and crc32c.crc32c(blob) not in crcs:
+        raise CheckpointCorrupt(
+            f"{storage.describe(METADATA)}: checksum mismatch (damaged commit object: no manifest records its "
+            f"CRC32C; unpickling it said: {refused})"
+        ) from refused
 
 
 def _why_missing(storage: Storage) -> str:
     try:
         listed = [o["path"] for o in storage.list()]
-        leftovers = [p for p in listed if is_data_file(p) or p == MANIFEST]
+        leftovers = [p for p in listed if is_data_file(p) or is_manifest(p)]
     except StorageNotFound as e:  # e.g. the bucket itself does not exist: say so
         return f"no checkpoint at {storage.uri}: {e}"
     except CheckpointError as e:

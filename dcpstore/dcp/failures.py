@@ -16,7 +16,7 @@ Layer: DCP protocol. Imports :mod:`dcpstore.errors` and :mod:`dcpstore.storage`.
 
 from __future__ import annotations
 
-from ..errors import CheckpointError, LoadError, SaveError
+from ..errors import CheckpointError, CheckpointExists, LoadError, SaveError
 from ..storage import redact
 from ..storage.secrets import scrub
 
@@ -59,9 +59,13 @@ def _describe(e: BaseException) -> str:
 def save_error(e: BaseException, uri: str, what: str = "save") -> SaveError:
     """The :class:`SaveError` a failed save raises (chain it ``from e``).
 
-    A :class:`SaveError` keeps its message (it names the URI already); any
+    A :class:`SaveError` keeps its message (it names the URI already), and a
+    refused overwrite stays a :class:`CheckpointExists` on every path; any
     other failure becomes ``"{what} to {uri} failed: ..."``.
     """
+    cause = root_cause(e)
+    if isinstance(cause, CheckpointExists):
+        return CheckpointExists(str(cause))
     if isinstance(e, SaveError):
         return SaveError(str(e))
     if isinstance(e, CheckpointError) and not rank_failures(e):

@@ -45,31 +45,32 @@ import crc32c
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+from torch.distributed.checkpoint._extension import ExtensionRegistry
+from torch.distributed.checkpoint.filesystem import _StorageInfo, _StorageReaderTransforms
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from ..errors import CheckpointCorrupt, CheckpointError, InvalidArgument, StateDictMismatch, StorageNotFound
+from ..errors import CheckpointCorrupt, CheckpointNotFound, InvalidArgument, StateDictMismatch, StorageNotFound
 from ..format.bitcopy import copy_values
 from ..format.layout import MANIFEST, METADATA, item_key
 from ..format.manifest import Manifest
-from ..format.record import item_tensor
+from ..format.record import BYTES_ITEM_LIMIT, RECORD_OVERHEAD, decode_item, item_tensor
 from ..format.safe_pickle import Trust, check_record_end, load_object
 from ..handle import LoadStats
 from ..options import LoadOptions, check_workers
 from ..progress import NO_PROGRESS, Progress
 from ..quiet import ignoring
-from ..storage import Storage
+from ..storage import Storage, parse_uri
 from ..threads import run_parallel
 from .commit import read_checkpoint_metadata
 from .failures import load_error
 from .load_progress import LoadProgress
 from .read_plan import Direct, DirectRun, Request, Span, plan_reads, scatter_groups
 from .state_checks import check_top_level_keys, load_mismatches
-from .writer import NO_DIST_WARNING, DcpStorageWriter
+from .writer import NO_DIST_WARNING, serves
 
 #: Tensors smaller than this are read with their record into scratch and
 #: copied out (measured on 20,000 x 3 KiB tensors).
@@ -92,11 +93,14 @@ class DcpStorageReader(StorageReader):
         workers: int | None = None,
         reopen: Callable[[str], Storage] | None = None,
         verify: bool = True,
+        extension_registry: ExtensionRegistry | None = None,
         safe_globals: Sequence[Any] | None = None,
         trusted: bool = False,
         progress: Progress = NO_PROGRESS,
     ) -> None:
         super().__init__()
+        #: Undoes the DCP stream transforms an item names (default registry: ZStandard).
+        self.transforms = _StorageReaderTransforms(extension_registry)
         self.storage = storage
         self.workers = check_workers(workers, storage.default_workers())
         self.verify = verify
@@ -105,27 +109,47 @@ class DcpStorageReader(StorageReader):
         self._reopen = reopen
         self._manifest: Manifest | None = None
         self._metadata: Metadata | None = None
+        self._preloaded = False
         self._storage_data: dict[MetadataIndex, _StorageInfo] = {}
         self._mismatches: list[str] = []
         self._progress = LoadProgress(())
         self.bytes_read = 0
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        if checkpoint_id is not None and os.fspath(checkpoint_id) != self.storage.url.uri:
-            if self._reopen is None:
-                raise InvalidArgument(f"this reader is bound to {self.storage.uri}")
-            self.storage = self._reopen(os.fspath(checkpoint_id))
-            self._metadata = None
+        """Point the next load at ``checkpoint_id`` (DCP calls this only when
+        ``dcp.load`` is given a ``checkpoint_id``). The commit is read afresh
+        on every load: the checkpoint at a URI may have been replaced since."""
+        self._preloaded = False
+        if checkpoint_id is None or parse_uri(checkpoint_id).uri == self.storage.url.uri:
+            return
+        if self._reopen is None:
+            raise InvalidArgument(
+                f"this reader is bound to {self.storage.uri}; cannot switch to checkpoint_id "
+                f"{os.fspath(checkpoint_id)!r} (dcpstore.StorageReader can)"
+            )
+        self.storage = self._reopen(os.fspath(checkpoint_id))
 
     def preload_metadata(self) -> Metadata:
         """Read and verify the commit now (every rank), so that a missing or
-        damaged checkpoint fails fast with a clear error, outside DCP."""
-        if self._metadata is None:
+        damaged checkpoint fails fast with a clear error, outside DCP. The
+        next load uses it; any later load reads the commit again (the
+        checkpoint at a URI may be replaced between two loads)."""
+        if not self._preloaded:
             self._metadata, self._manifest = read_checkpoint_metadata(self.storage, self._trust)
+            self._preloaded = True
+        assert self._metadata is not None
         return self._metadata
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if kwargs.get("rank") is not None:
+            # DCP asks for rank-local metadata only after the global one
+            # failed: the checkpoint of a save with use_collectives=False.
+            raise CheckpointNotFound(
+                f"no {METADATA} at {self.storage.uri}: dcpstore reads checkpoints with one global {METADATA} "
+                "and does not read rank-local __{rank}.metadata (saves with use_collectives=False)"
+            )
         metadata = self.preload_metadata()
+        self._preloaded = False  # this load has it; the next one reads it again
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
         return metadata
@@ -156,14 +180,12 @@ class DcpStorageReader(StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         per_file: dict[str, list[Request]] = defaultdict(list)
+        transformed = set()
         for req in plan.items:
             info = self._storage_data[req.storage_index]
-            if info.transform_descriptors:
-                raise CheckpointError(
-                    f"{self.storage.describe(info.relative_path)} uses DCP stream extensions "
-                    f"{list(info.transform_descriptors)}, which dcpstore does not read"
-                )
             per_file[info.relative_path].append((req, info))
+            if info.transform_descriptors:
+                transformed.add(item_key(info.relative_path, info.offset))
         assert self._metadata is not None
         lock = threading.Lock()
         future: Future[None] = Future()
@@ -171,6 +193,8 @@ class DcpStorageReader(StorageReader):
         try:
             self._check_sizes(per_file)
             raw = self._manifest["tensors"] if self._manifest is not None else {}
+            if transformed:  # their stored bytes are not the tensor's: always through the record
+                raw = {key: where for key, where in raw.items() if key not in transformed}
             jobs = plan_reads(per_file, raw, self._metadata, self.workers, self.storage.describe(MANIFEST))
             self.bar.start(sum(info.length for reqs in per_file.values() for _, info in reqs))
             run_parallel(lambda job: self._read_job(job, planner, lock), jobs, self.workers, "dcpstore-read")
@@ -337,6 +361,8 @@ class DcpStorageReader(StorageReader):
             start = info.offset - span.offset
             item = view[start : start + info.length]
             self._verify_item(span.path, info, item)
+            if info.transform_descriptors:
+                item = self._decode(span.path, req, info, item)
             self._progress.check()  # verified, and the load goes on: change the destination
             if req.type == LoadItemType.BYTE_IO:
                 if not self._trust.trusted:  # built through the allowlist first: refused before the planner runs it
@@ -360,6 +386,24 @@ class DcpStorageReader(StorageReader):
             self._progress.loaded([req.dest_index.fqn])
             target = None
 
+    def _decode(self, path: str, req: ReadItem, info: _StorageInfo, stored: memoryview) -> memoryview:
+        """Undo the DCP stream transforms ``info`` names (e.g. ZStandard)."""
+        assert info.transform_descriptors is not None and self._metadata is not None
+        declared = self._metadata.state_dict_metadata.get(req.storage_index.fqn)
+        limit = BYTES_ITEM_LIMIT
+        if isinstance(declared, TensorStorageMetadata):
+            numel = 1
+            for dim in declared.size:
+                numel *= dim
+            limit = numel * declared.properties.dtype.itemsize + RECORD_OVERHEAD
+        try:
+            return decode_item(stored, info.transform_descriptors, req, self.transforms, limit)
+        except Exception as e:  # an unknown transform, damaged or hostile compressed bytes
+            raise CheckpointCorrupt(
+                f"{self.storage.describe(path)}: item {req.storage_index.fqn} at offset {info.offset} cannot be "
+                f"decoded with its stream transforms {list(info.transform_descriptors)}: {type(e).__name__}: {e}"
+            ) from e
+
     def _verify_item(self, path: str, info: _StorageInfo, *pieces: memoryview) -> None:
         """Check an item's CRC32C; ``pieces`` are its bytes, in order."""
         if not self.verify or self._manifest is None:
@@ -382,7 +426,7 @@ class DcpStorageReader(StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return DcpStorageWriter.validate_checkpoint_id(checkpoint_id)
+        return serves(checkpoint_id)
 
 
 def _byte_view(target: torch.Tensor, dtype: torch.dtype, nbytes: int) -> memoryview | None:

@@ -8,6 +8,10 @@ writes them.
 
 Save, as ``torch.distributed.checkpoint.save`` drives it::
 
+    (all ranks)   [reset(checkpoint_id)]  only when DCP is given a checkpoint_id:
+                                        re-points the writer to that URI
+    (all ranks)   storage_meta          starts this save's SaveSession, so the
+                                        planner sees the save id .metadata records
     (all ranks)   set_up_storage_writer -> prepare_local_plan
     (coordinator) prepare_global_plan   assigns each rank its ``__{rank}_`` prefix
                                         (in its spread directory, if the storage
@@ -39,7 +43,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.filesystem import _StoragePrefix
+from torch.distributed.checkpoint._extension import StreamTransformExtension
+from torch.distributed.checkpoint.filesystem import _StoragePrefix, _StorageWriterTransforms
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
@@ -48,12 +53,12 @@ from torch.futures import Future
 
 from ..errors import CheckpointError, InvalidArgument, SaveError
 from ..format.layout import spread_file_prefix
-from ..format.record import RecordStream, compact_cpu_tensor
+from ..format.record import RecordStream, compact_cpu_tensor, encode_item
 from ..handle import SaveStats
 from ..options import check_workers
 from ..progress import NO_PROGRESS, Progress
 from ..quiet import ignoring
-from ..storage import Storage, parse_uri
+from ..storage import Storage, backend_name, parse_uri
 from ..threads import run_parallel
 from .commit import ItemRecord, SaveSession
 
@@ -68,6 +73,8 @@ class SaveToken(_StoragePrefix):
     as stock DCP) and the save id every rank checks before publishing."""
 
     save_id: str = ""
+    #: Whether the save writes save-unique names (the claim's choice).
+    tagged: bool = False
 
 
 def item_nbytes(item: WriteItem) -> int:
@@ -78,6 +85,14 @@ def item_nbytes(item: WriteItem) -> int:
     for dim in item.tensor_data.size:
         numel *= dim
     return numel * item.tensor_data.properties.dtype.itemsize
+
+
+#: Why ``use_collectives=False`` is refused (DCP's rank-local metadata).
+NO_COLLECTIVES_WHY = (
+    "use_collectives=False makes every rank commit its own __{rank}.metadata: there is no single commit "
+    "point, so a crash between two ranks' commits leaves a mixture of two saves, which dcpstore never "
+    "publishes; save with use_collectives=True (the default)"
+)
 
 
 def split_buckets(items: Sequence[WriteItem], bins: int) -> list[list[WriteItem]]:
@@ -116,10 +131,13 @@ def write_stats(stats: SaveStats, results: Sequence[WriteResult], started: float
 class DcpStorageWriter(StorageWriter):
     """A DCP ``StorageWriter`` over any :class:`Storage`.
 
-    ``workers`` threads write one data file each per rank. Use it directly
-    with ``torch.distributed.checkpoint.save(sd, storage_writer=...)`` or
-    through :func:`dcpstore.save`. ``progress`` counts this rank's bytes as
-    items are written.
+    ``workers`` threads write one data file each per rank
+    (``single_file_per_rank=False``: one file per item, as stock DCP's
+    option); ``extensions``: DCP's stream transforms, applied to every item
+    as stock DCP applies them; ``progress`` counts this rank's bytes as
+    items are written. Built by :func:`save_state_dict` (:func:`dcpstore.save`)
+    and, from a URI, by :class:`dcpstore.StorageWriter` (which passes
+    ``reopen`` so that :meth:`reset` can re-point it to another URI).
     """
 
     def __init__(
@@ -128,17 +146,27 @@ class DcpStorageWriter(StorageWriter):
         *,
         workers: int | None = None,
         reopen: Callable[[str], Storage] | None = None,
+        single_file_per_rank: bool = True,
+        overwrite: bool = True,
+        extensions: Sequence[StreamTransformExtension] = (),
         progress: Progress = NO_PROGRESS,
     ) -> None:
         super().__init__()
         self.storage = storage
         self.workers = check_workers(workers, storage.default_workers())
+        self.single_file_per_rank = single_file_per_rank
+        self.overwrite = overwrite
+        #: DCP's stream transforms for every item (None: store items as they are).
+        self.transforms = _StorageWriterTransforms(list(extensions)) if extensions else None
         self._reopen = reopen
         self.progress = progress
         self.rank = 0
         self.is_coordinator = True
         self.stats = SaveStats()
         self._session: SaveSession | None = None
+        # The next save's session, started by storage_meta() (DCP asks for
+        # it before set_up_storage_writer) and taken by set-up.
+        self._next: SaveSession | None = None
 
     @property
     def session(self) -> SaveSession:
@@ -151,31 +179,47 @@ class DcpStorageWriter(StorageWriter):
 
     # -- DCP protocol -----------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        if checkpoint_id is not None and os.fspath(checkpoint_id) != self.storage.url.uri:
-            if self._reopen is None:
-                raise InvalidArgument(
-                    f"this writer is bound to {self.storage.uri}; cannot switch to another checkpoint_id"
-                )
-            self.storage = self._reopen(os.fspath(checkpoint_id))
+        """Point the next save at ``checkpoint_id`` (DCP calls this, on every
+        rank, only when ``dcp.save`` is given a ``checkpoint_id``)."""
+        self._next = None
+        if checkpoint_id is None or parse_uri(checkpoint_id).uri == self.storage.url.uri:
+            return
+        if self._reopen is None:
+            raise InvalidArgument(
+                f"this writer is bound to {self.storage.uri}; cannot switch to checkpoint_id "
+                f"{os.fspath(checkpoint_id)!r} (dcpstore.StorageWriter can)"
+            )
+        self.storage = self._reopen(os.fspath(checkpoint_id))
+
+    def storage_meta(self) -> StorageMeta | None:
+        # DCP asks before set_up_storage_writer, to hand the planner the save
+        # id: the save's session starts here so that it is the id .metadata
+        # records.
+        if self._next is None:
+            self._next = SaveSession(self.storage)
+        return self._next.storage_meta()
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        # DCP calls reset() only when given a checkpoint_id; this runs on
-        # every save, so per-save state starts here.
+        # Runs on every save (reset() only with a checkpoint_id), so per-save
+        # state starts here.
+        if not kwargs.get("use_collectives", True):
+            raise InvalidArgument(f"cannot save to {self.storage.uri}: {NO_COLLECTIVES_WHY}")
         self.is_coordinator = is_coordinator
         self.rank = kwargs.get("rank") or 0
         self.stats = SaveStats(started=time.perf_counter())
         self.release()  # a previous save through this writer that never finished
-        self._session = SaveSession(self.storage)
+        self._session, self._next = self._next or SaveSession(self.storage), None
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         self.storage.makedirs()
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        self.session.claim()
-        spread, save_id = self.storage.options.spread_prefixes, self.session.save_id
+        self.session.claim(self.overwrite)
+        save_id, tagged = self.session.token
+        spread = self.storage.options.spread_prefixes
         return [
-            dataclasses.replace(plan, storage_data=SaveToken(spread_file_prefix(f"__{i}_", i, spread), save_id))
+            dataclasses.replace(plan, storage_data=SaveToken(spread_file_prefix(f"__{i}_", i, spread), save_id, tagged))
             for i, plan in enumerate(plans)
         ]
 
@@ -184,8 +228,11 @@ class DcpStorageWriter(StorageWriter):
         self.stats.plan_s = t_start - self.stats.started
         token: SaveToken = plan.storage_data
         if token.save_id != self.session.save_id:  # a follower: the coordinator's save
-            self._session = SaveSession(self.storage, token.save_id)
-        buckets = split_buckets(plan.items, self.workers)
+            self._session = SaveSession(self.storage, token.save_id, token.tagged)
+        if self.single_file_per_rank:
+            buckets = split_buckets(plan.items, self.workers)
+        else:
+            buckets = [[item] for item in plan.items]
         self.progress.start(sum(item_nbytes(it) for it in plan.items))
         lock = threading.Lock()  # planners are not promised to be thread-safe
         future: Future[list[WriteResult]] = Future()
@@ -211,7 +258,11 @@ class DcpStorageWriter(StorageWriter):
         with self.storage.open_write(name, size_hint=size_hint) as writer:
             stream = RecordStream(writer)
             for item in items:
-                written.append((item, stream.write_item(_resolve(planner, item, lock))))
+                data = _resolve(planner, item, lock)
+                descriptors: tuple[str, ...] = ()
+                if self.transforms is not None:
+                    data, descriptors = encode_item(data, item, self.transforms)
+                written.append((item, stream.write_item(data), descriptors))
                 self.progress.update(item_nbytes(item))
             file_size, file_crc = stream.finish()
             # Leaving the block publishes the file; a save that lost its
@@ -221,9 +272,9 @@ class DcpStorageWriter(StorageWriter):
             WriteResult(
                 index=item.index,
                 size_in_bytes=w.length,
-                storage_data=ItemRecord(name, w.offset, w.length, w.crc32c, file_size, file_crc, w.raw),
+                storage_data=ItemRecord(name, w.offset, w.length, w.crc32c, file_size, file_crc, w.raw, descriptors),
             )
-            for item, w in written
+            for item, w, descriptors in written
         ]
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -240,23 +291,25 @@ class DcpStorageWriter(StorageWriter):
         if self._session is not None:
             self._session.release()
 
-    def storage_meta(self) -> StorageMeta | None:
-        # DCP may ask before set_up_storage_writer: then there is no save id yet.
-        if self._session is None:
-            return StorageMeta(checkpoint_id=self.storage.uri, save_id="")
-        return self._session.storage_meta()
-
     @property
     def checkpoint_id(self) -> str:
         return self.storage.url.uri
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        try:
-            parse_uri(checkpoint_id)
-        except CheckpointError:
-            return False
-        return True
+        """Whether dcpstore serves ``checkpoint_id``: a local path, ``file://``,
+        ``s3://``, ``msc://`` or a scheme an installed fsspec filesystem
+        knows (not any string that parses as a URI)."""
+        return serves(checkpoint_id)
+
+
+def serves(checkpoint_id: str | os.PathLike[str]) -> bool:
+    """Whether a backend of dcpstore's serves ``checkpoint_id``."""
+    try:
+        backend_name(parse_uri(checkpoint_id))
+    except CheckpointError:
+        return False
+    return True
 
 
 def save_state_dict(
@@ -266,6 +319,7 @@ def save_state_dict(
     workers: int | None,
     process_group: dist.ProcessGroup | None,
     planner: SavePlanner | None,
+    overwrite: bool = True,
     progress: Progress = NO_PROGRESS,
 ) -> SaveStats:
     """One whole DCP save of ``state_dict`` to ``storage`` with dcpstore's
@@ -273,7 +327,7 @@ def save_state_dict(
     The native engine, sync or on an async saver's background thread.
     Raises what DCP raises (a ``CheckpointException`` for a failure on any
     rank)."""
-    writer = DcpStorageWriter(storage, workers=workers, progress=progress)
+    writer = DcpStorageWriter(storage, workers=workers, overwrite=overwrite, progress=progress)
     no_dist = not (dist.is_available() and dist.is_initialized())
     try:
         with ignoring(NO_DIST_WARNING) if no_dist else contextlib.nullcontext():

@@ -83,7 +83,7 @@ from torch.distributed.checkpoint.utils import _DistWrapper
 from ..dcp.commit import ItemRecord, SaveSession
 from ..dcp.failures import describe_failure
 from ..dcp.writer import write_stats
-from ..errors import BackendUnavailable, CheckpointCorrupt, InvalidArgument, SaveError
+from ..errors import BackendUnavailable, CheckpointCorrupt, CheckpointExists, InvalidArgument, SaveError
 from ..format.checksum import file_and_span_crcs
 from ..format.layout import spread_file_prefix
 from ..format.record import compact_cpu_tensor
@@ -436,20 +436,22 @@ def nvrx_save(
     planner: SavePlanner | None,
     cache: Any | None,
     target: NvrxTarget | None = None,
+    overwrite: bool = True,
 ) -> SaveStats:
     """One NVRx save of an already staged ``state_dict`` (see the module doc).
 
     ``process_group`` is the dedicated background group (``None``: a single
     process without torch.distributed). ``cache`` is the private NVRx
     metadata cache to use, or ``None``. ``target`` overrides where NVRx
-    writes (default: derived from ``storage``). Raises on every rank if any
+    writes (default: derived from ``storage``). ``overwrite=False``: refuse
+    a URI that holds a committed checkpoint. Raises on every rank if any
     rank failed; the coordinator's session is then released (``with
     session``), so that ``gc`` may collect what the save left.
     """
     target = target or check_target(storage)
     if process_group is None:
         session = SaveSession(storage)
-        session.claim()
+        session.claim(overwrite)
         with session:
             writer = writer_class()(session, target, workers)
             local_metadata = _plan_single_process(state_dict, writer, planner)
@@ -463,7 +465,7 @@ def nvrx_save(
             return single
 
     wrapper = _DistWrapper(process_group, True, 0)
-    with _claim_and_share(storage, wrapper) as session:
+    with _claim_and_share(storage, wrapper, overwrite) as session:
         writer = writer_class()(session, target, workers)
         metadata: Metadata | None = None
         try:
@@ -492,29 +494,32 @@ def nvrx_save(
         return stats
 
 
-def _claim_and_share(storage: Storage, wrapper: _DistWrapper) -> SaveSession:
-    """The coordinator claims the URI; every rank gets the save id (or the
-    coordinator's failure) by broadcast, so no rank writes before the claim.
-    Returns this rank's session."""
-    outcome: tuple[bool, str] = (True, "")
+def _claim_and_share(storage: Storage, wrapper: _DistWrapper, overwrite: bool) -> SaveSession:
+    """The coordinator claims the URI; every rank gets the session's token
+    (or the coordinator's failure) by broadcast, so no rank writes before
+    the claim. Returns this rank's session."""
+    #: ("ok", token) or ("exists" / "failed", what went wrong)
+    outcome: tuple[str, Any] = ("ok", None)
     error: Exception | None = None
     session: SaveSession | None = None
     if wrapper.is_coordinator:
         try:
             session = SaveSession(storage)
-            session.claim()
-            outcome = (True, session.save_id)
+            session.claim(overwrite)
+            outcome = ("ok", session.token)
         except Exception as e:
-            outcome, error = (False, describe_failure(e)), e
+            outcome, error = ("exists" if isinstance(e, CheckpointExists) else "failed", describe_failure(e)), e
     try:
-        ok, value = wrapper.broadcast_object(outcome)
+        kind, value = wrapper.broadcast_object(outcome)
     except BaseException:
         if session is not None:
             session.release()
         raise
-    if not ok:
+    if kind == "exists":  # the same refusal on every rank
+        raise CheckpointExists(f"save to {storage.uri} refused on rank 0: {value}") from error
+    if kind != "ok":
         raise SaveError(f"save to {storage.uri} failed: could not start it on rank 0: {value}") from error
-    return session if session is not None else SaveSession(storage, value)
+    return session if session is not None else SaveSession(storage, *value)
 
 
 def _plan_single_process(state_dict: dict[str, Any], writer: Any, planner: SavePlanner | None) -> Metadata:

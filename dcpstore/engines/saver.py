@@ -220,6 +220,7 @@ class AsyncSaver:
         planner: SavePlanner | None = None,
         storage_options: StorageOptions | None = None,
         max_in_flight: int | None = None,
+        overwrite: bool = True,
         progress: bool = False,
     ) -> SaveHandle:
         """Stage ``state_dict`` and save it to ``uri`` in the background.
@@ -252,6 +253,7 @@ class AsyncSaver:
             process_group=process_group,
             planner=planner,
             max_in_flight=max_in_flight,
+            overwrite=overwrite,
             progress=progress,
         )
         return self.submit(state_dict, uri, options)
@@ -477,7 +479,13 @@ class AsyncSaver:
                 cache = self._nvrx_caches.for_save(staged.key, group) if planner is None else None
                 try:
                     stats = nvrx_save(
-                        staged.state_dict, storage, workers=workers, process_group=group, planner=planner, cache=cache
+                        staged.state_dict,
+                        storage,
+                        workers=workers,
+                        process_group=group,
+                        planner=planner,
+                        cache=cache,
+                        overwrite=options.overwrite,
                     )
                 except BaseException:
                     self._nvrx_caches.drop(group)  # every rank fails together: re-plan next time
@@ -485,7 +493,13 @@ class AsyncSaver:
                 bar.update(stats.bytes_written)  # NVRx's writer reports its bytes only at the end
             else:
                 stats = save_state_dict(
-                    staged.state_dict, storage, workers=workers, process_group=group, planner=planner, progress=bar
+                    staged.state_dict,
+                    storage,
+                    workers=workers,
+                    process_group=group,
+                    planner=planner,
+                    overwrite=options.overwrite,
+                    progress=bar,
                 )
         except BaseException as e:
             err = save_error(e, storage.uri, "async save")

@@ -10,6 +10,20 @@ A checkpoint directory (or key prefix) holds, in stock DCP layout::
     .dcpstore.json          the integrity manifest (written just before .metadata)
     .metadata               the commit: pickled DCP ``Metadata``, written last
 
+A save to a URI that already holds something of a save (a commit, data
+files, a manifest, a marker) uses *save-unique* names instead, so that its
+files sit beside the committed checkpoint's until its ``.metadata`` replaces
+the old one::
+
+    __{rank}_{tag}_{n}.distcp    tag: the first 8 hex digits of the save id
+                                 (in ``p{d}/`` too when the save spreads)
+    .dcpstore.{tag}.json         its manifest
+
+``.metadata`` records the save id (``storage_meta.save_id``), so a reader
+finds the manifest that belongs to it (:func:`manifest_names`). A save to a
+fresh URI keeps stock DCP's names, so that a checkpoint saved once looks
+exactly as stock DCP's (and as every checkpoint dcpstore wrote before).
+
 ``.metadata`` stays exactly what ``torch.distributed.checkpoint`` writes, so
 stock DCP loads dcpstore checkpoints and vice versa. The manifest is a
 sidecar that stock DCP ignores. It records, for every data file, its size and
@@ -60,7 +74,11 @@ MANIFEST = ".dcpstore.json"
 #: save's while it wrote refuses to commit (two writers, one URI).
 INFLIGHT = ".dcpstore.inflight"
 DATA_SUFFIX = ".distcp"
-_DATA_RE = re.compile(r"^__\d+_\d+\.distcp$")
+#: ``os.urandom(8).hex()``: what :class:`~dcpstore.dcp.commit.SaveSession` makes.
+_SAVE_ID_RE = re.compile(r"^[0-9a-f]{16}$")
+TAG_LEN = 8
+_DATA_RE = re.compile(r"^__\d+_(?:([0-9a-f]{8})_)?\d+\.distcp$")
+_MANIFEST_RE = re.compile(r"^\.dcpstore(?:\.([0-9a-f]{8}))?\.json$")
 #: The directory of a rank's data files when a save spreads them (``p`` +
 #: up to 3 hex digits: StorageOptions.spread_prefixes <= 4096; see the
 #: module doc).
@@ -70,9 +88,10 @@ _SPREAD_RE = re.compile(rf"^{SPREAD_DIR_PREFIX}[0-9a-f]{{1,3}}$")
 _RANK_METADATA_RE = re.compile(r"^__\d+\.metadata$")
 
 
-def data_file_name(rank_prefix: str, index: int) -> str:
-    """``__{rank}_`` + ``{index}`` + ``.distcp``, as stock DCP names them."""
-    return f"{rank_prefix}{index}{DATA_SUFFIX}"
+def data_file_name(rank_prefix: str, index: int, tag: str = "") -> str:
+    """``__{rank}_`` + ``{index}`` + ``.distcp``, as stock DCP names them;
+    with a save ``tag``, ``__{rank}_{tag}_{index}.distcp``."""
+    return f"{rank_prefix}{tag}_{index}{DATA_SUFFIX}" if tag else f"{rank_prefix}{index}{DATA_SUFFIX}"
 
 
 def spread_dir(rank: int, prefixes: int) -> str:
@@ -119,9 +138,45 @@ def checkpoint_dir(directory: str) -> str:
 
 def is_data_file(path: str) -> bool:
     """Whether ``path``, relative to a checkpoint, is one of its data files
-    (``__{rank}_{n}.distcp``, directly or in a spread directory)."""
+    (``__{rank}_{n}.distcp`` or ``__{rank}_{tag}_{n}.distcp``, directly or
+    in a spread directory)."""
     split = split_data_path(path)
     return split is not None and split[0] == ""
+
+
+def save_tag(save_id: str) -> str:
+    """The tag of save-unique names (:func:`data_file_name`, :func:`manifest_name`)."""
+    return save_id[:TAG_LEN]
+
+
+def manifest_name(tag: str = "") -> str:
+    """The manifest of a save with save-unique names (``tag``), or the plain one."""
+    return f".dcpstore.{tag}.json" if tag else MANIFEST
+
+
+def is_manifest(name: str) -> bool:
+    return _MANIFEST_RE.match(name) is not None
+
+
+def name_tag(path: str) -> str | None:
+    """The save tag of a data file (``path`` relative to its checkpoint,
+    spread or not) or manifest name ("" for stock names); None for any
+    other path."""
+    if is_data_file(path):
+        m = _DATA_RE.match(path.rpartition("/")[2])
+    else:
+        m = _MANIFEST_RE.match(path)
+    return None if m is None else m.group(1) or ""
+
+
+def manifest_names(save_id: object) -> list[str]:
+    """Where the manifest of a ``.metadata`` recording ``save_id`` may be, in
+    the order to try: the save-unique one (only for a save id of dcpstore's
+    form: anything else read from storage never becomes a file name), then
+    the plain one."""
+    if isinstance(save_id, str) and _SAVE_ID_RE.match(save_id):
+        return [manifest_name(save_tag(save_id)), MANIFEST]
+    return [MANIFEST]
 
 
 def item_key(path: str, offset: int) -> str:

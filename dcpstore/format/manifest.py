@@ -1,4 +1,5 @@
-"""The integrity manifest (``.dcpstore.json``): its schema, and the one
+"""The integrity manifest (``.dcpstore.json``, or ``.dcpstore.{tag}.json``
+for a save over a used URI: :mod:`.layout`): its schema, and the one
 validation of a commit that load, verify and inspect share.
 
 A manifest records, for every data file, its size and CRC32C; for every

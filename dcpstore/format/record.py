@@ -35,7 +35,7 @@ from __future__ import annotations
 import io
 import pickle
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
 from typing import IO, Any, Protocol, cast
@@ -43,6 +43,8 @@ from typing import IO, Any, Protocol, cast
 import numpy as np
 import torch
 from torch import serialization as _ser
+from torch.distributed.checkpoint.filesystem import _StorageReaderTransforms, _StorageWriterTransforms
+from torch.distributed.checkpoint.planner import ReadItem, WriteItem
 
 from ..quiet import ignoring
 from .checksum import DualCrc
@@ -350,3 +352,50 @@ def _view_record(item: memoryview) -> torch.Tensor | None:
     if meta.is_neg():
         view = torch._neg_view(view)
     return view
+
+
+# ---------------------------------------------------------------------------
+# Items under DCP's stream transforms (``_extensions``)
+# ---------------------------------------------------------------------------
+#
+# DCP's StreamTransformExtensions (ZStandard, or a user's) turn an item's
+# bytes into other bytes; ``_StorageInfo.transform_descriptors`` in
+# ``.metadata`` names them, outermost last, so that any reader with the same
+# registry undoes them. dcpstore applies and undoes them with DCP's own
+# helpers, so its items are what stock DCP writes and reads. The stored
+# (transformed) bytes are what the manifest's CRC32Cs cover.
+
+#: The most bytes an item may decode to beyond what its metadata declares (a
+#: tensor record's zip headers and alignment); a bytes item, whose size no
+#: metadata declares, may decode to at most :data:`BYTES_ITEM_LIMIT`. A
+#: crafted checkpoint must not inflate one item into all of memory.
+RECORD_OVERHEAD = 1 << 20
+BYTES_ITEM_LIMIT = 1 << 30
+
+
+def encode_item(
+    data: io.BytesIO | torch.Tensor, item: WriteItem, transforms: _StorageWriterTransforms
+) -> tuple[io.BytesIO, tuple[str, ...]]:
+    """The item's bytes after ``transforms`` (a bytes blob to store as it
+    is), and the descriptors ``.metadata`` records for it."""
+    out = io.BytesIO()
+    sink, descriptors = transforms.transform_save_stream(item, out)
+    if isinstance(data, io.BytesIO):
+        sink.write(data.getbuffer())
+    else:
+        save_record(data, sink)
+    sink.close()
+    return out, tuple(descriptors)
+
+
+def decode_item(
+    stored: memoryview, descriptors: Sequence[str], item: ReadItem, transforms: _StorageReaderTransforms, limit: int
+) -> memoryview:
+    """Undo the stream transforms an item was stored with; at most ``limit``
+    decoded bytes (raises ``ValueError`` beyond, or for an unknown
+    transform)."""
+    stream = transforms.transform_load_stream(item, descriptors, cast(IO[bytes], _ViewReader(stored)))
+    decoded = stream.read(limit + 1)
+    if len(decoded) > limit:
+        raise ValueError(f"decodes to more than {limit} bytes")
+    return memoryview(decoded)

@@ -13,6 +13,7 @@ Call order of one save (every rank calls ``save`` with the same step)::
       1. finish the previous save: wait for it, then (rank 0) write the
          pointer and apply retention; its error, if any, is raised here
       2. refuse to overwrite a committed step unless overwrite=True
+         (CheckpointExists; the save refuses too, should one land meanwhile)
       3. dcpstore.save(sd, root/step_..., async_=...)  -> SaveHandle
       4. sync saves: finish now (same as 1). Async saves finish at the next
          save(), wait(), load() or close() -- at the latest at interpreter
@@ -40,7 +41,7 @@ import logging
 import os
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Any, overload
 
@@ -52,7 +53,7 @@ from torch.distributed.checkpoint.planner import SavePlanner
 from ..api import load_with, save_with
 from ..engines import exit as exit_hook
 from ..engines.choice import engine_problem
-from ..errors import CheckpointNotFound, InvalidArgument, SaveError
+from ..errors import CheckpointExists, CheckpointNotFound, InvalidArgument, SaveError
 from ..format.layout import METADATA
 from ..handle import CheckpointInfo, SaveHandle
 from ..keywords import hint_keywords
@@ -236,9 +237,10 @@ class CheckpointManager:
             state_dict: this rank's state (a dict, as for :func:`dcpstore.save`).
             step: the step number, an int >= 0; the checkpoint goes to
                 ``root/step_{step:08d}``.
-            overwrite: replace a step that is already committed. Replacing
-                it retracts the old commit before the new data is written, so
-                a crash mid-save would lose that step.
+            overwrite: replace a step that is already committed (saving a
+                step twice is usually a bug). A replaced step loads as the
+                old save until the new one is committed, and as the new one
+                after; a failed or killed save leaves the old one.
 
         Returns:
             The save's handle (already done for a sync manager).
@@ -246,8 +248,9 @@ class CheckpointManager:
         Raises:
             SaveError: the previous save (finished first) or this one failed,
                 or an earlier async save on the same saver failed unobserved.
-            InvalidArgument: a bad step, a step already committed without
-                ``overwrite=True``, or a closed manager.
+            CheckpointExists: the step is already committed and
+                ``overwrite`` is False (a ``SaveError`` and a ``FileExistsError``).
+            InvalidArgument: a bad step, or a closed manager.
         """
         if _is_step(state_dict) and isinstance(step, dict):
             warnings.warn(
@@ -265,11 +268,13 @@ class CheckpointManager:
         step = check_step(step)
         self._finish_pending()
         if not overwrite and is_committed(self._storage, step):
-            raise InvalidArgument(
-                f"step {step} is already committed at {self._storage.describe(step_dir(step))}; "
+            raise CheckpointExists(
+                f"Checkpoint already exists: step {step} is committed at {self._storage.describe(step_dir(step))}; "
                 "pass overwrite=True to replace it"
             )
-        handle = save_with(state_dict, self.step_uri(step), self.options)
+        # The save itself refuses too, should the step be committed meanwhile.
+        options = self.options if overwrite == self.options.overwrite else replace(self.options, overwrite=overwrite)
+        handle = save_with(state_dict, self.step_uri(step), options)
         self._pending = _Pending(step, handle)
         exit_hook.hold(self, exit_hook.Stage.MANAGERS)
         if handle.done():

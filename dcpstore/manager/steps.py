@@ -2,7 +2,7 @@
 
 Layout::
 
-    root/step_00000100/.metadata + __*_*.distcp + .dcpstore.json
+    root/step_00000100/.metadata + data files + manifest (format.layout's names)
     root/step_00000200/...
     root/latest                 "200\\n": a hint, written after the commit
 

@@ -112,8 +112,14 @@ class StorageOptions:
     #: (S3: about 3,500 PUT/s per prefix). 1 (default): stock DCP's flat
     #: layout. Loads read either layout, whatever this is set to.
     spread_prefixes: int = 1
+    #: Native S3 backend: the AWS region of the bucket. None (default): from
+    #: the standard AWS sources (``AWS_REGION``, the profile, ...). MSC takes
+    #: its region from its profile, fsspec from its own options.
+    region: str | None = None
 
     def __post_init__(self) -> None:
+        if self.region is not None and (not isinstance(self.region, str) or not self.region.strip()):
+            raise InvalidArgument(f"region must be None or a non-empty AWS region name, got {self.region!r}")
         if self.part_size is not None and (not isinstance(self.part_size, int) or self.part_size < 5 * MiB):
             raise InvalidArgument(
                 f"part_size must be None (automatic) or an int >= 5 MiB (S3's minimum part), got {self.part_size!r}"

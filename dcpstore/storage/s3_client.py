@@ -101,6 +101,7 @@ def s3_client(options: StorageOptions) -> Any:
         options.connect_timeout_s,
         options.read_timeout_s,
         options.op_timeout_s,
+        options.region,
     )
     client = _clients.get(key)
     if client is not None:
@@ -126,7 +127,7 @@ def _make_client(options: StorageOptions) -> Any:
     )
     # A Session per client: sessions are not thread-safe, clients are.
     session = boto3.session.Session()
-    client = session.client("s3", config=config)
+    client = session.client("s3", config=config, region_name=options.region)
     _install_deadline(client, options)
     remember_boto_credentials(session, client)  # so that no message ever shows them
     return client

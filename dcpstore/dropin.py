@@ -1,0 +1,312 @@
+"""Beneath DCP's own entry points: :class:`StorageWriter` and :class:`StorageReader`.
+
+Code that calls ``torch.distributed.checkpoint`` directly switches to dcpstore
+by changing one constructor::
+
+    dcp.save(state_dict, storage_writer=dcpstore.StorageWriter("s3://b/run/step100"))
+    dcp.load(state_dict, storage_reader=dcpstore.StorageReader("s3://b/run/step100"))
+    dcp.async_save(state_dict, storage_writer=dcpstore.StorageWriter(path))
+
+They take ``FileSystemWriter``'s and ``FileSystemReader``'s keyword arguments
+(each is honoured, or refused with :class:`~dcpstore.InvalidArgument` naming
+it; see the class docstrings), s3torchconnector's ``region``, and dcpstore's
+own (``enable_msc``, ``storage_options``, ``verify``). One writer or reader
+serves any number of checkpoints: ``checkpoint_id=`` re-points it, as
+torchtitan and Megatron-Bridge reuse one writer across steps.
+
+The writer is also DCP's ``AsyncStager``: ``dcp.async_save`` stages through
+it the way ``dcpstore.save(async_=True)`` stages (a consistent host copy of
+every tensor, CPU tensors included; see :mod:`dcpstore.engines.staging`), on
+either executor DCP offers (thread or process: the writer pickles to the
+checkpoint process and reopens its storage there).
+
+Layer: front door (beside :mod:`dcpstore.api`). Imports the engines' staging,
+the DCP protocol, the value objects, :mod:`dcpstore.storage` and the
+foundation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTransformExtension
+from torch.distributed.checkpoint.filesystem import SerializationFormat
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.staging import AsyncStager
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from .dcp.load_progress import LoadProgress
+from .dcp.reader import DcpStorageReader
+from .dcp.writer import DcpStorageWriter
+from .engines.staging import StagedState, Stager, StagingPool
+from .errors import InvalidArgument
+from .progress import NO_PROGRESS
+from .storage import Storage, StorageOptions, open_storage
+
+#: What to use instead of s3torchconnector's arguments that select its own
+#: client and readers.
+_S3TORCH_INSTEAD = {
+    "s3client_config": "pass storage_options=dcpstore.StorageOptions(...) (part size, concurrency, retries, timeouts)",
+    "reader_constructor": "dcpstore plans its own ranged reads; leave it out",
+    "prefix_strategy": "dcpstore writes every file under the checkpoint's own prefix; leave it out",
+}
+
+
+def _refuse_s3torch(**given: Any) -> None:
+    for name, value in given.items():
+        if value is not None:
+            raise InvalidArgument(f"{name} is s3torchconnector's and has no meaning for dcpstore: {_S3TORCH_INSTEAD[name]}")
+
+
+def _storage_options(storage_options: StorageOptions | None, region: str | None) -> StorageOptions | None:
+    """``storage_options`` with s3torchconnector's ``region`` folded in."""
+    if region is None:
+        return storage_options
+    if storage_options is not None and storage_options.region not in (None, region):
+        raise InvalidArgument(
+            f"region={region!r} contradicts storage_options.region={storage_options.region!r}; pass one of them"
+        )
+    return dataclasses.replace(storage_options or StorageOptions(), region=region)
+
+
+class _Opener:
+    """Opens a checkpoint URI with fixed backend options; picklable, so a
+    writer or reader sent to DCP's checkpoint process reopens it there."""
+
+    def __init__(self, enable_msc: bool, storage_options: StorageOptions | None) -> None:
+        self.enable_msc = enable_msc
+        self.storage_options = storage_options
+
+    def __call__(self, uri: str | os.PathLike[str]) -> Storage:
+        return open_storage(uri, enable_msc=self.enable_msc, storage_options=self.storage_options)
+
+
+class StorageWriter(DcpStorageWriter, AsyncStager):
+    """DCP's ``StorageWriter`` for any URI dcpstore serves; a drop-in for
+    ``FileSystemWriter`` (and s3torchconnector's ``S3StorageWriter``).
+
+    ``path``: a local path or a URI (``s3://``, ``msc://``, ``file://``, an
+    fsspec scheme). ``dcp.save(..., checkpoint_id=...)`` re-points it.
+
+    ``FileSystemWriter``'s arguments:
+
+    * ``thread_count``: writer threads per rank, one data file each
+      (default: dcpstore's, 2 to 8 by core count; stock DCP's is 1).
+    * ``single_file_per_rank``: ``False`` writes one file per item.
+    * ``sync_files``: dcpstore makes every data file durable before the
+      commit whatever it says (``False`` only *permits* skipping that, and
+      skipping it would let a power loss take the previous checkpoint).
+    * ``per_thread_copy_ahead``: the bytes a thread may copy off the GPU
+      ahead of writing; dcpstore's threads copy one item at a time.
+    * ``cache_staged_state_dict``: keep the staging buffers of
+      ``dcp.async_save`` for the next save of the same structure (reused only
+      once this writer has finished writing the previous one).
+    * ``overwrite``: ``False`` refuses a URI that holds a committed
+      checkpoint with :class:`~dcpstore.CheckpointExists`.
+    * ``_extensions``: DCP's stream transforms (e.g. ``ZStandard()``),
+      applied to each item as stock DCP applies them.
+    * ``serialization_format``: only ``TORCH_SAVE`` (DCP's default);
+      safetensors data files are refused.
+
+    s3torchconnector's ``region`` sets the native S3 backend's region;
+    its ``s3client_config`` and ``prefix_strategy`` are refused with what to
+    use instead. dcpstore's own: ``enable_msc`` (route through NVIDIA MSC)
+    and ``storage_options`` (:class:`~dcpstore.StorageOptions`).
+
+    ``use_collectives=False`` (of ``dcp.save``) is refused: see
+    :data:`~dcpstore.dcp.writer.NO_COLLECTIVES_WHY`.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        thread_count: int | None = None,
+        single_file_per_rank: bool = True,
+        sync_files: bool = True,
+        per_thread_copy_ahead: int = 10_000_000,
+        cache_staged_state_dict: bool = False,
+        overwrite: bool = True,
+        _extensions: Sequence[StreamTransformExtension] | None = None,
+        serialization_format: SerializationFormat = SerializationFormat.TORCH_SAVE,
+        enable_msc: bool = False,
+        storage_options: StorageOptions | None = None,
+        region: str | None = None,
+        s3client_config: Any = None,
+        prefix_strategy: Any = None,
+    ) -> None:
+        _refuse_s3torch(s3client_config=s3client_config, prefix_strategy=prefix_strategy)
+        _check_flags(
+            single_file_per_rank=single_file_per_rank,
+            sync_files=sync_files,
+            cache_staged_state_dict=cache_staged_state_dict,
+            overwrite=overwrite,
+            enable_msc=enable_msc,
+        )
+        if isinstance(per_thread_copy_ahead, bool) or not isinstance(per_thread_copy_ahead, int) or per_thread_copy_ahead < 0:
+            raise InvalidArgument(f"per_thread_copy_ahead must be an int >= 0, got {per_thread_copy_ahead!r}")
+        if serialization_format != SerializationFormat.TORCH_SAVE:
+            raise InvalidArgument(
+                f"serialization_format={serialization_format!r} is not supported: dcpstore writes DCP's "
+                "torch.save data files (SerializationFormat.TORCH_SAVE)"
+            )
+        opener = _Opener(enable_msc, _storage_options(storage_options, region))
+        super().__init__(
+            opener(path),
+            workers=thread_count,
+            reopen=opener,
+            single_file_per_rank=single_file_per_rank,
+            overwrite=overwrite,
+            extensions=_extensions or (),
+        )
+        self.sync_files = sync_files
+        self.per_thread_copy_ahead = per_thread_copy_ahead
+        self.cache_staged_state_dict = cache_staged_state_dict
+        self._opener = opener
+        self._staging: _Staging | None = None
+
+    # -- AsyncStager: what dcp.async_save calls ------------------------------
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """A consistent host copy of ``state_dict`` (as ``dcpstore.save(async_=True)``
+        takes one); ``dcp.async_save`` saves the copy while training goes on."""
+        if self._staging is None:
+            self._staging = _Staging(self.cache_staged_state_dict)
+        return self._staging.stage(state_dict)
+
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for: :meth:`stage` returns once the copy is complete."""
+
+    def close(self) -> None:
+        """Drop the staging buffers kept for the next save."""
+        staging, self._staging = self._staging, None
+        if staging is not None:
+            staging.close()
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        try:
+            return super().write_data(plan, planner)
+        finally:  # this rank's staged tensors are written (or the save failed)
+            if self._staging is not None:
+                self._staging.written()
+
+    # -- pickling: DCP's process executor sends the writer to its process ----
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.update(storage=self.storage.url.uri, _session=None, _next=None, _staging=None)
+        del state["progress"]  # this process's bar, and it holds a lock
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.storage = self._opener(state["storage"])
+        self.progress = NO_PROGRESS
+
+
+class StorageReader(DcpStorageReader):
+    """DCP's ``StorageReader`` for any URI dcpstore serves; a drop-in for
+    ``FileSystemReader`` (and s3torchconnector's ``S3StorageReader``).
+
+    Verifies every item's CRC32C as it reads (``verify=False``: sizes and
+    checksums unchecked). ``dcp.load(..., checkpoint_id=...)`` re-points it.
+    ``thread_count``: reader threads (default: dcpstore's).
+    ``_extension_registry`` (``FileSystemReader``'s): the stream transforms
+    the checkpoint's items may name. s3torchconnector's ``region`` sets the
+    native S3 backend's region; its ``s3client_config`` and
+    ``reader_constructor`` are refused with what to use instead.
+    Nothing in the checkpoint is executed: ``safe_globals=[cls, ...]`` allows
+    more classes in ``.metadata`` and non-tensor items, ``trusted=True`` any
+    (as :func:`dcpstore.load`).
+
+    Args:
+        path: a local path or a URI dcpstore serves.
+        thread_count: reader threads (default: dcpstore's).
+        _extension_registry: ``FileSystemReader``'s: the stream transforms
+            the checkpoint's items may name.
+        verify: check every item's size and CRC32C as it is read.
+        safe_globals: classes ``.metadata`` and non-tensor items may hold
+            beyond the allowlist.
+        trusted: unpickle anything (only for checkpoints trusted like code).
+        enable_msc: route through NVIDIA Multi-Storage-Client.
+        storage_options: backend tuning (:class:`~dcpstore.StorageOptions`).
+        region: s3torchconnector's: the native S3 backend's region.
+        s3client_config, reader_constructor: s3torchconnector's; refused
+            with :class:`~dcpstore.InvalidArgument` saying what to use.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        thread_count: int | None = None,
+        _extension_registry: ExtensionRegistry | None = None,
+        verify: bool = True,
+        safe_globals: Sequence[Any] | None = None,
+        trusted: bool = False,
+        enable_msc: bool = False,
+        storage_options: StorageOptions | None = None,
+        region: str | None = None,
+        s3client_config: Any = None,
+        reader_constructor: Any = None,
+    ) -> None:
+        _refuse_s3torch(s3client_config=s3client_config, reader_constructor=reader_constructor)
+        _check_flags(verify=verify, trusted=trusted, enable_msc=enable_msc)
+        opener = _Opener(enable_msc, _storage_options(storage_options, region))
+        super().__init__(
+            opener(path),
+            workers=thread_count,
+            reopen=opener,
+            verify=verify,
+            extension_registry=_extension_registry,
+            safe_globals=safe_globals,
+            trusted=trusted,
+        )
+        self._opener = opener
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.update(storage=self.storage.url.uri, _metadata=None, _manifest=None, _preloaded=False)
+        del state["_progress"], state["bar"]  # per load and per process, and they hold locks
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.storage = self._opener(state["storage"])
+        self._progress = LoadProgress(())
+        self.bar = NO_PROGRESS
+
+
+def _check_flags(**flags: Any) -> None:
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise InvalidArgument(f"{name} must be a bool, got {value!r}")
+
+
+class _Staging:
+    """The writer's staging for ``dcp.async_save``: dcpstore's
+    :class:`~dcpstore.engines.staging.Stager`. With ``cache`` the buffers of
+    one structure are kept for the next save, and reused only after this
+    writer has written the save staged into them (``dcp.async_save`` may be
+    called again before the previous save finished; on the process executor
+    the writing happens in another process, so nothing is reused there)."""
+
+    def __init__(self, cache: bool) -> None:
+        self._stager = Stager(StagingPool(max_structures=1 if cache else 0, max_sets=1))
+        self._staged: StagedState | None = None
+        self._written = False
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        if self._staged is not None and self._written:
+            self._staged.release()  # back to the pool for this copy
+        self._staged, self._written = self._stager.stage(state_dict), False
+        return self._staged.state_dict
+
+    def written(self) -> None:
+        self._written = True
+
+    def close(self) -> None:
+        self._staged = None
+        self._stager.pool.clear()

@@ -1,0 +1,239 @@
+"""Saving over a committed checkpoint: old until the new commit, new after, never nothing.
+
+On every backend: at every storage operation of a save over a committed
+checkpoint, the URI loads exactly the old state or exactly the new one (checked
+from inside the save, at each event); a save that fails leaves the old one
+loadable (stock ``dcp.load`` agrees, on local paths); after a successful
+overwrite nothing of the old checkpoint is left. ``overwrite=False`` refuses
+the URI on every entry point. The kill-anywhere versions are in test_crash*.py.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+
+import dcpstore
+from async_helpers import skip_unless_engine_serves
+from backends import Target
+from faults import FailAt, hook_all_storage
+from helpers import assert_state_equal, zeros_like_state
+from dcpstore import maintenance
+from dcpstore.storage import open_storage
+
+
+def state(seed: int, n: int = 6) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    out: dict[str, Any] = {f"t{i}": torch.randn(257 + i, generator=g) for i in range(n)}
+    out["step"] = seed
+    return out
+
+
+def loads_as(target: Target, candidates: dict[str, dict[str, Any]]) -> str:
+    """Which of ``candidates`` the URI loads exactly (or "nothing")."""
+    try:
+        restored = zeros_like_state(candidates["old"])
+        # Spelled with a trailing "/": the same checkpoint, but a URI that
+        # hook_all_storage (keyed by the URI as given) leaves unhooked.
+        dcpstore.load(restored, target.uri.rstrip("/") + "/", **target.kwargs)
+    except dcpstore.CheckpointNotFound:
+        return "nothing"
+    for name, expected in candidates.items():
+        try:
+            assert_state_equal(expected, restored)
+        except AssertionError:
+            continue
+        return name
+    raise AssertionError(f"{target.uri} loads a mixture of the old and the new save")
+
+
+def listing(target: Target) -> set[str]:
+    storage = open_storage(target.uri, **target.kwargs)
+    try:
+        return {o["path"] for o in storage.list()}
+    finally:
+        storage.close()
+
+
+class LoadAtEveryEvent:
+    """A storage hook that, at every event of the save, loads the URI from
+    another storage and records what it found."""
+
+    def __init__(self, target: Target, candidates: dict[str, dict[str, Any]]) -> None:
+        self.target, self.candidates = target, candidates
+        self.seen: list[tuple[str, str]] = []
+        self._lock = threading.Lock()
+
+    def __call__(self, event: str) -> None:
+        with self._lock:  # the save's writer threads report events concurrently
+            self.seen.append((event, loads_as(self.target, self.candidates)))
+
+
+@pytest.mark.parametrize("engine", ["native", "nvrx"])
+def test_every_point_of_an_overwrite_loads_old_or_new(
+    target: Target, engine: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    skip_unless_engine_serves(engine, target)
+    old, new = state(1), state(2)
+    dcpstore.save(old, target.uri, workers=3, **target.kwargs)
+    probe = LoadAtEveryEvent(target, {"old": old, "new": new})
+    hook_all_storage({target.uri: probe}, monkeypatch.setattr)
+    dcpstore.save(new, target.uri, workers=2, engine=engine, **target.kwargs)
+    monkeypatch.undo()
+    found = [what for _, what in probe.seen]
+    assert "nothing" not in found, probe.seen
+    flip = found.index("new")
+    assert found[:flip] == ["old"] * flip and found[flip:] == ["new"] * (len(found) - flip), probe.seen
+    assert any(e.startswith("commit:.metadata") for e, _ in probe.seen[:flip + 1]), probe.seen
+    assert loads_as(target, {"old": old, "new": new}) == "new"
+
+
+def test_an_overwrite_leaves_nothing_of_the_old_checkpoint(target: Target) -> None:
+    dcpstore.save(state(1), target.uri, workers=4, **target.kwargs)
+    first = listing(target)
+    info = dcpstore.save(state(2), target.uri, workers=2, **target.kwargs).result()
+    after = listing(target)
+    data = {p for p in after if p.endswith(".distcp")}
+    assert data == set(info.files) and not data & first
+    manifests = [p for p in after if p.startswith(".dcpstore") and p.endswith(".json")]
+    assert len(manifests) == 1 and manifests[0] not in first
+    assert after == data | set(manifests) | {".metadata"}
+
+
+#: Where a save over a committed checkpoint fails: opening its first data
+#: file, committing one, committing its manifest, committing .metadata.
+FAIL_AT = {
+    "data-open": lambda e: e.startswith("open:__"),
+    "data-commit": lambda e: e.startswith("commit:__"),
+    "manifest-commit": lambda e: e.startswith("commit:.dcpstore") and e.endswith(".json"),
+    "metadata-commit": lambda e: e == "commit:.metadata",
+}
+
+
+@pytest.mark.parametrize("fail_at", list(FAIL_AT))
+def test_a_failed_overwrite_leaves_the_old_checkpoint(
+    target: Target, fail_at: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    old, new = state(1), state(2)
+    dcpstore.save(old, target.uri, workers=2, **target.kwargs)
+    hook_all_storage({target.uri: FailAt(FAIL_AT[fail_at], OSError(5, "injected"))}, monkeypatch.setattr)
+    with pytest.raises(dcpstore.SaveError):
+        dcpstore.save(new, target.uri, workers=2, **target.kwargs)
+    monkeypatch.undo()
+    assert loads_as(target, {"old": old, "new": new}) == "old"
+    # ...and the next save over it works and cleans up what the failed one left.
+    info = dcpstore.save(new, target.uri, workers=2, **target.kwargs).result()
+    assert loads_as(target, {"old": old, "new": new}) == "new"
+    assert {p for p in listing(target) if p.endswith(".distcp")} == set(info.files)
+
+
+@pytest.mark.parametrize("stopped", ["before-commit", "before-clean-up"])
+def test_gc_removes_what_an_interrupted_overwrite_left_and_nothing_the_commit_names(
+    target: Target, stopped: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A save over a committed checkpoint that failed before its commit leaves
+    its own files beside the old checkpoint; one whose clean-up failed leaves
+    the old checkpoint's files beside the new one. Either way the URI loads
+    exactly one of them, ``gc`` removes the other's files, and it still
+    loads exactly the same."""
+    old, new = state(1), state(2)
+    dcpstore.save(old, target.uri, workers=2, **target.kwargs)
+    at = (lambda e: e == "commit:.metadata") if stopped == "before-commit" else (lambda e: e.startswith("delete:"))
+    hook_all_storage({target.uri: FailAt(at, dcpstore.StorageError("injected"))}, monkeypatch.setattr)
+    if stopped == "before-commit":
+        with pytest.raises(dcpstore.SaveError):
+            dcpstore.save(new, target.uri, workers=2, **target.kwargs)
+    else:
+        dcpstore.save(new, target.uri, workers=2, **target.kwargs)  # the clean-up is best effort
+    monkeypatch.undo()
+    expected = "old" if stopped == "before-commit" else "new"
+    assert loads_as(target, {"old": old, "new": new}) == expected
+    names = listing(target)
+    assert len({p for p in names if p.endswith(".json")}) == 2  # both saves' manifests are there
+    report = maintenance.gc(open_storage(target.uri, **target.kwargs), older_than_s=0)
+    assert report.removed, report
+    assert loads_as(target, {"old": old, "new": new}) == expected
+    after = listing(target)
+    manifests = {p for p in after if p.endswith(".json")}
+    files = set(maintenance.inspect_checkpoint(open_storage(target.uri, **target.kwargs))["files"])
+    assert len(manifests) == 1 and after == files | manifests | {".metadata"}
+
+
+def test_stock_dcp_reads_the_old_and_then_the_new(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    old, new = state(1), state(2)
+    dcpstore.save(old, tmp_path, workers=2)
+    hook_all_storage({str(tmp_path): FailAt(lambda e: e == "commit:.metadata", OSError(28, "No space left"))}, monkeypatch.setattr)
+    with pytest.raises(dcpstore.SaveError):
+        dcpstore.save(new, str(tmp_path), workers=2)
+    monkeypatch.undo()
+    restored = zeros_like_state(old)
+    dcp.load(restored, storage_reader=FileSystemReader(tmp_path))
+    assert_state_equal(old, restored)
+    dcpstore.save(new, tmp_path, workers=2)
+    restored = zeros_like_state(new)
+    dcp.load(restored, storage_reader=FileSystemReader(tmp_path))
+    assert_state_equal(new, restored)
+
+
+def test_overwriting_a_stock_dcp_checkpoint(tmp_path: Path) -> None:
+    dcp.save(state(1), storage_writer=FileSystemWriter(tmp_path))
+    stock_files = set(os.listdir(tmp_path))
+    dcpstore.save(state(2), tmp_path, workers=2)
+    assert not stock_files & set(os.listdir(tmp_path)) - {".metadata"}
+    restored = zeros_like_state(state(2))
+    dcp.load(restored, storage_reader=FileSystemReader(tmp_path))
+    assert_state_equal(state(2), restored)
+
+
+# ---------------------------------------------------------------------------
+# overwrite=False
+# ---------------------------------------------------------------------------
+
+
+def _refused(target: Target, before: set[str]) -> None:
+    assert listing(target) == before  # nothing written, nothing removed
+
+
+def test_save_overwrite_false_refuses_a_committed_checkpoint(target: Target) -> None:
+    dcpstore.save(state(1), target.uri, **target.kwargs)
+    before = listing(target)
+    with pytest.raises(dcpstore.CheckpointExists, match="already exists") as info:
+        dcpstore.save(state(2), target.uri, overwrite=False, **target.kwargs)
+    assert isinstance(info.value, FileExistsError) and isinstance(info.value, dcpstore.CheckpointError)
+    _refused(target, before)
+    assert loads_as(target, {"old": state(1), "new": state(2)}) == "old"
+
+
+@pytest.mark.parametrize("engine", ["native", "nvrx"])
+def test_async_save_overwrite_false_refuses(target: Target, engine: str) -> None:
+    skip_unless_engine_serves(engine, target)
+    dcpstore.save(state(1), target.uri, **target.kwargs)
+    before = listing(target)
+    handle = dcpstore.save(state(2), target.uri, async_=True, engine=engine, overwrite=False, **target.kwargs)
+    with pytest.raises(dcpstore.CheckpointExists, match="already exists"):
+        handle.result(timeout=120)
+    _refused(target, before)
+
+
+def test_overwrite_false_saves_where_there_is_no_commit(target: Target) -> None:
+    dcpstore.save(state(1), target.child("a").uri, overwrite=False, **target.kwargs)
+    assert loads_as(target.child("a"), {"old": state(1)}) == "old"
+
+
+def test_storage_writer_overwrite_false_under_dcp_save(target: Target) -> None:
+    # What s3torchconnector's test_overwrite and PyTorch's e2e test_overwrite check.
+    dcp.save(state(1), storage_writer=dcpstore.StorageWriter(target.uri, overwrite=False, **target.kwargs))
+    dcp.save(state(2), storage_writer=dcpstore.StorageWriter(target.uri, overwrite=True, **target.kwargs))
+    before = listing(target)
+    with pytest.raises(CheckpointException, match="Checkpoint already exists"):
+        dcp.save(state(3), storage_writer=dcpstore.StorageWriter(target.uri, overwrite=False, **target.kwargs))
+    _refused(target, before)
+    assert loads_as(target, {"old": state(2)}) == "old"
