@@ -64,7 +64,7 @@ class WithEnv(Entry):
             setattr(self, attr, getattr(inner, attr))
 
     def _sync_labels(self) -> None:
-        self.backend, self.page_cached = self.inner.backend, self.inner.page_cached
+        self.backend, self.page_cached, self.workers = self.inner.backend, self.inner.page_cached, self.inner.workers
 
     def setup(self, state: dict[str, torch.Tensor]) -> None:
         with servers.env(self.values):
@@ -94,12 +94,14 @@ class WithEnv(Entry):
             self.inner.close()
 
 
-def dcpstore_entries(label: str, uri: str, run_id: str, workers: Sequence[int], *, async_workers: int | None,
+def dcpstore_entries(label: str, uri: str, run_id: str, workers: Sequence[int | None], *, async_workers: int | None,
                      enable_msc: bool = False, backend: str | None = None) -> Iterator[DcpstoreEntry]:  # fmt: skip
-    """dcpstore sync at every worker count, plus async per engine at ``async_workers``."""
+    """dcpstore sync at every worker count (None: the backend's default),
+    plus async per engine at ``async_workers``."""
     for w in workers:
+        size = "default" if w is None else f"w={w}"
         yield DcpstoreEntry(uri, run_id, workers=w, enable_msc=enable_msc, backend=backend,
-                            name=f"dcpstore {label} sync w={w}")  # fmt: skip
+                            name=f"dcpstore {label} sync {size}")  # fmt: skip
     if async_workers:
         for engine in ENGINES:
             yield DcpstoreEntry(uri, run_id, workers=async_workers, engine=engine, async_=True, enable_msc=enable_msc,
@@ -116,10 +118,19 @@ def local_section(root: str, run_id: str, workers: Sequence[int]) -> list[Entry]
     return entries
 
 
-def s3_section(endpoint: str, run_id: str, workers: Sequence[int], msc_profile: str, part_size: int | None) -> list[Entry]:
+def raw_sweep(endpoint: str, run_id: str, nbytes: int, backend: str) -> list[Entry]:
+    """The endpoint's limit: raw boto3 over every (connections, part size)
+    worth measuring (dcpstore.bench.limits.s3_sweep), credentials from the
+    environment like every other client here."""
+    env = servers.s3_env(endpoint)
+    return [WithEnv(e, env) for e in limits.s3_sweep(endpoint, BUCKET, nbytes, prefix=run_id, backend=backend)]
+
+
+def s3_section(endpoint: str, run_id: str, workers: Sequence[int], msc_profile: str, part_size: int | None,
+               nbytes: int) -> list[Entry]:  # fmt: skip
     w = max(workers)
     env = servers.s3_env(endpoint)
-    entries: list[Entry] = [limits.RawS3(endpoint, BUCKET, w)]
+    entries: list[Entry] = raw_sweep(endpoint, run_id, nbytes, "s3")
     entries += [peers.FsspecS3(endpoint, BUCKET, w), peers.MscWriter(msc_profile, endpoint, BUCKET, w),
                 peers.S3TorchConnector(endpoint, BUCKET, w)]  # fmt: skip
     routes = [
@@ -128,9 +139,10 @@ def s3_section(endpoint: str, run_id: str, workers: Sequence[int], msc_profile: 
         ("msc", f"msc://{msc_profile}/dcpstore-mscuri", False),
     ]
     for label, uri, enable_msc in routes:
-        entries += [WithEnv(e, env) for e in dcpstore_entries(label, uri, run_id, [w], async_workers=w,
+        sizes: list[int | None] = [None, w] if label == "s3" else [w]
+        entries += [WithEnv(e, env) for e in dcpstore_entries(label, uri, run_id, sizes, async_workers=w,
                                                               enable_msc=enable_msc, backend=label)]  # fmt: skip
-    if part_size:  # the raw row's own part size: moto serves a ranged GET by slicing the whole object
+    if part_size:  # a fixed part size beside the automatic one
         options = StorageOptions(part_size=part_size)
         entries.append(WithEnv(DcpstoreEntry(f"s3://{BUCKET}/dcpstore", run_id, workers=w, backend="s3", storage_options=options,
                                              name=f"dcpstore s3 sync w={w} part={human_bytes(part_size)}"), env))  # fmt: skip
@@ -138,17 +150,20 @@ def s3_section(endpoint: str, run_id: str, workers: Sequence[int], msc_profile: 
     return entries
 
 
-def wan_section(proxy: str, run_id: str, workers: Sequence[int], msc_profile: str, part_size: int | None) -> list[Entry]:
+def wan_section(proxy: str, run_id: str, workers: Sequence[int], msc_profile: str, part_size: int | None,
+                nbytes: int) -> list[Entry]:  # fmt: skip
     env = servers.s3_env(proxy)
     uri = f"s3://{BUCKET}/dcpstore-wan"
-    entries: list[Entry] = []
+    entries: list[Entry] = raw_sweep(proxy, run_id, nbytes, "s3-wan")
+    entries += [WithEnv(e, env) for e in dcpstore_entries("s3-wan", uri, run_id, [None], async_workers=None,
+                                                          backend="s3-wan")]  # fmt: skip
     for w in workers:
-        entries.append(limits.RawS3(proxy, BUCKET, w, backend="s3-wan"))
         entries.append(peers.FsspecS3(proxy, BUCKET, w, backend="s3-wan"))
         entries.append(peers.MscWriter(msc_profile, proxy, BUCKET, w, backend="s3-wan"))
+        entries.append(peers.S3TorchConnector(proxy, BUCKET, w, backend="s3-wan"))
         entries += [WithEnv(e, env) for e in dcpstore_entries("s3-wan", uri, run_id, [w], async_workers=None,
                                                               backend="s3-wan")]  # fmt: skip
-        if part_size:  # a fixed part size against the automatic one: connections per file is what a WAN rewards
+        if part_size:  # a fixed part size against the automatic one
             options = StorageOptions(part_size=part_size)
             entries.append(WithEnv(DcpstoreEntry(uri, run_id, workers=w, backend="s3-wan", storage_options=options,
                                                  name=f"dcpstore s3-wan sync w={w} part={human_bytes(part_size)}"), env))
@@ -204,9 +219,13 @@ def main(argv: Sequence[str] | None = None) -> int:
               "rss_ignore_pids": server_pids}  # fmt: skip
 
     def run(title: str, entries: list[Entry], st: dict[str, torch.Tensor], de: dict[str, torch.Tensor]) -> None:
-        recs = run_entries(_select(entries, args.only), st, de, desc=title, **common)
+        chosen = _select(entries, args.only)
+        recs = run_entries(chosen, st, de, desc=title, **common)
+        raw = {e.name: getattr(e, "inner", e) for e in chosen}
         for r in recs:
             r.extra["section"] = title
+            if isinstance(raw.get(r.name), limits.RawS3):  # where the row sits in the sweep grid
+                r.extra["part_size"] = raw[r.name].part_size
         all_records.extend(recs)
         _print_section(title, recs)
 
@@ -221,7 +240,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     servers.write_msc_config(msc_config, {"bench": (endpoint, BUCKET)})
                     with servers.env({"MSC_CONFIG": msc_config, **servers.FAKE_CREDENTIALS}):
                         part = parse_size(args.s3_part_size) if args.s3_part_size else None
-                        run("s3", s3_section(endpoint, run_id, workers, "bench", part), state, dest)
+                        run("s3", s3_section(endpoint, run_id, workers, "bench", part, size), state, dest)
                 if "wan" in sections:
                     wan_state = make_state(parse_size(args.wan_size), args.tensors)
                     wan_dest = zeros_like_state(wan_state)
@@ -230,7 +249,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         servers.write_msc_config(msc_config, {"wan": (proxy, BUCKET)})
                         with servers.env({"MSC_CONFIG": msc_config, **servers.FAKE_CREDENTIALS}):
                             part = parse_size(args.wan_part_size) if args.wan_part_size else None
-                            run("wan", wan_section(proxy, run_id, workers, "wan", part), wan_state, wan_dest)
+                            run("wan", wan_section(proxy, run_id, workers, "wan", part, parse_size(args.wan_size)),
+                                wan_state, wan_dest)
     finally:
         import shutil
 

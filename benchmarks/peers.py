@@ -30,13 +30,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from dcpstore.bench import Entry, SaveOutcome, Skip, Waiter, done
-from servers import FAKE_CREDENTIALS, free_port
+from servers import FAKE_CREDENTIALS, admin_client, free_port
 
 
 def _delete_prefix(endpoint: str, bucket: str, prefix: str) -> None:
-    from limits import s3_client
-
-    client = s3_client(endpoint, 1)
+    client = admin_client(endpoint)
     try:
         pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/")
         for page in pages:

@@ -5,7 +5,9 @@
 Replaces the text between ``<!-- BEGIN generated:NAME -->`` and
 ``<!-- END generated:NAME -->`` markers; everything else in the page (the
 analysis) is left as written. Blocks: ``meta``, ``local``, ``s3``, ``wan``,
-``targets``, and ``scaling-<sweep>`` for each sweep.
+``sweep-<section>`` (the raw limit sweep as a grid), ``targets``,
+``scaling-<sweep>`` for each sweep, and ``scale`` (benchmarks/scale_sim.py's
+modelled points).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import targets  # noqa: E402
 from dcpstore.bench import summarize  # noqa: E402
+from dcpstore.bench.limits import best_limits, limit_ratios  # noqa: E402
 from dcpstore.units import human_bytes  # noqa: E402
 
 Row = dict[str, Any]
@@ -44,18 +47,60 @@ def _note(r: Row) -> str:
     return ", ".join(notes)
 
 
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
 def rows_table(rows: Sequence[Row]) -> str:
-    head = ["entry", "backend", "W", "save GB/s", "load GB/s", "blocked s", "CPU s save/load",
-            "plan/stage/write/commit s", "RSS growth", "note"]  # fmt: skip
+    """One row per entry. ``save/limit`` and ``load/limit``: its speed over the
+    best limit row of its backend (the fastest raw row of the sweep, per
+    direction); ``CPU s/GB``: client CPU seconds per GB moved."""
+    head = ["entry", "backend", "W", "save GB/s", "load GB/s", "save/limit", "load/limit", "blocked s",
+            "CPU s/GB save/load", "plan/stage/write/commit s", "RSS growth", "note"]  # fmt: skip
+    by_backend: dict[str, list[Row]] = {}
+    for r in rows:
+        by_backend.setdefault(r["backend"], []).append(r)
+    ratios = {id_: r for group in by_backend.values() for id_, r in zip((id(x) for x in group), limit_ratios(group))}
     body = []
     for r in rows:
+        d = targets.with_derived(r)
+        lim = ratios[id(r)]
         ph = r.get("phases") or {}
         phases = "/".join(f"{ph[p]:.2f}" for p in ("plan", "stage", "write", "commit") if p in ph) or "-"
         growth = r.get("rss_growth_bytes")
         body.append([r["name"], r["backend"], str(r["workers"]), _num(r.get("write_gbps")), _num(r.get("read_gbps")),
-                     _num(r.get("blocked_s")), f"{_num(r.get('write_cpu_s'), '.2f')}/{_num(r.get('read_cpu_s'), '.2f')}",
+                     _ratio(lim.get("write_vs_limit")), _ratio(lim.get("read_vs_limit")), _num(r.get("blocked_s")),
+                     f"{_num(d.get('write_cpu_per_gb'), '.2f')}/{_num(d.get('read_cpu_per_gb'), '.2f')}",
                      phases if r["status"] == "ok" else "-",
                      human_bytes(growth) if growth is not None else "-", _note(r)])  # fmt: skip
+    return targets.markdown_table(head, body)
+
+
+def sweep_table(rows: Sequence[Row]) -> str:
+    """The raw limit sweep of one section as a grid: connections down, part
+    size across, save / load GB/s in each cell; the best of each direction
+    in bold."""
+    # Runs from before the sweep have one raw row without a part size.
+    raw = [r for r in rows if r.get("group") == "limit" and r.get("engine") == "boto3"
+           and "part_size" in r.get("extra", {})]  # fmt: skip
+    if not raw:
+        return "_no raw sweep in this run (the committed run predates it)_"
+    best = best_limits(raw)
+    parts = sorted({r["extra"]["part_size"] for r in raw})
+    conns = sorted({r["workers"] for r in raw})
+    cell = {(r["workers"], r["extra"]["part_size"]): r for r in raw}
+
+    def text(r: Row | None, direction: str) -> str:
+        if r is None:
+            return ""
+        if r["status"] != "ok":
+            return r["status"]
+        value = _num(r.get(f"{direction}_gbps"))
+        return f"**{value}**" if best.get(direction) is r else value
+
+    head = ["connections", *(f"part {human_bytes(p)}" for p in parts)]
+    body = [[str(c), *(f"{text(cell.get((c, p)), 'write')} / {text(cell.get((c, p)), 'read')}"
+                       if (c, p) in cell else "" for p in parts)] for c in conns]  # fmt: skip
     return targets.markdown_table(head, body)
 
 
@@ -79,15 +124,29 @@ def meta_block(docs: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def blocks(compare: dict[str, Any] | None, scaling: dict[str, Any] | None) -> dict[str, str]:
+def scale_block(scale: dict[str, Any]) -> str:
+    """scale_sim.py's table, as markdown."""
+    import scale_sim
+
+    rows = scale_sim.table([scale_sim.Point(**p) for p in scale["points"]])
+    return targets.markdown_table(rows[0], rows[1:])
+
+
+def blocks(compare: dict[str, Any] | None, scaling: dict[str, Any] | None,
+           scale: dict[str, Any] | None = None) -> dict[str, str]:  # fmt: skip
     out: dict[str, str] = {}
-    docs = {k: v for k, v in (("compare.json", compare), ("scaling.json", scaling)) if v}
+    named = (("compare.json", compare), ("scaling.json", scaling), ("scale_sim.json", scale))
+    docs = {k: v for k, v in named if v}
     out["meta"] = meta_block(docs)
+    if scale:
+        out["scale"] = scale_block(scale)
     results: list[Row] = []
     if compare:
         summary = summarize(compare["records"])  # re-derived: summaries gain fields over time
         for section in ("local", "s3", "wan"):
-            out[section] = rows_table([r for r in summary if r.get("extra", {}).get("section") == section])
+            rows = [r for r in summary if r.get("extra", {}).get("section") == section]
+            out[section] = rows_table(rows)
+            out[f"sweep-{section}"] = sweep_table(rows)
         # Recomputed from the summary so that edited target definitions apply to old runs too.
         results += targets.evaluate_all(targets.compare_targets(max(compare["meta"]["workers"])), summary)
     if scaling:
@@ -126,11 +185,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--compare", default=os.path.join(results, "compare.json"))
     p.add_argument("--scaling", default=os.path.join(results, "scaling.json"))
+    p.add_argument("--scale", default=os.path.join(results, "scale_sim.json"))
     p.add_argument("--page", default=os.path.join(os.path.dirname(HERE), "BENCHMARKS.md"))
     args = p.parse_args(argv)
     with open(args.page) as f:
         page = f.read()
-    page = render(page, blocks(_read(args.compare), _read(args.scaling)))
+    page = render(page, blocks(_read(args.compare), _read(args.scaling), _read(args.scale)))
     with open(args.page, "w") as f:
         f.write(page)
     print(f"updated {args.page}")

@@ -177,7 +177,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     records = bench.bench(
         args.uri, size=size, tensors=args.tensors, workers=workers, engine=args.engine, async_=args.async_,
         repeat=args.repeat, enable_msc=args.enable_msc, drop_caches=args.drop_caches, progress=not args.quiet,
-        tiered=args.tiered,
+        tiered=args.tiered, limit=args.limit,
     )  # fmt: skip
     rows = bench.summarize(records)
     print(report.format_table(rows))
@@ -243,6 +243,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tiered", metavar="LOCAL_DIR",
                    help="compare a tiered manager (commit to LOCAL_DIR, replicate to URI) with plain async saves "
                         "to LOCAL_DIR and to URI")
+    p.add_argument("--limit", action="store_true",
+                   help="also measure the storage's limit with the plainest code (a local path: raw threads per "
+                        "worker count; s3://: raw boto3 over 1-32 connections and 8-64 MiB parts) and show every "
+                        "row's save and load speed over the best limit")
     p.add_argument("--json", metavar="FILE", help="write every measurement as JSON records")
     p.add_argument("--plot", metavar="FILE.png", help="plot GB/s against workers")
     p.add_argument("--drop-caches", action="store_true",

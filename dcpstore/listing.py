@@ -25,12 +25,14 @@ from .format.inflight import ALIVE_PREFIX, decode_owner, is_alive_file, is_runni
 from .format.layout import (
     INFLIGHT,
     METADATA,
+    checkpoint_dir,
     is_commit_file,
     is_data_file,
     is_manifest,
     is_replica_report,
     name_tag,
     save_tag,
+    split_data_path,
 )
 from .format.manifest import MANIFEST_LIMIT, METADATA_LIMIT, SMALL_FILE_LIMIT, parse_manifest, read_capped
 from .storage import Storage
@@ -102,11 +104,13 @@ def list_checkpoints(storage: Storage) -> list[CheckpointEntry]:
     """
     by_dir: dict[str, list[ObjectInfo]] = {}
     for obj in storage.list():
-        by_dir.setdefault(posixpath.dirname(obj["path"]), []).append(obj)
+        data = split_data_path(obj["path"])
+        # A spread data file (p3/__3_0.distcp) belongs to the directory above its own.
+        by_dir.setdefault(data[0] if data is not None else posixpath.dirname(obj["path"]), []).append(obj)
     now = time.time()
     entries = []
     for directory, objs in by_dir.items():
-        names = {posixpath.basename(o["path"]): o for o in objs}
+        names = {o["path"][len(directory) + 1 :] if directory else o["path"]: o for o in objs}
         if not any(is_commit_file(n) or _is_leftover(n) for n in names):
             continue
         entry = CheckpointEntry(directory, committed=any(is_commit_file(n) for n in names))
@@ -269,7 +273,8 @@ def _idle_dirs(storage: Storage, running: list[str]) -> list[str]:
     def holds(directory: str, other: str) -> bool:
         return not directory or other == directory or other.startswith(directory + "/")
 
-    dirs = {posixpath.dirname(p) for p in storage.list_incomplete()}
+    # A spread save's pieces lie in p{hex}/ below its checkpoint: they are that checkpoint's.
+    dirs = {checkpoint_dir(posixpath.dirname(p)) for p in storage.list_incomplete()}
     return sorted(d for d in dirs if not any(holds(d, r) for r in running))
 
 

@@ -42,6 +42,7 @@ __all__ = [
 #: How much ``verify`` reads per request.
 VERIFY_CHUNK = 16 * MiB
 
+
 def inspect_checkpoint(storage: Storage) -> dict[str, Any]:
     """Keys, shapes, dtypes and sizes of a committed checkpoint, plus its files."""
     metadata, manifest = read_checkpoint_metadata(storage)

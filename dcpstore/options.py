@@ -19,7 +19,6 @@ Layer: value objects. Imports only :mod:`dcpstore.errors` and
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
@@ -44,11 +43,6 @@ PLAN_CACHING_WHY = (
     "DCP's save-plan cache replays the first save's plan, and dcpstore's writer puts a per-save token in "
     "every plan (so that a concurrent writer to the same URI is detected); a replayed token looks like such a writer"
 )
-
-
-def default_workers() -> int:
-    """Writer/reader threads per rank when ``workers`` is None."""
-    return max(2, min(8, os.cpu_count() or 1))
 
 
 def check_workers(workers: int | None, default: int) -> int:

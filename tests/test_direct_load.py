@@ -13,11 +13,15 @@ import os
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 import dcpstore
 from backends import Target
+from dcpstore.engines.nvrx import NvrxTarget, nvrx_save
+from dcpstore.engines.staging import Stager
 from dcpstore.storage import Storage
 from dcpstore.format.layout import MANIFEST
+from oracle import needs_nvrx
 
 
 def _state() -> dict[str, torch.Tensor]:
@@ -158,3 +162,66 @@ def test_a_tensor_location_outside_its_item_is_named(local_target: Target) -> No
         json.dump(manifest, f)
     with pytest.raises(dcpstore.CheckpointCorrupt, match=r"\.dcpstore\.json.*outside its item"):
         dcpstore.load({k: torch.zeros_like(v.contiguous()) for k, v in state.items()}, local_target.uri)
+
+
+@needs_nvrx
+@pytest.mark.parametrize("through_msc", [False, True], ids=["posix", "msc"])
+def test_nvrx_checkpoints_locate_tensors_like_native_ones(
+    local_target: Target, monkeypatch: pytest.MonkeyPatch, through_msc: bool
+) -> None:
+    """NVRx writes its records with stock torch.save; the engine locates
+    each tensor's bytes on the way, so its checkpoints load in place too,
+    and the locations are the native writer's (torch's records are laid out
+    alike, whoever writes them)."""
+    if through_msc:
+        pytest.importorskip("multistorageclient")
+    state = _state()
+    native_uri = local_target.uri + "-native"
+    dcpstore.save(state, native_uri, workers=1).result()
+    storage = dcpstore.open_storage(local_target.uri)
+    staged = Stager().stage(state)
+    nvrx_save(
+        staged.state_dict,
+        storage,
+        workers=1,
+        process_group=None,
+        planner=None,
+        cache=None,
+        target=NvrxTarget(storage.url.path, use_msc=through_msc),
+    )
+
+    def located(uri: str) -> list[int]:
+        manifest = json.loads(open(os.path.join(uri, MANIFEST), "rb").read())
+        return sorted(nbytes for _, nbytes in manifest["tensors"].values())
+
+    assert located(local_target.uri) == located(native_uri) == sorted(
+        state[k].nbytes for k in ("big", "bf16", "small")
+    )
+    filled = _spy(monkeypatch)
+    dest = {k: torch.zeros_like(v.contiguous()) for k, v in state.items()}
+    dcpstore.load(dest, local_target.uri)
+    assert {dest["big"].data_ptr(), dest["bf16"].data_ptr()} <= set(filled)
+    for key, want in state.items():
+        assert torch.equal(dest[key], want), key
+    # Stock DCP reads the same files.
+    plain = {k: torch.zeros_like(v.contiguous()) for k, v in state.items()}
+    dcp.load(plain, checkpoint_id=local_target.uri)
+    assert all(torch.equal(plain[k], v) for k, v in state.items())
+
+
+@needs_nvrx
+def test_nvrx_tensor_locations_point_at_the_bytes(local_target: Target) -> None:
+    """Each located span holds exactly the tensor's bytes, item by item."""
+    g = torch.Generator().manual_seed(3)
+    state = {f"w{i}": torch.randn(64 * (i + 1), 33, generator=g) for i in range(5)}
+    state["i8"] = torch.randint(-100, 100, (4097,), dtype=torch.int8, generator=g)
+    dcpstore.save(state, local_target.uri, async_=True, engine="nvrx", workers=2).result(timeout=60)
+    manifest = json.loads(open(os.path.join(local_target.uri, MANIFEST), "rb").read())
+    assert len(manifest["tensors"]) == len(state)
+    blobs = set()
+    for key, (offset, nbytes) in manifest["tensors"].items():
+        name, _, item_offset = key.rpartition("@")
+        with open(os.path.join(local_target.uri, name), "rb") as f:
+            f.seek(int(item_offset) + offset)
+            blobs.add(f.read(nbytes))
+    assert blobs == {v.numpy().tobytes() for v in state.values()}

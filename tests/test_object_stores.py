@@ -63,13 +63,14 @@ def test_part_size_grows_for_objects_beyond_10000_parts() -> None:
 
 
 def test_automatic_part_size_follows_the_object_size() -> None:
-    auto = StorageOptions(max_concurrency=8)
+    auto = StorageOptions()
     assert auto.part_size_for(None) == 16 * MiB  # a stream of unknown size
     assert auto.part_size_for(10 * MiB) == 8 * MiB  # never below 8 MiB
-    assert auto.part_size_for(128 * MiB) == 16 * MiB  # ~max_concurrency parts
+    assert auto.part_size_for(128 * MiB) == 16 * MiB  # ~AUTO_PIECES parts
     assert auto.part_size_for(100 * MiB + 1) == 13 * MiB  # whole MiB, rounded up
     assert auto.part_size_for(64 << 30) == 64 * MiB  # never above 64 MiB
-    assert StorageOptions(max_concurrency=2).part_size_for(128 * MiB) == 64 * MiB
+    # The connection budget is shared by a rank's files: it does not size parts.
+    assert StorageOptions(max_concurrency=2).part_size_for(128 * MiB) == 16 * MiB
     assert StorageOptions(part_size=PART).part_size_for(1 << 30) == PART  # set: used as is
 
 

@@ -273,7 +273,7 @@ def test_parallel_reads_are_bounded_ordered_and_fail_with_the_earliest(tmp_path:
 
 
 def _pool_threads() -> set[threading.Thread]:
-    return {t for t in threading.enumerate() if t.name.startswith("dcpstore-s3-read")}
+    return {t for t in threading.enumerate() if t.name.startswith("dcpstore-s3-io")}
 
 
 def test_s3_reads_share_one_pool_until_close(s3_endpoint: S3Endpoint) -> None:

@@ -9,6 +9,8 @@ dcpstore on their own storage:
   missing dependencies become ``skipped`` records, wrong data a failure),
   :func:`summarize`;
 * :mod:`.entries` -- the dcpstore entry over any URI;
+* :mod:`.limits`  -- the limit rows (raw threads on files, raw boto3 swept
+  over connections and part sizes), the best of them and ratios against it;
 * :mod:`.report`  -- the text table, the JSON file, the plot.
 
 :func:`bench` is what the CLI runs: one dcpstore entry per worker count.
@@ -35,6 +37,7 @@ from tqdm import tqdm
 from ..storage import parse_uri
 from ..units import human_bytes, parse_size
 from .entries import DcpstoreEntry, TieredEntry
+from .limits import RawFiles, s3_sweep
 from .measure import make_state, parse_int_list, zeros_like_state
 from .runner import RECORD_KEYS, Entry, Record, SaveOutcome, Skip, Waiter, done, measure_all, run_entry, summarize
 
@@ -47,6 +50,7 @@ __all__ = [
     "Waiter",
     "bench",
     "done",
+    "limit_entries",
     "human_bytes",
     "make_state",
     "measure_all",
@@ -109,6 +113,7 @@ def bench(
     drop_caches: bool = False,
     progress: bool = True,
     tiered: str | None = None,
+    limit: bool = False,
 ) -> list[Record]:
     """Save and load ``size`` bytes in ``tensors`` tensors at ``uri`` once per
     worker count (``repeat`` times each) and return the records.
@@ -118,6 +123,9 @@ def bench(
     (local commit, then replication to ``uri``) and a direct save to ``uri``
     (the durable baseline).
 
+    ``limit``: also measure the storage's limit rows first (see
+    :func:`limit_entries`), so that the table shows each row against them.
+
     ``drop_caches``: drop the page cache before each local load (root only;
     it empties the whole host's cache, so it is never done unasked). Each
     record's ``cold_read`` says whether it was (:func:`.report.cache_note`)."""
@@ -126,7 +134,7 @@ def bench(
     state = make_state(size, tensors)
     dest = zeros_like_state(state)
     run_id = f"dcpstore-bench-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-    entries: list[Entry] = []
+    entries: list[Entry] = list(limit_entries(uri, run_id, size, workers, enable_msc=enable_msc)) if limit else []
     for w in workers:
         if tiered is None:
             entries.append(DcpstoreEntry(uri, run_id, workers=w, engine=engine, async_=async_, enable_msc=enable_msc))
@@ -140,6 +148,39 @@ def bench(
     try:
         return run_entries(entries, state, dest, repeat=repeat, drop_caches=drop_caches, progress=progress)
     finally:
-        if created_root:  # the saves made it; leave nothing behind (only if empty)
-            with contextlib.suppress(OSError):
-                os.rmdir(url.path)
+        if url.scheme == "file":  # leave nothing behind (directories only if empty)
+            for path in (os.path.join(url.path, run_id), url.path) if created_root else (os.path.join(url.path, run_id),):
+                with contextlib.suppress(OSError):
+                    os.rmdir(path)
+
+
+def limit_entries(uri: str, run_id: str, size: int, workers: Sequence[int], *, enable_msc: bool = False) -> list[Entry]:
+    """The limit rows for the storage at ``uri``: a local path gets raw threads
+    writing and reading plain files at each worker count; ``s3://`` (without
+    MSC) raw boto3 swept over connections and part sizes, endpoint and
+    credentials from the standard AWS sources. Other backends have none
+    (an entry that says so). Everything goes under ``<uri>/<run_id>``."""
+    url = parse_uri(uri)
+    if url.scheme == "file" and not enable_msc:
+        return [RawFiles(os.path.join(url.path, run_id), w) for w in workers]
+    if url.scheme == "s3" and not enable_msc:
+        prefix = "/".join(p for p in (url.path.strip("/"), run_id) if p)
+        return list(s3_sweep(None, url.netloc, size, prefix=prefix))
+    return [_NoLimit(f"no limit rows for {url.scheme}://{' through MSC' if enable_msc else ''}: "
+                     "only local paths and native s3:// have a raw client to measure")]  # fmt: skip
+
+
+class _NoLimit(Entry):
+    """A row that only says why no limit was measured."""
+
+    group = "limit"
+    name = "limit"
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+    def setup(self, state: dict[str, Any]) -> None:
+        raise Skip(self.why)
+
+    def save(self, state: dict[str, Any]) -> Waiter:
+        raise Skip(self.why)

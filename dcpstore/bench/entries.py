@@ -49,7 +49,7 @@ class DcpstoreEntry(Entry):
         root_uri: str,
         run_id: str,
         *,
-        workers: int,
+        workers: int | None,
         engine: str = "auto",
         async_: bool = False,
         enable_msc: bool = False,
@@ -59,7 +59,9 @@ class DcpstoreEntry(Entry):
         save_kwargs: dict[str, Any] | None = None,
     ) -> None:
         self.root_uri = os.fspath(root_uri)
-        self.workers = workers
+        #: None: the backend's default (``self.workers`` shows it once set up).
+        self.requested_workers = workers
+        self.workers = workers or 0
         self.requested_engine = engine
         self.async_ = async_
         self.mode = "async" if async_ else "sync"
@@ -69,14 +71,17 @@ class DcpstoreEntry(Entry):
         self.storage_options = storage_options
         self.save_kwargs = save_kwargs or {}
         part = f"-p{storage_options.part_size >> 20}" if storage_options and storage_options.part_size else ""
-        self.slug = f"{run_id}/{self.mode}-{engine}-w{workers}{part}"
-        self.name = name or f"dcpstore {self.mode}{'/' + engine if async_ else ''} w={workers}"
+        w = "default" if workers is None else f"w={workers}"
+        self.slug = f"{run_id}/{self.mode}-{engine}-{w.replace('=', '')}{part}"
+        self.name = name or f"dcpstore {self.mode}{'/' + engine if async_ else ''} {w}"
         self.uri = join_uri(self.root_uri, *self.slug.split("/"))
         self._root: Storage | None = None
 
     def setup(self, state: dict[str, torch.Tensor]) -> None:
         self._root = open_root(self.root_uri, enable_msc=self.enable_msc, storage_options=self.storage_options)
         self.backend = self.backend or self._root.backend
+        if self.requested_workers is None:
+            self.workers = self._root.default_workers()
         self.page_cached = self._root.backend == "local"
 
     def save(self, state: dict[str, torch.Tensor]) -> Waiter:
@@ -85,7 +90,7 @@ class DcpstoreEntry(Entry):
                 state,
                 self.uri,
                 async_=self.async_,
-                workers=self.workers,
+                workers=self.requested_workers,
                 engine=self.requested_engine,
                 enable_msc=self.enable_msc,
                 storage_options=self.storage_options,
@@ -104,7 +109,7 @@ class DcpstoreEntry(Entry):
         return wait
 
     def load(self, dest: dict[str, torch.Tensor]) -> None:
-        load(dest, self.uri, workers=self.workers, enable_msc=self.enable_msc,
+        load(dest, self.uri, workers=self.requested_workers, enable_msc=self.enable_msc,
                       storage_options=self.storage_options)  # fmt: skip
 
     def cleanup(self) -> None:

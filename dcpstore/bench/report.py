@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from ..units import human_bytes
+from .limits import best_limits, limit_ratios
 from .runner import Record, summarize
 
 
@@ -27,10 +28,23 @@ def _rss(r: dict[str, Any]) -> str:
     return human_bytes(r["peak_rss_bytes"]) + (f" (+{human_bytes(growth)})" if growth is not None else "")
 
 
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
 def format_table(rows: Iterable[dict[str, Any]]) -> str:
-    """A fixed-width text table of summary rows (see :func:`summarize`)."""
-    head = ("ENTRY", "BACKEND", "ENGINE", "W", "WRITE GB/s", "READ GB/s", "BLOCKED s",
-            "PLAN/STAGE/WRITE/COMMIT s", "PEAK RSS (+SAVE)", "NOTE")  # fmt: skip
+    """A fixed-width text table of summary rows (see :func:`summarize`).
+
+    Where limit rows were measured (:mod:`.limits`), every other row also
+    shows its save and load speed over the best limit's, per direction."""
+    rows = list(rows)
+    with_limit = bool(best_limits(rows))
+    if with_limit:
+        rows = limit_ratios(rows)
+    head: tuple[str, ...] = ("ENTRY", "BACKEND", "ENGINE", "W", "WRITE GB/s", "READ GB/s", "BLOCKED s",
+                             "PLAN/STAGE/WRITE/COMMIT s", "PEAK RSS (+SAVE)", "NOTE")  # fmt: skip
+    if with_limit:
+        head = head[:6] + ("SAVE/LIMIT", "LOAD/LIMIT") + head[6:]
     lines: list[tuple[str, ...]] = []
     for r in rows:
         ph = r.get("phases") or {}
@@ -38,14 +52,17 @@ def format_table(rows: Iterable[dict[str, Any]]) -> str:
         note = "" if r["status"] == "ok" else f"{r['status']}: {r['reason']}"
         if r["status"] == "ok" and r.get("cold_read") is False and r.get("read_s") is not None and r["backend"] == "local":
             note = "warm read (page cache not dropped)"
-        lines.append((
+        cells = [
             r["name"], r["backend"], r["engine"], str(r["workers"]),
             _fmt(r.get("write_gbps"), ".3f"), _fmt(r.get("read_gbps"), ".3f"), _fmt(r.get("blocked_s"), ".3f"),
             phases if r["status"] == "ok" else "-",
             _rss(r), note,
-        ))  # fmt: skip
+        ]  # fmt: skip
+        if with_limit:
+            cells[6:6] = [_ratio(r.get("write_vs_limit")), _ratio(r.get("read_vs_limit"))]
+        lines.append(tuple(cells))
     widths = [max(len(h), *(len(line[i]) for line in lines)) if lines else len(h) for i, h in enumerate(head)]
-    right = {3, 4, 5, 6, 8}
+    right = {3, 4, 5, 6, 7, 8, 10} if with_limit else {3, 4, 5, 6, 8}
 
     def row(cells: Sequence[str]) -> str:
         return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
@@ -99,7 +116,8 @@ def cache_note(records: Sequence[Record], drop_caches: bool) -> str:
             "(--drop-caches, as root, drops it before each load; that empties the whole host's cache)")  # fmt: skip
 
 
-def _git_commit() -> str | None:
+def git_commit() -> str | None:
+    """The short hash of the checkout the benchmark runs from, if it is one."""
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
                              cwd=os.path.dirname(os.path.abspath(__file__)))  # fmt: skip
@@ -131,7 +149,7 @@ def write_json(path: str, records: Sequence[Record | dict[str, Any]], meta: dict
     doc = {
         "meta": {
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            "git_commit": _git_commit(),
+            "git_commit": git_commit(),
             "machine": machine(),
             **(meta or {}),
         },

@@ -60,7 +60,7 @@ from ..format.manifest import Manifest
 from ..format.record import BYTES_ITEM_LIMIT, RECORD_OVERHEAD, decode_item, item_tensor
 from ..format.safe_pickle import Trust, check_record_end, load_object
 from ..handle import LoadStats
-from ..options import LoadOptions, check_workers, default_workers
+from ..options import LoadOptions, check_workers
 from ..progress import NO_PROGRESS, Progress
 from ..quiet import ignoring
 from ..storage import Storage, parse_uri
@@ -102,7 +102,7 @@ class DcpStorageReader(StorageReader):
         #: Undoes the DCP stream transforms an item names (default registry: ZStandard).
         self.transforms = _StorageReaderTransforms(extension_registry)
         self.storage = storage
-        self.workers = check_workers(workers, default_workers())
+        self.workers = check_workers(workers, storage.default_workers())
         self.verify = verify
         self.bar = progress
         self._trust = Trust.of(safe_globals, trusted)
@@ -208,19 +208,30 @@ class DcpStorageReader(StorageReader):
     def _check_sizes(self, per_file: dict[str, list[Request]]) -> None:
         """Each file's real size against the manifest, and against the items
         to read from it: nothing is allocated for bytes a file does not hold
-        (a plain file: a FIFO or device is refused here, before any read)."""
+        (a plain file: a FIFO or device is refused here, before any read).
+
+        One size request per file, all in flight together (on an object
+        store, one after another they would delay the load by a round trip
+        per file); a size this storage already saw (``Storage.size_seen``)
+        costs none.
+        """
         manifest = self._manifest if self.verify else None
-        for path, reqs in per_file.items():
+
+        def check(path: str) -> None:
+            reqs = per_file[path]
             entry = manifest["files"].get(path) if manifest is not None else None
             if manifest is not None and entry is None:
                 raise CheckpointCorrupt(f"{self.storage.describe(path)}: not listed in the integrity manifest")
-            try:
-                actual = self.storage.size(path)
-            except StorageNotFound as e:
-                raise CheckpointCorrupt(f"{self.storage.describe(path)}: data file is missing") from e
+            actual = self.storage.size_seen(path)
+            if actual is None:
+                try:
+                    actual = self.storage.size(path)
+                except StorageNotFound as e:
+                    raise CheckpointCorrupt(f"{self.storage.describe(path)}: data file is missing") from e
             if entry is not None and actual != entry["size"]:
                 raise CheckpointCorrupt(
-                    f"{self.storage.describe(path)}: size {actual} bytes, expected {entry['size']} (truncated or damaged)"
+                    f"{self.storage.describe(path)}: size {actual} bytes, expected {entry['size']} "
+                    "(truncated or damaged)"
                 )
             end = max(info.offset + info.length for _, info in reqs)
             if end > actual:
@@ -231,6 +242,8 @@ class DcpStorageReader(StorageReader):
             for req, info in reqs:
                 if req.type == LoadItemType.BYTE_IO and not self._trust.trusted:
                     check_record_end(self.storage, path, info.offset, info.length, repr(req.storage_index.fqn))
+
+        run_parallel(check, sorted(per_file), len(per_file), "dcpstore-size")
 
     def _read_job(self, job: Span | DirectRun, planner: LoadPlanner, lock: threading.Lock) -> None:
         try:

@@ -14,7 +14,8 @@ Save, as ``torch.distributed.checkpoint.save`` drives it::
                                         planner sees the save id .metadata records
     (all ranks)   set_up_storage_writer -> prepare_local_plan
     (coordinator) prepare_global_plan   assigns each rank its ``__{rank}_`` prefix
-                                        and claims the URI (SaveSession.claim)
+                                        (in its spread directory, if the storage
+                                        spreads) and claims the URI (SaveSession.claim)
     (all ranks)   write_data            ``workers`` threads, one data file each,
                                         size-balanced buckets, largest first;
                                         every file checked to be still this
@@ -51,9 +52,10 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ..errors import CheckpointError, InvalidArgument, SaveError
+from ..format.layout import spread_file_prefix
 from ..format.record import RecordStream, compact_cpu_tensor, encode_item
 from ..handle import SaveStats
-from ..options import check_workers, default_workers
+from ..options import check_workers
 from ..progress import NO_PROGRESS, Progress
 from ..quiet import ignoring
 from ..storage import Storage, backend_name, parse_uri
@@ -151,7 +153,7 @@ class DcpStorageWriter(StorageWriter):
     ) -> None:
         super().__init__()
         self.storage = storage
-        self.workers = check_workers(workers, default_workers())
+        self.workers = check_workers(workers, storage.default_workers())
         self.single_file_per_rank = single_file_per_rank
         self.overwrite = overwrite
         #: DCP's stream transforms for every item (None: store items as they are).
@@ -215,8 +217,9 @@ class DcpStorageWriter(StorageWriter):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         self.session.claim(self.overwrite)
         save_id, tagged = self.session.token
+        spread = self.storage.options.spread_prefixes
         return [
-            dataclasses.replace(plan, storage_data=SaveToken(f"__{i}_", save_id, tagged))
+            dataclasses.replace(plan, storage_data=SaveToken(spread_file_prefix(f"__{i}_", i, spread), save_id, tagged))
             for i, plan in enumerate(plans)
         ]
 

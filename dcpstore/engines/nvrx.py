@@ -11,9 +11,10 @@ Call order of one save, per rank::
                 NVRx's metadata cache when every rank's structure is unchanged)
                 -> prepare_write_data: size-balanced buckets, one file each
     write       one thread per bucket: check the URI is still ours, NVRx's
-                per-bucket writer (torch.save per item, fsync), read the file
-                back once to compute its CRC32Cs for the manifest (NVRx has no
-                checksum hook), check again
+                per-bucket writer (torch.save per item, fsync; each tensor's
+                raw bytes located on the way, so loads read them in place),
+                read the file back once to compute its CRC32Cs for the
+                manifest (NVRx has no checksum hook), check again
     finalize    NVRx save_state_dict_async_finalize: gather write results on the
                 coordinator; if every rank succeeded, finish():
                 SaveSession.publish (manifest, .metadata last, clean up)
@@ -58,12 +59,14 @@ optional: imported only when an NVRx save runs.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import os
+import posixpath
 import queue
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -82,6 +85,7 @@ from ..dcp.failures import describe_failure
 from ..dcp.writer import write_stats
 from ..errors import BackendUnavailable, CheckpointCorrupt, CheckpointExists, InvalidArgument, SaveError
 from ..format.checksum import file_and_span_crcs
+from ..format.layout import spread_file_prefix
 from ..format.record import compact_cpu_tensor
 from ..handle import SaveStats
 from ..storage import Storage
@@ -213,11 +217,13 @@ def _split_items(bins: int, items: list[Any]) -> list[list[Any]]:
     return list(_module(_FS_MODULE, "_split_by_size_and_type")._split_by_size_and_type(bins, items))
 
 
-def _bucket_writer(writer: Any) -> Callable[[Any], list[Any]]:
+def _bucket_writer(writer: Any) -> Callable[[Any], tuple[list[Any], dict[Any, tuple[int, int]]]]:
     """A function writing one NVRx ``WriteBucket`` (file path, storage key,
     (bytes items, tensor items)) on the calling thread and returning its
-    DCP write results; raises what the write raised, or the storage's
-    ``OSError`` where torch's zip writer hid it (:mod:`.nvrx_stream`)."""
+    DCP write results and the located tensors (item index -> offset of
+    the raw bytes in the item, nbytes; :mod:`.nvrx_stream`); raises what
+    the write raised, or the storage's ``OSError`` where torch's zip writer
+    hid it."""
     cls = type(writer)
     base = writer.transforms if hasattr(writer, "transforms") else None
     use_msc = bool(writer.use_msc)
@@ -229,14 +235,15 @@ def _bucket_writer(writer: Any) -> Callable[[Any], list[Any]]:
     else:
         write_one = _preloaded_writer(cls, open_file, use_msc)
 
-    def write(bucket: Any) -> list[Any]:
-        checked = CheckedTransforms(base) if base is not None else None
+    def write(bucket: Any) -> tuple[list[Any], dict[Any, tuple[int, int]]]:
+        checked = CheckedTransforms(base, bucket[2][1]) if base is not None else None
         try:
-            return write_one([checked] if checked is not None else [], bucket)
+            results = write_one([checked] if checked is not None else [], bucket)
         except BaseException:
             if checked is not None and checked.error is not None:
                 raise checked.error from None  # the storage's error, not torch's report of it
             raise
+        return results, checked.raw if checked is not None else {}
 
     return write
 
@@ -310,6 +317,15 @@ def writer_class() -> type:
             self.storage.makedirs()  # the claim happened before planning
             return plan
 
+        def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+            # torch's ``__{i}_`` prefixes, in each rank's spread directory
+            # (NVRx's metadata cache replays this plan while it is valid).
+            spread = self.storage.options.spread_prefixes
+            return [
+                dataclasses.replace(plan, storage_data=_StoragePrefix(spread_file_prefix(f"__{i}_", i, spread)))
+                for i, plan in enumerate(plans)
+            ]
+
         def prepare_write_data(self, plan: SavePlan, planner: SavePlanner) -> None:
             # NVRx's version also starts its spawn-context Manager; build the
             # same buckets without it. A failure here is local to this rank:
@@ -327,6 +343,8 @@ def writer_class() -> type:
                 if not items:
                     continue
                 name = self.session.data_file(prefix.prefix, len(buckets))
+                if "/" in name:  # a spread directory: NVRx's open() does not create it
+                    self.storage.makedirs(posixpath.dirname(name))
                 blobs = [(it, planner.resolve_data(it)) for it in items if it.type == WriteItemType.BYTE_IO]
                 tensors = [
                     (it, compact_cpu_tensor(cast(torch.Tensor, planner.resolve_data(it))))
@@ -346,10 +364,10 @@ def writer_class() -> type:
             def one(bucket: Any) -> list[WriteResult]:
                 self.session.check_owner()
                 try:
-                    written = write(bucket)
+                    written, raw = write(bucket)
                 except OSError as e:  # NVRx writes with open(): name the file and the cause
                     raise map_os_error(e, f"cannot write {self.storage.describe(bucket[1])}") from e
-                results = _checksum_written_file(self.storage, bucket[1], written)
+                results = _checksum_written_file(self.storage, bucket[1], written, raw)
                 self.session.check_owner()
                 return results
 
@@ -383,10 +401,14 @@ def writer_class() -> type:
     return NvrxWriter
 
 
-def _checksum_written_file(storage: Storage, path: str, results: list[WriteResult]) -> list[WriteResult]:
+def _checksum_written_file(
+    storage: Storage, path: str, results: list[WriteResult], raw: Mapping[Any, tuple[int, int]]
+) -> list[WriteResult]:
     """The write results of a data file NVRx wrote, with :class:`ItemRecord`
     storage data for the manifest: sizes and CRC32Cs from reading the file
-    back once (``results`` carry each item's offset and length)."""
+    back once (``results`` carry each item's offset and length), and the
+    tensor locations ``raw`` (item index -> (offset in the item, nbytes))
+    seen while it was written."""
     size = storage.size(path)
     spans = [(wr.storage_data.offset, wr.storage_data.length) for wr in results]
     file_crc, crcs, read = file_and_span_crcs(lambda pos, n: storage.read_range(path, pos, n), size, spans)
@@ -397,7 +419,7 @@ def _checksum_written_file(storage: Storage, path: str, results: list[WriteResul
             WriteResult(
                 index=wr.index,
                 size_in_bytes=wr.size_in_bytes,
-                storage_data=ItemRecord(path, offset, length, crc, size, file_crc),
+                storage_data=ItemRecord(path, offset, length, crc, size, file_crc, raw.get(wr.index)),
             )
             for wr, (offset, length), crc in zip(results, spans, crcs)
         ),

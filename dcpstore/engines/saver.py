@@ -85,7 +85,7 @@ from ..dcp.writer import save_state_dict
 from ..errors import InvalidArgument, SaveError
 from ..handle import CheckpointInfo, SaveHandle
 from ..keywords import hint_keywords
-from ..options import SaveOptions, check_positive, check_workers, default_workers, rank_label, shows_progress
+from ..options import SaveOptions, check_positive, check_workers, rank_label, shows_progress
 from ..progress import Progress
 from ..storage import Storage, StorageOptions, open_storage
 from ..threads import BackgroundThread
@@ -279,8 +279,8 @@ class AsyncSaver:
         if not isinstance(state_dict, dict):
             raise InvalidArgument(f"state_dict must be a dict, got {type(state_dict).__name__}")
         limit = self.max_in_flight if options.max_in_flight is None else options.max_in_flight
-        workers = check_workers(options.workers, default_workers())
         storage = open_storage(uri, enable_msc=options.enable_msc, storage_options=options.storage_options)
+        workers = check_workers(options.workers, storage.default_workers())
         try:  # until the background job owns the storage, close it on any failure
             name = select_engine(options.engine, storage)
             with self._lock:

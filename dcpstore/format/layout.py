@@ -6,6 +6,7 @@ A checkpoint directory (or key prefix) holds, in stock DCP layout::
     .dcpstore.alive.<id>    the running save's proof of life for gc (removed at
                             commit or failure; :mod:`.inflight`)
     __{rank}_{n}.distcp     data files, one per writer thread per rank
+    p{d}/__{rank}_{n}.distcp  the same, spread over key prefixes (see below)
     .dcpstore.json          the integrity manifest (written just before .metadata)
     .dcpstore.replica.<r>   a tiered manager's replication report of rank r
                             (durable tier only; removed after the commit)
@@ -17,6 +18,7 @@ files sit beside the committed checkpoint's until its ``.metadata`` replaces
 the old one::
 
     __{rank}_{tag}_{n}.distcp    tag: the first 8 hex digits of the save id
+                                 (in ``p{d}/`` too when the save spreads)
     .dcpstore.{tag}.json         its manifest
 
 ``.metadata`` records the save id (``storage_meta.save_id``), so a reader
@@ -46,6 +48,19 @@ Stock DCP saving with ``use_collectives=False`` commits one
 (:func:`is_commit_file`): dcpstore does not load such a checkpoint, but
 ``ls`` and ``gc`` count it as committed.
 
+Spreading (``StorageOptions.spread_prefixes`` = P > 1): each rank's data
+files go one directory down, into ``p{d}/``, where ``d`` is ``rank mod P`` in
+hex digits, least significant first (``p0``, ``p1``, ... ``pf``, then
+``p01``, ``p11``, ... for P = 256). An object store partitions its key space
+by prefix and limits the request rate of each partition (S3: about 3,500
+PUT/s); with the fastest-changing digit first, consecutive ranks land in
+different partitions as soon as the store splits at that character, the way
+s3torchconnector's binary and hex prefix strategies do. The directory is
+part of each file's relative path in ``.metadata``, so stock ``dcp.load``
+reads the result. It is added in front of whatever name the writer gives
+the rank's files (the rank's DCP ``_StoragePrefix``), so it composes with
+any naming of the files themselves.
+
 Which save writes these names, in which order, and when a file counts as
 committed is the commit protocol's business (:mod:`dcpstore.dcp.commit`).
 """
@@ -69,6 +84,11 @@ _SAVE_ID_RE = re.compile(r"^[0-9a-f]{16}$")
 TAG_LEN = 8
 _DATA_RE = re.compile(r"^__\d+_(?:([0-9a-f]{8})_)?\d+\.distcp$")
 _MANIFEST_RE = re.compile(r"^\.dcpstore(?:\.([0-9a-f]{8}))?\.json$")
+#: The directory of a rank's data files when a save spreads them (``p`` +
+#: up to 3 hex digits: StorageOptions.spread_prefixes <= 4096; see the
+#: module doc).
+SPREAD_DIR_PREFIX = "p"
+_SPREAD_RE = re.compile(rf"^{SPREAD_DIR_PREFIX}[0-9a-f]{{1,3}}$")
 #: Stock DCP with ``use_collectives=False`` commits one ``__{rank}.metadata`` per rank.
 _RANK_METADATA_RE = re.compile(r"^__\d+\.metadata$")
 
@@ -79,8 +99,54 @@ def data_file_name(rank_prefix: str, index: int, tag: str = "") -> str:
     return f"{rank_prefix}{tag}_{index}{DATA_SUFFIX}" if tag else f"{rank_prefix}{index}{DATA_SUFFIX}"
 
 
+def spread_dir(rank: int, prefixes: int) -> str:
+    """The directory of ``rank``'s data files when a save spreads them over
+    ``prefixes`` key prefixes (``""``: not spread, for ``prefixes`` <= 1)."""
+    if prefixes <= 1:
+        return ""
+    width = len(f"{prefixes - 1:x}")
+    return SPREAD_DIR_PREFIX + f"{rank % prefixes:0{width}x}"[::-1]
+
+
+def spread_file_prefix(file_prefix: str, rank: int, prefixes: int) -> str:
+    """``file_prefix`` (the names a writer gives ``rank``'s data files start
+    with, e.g. ``__{rank}_``) moved into the rank's spread directory."""
+    directory = spread_dir(rank, prefixes)
+    return f"{directory}/{file_prefix}" if directory else file_prefix
+
+
+def split_data_path(path: str) -> tuple[str, str] | None:
+    """``(checkpoint directory, data file path inside it)`` if ``path`` (a
+    listed path, ``/``-separated) is a DCP data file, spread or not; else None.
+
+    A data file inside a directory named like a spread directory
+    (``p3a/__0_0.distcp``) counts as spread: it belongs to the checkpoint one
+    level up.
+    """
+    head, _, name = path.rpartition("/")
+    if _DATA_RE.match(name) is None:
+        return None
+    parent, _, last = head.rpartition("/")
+    if _SPREAD_RE.match(last) is not None:
+        return parent, f"{last}/{name}"
+    return head, name
+
+
+def checkpoint_dir(directory: str) -> str:
+    """The checkpoint directory that a listed directory (``/``-separated)
+    belongs to: the one above it for a spread directory (``ck/p3a``), else
+    itself. What a save leaves in ``p3a/`` (data files, temporary files,
+    open uploads) is its checkpoint's."""
+    parent, _, last = directory.rpartition("/")
+    return parent if _SPREAD_RE.match(last) is not None else directory
+
+
 def is_data_file(path: str) -> bool:
-    return _DATA_RE.match(path) is not None
+    """Whether ``path``, relative to a checkpoint, is one of its data files
+    (``__{rank}_{n}.distcp`` or ``__{rank}_{tag}_{n}.distcp``, directly or
+    in a spread directory)."""
+    split = split_data_path(path)
+    return split is not None and split[0] == ""
 
 
 def is_replica_report(name: str) -> bool:
@@ -101,10 +167,14 @@ def is_manifest(name: str) -> bool:
     return _MANIFEST_RE.match(name) is not None
 
 
-def name_tag(name: str) -> str | None:
-    """The save tag of a data file or manifest name ("" for stock names);
-    None for any other name."""
-    m = _DATA_RE.match(name) or _MANIFEST_RE.match(name)
+def name_tag(path: str) -> str | None:
+    """The save tag of a data file (``path`` relative to its checkpoint,
+    spread or not) or manifest name ("" for stock names); None for any
+    other path."""
+    if is_data_file(path):
+        m = _DATA_RE.match(path.rpartition("/")[2])
+    else:
+        m = _MANIFEST_RE.match(path)
     return None if m is None else m.group(1) or ""
 
 

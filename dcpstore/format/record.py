@@ -198,7 +198,7 @@ class RecordStream:
     def write(self, data: Any) -> int:
         view = memoryview(data)
         size = view.nbytes
-        if size == self._raw_nbytes and self._raw is None and _address(view) == self._raw_ptr:
+        if size == self._raw_nbytes and self._raw is None and buffer_address(view) == self._raw_ptr:
             self._raw = (self.tell(), size)
         self._crc.update(view)
         if size < self.SMALL:
@@ -250,7 +250,7 @@ def is_raw(tensor: torch.Tensor) -> bool:
     )
 
 
-def _address(view: memoryview) -> int:
+def buffer_address(view: memoryview) -> int:
     """Where a (non-empty) buffer's bytes start in memory."""
     if view.nbytes == 0:
         return -1

@@ -30,8 +30,10 @@ The backend kit: what every backend needs is written once, as protected
 members of :class:`Storage` that only backends call -- the root-containment
 check (``_relpath``), the error mapping (``_mapped`` around each library
 call, or ``_error`` in a handler of the backend's own, both translating
-through the backend's ``_map_error``), and one read thread
-pool per instance (``_in_parallel``), shut down by :meth:`Storage.close`.
+through the backend's ``_map_error``), and one request pool per instance
+(:class:`~dcpstore.storage.pool.RequestPool`: the connection budget that
+ranged reads, ``_in_parallel``, and part uploads share), shut down by
+:meth:`Storage.close`.
 Object writers build on :class:`~dcpstore.storage.buffered.BufferedObjectWriter`,
 which owns position, ``tell`` and part buffering.
 """
@@ -40,10 +42,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import os
-import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, ClassVar, TypedDict, TypeVar
@@ -51,13 +50,18 @@ from typing import Any, ClassVar, TypedDict, TypeVar
 from typing_extensions import NotRequired
 
 from ..errors import CheckpointError, InvalidArgument, StorageError, StorageNotFound
-from .kit import connection_limit, map_os_error
+from .kit import map_os_error
+from .pool import RequestPool
 from .secrets import scrub_exception
 from .uri import StorageURL, redact
 
 T = TypeVar("T")
 
 MiB = 1 << 20
+
+#: Default connection budget per storage instance (``max_concurrency``):
+#: see :class:`StorageOptions`.
+DEFAULT_CONNECTIONS = 16
 
 
 @dataclass(frozen=True)
@@ -70,11 +74,14 @@ class StorageOptions:
     Args:
         part_size: object stores: multipart part and ranged-read size
             (``None``: chosen per object, :meth:`part_size_for`).
-        max_concurrency: object stores: parts or ranges in flight per object.
+        max_concurrency: object stores: requests in flight per storage
+            instance (one rank's connection budget, shared by all its files).
         max_attempts: object stores: attempts per request, the first included.
         connect_timeout_s, read_timeout_s: socket timeouts, seconds.
         op_timeout_s: most seconds one object operation may take, retries
             included.
+        spread_prefixes: saves: spread the ranks' data files over this many
+            key prefixes (``p{hex}/``); 1: stock DCP's flat layout.
 
     Raises:
         InvalidArgument: a value out of range (the message names the field).
@@ -85,8 +92,12 @@ class StorageOptions:
     #: ranged GETs of this size. None (default): chosen per object or read
     #: from its size (:meth:`part_size_for`).
     part_size: int | None = None
-    #: Object stores: concurrent part uploads / ranged GETs per object.
-    max_concurrency: int = 8
+    #: Object stores: requests in flight at once per storage instance -- one
+    #: rank's connection budget, shared by part uploads and ranged GETs of
+    #: all its files (see :mod:`dcpstore.storage.pool`); the HTTP connection
+    #: pool is sized to match. It also bounds the parts buffered for upload
+    #: (``max_concurrency`` x the part size).
+    max_concurrency: int = DEFAULT_CONNECTIONS
     #: Object stores: attempts per request (the first try included).
     max_attempts: int = 8
     #: Seconds for connecting and for each read from the socket.
@@ -94,6 +105,13 @@ class StorageOptions:
     read_timeout_s: float = 60.0
     #: Upper bound on the time one object operation may take, retries included.
     op_timeout_s: float = 600.0
+    #: Saves: spread the ranks' data files over this many key prefixes
+    #: (rank ``r`` writes under ``p{r mod N, hex digits reversed}/``; see
+    #: :mod:`dcpstore.format.layout`), so that many ranks writing one
+    #: checkpoint do not all hit one object-store partition's request limit
+    #: (S3: about 3,500 PUT/s per prefix). 1 (default): stock DCP's flat
+    #: layout. Loads read either layout, whatever this is set to.
+    spread_prefixes: int = 1
     #: Native S3 backend: the AWS region of the bucket. None (default): from
     #: the standard AWS sources (``AWS_REGION``, the profile, ...). MSC takes
     #: its region from its profile, fsspec from its own options.
@@ -110,6 +128,9 @@ class StorageOptions:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InvalidArgument(f"{name} must be an int >= 1, got {value!r}")
+        spread = self.spread_prefixes
+        if not isinstance(spread, int) or isinstance(spread, bool) or not 1 <= spread <= MAX_SPREAD_PREFIXES:
+            raise InvalidArgument(f"spread_prefixes must be an int from 1 to {MAX_SPREAD_PREFIXES}, got {spread!r}")
         for name in ("connect_timeout_s", "read_timeout_s", "op_timeout_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
@@ -119,12 +140,14 @@ class StorageOptions:
         """The part (upload) or range (read) size, in bytes, for an object or
         read of ``nbytes`` bytes (``None`` or 0: unknown).
 
-        ``part_size`` if set. Automatic: about ``max_concurrency`` pieces per
-        object or read, so that one object keeps that many connections busy
-        (an object store's throughput is per connection), in whole MiB
-        between 8 MiB (the range size AWS recommends; S3's minimum part is
-        5 MiB) and 64 MiB (few requests for large objects); 16 MiB for a
-        stream of unknown size.
+        ``part_size`` if set. Automatic: about :data:`AUTO_PIECES` pieces per
+        object or read, so that one object alone keeps several connections
+        busy (an object store's throughput is per connection) and the few
+        files of a rank fill its budget together, in whole MiB between 8 MiB
+        (the range size AWS recommends; S3's minimum part is 5 MiB) and
+        64 MiB (few requests for large objects: request rates, not bytes,
+        are what a busy prefix runs out of); 16 MiB for a stream of unknown
+        size.
 
         Returns:
             The size in bytes.
@@ -133,10 +156,16 @@ class StorageOptions:
             return self.part_size
         if not nbytes:
             return AUTO_PART_UNKNOWN
-        per_piece = -(-nbytes // self.max_concurrency)
+        per_piece = -(-nbytes // AUTO_PIECES)
         return min(AUTO_PART_MAX, max(AUTO_PART_MIN, -(-per_piece // MiB) * MiB))
 
 
+#: Most key prefixes a save may spread its data files over (3 hex digits).
+MAX_SPREAD_PREFIXES = 4096
+#: Writer/reader threads per rank on an object store (see Storage.default_workers).
+OBJECT_STORE_WORKERS = 4
+#: Pieces per object or read that the automatic part size aims at.
+AUTO_PIECES = 8
 #: Bounds of the automatic part size (see StorageOptions.part_size_for).
 AUTO_PART_MIN = 8 * MiB
 AUTO_PART_MAX = 64 * MiB
@@ -235,14 +264,30 @@ class Storage(abc.ABC):
     def __init__(self, url: StorageURL, options: StorageOptions | None = None) -> None:
         self.url = url
         self.options = options or StorageOptions()
-        self._pool: ThreadPoolExecutor | None = None
-        self._pool_pid = 0
-        self._pool_lock = threading.Lock()
+        #: This storage's connection budget: every parallel request (ranged
+        #: GETs, part uploads) of every file runs here.
+        #: (A wrapping Storage may set ``backend`` only after this returns.)
+        name = getattr(self, "backend", type(self).__name__)
+        self._requests = RequestPool(self.options.max_concurrency, f"dcpstore-{name}-io")
 
     @property
     def uri(self) -> str:
         """The root URI, safe to print (credentials redacted)."""
         return redact(self.url.uri)
+
+    def default_workers(self) -> int:
+        """Writer and reader threads per rank when a save or load names none.
+
+        Object stores (this default): :data:`OBJECT_STORE_WORKERS`, whatever
+        the CPU count. Their throughput comes from requests in flight, and
+        the storage's connection budget (``max_concurrency``) keeps those in
+        flight across all of a rank's files, so the threads only have to
+        serialise, checksum and verify faster than the network moves the
+        bytes; more of them would only make more, smaller files (more
+        requests, more objects to list). Backends on a local disk override
+        this: there the threads are the parallelism.
+        """
+        return OBJECT_STORE_WORKERS
 
     def describe(self, path: str = "") -> str:
         """A printable URI for ``path`` under this root, for messages."""
@@ -300,60 +345,10 @@ class Storage(abc.ABC):
             raise self._error(e, what) from e
 
     def _in_parallel(self, fn: Callable[..., T], jobs: Sequence[tuple[Any, ...]]) -> list[T]:
-        """``[fn(*job) for job in jobs]``, up to ``max_concurrency`` at a time.
-
-        The calling thread works too; the rest run on this storage's read
-        pool (created on first use, at most :func:`connection_limit`
-        threads, shared by every call). A call never has more than
-        ``max_concurrency`` jobs running, and never waits for a pool thread
-        to start: a busy pool only makes it less parallel. On a failure no further job of this call starts; the call
-        returns or raises only once none of its jobs is running (they may
-        be filling the caller's buffers), raising the failure of the
-        earliest job.
-        """
-        width = min(self.options.max_concurrency, len(jobs))
-        if width <= 1:
-            return [fn(*job) for job in jobs]
-        results: list[Any] = [None] * len(jobs)
-        failures: dict[int, BaseException] = {}
-        todo = iter(range(len(jobs)))
-        lock = threading.Lock()
-
-        def lane() -> None:
-            while True:
-                with lock:
-                    i = None if failures else next(todo, None)
-                if i is None:
-                    return
-                try:
-                    results[i] = fn(*jobs[i])
-                except BaseException as e:
-                    with lock:
-                        failures[i] = e
-                    return
-
-        pool = self._read_pool()
-        helpers = [pool.submit(lane) for _ in range(width - 1)]
-        try:
-            lane()
-        finally:
-            # Helpers still queued (a busy pool) have nothing left to do.
-            for helper in helpers:
-                helper.cancel()
-            wait(helpers)
-        if failures:
-            raise failures[min(failures)]
-        return results
-
-    def _read_pool(self) -> ThreadPoolExecutor:
-        # A forked child inherits the pool but not its threads: it makes its own.
-        with self._pool_lock:
-            if self._pool is None or self._pool_pid != os.getpid():
-                self._pool = ThreadPoolExecutor(
-                    connection_limit(self.options.max_concurrency), thread_name_prefix=f"dcpstore-{self.backend}-read"
-                )
-                self._pool_pid = os.getpid()
-            return self._pool
+        """``[fn(*job) for job in jobs]`` on this storage's request pool: in
+        flight with every other request of this storage, ``max_concurrency``
+        at most (see :meth:`~dcpstore.storage.pool.RequestPool.map`)."""
+        return self._requests.map(fn, jobs)
 
     # -- writing -----------------------------------------------------------
     @abc.abstractmethod
@@ -411,6 +406,16 @@ class Storage(abc.ABC):
     def size(self, path: str) -> int:
         """Size in bytes; :class:`StorageNotFound` if absent."""
 
+    def size_seen(self, path: str) -> int | None:
+        """The size of ``path`` as a read made through this instance reported
+        it, or None (never read, or a backend whose reads do not say).
+
+        Object stores learn it from every ranged GET's ``Content-Range``, so
+        a load checks the sizes of the files it read without a request per
+        file. Sizes are remembered per instance: a load opens its own.
+        """
+        return None
+
     def exists(self, path: str) -> bool:
         try:
             self.size(path)
@@ -446,12 +451,9 @@ class Storage(abc.ABC):
         return 0
 
     def close(self) -> None:
-        """Release clients, connections and the read pool. The storage is
+        """Release clients, connections and the request pool. The storage is
         unusable afterwards. Backends that hold more extend this."""
-        with self._pool_lock:
-            pool, self._pool = self._pool, None
-        if pool is not None and self._pool_pid == os.getpid():
-            pool.shutdown(wait=True)
+        self._requests.close()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.uri!r})"

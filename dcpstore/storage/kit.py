@@ -4,7 +4,7 @@ Byte arithmetic for splitting reads (:func:`byte_ranges`,
 :func:`slice_buffers`), the built-in exceptions mapped to the dcpstore
 family (:func:`map_os_error`; :func:`library_text` is where every text
 from a library or server passes before it enters a message), how many connections
-and read threads a storage keeps (:func:`connection_limit`), and POSIX
+a storage's HTTP client keeps (:func:`http_pool_size`), and POSIX
 durability (:func:`fsync_dir`).
 
 Imports only :mod:`dcpstore.errors`, :mod:`.secrets` and :mod:`.uri`.
@@ -43,12 +43,28 @@ def slice_buffers(buffers: Sequence[memoryview], start: int, length: int) -> lis
     return out
 
 
-def connection_limit(max_concurrency: int) -> int:
-    """Connections an object-store client keeps open, and the most threads a
-    storage's read pool grows to: several files are read at once (one per
-    reader worker), each with up to ``max_concurrency`` requests in flight,
-    and a thread beyond the connections would only queue for one."""
-    return max(32, 8 * max_concurrency)
+#: Connections beyond the request pool: the writer and reader threads make
+#: their own small requests (start and complete an upload, a HEAD, a
+#: one-range GET) beside the pool's, one at a time each.
+CALLER_CONNECTIONS = 16
+
+
+def http_pool_size(max_concurrency: int) -> int:
+    """Connections an object-store client keeps open for a storage whose
+    request pool is ``max_concurrency`` wide (see :mod:`.pool`): one per pool
+    thread, plus :data:`CALLER_CONNECTIONS` for the callers' own requests.
+    Fewer would make a request wait for a connection, or open and drop one
+    (urllib3 discards connections beyond its pool)."""
+    return max_concurrency + CALLER_CONNECTIONS
+
+
+def disk_workers() -> int:
+    """Writer/reader threads per rank on a local (or locally mounted) disk:
+    one per CPU, between 2 and 8. A disk's throughput grows with the requests
+    queued at it and every thread also copies and checksums, so the CPUs
+    are the parallelism; beyond 8 the queue is deep enough for an NVMe
+    drive and more files only add fsyncs."""
+    return max(2, min(8, os.cpu_count() or 1))
 
 
 def library_text(text: str) -> str:

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from ..errors import StorageError, StorageNotFound
 from .base import ObjectInfo, ObjectWriter, Storage
 from .buffered import BufferedObjectWriter
-from .kit import fsync_dir, slice_buffers
+from .kit import disk_workers, fsync_dir, slice_buffers
 
 _TMP_MARK = ".dcpstore-tmp-"
 #: Buffers per preadv call (the kernel's UIO_MAXIOV).
@@ -69,6 +69,10 @@ class LocalStorage(Storage):
 
     backend = "local"
     _library_errors = (OSError,)
+
+    def default_workers(self) -> int:
+        """Threads are a disk's parallelism: see :func:`~dcpstore.storage.kit.disk_workers`."""
+        return disk_workers()
 
     @property
     def root(self) -> str:

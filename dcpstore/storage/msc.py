@@ -19,12 +19,17 @@ All I/O goes through MSC's client API (``open``, ``upload_file``, ``read``
 with a byte range, ``info``, ``list``, ``delete_many``); dcpstore adds only
 what its storage contract needs on top:
 
-Commit protocol, object-store profiles (S3, GCS, ...): ``write`` spools the
-object into a local buffer (memory up to :data:`SPOOL_LIMIT`, then a temporary
-file); commit hands it to ``StorageClient.upload_file``, which MSC sends as one
-``PutObject`` or, above its ``multipart_threshold``, as a boto3 (s3transfer)
-multipart upload that aborts itself on failure. The object becomes visible
-atomically when that upload completes; an abort before commit sends nothing.
+Commit protocol, object-store profiles (S3, GCS, ...): MSC's client has no
+streaming upload, so ``write`` spools the object (in memory up to
+:data:`SPOOL_MEMORY`, beyond that in a temporary file under ``TMPDIR``);
+commit hands it to ``StorageClient.upload_file`` -- a large one *by name*,
+which MSC sends as a boto3 (s3transfer) multipart upload that reads its
+parts from the file as it sends them and aborts itself on failure. So an
+object never sits in memory whole: the spool's pages are the page cache's,
+not the process's (MSC's own ``open(..., "wb")`` spools to a temporary file
+too). The object becomes visible atomically when that upload completes; an
+abort before commit sends nothing. The spool needs free space under
+``TMPDIR`` for the objects being written at once.
 A process killed mid-upload can leave an open multipart upload that MSC has no
 API to list: use ``dcpstore gc`` on the plain ``s3://`` URI (native backend)
 or a bucket lifecycle rule to remove those.
@@ -59,12 +64,13 @@ from ..errors import CheckpointError, InvalidURI, StorageError, StorageNotFound,
 from .base import MiB, ObjectInfo, ObjectWriter, Storage, StorageOptions
 from .buffered import BufferedObjectWriter
 from .codes import Meaning, code_in_text, meaning
-from .kit import byte_ranges, fsync_dir, library_detail, library_text, map_os_error
+from .kit import byte_ranges, disk_workers, fsync_dir, library_detail, library_text, map_os_error
 from .secrets import scrub_exception
 from .uri import StorageURL
 
-#: Per object, spooled bytes stay in memory up to this size, then go to a temp file.
-SPOOL_LIMIT = 512 * MiB
+#: Per object, spooled bytes stay in memory up to this size, then go to a
+#: temporary file (see the module docstring).
+SPOOL_MEMORY = 8 * MiB
 
 
 def _is_posix_tmp(name: str) -> bool:
@@ -122,6 +128,11 @@ class MSCStorage(Storage):
     @property
     def is_posix(self) -> bool:
         return self.posix_root is not None
+
+    def default_workers(self) -> int:
+        """A POSIX profile is a disk (see :func:`~dcpstore.storage.kit.disk_workers`);
+        any other profile an object store (see :meth:`Storage.default_workers`)."""
+        return disk_workers() if self.is_posix else super().default_workers()
 
     def _full(self, path: str) -> str:
         return self._join_root(self.root, path)
@@ -287,23 +298,40 @@ class _PosixWriter(BufferedObjectWriter):
 
 
 class _SpoolWriter(BufferedObjectWriter):
-    """Spool locally, then one MSC ``upload_file`` at commit (PUT or multipart)."""
+    """Spool locally, then one MSC ``upload_file`` at commit (PUT or multipart);
+    see the module docstring."""
 
     def __init__(self, storage: MSCStorage, path: str) -> None:
         super().__init__(storage, path)
         self._client = storage.client
         self._full = storage._full(path)
-        self._spool: IO[bytes] = tempfile.SpooledTemporaryFile(max_size=SPOOL_LIMIT, prefix=".dcpstore-msc-")
+        self._memory = bytearray()
+        self._file: IO[bytes] | None = None
 
     def _write_part(self, part: bytes | bytearray | memoryview) -> None:
-        self._spool.write(part)
+        if self._file is None and len(self._memory) + len(part) <= SPOOL_MEMORY:
+            self._memory += part
+            return
+        if self._file is None:
+            self._file = tempfile.NamedTemporaryFile(prefix=".dcpstore-msc-", suffix=".spool")  # noqa: SIM115
+            self._file.write(self._memory)
+            self._memory = bytearray()
+        self._file.write(part)
 
     def _publish(self, tail: bytearray) -> None:
         try:
-            self._spool.seek(0)
-            self._client.upload_file(self._full, self._spool)
+            if self._file is None:
+                self._client.write(self._full, bytes(self._memory))
+            else:
+                self._file.flush()
+                # By name: s3transfer then reads each part from the file as it
+                # sends it (given a file object, it would hold parts in memory).
+                self._client.upload_file(self._full, self._file.name)
         finally:
-            self._spool.close()
+            self._discard()
 
     def _discard(self) -> None:
-        self._spool.close()
+        self._memory = bytearray()
+        if self._file is not None:
+            self._file.close()  # deletes it
+            self._file = None

@@ -31,6 +31,7 @@ alike (``max_attempts``, ``op_timeout_s``).
 from __future__ import annotations
 
 import contextlib
+import http.client
 import logging
 import random
 import time
@@ -38,13 +39,14 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import botocore.exceptions as bexc
+from botocore.response import StreamingBody
 
 from ..errors import CheckpointError, StorageError, StorageNotFound
 from .base import ObjectInfo, ObjectWriter, Storage, StorageOptions
 from .codes import Meaning, meaning
 from .kit import byte_ranges, slice_buffers
 from .s3_client import client_error, map_code, map_error, s3_client
-from .s3_upload import S3Writer
+from .s3_upload import S3Writer, checksum_args, sends_checksums
 from .uri import StorageURL, redact
 
 __all__ = ["S3Storage", "s3_client"]
@@ -66,20 +68,59 @@ _BODY_ERRORS = (
 )
 
 
-def _readinto_full(body: Any, buffers: list[memoryview]) -> int:
-    """Fill ``buffers`` in order from a botocore ``StreamingBody``; fewer
-    bytes only at its end."""
+def _socket_reader(body: Any) -> Callable[[memoryview], int] | None:
+    """``readinto`` of the HTTP response under a plain botocore body, or None.
+
+    botocore's ``readinto`` goes through urllib3's, which reads into a new
+    bytes object and copies it (and http.client's ``read(n)`` copies once
+    more): three copies of every byte. http.client's own ``readinto`` receives
+    straight into the caller's buffer. Taken only for a plain
+    ``StreamingBody`` (not one that verifies a response checksum) over an
+    undecoded http.client response; anything else keeps botocore's path.
+    """
+    if type(body) is not StreamingBody:
+        return None
+    raw: Any = getattr(body, "_raw_stream", None)
+    fp = getattr(raw, "_fp", None)
+    if raw is None or not isinstance(fp, http.client.HTTPResponse) or getattr(raw, "_decoder", None) is not None:
+        return None
+    if str(raw.headers.get("content-encoding", "")).lower() not in ("", "identity"):
+        return None
+    reader: Callable[[memoryview], int] = fp.readinto
+    return reader
+
+
+def _readinto_full(body: Any, buffers: list[memoryview], expected: int) -> int:
+    """Fill ``buffers`` in order from a botocore ``StreamingBody`` whose
+    response promised ``expected`` bytes; fewer only at the object's end.
+
+    A body that ends before ``expected`` raises botocore's
+    ``IncompleteReadError``, a socket error while reading it its
+    ``ResponseStreamingError``: both mean the connection dropped, and the GET
+    is retried.
+    """
+    readinto = _socket_reader(body)
     done = 0
+    clean = False
     try:
         for out in buffers:
             pos = 0
             while pos < out.nbytes:
-                n = body.readinto(out[pos:])
+                try:
+                    n = readinto(out[pos:]) if readinto else body.readinto(out[pos:])
+                except (OSError, http.client.HTTPException) as e:
+                    raise bexc.ResponseStreamingError(error=e) from e
                 if not n:
+                    if done + pos < expected:
+                        raise bexc.IncompleteReadError(actual_bytes=done + pos, expected_bytes=expected)
+                    clean = True
                     return done + pos
                 pos += n
             done += pos
+        clean = done == expected
     finally:
+        if readinto is not None and clean:
+            body._raw_stream.release_conn()  # read to its end: the connection can serve another request
         body.close()
     return done
 
@@ -94,6 +135,8 @@ class S3Storage(Storage):
         self.bucket = url.netloc
         self.prefix = url.path.strip("/")
         self.client = s3_client(self.options)
+        self._checksums = sends_checksums(self.client)
+        self._sizes: dict[str, int] = {}  # see size_seen
         self.endpoint = redact(str(self.client.meta.endpoint_url))
 
     def key(self, path: str) -> str:
@@ -120,12 +163,14 @@ class S3Storage(Storage):
     def put(self, path: str, data: bytes | bytearray | memoryview) -> None:
         nbytes = memoryview(data).nbytes
         if nbytes < self.options.part_size_for(nbytes):
+            body = bytes(data)
             self.call(
                 f"cannot write {self.describe(path)}",
                 self.client.put_object,
                 Bucket=self.bucket,
                 Key=self.key(path),
-                Body=bytes(data),
+                Body=body,
+                **(checksum_args(body) if self._checksums else {}),
             )
             return
         super().put(path, data)
@@ -143,7 +188,9 @@ class S3Storage(Storage):
     def _get_into(self, path: str, offset: int, buffers: list[memoryview]) -> int:
         """One ranged GET filling ``buffers`` in order; bytes read, 0 past the end."""
         length = sum(b.nbytes for b in buffers)
-        got = self._ranged_get(path, offset, length, lambda resp: _readinto_full(resp["Body"], buffers), None)
+        got = self._ranged_get(
+            path, offset, length, lambda resp: _readinto_full(resp["Body"], buffers, int(resp["ContentLength"])), None
+        )
         return got or 0
 
     def _ranged_get(
@@ -172,6 +219,9 @@ class S3Storage(Storage):
                 if found is Meaning.CHANGED:
                     raise StorageError(f"{what}: the object changed while it was being read") from e
                 raise self._error(e, what) from e
+            total = str(resp.get("ContentRange", "")).rpartition("/")[2]
+            if total.isdigit():
+                self._sizes[path] = int(total)
             try:
                 return consume(resp)
             except _BODY_ERRORS as e:
@@ -222,6 +272,9 @@ class S3Storage(Storage):
         ranges = byte_ranges(len(first), rest, self.options.part_size_for(rest))
         chunks = self._in_parallel(lambda o, n: self._get(path, o, n, etag)[0], ranges)
         return b"".join([first, *chunks])
+
+    def size_seen(self, path: str) -> int | None:
+        return self._sizes.get(path)
 
     def size(self, path: str) -> int:
         resp = self.call(

@@ -33,7 +33,7 @@ from botocore.config import Config
 
 from ..errors import CheckpointError, StorageError, StorageNotFound, StoragePermissionError
 from .base import StorageOptions
-from .kit import connection_limit, library_detail, library_text
+from .kit import http_pool_size, library_detail, library_text
 from .codes import Meaning, meaning
 from .secrets import remember_boto_credentials
 
@@ -62,6 +62,7 @@ _ENV_KEYS = (
     "AWS_CONFIG_FILE",
     "AWS_SHARED_CREDENTIALS_FILE",
     "AWS_RETRY_MODE",
+    "AWS_REQUEST_CHECKSUM_CALCULATION",
     "AWS_CA_BUNDLE",
 )
 
@@ -120,8 +121,8 @@ def _make_client(options: StorageOptions) -> Any:
         retries={"mode": _retry_mode(), "total_max_attempts": options.max_attempts},
         connect_timeout=options.connect_timeout_s,
         read_timeout=options.read_timeout_s,
-        # Several files per rank, each with max_concurrency parts in flight.
-        max_pool_connections=connection_limit(options.max_concurrency),
+        # One connection per request the storage may have in flight.
+        max_pool_connections=http_pool_size(options.max_concurrency),
         tcp_keepalive=True,
     )
     # A Session per client: sessions are not thread-safe, clients are.

@@ -1,0 +1,242 @@
+"""How a rank uses an object store: one connection budget for all its files,
+checksums in transit, no request it does not need, defaults per backend, and
+the MSC spool's memory.
+
+Seen from the outside where it can be: requests in flight and their
+headers at a proxy in front of the real (moto) endpoint, peak RSS of the
+process, files under ``TMPDIR``.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import crc32c
+import psutil
+import pytest
+import torch
+
+import dcpstore
+from faultproxy import FaultConfig, FaultProxy, Request
+from helpers import assert_state_equal, zeros_like_state
+from s3_server import S3Endpoint
+from dcpstore.bench.measure import PeakRSS
+from dcpstore.errors import CheckpointCorrupt
+from dcpstore.storage import MiB, StorageOptions, open_storage
+from dcpstore.storage.base import OBJECT_STORE_WORKERS
+from dcpstore.storage.kit import disk_workers
+
+PART = 5 * MiB
+
+
+def _uri(endpoint: S3Endpoint) -> str:
+    return f"s3://{endpoint.bucket}/budget-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def proxy(s3_endpoint: S3Endpoint, monkeypatch: pytest.MonkeyPatch) -> Iterator[FaultProxy]:
+    with FaultProxy(s3_endpoint.url) as p:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", p.url)
+        yield p
+
+
+def _in_threads(*fns: object) -> None:
+    errors: list[BaseException] = []
+
+    def run(fn: object) -> None:
+        try:
+            fn()  # type: ignore[operator]
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(fn,)) for fn in fns]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
+def test_parts_of_all_files_share_one_budget(proxy: FaultProxy, s3_endpoint: S3Endpoint) -> None:
+    """Two objects written at once by two threads keep max_concurrency parts
+    in flight between them, not each (a rank's budget, not a file's)."""
+    proxy.config = FaultConfig(delay_s=0.25, delay_applies=lambda r: r.kind == "UploadPart")
+    st = open_storage(_uri(s3_endpoint), storage_options=StorageOptions(part_size=PART, max_concurrency=3))
+    payload = os.urandom(4 * PART)
+
+    def write(name: str) -> None:
+        with st.open_write(name) as w:
+            for i in range(0, len(payload), MiB):
+                w.write(payload[i : i + MiB])
+
+    try:
+        _in_threads(lambda: write("a"), lambda: write("b"))
+        assert proxy.stats.peak_inflight["UploadPart"] == 3
+        assert st.read("a") == payload and st.read("b") == payload
+    finally:
+        st.close()
+
+
+def test_reads_of_all_files_share_one_budget(proxy: FaultProxy, s3_endpoint: S3Endpoint) -> None:
+    """Ranged GETs of two files read at once stay within one budget."""
+    payload = os.urandom(3 * PART)
+    uri = _uri(s3_endpoint)
+    prefix = uri.split("/", 3)[3]
+    for name in ("a", "b"):
+        s3_endpoint.client().put_object(Bucket=s3_endpoint.bucket, Key=f"{prefix}/{name}", Body=payload)
+    proxy.config = FaultConfig(delay_s=0.25, delay_applies=lambda r: r.kind == "GetObject")
+    st = open_storage(uri, storage_options=StorageOptions(part_size=PART, max_concurrency=3))
+    got: dict[str, bytes] = {}
+    try:
+        _in_threads(*(lambda n=n: got.__setitem__(n, st.read_range(n, 0, len(payload))) for n in ("a", "b")))
+        assert got == {"a": payload, "b": payload}
+        assert proxy.stats.requests["GetObject"] == 6
+        assert proxy.stats.peak_inflight["GetObject"] == 3
+    finally:
+        st.close()
+
+
+def _crc_header(body: bytes) -> str:
+    return base64.b64encode(crc32c.crc32c(body).to_bytes(4, "big")).decode()
+
+
+@pytest.mark.parametrize("setting", ["default", "when_required"])
+def test_every_put_and_part_carries_its_crc32c(
+    proxy: FaultProxy, s3_endpoint: S3Endpoint, monkeypatch: pytest.MonkeyPatch, setting: str
+) -> None:
+    """By default each PutObject and UploadPart carries the CRC32C of exactly
+    the bytes it sends (S3 refuses a mismatch), uploads are created for
+    CRC32C and completed with every part's; AWS_REQUEST_CHECKSUM_CALCULATION
+    =when_required turns them all off."""
+    if setting == "when_required":
+        monkeypatch.setenv("AWS_REQUEST_CHECKSUM_CALCULATION", "when_required")
+    seen: list[Request] = []
+    proxy.config = FaultConfig(applies=lambda r: seen.append(r) or False)
+    state = {"big": torch.randn(3 * MiB), "small": torch.arange(10)}
+    uri = _uri(s3_endpoint)
+    dcpstore.save(state, uri, workers=2, storage_options=StorageOptions(part_size=PART)).result()
+    restored = zeros_like_state(state)
+    dcpstore.load(restored, uri, storage_options=StorageOptions(part_size=PART))
+    assert_state_equal(state, restored)
+
+    sends = [r for r in seen if r.kind in ("PutObject", "UploadPart")]
+    creates = [r for r in seen if r.kind == "CreateMultipartUpload"]
+    completes = [r for r in seen if r.kind == "CompleteMultipartUpload"]
+    assert len(sends) >= 5 and creates and completes  # 3 parts, the small file, the commit objects
+    for r in sends:
+        # botocore's own checksums (CRC32) are never computed on top.
+        assert r.header("x-amz-checksum-crc32") is None
+        if setting == "default":
+            assert r.header("x-amz-checksum-crc32c") == _crc_header(r.body), r.kind
+        else:
+            assert r.header("x-amz-checksum-crc32c") is None
+    for r in creates:
+        assert (r.header("x-amz-checksum-algorithm") == "CRC32C") is (setting == "default")
+    for r in completes:
+        assert (b"<ChecksumCRC32C>" in r.body) is (setting == "default")
+
+
+def test_a_load_asks_each_size_once_and_still_finds_a_wrong_one(
+    proxy: FaultProxy, s3_endpoint: S3Endpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A load asks each data file's size once, before reading it (nothing is
+    allocated for bytes a file does not hold), not once per ranged GET; and
+    a data file longer than the manifest says is refused."""
+    from dcpstore.storage.s3 import S3Storage
+
+    state = {f"t{i}": torch.randn(MiB // 4) for i in range(4)}
+    uri = _uri(s3_endpoint)
+    info = dcpstore.save(state, uri, workers=2).result()
+    asked: list[str] = []
+    size = S3Storage.size
+
+    def spy(self: S3Storage, path: str) -> int:
+        asked.append(path)
+        return size(self, path)
+
+    monkeypatch.setattr(S3Storage, "size", spy)
+    restored = zeros_like_state(state)
+    dcpstore.load(restored, uri)
+    assert_state_equal(state, restored)
+    assert sorted(p for p in asked if p.endswith(".distcp")) == sorted(info.files)
+
+    prefix = uri.split("/", 3)[3]
+    client = s3_endpoint.client()
+    key = next(o["Key"] for o in client.list_objects_v2(Bucket=s3_endpoint.bucket, Prefix=prefix)["Contents"]
+               if o["Key"].endswith(".distcp"))  # fmt: skip
+    body = client.get_object(Bucket=s3_endpoint.bucket, Key=key)["Body"].read()
+    client.put_object(Bucket=s3_endpoint.bucket, Key=key, Body=body + b"appended")
+    with pytest.raises(CheckpointCorrupt, match=r"size .* expected"):
+        dcpstore.load(zeros_like_state(state), uri)
+
+
+def test_a_body_cut_short_is_read_again(proxy: FaultProxy, s3_endpoint: S3Endpoint) -> None:
+    """A GET whose body stops half-way (received straight into the tensors)
+    is retried, and the load is right."""
+    state = {"a": torch.randn(3 * MiB)}
+    uri = _uri(s3_endpoint)
+    opts = StorageOptions(part_size=PART, max_attempts=8)
+    dcpstore.save(state, uri, storage_options=opts).result()
+    gets = iter(range(1000))
+    proxy.config = FaultConfig(drop_response=1.0, applies=lambda r: r.kind == "GetObject" and next(gets) % 2 == 1)
+    restored = zeros_like_state(state)
+    dcpstore.load(restored, uri, storage_options=opts)
+    assert_state_equal(state, restored)
+    assert proxy.stats.faults["drop_response"] >= 1
+
+
+def test_default_workers_follow_the_cpus_on_disks_only(
+    tmp_path: Path, s3_endpoint: S3Endpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    s3 = open_storage(_uri(s3_endpoint))
+    local = open_storage(str(tmp_path))
+    try:
+        for cpus, on_disk in ((1, 2), (4, 4), (64, 8)):
+            monkeypatch.setattr(os, "cpu_count", lambda cpus=cpus: cpus)
+            assert disk_workers() == on_disk
+            assert local.default_workers() == on_disk
+            assert s3.default_workers() == OBJECT_STORE_WORKERS
+    finally:
+        s3.close()
+        local.close()
+
+
+def test_msc_spools_large_objects_to_a_file_not_to_memory(
+    s3_endpoint: S3Endpoint, msc_config: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An object beyond the in-memory spool goes through a temporary file
+    under TMPDIR, uploaded by name: RSS grows by far less than the object,
+    and no spool file outlives the write, committed or aborted."""
+    import tempfile
+
+    spool_dir = tmp_path / "spool"
+    spool_dir.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(spool_dir))
+    st = open_storage(f"msc://{msc_config}/spool-{uuid.uuid4().hex[:8]}")
+    size = 96 * MiB  # above MSC's 64 MiB multipart threshold: its streamed path
+    chunk = os.urandom(MiB)
+    seen_spool: list[str] = []
+    servers = {c.pid for c in psutil.Process().children(recursive=True)}  # moto's memory is the store's
+    try:
+        with PeakRSS(ignore_pids=servers) as rss, st.open_write("big.bin") as w:
+            for _ in range(size // MiB):
+                w.write(chunk)
+            seen_spool = os.listdir(spool_dir)
+        assert seen_spool and all(n.startswith(".dcpstore-msc-") for n in seen_spool)
+        assert os.listdir(spool_dir) == []
+        assert rss.peak - rss.before < size // 3, f"RSS grew by {(rss.peak - rss.before) >> 20} MiB"
+        assert st.size("big.bin") == size
+        with pytest.raises(RuntimeError, match="boom"), st.open_write("aborted.bin") as w:
+            for _ in range(16):
+                w.write(chunk)
+            raise RuntimeError("boom")
+        assert os.listdir(spool_dir) == [] and not st.exists("aborted.bin")
+    finally:
+        st.delete(["big.bin"])
+        st.close()
