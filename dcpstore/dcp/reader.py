@@ -53,7 +53,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from ..errors import CheckpointCorrupt, CheckpointNotFound, InvalidArgument, StateDictMismatch, StorageNotFound
+from ..errors import CheckpointCorrupt, CheckpointNotFound, StateDictMismatch, StorageNotFound
 from ..format.bitcopy import copy_values
 from ..format.layout import MANIFEST, METADATA, item_key
 from ..format.manifest import Manifest
@@ -63,14 +63,14 @@ from ..handle import LoadStats
 from ..options import LoadOptions, check_workers
 from ..progress import NO_PROGRESS, Progress
 from ..quiet import ignoring
-from ..storage import Storage, parse_uri
+from ..storage import Storage
 from ..threads import run_parallel
 from .commit import read_checkpoint_metadata
 from .failures import load_error
 from .load_progress import LoadProgress
 from .read_plan import Direct, DirectRun, Request, Span, plan_reads, scatter_groups
 from .state_checks import check_top_level_keys, load_mismatches
-from .writer import NO_DIST_WARNING, serves
+from .writer import NO_DIST_WARNING, rebind, serves
 
 #: Tensors smaller than this are read with their record into scratch and
 #: copied out (measured on 20,000 x 3 KiB tensors).
@@ -120,14 +120,7 @@ class DcpStorageReader(StorageReader):
         ``dcp.load`` is given a ``checkpoint_id``). The commit is read afresh
         on every load: the checkpoint at a URI may have been replaced since."""
         self._preloaded = False
-        if checkpoint_id is None or parse_uri(checkpoint_id).uri == self.storage.url.uri:
-            return
-        if self._reopen is None:
-            raise InvalidArgument(
-                f"this reader is bound to {self.storage.uri}; cannot switch to checkpoint_id "
-                f"{os.fspath(checkpoint_id)!r} (dcpstore.StorageReader can)"
-            )
-        self.storage = self._reopen(os.fspath(checkpoint_id))
+        self.storage = rebind(self.storage, checkpoint_id, self._reopen, "reader")
 
     def preload_metadata(self) -> Metadata:
         """Read and verify the commit now (every rank), so that a missing or
