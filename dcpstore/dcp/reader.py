@@ -188,7 +188,7 @@ class DcpStorageReader(StorageReader):
             raw = self._manifest["tensors"] if self._manifest is not None else {}
             if transformed:  # their stored bytes are not the tensor's: always through the record
                 raw = {key: where for key, where in raw.items() if key not in transformed}
-            jobs = plan_reads(per_file, raw, self._metadata, self.workers, self.storage.describe(MANIFEST))
+            jobs = plan_reads(per_file, raw, self._metadata, self.workers, self._manifest_where())
             self.bar.start(sum(info.length for reqs in per_file.values() for _, info in reqs))
             run_parallel(lambda job: self._read_job(job, planner, lock), jobs, self.workers, "dcpstore-read")
         except BaseException as e:
@@ -397,20 +397,28 @@ class DcpStorageReader(StorageReader):
                 f"decoded with its stream transforms {list(info.transform_descriptors)}: {type(e).__name__}: {e}"
             ) from e
 
+    def _manifest_where(self) -> str:
+        """The manifest this load checks against, for messages: its real
+        name (a save over a used URI writes ``.dcpstore.{tag}.json``)."""
+        return self._manifest["where"] if self._manifest is not None else self.storage.describe(MANIFEST)
+
     def _verify_item(self, path: str, info: _StorageInfo, *pieces: memoryview) -> None:
         """Check an item's CRC32C; ``pieces`` are its bytes, in order."""
         if not self.verify or self._manifest is None:
             return
         expected = self._manifest["items"].get(item_key(path, info.offset))
         if expected is None:
-            raise CheckpointCorrupt(f"{self.storage.describe(path)}: item at offset {info.offset} not in the manifest")
+            raise CheckpointCorrupt(
+                f"{self.storage.describe(path)}: item at offset {info.offset} not in the manifest "
+                f"{self._manifest_where()}"
+            )
         crc = 0
         for piece in pieces:
             crc = crc32c.crc32c(piece, crc)
         if crc != expected:
             raise CheckpointCorrupt(
                 f"{self.storage.describe(path)}: checksum mismatch in item at offset {info.offset} "
-                f"({info.length} bytes): the data file is damaged"
+                f"({info.length} bytes, against {self._manifest_where()}): the data file is damaged"
             )
 
     @property
