@@ -69,6 +69,10 @@ def test_automatic_part_size_follows_the_object_size() -> None:
     assert auto.part_size_for(128 * MiB) == 16 * MiB  # ~AUTO_PIECES parts
     assert auto.part_size_for(100 * MiB + 1) == 13 * MiB  # whole MiB, rounded up
     assert auto.part_size_for(64 << 30) == 64 * MiB  # never above 64 MiB
+    # A last part of a few KiB is shared out: 4 parts for 32 MiB of tensors
+    # and their record headers, not 4 x 8 MiB and one of 64 KiB.
+    assert auto.part_size_for(32 * MiB + 64 * 1024) == 9 * MiB
+    assert auto.part_size_for(34 * MiB) == 8 * MiB  # a 2 MiB last part is worth its request
     # The connection budget is shared by a rank's files: it does not size parts.
     assert StorageOptions(max_concurrency=2).part_size_for(128 * MiB) == 16 * MiB
     assert StorageOptions(part_size=PART).part_size_for(1 << 30) == PART  # set: used as is

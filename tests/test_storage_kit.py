@@ -400,3 +400,19 @@ def test_storage_imports_nothing_of_dcpstore_but_errors() -> None:
         ours = {m for m in _imports(path) if m.split(".")[0] == "dcpstore"}
         outside = {m for m in ours if not m.startswith("dcpstore.storage") and m != "dcpstore.errors"}
         assert not outside, f"{path.name} imports {sorted(outside)}"
+
+
+@given(nbytes=st.integers(1, 1 << 40))
+def test_automatic_part_size_leaves_no_tiny_last_part(nbytes: int) -> None:
+    """Whole MiB between 8 and 64 MiB, about AUTO_PIECES parts, and no last
+    part under 1/8 of the others (a request for a few KiB) unless the size
+    is already at its cap."""
+    from dcpstore.storage.base import AUTO_PART_MAX, AUTO_PART_MIN, AUTO_PIECES
+
+    size = StorageOptions().part_size_for(nbytes)
+    assert size % MiB == 0 and AUTO_PART_MIN <= size <= AUTO_PART_MAX
+    count = -(-nbytes // size)
+    last = nbytes - (count - 1) * size
+    assert count == 1 or last >= size // PIECE_SLACK or size == AUTO_PART_MAX
+    if AUTO_PART_MIN < size < AUTO_PART_MAX:
+        assert count <= AUTO_PIECES  # never more pieces than asked for

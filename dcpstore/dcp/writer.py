@@ -77,6 +77,11 @@ class SaveToken(_StoragePrefix):
     tagged: bool = False
 
 
+#: About what a tensor record adds to its bytes (zip headers, pickle,
+#: alignment; ~1.3 KiB measured), rounded up.
+RECORD_HEADERS_ESTIMATE = 4096
+
+
 def item_nbytes(item: WriteItem) -> int:
     """The bytes of a tensor item's data (0 for a bytes item)."""
     if item.tensor_data is None:
@@ -247,7 +252,9 @@ class DcpStorageWriter(StorageWriter):
         self, name: str, items: list[WriteItem], planner: SavePlanner, lock: threading.Lock
     ) -> list[WriteResult]:
         written = []
-        size_hint = sum(item_nbytes(it) for it in items)
+        # Tensor bytes and an upper estimate of each record's headers: object
+        # stores size their parts from it (see StorageOptions.part_size_for).
+        size_hint = sum(item_nbytes(it) + RECORD_HEADERS_ESTIMATE for it in items)
         with self.storage.open_write(name, size_hint=size_hint) as writer:
             stream = RecordStream(writer)
             for item in items:

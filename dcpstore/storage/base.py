@@ -50,7 +50,7 @@ from typing import Any, ClassVar, TypedDict, TypeVar
 from typing_extensions import NotRequired
 
 from ..errors import CheckpointError, InvalidArgument, ObjectTooLarge, StorageError, StorageNotFound
-from .kit import map_os_error
+from .kit import PIECE_SLACK, map_os_error
 from .pool import RequestPool
 from .secrets import scrub_exception
 from .uri import StorageURL, redact
@@ -147,7 +147,8 @@ class StorageOptions:
         (the range size AWS recommends; S3's minimum part is 5 MiB) and
         64 MiB (few requests for large objects: request rates, not bytes,
         are what a busy prefix runs out of); 16 MiB for a stream of unknown
-        size.
+        size. A last piece of under 1/8 of the others is shared out over
+        them instead (one request fewer).
 
         Returns:
             The size in bytes.
@@ -157,7 +158,13 @@ class StorageOptions:
         if not nbytes:
             return AUTO_PART_UNKNOWN
         per_piece = -(-nbytes // AUTO_PIECES)
-        return min(AUTO_PART_MAX, max(AUTO_PART_MIN, -(-per_piece // MiB) * MiB))
+        size = min(AUTO_PART_MAX, max(AUTO_PART_MIN, -(-per_piece // MiB) * MiB))
+        count = -(-nbytes // size)
+        if count > 1 and nbytes - (count - 1) * size < size // PIECE_SLACK:
+            # A last part of a few KiB (a file's record headers past a round
+            # tensor size) would be a request of its own: one part fewer.
+            size = min(AUTO_PART_MAX, -(-(-(-nbytes // (count - 1))) // MiB) * MiB)
+        return size
 
 
 #: Most key prefixes a save may spread its data files over (3 hex digits).
