@@ -214,7 +214,9 @@ class DcpStorageReader(StorageReader):
             reqs = per_file[path]
             entry = manifest["files"].get(path) if manifest is not None else None
             if manifest is not None and entry is None:
-                raise CheckpointCorrupt(f"{self.storage.describe(path)}: not listed in the integrity manifest")
+                raise CheckpointCorrupt(
+                    f"{self.storage.describe(path)}: not listed in the integrity manifest {self._manifest_where()}"
+                )
             actual = self.storage.size_seen(path)
             if actual is None:
                 try:
