@@ -1,0 +1,212 @@
+"""Saving a step again (overwrite=True) under a tiered manager never loses
+its durable copy.
+
+The new replica commits over the durable step as any overwrite save does:
+new names beside the old files, ``.metadata`` last, then the old files go.
+Checked on every durable backend with the replication held just before the
+commit (the durable step loads the old copy, whole), and with real SIGKILLs
+at every point of that replication (the durable step loads old or new,
+whole; ``gc`` removes exactly the leftovers; the next manager over the same
+local dir replicates the new copy, and local retention keeps it until then).
+Both ways a local save can start: over its own old local copy, or in an empty
+local step directory (the old copy retired locally, so stock DCP names would
+have met the replica's).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import dcpstore
+from backends import Target, make_target
+from crashkit import crash, forkserver
+from dcpstore.format.layout import METADATA
+from dcpstore.maintenance import gc
+from dcpstore.manager import step_dir
+from dcpstore.manager.replicate import check_no_clash, read_local_commit
+from faults import BlockAt, KillAt, Recorder, hook_all_storage, spread
+from helpers import assert_state_equal, zeros_like_state
+from tiered_kit import assert_durable_step, durable, durable_steps, local_steps, manager, state  # noqa: F401
+
+#: The seed of the state that overwrites step 1.
+NEW = 101
+
+
+def _durable_load(durable: Target, step: int, seed: int, big: int = 4096) -> None:
+    expected = state(seed, big)
+    restored = zeros_like_state(expected)
+    dcpstore.load(restored, f"{durable.uri.rstrip('/')}/{step_dir(step)}", **durable.kwargs)
+    assert_state_equal(expected, restored)
+
+
+@pytest.mark.parametrize("retired", [False, True], ids=["local-copy", "retired-locally"])
+def test_overwrite_keeps_the_durable_copy_until_the_new_one_commits(
+    durable: Target, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, retired: bool
+) -> None:
+    local = tmp_path / "local"
+    with manager(durable, local, local_keep=1 if retired else None) as mgr:
+        mgr.save(state(1), 1)
+        mgr.save(state(2), 2)
+        mgr.wait()
+    assert local_steps(local) == ([2] if retired else [1, 2])
+    gate = BlockAt(lambda e: e == f"commit:{step_dir(1)}/{METADATA}")  # the replica's commit point
+    hook_all_storage({durable.uri: gate}, monkeypatch.setattr)
+    mgr = manager(durable, local, local_keep=1 if retired else None)
+    try:
+        with pytest.raises(dcpstore.CheckpointExists, match="already exists: step 1 is committed"):
+            mgr.save(state(NEW), 1)
+        mgr.save(state(NEW), 1, overwrite=True)
+        assert gate.reached.wait(60)
+        # Every data file of the new copy is up, its .metadata not yet: the durable step is the old one, whole.
+        assert durable_steps(durable) == [1, 2]
+        _durable_load(durable, 1, 1)
+    finally:
+        gate.release()
+    mgr.wait()
+    restored = zeros_like_state(state(NEW))
+    assert mgr.load(restored, 1) == 1
+    assert_state_equal(state(NEW), restored)
+    mgr.close()
+    assert_durable_step(durable, 1, seed=NEW)  # the new copy, and none of the old one's files
+    assert_durable_step(durable, 2)
+    with manager(durable, tmp_path / "fresh") as fresh:  # a fresh node reads the new copy
+        restored = zeros_like_state(state(NEW))
+        assert fresh.load(restored, 1) == 1
+        assert_state_equal(state(NEW), restored)
+
+
+def test_a_failed_overwrite_replication_is_kept_locally_and_caught_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    durable, local = Target("local", str(tmp_path / "durable")), tmp_path / "local"
+    with manager(durable, local, local_keep=1) as mgr:
+        mgr.save(state(1), 1)
+        mgr.wait()
+    fail = BlockAt(lambda e: e == f"commit:{step_dir(1)}/{METADATA}", then=dcpstore.StorageError("injected"))
+    fail.release()  # no hang: the replica's commit fails
+    with monkeypatch.context() as patch:
+        hook_all_storage({durable.uri: fail}, patch.setattr)
+        mgr = manager(durable, local, local_keep=1)
+        mgr.save(state(NEW), 1, overwrite=True)
+        with pytest.raises(dcpstore.SaveError, match="injected"):
+            mgr.wait()
+        _durable_load(durable, 1, 1)  # the old copy, untouched
+        mgr.save(state(2), 2)  # local retention (local_keep=1) keeps step 1: its durable copy is older
+        mgr.wait()
+        assert local_steps(local) == [1, 2]
+        mgr.close()
+    with manager(durable, local, local_keep=1) as mgr:  # the next manager catches up
+        mgr.wait()
+    assert_durable_step(durable, 1, seed=NEW)
+    assert durable_steps(durable) == [1, 2]
+
+
+def test_a_replica_never_writes_over_the_files_of_another_commit(tmp_path: Path) -> None:
+    """Two saves of one step with the same names (stock DCP's): the second
+    is refused before anything is uploaded, naming the files."""
+    dcpstore.save(state(1), str(tmp_path / "durable" / step_dir(1)))
+    dcpstore.save(state(NEW), str(tmp_path / "local" / step_dir(1)))
+    durable, local = dcpstore.open_storage(str(tmp_path / "durable")), dcpstore.open_storage(str(tmp_path / "local"))
+    try:
+        commit = read_local_commit(local, 1)
+        assert commit is not None
+        with pytest.raises(dcpstore.SaveError, match=r"another commit of the step .*__0_0\.distcp"):
+            check_no_clash(durable, 1, commit.manifest["files"], commit)
+        check_no_clash(local, 1, commit.manifest["files"], commit)  # its own commit: fine
+    finally:
+        durable.close()
+        local.close()
+    _durable_load(Target("local", str(tmp_path / "durable")), 1, 1)
+
+
+# -- SIGKILL anywhere in the replication of an overwrite ------------------------
+
+BIG = 1 << 18
+
+
+def _overwriting_child(durable_uri: str, local: str, kwargs: dict[str, Any], hook: Any) -> None:
+    """Commit steps 1 and 2 (replicated; local_keep=1 retires step 1 locally),
+    then save step 1 again with other values, with ``hook`` on the durable
+    tier's storage calls (a kill lands somewhere in that replication)."""
+    with dcpstore.CheckpointManager(durable_uri, local_dir=local, async_=False, local_keep=1, **kwargs) as mgr:
+        mgr.save(state(1, BIG), 1)
+        mgr.save(state(2, BIG), 2)
+        mgr.wait()
+    hook_all_storage({durable_uri: hook})
+    with dcpstore.CheckpointManager(durable_uri, local_dir=local, async_=False, local_keep=1, **kwargs) as mgr:
+        mgr.save(state(NEW, BIG), 1, overwrite=True)
+        mgr.wait()
+
+
+def _kill_child(durable_uri: str, local: str, kwargs: dict[str, Any], n: int) -> None:
+    _overwriting_child(durable_uri, local, kwargs, KillAt(n))
+
+
+def _probe_child(durable_uri: str, local: str, kwargs: dict[str, Any], queue: Any) -> None:
+    recorder = Recorder()
+    _overwriting_child(durable_uri, local, kwargs, recorder)
+    queue.put(recorder.events)
+
+
+def _local_is_new(local: Path) -> bool:
+    """Whether the local tier holds the overwrite's commit of step 1 (the
+    old one was retired locally, so any local step 1 is the new one)."""
+    return 1 in local_steps(local)
+
+
+def _run_overwrite_crashes(durable: Target, tmp_path: Path, points: int) -> None:
+    ctx = forkserver()
+    queue = ctx.Queue()
+    probe = durable.child("probe")
+    assert crash(ctx, _probe_child, probe.uri, str(tmp_path / "probe"), durable.kwargs, queue) == 0
+    events = queue.get(timeout=30)
+    uploads = min(i for i, e in enumerate(events) if e.startswith(f"open:{step_dir(1)}/__"))
+    commit = events.index(f"commit:{step_dir(1)}/{METADATA}")
+    committed = events.index(f"committed:{step_dir(1)}/{METADATA}")
+    # Before the uploads, amid them, between them and the commit point, right
+    # after it (before and amid the clean-up), and at the end.
+    kills = sorted(set(spread(len(events), points)) | {uploads, commit - 1, commit, committed, committed + 1, len(events) - 1})
+    for k in kills:
+        root = durable.child(f"kill{k}")
+        local = tmp_path / f"local{k}"
+        assert crash(ctx, _kill_child, root.uri, str(local), durable.kwargs, k) == -9, events[k]
+        # The durable step 1 is never lost: old or new, whole.
+        assert durable_steps(root) == [1, 2], (k, events[k])
+        seed = 1 if k <= commit else NEW if k >= committed else None
+        if seed is None:  # the commit write itself: atomic, either copy
+            try:
+                _durable_load(root, 1, 1, BIG)
+                seed = 1
+            except AssertionError:
+                seed = NEW
+        _durable_load(root, 1, seed, BIG)
+        assert_durable_step(root, 2, BIG)
+        # gc removes exactly what the killed replication left (its process is gone).
+        storage = dcpstore.open_storage(root.uri, **root.kwargs)
+        try:
+            gc(storage, older_than_s=0)
+        finally:
+            storage.close()
+        assert durable_steps(root) == [1, 2], (k, events[k])
+        assert_durable_step(root, 1, BIG, seed=seed)
+        # The next manager over the same local dir replicates the new copy
+        # (if the kill came after its local commit); local retention kept it.
+        new_locally = _local_is_new(local)
+        assert new_locally or k < uploads, (k, events[k])
+        with manager(root, local, local_keep=1) as mgr:
+            mgr.wait()
+        assert durable_steps(root) == [1, 2], (k, events[k])
+        assert_durable_step(root, 1, BIG, seed=NEW if new_locally else 1)
+        assert _local_is_new(local) == new_locally, (k, events[k])
+
+
+def test_sigkill_during_the_replication_of_an_overwrite_local(tmp_path: Path) -> None:
+    _run_overwrite_crashes(Target("local", str(tmp_path / "durable")), tmp_path, 8)
+
+
+@pytest.mark.slow
+def test_sigkill_during_the_replication_of_an_overwrite_s3(request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    _run_overwrite_crashes(make_target("s3", request), tmp_path, 12)
