@@ -34,7 +34,17 @@ from dcpstore.manager import step_dir
 from dist_utils import run_ranks
 from faults import BlockAt, KillAt, Recorder, hook_all_storage, spread
 from helpers import assert_state_equal, zeros_like_state
-from tiered_kit import assert_durable_step, durable, durable_steps, loads, local_steps, manager, state  # noqa: F401
+from tiered_kit import (  # noqa: F401
+    assert_durable_step,
+    dtensor_state,
+    durable,
+    durable_steps,
+    full,
+    loads,
+    local_steps,
+    manager,
+    state,
+)
 
 # -- the core: local commit, background replication, retention per tier -------
 
@@ -325,38 +335,26 @@ def test_sigkill_during_replication_leaves_whole_steps_s3(request: pytest.Fixtur
 # -- two gloo ranks ---------------------------------------------------------------
 
 
-def _dtensor_state(world_size: int, step: int) -> dict[str, Any]:
-    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
-
-    mesh = init_device_mesh("cpu", (world_size,))
-    full = torch.arange(64 * 24, dtype=torch.float32).reshape(64, 24) + step
-    return {"w": distribute_tensor(full, mesh, [Shard(0)]), "step": step}
-
-
-def _full(step: int) -> torch.Tensor:
-    return torch.arange(64 * 24, dtype=torch.float32).reshape(64, 24) + step
-
-
 def _ranks_save(rank: int, world_size: int, durable_uri: str, local_dirs: list[str], env: dict[str, str]) -> None:
     # One local directory that every rank sees (node-local ones are refused).
     local = local_dirs[rank % len(local_dirs)]
     with dcpstore.CheckpointManager(durable_uri, local_dir=local, async_=True, keep=2, local_keep=2, workers=2) as mgr:
         for step in (1, 2, 3):
-            mgr.save(_dtensor_state(world_size, step), step)
+            mgr.save(dtensor_state(world_size, step), step)
         mgr.wait()
         dist.barrier()
         assert mgr.all_steps()[-1] == 3
-        state = _dtensor_state(world_size, 0)
+        state = dtensor_state(world_size, 0)
         assert mgr.load(state) == 3
-        assert torch.equal(state["w"].full_tensor(), _full(3)) and state["step"] == 3
+        assert torch.equal(state["w"].full_tensor(), full(3)) and state["step"] == 3
 
 
 def _ranks_load(rank: int, world_size: int, durable_uri: str, local_dirs: list[str], expect: int) -> None:
     local = local_dirs[rank % len(local_dirs)]
     with dcpstore.CheckpointManager(durable_uri, local_dir=local) as mgr:
-        state = _dtensor_state(world_size, 0)
+        state = dtensor_state(world_size, 0)
         assert mgr.load(state) == expect
-        assert torch.equal(state["w"].full_tensor(), _full(expect)) and state["step"] == expect
+        assert torch.equal(state["w"].full_tensor(), full(expect)) and state["step"] == expect
 
 
 def test_two_ranks_replicate_and_agree_on_the_copy(tmp_path: Path) -> None:
@@ -370,7 +368,7 @@ def test_two_ranks_replicate_and_agree_on_the_copy(tmp_path: Path) -> None:
         with dcpstore.CheckpointManager(durable_uri, local_dir=local) as mgr:
             dest = {"w": torch.zeros(64, 24), "step": 0}
             assert mgr.load(dest) == 3
-            assert torch.equal(dest["w"], _full(3))
+            assert torch.equal(dest["w"], full(3))
     # Both ranks hold the whole local copy: both read it (the durable one is damaged).
     durable_files = list(Path(durable_uri, step_dir(3)).glob("*.distcp"))
     saved = {p: p.read_bytes() for p in durable_files}
@@ -390,7 +388,7 @@ def _ranks_node_local_save(rank: int, world_size: int, durable_uri: str, local_d
     with dcpstore.CheckpointManager(durable_uri, local_dir=local_dirs[rank], async_=True) as mgr:
         for _ in range(2):  # refused alike on every rank, before anything is written; again on a retry
             with pytest.raises(dcpstore.InvalidArgument, match=r"not one directory that every rank sees.*rank 0 does"):
-                mgr.save(_dtensor_state(world_size, 1), 1)
+                mgr.save(dtensor_state(world_size, 1), 1)
         mgr.wait()
 
 
@@ -412,7 +410,7 @@ def _ranks_one_fails(rank: int, world_size: int, durable_uri: str, local: str) -
 
         tiered.upload_files = broken  # type: ignore[assignment]
     mgr = dcpstore.CheckpointManager(durable_uri, local_dir=local, async_=False, replicate_timeout_s=3.0)
-    mgr.save(_dtensor_state(world_size, 1), 1)
+    mgr.save(dtensor_state(world_size, 1), 1)
     expected = "injected" if rank == 1 else r"\(__1_0\.distcp\) never arrived"
     with pytest.raises(dcpstore.SaveError, match=expected):
         mgr.wait()

@@ -15,10 +15,14 @@ have met the replica's).
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+import torch.distributed as dist
 
 import dcpstore
 from backends import Target, make_target
@@ -27,9 +31,19 @@ from dcpstore.format.layout import METADATA
 from dcpstore.maintenance import gc
 from dcpstore.manager import step_dir
 from dcpstore.manager.replicate import check_no_clash, read_local_commit
+from dist_utils import run_ranks
 from faults import BlockAt, KillAt, Recorder, hook_all_storage, spread
 from helpers import assert_state_equal, zeros_like_state
-from tiered_kit import assert_durable_step, durable, durable_steps, local_steps, manager, state  # noqa: F401
+from tiered_kit import (  # noqa: F401
+    assert_durable_step,
+    dtensor_state,
+    durable,
+    durable_steps,
+    full,
+    local_steps,
+    manager,
+    state,
+)
 
 #: The seed of the state that overwrites step 1.
 NEW = 101
@@ -122,15 +136,48 @@ def test_a_replica_never_writes_over_the_files_of_another_commit(tmp_path: Path)
     _durable_load(Target("local", str(tmp_path / "durable")), 1, 1)
 
 
+def _ranks_overwrite(rank: int, world_size: int, durable_uri: str, kwargs: dict[str, Any], local: str) -> None:
+    with dcpstore.CheckpointManager(durable_uri, local_dir=local, async_=True, local_keep=1, workers=2, **kwargs) as mgr:
+        for step in (1, 2):
+            mgr.save(dtensor_state(world_size, step), step)
+        mgr.wait()  # step 1 is retired locally: the overwrite starts in an empty local step directory
+        mgr.save(dtensor_state(world_size, NEW), 1, overwrite=True)
+        mgr.wait()
+    dist.barrier()
+    with dcpstore.CheckpointManager(durable_uri, local_dir=f"{local}-fresh", **kwargs) as mgr:  # from the durable tier
+        dest = dtensor_state(world_size, 0)
+        assert mgr.load(dest, 1) == 1
+        assert torch.equal(dest["w"].full_tensor(), full(NEW)) and dest["step"] == NEW
+
+
+def test_two_ranks_overwrite_a_replicated_step(request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    target = make_target("s3", request)
+    run_ranks(_ranks_overwrite, 2, target.uri, target.kwargs, str(tmp_path / "local"))
+    assert durable_steps(target) == [1, 2]
+    assert_durable_step(target, 1, load=False)  # the new copy's files only, both ranks' (loaded above)
+    assert_durable_step(target, 2, load=False)
+
+
 # -- SIGKILL anywhere in the replication of an overwrite ------------------------
 
 BIG = 1 << 18
 
 
+def _child_env() -> dict[str, str]:
+    """What points a child at the test's S3 endpoint: the session's forkserver
+    may have started before it (its children get its environment, not ours)."""
+    return {k: v for k, v in os.environ.items() if k.startswith("AWS_") or k == "MSC_CONFIG"}
+
+
 def _overwriting_child(durable_uri: str, local: str, kwargs: dict[str, Any], hook: Any) -> None:
     """Commit steps 1 and 2 (replicated; local_keep=1 retires step 1 locally),
     then save step 1 again with other values, with ``hook`` on the durable
-    tier's storage calls (a kill lands somewhere in that replication)."""
+    tier's storage calls (a kill lands somewhere in that replication).
+    ``kwargs["env"]``: the environment to run in."""
+    kwargs = dict(kwargs)
+    for key in [k for k in os.environ if k.startswith("AWS_")]:
+        del os.environ[key]
+    os.environ.update(kwargs.pop("env"))
     with dcpstore.CheckpointManager(durable_uri, local_dir=local, async_=False, local_keep=1, **kwargs) as mgr:
         mgr.save(state(1, BIG), 1)
         mgr.save(state(2, BIG), 2)
@@ -141,8 +188,22 @@ def _overwriting_child(durable_uri: str, local: str, kwargs: dict[str, Any], hoo
         mgr.wait()
 
 
-def _kill_child(durable_uri: str, local: str, kwargs: dict[str, Any], n: int) -> None:
-    _overwriting_child(durable_uri, local, kwargs, KillAt(n))
+class _KillOn:
+    """A hook that SIGKILLs this process at the first event named ``event``
+    (or starting with it, ``prefix=True``): kill points that do not shift
+    when the number of other events varies from run to run."""
+
+    def __init__(self, event: str, prefix: bool = False) -> None:
+        self.event, self.prefix = event, prefix
+
+    def __call__(self, event: str) -> None:
+        if event == self.event or (self.prefix and event.startswith(self.event)):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _kill_child(durable_uri: str, local: str, kwargs: dict[str, Any], at: int | tuple[str, bool]) -> None:
+    """Killed at the ``at``-th durable event, or at the first one named ``at``."""
+    _overwriting_child(durable_uri, local, kwargs, KillAt(at) if isinstance(at, int) else _KillOn(*at))
 
 
 def _probe_child(durable_uri: str, local: str, kwargs: dict[str, Any], queue: Any) -> None:
@@ -161,22 +222,32 @@ def _run_overwrite_crashes(durable: Target, tmp_path: Path, points: int) -> None
     ctx = forkserver()
     queue = ctx.Queue()
     probe = durable.child("probe")
-    assert crash(ctx, _probe_child, probe.uri, str(tmp_path / "probe"), durable.kwargs, queue) == 0
+    child_kwargs = {**durable.kwargs, "env": _child_env()}
+    assert crash(ctx, _probe_child, probe.uri, str(tmp_path / "probe"), child_kwargs, queue) == 0
     events = queue.get(timeout=30)
-    uploads = min(i for i, e in enumerate(events) if e.startswith(f"open:{step_dir(1)}/__"))
-    commit = events.index(f"commit:{step_dir(1)}/{METADATA}")
-    committed = events.index(f"committed:{step_dir(1)}/{METADATA}")
-    # Before the uploads, amid them, between them and the commit point, right
-    # after it (before and amid the clean-up), and at the end.
-    kills = sorted(set(spread(len(events), points)) | {uploads, commit - 1, commit, committed, committed + 1, len(events) - 1})
-    for k in kills:
-        root = durable.child(f"kill{k}")
-        local = tmp_path / f"local{k}"
-        assert crash(ctx, _kill_child, root.uri, str(local), durable.kwargs, k) == -9, events[k]
+    prefix = step_dir(1)
+    # Named points, each with the copy the durable step must hold after the
+    # kill: at the first upload of the new copy, at its commit point (not
+    # written yet), right after it, and at the clean-up of the old copy's files.
+    # Then points spread over every event (the count of listings may vary
+    # between runs, so only "old or new, whole" is checked there).
+    named: list[tuple[int | tuple[str, bool], int | None]] = [
+        ((f"open:{prefix}/__", True), 1),
+        ((f"commit:{prefix}/{METADATA}", False), 1),
+        ((f"committed:{prefix}/{METADATA}", False), NEW),
+        ((f"delete:{prefix}/", True), NEW),
+    ]
+    kills = named + [(k, None) for k in spread(len(events), points)]
+    for i, (at, seed) in enumerate(kills):
+        root = durable.child(f"kill{i}")
+        local = tmp_path / f"local{i}"
+        rc = crash(ctx, _kill_child, root.uri, str(local), child_kwargs, at)
+        where = (at, events[at] if isinstance(at, int) else "")
+        # A run may have fewer events than the probe (after the commit point: listings), and end before the kill.
+        assert rc == -9 or (rc == 0 and isinstance(at, int)), (where, rc)
         # The durable step 1 is never lost: old or new, whole.
-        assert durable_steps(root) == [1, 2], (k, events[k])
-        seed = 1 if k <= commit else NEW if k >= committed else None
-        if seed is None:  # the commit write itself: atomic, either copy
+        assert durable_steps(root) == [1, 2], where
+        if seed is None:
             try:
                 _durable_load(root, 1, 1, BIG)
                 seed = 1
@@ -190,17 +261,17 @@ def _run_overwrite_crashes(durable: Target, tmp_path: Path, points: int) -> None
             gc(storage, older_than_s=0)
         finally:
             storage.close()
-        assert durable_steps(root) == [1, 2], (k, events[k])
+        assert durable_steps(root) == [1, 2], where
         assert_durable_step(root, 1, BIG, seed=seed)
         # The next manager over the same local dir replicates the new copy
         # (if the kill came after its local commit); local retention kept it.
         new_locally = _local_is_new(local)
-        assert new_locally or k < uploads, (k, events[k])
+        assert new_locally or seed == 1, where
         with manager(root, local, local_keep=1) as mgr:
             mgr.wait()
-        assert durable_steps(root) == [1, 2], (k, events[k])
+        assert durable_steps(root) == [1, 2], where
         assert_durable_step(root, 1, BIG, seed=NEW if new_locally else 1)
-        assert _local_is_new(local) == new_locally, (k, events[k])
+        assert _local_is_new(local) == new_locally, where
 
 
 def test_sigkill_during_the_replication_of_an_overwrite_local(tmp_path: Path) -> None:
@@ -208,5 +279,8 @@ def test_sigkill_during_the_replication_of_an_overwrite_local(tmp_path: Path) ->
 
 
 @pytest.mark.slow
-def test_sigkill_during_the_replication_of_an_overwrite_s3(request: pytest.FixtureRequest, tmp_path: Path) -> None:
-    _run_overwrite_crashes(make_target("s3", request), tmp_path, 12)
+@pytest.mark.parametrize("backend", ["s3", "msc"])
+def test_sigkill_during_the_replication_of_an_overwrite_object_store(
+    request: pytest.FixtureRequest, tmp_path: Path, backend: str
+) -> None:
+    _run_overwrite_crashes(make_target(backend, request), tmp_path, 12)

@@ -83,3 +83,16 @@ def loads(mgr: dcpstore.CheckpointManager, step: int | None = None, big: int = 4
     got = mgr.load(restored, step)
     assert_state_equal(state(got, big), restored)
     return got
+
+
+def dtensor_state(world_size: int, step: int) -> dict[str, Any]:
+    """A state sharded over ``world_size`` gloo ranks (every rank calls it)."""
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    return {"w": distribute_tensor(full(step), mesh, [Shard(0)]), "step": step}
+
+
+def full(step: int) -> torch.Tensor:
+    """The whole of ``dtensor_state(..., step)["w"]``."""
+    return torch.arange(64 * 24, dtype=torch.float32).reshape(64, 24) + step
