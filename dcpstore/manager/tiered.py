@@ -41,9 +41,11 @@ Which rank does what (every rank constructs the manager alike):
   misses one, every rank's save raises :class:`InvalidArgument` before
   anything is written. Node-local directories are not supported yet: the
   save's commit protocol checks ownership through the coordinator's
-  in-flight marker on every rank, and only the coordinator's directory
-  would hold the commit (``.metadata`` and manifest), which the other
-  nodes' loads, retention and catch-up need. (Loads alone already work
+  in-flight marker on every rank; the claim chooses the names (stock or
+  save-unique) from the coordinator's directory alone, so another node's
+  ranks could write over an older copy there in place; and only the
+  coordinator's directory would hold the commit (``.metadata`` and
+  manifest), which the other nodes' loads, retention and catch-up need. (Loads alone already work
   with differing directories: a rank without a whole copy sends every rank
   to the durable tier.)
 * **Loading** (collective): every rank lists its *whole* local copies (the
