@@ -51,6 +51,16 @@ class StorageNotFound(StorageError, FileNotFoundError):
     """An object, file, directory or bucket does not exist."""
 
 
+class ObjectTooLarge(StorageError):
+    """A whole-object read was refused, before reading, because the object
+    holds more than the caller's ``limit`` bytes (``size``: what it holds)."""
+
+    def __init__(self, message: str, size: int, limit: int) -> None:
+        super().__init__(message)
+        self.size = size
+        self.limit = limit
+
+
 class StoragePermissionError(StorageError, PermissionError):
     """The backend refused the operation: credentials or permissions."""
 

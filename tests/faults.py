@@ -60,9 +60,9 @@ class EventStorage(Storage):
         self.hook(f"read:{path}")
         return self.inner.read_range(path, offset, length)
 
-    def read(self, path: str) -> bytes:
+    def read(self, path: str, *, limit: int | None = None) -> bytes:
         self.hook(f"read:{path}")
-        return self.inner.read(path)
+        return self.inner.read(path, limit=limit)
 
     def size(self, path: str) -> int:
         return self.inner.size(path)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import os
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -174,6 +175,43 @@ def test_a_load_asks_each_size_once_and_still_finds_a_wrong_one(
     client.put_object(Bucket=s3_endpoint.bucket, Key=key, Body=body + b"appended")
     with pytest.raises(CheckpointCorrupt, match=r"size .* expected"):
         dcpstore.load(zeros_like_state(state), uri)
+
+
+def test_a_load_reads_its_commit_in_one_round_trip(proxy: FaultProxy, s3_endpoint: S3Endpoint) -> None:
+    """``.metadata`` and the manifest are asked for together, by GET alone
+    (its ``Content-Range`` tells the size a capped read checks: no HEAD):
+    held back at the proxy, the ``.metadata`` GET is still in flight when the
+    manifest's arrives. After an overwrite (save-unique manifest name) the
+    right manifest is asked for next, and no name that is not there."""
+    state = {f"t{i}": torch.randn(MiB // 4) for i in range(4)}
+    uri = _uri(s3_endpoint)
+    dcpstore.save(state, uri, workers=2).result()
+    seen: list[tuple[float, str, str]] = []
+
+    def record(req: Request) -> None:
+        seen.append((time.monotonic(), req.method, req.target.split("?")[0].rsplit("/", 1)[-1]))
+        return None
+
+    hold = 0.5
+    proxy.config.answer = record  # type: ignore[assignment]
+    proxy.config.delay_s = hold
+    proxy.config.delay_applies = lambda req: req.method == "GET" and req.target.split("?")[0].endswith("/.metadata")
+    dcpstore.load(zeros_like_state(state), uri)
+    commit = [(t, m, name) for t, m, name in seen if not name.endswith(".distcp")]
+    assert [(m, name) for _, m, name in commit] == [("GET", ".metadata"), ("GET", ".dcpstore.json")] or [
+        (m, name) for _, m, name in commit
+    ] == [("GET", ".dcpstore.json"), ("GET", ".metadata")], commit
+    assert abs(commit[0][0] - commit[1][0]) < hold / 2, commit  # together, not one after the other
+
+    dcpstore.save(state, uri, workers=2, overwrite=True).result()  # save-unique names
+    seen.clear()
+    proxy.config.delay_s = 0.0
+    restored = zeros_like_state(state)
+    dcpstore.load(restored, uri)
+    assert_state_equal(state, restored)
+    commit_reads = [(m, name) for _, m, name in seen if not name.endswith(".distcp")]
+    assert [m for m, _ in commit_reads] == ["GET"] * 3, commit_reads  # .metadata, the plain name (gone: a 404), the tagged one
+    assert commit_reads[-1][1].startswith(".dcpstore.") and commit_reads[-1][1] != ".dcpstore.json", commit_reads
 
 
 def test_a_body_cut_short_is_read_again(proxy: FaultProxy, s3_endpoint: S3Endpoint) -> None:

@@ -9,7 +9,7 @@ import pytest
 
 import dcpstore
 from backends import Target
-from dcpstore.errors import StorageNotFound
+from dcpstore.errors import ObjectTooLarge, StorageNotFound
 from dcpstore.storage import MiB, Storage
 
 
@@ -41,6 +41,23 @@ def test_empty_object(storage: Storage) -> None:
     storage.put("empty", b"")
     assert storage.size("empty") == 0
     assert storage.read("empty") == b""
+
+
+@pytest.mark.parametrize("size", [0, 1, 100, 17 * MiB + 3])
+def test_read_with_a_limit_refuses_what_is_larger(storage: Storage, size: int) -> None:
+    """``read(limit=)`` reads an object of up to ``limit`` bytes whole, and
+    refuses a larger one (naming its size) instead of reading it; a missing
+    object is still "not found"."""
+    payload = os.urandom(size)
+    storage.put("capped.bin", payload)
+    assert storage.read("capped.bin", limit=size) == payload
+    assert storage.read("capped.bin", limit=size + 1) == payload
+    if size:
+        with pytest.raises(ObjectTooLarge, match=rf"capped\.bin.*{size} bytes") as info:
+            storage.read("capped.bin", limit=size - 1)
+        assert (info.value.size, info.value.limit) == (size, size - 1)
+    with pytest.raises(StorageNotFound):
+        storage.read("absent.bin", limit=10)
 
 
 def test_streamed_write_larger_than_a_part(storage: Storage) -> None:

@@ -31,7 +31,7 @@ from dcpstore.errors import StorageError, StorageNotFound, StoragePermissionErro
 from dcpstore.storage import MiB, Storage, StorageOptions, open_storage
 from dcpstore.storage.buffered import BufferedObjectWriter
 from dcpstore.storage.codes import CODES, STATUSES, Meaning, code_in_text, meaning
-from dcpstore.storage.kit import byte_ranges, slice_buffers
+from dcpstore.storage.kit import PIECE_SLACK, byte_ranges, slice_buffers
 from dcpstore.storage.s3_upload import _MAX_PARTS, _part_size_for
 
 STORAGE_DIR = Path(dcpstore.__file__).parent / "storage"
@@ -161,10 +161,21 @@ def test_byte_ranges_tile_the_range(offset: int, length: int, piece: int) -> Non
     ranges = byte_ranges(offset, length, piece)
     assert sum(n for _, n in ranges) == length
     pos = offset
-    for i, (o, n) in enumerate(ranges):
-        assert o == pos and 0 < n <= piece
-        assert n == piece or i == len(ranges) - 1  # only the last is short
+    for o, n in ranges:
+        assert o == pos and 0 < n <= piece + piece // PIECE_SLACK
         pos += n
+    sizes = {n for _, n in ranges}
+    assert len(sizes) <= 1 or max(sizes) - min(sizes) == 1  # equal, to a byte
+    # As few as the slack allows, and never one more than pieces of `piece` need.
+    assert len(ranges) == -(-length // (piece + piece // PIECE_SLACK))
+    assert len(ranges) <= -(-length // piece)
+
+
+def test_byte_ranges_share_out_a_small_tail() -> None:
+    """4 x 8 MiB and a record's trailer: four GETs, not a fifth for the trailer."""
+    MiB = 1 << 20
+    assert [n for _, n in byte_ranges(0, 32 * MiB + 12_000, 8 * MiB)] == [8 * MiB + 3_000] * 4
+    assert len(byte_ranges(0, 32 * MiB + 5 * MiB, 8 * MiB)) == 5  # more than the four can share: its own GET
 
 
 @given(

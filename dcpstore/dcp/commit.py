@@ -78,6 +78,7 @@ from ..format import inflight
 from ..format.inflight import Owner, alive_name, encode_alive, is_alive_file
 from ..format.layout import (
     INFLIGHT,
+    MANIFEST,
     METADATA,
     data_file_name,
     is_commit_file,
@@ -103,6 +104,7 @@ from ..format.manifest import (
 )
 from ..format.safe_pickle import TOOLS, Trust, load_metadata
 from ..storage import Storage
+from ..threads import run_parallel
 
 log = logging.getLogger(__name__)
 
@@ -379,10 +381,16 @@ def read_checkpoint_metadata(storage: Storage, trust: Trust = TOOLS) -> tuple[Me
     capped reads, the manifest's schema, the CRC, the restricted unpickle
     (``trust``: what it may build beyond the allowlist), and every stored
     item checked against the manifest. Load, verify and inspect all come here."""
-    try:
-        blob = read_capped(storage, METADATA, METADATA_LIMIT)
-    except StorageNotFound as e:
-        raise CheckpointNotFound(_why_missing(storage)) from e
+    # Both in flight at once: most checkpoints' manifest has the plain name
+    # (a save picks save-unique names only over an existing checkpoint), so
+    # on an object store the commit usually costs one round trip, not two.
+    commit_files = [(METADATA, METADATA_LIMIT), (MANIFEST, MANIFEST_LIMIT)]
+    blob_or_error, plain = run_parallel(lambda f: _read_or_error(storage, *f), commit_files, 2, "dcpstore-commit-read")
+    if isinstance(blob_or_error, StorageNotFound):
+        raise CheckpointNotFound(_why_missing(storage)) from blob_or_error
+    if isinstance(blob_or_error, BaseException):
+        raise blob_or_error
+    blob = blob_or_error
     # The save id .metadata records names its manifest, so the restricted
     # unpickle comes first; the CRC check then covers every byte of the blob.
     try:
@@ -391,9 +399,13 @@ def read_checkpoint_metadata(storage: Storage, trust: Trust = TOOLS) -> tuple[Me
         _check_damage(storage, blob, e)
         raise
     manifest = None
-    for name in manifest_names(getattr(getattr(metadata, "storage_meta", None), "save_id", None)):
+    save_id = getattr(getattr(metadata, "storage_meta", None), "save_id", None)
+    for name in manifest_names(save_id, _first_data_file(metadata)):
         try:
-            manifest = parse_manifest(read_capped(storage, name, MANIFEST_LIMIT), storage.describe(name))
+            text = plain if name == MANIFEST else read_capped(storage, name, MANIFEST_LIMIT)
+            if isinstance(text, BaseException):
+                raise text
+            manifest = parse_manifest(text, storage.describe(name))
         except StorageNotFound:
             continue
         check_metadata_crc(blob, manifest, storage.describe(METADATA))
@@ -402,6 +414,24 @@ def read_checkpoint_metadata(storage: Storage, trust: Trust = TOOLS) -> tuple[Me
     else:
         log.debug("%s has no integrity manifest (written by stock DCP?); loading unverified", storage.uri)
     return metadata, manifest
+
+
+def _read_or_error(storage: Storage, name: str, limit: int) -> bytes | CheckpointError:
+    """:func:`read_capped`, its :class:`CheckpointError` returned, not raised
+    (the caller decides whether it matters)."""
+    try:
+        return read_capped(storage, name, limit)
+    except CheckpointError as e:
+        return e
+
+
+def _first_data_file(metadata: object) -> object:
+    """The relative path of one item of ``metadata`` (None if it has none);
+    read defensively: this runs before the manifest checks ``.metadata``."""
+    storage_data = getattr(metadata, "storage_data", None)
+    if not isinstance(storage_data, dict) or not storage_data:
+        return None
+    return getattr(next(iter(storage_data.values())), "relative_path", None)
 
 
 def _check_damage(storage: Storage, blob: bytes, refused: CheckpointError) -> None:

@@ -178,14 +178,21 @@ def name_tag(path: str) -> str | None:
     return None if m is None else m.group(1) or ""
 
 
-def manifest_names(save_id: object) -> list[str]:
+def manifest_names(save_id: object, data_file: object = None) -> list[str]:
     """Where the manifest of a ``.metadata`` recording ``save_id`` may be, in
     the order to try: the save-unique one (only for a save id of dcpstore's
-    form: anything else read from storage never becomes a file name), then
-    the plain one."""
-    if isinstance(save_id, str) and _SAVE_ID_RE.match(save_id):
-        return [manifest_name(save_tag(save_id)), MANIFEST]
-    return [MANIFEST]
+    form: anything else read from storage never becomes a file name) and the
+    plain one.
+
+    ``data_file``, one data file that ``.metadata`` names, says which comes
+    first: a save gives its manifest save-unique names exactly when it gives
+    them to its data files, so the right name is usually tried first (on an
+    object store each miss is a round trip)."""
+    if not (isinstance(save_id, str) and _SAVE_ID_RE.match(save_id)):
+        return [MANIFEST]
+    tagged = manifest_name(save_tag(save_id))
+    plain_first = isinstance(data_file, str) and name_tag(data_file) == ""
+    return [MANIFEST, tagged] if plain_first else [tagged, MANIFEST]
 
 
 def item_key(path: str, offset: int) -> str:

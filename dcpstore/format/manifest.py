@@ -24,7 +24,7 @@ from typing import Any, TypedDict
 
 import crc32c
 
-from ..errors import CheckpointCorrupt
+from ..errors import CheckpointCorrupt, ObjectTooLarge
 from ..storage.base import Storage
 from .layout import item_key
 
@@ -76,14 +76,12 @@ def build_manifest(
 def read_capped(storage: Storage, name: str, limit: int) -> bytes:
     """The whole of ``name``, refusing (before reading) one over ``limit`` bytes
     or one that is not a plain file. StorageNotFound if it does not exist."""
-    size = storage.size(name)  # also refuses FIFOs and devices (local backend)
-    if size > limit:
+    try:
+        return storage.read(name, limit=limit)  # the local backend also refuses FIFOs and devices
+    except ObjectTooLarge as e:
         raise CheckpointCorrupt(
-            f"{storage.describe(name)}: {size} bytes, more than any real checkpoint's "
-            f"(limit {limit}); not read"
-        )
-    # Ask for exactly the size seen: an object that grew since is not read past it.
-    return storage.read_range(name, 0, size) if size else b""
+            f"{storage.describe(name)}: {e.size} bytes, more than any real checkpoint's (limit {limit}); not read"
+        ) from e
 
 
 # ---------------------------------------------------------------------------

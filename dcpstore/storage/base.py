@@ -49,7 +49,7 @@ from typing import Any, ClassVar, TypedDict, TypeVar
 
 from typing_extensions import NotRequired
 
-from ..errors import CheckpointError, InvalidArgument, StorageError, StorageNotFound
+from ..errors import CheckpointError, InvalidArgument, ObjectTooLarge, StorageError, StorageNotFound
 from .kit import map_os_error
 from .pool import RequestPool
 from .secrets import scrub_exception
@@ -398,9 +398,24 @@ class Storage(abc.ABC):
                 break
         return pos
 
-    def read(self, path: str) -> bytes:
-        """Read a whole object."""
-        return self.read_range(path, 0, self.size(path))
+    def read(self, path: str, *, limit: int | None = None) -> bytes:
+        """Read a whole object.
+
+        ``limit``: refuse an object of more than ``limit`` bytes before
+        reading any of it (:class:`~dcpstore.errors.ObjectTooLarge`), for
+        files whose size is not to be trusted. The object is read at most to
+        the size first seen (one that grows meanwhile is not read past it).
+        This default asks the size first; object stores learn it from their
+        first ranged GET instead (one round trip for a small object).
+        """
+        size = self.size(path)
+        self.check_limit(path, size, limit)
+        return self.read_range(path, 0, size) if size else b""
+
+    def check_limit(self, path: str, size: int, limit: int | None) -> None:
+        """Raise :class:`~dcpstore.errors.ObjectTooLarge` if ``size`` exceeds ``limit``."""
+        if limit is not None and size > limit:
+            raise ObjectTooLarge(f"{self.describe(path)}: {size} bytes, more than the {limit} read", size, limit)
 
     @abc.abstractmethod
     def size(self, path: str) -> int:

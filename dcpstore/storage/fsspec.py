@@ -123,10 +123,11 @@ class FsspecStorage(Storage):
                 return b""
             return bytes(self.fs.cat_file(full, start=offset, end=offset + length))
 
-    def read(self, path: str) -> bytes:
+    def read(self, path: str, *, limit: int | None = None) -> bytes:
         with self._mapped(f"cannot read {self.describe(path)}"):
-            self.size(path)  # a directory is not an object
-            return bytes(self.fs.cat_file(self._full(path)))
+            size = self.size(path)  # a directory is not an object
+            self.check_limit(path, size, limit)
+            return bytes(self.fs.cat_file(self._full(path), start=0, end=size)) if size else b""
 
     def size(self, path: str) -> int:
         with self._mapped(f"cannot stat {self.describe(path)}"):

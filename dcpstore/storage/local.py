@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import time
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
@@ -96,9 +97,21 @@ class LocalStorage(Storage):
                 raise StorageError(f"{self.describe(path)} is a file, not a directory")
             os.makedirs(full, exist_ok=True)
 
+    def _open_file(self, path: str) -> int:
+        """Open ``path`` for reading, refusing anything but a regular file
+        (:class:`StorageNotFound`): a FIFO would block the reader forever and
+        a device (``/dev/zero``) never end. ``O_NONBLOCK`` keeps the open of a
+        FIFO from waiting for a writer; on a regular file it changes nothing.
+        The check is on the opened file, so a swap after it cannot fool it."""
+        fd = os.open(self._full(path), os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise StorageNotFound(f"{self.describe(path)} is not a file")
+        return fd
+
     def read_range(self, path: str, offset: int, length: int) -> bytes:
         with self._mapped(f"cannot read {self.describe(path)}"):
-            fd = os.open(self._full(path), os.O_RDONLY | os.O_CLOEXEC)
+            fd = self._open_file(path)
             try:
                 chunks = []
                 while length > 0:
@@ -116,7 +129,7 @@ class LocalStorage(Storage):
         total = sum(b.nbytes for b in buffers)
         done = 0
         with self._mapped(f"cannot read {self.describe(path)}"):
-            fd = os.open(self._full(path), os.O_RDONLY | os.O_CLOEXEC)
+            fd = self._open_file(path)
             try:
                 todo = list(buffers)
                 while todo:

@@ -207,18 +207,19 @@ class MSCStorage(Storage):
             chunks = self._in_parallel(self._read_one, [(full, o, n) for o, n in byte_ranges(offset, length, ps)])
         return b"".join(chunks)
 
-    def read(self, path: str) -> bytes:
+    def read(self, path: str, *, limit: int | None = None) -> bytes:
         try:
             size = self.size(path)
         except (StorageNotFound, StoragePermissionError):
             # A HEAD's 404/403 carries no error code; a GET's says whether the
             # key or the bucket is missing, or which credential check failed.
+            # (One byte asked: it raises that error; should the object have
+            # appeared meanwhile, its size is asked again.)
             with self._mapped(f"cannot read {self.describe(path)}"):
-                return bytes(self.client.read(self._full(path)))
-        if size <= self.options.part_size_for(size):
-            with self._mapped(f"cannot read {self.describe(path)}"):
-                return bytes(self.client.read(self._full(path)))
-        return self.read_range(path, 0, size)
+                self.client.read(self._full(path), byte_range=Range(offset=0, size=1))
+            size = self.size(path)
+        self.check_limit(path, size, limit)
+        return self.read_range(path, 0, size) if size else b""
 
     def size(self, path: str) -> int:
         with self._mapped(f"cannot stat {self.describe(path)}"):

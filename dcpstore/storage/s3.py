@@ -90,6 +90,12 @@ def _socket_reader(body: Any) -> Callable[[memoryview], int] | None:
     return reader
 
 
+def _total_size(resp: dict[str, Any]) -> int | None:
+    """The object's whole size, from a ranged GET's ``Content-Range``."""
+    total = str(resp.get("ContentRange", "")).rpartition("/")[2]
+    return int(total) if total.isdigit() else None
+
+
 def _readinto_full(body: Any, buffers: list[memoryview], expected: int) -> int:
     """Fill ``buffers`` in order from a botocore ``StreamingBody`` whose
     response promised ``expected`` bytes; fewer only at the object's end.
@@ -219,9 +225,9 @@ class S3Storage(Storage):
                 if found is Meaning.CHANGED:
                     raise StorageError(f"{what}: the object changed while it was being read") from e
                 raise self._error(e, what) from e
-            total = str(resp.get("ContentRange", "")).rpartition("/")[2]
-            if total.isdigit():
-                self._sizes[path] = int(total)
+            total = _total_size(resp)
+            if total is not None:
+                self._sizes[path] = total
             try:
                 return consume(resp)
             except _BODY_ERRORS as e:
@@ -256,15 +262,27 @@ class S3Storage(Storage):
                 break
         return done
 
-    def read(self, path: str) -> bytes:
-        """Whole object: the first ranged GET also tells the size (no HEAD)."""
+    def read(self, path: str, *, limit: int | None = None) -> bytes:
+        """Whole object: the first ranged GET also tells the size (no HEAD);
+        one over ``limit`` is refused from that GET's headers, its body left
+        unread."""
         ps = self.options.part_size_for(None)
-        first, resp = self._get(path, 0, ps)
+        first_len = ps if limit is None else max(1, min(ps, limit))
+
+        def consume(resp: dict[str, Any]) -> tuple[bytes, dict[str, Any]]:
+            total = _total_size(resp)
+            if total is not None and limit is not None and total > limit:
+                resp["Body"].close()
+                self.check_limit(path, total, limit)
+            return resp["Body"].read(), resp
+
+        got = self._ranged_get(path, 0, first_len, consume, None)
+        first, resp = got if got is not None else (b"", {})
         if not resp:  # 416: an empty object (or none at all)
             if self.size(path) == 0:
                 return b""
-            first, resp = self._get(path, 0, ps)
-        total = int(str(resp.get("ContentRange", "")).rpartition("/")[2] or len(first))
+            return self.read(path, limit=limit)  # it was written meanwhile
+        total = _total_size(resp) or len(first)
         if total <= len(first):
             return first
         etag = resp.get("ETag")
