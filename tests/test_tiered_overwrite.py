@@ -118,6 +118,26 @@ def test_a_failed_overwrite_replication_is_kept_locally_and_caught_up(
     assert durable_steps(durable) == [1, 2]
 
 
+def test_retention_that_cannot_compare_the_copies_keeps_the_local_steps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failing read while local retention compares a step's two copies
+    keeps the local step and the replicator running."""
+    from dcpstore.manager.tiered import TieredRoots
+
+    def cannot_tell(self: TieredRoots, step: int, durable_time: float | None) -> bool:
+        raise dcpstore.StorageError("injected: the durable .metadata cannot be read")
+
+    monkeypatch.setattr(TieredRoots, "_replica_is_older", cannot_tell)
+    durable, local = Target("local", str(tmp_path / "durable")), tmp_path / "local"
+    with manager(durable, local, local_keep=1, replicate_timeout_s=30) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(state(step), step)
+        mgr.wait(30)
+        assert local_steps(local) == [1, 2, 3]
+    assert durable_steps(durable) == [1, 2, 3]
+
+
 def test_a_replica_never_writes_over_the_files_of_another_commit(tmp_path: Path) -> None:
     """Two saves of one step with the same names (stock DCP's): the second
     is refused before anything is uploaded, naming the files."""

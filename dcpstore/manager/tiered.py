@@ -45,9 +45,9 @@ Which rank does what (every rank constructs the manager alike):
   save-unique) from the coordinator's directory alone, so another node's
   ranks could write over an older copy there in place; and only the
   coordinator's directory would hold the commit (``.metadata`` and
-  manifest), which the other nodes' loads, retention and catch-up need. (Loads alone already work
-  with differing directories: a rank without a whole copy sends every rank
-  to the durable tier.)
+  manifest), which the other nodes' loads, retention and catch-up need.
+  (Loads alone already work with differing directories: a rank without a
+  whole copy sends every rank to the durable tier.)
 * **Loading** (collective): every rank lists its *whole* local copies (the
   manifest and every file it names, at its size); the step is the newest
   committed one in either tier; it is read from the local tier if every rank
@@ -238,7 +238,11 @@ class TieredRoots:
         if not self.selected(step):
             return False
         if step in durable:
-            return self._replica_is_older(step, durable[step])
+            try:
+                return self._replica_is_older(step, durable[step])
+            except CheckpointError as e:  # cannot tell: keep it, replicate it (its old copy is safe)
+                log.warning("could not compare the local and durable copies of step %d: %s", step, e)
+                return True
         # Older than the durable tier's keep newest: retention would delete it at once.
         return self._keep is None or sum(1 for d in durable if d > step) < self._keep
 
