@@ -23,6 +23,7 @@ raising NotImplementedError, a peer not installed) are reported as
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import shlex
@@ -185,7 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--tensors", type=int, default=64, help="number of float32 tensors (default 64)")
     p.add_argument("--workers", default="1,2,4", help="worker counts (default 1,2,4); peers use the largest")
     p.add_argument("--repeat", type=int, default=3, help="measurements per entry (median reported; default 3)")
-    p.add_argument("--sections", default="local,s3,wan", help="which of local,s3,wan to run")
+    p.add_argument("--sections", default="local,s3,wan", help="which of local,s3,wan to run, in this order")
     p.add_argument("--wan-size", default="64MiB", help="state size for the WAN section (default 64MiB)")
     p.add_argument("--wan-latency-ms", type=float, default=20.0)
     p.add_argument("--wan-rate-mbps", type=float, default=25.0, help="MB/s per connection and direction")
@@ -206,7 +207,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     warnings.filterwarnings("ignore")
 
     size, workers = parse_size(args.size), parse_int_list(args.workers)
-    sections = set(args.sections.split(","))
+    sections = list(dict.fromkeys(args.sections.split(",")))
+    unknown = set(sections) - {"local", "s3", "wan"}
+    if unknown:
+        p.error(f"--sections: unknown section(s) {sorted(unknown)}; choose from local, s3, wan")
     run_id = f"compare-{uuid.uuid4().hex[:6]}"
     root = tempfile.mkdtemp(prefix="dcpstore-compare-", dir=args.root)
     print(f"compare: {human_bytes(size)} in {args.tensors} tensors, workers {workers}, repeat {args.repeat}, "
@@ -230,18 +234,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         _print_section(title, recs)
 
     try:
-        if "local" in sections:
-            run("local", local_section(root, run_id, workers), state, dest)
-        if sections & {"s3", "wan"}:
-            with servers.moto_server(server_pids) as endpoint:
-                servers.create_bucket(endpoint, BUCKET)
+        with contextlib.ExitStack() as servers_up:
+            endpoint = None
+            for section in sections:  # in the order given: the one that matters most can go first
+                if section == "local":
+                    run("local", local_section(root, run_id, workers), state, dest)
+                    continue
+                if endpoint is None:  # one moto server for the S3 and WAN sections
+                    endpoint = servers_up.enter_context(servers.moto_server(server_pids))
+                    servers.create_bucket(endpoint, BUCKET)
                 msc_config = os.path.join(root, "msc.json")
-                if "s3" in sections:
+                if section == "s3":
                     servers.write_msc_config(msc_config, {"bench": (endpoint, BUCKET)})
                     with servers.env({"MSC_CONFIG": msc_config, **servers.FAKE_CREDENTIALS}):
                         part = parse_size(args.s3_part_size) if args.s3_part_size else None
                         run("s3", s3_section(endpoint, run_id, workers, "bench", part, size), state, dest)
-                if "wan" in sections:
+                else:
                     wan_state = make_state(parse_size(args.wan_size), args.tensors)
                     wan_dest = zeros_like_state(wan_state)
                     with servers.wan_proxy(endpoint, latency_ms=args.wan_latency_ms, rate_mbps=args.wan_rate_mbps,
@@ -251,6 +259,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                             part = parse_size(args.wan_part_size) if args.wan_part_size else None
                             run("wan", wan_section(proxy, run_id, workers, "wan", part, parse_size(args.wan_size)),
                                 wan_state, wan_dest)
+                    del wan_state, wan_dest
     finally:
         import shutil
 

@@ -33,7 +33,10 @@ import dcpstore
 from backends import Target
 from dist_utils import run_ranks
 from helpers import assert_state_equal, sample_state, zeros_like_state
+from dcpstore.dcp.reader import DcpStorageReader
+from dcpstore.dcp.writer import DcpStorageWriter
 from dcpstore.engines import staging
+from dcpstore.storage import open_storage
 
 
 def tensors(seed: int) -> dict[str, Any]:
@@ -109,6 +112,24 @@ def test_checkpoint_id_may_be_spelled_relatively(tmp_path: Path, monkeypatch: py
     restored = zeros_like_state(tensors(2))
     dcp.load(restored, storage_reader=FileSystemReader(tmp_path / "other"))
     assert_state_equal(tensors(2), restored)
+
+
+@pytest.mark.parametrize("role", ["writer", "reader"])
+def test_a_writer_or_reader_on_one_storage_refuses_another_checkpoint_id(tmp_path: Path, role: str) -> None:
+    # Built on one Storage (as dcpstore.save builds them) there is no way to
+    # open another URI: reset to the same URI is fine, another is refused.
+    storage = open_storage(str(tmp_path / "a"))
+    cls = DcpStorageWriter if role == "writer" else DcpStorageReader
+    bound = cls(storage)
+    bound.reset(None)
+    bound.reset(tmp_path / "a")
+    assert bound.storage is storage
+    with pytest.raises(dcpstore.InvalidArgument) as e:
+        bound.reset(tmp_path / "b")
+    message = str(e.value)
+    assert f"this {role} is bound to {storage.uri}" in message and str(tmp_path / "b") in message
+    assert f"dcpstore.Storage{role.capitalize()} can" in message
+    assert bound.storage is storage
 
 
 def test_a_reused_reader_reads_the_commit_again(target: Target) -> None:

@@ -14,6 +14,9 @@ import torch.distributed.checkpoint as dcp
 import dcpstore
 from backends import Target
 from helpers import assert_state_equal, sample_state, zeros_like_state
+from dcpstore.dcp.commit import read_checkpoint_metadata
+from dcpstore.format.layout import MANIFEST, manifest_name, save_tag
+from dcpstore.storage import open_storage
 
 
 @pytest.fixture
@@ -85,6 +88,28 @@ def test_damaged_manifest_is_named(saved: tuple[str, dict]) -> None:
         f.write(b"{{{")
     err = _load_error(root, state)
     assert ".dcpstore.json" in str(err)
+
+
+@pytest.mark.parametrize("key", ["small", "big"])  # read through its record / straight into its destination
+def test_damage_in_an_overwritten_checkpoint_names_its_save_unique_manifest(local_target: Target, key: str) -> None:
+    # A save over a used URI writes .dcpstore.<tag>.json: the error must name
+    # the manifest the load really checked, not the plain .dcpstore.json.
+    root = local_target.uri
+    g = torch.Generator().manual_seed(5)
+    state = {"small": torch.randn(16, generator=g), "big": torch.randn(64, 1024, generator=g)}
+    dcpstore.save(state, root).result()
+    state = {name: t + 1 for name, t in state.items()}
+    dcpstore.save(state, root).result()
+    metadata, _ = read_checkpoint_metadata(open_storage(root))
+    assert metadata.storage_meta is not None
+    manifest = manifest_name(save_tag(metadata.storage_meta.save_id))
+    assert manifest != MANIFEST and os.path.exists(os.path.join(root, manifest))
+    assert metadata.storage_data is not None
+    info = next(v for k, v in metadata.storage_data.items() if k.fqn == key)
+    _flip(os.path.join(root, info.relative_path), info.offset + info.length - 4)
+    err = _load_error(root, state)
+    assert isinstance(err, dcpstore.CheckpointCorrupt)
+    assert "checksum" in str(err) and info.relative_path in str(err) and manifest in str(err)
 
 
 def test_verify_disabled_loads_without_manifest_checks(saved: tuple[str, dict]) -> None:

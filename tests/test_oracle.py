@@ -10,18 +10,23 @@ values -- and checks, bitwise:
 * saved by dcpstore (sync, native async, NVRx), they load equal through
   ``dcpstore.load`` *and* stock ``dcp.load``;
 * saved by stock ``dcp.save``, they load equal through ``dcpstore.load``;
+* saved by dcpstore in the odd layouts -- data files spread over key
+  prefixes (``spread_prefixes``), or saved over an earlier checkpoint
+  (save-unique names) -- they load equal through both, too;
 
 on every backend: local, S3 (moto) natively and through MSC, an msc://
 profile, local through MSC, fsspec ``memory://``. Stock DCP reaches the
 object stores through its fsspec reader and writer (s3fs), the msc://
 profile through the bucket it names.
 
-The quick run draws two examples per engine and backend; the slow run
-(``-m slow``) draws 6 more on each.
+The quick run draws two examples per engine and backend (per layout and
+backend for the odd layouts, saved synchronously); the slow run (``-m
+slow``) draws 6 more on each, the odd layouts on every engine.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import uuid
 from typing import Any
@@ -35,6 +40,8 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, Fsspec
 
 import dcpstore
 from backends import TARGETS, Target
+from dcpstore.format.layout import MANIFEST, is_manifest
+from dcpstore.storage import StorageOptions
 from oracle import SAVE_ENGINES, assert_same_state, destination, save_with
 from s3_server import BUCKET
 
@@ -151,9 +158,37 @@ WIDER = settings(QUICK, max_examples=6)  # the slow run
 STOCK_GAP = "\"copy_\" not implemented for 'Float4_e2m1fn_x2'"
 
 
-def _dcpstore_save_round_trip(engine: str, target: Target, state: dict[str, Any]) -> None:
-    where = _fresh(target)
+#: How a checkpoint's files are laid out: stock DCP's flat layout; data files
+#: spread over key prefixes (``StorageOptions.spread_prefixes``); or saved
+#: over an earlier checkpoint at the URI (save-unique file and manifest names).
+ODD_LAYOUTS = ("spread", "overwritten")
+SPREAD = 4
+
+
+def _in_layout(target: Target, layout: str) -> Target:
+    """``target`` with the storage options that make ``layout``."""
+    if layout != "spread":
+        return target
+    options = dataclasses.replace(target.kwargs.get("storage_options", StorageOptions()), spread_prefixes=SPREAD)
+    return Target(target.name, target.uri, {**target.kwargs, "storage_options": options})
+
+
+def _assert_layout(where: Target, layout: str) -> None:
+    """The save really made ``layout`` (a layout that silently stays flat
+    would make its test a copy of the flat one)."""
+    names = [o["path"] for o in dcpstore.open_storage(where.uri, **where.kwargs).list()]
+    if layout == "spread":
+        assert any("/" in n for n in names if n.endswith(".distcp")), names
+    if layout == "overwritten":
+        assert any(is_manifest(n) and n != MANIFEST for n in names), names
+
+
+def _dcpstore_save_round_trip(engine: str, target: Target, state: dict[str, Any], layout: str = "flat") -> None:
+    where = _in_layout(_fresh(target), layout)
+    if layout == "overwritten":  # the same keys, other values: a mixture of the two saves would show
+        save_with(engine, destination(state, fill=0x5A), where)
     save_with(engine, state, where)
+    _assert_layout(where, layout)
     ours = destination(state, fill=0xA5)
     dcpstore.load(ours, where.uri, **where.kwargs)
     assert_same_state(ours, state)
@@ -194,6 +229,26 @@ def test_dcpstore_saves_what_stock_dcp_loads(target: Target, engine: str, state:
 @QUICK
 def test_dcpstore_loads_what_stock_dcp_saves(target: Target, state: dict[str, Any]) -> None:
     _stock_save_round_trip(target, state)
+
+
+@pytest.mark.parametrize("layout", ODD_LAYOUTS)
+@given(state=state_dicts())
+@QUICK
+def test_dcpstore_saves_what_stock_dcp_loads_in_odd_layouts(target: Target, layout: str, state: dict[str, Any]) -> None:
+    # The layout is the writer's, the same on every engine: the quick run
+    # saves synchronously, the slow run on every engine.
+    _dcpstore_save_round_trip("sync", target, state, layout)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ODD_LAYOUTS)
+@pytest.mark.parametrize("engine", list(SAVE_ENGINES))
+@given(state=state_dicts())
+@WIDER
+def test_dcpstore_saves_what_stock_dcp_loads_in_odd_layouts_wider(
+    target: Target, engine: str, layout: str, state: dict[str, Any]
+) -> None:
+    _dcpstore_save_round_trip(engine, target, state, layout)
 
 
 @pytest.mark.slow

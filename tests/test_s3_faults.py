@@ -248,6 +248,8 @@ def test_slow_responses_only_slow_a_save_down(proxy: FaultProxy, s3_endpoint: S3
 #: far below "forever". Expected: attempts x (connect/read timeout + backoff).
 DEAD_OPTS = StorageOptions(part_size=PART, max_attempts=2, connect_timeout_s=0.5, read_timeout_s=0.5, op_timeout_s=5.0)
 DEAD_BOUND_S = 60.0
+#: Below MSC's default read timeout (60 s), so that the MSC test tells them apart.
+MSC_DEAD_BOUND_S = 30.0
 
 
 @contextlib.contextmanager
@@ -288,6 +290,34 @@ def test_dead_endpoint_fails_saves_and_loads_within_a_bound(
             assert (other if "save" in what else uri) in str(info.value), what
     assert _direct_keys(s3_endpoint, other) == []  # nothing committed, nothing at all
     assert s3_endpoint.open_uploads(other.split("/", 3)[3]) == []
+
+
+def test_a_hung_endpoint_fails_within_the_configured_timeout_through_msc(
+    s3_endpoint: S3Endpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # s3:// with enable_msc=True and no MSC profile for it: MSC's implicit
+    # profile, whose own defaults (60 s timeouts, MSC's retries around
+    # botocore's) would take minutes here. It must take StorageOptions'.
+    small = {"c": torch.arange(10)}
+    uri = _uri(s3_endpoint)
+    dcpstore.save(small, uri, enable_msc=True, storage_options=DEAD_OPTS)  # a checkpoint to load
+    with _dead_endpoint("blackhole") as dead:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", dead)
+        other = _uri(s3_endpoint)
+        calls = {
+            "save": (other, lambda: dcpstore.save(small, other, enable_msc=True, storage_options=DEAD_OPTS)),
+            "load": (uri, lambda: dcpstore.load(zeros_like_state(small), uri, enable_msc=True, storage_options=DEAD_OPTS)),
+        }
+        for what, (named, call) in calls.items():
+            t0 = time.monotonic()
+            with pytest.raises(dcpstore.CheckpointError) as info:
+                call()
+            elapsed = time.monotonic() - t0
+            # 2 attempts x 0.5 s plus backoff; MSC's default would be >= 60 s.
+            assert elapsed < MSC_DEAD_BOUND_S, f"{what} took {elapsed:.1f} s"
+            assert named in str(info.value), (what, str(info.value))
+            assert "timeout" in "".join(traceback.format_exception(info.value)).lower(), what
+    assert _direct_keys(s3_endpoint, other) == []
 
 
 def test_stalled_part_uploads_fail_the_save_within_a_bound(proxy: FaultProxy, s3_endpoint: S3Endpoint) -> None:

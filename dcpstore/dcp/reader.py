@@ -53,7 +53,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from ..errors import CheckpointCorrupt, CheckpointNotFound, InvalidArgument, StateDictMismatch, StorageNotFound
+from ..errors import CheckpointCorrupt, CheckpointNotFound, StateDictMismatch, StorageNotFound
 from ..format.bitcopy import copy_values
 from ..format.layout import MANIFEST, METADATA, item_key
 from ..format.manifest import Manifest
@@ -63,14 +63,14 @@ from ..handle import LoadStats
 from ..options import LoadOptions, check_workers
 from ..progress import NO_PROGRESS, Progress
 from ..quiet import ignoring
-from ..storage import Storage, parse_uri
+from ..storage import Storage
 from ..threads import run_parallel
 from .commit import read_checkpoint_metadata
 from .failures import load_error
 from .load_progress import LoadProgress
 from .read_plan import Direct, DirectRun, Request, Span, plan_reads, scatter_groups
 from .state_checks import check_top_level_keys, load_mismatches
-from .writer import NO_DIST_WARNING, serves
+from .writer import NO_DIST_WARNING, rebind, serves
 
 #: Tensors smaller than this are read with their record into scratch and
 #: copied out (measured on 20,000 x 3 KiB tensors).
@@ -120,14 +120,7 @@ class DcpStorageReader(StorageReader):
         ``dcp.load`` is given a ``checkpoint_id``). The commit is read afresh
         on every load: the checkpoint at a URI may have been replaced since."""
         self._preloaded = False
-        if checkpoint_id is None or parse_uri(checkpoint_id).uri == self.storage.url.uri:
-            return
-        if self._reopen is None:
-            raise InvalidArgument(
-                f"this reader is bound to {self.storage.uri}; cannot switch to checkpoint_id "
-                f"{os.fspath(checkpoint_id)!r} (dcpstore.StorageReader can)"
-            )
-        self.storage = self._reopen(os.fspath(checkpoint_id))
+        self.storage = rebind(self.storage, checkpoint_id, self._reopen, "reader")
 
     def preload_metadata(self) -> Metadata:
         """Read and verify the commit now (every rank), so that a missing or
@@ -195,7 +188,7 @@ class DcpStorageReader(StorageReader):
             raw = self._manifest["tensors"] if self._manifest is not None else {}
             if transformed:  # their stored bytes are not the tensor's: always through the record
                 raw = {key: where for key, where in raw.items() if key not in transformed}
-            jobs = plan_reads(per_file, raw, self._metadata, self.workers, self.storage.describe(MANIFEST))
+            jobs = plan_reads(per_file, raw, self._metadata, self.workers, self._manifest_where())
             self.bar.start(sum(info.length for reqs in per_file.values() for _, info in reqs))
             run_parallel(lambda job: self._read_job(job, planner, lock), jobs, self.workers, "dcpstore-read")
         except BaseException as e:
@@ -404,20 +397,28 @@ class DcpStorageReader(StorageReader):
                 f"decoded with its stream transforms {list(info.transform_descriptors)}: {type(e).__name__}: {e}"
             ) from e
 
+    def _manifest_where(self) -> str:
+        """The manifest this load checks against, for messages: its real
+        name (a save over a used URI writes ``.dcpstore.{tag}.json``)."""
+        return self._manifest["where"] if self._manifest is not None else self.storage.describe(MANIFEST)
+
     def _verify_item(self, path: str, info: _StorageInfo, *pieces: memoryview) -> None:
         """Check an item's CRC32C; ``pieces`` are its bytes, in order."""
         if not self.verify or self._manifest is None:
             return
         expected = self._manifest["items"].get(item_key(path, info.offset))
         if expected is None:
-            raise CheckpointCorrupt(f"{self.storage.describe(path)}: item at offset {info.offset} not in the manifest")
+            raise CheckpointCorrupt(
+                f"{self.storage.describe(path)}: item at offset {info.offset} not in the manifest "
+                f"{self._manifest_where()}"
+            )
         crc = 0
         for piece in pieces:
             crc = crc32c.crc32c(piece, crc)
         if crc != expected:
             raise CheckpointCorrupt(
                 f"{self.storage.describe(path)}: checksum mismatch in item at offset {info.offset} "
-                f"({info.length} bytes): the data file is damaged"
+                f"({info.length} bytes, against {self._manifest_where()}): the data file is damaged"
             )
 
     @property

@@ -39,7 +39,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -182,14 +182,7 @@ class DcpStorageWriter(StorageWriter):
         """Point the next save at ``checkpoint_id`` (DCP calls this, on every
         rank, only when ``dcp.save`` is given a ``checkpoint_id``)."""
         self._next = None
-        if checkpoint_id is None or parse_uri(checkpoint_id).uri == self.storage.url.uri:
-            return
-        if self._reopen is None:
-            raise InvalidArgument(
-                f"this writer is bound to {self.storage.uri}; cannot switch to checkpoint_id "
-                f"{os.fspath(checkpoint_id)!r} (dcpstore.StorageWriter can)"
-            )
-        self.storage = self._reopen(os.fspath(checkpoint_id))
+        self.storage = rebind(self.storage, checkpoint_id, self._reopen, "writer")
 
     def storage_meta(self) -> StorageMeta | None:
         # DCP asks before set_up_storage_writer, to hand the planner the save
@@ -301,6 +294,27 @@ class DcpStorageWriter(StorageWriter):
         ``s3://``, ``msc://`` or a scheme an installed fsspec filesystem
         knows (not any string that parses as a URI)."""
         return serves(checkpoint_id)
+
+
+def rebind(
+    storage: Storage,
+    checkpoint_id: str | os.PathLike[str] | None,
+    reopen: Callable[[str], Storage] | None,
+    role: Literal["writer", "reader"],
+) -> Storage:
+    """The storage that a DCP ``reset(checkpoint_id)`` points the next save
+    or load at (``role``: "writer" or "reader", for the message):
+    ``storage`` itself when ``checkpoint_id`` is None or names its URI, else
+    ``reopen(checkpoint_id)``. Without ``reopen`` (a writer or reader built
+    on one :class:`Storage`) switching is refused with ``InvalidArgument``."""
+    if checkpoint_id is None or parse_uri(checkpoint_id).uri == storage.url.uri:
+        return storage
+    if reopen is None:
+        raise InvalidArgument(
+            f"this {role} is bound to {storage.uri}; cannot switch to checkpoint_id "
+            f"{os.fspath(checkpoint_id)!r} (dcpstore.Storage{role.capitalize()} can)"
+        )
+    return reopen(os.fspath(checkpoint_id))
 
 
 def serves(checkpoint_id: str | os.PathLike[str]) -> bool:

@@ -46,7 +46,9 @@ class FileEntry(TypedDict):
     crc32c: int
 
 
-class Manifest(TypedDict):
+class StoredManifest(TypedDict):
+    """The manifest as stored (JSON)."""
+
     format: str
     checksum: str
     metadata_crc32c: int
@@ -56,13 +58,21 @@ class Manifest(TypedDict):
     tensors: dict[str, list[int]]
 
 
+class Manifest(StoredManifest):
+    """A manifest as read: also where it was read from, for messages (a
+    checkpoint's manifest may have a save-unique name)."""
+
+    #: ``Storage.describe`` of the file it was parsed from (never stored).
+    where: str
+
+
 def build_manifest(
     files: dict[str, FileEntry],
     items: dict[str, int],
     metadata_crc: int,
     tensors: dict[str, list[int]] | None = None,
 ) -> bytes:
-    manifest: Manifest = {
+    manifest: StoredManifest = {
         "format": MANIFEST_FORMAT,
         "checksum": "crc32c",
         "metadata_crc32c": metadata_crc,
@@ -176,6 +186,7 @@ def validate_manifest(data: Any, where: str) -> Manifest:
             raise check.fail(f"tensors key {key!r}", "a key of items", key)
         if not (isinstance(loc, list) and len(loc) == 2 and all(_is_uint(v) for v in loc)):
             raise check.fail(f"tensors[{key!r}]", "[offset, nbytes] (non-negative ints)", loc)
+    data["where"] = where  # set here, whatever the file held under that key
     manifest: Manifest = data  # type: ignore[assignment]  # checked field by field above
     return manifest
 

@@ -5,7 +5,9 @@ Byte arithmetic for splitting reads (:func:`byte_ranges`,
 family (:func:`map_os_error`; :func:`library_text` is where every text
 from a library or server passes before it enters a message), how many connections
 a storage's HTTP client keeps (:func:`http_pool_size`), and POSIX
-durability (:func:`fsync_dir`).
+durability (:func:`fsync_dir`), and the AWS environment boto3 clients read
+(:func:`aws_env_fingerprint`, :func:`aws_retry_mode`: the native S3 and the
+MSC backends build theirs alike).
 
 Imports only :mod:`dcpstore.errors`, :mod:`.secrets` and :mod:`.uri`.
 """
@@ -13,6 +15,7 @@ Imports only :mod:`dcpstore.errors`, :mod:`.secrets` and :mod:`.uri`.
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 from collections.abc import Sequence
 
@@ -128,3 +131,42 @@ def fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+#: Environment variables that change which endpoint, region or credentials a
+#: new client gets; a client is reused only while they are unchanged.
+AWS_ENV_KEYS = (
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL_S3",
+    "AWS_REGION",
+    "AWS_DEFAULT_REGION",
+    "AWS_PROFILE",
+    "AWS_DEFAULT_PROFILE",
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_CONFIG_FILE",
+    "AWS_SHARED_CREDENTIALS_FILE",
+    "AWS_RETRY_MODE",
+    "AWS_REQUEST_CHECKSUM_CALCULATION",
+    "AWS_CA_BUNDLE",
+)
+
+
+def aws_env_fingerprint() -> str:
+    """A digest of the AWS environment a new boto3 client would read: a
+    cached client is reused only while it is unchanged."""
+    # Hashed so that the cache key never holds a credential in clear text.
+    digest = hashlib.sha256()
+    for key in AWS_ENV_KEYS:
+        digest.update(f"{key}={os.environ.get(key, '<unset>')}\n".encode())
+    return digest.hexdigest()
+
+
+def aws_retry_mode() -> str:
+    """botocore's retry mode for dcpstore's clients: ``standard``, or the
+    user's explicit ``adaptive`` (``AWS_RETRY_MODE``)."""
+    mode = os.environ.get("AWS_RETRY_MODE", "").strip().lower()
+    # "legacy" (botocore's default when unset) retries fewer errors and has no
+    # retry quota; we want standard (or the user's explicit adaptive).
+    return mode if mode in ("standard", "adaptive") else "standard"

@@ -43,16 +43,26 @@ The temporary name is fixed per object, so two concurrent writers of the
 *same* object would collide (DCP never does that). ``.<name>.tmp`` files are
 hidden from :meth:`MSCStorage.list` and reported by ``list_incomplete``.
 
-:class:`~dcpstore.storage.base.StorageOptions` here sets only how dcpstore
-splits large reads (``part_size`` ranges, ``max_concurrency`` threads); every
-request's retries are MSC's (its ``retry`` config) and boto3's.
+:class:`~dcpstore.storage.base.StorageOptions` sets how dcpstore splits large
+reads (``part_size`` ranges, ``max_concurrency`` threads). For the implicit
+S3 profile it also sets what MSC's defaults would otherwise decide (60 s
+timeouts, botocore's retries under MSC's own, which multiply): dcpstore builds
+that profile itself (:func:`_implicit_s3_client`: the user's MSC config still
+supplies cache and observability, as MSC's implicit profiles inherit them)
+with ``connect_timeout_s`` and ``read_timeout_s``, and ``max_attempts``
+attempts per request, botocore's retries alone (MSC's retry layer off), as the
+native S3 backend counts them. ``op_timeout_s`` is the native backend's only.
+A profile the user configured (by name, or through ``path_mapping``) keeps
+its own settings: timeouts and retries are then MSC's config.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import tempfile
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from typing import IO, Any
@@ -64,13 +74,90 @@ from ..errors import CheckpointError, InvalidURI, StorageError, StorageNotFound,
 from .base import MiB, ObjectInfo, ObjectWriter, Storage, StorageOptions
 from .buffered import BufferedObjectWriter
 from .codes import Meaning, code_in_text, meaning
-from .kit import byte_ranges, disk_workers, fsync_dir, library_detail, library_text, map_os_error
+from .kit import (
+    aws_env_fingerprint,
+    aws_retry_mode,
+    byte_ranges,
+    disk_workers,
+    fsync_dir,
+    library_detail,
+    library_text,
+    map_os_error,
+)
 from .secrets import scrub_exception
 from .uri import StorageURL
 
 #: Per object, spooled bytes stay in memory up to this size, then go to a
 #: temporary file (see the module docstring).
 SPOOL_MEMORY = 8 * MiB
+
+
+_implicit_clients: dict[tuple[Any, ...], Any] = {}
+_implicit_lock = threading.Lock()
+
+
+def _user_profile_for(url: StorageURL) -> bool:
+    """Whether the user's MSC config decides how ``url`` (``s3://``) is
+    reached: a ``path_mapping`` entry, or a profile named as MSC's implicit
+    one (``_s3-<bucket>``)."""
+    if msc.StorageClientConfig.read_path_mapping().find_mapping(url.uri) is not None:
+        return True
+    config, _ = msc.StorageClientConfig.read_msc_config()
+    return f"_s3-{url.netloc}" in ((config or {}).get("profiles") or {})
+
+
+def _implicit_s3_client(url: StorageURL, options: StorageOptions) -> Any:
+    """MSC's implicit profile for ``s3://<bucket>`` (``_s3-<bucket>``: base
+    path the bucket, endpoint and credentials from boto3's standard sources),
+    built with ``options``' timeouts and attempts (see the module docstring).
+
+    One client per process, profile, options and environment, shared as
+    ``resolve_storage_client`` shares its clients (building one costs a
+    config read and a boto3 client)."""
+    profile = f"_s3-{url.netloc}"
+    key = (
+        os.getpid(),
+        profile,
+        os.environ.get("MSC_CONFIG"),
+        aws_env_fingerprint(),
+        options.connect_timeout_s,
+        options.read_timeout_s,
+        options.max_attempts,
+    )
+    with _implicit_lock:
+        client = _implicit_clients.get(key)
+        if client is None:
+            config, _ = msc.StorageClientConfig.read_msc_config()
+            config = copy.deepcopy(config or {})
+            config.setdefault("profiles", {})[profile] = {
+                "storage_provider": {
+                    "type": "s3",
+                    "options": {
+                        "base_path": url.netloc,
+                        "connect_timeout": options.connect_timeout_s,
+                        "read_timeout": options.read_timeout_s,
+                        # total_max_attempts counts the first try, like max_attempts.
+                        "retries": {"mode": aws_retry_mode(), "total_max_attempts": options.max_attempts},
+                    },
+                },
+                # botocore retries each request; MSC's loop around it would
+                # multiply the attempts (and the time a dead endpoint takes).
+                "retry": {"attempts": 1},
+            }
+            built = msc.StorageClientConfig.from_dict(
+                config, profile=profile, skip_validation=True, telemetry_provider=msc.get_telemetry_provider()
+            )
+            client = _implicit_clients[key] = msc.StorageClient(built)
+        return client
+
+
+def _open_client(url: StorageURL, options: StorageOptions) -> tuple[Any, str]:
+    """The MSC client for ``url`` and the path in it, as
+    ``resolve_storage_client`` finds them, except MSC's implicit S3 profile,
+    which takes ``options`` (:func:`_implicit_s3_client`)."""
+    if url.scheme == "s3" and not _user_profile_for(url):
+        return _implicit_s3_client(url, options), url.path
+    return msc.resolve_storage_client(url.path if url.scheme == "file" else url.uri)
 
 
 def _is_posix_tmp(name: str) -> bool:
@@ -108,9 +195,8 @@ class MSCStorage(Storage):
 
     def __init__(self, url: StorageURL, options: StorageOptions | None = None) -> None:
         super().__init__(url, options)
-        msc_url = url.path if url.scheme == "file" else url.uri
         try:
-            self.client, root = msc.resolve_storage_client(msc_url)
+            self.client, root = _open_client(url, self.options)
         except ValueError as e:
             scrub_exception(e)  # a config error may quote the profile's keys
             raise InvalidURI(f"MSC cannot open {self.uri}: {library_text(str(e))}") from e

@@ -20,7 +20,6 @@ log line here ever contains a credential.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import threading
@@ -33,7 +32,7 @@ from botocore.config import Config
 
 from ..errors import CheckpointError, StorageError, StorageNotFound, StoragePermissionError
 from .base import StorageOptions
-from .kit import http_pool_size, library_detail, library_text
+from .kit import aws_env_fingerprint, aws_retry_mode, http_pool_size, library_detail, library_text
 from .codes import Meaning, meaning
 from .secrets import remember_boto_credentials
 
@@ -47,42 +46,8 @@ class OperationTimeout(Exception):
         super().__init__(f"gave up after {elapsed_s:.1f}s and {attempts} attempts (op_timeout_s={limit_s:g}); last error: {last}")
 
 
-#: Environment variables that change which endpoint, region or credentials a
-#: new client gets; a client is reused only while they are unchanged.
-_ENV_KEYS = (
-    "AWS_ENDPOINT_URL",
-    "AWS_ENDPOINT_URL_S3",
-    "AWS_REGION",
-    "AWS_DEFAULT_REGION",
-    "AWS_PROFILE",
-    "AWS_DEFAULT_PROFILE",
-    "AWS_ACCESS_KEY_ID",
-    "AWS_SECRET_ACCESS_KEY",
-    "AWS_SESSION_TOKEN",
-    "AWS_CONFIG_FILE",
-    "AWS_SHARED_CREDENTIALS_FILE",
-    "AWS_RETRY_MODE",
-    "AWS_REQUEST_CHECKSUM_CALCULATION",
-    "AWS_CA_BUNDLE",
-)
-
 _clients: dict[tuple[Any, ...], Any] = {}
 _clients_lock = threading.Lock()
-
-
-def _env_fingerprint() -> str:
-    # Hashed so that the cache key never holds a credential in clear text.
-    digest = hashlib.sha256()
-    for key in _ENV_KEYS:
-        digest.update(f"{key}={os.environ.get(key, '<unset>')}\n".encode())
-    return digest.hexdigest()
-
-
-def _retry_mode() -> str:
-    mode = os.environ.get("AWS_RETRY_MODE", "").strip().lower()
-    # "legacy" (botocore's default when unset) retries fewer errors and has no
-    # retry quota; we want standard (or the user's explicit adaptive).
-    return mode if mode in ("standard", "adaptive") else "standard"
 
 
 def s3_client(options: StorageOptions) -> Any:
@@ -95,7 +60,7 @@ def s3_client(options: StorageOptions) -> Any:
     """
     key = (
         os.getpid(),
-        _env_fingerprint(),
+        aws_env_fingerprint(),
         options.max_attempts,
         options.max_concurrency,
         options.connect_timeout_s,
@@ -118,7 +83,7 @@ def _make_client(options: StorageOptions) -> Any:
     config = Config(
         # total_max_attempts counts the first try, like StorageOptions.max_attempts
         # (botocore's "max_attempts" would count retries only).
-        retries={"mode": _retry_mode(), "total_max_attempts": options.max_attempts},
+        retries={"mode": aws_retry_mode(), "total_max_attempts": options.max_attempts},
         connect_timeout=options.connect_timeout_s,
         read_timeout=options.read_timeout_s,
         # One connection per request the storage may have in flight.
