@@ -46,6 +46,7 @@ PRELOAD = [
     "test_crash_s3",
     "test_concurrency",
     "test_tiered",
+    "test_tiered_overwrite",
 ]
 
 

@@ -14,7 +14,6 @@ save, and loads across differing directories).
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -29,75 +28,23 @@ import torch.distributed as dist
 import dcpstore
 from backends import Target, make_target
 from crashkit import crash, forkserver
-from dcpstore.format.inflight import ALIVE_PREFIX
 from dcpstore.maintenance import gc, list_checkpoints
-from dcpstore.format.layout import MANIFEST, METADATA, REPLICA_REPORT_PREFIX
+from dcpstore.format.layout import METADATA, REPLICA_REPORT_PREFIX
 from dcpstore.manager import step_dir
 from dist_utils import run_ranks
 from faults import BlockAt, KillAt, Recorder, hook_all_storage, spread
 from helpers import assert_state_equal, zeros_like_state
-
-#: Durable tiers: a local path, native S3 (moto over HTTP), S3 through MSC.
-DURABLE = ["local", "s3", "msc"]
-
-
-@pytest.fixture(params=DURABLE)
-def durable(request: pytest.FixtureRequest) -> Target:
-    return make_target(request.param, request)
-
-
-def _state(step: int, big: int = 4096) -> dict[str, Any]:
-    g = torch.Generator().manual_seed(step)
-    return {
-        "w": torch.randn(64, 33, generator=g),
-        "big": torch.randn(big, generator=g),
-        "opt": {"m": torch.randn(17, generator=g).bfloat16(), "step": step},
-        "step": step,
-    }
-
-
-def _manager(durable: Target, local: Path, **kwargs: Any) -> dcpstore.CheckpointManager:
-    kwargs.setdefault("async_", False)
-    return dcpstore.CheckpointManager(durable.uri, local_dir=str(local), **durable.kwargs, **kwargs)
-
-
-def _durable_steps(durable: Target) -> list[int]:
-    return dcpstore.CheckpointManager(durable.uri, **durable.kwargs).all_steps()
-
-
-def _local_steps(local: Path) -> list[int]:
-    return sorted(int(p.name[5:]) for p in local.glob("step_*") if (p / METADATA).exists())
-
-
-def _assert_durable_step(durable: Target, step: int, big: int = 4096, *, killed: bool = False, load: bool = True) -> None:
-    """The durable copy of ``step`` loads exactly (a plain load of its URI),
-    and holds exactly what the commit protocol writes: no replica reports,
-    no alive file (``killed``: a kill after the commit may have left those,
-    which gc removes)."""
-    uri = f"{durable.uri.rstrip('/')}/{step_dir(step)}"
-    if load:
-        expected = _state(step, big)
-        restored = zeros_like_state(expected)
-        dcpstore.load(restored, uri, **durable.kwargs)
-        assert_state_equal(expected, restored)
-    storage = dcpstore.open_storage(uri, **durable.kwargs)
-    try:
-        names = {o["path"] for o in storage.list()}
-        manifest = json.loads(storage.read(MANIFEST))
-    finally:
-        storage.close()
-    if killed:
-        names = {n for n in names if not (n.startswith(REPLICA_REPORT_PREFIX) or n.startswith(ALIVE_PREFIX))}
-    assert names == {METADATA, MANIFEST, *manifest["files"]}, names
-
-
-def _loads(mgr: dcpstore.CheckpointManager, step: int | None = None, big: int = 4096) -> int:
-    """Load through the manager; check the state is exactly that step's."""
-    restored = zeros_like_state(_state(0, big))
-    got = mgr.load(restored, step)
-    assert_state_equal(_state(got, big), restored)
-    return got
-
+from tiered_kit import (  # noqa: F401
+    assert_durable_step,
+    dtensor_state,
+    durable,
+    durable_steps,
+    full,
+    loads,
+    local_steps,
+    manager,
+    state,
+)
 
 # -- the core: local commit, background replication, retention per tier -------
 
@@ -106,63 +53,63 @@ def _loads(mgr: dcpstore.CheckpointManager, step: int | None = None, big: int = 
 def test_steps_commit_locally_and_replicate_whole(durable: Target, tmp_path: Path, async_: bool) -> None:
     local = tmp_path / "local"
     big = (3 << 20) if durable.name != "local" else 4096  # 12 MiB: multipart at the targets' 5 MiB parts
-    with _manager(durable, local, keep=2, local_keep=1, async_=async_) as mgr:
+    with manager(durable, local, keep=2, local_keep=1, async_=async_) as mgr:
         for step in (10, 20, 30):
-            handle = mgr.save(_state(step, big), step)
+            handle = mgr.save(state(step, big), step)
             info = handle.result()
             assert info.uri.startswith(str(local)), info.uri  # the handle completes at the local commit
         mgr.wait()
-        assert _durable_steps(durable) == [20, 30]
-        assert _local_steps(local) == [30]
+        assert durable_steps(durable) == [20, 30]
+        assert local_steps(local) == [30]
         assert mgr.all_steps() == [20, 30]
         assert mgr.latest_step() == 30
-        assert _loads(mgr, big=big) == 30
-        assert _loads(mgr, 20, big=big) == 20  # only durable: read from there
+        assert loads(mgr, big=big) == 30
+        assert loads(mgr, 20, big=big) == 20  # only durable: read from there
     for step in (20, 30):
-        _assert_durable_step(durable, step, big)
+        assert_durable_step(durable, step, big)
 
 
 def test_fresh_local_dir_resumes_from_the_durable_tier(durable: Target, tmp_path: Path) -> None:
-    with _manager(durable, tmp_path / "node-a") as mgr:
+    with manager(durable, tmp_path / "node-a") as mgr:
         for step in (1, 2):
-            mgr.save(_state(step), step)
+            mgr.save(state(step), step)
     fresh = tmp_path / "node-b"
-    with _manager(durable, fresh) as mgr:
+    with manager(durable, fresh) as mgr:
         assert mgr.all_steps() == [1, 2]
-        assert _loads(mgr) == 2
-        mgr.save(_state(3), 3)  # and goes on from there
+        assert loads(mgr) == 2
+        mgr.save(state(3), 3)  # and goes on from there
         mgr.wait()
-        assert _local_steps(fresh) == [3]
-    assert _durable_steps(durable) == [1, 2, 3]
+        assert local_steps(fresh) == [3]
+    assert durable_steps(durable) == [1, 2, 3]
 
 
 def test_load_reads_the_local_copy_when_it_is_whole(tmp_path: Path) -> None:
     durable = Target("local", str(tmp_path / "durable"))
     local = tmp_path / "local"
-    with _manager(durable, local) as mgr:
-        mgr.save(_state(5), 5)
+    with manager(durable, local) as mgr:
+        mgr.save(state(5), 5)
         mgr.wait()
         # Damage the durable copy: a load that read it would fail its checksums.
         data = next(p for p in (tmp_path / "durable" / step_dir(5)).iterdir() if p.suffix == ".distcp")
         data.write_bytes(b"\0" * data.stat().st_size)
-        assert _loads(mgr) == 5
+        assert loads(mgr) == 5
         # A local copy that lost a file is not whole: the (repaired) durable copy is read.
         shutil_copy = (local / step_dir(5) / data.name).read_bytes()
         data.write_bytes(shutil_copy)
         (local / step_dir(5) / data.name).unlink()
         assert mgr.all_steps() == [5]
-        assert _loads(mgr) == 5
+        assert loads(mgr) == 5
 
 
 def test_replicate_every_and_local_retention(tmp_path: Path) -> None:
     durable = Target("local", str(tmp_path / "durable"))
     local = tmp_path / "local"
-    with _manager(durable, local, local_keep=2, replicate_every=2) as mgr:
+    with manager(durable, local, local_keep=2, replicate_every=2) as mgr:
         for step in range(1, 6):
-            mgr.save(_state(step), step)
+            mgr.save(state(step), step)
         mgr.wait()
-        assert _durable_steps(durable) == [2, 4]  # only even steps go to the durable tier
-        assert _local_steps(local) == [4, 5]
+        assert durable_steps(durable) == [2, 4]  # only even steps go to the durable tier
+        assert local_steps(local) == [4, 5]
         assert mgr.all_steps() == [2, 4, 5]
 
 
@@ -182,15 +129,15 @@ def test_retention_per_tier_matches_the_model(
     base = tmp_path_factory.mktemp("model")
     durable, local = Target("local", str(base / "durable")), base / "local"
     steps = [sum(gaps[: i + 1]) for i in range(len(gaps))]
-    with _manager(durable, local, keep=keep, local_keep=local_keep, replicate_every=every) as mgr:
+    with manager(durable, local, keep=keep, local_keep=local_keep, replicate_every=every) as mgr:
         for step in steps:
-            mgr.save(_state(step, 64), step)
+            mgr.save(state(step, 64), step)
         mgr.wait()
         selected = [s for s in steps if s % every == 0]
-        assert _durable_steps(durable) == (selected[-keep:] if keep else selected)
-        assert _local_steps(local) == (steps[-local_keep:] if local_keep else steps)
-        assert mgr.all_steps() == sorted(set(_durable_steps(durable)) | set(_local_steps(local)))
-        assert _loads(mgr, big=64) == steps[-1]
+        assert durable_steps(durable) == (selected[-keep:] if keep else selected)
+        assert local_steps(local) == (steps[-local_keep:] if local_keep else steps)
+        assert mgr.all_steps() == sorted(set(durable_steps(durable)) | set(local_steps(local)))
+        assert loads(mgr, big=64) == steps[-1]
 
 
 def test_a_local_step_is_kept_until_it_is_replicated(tmp_path: Path) -> None:
@@ -198,61 +145,45 @@ def test_a_local_step_is_kept_until_it_is_replicated(tmp_path: Path) -> None:
     durable_path.write_text("a file where the durable root should be")  # every replication fails
     durable = Target("local", str(durable_path))
     local = tmp_path / "local"
-    mgr = _manager(durable, local, local_keep=1, keep=2)
+    mgr = manager(durable, local, local_keep=1, keep=2)
     for step in (1, 2, 3):
-        mgr.save(_state(step), step)  # local commits go on
+        mgr.save(state(step), step)  # local commits go on
     with pytest.raises(dcpstore.SaveError, match="replication to .*durable.* failed"):
         mgr.wait()
-    assert _local_steps(local) == [1, 2, 3]  # none replicated: none deleted
+    assert local_steps(local) == [1, 2, 3]  # none replicated: none deleted
     mgr.close()
     durable_path.unlink()
     # The next manager over the same local dir replicates what the durable tier lacks.
-    with _manager(durable, local, local_keep=1, keep=2) as mgr:
+    with manager(durable, local, local_keep=1, keep=2) as mgr:
         mgr.wait()
-        assert _durable_steps(durable) == [2, 3]
-        assert _local_steps(local) == [3]
+        assert durable_steps(durable) == [2, 3]
+        assert local_steps(local) == [3]
     for step in (2, 3):
-        _assert_durable_step(durable, step)
+        assert_durable_step(durable, step)
 
 
 def test_a_corrupt_local_copy_is_never_replicated(tmp_path: Path) -> None:
     durable = Target("local", str(tmp_path / "durable"))
     local = tmp_path / "local"
-    dcpstore.save(_state(7), str(local / step_dir(7)))
+    dcpstore.save(state(7), str(local / step_dir(7)))
     data = next(p for p in (local / step_dir(7)).iterdir() if p.suffix == ".distcp")
     blob = bytearray(data.read_bytes())
     blob[len(blob) // 2] ^= 0x40  # bit rot after the local commit
     data.write_bytes(bytes(blob))
-    mgr = _manager(durable, local)  # catch-up replicates step 7
+    mgr = manager(durable, local)  # catch-up replicates step 7
     with pytest.raises(dcpstore.SaveError, match="does not match its integrity manifest"):
         mgr.wait()
     mgr.close()
-    assert _durable_steps(durable) == []
+    assert durable_steps(durable) == []
     assert not (tmp_path / "durable" / step_dir(7) / data.name).exists()
-
-
-def test_overwrite_retracts_the_durable_copy_first(durable: Target, tmp_path: Path) -> None:
-    with _manager(durable, tmp_path / "local") as mgr:
-        mgr.save(_state(1), 1)
-        mgr.wait()
-        with pytest.raises(dcpstore.CheckpointExists, match="already exists: step 1 is committed"):
-            mgr.save(_state(2), 1)
-        mgr.save(_state(2), 1, overwrite=True)
-        mgr.wait()
-        restored = zeros_like_state(_state(2))
-        mgr.load(restored, 1)
-        assert_state_equal(_state(2), restored)
-    restored = zeros_like_state(_state(2))
-    dcpstore.load(restored, f"{durable.uri}/{step_dir(1)}", **durable.kwargs)
-    assert_state_equal(_state(2), restored)
 
 
 def test_gc_keeps_a_replication_in_progress(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     durable = Target("local", str(tmp_path / "durable"))
     gate = BlockAt(lambda e: e.startswith(f"commit:{step_dir(1)}/__"))  # a data file's upload hangs
     hook_all_storage({durable.uri: gate}, monkeypatch.setattr)
-    mgr = _manager(durable, tmp_path / "local")
-    mgr.save(_state(1), 1)
+    mgr = manager(durable, tmp_path / "local")
+    mgr.save(state(1), 1)
     assert gate.reached.wait(60)
     root = dcpstore.open_storage(durable.uri)
     try:
@@ -263,7 +194,7 @@ def test_gc_keeps_a_replication_in_progress(tmp_path: Path, monkeypatch: pytest.
         root.close()
     mgr.wait()
     mgr.close()
-    _assert_durable_step(durable, 1)
+    assert_durable_step(durable, 1)
 
 
 @pytest.mark.parametrize(
@@ -295,8 +226,8 @@ def test_replication_pending_at_exit_is_finished_by_atexit(tmp_path: Path) -> No
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr
-    assert _local_steps(local) == [1]
-    assert _durable_steps(Target("local", str(durable))) == [1]
+    assert local_steps(local) == [1]
+    assert durable_steps(Target("local", str(durable))) == [1]
 
 
 def test_an_unreachable_durable_root_fails_at_construction(request: pytest.FixtureRequest, tmp_path: Path) -> None:
@@ -310,12 +241,12 @@ def test_ls_shows_where_each_step_lives(tmp_path: Path, capsys: pytest.CaptureFi
 
     durable = Target("local", str(tmp_path / "durable"))
     local = tmp_path / "local"
-    with _manager(durable, local, keep=2, local_keep=2) as mgr:
+    with manager(durable, local, keep=2, local_keep=2) as mgr:
         for step in (1, 2, 3):
-            mgr.save(_state(step), step)
+            mgr.save(state(step), step)
     # durable: 2, 3; local: 2, 3 -> add a local-only step (replicate_every skips it)
-    with _manager(durable, local, keep=2, local_keep=3, replicate_every=2) as mgr:
-        mgr.save(_state(5), 5)
+    with manager(durable, local, keep=2, local_keep=3, replicate_every=2) as mgr:
+        mgr.save(state(5), 5)
     assert cli_main(["ls", durable.uri, "--local-dir", str(local)]) == 0
     out = capsys.readouterr().out
     lines = {line.split()[0]: line for line in out.splitlines() if line.startswith("step_")}
@@ -331,11 +262,11 @@ def _replicating_child(durable_uri: str, local: str, kwargs: dict[str, Any], hoo
     """Commit step 1 (replicated), then step 2, killed by ``hook`` (on the
     durable tier's storage calls only) while step 2 is replicated."""
     with dcpstore.CheckpointManager(durable_uri, local_dir=local, async_=False, keep=1, **kwargs) as mgr:
-        mgr.save(_state(1, 1 << 20), 1)
+        mgr.save(state(1, 1 << 20), 1)
         mgr.wait()
     hook_all_storage({durable_uri: hook})
     with dcpstore.CheckpointManager(durable_uri, local_dir=local, async_=False, keep=1, **kwargs) as mgr:
-        mgr.save(_state(2, 1 << 20), 2)
+        mgr.save(state(2, 1 << 20), 2)
         mgr.wait()
 
 
@@ -362,7 +293,7 @@ def _run_replication_crashes(durable: Target, tmp_path: Path, points: int) -> No
         root = durable.child(f"kill{k}")
         local = tmp_path / f"local{k}"
         assert crash(ctx, _kill_child, root.uri, str(local), durable.kwargs, k) == -9, events[k]
-        steps = _durable_steps(root)
+        steps = durable_steps(root)
         # Whole committed steps only, never none: step 1 is retired only after step 2 committed.
         assert steps in ([1], [2], [1, 2]), (k, events[k], steps)
         if k <= commit:
@@ -370,7 +301,7 @@ def _run_replication_crashes(durable: Target, tmp_path: Path, points: int) -> No
         if k > committed:
             assert 2 in steps, (k, events[k])
         for step in steps:
-            _assert_durable_step(root, step, 1 << 20, killed=True)
+            assert_durable_step(root, step, 1 << 20, killed=True)
         # gc removes what the killed replication left (its process is gone), never a committed step.
         storage = dcpstore.open_storage(root.uri, **root.kwargs)
         try:
@@ -378,16 +309,16 @@ def _run_replication_crashes(durable: Target, tmp_path: Path, points: int) -> No
             assert all(e.committed for e in list_checkpoints(storage)), (k, events[k])
         finally:
             storage.close()
-        assert _durable_steps(root) == steps, (k, events[k])
+        assert durable_steps(root) == steps, (k, events[k])
         # The next manager over the same local dir replicates step 2 (if the
         # kill came after its local commit: the first events are the manager's own listings).
-        newest = _local_steps(local)[-1]
-        with _manager(root, local, keep=1) as mgr:
+        newest = local_steps(local)[-1]
+        with manager(root, local, keep=1) as mgr:
             mgr.wait()
-        after = _durable_steps(root)
+        after = durable_steps(root)
         # Retention (keep=1) of step 1 runs after the next commit, as a plain manager's does.
         assert after[-1] == newest and set(after) <= {1, 2}, (k, events[k], after)
-        _assert_durable_step(root, newest, 1 << 20, killed=True)  # a kill after the commit: gc's markers
+        assert_durable_step(root, newest, 1 << 20, killed=True)  # a kill after the commit: gc's markers
         replicated_from = min(i for i, e in enumerate(events) if e.startswith(f"open:{step_dir(2)}/"))
         assert newest == 2 or k < replicated_from, (k, events[k])
 
@@ -404,52 +335,40 @@ def test_sigkill_during_replication_leaves_whole_steps_s3(request: pytest.Fixtur
 # -- two gloo ranks ---------------------------------------------------------------
 
 
-def _dtensor_state(world_size: int, step: int) -> dict[str, Any]:
-    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
-
-    mesh = init_device_mesh("cpu", (world_size,))
-    full = torch.arange(64 * 24, dtype=torch.float32).reshape(64, 24) + step
-    return {"w": distribute_tensor(full, mesh, [Shard(0)]), "step": step}
-
-
-def _full(step: int) -> torch.Tensor:
-    return torch.arange(64 * 24, dtype=torch.float32).reshape(64, 24) + step
-
-
 def _ranks_save(rank: int, world_size: int, durable_uri: str, local_dirs: list[str], env: dict[str, str]) -> None:
     # One local directory that every rank sees (node-local ones are refused).
     local = local_dirs[rank % len(local_dirs)]
     with dcpstore.CheckpointManager(durable_uri, local_dir=local, async_=True, keep=2, local_keep=2, workers=2) as mgr:
         for step in (1, 2, 3):
-            mgr.save(_dtensor_state(world_size, step), step)
+            mgr.save(dtensor_state(world_size, step), step)
         mgr.wait()
         dist.barrier()
         assert mgr.all_steps()[-1] == 3
-        state = _dtensor_state(world_size, 0)
+        state = dtensor_state(world_size, 0)
         assert mgr.load(state) == 3
-        assert torch.equal(state["w"].full_tensor(), _full(3)) and state["step"] == 3
+        assert torch.equal(state["w"].full_tensor(), full(3)) and state["step"] == 3
 
 
 def _ranks_load(rank: int, world_size: int, durable_uri: str, local_dirs: list[str], expect: int) -> None:
     local = local_dirs[rank % len(local_dirs)]
     with dcpstore.CheckpointManager(durable_uri, local_dir=local) as mgr:
-        state = _dtensor_state(world_size, 0)
+        state = dtensor_state(world_size, 0)
         assert mgr.load(state) == expect
-        assert torch.equal(state["w"].full_tensor(), _full(expect)) and state["step"] == expect
+        assert torch.equal(state["w"].full_tensor(), full(expect)) and state["step"] == expect
 
 
 def test_two_ranks_replicate_and_agree_on_the_copy(tmp_path: Path) -> None:
     durable_uri = str(tmp_path / "durable")
     shared = str(tmp_path / "local")
     run_ranks(_ranks_save, 2, durable_uri, [shared], {})
-    assert _durable_steps(Target("local", durable_uri)) == [2, 3]
+    assert durable_steps(Target("local", durable_uri)) == [2, 3]
     assert not list(Path(durable_uri).glob(f"*/{REPLICA_REPORT_PREFIX}*"))  # reports removed after the commit
     # Resharding: one process reads it back, from the durable tier (a fresh dir) or the local one.
     for local in (str(tmp_path / "fresh"), shared):
         with dcpstore.CheckpointManager(durable_uri, local_dir=local) as mgr:
             dest = {"w": torch.zeros(64, 24), "step": 0}
             assert mgr.load(dest) == 3
-            assert torch.equal(dest["w"], _full(3))
+            assert torch.equal(dest["w"], full(3))
     # Both ranks hold the whole local copy: both read it (the durable one is damaged).
     durable_files = list(Path(durable_uri, step_dir(3)).glob("*.distcp"))
     saved = {p: p.read_bytes() for p in durable_files}
@@ -469,7 +388,7 @@ def _ranks_node_local_save(rank: int, world_size: int, durable_uri: str, local_d
     with dcpstore.CheckpointManager(durable_uri, local_dir=local_dirs[rank], async_=True) as mgr:
         for _ in range(2):  # refused alike on every rank, before anything is written; again on a retry
             with pytest.raises(dcpstore.InvalidArgument, match=r"not one directory that every rank sees.*rank 0 does"):
-                mgr.save(_dtensor_state(world_size, 1), 1)
+                mgr.save(dtensor_state(world_size, 1), 1)
         mgr.wait()
 
 
@@ -479,7 +398,7 @@ def test_node_local_directories_are_refused_before_the_first_save(tmp_path: Path
     run_ranks(_ranks_node_local_save, 2, durable_uri, local_dirs)
     for local in local_dirs:
         assert list(Path(local).iterdir()) == []  # no step directory, no probe file left
-    assert _durable_steps(Target("local", durable_uri)) == []
+    assert durable_steps(Target("local", durable_uri)) == []
 
 
 def _ranks_one_fails(rank: int, world_size: int, durable_uri: str, local: str) -> None:
@@ -491,7 +410,7 @@ def _ranks_one_fails(rank: int, world_size: int, durable_uri: str, local: str) -
 
         tiered.upload_files = broken  # type: ignore[assignment]
     mgr = dcpstore.CheckpointManager(durable_uri, local_dir=local, async_=False, replicate_timeout_s=3.0)
-    mgr.save(_dtensor_state(world_size, 1), 1)
+    mgr.save(dtensor_state(world_size, 1), 1)
     expected = "injected" if rank == 1 else r"\(__1_0\.distcp\) never arrived"
     with pytest.raises(dcpstore.SaveError, match=expected):
         mgr.wait()
@@ -501,8 +420,8 @@ def _ranks_one_fails(rank: int, world_size: int, durable_uri: str, local: str) -
 def test_a_rank_whose_uploads_fail_leaves_no_durable_step(tmp_path: Path) -> None:
     durable_uri = str(tmp_path / "durable")
     run_ranks(_ranks_one_fails, 2, durable_uri, str(tmp_path / "local"))
-    assert _durable_steps(Target("local", durable_uri)) == []
-    assert _local_steps(tmp_path / "local") == [1]  # kept: it still needs replicating
+    assert durable_steps(Target("local", durable_uri)) == []
+    assert local_steps(tmp_path / "local") == [1]  # kept: it still needs replicating
 
 
 @pytest.mark.slow
@@ -515,9 +434,9 @@ def test_an_item_over_512_mib_replicates_to_s3_and_loads_back(request: pytest.Fi
         part_size=256 << 20, max_concurrency=2, max_attempts=5, read_timeout_s=300.0, op_timeout_s=900.0
     )
     big = (600 << 20) // 4 + 3  # one float32 tensor past 2**29 bytes, not a multiple of a MiB
-    with _manager(durable, tmp_path / "local", local_keep=1) as mgr:
-        mgr.save(_state(1, big), 1)
+    with manager(durable, tmp_path / "local", local_keep=1) as mgr:
+        mgr.save(state(1, big), 1)
         mgr.wait()
-    _assert_durable_step(durable, 1, big, load=False)
-    with _manager(durable, tmp_path / "fresh") as mgr:  # a fresh node: resumes from S3, every CRC checked
-        assert _loads(mgr, big=big) == 1
+    assert_durable_step(durable, 1, big, load=False)
+    with manager(durable, tmp_path / "fresh") as mgr:  # a fresh node: resumes from S3, every CRC checked
+        assert loads(mgr, big=big) == 1

@@ -8,6 +8,9 @@ step, and which rank calls what (no collective runs: the ranks meet through
 the durable tier itself, so replication never touches the training's
 process group from a background thread)::
 
+    every rank    check_no_clash(durable, step, files, commit)
+                      the durable tier may hold an older commit of the step
+                      (an overwrite): its files are never written over
     every rank    upload_files(local, durable, step, files, expected)
                       the data files this rank's own save wrote (its
                       CheckpointInfo.files: names are never guessed),
@@ -26,8 +29,16 @@ process group from a background thread)::
                       either its own upload or covered by a report whose
                       size and CRC32C match the manifest, then writes the
                       manifest, then ``.metadata``; then removes the reports
-                      and what an earlier, interrupted replica left (data
-                      files no longer named, its alive file)
+                      and what an earlier commit of the step or an
+                      interrupted replica left (data files and manifests
+                      no longer named, alive files)
+
+Replicating a step the durable tier already holds (the step was saved again
+with ``overwrite=True``) is the overwrite of :mod:`dcpstore.dcp.commit`: the
+new commit's files have names the old one does not use, so until the new
+``.metadata`` lands the durable step loads exactly the old copy, after it
+exactly the new one; a crash in between leaves files that ``dcpstore gc``
+removes.
 
 The coordinator's own local copy must hold the manifest and ``.metadata``
 (it does: the coordinator commits the local save). Other ranks check their
@@ -180,6 +191,34 @@ def upload_files(
     with ThreadPoolExecutor(max(1, min(workers, len(names))), thread_name_prefix="dcpstore-replicate") as pool:
         entries = list(pool.map(one, names))
     return dict(zip(names, entries))
+
+
+def check_no_clash(durable: Storage, step: int, names: Iterable[str], commit: LocalCommit | None) -> None:
+    """Every rank, before uploading ``names`` of the local ``commit`` of
+    ``step``: refuse (:class:`SaveError`, nothing uploaded) if the durable
+    tier holds *another* commit of the step that names one of them, or the
+    manifest's name (without a manifest: any file there): uploading would
+    change a file its committed ``.metadata`` points at. An overwrite's
+    local save takes save-unique names (the manager sees to it), so this
+    needs two saves' random tags to meet. One listing; the commit is read
+    only where the durable step is committed."""
+    prefix = step_dir(step)
+    listed = {o["path"][len(prefix) + 1 :] for o in durable.list(f"{prefix}/")}
+    if METADATA not in listed:
+        return
+    old = read_local_commit(durable, step, listed)
+    if old is not None and commit is not None and old.metadata_blob == commit.metadata_blob:
+        return  # the same commit, replicated before (or partly: its files may be rewritten)
+    kept = {*old.manifest["files"], old.manifest_name} if old is not None else listed
+    ours = {*names, commit.manifest_name} if commit is not None else set(names)
+    clash = sorted(ours & kept)
+    if clash:
+        shown = ", ".join(clash[:3]) + (", ..." if len(clash) > 3 else "")
+        raise SaveError(
+            f"step {step} was not replicated to {durable.describe(prefix)}: the durable tier holds another commit "
+            f"of the step that uses the same file name(s) ({shown}); its copy is left as it is. Save the step "
+            "again (overwrite=True: the new save picks new names)"
+        )
 
 
 def write_report(durable: Storage, step: int, rank: int, entries: Mapping[str, FileEntry]) -> None:

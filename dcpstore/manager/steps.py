@@ -68,14 +68,20 @@ def parse_step_dir(name: str) -> int | None:
 
 def committed_steps(root: Storage) -> list[int]:
     """The committed steps under ``root``, ascending (one listing)."""
-    steps = set()
+    return sorted(commit_times(root))
+
+
+def commit_times(root: Storage) -> dict[int, float | None]:
+    """The committed steps under ``root`` with the modification time of their
+    ``.metadata`` (None where the backend gives none), one listing."""
+    steps: dict[int, float | None] = {}
     for obj in root.list():
         directory, name = posixpath.split(obj["path"])
         if name == METADATA and "/" not in directory:
             step = parse_step_dir(directory)
             if step is not None:
-                steps.add(step)
-    return sorted(steps)
+                steps[step] = obj.get("mtime")
+    return steps
 
 
 def is_committed(root: Storage, step: int) -> bool:

@@ -23,11 +23,17 @@ Which rank does what (every rank constructs the manager alike):
   manager does); the local tier the ``local_keep`` newest committed, but a
   local step that still needs replicating is never deleted (one replication
   failed: it stays until a later manager replicates it).
+* **Overwrites**: saving a step again (``overwrite=True``) never loses its
+  durable copy: the new replica commits over it as an overwrite save does
+  (save-unique names, ``.metadata`` last, then the old files go; see
+  :meth:`TieredRoots.before_save` and :mod:`.replicate`).
 * **Catch-up**: a new manager's coordinator queues the committed local steps
-  that need replicating (selected, missing from the durable tier and not
-  older than the durable tier's ``keep`` newest), so that a crash during
-  replication loses nothing that was committed locally (from its whole
-  local copy: every file the manifest names).
+  that need replicating (selected; missing from the durable tier and not
+  older than the durable tier's ``keep`` newest, or there as an older
+  commit: an overwrite whose replication did not finish), so that a crash
+  during replication loses nothing that was committed locally (from its
+  whole local copy: every file the manifest names). Local retention keeps
+  such steps too.
 * **One local directory**: ``local_dir`` must be the same directory for
   every rank of the job (one node's disk, or a path every node sees). The
   first save checks it (collective, once per manager): each rank writes a
@@ -35,11 +41,13 @@ Which rank does what (every rank constructs the manager alike):
   misses one, every rank's save raises :class:`InvalidArgument` before
   anything is written. Node-local directories are not supported yet: the
   save's commit protocol checks ownership through the coordinator's
-  in-flight marker on every rank, and only the coordinator's directory
-  would hold the commit (``.metadata`` and manifest), which the other
-  nodes' loads, retention and catch-up need. (Loads alone already work
-  with differing directories: a rank without a whole copy sends every rank
-  to the durable tier.)
+  in-flight marker on every rank; the claim chooses the names (stock or
+  save-unique) from the coordinator's directory alone, so another node's
+  ranks could write over an older copy there in place; and only the
+  coordinator's directory would hold the commit (``.metadata`` and
+  manifest), which the other nodes' loads, retention and catch-up need.
+  (Loads alone already work with differing directories: a rank without a
+  whole copy sends every rank to the durable tier.)
 * **Loading** (collective): every rank lists its *whole* local copies (the
   manifest and every file it names, at its size); the step is the newest
   committed one in either tier; it is read from the local tier if every rank
@@ -63,17 +71,29 @@ import os
 import threading
 import time
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from ..errors import CheckpointError, InvalidArgument, SaveError
-from ..format.layout import METADATA
+from ..errors import CheckpointError, InvalidArgument, SaveError, StorageNotFound
+from ..format.layout import INFLIGHT, METADATA
+from ..format.manifest import METADATA_LIMIT, read_capped
 from ..handle import SaveHandle
 from ..storage import Storage, join_uri
-from .replicate import commit_replica, keep_alive, read_local_commit, upload_files, write_report
+from .replicate import check_no_clash, commit_replica, keep_alive, read_local_commit, upload_files, write_report
 from .roots import group_rank, is_distributed, not_found
-from .steps import check_step, committed_steps, delete_step, parse_step_dir, read_pointer, retire, step_dir, write_pointer
+from .steps import (
+    check_step,
+    commit_times,
+    committed_steps,
+    delete_step,
+    parse_step_dir,
+    read_pointer,
+    retire,
+    step_dir,
+    write_pointer,
+)
 
 log = logging.getLogger(__name__)
 
@@ -155,9 +175,10 @@ class TieredRoots:
         #: Durable steps as of construction, plus those replicated since: what
         #: ``save`` checks (no object-store round trip while the caller waits).
         try:
-            self._durable_known = set(self.durable_steps())  # also: the durable root is reachable
+            replicas = commit_times(self._durable)  # also: the durable root is reachable
+            self._durable_known = set(replicas)
             if self._coordinator:
-                self._catch_up()
+                self._catch_up(replicas)
         except BaseException:
             self.close()
             raise
@@ -209,25 +230,68 @@ class TieredRoots:
         hints = [p for p in (read_pointer(self._local), read_pointer(self._durable)) if p is not None]
         return max(hints) if hints else None
 
-    def _needs_replication(self, step: int, durable: list[int]) -> bool:
-        if not self.selected(step) or step in durable:
+    def _needs_replication(self, step: int, durable: Mapping[int, float | None]) -> bool:
+        """Whether the local commit of ``step`` still has to go to the durable
+        tier, whose committed steps (and their ``.metadata`` times) are
+        ``durable``: selected, and missing there or there as an older commit
+        (:meth:`_replica_is_older`)."""
+        if not self.selected(step):
             return False
+        if step in durable:
+            try:
+                return self._replica_is_older(step, durable[step])
+            except CheckpointError as e:  # cannot tell: keep it, replicate it (its old copy is safe)
+                log.warning("could not compare the local and durable copies of step %d: %s", step, e)
+                return True
         # Older than the durable tier's keep newest: retention would delete it at once.
         return self._keep is None or sum(1 for d in durable if d > step) < self._keep
+
+    def _replica_is_older(self, step: int, durable_time: float | None) -> bool:
+        """Whether the durable copy of ``step`` is another commit than the local
+        one and older: the step was saved again (``overwrite=True``) and that
+        save's replication did not finish (a crash, a failure). A replica is
+        written after the local commit it copies, so a durable ``.metadata``
+        newer than the local one is that replica (or a later save's, from
+        another local directory: never replaced by this older local copy);
+        only an older-looking one is read and compared, since the two clocks
+        (node, object store) may differ and object stores keep whole seconds."""
+        prefix = step_dir(step)
+        local_time = next(
+            (o.get("mtime") for o in self._local.list(f"{prefix}/") if o["path"] == f"{prefix}/{METADATA}"), None
+        )
+        if local_time is None or (durable_time is not None and durable_time >= local_time):
+            return False
+        commit = read_local_commit(self._local, step)
+        if commit is None:
+            return False
+        try:
+            replica = read_capped(self._durable, f"{prefix}/{METADATA}", METADATA_LIMIT)
+        except StorageNotFound:  # retracted meanwhile
+            return True
+        return replica != commit.metadata_blob
 
     # -- saving ---------------------------------------------------------------
     def before_save(self, step: int, overwrite: bool) -> None:
         """Every rank, before each save: the first one checks that every
         rank sees one ``local_dir`` (:meth:`_check_one_local_dir`).
-        Overwriting a step: its durable copy is retracted (coordinator,
-        after any replication of it under way), so that the durable tier
-        never pairs the old ``.metadata`` with the new data files."""
+
+        Overwriting a step never loses its durable copy (coordinator, after
+        any replication under way): the new replica goes up beside it and
+        commits over it as any overwrite save does (:mod:`dcpstore.dcp.commit`):
+        data files and manifest under the new save's names, ``.metadata``
+        last, then the old copy's files go. That needs names the durable
+        copy does not use: the local save picks save-unique ones where its
+        directory holds anything, so where the durable tier holds files of
+        the step an in-flight marker is put in the local step directory
+        first (the claim replaces it). Should the random tags still meet
+        (1 in 2**32), the replication refuses
+        (:func:`~.replicate.check_no_clash`) rather than touch the old copy."""
         self._check_one_local_dir()
         if overwrite and self._coordinator:
             self.wait(self._timeout_s)
-            if self._durable.exists(f"{step_dir(step)}/{METADATA}"):
-                delete_step(self._durable, step)
-        self._durable_known.discard(step)
+            prefix = step_dir(step)
+            if any(True for _ in self._durable.list(f"{prefix}/")):
+                self._local.put(f"{prefix}/{INFLIGHT}", b"")
 
     def _check_one_local_dir(self) -> None:
         """Collective, once: every rank writes a probe file into ``local_dir``
@@ -297,11 +361,10 @@ class TieredRoots:
                 self._thread.start()
             self._cond.notify_all()
 
-    def _catch_up(self) -> None:
-        durable = sorted(self._durable_known)
+    def _catch_up(self, durable: Mapping[int, float | None]) -> None:
         for step in self.local_steps():
             if self._needs_replication(step, durable):
-                log.info("step %d is committed locally but not in %s: replicating it", step, self.uri)
+                log.info("step %d is committed locally but not (as this commit) in %s: replicating it", step, self.uri)
                 self._submit(_Job(step, None))
 
     # -- the replicator thread ------------------------------------------------
@@ -336,6 +399,7 @@ class TieredRoots:
             if expected is None:
                 raise SaveError(f"{self._local.describe(step_dir(job.step))} has no {METADATA} with its manifest")
             files = tuple(expected["files"])
+        check_no_clash(self._durable, job.step, files, commit)
         if not self._coordinator:
             own = upload_files(self._local, self._durable, job.step, files, expected, self._workers)
             write_report(self._durable, job.step, self._rank, own)
@@ -356,7 +420,7 @@ class TieredRoots:
         delete older ones unless they still need replicating."""
         assert self._local_keep is not None
         try:
-            durable = self.durable_steps()
+            durable = commit_times(self._durable)
             candidates = [s for s in committed_steps(self._local) if s <= newest]
         except CheckpointError as e:
             log.warning("local retention under %s skipped: %s", self.local_uri, e)

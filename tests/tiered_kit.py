@@ -1,0 +1,98 @@
+"""What the tiered-checkpoint tests share (tests/test_tiered*.py): the
+durable backends they run over, a state per step, and checks of what each
+tier holds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import dcpstore
+from backends import Target, make_target
+from dcpstore.format.inflight import ALIVE_PREFIX
+from dcpstore.format.layout import METADATA, REPLICA_REPORT_PREFIX
+from dcpstore.manager import step_dir
+from dcpstore.manager.replicate import read_local_commit
+from helpers import assert_state_equal, zeros_like_state
+
+#: Durable tiers: a local path, native S3 (moto over HTTP), S3 through MSC.
+DURABLE = ["local", "s3", "msc"]
+
+
+@pytest.fixture(params=DURABLE)
+def durable(request: pytest.FixtureRequest) -> Target:
+    return make_target(request.param, request)
+
+
+def state(step: int, big: int = 4096) -> dict[str, Any]:
+    """The state saved at ``step`` (or any seed: an overwrite saves another one)."""
+    g = torch.Generator().manual_seed(step)
+    return {
+        "w": torch.randn(64, 33, generator=g),
+        "big": torch.randn(big, generator=g),
+        "opt": {"m": torch.randn(17, generator=g).bfloat16(), "step": step},
+        "step": step,
+    }
+
+
+def manager(durable: Target, local: Path, **kwargs: Any) -> dcpstore.CheckpointManager:
+    kwargs.setdefault("async_", False)
+    return dcpstore.CheckpointManager(durable.uri, local_dir=str(local), **durable.kwargs, **kwargs)
+
+
+def durable_steps(durable: Target) -> list[int]:
+    return dcpstore.CheckpointManager(durable.uri, **durable.kwargs).all_steps()
+
+
+def local_steps(local: Path) -> list[int]:
+    return sorted(int(p.name[5:]) for p in local.glob("step_*") if (p / METADATA).exists())
+
+
+def assert_durable_step(
+    durable: Target, step: int, big: int = 4096, *, killed: bool = False, load: bool = True, seed: int | None = None
+) -> None:
+    """The durable copy of ``step`` loads exactly ``state(seed or step)`` (a
+    plain load of its URI), and holds exactly what the commit protocol
+    writes: ``.metadata``, its manifest, the files that names; no replica
+    reports, no alive file, no other commit's files (``killed``: a kill
+    after the commit may have left reports and alive files, which gc removes)."""
+    uri = f"{durable.uri.rstrip('/')}/{step_dir(step)}"
+    if load:
+        expected = state(step if seed is None else seed, big)
+        restored = zeros_like_state(expected)
+        dcpstore.load(restored, uri, **durable.kwargs)
+        assert_state_equal(expected, restored)
+    root = dcpstore.open_storage(durable.uri, **durable.kwargs)
+    try:
+        names = {o["path"].partition("/")[2] for o in root.list(f"{step_dir(step)}/")}
+        commit = read_local_commit(root, step)
+    finally:
+        root.close()
+    assert commit is not None, names
+    if killed:
+        names = {n for n in names if not (n.startswith(REPLICA_REPORT_PREFIX) or n.startswith(ALIVE_PREFIX))}
+    assert names == {METADATA, commit.manifest_name, *commit.manifest["files"]}, names
+
+
+def loads(mgr: dcpstore.CheckpointManager, step: int | None = None, big: int = 4096) -> int:
+    """Load through the manager; check the state is exactly that step's."""
+    restored = zeros_like_state(state(0, big))
+    got = mgr.load(restored, step)
+    assert_state_equal(state(got, big), restored)
+    return got
+
+
+def dtensor_state(world_size: int, step: int) -> dict[str, Any]:
+    """A state sharded over ``world_size`` gloo ranks (every rank calls it)."""
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    return {"w": distribute_tensor(full(step), mesh, [Shard(0)]), "step": step}
+
+
+def full(step: int) -> torch.Tensor:
+    """The whole of ``dtensor_state(..., step)["w"]``."""
+    return torch.arange(64 * 24, dtype=torch.float32).reshape(64, 24) + step
