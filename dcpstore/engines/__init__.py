@@ -3,9 +3,9 @@
 Owns everything about *when*: staging a consistent host snapshot
 (:mod:`.staging`), the background saver (:mod:`.saver`: one thread, bounded
 in-flight saves, dedicated background process groups, the per-process
-default saver), the choice of engine (:mod:`.choice`), the NVRx engine with
-all of NVRx's release churn (:mod:`.nvrx`, with its write streams in
-:mod:`.nvrx_stream`; the native engine is DCP's own
+default saver), the choice of engine (:mod:`.choice`), the NVRx engine
+(:mod:`.nvrx`; all that depends on the NVRx release in :mod:`.nvrx_release`,
+its write streams in :mod:`.nvrx_stream`; the native engine is DCP's own
 save with dcpstore's writer, :func:`dcpstore.dcp.writer.save_state_dict`),
 and the one interpreter-exit hook (:mod:`.exit`).
 

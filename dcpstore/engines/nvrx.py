@@ -35,11 +35,8 @@ writer's manifest, computed from a read-back of what NVRx wrote (on an MSC
 object store, one extra GET of each data file).
 
 NVRx releases. Everything that depends on which NVRx release is installed is
-in the "release seam" section below, decided by feature detection
-(``hasattr`` / signature checks), never by version numbers. Tested against
-0.4.1 (the newest release installable on Python 3.11); written to also accept
-the 0.5+ layout, where the per-bucket write is
-``FileSystemWriterAsync._write_bucket_to_storage``. dcpstore takes NVRx's
+in :mod:`.nvrx_release`, decided by feature detection (``hasattr`` /
+signature checks), never by version numbers. dcpstore takes NVRx's
 planning with its ``CheckpointMetadataCache`` (a *private* instance per
 structure; NVRx's module-global cache is never touched) and its finalize as
 they are; its bucket split and per-bucket writer too, but run in dcpstore's
@@ -61,12 +58,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import os
 import posixpath
-import queue
 import time
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -91,39 +86,14 @@ from ..handle import SaveStats
 from ..storage import Storage
 from ..storage.kit import map_os_error
 from ..threads import run_parallel
-from .nvrx_stream import CheckedTransforms
+from . import nvrx_release as release
+from .nvrx_release import import_error as import_error  # the engine choice asks here
 
 INSTALL_HINT = "pip install 'dcpstore[nvrx]' (nvidia-resiliency-ext)"
-_FS_MODULE = "nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async"
-_SAVER_MODULE = "nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver"
 
 # ---------------------------------------------------------------------------
 # Where NVRx can write, and whether it is installed
 # ---------------------------------------------------------------------------
-
-
-def import_error() -> str | None:
-    """Why NVRx's async checkpointing cannot be imported (``None``: it can)."""
-    try:
-        fs = __import__(_FS_MODULE, fromlist=["FileSystemWriterAsync"])
-        saver = __import__(_SAVER_MODULE, fromlist=["save_state_dict_async_plan"])
-    except ImportError as e:
-        return f"nvidia-resiliency-ext is not installed ({e.name or e})"
-    except Exception as e:  # a broken install: say so rather than crash selection
-        return f"nvidia-resiliency-ext failed to import ({type(e).__name__}: {e})"
-    missing = [
-        name
-        for mod, name in (
-            (fs, "FileSystemWriterAsync"),
-            (fs, "_split_by_size_and_type"),
-            (saver, "save_state_dict_async_plan"),
-            (saver, "save_state_dict_async_finalize"),
-        )
-        if not hasattr(mod, name)
-    ]
-    if missing:
-        return f"the installed nvidia-resiliency-ext lacks {', '.join(missing)}"
-    return None
 
 
 def require() -> None:
@@ -177,119 +147,6 @@ def check_target(storage: Storage) -> NvrxTarget:
 
 
 # ---------------------------------------------------------------------------
-# The release seam
-# ---------------------------------------------------------------------------
-
-
-def _module(name: str, attr: str) -> Any:
-    return __import__(name, fromlist=[attr])
-
-
-def new_metadata_cache() -> Any | None:
-    """A private ``CheckpointMetadataCache``, or ``None`` if this release
-    cannot take one per call (then saves run uncached)."""
-    saver = _module(_SAVER_MODULE, "save_state_dict_async_plan")
-    params = inspect.signature(saver.save_state_dict_async_plan).parameters
-    if "metadata_cache" not in params or not hasattr(saver, "CheckpointMetadataCache"):
-        return None
-    return saver.CheckpointMetadataCache()
-
-
-def _plan(
-    state_dict: dict[str, Any], writer: Any, process_group: Any, planner: Any, cache: Any | None
-) -> tuple[Any, Any, Any]:
-    """``save_state_dict_async_plan``: returns (writer, metadata, dist wrapper)."""
-    saver = _module(_SAVER_MODULE, "save_state_dict_async_plan")
-    kwargs: dict[str, Any] = {"process_group": process_group, "coordinator_rank": 0, "planner": planner}
-    if cache is not None:
-        kwargs.update(enable_cache=True, metadata_cache=cache)
-    writer, metadata, wrapper = saver.save_state_dict_async_plan(state_dict, writer, **kwargs)
-    return writer, metadata, wrapper
-
-
-def _finalize(writer: Any, metadata: Any, dist_wrapper: Any) -> None:
-    _module(_SAVER_MODULE, "save_state_dict_async_finalize").save_state_dict_async_finalize(
-        writer, metadata, dist_wrapper
-    )
-
-
-def _split_items(bins: int, items: list[Any]) -> list[list[Any]]:
-    return list(_module(_FS_MODULE, "_split_by_size_and_type")._split_by_size_and_type(bins, items))
-
-
-def _bucket_writer(writer: Any) -> Callable[[Any], tuple[list[Any], dict[Any, tuple[int, int]]]]:
-    """A function writing one NVRx ``WriteBucket`` (file path, storage key,
-    (bytes items, tensor items)) on the calling thread and returning its
-    DCP write results and the located tensors (item index -> offset of
-    the raw bytes in the item, nbytes; :mod:`.nvrx_stream`); raises what
-    the write raised, or the storage's ``OSError`` where torch's zip writer
-    hid it."""
-    cls = type(writer)
-    base = writer.transforms if hasattr(writer, "transforms") else None
-    use_msc = bool(writer.use_msc)
-    open_file = _open_file(writer, use_msc)
-    write_one: Callable[[list[Any], Any], list[Any]]
-    direct = getattr(cls, "_write_bucket_to_storage", None)
-    if direct is not None:  # 0.5+: a plain per-bucket function
-        write_one = lambda transforms, bucket: list(direct(transforms, open_file, bucket, True, use_msc))  # noqa: E731
-    else:
-        write_one = _preloaded_writer(cls, open_file, use_msc)
-
-    def write(bucket: Any) -> tuple[list[Any], dict[Any, tuple[int, int]]]:
-        checked = CheckedTransforms(base, bucket[2][1]) if base is not None else None
-        try:
-            results = write_one([checked] if checked is not None else [], bucket)
-        except BaseException:
-            if checked is not None and checked.error is not None:
-                raise checked.error from None  # the storage's error, not torch's report of it
-            raise
-        return results, checked.raw if checked is not None else {}
-
-    return write
-
-
-def _preloaded_writer(cls: type, open_file: Callable[..., Any], use_msc: bool) -> Callable[[list[Any], Any], list[Any]]:
-    """0.4.x: ``write_preloaded_data`` with its process-pool queues, called
-    on this thread."""
-    raw = inspect.unwrap(cls.write_preloaded_data)  # type: ignore[attr-defined]  # skip the process-wide _disable_gc
-    params = inspect.signature(raw).parameters
-    idx_name = next((p for p in ("local_proc_idx", "local_thread_idx") if p in params), "local_proc_idx")
-    msc_kw = "use_msc" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-
-    def write(transforms: list[Any], bucket: Any) -> list[Any]:
-        lead = [transforms, open_file] if "open_file" in params else [transforms]
-        results: queue.Queue[Any] = queue.Queue()
-        done: queue.Queue[int] = queue.Queue()  # NVRx's count queue: get() + task_done()
-        done.put(0)
-        kwargs: dict[str, Any] = {
-            idx_name: 0,
-            "write_bucket": bucket,
-            "results_queue": results,
-            "count_queue": done,
-            "use_fsync": True,
-        }
-        if msc_kw:
-            kwargs["use_msc"] = use_msc
-        raw(*lead, **kwargs)
-        _, out = results.get_nowait()
-        if isinstance(out, BaseException):
-            raise out
-        return list(out)
-
-    return write
-
-
-def _open_file(writer: Any, use_msc: bool) -> Callable[..., Any]:
-    if use_msc:
-        import multistorageclient as msc
-
-        opener: Callable[..., Any] = msc.open
-        return opener
-    opener = getattr(writer, "open_file", open)
-    return opener
-
-
-# ---------------------------------------------------------------------------
 # The engine
 # ---------------------------------------------------------------------------
 
@@ -298,7 +155,7 @@ def _open_file(writer: Any, use_msc: bool) -> Callable[..., Any]:
 def writer_class() -> type:
     """``FileSystemWriterAsync`` under dcpstore's commit protocol (built
     lazily: NVRx is optional)."""
-    base = _module(_FS_MODULE, "FileSystemWriterAsync").FileSystemWriterAsync
+    base = release.module(release.FS_MODULE, "FileSystemWriterAsync").FileSystemWriterAsync
 
     class NvrxWriter(base):  # type: ignore[misc,valid-type]
         """NVRx's writer; planning, bucketing and file writing are NVRx's,
@@ -339,7 +196,7 @@ def writer_class() -> type:
         def _buckets(self, plan: SavePlan, planner: SavePlanner) -> list[Any]:
             prefix: _StoragePrefix = plan.storage_data
             buckets: list[Any] = []
-            for items in _split_items(self.thread_count, list(plan.items)):
+            for items in release.split_items(self.thread_count, list(plan.items)):
                 if not items:
                     continue
                 name = self.session.data_file(prefix.prefix, len(buckets))
@@ -359,7 +216,7 @@ def writer_class() -> type:
             if self.error is not None or not self.write_buckets:
                 return
             t0 = time.perf_counter()
-            write = _bucket_writer(self)
+            write = release.bucket_writer(self)
 
             def one(bucket: Any) -> list[WriteResult]:
                 self.session.check_owner()
@@ -469,7 +326,7 @@ def nvrx_save(
         writer = writer_class()(session, target, workers)
         metadata: Metadata | None = None
         try:
-            writer, metadata, wrapper = _plan(state_dict, writer, process_group, planner, cache)
+            writer, metadata, wrapper = release.plan(state_dict, writer, process_group, planner, cache)
         except CheckpointException:
             raise  # raised by NVRx's plan exchange: every rank raises it together
         except BaseException as e:  # local to this rank: report it through the gather
@@ -478,7 +335,7 @@ def nvrx_save(
         writer.write_all()
         failure: BaseException | None = None
         try:
-            _finalize(writer, metadata, wrapper)
+            release.finalize(writer, metadata, wrapper)
         except BaseException as e:
             failure = e
         summary = wrapper.broadcast_object(None if failure is None else describe_failure(failure))
@@ -554,7 +411,7 @@ class PlanCaches(dict[int, tuple[Hashable, Any]]):
         on ``group``: every rank calls it), or None."""
         if group is None:
             return None
-        fresh = new_metadata_cache()
+        fresh = release.new_metadata_cache()
         if fresh is None:
             return None
         last = self.get(id(group))
