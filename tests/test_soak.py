@@ -18,7 +18,6 @@ the S3 variant (8 MiB) are ``slow``::
 
 from __future__ import annotations
 
-import gc
 import logging
 import threading
 from typing import Any
@@ -30,6 +29,7 @@ import torch
 import dcpstore
 from backends import Target
 from helpers import assert_state_equal, zeros_like_state
+from rss import fix_mmap_threshold, live_rss
 
 SAVES = 100
 KEEP = 2
@@ -45,8 +45,7 @@ def _state(numel: int) -> dict[str, Any]:
 
 
 def _usage(proc: psutil.Process) -> tuple[int, int, int]:
-    gc.collect()
-    return proc.memory_info().rss, proc.num_fds(), threading.active_count()
+    return live_rss(proc), proc.num_fds(), threading.active_count()
 
 
 def _slope(ys: list[int]) -> float:
@@ -58,6 +57,7 @@ def _slope(ys: list[int]) -> float:
 
 def _soak(target: Target, numel: int, engine: str = "native") -> None:
     proc = psutil.Process()
+    fix_mmap_threshold()
     state = _state(numel)
     state_bytes = numel * 4
     samples: list[tuple[int, int, int]] = []
