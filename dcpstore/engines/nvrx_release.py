@@ -75,12 +75,12 @@ def plan(
     kwargs: dict[str, Any] = {"process_group": process_group, "coordinator_rank": 0, "planner": planner}
     if cache is not None:
         kwargs.update(enable_cache=True, metadata_cache=cache)
-    writer, metadata, wrapper = saver.save_state_dict_asyncplan(state_dict, writer, **kwargs)
+    writer, metadata, wrapper = saver.save_state_dict_async_plan(state_dict, writer, **kwargs)
     return writer, metadata, wrapper
 
 
 def finalize(writer: Any, metadata: Any, dist_wrapper: Any) -> None:
-    module(SAVER_MODULE, "save_state_dict_async_finalize").save_state_dict_asyncfinalize(
+    module(SAVER_MODULE, "save_state_dict_async_finalize").save_state_dict_async_finalize(
         writer, metadata, dist_wrapper
     )
 
