@@ -133,6 +133,20 @@ class KillAt:
             self.seen += 1
 
 
+class KillOn:
+    """A hook that SIGKILLs this process at the first event named ``event``
+    (or starting with it, ``prefix=True``): a kill point that does not shift
+    when the number of other events varies from run to run (parallel
+    uploads interleave; a timing-dependent read comes or goes)."""
+
+    def __init__(self, event: str, prefix: bool = False) -> None:
+        self.event, self.prefix = event, prefix
+
+    def __call__(self, event: str) -> None:
+        if event == self.event or (self.prefix and event.startswith(self.event)):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
 class FailAt:
     """A hook that raises ``error`` at the first event matching ``predicate``."""
 

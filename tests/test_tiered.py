@@ -32,10 +32,12 @@ from dcpstore.maintenance import gc, list_checkpoints
 from dcpstore.format.layout import METADATA, REPLICA_REPORT_PREFIX
 from dcpstore.manager import step_dir
 from dist_utils import run_ranks
-from faults import BlockAt, KillAt, Recorder, hook_all_storage, spread
+from faults import BlockAt, KillAt, KillOn, Recorder, hook_all_storage, spread
 from helpers import assert_state_equal, zeros_like_state
 from tiered_kit import (  # noqa: F401
+    adopt_env,
     assert_durable_step,
+    child_env,
     dtensor_state,
     durable,
     durable_steps,
@@ -260,7 +262,10 @@ def test_ls_shows_where_each_step_lives(tmp_path: Path, capsys: pytest.CaptureFi
 
 def _replicating_child(durable_uri: str, local: str, kwargs: dict[str, Any], hook: Any) -> None:
     """Commit step 1 (replicated), then step 2, killed by ``hook`` (on the
-    durable tier's storage calls only) while step 2 is replicated."""
+    durable tier's storage calls only) while step 2 is replicated.
+    ``kwargs["env"]``: the environment to run in."""
+    kwargs = dict(kwargs)
+    adopt_env(kwargs.pop("env"))
     with dcpstore.CheckpointManager(durable_uri, local_dir=local, async_=False, keep=1, **kwargs) as mgr:
         mgr.save(state(1, 1 << 20), 1)
         mgr.wait()
@@ -270,8 +275,9 @@ def _replicating_child(durable_uri: str, local: str, kwargs: dict[str, Any], hoo
         mgr.wait()
 
 
-def _kill_child(durable_uri: str, local: str, kwargs: dict[str, Any], n: int) -> None:
-    _replicating_child(durable_uri, local, kwargs, KillAt(n))
+def _kill_child(durable_uri: str, local: str, kwargs: dict[str, Any], at: int | tuple[str, bool]) -> None:
+    """Killed at the ``at``-th durable event, or at the first one named ``at``."""
+    _replicating_child(durable_uri, local, kwargs, KillAt(at) if isinstance(at, int) else KillOn(*at))
 
 
 def _probe_child(durable_uri: str, local: str, kwargs: dict[str, Any], queue: Any) -> None:
@@ -284,32 +290,43 @@ def _run_replication_crashes(durable: Target, tmp_path: Path, points: int) -> No
     ctx = forkserver()
     queue = ctx.Queue()
     probe = durable.child("probe")
-    assert crash(ctx, _probe_child, probe.uri, str(tmp_path / "probe"), durable.kwargs, queue) == 0
+    child_kwargs = {**durable.kwargs, "env": child_env()}
+    assert crash(ctx, _probe_child, probe.uri, str(tmp_path / "probe"), child_kwargs, queue) == 0
     events = queue.get(timeout=30)
-    commit = events.index(f"commit:{step_dir(2)}/{METADATA}")
-    committed = events.index(f"committed:{step_dir(2)}/{METADATA}")
-    kills = sorted(set(spread(len(events), points)) | {0, commit, committed, committed + 1, len(events) - 1})
-    for k in kills:
-        root = durable.child(f"kill{k}")
-        local = tmp_path / f"local{k}"
-        assert crash(ctx, _kill_child, root.uri, str(local), durable.kwargs, k) == -9, events[k]
+    # Named points at the commit of step 2's replica, each with whether step
+    # 2 must be durable after the kill: right before its .metadata is
+    # written, and right after. Then points spread over every event, where
+    # only "whole committed steps" is checked: the number of events before a
+    # point varies from run to run (a new manager reads a durable .metadata
+    # only when its whole-second time looks older than the local copy's).
+    named: list[tuple[int | tuple[str, bool], bool | None]] = [
+        ((f"commit:{step_dir(2)}/{METADATA}", False), False),
+        ((f"committed:{step_dir(2)}/{METADATA}", False), True),
+    ]
+    kills = named + [(k, None) for k in sorted(set(spread(len(events), points)) | {0, len(events) - 1})]
+    replicated_from = min(i for i, e in enumerate(events) if e.startswith(f"open:{step_dir(2)}/"))
+    for i, (at, durable_after) in enumerate(kills):
+        root = durable.child(f"kill{i}")
+        local = tmp_path / f"local{i}"
+        rc = crash(ctx, _kill_child, root.uri, str(local), child_kwargs, at)
+        where = (at, events[at] if isinstance(at, int) else "")
+        # A run may have fewer events than the probe, and end before the kill.
+        assert rc == -9 or (rc == 0 and isinstance(at, int)), (where, rc)
         steps = durable_steps(root)
         # Whole committed steps only, never none: step 1 is retired only after step 2 committed.
-        assert steps in ([1], [2], [1, 2]), (k, events[k], steps)
-        if k <= commit:
-            assert 2 not in steps, (k, events[k])
-        if k > committed:
-            assert 2 in steps, (k, events[k])
+        assert steps in ([1], [2], [1, 2]), (where, steps)
+        if durable_after is not None:
+            assert (2 in steps) == durable_after, (where, steps)
         for step in steps:
             assert_durable_step(root, step, 1 << 20, killed=True)
         # gc removes what the killed replication left (its process is gone), never a committed step.
         storage = dcpstore.open_storage(root.uri, **root.kwargs)
         try:
             gc(storage, older_than_s=0)
-            assert all(e.committed for e in list_checkpoints(storage)), (k, events[k])
+            assert all(e.committed for e in list_checkpoints(storage)), where
         finally:
             storage.close()
-        assert durable_steps(root) == steps, (k, events[k])
+        assert durable_steps(root) == steps, where
         # The next manager over the same local dir replicates step 2 (if the
         # kill came after its local commit: the first events are the manager's own listings).
         newest = local_steps(local)[-1]
@@ -317,10 +334,9 @@ def _run_replication_crashes(durable: Target, tmp_path: Path, points: int) -> No
             mgr.wait()
         after = durable_steps(root)
         # Retention (keep=1) of step 1 runs after the next commit, as a plain manager's does.
-        assert after[-1] == newest and set(after) <= {1, 2}, (k, events[k], after)
+        assert after[-1] == newest and set(after) <= {1, 2}, (where, after)
         assert_durable_step(root, newest, 1 << 20, killed=True)  # a kill after the commit: gc's markers
-        replicated_from = min(i for i, e in enumerate(events) if e.startswith(f"open:{step_dir(2)}/"))
-        assert newest == 2 or k < replicated_from, (k, events[k])
+        assert newest == 2 or (isinstance(at, int) and at < replicated_from), where
 
 
 def test_sigkill_during_replication_leaves_whole_steps_local(tmp_path: Path) -> None:

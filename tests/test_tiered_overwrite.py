@@ -15,8 +15,6 @@ have met the replica's).
 
 from __future__ import annotations
 
-import os
-import signal
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +30,12 @@ from dcpstore.maintenance import gc
 from dcpstore.manager import step_dir
 from dcpstore.manager.replicate import check_no_clash, read_local_commit
 from dist_utils import run_ranks
-from faults import BlockAt, KillAt, Recorder, hook_all_storage, spread
+from faults import BlockAt, KillAt, KillOn, Recorder, hook_all_storage, spread
 from helpers import assert_state_equal, zeros_like_state
 from tiered_kit import (  # noqa: F401
+    adopt_env,
     assert_durable_step,
+    child_env,
     dtensor_state,
     durable,
     durable_steps,
@@ -183,21 +183,13 @@ def test_two_ranks_overwrite_a_replicated_step(request: pytest.FixtureRequest, t
 BIG = 1 << 18
 
 
-def _child_env() -> dict[str, str]:
-    """What points a child at the test's S3 endpoint: the session's forkserver
-    may have started before it (its children get its environment, not ours)."""
-    return {k: v for k, v in os.environ.items() if k.startswith("AWS_") or k == "MSC_CONFIG"}
-
-
 def _overwriting_child(durable_uri: str, local: str, kwargs: dict[str, Any], hook: Any) -> None:
     """Commit steps 1 and 2 (replicated; local_keep=1 retires step 1 locally),
     then save step 1 again with other values, with ``hook`` on the durable
     tier's storage calls (a kill lands somewhere in that replication).
     ``kwargs["env"]``: the environment to run in."""
     kwargs = dict(kwargs)
-    for key in [k for k in os.environ if k.startswith("AWS_")]:
-        del os.environ[key]
-    os.environ.update(kwargs.pop("env"))
+    adopt_env(kwargs.pop("env"))
     with dcpstore.CheckpointManager(durable_uri, local_dir=local, async_=False, local_keep=1, **kwargs) as mgr:
         mgr.save(state(1, BIG), 1)
         mgr.save(state(2, BIG), 2)
@@ -208,22 +200,9 @@ def _overwriting_child(durable_uri: str, local: str, kwargs: dict[str, Any], hoo
         mgr.wait()
 
 
-class _KillOn:
-    """A hook that SIGKILLs this process at the first event named ``event``
-    (or starting with it, ``prefix=True``): kill points that do not shift
-    when the number of other events varies from run to run."""
-
-    def __init__(self, event: str, prefix: bool = False) -> None:
-        self.event, self.prefix = event, prefix
-
-    def __call__(self, event: str) -> None:
-        if event == self.event or (self.prefix and event.startswith(self.event)):
-            os.kill(os.getpid(), signal.SIGKILL)
-
-
 def _kill_child(durable_uri: str, local: str, kwargs: dict[str, Any], at: int | tuple[str, bool]) -> None:
     """Killed at the ``at``-th durable event, or at the first one named ``at``."""
-    _overwriting_child(durable_uri, local, kwargs, KillAt(at) if isinstance(at, int) else _KillOn(*at))
+    _overwriting_child(durable_uri, local, kwargs, KillAt(at) if isinstance(at, int) else KillOn(*at))
 
 
 def _probe_child(durable_uri: str, local: str, kwargs: dict[str, Any], queue: Any) -> None:
@@ -242,7 +221,7 @@ def _run_overwrite_crashes(durable: Target, tmp_path: Path, points: int) -> None
     ctx = forkserver()
     queue = ctx.Queue()
     probe = durable.child("probe")
-    child_kwargs = {**durable.kwargs, "env": _child_env()}
+    child_kwargs = {**durable.kwargs, "env": child_env()}
     assert crash(ctx, _probe_child, probe.uri, str(tmp_path / "probe"), child_kwargs, queue) == 0
     events = queue.get(timeout=30)
     prefix = step_dir(1)

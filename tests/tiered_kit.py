@@ -1,9 +1,10 @@
 """What the tiered-checkpoint tests share (tests/test_tiered*.py): the
-durable backends they run over, a state per step, and checks of what each
-tier holds."""
+durable backends they run over, a state per step, checks of what each tier
+holds, and the environment their crash children run in."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,21 @@ from helpers import assert_state_equal, zeros_like_state
 
 #: Durable tiers: a local path, native S3 (moto over HTTP), S3 through MSC.
 DURABLE = ["local", "s3", "msc"]
+
+
+def child_env() -> dict[str, str]:
+    """What points a crash child at the test's S3 endpoint and MSC config:
+    the session's forkserver may have started before the fixtures set them,
+    and its children get its environment, not the test's."""
+    return {k: v for k, v in os.environ.items() if k.startswith("AWS_") or k == "MSC_CONFIG"}
+
+
+def adopt_env(env: dict[str, str]) -> None:
+    """In a crash child: ``env`` (from :func:`child_env`) in place of the
+    AWS variables it inherited."""
+    for key in [k for k in os.environ if k.startswith("AWS_")]:
+        del os.environ[key]
+    os.environ.update(env)
 
 
 @pytest.fixture(params=DURABLE)
