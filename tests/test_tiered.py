@@ -38,6 +38,7 @@ from tiered_kit import (  # noqa: F401
     adopt_env,
     assert_durable_step,
     child_env,
+    crash_at_each,
     dtensor_state,
     durable,
     durable_steps,
@@ -305,13 +306,8 @@ def _run_replication_crashes(durable: Target, tmp_path: Path, points: int) -> No
     ]
     kills = named + [(k, None) for k in sorted(set(spread(len(events), points)) | {0, len(events) - 1})]
     replicated_from = min(i for i, e in enumerate(events) if e.startswith(f"open:{step_dir(2)}/"))
-    for i, (at, durable_after) in enumerate(kills):
-        root = durable.child(f"kill{i}")
-        local = tmp_path / f"local{i}"
-        rc = crash(ctx, _kill_child, root.uri, str(local), child_kwargs, at)
-        where = (at, events[at] if isinstance(at, int) else "")
-        # A run may have fewer events than the probe, and end before the kill.
-        assert rc == -9 or (rc == 0 and isinstance(at, int)), (where, rc)
+    runs = crash_at_each(ctx, _kill_child, durable, tmp_path, child_kwargs, kills, events)
+    for root, local, durable_after, where in runs:
         steps = durable_steps(root)
         # Whole committed steps only, never none: step 1 is retired only after step 2 committed.
         assert steps in ([1], [2], [1, 2]), (where, steps)
@@ -336,7 +332,8 @@ def _run_replication_crashes(durable: Target, tmp_path: Path, points: int) -> No
         # Retention (keep=1) of step 1 runs after the next commit, as a plain manager's does.
         assert after[-1] == newest and set(after) <= {1, 2}, (where, after)
         assert_durable_step(root, newest, 1 << 20, killed=True)  # a kill after the commit: gc's markers
-        assert newest == 2 or (isinstance(at, int) and at < replicated_from), where
+        point = where[0]  # an event index, or a named event (all of them after the local commit)
+        assert newest == 2 or (isinstance(point, int) and point < replicated_from), where
 
 
 def test_sigkill_during_replication_leaves_whole_steps_local(tmp_path: Path) -> None:

@@ -36,6 +36,7 @@ from tiered_kit import (  # noqa: F401
     adopt_env,
     assert_durable_step,
     child_env,
+    crash_at_each,
     dtensor_state,
     durable,
     durable_steps,
@@ -237,13 +238,8 @@ def _run_overwrite_crashes(durable: Target, tmp_path: Path, points: int) -> None
         ((f"delete:{prefix}/", True), NEW),
     ]
     kills = named + [(k, None) for k in spread(len(events), points)]
-    for i, (at, seed) in enumerate(kills):
-        root = durable.child(f"kill{i}")
-        local = tmp_path / f"local{i}"
-        rc = crash(ctx, _kill_child, root.uri, str(local), child_kwargs, at)
-        where = (at, events[at] if isinstance(at, int) else "")
-        # A run may have fewer events than the probe (after the commit point: listings), and end before the kill.
-        assert rc == -9 or (rc == 0 and isinstance(at, int)), (where, rc)
+    runs = crash_at_each(ctx, _kill_child, durable, tmp_path, child_kwargs, kills, events)
+    for root, local, seed, where in runs:
         # The durable step 1 is never lost: old or new, whole.
         assert durable_steps(root) == [1, 2], where
         if seed is None:

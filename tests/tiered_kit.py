@@ -5,6 +5,7 @@ holds, and the environment their crash children run in."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ import torch
 
 import dcpstore
 from backends import Target, make_target
+from crashkit import crash
 from dcpstore.format.inflight import ALIVE_PREFIX
 from dcpstore.format.layout import METADATA, REPLICA_REPORT_PREFIX
 from dcpstore.manager import step_dir
@@ -28,6 +30,31 @@ def child_env() -> dict[str, str]:
     the session's forkserver may have started before the fixtures set them,
     and its children get its environment, not the test's."""
     return {k: v for k, v in os.environ.items() if k.startswith("AWS_") or k == "MSC_CONFIG"}
+
+
+def crash_at_each(
+    ctx: Any,
+    child: Callable[..., None],
+    durable: Target,
+    tmp_path: Path,
+    child_kwargs: dict[str, Any],
+    kills: Sequence[tuple[int | tuple[str, bool], Any]],
+    events: Sequence[str],
+) -> Iterator[tuple[Target, Path, Any, tuple[object, str]]]:
+    """Run ``child(root_uri, local_dir, child_kwargs, point)`` once per kill
+    point of ``kills`` (an event index, or an event name for
+    :class:`faults.KillOn`, each with what the test expects there), in a
+    fresh durable root and local dir, and check that it died there; yields
+    the root, the local dir, the expectation and a description of the point.
+    A run may have fewer events than the probe run that found ``events``,
+    and end before an index."""
+    for i, (at, expected) in enumerate(kills):
+        root = durable.child(f"kill{i}")
+        local = tmp_path / f"local{i}"
+        rc = crash(ctx, child, root.uri, str(local), child_kwargs, at)
+        where = (at, events[at] if isinstance(at, int) else "")
+        assert rc == -9 or (rc == 0 and isinstance(at, int)), (where, rc)
+        yield root, local, expected, where
 
 
 def adopt_env(env: dict[str, str]) -> None:
