@@ -189,9 +189,20 @@ def forkserver() -> mp.context.BaseContext:
     return ctx
 
 
+def _in_env(env: dict[str, str], target: Callable[..., None], args: tuple[Any, ...]) -> None:
+    os.environ.clear()
+    os.environ.update(env)
+    target(*args)
+
+
 def crash(ctx: mp.context.BaseContext, target: Callable[..., None], *args: Any, timeout: float = 120) -> int:
-    """Run ``target(*args)`` in a child; its exit code (``-9``: SIGKILLed)."""
-    proc = ctx.Process(target=target, args=args)
+    """Run ``target(*args)`` in a child; its exit code (``-9``: SIGKILLed).
+
+    The child runs in the caller's environment as of the call, as
+    :func:`dist_utils.run_ranks`'s ranks do: the session's forkserver keeps
+    the environment it started with, which may predate a fixture's (an S3
+    endpoint, an MSC config)."""
+    proc = ctx.Process(target=_in_env, args=(dict(os.environ), target, args))
     proc.start()
     proc.join(timeout)
     if proc.exitcode is None:

@@ -35,9 +35,7 @@ from dist_utils import run_ranks
 from faults import BlockAt, KillAt, KillOn, Recorder, hook_all_storage, spread
 from helpers import assert_state_equal, zeros_like_state
 from tiered_kit import (  # noqa: F401
-    adopt_env,
     assert_durable_step,
-    child_env,
     crash_at_each,
     dtensor_state,
     durable,
@@ -263,10 +261,7 @@ def test_ls_shows_where_each_step_lives(tmp_path: Path, capsys: pytest.CaptureFi
 
 def _replicating_child(durable_uri: str, local: str, kwargs: dict[str, Any], hook: Any) -> None:
     """Commit step 1 (replicated), then step 2, killed by ``hook`` (on the
-    durable tier's storage calls only) while step 2 is replicated.
-    ``kwargs["env"]``: the environment to run in."""
-    kwargs = dict(kwargs)
-    adopt_env(kwargs.pop("env"))
+    durable tier's storage calls only) while step 2 is replicated."""
     with dcpstore.CheckpointManager(durable_uri, local_dir=local, async_=False, keep=1, **kwargs) as mgr:
         mgr.save(state(1, 1 << 20), 1)
         mgr.wait()
@@ -291,7 +286,7 @@ def _run_replication_crashes(durable: Target, tmp_path: Path, points: int) -> No
     ctx = forkserver()
     queue = ctx.Queue()
     probe = durable.child("probe")
-    child_kwargs = {**durable.kwargs, "env": child_env()}
+    child_kwargs = durable.kwargs
     assert crash(ctx, _probe_child, probe.uri, str(tmp_path / "probe"), child_kwargs, queue) == 0
     events = queue.get(timeout=30)
     # Named points at the commit of step 2's replica, each with whether step

@@ -33,9 +33,7 @@ from dist_utils import run_ranks
 from faults import BlockAt, KillAt, KillOn, Recorder, hook_all_storage, spread
 from helpers import assert_state_equal, zeros_like_state
 from tiered_kit import (  # noqa: F401
-    adopt_env,
     assert_durable_step,
-    child_env,
     crash_at_each,
     dtensor_state,
     durable,
@@ -187,10 +185,7 @@ BIG = 1 << 18
 def _overwriting_child(durable_uri: str, local: str, kwargs: dict[str, Any], hook: Any) -> None:
     """Commit steps 1 and 2 (replicated; local_keep=1 retires step 1 locally),
     then save step 1 again with other values, with ``hook`` on the durable
-    tier's storage calls (a kill lands somewhere in that replication).
-    ``kwargs["env"]``: the environment to run in."""
-    kwargs = dict(kwargs)
-    adopt_env(kwargs.pop("env"))
+    tier's storage calls (a kill lands somewhere in that replication)."""
     with dcpstore.CheckpointManager(durable_uri, local_dir=local, async_=False, local_keep=1, **kwargs) as mgr:
         mgr.save(state(1, BIG), 1)
         mgr.save(state(2, BIG), 2)
@@ -222,7 +217,7 @@ def _run_overwrite_crashes(durable: Target, tmp_path: Path, points: int) -> None
     ctx = forkserver()
     queue = ctx.Queue()
     probe = durable.child("probe")
-    child_kwargs = {**durable.kwargs, "env": child_env()}
+    child_kwargs = durable.kwargs
     assert crash(ctx, _probe_child, probe.uri, str(tmp_path / "probe"), child_kwargs, queue) == 0
     events = queue.get(timeout=30)
     prefix = step_dir(1)

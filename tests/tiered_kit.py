@@ -1,10 +1,9 @@
 """What the tiered-checkpoint tests share (tests/test_tiered*.py): the
 durable backends they run over, a state per step, checks of what each tier
-holds, and the environment their crash children run in."""
+holds, and the kill loop of their crash tests."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -23,13 +22,6 @@ from helpers import assert_state_equal, zeros_like_state
 
 #: Durable tiers: a local path, native S3 (moto over HTTP), S3 through MSC.
 DURABLE = ["local", "s3", "msc"]
-
-
-def child_env() -> dict[str, str]:
-    """What points a crash child at the test's S3 endpoint and MSC config:
-    the session's forkserver may have started before the fixtures set them,
-    and its children get its environment, not the test's."""
-    return {k: v for k, v in os.environ.items() if k.startswith("AWS_") or k == "MSC_CONFIG"}
 
 
 def crash_at_each(
@@ -55,14 +47,6 @@ def crash_at_each(
         where = (at, events[at] if isinstance(at, int) else "")
         assert rc == -9 or (rc == 0 and isinstance(at, int)), (where, rc)
         yield root, local, expected, where
-
-
-def adopt_env(env: dict[str, str]) -> None:
-    """In a crash child: ``env`` (from :func:`child_env`) in place of the
-    AWS variables it inherited."""
-    for key in [k for k in os.environ if k.startswith("AWS_")]:
-        del os.environ[key]
-    os.environ.update(env)
 
 
 @pytest.fixture(params=DURABLE)
