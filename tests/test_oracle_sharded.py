@@ -49,14 +49,20 @@ SAVED_ON, LOADED_ON = 2, 3
 ENGINES = [e for e in SAVE_ENGINES if e != "nvrx" or nvrx.import_error() is None]
 
 
-def _global(name: str) -> torch.Tensor:
-    shape, dtype, _, _ = TENSORS[name]
-    g = torch.Generator().manual_seed(sum(map(ord, name)))
+def _values(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Random values of ``dtype``, every bit pattern included (NaN payloads, -0.0)."""
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
     numel = 1
     for n in shape:
         numel *= n
-    raw = torch.randint(0, 256, (numel * dtype.itemsize,), dtype=torch.uint8, generator=g)
-    return raw.view(dtype).reshape(shape)  # every bit pattern: NaN payloads and -0.0 included
+    return torch.randint(0, 256, (numel * dtype.itemsize,), dtype=torch.uint8, generator=g).view(dtype).reshape(shape)
+
+
+def _global(name: str) -> torch.Tensor:
+    shape, dtype, _, _ = TENSORS[name]
+    return _values(shape, dtype, sum(map(ord, name)))
 
 
 def _state(loading: bool) -> dict[str, Any]:
@@ -67,7 +73,7 @@ def _state(loading: bool) -> dict[str, Any]:
     for name, (_, _, saved, loaded) in TENSORS.items():
         value = _global(name)
         if loading:
-            value = torch.zeros_like(value).view(torch.uint8).fill_(0x5A).view(value.dtype) if value.numel() else value
+            value = destination(value, fill=0x5A)
         state[name] = distribute_tensor(value, mesh, [loaded if loading else saved])
     state["plain"] = torch.arange(11.0) if not loading else torch.full((11,), -1.0)
     state["step"] = 0 if loading else 42
@@ -126,13 +132,7 @@ def _random_spec(seed: int) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
 
 
 def _random_global(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    g = torch.Generator().manual_seed(sum(map(ord, name)) + 1000 * len(shape))
-    if dtype == torch.bool:
-        return torch.randint(0, 2, shape, generator=g).bool()
-    numel = 1
-    for n in shape:
-        numel *= n
-    return torch.randint(0, 256, (numel * dtype.itemsize,), dtype=torch.uint8, generator=g).view(dtype).reshape(shape)
+    return _values(shape, dtype, sum(map(ord, name)) + 1000 * len(shape))
 
 
 def _random_state(seed: int, placement_seed: int, *, loading: bool) -> dict[str, Any]:
