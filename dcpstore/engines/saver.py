@@ -91,49 +91,11 @@ from ..storage import Storage, StorageOptions, open_storage
 from ..threads import BackgroundThread
 from . import exit as exit_hook
 from .choice import agree_on_engine, select_engine
+from .groups import BackgroundGroups
 from .nvrx import PlanCaches, nvrx_save
 from .staging import StagedState, Stager, StagingPool
 
 log = logging.getLogger(__name__)
-
-
-class _BackgroundGroups:
-    """One dedicated gloo group per process group (see the module docstring)."""
-
-    def __init__(self, timeout: timedelta | None) -> None:
-        self.timeout = timeout
-        # key -> (default group it belongs to, the user's group, our group)
-        self._groups: dict[int, tuple[Any, Any, dist.ProcessGroup]] = {}
-
-    def get(self, process_group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
-        if not (dist.is_available() and dist.is_initialized()):
-            return None
-        default = dist.distributed_c10d._get_default_group()
-        # After destroy_process_group() + a new init, the old groups are dead.
-        self._groups = {k: v for k, v in self._groups.items() if v[0] is default}
-        key = id(process_group) if process_group is not None else 0
-        entry = self._groups.get(key)
-        if entry is None or entry[1] is not process_group:
-            ranks = dist.get_process_group_ranks(process_group or default)
-            group = dist.new_group(
-                ranks=ranks,
-                backend="gloo",
-                timeout=self.timeout,
-                use_local_synchronization=True,
-                group_desc="dcpstore_async_save",
-            )
-            entry = (default, process_group, group)
-            self._groups[key] = entry
-        return entry[2]
-
-    def destroy(self) -> None:
-        groups, self._groups = self._groups, {}
-        if not (dist.is_available() and dist.is_initialized()):
-            return
-        default = dist.distributed_c10d._get_default_group()
-        for owner, _, group in groups.values():
-            if owner is default:
-                dist.destroy_process_group(group)
 
 
 class AsyncSaver:
@@ -195,7 +157,7 @@ class AsyncSaver:
             collective_timeout = timedelta(seconds=collective_timeout)
         self.pool = StagingPool(max_structures=staging_cache, max_sets=self.max_in_flight)
         self._stager = Stager(self.pool)
-        self._groups = _BackgroundGroups(collective_timeout)
+        self._groups = BackgroundGroups(collective_timeout)
         self._nvrx_caches = PlanCaches()
         # every save not yet seen finished, oldest first
         self._pending: deque[SaveHandle] = deque()

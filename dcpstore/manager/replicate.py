@@ -50,7 +50,9 @@ whatever name the save gave it (the plain ``.dcpstore.json`` or a save-unique
 without unpickling ``.metadata``; this is the rule ``dcpstore gc`` keeps a
 commit's files by. The durable copy gets the manifest under that same name and
 the same ``.metadata`` bytes, so the durable reader, which looks the manifest
-up by the save id ``.metadata`` records, finds exactly it.
+up by the save id ``.metadata`` records, finds exactly it. By the same
+rule, :func:`whole_local_steps` lists the steps of which a local directory
+holds a whole commit (what tiered loads and catch-up read from).
 
 Layer: manager. Imports :mod:`dcpstore.format`, :mod:`dcpstore.storage` and
 :mod:`dcpstore.errors`.
@@ -83,7 +85,7 @@ from ..format.manifest import (
     read_capped,
 )
 from ..storage import Storage
-from .steps import step_dir
+from .steps import parse_step_dir, step_dir
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +134,29 @@ def read_local_commit(local: Storage, step: int, names: Iterable[str] | None = N
         if manifest["metadata_crc32c"] == crc:
             return LocalCommit(metadata_blob, name, blob, manifest)
     return None
+
+
+def whole_local_steps(local: Storage) -> list[int]:
+    """The steps of which ``local`` holds a whole committed copy: ``.metadata``,
+    its manifest, and every data file the manifest names at its size."""
+    found: dict[int, dict[str, int]] = {}
+    for obj in local.list():
+        directory, _, name = obj["path"].partition("/")
+        step = parse_step_dir(directory)
+        if step is not None and name and "/" not in name:
+            found.setdefault(step, {})[name] = obj["size"]
+    whole = []
+    for step, sizes in sorted(found.items()):
+        if METADATA not in sizes:
+            continue
+        try:
+            commit = read_local_commit(local, step, sizes)
+        except CheckpointError as e:
+            log.warning("the local copy of step %d is not used: %s", step, e)
+            continue
+        if commit is not None and all(sizes.get(n) == e["size"] for n, e in commit.manifest["files"].items()):
+            whole.append(step)
+    return whole
 
 
 def copy_file(local: Storage, durable: Storage, path: str, expected: FileEntry | None, chunk: int) -> FileEntry:

@@ -81,14 +81,21 @@ from ..format.layout import INFLIGHT, METADATA
 from ..format.manifest import METADATA_LIMIT, read_capped
 from ..handle import SaveHandle
 from ..storage import Storage, join_uri
-from .replicate import check_no_clash, commit_replica, keep_alive, read_local_commit, upload_files, write_report
+from .replicate import (
+    check_no_clash,
+    commit_replica,
+    keep_alive,
+    read_local_commit,
+    upload_files,
+    whole_local_steps,
+    write_report,
+)
 from .roots import group_rank, is_distributed, not_found
 from .steps import (
     check_step,
     commit_times,
     committed_steps,
     delete_step,
-    parse_step_dir,
     read_pointer,
     retire,
     step_dir,
@@ -103,29 +110,6 @@ REPLICATE_TIMEOUT_S = 1800.0
 #: The probe files of the one-directory check (``<prefix><rank>.<random>``,
 #: in ``local_dir`` itself, removed right after the check).
 PROBE_PREFIX = ".dcpstore.probe."
-
-
-def whole_local_steps(local: Storage) -> list[int]:
-    """The steps of which ``local`` holds a whole committed copy: ``.metadata``,
-    its manifest, and every data file the manifest names at its size."""
-    found: dict[int, dict[str, int]] = {}
-    for obj in local.list():
-        directory, _, name = obj["path"].partition("/")
-        step = parse_step_dir(directory)
-        if step is not None and name and "/" not in name:
-            found.setdefault(step, {})[name] = obj["size"]
-    whole = []
-    for step, sizes in sorted(found.items()):
-        if METADATA not in sizes:
-            continue
-        try:
-            commit = read_local_commit(local, step, sizes)
-        except CheckpointError as e:
-            log.warning("the local copy of step %d is not used: %s", step, e)
-            continue
-        if commit is not None and all(sizes.get(n) == e["size"] for n, e in commit.manifest["files"].items()):
-            whole.append(step)
-    return whole
 
 
 @dataclass(frozen=True)
