@@ -257,7 +257,7 @@ def _repeated_saves_stay_flat(engine: str, target: Target) -> None:
             assert min(halves) < state_bytes // 4, report
 
 
-@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("engine", ["native"])  # every engine on every backend: the slow twin below
 def test_repeated_saves_keep_memory_files_and_threads_flat(
     engine: str, local_target: Target, monkeypatch: pytest.MonkeyPatch
 ) -> None:

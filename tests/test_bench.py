@@ -281,6 +281,7 @@ def test_wan_proxy_refuses_non_loopback() -> None:
     assert out.returncode != 0 and "not a loopback address" in out.stderr
 
 
+@pytest.mark.slow  # the whole comparison, end to end
 def test_compare_smoke_local_section(tmp_path) -> None:
     """The comparison runs end to end on a few MiB and writes ratios."""
     out_json = tmp_path / "compare.json"

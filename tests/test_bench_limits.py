@@ -128,6 +128,7 @@ def test_cli_bench_limit_on_s3_sweeps_raw_boto3(s3_endpoint: S3Endpoint) -> None
     assert left.get("KeyCount", 0) == 0, left.get("Contents")
 
 
+@pytest.mark.slow  # the scale model, run for real
 def test_scale_simulation_counts_what_dcpstore_sends(tmp_path: Path) -> None:
     out_json = tmp_path / "sim.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT))

@@ -95,7 +95,7 @@ def test_kill_anywhere_in_a_save(tmp_path, ctx, budget: int | None) -> None:
         assert _outcome(str(root / name), 1 if name == "step_1" else 2) == "complete", name
 
 
-@pytest.mark.parametrize("scenario", ["next", "overwrite"])
+@pytest.mark.parametrize("scenario", ["next", pytest.param("overwrite", marks=pytest.mark.slow)])
 def test_kill_anywhere_in_a_managed_sync_save(tmp_path, ctx, scenario: str) -> None:
     """keep=1: retention deletes step 1 once step 2 is committed ("next"), or
     step 1 is saved again over itself ("overwrite"); see run_managed_crashes."""

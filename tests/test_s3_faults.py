@@ -68,6 +68,7 @@ def _save_and_load_back(uri: str, opts: StorageOptions) -> None:
     assert_state_equal(state, restored)
 
 
+@pytest.mark.slow  # seconds of seeded faults; each fault kind alone is quick below
 def test_save_through_slowdowns_and_drops_commits_and_roundtrips(proxy: FaultProxy, s3_endpoint: S3Endpoint) -> None:
     # Every fault kind on every request kind; the proxy's RNG is seeded, so
     # how many faults the first N requests draw is fixed (botocore's backoff
@@ -220,6 +221,7 @@ def _share(p: float, seed: int, kinds: tuple[str, ...] | None = None) -> Callabl
     return rule
 
 
+@pytest.mark.slow  # waits out stalls and backoffs
 def test_500s_and_stalled_responses_are_retried_save_and_load_roundtrip(
     proxy: FaultProxy, s3_endpoint: S3Endpoint
 ) -> None:
@@ -263,7 +265,13 @@ def _dead_endpoint(kind: str) -> Iterator[str]:
         yield f"http://127.0.0.1:{sock.getsockname()[1]}"
 
 
-@pytest.mark.parametrize(("kind", "cause"), [("refused", "cannot connect"), ("blackhole", "ReadTimeoutError")])
+@pytest.mark.parametrize(
+    ("kind", "cause"),
+    [
+        ("refused", "cannot connect"),
+        pytest.param("blackhole", "ReadTimeoutError", marks=pytest.mark.slow),  # waits out read timeouts
+    ],
+)
 def test_dead_endpoint_fails_saves_and_loads_within_a_bound(
     kind: str, cause: str, s3_endpoint: S3Endpoint, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -101,6 +101,7 @@ def _quiet_dcp_logger(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(logging.getLogger("c10d-NullHandler-dcp_logger"), "disabled", True)
 
 
+@pytest.mark.slow  # 100 saves; the quick suite has test_async's 50-save flat check
 def test_soak_100_async_saves_keep_2(local_target: Target) -> None:
     _soak(local_target, numel=128 * 1024)  # 512 KiB per save
 

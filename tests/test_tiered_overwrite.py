@@ -264,6 +264,7 @@ def _run_overwrite_crashes(durable: Target, tmp_path: Path, points: int) -> None
         assert _local_is_new(local) == new_locally, where
 
 
+@pytest.mark.slow  # test_tiered kills a replication in the quick suite
 def test_sigkill_during_the_replication_of_an_overwrite_local(tmp_path: Path) -> None:
     _run_overwrite_crashes(Target("local", str(tmp_path / "durable")), tmp_path, 8)
 

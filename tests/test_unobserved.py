@@ -148,6 +148,7 @@ def test_at_exit_an_unobserved_failure_is_reported_loudly_and_the_status_kept(tm
     assert "Traceback" in report and "StorageNotFound: cannot create directory" in report
 
 
+@pytest.mark.slow  # a fresh interpreter each; one such exit runs quick
 def test_at_exit_an_observed_failure_is_not_reported_again(tmp_path: Path) -> None:
     bad = _unwritable(tmp_path)
     out = _run(
@@ -165,6 +166,7 @@ def test_at_exit_an_observed_failure_is_not_reported_again(tmp_path: Path) -> No
     assert "at interpreter exit" not in out.stderr
 
 
+@pytest.mark.slow  # a fresh interpreter each; one such exit runs quick
 def test_at_exit_a_managers_failed_last_save_is_reported_loudly(tmp_path: Path) -> None:
     root = tmp_path / "run"
     out = _run(
