@@ -459,7 +459,9 @@ def _check_damage(storage: Storage, blob: bytes, refused: CheckpointError) -> No
 def _why_missing(storage: Storage) -> str:
     try:
         listed = [o["path"] for o in storage.list()]
-        leftovers = [p for p in listed if is_data_file(p) or is_manifest(p)]
+        # The marker alone is what a save that failed before publishing any
+        # data file leaves (its rank's files are published together).
+        leftovers = [p for p in listed if is_data_file(p) or is_manifest(p) or p == INFLIGHT]
     except StorageNotFound as e:  # e.g. the bucket itself does not exist: say so
         return f"no checkpoint at {storage.uri}: {e}"
     except CheckpointError as e:
@@ -473,7 +475,8 @@ def _why_missing(storage: Storage) -> str:
         )
     if leftovers:
         return (
-            f"no committed checkpoint at {storage.uri}: data files exist but no {METADATA} "
-            f"(an interrupted save; 'dcpstore gc {storage.uri}' removes it)"
+            f"no committed checkpoint at {storage.uri}: a save's files exist but no {METADATA} "
+            f"(an interrupted save, or one still running; 'dcpstore gc {storage.uri}' removes what an "
+            "interrupted one left)"
         )
     return f"no checkpoint at {storage.uri} (no {METADATA} found)"

@@ -77,6 +77,7 @@ from torch.distributed.checkpoint.utils import _DistWrapper
 
 from ..dcp.commit import ItemRecord, SaveSession
 from ..dcp.failures import describe_failure
+from ..dcp.owner_gate import OwnerGate
 from ..dcp.writer import write_stats
 from ..errors import BackendUnavailable, CheckpointCorrupt, CheckpointExists, InvalidArgument, SaveError
 from ..format.checksum import file_and_span_crcs
@@ -218,14 +219,25 @@ def writer_class() -> type:
             t0 = time.perf_counter()
             write = release.bucket_writer(self)
 
+            # NVRx writes under the final names: the URI must be this save's
+            # before any file is written and once they all are (one check per
+            # rank each time, see OwnerGate).
+            before = OwnerGate(self.session.check_owner, len(self.write_buckets))
+            after = OwnerGate(self.session.check_owner, len(self.write_buckets))
+
             def one(bucket: Any) -> list[WriteResult]:
-                self.session.check_owner()
                 try:
-                    written, raw = write(bucket)
-                except OSError as e:  # NVRx writes with open(): name the file and the cause
-                    raise map_os_error(e, f"cannot write {self.storage.describe(bucket[1])}") from e
-                results = _checksum_written_file(self.storage, bucket[1], written, raw)
-                self.session.check_owner()
+                    before.wait()
+                    try:
+                        written, raw = write(bucket)
+                    except OSError as e:  # NVRx writes with open(): name the file and the cause
+                        raise map_os_error(e, f"cannot write {self.storage.describe(bucket[1])}") from e
+                    results = _checksum_written_file(self.storage, bucket[1], written, raw)
+                    after.wait()
+                except BaseException as e:
+                    before.abort(e)
+                    after.abort(e)
+                    raise
                 return results
 
             try:
