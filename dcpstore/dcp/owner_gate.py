@@ -21,18 +21,23 @@ that file was written. :class:`OwnerGate` is that meeting point::
                               names the cause) and publish nothing
 
 Every party must run on its own thread at the same time (a party that waits
-for a thread slot would never arrive): the writers create one gate per
-``run_parallel`` call with as many workers as files.
+for a thread slot would never arrive): :func:`run_gated` creates the gate
+and the threads together, and aborts the gate for a call that raises.
 
-Layer: DCP protocol. Imports :mod:`dcpstore.errors`.
+Layer: DCP protocol. Imports :mod:`dcpstore.errors` and :mod:`dcpstore.threads`.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from ..errors import SaveError
+from ..threads import run_parallel
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 class OwnerGate:
@@ -74,3 +79,20 @@ class OwnerGate:
         if self._aborted is None:
             self._aborted = cause
         self._barrier.abort()
+
+
+def run_gated(check: Callable[[], None], work: Callable[[T, OwnerGate], R], items: Sequence[T], name: str) -> list[R]:
+    """``[work(x, gate) for x in items]``, each on its own thread, with one
+    gate over ``check`` for all of them: ``work`` calls ``gate.wait()`` when
+    its file is ready to publish; a call that raises before that aborts the
+    gate, so the others raise instead of waiting for it."""
+    gate = OwnerGate(check, len(items))
+
+    def one(item: T) -> R:
+        try:
+            return work(item, gate)
+        except BaseException as e:
+            gate.abort(e)
+            raise
+
+    return run_parallel(one, items, len(items), name)

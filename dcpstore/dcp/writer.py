@@ -61,9 +61,8 @@ from ..options import check_workers
 from ..progress import NO_PROGRESS, Progress
 from ..quiet import ignoring
 from ..storage import Storage, backend_name, parse_uri
-from ..threads import run_parallel
 from .commit import ItemRecord, SaveSession
-from .owner_gate import OwnerGate
+from .owner_gate import OwnerGate, run_gated
 
 #: DCP warns on every call made without an initialised process group; a
 #: single-process save or load is a supported, deliberate use here.
@@ -238,10 +237,12 @@ class DcpStorageWriter(StorageWriter):
         lock = threading.Lock()  # planners are not promised to be thread-safe
         future: Future[list[WriteResult]] = Future()
         named = [(self.session.data_file(token.prefix, i), bucket) for i, bucket in enumerate(buckets)]
-        gate = OwnerGate(self.session.check_owner, len(named))  # every file on its own thread, below
         try:
-            per_file = run_parallel(
-                lambda nb: self._write_file(nb[0], nb[1], planner, lock, gate), named, len(named), "dcpstore-write"
+            per_file = run_gated(
+                self.session.check_owner,
+                lambda nb, gate: self._write_file(nb[0], nb[1], planner, lock, gate),
+                named,
+                "dcpstore-write",
             )
         except BaseException as e:  # DCP gathers exceptions across ranks
             self.release()
@@ -259,23 +260,19 @@ class DcpStorageWriter(StorageWriter):
         # Tensor bytes and an upper estimate of each record's headers: object
         # stores size their parts from it (see StorageOptions.part_size_for).
         size_hint = sum(item_nbytes(it) + RECORD_HEADERS_ESTIMATE for it in items)
-        try:
-            with self.storage.open_write(name, size_hint=size_hint) as writer:
-                stream = RecordStream(writer)
-                for item in items:
-                    data = _resolve(planner, item, lock)
-                    descriptors: tuple[str, ...] = ()
-                    if self.transforms is not None:
-                        data, descriptors = encode_item(data, item, self.transforms)
-                    written.append((item, stream.write_item(data), descriptors))
-                    self.progress.update(item_nbytes(item))
-                file_size, file_crc = stream.finish()
-                # Leaving the block publishes the file; a save that lost its
-                # URI to a later save must not clobber that save's files.
-                gate.wait()
-        except BaseException as e:
-            gate.abort(e)  # the rank's other files must not wait for this one
-            raise
+        with self.storage.open_write(name, size_hint=size_hint) as writer:
+            stream = RecordStream(writer)
+            for item in items:
+                data = _resolve(planner, item, lock)
+                descriptors: tuple[str, ...] = ()
+                if self.transforms is not None:
+                    data, descriptors = encode_item(data, item, self.transforms)
+                written.append((item, stream.write_item(data), descriptors))
+                self.progress.update(item_nbytes(item))
+            file_size, file_crc = stream.finish()
+            # Leaving the block publishes the file; a save that lost its
+            # URI to a later save must not clobber that save's files.
+            gate.wait()
         return [
             WriteResult(
                 index=item.index,

@@ -77,7 +77,7 @@ from torch.distributed.checkpoint.utils import _DistWrapper
 
 from ..dcp.commit import ItemRecord, SaveSession
 from ..dcp.failures import describe_failure
-from ..dcp.owner_gate import OwnerGate
+from ..dcp.owner_gate import OwnerGate, run_gated
 from ..dcp.writer import write_stats
 from ..errors import BackendUnavailable, CheckpointCorrupt, CheckpointExists, InvalidArgument, SaveError
 from ..format.checksum import file_and_span_crcs
@@ -86,7 +86,6 @@ from ..format.record import compact_cpu_tensor
 from ..handle import SaveStats
 from ..storage import Storage
 from ..storage.kit import map_os_error
-from ..threads import run_parallel
 from . import nvrx_release as release
 from .nvrx_release import import_error as import_error  # the engine choice asks here
 
@@ -219,29 +218,20 @@ def writer_class() -> type:
             t0 = time.perf_counter()
             write = release.bucket_writer(self)
 
-            # NVRx writes under the final names: the URI must be this save's
-            # before any file is written and once they all are (one check per
-            # rank each time, see OwnerGate).
-            before = OwnerGate(self.session.check_owner, len(self.write_buckets))
-            after = OwnerGate(self.session.check_owner, len(self.write_buckets))
-
-            def one(bucket: Any) -> list[WriteResult]:
+            def one(bucket: Any, gate: OwnerGate) -> list[WriteResult]:
                 try:
-                    before.wait()
-                    try:
-                        written, raw = write(bucket)
-                    except OSError as e:  # NVRx writes with open(): name the file and the cause
-                        raise map_os_error(e, f"cannot write {self.storage.describe(bucket[1])}") from e
-                    results = _checksum_written_file(self.storage, bucket[1], written, raw)
-                    after.wait()
-                except BaseException as e:
-                    before.abort(e)
-                    after.abort(e)
-                    raise
+                    written, raw = write(bucket)
+                except OSError as e:  # NVRx writes with open(): name the file and the cause
+                    raise map_os_error(e, f"cannot write {self.storage.describe(bucket[1])}") from e
+                results = _checksum_written_file(self.storage, bucket[1], written, raw)
+                gate.wait()
                 return results
 
             try:
-                per_file = run_parallel(one, self.write_buckets, len(self.write_buckets), "dcpstore-nvrx")
+                # NVRx writes under the final names: the URI must be this
+                # save's before any file is written, and once they all are.
+                self.session.check_owner()
+                per_file = run_gated(self.session.check_owner, one, self.write_buckets, "dcpstore-nvrx")
             except BaseException as e:
                 self.error = e
                 return
