@@ -156,6 +156,7 @@ def save_with(state_dict: dict[str, Any], uri: str | os.PathLike[str], options: 
             planner=options.planner,
             overwrite=options.overwrite,
             progress=bar,
+            save_id=options.save_id,
         )
     except (CheckpointException, CheckpointError) as e:
         raise save_error(e, storage.uri) from e

@@ -19,6 +19,7 @@ Layer: value objects. Imports only :mod:`dcpstore.errors` and
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
@@ -190,6 +191,10 @@ class LoadOptions:
         check_trusted(self.trusted)
 
 
+#: The form of a save id (:mod:`dcpstore.format.layout` names files by it).
+_SAVE_ID = re.compile(r"[0-9a-f]{16}")
+
+
 @dataclass(frozen=True)
 class SaveOptions:
     """How :func:`dcpstore.save` runs a save (see its docstring for each
@@ -199,6 +204,10 @@ class SaveOptions:
     ``max_in_flight`` ``None`` means the saver's own limit (1 for
     :func:`dcpstore.save`'s per-process saver). ``overwrite=False``: refuse
     a URI that holds a committed checkpoint (:class:`~dcpstore.CheckpointExists`).
+    ``save_id`` (not one of :func:`dcpstore.save`'s keywords): the save id the
+    commit records, 16 hex digits, for a caller that must know it before the
+    save starts (a tiered manager with node-local directories); None: a
+    fresh random one.
     """
 
     async_: bool = False
@@ -211,9 +220,12 @@ class SaveOptions:
     max_in_flight: int | None = None
     overwrite: bool = True
     progress: bool = False
+    save_id: str | None = None
 
     def __post_init__(self) -> None:
         _check_bool("progress", self.progress)
+        if self.save_id is not None and not (isinstance(self.save_id, str) and _SAVE_ID.fullmatch(self.save_id)):
+            raise InvalidArgument(f"save_id must be None or 16 lowercase hex digits, got {self.save_id!r}")
         for problem in save_option_problems(
             async_=self.async_,
             engine=self.engine,
@@ -246,4 +258,4 @@ class SaveOptions:
 
     def as_kwargs(self) -> dict[str, Any]:
         """These options as :func:`dcpstore.save`'s keyword arguments."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "save_id"}

@@ -8,8 +8,9 @@ loads of the durable URI), retention per tier, resume on a fresh local
 directory, the nearest copy chosen on load, corrupt local copies never
 replicated, failed replications leaving the local step in place until a
 later manager catches up, SIGKILLs at every point of a replication, and two
-gloo ranks (one shared local directory; node-local ones refused at the first
-save, and loads across differing directories).
+gloo ranks (one shared local directory, and loads across differing
+directories; node-local directories have their own suite,
+tests/test_tiered_nodes.py).
 """
 
 from __future__ import annotations
@@ -344,7 +345,7 @@ def test_sigkill_during_replication_leaves_whole_steps_s3(request: pytest.Fixtur
 
 
 def _ranks_save(rank: int, world_size: int, durable_uri: str, local_dirs: list[str], env: dict[str, str]) -> None:
-    # One local directory that every rank sees (node-local ones are refused).
+    # One local directory that every rank sees.
     local = local_dirs[rank % len(local_dirs)]
     with dcpstore.CheckpointManager(durable_uri, local_dir=local, async_=True, keep=2, local_keep=2, workers=2) as mgr:
         for step in (1, 2, 3):
@@ -390,23 +391,6 @@ def test_two_ranks_replicate_and_agree_on_the_copy(tmp_path: Path) -> None:
     for data in Path(shared, step_dir(3)).glob("*.distcp"):
         data.write_bytes(b"\0" * data.stat().st_size)
     run_ranks(_ranks_load, 2, durable_uri, [shared, str(tmp_path / "fresh")], 3)
-
-
-def _ranks_node_local_save(rank: int, world_size: int, durable_uri: str, local_dirs: list[str]) -> None:
-    with dcpstore.CheckpointManager(durable_uri, local_dir=local_dirs[rank], async_=True) as mgr:
-        for _ in range(2):  # refused alike on every rank, before anything is written; again on a retry
-            with pytest.raises(dcpstore.InvalidArgument, match=r"not one directory that every rank sees.*rank 0 does"):
-                mgr.save(dtensor_state(world_size, 1), 1)
-        mgr.wait()
-
-
-def test_node_local_directories_are_refused_before_the_first_save(tmp_path: Path) -> None:
-    durable_uri = str(tmp_path / "durable")
-    local_dirs = [str(tmp_path / "node0"), str(tmp_path / "node1")]
-    run_ranks(_ranks_node_local_save, 2, durable_uri, local_dirs)
-    for local in local_dirs:
-        assert list(Path(local).iterdir()) == []  # no step directory, no probe file left
-    assert durable_steps(Target("local", durable_uri)) == []
 
 
 def _ranks_one_fails(rank: int, world_size: int, durable_uri: str, local: str) -> None:

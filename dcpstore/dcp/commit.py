@@ -135,11 +135,15 @@ class SaveSession:
 
     ``save_id`` and ``tagged``: the coordinator's (:attr:`token`); leave them
     out on the coordinator (a fresh id is made, and the claim chooses the
-    names), pass the coordinator's on every other rank.
+    names), pass the coordinator's on every other rank. A coordinator may be
+    given the id its claim records (a caller that has to know it before the
+    save starts: a tiered manager puts it in each node's directory); the
+    claim then keeps it, or refuses should its tag be taken there.
     """
 
     def __init__(self, storage: Storage, save_id: str | None = None, tagged: bool = False) -> None:
         self.storage = storage
+        self._id_given = save_id is not None
         self.save_id = save_id if save_id is not None else os.urandom(8).hex()
         #: "" for stock DCP's names, else the save tag of save-unique names.
         self.tag = save_tag(self.save_id) if tagged else ""
@@ -178,6 +182,11 @@ class SaveSession:
         if stale or committed or INFLIGHT in present:
             taken = {name_tag(p) for p in stale}
             while save_tag(self.save_id) in taken:  # 1 in 2**32: never reuse a name that is there
+                if self._id_given:
+                    raise SaveError(
+                        f"cannot save to {self.storage.uri}: the save id {self.save_id} chosen for this save has "
+                        "the tag of files already there; nothing was written"
+                    )
                 self.save_id = os.urandom(8).hex()
             self.tag = save_tag(self.save_id)
         self.storage.put(INFLIGHT, self.save_id.encode())

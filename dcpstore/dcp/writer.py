@@ -157,8 +157,11 @@ class DcpStorageWriter(StorageWriter):
         overwrite: bool = True,
         extensions: Sequence[StreamTransformExtension] = (),
         progress: Progress = NO_PROGRESS,
+        save_id: str | None = None,
     ) -> None:
         super().__init__()
+        #: The id the coordinator's claim records (None: a fresh one per save).
+        self._save_id = save_id
         self.storage = storage
         self.workers = check_workers(workers, storage.default_workers())
         self.single_file_per_rank = single_file_per_rank
@@ -196,7 +199,7 @@ class DcpStorageWriter(StorageWriter):
         # id: the save's session starts here so that it is the id .metadata
         # records.
         if self._next is None:
-            self._next = SaveSession(self.storage)
+            self._next = SaveSession(self.storage, self._save_id)
         return self._next.storage_meta()
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -208,7 +211,7 @@ class DcpStorageWriter(StorageWriter):
         self.rank = kwargs.get("rank") or 0
         self.stats = SaveStats(started=time.perf_counter())
         self.release()  # a previous save through this writer that never finished
-        self._session, self._next = self._next or SaveSession(self.storage), None
+        self._session, self._next = self._next or SaveSession(self.storage, self._save_id), None
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         self.storage.makedirs()
@@ -227,7 +230,7 @@ class DcpStorageWriter(StorageWriter):
         t_start = time.perf_counter()
         self.stats.plan_s = t_start - self.stats.started
         token: SaveToken = plan.storage_data
-        if token.save_id != self.session.save_id:  # a follower: the coordinator's save
+        if (token.save_id, token.tagged) != self.session.token:  # a follower: the coordinator's save
             self._session = SaveSession(self.storage, token.save_id, token.tagged)
         if self.single_file_per_rank:
             buckets = split_buckets(plan.items, self.workers)
@@ -347,13 +350,15 @@ def save_state_dict(
     planner: SavePlanner | None,
     overwrite: bool = True,
     progress: Progress = NO_PROGRESS,
+    save_id: str | None = None,
 ) -> SaveStats:
     """One whole DCP save of ``state_dict`` to ``storage`` with dcpstore's
     writer (every rank calls it; ``process_group`` None: no collectives).
     The native engine, sync or on an async saver's background thread.
     Raises what DCP raises (a ``CheckpointException`` for a failure on any
-    rank)."""
-    writer = DcpStorageWriter(storage, workers=workers, overwrite=overwrite, progress=progress)
+    rank). ``save_id``: the id the coordinator's claim records
+    (:class:`~dcpstore.dcp.commit.SaveSession`; None: a fresh one)."""
+    writer = DcpStorageWriter(storage, workers=workers, overwrite=overwrite, progress=progress, save_id=save_id)
     no_dist = not (dist.is_available() and dist.is_initialized())
     try:
         with ignoring(NO_DIST_WARNING) if no_dist else contextlib.nullcontext():

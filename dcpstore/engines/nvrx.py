@@ -296,6 +296,7 @@ def nvrx_save(
     cache: Any | None,
     target: NvrxTarget | None = None,
     overwrite: bool = True,
+    save_id: str | None = None,
 ) -> SaveStats:
     """One NVRx save of an already staged ``state_dict`` (see the module doc).
 
@@ -303,13 +304,14 @@ def nvrx_save(
     process without torch.distributed). ``cache`` is the private NVRx
     metadata cache to use, or ``None``. ``target`` overrides where NVRx
     writes (default: derived from ``storage``). ``overwrite=False``: refuse
-    a URI that holds a committed checkpoint. Raises on every rank if any
+    a URI that holds a committed checkpoint; ``save_id``: the id the claim
+    records (None: a fresh one). Raises on every rank if any
     rank failed; the coordinator's session is then released (``with
     session``), so that ``gc`` may collect what the save left.
     """
     target = target or check_target(storage)
     if process_group is None:
-        session = SaveSession(storage)
+        session = SaveSession(storage, save_id)
         session.claim(overwrite)
         with session:
             writer = writer_class()(session, target, workers)
@@ -324,7 +326,7 @@ def nvrx_save(
             return single
 
     wrapper = _DistWrapper(process_group, True, 0)
-    with _claim_and_share(storage, wrapper, overwrite) as session:
+    with _claim_and_share(storage, wrapper, overwrite, save_id) as session:
         writer = writer_class()(session, target, workers)
         metadata: Metadata | None = None
         try:
@@ -353,7 +355,7 @@ def nvrx_save(
         return stats
 
 
-def _claim_and_share(storage: Storage, wrapper: _DistWrapper, overwrite: bool) -> SaveSession:
+def _claim_and_share(storage: Storage, wrapper: _DistWrapper, overwrite: bool, save_id: str | None) -> SaveSession:
     """The coordinator claims the URI; every rank gets the session's token
     (or the coordinator's failure) by broadcast, so no rank writes before
     the claim. Returns this rank's session."""
@@ -363,7 +365,7 @@ def _claim_and_share(storage: Storage, wrapper: _DistWrapper, overwrite: bool) -
     session: SaveSession | None = None
     if wrapper.is_coordinator:
         try:
-            session = SaveSession(storage)
+            session = SaveSession(storage, save_id)
             session.claim(overwrite)
             outcome = ("ok", session.token)
         except Exception as e:

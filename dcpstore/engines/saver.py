@@ -448,6 +448,7 @@ class AsyncSaver:
                         planner=planner,
                         cache=cache,
                         overwrite=options.overwrite,
+                        save_id=options.save_id,
                     )
                 except BaseException:
                     self._nvrx_caches.drop(group)  # every rank fails together: re-plan next time
@@ -462,6 +463,7 @@ class AsyncSaver:
                     planner=planner,
                     overwrite=options.overwrite,
                     progress=bar,
+                    save_id=options.save_id,
                 )
         except BaseException as e:
             err = save_error(e, storage.uri, "async save")

@@ -335,11 +335,11 @@ class CheckpointManager:
             raise CheckpointExists(
                 f"Checkpoint already exists: step {step} is committed under {self.uri}; pass overwrite=True to replace it"
             )
-        self._roots.before_save(step, overwrite)
+        save_id = self._roots.before_save(step, overwrite)
         # The save itself refuses too, should the step be committed meanwhile.
         options = self._save_options
-        if overwrite != options.overwrite:
-            options = replace(options, overwrite=overwrite)
+        if overwrite != options.overwrite or save_id is not None:
+            options = replace(options, overwrite=overwrite, save_id=save_id)
         handle = save_with(state_dict, self._roots.save_uri(step), options)
         self._roots.saved(step, handle)
         self._pending = _Pending(step, handle)
@@ -445,7 +445,7 @@ class CheckpointManager:
         """
         self._check_open()
         self._finish_pending()
-        resolved, uri = self._roots.locate(step, self.options.process_group)
+        resolved, uri = self._roots.locate(step, self.options.process_group, state_dict)
         options = self.options.for_load(safe_globals=safe_globals or (), trusted=trusted)
         if uri != self.step_uri(resolved):  # the local tier: plain local I/O
             options = replace(options, enable_msc=False, storage_options=None)

@@ -7,7 +7,8 @@ exist, which copy a load reads, what happens once a save is committed.
 :class:`~dcpstore.manager.tiered.TieredRoots` is a local tier plus a durable
 tier with background replication. The manager calls, in this order::
 
-    every rank    roots.before_save(step, overwrite)    before the save starts
+    every rank    roots.before_save(step, overwrite)    before the save starts;
+                      returns the save id the save must use, or None
     every rank    roots.save_uri(step)                  where it writes
     every rank    roots.saved(step, handle)             the save's handle
     coordinator   roots.committed(step)                 after it committed
@@ -20,7 +21,7 @@ Layer: manager. Imports :mod:`dcpstore.storage`, :mod:`dcpstore.handle`,
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch.distributed as dist
 
@@ -45,7 +46,7 @@ class Roots(Protocol):
     def is_committed(self, step: int) -> bool:
         """Whether ``step`` is committed anywhere this manager reads from."""
 
-    def before_save(self, step: int, overwrite: bool) -> None: ...
+    def before_save(self, step: int, overwrite: bool) -> str | None: ...
 
     def saved(self, step: int, handle: SaveHandle) -> None: ...
 
@@ -56,9 +57,12 @@ class Roots(Protocol):
 
     def read_pointer(self) -> int | None: ...
 
-    def locate(self, step: int | None, group: dist.ProcessGroup | None) -> tuple[int, str]:
+    def locate(
+        self, step: int | None, group: dist.ProcessGroup | None, state_dict: dict[str, Any] | None = None
+    ) -> tuple[int, str]:
         """Collective: the step to load (``step``, or the newest committed)
-        and the URI of the copy every rank reads."""
+        and the URI of the copy every rank reads (``state_dict``: what the
+        load fills in, where the choice depends on it; None: the step alone)."""
 
     def wait(self, timeout: float | None) -> None: ...
 
@@ -104,8 +108,8 @@ class OneRoot:
     def is_committed(self, step: int) -> bool:
         return is_committed(self._storage, step)
 
-    def before_save(self, step: int, overwrite: bool) -> None:
-        pass
+    def before_save(self, step: int, overwrite: bool) -> str | None:
+        return None
 
     def saved(self, step: int, handle: SaveHandle) -> None:
         pass
@@ -121,7 +125,9 @@ class OneRoot:
     def read_pointer(self) -> int | None:
         return read_pointer(self._storage)
 
-    def locate(self, step: int | None, group: dist.ProcessGroup | None) -> tuple[int, str]:
+    def locate(
+        self, step: int | None, group: dist.ProcessGroup | None, state_dict: dict[str, Any] | None = None
+    ) -> tuple[int, str]:
         """Rank 0 lists and broadcasts its answer, so every rank loads the
         same step even if a commit lands between their listings."""
         if step is None:

@@ -1,0 +1,298 @@
+"""Tiered checkpoints with node-local directories: one ``local_dir`` per node.
+
+Real gloo jobs whose "nodes" are separate directories (two nodes of two
+ranks, or two of one): each node's directory must hold the files its own
+ranks wrote plus the same commit (``.metadata`` and manifest) as the
+coordinator's, and nothing half-written; the durable tier whole steps that
+stock DCP loads; a load reads the local tier only when every rank's node
+holds what that rank reads, else the durable copy, else an older step;
+catch-up, overwrites and retention work per node; and the ownership check
+still fails a save whose step another save took over on a node.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from hypothesis import given
+from hypothesis import strategies as st
+
+import dcpstore
+from dcpstore.format.layout import INFLIGHT, METADATA, name_tag
+from dcpstore.manager import step_dir
+from dcpstore.manager.nodes import PROBE_PREFIX, nodes_from_views
+from dcpstore.manager.replicate import read_local_commit
+from dist_utils import run_ranks
+from tiered_kit import full
+
+ROWS = 64
+
+
+def sharded(world: int, step: int, *, scalar: bool) -> dict[str, Any]:
+    """Shard(0) tensors only (every rank reads just what it wrote), or with a
+    replicated scalar too (DCP stores it in one rank's file)."""
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    state: dict[str, Any] = {
+        "w": distribute_tensor(full(step), mesh, [Shard(0)]),
+        "b": distribute_tensor(full(step)[:, :5].contiguous() * 2, mesh, [Shard(0)]),
+    }
+    if scalar:
+        state["step"] = step
+    return state
+
+
+def node_dirs(tmp_path: Path, world: int, per_node: int) -> list[str]:
+    return [str(tmp_path / f"node{rank // per_node}") for rank in range(world)]
+
+
+def check(state: dict[str, Any], step: int, *, scalar: bool) -> None:
+    assert torch.equal(state["w"].full_tensor(), full(step))
+    assert torch.equal(state["b"].full_tensor(), full(step)[:, :5] * 2)
+    if scalar:
+        assert state["step"] == step
+
+
+def zeros(world: int, scalar: bool) -> dict[str, Any]:
+    state = sharded(world, 0, scalar=scalar)
+    for v in state.values():
+        if isinstance(v, torch.Tensor):
+            v.to_local().zero_()
+    if scalar:
+        state["step"] = -1
+    return state
+
+
+def assert_node_holds(node: Path, durable: Path, step: int, ranks: set[int]) -> None:
+    """``node`` holds ``step``'s commit (the durable ``.metadata``'s bytes),
+    the data files of ``ranks`` and nothing else: no marker, no other
+    rank's file, no probe."""
+    here = node / step_dir(step)
+    assert (here / METADATA).read_bytes() == (durable / step_dir(step) / METADATA).read_bytes()
+    storage = dcpstore.open_storage(str(node))
+    try:
+        commit = read_local_commit(storage, step)
+    finally:
+        storage.close()
+    assert commit is not None
+    data = {n for n in commit.manifest["files"] if int(n.split("_")[2]) in ranks}
+    assert data, "a node holds its own ranks' files"
+    names = {p.name for p in here.iterdir()}
+    assert names == {METADATA, commit.manifest_name, *data}, names
+    assert INFLIGHT not in names and not list(node.glob(f"{PROBE_PREFIX}*"))
+    assert all(name_tag(n) for n in data), "node-local saves use save-unique names"
+
+
+# -- save, replicate, retention, load ------------------------------------------
+
+
+def _save_and_load(rank: int, world: int, durable: str, dirs: list[str], scalar: bool) -> None:
+    with dcpstore.CheckpointManager(durable, local_dir=dirs[rank], keep=2, local_keep=2, workers=2) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(sharded(world, step, scalar=scalar), step)
+        mgr.wait()
+        dist.barrier()
+        assert mgr.all_steps() == [2, 3]
+        assert mgr.latest_step() == 3
+        state = zeros(world, scalar)
+        assert mgr.load(state) == 3
+        check(state, 3, scalar=scalar)
+        state = zeros(world, scalar)
+        assert mgr.load(state, 2) == 2
+        check(state, 2, scalar=scalar)
+
+
+@pytest.mark.parametrize(("world", "per_node"), [(2, 1), (4, 2)], ids=["2x1", "2x2"])
+def test_each_node_commits_its_share_and_the_durable_tier_is_whole(tmp_path: Path, world: int, per_node: int) -> None:
+    durable = tmp_path / "durable"
+    dirs = node_dirs(tmp_path, world, per_node)
+    run_ranks(_save_and_load, world, str(durable), dirs, True)
+    for n in range(world // per_node):
+        node = tmp_path / f"node{n}"
+        assert sorted(p.name for p in node.glob("step_*")) == [step_dir(2), step_dir(3)]  # local_keep=2, per node
+        for step in (2, 3):
+            assert_node_holds(node, durable, step, set(range(n * per_node, (n + 1) * per_node)))
+    assert sorted(p.name for p in durable.glob("step_*")) == [step_dir(2), step_dir(3)]
+    for step in (2, 3):  # stock DCP reads the durable copy on one process
+        dest = {"w": torch.zeros(ROWS, 24), "b": torch.zeros(ROWS, 5), "step": 0}
+        dcp.load(dest, checkpoint_id=str(durable / step_dir(step)), no_dist=True)
+        assert torch.equal(dest["w"], full(step)) and dest["step"] == step
+
+
+def _load(rank: int, world: int, durable: str, dirs: list[str], scalar: bool, expect: int) -> None:
+    with dcpstore.CheckpointManager(durable, local_dir=dirs[rank]) as mgr:
+        state = zeros(world, scalar)
+        assert mgr.load(state) == expect
+        check(state, expect, scalar=scalar)
+
+
+def _damage(root: Path, step: int) -> dict[Path, bytes]:
+    """Zero every data file of ``step`` under ``root`` at its size; returns the old bytes."""
+    saved = {}
+    for data in (root / step_dir(step)).glob("*.distcp"):
+        saved[data] = data.read_bytes()
+        data.write_bytes(b"\0" * len(saved[data]))
+    return saved
+
+
+def test_a_load_reads_each_nodes_own_copy_when_every_rank_holds_what_it_reads(tmp_path: Path) -> None:
+    durable = tmp_path / "durable"
+    dirs = node_dirs(tmp_path, 2, 1)
+    run_ranks(_save_and_load, 2, str(durable), dirs, False)
+    _damage(durable, 3)  # the durable copy is damaged: only the local copies can give step 3
+    run_ranks(_load, 2, str(durable), dirs, False, 3)
+
+
+def test_a_load_that_reads_another_nodes_file_reads_the_durable_copy(tmp_path: Path) -> None:
+    durable = tmp_path / "durable"
+    dirs = node_dirs(tmp_path, 2, 1)
+    run_ranks(_save_and_load, 2, str(durable), dirs, True)
+    for n in (0, 1):  # the replicated scalar lives in one rank's file: the local copies are not read
+        _damage(tmp_path / f"node{n}", 3)
+    run_ranks(_load, 2, str(durable), dirs, True, 3)
+
+
+def test_a_fresh_node_resumes_from_the_durable_tier(tmp_path: Path) -> None:
+    durable = tmp_path / "durable"
+    dirs = node_dirs(tmp_path, 2, 1)
+    run_ranks(_save_and_load, 2, str(durable), dirs, False)
+    dirs[1] = str(tmp_path / "replacement")  # node 1 was replaced: an empty local_dir
+    _damage(tmp_path / "node0", 3)  # node 0's copy must not be read either
+    run_ranks(_load, 2, str(durable), dirs, False, 3)
+
+
+def _save_every_other(rank: int, world: int, durable: str, dirs: list[str]) -> None:
+    with dcpstore.CheckpointManager(durable, local_dir=dirs[rank], replicate_every=2, async_=False) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(sharded(world, step, scalar=False), step)
+        mgr.wait()
+
+
+def test_a_step_a_lost_node_held_gives_way_to_an_older_one(tmp_path: Path) -> None:
+    durable = tmp_path / "durable"
+    dirs = node_dirs(tmp_path, 2, 1)
+    run_ranks(_save_every_other, 2, str(durable), dirs)
+    assert sorted(p.name for p in durable.glob("step_*")) == [step_dir(2)]
+    # Unselected steps still commit on every node.
+    assert all((tmp_path / f"node{n}" / step_dir(s) / METADATA).exists() for n in (0, 1) for s in (1, 2, 3))
+    for data in (tmp_path / "node1" / step_dir(3)).glob("*.distcp"):
+        data.unlink()  # node 1 lost its share of step 3, which only the local tier had
+    run_ranks(_load, 2, str(durable), dirs, False, 2)
+
+
+# -- catch-up and overwrite ------------------------------------------------------
+
+
+def _save_unreplicated(rank: int, world: int, durable: str, dirs: list[str]) -> None:
+    import dcpstore.manager.tiered as tiered
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise dcpstore.StorageError("injected: the object store is unreachable")
+
+    tiered.upload_files = broken  # type: ignore[assignment]
+    mgr = dcpstore.CheckpointManager(durable, local_dir=dirs[rank], async_=False, replicate_timeout_s=3.0)
+    for step in (1, 2):
+        mgr.save(sharded(world, step, scalar=True), step)
+    with pytest.raises(dcpstore.SaveError):
+        mgr.wait()
+    mgr.close()
+
+
+def _catch_up(rank: int, world: int, durable: str, dirs: list[str]) -> None:
+    with dcpstore.CheckpointManager(durable, local_dir=dirs[rank]) as mgr:
+        mgr.wait()
+
+
+def test_a_new_manager_replicates_what_every_node_committed(tmp_path: Path) -> None:
+    durable = tmp_path / "durable"
+    dirs = node_dirs(tmp_path, 4, 2)
+    run_ranks(_save_unreplicated, 4, str(durable), dirs)
+    assert not list(durable.glob(f"step_*/{METADATA}"))
+    assert all((tmp_path / f"node{n}" / step_dir(s) / METADATA).exists() for n in (0, 1) for s in (1, 2))
+    run_ranks(_catch_up, 4, str(durable), dirs)
+    for step in (1, 2):
+        for n in (0, 1):
+            assert_node_holds(tmp_path / f"node{n}", durable, step, {2 * n, 2 * n + 1})
+        dest = {"w": torch.zeros(ROWS, 24), "b": torch.zeros(ROWS, 5), "step": 0}
+        dcpstore.load(dest, str(durable / step_dir(step)))
+        assert torch.equal(dest["w"], full(step)) and dest["step"] == step
+
+
+def _overwrite(rank: int, world: int, durable: str, dirs: list[str]) -> None:
+    with dcpstore.CheckpointManager(durable, local_dir=dirs[rank]) as mgr:
+        mgr.save(sharded(world, 1, scalar=True), 1)
+        mgr.wait()
+        with pytest.raises(dcpstore.CheckpointExists):
+            mgr.save(sharded(world, 7, scalar=True), 1)
+        mgr.save(sharded(world, 7, scalar=True), 1, overwrite=True)
+        mgr.wait()
+        state = zeros(world, True)
+        assert mgr.load(state) == 1
+        check(state, 7, scalar=True)
+
+
+def test_an_overwrite_replaces_the_step_on_every_node_and_in_the_durable_tier(tmp_path: Path) -> None:
+    durable = tmp_path / "durable"
+    dirs = node_dirs(tmp_path, 2, 1)
+    run_ranks(_overwrite, 2, str(durable), dirs)
+    for n in (0, 1):
+        assert_node_holds(tmp_path / f"node{n}", durable, 1, {n})  # the old commit's files are gone
+    dest = {"w": torch.zeros(ROWS, 24), "b": torch.zeros(ROWS, 5), "step": 0}
+    dcpstore.load(dest, str(durable / step_dir(1)))
+    assert torch.equal(dest["w"], full(7)) and dest["step"] == 7
+
+
+# -- the ownership check on a node that is not the coordinator's ------------------
+
+
+def _taken_over(rank: int, world: int, durable: str, dirs: list[str]) -> None:
+    import dcpstore.manager.tiered as tiered
+
+    real = tiered.put_marker
+
+    def then_taken(local: Any, step: int, save_id: str) -> None:
+        real(local, step, save_id)
+        if rank == 1:  # another save claims step 1 on node 1 right after our marker went in
+            real(local, step, "f" * 16)
+
+    tiered.put_marker = then_taken  # type: ignore[assignment]
+    with dcpstore.CheckpointManager(durable, local_dir=dirs[rank], async_=False) as mgr:
+        with pytest.raises(dcpstore.SaveError, match="another save"):
+            mgr.save(sharded(world, 1, scalar=True), 1)
+        assert mgr.all_steps() == []
+
+
+def test_a_node_whose_step_another_save_took_over_fails_the_save(tmp_path: Path) -> None:
+    durable = tmp_path / "durable"
+    dirs = node_dirs(tmp_path, 2, 1)
+    run_ranks(_taken_over, 2, str(durable), dirs)
+    assert not list(tmp_path.glob(f"*/step_*/{METADATA}"))
+
+
+# -- how the probe views split the ranks ----------------------------------------
+
+
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=8))
+def test_probe_views_that_split_the_ranks_give_their_nodes(assignment: list[int]) -> None:
+    world = len(assignment)
+    views = [[q for q in range(world) if assignment[q] == assignment[r]] for r in range(world)]
+    for rank in range(world):
+        nodes = nodes_from_views(views, rank, "dir")
+        assert nodes.node == tuple(views[rank]) and nodes.leader == min(views[rank])
+        assert nodes.count == len(set(assignment))
+
+
+@pytest.mark.parametrize(
+    "views",
+    [[[0], [0, 1]], [[1], [1]], [[0, 1], [1]], [[0, 1, 2], [0, 1], [2]]],
+    ids=["one-sided", "no-own-probe", "half-shared", "overlap"],
+)
+def test_probe_views_that_do_not_split_the_ranks_are_refused(views: list[list[int]]) -> None:
+    with pytest.raises(dcpstore.InvalidArgument, match=r"local_dir dir is neither one directory.*rank \d sees"):
+        nodes_from_views(views, 0, "dir")
