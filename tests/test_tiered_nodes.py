@@ -12,6 +12,9 @@ still fails a save whose step another save took over on a node.
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +29,17 @@ import dcpstore
 from dcpstore.format.layout import INFLIGHT, METADATA, name_tag
 from dcpstore.manager import step_dir
 from dcpstore.manager.nodes import PROBE_PREFIX, nodes_from_views
+from dcpstore.engines import nvrx
 from dcpstore.manager.replicate import read_local_commit
+from backends import Target, make_target
 from dist_utils import run_ranks
+from faults import hook_all_storage, spread
 from tiered_kit import full
 
 ROWS = 64
+
+#: In the name of the local backend's temporary files (a write not yet renamed).
+TEMP_MARK = ".dcpstore-tmp-"
 
 
 def sharded(world: int, step: int, *, scalar: bool) -> dict[str, Any]:
@@ -69,12 +78,25 @@ def zeros(world: int, scalar: bool) -> dict[str, Any]:
     return state
 
 
-def assert_node_holds(node: Path, durable: Path, step: int, ranks: set[int]) -> None:
+def durable_metadata(durable: Target, step: int) -> bytes:
+    root = dcpstore.open_storage(durable.uri, **durable.kwargs)
+    try:
+        return root.read(f"{step_dir(step)}/{METADATA}")
+    finally:
+        root.close()
+
+
+def durable_steps(durable: Target) -> list[int]:
+    return dcpstore.CheckpointManager(durable.uri, **durable.kwargs).all_steps()
+
+
+def assert_node_holds(node: Path, durable: Target, step: int, ranks: set[int], *, killed: bool = False) -> None:
     """``node`` holds ``step``'s commit (the durable ``.metadata``'s bytes),
     the data files of ``ranks`` and nothing else: no marker, no other
-    rank's file, no probe."""
+    rank's file, no probe (``killed``: but maybe the temporary file of a
+    write a SIGKILL cut short, which ``dcpstore gc`` removes)."""
     here = node / step_dir(step)
-    assert (here / METADATA).read_bytes() == (durable / step_dir(step) / METADATA).read_bytes()
+    assert (here / METADATA).read_bytes() == durable_metadata(durable, step)
     storage = dcpstore.open_storage(str(node))
     try:
         commit = read_local_commit(storage, step)
@@ -83,7 +105,7 @@ def assert_node_holds(node: Path, durable: Path, step: int, ranks: set[int]) -> 
     assert commit is not None
     data = {n for n in commit.manifest["files"] if int(n.split("_")[2]) in ranks}
     assert data, "a node holds its own ranks' files"
-    names = {p.name for p in here.iterdir()}
+    names = {p.name for p in here.iterdir() if not (killed and TEMP_MARK in p.name)}
     assert names == {METADATA, commit.manifest_name, *data}, names
     assert INFLIGHT not in names and not list(node.glob(f"{PROBE_PREFIX}*"))
     assert all(name_tag(n) for n in data), "node-local saves use save-unique names"
@@ -92,8 +114,11 @@ def assert_node_holds(node: Path, durable: Path, step: int, ranks: set[int]) -> 
 # -- save, replicate, retention, load ------------------------------------------
 
 
-def _save_and_load(rank: int, world: int, durable: str, dirs: list[str], scalar: bool) -> None:
-    with dcpstore.CheckpointManager(durable, local_dir=dirs[rank], keep=2, local_keep=2, workers=2) as mgr:
+def _save_and_load(
+    rank: int, world: int, durable: str, dirs: list[str], scalar: bool, kwargs: dict[str, Any] | None = None
+) -> None:
+    kwargs = {"keep": 2, "local_keep": 2, "workers": 2, **(kwargs or {})}
+    with dcpstore.CheckpointManager(durable, local_dir=dirs[rank], **kwargs) as mgr:
         for step in (1, 2, 3):
             mgr.save(sharded(world, step, scalar=scalar), step)
         mgr.wait()
@@ -108,20 +133,37 @@ def _save_and_load(rank: int, world: int, durable: str, dirs: list[str], scalar:
         check(state, 2, scalar=scalar)
 
 
-@pytest.mark.parametrize(("world", "per_node"), [(2, 1), (4, 2)], ids=["2x1", "2x2"])
-def test_each_node_commits_its_share_and_the_durable_tier_is_whole(tmp_path: Path, world: int, per_node: int) -> None:
-    durable = tmp_path / "durable"
+@pytest.mark.parametrize(
+    ("backend", "world", "per_node", "engine"),
+    [
+        ("local", 2, 1, "native"),
+        ("local", 4, 2, "native"),
+        ("local", 2, 1, "nvrx"),
+        ("s3", 2, 1, "native"),
+        ("msc", 2, 1, "native"),
+    ],
+    ids=["local-2x1", "local-2x2", "local-2x1-nvrx", "s3-2x1", "msc-2x1"],
+)
+def test_each_node_commits_its_share_and_the_durable_tier_is_whole(
+    request: pytest.FixtureRequest, tmp_path: Path, backend: str, world: int, per_node: int, engine: str
+) -> None:
+    if engine == "nvrx" and nvrx.import_error() is not None:
+        pytest.skip(f"NVRx is not installed: {nvrx.import_error()}")
+    durable = make_target(backend, request)
     dirs = node_dirs(tmp_path, world, per_node)
-    run_ranks(_save_and_load, world, str(durable), dirs, True)
+    run_ranks(_save_and_load, world, durable.uri, dirs, True, {"engine": engine, **durable.kwargs})
     for n in range(world // per_node):
         node = tmp_path / f"node{n}"
         assert sorted(p.name for p in node.glob("step_*")) == [step_dir(2), step_dir(3)]  # local_keep=2, per node
         for step in (2, 3):
             assert_node_holds(node, durable, step, set(range(n * per_node, (n + 1) * per_node)))
-    assert sorted(p.name for p in durable.glob("step_*")) == [step_dir(2), step_dir(3)]
-    for step in (2, 3):  # stock DCP reads the durable copy on one process
+    assert durable_steps(durable) == [2, 3]
+    for step in (2, 3):  # one process reads the durable copy back (stock DCP too, where it can)
         dest = {"w": torch.zeros(ROWS, 24), "b": torch.zeros(ROWS, 5), "step": 0}
-        dcp.load(dest, checkpoint_id=str(durable / step_dir(step)), no_dist=True)
+        if backend == "local":
+            dcp.load(dest, checkpoint_id=f"{durable.uri}/{step_dir(step)}", no_dist=True)
+        else:
+            dcpstore.load(dest, f"{durable.uri}/{step_dir(step)}", **durable.kwargs)
         assert torch.equal(dest["w"], full(step)) and dest["step"] == step
 
 
@@ -218,7 +260,7 @@ def test_a_new_manager_replicates_what_every_node_committed(tmp_path: Path) -> N
     run_ranks(_catch_up, 4, str(durable), dirs)
     for step in (1, 2):
         for n in (0, 1):
-            assert_node_holds(tmp_path / f"node{n}", durable, step, {2 * n, 2 * n + 1})
+            assert_node_holds(tmp_path / f"node{n}", Target("local", str(durable)), step, {2 * n, 2 * n + 1})
         dest = {"w": torch.zeros(ROWS, 24), "b": torch.zeros(ROWS, 5), "step": 0}
         dcpstore.load(dest, str(durable / step_dir(step)))
         assert torch.equal(dest["w"], full(step)) and dest["step"] == step
@@ -242,7 +284,7 @@ def test_an_overwrite_replaces_the_step_on_every_node_and_in_the_durable_tier(tm
     dirs = node_dirs(tmp_path, 2, 1)
     run_ranks(_overwrite, 2, str(durable), dirs)
     for n in (0, 1):
-        assert_node_holds(tmp_path / f"node{n}", durable, 1, {n})  # the old commit's files are gone
+        assert_node_holds(tmp_path / f"node{n}", Target("local", str(durable)), 1, {n})  # the old files are gone
     dest = {"w": torch.zeros(ROWS, 24), "b": torch.zeros(ROWS, 5), "step": 0}
     dcpstore.load(dest, str(durable / step_dir(1)))
     assert torch.equal(dest["w"], full(7)) and dest["step"] == 7
@@ -296,3 +338,96 @@ def test_probe_views_that_split_the_ranks_give_their_nodes(assignment: list[int]
 def test_probe_views_that_do_not_split_the_ranks_are_refused(views: list[list[int]]) -> None:
     with pytest.raises(dcpstore.InvalidArgument, match=r"local_dir dir is neither one directory.*rank \d sees"):
         nodes_from_views(views, 0, "dir")
+
+
+# -- SIGKILL of the whole job while a step replicates -----------------------------
+
+
+class KillJob:
+    """A hook that SIGKILLs every rank of the job (their pids are files in
+    ``pids``) at this rank's ``n``-th durable-tier event of step 2 (``n``
+    -1: never; the events are counted in ``events``)."""
+
+    def __init__(self, n: int, pids: Path) -> None:
+        self.n, self.seen, self.pids = n, 0, pids
+        self._lock = threading.Lock()
+
+    def __call__(self, event: str) -> None:
+        if step_dir(2) not in event:
+            return
+        with self._lock:
+            if self.seen == self.n:
+                others = [int(p.read_text()) for p in self.pids.iterdir() if int(p.read_text()) != os.getpid()]
+                for pid in others:
+                    os.kill(pid, signal.SIGKILL)
+                os.kill(os.getpid(), signal.SIGKILL)
+            self.seen += 1
+
+
+def _killed_while_replicating(
+    rank: int, world: int, durable: str, dirs: list[str], pids: str, killer: int, at: int
+) -> None:
+    Path(pids, str(rank)).write_text(str(os.getpid()))
+    with dcpstore.CheckpointManager(durable, local_dir=dirs[rank], async_=False) as mgr:
+        mgr.save(sharded(world, 1, scalar=True), 1)
+        mgr.wait()
+    dist.barrier()
+    hook = KillJob(at if rank == killer else -1, Path(pids))
+    hook_all_storage({durable: hook})
+    with dcpstore.CheckpointManager(durable, local_dir=dirs[rank], async_=False) as mgr:
+        mgr.save(sharded(world, 2, scalar=True), 2)
+        mgr.wait()
+    Path(pids, f"events{rank}").write_text(str(hook.seen))
+
+
+def _whole_durable_steps(durable: Path) -> list[int]:
+    """The durable steps with a ``.metadata``, each checked whole: it loads
+    exactly what was saved."""
+    steps = sorted(int(p.parent.name[5:]) for p in durable.glob(f"step_*/{METADATA}"))
+    for step in steps:
+        dest = {"w": torch.zeros(ROWS, 24), "b": torch.zeros(ROWS, 5), "step": 0}
+        dcpstore.load(dest, str(durable / step_dir(step)))
+        assert torch.equal(dest["w"], full(step)) and dest["step"] == step
+    return steps
+
+
+def _kill_points(tmp_path: Path, sample: int | None) -> list[tuple[int, int]]:
+    """(rank, event index) kill points over both ranks' durable events, as a
+    probe run counts them; ``sample``: that many of each rank's, spread."""
+    pids = tmp_path / "probe-pids"
+    pids.mkdir()
+    run_ranks(_killed_while_replicating, 2, str(tmp_path / "probe"), node_dirs(tmp_path / "probe", 2, 1),
+              str(pids), -1, -1)
+    points = []
+    for rank in (0, 1):
+        total = int((pids / f"events{rank}").read_text())
+        chosen = range(total) if sample is None else sorted(set(spread(total, sample)))
+        points += [(rank, i) for i in chosen]
+    return points
+
+
+def _crash_and_recover(tmp_path: Path, sample: int | None) -> None:
+    for i, (killer, at) in enumerate(_kill_points(tmp_path, sample)):
+        case = tmp_path / f"kill{i}"
+        durable, pids = case / "durable", case / "pids"
+        pids.mkdir(parents=True)
+        dirs = node_dirs(case, 2, 1)
+        with pytest.raises(Exception):  # noqa: B017 -- the job dies by SIGKILL, whatever run_ranks calls it
+            run_ranks(_killed_while_replicating, 2, str(durable), dirs, str(pids), killer, at)
+        where = (killer, at)
+        assert _whole_durable_steps(durable) in ([1], [1, 2]), where  # whole steps only
+        assert (case / "node0" / step_dir(2) / METADATA).exists(), where  # committed before replicating
+        run_ranks(_catch_up, 2, str(durable), dirs)  # a new job over the same node dirs catches up
+        assert _whole_durable_steps(durable) == [1, 2], where
+        for n in (0, 1):
+            assert_node_holds(case / f"node{n}", Target("local", str(durable)), 2, {n}, killed=True)
+
+
+def test_sigkill_of_the_job_during_replication_loses_no_committed_step(tmp_path: Path) -> None:
+    _crash_and_recover(tmp_path, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_sigkill_at_every_durable_event_of_either_node(tmp_path: Path) -> None:
+    _crash_and_recover(tmp_path, None)

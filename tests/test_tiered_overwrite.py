@@ -122,12 +122,12 @@ def test_retention_that_cannot_compare_the_copies_keeps_the_local_steps(
 ) -> None:
     """A failing read while local retention compares a step's two copies
     keeps the local step and the replicator running."""
-    from dcpstore.manager.tiered import TieredRoots
+    from dcpstore.manager import replicate
 
-    def cannot_tell(self: TieredRoots, step: int, durable_time: float | None) -> bool:
+    def cannot_tell(local: object, durable: object, step: int, durable_time: float | None) -> bool:
         raise dcpstore.StorageError("injected: the durable .metadata cannot be read")
 
-    monkeypatch.setattr(TieredRoots, "_replica_is_older", cannot_tell)
+    monkeypatch.setattr(replicate, "replica_is_older", cannot_tell)
     durable, local = Target("local", str(tmp_path / "durable")), tmp_path / "local"
     with manager(durable, local, local_keep=1, replicate_timeout_s=30) as mgr:
         for step in (1, 2, 3):

@@ -41,11 +41,11 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from ..errors import CheckpointError, InvalidArgument
+from ..errors import CheckpointError, InvalidArgument, SaveError
 from ..format.layout import INFLIGHT, METADATA, is_data_file, is_manifest
 from ..format.safe_pickle import TOOLS, load_metadata
 from ..storage import Storage
-from .replicate import LocalCommit
+from .replicate import LocalCommit, read_local_commit
 from .steps import step_dir
 
 log = logging.getLogger(__name__)
@@ -79,6 +79,66 @@ class Nodes:
 
 #: A single process, or one directory for every rank.
 ONE_DIR = Nodes((0,), 1)
+
+
+class NodeSync:
+    """The collectives a tiered manager runs: on the caller's thread over the
+    manager's ``group`` (every rank calls in step: construction, save,
+    load), or on the replicator thread over a gloo group of its own
+    (``background=True``; node-local directories only).
+
+    ``nodes``: how the ranks share ``local_dir`` (:func:`detect_nodes`).
+    """
+
+    def __init__(self, nodes: Nodes, group: dist.ProcessGroup | None, background: dist.ProcessGroup | None) -> None:
+        self.nodes = nodes
+        self._group = group
+        self._background = background
+
+    @classmethod
+    def open(cls, local: Storage, group: dist.ProcessGroup | None, rank: int) -> NodeSync:
+        """Collective when torch.distributed runs: detect the nodes, and with
+        node-local directories make the replicator's group. That group is
+        never destroyed here: torch names a group made with
+        ``use_local_synchronization`` by its ranks and the number of groups,
+        so destroying it would hand its name, and its rendezvous keys, to
+        the next group made; it goes with its default group."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return cls(ONE_DIR, None, None)
+        nodes = detect_nodes(local, group, rank)
+        background = None
+        if nodes.node_local:
+            background = dist.new_group(
+                ranks=dist.get_process_group_ranks(group or dist.group.WORLD),
+                backend="gloo",
+                use_local_synchronization=True,
+                group_desc="dcpstore_tiered",
+            )
+        return cls(nodes, group, background)
+
+    @property
+    def node_local(self) -> bool:
+        return self.nodes.node_local
+
+    def _pick(self, background: bool) -> dist.ProcessGroup | None:
+        if background:
+            assert self._background is not None, "the replicator's group exists with node-local directories only"
+            return self._background
+        return self._group
+
+    def from_coordinator(self, value: Any, *, background: bool = False) -> Any:
+        """The coordinator's ``value`` on every rank."""
+        group = self._pick(background)
+        box = [value]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group else 0, group=group)
+        return box[0]
+
+    def gather(self, value: Any, *, background: bool = False) -> list[Any]:
+        """Every rank's ``value``, in rank order, on every rank."""
+        group = self._pick(background)
+        views: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(views, value, group=group)
+        return views
 
 
 def detect_nodes(local: Storage, group: dist.ProcessGroup | None, rank: int) -> Nodes:
@@ -185,3 +245,56 @@ def holds(local: Storage, step: int, commit: LocalCommit | None, needed: Iterabl
         return False
     have = set(held_files(local, step, commit))
     return all(n in have for n in needed)
+
+
+def share_commit(
+    sync: NodeSync, local: Storage, step: int, rank: int, commit: LocalCommit | None, catch_up: bool
+) -> tuple[LocalCommit, tuple[str, ...]] | None:
+    """Every rank's replicator, for every job (the collectives on the
+    replicator's group pair up: every rank queues the same jobs in the same
+    order): the coordinator's ``commit`` of ``step`` (read there and
+    broadcast; a catch-up's, every rank has it) becomes every node's (its
+    leader's :func:`localize`). Returns it, with the files this rank
+    uploads in a catch-up: those its node holds (the leader's), once the
+    gathered holdings cover the commit; None when they do not (a lost node:
+    the step cannot be replicated and stays local until retention removes
+    it; logged, not raised, since no later call could mend it)."""
+    if not catch_up:
+        commit = sync.from_coordinator(commit, background=True)
+    if commit is None:
+        raise SaveError(f"the coordinator's local copy of step {step} has no {METADATA} with its manifest")
+    held: list[str] = []
+    if rank == sync.nodes.leader:
+        try:
+            if rank != 0 and read_local_commit(local, step) != commit:
+                localize(local, step, commit)
+            held = held_files(local, step, commit)
+        except CheckpointError as e:  # the node's copy stays uncommitted; the durable one is made all the same
+            log.error("could not commit the local copy of step %d under %s: %s", step, local.uri, e)
+    if not catch_up:
+        return commit, ()
+    views: list[list[str]] = sync.gather(held, background=True)
+    missing = set(commit.manifest["files"]).difference(*views)
+    if missing:
+        if rank == 0:
+            log.warning(
+                "step %d cannot be replicated: no node's local_dir holds %s (%d file(s)); it stays local",
+                step, sorted(missing)[:3], len(missing),
+            )
+        return None
+    return commit, tuple(held)
+
+
+def reads_locally(local: Storage, step: int, state_dict: dict[str, Any]) -> bool:
+    """Whether this node's copy of ``step`` holds the files this rank's load
+    of ``state_dict`` reads (any failure: no, and the durable copy's load
+    reports it properly)."""
+    try:
+        commit = read_local_commit(local, step)
+        if commit is None:
+            return False
+        where = local.describe(f"{step_dir(step)}/{METADATA}")
+        return holds(local, step, commit, plan_files(state_dict, commit, where))
+    except Exception as e:  # noqa: BLE001
+        log.warning("the local copy of step %d is not read: %s", step, e)
+        return False

@@ -136,6 +136,45 @@ def read_local_commit(local: Storage, step: int, names: Iterable[str] | None = N
     return None
 
 
+def needs_replication(
+    local: Storage, durable: Storage, step: int, replicas: Mapping[int, float | None], keep: int | None
+) -> bool:
+    """Whether the local commit of ``step`` still has to go to ``durable``,
+    whose committed steps (and their ``.metadata`` times) are ``replicas``:
+    missing there (and not older than its ``keep`` newest, which retention
+    would delete at once), or there as an older commit (:func:`replica_is_older`)."""
+    if step in replicas:
+        try:
+            return replica_is_older(local, durable, step, replicas[step])
+        except CheckpointError as e:  # cannot tell: keep it, replicate it (its old copy is safe)
+            log.warning("could not compare the local and durable copies of step %d: %s", step, e)
+            return True
+    return keep is None or sum(1 for d in replicas if d > step) < keep
+
+
+def replica_is_older(local: Storage, durable: Storage, step: int, durable_time: float | None) -> bool:
+    """Whether the durable copy of ``step`` is another commit than the local
+    one and older: the step was saved again (``overwrite=True``) and that
+    save's replication did not finish (a crash, a failure). A replica is
+    written after the local commit it copies, so a durable ``.metadata``
+    newer than the local one is that replica (or a later save's, from
+    another local directory: never replaced by this older local copy);
+    only an older-looking one is read and compared, since the two clocks
+    (node, object store) may differ and object stores keep whole seconds."""
+    prefix = step_dir(step)
+    local_time = next((o.get("mtime") for o in local.list(f"{prefix}/") if o["path"] == f"{prefix}/{METADATA}"), None)
+    if local_time is None or (durable_time is not None and durable_time >= local_time):
+        return False
+    commit = read_local_commit(local, step)
+    if commit is None:
+        return False
+    try:
+        replica = read_capped(durable, f"{prefix}/{METADATA}", METADATA_LIMIT)
+    except StorageNotFound:  # retracted meanwhile
+        return True
+    return replica != commit.metadata_blob
+
+
 def whole_local_steps(local: Storage) -> list[int]:
     """The steps of which ``local`` holds a whole committed copy: ``.metadata``,
     its manifest, and every data file the manifest names at its size."""

@@ -34,22 +34,16 @@ Which rank does what (every rank constructs the manager alike):
   during replication loses nothing that was committed locally (from its
   whole local copy: every file the manifest names). Local retention keeps
   such steps too.
-* **One directory, or one per node**: ``local_dir`` is either one
-  directory every rank sees (one node's disk, or a path every node mounts)
-  or each node's own (:mod:`.nodes`; found when the manager is made, a
-  collective then). With node-local directories each node holds the files
-  its ranks wrote, and its leader (lowest rank) keeps the node's own copy
-  of what the coordinator's directory holds: before each save the in-flight
-  marker with the save id the manager chose (so the node's ranks pass the
-  ownership check; the save then uses save-unique names, since the claim
-  sees one node's directory only), after the commit the manifest and
-  ``.metadata``, which the coordinator broadcasts on the replicator's own
-  gloo group (every rank's replicator handles the same steps in the same
-  order, so these collectives pair up; no other collective runs there).
-  Each node's leader applies local retention to its own directory.
-  Catch-up: the coordinator's commits are broadcast when the manager is
-  made, and each node's leader uploads the files of them its directory
-  holds; a step some of whose files no node holds stays local (logged).
+* **One directory, or one per node** (:mod:`.nodes`; found when the
+  manager is made, a collective then). Node-local: each node holds the
+  files its ranks wrote; its leader puts the in-flight marker with the
+  manager's save id there before each save and commits the coordinator's
+  manifest and ``.metadata`` (broadcast on the replicator's own gloo group:
+  every rank's replicator handles the same jobs in the same order, so those
+  collectives pair up) after it, and applies local retention there.
+  Catch-up broadcasts the coordinator's commits when the manager is made;
+  each leader uploads what its node holds of them (a step no node holds
+  whole stays local, logged).
 * **Loading** (collective): the step is the newest committed one in either
   tier (every rank holds a local commit of it, or the durable tier does);
   it is read from the local tier if every rank's local copy holds what it
@@ -83,23 +77,23 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..errors import CheckpointError, InvalidArgument, SaveError, StorageNotFound
+from ..errors import CheckpointError, InvalidArgument, SaveError
 from ..format.layout import INFLIGHT, METADATA
-from ..format.manifest import METADATA_LIMIT, read_capped
 from ..handle import SaveHandle
 from ..storage import Storage, join_uri
-from .nodes import ONE_DIR, detect_nodes, held_files, holds, localize, plan_files, put_marker
+from .nodes import NodeSync, put_marker, reads_locally, share_commit
 from .replicate import (
     LocalCommit,
     check_no_clash,
     commit_replica,
     keep_alive,
+    needs_replication,
     read_local_commit,
     upload_files,
     whole_local_steps,
     write_report,
 )
-from .roots import coordinator_rank, group_rank, is_distributed, not_found
+from .roots import group_rank, is_distributed, not_found
 from .steps import (
     check_step,
     commit_times,
@@ -163,22 +157,12 @@ class TieredRoots:
         self._errors: list[BaseException] = []
         self._thread: threading.Thread | None = None
         self._closed = False
-        self._nodes = ONE_DIR
-        #: Node-local directories: the replicator threads' own group.
-        self._bg: dist.ProcessGroup | None = None
         #: Durable steps as of construction, plus those replicated since: what
         #: ``save`` checks (no object-store round trip while the caller waits).
         self._durable_known: set[int] = set()
         try:
-            if is_distributed():
-                self._nodes = detect_nodes(self._local, group, self._rank)
-                if self._nodes.node_local:
-                    self._bg = dist.new_group(
-                        ranks=dist.get_process_group_ranks(group or dist.group.WORLD),
-                        backend="gloo",
-                        use_local_synchronization=True,
-                        group_desc="dcpstore_tiered",
-                    )
+            self._sync = NodeSync.open(self._local, group, self._rank)  # collective (torch.distributed)
+            self._nodes = self._sync.nodes
             failure: BaseException | None = None
             try:
                 replicas = commit_times(self._durable)  # also: the durable root is reachable
@@ -232,11 +216,7 @@ class TieredRoots:
         knows it: listed at construction, plus what it replicated since).
         Node-local directories: collective, committed if any rank says so."""
         mine = step in self._durable_known or self._local.exists(f"{step_dir(step)}/{METADATA}")
-        if not self._nodes.node_local:
-            return mine
-        views = [mine] * dist.get_world_size(self._group)
-        dist.all_gather_object(views, mine, group=self._group)
-        return any(views)
+        return any(self._sync.gather(mine)) if self._nodes.node_local else mine
 
     def local_steps(self) -> list[int]:
         """Steps this rank holds a local copy of: a whole one (every file the
@@ -256,44 +236,9 @@ class TieredRoots:
         return max(hints) if hints else None
 
     def _needs_replication(self, step: int, durable: Mapping[int, float | None]) -> bool:
-        """Whether the local commit of ``step`` still has to go to the durable
-        tier, whose committed steps (and their ``.metadata`` times) are
-        ``durable``: selected, and missing there or there as an older commit
-        (:meth:`_replica_is_older`)."""
-        if not self.selected(step):
-            return False
-        if step in durable:
-            try:
-                return self._replica_is_older(step, durable[step])
-            except CheckpointError as e:  # cannot tell: keep it, replicate it (its old copy is safe)
-                log.warning("could not compare the local and durable copies of step %d: %s", step, e)
-                return True
-        # Older than the durable tier's keep newest: retention would delete it at once.
-        return self._keep is None or sum(1 for d in durable if d > step) < self._keep
-
-    def _replica_is_older(self, step: int, durable_time: float | None) -> bool:
-        """Whether the durable copy of ``step`` is another commit than the local
-        one and older: the step was saved again (``overwrite=True``) and that
-        save's replication did not finish (a crash, a failure). A replica is
-        written after the local commit it copies, so a durable ``.metadata``
-        newer than the local one is that replica (or a later save's, from
-        another local directory: never replaced by this older local copy);
-        only an older-looking one is read and compared, since the two clocks
-        (node, object store) may differ and object stores keep whole seconds."""
-        prefix = step_dir(step)
-        local_time = next(
-            (o.get("mtime") for o in self._local.list(f"{prefix}/") if o["path"] == f"{prefix}/{METADATA}"), None
-        )
-        if local_time is None or (durable_time is not None and durable_time >= local_time):
-            return False
-        commit = read_local_commit(self._local, step)
-        if commit is None:
-            return False
-        try:
-            replica = read_capped(self._durable, f"{prefix}/{METADATA}", METADATA_LIMIT)
-        except StorageNotFound:  # retracted meanwhile
-            return True
-        return replica != commit.metadata_blob
+        """Selected, and the local commit still has to go to the durable tier
+        (:func:`~.replicate.needs_replication`)."""
+        return self.selected(step) and needs_replication(self._local, self._durable, step, durable, self._keep)
 
     # -- saving ---------------------------------------------------------------
     def before_save(self, step: int, overwrite: bool) -> str | None:
@@ -311,13 +256,7 @@ class TieredRoots:
         first (the claim replaces it). Should the random tags still meet
         (1 in 2**32), the replication refuses
         (:func:`~.replicate.check_no_clash`) rather than touch the old copy.
-
-        Node-local directories (collective): the coordinator picks the save
-        id and every node's leader puts the in-flight marker holding it into
-        its step directory (:func:`~.nodes.put_marker`), so every save there
-        has save-unique names; an overwrite first waits on every rank for
-        the replicator (the node's copy of the step's older commit is made
-        and cleaned up before the new save writes beside it)."""
+        Node-local directories: see :meth:`_before_node_save`."""
         if self._nodes.node_local:
             return self._before_node_save(step, overwrite)
         if overwrite and self._coordinator:
@@ -328,12 +267,14 @@ class TieredRoots:
         return None
 
     def _before_node_save(self, step: int, overwrite: bool) -> str:
+        """Collective: the coordinator picks the save id; each leader puts the
+        marker holding it into its step directory (so every save has
+        save-unique names there). An overwrite first waits for the replicator
+        on every rank: the node's copy of the older commit is made and
+        cleaned up before the new save writes beside it."""
         if overwrite:
             self._wait_idle(self._timeout_s)  # a replication error stays for wait() to raise
-        box: list[str | None] = [os.urandom(8).hex() if self._coordinator else None]
-        dist.broadcast_object_list(box, src=coordinator_rank(self._group), group=self._group)
-        save_id = box[0]
-        assert save_id is not None
+        save_id: str = self._sync.from_coordinator(os.urandom(8).hex() if self._coordinator else None)
         if self._leader:
             try:
                 put_marker(self._local, step, save_id)
@@ -385,9 +326,7 @@ class TieredRoots:
             except CheckpointError as e:  # saves still commit locally; a later manager catches up
                 log.error("catch-up under %s skipped: %s", self.local_uri, e)
                 found = []
-        box: list[list[tuple[int, LocalCommit]]] = [found]
-        dist.broadcast_object_list(box, src=coordinator_rank(self._group), group=self._group)
-        for step, commit in box[0]:
+        for step, commit in self._sync.from_coordinator(found):
             if self._coordinator:
                 log.info("step %d is committed locally but not (as this commit) in %s: replicating it", step, self.uri)
             self._submit(_Job(step, None, commit))
@@ -414,11 +353,19 @@ class TieredRoots:
                 self._retire_local(job.step)
 
     def _replicate(self, job: _Job) -> None:
+        commit: LocalCommit | None
+        files: tuple[str, ...] | None
         if self._nodes.node_local:
-            shared = self._share_commit(job)
+            mine = job.commit
+            if self._coordinator and job.files is not None:
+                try:
+                    mine = read_local_commit(self._local, job.step)
+                except CheckpointError as e:  # every rank still joins the broadcast, and fails alike
+                    log.error("could not read the local commit of step %d: %s", job.step, e)
+            shared = share_commit(self._sync, self._local, job.step, self._rank, mine, job.files is None)
             if shared is None:
                 return
-            commit, files = shared
+            commit, files = shared[0], job.files if job.files is not None else shared[1]
         else:
             commit, files = read_local_commit(self._local, job.step), job.files
         if not self.selected(job.step):
@@ -446,54 +393,6 @@ class TieredRoots:
         if self._keep is not None:
             retire(self._durable, job.step, self._keep)
             self._durable_known = set(self.durable_steps())
-
-    def _share_commit(self, job: _Job) -> tuple[LocalCommit | None, tuple[str, ...] | None] | None:
-        """Node-local directories, every rank's replicator, for every job (the
-        collectives on the replicator's group pair up: every rank queues the
-        same jobs in the same order). The coordinator's commit of the step
-        (broadcast, or the catch-up's) becomes every node's (its leader's
-        :func:`~.nodes.localize`); returns it and the files this rank
-        uploads: those its save wrote, or in a catch-up the ones its node
-        holds (the leader's), once the gathered holdings cover the commit;
-        None when they do not (a lost node: the step cannot be replicated,
-        and stays local until retention removes it; logged, not raised,
-        since no later call could mend it)."""
-        assert self._bg is not None
-        src = coordinator_rank(self._group)
-        commit = job.commit
-        if job.files is not None:
-            mine = None
-            if self._coordinator:
-                try:
-                    mine = read_local_commit(self._local, job.step)
-                except CheckpointError as e:
-                    log.error("could not read the local commit of step %d: %s", job.step, e)
-            box: list[LocalCommit | None] = [mine]
-            dist.broadcast_object_list(box, src=src, group=self._bg)
-            commit = box[0]
-        if commit is None:
-            raise SaveError(f"the coordinator's local copy of step {job.step} has no {METADATA} with its manifest")
-        held: list[str] = []
-        if self._leader:
-            try:
-                if not self._coordinator and read_local_commit(self._local, job.step) != commit:
-                    localize(self._local, job.step, commit)
-                held = held_files(self._local, job.step, commit)
-            except CheckpointError as e:  # the node's copy stays uncommitted; the durable one is made all the same
-                log.error("could not commit the local copy of step %d under %s: %s", job.step, self.local_uri, e)
-        if job.files is not None:
-            return commit, job.files
-        views: list[list[str]] = [[]] * dist.get_world_size(self._bg)
-        dist.all_gather_object(views, held, group=self._bg)
-        missing = set(commit.manifest["files"]).difference(*views)
-        if missing:
-            if self._coordinator:
-                log.warning(
-                    "step %d cannot be replicated to %s: no node's local_dir holds %s (%d file(s)); it stays local",
-                    job.step, self.uri, sorted(missing)[:3], len(missing),
-                )
-            return None
-        return commit, tuple(held)
 
     def _retire_local(self, newest: int) -> None:
         """Keep the ``local_keep`` newest committed local steps up to ``newest``;
@@ -531,7 +430,7 @@ class TieredRoots:
         durable = set(views[0][1])
         candidates = sorted(local | durable, reverse=True) if step is None else [check_step(step)]
         for s in candidates:
-            if s in local and (state_dict is None or self._reads_locally(s, state_dict, group)):
+            if s in local and (state_dict is None or self._reads_locally(s, state_dict)):
                 return s, self.save_uri(s)
             if s in durable:
                 return s, self.durable_uri(s)
@@ -540,23 +439,10 @@ class TieredRoots:
                             "and %s does not hold it: loading an older step", s, self.uri)
         raise not_found(f"{self.uri} or {self.local_uri}")
 
-    def _reads_locally(self, step: int, state_dict: dict[str, Any], group: dist.ProcessGroup | None) -> bool:
-        """Whether every rank's local copy of ``step`` holds the files its load
-        plan reads (collective with node-local directories; a whole copy, as
-        one shared directory holds, always does)."""
-        if not self._nodes.node_local:
-            return True
-        ok = False
-        try:
-            commit = read_local_commit(self._local, step)
-            if commit is not None:
-                where = self._local.describe(f"{step_dir(step)}/{METADATA}")
-                ok = holds(self._local, step, commit, plan_files(state_dict, commit, where))
-        except Exception as e:  # noqa: BLE001 -- the durable copy's load then reports it properly
-            log.warning("the local copy of step %d is not read: %s", step, e)
-        views = [ok] * dist.get_world_size(group)
-        dist.all_gather_object(views, ok, group=group)
-        return all(views)
+    def _reads_locally(self, step: int, state_dict: dict[str, Any]) -> bool:
+        """Every rank's local copy of ``step`` holds what it reads (collective
+        with node-local directories; a whole copy in one directory does)."""
+        return not self._nodes.node_local or all(self._sync.gather(reads_locally(self._local, step, state_dict)))
 
     # -- waiting --------------------------------------------------------------
     def wait(self, timeout: float | None) -> None:
@@ -599,15 +485,6 @@ class TieredRoots:
             if idle:
                 self._durable.close()
                 self._local.close()
-                self._drop_group()
-
-    def _drop_group(self) -> None:
-        group, self._bg = self._bg, None
-        if group is not None and is_distributed():
-            try:
-                dist.destroy_process_group(group)
-            except (RuntimeError, ValueError) as e:  # its default group went first
-                log.debug("the replicator's group was already gone: %s", e)
 
 
 def check_tier_options(local_keep: object, replicate_every: object, timeout_s: object) -> None:
