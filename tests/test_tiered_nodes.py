@@ -431,3 +431,36 @@ def test_sigkill_of_the_job_during_replication_loses_no_committed_step(tmp_path:
 @pytest.mark.timeout(900)
 def test_sigkill_at_every_durable_event_of_either_node(tmp_path: Path) -> None:
     _crash_and_recover(tmp_path, None)
+
+
+# -- dcpstore gc on a node that is not the coordinator's ---------------------------
+
+
+def _gc_during_save(rank: int, world: int, durable: str, dirs: list[str]) -> None:
+    from dcpstore.maintenance import gc
+    from faults import BlockAt
+
+    gate = BlockAt(lambda e: e.startswith("commit:__"))  # this rank's data file is written, not yet published
+    if rank == 1:
+        hook_all_storage({f"{dirs[1]}/{step_dir(1)}": gate})
+    # The native engine writes through dcpstore's storage (NVRx writes its files itself).
+    with dcpstore.CheckpointManager(durable, local_dir=dirs[rank], async_=True, engine="native") as mgr:
+        mgr.save(sharded(world, 1, scalar=True), 1)
+        if rank == 1:
+            assert gate.reached.wait(60)
+            node = dcpstore.open_storage(dirs[1])
+            try:
+                report = gc(node, older_than_s=0)
+                assert report.kept_running == [step_dir(1)] and not report.removed, report
+            finally:
+                gate.release()
+                node.close()
+        mgr.wait()
+
+
+def test_gc_on_another_node_keeps_the_save_running_there(tmp_path: Path) -> None:
+    durable = tmp_path / "durable"
+    dirs = node_dirs(tmp_path, 2, 1)
+    run_ranks(_gc_during_save, 2, str(durable), dirs)
+    for n in (0, 1):
+        assert_node_holds(tmp_path / f"node{n}", Target("local", str(durable)), 1, {n})

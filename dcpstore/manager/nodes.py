@@ -9,9 +9,11 @@ for every other rank's. The ranks that see each other's probes are a
 node's own copies of what only the coordinator's directory would hold:
 
     leader, before a save   put_marker(local, step, save_id)
-                                the in-flight marker, holding the save id the
-                                manager chose, so that the node's ranks pass
-                                the save's ownership check
+                                an alive file (``dcpstore gc`` keeps the step
+                                while the job runs), then the in-flight
+                                marker, holding the save id the manager
+                                chose, so that the node's ranks pass the
+                                save's ownership check
                                 (:meth:`~dcpstore.dcp.commit.SaveSession.check_owner`)
                                 and a later save that takes the step over still
                                 fails them
@@ -42,6 +44,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from ..errors import CheckpointError, InvalidArgument, SaveError
+from ..format.inflight import Owner, alive_name, encode_alive, is_alive_file
 from ..format.layout import INFLIGHT, METADATA, is_data_file, is_manifest
 from ..format.safe_pickle import TOOLS, load_metadata
 from ..storage import Storage
@@ -196,15 +199,21 @@ def _sees(local: Storage, probe: str | None) -> bool:
 
 
 def put_marker(local: Storage, step: int, save_id: str) -> None:
-    """The node's in-flight marker for the save of ``step`` (leader, before it)."""
-    local.put(f"{step_dir(step)}/{INFLIGHT}", save_id.encode())
+    """The node's in-flight marker for the save of ``step`` (leader, before
+    it), after an alive file naming this process: ``dcpstore gc`` on this
+    node keeps the step while this process runs, as it keeps the
+    coordinator's (:mod:`dcpstore.format.inflight`)."""
+    prefix = step_dir(step)
+    local.put(f"{prefix}/{alive_name(save_id)}", encode_alive(save_id, Owner.current()))
+    local.put(f"{prefix}/{INFLIGHT}", save_id.encode())
 
 
 def localize(local: Storage, step: int, commit: LocalCommit) -> None:
     """Make the coordinator's ``commit`` of ``step`` this node's (leader): the
-    manifest, then ``.metadata`` (the commit point), then remove the marker
-    and the data files and manifests no longer named (an older commit of the
-    step, an interrupted save): never one the new commit names."""
+    manifest, then ``.metadata`` (the commit point), then remove the marker,
+    the alive files and the data files and manifests no longer named (an
+    older commit of the step, an interrupted save): never one the new commit
+    names."""
     prefix = step_dir(step)
     local.put(f"{prefix}/{commit.manifest_name}", commit.manifest_blob)
     local.put(f"{prefix}/{METADATA}", commit.metadata_blob)
@@ -218,7 +227,7 @@ def localize(local: Storage, step: int, commit: LocalCommit) -> None:
 
 
 def _stale(name: str, named: set[str]) -> bool:
-    return name not in named and (is_data_file(name) or is_manifest(name))
+    return is_alive_file(name) or (name not in named and (is_data_file(name) or is_manifest(name)))
 
 
 def held_files(local: Storage, step: int, commit: LocalCommit) -> list[str]:
