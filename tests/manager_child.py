@@ -37,10 +37,10 @@ def main() -> None:
             print("committed", step, flush=True)
         original = LocalStorage.put
 
-        def put(self: LocalStorage, path: str, data: bytes) -> None:
+        def put(self: LocalStorage, path: str, data: bytes, **kwargs: bool) -> None:
             if path == ".metadata":  # data + manifest are durable; the commit is next
                 os.kill(os.getpid(), signal.SIGKILL)
-            original(self, path, data)
+            original(self, path, data, **kwargs)
 
         LocalStorage.put = put  # type: ignore[method-assign]
         mgr.save(state(3), 3)

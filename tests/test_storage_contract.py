@@ -81,6 +81,15 @@ def test_abort_leaves_nothing(storage: Storage) -> None:
     assert [o["path"] for o in storage.list()] == []
 
 
+def test_a_put_that_need_not_be_durable_is_still_whole_and_replaces(storage: Storage) -> None:
+    # durable=False may skip the fsyncs (markers written where a caller
+    # waits), never the atomic replace: readers see the old or the new whole.
+    storage.put("m/marker", b"first save's id, longer")
+    storage.put("m/marker", b"second", durable=False)
+    assert storage.read("m/marker") == b"second"
+    assert [o["path"] for o in storage.list("m/")] == ["m/marker"]  # no temporary file left beside it
+
+
 def test_overwrite_replaces_whole_object(storage: Storage) -> None:
     storage.put("o.bin", b"first version, longer")
     storage.put("o.bin", b"second")

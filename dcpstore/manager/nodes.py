@@ -34,6 +34,7 @@ Layer: manager. Imports :mod:`dcpstore.format`, :mod:`dcpstore.storage` and
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from collections.abc import Iterable
@@ -93,10 +94,22 @@ class NodeSync:
     ``nodes``: how the ranks share ``local_dir`` (:func:`detect_nodes`).
     """
 
-    def __init__(self, nodes: Nodes, group: dist.ProcessGroup | None, background: dist.ProcessGroup | None) -> None:
+    def __init__(
+        self, nodes: Nodes, group: dist.ProcessGroup | None, background: dist.ProcessGroup | None, nonce: str = ""
+    ) -> None:
         self.nodes = nodes
         self._group = group
         self._background = background
+        self._nonce = nonce
+        self._saves = 0
+
+    def save_id(self, step: int) -> str:
+        """The id of this manager's next save (of ``step``), the same on every
+        rank without a collective: the ranks call in step (SPMD), and the
+        coordinator's random nonce, shared when the manager was made, keeps
+        it apart from every other manager's."""
+        self._saves += 1
+        return hashlib.blake2b(f"{self._nonce}:{step}:{self._saves}".encode(), digest_size=8).hexdigest()
 
     @classmethod
     def open(cls, local: Storage, group: dist.ProcessGroup | None, rank: int) -> NodeSync:
@@ -109,7 +122,7 @@ class NodeSync:
         if not (dist.is_available() and dist.is_initialized()):
             return cls(ONE_DIR, None, None)
         nodes = detect_nodes(local, group, rank)
-        background = None
+        background, nonce = None, ""
         if nodes.node_local:
             background = dist.new_group(
                 ranks=dist.get_process_group_ranks(group or dist.group.WORLD),
@@ -117,7 +130,9 @@ class NodeSync:
                 use_local_synchronization=True,
                 group_desc="dcpstore_tiered",
             )
-        return cls(nodes, group, background)
+            sync = cls(nodes, group, background)
+            nonce = sync.from_coordinator(os.urandom(16).hex() if rank == 0 else None)
+        return cls(nodes, group, background, nonce)
 
     @property
     def node_local(self) -> bool:
@@ -204,8 +219,10 @@ def put_marker(local: Storage, step: int, save_id: str) -> None:
     node keeps the step while this process runs, as it keeps the
     coordinator's (:mod:`dcpstore.format.inflight`)."""
     prefix = step_dir(step)
-    local.put(f"{prefix}/{alive_name(save_id)}", encode_alive(save_id, Owner.current()))
-    local.put(f"{prefix}/{INFLIGHT}", save_id.encode())
+    # Not fsynced: the caller's training thread waits here, and a crash that
+    # loses them loses nothing (the save never commits; gc collects its files).
+    local.put(f"{prefix}/{alive_name(save_id)}", encode_alive(save_id, Owner.current()), durable=False)
+    local.put(f"{prefix}/{INFLIGHT}", save_id.encode(), durable=False)
 
 
 def localize(local: Storage, step: int, commit: LocalCommit) -> None:

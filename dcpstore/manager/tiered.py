@@ -267,14 +267,15 @@ class TieredRoots:
         return None
 
     def _before_node_save(self, step: int, overwrite: bool) -> str:
-        """Collective: the coordinator picks the save id; each leader puts the
-        marker holding it into its step directory (so every save has
-        save-unique names there). An overwrite first waits for the replicator
-        on every rank: the node's copy of the older commit is made and
-        cleaned up before the new save writes beside it."""
+        """Every rank derives the same save id (:meth:`NodeSync.save_id`: no
+        collective where the training waits); each leader puts the marker
+        holding it into its step directory (so every save has save-unique
+        names there). An overwrite first waits for the replicator on every
+        rank: the node's copy of the older commit is made and cleaned up
+        before the new save writes beside it."""
         if overwrite:
             self._wait_idle(self._timeout_s)  # a replication error stays for wait() to raise
-        save_id: str = self._sync.from_coordinator(os.urandom(8).hex() if self._coordinator else None)
+        save_id = self._sync.save_id(step)
         if self._leader:
             try:
                 put_marker(self._local, step, save_id)

@@ -366,8 +366,14 @@ class Storage(abc.ABC):
         between a single PUT and a multipart upload up front.
         """
 
-    def put(self, path: str, data: bytes | bytearray | memoryview) -> None:
-        """Write a whole object atomically (write, then commit)."""
+    def put(self, path: str, data: bytes | bytearray | memoryview, *, durable: bool = True) -> None:
+        """Write a whole object atomically (write, then commit).
+
+        ``durable=False``: a backend may skip what makes the object survive a
+        crash of the machine (POSIX: the fsyncs), never what makes it appear
+        whole or not at all; for a marker whose loss loses nothing, written
+        where the caller waits. Backends whose every write is durable ignore it.
+        """
         with self.open_write(path, size_hint=len(data)) as writer:
             writer.write(data)
 

@@ -34,9 +34,10 @@ def _is_tmp(name: str) -> bool:
 class _LocalWriter(BufferedObjectWriter):
     """Unbuffered: each write goes to the temporary file's descriptor."""
 
-    def __init__(self, storage: LocalStorage, path: str, final: str) -> None:
+    def __init__(self, storage: LocalStorage, path: str, final: str, durable: bool = True) -> None:
         super().__init__(storage, path)
         self._final = final
+        self._durable = durable
         directory, name = os.path.split(final)
         self._dir = directory
         self._tmp = os.path.join(directory, f".{name}{_TMP_MARK}{uuid.uuid4().hex[:12]}")
@@ -50,11 +51,13 @@ class _LocalWriter(BufferedObjectWriter):
             view = view[n:]
 
     def _publish(self, tail: bytearray) -> None:
-        os.fsync(self._fd)
+        if self._durable:
+            os.fsync(self._fd)
         os.close(self._fd)
         self._fd = -1
         os.replace(self._tmp, self._final)
-        fsync_dir(self._dir)
+        if self._durable:
+            fsync_dir(self._dir)
 
     def _discard(self) -> None:
         if self._fd >= 0:
@@ -84,11 +87,20 @@ class LocalStorage(Storage):
         return os.path.join(self.root, path) if path else self.root
 
     def open_write(self, path: str, *, size_hint: int | None = None) -> ObjectWriter:
+        return self._writer(path, durable=True)
+
+    def put(self, path: str, data: bytes | bytearray | memoryview, *, durable: bool = True) -> None:
+        """As :meth:`Storage.put`; ``durable=False`` skips the fsyncs (the
+        rename still shows the file whole or not at all)."""
+        with self._writer(path, durable=durable) as writer:
+            writer.write(data)
+
+    def _writer(self, path: str, *, durable: bool) -> _LocalWriter:
         full = self._full(path)
         parent = os.path.dirname(full)
         if parent != self.root:
             self.makedirs(os.path.relpath(parent, self.root))
-        return _LocalWriter(self, path, full)
+        return _LocalWriter(self, path, full, durable)
 
     def makedirs(self, path: str = "") -> None:
         full = self._full(path)

@@ -257,8 +257,8 @@ class MSCStorage(Storage):
             return _PosixWriter(self, path, handle)
         return _SpoolWriter(self, path)
 
-    def put(self, path: str, data: bytes | bytearray | memoryview) -> None:
-        if self.is_posix:
+    def put(self, path: str, data: bytes | bytearray | memoryview, *, durable: bool = True) -> None:
+        if self.is_posix:  # always durable: dcpstore's fsyncs around MSC's own writes
             super().put(path, data)
             return
         with self._mapped(f"cannot write {self.describe(path)}"):

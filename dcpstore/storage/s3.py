@@ -166,7 +166,7 @@ class S3Storage(Storage):
         # part size for objects that would otherwise need > 10,000 parts.
         return S3Writer(self, path, client=self.client, bucket=self.bucket, key=self.key(path), size_hint=size_hint)
 
-    def put(self, path: str, data: bytes | bytearray | memoryview) -> None:
+    def put(self, path: str, data: bytes | bytearray | memoryview, *, durable: bool = True) -> None:
         nbytes = memoryview(data).nbytes
         if nbytes < self.options.part_size_for(nbytes):
             body = bytes(data)
