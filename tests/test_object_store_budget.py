@@ -143,12 +143,15 @@ def test_every_put_and_part_carries_its_crc32c(
         assert (b"<ChecksumCRC32C>" in r.body) is (setting == "default")
 
 
-def test_a_load_asks_each_size_once_and_still_finds_a_wrong_one(
+def test_a_load_knows_each_size_before_reading_and_still_finds_a_wrong_one(
     proxy: FaultProxy, s3_endpoint: S3Endpoint, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A load asks each data file's size once, before reading it (nothing is
-    allocated for bytes a file does not hold), not once per ranged GET; and
-    a data file longer than the manifest says is refused."""
+    """A load knows each data file's real size before reading it (nothing is
+    allocated for bytes a file does not hold): from one listing, in flight
+    beside the commit read, so no size request per file; where the listing
+    does not serve (it failed, or a checkpoint of more files than a page),
+    one size request per file, never one per ranged GET. A data file longer
+    than the manifest says is refused either way."""
     from dcpstore.storage.s3 import S3Storage
 
     state = {f"t{i}": torch.randn(MiB // 4) for i in range(4)}
@@ -165,7 +168,7 @@ def test_a_load_asks_each_size_once_and_still_finds_a_wrong_one(
     restored = zeros_like_state(state)
     dcpstore.load(restored, uri)
     assert_state_equal(state, restored)
-    assert sorted(p for p in asked if p.endswith(".distcp")) == sorted(info.files)
+    assert [p for p in asked if p.endswith(".distcp")] == []  # the listing told every size
 
     prefix = uri.split("/", 3)[3]
     client = s3_endpoint.client()
@@ -176,13 +179,23 @@ def test_a_load_asks_each_size_once_and_still_finds_a_wrong_one(
     with pytest.raises(CheckpointCorrupt, match=r"size .* expected"):
         dcpstore.load(zeros_like_state(state), uri)
 
+    monkeypatch.setattr(S3Storage, "learn_sizes", lambda self: None)  # no listing: a size request per file
+    client.put_object(Bucket=s3_endpoint.bucket, Key=key, Body=body)
+    asked.clear()
+    dcpstore.load(restored, uri)
+    assert sorted(p for p in asked if p.endswith(".distcp")) == sorted(info.files)
+    client.put_object(Bucket=s3_endpoint.bucket, Key=key, Body=body + b"appended")
+    with pytest.raises(CheckpointCorrupt, match=r"size .* expected"):
+        dcpstore.load(zeros_like_state(state), uri)
+
 
 def test_a_load_reads_its_commit_in_one_round_trip(proxy: FaultProxy, s3_endpoint: S3Endpoint) -> None:
     """``.metadata`` and the manifest are asked for together, by GET alone
-    (its ``Content-Range`` tells the size a capped read checks: no HEAD):
-    held back at the proxy, the ``.metadata`` GET is still in flight when the
-    manifest's arrives. After an overwrite (save-unique manifest name) the
-    right manifest is asked for next, and no name that is not there."""
+    (its ``Content-Range`` tells the size a capped read checks: no HEAD),
+    and so is the one listing that tells the data files' sizes: held back at
+    the proxy, the ``.metadata`` GET is still in flight when the manifest's
+    arrives. After an overwrite (save-unique manifest name) the right
+    manifest is asked for next, and no name that is not there."""
     state = {f"t{i}": torch.randn(MiB // 4) for i in range(4)}
     uri = _uri(s3_endpoint)
     dcpstore.save(state, uri, workers=2).result()
@@ -197,11 +210,14 @@ def test_a_load_reads_its_commit_in_one_round_trip(proxy: FaultProxy, s3_endpoin
     proxy.config.delay_s = hold
     proxy.config.delay_applies = lambda req: req.method == "GET" and req.target.split("?")[0].endswith("/.metadata")
     dcpstore.load(zeros_like_state(state), uri)
-    commit = [(t, m, name) for t, m, name in seen if not name.endswith(".distcp")]
+    bucket = s3_endpoint.bucket  # a listing's target
+    lists = [t for t, m, name in seen if name == bucket]
+    commit = [(t, m, name) for t, m, name in seen if not name.endswith(".distcp") and name != bucket]
     assert [(m, name) for _, m, name in commit] == [("GET", ".metadata"), ("GET", ".dcpstore.json")] or [
         (m, name) for _, m, name in commit
     ] == [("GET", ".dcpstore.json"), ("GET", ".metadata")], commit
     assert abs(commit[0][0] - commit[1][0]) < hold / 2, commit  # together, not one after the other
+    assert len(lists) == 1 and abs(lists[0] - commit[0][0]) < hold / 2, (lists, commit)
 
     dcpstore.save(state, uri, workers=2, overwrite=True).result()  # save-unique names
     seen.clear()
@@ -209,7 +225,8 @@ def test_a_load_reads_its_commit_in_one_round_trip(proxy: FaultProxy, s3_endpoin
     restored = zeros_like_state(state)
     dcpstore.load(restored, uri)
     assert_state_equal(state, restored)
-    commit_reads = [(m, name) for _, m, name in seen if not name.endswith(".distcp")]
+    commit_reads = [(m, name) for _, m, name in seen if not name.endswith(".distcp") and name != bucket]
+    assert [name for _, _, name in seen].count(bucket) == 1  # one listing per load
     assert [m for m, _ in commit_reads] == ["GET"] * 3, commit_reads  # .metadata, the plain name (gone: a 404), the tagged one
     assert commit_reads[-1][1].startswith(".dcpstore.") and commit_reads[-1][1] != ".dcpstore.json", commit_reads
 

@@ -128,7 +128,12 @@ class DcpStorageReader(StorageReader):
         next load uses it; any later load reads the commit again (the
         checkpoint at a URI may be replaced between two loads)."""
         if not self._preloaded:
-            self._metadata, self._manifest = read_checkpoint_metadata(self.storage, self._trust)
+            # The files' sizes from one listing, in flight beside the commit
+            # read: _check_sizes then costs no round trip (where it can).
+            commit: list[tuple[Metadata, Manifest | None]] = []
+            jobs = [lambda: commit.append(read_checkpoint_metadata(self.storage, self._trust)), self.storage.learn_sizes]
+            run_parallel(lambda job: job(), jobs, 2, "dcpstore-commit-read")
+            self._metadata, self._manifest = commit[0]
             self._preloaded = True
         assert self._metadata is not None
         return self._metadata

@@ -434,9 +434,18 @@ class Storage(abc.ABC):
     def size(self, path: str) -> int:
         """Size in bytes; :class:`StorageNotFound` if absent."""
 
+    def learn_sizes(self) -> None:
+        """Learn the sizes of the objects under this storage from one listing
+        request, where that is cheaper than a size request per object (object
+        stores: the first page of a listing, up to 1,000 objects), so that
+        :meth:`size_seen` knows them. A load runs it beside its commit read:
+        the files' real sizes then cost no round trip of their own. Best
+        effort: a failure here only leaves the sizes to be asked for."""
+
     def size_seen(self, path: str) -> int | None:
-        """The size of ``path`` as a read made through this instance reported
-        it, or None (never read, or a backend whose reads do not say).
+        """The size of ``path`` as a read or :meth:`learn_sizes` made through
+        this instance reported it, or None (never seen, or a backend whose
+        reads do not say).
 
         Object stores learn it from every ranged GET's ``Content-Range``, so
         a load checks the sizes of the files it read without a request per

@@ -47,6 +47,7 @@ from .codes import Meaning, meaning
 from .kit import byte_ranges, slice_buffers
 from .s3_client import client_error, map_code, map_error, s3_client
 from .s3_upload import S3Writer, checksum_args, sends_checksums
+from .secrets import scrub
 from .uri import StorageURL, redact
 
 __all__ = ["S3Storage", "s3_client"]
@@ -293,6 +294,18 @@ class S3Storage(Storage):
 
     def size_seen(self, path: str) -> int | None:
         return self._sizes.get(path)
+
+    def learn_sizes(self) -> None:
+        prefix = f"{self.prefix}/" if self.prefix else ""
+        try:
+            page = self.client.list_objects_v2(Bucket=self.bucket, Prefix=prefix)
+        except Exception as e:  # noqa: BLE001 -- the sizes are then asked for one by one
+            log.debug("listing %s for its sizes failed: %s", self.uri, scrub(str(e)))
+            return
+        for obj in page.get("Contents", []):
+            key = obj["Key"]
+            if key.startswith(prefix) and not key.endswith("/"):
+                self._sizes[self._relative(key)] = int(obj["Size"])
 
     def size(self, path: str) -> int:
         resp = self.call(
