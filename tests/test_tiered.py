@@ -42,6 +42,7 @@ from tiered_kit import (  # noqa: F401
     durable,
     durable_steps,
     full,
+    gc_keeps_running,
     loads,
     local_steps,
     manager,
@@ -186,14 +187,7 @@ def test_gc_keeps_a_replication_in_progress(tmp_path: Path, monkeypatch: pytest.
     hook_all_storage({durable.uri: gate}, monkeypatch.setattr)
     mgr = manager(durable, tmp_path / "local")
     mgr.save(state(1), 1)
-    assert gate.reached.wait(60)
-    root = dcpstore.open_storage(durable.uri)
-    try:
-        report = gc(root, older_than_s=0)
-        assert report.kept_running == [step_dir(1)] and not report.removed, report
-    finally:
-        gate.release()
-        root.close()
+    gc_keeps_running(durable.uri, gate, 1)
     mgr.wait()
     mgr.close()
     assert_durable_step(durable, 1)

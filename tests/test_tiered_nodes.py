@@ -34,7 +34,7 @@ from dcpstore.manager.replicate import read_local_commit
 from backends import Target, make_target
 from dist_utils import run_ranks
 from faults import hook_all_storage, spread
-from tiered_kit import full
+from tiered_kit import full, gc_keeps_running
 
 ROWS = 64
 
@@ -437,7 +437,6 @@ def test_sigkill_at_every_durable_event_of_either_node(tmp_path: Path) -> None:
 
 
 def _gc_during_save(rank: int, world: int, durable: str, dirs: list[str]) -> None:
-    from dcpstore.maintenance import gc
     from faults import BlockAt
 
     gate = BlockAt(lambda e: e.startswith("commit:__"))  # this rank's data file is written, not yet published
@@ -447,14 +446,7 @@ def _gc_during_save(rank: int, world: int, durable: str, dirs: list[str]) -> Non
     with dcpstore.CheckpointManager(durable, local_dir=dirs[rank], async_=True, engine="native") as mgr:
         mgr.save(sharded(world, 1, scalar=True), 1)
         if rank == 1:
-            assert gate.reached.wait(60)
-            node = dcpstore.open_storage(dirs[1])
-            try:
-                report = gc(node, older_than_s=0)
-                assert report.kept_running == [step_dir(1)] and not report.removed, report
-            finally:
-                gate.release()
-                node.close()
+            gc_keeps_running(dirs[1], gate, 1)
         mgr.wait()
 
 

@@ -123,3 +123,19 @@ def dtensor_state(world_size: int, step: int) -> dict[str, Any]:
 def full(step: int) -> torch.Tensor:
     """The whole of ``dtensor_state(..., step)["w"]``."""
     return torch.arange(64 * 24, dtype=torch.float32).reshape(64, 24) + step
+
+
+def gc_keeps_running(uri: str, gate: Any, step: int) -> None:
+    """Once ``gate`` (a :class:`faults.BlockAt`) holds a save or replication
+    under ``uri``, ``dcpstore gc`` of any age keeps ``step`` as running and
+    removes nothing; then the gate is released."""
+    from dcpstore.maintenance import gc
+
+    assert gate.reached.wait(60)
+    root = dcpstore.open_storage(uri)
+    try:
+        report = gc(root, older_than_s=0)
+        assert report.kept_running == [step_dir(step)] and not report.removed, report
+    finally:
+        gate.release()
+        root.close()
