@@ -28,8 +28,8 @@ node's own copies of what only the coordinator's directory would hold:
 (DCP puts a replicated item in one rank's file only, so a node may hold a
 whole share of what it saved and still miss what it loads).
 
-Layer: manager. Imports :mod:`dcpstore.format`, :mod:`dcpstore.storage` and
-:mod:`dcpstore.errors`.
+Layer: manager. Imports :mod:`dcpstore.format`, :mod:`dcpstore.storage`,
+:mod:`dcpstore.errors` and this package's :mod:`.replicate` and :mod:`.steps`.
 """
 
 from __future__ import annotations
