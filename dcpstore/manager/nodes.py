@@ -29,7 +29,8 @@ node's own copies of what only the coordinator's directory would hold:
 whole share of what it saved and still miss what it loads).
 
 Layer: manager. Imports :mod:`dcpstore.format`, :mod:`dcpstore.storage`,
-:mod:`dcpstore.errors` and this package's :mod:`.replicate` and :mod:`.steps`.
+:mod:`dcpstore.errors` and this package's :mod:`.replicate`, :mod:`.roots` and
+:mod:`.steps`.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from ..format.layout import INFLIGHT, METADATA, is_data_file, is_manifest
 from ..format.safe_pickle import TOOLS, load_metadata
 from ..storage import Storage
 from .replicate import LocalCommit, read_local_commit
+from .roots import coordinator_rank
 from .steps import step_dir
 
 log = logging.getLogger(__name__)
@@ -122,7 +124,7 @@ class NodeSync:
         if not (dist.is_available() and dist.is_initialized()):
             return cls(ONE_DIR, None, None)
         nodes = detect_nodes(local, group, rank)
-        background, nonce = None, ""
+        background = None
         if nodes.node_local:
             background = dist.new_group(
                 ranks=dist.get_process_group_ranks(group or dist.group.WORLD),
@@ -130,9 +132,10 @@ class NodeSync:
                 use_local_synchronization=True,
                 group_desc="dcpstore_tiered",
             )
-            sync = cls(nodes, group, background)
-            nonce = sync.from_coordinator(os.urandom(16).hex() if rank == 0 else None)
-        return cls(nodes, group, background, nonce)
+        sync = cls(nodes, group, background)
+        if nodes.node_local:
+            sync._nonce = sync.from_coordinator(os.urandom(16).hex() if rank == 0 else None)
+        return sync
 
     @property
     def node_local(self) -> bool:
@@ -148,7 +151,7 @@ class NodeSync:
         """The coordinator's ``value`` on every rank."""
         group = self._pick(background)
         box = [value]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group else 0, group=group)
+        dist.broadcast_object_list(box, src=coordinator_rank(group), group=group)
         return box[0]
 
     def gather(self, value: Any, *, background: bool = False) -> list[Any]:
