@@ -58,6 +58,16 @@ def test_the_manager_saves_with_the_options_it_holds(tmp_path: Path) -> None:
     mgr.close()
     with pytest.raises(dcpstore.InvalidArgument, match="either as options= or as keywords"):
         dcpstore.CheckpointManager(str(tmp_path / "run"), workers=4, options=options)
+    # One id for every step would collide with itself on the first overwrite.
+    fixed = dataclasses.replace(options, save_id="0123456789abcdef")
+    with pytest.raises(dcpstore.InvalidArgument, match="save_id='0123456789abcdef'.*own id"):
+        dcpstore.CheckpointManager(str(tmp_path / "run"), options=fixed)
+
+
+@pytest.mark.parametrize("bad", ["short", "0123456789ABCDEF", 123, "../../../etc/passwd0"])
+def test_a_save_id_must_have_the_form_files_are_named_by(bad: object) -> None:
+    with pytest.raises(dcpstore.InvalidArgument, match="save_id must be None or 16 lowercase hex digits"):
+        SaveOptions(save_id=bad)  # type: ignore[arg-type]
 
 
 def test_the_config_hands_its_options_to_the_manager(tmp_path: Path) -> None:

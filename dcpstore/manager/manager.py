@@ -168,6 +168,10 @@ class CheckpointManager:
         )
         if options is not None and from_keywords != _DEFAULTS:
             raise InvalidArgument("pass the save options either as options= or as keywords, not both")
+        if options is not None and options.save_id is not None:
+            raise InvalidArgument(
+                f"options.save_id={options.save_id!r}: a manager's saves each get their own id; leave it None"
+            )
         self.options = options if options is not None else from_keywords
         self.root_uri = os.fspath(root_uri)
         self.keep = keep
