@@ -456,3 +456,17 @@ def test_gc_on_another_node_keeps_the_save_running_there(tmp_path: Path) -> None
     run_ranks(_gc_during_save, 2, str(durable), dirs)
     for n in (0, 1):
         assert_node_holds(tmp_path / f"node{n}", Target("local", str(durable)), 1, {n})
+
+
+def test_a_resharded_load_reads_locally_where_each_node_holds_its_rows(tmp_path: Path) -> None:
+    """Saved on 2 nodes of 1 rank, loaded on the same 2 nodes with 2 ranks
+    each (Shard(0) over 4): every new rank's rows lie in its own node's old
+    file, so the local copies serve the load (the durable one is damaged),
+    and what loads is the whole tensor, as stock DCP reads the durable copy."""
+    durable = tmp_path / "durable"
+    run_ranks(_save_and_load, 2, str(durable), node_dirs(tmp_path, 2, 1), False)
+    stock = {"w": torch.zeros(ROWS, 24), "b": torch.zeros(ROWS, 5)}
+    dcp.load(stock, checkpoint_id=str(durable / step_dir(3)), no_dist=True)  # the oracle, before the damage
+    assert torch.equal(stock["w"], full(3)) and torch.equal(stock["b"], full(3)[:, :5] * 2)
+    _damage(durable, 3)
+    run_ranks(_load, 4, str(durable), node_dirs(tmp_path, 4, 2), False, 3)
