@@ -101,11 +101,17 @@ def _msc_posix(request: pytest.FixtureRequest, tmp_path: Path) -> Written:
     return uri, 1
 
 
-def _msc_s3(request: pytest.FixtureRequest, tmp_path: Path) -> Written:
-    profile = request.getfixturevalue("msc_config")
+def _s3_key(request: pytest.FixtureRequest) -> tuple[Any, str]:
+    """The session's S3 endpoint and a fresh key prefix, deleted when the test ends."""
     endpoint = request.getfixturevalue("s3_endpoint")
     key = f"peer-{uuid.uuid4().hex[:8]}"
     request.addfinalizer(lambda: endpoint.delete_prefix(f"{key}/"))
+    return endpoint, key
+
+
+def _msc_s3(request: pytest.FixtureRequest, tmp_path: Path) -> Written:
+    profile = request.getfixturevalue("msc_config")
+    _, key = _s3_key(request)
     uri = f"msc://{profile}/{key}"
     dcp.save(_state(), storage_writer=_msc_writer(uri), no_dist=True)
     return uri, 1
@@ -116,9 +122,7 @@ def _s3torchconnector(request: pytest.FixtureRequest, tmp_path: Path) -> Written
     from s3torchconnector._s3client import S3Client, S3ClientConfig
     from s3torchconnector.dcp.s3_file_system import S3FileSystem
 
-    endpoint = request.getfixturevalue("s3_endpoint")
-    key = f"peer-{uuid.uuid4().hex[:8]}"
-    request.addfinalizer(lambda: endpoint.delete_prefix(f"{key}/"))
+    endpoint, key = _s3_key(request)
     uri = f"s3://{endpoint.bucket}/{key}"
     region = os.environ["AWS_REGION"]
     writer = s3_dcp.S3StorageWriter(region, uri)
