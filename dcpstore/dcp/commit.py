@@ -52,6 +52,7 @@ and :mod:`dcpstore.errors`.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import pickle
@@ -465,9 +466,15 @@ def _check_damage(storage: Storage, blob: bytes, refused: CheckpointError) -> No
         ) from refused
 
 
+#: The most listed objects :func:`_why_missing` looks at: explaining an
+#: absence must not walk a whole filesystem (``file:///``) or bucket. A
+#: checkpoint's commit files, markers and first data files come first.
+EXPLAIN_LIMIT = 10_000
+
+
 def _why_missing(storage: Storage) -> str:
     try:
-        listed = [o["path"] for o in storage.list()]
+        listed = [o["path"] for o in itertools.islice(storage.list(), EXPLAIN_LIMIT)]
         # The marker alone is what a save that failed before publishing any
         # data file leaves (its rank's files are published together).
         leftovers = [p for p in listed if is_data_file(p) or is_manifest(p) or p == INFLIGHT]
