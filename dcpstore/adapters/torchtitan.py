@@ -48,7 +48,7 @@ alone, and :meth:`Installed.uninstall` restores it):
 ``_close``
     torchtitan's, then the storage this module opened is closed.
 
-Layer: adapters. Imports the DCP drop-ins (:mod:`dcpstore.dropin`), the
+Layer: adapters. Imports the DCP drop-ins (through :mod:`.dropins`), the
 manager's step listing and deletion, :mod:`dcpstore.storage` and the
 foundation; torchtitan itself (the ``torchtitan`` extra).
 """
@@ -60,8 +60,7 @@ import posixpath
 import re
 import threading
 import types
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -75,11 +74,11 @@ from torchtitan.components.checkpointer.dcp import AsyncMode
 from torchtitan.tools import filesystem
 from torchtitan.tools.utils import GarbageCollection
 
-from ..dropin import StorageReader, StorageWriter
 from ..errors import CheckpointNotFound, InvalidArgument
 from ..format.layout import METADATA
 from ..manager.steps import committed_steps, delete_checkpoint
-from ..storage import Storage, StorageOptions, open_storage
+from ..storage import Storage
+from .dropins import DropinOptions
 
 #: torchtitan's step directory name (``CheckpointManager._create_checkpoint_id``).
 _STEP_RE = re.compile(r"^step-(\d+)$")
@@ -98,41 +97,22 @@ def parse_step(name: str) -> int | None:
     return step if name == f"step-{step}" else None
 
 
-@dataclass(frozen=True)
-class Options:
-    """What :func:`install` passes to dcpstore's writer and reader."""
-
-    enable_msc: bool = False
-    storage_options: StorageOptions | None = None
-    thread_count: int | None = None
-    verify: bool = True
-    safe_globals: Sequence[Any] | None = None
-    trusted: bool = False
-
-
 class Installed:
     """dcpstore beneath one torchtitan ``CheckpointManager`` (from
     :func:`install`). ``uninstall()`` (or leaving a ``with`` block) gives the
     manager back its own methods and purge thread."""
 
-    def __init__(self, manager: Any, options: Options) -> None:
+    def __init__(self, manager: Any, options: DropinOptions) -> None:
         self.manager = manager
         self.options = options
         self.folder = os.fspath(manager.folder)
-        storage_kw: dict[str, Any] = {"enable_msc": options.enable_msc, "storage_options": options.storage_options}
         #: The folder's storage: listings, existence checks, purges.
-        self.root: Storage = open_storage(self.folder, **storage_kw)
+        self.root: Storage = options.open(self.folder)
         try:
-            #: One writer for the run; each save's ``checkpoint_id`` re-points it.
-            self.writer = StorageWriter(self.folder, thread_count=options.thread_count, **storage_kw)
-            self.reader = StorageReader(
-                self.folder,
-                thread_count=options.thread_count,
-                verify=options.verify,
-                safe_globals=options.safe_globals,
-                trusted=options.trusted,
-                **storage_kw,
-            )
+            #: One writer and one reader for the run; each save's and load's
+            #: ``checkpoint_id`` re-points them.
+            self.writer = options.writer(self.folder)
+            self.reader = options.reader(self.folder)
         except BaseException:
             self.root.close()
             raise
@@ -190,7 +170,7 @@ class Installed:
         if not folder or os.fspath(folder) == self.folder:
             steps = committed_steps(self.root, parse_step)
         else:
-            other = open_storage(folder, enable_msc=self.options.enable_msc, storage_options=self.options.storage_options)
+            other = self.options.open(folder)
             try:
                 steps = committed_steps(other, parse_step)
             finally:
@@ -277,16 +257,7 @@ class Installed:
         self.uninstall()
 
 
-def install(
-    manager: Any,
-    *,
-    enable_msc: bool = False,
-    storage_options: StorageOptions | None = None,
-    thread_count: int | None = None,
-    verify: bool = True,
-    safe_globals: Sequence[Any] | None = None,
-    trusted: bool = False,
-) -> Installed | None:
+def install(manager: Any, **options: Any) -> Installed | None:
     """Put dcpstore beneath torchtitan's ``CheckpointManager`` ``manager``
     (see the module docstring). Call it on every rank, after the manager is
     built and before its first ``load`` or ``save``.
@@ -295,10 +266,10 @@ def install(
         manager: a ``torchtitan.components.checkpoint.CheckpointManager``
             (or a subclass). A disabled one (``checkpoint.enable=False``)
             has nothing to put beneath: None is returned.
-        enable_msc, storage_options: as for :func:`dcpstore.save` (the
-            folder's URI picks the backend: a local path, ``s3://``, ...).
-        thread_count: writer and reader threads per rank (default: dcpstore's).
-        verify, safe_globals, trusted: as for :func:`dcpstore.load`.
+        options: :class:`~dcpstore.adapters.dropins.DropinOptions`'
+            keywords (``storage_options``, ``enable_msc``, ``thread_count``,
+            ``verify``, ``safe_globals``, ``trusted``); the folder's URI
+            picks the backend (a local path, ``s3://``, ...).
 
     Returns:
         The :class:`Installed` handle (``uninstall()`` undoes it), or None
@@ -313,13 +284,13 @@ def install(
         raise InvalidArgument(
             f"install() takes torchtitan's CheckpointManager (torchtitan.components.checkpoint), got {type(manager).__name__}"
         )
+    checked = DropinOptions(**options)
     if not manager.enable:
         return None
     previous = manager.__dict__.get("_dcpstore")
     if previous is not None:
         previous.uninstall()
-    options = Options(enable_msc, storage_options, thread_count, verify, safe_globals, trusted)
-    return Installed(manager, options)
+    return Installed(manager, checked)
 
 
 def _rank() -> int:
