@@ -162,7 +162,9 @@ def test_fabric_save_load(request: pytest.FixtureRequest, backend: str) -> None:
     run_ranks(job_fabric, 2, make_target(backend, request).uri, backend == "s3", timeout=300)
 
 
-@pytest.mark.parametrize("saver_ours", [True, False], ids=["dcpstore-to-stock", "stock-to-dcpstore"])
+@pytest.mark.parametrize(
+    "saver_ours", [pytest.param(True, marks=pytest.mark.slow), False], ids=["dcpstore-to-stock", "stock-to-dcpstore"]
+)
 def test_fabric_migration(request: pytest.FixtureRequest, saver_ours: bool) -> None:
     run_ranks(job_fabric_migration, 2, make_target("local", request).uri, saver_ours, timeout=300)
 
