@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTransformExtension
@@ -115,7 +115,10 @@ class StorageWriter(DcpStorageWriter, AsyncStager):
     s3torchconnector's ``region`` sets the native S3 backend's region;
     its ``s3client_config`` and ``prefix_strategy`` are refused with what to
     use instead. dcpstore's own: ``enable_msc`` (route through NVIDIA MSC)
-    and ``storage_options`` (:class:`~dcpstore.StorageOptions`).
+    and ``storage_options`` (:class:`~dcpstore.StorageOptions`), and
+    ``commit_files`` (name -> bytes: small files of the caller's that the
+    coordinator writes with the commit, before ``.metadata``, recorded with
+    their CRC32C in the manifest; Lightning's ``meta.pt`` goes this way).
 
     ``use_collectives=False`` (of ``dcp.save``) is refused: see
     :data:`~dcpstore.dcp.writer.NO_COLLECTIVES_WHY`.
@@ -138,6 +141,7 @@ class StorageWriter(DcpStorageWriter, AsyncStager):
         region: str | None = None,
         s3client_config: Any = None,
         prefix_strategy: Any = None,
+        commit_files: Mapping[str, bytes] | None = None,
     ) -> None:
         _refuse_s3torch(s3client_config=s3client_config, prefix_strategy=prefix_strategy)
         _check_flags(
@@ -162,6 +166,7 @@ class StorageWriter(DcpStorageWriter, AsyncStager):
             single_file_per_rank=single_file_per_rank,
             overwrite=overwrite,
             extensions=_extensions or (),
+            commit_files=commit_files,
         )
         self.sync_files = sync_files
         self.per_thread_copy_ahead = per_thread_copy_ahead

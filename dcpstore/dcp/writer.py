@@ -24,8 +24,8 @@ Save, as ``torch.distributed.checkpoint.save`` drives it::
                                         (durable) on return
     (coordinator) finish                runs only if *every* rank's write_data
                                         succeeded (DCP gathers the results):
-                                        SaveSession.publish -- manifest, then
-                                        ``.metadata`` last
+                                        SaveSession.publish -- the commit files,
+                                        the manifest, then ``.metadata`` last
     (coordinator) release               when the save failed on any rank
                                         (:func:`save_state_dict` calls it when
                                         ``dcp.save`` raises): SaveSession.release
@@ -39,7 +39,7 @@ import io
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -61,7 +61,7 @@ from ..options import check_workers
 from ..progress import NO_PROGRESS, Progress
 from ..quiet import ignoring
 from ..storage import Storage, backend_name, parse_uri
-from .commit import ItemRecord, SaveSession
+from .commit import ItemRecord, SaveSession, check_commit_files
 from .owner_gate import OwnerGate, run_gated
 
 #: DCP warns on every call made without an initialised process group; a
@@ -145,6 +145,10 @@ class DcpStorageWriter(StorageWriter):
     items are written. Built by :func:`save_state_dict` (:func:`dcpstore.save`)
     and, from a URI, by :class:`dcpstore.StorageWriter` (which passes
     ``reopen`` so that :meth:`reset` can re-point it to another URI).
+    ``commit_files``: name -> bytes of small files the coordinator writes
+    with the commit, before ``.metadata`` (see
+    :meth:`~dcpstore.dcp.commit.SaveSession.publish`); the attribute of the
+    same name may be replaced between saves.
     """
 
     def __init__(
@@ -158,8 +162,10 @@ class DcpStorageWriter(StorageWriter):
         extensions: Sequence[StreamTransformExtension] = (),
         progress: Progress = NO_PROGRESS,
         save_id: str | None = None,
+        commit_files: Mapping[str, bytes] | None = None,
     ) -> None:
         super().__init__()
+        self.commit_files = dict(check_commit_files(commit_files))
         #: The id the coordinator's claim records (None: a fresh one per save).
         self._save_id = save_id
         self.storage = storage
@@ -287,7 +293,7 @@ class DcpStorageWriter(StorageWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         t_start = time.perf_counter()
-        self.session.publish(metadata, results)
+        self.session.publish(metadata, results, self.commit_files)
         self.stats.commit_s = time.perf_counter() - t_start
 
     def release(self) -> None:

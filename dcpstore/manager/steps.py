@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import posixpath
 import re
+from collections.abc import Callable
 
 from ..errors import CheckpointError, InvalidArgument
 from ..format.layout import METADATA
@@ -66,19 +67,21 @@ def parse_step_dir(name: str) -> int | None:
     return step if step_dir(step) == name else None
 
 
-def committed_steps(root: Storage) -> list[int]:
+def committed_steps(root: Storage, parse: Callable[[str], int | None] = parse_step_dir) -> list[int]:
     """The committed steps under ``root``, ascending (one listing)."""
-    return sorted(commit_times(root))
+    return sorted(commit_times(root, parse))
 
 
-def commit_times(root: Storage) -> dict[int, float | None]:
+def commit_times(root: Storage, parse: Callable[[str], int | None] = parse_step_dir) -> dict[int, float | None]:
     """The committed steps under ``root`` with the modification time of their
-    ``.metadata`` (None where the backend gives none), one listing."""
+    ``.metadata`` (None where the backend gives none), one listing.
+    ``parse``: a directory name's step, or None for foreign names (another
+    framework's layout, e.g. torchtitan's ``step-N``)."""
     steps: dict[int, float | None] = {}
     for obj in root.list():
         directory, name = posixpath.split(obj["path"])
         if name == METADATA and "/" not in directory:
-            step = parse_step_dir(directory)
+            step = parse(directory)
             if step is not None:
                 steps[step] = obj.get("mtime")
     return steps
@@ -107,12 +110,17 @@ def write_pointer(root: Storage, step: int) -> None:
 
 
 def delete_step(root: Storage, step: int) -> None:
-    """Delete ``step``: ``.metadata`` first, so a crash mid-delete leaves an
-    uncommitted directory (never listed, removable by gc), never a
-    committed-looking partial one."""
-    name = step_dir(step)
-    root.delete([f"{name}/{METADATA}"])
-    rest = [o["path"] for o in root.list(f"{name}/")]
+    """Delete ``step``: see :func:`delete_checkpoint`."""
+    delete_checkpoint(root, step_dir(step))
+
+
+def delete_checkpoint(root: Storage, name: str = "") -> None:
+    """Delete the checkpoint directory ``name`` under ``root`` (``""``: the
+    checkpoint ``root`` is): ``.metadata`` first, so a crash mid-delete
+    leaves an uncommitted directory (never listed, removable by gc), never
+    a committed-looking partial one."""
+    root.delete([f"{name}/{METADATA}" if name else METADATA])
+    rest = [o["path"] for o in root.list(f"{name}/" if name else "")]
     if rest:
         root.delete(rest)
 
