@@ -303,3 +303,23 @@ def test_install_in_bridge_refuses_a_module_it_does_not_know_and_replaces_nothin
     with pytest.raises(dcpstore.InvalidArgument, match="_create_fsdp_dtensor_storage_writer, _get_filesystem_reader"):
         install_in_bridge(module)
     assert module.FileSystemWriterAsync is original
+
+
+def test_a_replayed_central_plan_is_checked_even_when_the_local_plan_is_fresh() -> None:
+    """Newer NVRx releases recompute the local plan of a cached save (and
+    check it themselves) but still replay the central plan: the writer
+    checks that one against the state dict too."""
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    from dcpstore.adapters import megatron_async
+
+    def planned(state: dict[str, Any]) -> tuple[DefaultSavePlanner, Any]:
+        planner = DefaultSavePlanner()
+        planner.set_up_planner(state, is_coordinator=True)
+        return planner, planner.create_local_plan()
+
+    _, stale = planned(full_state(1))
+    planner, fresh = planned(full_state(1, grow=2))
+    megatron_async._check_structure(fresh, fresh, planner)  # a fresh plan passes
+    with pytest.raises(dcpstore.SaveError, match=r"changed: model\.decoder\.layers\.1\.mlp\.weight"):
+        megatron_async._check_structure(fresh, stale, planner)

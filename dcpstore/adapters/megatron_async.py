@@ -222,7 +222,7 @@ class FileSystemWriterAsync(DcpStorageWriter):
                     "FileSystemWriterAsync commits on rank 0 of its process_group: plan with coordinator_rank=0 "
                     "(as Megatron-Bridge does) and the same process group"
                 )
-            _check_structure(self._local_plan, planner)
+            _check_structure(self._local_plan, plan, planner)
             self.write_buckets = self._buckets(plan, planner)
         except BaseException as e:
             self.error, self.write_buckets = e, []
@@ -367,24 +367,28 @@ def _shape_of(item: WriteItem) -> tuple[Any, ...]:
     return (item.type, tuple(td.chunk.offsets), tuple(td.chunk.sizes), td.properties.dtype, tuple(td.size))
 
 
-def _check_structure(local_plan: SavePlan | None, planner: SavePlanner) -> None:
-    """The local plan NVRx handed over (possibly replayed) against DCP's
-    default local plan of the state dict the planner holds now: the same
-    items, each with the same chunk, dtype and global size. Only for a
-    planner that plans as DCP's default one (another's plan cannot be
+def _check_structure(local_plan: SavePlan | None, plan: SavePlan, planner: SavePlanner) -> None:
+    """The plans NVRx handed over -- the local one (NVRx 0.4.1 replays the
+    cached one) and this rank's central one (replayed by every release that
+    caches) -- against DCP's default local plan of the state dict the
+    planner holds now: the same items, each with the same chunk, dtype and
+    global size, and no central item the state dict no longer has. Only for
+    a planner that plans as DCP's default one (another's plan cannot be
     recomputed here; each resolved tensor is still checked against its item)."""
     state = getattr(planner, "state_dict", None)
     default = isinstance(planner, DefaultSavePlanner) and type(planner).create_local_plan is DefaultSavePlanner.create_local_plan
-    if local_plan is None or not default or not isinstance(state, dict):
+    if not default or not isinstance(state, dict):
         return
     coordinator = bool(getattr(planner, "is_coordinator", False))
     now = _by_fqn(create_default_local_save_plan(state, coordinator).items)
-    planned = _by_fqn(local_plan.items)
-    if now == planned:
+    planned = _by_fqn(local_plan.items) if local_plan is not None else now
+    central = _by_fqn(plan.items)
+    stale = {k for k in central if k not in now or not set(central[k]) <= set(now[k])}
+    if now == planned and not stale:
         return
     added = sorted(now.keys() - planned.keys())
-    gone = sorted(planned.keys() - now.keys())
-    changed = sorted(k for k in now.keys() & planned.keys() if now[k] != planned[k])
+    gone = sorted((planned.keys() - now.keys()) | (central.keys() - now.keys()))
+    changed = sorted({k for k in now.keys() & planned.keys() if now[k] != planned[k]} | (stale & now.keys()))
     parts = [f"{what}: {', '.join(names[:5])}{', ...' if len(names) > 5 else ''}"
              for what, names in (("new", added), ("gone", gone), ("changed", changed)) if names]  # fmt: skip
     raise SaveError(f"{_STALE} ({'; '.join(parts)}){_REPLAN}")
