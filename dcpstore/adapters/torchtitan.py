@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import os
 import posixpath
-import re
 import threading
 import types
 from collections.abc import Callable
@@ -76,25 +75,24 @@ from torchtitan.tools.utils import GarbageCollection
 
 from ..errors import CheckpointNotFound, InvalidArgument
 from ..format.layout import METADATA
-from ..manager.steps import committed_steps, delete_checkpoint
+from ..manager.steps import StepLayout, committed_steps, delete_checkpoint
 from ..storage import Storage
 from .dropins import DropinOptions
-
-#: torchtitan's step directory name (``CheckpointManager._create_checkpoint_id``).
-_STEP_RE = re.compile(r"^step-(\d+)$")
 
 #: The methods :func:`install` shadows on the instance.
 PATCHED = ("dcp_save", "dcp_load", "_find_load_step", "_load", "_purge_stale_checkpoints", "_wait_for_saving", "_close")
 
 
+#: torchtitan's step directories (``CheckpointManager._create_checkpoint_id``):
+#: ``step-100``, no padding, only that spelling.
+#: torchtitan keeps no pointer file, so the layout's pointer is never written.
+TORCHTITAN = StepLayout("torchtitan", "step-", 1, pointer="")
+
+
 def parse_step(name: str) -> int | None:
     """The step of a torchtitan step directory (``step-100``), or None for
     any other name (only torchtitan's own spelling: ``step-0100`` is not it)."""
-    match = _STEP_RE.match(name)
-    if match is None:
-        return None
-    step = int(match.group(1))
-    return step if name == f"step-{step}" else None
+    return TORCHTITAN.parse_step_dir(name)
 
 
 class Installed:
@@ -168,11 +166,11 @@ class Installed:
         """The newest committed step under ``folder`` (default: the
         manager's), or -1; one listing."""
         if not folder or os.fspath(folder) == self.folder:
-            steps = committed_steps(self.root, parse_step)
+            steps = committed_steps(self.root, TORCHTITAN)
         else:
             other = self.options.open(folder)
             try:
-                steps = committed_steps(other, parse_step)
+                steps = committed_steps(other, TORCHTITAN)
             finally:
                 other.close()
         return steps[-1] if steps else -1
@@ -188,7 +186,7 @@ class Installed:
             load_step = step
         checkpoint_id = m._create_checkpoint_id(load_step)
         if not self.root.exists(f"step-{load_step}/{METADATA}"):
-            steps = committed_steps(self.root, parse_step)
+            steps = committed_steps(self.root, TORCHTITAN)
             raise CheckpointNotFound(
                 f"--checkpoint.load_step={load_step} not found at {self.root.describe(f'step-{load_step}')}: "
                 f"no committed checkpoint there (committed steps: {steps or 'none'})"
@@ -203,7 +201,7 @@ class Installed:
         m = self.manager
         if m.keep_latest_k <= 0 or _rank() != 0:
             return
-        for step in committed_steps(self.root, parse_step)[: -m.keep_latest_k]:
+        for step in committed_steps(self.root, TORCHTITAN)[: -m.keep_latest_k]:
             m.purge_queue.put(m._create_checkpoint_id(step))
 
     def _wait_for_saving(self) -> None:
