@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from hypothesis import given
 from hypothesis import strategies as st
+from torch.multiprocessing.spawn import ProcessExitedException
 
 import dcpstore
 from dcpstore.format.layout import INFLIGHT, METADATA, name_tag
@@ -412,9 +413,12 @@ def _crash_and_recover(tmp_path: Path, sample: int | None) -> None:
         durable, pids = case / "durable", case / "pids"
         pids.mkdir(parents=True)
         dirs = node_dirs(case, 2, 1)
-        with pytest.raises(Exception):  # noqa: B017 -- the job dies by SIGKILL, whatever run_ranks calls it
-            run_ranks(_killed_while_replicating, 2, str(durable), dirs, str(pids), killer, at)
         where = (killer, at)
+        # The job must die by the hook's SIGKILL: a rank that fails (an
+        # assertion, a SaveError) exits with an error instead, and is no kill.
+        with pytest.raises(ProcessExitedException) as died:
+            run_ranks(_killed_while_replicating, 2, str(durable), dirs, str(pids), killer, at)
+        assert died.value.signal_name == "SIGKILL", (where, str(died.value))
         assert _whole_durable_steps(durable) in ([1], [1, 2]), where  # whole steps only
         assert (case / "node0" / step_dir(2) / METADATA).exists(), where  # committed before replicating
         run_ranks(_catch_up, 2, str(durable), dirs)  # a new job over the same node dirs catches up
