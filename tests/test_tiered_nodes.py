@@ -27,11 +27,11 @@ from hypothesis import strategies as st
 from torch.multiprocessing.spawn import ProcessExitedException
 
 import dcpstore
+import extras
 import killcount
 from dcpstore.format.layout import INFLIGHT, METADATA, name_tag
 from dcpstore.manager import step_dir
 from dcpstore.manager.nodes import PROBE_PREFIX, nodes_from_views
-from dcpstore.engines import nvrx
 from dcpstore.manager.replicate import read_local_commit
 from backends import Target, make_target
 from dist_utils import run_ranks
@@ -149,8 +149,8 @@ def _save_and_load(
 def test_each_node_commits_its_share_and_the_durable_tier_is_whole(
     request: pytest.FixtureRequest, tmp_path: Path, backend: str, world: int, per_node: int, engine: str
 ) -> None:
-    if engine == "nvrx" and nvrx.import_error() is not None:
-        pytest.skip(f"NVRx is not installed: {nvrx.import_error()}")
+    if engine == "nvrx":
+        extras.skip_unless(extras.NVRX)
     durable = make_target(backend, request)
     dirs = node_dirs(tmp_path, world, per_node)
     run_ranks(_save_and_load, world, durable.uri, dirs, True, {"engine": engine, **durable.kwargs})
