@@ -82,11 +82,47 @@ def test_abort_leaves_nothing(storage: Storage) -> None:
 
 
 def test_a_put_that_need_not_be_durable_is_still_whole_and_replaces(storage: Storage) -> None:
-    # durable=False may skip the fsyncs (markers written where a caller
-    # waits), never the atomic replace: readers see the old or the new whole.
-    storage.put("m/marker", b"first save's id, longer")
-    storage.put("m/marker", b"second", durable=False)
-    assert storage.read("m/marker") == b"second"
+    """``durable=False`` may skip the fsyncs (markers written where a caller
+    waits), never the atomic replace: a reader running beside a stream of
+    such puts sees the old bytes or the new, whole, every time -- never a
+    short object, a mixture or nothing (a truncate-and-rewrite would show
+    one). Each read is one request for more than either version holds
+    (below the object-store targets' part size), so what it returns is what
+    the object held at one moment."""
+    versions = (b"o" * (MiB + 3), b"n" * (2 * MiB + 7))  # other bytes, other sizes
+    whole = 4 * MiB
+    storage.put("m/marker", versions[0])
+    stop, writing = threading.Event(), threading.Event()
+    wrong: list[str] = []
+    overlapped = [0]  # reads that started while a put was under way
+
+    def read_meanwhile() -> None:
+        while not stop.is_set():
+            during = writing.is_set()
+            try:
+                data = storage.read_range("m/marker", 0, whole)
+            except StorageNotFound:
+                wrong.append("not found")
+                continue
+            if data not in versions:
+                wrong.append(f"{len(data)} bytes, starting {data[:1]!r}")
+            overlapped[0] += during
+
+    reader = threading.Thread(target=read_meanwhile)
+    reader.start()
+    try:
+        for i in range(1, 41):
+            writing.set()
+            storage.put("m/marker", versions[i % 2], durable=False)
+            writing.clear()
+            if overlapped[0] >= 20 and i % 2 == 0:
+                break
+    finally:
+        stop.set()
+        reader.join()
+    assert not wrong, wrong[:5]
+    assert overlapped[0] >= 3, overlapped  # the reader really ran beside the puts
+    assert storage.read("m/marker") in versions
     assert [o["path"] for o in storage.list("m/")] == ["m/marker"]  # no temporary file left beside it
 
 
