@@ -15,8 +15,10 @@ committed ``tests/kill_counts.json`` (``python tests/reliability.py
 from __future__ import annotations
 
 import fcntl
+import functools
 import json
 import os
+import subprocess
 from typing import Any
 
 #: The environment variable that names the file the counts go to.
@@ -36,7 +38,21 @@ def record(points: int, killed: int, minimum: int) -> None:
     assert killed >= minimum, f"only {killed} of {points} kill points killed the save; at least {minimum} must"
     path = os.environ.get(ENV)
     if path:
-        write(path, current_node_id(), {"points": points, "killed": killed, "minimum": minimum})
+        counts = {"points": points, "killed": killed, "minimum": minimum, "commit": _head()}
+        write(path, current_node_id(), counts)
+
+
+@functools.lru_cache(maxsize=1)
+def _head() -> str | None:
+    """The checkout's commit (short hash; ``+`` when files differ from it)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True)  # fmt: skip
+    except OSError:
+        return None
+    return (head.stdout.strip() + ("+" if dirty.stdout.strip() else "")) or None
 
 
 def write(path: str, node_id: str, counts: dict[str, Any]) -> None:
