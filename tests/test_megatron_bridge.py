@@ -30,6 +30,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 import dcpstore
+import killcount
 from backends import make_target
 from bridge_kit import (
     TRACKER,
@@ -146,6 +147,7 @@ def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint(
     report.mkdir()
     codes = run_ranks_codes(_kill_job, 2, target.uri, io, scenario, str(report), timeout=240)
     assert codes == [0, -signal.SIGKILL], codes
+    killcount.record(1, 1, 1)
     assert (report / "rank0").read_text().startswith("raised"), "rank 0 finalized a save its peer died in"
     manager = dcpstore.CheckpointManager(target.uri, layout="bridge", async_=False, **io)
     assert manager.all_steps() == [100]
