@@ -26,13 +26,28 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
 
 import dcpstore
-from dropin_patterns import advance, destination, difference, pattern_state, snapshot
+from backends import Target, make_target
+from dist_utils import run_ranks
+from dropin_patterns import (
+    ALL_PATTERNS,
+    SYNC_PATTERNS,
+    Pattern,
+    advance,
+    check,
+    describe,
+    destination,
+    difference,
+    pattern_state,
+    run_pattern,
+    snapshot,
+)
 from dcpstore.dcp.commit import SaveSession
 from dcpstore.engines.staging import Stager, StagingPool
 from dcpstore.storage import open_storage
@@ -237,3 +252,104 @@ def test_a_claim_never_lands_inside_a_commit_of_the_same_process(tmp_path: Path,
         later.check_owner()  # still the later save's URI
     finally:
         later.release()
+
+
+# ---------------------------------------------------------------------------
+# The hunt: DCP's call patterns, dcpstore against stock
+# ---------------------------------------------------------------------------
+
+THREAD_PATTERNS = [p for p in ALL_PATTERNS if p.executor == "thread"]
+#: The quick run's sample: the issue's pattern with and without the cache,
+#: every call to one URI, and fresh writers.
+QUICK = {
+    Pattern("one", "thread", False, True, False),
+    Pattern("one", "thread", True, True, False),
+    Pattern("one", "thread", True, False, False),
+    Pattern("fresh", "thread", True, True, False),
+}
+
+
+def _params(patterns: list[Pattern]) -> list[Any]:
+    return [pytest.param(p, id=str(p), marks=() if p in QUICK else pytest.mark.slow) for p in patterns]
+
+
+@pytest.mark.parametrize("pattern", _params(THREAD_PATTERNS))
+def test_async_save_patterns_on_local_against_stock(tmp_path: Path, pattern: Pattern) -> None:
+    stock = run_pattern("stock", str(tmp_path / "stock"), pattern)
+    ours = run_pattern("dcpstore", str(tmp_path / "ours"), pattern)
+    label = f"(stock: {describe(stock)})"
+    check(ours, pattern, label)
+    # Never worse than stock: every call stock got right, dcpstore does too.
+    # Not where overlapping calls share one URI: there stock reports every
+    # call a success while their files clobber each other (the URI may then
+    # hold values no call saved), and dcpstore's later claim wins, the
+    # earlier saves raising; check() holds the URI to a succeeded call's state.
+    if pattern.repoint or pattern.wait:
+        for mine, theirs in zip(ours, stock):
+            if theirs.outcome == "ok":
+                assert mine.outcome == "ok", f"{pattern} call {mine.index}: {mine.outcome} {label}"
+
+
+@pytest.mark.parametrize("pattern", _params(THREAD_PATTERNS))
+def test_async_save_patterns_on_s3(request: pytest.FixtureRequest, pattern: Pattern) -> None:
+    target: Target = make_target("s3", request)
+    check(run_pattern("dcpstore", target.uri, pattern, target.kwargs, local=False), pattern, "s3")
+
+
+@pytest.mark.parametrize("pattern", [pytest.param(p, id=str(p)) for p in SYNC_PATTERNS])
+@pytest.mark.parametrize("backend", ["local", pytest.param("s3", marks=pytest.mark.slow)])
+def test_dcp_save_repeated_on_one_writer(request: pytest.FixtureRequest, backend: str, pattern: Pattern) -> None:
+    target: Target = make_target(backend, request)
+    local = backend == "local"
+    check(run_pattern("dcpstore", target.uri, pattern, target.kwargs, local=local), pattern, backend)
+
+
+# -- the process executor and several ranks: real gloo jobs ------------------
+
+
+def _patterns_on_ranks(rank: int, world_size: int, base: str, kwargs: dict[str, Any], local: bool, patterns: list[Pattern]) -> None:
+    failures = []
+    for n, pattern in enumerate(patterns):
+        for kind in ("stock", "dcpstore") if local else ("dcpstore",):
+            calls = run_pattern(kind, f"{base}/{kind}{n}", pattern, kwargs, rank=rank, local=local)
+            if kind == "dcpstore":
+                try:
+                    check(calls, pattern, f"rank {rank}")
+                except AssertionError as e:
+                    failures.append(str(e))
+            dist.barrier()
+    assert not failures, "\n".join(failures)
+
+
+#: Several ranks: only calls that wait for the previous save. Overlapping
+#: saves on several ranks issue two saves' collectives from two threads on
+#: one process group, which pair up differently on each rank; DCP then hangs
+#: with stock FileSystemWriter too (training loops wait: torchtitan calls
+#: the previous future's result() before the next async_save).
+RANKS_QUICK = [Pattern("one", "thread", True, True, True), Pattern("one", "thread", False, False, True)]
+RANKS_SLOW = [p for p in ALL_PATTERNS if p.wait and p not in RANKS_QUICK]
+PROCESS_QUICK = [Pattern("one", "process", True, True, True)]
+
+
+@pytest.mark.parametrize(
+    "world_size, patterns",
+    [
+        pytest.param(2, RANKS_QUICK, id="2ranks-thread-sample"),
+        pytest.param(1, PROCESS_QUICK, id="1rank-process-sample"),
+        pytest.param(2, RANKS_SLOW, id="2ranks-every-waited-pattern", marks=pytest.mark.slow),
+        pytest.param(
+            1, [p for p in ALL_PATTERNS if p.executor == "process"], id="1rank-process-every-pattern", marks=pytest.mark.slow
+        ),
+    ],
+)
+def test_async_save_patterns_on_ranks(tmp_path: Path, world_size: int, patterns: list[Pattern]) -> None:
+    # DCP's process executor needs torch.distributed (it sets up a group in
+    # its checkpoint process), so those run in a 1-rank job too.
+    run_ranks(_patterns_on_ranks, world_size, str(tmp_path), {}, True, patterns, timeout=600)
+
+
+@pytest.mark.slow
+def test_async_save_patterns_on_ranks_on_s3(request: pytest.FixtureRequest) -> None:
+    target: Target = make_target("s3", request)
+    patterns = [p for p in ALL_PATTERNS if p.wait]
+    run_ranks(_patterns_on_ranks, 2, target.uri, target.kwargs, False, patterns, timeout=600)
