@@ -177,6 +177,14 @@ class SaveSession:
         untouched. ``overwrite=False``: refuse a URI that holds one
         (:class:`CheckpointExists`; nothing is written).
 
+        Takes its turn at the URI (:func:`_turn`) with other claims and
+        commits of this process."""
+        with _turn(self.storage.uri):
+            self._claim(overwrite)
+
+    def _claim(self, overwrite: bool) -> None:
+        """:meth:`claim`, in this process's turn at the URI.
+
         Chooses the names: stock DCP's on a fresh URI, save-unique ones where
         the URI holds anything of a save (a commit, data files, a manifest, a
         marker), with a tag no file there carries. Lists the URI once: the
@@ -288,7 +296,8 @@ class SaveSession:
         commit_files: Mapping[str, bytes] | None = None,
     ) -> None:
         """Commit: the commit files, the manifest, then ``.metadata`` last
-        (the commit point), then clean up.
+        (the commit point), then clean up; in this process's turn at the URI
+        (:func:`_turn`).
 
         ``metadata`` is DCP's global metadata (its ``storage_data`` and
         ``storage_meta`` are filled in here); ``results`` are every rank's
@@ -298,6 +307,10 @@ class SaveSession:
         manifest with its size and CRC32C.
         """
         sides = {commit_file_path(name, self.tag): bytes(blob) for name, blob in check_commit_files(commit_files).items()}
+        with _turn(self.storage.uri):
+            self._publish(metadata, results, sides)
+
+    def _publish(self, metadata: Metadata, results: Sequence[Sequence[WriteResult]], sides: Mapping[str, bytes]) -> None:
         storage_data: dict[MetadataIndex, _StorageInfo] = {}
         files: dict[str, FileEntry] = {}
         items: dict[str, int] = {}
@@ -382,6 +395,23 @@ class SaveSession:
             self.storage.delete([INFLIGHT, alive_name(self.save_id), *sorted(found - {*live, self.manifest})])
         except CheckpointError as e:
             log.warning("could not remove the in-flight marker or stale data files under %s: %s", self.storage.uri, e)
+
+
+#: One lock per stripe of URIs (see _turn).
+_TURNS = [threading.Lock() for _ in range(64)]
+
+
+def _turn(uri: str) -> threading.Lock:
+    """What claims and commits of one URI in this process take turns on.
+    Two saves of one process to one URI (``dcp.async_save`` called again
+    before the last one finished) would otherwise race where the in-flight
+    marker cannot tell them apart: two claims that list a fresh URI before
+    either's marker lands both choose stock DCP's names, and a claim that
+    lands between a save's last ownership check and its commit loses its
+    marker to that save's clean-up. Held for a listing and a put (claim) or
+    the commit's few requests; across processes the marker alone decides
+    (RELIABILITY.md, Known limits)."""
+    return _TURNS[hash(uri) % len(_TURNS)]
 
 
 class _Refresher:
