@@ -66,7 +66,7 @@ import os
 import pickle
 import threading
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import crc32c
@@ -502,11 +502,17 @@ def read_commit_file(storage: Storage, manifest: Manifest | None, name: str, lim
     return blob
 
 
-def read_checkpoint_metadata(storage: Storage, trust: Trust = TOOLS) -> tuple[Metadata, Manifest | None]:
+def read_checkpoint_metadata(
+    storage: Storage, trust: Trust = TOOLS, *, on_read: Callable[[bytes], None] | None = None
+) -> tuple[Metadata, Manifest | None]:
     """Read and verify ``.metadata`` (and the manifest, if there is one):
     capped reads, the manifest's schema, the CRC, the restricted unpickle
     (``trust``: what it may build beyond the allowlist), and every stored
-    item checked against the manifest. Load, verify and inspect all come here."""
+    item checked against the manifest. Load, verify and inspect all come here.
+
+    ``on_read`` is given the ``.metadata`` bytes as soon as they are read,
+    before any check (a load judges from them whether a failure met a
+    checkpoint replaced meanwhile: :func:`commit_replaced`)."""
     # Both in flight at once: most checkpoints' manifest has the plain name
     # (a save picks save-unique names only over an existing checkpoint), so
     # on an object store the commit usually costs one round trip, not two.
@@ -517,6 +523,8 @@ def read_checkpoint_metadata(storage: Storage, trust: Trust = TOOLS) -> tuple[Me
     if isinstance(blob_or_error, BaseException):
         raise blob_or_error
     blob = blob_or_error
+    if on_read is not None:
+        on_read(blob)
     # The save id .metadata records names its manifest, so the restricted
     # unpickle comes first; the CRC check then covers every byte of the blob.
     try:
@@ -540,6 +548,19 @@ def read_checkpoint_metadata(storage: Storage, trust: Trust = TOOLS) -> tuple[Me
     else:
         log.debug("%s has no integrity manifest (written by stock DCP?); loading unverified", storage.uri)
     return metadata, manifest
+
+
+def commit_replaced(storage: Storage, crc: int) -> bool:
+    """Whether the ``.metadata`` at ``storage`` is no longer the one of CRC32C
+    ``crc`` (read earlier): another save committed over it, or it is gone.
+    Every commit's bytes differ (each records its own save id). False where
+    it cannot be read for another reason."""
+    try:
+        return crc32c.crc32c(read_capped(storage, METADATA, METADATA_LIMIT)) != crc
+    except StorageNotFound:
+        return True
+    except CheckpointError:
+        return False
 
 
 def _read_or_error(storage: Storage, name: str, limit: int) -> bytes | CheckpointError:

@@ -411,19 +411,53 @@ class Storage(abc.ABC):
                 break
         return pos
 
+    @abc.abstractmethod
     def read(self, path: str, *, limit: int | None = None) -> bytes:
-        """Read a whole object.
+        """Read a whole object: exactly one version of it, whole.
+
+        However often the object is replaced meanwhile (a load reads
+        ``.metadata`` while an overwrite commits its own), the bytes returned
+        are all of one version that ``path`` held: never the first bytes of
+        a newer version cut at an older one's size, never pieces of two.
+        (Asking the size and then reading that many bytes, in a second open
+        or request, is exactly what breaks this.) A backend reads from one
+        open file, in one request, or in ranges pinned to the version the
+        first one returned (:meth:`_read_one_version` is the kit's way).
 
         ``limit``: refuse an object of more than ``limit`` bytes before
-        reading any of it (:class:`~dcpstore.errors.ObjectTooLarge`), for
-        files whose size is not to be trusted. The object is read at most to
-        the size first seen (one that grows meanwhile is not read past it).
-        This default asks the size first; object stores learn it from their
-        first ranged GET instead (one round trip for a small object).
+        allocating or reading it (:class:`~dcpstore.errors.ObjectTooLarge`),
+        for files whose size is not to be trusted (a crafted sparse file must
+        cost no memory); the limit is checked against the size of the
+        version read, so no version larger than the limit is ever returned
+        or read whole.
         """
-        size = self.size(path)
-        self.check_limit(path, size, limit)
-        return self.read_range(path, 0, size) if size else b""
+
+    def _read_one_version(self, path: str, seen: int, limit: int | None, head: Callable[[int | None], bytes]) -> bytes:
+        """:meth:`read` for a backend whose every request returns bytes of one
+        version: ``head(n)`` gives the object's first ``n`` bytes (``None``:
+        all of it) in one request (``b""`` past the end), ``seen`` is its
+        size as just asked, already checked against ``limit``.
+
+        The first request asks one byte more than ``seen``: fewer back means
+        the object ended there, so they are all of one version (the one asked
+        about, or one that replaced it meanwhile and is no larger). All of
+        them back: a larger version replaced it between the size and the
+        read, and one more request asks for one byte past ``limit`` (no
+        limit: the whole object), which either ends within it or is refused.
+        Memory stays bounded by the version read (or ``limit`` + 1 bytes,
+        only when a larger version lands in that window).
+        """
+        data = head(seen + 1)
+        if len(data) <= seen:
+            return data
+        data = head(None if limit is None else limit + 1)
+        if limit is not None and len(data) > limit:
+            raise ObjectTooLarge(
+                f"{self.describe(path)}: more than the {limit} bytes read (replaced by a larger object while read)",
+                len(data),
+                limit,
+            )
+        return data
 
     def check_limit(self, path: str, size: int, limit: int | None) -> None:
         """Raise :class:`~dcpstore.errors.ObjectTooLarge` if ``size`` exceeds ``limit``."""

@@ -132,6 +132,11 @@ def _readinto_full(body: Any, buffers: list[memoryview], expected: int) -> int:
     return done
 
 
+class _ObjectChanged(StorageError):
+    """A GET pinned to the ETag of an earlier one (``If-Match``) found the
+    object replaced: :meth:`S3Storage.read` reads it again."""
+
+
 class S3Storage(Storage):
     """A key prefix in an S3 (or S3-compatible) bucket."""
 
@@ -224,7 +229,7 @@ class S3Storage(Storage):
                 if found is Meaning.PAST_END:
                     return None
                 if found is Meaning.CHANGED:
-                    raise StorageError(f"{what}: the object changed while it was being read") from e
+                    raise _ObjectChanged(f"{what}: the object changed while it was being read") from e
                 raise self._error(e, what) from e
             total = _total_size(resp)
             if total is not None:
@@ -266,7 +271,23 @@ class S3Storage(Storage):
     def read(self, path: str, *, limit: int | None = None) -> bytes:
         """Whole object: the first ranged GET also tells the size (no HEAD);
         one over ``limit`` is refused from that GET's headers, its body left
-        unread."""
+        unread. The ranges after it are pinned to its ETag (``If-Match``), so
+        all of them are of one version; should a replace land in between,
+        the read starts again (``max_attempts`` reads at most, within
+        ``op_timeout_s``), so that it returns the new version, whole."""
+        deadline = time.monotonic() + self.options.op_timeout_s
+        for attempt in range(1, self.options.max_attempts + 1):
+            try:
+                return self._read_pinned(path, limit)
+            except _ObjectChanged:
+                if attempt >= self.options.max_attempts or time.monotonic() > deadline:
+                    raise
+                log.debug("%s changed while it was being read; reading it again", self.describe(path))
+        raise AssertionError("unreachable")  # the loop returns or raises
+
+    def _read_pinned(self, path: str, limit: int | None) -> bytes:
+        """One try of :meth:`read`: :class:`_ObjectChanged` if the object is
+        replaced between its first GET and a later one."""
         ps = self.options.part_size_for(None)
         first_len = ps if limit is None else max(1, min(ps, limit))
 
@@ -282,7 +303,7 @@ class S3Storage(Storage):
         if not resp:  # 416: an empty object (or none at all)
             if self.size(path) == 0:
                 return b""
-            return self.read(path, limit=limit)  # it was written meanwhile
+            return self._read_pinned(path, limit)  # it was written meanwhile
         total = _total_size(resp) or len(first)
         if total <= len(first):
             return first
