@@ -102,6 +102,12 @@ NO_COLLECTIVES_WHY = (
 )
 
 
+def file_size_hint(items: Sequence[WriteItem]) -> int:
+    """The expected size of a data file holding ``items``: the tensor bytes
+    and an upper estimate of each record's headers."""
+    return sum(item_nbytes(it) + RECORD_HEADERS_ESTIMATE for it in items)
+
+
 def split_buckets(items: Sequence[WriteItem], bins: int) -> list[list[WriteItem]]:
     """Size-balanced buckets: tensors largest first into the lightest bucket,
     byte blobs round-robin. Empty buckets are dropped."""
@@ -240,10 +246,11 @@ class DcpStorageWriter(StorageWriter):
         lock = threading.Lock()  # planners are not promised to be thread-safe
         future: Future[list[WriteResult]] = Future()
         named = [(self.session.data_file(token.prefix, i), bucket) for i, bucket in enumerate(buckets)]
+        batch = sum(file_size_hint(bucket) for bucket in buckets)
         try:
             per_file = run_gated(
                 self.session.check_owner,
-                lambda nb, gate: self._write_file(nb[0], nb[1], planner, lock, gate),
+                lambda nb, gate: self._write_file(nb[0], nb[1], planner, lock, gate, batch),
                 named,
                 "dcpstore-write",
             )
@@ -257,13 +264,13 @@ class DcpStorageWriter(StorageWriter):
         return future
 
     def _write_file(
-        self, name: str, items: list[WriteItem], planner: SavePlanner, lock: threading.Lock, gate: OwnerGate
-    ) -> list[WriteResult]:
+        self, name: str, items: list[WriteItem], planner: SavePlanner, lock: threading.Lock, gate: OwnerGate,
+        batch: int,
+    ) -> list[WriteResult]:  # fmt: skip
         written = []
-        # Tensor bytes and an upper estimate of each record's headers: object
-        # stores size their parts from it (see StorageOptions.part_size_for).
-        size_hint = sum(item_nbytes(it) + RECORD_HEADERS_ESTIMATE for it in items)
-        with self.storage.open_write(name, size_hint=size_hint) as writer:
+        # This file's and all of the rank's files' bytes: object stores share
+        # the connection budget out over their parts (StorageOptions.upload_part_size).
+        with self.storage.open_write(name, size_hint=file_size_hint(items), batch_hint=batch) as writer:
             stream = RecordStream(writer)
             for item in items:
                 data = _resolve(planner, item, lock)
@@ -273,6 +280,7 @@ class DcpStorageWriter(StorageWriter):
                 written.append((item, stream.write_item(data), descriptors))
                 self.progress.update(item_nbytes(item))
             file_size, file_crc = stream.finish()
+            writer.seal()  # the last part leaves now, not after the gate's round trip
             # Leaving the block publishes the file; a save that lost its
             # URI to a later save must not clobber that save's files.
             gate.wait()

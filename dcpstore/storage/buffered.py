@@ -7,11 +7,13 @@ only how bytes leave and land, in three steps (the split of fsspec's
 discard)::
 
     write(data)  -> _write_part(part)   zero or more times, in order
+    seal()       -> _seal(tail)         at most once, optional: no more bytes
+                                        follow; send what may go before the commit
     commit()     -> _publish(tail)      once: send the rest, make it visible
     abort()      -> _discard()          once: leave nothing visible
 
 ``commit`` and ``abort`` come from :class:`~dcpstore.storage.base.ObjectWriter`
-(a failed ``_publish`` is followed by ``_discard``). All three run on the
+(a failed ``_publish`` is followed by ``_discard``). All of them run on the
 thread that writes the object; a backend may hand parts to threads of its
 own (S3 uploads several parts of one object at once).
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import abc
 
+from ..errors import StorageError
 from .base import ObjectWriter, Storage
 
 
@@ -51,6 +54,7 @@ class BufferedObjectWriter(ObjectWriter):
         self._part_size = part_size
         self._buf = bytearray()
         self._pos = 0
+        self._sealed = False
 
     # -- the three steps a backend fills in ----------------------------------
     @abc.abstractmethod
@@ -63,6 +67,12 @@ class BufferedObjectWriter(ObjectWriter):
         """Send ``tail`` (the last, partial part) and make the whole object
         durable and visible under its final name, atomically."""
 
+    def _seal(self, tail: bytearray) -> bytearray:
+        """No byte follows ``tail`` (the buffered rest, fewer than a part):
+        send what can go before the commit; return what ``_publish`` is to
+        get. The default keeps it all for ``_publish``."""
+        return tail
+
     @abc.abstractmethod
     def _discard(self) -> None:
         """Drop whatever was sent; nothing becomes visible. Best effort: it
@@ -73,6 +83,8 @@ class BufferedObjectWriter(ObjectWriter):
     def write(self, data: bytes | bytearray | memoryview) -> int:
         view = memoryview(data).cast("B")
         n = view.nbytes
+        if n and self._sealed:
+            raise StorageError(f"{self._what}: write after seal() (the object's bytes were declared complete)")
         if n:
             with self._storage._mapped(self._what):
                 if self._part_size is None:
@@ -98,6 +110,14 @@ class BufferedObjectWriter(ObjectWriter):
             if len(self._buf) == part_size:
                 part, self._buf = self._buf, bytearray()
                 self._write_part(part)
+
+    def seal(self) -> None:
+        if self._closed or self._sealed:
+            return
+        self._sealed = True
+        tail, self._buf = self._buf, bytearray()
+        with self._storage._mapped(self._what):
+            self._buf = self._seal(tail)
 
     def _commit(self) -> None:
         tail, self._buf = self._buf, bytearray()
