@@ -4,8 +4,9 @@
 
 Replaces the text between ``<!-- BEGIN generated:NAME -->`` and
 ``<!-- END generated:NAME -->`` markers; everything else in the page (the
-analysis) is left as written. Blocks: ``meta``, ``local``, ``s3``, ``wan``,
-``sweep-<section>`` (the raw limit sweep as a grid), ``targets``,
+analysis) is left as written. Blocks: ``meta``, ``local``, ``s3``, ``wan`` (or one
+``wan-<regime>`` per regime, each with ``harness-wan-<regime>``: its
+harness self-test), ``sweep-<section>`` (the raw limit sweep as a grid), ``targets``,
 ``scaling-<sweep>`` for each sweep, and ``scale`` (benchmarks/scale_sim.py's
 modelled points).
 """
@@ -26,7 +27,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import targets  # noqa: E402
 from dcpstore.bench import summarize  # noqa: E402
-from dcpstore.bench.limits import best_limits, limit_ratios  # noqa: E402
+from dcpstore.bench.limits import best_limits, harness_verdicts, limit_ratios  # noqa: E402
 from dcpstore.units import human_bytes  # noqa: E402
 
 Row = dict[str, Any]
@@ -104,6 +105,20 @@ def sweep_table(rows: Sequence[Row]) -> str:
     return targets.markdown_table(head, body)
 
 
+def harness_table(rows: Sequence[Row]) -> str:
+    """The section's harness self-test, per direction: the proxy and endpoint
+    with shaping off against the best row measured through the shaping, and
+    what that makes the section (dcpstore.bench.limits.harness_verdicts)."""
+    verdicts = harness_verdicts(rows)
+    if not verdicts:
+        return "_no harness self-test in this run_"
+    head = ["direction", "harness, shaping off (GB/s)", "best measured row", "its GB/s", "harness / best", "section is"]
+    body = [[{"write": "save", "read": "load"}[d], _num(v["harness_gbps"]), v["best"], _num(v["best_gbps"]),
+             _ratio(v["ratio"]), f"**{v['bound']}-bound** (needs {v['margin']:g}x)"]
+            for d, v in verdicts.items()]  # fmt: skip
+    return targets.markdown_table(head, body)
+
+
 def targets_table(results: Sequence[Row]) -> str:
     head = ["target", "ours / reference", "ratio", "status", "why"]
     body = [[r["target"], f"{r['ours']} / {r['ref'] or 'state size'}", targets.ratio_text(r), f"**{r['status']}**",
@@ -143,12 +158,16 @@ def blocks(compare: dict[str, Any] | None, scaling: dict[str, Any] | None,
     results: list[Row] = []
     if compare:
         summary = summarize(compare["records"])  # re-derived: summaries gain fields over time
-        for section in ("local", "s3", "wan"):
+        regimes = list((compare["meta"].get("wan") or {}).get("regimes") or {}) or None
+        wan = [f"wan-{r}" for r in regimes] if regimes else ["wan"]
+        for section in ("local", "s3", *wan):
             rows = [r for r in summary if r.get("extra", {}).get("section") == section]
             out[section] = rows_table(rows)
             out[f"sweep-{section}"] = sweep_table(rows)
+            if section.startswith("wan-"):
+                out[f"harness-{section}"] = harness_table(rows)
         # Recomputed from the summary so that edited target definitions apply to old runs too.
-        results += targets.evaluate_all(targets.compare_targets(max(compare["meta"]["workers"])), summary)
+        results += targets.evaluate_all(targets.compare_targets(max(compare["meta"]["workers"]), regimes), summary)
     if scaling:
         summary = summarize(scaling["records"])
         for sweep in ("bytes", "tensors", "workers", "ranks", "repeat"):
