@@ -18,7 +18,8 @@ dcpstore on their own storage:
 :func:`bench` is what the CLI runs: one dcpstore entry per worker count.
 
 May import: dcpstore's public API (``save``/``load``), :mod:`dcpstore.storage`,
-:mod:`dcpstore.errors` and :mod:`dcpstore.units`; torch, tqdm, and (late,
+:mod:`dcpstore.errors`, :mod:`dcpstore.units` and the engines' choice
+(which engine can save where, so that a row that cannot is skipped); torch, tqdm, and (late,
 only where used) psutil and matplotlib. Never ``benchmarks/`` and never the
 CLI: the peer comparisons in ``benchmarks/`` build on this package (their
 peers and hardware limits are more :class:`Entry` subclasses), not the

@@ -58,6 +58,8 @@ import torch
 from .. import save
 from ..storage import join_uri, open_storage, parse_uri
 from ..units import human_bytes
+from ..engines.choice import engine_problem
+from .entries import open_root
 from .runner import SKIP_ERRORS, Skip
 
 log = logging.getLogger(__name__)
@@ -133,6 +135,16 @@ class DcpstoreRow(Row):
         self.name, self.root_uri, self.target, self.executor = name, root_uri, target, executor
         self.save_kwargs = save_kwargs
         self._uris: list[str] = []
+
+    def setup(self, state: dict[str, torch.Tensor]) -> None:
+        """Skip where the backend or the engine cannot save here (not installed, or not to this URI)."""
+        storage = open_root(self.root_uri, enable_msc=bool(self.save_kwargs.get("enable_msc", False)))
+        try:
+            problem = engine_problem(str(self.save_kwargs.get("engine", "auto")), storage.backend, storage.uri)
+        finally:
+            storage.close()
+        if problem:
+            raise Skip(problem)
 
     def start(self, state: dict[str, torch.Tensor], n: int) -> Pending:
         uri = join_uri(self.root_uri, f"save-{n}")
@@ -407,8 +419,9 @@ def measure(
     """Every row: a warm-up save, then ``repeat`` measured saves interleaved
     across rows, then (``gil`` and py-spy found) one GIL-sampled save each.
     A row that cannot run is ``skipped``, one that breaks ``failed``; neither
-    stops the others. Past ``budget_s`` seconds no further repeat starts
-    (rows then report the repeats they have). ``ignore_pids``: child
+    stops the others. Past ``budget_s`` seconds no further row is warmed up
+    (it is ``skipped``) and no further repeat starts (rows then report the
+    repeats they have). ``ignore_pids``: child
     processes whose CPU is not the saves' (a storage server this process
     started)."""
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
@@ -419,6 +432,9 @@ def measure(
     counter = iter(range(1 << 30))
     live = []
     for row, res in zip(rows, results):
+        if budget_s is not None and time.monotonic() - started > budget_s:
+            res.status, res.reason = "skipped", "time budget"
+            continue
         try:
             row.setup(state)
             _wait(row.start(state, next(counter)), step, [], time.perf_counter())  # warm-up, not measured
