@@ -7,6 +7,7 @@ Replaces the text between ``<!-- BEGIN generated:NAME -->`` and
 analysis) is left as written. Blocks: ``meta``, ``local``, ``s3``, ``wan`` (or one
 ``wan-<regime>`` per regime, each with ``harness-wan-<regime>``: its
 harness self-test), ``sweep-<section>`` (the raw limit sweep as a grid), ``targets``,
+``interference`` / ``interference-gpu`` (benchmarks/interference.py's results),
 ``scaling-<sweep>`` for each sweep, and ``scale`` (benchmarks/scale_sim.py's
 modelled points).
 """
@@ -148,11 +149,18 @@ def scale_block(scale: dict[str, Any]) -> str:
 
 
 def blocks(compare: dict[str, Any] | None, scaling: dict[str, Any] | None,
-           scale: dict[str, Any] | None = None) -> dict[str, str]:  # fmt: skip
+           scale: dict[str, Any] | None = None, interference: dict[str, Any] | None = None,
+           interference_gpu: dict[str, Any] | None = None) -> dict[str, str]:  # fmt: skip
     out: dict[str, str] = {}
-    named = (("compare.json", compare), ("scaling.json", scaling), ("scale_sim.json", scale))
+    named = (("compare.json", compare), ("scaling.json", scaling), ("scale_sim.json", scale),
+             ("interference.json", interference), ("interference-gpu.json", interference_gpu))  # fmt: skip
     docs = {k: v for k, v in named if v}
     out["meta"] = meta_block(docs)
+    for name, doc in (("interference", interference), ("interference-gpu", interference_gpu)):
+        if doc:
+            import interference as intf
+
+            out[name] = intf.markdown(doc)
     if scale:
         out["scale"] = scale_block(scale)
     results: list[Row] = []
@@ -205,11 +213,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--compare", default=os.path.join(results, "compare.json"))
     p.add_argument("--scaling", default=os.path.join(results, "scaling.json"))
     p.add_argument("--scale", default=os.path.join(results, "scale_sim.json"))
+    p.add_argument("--interference", default=os.path.join(results, "interference.json"))
+    p.add_argument("--interference-gpu", default=os.path.join(results, "interference-gpu.json"),
+                   help="scripts/gpu-check.sh's interference.json, committed under this name")
     p.add_argument("--page", default=os.path.join(os.path.dirname(HERE), "BENCHMARKS.md"))
     args = p.parse_args(argv)
     with open(args.page) as f:
         page = f.read()
-    page = render(page, blocks(_read(args.compare), _read(args.scaling), _read(args.scale)))
+    page = render(page, blocks(_read(args.compare), _read(args.scaling), _read(args.scale), _read(args.interference),
+                               _read(args.interference_gpu)))  # fmt: skip
     with open(args.page, "w") as f:
         f.write(page)
     print(f"updated {args.page}")
