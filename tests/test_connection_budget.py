@@ -187,3 +187,62 @@ def test_part_and_range_sizes_share_the_budget_out_over_the_batch() -> None:
     assert o.transfer_pieces(64 * MiB, 64 * 64 * MiB) == 1  # many files: a part each, no more requests
     assert o.upload_part_size(None) == 16 * MiB
     assert StorageOptions(part_size=PART).upload_part_size(1 << 30, 1 << 40) == PART
+
+
+def test_part_buffers_are_reused_and_never_shared(s3_endpoint: S3Endpoint) -> None:
+    """A part's buffer goes back to the process's cache once its upload is
+    answered and serves a later part of the same size (no fresh pages per
+    part); two objects written at once from reused buffers still land
+    byte for byte. The cache keeps at most its limit, dropping the sizes
+    not asked for any more first."""
+    from dcpstore.storage.buffered import PARTS, PartCache
+
+    st = open_storage(_uri(s3_endpoint), storage_options=StorageOptions(part_size=PART, max_concurrency=2))
+    PARTS.clear()
+    payloads = {name: os.urandom(4 * PART + 123) for name in ("a", "b", "c")}
+    taken: list[int] = []
+    take = PARTS.take
+
+    def spy(size: int) -> bytearray:
+        buf = take(size)
+        taken.append(id(buf))
+        return buf
+
+    try:
+        PARTS.take = spy  # type: ignore[method-assign]
+        with st.open_write("a") as w:
+            w.write(payloads["a"])
+        assert PARTS.cached_bytes() >= PART  # handed back once answered
+        errors: list[BaseException] = []
+
+        def write(name: str) -> None:
+            try:
+                with st.open_write(name) as w:
+                    for i in range(0, len(payloads[name]), MiB):
+                        w.write(payloads[name][i : i + MiB])
+            except BaseException as e:
+                errors.append(e)
+
+        threads = [threading.Thread(target=write, args=(n,)) for n in ("b", "c")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        assert len(set(taken)) < len(taken)  # some buffer served more than one part
+        for name, payload in payloads.items():
+            assert st.read(name) == payload, name
+    finally:
+        PARTS.take = take  # type: ignore[method-assign]
+        PARTS.clear()
+        st.close()
+
+    cache = PartCache(limit=3 * MiB)
+    old, new = bytearray(MiB), bytearray(2 * MiB)
+    cache.give(old)
+    cache.give(bytearray(MiB))
+    cache.give(new)  # full: the 1 MiB size (older) goes first
+    assert cache.cached_bytes() == 2 * MiB and cache.take(2 * MiB) is new
+    assert len(cache.take(MiB)) == MiB  # none left of that size: a fresh one
+    cache.give(bytearray(4 * MiB))  # larger than the limit: not kept
+    assert cache.cached_bytes() == 0

@@ -153,6 +153,7 @@ class S3Writer(BufferedObjectWriter):
             Body=body,
             **checksum,
         )
+        self._recycle(body)  # sent and answered: nothing reads it any more (a failed part's buffer is dropped)
         return {"PartNumber": number, "ETag": resp["ETag"], **checksum}
 
     def _harvest(self, *, wait_all: bool) -> None:
@@ -179,8 +180,7 @@ class S3Writer(BufferedObjectWriter):
     def _publish(self, tail: bytearray) -> None:
         if not self._multipart() or (self._upload_id is None and not tail):
             self._drop_creating()  # the hint was too high: one PUT after all
-            body = bytes(tail)
-            self._call(self._what, self._client.put_object, Body=body, **(checksum_args(body) if self._checksums else {}))
+            self._call(self._what, self._client.put_object, Body=tail, **(checksum_args(tail) if self._checksums else {}))
             return
         if tail:
             self._write_part(tail)
