@@ -15,8 +15,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -25,21 +24,9 @@ import dcpstore
 from faultproxy import FaultConfig, FaultProxy, Request
 from helpers import assert_state_equal, zeros_like_state
 from s3_server import S3Endpoint
+from test_object_store_budget import PART, _uri, proxy  # noqa: F401 -- proxy: the fixture
 from dcpstore.errors import StorageError
 from dcpstore.storage import MiB, StorageOptions, open_storage
-
-PART = 5 * MiB
-
-
-def _uri(endpoint: S3Endpoint) -> str:
-    return f"s3://{endpoint.bucket}/budget-{uuid.uuid4().hex[:8]}"
-
-
-@pytest.fixture
-def proxy(s3_endpoint: S3Endpoint, monkeypatch: pytest.MonkeyPatch) -> Iterator[FaultProxy]:
-    with FaultProxy(s3_endpoint.url) as p:
-        monkeypatch.setenv("AWS_ENDPOINT_URL", p.url)
-        yield p
 
 
 #: The budget of the one-file tests: above the 8 pieces a lone object or
