@@ -37,7 +37,6 @@ import random
 import socket
 import struct
 import threading
-import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -266,6 +265,8 @@ class FaultProxy:
             socks = list(self._sockets)
         for s in socks:
             with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in recv (close alone does not)
+            with contextlib.suppress(OSError):
                 s.close()
         self._acceptor.join(5)
 
@@ -398,7 +399,10 @@ class FaultProxy:
             if self.config.delay_s and self.config.delay_applies(req):
                 with self._lock:
                     self.stats.faults["delay"] += 1
-                time.sleep(self.config.delay_s)
+                # Not a plain sleep: stop() ends the hold, so that no connection
+                # thread outlives the proxy by the stall (and counts in a later
+                # test's threads).
+                self._stopping.wait(self.config.delay_s)
             head = f"{req.method} {req.target} HTTP/1.1\r\n" + "".join(
                 f"{k}: {v}\r\n" for k, v in req.headers if k.lower() != "expect"
             )
