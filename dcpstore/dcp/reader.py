@@ -121,6 +121,8 @@ class DcpStorageReader(StorageReader):
         self._progress = LoadProgress((), earlier)
         #: CRC32C of the ``.metadata`` bytes this load read (None: none yet).
         self._commit_crc: int | None = None
+        #: The bytes this load's direct reads move in all (see Storage.read_into).
+        self._batch: int | None = None
         self.bytes_read = 0
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -215,6 +217,7 @@ class DcpStorageReader(StorageReader):
             if transformed:  # their stored bytes are not the tensor's: always through the record
                 raw = {key: where for key, where in raw.items() if key not in transformed}
             jobs = plan_reads(per_file, raw, self._metadata, self.workers, self._manifest_where())
+            self._batch = sum(job.length for job in jobs)  # object stores share their budget out over it
             self.bar.start(sum(info.length for reqs in per_file.values() for _, info in reqs))
             run_parallel(lambda job: self._read_job(job, planner, lock), jobs, self.workers, "dcpstore-read")
         except BaseException as e:
@@ -341,7 +344,7 @@ class DcpStorageReader(StorageReader):
         exposed = [d.req.dest_index.fqn for d, pieces, _ in parts if len(pieces) > 1]
         self._progress.exposing(exposed)
         try:
-            n = self.storage.read_into(path, start, buffers)
+            n = self.storage.read_into(path, start, buffers, batch_hint=self._batch)
         except StorageNotFound as e:
             self._progress.exposing(exposed, undo=True)  # never opened: nothing was written
             raise CheckpointCorrupt(f"{self.storage.describe(path)}: data file is missing") from e

@@ -114,6 +114,12 @@ NO_COLLECTIVES_WHY = (
 )
 
 
+def file_size_hint(items: Sequence[WriteItem]) -> int:
+    """The expected size of a data file holding ``items``: the tensor bytes
+    and an upper estimate of each record's headers."""
+    return sum(item_nbytes(it) + RECORD_HEADERS_ESTIMATE for it in items)
+
+
 def split_buckets(items: Sequence[WriteItem], bins: int) -> list[list[WriteItem]]:
     """Size-balanced buckets: tensors largest first into the lightest bucket,
     byte blobs round-robin. Empty buckets are dropped."""
@@ -161,16 +167,17 @@ def write_data_file(
     transforms: _StorageWriterTransforms | None,
     progress: Progress,
     gate: OwnerGate,
+    batch_hint: int | None = None,
 ) -> list[WriteResult]:
     """Write one data file ``name`` holding ``items`` (``data_of(item)``: its
     bytes or CPU tensor, asked for one item at a time), published once
     ``gate`` passes; returns the items' write results, each carrying its
-    :class:`ItemRecord`. Every writer's data files are written here."""
+    :class:`ItemRecord`. ``batch_hint``: the bytes of all the files this
+    rank writes now, over which object stores share their connection budget
+    (:meth:`~dcpstore.storage.StorageOptions.upload_part_size`). Every
+    writer's data files are written here."""
     written = []
-    # Tensor bytes and an upper estimate of each record's headers: object
-    # stores size their parts from it (see StorageOptions.part_size_for).
-    size_hint = sum(item_nbytes(it) + RECORD_HEADERS_ESTIMATE for it in items)
-    with storage.open_write(name, size_hint=size_hint) as writer:
+    with storage.open_write(name, size_hint=file_size_hint(items), batch_hint=batch_hint) as writer:
         stream = RecordStream(writer)
         for item in items:
             data = data_of(item)
@@ -180,6 +187,7 @@ def write_data_file(
             written.append((item, stream.write_item(data), descriptors))
             progress.update(item_nbytes(item))
         file_size, file_crc = stream.finish()
+        writer.seal()  # the last part leaves now, not after the gate's round trip
         # Leaving the block publishes the file; a save that lost its
         # URI to a later save must not clobber that save's files.
         gate.wait()
@@ -361,10 +369,11 @@ class DcpStorageWriter(StorageWriter):
         lock = threading.Lock()  # planners are not promised to be thread-safe
         future: Future[list[WriteResult]] = Future()
         named = [(self.session.data_file(token.prefix, i), bucket) for i, bucket in enumerate(buckets)]
+        batch = sum(file_size_hint(bucket) for bucket in buckets)
         try:
             per_file = run_gated(
                 self.session.check_owner,
-                lambda nb, gate: self._write_file(save.storage, nb[0], nb[1], planner, lock, gate),
+                lambda nb, gate: self._write_file(save.storage, nb[0], nb[1], planner, lock, gate, batch),
                 named,
                 "dcpstore-write",
             )
@@ -385,9 +394,10 @@ class DcpStorageWriter(StorageWriter):
         planner: SavePlanner,
         lock: threading.Lock,
         gate: OwnerGate,
+        batch: int,
     ) -> list[WriteResult]:
         return write_data_file(
-            storage, name, items, lambda item: _resolve(planner, item, lock), self.transforms, self.progress, gate
+            storage, name, items, lambda item: _resolve(planner, item, lock), self.transforms, self.progress, gate, batch
         )
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:

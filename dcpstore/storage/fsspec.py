@@ -101,7 +101,7 @@ class FsspecStorage(Storage):
         return stripped[len(root) + 1 :] if root else stripped.lstrip("/")
 
     # -- writing -------------------------------------------------------------
-    def open_write(self, path: str, *, size_hint: int | None = None) -> ObjectWriter:
+    def open_write(self, path: str, *, size_hint: int | None = None, batch_hint: int | None = None) -> ObjectWriter:
         full = self._full(path)
         what = f"cannot write {self.describe(path)}"
         if self.transactional:

@@ -110,7 +110,7 @@ class LocalStorage(Storage):
         path = self._relpath(path)
         return os.path.join(self.root, path) if path else self.root
 
-    def open_write(self, path: str, *, size_hint: int | None = None) -> ObjectWriter:
+    def open_write(self, path: str, *, size_hint: int | None = None, batch_hint: int | None = None) -> ObjectWriter:
         return self._writer(path, durable=True)
 
     def put(self, path: str, data: bytes | bytearray | memoryview, *, durable: bool = True) -> None:
@@ -174,7 +174,9 @@ class LocalStorage(Storage):
             finally:
                 os.close(fd)
 
-    def read_into(self, path: str, offset: int, buffers: Sequence[memoryview]) -> int:
+    def read_into(
+        self, path: str, offset: int, buffers: Sequence[memoryview], *, batch_hint: int | None = None
+    ) -> int:
         total = sum(b.nbytes for b in buffers)
         done = 0
         with self._mapped(f"cannot read {self.describe(path)}"):

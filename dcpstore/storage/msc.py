@@ -271,7 +271,7 @@ class MSCStorage(Storage):
         return map_os_error(e, what)
 
     # -- writing -------------------------------------------------------------
-    def open_write(self, path: str, *, size_hint: int | None = None) -> ObjectWriter:
+    def open_write(self, path: str, *, size_hint: int | None = None, batch_hint: int | None = None) -> ObjectWriter:
         what = f"cannot write {self.describe(path)}"
         if self.is_posix:
             with self._mapped(what):

@@ -44,7 +44,7 @@ from botocore.response import StreamingBody
 from ..errors import CheckpointError, StorageError, StorageNotFound
 from .base import ObjectInfo, ObjectWriter, Storage, StorageOptions
 from .codes import Meaning, meaning
-from .kit import byte_ranges, slice_buffers
+from .kit import byte_ranges, equal_ranges, slice_buffers
 from .s3_client import client_error, map_code, map_error, s3_client
 from .s3_upload import S3Writer, checksum_args, sends_checksums
 from .secrets import scrub
@@ -167,14 +167,17 @@ class S3Storage(Storage):
             return fn(**kwargs)
 
     # -- writing -------------------------------------------------------------
-    def open_write(self, path: str, *, size_hint: int | None = None) -> ObjectWriter:
-        # The first full part decides on multipart; size_hint only grows the
-        # part size for objects that would otherwise need > 10,000 parts.
-        return S3Writer(self, path, client=self.client, bucket=self.bucket, key=self.key(path), size_hint=size_hint)
+    def open_write(self, path: str, *, size_hint: int | None = None, batch_hint: int | None = None) -> ObjectWriter:
+        # The hints size the parts (and start the upload at once where the
+        # object will need several); the first full part decides on multipart.
+        return S3Writer(
+            self, path, client=self.client, bucket=self.bucket, key=self.key(path), size_hint=size_hint,
+            batch_hint=batch_hint,
+        )  # fmt: skip
 
     def put(self, path: str, data: bytes | bytearray | memoryview, *, durable: bool = True) -> None:
         nbytes = memoryview(data).nbytes
-        if nbytes < self.options.part_size_for(nbytes):
+        if nbytes < self.options.upload_part_size(nbytes):
             body = bytes(data)
             self.call(
                 f"cannot write {self.describe(path)}",
@@ -252,14 +255,21 @@ class S3Storage(Storage):
         chunks = self._in_parallel(lambda o, n: self._get(path, o, n)[0], byte_ranges(offset, length, piece))
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
-    def read_into(self, path: str, offset: int, buffers: Sequence[memoryview]) -> int:
+    def read_into(
+        self, path: str, offset: int, buffers: Sequence[memoryview], *, batch_hint: int | None = None
+    ) -> int:
         """Ranged GETs in parallel, each body read straight into its stretch
-        of ``buffers`` (no whole-object bytes in between)."""
+        of ``buffers`` (no whole-object bytes in between): ranges of
+        ``part_size`` if set, else equal ones, as many as
+        :meth:`StorageOptions.transfer_pieces` gives this read in its batch."""
         total = sum(b.nbytes for b in buffers)
         if total == 0:
             self.size(path)  # still report a missing object
             return 0
-        ranges = byte_ranges(0, total, self.options.part_size_for(total))
+        if self.options.part_size is not None:
+            ranges = byte_ranges(0, total, self.options.part_size)
+        else:
+            ranges = equal_ranges(0, total, self.options.transfer_pieces(total, batch_hint))
         counts = self._in_parallel(self._get_into, [(path, offset + o, slice_buffers(buffers, o, n)) for o, n in ranges])
         done = 0
         for (_, n), got in zip(ranges, counts):
