@@ -6,7 +6,8 @@ the backend kit that every backend builds on so that nothing is written
 twice (:mod:`.buffered`: the object writer with position, ``tell`` and part
 buffering; :mod:`.kit`: shared helpers and error mapping for built-in
 exceptions; :mod:`.codes`: the one S3 error-code table; :mod:`.secrets`:
-the one scrubber that keeps credentials out of every message), and one module per
+the one scrubber that keeps credentials out of every message; :mod:`.overlap`:
+whether two roots are one directory), and one module per
 backend: :mod:`.local`, :mod:`.s3` (with :mod:`.s3_client` and
 :mod:`.s3_upload`), :mod:`.msc`, :mod:`.fsspec`.
 

@@ -300,6 +300,12 @@ class Storage(abc.ABC):
         """A printable URI for ``path`` under this root, for messages."""
         return f"{self.uri.rstrip('/')}/{path}" if path else self.uri
 
+    def local_path(self) -> str | None:
+        """The directory of this machine's filesystem the root is, where it is
+        one (a local path, MSC's POSIX profiles, fsspec's local filesystem),
+        else None: what :func:`~dcpstore.storage.overlap.overlap` compares."""
+        return None
+
     # -- the backend kit -----------------------------------------------------
     def _relpath(self, path: str) -> str:
         """``path``, checked to stay under the root, without a trailing ``/``.

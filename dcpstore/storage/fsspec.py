@@ -73,6 +73,10 @@ class FsspecStorage(Storage):
         # at commit); memory:// and local files do not, so they use temp + mv.
         self.transactional = self._has_buffered_files()
 
+    def local_path(self) -> str | None:
+        protocols = self.fs.protocol if isinstance(self.fs.protocol, (tuple, list)) else (self.fs.protocol,)
+        return str(self.fs._strip_protocol(self.root)) if {"file", "local"} & set(protocols) else None
+
     def _has_buffered_files(self) -> bool:
         protocols = self.fs.protocol if isinstance(self.fs.protocol, (tuple, list)) else (self.fs.protocol,)
         if {"memory", "file", "local"} & set(protocols):

@@ -82,6 +82,9 @@ class LocalStorage(Storage):
     def root(self) -> str:
         return self.url.path
 
+    def local_path(self) -> str:
+        return self.root
+
     def _full(self, path: str) -> str:
         path = self._relpath(path)
         return os.path.join(self.root, path) if path else self.root

@@ -215,6 +215,9 @@ class MSCStorage(Storage):
     def is_posix(self) -> bool:
         return self.posix_root is not None
 
+    def local_path(self) -> str | None:
+        return str(self.posix_root) if self.posix_root is not None else None
+
     def default_workers(self) -> int:
         """A POSIX profile is a disk (see :func:`~dcpstore.storage.kit.disk_workers`);
         any other profile an object store (see :meth:`Storage.default_workers`)."""
