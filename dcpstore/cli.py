@@ -156,7 +156,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     for path in report.removed:
         print(f"{verb} incomplete checkpoint {_name(storage, path)}")
     for path in report.kept_running:
-        print(f"kept {_name(storage, path)}: a save is running there (its alive file is fresh or names a live process)")
+        print(f"kept {_name(storage, path)}: a save is running there (its alive file is fresh, or it just ended)")
     for path in report.kept_recent:
         print(f"kept {_name(storage, path)}: modified within {args.older_than:g} s (a save may be running)")
     for path, names in report.kept_unknown:

@@ -396,7 +396,7 @@ def _kill_points(tmp_path: Path, sample: int | None) -> list[tuple[int, int]]:
     probe run counts them; ``sample``: that many of each rank's, spread."""
     pids = tmp_path / "probe-pids"
     pids.mkdir()
-    run_ranks(_killed_while_replicating, 2, str(tmp_path / "probe"), node_dirs(tmp_path / "probe", 2, 1),
+    run_ranks(_killed_while_replicating, 2, str(tmp_path / "probe" / "durable"), node_dirs(tmp_path / "probe", 2, 1),
               str(pids), -1, -1)
     points = []
     for rank in (0, 1):

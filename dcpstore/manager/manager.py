@@ -59,6 +59,7 @@ from torch.distributed.checkpoint.planner import SavePlanner
 from ..api import load_with, save_with
 from ..engines import exit as exit_hook
 from ..engines.choice import engine_problem
+from ..engines.saver import default_saver
 from ..errors import CheckpointExists, InvalidArgument, SaveError
 from ..handle import CheckpointInfo, SaveHandle
 from ..keywords import hint_keywords
@@ -487,6 +488,7 @@ class CheckpointManager:
             exit_hook.forget(self)
             OPEN.release(self)
             self._roots.close()
+            default_saver().leftovers.finish("at close()")  # the clean-ups its failed saves could not do
 
     def finish_at_exit(self) -> None:
         """Interpreter exit: :meth:`close`, saying loudly what was lost if it

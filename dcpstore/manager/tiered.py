@@ -55,9 +55,17 @@ Which rank does what (every rank constructs the manager alike):
   (a lost node, not yet replicated) gives way to the next older one. A fresh
   node with an empty ``local_dir`` thus resumes from the durable tier; DCP
   resharding works from either, since every rank reads one whole checkpoint.
+* **gc**: every writer of a step directory holds a lease there
+  (:mod:`dcpstore.dcp.lease`): the marker put before a save, until that
+  directory's copy is committed; every rank's replication, from before its
+  first upload until the replica is committed (another rank's lingers
+  until it sees the coordinator's commit), so ``dcpstore gc`` on either
+  tier never takes a step in progress.
 * **Errors**: a failed replication is logged when it happens and raised
   from the next :meth:`wait` or :meth:`close`; saves keep committing locally.
-  ``close()`` waits for the queue at most ``replicate_timeout_s``.
+  ``close()`` waits for the queue at most ``replicate_timeout_s``. Clean-ups
+  a failed replication could not do (the storage did not answer) are tried
+  again before the next one and at ``close()``.
 
 Layer: manager. Imports :mod:`dcpstore.storage`, :mod:`dcpstore.format`,
 :mod:`dcpstore.handle`, :mod:`dcpstore.errors` and this package's
@@ -77,8 +85,10 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ..dcp.lease import Lease
+from ..engines.leftovers import Leftovers
 from ..errors import CheckpointError, InvalidArgument, SaveError
-from ..format.layout import INFLIGHT, METADATA
+from ..format.layout import METADATA
 from ..handle import SaveHandle
 from ..storage import Storage, join_uri
 from .nodes import NodeSync, put_marker, reads_locally, share_commit
@@ -86,9 +96,10 @@ from .replicate import (
     LocalCommit,
     check_no_clash,
     commit_replica,
-    keep_alive,
     needs_replication,
     read_local_commit,
+    replica_lease,
+    replica_taken_over,
     upload_files,
     whole_local_steps,
     write_report,
@@ -160,6 +171,13 @@ class TieredRoots:
         #: Durable steps as of construction, plus those replicated since: what
         #: ``save`` checks (no object-store round trip while the caller waits).
         self._durable_known: set[int] = set()
+        #: Leases in local step directories, from the marker put before a save
+        #: until that directory's copy is committed or the save failed.
+        self._marker_leases: dict[int, Lease] = {}
+        #: Other ranks' replica leases, lingering until the coordinator's commit.
+        self._lingering: list[Lease] = []
+        #: Clean-ups a failed replication could not do (the storage did not answer).
+        self._leftovers = Leftovers()
         try:
             self._sync = NodeSync.open(self._local, group, self._rank)  # collective (torch.distributed)
             self._nodes = self._sync.nodes
@@ -263,8 +281,23 @@ class TieredRoots:
             self.wait(self._timeout_s)
             prefix = step_dir(step)
             if any(True for _ in self._durable.list(f"{prefix}/")):
-                self._local.put(f"{prefix}/{INFLIGHT}", b"")
+                self._hold_marker(step, put_marker(self._local, step, os.urandom(8).hex()))
         return None
+
+    def _hold_marker(self, step: int, lease: Lease) -> None:
+        with self._cond:
+            old = self._marker_leases.pop(step, None)
+            self._marker_leases[step] = lease
+        if old is not None:
+            old.stop()
+
+    def _end_marker(self, step: int) -> None:
+        """The local step directory's copy is committed (or its save failed):
+        end the lease its marker was put under, if any."""
+        with self._cond:
+            lease = self._marker_leases.pop(step, None)
+        if lease is not None:
+            lease.stop()
 
     def _before_node_save(self, step: int, overwrite: bool) -> str:
         """Every rank derives the same save id (:meth:`NodeSync.save_id`: no
@@ -278,7 +311,9 @@ class TieredRoots:
         save_id = self._sync.save_id(step)
         if self._leader:
             try:
-                put_marker(self._local, step, save_id)
+                lease = put_marker(self._local, step, save_id)
+                if lease is not None:
+                    self._hold_marker(step, lease)
             except CheckpointError as e:  # the node's ranks then fail the save together, through DCP
                 log.error("could not put the in-flight marker of step %d under %s: %s", step, self.local_uri, e)
         return save_id
@@ -287,7 +322,10 @@ class TieredRoots:
         """Queue ``step`` for replication as soon as its local save commits."""
 
         def done(h: SaveHandle) -> None:
-            if h.exception() is None:
+            failed = h.exception() is not None
+            if failed or not self._nodes.node_local or self._coordinator:
+                self._end_marker(step)  # the save committed this directory's copy, or failed
+            if not failed:
                 self._submit(_Job(step, h.result().files))
 
         handle.add_done_callback(done)
@@ -344,12 +382,15 @@ class TieredRoots:
                     self._cond.wait()
                 job = self._queue.popleft()
                 self._busy = True
+            self._leftovers.retry()
             try:
                 self._replicate(job)
             except BaseException as e:  # kept for wait()/close(); the thread goes on
                 log.error("replicating step %d to %s failed: %s", job.step, self.uri, e)
                 with self._cond:
                     self._errors.append(e)
+            for storage in (self._durable, self._local):
+                self._leftovers.keep(storage.uri, storage.take_unfinished())
             if self._leader and self._local_keep is not None:
                 self._retire_local(job.step)
 
@@ -363,7 +404,10 @@ class TieredRoots:
                     mine = read_local_commit(self._local, job.step)
                 except CheckpointError as e:  # every rank still joins the broadcast, and fails alike
                     log.error("could not read the local commit of step %d: %s", job.step, e)
-            shared = share_commit(self._sync, self._local, job.step, self._rank, mine, job.files is None)
+            try:
+                shared = share_commit(self._sync, self._local, job.step, self._rank, mine, job.files is None)
+            finally:
+                self._end_marker(job.step)  # the node's copy is committed now (or cannot be)
             if shared is None:
                 return
             commit, files = shared[0], job.files if job.files is not None else shared[1]
@@ -381,13 +425,25 @@ class TieredRoots:
         if not self._coordinator:
             if not files:
                 return
-            own = upload_files(self._local, self._durable, job.step, files, expected, self._workers)
-            write_report(self._durable, job.step, self._rank, own)
+            lease = replica_lease(self._durable, job.step)
+            try:
+                own = upload_files(self._local, self._durable, job.step, files, expected, self._workers)
+                report = write_report(self._durable, job.step, self._rank, own)
+            except BaseException:
+                lease.stop()
+                raise
+            # Its files need the lease until the coordinator commits them (or gives up).
+            lease.linger(lambda: replica_taken_over(self._durable, job.step, report, commit), started + self._timeout_s)
+            with self._cond:
+                self._lingering = [held for held in self._lingering if held.running] + [lease]
             self._durable_known.add(job.step)  # the coordinator commits it (or wait() raises there)
             return
-        with keep_alive(self._durable, job.step):
+        lease = replica_lease(self._durable, job.step)
+        try:
             own = upload_files(self._local, self._durable, job.step, files, expected, self._workers)
             commit_replica(self._local, self._durable, job.step, own, started + self._timeout_s)
+        finally:
+            lease.stop()
         self._durable_known.add(job.step)
         log.info("step %d replicated to %s in %.2f s", job.step, self.uri, time.monotonic() - started)
         write_pointer(self._durable, job.step)
@@ -474,8 +530,10 @@ class TieredRoots:
                 self._cond.wait(left)
 
     def close(self) -> None:
-        """Finish the queued replications (at most ``replicate_timeout_s``),
-        then release both storages."""
+        """Finish the queued replications (at most ``replicate_timeout_s``;
+        on other ranks than the coordinator, until it committed the steps
+        they uploaded: their files need their lease until then, see
+        :func:`~.replicate.replica_lease`), then release both storages."""
         try:
             self.wait(self._timeout_s)
         finally:
@@ -483,6 +541,15 @@ class TieredRoots:
                 self._closed = True
                 idle = not (self._busy or self._queue)
                 self._cond.notify_all()
+                leases, lingering = list(self._marker_leases.values()), self._lingering
+                self._marker_leases, self._lingering = {}, []
+            for lease in leases:
+                lease.stop()
+            for lease in lingering:  # another rank's uploads: theirs until the coordinator commits them
+                lease.settle()
+            for storage in (self._durable, self._local):
+                self._leftovers.keep(storage.uri, storage.take_unfinished())
+            self._leftovers.finish("at close() of the tiered manager")
             if idle:
                 self._durable.close()
                 self._local.close()

@@ -18,13 +18,14 @@ own library (boto3, multistorageclient, fsspec), those only in that backend's
 modules, which the registry imports on first use. Nothing else of dcpstore.
 """
 
-from .base import MiB, ObjectInfo, ObjectWriter, Storage, StorageOptions
+from .base import IncompleteWrite, MiB, ObjectInfo, ObjectWriter, Storage, StorageOptions
 from .registry import BACKENDS, BackendSpec, backend_class, backend_name, open_storage
 from .uri import StorageURL, join_uri, parse_uri, redact
 
 __all__ = [
     "BACKENDS",
     "BackendSpec",
+    "IncompleteWrite",
     "MiB",
     "ObjectInfo",
     "ObjectWriter",

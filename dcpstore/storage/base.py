@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -62,6 +63,31 @@ MiB = 1 << 20
 #: Default connection budget per storage instance (``max_concurrency``):
 #: see :class:`StorageOptions`.
 DEFAULT_CONNECTIONS = 16
+
+
+@dataclass(frozen=True)
+class IncompleteWrite:
+    """A write in progress, or what an interrupted one left: a temporary
+    file, an open multipart upload (:meth:`Storage.incomplete_writes`)."""
+
+    #: Relative to the root, as :meth:`Storage.list_incomplete` reports it.
+    path: str
+    #: Seconds since it was last written (temporary files) or started
+    #: (uploads), as listed; None: the backend does not say.
+    age_s: float | None
+    #: The backend's own name for it where the path is not one (S3: the
+    #: upload id: a later upload of the same key is another write).
+    key: str = ""
+
+
+@dataclass(frozen=True)
+class Unfinished:
+    """A clean-up that a failed write could not do (the storage did not
+    answer): what it is, for messages, and how to try it again (raises a
+    :class:`~dcpstore.errors.CheckpointError` while it still fails)."""
+
+    what: str
+    retry: Callable[[], object]
 
 
 @dataclass(frozen=True)
@@ -276,6 +302,8 @@ class Storage(abc.ABC):
         #: (A wrapping Storage may set ``backend`` only after this returns.)
         name = getattr(self, "backend", type(self).__name__)
         self._requests = RequestPool(self.options.max_concurrency, f"dcpstore-{name}-io")
+        self._unfinished: list[Unfinished] = []
+        self._unfinished_lock = threading.Lock()
 
     @property
     def uri(self) -> str:
@@ -299,6 +327,18 @@ class Storage(abc.ABC):
     def describe(self, path: str = "") -> str:
         """A printable URI for ``path`` under this root, for messages."""
         return f"{self.uri.rstrip('/')}/{path}" if path else self.uri
+
+    def leave_unfinished(self, what: str, retry: Callable[[], object]) -> None:
+        """Record a clean-up that failed (an abort, a delete), for the owner
+        of the write to try again later (:meth:`take_unfinished`)."""
+        with self._unfinished_lock:
+            self._unfinished.append(Unfinished(what, retry))
+
+    def take_unfinished(self) -> list[Unfinished]:
+        """The clean-ups recorded since the last call (and forget them)."""
+        with self._unfinished_lock:
+            taken, self._unfinished = self._unfinished, []
+        return taken
 
     def local_path(self) -> str | None:
         """The directory of this machine's filesystem the root is, where it is
@@ -479,19 +519,30 @@ class Storage(abc.ABC):
     def delete(self, paths: Iterable[str]) -> None:
         """Delete objects; paths that do not exist are ignored."""
 
-    def list_incomplete(self) -> Iterator[str]:
-        """Leftovers of interrupted writes (temp files, open uploads).
+    def incomplete_writes(self) -> Sequence[IncompleteWrite]:
+        """Writes in progress and leftovers of interrupted ones (temp files,
+        open uploads), with their age. Used by ``dcpstore gc``; the default
+        backend has none to report."""
+        return []
 
-        Used by ``dcpstore gc``; the default backend has none to report.
-        """
-        return iter(())
+    def list_incomplete(self) -> Iterator[str]:
+        """The paths of :meth:`incomplete_writes`."""
+        return iter([w.path for w in self.incomplete_writes()])
+
+    def remove_incomplete(self, writes: Iterable[IncompleteWrite], older_than_s: float = 0.0) -> int:
+        """Remove exactly ``writes`` (as :meth:`incomplete_writes` listed
+        them): never another write started since under the same path, and
+        (where the backend can tell) never one written to within
+        ``older_than_s`` seconds since it was listed. Returns how many were
+        removed; one already gone is not counted."""
+        return 0
 
     def cleanup_incomplete(self, older_than_s: float = 0.0) -> int:
-        """Remove leftovers of interrupted writes older than ``older_than_s``.
-
-        Returns how many were removed.
-        """
-        return 0
+        """Remove leftovers of interrupted writes older than ``older_than_s``
+        (of unknown age: only with ``older_than_s`` <= 0). Returns how many
+        were removed."""
+        old = [w for w in self.incomplete_writes() if (w.age_s is None and older_than_s <= 0) or (w.age_s or 0) >= older_than_s]
+        return self.remove_incomplete(old, older_than_s)
 
     def close(self) -> None:
         """Release clients, connections and the request pool. The storage is

@@ -5,7 +5,7 @@ directory (``.<name>.dcpstore-tmp-<random>``), fsynced, renamed over its
 final name, and then the directory is fsynced so the rename itself is durable.
 A crash at any point leaves either the old state or the complete new object,
 plus at most a temporary file that is never listed and that
-:meth:`LocalStorage.cleanup_incomplete` (``dcpstore gc``) removes.
+``dcpstore gc`` removes (:meth:`LocalStorage.incomplete_writes`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import uuid
 from collections.abc import Iterable, Iterator, Sequence
 
 from ..errors import StorageError, StorageNotFound
-from .base import ObjectInfo, ObjectWriter, Storage
+from .base import IncompleteWrite, ObjectInfo, ObjectWriter, Storage
 from .buffered import BufferedObjectWriter
 from .kit import disk_workers, fsync_dir, slice_buffers
 
@@ -29,6 +29,37 @@ _IOV_MAX = getattr(os, "IOV_MAX", 1024)
 
 def _is_tmp(name: str) -> bool:
     return name.startswith(".") and _TMP_MARK in name
+
+
+#: How often a write re-creates a directory that a concurrent delete removed.
+_MKDIR_TRIES = 5
+
+
+def _create(tmp: str) -> int:
+    """Create the temporary file ``tmp``. Deletes remove the directories they
+    empty (retention, ``dcpstore gc``): one may go between a save's
+    ``makedirs`` and its first file, so a missing directory is made again
+    (a few times: each needs another delete to empty it in between)."""
+    for attempt in range(_MKDIR_TRIES):
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        except FileNotFoundError:
+            if attempt == _MKDIR_TRIES - 1:
+                raise
+            _makedirs(os.path.dirname(tmp))
+    raise AssertionError("unreachable")
+
+
+def _makedirs(path: str) -> None:
+    """``os.makedirs(path, exist_ok=True)``, again if a directory on the way
+    was removed while it ran (see :func:`_create`)."""
+    for attempt in range(_MKDIR_TRIES):
+        try:
+            os.makedirs(path, exist_ok=True)
+            return
+        except FileNotFoundError:
+            if attempt == _MKDIR_TRIES - 1:
+                raise
 
 
 class _LocalWriter(BufferedObjectWriter):
@@ -42,7 +73,7 @@ class _LocalWriter(BufferedObjectWriter):
         self._dir = directory
         self._tmp = os.path.join(directory, f".{name}{_TMP_MARK}{uuid.uuid4().hex[:12]}")
         with storage._mapped(self._what):
-            self._fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            self._fd = _create(self._tmp)
 
     def _write_part(self, part: bytes | bytearray | memoryview) -> None:
         view = memoryview(part)
@@ -110,7 +141,7 @@ class LocalStorage(Storage):
         with self._mapped(f"cannot create directory {self.describe(path)}"):
             if os.path.isfile(full):
                 raise StorageError(f"{self.describe(path)} is a file, not a directory")
-            os.makedirs(full, exist_ok=True)
+            _makedirs(full)
 
     def _open_file(self, path: str) -> int:
         """Open ``path`` for reading, refusing anything but a regular file
@@ -199,21 +230,29 @@ class LocalStorage(Storage):
                     break
                 parent = os.path.dirname(parent)
 
-    def list_incomplete(self) -> Iterator[str]:
+    def incomplete_writes(self) -> Sequence[IncompleteWrite]:
+        """The temporary files under the root, with the time since each was
+        last written to."""
+        found: list[IncompleteWrite] = []
         if not os.path.isdir(self.root):
-            return
+            return found
+        now = time.time()
         for dirpath, _, filenames in os.walk(self.root):
             for name in sorted(filenames):
                 if _is_tmp(name):
-                    yield os.path.relpath(os.path.join(dirpath, name), self.root)
+                    full = os.path.join(dirpath, name)
+                    with contextlib.suppress(FileNotFoundError):
+                        found.append(IncompleteWrite(os.path.relpath(full, self.root), now - os.path.getmtime(full)))
+        return found
 
-    def cleanup_incomplete(self, older_than_s: float = 0.0) -> int:
-        now = time.time()
+    def remove_incomplete(self, writes: Iterable[IncompleteWrite], older_than_s: float = 0.0) -> int:
+        """Each temporary file's name is unique to its write; one written to
+        within ``older_than_s`` seconds (looked at again now) is kept."""
         removed = 0
-        for rel in list(self.list_incomplete()):
-            full = os.path.join(self.root, rel)
+        for write in writes:
+            full = self._full(write.path)
             with contextlib.suppress(FileNotFoundError):
-                if now - os.path.getmtime(full) >= older_than_s:
+                if time.time() - os.path.getmtime(full) >= older_than_s:
                     os.unlink(full)
                     removed += 1
         return removed

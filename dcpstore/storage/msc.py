@@ -41,7 +41,7 @@ dcpstore calls the file's ``fsync()`` before that close and fsyncs the
 directory after it, which makes the rename durable like the local backend's.
 The temporary name is fixed per object, so two concurrent writers of the
 *same* object would collide (DCP never does that). ``.<name>.tmp`` files are
-hidden from :meth:`MSCStorage.list` and reported by ``list_incomplete``.
+hidden from :meth:`MSCStorage.list` and reported by ``incomplete_writes``.
 
 :class:`~dcpstore.storage.base.StorageOptions` sets how dcpstore splits large
 reads (``part_size`` ranges, ``max_concurrency`` threads). For the implicit
@@ -64,14 +64,14 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import IO, Any
 
 import multistorageclient as msc
 from multistorageclient.types import Range
 
 from ..errors import CheckpointError, InvalidURI, StorageError, StorageNotFound, StoragePermissionError
-from .base import MiB, ObjectInfo, ObjectWriter, Storage, StorageOptions
+from .base import IncompleteWrite, MiB, ObjectInfo, ObjectWriter, Storage, StorageOptions
 from .buffered import BufferedObjectWriter
 from .codes import Meaning, code_in_text, meaning
 from .kit import (
@@ -345,22 +345,29 @@ class MSCStorage(Storage):
         with self._mapped(f"cannot delete {len(full)} object(s) under {self.uri}"):
             self.client.delete_many(full)
 
-    def list_incomplete(self) -> Iterator[str]:
+    def incomplete_writes(self) -> Sequence[IncompleteWrite]:
         """POSIX profiles: MSC's ``.<name>.tmp`` files. Object profiles: none
         visible through MSC (see the module docstring)."""
         if not self.is_posix:
-            return
-        for obj in self._walk(""):
-            if _is_posix_tmp(obj.key):
-                yield self._relative(obj.key)
-
-    def cleanup_incomplete(self, older_than_s: float = 0.0) -> int:
+            return []
         now = time.time()
-        stale = [
-            self._relative(obj.key)
+        return [
+            IncompleteWrite(self._relative(obj.key), now - obj.last_modified.timestamp())
             for obj in self._walk("")
-            if self.is_posix and _is_posix_tmp(obj.key) and now - obj.last_modified.timestamp() >= older_than_s
+            if _is_posix_tmp(obj.key)
         ]
+
+    def remove_incomplete(self, writes: Iterable[IncompleteWrite], older_than_s: float = 0.0) -> int:
+        """A ``.<name>.tmp`` name is reused by every write of ``name``: each
+        is looked at again, and one written to within ``older_than_s`` kept."""
+        stale = []
+        for write in writes:
+            try:
+                info = self.client.info(self._full(write.path))
+            except Exception:  # gone (renamed into place, or removed): nothing to do
+                continue
+            if time.time() - info.last_modified.timestamp() >= older_than_s:
+                stale.append(write.path)
         self.delete(stale)
         return len(stale)
 
