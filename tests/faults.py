@@ -12,7 +12,8 @@ import os
 import signal
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dcpstore.storage.base import IncompleteWrite, ObjectInfo, ObjectWriter, Storage
+from dcpstore.storage.base import ObjectInfo, ObjectWriter, Storage
+from dcpstore.storage.pending import IncompleteWrite
 
 Hook = Callable[[str], None]
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from ..errors import CheckpointError, SaveError
 from ..storage import Storage
-from ..storage.base import Unfinished
+from ..storage.pending import Unfinished
 
 log = logging.getLogger(__name__)
 

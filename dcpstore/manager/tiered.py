@@ -56,16 +56,11 @@ Which rank does what (every rank constructs the manager alike):
   node with an empty ``local_dir`` thus resumes from the durable tier; DCP
   resharding works from either, since every rank reads one whole checkpoint.
 * **gc**: every writer of a step directory holds a lease there
-  (:mod:`dcpstore.dcp.lease`): the marker put before a save, until that
-  directory's copy is committed; every rank's replication, from before its
-  first upload until the replica is committed (another rank's lingers
-  until it sees the coordinator's commit), so ``dcpstore gc`` on either
-  tier never takes a step in progress.
+  (:mod:`.leases`), so ``dcpstore gc`` on either tier never takes a step
+  in progress.
 * **Errors**: a failed replication is logged when it happens and raised
   from the next :meth:`wait` or :meth:`close`; saves keep committing locally.
-  ``close()`` waits for the queue at most ``replicate_timeout_s``. Clean-ups
-  a failed replication could not do (the storage did not answer) are tried
-  again before the next one and at ``close()``.
+  ``close()`` waits for the queue at most ``replicate_timeout_s``.
 
 Layer: manager. Imports :mod:`dcpstore.storage`, :mod:`dcpstore.format`,
 :mod:`dcpstore.handle`, :mod:`dcpstore.errors` and this package's
@@ -85,12 +80,11 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..dcp.lease import Lease
-from ..engines.leftovers import Leftovers
 from ..errors import CheckpointError, InvalidArgument, SaveError
 from ..format.layout import METADATA
 from ..handle import SaveHandle
 from ..storage import Storage, join_uri
+from .leases import TierLeases
 from .nodes import NodeSync, put_marker, reads_locally, share_commit
 from .replicate import (
     LocalCommit,
@@ -171,13 +165,8 @@ class TieredRoots:
         #: Durable steps as of construction, plus those replicated since: what
         #: ``save`` checks (no object-store round trip while the caller waits).
         self._durable_known: set[int] = set()
-        #: Leases in local step directories, from the marker put before a save
-        #: until that directory's copy is committed or the save failed.
-        self._marker_leases: dict[int, Lease] = {}
-        #: Other ranks' replica leases, lingering until the coordinator's commit.
-        self._lingering: list[Lease] = []
-        #: Clean-ups a failed replication could not do (the storage did not answer).
-        self._leftovers = Leftovers()
+        #: Markers' and lingering replica leases; what failed replications left undone.
+        self._leases = TierLeases()
         try:
             self._sync = NodeSync.open(self._local, group, self._rank)  # collective (torch.distributed)
             self._nodes = self._sync.nodes
@@ -281,23 +270,8 @@ class TieredRoots:
             self.wait(self._timeout_s)
             prefix = step_dir(step)
             if any(True for _ in self._durable.list(f"{prefix}/")):
-                self._hold_marker(step, put_marker(self._local, step, os.urandom(8).hex()))
+                self._leases.hold_marker(step, put_marker(self._local, step, os.urandom(8).hex()))
         return None
-
-    def _hold_marker(self, step: int, lease: Lease) -> None:
-        with self._cond:
-            old = self._marker_leases.pop(step, None)
-            self._marker_leases[step] = lease
-        if old is not None:
-            old.stop()
-
-    def _end_marker(self, step: int) -> None:
-        """The local step directory's copy is committed (or its save failed):
-        end the lease its marker was put under, if any."""
-        with self._cond:
-            lease = self._marker_leases.pop(step, None)
-        if lease is not None:
-            lease.stop()
 
     def _before_node_save(self, step: int, overwrite: bool) -> str:
         """Every rank derives the same save id (:meth:`NodeSync.save_id`: no
@@ -313,7 +287,7 @@ class TieredRoots:
             try:
                 lease = put_marker(self._local, step, save_id)
                 if lease is not None:
-                    self._hold_marker(step, lease)
+                    self._leases.hold_marker(step, lease)
             except CheckpointError as e:  # the node's ranks then fail the save together, through DCP
                 log.error("could not put the in-flight marker of step %d under %s: %s", step, self.local_uri, e)
         return save_id
@@ -324,7 +298,7 @@ class TieredRoots:
         def done(h: SaveHandle) -> None:
             failed = h.exception() is not None
             if failed or not self._nodes.node_local or self._coordinator:
-                self._end_marker(step)  # the save committed this directory's copy, or failed
+                self._leases.end_marker(step)  # the save committed this directory's copy, or failed
             if not failed:
                 self._submit(_Job(step, h.result().files))
 
@@ -382,15 +356,14 @@ class TieredRoots:
                     self._cond.wait()
                 job = self._queue.popleft()
                 self._busy = True
-            self._leftovers.retry()
+            self._leases.leftovers.retry()
             try:
                 self._replicate(job)
             except BaseException as e:  # kept for wait()/close(); the thread goes on
                 log.error("replicating step %d to %s failed: %s", job.step, self.uri, e)
                 with self._cond:
                     self._errors.append(e)
-            for storage in (self._durable, self._local):
-                self._leftovers.keep(storage.uri, storage.take_unfinished())
+            self._leases.keep_unfinished((self._durable, self._local))
             if self._leader and self._local_keep is not None:
                 self._retire_local(job.step)
 
@@ -407,7 +380,7 @@ class TieredRoots:
             try:
                 shared = share_commit(self._sync, self._local, job.step, self._rank, mine, job.files is None)
             finally:
-                self._end_marker(job.step)  # the node's copy is committed now (or cannot be)
+                self._leases.end_marker(job.step)  # the node's copy is committed now (or cannot be)
             if shared is None:
                 return
             commit, files = shared[0], job.files if job.files is not None else shared[1]
@@ -434,8 +407,7 @@ class TieredRoots:
                 raise
             # Its files need the lease until the coordinator commits them (or gives up).
             lease.linger(lambda: replica_taken_over(self._durable, job.step, report, commit), started + self._timeout_s)
-            with self._cond:
-                self._lingering = [held for held in self._lingering if held.running] + [lease]
+            self._leases.linger(lease)
             self._durable_known.add(job.step)  # the coordinator commits it (or wait() raises there)
             return
         lease = replica_lease(self._durable, job.step)
@@ -541,15 +513,7 @@ class TieredRoots:
                 self._closed = True
                 idle = not (self._busy or self._queue)
                 self._cond.notify_all()
-                leases, lingering = list(self._marker_leases.values()), self._lingering
-                self._marker_leases, self._lingering = {}, []
-            for lease in leases:
-                lease.stop()
-            for lease in lingering:  # another rank's uploads: theirs until the coordinator commits them
-                lease.settle()
-            for storage in (self._durable, self._local):
-                self._leftovers.keep(storage.uri, storage.take_unfinished())
-            self._leftovers.finish("at close() of the tiered manager")
+            self._leases.close((self._durable, self._local))
             if idle:
                 self._durable.close()
                 self._local.close()

@@ -7,7 +7,8 @@ twice (:mod:`.buffered`: the object writer with position, ``tell`` and part
 buffering; :mod:`.kit`: shared helpers and error mapping for built-in
 exceptions; :mod:`.codes`: the one S3 error-code table; :mod:`.secrets`:
 the one scrubber that keeps credentials out of every message; :mod:`.overlap`:
-whether two roots are one directory), and one module per
+whether two roots are one directory; :mod:`.pending`: what writes leave
+behind), and one module per
 backend: :mod:`.local`, :mod:`.s3` (with :mod:`.s3_client` and
 :mod:`.s3_upload`), :mod:`.msc`, :mod:`.fsspec`.
 
@@ -18,7 +19,8 @@ own library (boto3, multistorageclient, fsspec), those only in that backend's
 modules, which the registry imports on first use. Nothing else of dcpstore.
 """
 
-from .base import IncompleteWrite, MiB, ObjectInfo, ObjectWriter, Storage, StorageOptions
+from .base import MiB, ObjectInfo, ObjectWriter, Storage, StorageOptions
+from .pending import IncompleteWrite
 from .registry import BACKENDS, BackendSpec, backend_class, backend_name, open_storage
 from .uri import StorageURL, join_uri, parse_uri, redact
 

@@ -52,6 +52,7 @@ from typing_extensions import NotRequired
 
 from ..errors import CheckpointError, InvalidArgument, ObjectTooLarge, StorageError, StorageNotFound
 from .kit import PIECE_SLACK, map_os_error
+from .pending import IncompleteWrite, Unfinished
 from .pool import RequestPool
 from .secrets import scrub_exception
 from .uri import StorageURL, redact
@@ -63,31 +64,6 @@ MiB = 1 << 20
 #: Default connection budget per storage instance (``max_concurrency``):
 #: see :class:`StorageOptions`.
 DEFAULT_CONNECTIONS = 16
-
-
-@dataclass(frozen=True)
-class IncompleteWrite:
-    """A write in progress, or what an interrupted one left: a temporary
-    file, an open multipart upload (:meth:`Storage.incomplete_writes`)."""
-
-    #: Relative to the root, as :meth:`Storage.list_incomplete` reports it.
-    path: str
-    #: Seconds since it was last written (temporary files) or started
-    #: (uploads), as listed; None: the backend does not say.
-    age_s: float | None
-    #: The backend's own name for it where the path is not one (S3: the
-    #: upload id: a later upload of the same key is another write).
-    key: str = ""
-
-
-@dataclass(frozen=True)
-class Unfinished:
-    """A clean-up that a failed write could not do (the storage did not
-    answer): what it is, for messages, and how to try it again (raises a
-    :class:`~dcpstore.errors.CheckpointError` while it still fails)."""
-
-    what: str
-    retry: Callable[[], object]
 
 
 @dataclass(frozen=True)

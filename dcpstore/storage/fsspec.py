@@ -40,7 +40,8 @@ import fsspec
 from fsspec.spec import AbstractBufferedFile
 
 from ..errors import BackendUnavailable, CheckpointError, StorageError, StorageNotFound
-from .base import IncompleteWrite, ObjectInfo, ObjectWriter, Storage, StorageOptions
+from .base import ObjectInfo, ObjectWriter, Storage, StorageOptions
+from .pending import IncompleteWrite
 from .buffered import BufferedObjectWriter
 from .kit import library_text, map_os_error
 from .secrets import scrub_exception

@@ -18,7 +18,8 @@ import uuid
 from collections.abc import Iterable, Iterator, Sequence
 
 from ..errors import StorageError, StorageNotFound
-from .base import IncompleteWrite, ObjectInfo, ObjectWriter, Storage
+from .base import ObjectInfo, ObjectWriter, Storage
+from .pending import IncompleteWrite
 from .buffered import BufferedObjectWriter
 from .kit import disk_workers, fsync_dir, slice_buffers
 

@@ -71,7 +71,8 @@ import multistorageclient as msc
 from multistorageclient.types import Range
 
 from ..errors import CheckpointError, InvalidURI, StorageError, StorageNotFound, StoragePermissionError
-from .base import IncompleteWrite, MiB, ObjectInfo, ObjectWriter, Storage, StorageOptions
+from .base import MiB, ObjectInfo, ObjectWriter, Storage, StorageOptions
+from .pending import IncompleteWrite
 from .buffered import BufferedObjectWriter
 from .codes import Meaning, code_in_text, meaning
 from .kit import (

@@ -47,7 +47,8 @@ from typing import Any, TypeVar
 import crc32c
 
 from ..errors import CheckpointError, StorageError, StorageNotFound
-from .base import IncompleteWrite, MiB, Storage
+from .base import MiB, Storage
+from .pending import IncompleteWrite
 from .buffered import BufferedObjectWriter
 
 T = TypeVar("T")
