@@ -34,6 +34,7 @@ from .errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound, Unsa
 from .listing import TierRow, list_checkpoints, list_tiers
 from .listing import gc as collect
 from .storage import Storage, open_storage
+from .storage.overlap import Role, check_roles
 from .storage.secrets import scrub
 from .units import human_bytes, parse_size
 
@@ -66,6 +67,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     storage = _open(args)
     # With --local-dir (a tiered manager's local tier): each entry with the tier it lives in.
     local = open_storage(args.local_dir) if args.local_dir else None
+    if local is not None:  # one directory in two roles would list each step as "both"
+        check_roles([Role("--local-dir", local, exclusive=True, given=args.local_dir), Role("URI", storage, given=args.uri)])
     if local is None:
         rows = [TierRow(e, storage, "durable") for e in list_checkpoints(storage)]
     else:
@@ -153,7 +156,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     for path in report.removed:
         print(f"{verb} incomplete checkpoint {_name(storage, path)}")
     for path in report.kept_running:
-        print(f"kept {_name(storage, path)}: a save is running there (its alive file is fresh or names a live process)")
+        print(f"kept {_name(storage, path)}: a save is running there (its alive file is fresh, or it just ended)")
     for path in report.kept_recent:
         print(f"kept {_name(storage, path)}: modified within {args.older_than:g} s (a save may be running)")
     for path, names in report.kept_unknown:

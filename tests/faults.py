@@ -11,8 +11,9 @@ from __future__ import annotations
 import os
 import signal
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dcpstore.storage.base import ObjectInfo, ObjectWriter, Storage
+from dcpstore.storage.pending import IncompleteWrite
 
 Hook = Callable[[str], None]
 
@@ -79,11 +80,11 @@ class EventStorage(Storage):
         self.hook(f"delete:{','.join(paths)}")
         self.inner.delete(paths)
 
-    def list_incomplete(self) -> Iterator[str]:
-        return self.inner.list_incomplete()
+    def incomplete_writes(self) -> Sequence[IncompleteWrite]:
+        return self.inner.incomplete_writes()
 
-    def cleanup_incomplete(self, older_than_s: float = 0.0) -> int:
-        return self.inner.cleanup_incomplete(older_than_s)
+    def remove_incomplete(self, writes: Iterable[IncompleteWrite], older_than_s: float = 0.0) -> int:
+        return self.inner.remove_incomplete(writes, older_than_s)
 
 
 #: Where dcpstore.save / load / AsyncSaver / CheckpointManager look up ``open_storage``.

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -52,6 +53,7 @@ from typing_extensions import NotRequired
 
 from ..errors import CheckpointError, InvalidArgument, ObjectTooLarge, StorageError, StorageNotFound
 from .kit import PIECE_SLACK, map_os_error
+from .pending import IncompleteWrite, Unfinished
 from .pool import RequestPool
 from .secrets import scrub_exception
 from .uri import StorageURL, redact
@@ -180,6 +182,9 @@ class StorageOptions:
         moving many makes no more requests than the budget needs. Each
         piece between :data:`AUTO_PART_MIN` and :data:`AUTO_PART_MAX`; a
         transfer under twice the minimum is one piece.
+
+        Returns:
+            The number of pieces, at least 1.
         """
         batch = max(batch_hint or 0, nbytes)
         aim = min(AUTO_PART_MAX, max(AUTO_PART_MIN, -(-batch // (UPLOAD_ROUNDS * self.max_concurrency))))
@@ -332,6 +337,8 @@ class Storage(abc.ABC):
         #: (A wrapping Storage may set ``backend`` only after this returns.)
         name = getattr(self, "backend", type(self).__name__)
         self._requests = RequestPool(self.options.max_concurrency, f"dcpstore-{name}-io")
+        self._unfinished: list[Unfinished] = []
+        self._unfinished_lock = threading.Lock()
 
     @property
     def uri(self) -> str:
@@ -355,6 +362,24 @@ class Storage(abc.ABC):
     def describe(self, path: str = "") -> str:
         """A printable URI for ``path`` under this root, for messages."""
         return f"{self.uri.rstrip('/')}/{path}" if path else self.uri
+
+    def leave_unfinished(self, what: str, retry: Callable[[], object]) -> None:
+        """Record a clean-up that failed (an abort, a delete), for the owner
+        of the write to try again later (:meth:`take_unfinished`)."""
+        with self._unfinished_lock:
+            self._unfinished.append(Unfinished(what, retry))
+
+    def take_unfinished(self) -> list[Unfinished]:
+        """The clean-ups recorded since the last call (and forget them)."""
+        with self._unfinished_lock:
+            taken, self._unfinished = self._unfinished, []
+        return taken
+
+    def local_path(self) -> str | None:
+        """The directory of this machine's filesystem the root is, where it is
+        one (a local path, MSC's POSIX profiles, fsspec's local filesystem),
+        else None: what :func:`~dcpstore.storage.overlap.overlap` compares."""
+        return None
 
     # -- the backend kit -----------------------------------------------------
     def _relpath(self, path: str) -> str:
@@ -573,19 +598,30 @@ class Storage(abc.ABC):
     def delete(self, paths: Iterable[str]) -> None:
         """Delete objects; paths that do not exist are ignored."""
 
-    def list_incomplete(self) -> Iterator[str]:
-        """Leftovers of interrupted writes (temp files, open uploads).
+    def incomplete_writes(self) -> Sequence[IncompleteWrite]:
+        """Writes in progress and leftovers of interrupted ones (temp files,
+        open uploads), with their age. Used by ``dcpstore gc``; the default
+        backend has none to report."""
+        return []
 
-        Used by ``dcpstore gc``; the default backend has none to report.
-        """
-        return iter(())
+    def list_incomplete(self) -> Iterator[str]:
+        """The paths of :meth:`incomplete_writes`."""
+        return iter([w.path for w in self.incomplete_writes()])
+
+    def remove_incomplete(self, writes: Iterable[IncompleteWrite], older_than_s: float = 0.0) -> int:
+        """Remove exactly ``writes`` (as :meth:`incomplete_writes` listed
+        them): never another write started since under the same path, and
+        (where the backend can tell) never one written to within
+        ``older_than_s`` seconds since it was listed. Returns how many were
+        removed; one already gone is not counted."""
+        return 0
 
     def cleanup_incomplete(self, older_than_s: float = 0.0) -> int:
-        """Remove leftovers of interrupted writes older than ``older_than_s``.
-
-        Returns how many were removed.
-        """
-        return 0
+        """Remove leftovers of interrupted writes older than ``older_than_s``
+        (of unknown age: only with ``older_than_s`` <= 0). Returns how many
+        were removed."""
+        old = [w for w in self.incomplete_writes() if (w.age_s is None and older_than_s <= 0) or (w.age_s or 0) >= older_than_s]
+        return self.remove_incomplete(old, older_than_s)
 
     def close(self) -> None:
         """Release clients, connections and the request pool. The storage is

@@ -45,7 +45,7 @@ dcpstore calls the file's ``fsync()`` before that close and fsyncs the
 directory after it, which makes the rename durable like the local backend's.
 The temporary name is fixed per object, so two concurrent writers of the
 *same* object would collide (DCP never does that). ``.<name>.tmp`` files are
-hidden from :meth:`MSCStorage.list` and reported by ``list_incomplete``.
+hidden from :meth:`MSCStorage.list` and reported by ``incomplete_writes``.
 Symbolic links, POSIX profiles: a listing shows none and descends into no
 linked directory (so ``gc`` never deletes through one), and a file read must
 resolve inside the root, as on the local backend
@@ -72,7 +72,7 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import IO, Any
 
 import multistorageclient as msc
@@ -81,6 +81,7 @@ from multistorageclient.types import Range
 
 from ..errors import CheckpointError, InvalidURI, StorageError, StorageNotFound, StoragePermissionError
 from .base import MiB, ObjectInfo, ObjectWriter, Storage, StorageOptions
+from .pending import IncompleteWrite
 from .buffered import BufferedObjectWriter
 from .codes import Meaning, code_in_text, meaning
 from .kit import (
@@ -237,6 +238,9 @@ class MSCStorage(Storage):
     def is_posix(self) -> bool:
         return self.posix_root is not None
 
+    def local_path(self) -> str | None:
+        return str(self.posix_root) if self.posix_root is not None else None
+
     def default_workers(self) -> int:
         """A POSIX profile is a disk (see :func:`~dcpstore.storage.kit.disk_workers`);
         any other profile an object store (see :meth:`Storage.default_workers`)."""
@@ -378,22 +382,29 @@ class MSCStorage(Storage):
         with self._mapped(f"cannot delete {len(full)} object(s) under {self.uri}"):
             self.client.delete_many(full)
 
-    def list_incomplete(self) -> Iterator[str]:
+    def incomplete_writes(self) -> Sequence[IncompleteWrite]:
         """POSIX profiles: MSC's ``.<name>.tmp`` files. Object profiles: none
         visible through MSC (see the module docstring)."""
         if not self.is_posix:
-            return
-        for obj in self._walk(""):
-            if _is_posix_tmp(obj.key):
-                yield self._relative(obj.key)
-
-    def cleanup_incomplete(self, older_than_s: float = 0.0) -> int:
+            return []
         now = time.time()
-        stale = [
-            self._relative(obj.key)
+        return [
+            IncompleteWrite(self._relative(obj.key), now - obj.last_modified.timestamp())
             for obj in self._walk("")
-            if self.is_posix and _is_posix_tmp(obj.key) and now - obj.last_modified.timestamp() >= older_than_s
+            if _is_posix_tmp(obj.key)
         ]
+
+    def remove_incomplete(self, writes: Iterable[IncompleteWrite], older_than_s: float = 0.0) -> int:
+        """A ``.<name>.tmp`` name is reused by every write of ``name``: each
+        is looked at again, and one written to within ``older_than_s`` kept."""
+        stale = []
+        for write in writes:
+            try:
+                info = self.client.info(self._full(write.path))
+            except Exception:  # gone (renamed into place, or removed): nothing to do
+                continue
+            if time.time() - info.last_modified.timestamp() >= older_than_s:
+                stale.append(write.path)
         self.delete(stale)
         return len(stale)
 

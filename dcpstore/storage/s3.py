@@ -15,8 +15,8 @@ process dies between data and commit, the prefix holds data objects but no
 ``.metadata``: it is not a checkpoint, the next save to the same URI
 overwrites it (and deletes stale data files after its own commit), and
 ``dcpstore gc`` removes it. A crash in the middle of a multipart upload leaves
-an open upload that S3 never shows as an object; :meth:`S3Storage.list_incomplete`
-lists and :meth:`S3Storage.cleanup_incomplete` (``dcpstore gc``) aborts those
+an open upload that S3 never shows as an object; :meth:`S3Storage.incomplete_writes`
+lists and :meth:`S3Storage.remove_incomplete` (``dcpstore gc``) aborts those
 under the prefix (a bucket lifecycle rule ``AbortIncompleteMultipartUpload``
 does the same server-side).
 
@@ -43,6 +43,7 @@ from botocore.response import StreamingBody
 
 from ..errors import CheckpointError, StorageError, StorageNotFound
 from .base import ObjectInfo, ObjectWriter, Storage, StorageOptions
+from .pending import IncompleteWrite
 from .codes import Meaning, meaning
 from .kit import byte_ranges, equal_ranges, slice_buffers
 from .s3_client import client_error, map_code, map_error, s3_client
@@ -393,27 +394,30 @@ class S3Storage(Storage):
             for page in paginator.paginate(Bucket=self.bucket, Prefix=s3_prefix):
                 yield from page.get("Uploads", [])
 
-    def list_incomplete(self) -> Iterator[str]:
-        """Keys (relative) with an open multipart upload: interrupted writes."""
-        for upload in self._open_uploads():
-            yield self._relative(upload["Key"])
-
-    def cleanup_incomplete(self, older_than_s: float = 0.0) -> int:
-        """Abort open multipart uploads under the prefix started ``older_than_s`` ago or earlier."""
+    def incomplete_writes(self) -> Sequence[IncompleteWrite]:
+        """Open multipart uploads under the prefix (interrupted writes, or
+        writes in progress), each with its upload id and the time since it
+        was started."""
         now = time.time()
-        removed = 0
-        for upload in list(self._open_uploads()):
+        found = []
+        for upload in self._open_uploads():
             initiated = upload.get("Initiated")
-            age = now - initiated.timestamp() if initiated is not None else float("inf")
-            if age < older_than_s:
-                continue
+            age = now - initiated.timestamp() if initiated is not None else None
+            found.append(IncompleteWrite(self._relative(upload["Key"]), age, str(upload["UploadId"])))
+        return found
+
+    def remove_incomplete(self, writes: Iterable[IncompleteWrite], older_than_s: float = 0.0) -> int:
+        """Abort each upload by its id (one already completed or aborted is
+        not counted)."""
+        removed = 0
+        for write in writes:
             with contextlib.suppress(StorageNotFound):
                 self.call(
-                    f"cannot abort multipart upload of {self.describe(self._relative(upload['Key']))}",
+                    f"cannot abort multipart upload of {self.describe(write.path)}",
                     self.client.abort_multipart_upload,
                     Bucket=self.bucket,
-                    Key=upload["Key"],
-                    UploadId=upload["UploadId"],
+                    Key=self.key(write.path),
+                    UploadId=write.key,
                 )
                 removed += 1
         return removed

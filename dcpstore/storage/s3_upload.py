@@ -26,7 +26,9 @@ file alone still keeps every connection busy) and this module moves them::
     _discard      (an exception inside the ``with`` block, or a failed
                   commit) cancel this object's queued parts, wait for those in
                   flight, then ``AbortMultipartUpload``: no parts are left
-                  behind.
+                  behind. An abort that fails too (the endpoint is down) is
+                  left with the storage (``Storage.leave_unfinished``) for
+                  the saver to try again.
 
 Integrity in transit: where the client is configured to send checksums
 (botocore's ``request_checksum_calculation``, ``when_supported`` unless
@@ -42,6 +44,7 @@ the CPU.
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import logging
 from collections.abc import Callable
@@ -52,6 +55,7 @@ import crc32c
 
 from ..errors import CheckpointError, StorageError, StorageNotFound
 from .base import MiB, Storage
+from .pending import IncompleteWrite
 from .buffered import BufferedObjectWriter
 
 T = TypeVar("T")
@@ -240,7 +244,12 @@ class S3Writer(BufferedObjectWriter):
             pass  # already gone
         except CheckpointError as e:
             log.warning(
-                "%s; its parts stay until 'dcpstore gc %s' or a bucket lifecycle rule removes them",
+                "%s; the upload stays open: the saver that wrote it tries again later (its next save, close() and "
+                "exit), and 'dcpstore gc %s' or a bucket lifecycle rule removes it",
                 e,
                 self._storage.uri,
+            )
+            abort = IncompleteWrite(self._path, None, upload_id)
+            self._storage.leave_unfinished(
+                f"abort the multipart upload of {self._where}", functools.partial(self._storage.remove_incomplete, [abort])
             )
