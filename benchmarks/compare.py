@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.dirname(HERE))  # run from a checkout without install
 import torch  # noqa: E402
 
 from dcpstore.bench import Entry, Record, Waiter, make_state, parse_int_list, parse_size, run_entries, summarize, zeros_like_state  # noqa: E402
-from dcpstore.bench.entries import DcpstoreEntry  # noqa: E402
+from dcpstore.bench.entries import DcpstoreEntry, TieredEntry  # noqa: E402
 from dcpstore.units import human_bytes  # noqa: E402
 from dcpstore.bench.report import format_table, write_json  # noqa: E402
 from dcpstore.storage import StorageOptions  # noqa: E402
@@ -116,7 +116,24 @@ def local_section(root: str, run_id: str, workers: Sequence[int]) -> list[Entry]
     entries += [peers.DcpFileSystem(root, 1), peers.DcpFileSystem(root, w), peers.DcpFileSystem(root, w, async_=True)]
     entries.append(peers.NvrxDirect(root, w))
     entries += dcpstore_entries("local", os.path.join(root, "dcpstore"), run_id, workers, async_workers=w)
+    # The staging cap: each save with a saver of its own allocates its buffers while measured.
+    entries.append(DcpstoreEntry(os.path.join(root, "dcpstore"), run_id, workers=w, engine="native", async_=True,
+                                 own_saver=True, name=f"dcpstore local async/native w={w} own saver"))  # fmt: skip
     return entries
+
+
+def tiered_section(root: str, endpoint: str, run_id: str, workers: Sequence[int]) -> list[Entry]:
+    """A tiered manager (local commit, then replication to moto) between its
+    two baselines, as ``dcpstore bench URI --tiered LOCAL_DIR`` runs them."""
+    w = max(workers)
+    env = servers.s3_env(endpoint)
+    local = os.path.join(root, "tiered-local")
+    return [
+        DcpstoreEntry(local, run_id, workers=w, engine="native", async_=True, name=f"local async/native w={w}"),
+        WithEnv(TieredEntry(f"s3://{BUCKET}/tiered", local, run_id, workers=w, engine="native"), env),
+        WithEnv(DcpstoreEntry(f"s3://{BUCKET}/tiered-direct", run_id, workers=w, engine="native", async_=True,
+                              name=f"direct async/native w={w}"), env),
+    ]  # fmt: skip
 
 
 def raw_sweep(endpoint: str, run_id: str, nbytes: int, backend: str) -> list[Entry]:
@@ -186,7 +203,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--tensors", type=int, default=64, help="number of float32 tensors (default 64)")
     p.add_argument("--workers", default="1,2,4", help="worker counts (default 1,2,4); peers use the largest")
     p.add_argument("--repeat", type=int, default=3, help="measurements per entry (median reported; default 3)")
-    p.add_argument("--sections", default="local,s3,wan", help="which of local,s3,wan to run, in this order")
+    p.add_argument("--sections", default="local,s3,wan", help="which of local,s3,wan,tiered to run, in this order")
+    p.add_argument("--tiered-size", default="256MiB", help="state size for the tiered section (default 256MiB)")
     p.add_argument("--wan-size", default="64MiB", help="state size for the WAN section (default 64MiB)")
     p.add_argument("--wan-latency-ms", type=float, default=20.0)
     p.add_argument("--wan-rate-mbps", type=float, default=25.0, help="MB/s per connection and direction")
@@ -208,9 +226,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     size, workers = parse_size(args.size), parse_int_list(args.workers)
     sections = list(dict.fromkeys(args.sections.split(",")))
-    unknown = set(sections) - {"local", "s3", "wan"}
+    unknown = set(sections) - {"local", "s3", "wan", "tiered"}
     if unknown:
-        p.error(f"--sections: unknown section(s) {sorted(unknown)}; choose from local, s3, wan")
+        p.error(f"--sections: unknown section(s) {sorted(unknown)}; choose from local, s3, wan, tiered")
     run_id = f"compare-{uuid.uuid4().hex[:6]}"
     root = tempfile.mkdtemp(prefix="dcpstore-compare-", dir=args.root)
     print(f"compare: {human_bytes(size)} in {args.tensors} tensors, workers {workers}, repeat {args.repeat}, "
@@ -230,6 +248,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             r.extra["section"] = title
             if isinstance(raw.get(r.name), limits.RawS3):  # where the row sits in the sweep grid
                 r.extra["part_size"] = raw[r.name].part_size
+            if getattr(raw.get(r.name), "own_saver", False):  # its saves allocated their staging
+                r.extra["fresh_staging"] = True
         all_records.extend(recs)
         _print_section(title, recs)
 
@@ -244,7 +264,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                     endpoint = servers_up.enter_context(servers.moto_server(server_pids))
                     servers.create_bucket(endpoint, BUCKET)
                 msc_config = os.path.join(root, "msc.json")
-                if section == "s3":
+                if section == "tiered":
+                    tiered_state = make_state(parse_size(args.tiered_size), args.tensors)
+                    with servers.env(servers.FAKE_CREDENTIALS):
+                        run("tiered", tiered_section(root, endpoint, run_id, workers), tiered_state,
+                            zeros_like_state(tiered_state))
+                    del tiered_state
+                elif section == "s3":
                     servers.write_msc_config(msc_config, {"bench": (endpoint, BUCKET)})
                     with servers.env({"MSC_CONFIG": msc_config, **servers.FAKE_CREDENTIALS}):
                         part = parse_size(args.s3_part_size) if args.s3_part_size else None
@@ -275,7 +301,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "label": args.label, "size": size, "tensors": args.tensors, "workers": workers,
             "wan": {"size": parse_size(args.wan_size), "latency_ms": args.wan_latency_ms, "rate_mbps": args.wan_rate_mbps,
                     "part_size": args.wan_part_size},
-            "s3_part_size": args.s3_part_size,
+            "s3_part_size": args.s3_part_size, "tiered_size": parse_size(args.tiered_size),
             "targets": results,
         })  # fmt: skip
         print(f"wrote {args.json}")

@@ -1,13 +1,30 @@
-"""Regenerate the tables in BENCHMARKS.md from benchmarks/results/*.json.
+"""Regenerate BENCHMARKS.md from benchmarks/results/*.json, and check it.
 
-    python benchmarks/report.py
+    python benchmarks/report.py            # rewrite the generated blocks and figures
+    python benchmarks/report.py --check    # say what does not hold (tests/test_docs.py asserts none)
 
-Replaces the text between ``<!-- BEGIN generated:NAME -->`` and
-``<!-- END generated:NAME -->`` markers; everything else in the page (the
-analysis) is left as written. Blocks: ``meta``, ``local``, ``s3``, ``wan``,
-``sweep-<section>`` (the raw limit sweep as a grid), ``targets``,
-``scaling-<sweep>`` for each sweep, and ``scale`` (benchmarks/scale_sim.py's
-modelled points).
+Generated text is of two kinds, both rewritten from the committed result
+files and nothing else:
+
+* blocks, ``<!-- BEGIN generated:NAME -->`` ... ``<!-- END generated:NAME -->``
+  (see :data:`SOURCES` for each block's result files);
+* figures inside prose, ``<!-- fig SPEC -->TEXT<!-- /fig -->``, SPEC one of
+  ``row|FILE|ENTRY|FIELD|FORMAT`` (a summary row's field),
+  ``ratio|FILE|ENTRY|REFERENCE|FIELD|FORMAT`` (one row's field over
+  another's), ``target|TITLE`` / ``status|TITLE`` (a target's ratio or
+  status, TITLE a prefix of its title), ``scale|RANKS|SPREAD|FIELD|FORMAT``
+  (a point of the scale model; FIELD like ``model.write_s``) and
+  ``meta|FILE|KEY|FORMAT`` (a field of a file's metadata) and
+  ``const|NAME|FORMAT`` (a setting of this module). FORMAT: see
+  :func:`_format`.
+
+The check (:func:`problems`) fails when the page differs from what the
+files give, when a figure outside generated text is in no committed file
+(:func:`loose_figures`), when a target reads "met" from a row that measured
+nothing, when a result file lacks its commit or command, or names a commit
+that is not in this repository's history, and when a block is older than
+the code it measures by more than :data:`STALE_AFTER` commits touching
+that code (:data:`SOURCES`).
 """
 
 from __future__ import annotations
@@ -16,20 +33,92 @@ import argparse
 import json
 import os
 import re
+import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+RESULTS = os.path.join(HERE, "results")
 sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, ROOT)
 
 import targets  # noqa: E402
 from dcpstore.bench import summarize  # noqa: E402
 from dcpstore.bench.limits import best_limits, limit_ratios  # noqa: E402
+from dcpstore.bench.report import tiered_lines  # noqa: E402
 from dcpstore.units import human_bytes  # noqa: E402
 
 Row = dict[str, Any]
+Doc = dict[str, Any]
+
+#: A block is stale once this many commits touching the paths it measures
+#: came after the commit its result file records.
+STALE_AFTER = 10
+
+#: The page's own settings, for ``const|NAME|FORMAT`` figures.
+CONSTANTS = {"stale_after": STALE_AFTER}
+
+#: What each kind of table measures, as narrowly as the rows' code paths go.
+WRITE_READ = ("dcpstore/dcp/writer.py", "dcpstore/dcp/reader.py", "dcpstore/dcp/read_plan.py",
+              "dcpstore/format/record.py", "dcpstore/format/checksum.py")  # fmt: skip
+LOCAL = (*WRITE_READ, "dcpstore/storage/local.py", "dcpstore/engines/saver.py", "dcpstore/engines/staging.py",
+         "dcpstore/engines/nvrx.py", "dcpstore/engines/nvrx_stream.py")  # fmt: skip
+OBJECT_STORE = (*WRITE_READ, "dcpstore/storage/s3.py", "dcpstore/storage/s3_client.py", "dcpstore/storage/s3_upload.py",
+                "dcpstore/storage/pool.py", "dcpstore/storage/msc.py")  # fmt: skip
+SCALE = ("dcpstore/dcp/writer.py", "dcpstore/dcp/commit.py", "dcpstore/dcp/owner_gate.py", "dcpstore/storage/s3.py",
+         "dcpstore/storage/s3_upload.py", "dcpstore/storage/pool.py", "benchmarks/scale_sim.py")  # fmt: skip
+TIERED = ("dcpstore/manager/tiered.py", "dcpstore/manager/replicate.py", "dcpstore/manager/nodes.py",
+          "dcpstore/manager/roots.py", "dcpstore/engines/saver.py", "dcpstore/storage/s3.py")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Source:
+    """A result file a block renders and the code paths its numbers measure;
+    ``history``: a past run kept for comparison, never stale."""
+
+    file: str
+    paths: tuple[str, ...] = ()
+    history: bool = False
+
+
+SOURCES: dict[str, tuple[Source, ...]] = {
+    "meta": (),
+    "targets": (Source("compare.json", LOCAL + OBJECT_STORE), Source("scaling.json", LOCAL)),
+    "targets-history": (Source("compare-before.json", history=True), Source("compare.json", LOCAL + OBJECT_STORE)),
+    "local": (Source("compare.json", LOCAL),),
+    "s3": (Source("compare.json", OBJECT_STORE),),
+    "sweep-s3": (Source("compare.json", OBJECT_STORE),),
+    "wan": (Source("compare.json", OBJECT_STORE),),
+    "sweep-wan": (Source("compare.json", OBJECT_STORE),),
+    **{f"scaling-{s}": (Source("scaling.json", LOCAL),) for s in ("bytes", "tensors", "workers", "ranks", "repeat")},
+    "scale": (Source("scale_sim.json", SCALE),),
+    "tiered": (Source("tiered.json", TIERED),),
+    "tiered-nodes": (Source("tiered_nodes.json", TIERED),),
+}
+
+#: How to produce each result file (printed where one is missing).
+COMMANDS = {
+    "compare.json": "python benchmarks/compare.py --size 512MiB --tensors 64 --workers 1,2,4 --repeat 3 "
+                    "--sections wan,s3,local --wan-size 128MiB --label LABEL --json benchmarks/results/compare.json "
+                    "--plot benchmarks/results/compare.png --quiet",
+    "scaling.json": "python benchmarks/scaling.py --repeat 3 --label LABEL --json benchmarks/results/scaling.json "
+                    "--plots benchmarks/results --quiet",
+    "scale_sim.json": "python benchmarks/scale_sim.py --ranks 1,8,64,256,1024 --spread 1,64 --label LABEL "
+                      "--json benchmarks/results/scale_sim.json --plot benchmarks/results/scale_sim.png",
+    "tiered.json": "python benchmarks/compare.py --sections tiered --tiered-size 256MiB --tensors 32 --workers 4 "
+                   "--repeat 3 --label LABEL --json benchmarks/results/tiered.json --quiet",
+    "tiered_nodes.json": "python benchmarks/tiered_nodes.py --size-mib 64,256 --saves 6 --label LABEL "
+                         "--json benchmarks/results/tiered_nodes.json",
+}  # fmt: skip
+
+BLOCK = re.compile(r"(<!-- BEGIN generated:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- END generated:(?P=name) -->)", re.S)
+FIGURE = re.compile(r"<!-- fig (?P<spec>.*?) -->(?P<text>.*?)<!-- /fig -->")
+
+
+# -- tables ----------------------------------------------------------------------
 
 
 def _num(value: float | None, spec: str = ".3f") -> str:
@@ -42,6 +131,8 @@ def _note(r: Row) -> str:
     notes = []
     if r.get("read_s") is not None and r["backend"] == "local" and r.get("cold_read") is False:
         notes.append("warm read")
+    if r.get("extra", {}).get("fresh_staging"):
+        notes.append("own saver: staging allocated in each save")
     if r.get("repeats", 1) > 1:
         notes.append(f"median of {r['repeats']}")
     return ", ".join(notes)
@@ -111,7 +202,17 @@ def targets_table(results: Sequence[Row]) -> str:
     return targets.markdown_table(head, body)
 
 
-def meta_block(docs: dict[str, dict[str, Any]]) -> str:
+def history_table(before: Sequence[Row], now: Sequence[Row]) -> str:
+    """Each target as the past run and the current one give it (both
+    re-evaluated from their records with today's definitions)."""
+    old = {r["target"]: r for r in before}
+    head = ["target", "before", "now"]
+    body = [[r["target"], *(f"{targets.ratio_text(x)} {x['status']}" if x else "-" for x in (old.get(r["target"]), r))]
+            for r in now]  # fmt: skip
+    return targets.markdown_table(head, body)
+
+
+def meta_block(docs: dict[str, Doc]) -> str:
     lines = []
     for name, doc in docs.items():
         m = doc["meta"]
@@ -124,7 +225,7 @@ def meta_block(docs: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def scale_block(scale: dict[str, Any]) -> str:
+def scale_block(scale: Doc) -> str:
     """scale_sim.py's table, as markdown."""
     import scale_sim
 
@@ -132,23 +233,51 @@ def scale_block(scale: dict[str, Any]) -> str:
     return targets.markdown_table(rows[0], rows[1:])
 
 
-def blocks(compare: dict[str, Any] | None, scaling: dict[str, Any] | None,
-           scale: dict[str, Any] | None = None) -> dict[str, str]:  # fmt: skip
-    out: dict[str, str] = {}
-    named = (("compare.json", compare), ("scaling.json", scaling), ("scale_sim.json", scale))
-    docs = {k: v for k, v in named if v}
-    out["meta"] = meta_block(docs)
-    if scale:
-        out["scale"] = scale_block(scale)
+def tiered_block(doc: Doc) -> str:
+    rows = [r for r in summarize(doc["records"]) if r.get("extra", {}).get("section") == "tiered"]
+    lines = [f"- {line}" for line in tiered_lines(rows)]
+    return rows_table(rows) + ("\n\n" + "\n".join(lines) if lines else "")
+
+
+def tiered_nodes_block(doc: Doc) -> str:
+    head = ["state per rank", "kind", "blocked s", "x plain", "local commit s", "x plain"]
+    body = [[f"{size} MiB", kind, f"{r['blocked_s']:.3f}", f"{r['blocked_x']:.2f}x", f"{r['local_commit_s']:.3f}",
+             f"{r['local_commit_x']:.2f}x"] for size, kinds in doc["rows"].items() for kind, r in kinds.items()]  # fmt: skip
+    return targets.markdown_table(head, body)
+
+
+def pending(name: str) -> str:
+    return f"_pending: no committed `{name}`; run `{COMMANDS[name]}`, then `python benchmarks/report.py`_"
+
+
+def target_results(docs: dict[str, Doc], compare: str = "compare.json") -> list[Row]:
+    """Every target, recomputed from the records (edited definitions apply to old runs too)."""
     results: list[Row] = []
+    if compare in docs:
+        summary = summarize(docs[compare]["records"])
+        results += targets.evaluate_all(targets.compare_targets(max(docs[compare]["meta"]["workers"])), summary)
+    scaling = docs.get("scaling.json")
+    if compare == "compare.json" and scaling:
+        summary = summarize(scaling["records"])
+        counts = [r["extra"]["x"] for r in summary if r.get("extra", {}).get("sweep") == "tensors"]
+        if counts:
+            results += targets.evaluate_all(targets.scaling_targets(scaling["meta"]["fixed_workers"], max(counts)), summary)
+    return results
+
+
+def blocks(docs: dict[str, Doc]) -> dict[str, str]:
+    """Every block's text from the result files in ``docs`` (name -> document)."""
+    out: dict[str, str] = {"meta": meta_block(docs)}
+    if "scale_sim.json" in docs:
+        out["scale"] = scale_block(docs["scale_sim.json"])
+    compare = docs.get("compare.json")
     if compare:
         summary = summarize(compare["records"])  # re-derived: summaries gain fields over time
         for section in ("local", "s3", "wan"):
             rows = [r for r in summary if r.get("extra", {}).get("section") == section]
             out[section] = rows_table(rows)
             out[f"sweep-{section}"] = sweep_table(rows)
-        # Recomputed from the summary so that edited target definitions apply to old runs too.
-        results += targets.evaluate_all(targets.compare_targets(max(compare["meta"]["workers"])), summary)
+    scaling = docs.get("scaling.json")
     if scaling:
         summary = summarize(scaling["records"])
         for sweep in ("bytes", "tensors", "workers", "ranks", "repeat"):
@@ -157,40 +286,280 @@ def blocks(compare: dict[str, Any] | None, scaling: dict[str, Any] | None,
                 sub = [r for r in scaling["records"] if r.get("extra", {}).get("sweep") == "repeat"]
                 sub = [dict(r, name=f"{r['name']} save #{r['repeat'] + 1}") for r in sub]
             out[f"scaling-{sweep}"] = rows_table(sub)
-        counts = [r["extra"]["x"] for r in summary if r.get("extra", {}).get("sweep") == "tensors"]
-        if counts:
-            results += targets.evaluate_all(targets.scaling_targets(scaling["meta"]["fixed_workers"], max(counts)), summary)
-    out["targets"] = targets_table(results)
+    out["targets"] = targets_table(target_results(docs))
+    if "compare-before.json" in docs and compare:
+        out["targets-history"] = history_table(target_results(docs, "compare-before.json"), target_results(docs))
+    out["tiered"] = tiered_block(docs["tiered.json"]) if "tiered.json" in docs else pending("tiered.json")
+    out["tiered-nodes"] = (tiered_nodes_block(docs["tiered_nodes.json"]) if "tiered_nodes.json" in docs
+                           else pending("tiered_nodes.json"))  # fmt: skip
     return out
 
 
-def render(page: str, generated: dict[str, str]) -> str:
-    for name, text in generated.items():
-        pattern = re.compile(rf"(<!-- BEGIN generated:{re.escape(name)} -->\n).*?(<!-- END generated:{re.escape(name)} -->)", re.S)
-        if pattern.search(page):
-            page = pattern.sub(lambda m: m.group(1) + text.rstrip() + "\n" + m.group(2), page)
+# -- figures in prose ---------------------------------------------------------------
+
+
+def _field(row: Row, field: str) -> Any:
+    value: Any = targets.with_derived(row)
+    for part in field.split("."):
+        value = value[part]
+    return value
+
+
+def _format(value: Any, spec: str) -> str:
+    """``value`` by ``spec``: ``bytes`` (a size), or ``[UNIT:]FORMAT[x]``:
+    the value in units of UNIT (``1e6:.0f`` prints bytes/s as MB/s), by a
+    Python format spec, ``x`` after it for a ratio."""
+    if spec == "bytes":
+        return human_bytes(int(value))
+    unit, _, spec = spec.rpartition(":") if ":" in spec else ("", "", spec)
+    if unit:
+        value = value / float(unit)
+    suffix = "x" if spec.endswith("x") else ""
+    return format(value, spec.removesuffix("x")) + suffix
+
+
+def _row(docs: dict[str, Doc], file: str, name: str) -> Row:
+    rows = [r for r in summarize(docs[file]["records"]) if r["name"] == name]
+    if len(rows) != 1:
+        raise KeyError(f"{file} has {len(rows)} rows named {name!r}")
+    return rows[0]
+
+
+def _target(docs: dict[str, Doc], title: str) -> Row:
+    found = [r for r in target_results(docs) if r["target"].startswith(title)]
+    if len(found) != 1:
+        raise KeyError(f"{len(found)} targets' titles start with {title!r}")
+    return found[0]
+
+
+def figure(spec: str, docs: dict[str, Doc]) -> str:
+    """The text of the figure ``spec`` names (see the module docstring)."""
+    kind, *args = [a.strip() for a in spec.split("|")]
+    if kind == "row":
+        file, name, field, fmt = args
+        return _format(_field(_row(docs, file, name), field), fmt)
+    if kind == "ratio":
+        file, name, ref, field, fmt = args
+        return _format(_field(_row(docs, file, name), field) / _field(_row(docs, file, ref), field), fmt)
+    if kind == "target":
+        return targets.ratio_text(_target(docs, args[0]))
+    if kind == "status":
+        return str(_target(docs, args[0])["status"])
+    if kind == "scale":
+        ranks, spread, field, fmt = args
+        points = [p for p in docs["scale_sim.json"]["points"]
+                  if p["ranks"] == int(ranks) and p["extra"].get("spread", 1) == int(spread)]  # fmt: skip
+        if len(points) != 1:
+            raise KeyError(f"scale_sim.json has {len(points)} points of {ranks} ranks, spread {spread}")
+        return _format(_field(points[0], field), fmt)
+    if kind == "meta":
+        file, key, fmt = args
+        return _format(_field(docs[file]["meta"], key), fmt)
+    if kind == "const":
+        return _format(CONSTANTS[args[0]], args[1])
+    raise KeyError(f"unknown figure kind {kind!r}")
+
+
+def figure_file(spec: str) -> str | None:
+    """The result file a figure comes from (None: this module's constants)."""
+    kind, *args = [a.strip() for a in spec.split("|")]
+    if kind in ("target", "status"):
+        return "compare.json"
+    if kind == "scale":
+        return "scale_sim.json"
+    return None if kind == "const" else args[0]
+
+
+# -- the page --------------------------------------------------------------------------
+
+
+def render(page: str, generated: dict[str, str], docs: dict[str, Doc] | None = None) -> str:
+    """``page`` with its blocks (and, given ``docs``, its figures) regenerated."""
+    page = BLOCK.sub(lambda m: m.group(1) + generated.get(m["name"], m["body"].rstrip()).rstrip() + "\n" + m.group(4), page)
+    if docs is not None:
+        page = FIGURE.sub(lambda m: f"<!-- fig {m['spec']} -->{figure(m['spec'], docs)}<!-- /fig -->", page)
     return page
 
 
-def _read(path: str) -> dict[str, Any] | None:
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        data: dict[str, Any] = json.load(f)
-    return data
+def read_results(directory: str = RESULTS) -> dict[str, Doc]:
+    """Every committed result file, by name."""
+    docs: dict[str, Doc] = {}
+    for name in sorted(os.listdir(directory)):
+        if name.endswith(".json"):
+            with open(os.path.join(directory, name)) as f:
+                docs[name] = json.load(f)
+    return docs
+
+
+#: Outside generated text, a number that reads as a measurement: one with a
+#: fraction, or one with a ratio, percent or rate unit after it (a whole
+#: number of seconds or of bytes reads as a setting).
+MEASURED = re.compile(
+    r"(?<![\w.,/-])(?P<num>\d[\d,]*(?:\.\d+)?)(?![\d.]*\.\d)(?![\w-]*[a-wyzA-Z])(?P<unit>x\b|\s?%|\s?(?:GB/s|MB/s|PUT/s|GET/s|req/s)"
+    r"|\s?ms\b|\s?s\b)?"
+)  # fmt: skip
+#: What a bound (a target, not a figure) is written after.
+BOUNDS = (">=", "<=", "<", ">", "within", "target", "bound")
+#: Metadata that is no setting of the run (results, the machine).
+NOT_SETTINGS = ("targets", "machine", "date")
+#: What a version number is written after.
+VERSIONED = ("Python", "torch", "NVRx", "moto")
+
+
+def _prose(page: str) -> str:
+    """``page`` without generated text, code, links and comments."""
+    page = BLOCK.sub("", page)
+    page = FIGURE.sub("", page)
+    page = re.sub(r"```.*?```", "", page, flags=re.S)
+    page = re.sub(r"`[^`]*`", "", page)
+    page = re.sub(r"<!--.*?-->", "", page, flags=re.S)
+    page = re.sub(r"\]\([^)]*\)", "]", page)
+    return page
+
+
+def _numbers(value: Any) -> Iterable[float]:
+    if isinstance(value, bool):
+        return
+    if isinstance(value, (int, float)):
+        yield float(value)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _numbers(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _numbers(v)
+
+
+def loose_figures(page: str, docs: dict[str, Doc]) -> list[str]:
+    """Measured-looking numbers of the prose that no committed file's
+    metadata holds (the runs' settings: sizes, rates, model parameters);
+    a measured figure belongs in a block or a figure span."""
+    settings = {v for doc in docs.values() for key, value in doc.get("meta", {}).items()
+                if key not in NOT_SETTINGS for v in _numbers(value)}  # fmt: skip
+    out = []
+    prose = _prose(page)
+    for m in MEASURED.finditer(prose):
+        text, unit = m["num"], m["unit"]
+        if "." not in text and (not unit or unit.strip() in ("s", "ms")):
+            continue  # a count, a size or a whole number of seconds: a setting, not a figure
+        before = prose[max(0, m.start() - 8) : m.start()].strip()
+        if before.endswith(BOUNDS) or before.endswith(VERSIONED):
+            continue
+        value = float(text.replace(",", ""))
+        places = len(text.split(".")[1]) if "." in text else 0
+        if any(round(s, places) == value for s in settings):
+            continue
+        line = prose[: m.start()].count("\n") + 1
+        out.append(f"{text}{unit or ''} (prose line {line}: ...{prose[max(0, m.start() - 40) : m.end() + 10]!r})")
+    return out
+
+
+# -- git: which commit measured a file, and what changed since -----------------------
+
+
+def _git(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
+
+
+def commits_since(commit: str, paths: Sequence[str]) -> int:
+    """How many commits between ``commit`` and HEAD touch ``paths``; raises
+    LookupError if ``commit`` is not in this repository's history."""
+    if _git("rev-parse", "--verify", "--quiet", f"{commit}^{{commit}}").returncode != 0:
+        raise LookupError(f"commit {commit} is not in this repository's history (a shallow clone, or a squashed branch?)")
+    if _git("merge-base", "--is-ancestor", commit, "HEAD").returncode != 0:
+        raise LookupError(f"commit {commit} is not an ancestor of HEAD")
+    out = _git("rev-list", "--count", f"{commit}..HEAD", "--", *paths)
+    if out.returncode != 0:
+        raise LookupError(f"git rev-list failed: {out.stderr.strip()}")
+    return int(out.stdout.strip())
+
+
+def staleness(page: str, docs: dict[str, Doc]) -> list[str]:
+    """Blocks (and figures) of ``page`` older than the code they measure."""
+    used: dict[str, set[str]] = {}
+    for m in BLOCK.finditer(page):
+        for src in SOURCES.get(m["name"], ()):
+            if not src.history and src.file in docs:
+                used.setdefault(src.file, set()).update(src.paths)
+    for m in FIGURE.finditer(page):
+        file = figure_file(m["spec"])
+        if file is None:
+            continue
+        paths = {p for srcs in SOURCES.values() for s in srcs if s.file == file for p in s.paths}
+        used.setdefault(file, set()).update(paths)
+    out = []
+    for file, paths in sorted(used.items()):
+        commit = docs[file]["meta"].get("git_commit") if file in docs else None
+        if not commit or not paths:
+            continue  # missing metadata is reported by metadata_problems
+        try:
+            n = commits_since(commit, sorted(paths))
+        except LookupError as e:
+            out.append(f"{file}: {e}")
+            continue
+        if n > STALE_AFTER:
+            out.append(f"{file} (commit {commit}) is {n} commits older than the code it measures "
+                       f"(more than {STALE_AFTER} touch {sorted(paths)}): re-run `{docs[file]['meta'].get('command')}` "
+                       "on a quiet box, then python benchmarks/report.py")  # fmt: skip
+    return out
+
+
+def metadata_problems(docs: dict[str, Doc]) -> list[str]:
+    out = []
+    for name, doc in docs.items():
+        meta = doc.get("meta", {})
+        for key in ("git_commit", "command", "date"):
+            if not meta.get(key):
+                out.append(f"benchmarks/results/{name}: its metadata has no {key}")
+        if meta.get("git_dirty"):
+            out.append(f"benchmarks/results/{name}: measured on a checkout with uncommitted changes")
+        if not any(s.file == name for srcs in SOURCES.values() for s in srcs):
+            out.append(f"benchmarks/results/{name}: no block of BENCHMARKS.md renders it (add one, or remove the file)")
+    return out
+
+
+def empty_met(docs: dict[str, Doc]) -> list[str]:
+    """Targets that read "met" from a row that measured nothing."""
+    return [f"target {r['target']!r} reads met from a ratio of {r['ratio']!r}: nothing was measured"
+            for r in target_results(docs) if r["status"] == "met" and not (r["ratio"] and round(r["ratio"], 2) > 0)]  # fmt: skip
+
+
+def problems(page: str, docs: dict[str, Doc]) -> list[str]:
+    """Everything that does not hold of ``page`` against the result files."""
+    out = metadata_problems(docs) + empty_met(docs)
+    try:
+        fresh = render(page, blocks(docs), docs)
+    except KeyError as e:
+        return [*out, f"BENCHMARKS.md: a figure names what no result file holds: {e}"]
+    if fresh != page:
+        out.append("BENCHMARKS.md differs from what the result files give: run python benchmarks/report.py")
+    out += [f"BENCHMARKS.md: a figure outside generated text: {f}" for f in loose_figures(page, docs)]
+    return out + staleness(page, docs)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    results = os.path.join(HERE, "results")
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--compare", default=os.path.join(results, "compare.json"))
-    p.add_argument("--scaling", default=os.path.join(results, "scaling.json"))
-    p.add_argument("--scale", default=os.path.join(results, "scale_sim.json"))
-    p.add_argument("--page", default=os.path.join(os.path.dirname(HERE), "BENCHMARKS.md"))
+    p.add_argument("--results", default=RESULTS, help="the result files (default benchmarks/results)")
+    p.add_argument("--compare", help="this compare.json instead of the committed one")
+    p.add_argument("--scaling", help="this scaling.json instead of the committed one")
+    p.add_argument("--scale", help="this scale_sim.json instead of the committed one")
+    p.add_argument("--page", default=os.path.join(ROOT, "BENCHMARKS.md"))
+    p.add_argument("--check", action="store_true", help="change nothing; print what does not hold (exit 1 if any)")
     args = p.parse_args(argv)
+    docs = read_results(args.results)
+    for name, path in (("compare.json", args.compare), ("scaling.json", args.scaling), ("scale_sim.json", args.scale)):
+        if path is not None:
+            docs.pop(name, None)
+            if os.path.exists(path):
+                with open(path) as f:
+                    docs[name] = json.load(f)
     with open(args.page) as f:
         page = f.read()
-    page = render(page, blocks(_read(args.compare), _read(args.scaling), _read(args.scale)))
+    if args.check:
+        found = problems(page, docs)
+        print("\n".join(found) or f"{args.page} agrees with the result files")
+        return 1 if found else 0
+    page = render(page, blocks(docs), docs)
     with open(args.page, "w") as f:
         f.write(page)
     print(f"updated {args.page}")

@@ -58,7 +58,7 @@ import torch  # noqa: E402
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner  # noqa: E402
 
 from dcpstore.bench import make_state, parse_int_list, parse_size  # noqa: E402
-from dcpstore.bench.report import git_commit, machine  # noqa: E402
+from dcpstore.bench.report import git_commit, git_dirty, machine  # noqa: E402
 from dcpstore.dcp.writer import DcpStorageWriter  # noqa: E402
 from dcpstore.format.layout import is_data_file  # noqa: E402
 from dcpstore.storage import StorageOptions, open_storage  # noqa: E402
@@ -492,7 +492,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         doc = {
             "meta": {"command": shlex.join(["python", "benchmarks/scale_sim.py", *(argv if argv is not None else sys.argv[1:])]),
                      "label": args.label, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine(),
-                     "git_commit": git_commit(),
+                     "git_commit": git_commit(), "git_dirty": git_dirty(),
                      "model": asdict(model), "max_concurrency": options.max_concurrency,
                      "state_bytes": parse_size(args.size), "tensors": args.tensors},  # fmt: skip
             "points": [asdict(pt) for pt in points],

@@ -23,7 +23,7 @@ staging memory) of the slower rank, and each tiered kind against
 ``plain``. The durable tier is a local directory, so that the numbers are
 the manager's own cost, not an object store's.
 
-    python benchmarks/tiered_nodes.py --size-mib 64 --saves 6 [--dir /tmp/x] [--json out.json]
+    python benchmarks/tiered_nodes.py --size-mib 64,256 --saves 6 [--dir /tmp/x] [--json out.json]
 
 Target (issue #18): blocked and local commit within 10% of ``plain``.
 """
@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import socket
 import statistics
@@ -44,6 +45,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+
+from dcpstore.bench.report import git_commit, git_dirty, machine  # noqa: E402
 
 KINDS = ("plain", "tiered-shared", "tiered-nodes")
 
@@ -94,45 +99,58 @@ def _rank(rank: int, world: int, port: int, root: str, numel: int, saves: int, o
     dist.destroy_process_group()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size-mib", type=int, default=64, help="state per rank")
-    ap.add_argument("--saves", type=int, default=6)
-    ap.add_argument("--dir", default=None, help="where the checkpoints go (default: a temporary directory)")
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args()
+def _measure(size_mib: int, saves: int, directory: str | None) -> dict[str, dict[str, float]]:
+    """One run of the three kinds at ``size_mib`` per rank: the medians (see the module docstring)."""
     world = 2
-    root = tempfile.mkdtemp(prefix="tiered-nodes-", dir=args.dir)
+    root = tempfile.mkdtemp(prefix="tiered-nodes-", dir=directory)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = os.path.join(root, "timings")
-    numel = args.size_mib * (1 << 20) // 4
+    numel = size_mib * (1 << 20) // 4
     try:
-        mp.start_processes(_rank, args=(world, port, root, numel, args.saves, out), nprocs=world,
-                           start_method="spawn")
-        per_rank = [json.load(open(f"{out}.{r}")) for r in range(world)]
+        mp.start_processes(_rank, args=(world, port, root, numel, saves, out), nprocs=world, start_method="spawn")
+        per_rank = []
+        for r in range(world):
+            with open(f"{out}.{r}") as f:
+                per_rank.append(json.load(f))
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    rows = {}
+    rows: dict[str, dict[str, float]] = {}
     for kind in KINDS:
-        worst = [tuple(max(per_rank[r][kind][i][j] for r in range(world)) for j in (0, 1))
-                 for i in range(1, args.saves)]
+        worst = [tuple(max(per_rank[r][kind][i][j] for r in range(world)) for j in (0, 1)) for i in range(1, saves)]
         rows[kind] = {
             "blocked_s": statistics.median(b for b, _ in worst),
             "local_commit_s": statistics.median(c for _, c in worst),
         }
-    print(f"{'kind':<15} {'blocked s':>10} {'x plain':>8} {'local commit s':>15} {'x plain':>8}")
-    for kind, row in rows.items():
-        b, c = row["blocked_s"], row["local_commit_s"]
-        row["blocked_x"] = b / rows["plain"]["blocked_s"]
-        row["local_commit_x"] = c / rows["plain"]["local_commit_s"]
-        print(f"{kind:<15} {b:>10.3f} {row['blocked_x']:>7.2f}x {c:>15.3f} {row['local_commit_x']:>7.2f}x")
+    for row in rows.values():
+        row["blocked_x"] = row["blocked_s"] / rows["plain"]["blocked_s"]
+        row["local_commit_x"] = row["local_commit_s"] / rows["plain"]["local_commit_s"]
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size-mib", default="64", help="state per rank, MiB; a comma list runs each (default 64)")
+    ap.add_argument("--saves", type=int, default=6)
+    ap.add_argument("--dir", default=None, help="where the checkpoints go (default: a temporary directory)")
+    ap.add_argument("--label", default="", help="free text stored with the results")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    results = {}
+    for size in (int(x) for x in args.size_mib.split(",")):
+        rows = results[str(size)] = _measure(size, args.saves, args.dir)
+        print(f"{size} MiB per rank")
+        print(f"{'kind':<15} {'blocked s':>10} {'x plain':>8} {'local commit s':>15} {'x plain':>8}")
+        for kind, row in rows.items():
+            print(f"{kind:<15} {row['blocked_s']:>10.3f} {row['blocked_x']:>7.2f}x "
+                  f"{row['local_commit_s']:>15.3f} {row['local_commit_x']:>7.2f}x")  # fmt: skip
     if args.json:
-        meta = {"size_mib_per_rank": args.size_mib, "saves": args.saves, "ranks": world,
-                "command": " ".join([os.path.basename(sys.executable), *sys.argv])}
+        meta = {"command": shlex.join(["python", "benchmarks/tiered_nodes.py", *(argv if argv is not None else sys.argv[1:])]),
+                "label": args.label, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "git_commit": git_commit(),
+                "git_dirty": git_dirty(), "machine": machine(), "saves": args.saves, "ranks": 2}  # fmt: skip
         with open(args.json, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=2)
+            json.dump({"meta": meta, "rows": results}, f, indent=2)
 
 
 if __name__ == "__main__":

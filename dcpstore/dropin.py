@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTransformExtension
@@ -115,7 +115,10 @@ class StorageWriter(DcpStorageWriter, AsyncStager):
     s3torchconnector's ``region`` sets the native S3 backend's region;
     its ``s3client_config`` and ``prefix_strategy`` are refused with what to
     use instead. dcpstore's own: ``enable_msc`` (route through NVIDIA MSC)
-    and ``storage_options`` (:class:`~dcpstore.StorageOptions`).
+    and ``storage_options`` (:class:`~dcpstore.StorageOptions`), and
+    ``commit_files`` (name -> bytes: small files of the caller's that the
+    coordinator writes with the commit, before ``.metadata``, recorded with
+    their CRC32C in the manifest; Lightning's ``meta.pt`` goes this way).
 
     ``use_collectives=False`` (of ``dcp.save``) is refused: see
     :data:`~dcpstore.dcp.writer.NO_COLLECTIVES_WHY`.
@@ -138,22 +141,18 @@ class StorageWriter(DcpStorageWriter, AsyncStager):
         region: str | None = None,
         s3client_config: Any = None,
         prefix_strategy: Any = None,
+        commit_files: Mapping[str, bytes] | None = None,
     ) -> None:
         _refuse_s3torch(s3client_config=s3client_config, prefix_strategy=prefix_strategy)
-        _check_flags(
+        check_writer_args(
+            per_thread_copy_ahead=per_thread_copy_ahead,
+            serialization_format=serialization_format,
             single_file_per_rank=single_file_per_rank,
             sync_files=sync_files,
             cache_staged_state_dict=cache_staged_state_dict,
             overwrite=overwrite,
             enable_msc=enable_msc,
         )
-        if isinstance(per_thread_copy_ahead, bool) or not isinstance(per_thread_copy_ahead, int) or per_thread_copy_ahead < 0:
-            raise InvalidArgument(f"per_thread_copy_ahead must be an int >= 0, got {per_thread_copy_ahead!r}")
-        if serialization_format != SerializationFormat.TORCH_SAVE:
-            raise InvalidArgument(
-                f"serialization_format={serialization_format!r} is not supported: dcpstore writes DCP's "
-                "torch.save data files (SerializationFormat.TORCH_SAVE)"
-            )
         opener = _Opener(enable_msc, _storage_options(storage_options, region))
         super().__init__(
             opener(path),
@@ -162,6 +161,7 @@ class StorageWriter(DcpStorageWriter, AsyncStager):
             single_file_per_rank=single_file_per_rank,
             overwrite=overwrite,
             extensions=_extensions or (),
+            commit_files=commit_files,
         )
         self.sync_files = sync_files
         self.per_thread_copy_ahead = per_thread_copy_ahead
@@ -277,6 +277,20 @@ class StorageReader(DcpStorageReader):
         self.storage = self._opener(state["storage"])
         self._progress = LoadProgress(())
         self.bar = NO_PROGRESS
+
+
+def check_writer_args(*, per_thread_copy_ahead: Any, serialization_format: Any, **flags: Any) -> None:
+    """``FileSystemWriter``'s arguments as dcpstore's writers take them (this
+    one and Megatron's drop-in): ``flags`` are bools, ``per_thread_copy_ahead``
+    an int >= 0, ``serialization_format`` TORCH_SAVE."""
+    _check_flags(**flags)
+    if isinstance(per_thread_copy_ahead, bool) or not isinstance(per_thread_copy_ahead, int) or per_thread_copy_ahead < 0:
+        raise InvalidArgument(f"per_thread_copy_ahead must be an int >= 0, got {per_thread_copy_ahead!r}")
+    if serialization_format != SerializationFormat.TORCH_SAVE:
+        raise InvalidArgument(
+            f"serialization_format={serialization_format!r} is not supported: dcpstore writes DCP's "
+            "torch.save data files (SerializationFormat.TORCH_SAVE)"
+        )
 
 
 def _check_flags(**flags: Any) -> None:

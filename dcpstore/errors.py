@@ -40,7 +40,9 @@ class CheckpointCorrupt(CheckpointError):
 class UnsafeCheckpoint(CheckpointError):
     """A checkpoint holds a class or function dcpstore does not unpickle
     without an explicit opt-in (``safe_globals=[...]`` or ``trusted=True``);
-    the message names the file or item and the class."""
+    the message names the file or item and the class. Also a file that
+    resolves outside the checkpoint directory (a symbolic link out of it),
+    which is never read, opt-in or not."""
 
 
 class StorageError(CheckpointError, OSError):

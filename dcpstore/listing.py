@@ -27,6 +27,7 @@ from .format.layout import (
     METADATA,
     checkpoint_dir,
     is_commit_file,
+    is_commit_side_file,
     is_data_file,
     is_manifest,
     is_replica_report,
@@ -51,6 +52,7 @@ def _is_leftover(name: str) -> bool:
         or is_data_file(name)
         or is_alive_file(name)
         or is_replica_report(name)
+        or is_commit_side_file(name)
         or bool(_STOCK_TEMP_RE.match(name))
     )
 
@@ -249,7 +251,8 @@ def gc(storage: Storage, *, older_than_s: float = 300.0, dry_run: bool = False) 
         if not entry.committed:
             report.removed.append(label)
         elif entry.mixed and live is not None:  # and files its commit does not name
-            stale = [posixpath.join(entry.path, n) for n in entry.names if n not in live and (is_data_file(n) or is_manifest(n))]
+            ours = [n for n in entry.names if is_data_file(n) or is_manifest(n) or is_commit_side_file(n)]
+            stale = [posixpath.join(entry.path, n) for n in ours if n not in live]
             doomed.extend(stale)
             report.removed.extend(stale)
     running = ["" if label == "." else label for label in report.kept_running]

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 import dcpstore
+import killcount
 from dcpstore.cli import main as cli_main
 from dcpstore.maintenance import inspect_checkpoint, list_checkpoints
 from dcpstore.manager import parse_step_dir, step_dir
@@ -411,4 +412,5 @@ def run_managed_crashes(
     for name, found in loads.items():  # ...and no file one needs
         uri = dcpstore.CheckpointManager(join_uri(base, name), **how.io).step_uri(1)
         assert which_state(uri, {"old": how.state(1), "new": how.state(2)}, **how.io) == found, name
+    killcount.record(len(points), len(points), len(points))  # each one was asserted to kill
     return events

@@ -1,9 +1,10 @@
 """A mutation fuzzer over every field of a checkpoint's commit and records.
 
-    .venv/bin/python tests/mutation_fuzz.py OUT.json [--full] [--examples N]
+    PYTHONPATH=$PWD:tests .venv/bin/python tests/mutation_fuzz.py OUT.json [--full] [--examples N]
 
-Run by tests/test_mutation_fuzz.py in a child process (fresh peak RSS, an
-audit hook on every ``open``), or by hand. It saves one checkpoint that has
+Run by tests/test_mutation_fuzz.py in a process of its own
+(``rss.in_own_process``: fresh peak RSS, a fixed mmap threshold, an audit
+hook on every ``open``), or by hand. It saves one checkpoint that has
 every kind of item (tensors read straight into their destination, small and
 large; tensors read through their record; a tensor of two chunks; non-tensor
 items; two data files), then, one mutation at a time, changes one field:
@@ -662,18 +663,31 @@ def quick_sample(cases: list[tuple[Mutation, str]]) -> list[tuple[Mutation, str]
     return out
 
 
+def run_to_file(out: str, full: bool, examples: int) -> None:
+    """The sweep, its results written to ``out`` (JSON), in a process of its
+    own (``rss.in_own_process``): the allocator's mmap threshold is fixed
+    there, so that peak RSS tracks live memory, and the audit hook stays there."""
+    fix_mmap_threshold()
+    _sweep_to_file(out, full, examples)
+
+
+def _sweep_to_file(out: str, full: bool, examples: int) -> None:
+    root = Path(tempfile.mkdtemp(prefix="dcpstore-fuzz-"))
+    try:
+        results = sweep(root, full, examples)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    Path(out).write_text(json.dumps(results))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--full", action="store_true", help="every mutation in every mode (else a sample)")
     parser.add_argument("--examples", type=int, default=20, help="hypothesis combinations")
     args = parser.parse_args()
-    root = Path(tempfile.mkdtemp(prefix="dcpstore-fuzz-"))
-    try:
-        results = sweep(root, args.full, args.examples)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    Path(args.out).write_text(json.dumps(results))
+    # By hand the allocator is left as it is: peak RSS then includes what glibc keeps for reuse.
+    _sweep_to_file(args.out, args.full, args.examples)
 
 
 def sweep(root: Path, full: bool, examples: int) -> dict[str, Any]:
@@ -684,7 +698,6 @@ def sweep(root: Path, full: bool, examples: int) -> dict[str, Any]:
     build(pristine)
     shutil.copytree(pristine, root / "sibling")  # what an escaping name would reach
     saved = saved_state()
-    fix_mmap_threshold()  # RSS then tracks live memory, not what the allocator keeps (tests/rss.py)
     opens = Opens(root)
     sys.addaudithook(opens.hook)
     baseline_case = run_case(root, pristine, [], "damage", opens, saved)  # warms every code path once

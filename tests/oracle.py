@@ -17,7 +17,7 @@ import torch
 import dcpstore
 from async_helpers import skip_unless_engine_serves
 from backends import Target
-from dcpstore.engines import nvrx
+from extras import needs_nvrx  # noqa: F401  (the suites import it from here)
 
 #: Keyword arguments of ``dcpstore.save`` per engine.
 SAVE_ENGINES: dict[str, dict[str, Any]] = {
@@ -95,6 +95,3 @@ def _walked(value: list[Any]) -> bool:
     return any(
         isinstance(v, (torch.Tensor, dict)) or (isinstance(v, list) and _walked(v)) for v in value
     )
-
-
-needs_nvrx = pytest.mark.skipif(nvrx.import_error() is not None, reason="nvidia-resiliency-ext not installed")

@@ -22,6 +22,7 @@ import pytest
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 import dcpstore
+import killcount
 from crashkit import Managed, commit_index, crash, crash_state, forkserver, kill_points, run_managed_crashes
 from crashkit import outcome as _outcome_of
 from dcpstore.maintenance import gc, list_checkpoints
@@ -93,6 +94,7 @@ def test_kill_anywhere_in_a_save(tmp_path, ctx, budget: int | None) -> None:
     assert not any(".dcpstore-tmp-" in f for _, _, files in os.walk(root) for f in files)
     for name in sorted(committed):
         assert _outcome(str(root / name), 1 if name == "step_1" else 2) == "complete", name
+    killcount.record(len(points), len(points), len(points))  # each one was asserted to kill
 
 
 @pytest.mark.parametrize("scenario", ["next", pytest.param("overwrite", marks=pytest.mark.slow)])
@@ -108,6 +110,7 @@ def test_temp_files_never_listed(tmp_path, ctx) -> None:
     mid = next(i for i, e in enumerate(events) if e.startswith("wrote:__0_"))
     uri = str(tmp_path / "mid")
     assert _crash(ctx, uri, 2, mid) == -signal.SIGKILL
+    killcount.record(1, 1, 1)
     on_disk = os.listdir(uri)
     assert any(".dcpstore-tmp-" in f for f in on_disk)
     storage = open_storage(uri)

@@ -27,10 +27,9 @@ from __future__ import annotations
 import pytest
 
 from crashkit import Managed, forkserver, run_managed_crashes
-from dcpstore.engines import nvrx as nvrx_adapter
 from dcpstore.format.layout import METADATA
+from extras import needs_nvrx
 
-needs_nvrx = pytest.mark.skipif(nvrx_adapter.import_error() is not None, reason="nvidia-resiliency-ext not installed")
 slow = pytest.mark.slow
 #: engine, scenario, kill-point budget (None: every point). The quick run
 #: keeps the native engine's retention race to 24 points; the overwrite,

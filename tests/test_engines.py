@@ -23,8 +23,7 @@ from backends import Target
 from dcpstore.engines import nvrx as nvrx_adapter
 from dcpstore.errors import BackendUnavailable, CheckpointCorrupt, EngineFallbackWarning, InvalidArgument
 from dcpstore.engines.staging import Stager
-
-needs_nvrx = pytest.mark.skipif(nvrx_adapter.import_error() is not None, reason="nvidia-resiliency-ext not installed")
+from extras import needs_nvrx
 
 
 @pytest.fixture

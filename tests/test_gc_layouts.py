@@ -30,6 +30,7 @@ from dcpstore.errors import SaveError, StorageError
 from dcpstore.format import inflight
 from dcpstore.maintenance import gc, list_checkpoints
 from faults import BlockAt, FailAt, hook_all_storage
+from helpers import assert_state_equal
 from test_hostile import cli
 
 STATE = {"w": torch.arange(64.0).reshape(8, 8), "n": 3}
@@ -77,7 +78,18 @@ def test_foreign_files_keep_a_directory_from_gc(tmp_path: Path) -> None:
 
 
 def _state() -> dict[str, torch.Tensor]:
-    return {"a": torch.randn(1 << 15), "b": torch.randn(1 << 15)}
+    g = torch.Generator().manual_seed(7)  # the same values every call: a load is compared with them
+    return {"a": torch.randn(1 << 15, generator=g), "b": torch.randn(1 << 15, generator=g)}
+
+
+def _refreshed_after(path: Path, mtime: float, timeout_s: float = 30.0) -> bool:
+    """Whether ``path``'s modification time moves past ``mtime`` within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if os.stat(path).st_mtime > mtime:
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def _gc_in_another_process(root: Path, older_than: str = "1") -> str:
@@ -102,15 +114,17 @@ def test_running_save_is_never_collected(tmp_path: Path, monkeypatch: pytest.Mon
         assert hook.reached.wait(60)
         alive = [n for n in os.listdir(root / "ck") if inflight.is_alive_file(n)]
         assert len(alive) == 1 and (root / "ck" / ".dcpstore.inflight").exists()
-        first = os.stat(root / "ck" / alive[0]).st_mtime
-        time.sleep(1.5)  # older than --older-than, as every file of the save
+        alive_path = root / "ck" / alive[0]
+        assert _refreshed_after(alive_path, os.stat(alive_path).st_mtime)  # refreshed while the save waits
+        # Every file of the save older than --older-than (the alive file too,
+        # until its next refresh): only its owner's liveness keeps it.
+        old = time.time() - 60
         for name in os.listdir(root / "ck"):
-            os.utime(root / "ck" / name, (time.time() - 60, time.time() - 60))
+            os.utime(root / "ck" / name, (old, old))
         out = _gc_in_another_process(root)
         assert "kept ck: a save is running there" in out, out
-        assert (root / "ck" / ".dcpstore.inflight").exists() and (root / "ck" / alive[0]).exists()
-        time.sleep(1.0)
-        assert os.stat(root / "ck" / alive[0]).st_mtime > first  # refreshed while it ran
+        assert (root / "ck" / ".dcpstore.inflight").exists() and alive_path.exists()
+        assert _refreshed_after(alive_path, old)  # and still refreshed after gc
     finally:
         hook.release()
     handle.result(timeout=120)
@@ -118,6 +132,7 @@ def test_running_save_is_never_collected(tmp_path: Path, monkeypatch: pytest.Mon
     assert sorted(os.listdir(root / "ck")) == [".dcpstore.json", ".metadata", "__0_0.distcp", "__0_1.distcp"]
     loaded = {k: torch.zeros_like(v) for k, v in _state().items()}
     dcpstore.load(loaded, str(root / "ck"))
+    assert_state_equal(_state(), loaded)  # the save gc let run committed exactly what it was given
 
 
 def _alive(ckpt: Path, owner: inflight.Owner, age_s: float) -> None:

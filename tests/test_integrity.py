@@ -119,7 +119,21 @@ def test_damage_in_an_overwritten_checkpoint_names_its_save_unique_manifest(loca
 
 
 def test_verify_disabled_loads_without_manifest_checks(saved: tuple[str, dict]) -> None:
+    """``verify=False`` skips the manifest's sizes and checksums: with every
+    CRC32C and file size it records made wrong (the data untouched), a
+    verifying load refuses the checkpoint and ``verify=False`` loads it
+    exactly."""
     root, state = saved
+    path = os.path.join(root, MANIFEST)
+    with open(path) as f:
+        manifest = json.load(f)
+    manifest["items"] = {key: (crc + 1) % 2**32 for key, crc in manifest["items"].items()}
+    for entry in manifest["files"].values():
+        entry["crc32c"] = (entry["crc32c"] + 1) % 2**32
+        entry["size"] += 1
+    with open(path, "w") as f:
+        json.dump(manifest, f)
+    assert isinstance(_load_error(root, state), dcpstore.CheckpointCorrupt)
     restored = zeros_like_state(state)
     dcpstore.load(restored, root, verify=False)
     assert_state_equal(state, restored)

@@ -50,6 +50,7 @@ OPTIONAL = {
     "nvidia_resiliency_ext",
     "matplotlib",
     "psutil",
+    "megatron",  # adapters.megatron asks megatron-core whether --enable-msc is on
 }
 
 #: Packages whose late imports are still to be moved to the top (none).

@@ -13,10 +13,9 @@ holds exactly what it held before.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from typing import Any
 
+import psutil
 import pytest
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
@@ -29,6 +28,7 @@ from dcpstore.storage import open_storage
 from dcpstore.dcp.commit import read_checkpoint_metadata
 from dist_utils import run_ranks
 from oracle import assert_same_state, destination, value_bytes
+from rss import fix_mmap_threshold, in_own_process, live_rss
 
 FILL = 0x5A  # every byte of a destination before the load
 
@@ -201,30 +201,23 @@ def test_fsdp_adapter_load_names_what_a_damaged_checkpoint_changed(local_target:
             assert torch.equal(after[key], value), f"{name} changed but was reported unchanged"
 
 
-_REPEATED_FAILURES = """
-import os, sys, warnings
-import torch, dcpstore, psutil
-from rss import fix_mmap_threshold, live_rss
-warnings.simplefilter("ignore")
-fix_mmap_threshold()  # this child's allocator only
-root = sys.argv[1]
-dcpstore.save({"big": torch.randn(1 << 20), "step": 5}, root).result()
-name = sorted(f for f in os.listdir(root) if f.endswith(".distcp"))[0]
-with open(os.path.join(root, name), "r+b") as f:
-    f.seek(os.path.getsize(os.path.join(root, name)) // 2)
-    byte = f.read(1)
-    f.seek(-1, 1)
-    f.write(bytes([byte[0] ^ 1]))
-proc = psutil.Process()
-samples = []
-for i in range(12):
-    try:
-        dcpstore.load({"big": torch.zeros(1 << 20), "step": 0}, root)
-    except dcpstore.CheckpointCorrupt:
-        pass
-    samples.append(live_rss(proc))
-print(samples[-1] - samples[1])
-"""
+def _failed_loads_growth(root: str) -> int:
+    """Live RSS growth over 10 failed loads of a damaged checkpoint (after 2 to warm up)."""
+    fix_mmap_threshold()  # this process's allocator only (rss.in_own_process)
+    dcpstore.save({"big": torch.randn(1 << 20), "step": 5}, root).result()
+    name = sorted(f for f in os.listdir(root) if f.endswith(".distcp"))[0]
+    with open(os.path.join(root, name), "r+b") as f:
+        f.seek(os.path.getsize(os.path.join(root, name)) // 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 1]))
+    proc = psutil.Process()
+    samples = []
+    for _ in range(12):
+        with pytest.raises(dcpstore.CheckpointCorrupt):
+            dcpstore.load({"big": torch.zeros(1 << 20), "step": 0}, root)
+        samples.append(live_rss(proc))
+    return samples[-1] - samples[1]
 
 
 def test_failed_loads_leave_nothing_in_memory(tmp_path) -> None:
@@ -232,9 +225,5 @@ def test_failed_loads_leave_nothing_in_memory(tmp_path) -> None:
     of the collector's sight while the traceback leads back to the future:
     each failed load kept its read buffers and the destination (4 MiB here)
     for good. Ten more failed loads now leave live memory as it was."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-c", _REPEATED_FAILURES, str(tmp_path / "ck")], capture_output=True,
-                          text=True, timeout=300, env=env)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    grown = int(proc.stdout.strip().splitlines()[-1])
+    grown = in_own_process(_failed_loads_growth, str(tmp_path / "ck"))
     assert grown < 4 << 20, f"live RSS grew {grown >> 20} MiB over 10 failed loads"

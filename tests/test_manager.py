@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import dcpstore
+import killcount
 import dcpstore.storage
 from backends import Target
 from dcpstore.maintenance import list_checkpoints
@@ -206,6 +207,7 @@ def test_kill_between_data_and_commit_keeps_the_newest_committed_step(tmp_path: 
     child = _child("commit-kill", root, keep=1)
     out, err = child.communicate(timeout=120)
     assert child.returncode == -signal.SIGKILL, (child.returncode, out, err)
+    killcount.record(1, 1, 1)
     assert "committed 2" in out
     step3 = Path(root, step_dir(3))
     assert any(p.name.endswith(".distcp") for p in step3.iterdir()), "the kill came before the data was written"
@@ -241,6 +243,7 @@ def _kill_mid_write(root: str, async_: bool) -> int:
 def test_sigkill_mid_save_leaves_only_loadable_committed_steps(tmp_path: Path, async_: bool) -> None:
     root = str(tmp_path / "run")
     assert _kill_mid_write(root, async_) == -signal.SIGKILL
+    killcount.record(1, 1, 1)
     mgr = dcpstore.CheckpointManager(root, keep=2, async_=False)
     steps = mgr.all_steps()
     assert steps and steps[-1] >= 2 and len(steps) <= 3, steps  # keep=2, plus one awaiting retention

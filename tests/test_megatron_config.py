@@ -12,9 +12,11 @@ that must work and raises it fails the test.
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import itertools
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -28,7 +30,13 @@ import dcpstore
 from backends import Target
 from dcpstore.adapters import fsdp
 from dcpstore.engines import nvrx as nvrx_adapter
-from dcpstore.adapters.megatron import CheckpointConfig, plan_caching_supported
+from dcpstore.adapters.megatron import (
+    BRIDGE_FIELDS,
+    DCPSTORE_FIELDS,
+    CheckpointConfig,
+    megatron_msc_enabled,
+    plan_caching_supported,
+)
 from dcpstore.dcp.writer import DcpStorageWriter
 
 FORMATS = ["torch_dist", "fsdp_dtensor", "zarr", "torch"]
@@ -169,24 +177,96 @@ def _writer_replays_cached_plans(tmp_path: Path) -> bool:
     return bool(torch.equal(out["w"], torch.full((4,), 2.0)))
 
 
-def test_constant_structure_is_accepted_exactly_when_the_writer_can_replay_cached_plans(tmp_path: Path) -> None:
-    replays = _writer_replays_cached_plans(tmp_path)
-    assert plan_caching_supported() == replays
-    kwargs: dict[str, Any] = {"save": str(tmp_path / "run"), "ckpt_assume_constant_structure": True}
-    if not replays:
-        with pytest.raises(dcpstore.InvalidArgument, match=r"^CheckpointConfig\.ckpt_assume_constant_structure: "):
-            CheckpointConfig(**kwargs)
+@pytest.mark.filterwarnings("ignore::dcpstore.EngineFallbackWarning")
+@pytest.mark.parametrize("async_save, engine", [(False, "auto"), (True, "native"), (True, "nvrx")])
+def test_constant_structure_is_accepted_and_every_save_is_exact(tmp_path: Path, async_save: bool, engine: str) -> None:
+    """Bridge's ``ckpt_assume_constant_structure=True`` is accepted (it was
+    refused) on every engine, and saves stay exact; DCP's own plan cache
+    stays refused by ``dcpstore.save`` for as long as the native writer
+    cannot replay it."""
+    if engine == "nvrx" and not HAS_NVRX:
+        pytest.skip("nvidia-resiliency-ext not installed")
+    assert plan_caching_supported() == _writer_replays_cached_plans(tmp_path)
+    if not plan_caching_supported():
         with pytest.raises(dcpstore.InvalidArgument, match="plan caching"):
             dcpstore.save({"w": torch.ones(2)}, str(tmp_path / "x"), planner=_CachingPlanner())
-        return
-    mgr = CheckpointConfig(**kwargs).manager()
+    cfg = CheckpointConfig(save=str(tmp_path / "run"), async_save=async_save, engine=engine, ckpt_assume_constant_structure=True)
+    mgr = cfg.manager()
     for step in (1, 2, 3):
-        mgr.save({"w": torch.full((8,), float(step))}, step)
+        mgr.save({"w": torch.full((8,), float(step)), "b": torch.arange(step + 0.0, step + 3)}, step)
     for step in (1, 2, 3):
-        out = {"w": torch.zeros(8)}
+        out = {"w": torch.zeros(8), "b": torch.zeros(3)}
         mgr.load(out, step)
-        assert torch.equal(out["w"], torch.full((8,), float(step)))
+        assert torch.equal(out["w"], torch.full((8,), float(step))) and torch.equal(out["b"], torch.arange(step + 0.0, step + 3))
     mgr.close()
+
+
+#: Megatron-Bridge 0.6.2's ``CheckpointConfig`` field names: its own and those
+#: it inherits from megatron-core 0.19.2's ``megatron.training`` one (read
+#: from the two wheels; neither imports without CUDA).
+BRIDGE_062_FIELDS = frozenset(
+    """also_save_hf_checkpoint async_ckpt_cpu_priority async_ckpt_io_priority async_ckpt_use_cpu_shm async_save
+    async_strategy async_write_results_mp_mode auto_detect_ckpt_format ckpt_assume_constant_structure
+    ckpt_convert_format ckpt_convert_save ckpt_convert_update_legacy_dist_opt_format ckpt_format
+    ckpt_fully_parallel_load_exchange_algo ckpt_fully_parallel_load_process_group
+    ckpt_fully_parallel_save_process_group ckpt_load_validate_sharding_integrity ckpt_step custom_manager_class
+    dist_ckpt_optim_fully_reshardable dist_ckpt_save_pre_mcore_014 dist_ckpt_strictness dist_ckpt_workers
+    distrib_optim_fully_reshardable_mem_efficient exit_on_missing_checkpoint finetune fully_parallel_load
+    fully_parallel_save hf_distributed_save hf_save_every_n_ranks hf_source_path hf_trust_remote_code load
+    load_main_params_from_ckpt load_optim load_rng most_recent_k non_persistent_ckpt_type
+    non_persistent_global_ckpt_dir non_persistent_local_ckpt_algo non_persistent_local_ckpt_dir
+    non_persistent_save_interval pretrained_checkpoint replication replication_factor replication_jump save
+    save_activations_interval save_dgrads_interval save_interval save_optim save_params_interval
+    save_retain_interval save_rng save_tokenizer_assets save_tokens_per_expert_interval save_wgrads_interval
+    storage_writers_per_rank stream_ckpt_dequant strict_fsdp_dtensor_load use_checkpoint_args
+    use_mp_args_from_checkpoint_args use_persistent_ckpt_worker use_tokenizer_model_from_checkpoint_args
+    verify_integrity""".split()
+)
+
+
+def test_fields_are_bridges_under_its_names_or_dcpstores_own() -> None:
+    assert set(BRIDGE_FIELDS) <= BRIDGE_062_FIELDS
+    assert not set(DCPSTORE_FIELDS) & BRIDGE_062_FIELDS
+    assert set(CheckpointConfig.field_names()) == set(BRIDGE_FIELDS) | set(DCPSTORE_FIELDS)
+
+
+def _bridge_cfg(**values: Any) -> SimpleNamespace:
+    """A Bridge 0.6.2 ``CheckpointConfig`` as an object with its attributes:
+    Bridge's defaults for the fields dcpstore reads, every other field set
+    (to a value dcpstore must ignore)."""
+    defaults = dict(save=None, load=None, save_interval=None, async_save=False, ckpt_format="torch_dist",
+                    dist_ckpt_workers=1, most_recent_k=-1, ckpt_assume_constant_structure=False, ckpt_step=None)  # fmt: skip
+    others = {name: object() for name in BRIDGE_062_FIELDS - defaults.keys()}
+    return SimpleNamespace(**{**others, **defaults, **values})
+
+
+def test_from_bridge_reads_bridges_fields_and_keeps_bridges_layout(tmp_path: Path) -> None:
+    root = str(tmp_path / "run")
+    bridge = _bridge_cfg(save=root, load=root, async_save=True, ckpt_format="fsdp_dtensor", dist_ckpt_workers=2,
+                         most_recent_k=2, ckpt_assume_constant_structure=True, save_interval=10)  # fmt: skip
+    cfg = CheckpointConfig.from_bridge(bridge, engine="native")
+    assert {name: getattr(cfg, name) for name in BRIDGE_FIELDS} == {name: getattr(bridge, name) for name in BRIDGE_FIELDS}
+    assert (cfg.layout, cfg.engine) == ("bridge", "native")
+    # MSC is Megatron's process-global --enable-msc (off where megatron-core is absent).
+    assert cfg.enable_msc is megatron_msc_enabled()
+    if importlib.util.find_spec("megatron") is None:
+        assert cfg.enable_msc is False
+    assert CheckpointConfig.from_bridge(vars(bridge), engine="native") == cfg  # a mapping of the fields works too
+    assert CheckpointConfig.from_bridge(_bridge_cfg(most_recent_k=None)).keep is None  # megatron-core's "keep all"
+    with pytest.raises(dcpstore.InvalidArgument, match=r"^CheckpointConfig\.ckpt_format: "):
+        CheckpointConfig.from_bridge(_bridge_cfg(ckpt_format="torch"))
+    with cfg.manager() as mgr:
+        for step in (10, 20, 30):
+            mgr.save({"w": torch.full((4,), float(step))}, step)
+    assert sorted(p.name for p in Path(root).iterdir()) == ["iter_0000020", "iter_0000030", "latest_checkpointed_iteration.txt"]
+    assert (Path(root) / "latest_checkpointed_iteration.txt").read_text() == "30"
+    loader = CheckpointConfig.from_bridge(_bridge_cfg(load=root, ckpt_step=20)).load_manager()
+    assert loader is not None
+    out = {"w": torch.zeros(4)}
+    assert loader.load(out, step=20) == 20 and torch.equal(out["w"], torch.full((4,), 20.0))
+    loader.close()
+    with pytest.raises(dcpstore.InvalidArgument, match=r"^CheckpointConfig\.layout: "):
+        CheckpointConfig(layout="megatron")
 
 
 #: Targets (backends.TARGETS) NVRx can write to: POSIX paths and MSC URLs.

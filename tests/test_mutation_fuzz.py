@@ -4,7 +4,8 @@ of ``.metadata``, of the manifest and of the records' zip headers.
 tests/mutation_fuzz.py builds the checkpoint, the catalogue of one-field
 mutations (each under the modes that apply: ``damage``, ``resealed``,
 ``stripped``) and hypothesis-drawn combinations, and runs every case in one
-child process (its own peak RSS; an audit hook on every ``open``). Each
+process of its own (``rss.in_own_process``: its own peak RSS and
+allocator; an audit hook on every ``open``). Each
 test below asserts one property over all of them:
 
 * load raises nothing but :class:`~dcpstore.CheckpointError`, nor does verify;
@@ -31,23 +32,17 @@ The quick run takes one case of every kind of field (the modes in turn) and
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from mutation_fuzz import RSS_SLACK
-
-HERE = Path(__file__).parent
+from mutation_fuzz import RSS_SLACK, run_to_file
+from rss import in_own_process
 
 
 def _run(tmp_path_factory: pytest.TempPathFactory, full: bool, examples: int) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("fuzz") / "results.json"
-    args = [sys.executable, str(HERE / "mutation_fuzz.py"), str(out), "--examples", str(examples)]
-    proc = subprocess.run([*args, *(["--full"] if full else [])], capture_output=True, text=True, timeout=3000)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    in_own_process(run_to_file, str(out), full, examples, timeout=3000 if full else 280)
     results: dict[str, Any] = json.loads(out.read_text())
     return results
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import base64
 import os
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -192,41 +191,55 @@ def test_a_load_knows_each_size_before_reading_and_still_finds_a_wrong_one(
 def test_a_load_reads_its_commit_in_one_round_trip(proxy: FaultProxy, s3_endpoint: S3Endpoint) -> None:
     """``.metadata`` and the manifest are asked for together, by GET alone
     (its ``Content-Range`` tells the size a capped read checks: no HEAD),
-    and so is the one listing that tells the data files' sizes: held back at
-    the proxy, the ``.metadata`` GET is still in flight when the manifest's
-    arrives. After an overwrite (save-unique manifest name) the right
-    manifest is asked for next, and no name that is not there."""
+    and so is the one listing that tells the data files' sizes: the proxy
+    holds each of the three until all three have arrived, which they do
+    only if none waits for another's answer. After an overwrite
+    (save-unique manifest name) the right manifest is asked for next, and
+    no name that is not there."""
     state = {f"t{i}": torch.randn(MiB // 4) for i in range(4)}
     uri = _uri(s3_endpoint)
     dcpstore.save(state, uri, workers=2).result()
-    seen: list[tuple[float, str, str]] = []
+    bucket = s3_endpoint.bucket  # a listing's target
+    together = {".metadata", ".dcpstore.json", bucket}
+    seen: list[tuple[str, str]] = []
+    arrived: set[str] = set()
+    all_arrived = threading.Event()
+    lock = threading.Lock()
+    alone: list[str] = []  # held until the hold gave up: the others came only after its answer
 
-    def record(req: Request) -> None:
-        seen.append((time.monotonic(), req.method, req.target.split("?")[0].rsplit("/", 1)[-1]))
+    def hold_until_all_arrive(req: Request) -> None:
+        name = req.target.split("?")[0].rsplit("/", 1)[-1]
+        with lock:
+            seen.append((req.method, name))
+            if name in together and not all_arrived.is_set():
+                arrived.add(name)
+                if arrived == together:
+                    all_arrived.set()
+            else:
+                return None
+        if not all_arrived.wait(10):
+            alone.append(name)
         return None
 
-    hold = 0.5
-    proxy.config.answer = record  # type: ignore[assignment]
-    proxy.config.delay_s = hold
-    proxy.config.delay_applies = lambda req: req.method == "GET" and req.target.split("?")[0].endswith("/.metadata")
+    proxy.config.answer = hold_until_all_arrive  # type: ignore[assignment]
     dcpstore.load(zeros_like_state(state), uri)
-    bucket = s3_endpoint.bucket  # a listing's target
-    lists = [t for t, m, name in seen if name == bucket]
-    commit = [(t, m, name) for t, m, name in seen if not name.endswith(".distcp") and name != bucket]
-    assert [(m, name) for _, m, name in commit] == [("GET", ".metadata"), ("GET", ".dcpstore.json")] or [
-        (m, name) for _, m, name in commit
-    ] == [("GET", ".dcpstore.json"), ("GET", ".metadata")], commit
-    assert abs(commit[0][0] - commit[1][0]) < hold / 2, commit  # together, not one after the other
-    assert len(lists) == 1 and abs(lists[0] - commit[0][0]) < hold / 2, (lists, commit)
+    assert not alone, (alone, seen)
+    commit = [(m, name) for m, name in seen if not name.endswith(".distcp") and name != bucket]
+    assert sorted(commit) == [("GET", ".dcpstore.json"), ("GET", ".metadata")], commit
+    assert [name for _, name in seen].count(bucket) == 1, seen  # one listing per load
 
     dcpstore.save(state, uri, workers=2, overwrite=True).result()  # save-unique names
     seen.clear()
-    proxy.config.delay_s = 0.0
+
+    def record(req: Request) -> None:
+        seen.append((req.method, req.target.split("?")[0].rsplit("/", 1)[-1]))
+
+    proxy.config.answer = record  # type: ignore[assignment]
     restored = zeros_like_state(state)
     dcpstore.load(restored, uri)
     assert_state_equal(state, restored)
-    commit_reads = [(m, name) for _, m, name in seen if not name.endswith(".distcp") and name != bucket]
-    assert [name for _, _, name in seen].count(bucket) == 1  # one listing per load
+    commit_reads = [(m, name) for m, name in seen if not name.endswith(".distcp") and name != bucket]
+    assert [name for _, name in seen].count(bucket) == 1  # one listing per load
     assert [m for m, _ in commit_reads] == ["GET"] * 3, commit_reads  # .metadata, the plain name (gone: a 404), the tagged one
     assert commit_reads[-1][1].startswith(".dcpstore.") and commit_reads[-1][1] != ".dcpstore.json", commit_reads
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import uuid
+import warnings
 from typing import Any
 
 import pytest
@@ -156,6 +157,7 @@ WIDER = settings(QUICK, max_examples=6)  # the slow run
 #: The one thing stock dcp.load cannot do with what it saved: torch has no
 #: strided copy_ kernel for float4 (a transposed float4 tensor).
 STOCK_GAP = "\"copy_\" not implemented for 'Float4_e2m1fn_x2'"
+FLOAT4 = getattr(torch, "float4_e2m1fn_x2", None)
 
 
 #: How a checkpoint's files are laid out: stock DCP's flat layout; data files
@@ -198,8 +200,48 @@ def _dcpstore_save_round_trip(engine: str, target: Target, state: dict[str, Any]
     except BaseException as e:  # DCP's CheckpointException is a BaseException
         if STOCK_GAP not in str(e):
             raise
-        return  # stock DCP cannot copy this dtype between layouts; dcpstore can (test_odd_tensors)
+        # Stock DCP cannot copy a strided float4 tensor; dcpstore can
+        # (test_odd_tensors). Everything else is still compared with stock.
+        state, dropped = _without_stock_gap(state)
+        assert dropped, f"stock dcp.load hit the float4 gap, but no strided float4 tensor was saved: {e}"
+        warnings.warn(StockGap(f"stock dcp.load cannot load {dropped} (strided float4); compared the rest"))
+        stock = destination(state, fill=0xA5)
+        dcp.load(stock, **_stock_io(where, writing=False))
     assert_same_state(stock, state)
+
+
+class StockGap(UserWarning):
+    """Keys left out of a stock-DCP comparison, and why (shown in pytest's summary)."""
+
+
+def _is_gap(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.dtype == FLOAT4 and not value.is_contiguous()
+
+
+def _holds_gap(value: Any) -> bool:
+    if _is_gap(value):
+        return True
+    if isinstance(value, dict):
+        return any(map(_holds_gap, value.values()))
+    return isinstance(value, list) and any(map(_holds_gap, value))
+
+
+def _without_stock_gap(state: dict[str, Any], path: str = "") -> tuple[dict[str, Any], list[str]]:
+    """``state`` without what stock DCP cannot load (a strided float4 tensor;
+    a list holding one goes whole: DCP keys a list's items by position),
+    and the keys left out."""
+    kept: dict[str, Any] = {}
+    dropped: list[str] = []
+    for key, value in state.items():
+        where = f"{path}.{key}" if path else str(key)
+        if isinstance(value, dict):
+            kept[key], inner = _without_stock_gap(value, where)
+            dropped += inner
+        elif _holds_gap(value):
+            dropped.append(where)
+        else:
+            kept[key] = value
+    return kept, dropped
 
 
 def _stock_save_round_trip(target: Target, state: dict[str, Any]) -> None:

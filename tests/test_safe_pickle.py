@@ -215,6 +215,44 @@ def test_custom_classes_need_an_opt_in_that_names_them() -> None:
     assert load_object(buf.getvalue(), "x", Trust.of(trusted=True)) == {"cfg": Custom(3)}
 
 
+def _load_through(entry: str, root: str, dest: dict[str, Any], **opt_in: Any) -> None:
+    """Load step 1 under ``root`` into ``dest`` through one public entry point."""
+    uri = dcpstore.CheckpointManager(root).step_uri(1)
+    if entry == "dcpstore.load":
+        dcpstore.load(dest, uri, **opt_in)
+    elif entry == "CheckpointManager.load":
+        assert dcpstore.CheckpointManager(root).load(dest, **opt_in) == 1
+    elif entry == "tiered CheckpointManager.load":  # the local tier serves it
+        with dcpstore.CheckpointManager(os.path.join(root, "durable"), local_dir=root) as mgr:
+            assert mgr.load(dest, **opt_in) == 1
+    else:  # the drop-in reader under stock dcp.load
+        dcp.load(dest, storage_reader=dcpstore.StorageReader(uri, **opt_in))
+
+
+@pytest.mark.parametrize(
+    "entry", ["dcpstore.load", "CheckpointManager.load", "tiered CheckpointManager.load", "StorageReader"]
+)
+@pytest.mark.parametrize("opt_in", ["none", "safe_globals", "trusted"])
+def test_every_load_entry_point_needs_the_opt_in_for_a_custom_class(tmp_path: pathlib.Path, entry: str, opt_in: str) -> None:
+    """``safe_globals=`` and ``trusted=`` as each public entry point takes
+    them: without either, a user's class in a non-tensor item is refused
+    naming it, and the item is not loaded; with either, it loads whole."""
+    root = str(tmp_path)
+    saved = {"w": torch.arange(6.0), "cfg": Custom(3)}
+    dcpstore.save(saved, dcpstore.CheckpointManager(root).step_uri(1))
+    dest: dict[str, Any] = {"w": torch.zeros(6), "cfg": None}
+    if opt_in == "none":
+        with pytest.raises(BaseException) as info:  # DCP wraps the drop-in reader's error in its own BaseException
+            _load_through(entry, root, dest)
+        assert "test_safe_pickle.Custom: pass safe_globals=[test_safe_pickle.Custom]" in str(info.value), info.value
+        if entry != "StorageReader":  # dcpstore's own entry points raise dcpstore's error
+            assert isinstance(info.value, dcpstore.UnsafeCheckpoint), type(info.value)
+        assert dest["cfg"] is None
+        return
+    _load_through(entry, root, dest, **({"safe_globals": [Custom]} if opt_in == "safe_globals" else {"trusted": True}))
+    assert dest["cfg"] == Custom(3) and torch.equal(dest["w"], saved["w"])
+
+
 @pytest.mark.parametrize("bad", ["mypkg.Foo", [3], ["str"], {"x": 1}.items(), 5])
 def test_bad_opt_in_arguments_are_named(bad: Any) -> None:
     with pytest.raises(dcpstore.InvalidArgument, match="safe_globals"):

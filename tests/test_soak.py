@@ -29,7 +29,7 @@ import torch
 import dcpstore
 from backends import Target
 from helpers import assert_state_equal, zeros_like_state
-from rss import fix_mmap_threshold, live_rss
+from rss import fix_mmap_threshold, in_own_process, live_rss
 
 SAVES = 100
 KEEP = 2
@@ -55,7 +55,9 @@ def _slope(ys: list[int]) -> float:
     return sum((x - mx) * (y - my) for x, y in enumerate(ys)) / sum((x - mx) ** 2 for x in range(n))
 
 
-def _soak(target: Target, numel: int, engine: str = "native") -> None:
+def _soak(target: Target, numel: int, engine: str = "native") -> str:
+    """The soak, in a process of its own (it changes the allocator); its samples, as text."""
+    logging.getLogger("c10d-NullHandler-dcp_logger").disabled = True  # no DEBUG records pile up here
     proc = psutil.Process()
     fix_mmap_threshold()
     state = _state(numel)
@@ -84,7 +86,6 @@ def _soak(target: Target, numel: int, engine: str = "native") -> None:
     threads = [s[2] for s in steady]
     mib = 2**20
     report = f"RSS MiB {[round(r / mib, 1) for r in rss]}, fds {fds}, threads {threads}"
-    print(report)
     assert max(fds) - fds[0] <= 2, f"open files grew: {report}"
     assert max(threads) - threads[0] <= 1, f"threads grew: {report}"
     # Tolerance: half a state (allocator slack) + 24 MiB (a loaded box's noise);
@@ -92,23 +93,21 @@ def _soak(target: Target, numel: int, engine: str = "native") -> None:
     assert max(rss) - rss[0] < state_bytes // 2 + 24 * mib, f"RSS grew: {report}"
     per_save = _slope(rss) / SAMPLE_EVERY
     assert per_save < max(state_bytes // 100, 64 * 1024), f"RSS trends up {per_save / 1024:.0f} KiB/save: {report}"
+    return report
 
 
-@pytest.fixture(autouse=True)
-def _quiet_dcp_logger(monkeypatch: pytest.MonkeyPatch) -> None:
-    # DCP logs every phase at DEBUG and pytest keeps those records in memory:
-    # that would be the test's growth, not dcpstore's.
-    monkeypatch.setattr(logging.getLogger("c10d-NullHandler-dcp_logger"), "disabled", True)
+def soak(target: Target, numel: int) -> None:
+    print(in_own_process(_soak, target, numel, timeout=1800))
 
 
 @pytest.mark.slow  # 100 saves; the quick suite has test_async's 50-save flat check
 def test_soak_100_async_saves_keep_2(local_target: Target) -> None:
-    _soak(local_target, numel=128 * 1024)  # 512 KiB per save
+    soak(local_target, numel=128 * 1024)  # 512 KiB per save
 
 
 @pytest.mark.slow
 def test_soak_full_size(local_target: Target) -> None:
-    _soak(local_target, numel=16 * 1024 * 1024)  # 64 MiB per save, 6.4 GB in all
+    soak(local_target, numel=16 * 1024 * 1024)  # 64 MiB per save, 6.4 GB in all
 
 
 @pytest.mark.slow
@@ -116,4 +115,4 @@ def test_soak_full_size(local_target: Target) -> None:
 def test_soak_on_s3(name: str, request: pytest.FixtureRequest) -> None:
     from backends import make_target
 
-    _soak(make_target(name, request), numel=2 * 1024 * 1024)  # 8 MiB per save: two-part uploads
+    soak(make_target(name, request), numel=2 * 1024 * 1024)  # 8 MiB per save: two-part uploads

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import pytest
 
@@ -82,11 +83,49 @@ def test_abort_leaves_nothing(storage: Storage) -> None:
 
 
 def test_a_put_that_need_not_be_durable_is_still_whole_and_replaces(storage: Storage) -> None:
-    # durable=False may skip the fsyncs (markers written where a caller
-    # waits), never the atomic replace: readers see the old or the new whole.
-    storage.put("m/marker", b"first save's id, longer")
-    storage.put("m/marker", b"second", durable=False)
-    assert storage.read("m/marker") == b"second"
+    """``durable=False`` may skip the fsyncs (markers written where a caller
+    waits), never the atomic replace: a reader running beside a stream of
+    such puts sees the old bytes or the new, whole, every time -- never a
+    short object, a mixture or nothing (a truncate-and-rewrite would show
+    one). Each read is one request for more than either version holds
+    (below the object-store targets' part size), so what it returns is what
+    the object held at one moment."""
+    versions = (b"o" * (MiB + 3), b"n" * (2 * MiB + 7))  # other bytes, other sizes
+    whole = 4 * MiB
+    storage.put("m/marker", versions[0])
+    stop, streaming = threading.Event(), threading.Event()
+    wrong: list[str] = []
+    beside = [0]  # reads made while the stream of puts ran (memory:// puts are too quick to straddle)
+
+    def read_meanwhile() -> None:
+        while not stop.is_set():
+            during = streaming.is_set()
+            try:
+                data = storage.read_range("m/marker", 0, whole)
+            except StorageNotFound:
+                wrong.append("not found")
+                continue
+            if data not in versions:
+                wrong.append(f"{len(data)} bytes, starting {data[:1]!r}")
+            beside[0] += during and streaming.is_set()
+
+    reader = threading.Thread(target=read_meanwhile)
+    reader.start()
+    try:
+        streaming.set()
+        deadline = time.monotonic() + 30
+        i = 0
+        while i < 40 or (beside[0] < 20 and time.monotonic() < deadline):
+            i += 1
+            storage.put("m/marker", versions[i % 2], durable=False)
+            time.sleep(0)  # a put to memory:// holds the GIL throughout: let the reader in between
+        streaming.clear()
+    finally:
+        stop.set()
+        reader.join()
+    assert not wrong, wrong[:5]
+    assert beside[0] >= 3, beside  # the reader really ran beside the puts
+    assert storage.read("m/marker") in versions
     assert [o["path"] for o in storage.list("m/")] == ["m/marker"]  # no temporary file left beside it
 
 

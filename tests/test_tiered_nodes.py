@@ -24,12 +24,15 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from hypothesis import given
 from hypothesis import strategies as st
+from torch.multiprocessing.spawn import ProcessExitedException
 
 import dcpstore
+import extras
+import killcount
 from dcpstore.format.layout import INFLIGHT, METADATA, name_tag
+from dcpstore.maintenance import gc
 from dcpstore.manager import step_dir
 from dcpstore.manager.nodes import PROBE_PREFIX, nodes_from_views
-from dcpstore.engines import nvrx
 from dcpstore.manager.replicate import read_local_commit
 from backends import Target, make_target
 from dist_utils import run_ranks
@@ -147,8 +150,8 @@ def _save_and_load(
 def test_each_node_commits_its_share_and_the_durable_tier_is_whole(
     request: pytest.FixtureRequest, tmp_path: Path, backend: str, world: int, per_node: int, engine: str
 ) -> None:
-    if engine == "nvrx" and nvrx.import_error() is not None:
-        pytest.skip(f"NVRx is not installed: {nvrx.import_error()}")
+    if engine == "nvrx":
+        extras.skip_unless(extras.NVRX)
     durable = make_target(backend, request)
     dirs = node_dirs(tmp_path, world, per_node)
     run_ranks(_save_and_load, world, durable.uri, dirs, True, {"engine": engine, **durable.kwargs})
@@ -407,20 +410,31 @@ def _kill_points(tmp_path: Path, sample: int | None) -> list[tuple[int, int]]:
 
 
 def _crash_and_recover(tmp_path: Path, sample: int | None) -> None:
-    for i, (killer, at) in enumerate(_kill_points(tmp_path, sample)):
+    points = _kill_points(tmp_path, sample)
+    for i, (killer, at) in enumerate(points):
         case = tmp_path / f"kill{i}"
         durable, pids = case / "durable", case / "pids"
         pids.mkdir(parents=True)
         dirs = node_dirs(case, 2, 1)
-        with pytest.raises(Exception):  # noqa: B017 -- the job dies by SIGKILL, whatever run_ranks calls it
-            run_ranks(_killed_while_replicating, 2, str(durable), dirs, str(pids), killer, at)
         where = (killer, at)
+        # The job must die by the hook's SIGKILL: a rank that fails (an
+        # assertion, a SaveError) exits with an error instead, and is no kill.
+        with pytest.raises(ProcessExitedException) as died:
+            run_ranks(_killed_while_replicating, 2, str(durable), dirs, str(pids), killer, at)
+        assert died.value.signal_name == "SIGKILL", (where, str(died.value))
         assert _whole_durable_steps(durable) in ([1], [1, 2]), where  # whole steps only
         assert (case / "node0" / step_dir(2) / METADATA).exists(), where  # committed before replicating
         run_ranks(_catch_up, 2, str(durable), dirs)  # a new job over the same node dirs catches up
         assert _whole_durable_steps(durable) == [1, 2], where
         for n in (0, 1):
             assert_node_holds(case / f"node{n}", Target("local", str(durable)), 2, {n}, killed=True)
+            storage = dcpstore.open_storage(str(case / f"node{n}"))
+            try:
+                gc(storage, older_than_s=0)  # the temporary file of a write the kill cut short goes
+            finally:
+                storage.close()
+            assert_node_holds(case / f"node{n}", Target("local", str(durable)), 2, {n})
+    killcount.record(len(points), len(points), len(points))  # each one was asserted to kill
 
 
 def test_sigkill_of_the_job_during_replication_loses_no_committed_step(tmp_path: Path) -> None:

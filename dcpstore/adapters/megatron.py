@@ -23,12 +23,19 @@ values; :func:`dcpstore.adapters.fsdp.save_app_state` takes them as
 On storage the two are identical -- stock DCP chunked tensors with global
 shapes and offsets -- so either loads into the other, on any world size.
 
-``CheckpointConfig``. Field names are Megatron-Bridge's (``save``, ``load``,
+``CheckpointConfig``. Megatron-Bridge's fields under Bridge 0.6.2's (and
+megatron-core 0.19.2's) names (:data:`BRIDGE_FIELDS`: ``save``, ``load``,
 ``save_interval``, ``async_save``, ``ckpt_format``, ``dist_ckpt_workers``,
-``enable_msc``, ``most_recent_k``, ``ckpt_assume_constant_structure``,
-``ckpt_step``), plus dcpstore's ``engine``. The config is validated once, in
-``__post_init__``, without opening any storage, and keeps **no rules of its
-own** about which combinations work. It asks the tables the writers ask:
+``most_recent_k``, ``ckpt_assume_constant_structure``, ``ckpt_step``), plus
+dcpstore's own (:data:`DCPSTORE_FIELDS`: ``engine``, ``enable_msc`` -- in
+Megatron the process-global ``--enable-msc``, not a config field -- and
+``layout``). :meth:`CheckpointConfig.from_bridge` builds one from a Bridge
+(or megatron-core) ``CheckpointConfig``, reading Bridge's fields by name,
+MSC from Megatron's ``MultiStorageClientFeature`` and the layout Bridge
+writes (``iter_0000100/`` and ``latest_checkpointed_iteration.txt``). The
+config is validated once, in ``__post_init__``, without opening any storage,
+and keeps **no rules of its own** about which combinations work. It asks
+the tables the writers ask:
 
 ===================================  =========================================
 field                                validated by
@@ -40,8 +47,8 @@ field                                validated by
                                      backend check (NVRx writes POSIX/MSC only)
 ``save``, ``load``, ``enable_msc``   URI parsing + the backend registry, as
                                      ``open_storage`` resolves them
-``ckpt_assume_constant_structure``   :func:`plan_caching_supported`: the writer
-                                     cannot replay DCP's cached plans
+``layout``                           the manager's step layouts
+                                     (:data:`dcpstore.manager.LAYOUTS`)
 ===================================  =========================================
 
 So a format can never be refused async while the writer would save it
@@ -49,16 +56,31 @@ So a format can never be refused async while the writer would save it
 worker count the writer rejects fails here, naming the field, instead of at
 the first save hours into a run.
 
+``ckpt_assume_constant_structure`` is accepted either way and never needed
+for a correct save: every save that plans through NVRx (the NVRx engine,
+and :class:`FileSystemWriterAsync` under Bridge) reuses NVRx's plans while
+the structure is unchanged and checks each save against them, and the
+native engine plans every save (DCP's own plan cache would replay the
+per-save claim token the native writer puts in its plans:
+:data:`dcpstore.options.PLAN_CACHING_WHY`; ``dcpstore.save`` refuses a
+caching planner for that reason, :func:`plan_caching_supported`).
+
 Mapping: :meth:`CheckpointConfig.save_options` is the one
 :class:`~dcpstore.options.SaveOptions` the config stands for;
 :meth:`~CheckpointConfig.manager` builds the
 :class:`~dcpstore.CheckpointManager` for ``save`` with it (``most_recent_k``
--> ``keep``, ``-1`` keeps all); :meth:`~CheckpointConfig.save_kwargs` /
+-> ``keep``, ``-1`` keeps all; ``layout``); :meth:`~CheckpointConfig.save_kwargs` /
 :meth:`~CheckpointConfig.load_kwargs` are the same as keyword arguments for
 :func:`dcpstore.save` / :func:`dcpstore.load`.
 
+:class:`FileSystemWriterAsync` (:mod:`.megatron_async`): the drop-in for
+NVRx's writer of Bridge's async ``fsdp_dtensor`` saves;
+:func:`install_in_bridge` (:mod:`.megatron_bridge`) puts it, and dcpstore's
+sync writer and reader, beneath Bridge in one call.
+
 Layer: adapters. Imports the manager, the engines' engine check, the value
-objects, :mod:`dcpstore.storage` and the foundation.
+objects, :mod:`dcpstore.storage`, the foundation and its Bridge modules
+(:mod:`.megatron_async`, :mod:`.megatron_bridge`).
 """
 
 from __future__ import annotations
@@ -79,9 +101,26 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from ..engines.choice import engine_problem
 from ..errors import CheckpointError, InvalidArgument
-from ..manager import CheckpointManager, check_step
-from ..options import PLAN_CACHING_WHY, SaveOptions, save_option_problems
+from ..manager import LAYOUTS, CheckpointManager, check_step
+from ..options import SaveOptions, save_option_problems
 from ..storage import StorageOptions, backend_class, backend_name, parse_uri
+from .megatron_async import FileSystemWriterAsync
+from .megatron_bridge import BRIDGE_HOOKS, install_in_bridge, megatron_msc_enabled
+
+__all__ = [
+    "BRIDGE_FIELDS",
+    "BRIDGE_HOOKS",
+    "DCPSTORE_FIELDS",
+    "DEFAULT_FORMAT",
+    "FORMATS",
+    "CheckpointConfig",
+    "FileSystemWriterAsync",
+    "StateDictFormat",
+    "check_format",
+    "install_in_bridge",
+    "megatron_msc_enabled",
+    "plan_caching_supported",
+]
 
 # ---------------------------------------------------------------------------
 # State-dict formats (``ckpt_format``)
@@ -181,30 +220,50 @@ _FIELD_OF_OPTION = {"async_": "async_save", "engine": "engine", "workers": "dist
 
 
 def plan_caching_supported() -> bool:
-    """Whether ``ckpt_assume_constant_structure=True`` (DCP's save-plan cache)
-    can be honoured: no, because the writer cannot run from a replayed plan
-    (:data:`dcpstore.options.PLAN_CACHING_WHY`); ``dcpstore.save`` refuses
-    such planners for the same reason."""
+    """Whether dcpstore's native writer can run from DCP's save-plan cache
+    (``DefaultSavePlanner(enable_plan_caching=True)``): no, it would replay
+    the per-save claim token (:data:`dcpstore.options.PLAN_CACHING_WHY`);
+    ``dcpstore.save`` refuses such planners. NVRx's plan cache is another
+    matter: see ``ckpt_assume_constant_structure`` in the module docstring."""
     return False
+
+
+#: The fields of :class:`CheckpointConfig` that are Megatron-Bridge's (0.6.2)
+#: and megatron-core's (0.19.2), under their names and with their meaning.
+BRIDGE_FIELDS = (
+    "save",
+    "load",
+    "save_interval",
+    "async_save",
+    "ckpt_format",
+    "dist_ckpt_workers",
+    "most_recent_k",
+    "ckpt_assume_constant_structure",
+    "ckpt_step",
+)
+#: dcpstore's own fields (Bridge has none of these).
+DCPSTORE_FIELDS = ("engine", "enable_msc", "layout")
 
 
 @dataclass
 class CheckpointConfig:
-    """Checkpointing options under Megatron-Bridge's names; see the module
-    docstring for how each field maps onto dcpstore.
+    """Checkpointing options: Megatron-Bridge's under its names
+    (:data:`BRIDGE_FIELDS`) and dcpstore's own (:data:`DCPSTORE_FIELDS`);
+    see the module docstring for how each maps onto dcpstore, and
+    :meth:`from_bridge` to build one from Bridge's config.
 
     Args:
         save, load, save_interval, async_save, ckpt_format,
-            dist_ckpt_workers, enable_msc, most_recent_k,
-            ckpt_assume_constant_structure, ckpt_step, engine: the fields
-            below, each with its meaning in its comment.
+            dist_ckpt_workers, most_recent_k,
+            ckpt_assume_constant_structure, ckpt_step, engine, enable_msc,
+            layout: the fields below, each with its meaning in its comment.
 
     Raises:
         InvalidArgument: a field the writers would refuse, named as
             ``CheckpointConfig.<field>`` with the reason.
     """
 
-    #: Root to save step checkpoints under (``step_00000100/`` ...); ``None``: no saving.
+    #: Root to save step checkpoints under (``layout``'s step directories); ``None``: no saving.
     save: str | None = None
     #: Root to resume from; ``None``: do not resume.
     load: str | None = None
@@ -215,15 +274,20 @@ class CheckpointConfig:
     ckpt_format: str = "torch_dist"
     #: Writer threads per rank; ``None``: dcpstore's default.
     dist_ckpt_workers: int | None = None
+    #: Route through MSC (not a field of Bridge's: Megatron's ``--enable-msc`` is process-global).
     enable_msc: bool = False
-    #: Keep the newest K committed steps; ``-1`` keeps all.
-    most_recent_k: int = -1
-    #: Model/optimizer structure is the same at every save: reuse DCP's plan.
+    #: Keep the newest K committed steps; ``-1`` (or megatron-core's ``None``) keeps all.
+    most_recent_k: int | None = -1
+    #: Model/optimizer structure is the same at every save (see the module docstring).
     ckpt_assume_constant_structure: bool = False
     #: Resume from this step instead of the newest committed one.
     ckpt_step: int | None = None
     #: dcpstore's save engine (not a Megatron field): auto, native or nvrx.
     engine: str = "auto"
+    #: How steps are named (not a Megatron field): ``"dcpstore"``
+    #: (``step_00000100/``, ``latest``) or ``"bridge"`` (``iter_0000100/``,
+    #: ``latest_checkpointed_iteration.txt``: what Bridge writes and resumes from).
+    layout: str = "dcpstore"
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -234,8 +298,8 @@ class CheckpointConfig:
         for name in ("save", "load"):
             self._check_root(name)
         self._check_engine_target()
-        if self.ckpt_assume_constant_structure and not plan_caching_supported():
-            self._fail("ckpt_assume_constant_structure", f"True is not supported: {PLAN_CACHING_WHY}; leave it False")
+        if not isinstance(self.layout, str) or self.layout not in LAYOUTS:
+            self._fail("layout", f"must be one of {', '.join(map(repr, LAYOUTS))}, got {self.layout!r}")
 
     def _check_types(self) -> None:
         for name in ("async_save", "enable_msc", "ckpt_assume_constant_structure"):
@@ -248,6 +312,8 @@ class CheckpointConfig:
         interval = self.save_interval
         if interval is not None and (isinstance(interval, bool) or not isinstance(interval, int) or interval < 1):
             self._fail("save_interval", f"must be None or an int >= 1, got {interval!r}")
+        if self.most_recent_k is None:  # megatron-core's spelling of "keep all"
+            self.most_recent_k = -1
         k = self.most_recent_k
         if isinstance(k, bool) or not isinstance(k, int) or (k != -1 and k < 1):
             why = " (0 would delete the checkpoint just written)" if k == 0 else ""
@@ -343,7 +409,7 @@ class CheckpointConfig:
             self._fail("save", "is None: there is no root to save under")
         assert self.save is not None
         options = self.save_options(process_group=process_group, storage_options=storage_options)
-        return CheckpointManager(self.save, keep=self.keep, options=options)
+        return CheckpointManager(self.save, keep=self.keep, options=options, layout=self.layout)
 
     def load_manager(
         self, *, process_group: dist.ProcessGroup | None = None, storage_options: StorageOptions | None = None
@@ -362,8 +428,52 @@ class CheckpointConfig:
             return None
         options = self.save_options(process_group=process_group, storage_options=storage_options)
         # It only loads: no background saver to start.
-        return CheckpointManager(self.load, options=dataclasses.replace(options, async_=False))
+        return CheckpointManager(self.load, options=dataclasses.replace(options, async_=False), layout=self.layout)
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in fields(cls))
+
+    @classmethod
+    def from_bridge(
+        cls,
+        cfg: Any,
+        *,
+        engine: str = "auto",
+        enable_msc: bool | None = None,
+        layout: str = "bridge",
+    ) -> CheckpointConfig:
+        """The config for a Megatron-Bridge (or megatron-core)
+        ``CheckpointConfig`` ``cfg`` (or a mapping with its field names).
+
+        Reads :data:`BRIDGE_FIELDS` by name (a field ``cfg`` lacks keeps
+        its default here). Bridge's other fields say what goes into the
+        state dict (``save_optim``, ``save_rng``), how Bridge's own worker
+        runs (``async_strategy``, ``use_persistent_ckpt_worker``) or what
+        dcpstore does not manage (non-persistent and local checkpoints):
+        none of them changes where or how the bytes go.
+
+        Args:
+            cfg: Bridge's ``ConfigContainer.checkpoint``.
+            engine: dcpstore's save engine, as the field.
+            enable_msc: route through MSC; ``None``: as Megatron's
+                process-global ``--enable-msc`` says
+                (``megatron.core.msc_utils.MultiStorageClientFeature``; off
+                where megatron-core is not installed).
+            layout: ``"bridge"`` (default): the manager reads and writes
+                Bridge's ``iter_NNNNNNN/`` steps and tracker; ``"dcpstore"``.
+
+        Raises:
+            InvalidArgument: a Bridge setting dcpstore cannot honour (say, a
+                ``ckpt_format`` other than ``torch_dist`` / ``fsdp_dtensor``),
+                naming the field.
+        """
+        defaults = {f.name: f.default for f in fields(cls)}
+        if isinstance(cfg, Mapping):
+            values = {name: cfg.get(name, defaults[name]) for name in BRIDGE_FIELDS}
+        else:
+            values = {name: getattr(cfg, name, defaults[name]) for name in BRIDGE_FIELDS}
+        if enable_msc is None:
+            enable_msc = megatron_msc_enabled()
+        return cls(**values, engine=engine, enable_msc=enable_msc, layout=layout)
+

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .. import CheckpointManager, load, save
+from .. import AsyncSaver, CheckpointManager, load, save
 from ..errors import BackendUnavailable, InvalidArgument
 from ..storage import Storage, StorageOptions, join_uri, open_storage
 from .runner import Entry, SaveOutcome, Skip, Waiter
@@ -57,8 +57,13 @@ class DcpstoreEntry(Entry):
         name: str | None = None,
         storage_options: StorageOptions | None = None,
         save_kwargs: dict[str, Any] | None = None,
+        own_saver: bool = False,
     ) -> None:
         self.root_uri = os.fspath(root_uri)
+        #: Each async save through an AsyncSaver of its own, so that it
+        #: allocates its staging buffers (the default saver keeps them for
+        #: every later save of the same structure, in any entry).
+        self.own_saver = own_saver
         #: None: the backend's default (``self.workers`` shows it once set up).
         self.requested_workers = workers
         self.workers = workers or 0
@@ -85,24 +90,24 @@ class DcpstoreEntry(Entry):
         self.page_cached = self._root.backend == "local"
 
     def save(self, state: dict[str, torch.Tensor]) -> Waiter:
+        saver = AsyncSaver() if self.own_saver and self.async_ else None
+        kwargs = dict(workers=self.requested_workers, engine=self.requested_engine, enable_msc=self.enable_msc,
+                      storage_options=self.storage_options, **self.save_kwargs)  # fmt: skip
         try:
-            handle = save(
-                state,
-                self.uri,
-                async_=self.async_,
-                workers=self.requested_workers,
-                engine=self.requested_engine,
-                enable_msc=self.enable_msc,
-                storage_options=self.storage_options,
-                **self.save_kwargs,
-            )
+            handle = saver.save(state, self.uri, **kwargs) if saver else save(state, self.uri, async_=self.async_, **kwargs)
         except InvalidArgument as e:
+            if saver:
+                saver.close()
             if str(e).startswith("engine="):  # a combination refused by design (nvrx on native s3): n/a here
                 raise Skip(str(e)) from e
             raise
 
         def wait() -> SaveOutcome:
-            info = handle.result()
+            try:
+                info = handle.result()
+            finally:
+                if saver:
+                    saver.close()
             engine = info.engine if self.async_ else "sync"
             return SaveOutcome(phases=dict(info.phases), bytes_written=info.bytes_written, engine=engine)
 

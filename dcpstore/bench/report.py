@@ -126,6 +126,17 @@ def git_commit() -> str | None:
     return out.stdout.strip() or None
 
 
+def git_dirty() -> bool | None:
+    """Whether tracked files of the checkout differ from its commit (the
+    numbers then measured code no commit holds); None outside a checkout."""
+    try:
+        out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
+                             timeout=10, cwd=os.path.dirname(os.path.abspath(__file__)))  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return bool(out.stdout.strip()) if out.returncode == 0 else None
+
+
 def machine() -> dict[str, Any]:
     """What the numbers were measured on."""
     info: dict[str, Any] = {
@@ -150,6 +161,7 @@ def write_json(path: str, records: Sequence[Record | dict[str, Any]], meta: dict
         "meta": {
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "git_commit": git_commit(),
+            "git_dirty": git_dirty(),
             "machine": machine(),
             **(meta or {}),
         },

@@ -16,12 +16,16 @@ written once. Call order, and which rank calls what::
                   session.check_owner()               before publishing each
                       data file: a save whose marker was replaced by a later
                       save's fails instead of clobbering that save's files
-    coordinator   session.publish(metadata, results)  only after *every*
-                      rank's data files are durable (DCP and NVRx gather the
-                      write results first): ownership check, the manifest,
-                      ``.metadata`` last -- the commit point -- then clean up
-                      (the marker, the alive file, and the data files and
-                      manifest of the checkpoint it replaced)
+    coordinator   session.publish(metadata, results[, commit_files])  only
+                      after *every* rank's data files are durable (DCP and
+                      NVRx gather the write results first): ownership check,
+                      the commit files (a caller's own small files that
+                      belong to this checkpoint, e.g. Lightning's meta.pt,
+                      recorded in the manifest like data files), the
+                      manifest, ``.metadata`` last -- the commit point --
+                      then clean up (the marker, the alive file, and the
+                      data files, manifest and commit files of the
+                      checkpoint it replaced)
     coordinator   session.release()   instead, when the save failed on any
                       rank (the writers call it): stop its proof of life, so
                       that ``gc`` may collect what it left; a no-op on other
@@ -35,7 +39,11 @@ both saves write, and writing it is atomic (a rename on POSIX, a single PUT
 on object stores): until it lands the URI loads exactly the old checkpoint
 (its ``.metadata`` still names its own files and its own manifest), after
 it exactly the new one. Only then are the old files removed; a crash before
-that leaves garbage that ``gc`` removes, never a broken checkpoint.
+that leaves garbage that ``gc`` removes, never a broken checkpoint. Commit
+files follow the same rule: over a used URI they go under save-unique names
+(``.dcpstore.side.{tag}.<name>``) and are copied to ``<name>`` only after
+the commit, for readers that know only the plain name;
+:func:`read_commit_file` reads the copy the manifest records.
 
 From claim to publish (or release) the coordinator keeps the save's alive
 file fresh (:mod:`dcpstore.format.inflight`): ``gc`` never collects a save
@@ -54,12 +62,13 @@ and :mod:`dcpstore.errors`.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import pickle
 import threading
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import crc32c
@@ -72,6 +81,7 @@ from ..errors import (
     CheckpointError,
     CheckpointExists,
     CheckpointNotFound,
+    InvalidArgument,
     SaveError,
     StorageNotFound,
     UnsafeCheckpoint,
@@ -83,7 +93,11 @@ from ..format.layout import (
     INFLIGHT,
     MANIFEST,
     METADATA,
+    commit_file_of,
+    commit_file_path,
+    commit_file_problem,
     data_file_name,
+    is_commit_side_file,
     is_commit_file,
     is_data_file,
     committed_by_us,
@@ -181,7 +195,11 @@ class SaveSession:
                 f"Checkpoint already exists at {self.storage.uri} ({', '.join(committed[:3])}) and overwrite=False; "
                 "nothing was written"
             )
-        stale = {p for p in present if is_data_file(p) or is_manifest(p) or is_alive_file(p) or is_commit_file(p)}
+        stale = {
+            p
+            for p in present
+            if is_data_file(p) or is_manifest(p) or is_alive_file(p) or is_commit_file(p) or is_commit_side_file(p)
+        }
         stale.discard(METADATA)  # replaced by the commit itself
         if stale or committed or INFLIGHT in present:
             taken = {name_tag(p) for p in stale}
@@ -267,14 +285,23 @@ class SaveSession:
         return StorageMeta(checkpoint_id=self.storage.uri, save_id=self.save_id)
 
     # -- coordinator, after every rank's data is durable ---------------------
-    def publish(self, metadata: Metadata, results: Sequence[Sequence[WriteResult]]) -> None:
-        """Commit: the manifest, then ``.metadata`` last (the commit point),
-        then clean up.
+    def publish(
+        self,
+        metadata: Metadata,
+        results: Sequence[Sequence[WriteResult]],
+        commit_files: Mapping[str, bytes] | None = None,
+    ) -> None:
+        """Commit: the commit files, the manifest, then ``.metadata`` last
+        (the commit point), then clean up.
 
         ``metadata`` is DCP's global metadata (its ``storage_data`` and
         ``storage_meta`` are filled in here); ``results`` are every rank's
         write results, whose ``storage_data`` are :class:`ItemRecord`.
+        ``commit_files``: name -> bytes of small files that belong to this
+        checkpoint (see the module docstring); each is recorded in the
+        manifest with its size and CRC32C.
         """
+        sides = {commit_file_path(name, self.tag): bytes(blob) for name, blob in check_commit_files(commit_files).items()}
         storage_data: dict[MetadataIndex, _StorageInfo] = {}
         files: dict[str, FileEntry] = {}
         items: dict[str, int] = {}
@@ -290,18 +317,36 @@ class SaveSession:
                 items[key] = rec.crc32c
                 if rec.raw is not None:
                     tensors[key] = list(rec.raw)
+        for path, blob in sides.items():
+            files[path] = {"size": len(blob), "crc32c": crc32c.crc32c(blob)}
         metadata.storage_data = storage_data
         metadata.storage_meta = self.storage_meta()
         blob = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
         try:
             self.check_owner()
+            for path, side in sides.items():
+                self.storage.put(path, side)
             self.storage.put(self.manifest, build_manifest(files, items, crc32c.crc32c(blob), tensors))
             self.storage.put(METADATA, blob)  # the commit point
         except BaseException:
             self.release()
             raise
         self._stop_refresher()  # the clean-up removes the alive file with the marker
+        self._promote(sides)
         self._clean_up(files.keys())
+
+    def _promote(self, sides: Mapping[str, bytes]) -> None:
+        """After the commit: copy save-unique commit files to their plain
+        names, for readers that know only those. Best effort: the commit
+        holds the recorded copy, which :func:`read_commit_file` reads."""
+        for path, blob in sides.items():
+            name = commit_file_of(path)
+            if name == path:
+                continue
+            try:
+                self.storage.put(name, blob)
+            except CheckpointError as e:
+                log.warning("could not copy %s to %s: %s", self.storage.describe(path), name, e)
 
     def release(self) -> None:
         """The save failed (on any rank) or never finished: stop its proof of
@@ -389,6 +434,48 @@ class _Refresher:
 # ---------------------------------------------------------------------------
 
 
+def check_commit_files(commit_files: Mapping[str, bytes] | None) -> Mapping[str, bytes]:
+    """``commit_files`` (None: none), each name and value checked:
+    :class:`InvalidArgument` naming the first that cannot be one."""
+    if commit_files is None:
+        return {}
+    for name, blob in commit_files.items():
+        problem = commit_file_problem(name)
+        if problem is not None:
+            raise InvalidArgument(problem)
+        if not isinstance(blob, (bytes, bytearray, memoryview)):
+            raise InvalidArgument(f"commit file {name!r} must be bytes, got {type(blob).__name__}")
+    return commit_files
+
+
+def read_commit_file(storage: Storage, manifest: Manifest | None, name: str, limit: int = MANIFEST_LIMIT) -> bytes:
+    """The commit file ``name`` of the committed checkpoint whose manifest
+    is ``manifest`` (from :func:`read_checkpoint_metadata`): the copy the
+    manifest records, its size and CRC32C checked
+    (:class:`CheckpointCorrupt` on a mismatch). A checkpoint without a
+    manifest (written by stock DCP and its caller) gives the plain file,
+    unverified, at most ``limit`` bytes. :class:`CheckpointNotFound` when
+    the checkpoint has no such file."""
+    paths = [name] if manifest is None else [p for p in manifest["files"] if commit_file_of(p) == name and not is_data_file(p)]
+    if not paths:
+        raise CheckpointNotFound(f"{storage.describe(name)}: the checkpoint's commit does not record this file")
+    path = paths[0]
+    try:
+        blob = read_capped(storage, path, limit)
+    except StorageNotFound as e:
+        raise (CheckpointNotFound if manifest is None else CheckpointCorrupt)(
+            f"{storage.describe(path)}: missing{' (recorded in the integrity manifest)' if manifest else ''}"
+        ) from e
+    if manifest is not None:
+        entry = manifest["files"][path]
+        if len(blob) != entry["size"] or crc32c.crc32c(blob) != entry["crc32c"]:
+            raise CheckpointCorrupt(
+                f"{storage.describe(path)}: {len(blob)} bytes, CRC32C {crc32c.crc32c(blob):08x}; the integrity "
+                f"manifest records {entry['size']} bytes, CRC32C {entry['crc32c']:08x} (damaged or replaced)"
+            )
+    return blob
+
+
 def read_checkpoint_metadata(storage: Storage, trust: Trust = TOOLS) -> tuple[Metadata, Manifest | None]:
     """Read and verify ``.metadata`` (and the manifest, if there is one):
     capped reads, the manifest's schema, the CRC, the restricted unpickle
@@ -473,9 +560,15 @@ def _check_damage(storage: Storage, blob: bytes, why: str, refused: CheckpointEr
         ) from refused
 
 
+#: The most listed objects :func:`_why_missing` looks at: explaining an
+#: absence must not walk a whole filesystem (``file:///``) or bucket. A
+#: checkpoint's commit files, markers and first data files come first.
+EXPLAIN_LIMIT = 10_000
+
+
 def _why_missing(storage: Storage) -> str:
     try:
-        listed = [o["path"] for o in storage.list()]
+        listed = [o["path"] for o in itertools.islice(storage.list(), EXPLAIN_LIMIT)]
         # The marker alone is what a save that failed before publishing any
         # data file leaves (its rank's files are published together).
         leftovers = [p for p in listed if is_data_file(p) or is_manifest(p) or p == INFLIGHT]

@@ -24,8 +24,8 @@ Save, as ``torch.distributed.checkpoint.save`` drives it::
                                         (durable) on return
     (coordinator) finish                runs only if *every* rank's write_data
                                         succeeded (DCP gathers the results):
-                                        SaveSession.publish -- manifest, then
-                                        ``.metadata`` last
+                                        SaveSession.publish -- the commit files,
+                                        the manifest, then ``.metadata`` last
     (coordinator) release               when the save failed on any rank
                                         (:func:`save_state_dict` calls it when
                                         ``dcp.save`` raises): SaveSession.release
@@ -39,7 +39,7 @@ import io
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -61,7 +61,7 @@ from ..options import check_workers
 from ..progress import NO_PROGRESS, Progress
 from ..quiet import ignoring
 from ..storage import Storage, backend_name, parse_uri
-from .commit import ItemRecord, SaveSession
+from .commit import ItemRecord, SaveSession, check_commit_files
 from .owner_gate import OwnerGate, run_gated
 
 #: DCP warns on every call made without an initialised process group; a
@@ -135,6 +135,52 @@ def write_stats(stats: SaveStats, results: Sequence[WriteResult], started: float
     stats.files = sorted({r.storage_data.relative_path for r in results})
 
 
+def rank_prefix(rank: int, spread: int) -> str:
+    """The DCP file prefix of ``rank``'s data files (``__{rank}_``, as stock
+    DCP), in its spread directory when the storage spreads them."""
+    return spread_file_prefix(f"__{rank}_", rank, spread)
+
+
+def write_data_file(
+    storage: Storage,
+    name: str,
+    items: Sequence[WriteItem],
+    data_of: Callable[[WriteItem], io.BytesIO | torch.Tensor],
+    transforms: _StorageWriterTransforms | None,
+    progress: Progress,
+    gate: OwnerGate,
+) -> list[WriteResult]:
+    """Write one data file ``name`` holding ``items`` (``data_of(item)``: its
+    bytes or CPU tensor, asked for one item at a time), published once
+    ``gate`` passes; returns the items' write results, each carrying its
+    :class:`ItemRecord`. Every writer's data files are written here."""
+    written = []
+    # Tensor bytes and an upper estimate of each record's headers: object
+    # stores size their parts from it (see StorageOptions.part_size_for).
+    size_hint = sum(item_nbytes(it) + RECORD_HEADERS_ESTIMATE for it in items)
+    with storage.open_write(name, size_hint=size_hint) as writer:
+        stream = RecordStream(writer)
+        for item in items:
+            data = data_of(item)
+            descriptors: tuple[str, ...] = ()
+            if transforms is not None:
+                data, descriptors = encode_item(data, item, transforms)
+            written.append((item, stream.write_item(data), descriptors))
+            progress.update(item_nbytes(item))
+        file_size, file_crc = stream.finish()
+        # Leaving the block publishes the file; a save that lost its
+        # URI to a later save must not clobber that save's files.
+        gate.wait()
+    return [
+        WriteResult(
+            index=item.index,
+            size_in_bytes=w.length,
+            storage_data=ItemRecord(name, w.offset, w.length, w.crc32c, file_size, file_crc, w.raw, descriptors),
+        )
+        for item, w, descriptors in written
+    ]
+
+
 class DcpStorageWriter(StorageWriter):
     """A DCP ``StorageWriter`` over any :class:`Storage`.
 
@@ -145,6 +191,10 @@ class DcpStorageWriter(StorageWriter):
     items are written. Built by :func:`save_state_dict` (:func:`dcpstore.save`)
     and, from a URI, by :class:`dcpstore.StorageWriter` (which passes
     ``reopen`` so that :meth:`reset` can re-point it to another URI).
+    ``commit_files``: name -> bytes of small files the coordinator writes
+    with the commit, before ``.metadata`` (see
+    :meth:`~dcpstore.dcp.commit.SaveSession.publish`); the attribute of the
+    same name may be replaced between saves.
     """
 
     def __init__(
@@ -158,8 +208,10 @@ class DcpStorageWriter(StorageWriter):
         extensions: Sequence[StreamTransformExtension] = (),
         progress: Progress = NO_PROGRESS,
         save_id: str | None = None,
+        commit_files: Mapping[str, bytes] | None = None,
     ) -> None:
         super().__init__()
+        self.commit_files = dict(check_commit_files(commit_files))
         #: The id the coordinator's claim records (None: a fresh one per save).
         self._save_id = save_id
         self.storage = storage
@@ -222,7 +274,7 @@ class DcpStorageWriter(StorageWriter):
         save_id, tagged = self.session.token
         spread = self.storage.options.spread_prefixes
         return [
-            dataclasses.replace(plan, storage_data=SaveToken(spread_file_prefix(f"__{i}_", i, spread), save_id, tagged))
+            dataclasses.replace(plan, storage_data=SaveToken(rank_prefix(i, spread), save_id, tagged))
             for i, plan in enumerate(plans)
         ]
 
@@ -259,35 +311,13 @@ class DcpStorageWriter(StorageWriter):
     def _write_file(
         self, name: str, items: list[WriteItem], planner: SavePlanner, lock: threading.Lock, gate: OwnerGate
     ) -> list[WriteResult]:
-        written = []
-        # Tensor bytes and an upper estimate of each record's headers: object
-        # stores size their parts from it (see StorageOptions.part_size_for).
-        size_hint = sum(item_nbytes(it) + RECORD_HEADERS_ESTIMATE for it in items)
-        with self.storage.open_write(name, size_hint=size_hint) as writer:
-            stream = RecordStream(writer)
-            for item in items:
-                data = _resolve(planner, item, lock)
-                descriptors: tuple[str, ...] = ()
-                if self.transforms is not None:
-                    data, descriptors = encode_item(data, item, self.transforms)
-                written.append((item, stream.write_item(data), descriptors))
-                self.progress.update(item_nbytes(item))
-            file_size, file_crc = stream.finish()
-            # Leaving the block publishes the file; a save that lost its
-            # URI to a later save must not clobber that save's files.
-            gate.wait()
-        return [
-            WriteResult(
-                index=item.index,
-                size_in_bytes=w.length,
-                storage_data=ItemRecord(name, w.offset, w.length, w.crc32c, file_size, file_crc, w.raw, descriptors),
-            )
-            for item, w, descriptors in written
-        ]
+        return write_data_file(
+            self.storage, name, items, lambda item: _resolve(planner, item, lock), self.transforms, self.progress, gate
+        )
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         t_start = time.perf_counter()
-        self.session.publish(metadata, results)
+        self.session.publish(metadata, results, self.commit_files)
         self.stats.commit_s = time.perf_counter() - t_start
 
     def release(self) -> None:

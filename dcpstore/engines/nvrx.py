@@ -78,10 +78,9 @@ from torch.distributed.checkpoint.utils import _DistWrapper
 from ..dcp.commit import ItemRecord, SaveSession
 from ..dcp.failures import describe_failure
 from ..dcp.owner_gate import OwnerGate, run_gated
-from ..dcp.writer import write_stats
+from ..dcp.writer import rank_prefix, write_stats
 from ..errors import BackendUnavailable, CheckpointCorrupt, CheckpointExists, InvalidArgument, SaveError
 from ..format.checksum import file_and_span_crcs
-from ..format.layout import spread_file_prefix
 from ..format.record import compact_cpu_tensor
 from ..handle import SaveStats
 from ..storage import Storage
@@ -179,7 +178,7 @@ def writer_class() -> type:
             # (NVRx's metadata cache replays this plan while it is valid).
             spread = self.storage.options.spread_prefixes
             return [
-                dataclasses.replace(plan, storage_data=_StoragePrefix(spread_file_prefix(f"__{i}_", i, spread)))
+                dataclasses.replace(plan, storage_data=_StoragePrefix(rank_prefix(i, spread)))
                 for i, plan in enumerate(plans)
             ]
 
@@ -326,7 +325,7 @@ def nvrx_save(
             return single
 
     wrapper = _DistWrapper(process_group, True, 0)
-    with _claim_and_share(storage, wrapper, overwrite, save_id) as session:
+    with claim_and_share(storage, wrapper, overwrite, save_id) as session:
         writer = writer_class()(session, target, workers)
         metadata: Metadata | None = None
         try:
@@ -355,7 +354,7 @@ def nvrx_save(
         return stats
 
 
-def _claim_and_share(storage: Storage, wrapper: _DistWrapper, overwrite: bool, save_id: str | None) -> SaveSession:
+def claim_and_share(storage: Storage, wrapper: _DistWrapper, overwrite: bool, save_id: str | None) -> SaveSession:
     """The coordinator claims the URI; every rank gets the session's token
     (or the coordinator's failure) by broadcast, so no rank writes before
     the claim. Returns this rank's session."""

@@ -7,6 +7,9 @@ A checkpoint directory (or key prefix) holds, in stock DCP layout::
                             commit or failure; :mod:`.inflight`)
     __{rank}_{n}.distcp     data files, one per writer thread per rank
     p{d}/__{rank}_{n}.distcp  the same, spread over key prefixes (see below)
+    <name>                  a commit file a caller hands the save (e.g. Lightning's
+                            ``meta.pt``), written after every data file and
+                            before the manifest, recorded in it like a data file
     .dcpstore.json          the integrity manifest (written just before .metadata)
     .dcpstore.replica.<r>   a tiered manager's replication report of rank r
                             (durable tier only; removed after the commit)
@@ -20,6 +23,9 @@ the old one::
     __{rank}_{tag}_{n}.distcp    tag: the first 8 hex digits of the save id
                                  (in ``p{d}/`` too when the save spreads)
     .dcpstore.{tag}.json         its manifest
+    .dcpstore.side.{tag}.<name>  its commit files; copied to ``<name>`` once
+                                 its ``.metadata`` landed (for readers that
+                                 know only the plain name)
 
 ``.metadata`` records the save id (``storage_meta.save_id``), so a reader
 finds the manifest that belongs to it (:func:`manifest_names`); a
@@ -89,6 +95,12 @@ _SAVE_ID_RE = re.compile(rf"^[0-9a-f]{{{SAVE_ID_LEN}}}$")
 TAG_LEN = 8
 _DATA_RE = re.compile(r"^__\d+_(?:([0-9a-f]{8})_)?\d+\.distcp$")
 _MANIFEST_RE = re.compile(r"^\.dcpstore(?:\.([0-9a-f]{8}))?\.json$")
+#: A commit file's save-unique name: ``.dcpstore.side.{tag}.{name}``.
+COMMIT_FILE_PREFIX = ".dcpstore.side."
+_COMMIT_FILE_RE = re.compile(r"^\.dcpstore\.side\.([0-9a-f]{8})\.(.+)$")
+#: What a commit file's own name may be: a plain file name that none of the
+#: names above can take (no directory, no leading dot, no DCP suffix).
+_COMMIT_FILE_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}$")
 #: The directory of a rank's data files when a save spreads them (``p`` +
 #: up to 3 hex digits: StorageOptions.spread_prefixes <= 4096; see the
 #: module doc).
@@ -172,14 +184,46 @@ def is_manifest(name: str) -> bool:
     return _MANIFEST_RE.match(name) is not None
 
 
+def commit_file_problem(name: object) -> str | None:
+    """Why ``name`` cannot be a commit file's name, or None: a plain file
+    name (letters, digits, ``_ . -``; no leading dot) that is no DCP data
+    file or commit, so it never collides with what a save writes itself."""
+    if not isinstance(name, str) or _COMMIT_FILE_NAME_RE.match(name) is None:
+        return f"a commit file's name must be a plain file name (letters, digits, '_', '.', '-'; no leading dot), got {name!r}"
+    if name.endswith(DATA_SUFFIX) or is_commit_file(name):
+        return f"a commit file may not be named like a DCP data file or commit: {name!r}"
+    return None
+
+
+def commit_file_path(name: str, tag: str = "") -> str:
+    """Where a save writes its commit file ``name`` before its commit: the
+    name itself on a fresh URI, ``.dcpstore.side.{tag}.{name}`` for a save
+    with save-unique names (an overwrite), so that the checkpoint it
+    replaces keeps its own until the new ``.metadata`` lands."""
+    return f"{COMMIT_FILE_PREFIX}{tag}.{name}" if tag else name
+
+
+def is_commit_side_file(name: str) -> bool:
+    """Whether ``name`` is a commit file's save-unique name (a save's own,
+    removed with that save's other files once a later save replaces it)."""
+    return _COMMIT_FILE_RE.match(name) is not None
+
+
+def commit_file_of(path: str) -> str:
+    """The commit file name that the recorded ``path`` holds: the name of
+    a save-unique one, ``path`` itself otherwise."""
+    m = _COMMIT_FILE_RE.match(path)
+    return m.group(2) if m is not None else path
+
+
 def name_tag(path: str) -> str | None:
     """The save tag of a data file (``path`` relative to its checkpoint,
-    spread or not) or manifest name ("" for stock names); None for any
-    other path."""
+    spread or not), manifest or save-unique commit file name ("" for stock
+    names); None for any other path."""
     if is_data_file(path):
         m = _DATA_RE.match(path.rpartition("/")[2])
     else:
-        m = _MANIFEST_RE.match(path)
+        m = _MANIFEST_RE.match(path) or _COMMIT_FILE_RE.match(path)
     return None if m is None else m.group(1) or ""
 
 

@@ -12,7 +12,8 @@ Everything read from storage is hostile until checked: :func:`parse_manifest`
 checks every field's type and range, :func:`check_items_listed` checks the
 manifest against ``.metadata`` (every stored item listed, inside its file,
 its tensor bytes inside the item, no file listed that ``.metadata`` does
-not name, each file's CRC the combination of its items'), and
+not name but a caller's commit files, each file's CRC the combination of
+its items'), and
 :func:`read_capped` refuses commit
 files larger than any real checkpoint's, before allocating. Errors are
 :class:`~dcpstore.errors.CheckpointCorrupt` naming the file and the field.
@@ -29,7 +30,7 @@ import crc32c
 from ..errors import CheckpointCorrupt, ObjectTooLarge
 from ..storage.base import Storage
 from .checksum import crc32c_concat
-from .layout import item_key
+from .layout import commit_file_of, commit_file_problem, is_data_file, item_key
 
 MANIFEST_FORMAT = "dcpstore-manifest/1"
 _UINT32 = 1 << 32
@@ -233,7 +234,7 @@ def check_items_listed(
                 f"({path} at offset {offset}, {length} bytes)"
             )
         per_file.setdefault(path, []).append((offset, length))
-    unnamed = sorted(set(files) - set(per_file))
+    unnamed = sorted(set(files) - set(per_file) - set(commit_files(manifest, per_file)))
     if unnamed:
         raise CheckpointCorrupt(
             f"{manifest_where}: damaged integrity manifest: lists {len(unnamed)} data file(s) that .metadata "
@@ -250,6 +251,18 @@ def check_items_listed(
                 f"{manifest_where}: damaged integrity manifest: checksum mismatch in items of {path}: "
                 f"files[{path!r}].crc32c is not the combination of its items' CRC32Cs"
             )
+
+
+def commit_files(manifest: Manifest | None, named: Iterable[str]) -> list[str]:
+    """The files the manifest lists beside the data files ``.metadata``
+    names (``named``): a caller's commit files (:func:`~.layout.commit_file_path`),
+    which no load of the state reads and ``read_commit_file`` checks."""
+    if manifest is None:
+        return []
+    named = set(named)
+    return sorted(
+        p for p in manifest["files"] if p not in named and not is_data_file(p) and commit_file_problem(commit_file_of(p)) is None
+    )
 
 
 def check_metadata_crc(blob: bytes, manifest: Manifest, where: str) -> None:

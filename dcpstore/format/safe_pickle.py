@@ -8,7 +8,10 @@ choosing is ever called:
 
 - ``.metadata`` (:func:`load_metadata`): DCP's metadata dataclasses,
   ``torch.Size``, dtypes, layouts, devices, ``pathlib`` paths (the
-  ``checkpoint_id`` stock DCP records) and builtin containers -- what torch
+  ``checkpoint_id`` stock DCP records), the path classes other writers
+  record there (MSC's ``MultiStoragePath``), read as inert data without
+  importing their module or running their code (:mod:`.peer_paths` says
+  how and which) and builtin containers -- what torch
   2.6 and newer write for plain tensors, DTensor, ShardedTensor, bytes items
   and flattened or nested state dicts (the tests check it against the pickles
   torch writes). It is then validated field by field
@@ -64,6 +67,7 @@ from ..errors import CheckpointCorrupt, UnsafeCheckpoint
 from ..options import check_safe_globals, check_trusted
 from ..storage.base import Storage
 from .manifest import StoredItem, check_relative_name
+from .peer_paths import stand_ins
 from .record import BYTES_ITEM_LIMIT
 
 #: A tensor item's ``torch.save`` record is its bytes plus ~1.5 KiB of zip
@@ -195,6 +199,7 @@ def _metadata_globals() -> dict[str, Any]:
     allowed = {_name_of(c): c for c in classes}
     allowed.update((f"torch.{name}", v) for name, v in vars(torch).items() if isinstance(v, torch.dtype))
     allowed.update(_paths(pure=True))
+    allowed.update(stand_ins())
     return allowed
 
 

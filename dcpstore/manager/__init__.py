@@ -2,8 +2,9 @@
 
 Owns :class:`CheckpointManager` (:mod:`.manager`: one save in flight,
 retention after a commit, resume from the newest committed step) and the
-step layout on any storage root (:mod:`.steps`: names, listing, the
-``latest`` pointer, deletion, retention), and where the steps live
+step layout on any storage root (:mod:`.steps`: names -- dcpstore's
+``step_*`` or Megatron-Bridge's ``iter_*`` -- listing, the pointer,
+deletion, retention), and where the steps live
 (:mod:`.roots`: one root; :mod:`.tiered`: a local tier that saves commit to,
 replicated in the background to a durable root by :mod:`.replicate`).
 
@@ -14,14 +15,29 @@ the CLI).
 """
 
 from .manager import CheckpointManager, SavedStep
-from .steps import LATEST, STEP_DIGITS, STEP_PREFIX, check_step, parse_step_dir, step_dir
+from .steps import (
+    BRIDGE,
+    DCPSTORE,
+    LATEST,
+    LAYOUTS,
+    STEP_DIGITS,
+    STEP_PREFIX,
+    StepLayout,
+    check_step,
+    parse_step_dir,
+    step_dir,
+)
 
 __all__ = [
+    "BRIDGE",
+    "DCPSTORE",
     "LATEST",
+    "LAYOUTS",
     "STEP_DIGITS",
     "STEP_PREFIX",
     "CheckpointManager",
     "SavedStep",
+    "StepLayout",
     "check_step",
     "parse_step_dir",
     "step_dir",

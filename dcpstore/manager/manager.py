@@ -66,7 +66,7 @@ from ..options import SaveOptions
 from ..quiet import user_stacklevel
 from ..storage import StorageOptions, join_uri, open_storage
 from .roots import OneRoot, Roots
-from .steps import check_step, step_dir
+from .steps import StepLayout, check_layout, check_step
 from .tiered import REPLICATE_TIMEOUT_S, TieredRoots, check_tier_options
 
 log = logging.getLogger(__name__)
@@ -125,6 +125,12 @@ class CheckpointManager:
             every step). Needs ``local_dir``.
         replicate_timeout_s: bounds one step's replication and ``close()``'s
             wait for them.
+        layout: how steps and the pointer are named: ``"dcpstore"``
+            (``step_00000100/``, ``latest``) or ``"bridge"``
+            (Megatron-Bridge's ``iter_0000100/`` and its tracker
+            ``latest_checkpointed_iteration.txt``, so Bridge resumes from
+            this manager's steps and this manager from Bridge's); a
+            :class:`~dcpstore.manager.steps.StepLayout`. Not with ``local_dir``.
 
     Raises:
         InvalidArgument: a bad option, both ``options=`` and option
@@ -153,7 +159,9 @@ class CheckpointManager:
         local_keep: int | None = None,
         replicate_every: int = 1,
         replicate_timeout_s: float = REPLICATE_TIMEOUT_S,
+        layout: str | StepLayout = "dcpstore",
     ) -> None:
+        self.layout = check_layout(layout)
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
             raise InvalidArgument(f"keep must be None (keep all) or an int >= 1, got {keep!r}")
         from_keywords = SaveOptions(
@@ -198,8 +206,13 @@ class CheckpointManager:
             if local_keep is not None or every != 1:
                 durable.close()
                 raise InvalidArgument("local_keep and replicate_every need local_dir= (a tiered manager)")
-            return OneRoot(durable, self.root_uri, self.keep)
+            return OneRoot(durable, self.root_uri, self.keep, self.layout)
         try:
+            if self.layout.name != "dcpstore":
+                raise InvalidArgument(
+                    f"layout={self.layout.name!r} is not supported with local_dir= (a tiered manager names its "
+                    "steps step_NNNNNNNN in both tiers); leave local_dir out, or layout='dcpstore'"
+                )
             check_tier_options(local_keep, every, timeout_s)
             local_uri = os.fspath(local_dir)
             local = open_storage(local_uri)
@@ -266,7 +279,7 @@ class CheckpointManager:
 
     def step_uri(self, step: int) -> str:
         """The URI of ``step``'s checkpoint under the root (committed or not)."""
-        return join_uri(self.root_uri, step_dir(step))
+        return join_uri(self.root_uri, self.layout.step_dir(step))
 
     def all_steps(self) -> list[int]:
         """Committed steps, ascending (in either tier when tiered). Reads the
@@ -279,7 +292,8 @@ class CheckpointManager:
         return steps[-1] if steps else None
 
     def read_pointer(self) -> int | None:
-        """The step in ``root/latest`` (a hint; see the module docstring)."""
+        """The step the root's pointer names (``latest``, or Bridge's tracker;
+        a hint, see the module docstring)."""
         return self._roots.read_pointer()
 
     # -- saving -------------------------------------------------------------
@@ -304,7 +318,7 @@ class CheckpointManager:
         Args:
             state_dict: this rank's state (a dict, as for :func:`dcpstore.save`).
             step: the step number, an int >= 0; the checkpoint goes to
-                ``root/step_{step:08d}``.
+                ``root/step_{step:08d}`` (``root/iter_{step:07d}`` in Bridge's layout).
             overwrite: replace a step that is already committed (saving a
                 step twice is usually a bug). A replaced step loads as the
                 old save until the new one is committed, and as the new one
@@ -506,7 +520,7 @@ class CheckpointManager:
             log.error("closing the CheckpointManager for %s also failed: %s", self.uri, close_error)
 
     def __repr__(self) -> str:
-        return f"CheckpointManager({self.uri!r}, keep={self.keep}, async_={self.async_})"
+        return f"CheckpointManager({self.uri!r}, keep={self.keep}, async_={self.async_}, layout={self.layout.name!r})"
 
 
 def _is_step(value: object) -> bool:

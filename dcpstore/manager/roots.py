@@ -29,7 +29,16 @@ from ..errors import CheckpointNotFound
 from ..format.layout import METADATA
 from ..handle import SaveHandle
 from ..storage import Storage, join_uri
-from .steps import STEP_PREFIX, check_step, committed_steps, is_committed, read_pointer, retire, step_dir, write_pointer
+from .steps import (
+    DCPSTORE,
+    StepLayout,
+    check_step,
+    committed_steps,
+    is_committed,
+    read_pointer,
+    retire,
+    write_pointer,
+)
 
 
 class Roots(Protocol):
@@ -82,17 +91,18 @@ def coordinator_rank(group: dist.ProcessGroup | None) -> int:
     return dist.get_global_rank(group, 0) if group is not None else 0
 
 
-def not_found(uri: str) -> CheckpointNotFound:
-    return CheckpointNotFound(f"no committed checkpoint under {uri} (no {STEP_PREFIX}*/{METADATA})")
+def not_found(uri: str, layout: StepLayout = DCPSTORE) -> CheckpointNotFound:
+    return CheckpointNotFound(f"no committed checkpoint under {uri} (no {layout.prefix}*/{METADATA})")
 
 
 class OneRoot:
-    """Every step under one root: the plain manager."""
+    """Every step under one root, named by ``layout``: the plain manager."""
 
-    def __init__(self, storage: Storage, root_uri: str, keep: int | None) -> None:
+    def __init__(self, storage: Storage, root_uri: str, keep: int | None, layout: StepLayout = DCPSTORE) -> None:
         self._storage = storage
         self._root_uri = root_uri
         self._keep = keep
+        self._layout = layout
 
     @property
     def uri(self) -> str:
@@ -103,10 +113,10 @@ class OneRoot:
         return self._storage
 
     def save_uri(self, step: int) -> str:
-        return join_uri(self._root_uri, step_dir(step))
+        return join_uri(self._root_uri, self._layout.step_dir(step))
 
     def is_committed(self, step: int) -> bool:
-        return is_committed(self._storage, step)
+        return is_committed(self._storage, step, self._layout)
 
     def before_save(self, step: int, overwrite: bool) -> str | None:
         return None
@@ -115,15 +125,15 @@ class OneRoot:
         pass
 
     def committed(self, step: int) -> None:
-        write_pointer(self._storage, step)
+        write_pointer(self._storage, step, self._layout)
         if self._keep is not None:
-            retire(self._storage, step, self._keep)
+            retire(self._storage, step, self._keep, self._layout)
 
     def all_steps(self) -> list[int]:
-        return committed_steps(self._storage)
+        return committed_steps(self._storage, self._layout)
 
     def read_pointer(self) -> int | None:
-        return read_pointer(self._storage)
+        return read_pointer(self._storage, self._layout)
 
     def locate(
         self, step: int | None, group: dist.ProcessGroup | None, state_dict: dict[str, Any] | None = None
@@ -138,7 +148,7 @@ class OneRoot:
                 dist.broadcast_object_list(box, src=coordinator_rank(group), group=group)
                 found = box[0]
             if found is None:
-                raise not_found(self.uri)
+                raise not_found(self.uri, self._layout)
             step = found
         step = check_step(step)
         return step, self.save_uri(step)

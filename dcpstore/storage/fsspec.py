@@ -42,7 +42,7 @@ from fsspec.spec import AbstractBufferedFile
 from ..errors import BackendUnavailable, CheckpointError, StorageError, StorageNotFound
 from .base import ObjectInfo, ObjectWriter, Storage, StorageOptions
 from .buffered import BufferedObjectWriter
-from .kit import library_text, map_os_error
+from .kit import LocalRoot, library_text, map_os_error
 from .secrets import scrub_exception
 from .uri import StorageURL
 
@@ -72,10 +72,19 @@ class FsspecStorage(Storage):
         # An AbstractBufferedFile honours autocommit=False (upload now, publish
         # at commit); memory:// and local files do not, so they use temp + mv.
         self.transactional = self._has_buffered_files()
+        # A local filesystem: what is read resolves inside the root (see LocalRoot).
+        self._local = LocalRoot(self.root) if {"file", "local"} & set(self._protocols()) else None
+
+    def _protocols(self) -> tuple[str, ...]:
+        protocol = self.fs.protocol
+        return tuple(protocol) if isinstance(protocol, (tuple, list)) else (protocol,)
+
+    def _check_inside(self, path: str) -> None:
+        if self._local is not None:
+            self._local.check_path(self._full(path), self.describe(path))
 
     def _has_buffered_files(self) -> bool:
-        protocols = self.fs.protocol if isinstance(self.fs.protocol, (tuple, list)) else (self.fs.protocol,)
-        if {"memory", "file", "local"} & set(protocols):
+        if {"memory", "file", "local"} & set(self._protocols()):
             return False
         return type(self.fs).__module__.split(".")[0] in _TRANSACTIONAL_MODULES
 
@@ -117,6 +126,7 @@ class FsspecStorage(Storage):
     # -- reading -------------------------------------------------------------
     def read_range(self, path: str, offset: int, length: int) -> bytes:
         full = self._full(path)
+        self._check_inside(path)
         with self._mapped(f"cannot read {self.describe(path)}"):
             if length <= 0:
                 self.size(path)
@@ -125,11 +135,12 @@ class FsspecStorage(Storage):
 
     def read(self, path: str, *, limit: int | None = None) -> bytes:
         with self._mapped(f"cannot read {self.describe(path)}"):
-            size = self.size(path)  # a directory is not an object
+            size = self.size(path)  # a directory is not an object; checks the path too
             self.check_limit(path, size, limit)
             return bytes(self.fs.cat_file(self._full(path), start=0, end=size)) if size else b""
 
     def size(self, path: str) -> int:
+        self._check_inside(path)
         with self._mapped(f"cannot stat {self.describe(path)}"):
             info = self.fs.info(self._full(path))
         if info.get("type") != "file":

@@ -5,7 +5,8 @@ Byte arithmetic for splitting reads (:func:`byte_ranges`,
 family (:func:`map_os_error`; :func:`library_text` is where every text
 from a library or server passes before it enters a message), how many connections
 a storage's HTTP client keeps (:func:`http_pool_size`), and POSIX
-durability (:func:`fsync_dir`), and the AWS environment boto3 clients read
+durability (:func:`fsync_dir`), what a file read from a local filesystem
+may resolve to (:class:`LocalRoot`), and the AWS environment boto3 clients read
 (:func:`aws_env_fingerprint`, :func:`aws_retry_mode`: the native S3 and the
 MSC backends build theirs alike).
 
@@ -19,7 +20,7 @@ import hashlib
 import os
 from collections.abc import Sequence
 
-from ..errors import CheckpointError, StorageError, StorageNotFound, StoragePermissionError
+from ..errors import CheckpointError, StorageError, StorageNotFound, StoragePermissionError, UnsafeCheckpoint
 from .secrets import scrub, scrub_exception
 from .uri import redact
 
@@ -122,6 +123,44 @@ def map_os_error(e: BaseException, what: str, *, denied: str = "permission denie
     if isinstance(e, PermissionError):
         return StoragePermissionError(f"{what}: {denied}")
     return StorageError(f"{what}: {library_detail(e)}")
+
+
+class LocalRoot:
+    """A storage root on a local filesystem, and the rule for what is read
+    under it: a file read must resolve (every symbolic link followed) to a
+    path inside the root, else :class:`UnsafeCheckpoint` naming it. A link
+    to elsewhere inside the checkpoint is fine; one out of it (to another
+    checkpoint, ``/etc``, a device) is never followed. The root itself may
+    be reached through links: it is resolved once it exists (a save creates
+    it). The local, MSC POSIX and fsspec local backends all check here."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self._real: str | None = None
+
+    def real(self) -> str:
+        """The root, its links resolved."""
+        if self._real is not None:
+            return self._real
+        real = os.path.realpath(self.root)
+        if os.path.isdir(real):
+            self._real = real
+        return real
+
+    def check(self, resolved: str, where: str) -> None:
+        """``resolved`` (a file's path, links resolved) lies inside the root;
+        ``where`` names the file in the error."""
+        real_root = self.real()
+        if resolved != real_root and not resolved.startswith(real_root.rstrip(os.sep) + os.sep):
+            raise UnsafeCheckpoint(
+                f"{where} resolves to {resolved}, outside the checkpoint directory {real_root} "
+                "(a symbolic link out of it): dcpstore reads nothing outside a checkpoint"
+            )
+
+    def check_path(self, full: str, where: str) -> None:
+        """:meth:`check` for the file at ``full``, resolved now (for backends
+        that open by path: the resolution and their open are two steps)."""
+        self.check(os.path.realpath(full), where)
 
 
 def fsync_dir(path: str) -> None:

@@ -6,11 +6,26 @@ final name, and then the directory is fsynced so the rename itself is durable.
 A crash at any point leaves either the old state or the complete new object,
 plus at most a temporary file that is never listed and that
 :meth:`LocalStorage.cleanup_incomplete` (``dcpstore gc``) removes.
+
+Symbolic links: a file read resolves inside the root (the root itself may be
+reached through a link: it is resolved once), else
+:class:`~dcpstore.errors.UnsafeCheckpoint` naming it. Listing and deleting
+never follow a link: a link is listed as itself (its own size and time), a
+linked directory is not descended into, a path reached through a linked
+directory is not deleted, and a delete removes a link, never its target.
+
+Listing errors: the directory listed is a :class:`StorageError` naming it
+and the cause (unreadable, a link loop, a name too long); a directory below
+it that cannot be read is skipped with a warning on the ``dcpstore`` logger
+(a ``lost+found`` in a mount point must not stop ``ls``, ``gc`` or a
+manager; nothing is deleted there), and so is an entry that cannot be
+stat'ed; one deleted while the walk runs is skipped silently.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import stat
 import time
@@ -18,11 +33,16 @@ import uuid
 from collections.abc import Iterable, Iterator, Sequence
 
 from ..errors import StorageError, StorageNotFound
-from .base import ObjectInfo, ObjectWriter, Storage
+from .base import ObjectInfo, ObjectWriter, Storage, StorageOptions
 from .buffered import BufferedObjectWriter
-from .kit import disk_workers, fsync_dir, slice_buffers
+from .kit import LocalRoot, disk_workers, fsync_dir, library_detail, slice_buffers
+from .uri import StorageURL
+
+log = logging.getLogger("dcpstore")
 
 _TMP_MARK = ".dcpstore-tmp-"
+#: Warnings one listing gives for entries it cannot read and skips.
+_SKIP_WARNINGS = 3
 #: Buffers per preadv call (the kernel's UIO_MAXIOV).
 _IOV_MAX = getattr(os, "IOV_MAX", 1024)
 
@@ -74,6 +94,10 @@ class LocalStorage(Storage):
     backend = "local"
     _library_errors = (OSError,)
 
+    def __init__(self, url: StorageURL, options: StorageOptions | None = None) -> None:
+        super().__init__(url, options)
+        self._local = LocalRoot(self.root)
+
     def default_workers(self) -> int:
         """Threads are a disk's parallelism: see :func:`~dcpstore.storage.kit.disk_workers`."""
         return disk_workers()
@@ -114,11 +138,18 @@ class LocalStorage(Storage):
         (:class:`StorageNotFound`): a FIFO would block the reader forever and
         a device (``/dev/zero``) never end. ``O_NONBLOCK`` keeps the open of a
         FIFO from waiting for a writer; on a regular file it changes nothing.
-        The check is on the opened file, so a swap after it cannot fool it."""
-        fd = os.open(self._full(path), os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        A file that resolves outside the root is refused too
+        (:class:`~dcpstore.storage.kit.LocalRoot`). Both checks are on the
+        opened file, so a swap after them cannot fool them."""
+        full = self._full(path)
+        fd = os.open(full, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise StorageNotFound(f"{self.describe(path)} is not a file")
+            self._local.check(_opened_path(fd, full), self.describe(path))
+        except BaseException:
             os.close(fd)
-            raise StorageNotFound(f"{self.describe(path)} is not a file")
+            raise
         return fd
 
     def read_range(self, path: str, offset: int, length: int) -> bytes:
@@ -155,38 +186,96 @@ class LocalStorage(Storage):
         return done
 
     def size(self, path: str) -> int:
+        # Through the open: the same checks as a read (a regular file, inside the root).
         with self._mapped(f"cannot stat {self.describe(path)}"):
-            st = os.stat(self._full(path))
-        if not os.path.isfile(self._full(path)):
-            raise StorageNotFound(f"{self.describe(path)} is not a file")
-        return st.st_size
+            fd = self._open_file(path)
+            try:
+                return os.fstat(fd).st_size
+            finally:
+                os.close(fd)
+
+    def _linked(self, full: str) -> bool:
+        """Whether ``full`` (under the root) is reached through a symbolic link."""
+        rel = os.path.relpath(full, self.root)
+        want = self._local.real() if rel == "." else os.path.join(self._local.real(), rel)
+        return os.path.realpath(full) != want
+
+    def _walk(self, prefix: str) -> Iterator[tuple[str, os.stat_result]]:
+        """``(path, lstat)`` of every entry under ``prefix`` that is not a
+        directory (links included, never followed), paths relative to the
+        root, sorted, each directory's entries before its subdirectories'
+        (as ``os.walk``). The directory listed failing is an error; one below
+        it is skipped with a warning (see the module docstring)."""
+        base = self._full(prefix)
+        what = f"cannot list {self.describe(prefix)}"
+        with self._mapped(what):
+            try:
+                # The root may be reached through a link; nothing below it is.
+                st = os.lstat(base) if prefix else os.stat(base)
+            except (FileNotFoundError, NotADirectoryError):
+                return  # nothing there: an empty listing
+            if stat.S_ISLNK(st.st_mode) or (stat.S_ISDIR(st.st_mode) and prefix and self._linked(base)):
+                return  # a link: listed by its parent's listing, never followed
+        if not stat.S_ISDIR(st.st_mode):
+            yield prefix, st
+            return
+        stack = [base]
+        skipped = [0]
+        while stack:
+            directory = stack.pop()
+            try:
+                with os.scandir(directory) as it:
+                    entries = sorted(it, key=lambda e: e.name)
+            except FileNotFoundError:
+                continue  # deleted while we walked
+            except OSError as e:
+                if directory == base:
+                    raise self._error(e, what) from e
+                self._skipped(prefix, directory, e, skipped)
+                continue
+            subdirs = []
+            for entry in entries:
+                try:
+                    if entry.is_dir(follow_symlinks=False):
+                        subdirs.append(entry.path)
+                        continue
+                    info = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                except OSError as e:
+                    self._skipped(prefix, entry.path, e, skipped)
+                    continue
+                yield os.path.relpath(entry.path, self.root), info
+            stack.extend(reversed(subdirs))
+
+    def _skipped(self, prefix: str, full: str, e: OSError, count: list[int]) -> None:
+        """Warn of an entry the listing of ``prefix`` skips; the first few only."""
+        count[0] += 1
+        if count[0] <= _SKIP_WARNINGS:
+            where = self.describe(os.path.relpath(full, self.root))
+            more = "; further entries it cannot read are skipped without a warning" if count[0] == _SKIP_WARNINGS else ""
+            log.warning("listing %s skipped %s: %s%s", self.describe(prefix), where, library_detail(e), more)
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
-        base = self._full(prefix.rstrip("/"))
-        if os.path.isfile(base):
-            st = os.stat(base)
-            yield {"path": prefix.rstrip("/"), "size": st.st_size, "mtime": st.st_mtime}
-            return
-        for dirpath, dirnames, filenames in os.walk(base):
-            dirnames.sort()
-            for name in sorted(filenames):
-                if _is_tmp(name):
-                    continue
-                full = os.path.join(dirpath, name)
-                try:
-                    st = os.stat(full)
-                except FileNotFoundError:  # deleted while we walked
-                    continue
-                yield {"path": os.path.relpath(full, self.root), "size": st.st_size, "mtime": st.st_mtime}
+        for path, st in self._walk(prefix.rstrip("/")):
+            if not _is_tmp(os.path.basename(path)):
+                yield {"path": path, "size": st.st_size, "mtime": st.st_mtime}
 
     def delete(self, paths: Iterable[str]) -> None:
         parents = set()
+        linked: dict[str, bool] = {}
         for path in paths:
             full = self._full(path)
+            parent = os.path.dirname(full)
+            if parent not in linked:
+                linked[parent] = parent != self.root and self._linked(parent)
+            if linked[parent]:
+                log.warning("not deleted: %s is reached through a symbolic link", self.describe(path))
+                continue
             with self._mapped(f"cannot delete {self.describe(path)}"):
                 with contextlib.suppress(FileNotFoundError):
-                    os.unlink(full)
-            parents.add(os.path.dirname(full))
+                    os.unlink(full)  # a link itself, never its target
+            parents.add(parent)
         # Drop directories the deletes emptied (a retired step), never the root.
         for parent in sorted(parents, key=len, reverse=True):
             while parent.startswith(self.root + os.sep):
@@ -197,20 +286,26 @@ class LocalStorage(Storage):
                 parent = os.path.dirname(parent)
 
     def list_incomplete(self) -> Iterator[str]:
-        if not os.path.isdir(self.root):
-            return
-        for dirpath, _, filenames in os.walk(self.root):
-            for name in sorted(filenames):
-                if _is_tmp(name):
-                    yield os.path.relpath(os.path.join(dirpath, name), self.root)
+        for path, _ in self._walk(""):
+            if _is_tmp(os.path.basename(path)):
+                yield path
 
     def cleanup_incomplete(self, older_than_s: float = 0.0) -> int:
         now = time.time()
         removed = 0
-        for rel in list(self.list_incomplete()):
-            full = os.path.join(self.root, rel)
-            with contextlib.suppress(FileNotFoundError):
-                if now - os.path.getmtime(full) >= older_than_s:
-                    os.unlink(full)
-                    removed += 1
+        for path, st in list(self._walk("")):
+            if not _is_tmp(os.path.basename(path)) or now - st.st_mtime < older_than_s:
+                continue
+            with self._mapped(f"cannot delete {self.describe(path)}"), contextlib.suppress(FileNotFoundError):
+                os.unlink(self._full(path))  # a link itself, never its target
+                removed += 1
         return removed
+
+
+def _opened_path(fd: int, full: str) -> str:
+    """Where the open ``fd`` (opened as ``full``) really is: Linux names the
+    opened file itself; elsewhere, ``full`` resolved (checked after the open)."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}").removesuffix(" (deleted)")
+    except OSError:
+        return os.path.realpath(full)

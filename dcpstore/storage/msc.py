@@ -42,6 +42,10 @@ directory after it, which makes the rename durable like the local backend's.
 The temporary name is fixed per object, so two concurrent writers of the
 *same* object would collide (DCP never does that). ``.<name>.tmp`` files are
 hidden from :meth:`MSCStorage.list` and reported by ``list_incomplete``.
+Symbolic links, POSIX profiles: a listing shows none and descends into no
+linked directory (so ``gc`` never deletes through one), and a file read must
+resolve inside the root, as on the local backend
+(:class:`~dcpstore.storage.kit.LocalRoot`).
 
 :class:`~dcpstore.storage.base.StorageOptions` sets how dcpstore splits large
 reads (``part_size`` ranges, ``max_concurrency`` threads). For the implicit
@@ -68,6 +72,7 @@ from collections.abc import Iterable, Iterator
 from typing import IO, Any
 
 import multistorageclient as msc
+from multistorageclient import types as msc_types
 from multistorageclient.types import Range
 
 from ..errors import CheckpointError, InvalidURI, StorageError, StorageNotFound, StoragePermissionError
@@ -75,6 +80,7 @@ from .base import MiB, ObjectInfo, ObjectWriter, Storage, StorageOptions
 from .buffered import BufferedObjectWriter
 from .codes import Meaning, code_in_text, meaning
 from .kit import (
+    LocalRoot,
     aws_env_fingerprint,
     aws_retry_mode,
     byte_ranges,
@@ -86,6 +92,10 @@ from .kit import (
 )
 from .secrets import scrub_exception
 from .uri import StorageURL
+
+#: ``client.list``'s symlink handling that lists no link (None: an MSC
+#: release without the option).
+_SKIP_LINKS = getattr(getattr(msc_types, "SymlinkHandling", None), "SKIP", None)
 
 #: Per object, spooled bytes stay in memory up to this size, then go to a
 #: temporary file (see the module docstring).
@@ -210,6 +220,14 @@ class MSCStorage(Storage):
         # a leading slash (also for the POSIX profile rooted at "/").
         self._key_root = self.root.strip("/")
         self._bucket = url.netloc if url.scheme == "s3" else self.client.profile
+        self._local = LocalRoot(self.posix_root) if self.posix_root is not None else None
+
+    def _check_inside(self, path: str) -> None:
+        """POSIX profiles: what is read resolves inside the root (see :class:`LocalRoot`)."""
+        if self._local is not None:
+            target = self.client.get_posix_path(self._full(path))
+            if target is not None:
+                self._local.check_path(target, self.describe(path))
 
     @property
     def is_posix(self) -> bool:
@@ -287,6 +305,7 @@ class MSCStorage(Storage):
             return b""
         full = self._full(path)
         ps = self.options.part_size_for(length)
+        self._check_inside(path)
         with self._mapped(f"cannot read {self.describe(path)}"):
             if length <= ps or self.options.max_concurrency == 1:
                 return self._read_one(full, offset, length)
@@ -308,6 +327,7 @@ class MSCStorage(Storage):
         return self.read_range(path, 0, size) if size else b""
 
     def size(self, path: str) -> int:
+        self._check_inside(path)
         with self._mapped(f"cannot stat {self.describe(path)}"):
             info = self.client.info(self._full(path))
         if info.type != "file":
@@ -319,8 +339,12 @@ class MSCStorage(Storage):
         full = self._full(prefix) if prefix else self.root
         key_full = full.strip("/")
         listing = f"{full}/" if full else ""
+        # POSIX profiles list no symbolic link: MSC's default follows them
+        # (into directories outside the checkpoint, which gc would then
+        # delete from) and fails the whole listing on a loop.
+        no_links = {"symlink_handling": _SKIP_LINKS} if self.is_posix and _SKIP_LINKS is not None else {}
         with self._mapped(f"cannot list {self.describe(prefix)}"):
-            for obj in self.client.list(path=listing, include_directories=False):
+            for obj in self.client.list(path=listing, include_directories=False, **no_links):
                 key = obj.key.lstrip("/")
                 if key_full and key != key_full and not key.startswith(key_full + "/"):
                     continue

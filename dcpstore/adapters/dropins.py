@@ -1,0 +1,69 @@
+"""What a framework adapter hands dcpstore's DCP drop-ins: one value,
+:class:`DropinOptions`, checked once when the adapter is installed, that
+builds the writers, readers and storages the adapter's saves and loads use.
+
+Layer: adapters. Imports the DCP drop-ins (:mod:`dcpstore.dropin`),
+:mod:`dcpstore.storage` and the foundation.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..dropin import StorageReader, StorageWriter
+from ..errors import InvalidArgument
+from ..storage import Storage, StorageOptions, open_storage
+
+
+@dataclass(frozen=True)
+class DropinOptions:
+    """The keywords the adapters' ``install()`` takes.
+
+    Args:
+        enable_msc, storage_options: as for :func:`dcpstore.save` (the URI
+            picks the backend: a local path, ``s3://``, ...).
+        thread_count: writer and reader threads per rank (default: dcpstore's).
+        verify, safe_globals, trusted: as for :func:`dcpstore.load`.
+    """
+
+    enable_msc: bool = False
+    storage_options: StorageOptions | None = None
+    thread_count: int | None = None
+    verify: bool = True
+    safe_globals: Sequence[Any] | None = None
+    trusted: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("enable_msc", "verify", "trusted"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidArgument(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.storage_options is not None and not isinstance(self.storage_options, StorageOptions):
+            raise InvalidArgument(
+                f"storage_options must be a dcpstore.StorageOptions, got {type(self.storage_options).__name__}"
+            )
+
+    def open(self, uri: str | os.PathLike[str]) -> Storage:
+        return open_storage(uri, enable_msc=self.enable_msc, storage_options=self.storage_options)
+
+    def writer(self, uri: str | os.PathLike[str], commit_files: Mapping[str, bytes] | None = None) -> StorageWriter:
+        return StorageWriter(
+            uri,
+            thread_count=self.thread_count,
+            enable_msc=self.enable_msc,
+            storage_options=self.storage_options,
+            commit_files=commit_files,
+        )
+
+    def reader(self, uri: str | os.PathLike[str]) -> StorageReader:
+        return StorageReader(
+            uri,
+            thread_count=self.thread_count,
+            verify=self.verify,
+            safe_globals=self.safe_globals,
+            trusted=self.trusted,
+            enable_msc=self.enable_msc,
+            storage_options=self.storage_options,
+        )

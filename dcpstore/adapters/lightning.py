@@ -1,0 +1,356 @@
+"""Lightning's ``ModelParallelStrategy`` (FSDP2) sharded checkpoints on
+dcpstore: one call, :func:`install`.
+
+Lightning 2.6 saves a sharded checkpoint with ``dcp_save(state,
+checkpoint_id=path)`` (its writer left to DCP, its ``storage_options``
+refused) and then, on rank 0, ``torch.save(metadata, path / "meta.pt")``:
+after DCP's commit and outside it, so a crash between the two leaves a
+checkpoint whose ``meta.pt`` (epoch, step, loops, callbacks, the user's
+extra state) is missing or belongs to the previous save. :func:`install`
+puts dcpstore beneath one strategy object, Fabric's or the Trainer's::
+
+    from dcpstore.adapters import lightning as dcpstore_lightning
+
+    strategy = ModelParallelStrategy(parallelize_fn)     # lightning.fabric or lightning.pytorch
+    dcpstore_lightning.install(strategy)                  # before the first save or load
+    fabric = Fabric(strategy=strategy, ...)               # or Trainer(strategy=strategy, ...)
+
+Paths may then be local or any URI dcpstore serves
+(``fabric.save("s3://bucket/run/step-100", state)``,
+``ModelCheckpoint(dirpath="s3://bucket/run")``,
+``trainer.fit(model, ckpt_path="s3://bucket/run/epoch=0-step=4.ckpt")``).
+
+What changes on that one object (instance attributes shadowing its
+methods; the class and Lightning's modules are untouched, and
+:meth:`Installed.uninstall` restores it):
+
+``save_checkpoint``
+    a sharded save (``save_distributed_checkpoint=True``, the default) is one
+    ``dcp.save`` through :class:`dcpstore.StorageWriter` whose commit
+    carries ``meta.pt``: written after every rank's data and before
+    ``.metadata``, recorded with its CRC32C in the manifest, so the
+    checkpoint appears with its ``meta.pt`` or not at all, and saving over
+    one never pairs its shards with another save's ``meta.pt``
+    (:mod:`dcpstore.dcp.commit`). The layout stays Lightning's: stock
+    Lightning loads it (and dcpstore loads stock Lightning's).
+``load_checkpoint``
+    a sharded checkpoint loads through :class:`dcpstore.StorageReader`
+    (checksums verified), ``meta.pt`` the copy the commit records, checked
+    against its CRC32C, then ``torch.load(..., weights_only=...)`` as
+    Lightning does.
+``remove_checkpoint`` (Trainer)
+    ``ModelCheckpoint``'s rotation deletes a sharded checkpoint through
+    dcpstore's storage, ``.metadata`` first (on S3 a fresh listing, where
+    fsspec's cache may not see dcpstore's objects).
+
+Left to Lightning: full-state checkpoints (``save_distributed_checkpoint=False``,
+a single ``torch.save`` file), ``load_raw``, and ``ModelCheckpoint``'s own
+probes (``-v1`` version suffixes, ``ckpt_path="last"``, ``best_k_models.yaml``),
+which go through fsspec.
+
+Layer: adapters. Imports the DCP drop-ins (through :mod:`.dropins`), the
+commit's read side, the manager's deletion, :mod:`dcpstore.storage` and the
+foundation; not Lightning itself, which it recognises by the strategy's
+class (either package layout: ``lightning`` or ``lightning_fabric`` /
+``pytorch_lightning``).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import types
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+from torch.distributed.tensor import DTensor
+from torch.nn import Module
+from torch.optim import Optimizer
+
+from ..dcp.commit import read_checkpoint_metadata, read_commit_file
+from ..errors import InvalidArgument
+from ..format.layout import METADATA
+from ..manager.steps import delete_checkpoint
+from ..storage import parse_uri
+from .dropins import DropinOptions
+
+#: Lightning's name for the non-tensor state of a sharded checkpoint.
+META = "meta.pt"
+
+#: Where each flavour of ``ModelParallelStrategy`` lives (both package layouts).
+FLAVOURS: Mapping[str, str] = {
+    "lightning.fabric.strategies.model_parallel": "fabric",
+    "lightning_fabric.strategies.model_parallel": "fabric",
+    "lightning.pytorch.strategies.model_parallel": "trainer",
+    "pytorch_lightning.strategies.model_parallel": "trainer",
+}
+
+#: The methods :func:`install` shadows, per flavour.
+PATCHED: Mapping[str, tuple[str, ...]] = {
+    "fabric": ("save_checkpoint", "load_checkpoint"),
+    "trainer": ("save_checkpoint", "load_checkpoint", "remove_checkpoint"),
+}
+
+
+def flavour(strategy: object) -> str | None:
+    """``"fabric"`` or ``"trainer"`` for (a subclass of) Lightning's
+    ``ModelParallelStrategy``, else None."""
+    for cls in type(strategy).__mro__:
+        if cls.__name__ == "ModelParallelStrategy" and cls.__module__ in FLAVOURS:
+            return FLAVOURS[cls.__module__]
+    return None
+
+
+class Installed:
+    """dcpstore beneath one ``ModelParallelStrategy`` (from :func:`install`);
+    ``uninstall()`` (or leaving a ``with`` block) gives it back its methods."""
+
+    def __init__(self, strategy: Any, kind: str, options: DropinOptions) -> None:
+        self.strategy = strategy
+        self.kind = kind
+        self.options = options
+        cls = type(strategy)
+        #: The strategy's own methods, bound, for what dcpstore leaves to Lightning.
+        self.own: dict[str, Callable[..., Any]] = {n: getattr(cls, n).__get__(strategy) for n in PATCHED[kind]}
+        for name in PATCHED[kind]:
+            setattr(strategy, name, types.MethodType(getattr(type(self), f"_{kind}_{name}"), self))
+        strategy._dcpstore = self
+        self.installed = True
+
+    # -- Fabric --------------------------------------------------------------
+    def _fabric_save_checkpoint(
+        self,
+        path: Any,
+        state: dict[str, Any],
+        storage_options: Any | None = None,
+        filter: dict[str, Callable[[str, Any], bool]] | None = None,
+    ) -> None:
+        s = self.strategy
+        if not s._save_distributed_checkpoint:  # one torch.save file: Lightning's own
+            self.own["save_checkpoint"](path, state, storage_options=storage_options, filter=filter)
+            return
+        _refuse_storage_options(s, storage_options)
+        if filter is not None:  # as Lightning: https://github.com/pytorch/pytorch/issues/105379
+            raise NotImplementedError(
+                f"{type(s).__name__} doesn't support loading distributed filtered checkpoints, so saving them is disabled."
+            )
+        uri = self._uri(path)
+        module = _one_module(state, "save_checkpoint")
+        options = StateDictOptions(full_state_dict=False, cpu_offload=True)
+        converted: dict[str, Any] = {}
+        metadata: dict[str, Any] = {}
+        for key, obj in state.items():
+            if isinstance(obj, Module):
+                converted[key] = get_model_state_dict(obj, options=options)
+            elif isinstance(obj, Optimizer):
+                converted[key] = get_optimizer_state_dict(module, obj, options=options)
+            else:  # Lightning: everything else is metadata
+                metadata[key] = obj.state_dict() if _is_stateful(obj) else obj
+        self._save(uri, converted, metadata)
+
+    def _fabric_load_checkpoint(
+        self, path: Any, state: Any = None, strict: bool = True, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        if not state or isinstance(state, (Module, Optimizer)):  # Lightning's errors and load_raw
+            return dict(self.own["load_checkpoint"](path, state, strict=strict, weights_only=weights_only))
+        uri = self._uri(path)
+        if not self._is_sharded(uri):
+            return dict(self.own["load_checkpoint"](path, state, strict=strict, weights_only=weights_only))
+        return self._load(uri, state, strict, weights_only)
+
+    # -- Trainer -------------------------------------------------------------
+    def _trainer_save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        s = self.strategy
+        _refuse_storage_options(s, storage_options)
+        if not s._save_distributed_checkpoint:
+            self.own["save_checkpoint"](checkpoint, filepath)
+            return
+        uri = self._uri(filepath)
+        converted = {"state_dict": checkpoint.pop("state_dict")}
+        converted.update({f"optimizer_{i}": o for i, o in enumerate(checkpoint.pop("optimizer_states", []))})
+        self._save(uri, converted, checkpoint)
+
+    def _trainer_load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        s = self.strategy
+        uri = self._uri(checkpoint_path)
+        if not self._is_sharded(uri):
+            return dict(self.own["load_checkpoint"](checkpoint_path, weights_only))
+        state = {"state_dict": s.model, **{f"optimizer_{i}": o for i, o in enumerate(s.optimizers)}}
+        return self._load(uri, state, s.lightning_module.strict_loading, weights_only)
+
+    def _trainer_remove_checkpoint(self, filepath: Any) -> None:
+        s = self.strategy
+        if not s.is_global_zero:
+            return
+        uri = os.fspath(filepath)
+        local = _local_path(uri)
+        if local is not None and not os.path.isdir(local):
+            self.own["remove_checkpoint"](filepath)  # a full-state file (or nothing): Lightning's
+            return
+        storage = self.options.open(uri)
+        try:
+            delete_checkpoint(storage)
+        finally:
+            storage.close()
+
+    # -- shared ------------------------------------------------------------
+    def _uri(self, path: Any) -> str:
+        """Rank 0's path on every rank (as Lightning broadcasts it), kept a
+        string: ``Path("s3://b/k")`` would lose a slash."""
+        return str(os.fspath(self.strategy.broadcast(os.fspath(path))))
+
+    def _is_sharded(self, uri: str) -> bool:
+        """A committed DCP checkpoint is there (Lightning: a directory with ``meta.pt``)."""
+        local = _local_path(uri)
+        if local is not None and not os.path.isdir(local):
+            return False
+        storage = self.options.open(uri)
+        try:
+            return storage.exists(METADATA)
+        finally:
+            storage.close()
+
+    def _save(self, uri: str, converted: dict[str, Any], metadata: dict[str, Any]) -> None:
+        """One DCP save whose commit carries ``meta.pt`` (rank 0's, which the
+        coordinator writes; Lightning too saves rank 0's)."""
+        local = _local_path(uri)
+        if local is not None and os.path.isfile(local) and self.strategy.global_rank == 0:
+            os.unlink(local)  # as Lightning: a full-state file where the sharded directory goes
+        self.strategy.barrier()
+        commit_files = None
+        if self.strategy.global_rank == 0:
+            buf = io.BytesIO()
+            torch.save(metadata, buf)
+            commit_files = {META: buf.getvalue()}
+        writer = self.options.writer(uri, commit_files)
+        try:
+            dcp_save(converted, storage_writer=writer)
+        finally:
+            writer.storage.close()
+
+    def _load(self, uri: str, state: dict[str, Any], strict: bool, weights_only: bool | None) -> dict[str, Any]:
+        """Lightning's sharded load (``_load_checkpoint``), through dcpstore."""
+        module = _one_module(state, "load_checkpoint")
+        module_key = next(k for k, v in state.items() if v is module)
+        optimizers = {k: o for k, o in state.items() if isinstance(o, Optimizer)}
+        module_state = {module_key: get_model_state_dict(module)}
+        dcp_load(module_state, storage_reader=self.options.reader(uri))
+        module.load_state_dict(module_state[module_key], strict=strict)
+        for key, optim in optimizers.items():  # each optimizer on its own, as Lightning loads them
+            optim_state = {key: get_optimizer_state_dict(module, optim)}
+            dcp_load(optim_state, storage_reader=self.options.reader(uri))
+            set_optimizer_state_dict(module, optim, optim_state_dict=optim_state[key], options=StateDictOptions(cpu_offload=True))
+        storage = self.options.open(uri)
+        try:
+            _, manifest = read_checkpoint_metadata(storage)
+            blob = read_commit_file(storage, manifest, META)
+        finally:
+            storage.close()
+        metadata = torch.load(io.BytesIO(blob), weights_only=weights_only)
+        requested = state.keys() - {module_key} - optimizers.keys()
+        missing = [k for k in requested if k not in metadata]
+        if strict and missing:  # Lightning's _validate_keys_for_strict_loading
+            raise KeyError(
+                f"The requested state contains a key '{missing[0]}' that does not exist in the loaded checkpoint."
+                " To disable strict loading, set `strict=False`."
+            )
+        for key in requested:
+            if key in metadata:
+                state[key] = metadata.pop(key)
+        return dict(metadata)
+
+    # -- undo --------------------------------------------------------------
+    def uninstall(self) -> None:
+        """Give the strategy back its own methods. Idempotent."""
+        if not self.installed:
+            return
+        self.installed = False
+        for name in PATCHED[self.kind]:
+            self.strategy.__dict__.pop(name, None)
+        self.strategy.__dict__.pop("_dcpstore", None)
+
+    def __enter__(self) -> Installed:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.uninstall()
+
+
+def install(strategy: Any, **options: Any) -> Installed:
+    """Put dcpstore beneath the sharded checkpoints of ``strategy`` (see the
+    module docstring). Call it once per process, before the strategy's
+    first save or load (every rank builds its own strategy object).
+
+    Args:
+        strategy: Lightning's ``ModelParallelStrategy`` (Fabric's or the
+            Trainer's, either package layout) or a subclass.
+        options: :class:`~dcpstore.adapters.dropins.DropinOptions`'
+            keywords (``storage_options``, ``enable_msc``, ``thread_count``,
+            ``verify``, ``safe_globals``, ``trusted``); the last three govern
+            the DCP items: ``meta.pt`` is read by ``torch.load`` with the
+            ``weights_only`` Lightning is given, as Lightning reads it.
+
+    Returns:
+        The :class:`Installed` handle; ``uninstall()`` undoes it. Installing
+        again replaces the previous installation (its options).
+
+    Raises:
+        InvalidArgument: not a ``ModelParallelStrategy``, or a bad option.
+    """
+    kind = flavour(strategy)
+    if kind is None:
+        raise InvalidArgument(
+            "install() takes Lightning's ModelParallelStrategy (lightning.fabric or lightning.pytorch "
+            f"strategies), got {type(strategy).__name__}"
+        )
+    checked = DropinOptions(**options)
+    previous = strategy.__dict__.get("_dcpstore")
+    if previous is not None:
+        previous.uninstall()
+    return Installed(strategy, kind, checked)
+
+
+def _refuse_storage_options(strategy: Any, storage_options: Any) -> None:
+    if storage_options is not None:  # as Lightning; dcpstore's are install()'s
+        raise TypeError(
+            f"`{type(strategy).__name__}.save_checkpoint(..., storage_options=...)` is not supported because"
+            f" `{type(strategy).__name__}` does not use the `CheckpointIO`; pass dcpstore's StorageOptions to"
+            " dcpstore.adapters.lightning.install()"
+        )
+
+
+def _local_path(uri: str) -> str | None:
+    """The path of a local URI, None for any other."""
+    url = parse_uri(uri)
+    return url.path if url.scheme == "file" else None
+
+
+def _has_dtensors(obj: object) -> bool:
+    return isinstance(obj, Module) and any(isinstance(t, DTensor) for t in obj.parameters())
+
+
+def _one_module(state: Mapping[str, Any], what: str) -> Module:
+    """The one distributed model in ``state`` (Lightning's rule and words)."""
+    modules = [m for m in state.values() if _has_dtensors(m)]
+    if len(modules) != 1:
+        raise ValueError(
+            f"{'Could not find a' if not modules else 'Found multiple'} distributed model(s) in the given state of "
+            f"{what}(): a sharded checkpoint holds exactly one model, set up through the strategy, e.g. "
+            f"state={{'model': model, 'optimizer': optimizer, ...}}"
+        )
+    module: Module = modules[0]
+    return module
+
+
+def _is_stateful(obj: object) -> bool:
+    """Lightning's ``_Stateful``: has ``state_dict`` and ``load_state_dict``."""
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))

@@ -1,0 +1,304 @@
+"""torchtitan's ``CheckpointManager`` on dcpstore: one call, :func:`install`.
+
+torchtitan 0.3.0 leaves the DCP writer to DCP (``storage_writer=None``,
+``dcp_load(..., checkpoint_id=...)``) and finds, checks and purges its
+``step-N`` directories through ``os`` or fsspec. On S3, fsspec's listing
+cache never sees objects another client (dcpstore's boto3) wrote, so in one
+process a resume misses steps and ``keep_latest_k`` stops deleting.
+:func:`install` puts dcpstore beneath one manager::
+
+    from dcpstore.adapters import torchtitan as dcpstore_titan
+
+    trainer = Trainer(config)                       # builds trainer.checkpointer
+    dcpstore_titan.install(trainer.checkpointer)    # before the first load or save
+    trainer.train()
+
+What changes on that one object (instance attributes shadowing its
+methods; the class, the other managers and torchtitan's modules are left
+alone, and :meth:`Installed.uninstall` restores it):
+
+``dcp_save``
+    every DCP save -- each ``async_mode`` (``disabled``, ``async``,
+    ``async_with_pinned_mem``, whose process executor and stager stay
+    torchtitan's) and the final model-only export -- through one
+    :class:`dcpstore.StorageWriter` (commit protocol, checksums, overwrite
+    safety). The Hugging Face export (``last_save_in_hf``) keeps torchtitan's
+    own safetensors writer.
+``dcp_load``
+    through :class:`dcpstore.StorageReader` (checksums verified, nothing in
+    the checkpoint executed). Hugging Face loads stay torchtitan's.
+``_find_load_step``, ``_load``
+    which steps exist comes from one listing of the folder through
+    dcpstore's storage (:mod:`dcpstore.manager.steps`): ``step-N`` exists once
+    ``step-N/.metadata`` is listed. Rank 0 lists and broadcasts, so every
+    rank resumes the same step. ``load_step=N`` of a step that is not
+    committed raises :class:`~dcpstore.CheckpointNotFound` (a
+    ``FileNotFoundError``, as torchtitan raises). With no committed step,
+    torchtitan's own initial-load logic runs unchanged.
+``_purge_stale_checkpoints``, ``_wait_for_saving``
+    ``keep_latest_k`` counts *committed* steps (torchtitan counts every
+    ``step-N`` directory, the save in flight included): the newest ``k``
+    are kept, older ones are deleted ``.metadata`` first through dcpstore's
+    storage on torchtitan's purge thread (restarted with dcpstore's
+    deleter). Retention runs where torchtitan runs it (after a save is
+    dispatched) and again once an async save has committed
+    (``maybe_wait_for_saving``), so a finished run keeps exactly ``k``.
+    Uncommitted directories (an interrupted save) are left to
+    ``dcpstore gc``.
+``_close``
+    torchtitan's, then the storage this module opened is closed.
+
+Layer: adapters. Imports the DCP drop-ins (through :mod:`.dropins`), the
+manager's step listing and deletion, :mod:`dcpstore.storage` and the
+foundation; torchtitan itself (the ``torchtitan`` extra).
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import threading
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+from torchtitan.components.checkpointer.base import MODEL, purge_thread
+from torchtitan.components.checkpointer.dcp import AsyncMode
+from torchtitan.tools import filesystem
+from torchtitan.tools.utils import GarbageCollection
+
+from ..errors import CheckpointNotFound, InvalidArgument
+from ..format.layout import METADATA
+from ..manager.steps import StepLayout, committed_steps, delete_checkpoint
+from ..storage import Storage
+from .dropins import DropinOptions
+
+#: The methods :func:`install` shadows on the instance.
+PATCHED = ("dcp_save", "dcp_load", "_find_load_step", "_load", "_purge_stale_checkpoints", "_wait_for_saving", "_close")
+
+
+#: torchtitan's step directories (``CheckpointManager._create_checkpoint_id``):
+#: ``step-100``, no padding, only that spelling.
+#: torchtitan keeps no pointer file, so the layout's pointer is never written.
+TORCHTITAN = StepLayout("torchtitan", "step-", 1, pointer="")
+
+
+def parse_step(name: str) -> int | None:
+    """The step of a torchtitan step directory (``step-100``), or None for
+    any other name (only torchtitan's own spelling: ``step-0100`` is not it)."""
+    return TORCHTITAN.parse_step_dir(name)
+
+
+class Installed:
+    """dcpstore beneath one torchtitan ``CheckpointManager`` (from
+    :func:`install`). ``uninstall()`` (or leaving a ``with`` block) gives the
+    manager back its own methods and purge thread."""
+
+    def __init__(self, manager: Any, options: DropinOptions) -> None:
+        self.manager = manager
+        self.options = options
+        self.folder = os.fspath(manager.folder)
+        #: The folder's storage: listings, existence checks, purges.
+        self.root: Storage = options.open(self.folder)
+        try:
+            #: One writer and one reader for the run; each save's and load's
+            #: ``checkpoint_id`` re-points them.
+            self.writer = options.writer(self.folder)
+            self.reader = options.reader(self.folder)
+        except BaseException:
+            self.root.close()
+            raise
+        cls = type(manager)
+        #: The manager's own methods, bound, for what dcpstore leaves to torchtitan.
+        self.own: dict[str, Callable[..., Any]] = {name: getattr(cls, name).__get__(manager) for name in PATCHED}
+        for name in PATCHED:
+            setattr(manager, name, types.MethodType(getattr(type(self), f"_{name.lstrip('_')}"), self))
+        self._swap_purge_thread(self._remove)
+        manager._dcpstore = self
+        self.installed = True
+
+    # -- what the manager calls ----------------------------------------------
+    def _dcp_save(
+        self,
+        state_dict: dict[str, Any],
+        checkpoint_id: str,
+        async_mode: AsyncMode,
+        enable_garbage_collection: bool = False,
+        to_hf: bool = False,
+    ) -> Any:
+        if to_hf:  # safetensors: torchtitan's HuggingFaceStorageWriter
+            return self.own["dcp_save"](state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
+        m = self.manager
+        ret: Any
+        if async_mode == AsyncMode.ASYNC:
+            ret = dcp_async_save(state_dict, storage_writer=self.writer, checkpoint_id=checkpoint_id, process_group=m.pg)
+        elif async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM:
+            ret = dcp_async_save(
+                state_dict,
+                storage_writer=self.writer,
+                checkpoint_id=checkpoint_id,
+                process_group=m.pg,
+                async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+                async_stager=m.stager,
+            )
+        else:
+            ret = dcp_save(state_dict, storage_writer=self.writer, checkpoint_id=checkpoint_id)
+        if enable_garbage_collection:
+            GarbageCollection.collect("GC collection invoked by checkpointer.")
+        return ret
+
+    def _dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
+        if from_hf:
+            self.own["dcp_load"](state_dict, checkpoint_id, from_hf, from_quantized)
+            return
+        dcp_load(state_dict, storage_reader=self.reader, checkpoint_id=checkpoint_id)
+        # torchtitan flattens the model's entries into the state it loads: hand them back (as it does).
+        if MODEL in self.manager.states:
+            self.manager.states[MODEL].load_state_dict(state_dict)
+
+    def _find_load_step(self, folder: str = "") -> int:
+        """The newest committed step under ``folder`` (default: the
+        manager's), or -1; one listing."""
+        if not folder or os.fspath(folder) == self.folder:
+            steps = committed_steps(self.root, TORCHTITAN)
+        else:
+            other = self.options.open(folder)
+            try:
+                steps = committed_steps(other, TORCHTITAN)
+            finally:
+                other.close()
+        return steps[-1] if steps else -1
+
+    def _load(self, step: int = -1) -> bool:
+        m = self.manager
+        if step == -1:
+            found = self.manager._find_load_step() if _rank() == 0 else -1
+            load_step = int(_broadcast(found))
+            if load_step == -1:  # nothing committed: torchtitan's initial load or fresh start
+                return bool(self.own["_load"](step))
+        else:
+            load_step = step
+        checkpoint_id = m._create_checkpoint_id(load_step)
+        if not self.root.exists(f"step-{load_step}/{METADATA}"):
+            steps = committed_steps(self.root, TORCHTITAN)
+            raise CheckpointNotFound(
+                f"--checkpoint.load_step={load_step} not found at {self.root.describe(f'step-{load_step}')}: "
+                f"no committed checkpoint there (committed steps: {steps or 'none'})"
+            )
+        with torch.no_grad():
+            states = m._states_to_load(load_step == 0)  # step 0 is torchtitan's model-only seed checkpoint
+            self.manager.dcp_load(states, checkpoint_id=checkpoint_id, from_hf=False, from_quantized=False)
+        GarbageCollection.collect("GC collection for checkpoint loading.")
+        return True
+
+    def _purge_stale_checkpoints(self) -> None:
+        m = self.manager
+        if m.keep_latest_k <= 0 or _rank() != 0:
+            return
+        for step in committed_steps(self.root, TORCHTITAN)[: -m.keep_latest_k]:
+            m.purge_queue.put(m._create_checkpoint_id(step))
+
+    def _wait_for_saving(self) -> None:
+        self.own["_wait_for_saving"]()
+        self.manager._purge_stale_checkpoints()  # the save just committed: retention counts it now
+
+    def _close(self) -> None:
+        try:
+            self.own["_close"]()
+        finally:
+            self.writer.close()
+            self.root.close()
+
+    # -- purging -----------------------------------------------------------
+    def _remove(self, path: str) -> None:
+        """Delete the step directory ``path`` (a checkpoint id the purge
+        queue holds) through the folder's storage, ``.metadata`` first."""
+        delete_checkpoint(self.root, posixpath.basename(os.fspath(path).rstrip("/")))
+
+    def _swap_purge_thread(self, remove: Callable[[str], None]) -> None:
+        """Stop the manager's purge thread and start torchtitan's purge loop
+        again with ``remove`` as its deleter (same queue, same thread attribute)."""
+        m = self.manager
+        thread = getattr(m, "purge_thread", None)
+        if thread is None:
+            return
+        if thread.is_alive():
+            m.purge_queue.put(None)  # torchtitan's stop sentinel
+            thread.join()
+        m.purge_thread = threading.Thread(target=purge_thread, args=(m.purge_queue, remove), daemon=True)
+        m.purge_thread.start()
+
+    # -- undo --------------------------------------------------------------
+    def uninstall(self) -> None:
+        """Give the manager back its own methods and torchtitan's purge
+        thread; close what :func:`install` opened. Idempotent."""
+        if not self.installed:
+            return
+        self.installed = False
+        for name in PATCHED:
+            self.manager.__dict__.pop(name, None)
+        self.manager.__dict__.pop("_dcpstore", None)
+        self._swap_purge_thread(filesystem.rmtree)
+        self.writer.close()
+        self.root.close()
+
+    def __enter__(self) -> Installed:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.uninstall()
+
+
+def install(manager: Any, **options: Any) -> Installed | None:
+    """Put dcpstore beneath torchtitan's ``CheckpointManager`` ``manager``
+    (see the module docstring). Call it on every rank, after the manager is
+    built and before its first ``load`` or ``save``.
+
+    Args:
+        manager: a ``torchtitan.components.checkpoint.CheckpointManager``
+            (or a subclass). A disabled one (``checkpoint.enable=False``)
+            has nothing to put beneath: None is returned.
+        options: :class:`~dcpstore.adapters.dropins.DropinOptions`'
+            keywords (``storage_options``, ``enable_msc``, ``thread_count``,
+            ``verify``, ``safe_globals``, ``trusted``); the folder's URI
+            picks the backend (a local path, ``s3://``, ...).
+
+    Returns:
+        The :class:`Installed` handle (``uninstall()`` undoes it), or None
+        for a disabled manager. Installing again replaces the previous
+        installation (its options) with this one.
+
+    Raises:
+        InvalidArgument: not a torchtitan ``CheckpointManager``, or a bad option.
+        InvalidURI, BackendUnavailable: the folder's URI, as for :func:`dcpstore.save`.
+    """
+    if not all(callable(getattr(type(manager), name, None)) for name in PATCHED) or not hasattr(manager, "enable"):
+        raise InvalidArgument(
+            f"install() takes torchtitan's CheckpointManager (torchtitan.components.checkpoint), got {type(manager).__name__}"
+        )
+    checked = DropinOptions(**options)
+    if not manager.enable:
+        return None
+    previous = manager.__dict__.get("_dcpstore")
+    if previous is not None:
+        previous.uninstall()
+    return Installed(manager, checked)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _broadcast(value: int) -> int:
+    """Rank 0's ``value`` on every rank (itself without torch.distributed)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    box: list[int] = [value]
+    dist.broadcast_object_list(box, src=0)
+    return int(box[0])

@@ -1,0 +1,163 @@
+"""BENCHMARKS.md and RELIABILITY.md hold what the evidence holds.
+
+BENCHMARKS.md: every table and every figure is generated from a committed
+result file (benchmarks/report.py), each file names its commit and its
+command, no target reads "met" from a row that measured nothing, and no
+table is older than the code it measures by more than report.STALE_AFTER
+commits touching that code. RELIABILITY.md: every row names tests pytest
+collects, with the quick/slow markers they carry, and quotes only kill
+counts the crash tests recorded (tests/reliability.py).
+
+Each check also runs against a page with one drift put in, and must find it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+import reliability
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def report() -> ModuleType:
+    """benchmarks/report.py (a script, not a package module)."""
+    spec = importlib.util.spec_from_file_location("bench_report", ROOT / "benchmarks" / "report.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_report"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def docs(report: ModuleType) -> dict[str, Any]:
+    return dict(report.read_results())
+
+
+@pytest.fixture(scope="module")
+def items() -> reliability.Items:
+    return reliability.collect()
+
+
+# -- BENCHMARKS.md -----------------------------------------------------------------
+
+
+def test_benchmarks_is_what_the_committed_result_files_give(report: ModuleType, docs: dict[str, Any]) -> None:
+    page = (ROOT / "BENCHMARKS.md").read_text()
+    assert report.problems(page, docs) == []
+
+
+def test_a_hand_written_figure_is_refused(report: ModuleType, docs: dict[str, Any]) -> None:
+    page = (ROOT / "BENCHMARKS.md").read_text()
+    drifted = page.replace("## The machine\n", "## The machine\n\nThe save took 0.35 s, 1.26x the limit.\n", 1)
+    found = report.loose_figures(drifted, docs)
+    assert [f.split(" (")[0] for f in found] == ["0.35 s", "1.26x"], found
+    # Settings the files record, bounds and versions are not figures.
+    assert report.loose_figures("through +20 ms and 25 MB/s per connection, >= 0.85x, torch 2.13", docs) == []
+
+
+def test_an_edited_generated_figure_or_table_is_refused(report: ModuleType, docs: dict[str, Any]) -> None:
+    page = (ROOT / "BENCHMARKS.md").read_text()
+    marker = "<!-- fig target|local save -->"
+    start = page.index(marker) + len(marker)
+    edited = page[:start] + "0.99x" + page[page.index("<!-- /fig -->", start) :]
+    assert any("differs from what the result files give" in p for p in report.problems(edited, docs))
+    row = "| dcpstore local sync w=4 | local | 4 |"
+    assert row in page
+    assert any("differs" in p for p in report.problems(page.replace(row, "| dcpstore local sync w=4 | local | 8 |"), docs))
+
+
+def test_a_met_target_needs_a_measurement(report: ModuleType, docs: dict[str, Any]) -> None:
+    """The async staging cap read "met (0.00x)" from saves whose staging was
+    allocated before they were measured: such a row is n/a, and a "met"
+    from a ratio that rounds to nothing is refused."""
+    import targets
+
+    compare = docs["compare.json"]
+    rows = report.summarize(compare["records"])
+    warm = next(r for r in rows if r["name"] == "dcpstore local async/native w=4")
+    title = "async save: peak RSS"
+    target = next(t for t in targets.compare_targets(4) if t.title.startswith(title))
+    renamed = dict(warm, name=target.ours)
+    assert targets.evaluate(target, [renamed])["status"] == "n/a"  # the process-wide saver's buffers
+    flagged = dict(renamed, extra={**renamed["extra"], "fresh_staging": True})
+    assert targets.evaluate(target, [flagged])["status"] == "met"  # 48 KiB of growth: a ratio of 0.00
+    records = [dict(r, name=target.ours, extra={**r["extra"], "fresh_staging": True})
+               for r in compare["records"] if r["name"] == warm["name"]]  # fmt: skip
+    faked = {**docs, "compare.json": {**compare, "records": [*compare["records"], *records]}}
+    assert any(title in p and "nothing was measured" in p for p in report.empty_met(faked))
+
+
+def test_every_result_file_names_its_commit_and_command(report: ModuleType, docs: dict[str, Any]) -> None:
+    assert report.metadata_problems(docs) == []
+    doc = json.loads(json.dumps(docs["scale_sim.json"]))
+    del doc["meta"]["command"]
+    assert report.metadata_problems({"scale_sim.json": doc}) == ["benchmarks/results/scale_sim.json: its metadata has no command"]
+    assert "no block" in report.metadata_problems({"compare-wan.json": docs["compare.json"]})[0]
+
+
+def test_a_table_older_than_its_code_is_refused(report: ModuleType, docs: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    page = (ROOT / "BENCHMARKS.md").read_text()
+    commit = docs["compare.json"]["meta"]["git_commit"]
+    touching = report.commits_since(commit, report.LOCAL)
+    monkeypatch.setattr(report, "STALE_AFTER", touching - 1)
+    if touching:
+        assert any(p.startswith("compare.json") and "older than the code" in p for p in report.staleness(page, docs))
+    gone = json.loads(json.dumps(docs["compare.json"]))
+    gone["meta"]["git_commit"] = "0000000"
+    found = report.staleness(page, {**docs, "compare.json": gone})
+    assert "compare.json: commit 0000000 is not in this repository's history" in found[0], found
+
+
+# -- RELIABILITY.md ------------------------------------------------------------------
+
+
+def test_reliability_rows_name_the_tests_and_markers_the_suite_has(items: reliability.Items) -> None:
+    page = (ROOT / "RELIABILITY.md").read_text()
+    assert reliability.problems(page, items, reliability.read_counts()) == []
+
+
+def test_the_reliability_check_finds_each_kind_of_drift(items: reliability.Items) -> None:
+    counts = reliability.read_counts()
+    header = "| Case | Injected | Points | Outcome | Reproduce |\n| --- | --- | --- | --- | --- |\n"
+    page = header + (
+        "| moved to slow | x | 20 | y | `tests/test_crash.py::test_kill_anywhere_in_a_managed_sync_save[overwrite]` |\n"
+        "| gone | x | 1 | y | `tests/test_crash.py::test_no_such_test` |\n"
+        "| wrong count | x | 20 | y | `tests/test_crash.py::test_kill_anywhere_in_a_save[sampled]` |\n"
+        "| slow that is quick | x | 24 | y | slow: `tests/test_crash.py::test_kill_anywhere_in_a_save[sampled]` |\n"
+        "| unrecorded | x | 3 | y | `tests/test_overwrite.py::test_every_point_of_an_overwrite_loads_old_or_new` |\n"
+        "\n## What the suite does not cover\n\n- **Real S3.** No test names `absent: moto`.\n- **Nothing checked.**\n"
+    )
+    found = reliability.row_problems(reliability.rows(page), items, counts)
+    expected = [
+        "is listed as quick, but every case is slow",
+        "is no test pytest collects",
+        "Points says [20]",
+        "is listed as slow, but runs in the quick suite",
+        "no counts are recorded",
+        "says no test does 'moto'",
+        "needs a check",
+    ]
+    for text in expected:
+        assert sum(text in p for p in found) == 1, (text, found)
+    assert len(found) == len(expected), found
+
+
+def test_the_kill_point_table_is_the_recorded_counts(items: reliability.Items) -> None:
+    counts = reliability.read_counts()
+    table = reliability.kill_table(items, counts)
+    row = "| `tests/test_tiered.py::test_sigkill_during_replication_leaves_whole_steps_local` | quick |"
+    assert row in table
+    assert "| `tests/test_tiered.py::test_sigkill_during_replication_leaves_whole_steps_s3` | slow |" in table
+    assert reliability.count_problems(items, {"tests/test_x.py::gone": {}}) == [
+        "tests/kill_counts.json: tests/test_x.py::gone is no test pytest collects"
+    ]

@@ -1,0 +1,327 @@
+"""Megatron-Bridge's async ``fsdp_dtensor`` saves through
+``dcpstore.adapters.megatron.FileSystemWriterAsync``, driven exactly as
+Bridge 0.6.2 drives NVRx's writer (tests/bridge_kit.py: NVRx's own planner,
+finalize, ``AsyncRequest`` and persistent ``AsyncCallsQueue``), on real gloo
+ranks, with stock ``dcp.load`` as the oracle.
+
+* saves land on every backend, with dcpstore's commit and checksums; two
+  saves in flight at once; every tensor changed in place right after the
+  save returned (what the preload staged is what lands);
+* a rank SIGKILLed mid-save (trainer and worker): nothing is committed, the
+  previous checkpoint (also when saved over) loads exactly, the tracker is
+  untouched, ``dcpstore gc`` removes the wreck, the next save commits;
+* ``ckpt_assume_constant_structure=True`` with NVRx's metadata cache on:
+  replayed plans save correctly, and a changed structure under a replayed
+  plan fails that save on every rank instead of committing a wrong one.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+import dcpstore
+import killcount
+from backends import make_target
+from bridge_kit import (
+    TRACKER,
+    assert_equal,
+    bridge_module,
+    bridge_save,
+    check_step,
+    cuda_device_is_cpu,
+    dying,
+    full_state,
+    iter_dir,
+    mesh_of,
+    mutate,
+    new_queue,
+    run_ranks_codes,
+    sharded,
+    zeros,
+)
+from dcpstore.adapters.megatron import FileSystemWriterAsync, install_in_bridge
+from dcpstore.cli import main as cli_main
+from dcpstore.maintenance import list_checkpoints
+from dcpstore.storage import join_uri, open_storage
+from dist_utils import run_ranks
+
+pytest.importorskip("nvidia_resiliency_ext.checkpointing.async_ckpt.core")
+
+
+def _installed(io: dict[str, Any]) -> Any:
+    """Bridge's checkpointing names after ``install_in_bridge`` (with the
+    suites' small multipart part size on object stores)."""
+    return bridge_module(**({"storage_options": io["storage_options"]} if "storage_options" in io else {}))
+
+
+def _saves_job(rank: int, world: int, root: str, io: dict[str, Any], use_msc: bool) -> None:
+    with cuda_device_is_cpu():
+        mesh = mesh_of(world)
+        queue = new_queue()
+        bridge = _installed(io)
+        assert bridge.FileSystemWriterAsync is FileSystemWriterAsync or bridge.FileSystemWriterAsync.func is FileSystemWriterAsync
+        local = "://" not in root
+        for step in (100, 200):
+            state = sharded(full_state(step), mesh)
+            bridge_save(bridge, queue, state, join_uri(root, iter_dir(step)), save_root=root if local else None,
+                        step=step, workers=2, use_msc=use_msc)  # fmt: skip
+            mutate(state)  # training goes on: the staged snapshot is what must land
+            queue.maybe_finalize_async_calls(blocking=False)  # step 100 may still be in flight at 200
+        queue.maybe_finalize_async_calls(blocking=True)
+        queue.close()
+
+
+CASES = [
+    ("local", 2),
+    ("local", 4),
+    ("s3", 2),
+    ("msc", 2),
+    pytest.param("s3+msc", 2, marks=pytest.mark.slow),
+    pytest.param("s3", 4, marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("backend, world", CASES)
+def test_bridge_async_saves_land_with_dcpstores_commit(request: pytest.FixtureRequest, tmp_path: Path, backend: str, world: int) -> None:
+    target = make_target(backend, request)
+    io = dict(target.kwargs)
+    use_msc = bool(io.pop("enable_msc", False)) or target.uri.startswith("msc://")  # Megatron's --enable-msc
+    run_ranks(_saves_job, world, target.uri, io, use_msc, timeout=300)
+    msc_io = {**io, "enable_msc": use_msc}
+    for step in (100, 200):
+        check_step(target.uri, step, msc_io, tmp_path)
+    manager = dcpstore.CheckpointManager(target.uri, layout="bridge", async_=False, **msc_io)
+    assert manager.all_steps() == [100, 200]
+    if backend == "local":  # Bridge's own tracker finalize (open(): local roots only)
+        assert (Path(target.uri) / TRACKER).read_text() == "200"
+        assert manager.read_pointer() == 200
+    manager.close()
+
+
+# -- a rank SIGKILLed mid-save ------------------------------------------------
+
+
+def _kill_job(rank: int, world: int, root: str, io: dict[str, Any], scenario: str, report: str) -> None:
+    local = "://" not in root
+    with cuda_device_is_cpu():
+        mesh = mesh_of(world)
+        queue = new_queue()
+        bridge = _installed(io)
+        kwargs: dict[str, Any] = {"save_root": root if local else None, "workers": 2}
+        bridge_save(bridge, queue, sharded(full_state(100), mesh), join_uri(root, iter_dir(100)), step=100, **kwargs)
+        queue.maybe_finalize_async_calls(blocking=True)
+        step = 200 if scenario == "next" else 100
+        state = sharded(full_state(200), mesh)
+        try:
+            bridge_save(bridge, queue, state, join_uri(root, iter_dir(step)), step=step,
+                        wrap_save_fn=dying if rank == 1 else None, **kwargs)  # fmt: skip
+            mutate(state)
+            queue.maybe_finalize_async_calls(blocking=True)
+            outcome = "finalized"
+        except Exception as e:  # rank 1 died: the next collective fails here
+            outcome = f"raised {type(e).__name__}"
+        Path(report, f"rank{rank}").write_text(outcome)
+        queue.persistent_caller.close()  # NVRx 0.4.1's worker is no daemon: stop it
+
+
+@pytest.mark.parametrize(
+    "backend, scenario",
+    [("local", "next"), pytest.param("local", "overwrite", marks=pytest.mark.slow), pytest.param("s3", "next", marks=pytest.mark.slow)],
+)
+def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint(
+    request: pytest.FixtureRequest, tmp_path: Path, backend: str, scenario: str
+) -> None:
+    target = make_target(backend, request)
+    io = dict(target.kwargs)
+    report = tmp_path / "report"
+    report.mkdir()
+    codes = run_ranks_codes(_kill_job, 2, target.uri, io, scenario, str(report), timeout=240)
+    assert codes == [0, -signal.SIGKILL], codes
+    killcount.record(1, 1, 1)
+    assert (report / "rank0").read_text().startswith("raised"), "rank 0 finalized a save its peer died in"
+    manager = dcpstore.CheckpointManager(target.uri, layout="bridge", async_=False, **io)
+    assert manager.all_steps() == [100]
+    check_step(target.uri, 100, io, tmp_path)  # the old values, exactly (also when saved over)
+    if scenario == "next":
+        with pytest.raises(dcpstore.CheckpointNotFound):
+            dcpstore.load(full_state(200), join_uri(target.uri, iter_dir(200)), **io)
+    if backend == "local":
+        assert (Path(target.uri) / TRACKER).read_text() == "100"
+    # The wreck is an interrupted save that gc removes; step 100 stays.
+    storage = open_storage(target.uri, **io)
+    assert any(not e.committed or e.leftovers or e.mixed for e in list_checkpoints(storage))
+    assert cli_main(["gc", "--older-than", "0", target.uri]) == 0
+    after = list_checkpoints(storage)
+    assert [e.path for e in after] == [iter_dir(100)] and not (after[0].leftovers or after[0].mixed)
+    storage.close()
+    check_step(target.uri, 100, io, tmp_path / "after-gc")
+    if scenario == "next":  # and the run saves on
+        run_ranks(_saves_job, 2, target.uri, io, False, timeout=300)
+        assert manager.all_steps() == [100, 200]
+        check_step(target.uri, 200, io, tmp_path / "resaved")
+    manager.close()
+
+
+# -- failures: every rank raises, nothing is committed ------------------------
+
+
+def _failures_job(rank: int, world: int, root: str, report: str) -> None:
+    with cuda_device_is_cpu():
+        mesh = mesh_of(world)
+        queue = new_queue()
+        bridge = bridge_module()
+        bridge_save(bridge, queue, sharded(full_state(100), mesh), join_uri(root, iter_dir(100)), step=100, workers=2)
+        queue.maybe_finalize_async_calls(blocking=True)
+        lines = []
+        if rank == 0:  # a directory squats on one of rank 1's data files: its worker's write fails
+            os.makedirs(os.path.join(root, iter_dir(200), "__1_1.distcp"))
+        dist.barrier()
+        bridge_save(bridge, queue, sharded(full_state(200), mesh), join_uri(root, iter_dir(200)), step=200, workers=2)
+        try:
+            queue.maybe_finalize_async_calls(blocking=True)
+            lines.append("committed")
+        except dcpstore.SaveError as e:
+            lines.append(f"failed: {type(e).__name__}: {e}")
+        # overwrite=False over a committed checkpoint: refused on every rank, when the save is planned
+        bridge.FileSystemWriterAsync = functools.partial(FileSystemWriterAsync, overwrite=False)
+        try:
+            bridge_save(bridge, queue, sharded(full_state(300), mesh), join_uri(root, iter_dir(100)), step=100, workers=2)
+            lines.append("scheduled")
+        except dcpstore.CheckpointExists as e:
+            lines.append(f"refused: {e}")
+        Path(report, f"rank{rank}").write_text("\n".join(lines))
+        queue.close()
+
+
+def _reported(job: Any, tmp_path: Path) -> tuple[str, list[list[str]]]:
+    """Run ``job(rank, world, root, report_dir)`` on 2 ranks; the root and
+    each rank's report lines."""
+    root, report = str(tmp_path / "run"), tmp_path / "report"
+    report.mkdir()
+    run_ranks(job, 2, root, str(report), timeout=300)
+    return root, [(report / f"rank{rank}").read_text().splitlines() for rank in (0, 1)]
+
+
+def test_a_failure_on_one_rank_fails_the_save_on_every_rank(tmp_path: Path) -> None:
+    root, reports = _reported(_failures_job, tmp_path)
+    for failed, refused in reports:
+        assert failed.startswith("failed: SaveError: ") and "rank 1: " in failed and "__1_1.distcp" in failed, failed
+        assert "rank 0: " not in failed  # only the rank that failed is named
+        assert refused.startswith("refused: ") and "overwrite=False" in refused, refused
+    with dcpstore.CheckpointManager(root, layout="bridge", async_=False) as manager:
+        assert manager.all_steps() == [100]
+    check_step(root, 100, {}, tmp_path)
+    with pytest.raises(dcpstore.CheckpointNotFound):
+        dcpstore.load(full_state(200), join_uri(root, iter_dir(200)))
+
+
+# -- ckpt_assume_constant_structure: NVRx's plan cache ------------------------
+
+
+def _constant_structure_job(rank: int, world: int, root: str, report: str) -> None:
+    from nvidia_resiliency_ext.checkpointing.async_ckpt import state_dict_saver
+
+    state_dict_saver.init_checkpoint_metadata_cache()  # NVRx's module cache; Bridge's enable_cache uses it
+    with cuda_device_is_cpu():
+        mesh = mesh_of(world)
+        queue = new_queue()
+        bridge = bridge_module()
+        lines = []
+        for step, change in ((100, None), (200, None), (300, None), (400, "grow"), (500, "new key")):
+            full = full_state(step, grow=3 if change == "grow" else 0)
+            if change == "new key":
+                full["model"]["output_layer.weight"] = full["model"]["embedding.word_embeddings.weight"].clone()
+            replayed = state_dict_saver.get_metadata_caching_status()[0]  # NVRx replays this save's plan
+            bridge_save(bridge, queue, sharded(full, mesh), join_uri(root, iter_dir(step)),
+                        step=step, workers=2, constant_structure=True)  # fmt: skip
+            try:
+                queue.maybe_finalize_async_calls(blocking=True)
+                lines.append(f"{step} {replayed} committed")
+            except dcpstore.SaveError as e:
+                lines.append(f"{step} {replayed} failed: {e}")
+        Path(report, f"rank{rank}").write_text("\n".join(lines))
+        queue.close()
+
+
+def test_constant_structure_replays_plans_and_never_commits_a_changed_structure(tmp_path: Path) -> None:
+    root, reports = _reported(_constant_structure_job, tmp_path)
+    for lines in reports:
+        assert [line.split(" ", 2)[:2] for line in lines] == [
+            ["100", "False"], ["200", "False"], ["300", "True"], ["400", "True"], ["500", "True"]
+        ]  # fmt: skip
+        assert [line.split(" ", 2)[2].split(":")[0] for line in lines] == ["committed"] * 3 + ["failed"] * 2
+        # Every rank raises, naming what changed (the replayed plan is not written).
+        assert "changed: model.decoder.layers.1.mlp.weight" in lines[3] and "ckpt_assume_constant_structure" in lines[3]
+        assert "new: model.output_layer.weight" in lines[4]
+    manager = dcpstore.CheckpointManager(root, layout="bridge", async_=False)
+    assert manager.all_steps() == [100, 200, 300]  # 400 and 500 never committed
+    for step in (100, 200, 300):  # 300 was written from NVRx's replayed plan
+        check_step(root, step, {}, tmp_path)
+    manager.close()
+
+
+# -- install_in_bridge: every storage path of Bridge's fsdp_dtensor at once ----
+
+
+@pytest.mark.filterwarnings("ignore:`load_state_dict` is deprecated:FutureWarning")  # what Bridge 0.6.2 calls
+@pytest.mark.parametrize("backend", ["local", "s3"])
+def test_install_in_bridge_puts_dcpstore_beneath_sync_saves_and_loads_too(
+    request: pytest.FixtureRequest, tmp_path: Path, backend: str
+) -> None:
+    """After the one call, Bridge's sync writer factory and its reader are
+    dcpstore's as well (the async writer: every test above), so no path is
+    left on stock storage; Bridge's sync save and its load, call for call."""
+    target = make_target(backend, request)
+    io = dict(target.kwargs)
+    bridge = _installed(io)
+    uri = join_uri(target.uri, iter_dir(100))
+    state = full_state(100)
+    writer = bridge._create_fsdp_dtensor_storage_writer(uri)  # save_fsdp_dtensor_checkpoint
+    assert isinstance(writer, dcpstore.StorageWriter)
+    dcp.save(state_dict=state, storage_writer=writer, no_dist=True)
+    check_step(target.uri, 100, io, tmp_path)  # stock dcp.load, and the manifest's checksums
+    reader = bridge._get_filesystem_reader(uri)  # _load_checkpoint_from_path: metadata first, then the load
+    assert isinstance(reader, dcpstore.StorageReader)
+    assert "model.embedding.word_embeddings.weight" in reader.read_metadata().state_dict_metadata
+    out = zeros(state)
+    dcp.load_state_dict(state_dict=out, storage_reader=bridge._get_filesystem_reader(uri),
+                        planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)  # fmt: skip
+    assert_equal(state, out)
+
+
+def test_install_in_bridge_refuses_a_module_it_does_not_know_and_replaces_nothing() -> None:
+    module = ModuleType("megatron.bridge.training.checkpointing")
+    module.FileSystemWriterAsync = original = object()  # type: ignore[attr-defined]
+    with pytest.raises(dcpstore.InvalidArgument, match="_create_fsdp_dtensor_storage_writer, _get_filesystem_reader"):
+        install_in_bridge(module)
+    assert module.FileSystemWriterAsync is original
+
+
+def test_a_replayed_central_plan_is_checked_even_when_the_local_plan_is_fresh() -> None:
+    """Newer NVRx releases recompute the local plan of a cached save (and
+    check it themselves) but still replay the central plan: the writer
+    checks that one against the state dict too."""
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    from dcpstore.adapters import megatron_async
+
+    def planned(state: dict[str, Any]) -> tuple[DefaultSavePlanner, Any]:
+        planner = DefaultSavePlanner()
+        planner.set_up_planner(state, is_coordinator=True)
+        return planner, planner.create_local_plan()
+
+    _, stale = planned(full_state(1))
+    planner, fresh = planned(full_state(1, grow=2))
+    megatron_async._check_structure(fresh, fresh, planner)  # a fresh plan passes
+    with pytest.raises(dcpstore.SaveError, match=r"changed: model\.decoder\.layers\.1\.mlp\.weight"):
+        megatron_async._check_structure(fresh, stale, planner)
