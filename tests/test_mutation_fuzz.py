@@ -115,6 +115,7 @@ def test_every_mutation_of_the_sample(quick: dict[str, Any], prop: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # the first case runs the whole sweep (about 11 minutes on the shared box)
 @pytest.mark.parametrize("prop", PROPERTIES)
 def test_every_mutation_of_the_catalogue(full: dict[str, Any], prop: str) -> None:
     assert full["catalogue"] >= 800 and len(full["cases"]) == full["catalogue"]

@@ -101,12 +101,30 @@ def record_entries(record: RecordBytes, headers: Collection[str] | None = None) 
     ``headers``: check only these entries' local headers (None: all); the
     directory alone says where the others lie, and nothing reads them."""
     cd_offset, cd_size, count = _central_directory(record)
-    directory = bytes(record.get(cd_offset, cd_size))
     entries: dict[str, Entry] = {}
+    for short, raw_name, header, size in _directory(bytes(record.get(cd_offset, cd_size)), count):
+        checked = headers is None or short in headers
+        start = _local_start(record, header, raw_name, short) if checked else -1
+        entries[short] = Entry(short, header, start, size)
+    ordered = sorted(entries.values(), key=lambda e: e.header)
+    for before, after in zip(ordered, [*ordered[1:], None]):
+        if (after.header if after is not None else cd_offset) < before.end:
+            what = f"entries {before.name!r} and {after.name!r} overlap" if after else f"entry {before.name!r} runs"
+            raise RecordError(what + (" into the central directory" if after is None else ""))
+    return entries
+
+
+@functools.lru_cache(maxsize=256)
+def _directory(directory: bytes, count: int) -> tuple[tuple[str, bytes, int, int], ...]:
+    """The central directory's entries, checked: ``(name without the archive
+    directory, raw name, local header offset, size)`` (cached: records of
+    one dtype and shape have the same directory)."""
+    out = []
+    seen = set()
     archive = None
     pos = 0
     for _ in range(count):
-        if pos + _CENTRAL.size > cd_size:
+        if pos + _CENTRAL.size > len(directory):
             raise RecordError("its central directory is truncated")
         sig, _, _, flags, method, _, _, _, csize, usize, n, m, k, _, _, _, header = _CENTRAL.unpack_from(directory, pos)
         if sig != b"PK\x01\x02":
@@ -114,7 +132,7 @@ def record_entries(record: RecordBytes, headers: Collection[str] | None = None) 
         at = pos + _CENTRAL.size
         raw_name = directory[at : at + n]
         pos = at + n + m + k
-        if pos > cd_size:
+        if pos > len(directory):
             raise RecordError("its central directory is truncated")
         if _U32 in (usize, csize, header):
             usize, csize, header = _zip64_sizes(directory[at + n : at + n + m], usize, csize, header)
@@ -128,18 +146,13 @@ def record_entries(record: RecordBytes, headers: Collection[str] | None = None) 
         if not short or (archive is not None and head != archive):
             raise RecordError(f"entry {name!r} is outside the record's archive directory")
         archive = head
-        if short in entries:
+        if short in seen:
             raise RecordError(f"entry {name!r} appears twice")
-        start = _local_start(record, header, raw_name, name) if headers is None or short in headers else -1
-        entries[short] = Entry(short, header, start, csize)
-    if pos != cd_size:
+        seen.add(short)
+        out.append((short, raw_name, header, csize))
+    if pos != len(directory):
         raise RecordError("its central directory holds more than its entries")
-    ordered = sorted(entries.values(), key=lambda e: e.header)
-    for before, after in zip(ordered, [*ordered[1:], None]):
-        if (after.header if after is not None else cd_offset) < before.end:
-            what = f"entries {before.name!r} and {after.name!r} overlap" if after else f"entry {before.name!r} runs"
-            raise RecordError(what + (" into the central directory" if after is None else ""))
-    return entries
+    return tuple(out)
 
 
 def _central_directory(record: RecordBytes) -> tuple[int, int, int]:
@@ -194,14 +207,14 @@ def _zip64_sizes(extra: bytes, usize: int, csize: int, header: int) -> tuple[int
     return usize, csize, header
 
 
-def _local_start(record: RecordBytes, header: int, raw_name: bytes, name: str) -> int:
+def _local_start(record: RecordBytes, header: int, raw_name: bytes, short: str) -> int:
     """Where the entry's bytes start: after its local header, which must name
     it and store it as the directory says."""
     sig, _, flags, method, _, _, _, _, _, n, m = _LOCAL.unpack(record.get(header, _LOCAL.size))
     if sig != b"PK\x03\x04" or flags & 1 or method != 0:
-        raise RecordError(f"the local header of entry {name!r} is damaged or disagrees with the directory")
+        raise RecordError(f"the local header of entry {short!r} is damaged or disagrees with the directory")
     if bytes(record.get(header + _LOCAL.size, n)) != raw_name:
-        raise RecordError(f"the local header of entry {name!r} names another entry")
+        raise RecordError(f"the local header of entry {short!r} names another entry")
     return int(header + _LOCAL.size + n + m)
 
 
