@@ -69,8 +69,11 @@ def is_raw_dtype(dtype: torch.dtype) -> bool:
 
 
 class ItemChecks:
-    """The checks of one checkpoint's items (see the module docstring).
-    ``describe`` names a file in errors (:meth:`Storage.describe`)."""
+    """The checks of one checkpoint's items (see the module docstring):
+    ``storage`` is the checkpoint's (it names files in errors and serves the
+    peeks before a read); ``transforms`` undo DCP's stream transforms (the
+    default registry if None); ``trust``: what the load lets an unpickle
+    build (trusted loads skip the allowlist and the peeks)."""
 
     def __init__(
         self,
