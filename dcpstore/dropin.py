@@ -12,7 +12,9 @@ They take ``FileSystemWriter``'s and ``FileSystemReader``'s keyword arguments
 it; see the class docstrings), s3torchconnector's ``region``, and dcpstore's
 own (``enable_msc``, ``storage_options``, ``verify``). One writer or reader
 serves any number of checkpoints: ``checkpoint_id=`` re-points it, as
-torchtitan and Megatron-Bridge reuse one writer across steps.
+torchtitan and Megatron-Bridge reuse one writer across steps, also while
+``dcp.async_save`` calls made through it earlier still run (each save keeps
+its own URI, session and staged copy: see :mod:`dcpstore.dcp.writer`).
 
 The writer is also DCP's ``AsyncStager``: ``dcp.async_save`` stages through
 it the way ``dcpstore.save(async_=True)`` stages (a consistent host copy of
@@ -29,15 +31,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTransformExtension
 from torch.distributed.checkpoint.filesystem import SerializationFormat
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.staging import AsyncStager
-from torch.distributed.checkpoint.storage import WriteResult
-from torch.futures import Future
 
 from .dcp.load_progress import LoadProgress
 from .dcp.reader import DcpStorageReader
@@ -103,8 +103,9 @@ class StorageWriter(DcpStorageWriter, AsyncStager):
     * ``per_thread_copy_ahead``: the bytes a thread may copy off the GPU
       ahead of writing; dcpstore's threads copy one item at a time.
     * ``cache_staged_state_dict``: keep the staging buffers of
-      ``dcp.async_save`` for the next save of the same structure (reused only
-      once this writer has finished writing the previous one).
+      ``dcp.async_save`` for the next save of the same structure (a set is
+      reused only once nothing references it any more: never while a save
+      still reads it, whatever the executor and however saves overlap).
     * ``overwrite``: ``False`` refuses a URI that holds a committed
       checkpoint with :class:`~dcpstore.CheckpointExists`.
     * ``_extensions``: DCP's stream transforms (e.g. ``ZStandard()``),
@@ -167,43 +168,34 @@ class StorageWriter(DcpStorageWriter, AsyncStager):
         self.per_thread_copy_ahead = per_thread_copy_ahead
         self.cache_staged_state_dict = cache_staged_state_dict
         self._opener = opener
-        self._staging: _Staging | None = None
+        self._staging = _Staging(cache_staged_state_dict)
 
     # -- AsyncStager: what dcp.async_save calls ------------------------------
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """A consistent host copy of ``state_dict`` (as ``dcpstore.save(async_=True)``
         takes one); ``dcp.async_save`` saves the copy while training goes on."""
-        if self._staging is None:
-            self._staging = _Staging(self.cache_staged_state_dict)
         return self._staging.stage(state_dict)
 
     def synchronize_staging(self) -> None:
         """Nothing to wait for: :meth:`stage` returns once the copy is complete."""
 
     def close(self) -> None:
-        """Drop the staging buffers kept for the next save."""
-        staging, self._staging = self._staging, None
-        if staging is not None:
-            staging.close()
-
-    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        try:
-            return super().write_data(plan, planner)
-        finally:  # this rank's staged tensors are written (or the save failed)
-            if self._staging is not None:
-                self._staging.written()
+        """Drop the staging buffers kept for the next save (saves still in
+        flight keep theirs until they finish)."""
+        self._staging.close()
 
     # -- pickling: DCP's process executor sends the writer to its process ----
     def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state.update(storage=self.storage.url.uri, _session=None, _next=None, _staging=None)
-        del state["progress"]  # this process's bar, and it holds a lock
+        state = super().__getstate__()
+        state["storage"] = self.storage.url.uri
+        del state["progress"], state["_staging"]  # this process's: they hold locks
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
+        super().__setstate__(state)
         self.storage = self._opener(state["storage"])
         self.progress = NO_PROGRESS
+        self._staging = _Staging(self.cache_staged_state_dict)
 
 
 class StorageReader(DcpStorageReader):
@@ -301,26 +293,38 @@ def _check_flags(**flags: Any) -> None:
 
 class _Staging:
     """The writer's staging for ``dcp.async_save``: dcpstore's
-    :class:`~dcpstore.engines.staging.Stager`. With ``cache`` the buffers of
-    one structure are kept for the next save, and reused only after this
-    writer has written the save staged into them (``dcp.async_save`` may be
-    called again before the previous save finished; on the process executor
-    the writing happens in another process, so nothing is reused there)."""
+    :class:`~dcpstore.engines.staging.Stager`.
+
+    With ``cache`` the buffers of one structure are kept for the next save.
+    DCP tells a stager nothing about the save it staged for (saves may
+    overlap, on either executor, and the writing may happen in another
+    process), so a staged set goes back to the pool only once nothing but
+    this object references its memory (:meth:`StagedState.in_use`): every
+    save that could still read it has dropped it. Until then the next
+    staging allocates a set of its own."""
 
     def __init__(self, cache: bool) -> None:
+        self._cache = cache
         self._stager = Stager(StagingPool(max_structures=1 if cache else 0, max_sets=1))
-        self._staged: StagedState | None = None
-        self._written = False
+        #: Sets handed to DCP that may still be read (cache only).
+        self._handed: list[StagedState] = []
+        self._lock = threading.Lock()
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        if self._staged is not None and self._written:
-            self._staged.release()  # back to the pool for this copy
-        self._staged, self._written = self._stager.stage(state_dict), False
-        return self._staged.state_dict
-
-    def written(self) -> None:
-        self._written = True
+        if not self._cache:
+            return self._stager.stage(state_dict).hand_out()
+        with self._lock:
+            busy = []
+            for staged in self._handed:
+                if staged.in_use():
+                    busy.append(staged)
+                else:
+                    staged.release()  # back to the pool for this copy
+            staged = self._stager.stage(state_dict)
+            self._handed = [*busy, staged]
+            return staged.hand_out()
 
     def close(self) -> None:
-        self._staged = None
-        self._stager.pool.clear()
+        with self._lock:
+            self._handed = []
+            self._stager.pool.clear()

@@ -31,6 +31,9 @@ class _EventWriter(ObjectWriter):
     def tell(self) -> int:
         return self._inner.tell()
 
+    def seal(self) -> None:
+        self._inner.seal()
+
     def _commit(self) -> None:
         self._hook(f"commit:{self._path}")
         self._inner.commit()
@@ -48,9 +51,9 @@ class EventStorage(Storage):
         self.inner, self.hook = inner, hook
         self.backend = inner.backend  # type: ignore[misc]
 
-    def open_write(self, path: str, *, size_hint: int | None = None) -> ObjectWriter:
+    def open_write(self, path: str, *, size_hint: int | None = None, batch_hint: int | None = None) -> ObjectWriter:
         self.hook(f"open:{path}")
-        return _EventWriter(self.inner.open_write(path, size_hint=size_hint), path, self.hook)
+        return _EventWriter(self.inner.open_write(path, size_hint=size_hint, batch_hint=batch_hint), path, self.hook)
 
     def makedirs(self, path: str = "") -> None:
         self.hook("makedirs")

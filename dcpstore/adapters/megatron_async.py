@@ -62,6 +62,7 @@ import logging
 import os
 import secrets
 import tempfile
+import types
 import time
 from collections.abc import Sequence
 from typing import Any, Callable
@@ -172,6 +173,13 @@ class FileSystemWriterAsync(DcpStorageWriter):
         self._local_plan: SavePlan | None = None
         self._results_path: str | None = None
 
+    @staticmethod
+    def _save_slots() -> types.SimpleNamespace:
+        """NVRx's protocol runs one save at a time through a writer, its
+        calls on whichever thread Megatron's queue finalizes on: the current
+        save is the writer's, not a thread's."""
+        return types.SimpleNamespace()
+
     def _open(self, uri: str | os.PathLike[str]) -> Storage:
         self.checkpoint_dir = os.fspath(uri)
         return open_storage(uri, enable_msc=self.use_msc, storage_options=self.storage_options)
@@ -185,10 +193,11 @@ class FileSystemWriterAsync(DcpStorageWriter):
         return None  # the commit records the session's own
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        self.release()  # a previous save through this writer that never finished
+        save = self._begin(self.storage)  # releases a previous save through this writer that never finished
+        save.running = True
+        save.stats = SaveStats(started=time.perf_counter())
         self.is_coordinator = is_coordinator
-        self.stats = SaveStats(started=time.perf_counter())
-        self.error, self.write_buckets, self._local_plan, self._session = None, None, None, None
+        self.error, self.write_buckets, self._local_plan = None, None, None
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         self._local_plan = plan  # fresh, or NVRx's cached one: checked in prepare_write_data
@@ -215,7 +224,7 @@ class FileSystemWriterAsync(DcpStorageWriter):
         wrapper = _DistWrapper(self.process_group, _distributed(), 0)
         # Raises on every rank alike (the coordinator's outcome is broadcast):
         # a refused URI (CheckpointExists) fails the save at once.
-        self._session = claim_and_share(self.storage, wrapper, self.overwrite, None)
+        self._save().session = claim_and_share(self.storage, wrapper, self.overwrite, None)
         try:
             if wrapper.is_coordinator != bool(self.is_coordinator):
                 raise InvalidArgument(
@@ -252,7 +261,7 @@ class FileSystemWriterAsync(DcpStorageWriter):
         preparation): every rank's worker then reports, so NVRx's caller
         sees every rank finish."""
         buckets = self.write_buckets or []
-        session = self._session
+        session = self._save().session
         token = session.token if session is not None else ("", False)
         self._results_path = os.path.join(
             tempfile.gettempdir(), f"dcpstore-megatron-{os.getpid()}-{token[0]}-{secrets.token_hex(6)}.json"

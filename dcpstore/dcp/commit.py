@@ -68,7 +68,7 @@ import os
 import pickle
 import threading
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import crc32c
@@ -181,6 +181,14 @@ class SaveSession:
         untouched. ``overwrite=False``: refuse a URI that holds one
         (:class:`CheckpointExists`; nothing is written).
 
+        Takes its turn at the URI (:func:`_turn`) with other claims and
+        commits of this process."""
+        with _turn(self.storage.uri):
+            self._claim(overwrite)
+
+    def _claim(self, overwrite: bool) -> None:
+        """:meth:`claim`, in this process's turn at the URI.
+
         Chooses the names: stock DCP's on a fresh URI, save-unique ones where
         the URI holds anything of a save (a commit, data files, a manifest, a
         marker), with a tag no file there carries. Lists the URI once: the
@@ -292,7 +300,8 @@ class SaveSession:
         commit_files: Mapping[str, bytes] | None = None,
     ) -> None:
         """Commit: the commit files, the manifest, then ``.metadata`` last
-        (the commit point), then clean up.
+        (the commit point), then clean up; in this process's turn at the URI
+        (:func:`_turn`).
 
         ``metadata`` is DCP's global metadata (its ``storage_data`` and
         ``storage_meta`` are filled in here); ``results`` are every rank's
@@ -302,6 +311,10 @@ class SaveSession:
         manifest with its size and CRC32C.
         """
         sides = {commit_file_path(name, self.tag): bytes(blob) for name, blob in check_commit_files(commit_files).items()}
+        with _turn(self.storage.uri):
+            self._publish(metadata, results, sides)
+
+    def _publish(self, metadata: Metadata, results: Sequence[Sequence[WriteResult]], sides: Mapping[str, bytes]) -> None:
         storage_data: dict[MetadataIndex, _StorageInfo] = {}
         files: dict[str, FileEntry] = {}
         items: dict[str, int] = {}
@@ -386,6 +399,23 @@ class SaveSession:
             self.storage.delete([INFLIGHT, alive_name(self.save_id), *sorted(found - {*live, self.manifest})])
         except CheckpointError as e:
             log.warning("could not remove the in-flight marker or stale data files under %s: %s", self.storage.uri, e)
+
+
+#: One lock per stripe of URIs (see _turn).
+_TURNS = [threading.Lock() for _ in range(64)]
+
+
+def _turn(uri: str) -> threading.Lock:
+    """What claims and commits of one URI in this process take turns on.
+    Two saves of one process to one URI (``dcp.async_save`` called again
+    before the last one finished) would otherwise race where the in-flight
+    marker cannot tell them apart: two claims that list a fresh URI before
+    either's marker lands both choose stock DCP's names, and a claim that
+    lands between a save's last ownership check and its commit loses its
+    marker to that save's clean-up. Held for a listing and a put (claim) or
+    the commit's few requests; across processes the marker alone decides
+    (RELIABILITY.md, Known limits)."""
+    return _TURNS[hash(uri) % len(_TURNS)]
 
 
 class _Refresher:
@@ -476,11 +506,17 @@ def read_commit_file(storage: Storage, manifest: Manifest | None, name: str, lim
     return blob
 
 
-def read_checkpoint_metadata(storage: Storage, trust: Trust = TOOLS) -> tuple[Metadata, Manifest | None]:
+def read_checkpoint_metadata(
+    storage: Storage, trust: Trust = TOOLS, *, on_read: Callable[[bytes], None] | None = None
+) -> tuple[Metadata, Manifest | None]:
     """Read and verify ``.metadata`` (and the manifest, if there is one):
     capped reads, the manifest's schema, the CRC, the restricted unpickle
     (``trust``: what it may build beyond the allowlist), and every stored
-    item checked against the manifest. Load, verify and inspect all come here."""
+    item checked against the manifest. Load, verify and inspect all come here.
+
+    ``on_read`` is given the ``.metadata`` bytes as soon as they are read,
+    before any check (a load judges from them whether a failure met a
+    checkpoint replaced meanwhile: :func:`commit_replaced`)."""
     # Both in flight at once: most checkpoints' manifest has the plain name
     # (a save picks save-unique names only over an existing checkpoint), so
     # on an object store the commit usually costs one round trip, not two.
@@ -491,6 +527,8 @@ def read_checkpoint_metadata(storage: Storage, trust: Trust = TOOLS) -> tuple[Me
     if isinstance(blob_or_error, BaseException):
         raise blob_or_error
     blob = blob_or_error
+    if on_read is not None:
+        on_read(blob)
     # The save id .metadata records names its manifest, so the restricted
     # unpickle comes first; the CRC check then covers every byte of the blob.
     try:
@@ -517,6 +555,19 @@ def read_checkpoint_metadata(storage: Storage, trust: Trust = TOOLS) -> tuple[Me
             _check_damage(storage, blob, f"its save id {save_id!r} names none", None)
         log.debug("%s has no integrity manifest of its own (stock DCP's?); loading unverified", storage.uri)
     return metadata, manifest
+
+
+def commit_replaced(storage: Storage, crc: int) -> bool:
+    """Whether the ``.metadata`` at ``storage`` is no longer the one of CRC32C
+    ``crc`` (read earlier): another save committed over it, or it is gone.
+    Every commit's bytes differ (each records its own save id). False where
+    it cannot be read for another reason."""
+    try:
+        return crc32c.crc32c(read_capped(storage, METADATA, METADATA_LIMIT)) != crc
+    except StorageNotFound:
+        return True
+    except CheckpointError:
+        return False
 
 
 def _read_or_error(storage: Storage, name: str, limit: int) -> bytes | CheckpointError:

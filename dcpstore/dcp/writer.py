@@ -9,7 +9,8 @@ writes them.
 Save, as ``torch.distributed.checkpoint.save`` drives it::
 
     (all ranks)   [reset(checkpoint_id)]  only when DCP is given a checkpoint_id:
-                                        re-points the writer to that URI
+                                        this save goes to that URI (and so do
+                                        later saves given none)
     (all ranks)   storage_meta          starts this save's SaveSession, so the
                                         planner sees the save id .metadata records
     (all ranks)   set_up_storage_writer -> prepare_local_plan
@@ -29,6 +30,16 @@ Save, as ``torch.distributed.checkpoint.save`` drives it::
     (coordinator) release               when the save failed on any rank
                                         (:func:`save_state_dict` calls it when
                                         ``dcp.save`` raises): SaveSession.release
+
+One writer serves saves that overlap: ``dcp.async_save`` runs each save's
+``dcp.save`` whole on a thread of its own (the thread executor starts one per
+call; the process executor's checkpoint process runs them one at a time on
+its main thread), so several saves through one writer may be at any of the
+steps above at once, in any interleaving. Nothing of one save is kept on the
+writer object: DCP runs every call of one save on one thread and passes no
+handle to tell saves apart, so each thread's current save (:class:`_Save`:
+its URI, session and stats) is its own, begun by ``reset`` or, without
+a checkpoint_id, by the first call of the next save on that thread.
 """
 
 from __future__ import annotations
@@ -39,8 +50,9 @@ import io
 import os
 import threading
 import time
+import types
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -102,6 +114,12 @@ NO_COLLECTIVES_WHY = (
 )
 
 
+def file_size_hint(items: Sequence[WriteItem]) -> int:
+    """The expected size of a data file holding ``items``: the tensor bytes
+    and an upper estimate of each record's headers."""
+    return sum(item_nbytes(it) + RECORD_HEADERS_ESTIMATE for it in items)
+
+
 def split_buckets(items: Sequence[WriteItem], bins: int) -> list[list[WriteItem]]:
     """Size-balanced buckets: tensors largest first into the lightest bucket,
     byte blobs round-robin. Empty buckets are dropped."""
@@ -149,16 +167,17 @@ def write_data_file(
     transforms: _StorageWriterTransforms | None,
     progress: Progress,
     gate: OwnerGate,
+    batch_hint: int | None = None,
 ) -> list[WriteResult]:
     """Write one data file ``name`` holding ``items`` (``data_of(item)``: its
     bytes or CPU tensor, asked for one item at a time), published once
     ``gate`` passes; returns the items' write results, each carrying its
-    :class:`ItemRecord`. Every writer's data files are written here."""
+    :class:`ItemRecord`. ``batch_hint``: the bytes of all the files this
+    rank writes now, over which object stores share their connection budget
+    (:meth:`~dcpstore.storage.StorageOptions.upload_part_size`). Every
+    writer's data files are written here."""
     written = []
-    # Tensor bytes and an upper estimate of each record's headers: object
-    # stores size their parts from it (see StorageOptions.part_size_for).
-    size_hint = sum(item_nbytes(it) + RECORD_HEADERS_ESTIMATE for it in items)
-    with storage.open_write(name, size_hint=size_hint) as writer:
+    with storage.open_write(name, size_hint=file_size_hint(items), batch_hint=batch_hint) as writer:
         stream = RecordStream(writer)
         for item in items:
             data = data_of(item)
@@ -168,6 +187,7 @@ def write_data_file(
             written.append((item, stream.write_item(data), descriptors))
             progress.update(item_nbytes(item))
         file_size, file_crc = stream.finish()
+        writer.seal()  # the last part leaves now, not after the gate's round trip
         # Leaving the block publishes the file; a save that lost its
         # URI to a later save must not clobber that save's files.
         gate.wait()
@@ -179,6 +199,26 @@ def write_data_file(
         )
         for item, w, descriptors in written
     ]
+
+
+@dataclass
+class _Save:
+    """One save through a :class:`DcpStorageWriter`: what its DCP calls share."""
+
+    storage: Storage
+    #: Its commit protocol (from ``storage_meta``; a follower rank's is
+    #: replaced by one with the coordinator's token in ``write_data``).
+    session: SaveSession | None = None
+    #: ``set_up_storage_writer`` ran: the next ``storage_meta`` or set-up on
+    #: this thread begins another save.
+    running: bool = False
+    stats: SaveStats = field(default_factory=SaveStats)
+    #: The writer's ``commit_files`` when this save began.
+    commit_files: Mapping[str, bytes] = field(default_factory=dict)
+
+    def release(self) -> None:
+        if self.session is not None:
+            self.session.release()
 
 
 class DcpStorageWriter(StorageWriter):
@@ -194,7 +234,9 @@ class DcpStorageWriter(StorageWriter):
     ``commit_files``: name -> bytes of small files the coordinator writes
     with the commit, before ``.metadata`` (see
     :meth:`~dcpstore.dcp.commit.SaveSession.publish`); the attribute of the
-    same name may be replaced between saves.
+    same name may be replaced between saves (each save takes the files
+    the attribute holds when it begins).
+    Saves through one writer may overlap (see the module docstring).
     """
 
     def __init__(
@@ -222,57 +264,91 @@ class DcpStorageWriter(StorageWriter):
         self.transforms = _StorageWriterTransforms(list(extensions)) if extensions else None
         self._reopen = reopen
         self.progress = progress
-        self.rank = 0
-        self.is_coordinator = True
-        self.stats = SaveStats()
-        self._session: SaveSession | None = None
-        # The next save's session, started by storage_meta() (DCP asks for
-        # it before set_up_storage_writer) and taken by set-up.
-        self._next: SaveSession | None = None
+        #: This thread's current save (see the module docstring).
+        self._saves = self._save_slots()
+
+    # -- this thread's save -------------------------------------------------
+    @staticmethod
+    def _save_slots() -> threading.local | types.SimpleNamespace:
+        """Where the current save lives: one per thread, as DCP runs every
+        writer call of one save on one thread (saves may overlap)."""
+        return threading.local()
+
+    def _current(self) -> _Save | None:
+        save: _Save | None = getattr(self._saves, "save", None)
+        return save
+
+    def _begin(self, storage: Storage) -> _Save:
+        """Begin this thread's next save, at ``storage``."""
+        previous = self._current()
+        if previous is not None:
+            previous.release()  # this thread's previous save, should it never have finished
+        save = self._saves.save = _Save(storage, commit_files=dict(self.commit_files))
+        return save
+
+    def _save(self) -> _Save:
+        """This thread's save that DCP is setting up or running."""
+        save = self._current()
+        if save is None:
+            raise SaveError("the DCP writer was used before set_up_storage_writer")
+        return save
 
     @property
     def session(self) -> SaveSession:
-        """This save's commit protocol (a new one per save, from
-        ``set_up_storage_writer``; a follower rank's takes the coordinator's
+        """This thread's save's commit protocol (a new one per save, from
+        ``storage_meta`` or set-up; a follower rank's takes the coordinator's
         save id in ``write_data``)."""
-        if self._session is None:
+        session = self._save().session
+        if session is None:
             raise SaveError("the DCP writer was used before set_up_storage_writer")
-        return self._session
+        return session
+
+    @property
+    def stats(self) -> SaveStats:
+        """This thread's last save's phase timings and volume."""
+        save = self._current()
+        return save.stats if save is not None else SaveStats()
 
     # -- DCP protocol -----------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        """Point the next save at ``checkpoint_id`` (DCP calls this, on every
-        rank, only when ``dcp.save`` is given a ``checkpoint_id``)."""
-        self._next = None
+        """Begin a save at ``checkpoint_id`` (DCP calls this, on every rank,
+        only when ``dcp.save`` is given a ``checkpoint_id``); later saves
+        given none go there too, as with stock DCP's writers."""
         self.storage = rebind(self.storage, checkpoint_id, self._reopen, "writer")
+        self._begin(self.storage)
 
     def storage_meta(self) -> StorageMeta | None:
         # DCP asks before set_up_storage_writer, to hand the planner the save
         # id: the save's session starts here so that it is the id .metadata
         # records.
-        if self._next is None:
-            self._next = SaveSession(self.storage, self._save_id)
-        return self._next.storage_meta()
+        save = self._current()
+        if save is None or save.running:
+            save = self._begin(self.storage)
+        if save.session is None:
+            save.session = SaveSession(save.storage, self._save_id)
+        return save.session.storage_meta()
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        # Runs on every save (reset() only with a checkpoint_id), so per-save
-        # state starts here.
+        # Runs on every save (reset() only with a checkpoint_id, storage_meta()
+        # only on DCP versions that ask for it).
+        save = self._current()
+        if save is None or save.running:
+            save = self._begin(self.storage)
         if not kwargs.get("use_collectives", True):
-            raise InvalidArgument(f"cannot save to {self.storage.uri}: {NO_COLLECTIVES_WHY}")
-        self.is_coordinator = is_coordinator
-        self.rank = kwargs.get("rank") or 0
-        self.stats = SaveStats(started=time.perf_counter())
-        self.release()  # a previous save through this writer that never finished
-        self._session, self._next = self._next or SaveSession(self.storage, self._save_id), None
+            raise InvalidArgument(f"cannot save to {save.storage.uri}: {NO_COLLECTIVES_WHY}")
+        save.running = True
+        save.stats = SaveStats(started=time.perf_counter())
+        if save.session is None:
+            save.session = SaveSession(save.storage, self._save_id)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        self.storage.makedirs()
+        self._save().storage.makedirs()
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         self.session.claim(self.overwrite)
         save_id, tagged = self.session.token
-        spread = self.storage.options.spread_prefixes
+        spread = self._save().storage.options.spread_prefixes
         return [
             dataclasses.replace(plan, storage_data=SaveToken(rank_prefix(i, spread), save_id, tagged))
             for i, plan in enumerate(plans)
@@ -280,10 +356,11 @@ class DcpStorageWriter(StorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         t_start = time.perf_counter()
-        self.stats.plan_s = t_start - self.stats.started
+        save = self._save()
+        save.stats.plan_s = t_start - save.stats.started
         token: SaveToken = plan.storage_data
         if (token.save_id, token.tagged) != self.session.token:  # a follower: the coordinator's save
-            self._session = SaveSession(self.storage, token.save_id, token.tagged)
+            save.session = SaveSession(save.storage, token.save_id, token.tagged)
         if self.single_file_per_rank:
             buckets = split_buckets(plan.items, self.workers)
         else:
@@ -292,10 +369,11 @@ class DcpStorageWriter(StorageWriter):
         lock = threading.Lock()  # planners are not promised to be thread-safe
         future: Future[list[WriteResult]] = Future()
         named = [(self.session.data_file(token.prefix, i), bucket) for i, bucket in enumerate(buckets)]
+        batch = sum(file_size_hint(bucket) for bucket in buckets)
         try:
             per_file = run_gated(
                 self.session.check_owner,
-                lambda nb, gate: self._write_file(nb[0], nb[1], planner, lock, gate),
+                lambda nb, gate: self._write_file(save.storage, nb[0], nb[1], planner, lock, gate, batch),
                 named,
                 "dcpstore-write",
             )
@@ -304,34 +382,54 @@ class DcpStorageWriter(StorageWriter):
             future.set_exception(e)  # type: ignore[arg-type]  # torch's stub types it as the value
             return future
         results = [r for rs in per_file for r in rs]
-        write_stats(self.stats, results, t_start)
+        write_stats(save.stats, results, t_start)
         future.set_result(results)
         return future
 
     def _write_file(
-        self, name: str, items: list[WriteItem], planner: SavePlanner, lock: threading.Lock, gate: OwnerGate
+        self,
+        storage: Storage,
+        name: str,
+        items: list[WriteItem],
+        planner: SavePlanner,
+        lock: threading.Lock,
+        gate: OwnerGate,
+        batch: int,
     ) -> list[WriteResult]:
         return write_data_file(
-            self.storage, name, items, lambda item: _resolve(planner, item, lock), self.transforms, self.progress, gate
+            storage, name, items, lambda item: _resolve(planner, item, lock), self.transforms, self.progress, gate, batch
         )
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         t_start = time.perf_counter()
-        self.session.publish(metadata, results, self.commit_files)
-        self.stats.commit_s = time.perf_counter() - t_start
+        save = self._save()
+        self.session.publish(metadata, results, save.commit_files)
+        save.stats.commit_s = time.perf_counter() - t_start
 
     def release(self) -> None:
-        """The save failed (on any rank) or never finished: the session's
-        :meth:`~SaveSession.release` (coordinator: ``gc`` may then collect
-        what the save left; a no-op elsewhere and after the commit). DCP
-        tells no writer that another rank failed: :func:`save_state_dict`
+        """This thread's save failed (on any rank) or never finished: its
+        session's :meth:`~SaveSession.release` (coordinator: ``gc`` may then
+        collect what the save left; a no-op elsewhere and after the commit).
+        DCP tells no writer that another rank failed: :func:`save_state_dict`
         calls this when ``dcp.save`` raises. Idempotent."""
-        if self._session is not None:
-            self._session.release()
+        save = self._current()
+        if save is not None:
+            save.release()
 
     @property
     def checkpoint_id(self) -> str:
-        return self.storage.url.uri
+        """This thread's save's URI (the writer's, outside a save)."""
+        save = self._current()
+        return (save.storage if save is not None else self.storage).url.uri
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        del state["_saves"]  # per thread: a copy begins no save
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._saves = self._save_slots()
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:

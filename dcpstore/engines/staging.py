@@ -33,7 +33,10 @@ buffer sets for the ``max_structures`` most recently used structures, at
 most ``max_sets`` per structure, so repeated saves of one model stage into
 the same, already-faulted-in memory: no allocation, no page faults, flat RSS.
 Memory held between saves is bounded by ``max_structures * max_sets`` state
-copies; :meth:`StagingPool.clear` drops it all.
+copies; :meth:`StagingPool.clear` drops it all. A caller that cannot tell
+when the save of a staged set is over (DCP's ``AsyncStager`` protocol says
+nothing about it) asks :meth:`StagedState.in_use`: whether anything but the
+set itself still references its memory.
 
 Layer: engines. Imports only :mod:`dcpstore.errors`.
 """
@@ -48,6 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..dcp.state_checks import check_saveable
 from ..errors import InvalidArgument, SaveError
@@ -124,16 +128,50 @@ class StagedState:
     next staging of the same structure overwrites them.
     """
 
-    def __init__(self, state_dict: dict[str, Any], key: Hashable, buffers: list[torch.Tensor], pool: StagingPool | None) -> None:
+    def __init__(
+        self,
+        state_dict: dict[str, Any],
+        key: Hashable,
+        buffers: list[torch.Tensor],
+        pool: StagingPool | None,
+        watched: list[tuple[StorageWeakRef, int]],
+    ) -> None:
         self.state_dict = state_dict
         self.key = key
         self.nbytes = sum(b.untyped_storage().nbytes() for b in buffers)
         self._buffers: list[torch.Tensor] | None = buffers
         self._pool = pool
+        #: Each buffer's storage and its reference count when only the
+        #: buffers held it (see _watch).
+        self._watched = watched
+
+    def hand_out(self) -> dict[str, Any]:
+        """``state_dict``, for a save this object is not told the end of:
+        this object keeps only the buffers, so that :meth:`in_use` is true
+        exactly while something else (the save) still references them
+        (the state dict's tensors are aliases of the buffers, not the
+        buffer tensors themselves)."""
+        state_dict, self.state_dict = self.state_dict, {}
+        return state_dict
+
+    def in_use(self) -> bool:
+        """Whether anything but this object's buffers references their
+        memory: a tensor of the staged state dict (held here until
+        :meth:`hand_out`), a view of one, one that a pickler shares with
+        another process. False once every such reference is gone, and then
+        nothing can read the buffers but this object. Where torch cannot
+        count the references, always True (never reused)."""
+        if self._buffers is None:
+            return False
+        count = _use_count()
+        if count is None:  # pragma: no cover - every torch dcpstore supports has it
+            return True
+        return any(count(ref.cdata) > own for ref, own in self._watched)
 
     def release(self) -> None:
         buffers, self._buffers = self._buffers, None
         self.state_dict = {}
+        self._watched = []
         if buffers is not None and self._pool is not None:
             self._pool.put(self.key, buffers)
 
@@ -197,8 +235,11 @@ class Stager:
         if buffers is None:
             buffers = [_allocate(spec, path) for spec, path in zip(walk.specs, walk.paths)]
         self._copy(buffers, walk.sources)
-        staged = _fill(skeleton, buffers)
-        return StagedState(staged, key, buffers, self.pool if walk.specs else None)
+        watched = _watch(buffers)
+        # The state dict gets aliases (one per buffer, so tied tensors stay
+        # one object): each holds a reference of its own, which in_use counts.
+        staged = _fill(skeleton, [b.detach() for b in buffers])
+        return StagedState(staged, key, buffers, self.pool if walk.specs else None, watched)
 
     # -- walk: build the key, the skeleton and the list of copies ----------
     def _walk(self, obj: Any, path: tuple[Any, ...], walk: _Walk, alias_cpu: bool) -> Any:
@@ -286,6 +327,21 @@ class Stager:
         # One wait per device, after every copy is queued.
         for stream in streams.values():  # pragma: no cover - needs a GPU
             stream.synchronize()
+
+
+def _use_count() -> Any:
+    """torch's count of the strong references to a storage (None where this
+    torch has none)."""
+    return getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _watch(buffers: list[torch.Tensor]) -> list[tuple[StorageWeakRef, int]]:
+    """A weak reference to each buffer's storage and its reference count now,
+    while only the caller's buffer list (and the storage object torch keeps
+    for it) holds it: a larger count later means another holder."""
+    refs = [StorageWeakRef(b.untyped_storage()) for b in buffers]  # type: ignore[no-untyped-call]  # torch leaves it untyped
+    count = _use_count()
+    return [(ref, count(ref.cdata) if count is not None else 0) for ref in refs]
 
 
 def _allocate(spec: _BufferSpec, path: tuple[Any, ...]) -> torch.Tensor:

@@ -101,7 +101,7 @@ class FsspecStorage(Storage):
         return stripped[len(root) + 1 :] if root else stripped.lstrip("/")
 
     # -- writing -------------------------------------------------------------
-    def open_write(self, path: str, *, size_hint: int | None = None) -> ObjectWriter:
+    def open_write(self, path: str, *, size_hint: int | None = None, batch_hint: int | None = None) -> ObjectWriter:
         full = self._full(path)
         what = f"cannot write {self.describe(path)}"
         if self.transactional:
@@ -134,10 +134,16 @@ class FsspecStorage(Storage):
             return bytes(self.fs.cat_file(full, start=offset, end=offset + length))
 
     def read(self, path: str, *, limit: int | None = None) -> bytes:
+        """The size, then one ``cat_file`` for the whole object, never a
+        ``cat_file`` cut at the size (see :meth:`Storage._read_one_version`):
+        one GET on s3fs, gcsfs and adlfs, a slice of one file's bytes on
+        ``memory://``. (A filesystem without a ``cat_file`` of its own reads
+        through fsspec's buffered file, whose blocks are separate requests.)"""
+        full = self._full(path)
         with self._mapped(f"cannot read {self.describe(path)}"):
             size = self.size(path)  # a directory is not an object; checks the path too
             self.check_limit(path, size, limit)
-            return bytes(self.fs.cat_file(self._full(path), start=0, end=size)) if size else b""
+            return self._read_one_version(path, size, limit, lambda n: bytes(self.fs.cat_file(full, start=0, end=n)))
 
     def size(self, path: str) -> int:
         self._check_inside(path)

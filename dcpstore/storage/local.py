@@ -110,7 +110,7 @@ class LocalStorage(Storage):
         path = self._relpath(path)
         return os.path.join(self.root, path) if path else self.root
 
-    def open_write(self, path: str, *, size_hint: int | None = None) -> ObjectWriter:
+    def open_write(self, path: str, *, size_hint: int | None = None, batch_hint: int | None = None) -> ObjectWriter:
         return self._writer(path, durable=True)
 
     def put(self, path: str, data: bytes | bytearray | memoryview, *, durable: bool = True) -> None:
@@ -156,19 +156,27 @@ class LocalStorage(Storage):
         with self._mapped(f"cannot read {self.describe(path)}"):
             fd = self._open_file(path)
             try:
-                chunks = []
-                while length > 0:
-                    chunk = os.pread(fd, length, offset)  # releases the GIL
-                    if not chunk:
-                        break
-                    chunks.append(chunk)
-                    offset += len(chunk)
-                    length -= len(chunk)
+                return _pread(fd, offset, length)
             finally:
                 os.close(fd)
-        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
-    def read_into(self, path: str, offset: int, buffers: Sequence[memoryview]) -> int:
+    def read(self, path: str, *, limit: int | None = None) -> bytes:
+        """One open: the size (checked against ``limit`` before anything is
+        allocated) and the bytes both come from that file, so a rename over
+        ``path`` meanwhile changes neither (see :meth:`Storage.read`). A file
+        that grows meanwhile is read to the size first seen."""
+        with self._mapped(f"cannot read {self.describe(path)}"):
+            fd = self._open_file(path)
+            try:
+                size = os.fstat(fd).st_size
+                self.check_limit(path, size, limit)
+                return _pread(fd, 0, size)
+            finally:
+                os.close(fd)
+
+    def read_into(
+        self, path: str, offset: int, buffers: Sequence[memoryview], *, batch_hint: int | None = None
+    ) -> int:
         total = sum(b.nbytes for b in buffers)
         done = 0
         with self._mapped(f"cannot read {self.describe(path)}"):
@@ -300,6 +308,19 @@ class LocalStorage(Storage):
                 os.unlink(self._full(path))  # a link itself, never its target
                 removed += 1
         return removed
+
+
+def _pread(fd: int, offset: int, length: int) -> bytes:
+    """``length`` bytes of ``fd`` at ``offset``; fewer only where the file ends."""
+    chunks = []
+    while length > 0:
+        chunk = os.pread(fd, length, offset)  # releases the GIL
+        if not chunk:
+            break
+        chunks.append(chunk)
+        offset += len(chunk)
+        length -= len(chunk)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def _opened_path(fd: int, full: str) -> str:

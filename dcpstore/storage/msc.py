@@ -19,6 +19,10 @@ All I/O goes through MSC's client API (``open``, ``upload_file``, ``read``
 with a byte range, ``info``, ``list``, ``delete_many``); dcpstore adds only
 what its storage contract needs on top:
 
+Whole-object reads (``.metadata``, the manifest) are one GET each, never
+ranges: MSC's ``read`` neither reports nor pins the version it returned, so
+two ranges of an object replaced meanwhile could come from two versions.
+
 Commit protocol, object-store profiles (S3, GCS, ...): MSC's client has no
 streaming upload, so ``write`` spools the object (in memory up to
 :data:`SPOOL_MEMORY`, beyond that in a temporary file under ``TMPDIR``);
@@ -267,7 +271,7 @@ class MSCStorage(Storage):
         return map_os_error(e, what)
 
     # -- writing -------------------------------------------------------------
-    def open_write(self, path: str, *, size_hint: int | None = None) -> ObjectWriter:
+    def open_write(self, path: str, *, size_hint: int | None = None, batch_hint: int | None = None) -> ObjectWriter:
         what = f"cannot write {self.describe(path)}"
         if self.is_posix:
             with self._mapped(what):
@@ -291,8 +295,11 @@ class MSCStorage(Storage):
                 os.makedirs(target, exist_ok=True)
 
     # -- reading -------------------------------------------------------------
-    def _read_one(self, full: str, offset: int, length: int) -> bytes:
+    def _read_one(self, full: str, offset: int, length: int | None) -> bytes:
+        """One GET of ``length`` bytes at ``offset`` (``None``: the whole object)."""
         try:
+            if length is None:
+                return bytes(self.client.read(full))
             return bytes(self.client.read(full, byte_range=Range(offset=offset, size=length)))
         except Exception as e:
             if meaning(*_client_error(e)) is Meaning.PAST_END:
@@ -313,6 +320,9 @@ class MSCStorage(Storage):
         return b"".join(chunks)
 
     def read(self, path: str, *, limit: int | None = None) -> bytes:
+        """The size, then one GET for the whole object (MSC's ``read`` neither
+        reports nor pins a version, so ranges of one object could be of two):
+        see :meth:`Storage._read_one_version`."""
         try:
             size = self.size(path)
         except (StorageNotFound, StoragePermissionError):
@@ -324,7 +334,9 @@ class MSCStorage(Storage):
                 self.client.read(self._full(path), byte_range=Range(offset=0, size=1))
             size = self.size(path)
         self.check_limit(path, size, limit)
-        return self.read_range(path, 0, size) if size else b""
+        full = self._full(path)
+        with self._mapped(f"cannot read {self.describe(path)}"):
+            return self._read_one_version(path, size, limit, lambda n: self._read_one(full, 0, n))
 
     def size(self, path: str) -> int:
         self._check_inside(path)
