@@ -26,10 +26,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_hostile import METADATA, Payload, _declare as declare, good, write_metadata  # noqa: E402
 from test_hostile import _record_with_deflated_entry as deflated, _replace_item as replace_item  # noqa: E402
 from test_hostile_format import replace_data_files  # noqa: E402
+from rss import PEAK_MIB_SOURCE  # noqa: E402
 
 GiB = 1 << 30
 
-_CHILD = """
+_CHILD = PEAK_MIB_SOURCE + """
 import json, resource, sys, warnings
 warnings.filterwarnings("ignore")
 import torch, torch.distributed.checkpoint as dcp
@@ -44,7 +45,7 @@ except BaseException as e:
         e = next(iter(failures.values()))
         e = e[0] if isinstance(e, tuple) else e
     outcome = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
-print(json.dumps([outcome, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024]))
+print(json.dumps([outcome, peak_mib()]))
 """
 
 

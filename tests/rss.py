@@ -32,6 +32,19 @@ _MMAP_THRESHOLD = 128 * 1024
 
 T = TypeVar("T")
 
+#: Source that defines ``peak_mib()`` in a child interpreter (``python -c``):
+#: its peak RSS, from VmHWM. Not ``ru_maxrss``: Linux keeps that across
+#: ``execve``, so a child started from a test process that has grown reports
+#: the parent's size, not its own.
+PEAK_MIB_SOURCE = """
+def peak_mib():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) // 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+"""
+
 #: True in a process that :func:`in_own_process` started.
 _OWN_PROCESS = False
 

@@ -37,6 +37,7 @@ from dcpstore.cli import main
 from dcpstore.dcp.reader import DcpStorageReader
 from dcpstore.manager import CheckpointManager, step_dir
 from dcpstore.storage import open_storage
+from rss import PEAK_MIB_SOURCE
 
 MANIFEST, METADATA = ".dcpstore.json", ".metadata"
 
@@ -212,7 +213,7 @@ def test_stock_dcp_runs_the_item_payload(tmp_path: Path) -> None:
 # Memory amplification: sizes declared far beyond what a (sparse) file holds
 # ---------------------------------------------------------------------------
 
-_PEAKS = """
+_PEAKS = PEAK_MIB_SOURCE + """
 import contextlib, io, json, resource, sys, dcpstore, torch
 from dcpstore.cli import main
 from dcpstore.dcp.reader import DcpStorageReader
@@ -224,7 +225,7 @@ for name, action in json.loads(sys.argv[1]).items():
         outcomes[name] = f"returned {result!r}: {out.getvalue()}"
     except Exception as e:
         outcomes[name] = f"{type(e).__name__}: {e}"
-outcomes["peak_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
+outcomes["peak_mib"] = peak_mib()
 print(json.dumps(outcomes))
 """
 GiB = 1 << 30
