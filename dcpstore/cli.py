@@ -237,7 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tensors", type=_positive_int, default=32, metavar="N",
                    help="split the bytes into N float32 tensors (default 32)")
     p.add_argument("--workers", default="1,2,4,8", help="comma-separated worker counts to try (default 1,2,4,8)")
-    p.add_argument("--engine", choices=("auto", "native", "nvrx"), default="auto", help="async engine (with --async)")
+    p.add_argument("--engine", default="auto",  # checked by save() against dcpstore.options.ENGINES (torch-free here)
+                   help="async engine (with --async): dcpstore.save's engine=, e.g. native, nvrx, process")
     p.add_argument("--async", dest="async_", action="store_true", help="save with async_=True; reports the blocked time")
     p.add_argument("--repeat", type=_positive_int, default=1, help="saves per worker count (default 1)")
     p.add_argument("--tiered", metavar="LOCAL_DIR",
