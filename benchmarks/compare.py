@@ -12,8 +12,15 @@ state dict; see dcpstore/bench/runner.py for how each is timed):
 * s3: a moto server this script starts on loopback: raw parallel PUT/GET,
   DCP ``FsspecWriter`` + s3fs, MSC's writer, s3torchconnector, and dcpstore
   on every object-store route (native s3, s3 via MSC, msc://, memory://);
-* wan: the same endpoint behind benchmarks/wanproxy.py (latency + per-
-  connection bandwidth), throughput against workers.
+* wan: the same endpoint behind benchmarks/wanproxy.py (its own process:
+  latency per request + bandwidth per connection), one section
+  ``wan-<regime>`` per ``--wan-regimes`` entry (default ``network`` at 5
+  MB/s per connection, where the emulated network is the limit, and ``cpu``
+  at 25 MB/s, where this machine's CPUs are). Each section has its harness
+  self-test (the widest raw rows through a second proxy with shaping off:
+  dcpstore.bench.limits.harness_verdicts says whether the section is
+  network- or harness-bound), the raw sweep, dcpstore at its defaults, and
+  s3torchconnector, MSC and s3fs.
 
 Entries whose dependency is absent (a backend not merged, ``async_``
 raising NotImplementedError, a peer not installed) are reported as
@@ -168,24 +175,40 @@ def s3_section(endpoint: str, run_id: str, workers: Sequence[int], msc_profile: 
     return entries
 
 
-def wan_section(proxy: str, run_id: str, workers: Sequence[int], msc_profile: str, part_size: int | None,
-                nbytes: int) -> list[Entry]:  # fmt: skip
+def wan_section(proxy: str, unshaped: str, run_id: str, regime: str, msc_profile: str, nbytes: int,
+                connections: Sequence[int], peer_workers: Sequence[int]) -> list[Entry]:  # fmt: skip
+    """One regime of the emulated WAN (backend ``s3-wan-<regime>``): the
+    harness self-test (the widest raw rows through the proxy with its
+    shaping off, ``unshaped``), the raw sweep through the shaping proxy,
+    dcpstore at its defaults, and the peers: s3torchconnector at every
+    ``peer_workers`` count (its best is the reference), MSC and s3fs at the
+    largest."""
+    backend = f"s3-wan-{regime}"
     env = servers.s3_env(proxy)
-    uri = f"s3://{BUCKET}/dcpstore-wan"
-    entries: list[Entry] = raw_sweep(proxy, run_id, nbytes, "s3-wan")
-    entries += [WithEnv(e, env) for e in dcpstore_entries("s3-wan", uri, run_id, [None], async_workers=None,
-                                                          backend="s3-wan")]  # fmt: skip
-    for w in workers:
-        entries.append(peers.FsspecS3(proxy, BUCKET, w, backend="s3-wan"))
-        entries.append(peers.MscWriter(msc_profile, proxy, BUCKET, w, backend="s3-wan"))
-        entries.append(peers.S3TorchConnector(proxy, BUCKET, w, backend="s3-wan"))
-        entries += [WithEnv(e, env) for e in dcpstore_entries("s3-wan", uri, run_id, [w], async_workers=None,
-                                                              backend="s3-wan")]  # fmt: skip
-        if part_size:  # a fixed part size against the automatic one
-            options = StorageOptions(part_size=part_size)
-            entries.append(WithEnv(DcpstoreEntry(uri, run_id, workers=w, backend="s3-wan", storage_options=options,
-                                                 name=f"dcpstore s3-wan sync w={w} part={human_bytes(part_size)}"), env))
+    harness_env = servers.s3_env(unshaped)
+    entries: list[Entry] = [
+        WithEnv(limits.HarnessRaw(unshaped, BUCKET, c, p, prefix=run_id, backend=backend), harness_env)
+        for c, p in limits.harness_points(nbytes, connections)
+    ]
+    entries += [WithEnv(e, env) for e in limits.s3_sweep(proxy, BUCKET, nbytes, prefix=run_id, backend=backend,
+                                                         connections=connections)]  # fmt: skip
+    entries += [WithEnv(e, env) for e in dcpstore_entries(backend, f"s3://{BUCKET}/dcpstore-{backend}", run_id, [None],
+                                                          async_workers=None, backend=backend)]  # fmt: skip
+    entries += [peers.S3TorchConnector(proxy, BUCKET, w, backend=backend) for w in peer_workers]
+    w = max(peer_workers)
+    entries += [peers.MscWriter(msc_profile, proxy, BUCKET, w, backend=backend), peers.FsspecS3(proxy, BUCKET, w, backend=backend)]
     return entries
+
+
+def parse_regimes(text: str) -> list[tuple[str, float]]:
+    """``network:5,cpu:25`` -> ``[("network", 5.0), ("cpu", 25.0)]`` (name: MB/s per connection)."""
+    out = []
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        name, _, rate = item.partition(":")
+        if not re.fullmatch(r"[a-z0-9]+", name) or not rate:
+            raise ValueError(f"--wan-regimes: {item!r} is not NAME:MBPS (NAME in a-z0-9)")
+        out.append((name, float(rate)))
+    return out
 
 
 def _select(entries: list[Entry], only: str | None) -> list[Entry]:
@@ -201,16 +224,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--size", default="512MiB", help="state size (default 512MiB)")
     p.add_argument("--tensors", type=int, default=64, help="number of float32 tensors (default 64)")
+    p.add_argument("--wan-tensors", type=int, default=32, help="float32 tensors of the WAN state (default 32)")
     p.add_argument("--workers", default="1,2,4", help="worker counts (default 1,2,4); peers use the largest")
     p.add_argument("--repeat", type=int, default=3, help="measurements per entry (median reported; default 3)")
     p.add_argument("--sections", default="local,s3,wan", help="which of local,s3,wan,tiered to run, in this order")
     p.add_argument("--tiered-size", default="256MiB", help="state size for the tiered section (default 256MiB)")
-    p.add_argument("--wan-size", default="64MiB", help="state size for the WAN section (default 64MiB)")
+    p.add_argument("--wan-size", default="128MiB", help="state size for the WAN sections (default 128MiB)")
     p.add_argument("--wan-latency-ms", type=float, default=20.0)
-    p.add_argument("--wan-rate-mbps", type=float, default=25.0, help="MB/s per connection and direction")
-    p.add_argument("--wan-part-size", default="32MiB",
-                   help="also run dcpstore s3 through the WAN with this fixed part size, against the automatic "
-                        "default ('' to skip; default 32MiB, the raw rows' part size)")
+    p.add_argument("--wan-regimes", default="network:5,cpu:25",
+                   help="one WAN section per NAME:MBPS (bandwidth per connection and direction); default "
+                        "network:5 (the emulated network is the limit) and cpu:25 (the 2 CPUs are)")
+    p.add_argument("--wan-connections", default="4,8,16,32",
+                   help="connection counts of the WAN sections' raw sweep (default 4,8,16,32: one or two "
+                        "connections are never the best of a per-connection-bound network, and take minutes)")
+    p.add_argument("--wan-peer-workers", default="1,2,4",
+                   help="thread counts for s3torchconnector in the WAN sections (MSC and s3fs: the largest)")
     p.add_argument("--s3-part-size", default="32MiB",
                    help="also run dcpstore s3 (4 workers) with this fixed part size ('' to skip; default 32MiB, "
                         "the raw rows' part size)")
@@ -229,6 +257,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = set(sections) - {"local", "s3", "wan", "tiered"}
     if unknown:
         p.error(f"--sections: unknown section(s) {sorted(unknown)}; choose from local, s3, wan, tiered")
+    try:
+        regimes = parse_regimes(args.wan_regimes)
+    except ValueError as e:
+        p.error(str(e))
+    wan_conns = parse_int_list(args.wan_connections, "connections")
+    peer_workers = parse_int_list(args.wan_peer_workers)
     run_id = f"compare-{uuid.uuid4().hex[:6]}"
     root = tempfile.mkdtemp(prefix="dcpstore-compare-", dir=args.root)
     print(f"compare: {human_bytes(size)} in {args.tensors} tensors, workers {workers}, repeat {args.repeat}, "
@@ -276,15 +310,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                         part = parse_size(args.s3_part_size) if args.s3_part_size else None
                         run("s3", s3_section(endpoint, run_id, workers, "bench", part, size), state, dest)
                 else:
-                    wan_state = make_state(parse_size(args.wan_size), args.tensors)
+                    wan_bytes = parse_size(args.wan_size)
+                    wan_state = make_state(wan_bytes, args.wan_tensors)
                     wan_dest = zeros_like_state(wan_state)
-                    with servers.wan_proxy(endpoint, latency_ms=args.wan_latency_ms, rate_mbps=args.wan_rate_mbps,
-                                           pids=server_pids) as proxy:  # fmt: skip
-                        servers.write_msc_config(msc_config, {"wan": (proxy, BUCKET)})
-                        with servers.env({"MSC_CONFIG": msc_config, **servers.FAKE_CREDENTIALS}):
-                            part = parse_size(args.wan_part_size) if args.wan_part_size else None
-                            run("wan", wan_section(proxy, run_id, workers, "wan", part, parse_size(args.wan_size)),
-                                wan_state, wan_dest)
+                    for regime, rate in regimes:
+                        # Two proxy processes: the shaping one, and the same with shaping off (the self-test).
+                        with servers.wan_proxy(endpoint, latency_ms=args.wan_latency_ms, rate_mbps=rate,
+                                               pids=server_pids) as proxy, \
+                             servers.wan_proxy(endpoint, latency_ms=0, rate_mbps=0, pids=server_pids) as unshaped:  # fmt: skip
+                            profile = f"wan{regime}"
+                            servers.write_msc_config(msc_config, {profile: (proxy, BUCKET)})
+                            with servers.env({"MSC_CONFIG": msc_config, **servers.FAKE_CREDENTIALS}):
+                                run(f"wan-{regime}", wan_section(proxy, unshaped, run_id, regime, profile, wan_bytes,
+                                                                 wan_conns, peer_workers), wan_state, wan_dest)  # fmt: skip
                     del wan_state, wan_dest
     finally:
         import shutil
@@ -292,15 +330,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         shutil.rmtree(root, ignore_errors=True)
 
     rows = summarize(all_records)
-    results = targets.evaluate_all(targets.compare_targets(max(workers)), rows)
+    results = targets.evaluate_all(targets.compare_targets(max(workers), [name for name, _ in regimes]), rows)
     print("\n== targets (ratios within this run)")
     print(targets.format_targets(results, targets.text_table))
     if args.json:
         write_json(args.json, all_records, {
             "command": shlex.join(["python", "benchmarks/compare.py", *(argv if argv is not None else sys.argv[1:])]),
             "label": args.label, "size": size, "tensors": args.tensors, "workers": workers,
-            "wan": {"size": parse_size(args.wan_size), "latency_ms": args.wan_latency_ms, "rate_mbps": args.wan_rate_mbps,
-                    "part_size": args.wan_part_size},
+            "wan": {"size": parse_size(args.wan_size), "tensors": args.wan_tensors, "latency_ms": args.wan_latency_ms,
+                    "regimes": {name: {"rate_mbps": rate} for name, rate in regimes},
+                    "connections": wan_conns, "peer_workers": peer_workers},
             "s3_part_size": args.s3_part_size, "tiered_size": parse_size(args.tiered_size),
             "targets": results,
         })  # fmt: skip

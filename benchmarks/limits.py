@@ -2,8 +2,8 @@
 
 The storage limits ship with ``dcpstore bench`` (:mod:`dcpstore.bench.limits`:
 raw threads on files, raw boto3 swept over connections and part sizes, the
-best of each direction); this module adds the one reference that is not a
-storage's:
+best of each direction; the harness self-test rows of an emulated network);
+this module adds the one reference that is not a storage's:
 
 * :class:`Clone` -- ``tensor.clone()`` of every tensor: the least an async
   save must block to take a consistent snapshot on the CPU.
@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 
 from dcpstore.bench import Entry, SaveOutcome, Waiter, done
-from dcpstore.bench.limits import RawFiles, RawS3, byte_view, s3_sweep, shares
+from dcpstore.bench.limits import HarnessRaw, RawFiles, RawS3, byte_view, harness_points, s3_sweep, shares
 
-__all__ = ["Clone", "RawFiles", "RawS3", "byte_view", "s3_sweep", "shares"]
+__all__ = ["Clone", "HarnessRaw", "RawFiles", "RawS3", "byte_view", "harness_points", "s3_sweep", "shares"]
 
 
 class Clone(Entry):

@@ -7,7 +7,10 @@ Generated text is of two kinds, both rewritten from the committed result
 files and nothing else:
 
 * blocks, ``<!-- BEGIN generated:NAME -->`` ... ``<!-- END generated:NAME -->``
-  (see :data:`SOURCES` for each block's result files);
+  (see :data:`SOURCES` for each block's result files): ``local``, ``s3``,
+  one ``wan-<regime>`` per WAN regime with its ``harness-wan-<regime>``
+  self-test, ``sweep-<section>``, ``targets``, ``interference`` /
+  ``interference-gpu``, ``scaling-<sweep>``, ``scale``, ``tiered``...;
 * figures inside prose, ``<!-- fig SPEC -->TEXT<!-- /fig -->``, SPEC one of
   ``row|FILE|ENTRY|FIELD|FORMAT`` (a summary row's field),
   ``ratio|FILE|ENTRY|REFERENCE|FIELD|FORMAT`` (one row's field over
@@ -45,9 +48,10 @@ RESULTS = os.path.join(HERE, "results")
 sys.path.insert(0, HERE)
 sys.path.insert(0, ROOT)
 
+import interference  # noqa: E402
 import targets  # noqa: E402
 from dcpstore.bench import summarize  # noqa: E402
-from dcpstore.bench.limits import best_limits, limit_ratios  # noqa: E402
+from dcpstore.bench.limits import best_limits, harness_verdicts, limit_ratios  # noqa: E402
 from dcpstore.bench.report import tiered_lines  # noqa: E402
 from dcpstore.units import human_bytes  # noqa: E402
 
@@ -70,6 +74,11 @@ OBJECT_STORE = (*WRITE_READ, "dcpstore/storage/s3.py", "dcpstore/storage/s3_clie
                 "dcpstore/storage/pool.py", "dcpstore/storage/msc.py")  # fmt: skip
 SCALE = ("dcpstore/dcp/writer.py", "dcpstore/dcp/commit.py", "dcpstore/dcp/owner_gate.py", "dcpstore/storage/s3.py",
          "dcpstore/storage/s3_upload.py", "dcpstore/storage/pool.py", "benchmarks/scale_sim.py")  # fmt: skip
+INTERFERENCE = ("dcpstore/engines/saver.py", "dcpstore/engines/staging.py", "dcpstore/engines/nvrx.py",
+                "dcpstore/dcp/writer.py", "dcpstore/format/record.py", "dcpstore/storage/s3.py",
+                "dcpstore/storage/s3_upload.py", "dcpstore/bench/interference.py")  # fmt: skip
+#: The WAN regimes compare.py runs by default (one section each).
+WAN_REGIMES = ("network", "cpu")
 TIERED = ("dcpstore/manager/tiered.py", "dcpstore/manager/replicate.py", "dcpstore/manager/nodes.py",
           "dcpstore/manager/roots.py", "dcpstore/engines/saver.py", "dcpstore/storage/s3.py")  # fmt: skip
 
@@ -93,6 +102,10 @@ SOURCES: dict[str, tuple[Source, ...]] = {
     "sweep-s3": (Source("compare.json", OBJECT_STORE),),
     "wan": (Source("compare.json", OBJECT_STORE),),
     "sweep-wan": (Source("compare.json", OBJECT_STORE),),
+    **{f"{kind}wan-{regime}": (Source("compare.json", OBJECT_STORE),)
+       for kind in ("", "sweep-", "harness-") for regime in WAN_REGIMES},
+    "interference": (Source("interference.json", INTERFERENCE),),
+    "interference-gpu": (Source("interference-gpu.json", INTERFERENCE),),
     **{f"scaling-{s}": (Source("scaling.json", LOCAL),) for s in ("bytes", "tensors", "workers", "ranks", "repeat")},
     "scale": (Source("scale_sim.json", SCALE),),
     "tiered": (Source("tiered.json", TIERED),),
@@ -102,7 +115,7 @@ SOURCES: dict[str, tuple[Source, ...]] = {
 #: How to produce each result file (printed where one is missing).
 COMMANDS = {
     "compare.json": "python benchmarks/compare.py --size 512MiB --tensors 64 --workers 1,2,4 --repeat 3 "
-                    "--sections wan,s3,local --wan-size 128MiB --label LABEL --json benchmarks/results/compare.json "
+                    "--sections wan,s3,local --wan-size 128MiB --wan-tensors 32 --wan-regimes network:5,cpu:25 --label LABEL --json benchmarks/results/compare.json "
                     "--plot benchmarks/results/compare.png --quiet",
     "scaling.json": "python benchmarks/scaling.py --repeat 3 --label LABEL --json benchmarks/results/scaling.json "
                     "--plots benchmarks/results --quiet",
@@ -110,6 +123,10 @@ COMMANDS = {
                       "--json benchmarks/results/scale_sim.json --plot benchmarks/results/scale_sim.png",
     "tiered.json": "python benchmarks/compare.py --sections tiered --tiered-size 256MiB --tensors 32 --workers 4 "
                    "--repeat 3 --label LABEL --json benchmarks/results/tiered.json --quiet",
+    "interference.json": "python benchmarks/interference.py --size 512MiB --tensors 32 --repeat 3 --pin-training 0 "
+                         "--json benchmarks/results/interference.json",
+    "interference-gpu.json": "bash scripts/gpu-check.sh (on the GPU machine), then commit its interference.json "
+                             "as benchmarks/results/interference-gpu.json",
     "tiered_nodes.json": "python benchmarks/tiered_nodes.py --size-mib 64,256 --saves 6 --label LABEL "
                          "--json benchmarks/results/tiered_nodes.json",
 }  # fmt: skip
@@ -195,6 +212,20 @@ def sweep_table(rows: Sequence[Row]) -> str:
     return targets.markdown_table(head, body)
 
 
+def harness_table(rows: Sequence[Row]) -> str:
+    """The section's harness self-test, per direction: the proxy and endpoint
+    with shaping off against the best row measured through the shaping, and
+    what that makes the section (dcpstore.bench.limits.harness_verdicts)."""
+    verdicts = harness_verdicts(rows)
+    if not verdicts:
+        return "_no harness self-test in this run_"
+    head = ["direction", "harness, shaping off (GB/s)", "best measured row", "its GB/s", "harness / best", "section is"]
+    body = [[{"write": "save", "read": "load"}[d], _num(v["harness_gbps"]), v["best"], _num(v["best_gbps"]),
+             _ratio(v["ratio"]), f"**{v['bound']}-bound** (needs {v['margin']:g}x)"]
+            for d, v in verdicts.items()]  # fmt: skip
+    return targets.markdown_table(head, body)
+
+
 def targets_table(results: Sequence[Row]) -> str:
     head = ["target", "ours / reference", "ratio", "status", "why"]
     body = [[r["target"], f"{r['ours']} / {r['ref'] or 'state size'}", targets.ratio_text(r), f"**{r['status']}**",
@@ -250,12 +281,19 @@ def pending(name: str) -> str:
     return f"_pending: no committed `{name}`; run `{COMMANDS[name]}`, then `python benchmarks/report.py`_"
 
 
+def wan_regimes(meta: Doc) -> list[str] | None:
+    """The WAN regimes a compare run measured (None: a run from before the
+    regimes, with one ``wan`` section)."""
+    return list((meta.get("wan") or {}).get("regimes") or {}) or None
+
+
 def target_results(docs: dict[str, Doc], compare: str = "compare.json") -> list[Row]:
     """Every target, recomputed from the records (edited definitions apply to old runs too)."""
     results: list[Row] = []
     if compare in docs:
         summary = summarize(docs[compare]["records"])
-        results += targets.evaluate_all(targets.compare_targets(max(docs[compare]["meta"]["workers"])), summary)
+        meta = docs[compare]["meta"]
+        results += targets.evaluate_all(targets.compare_targets(max(meta["workers"]), wan_regimes(meta)), summary)
     scaling = docs.get("scaling.json")
     if compare == "compare.json" and scaling:
         summary = summarize(scaling["records"])
@@ -273,10 +311,13 @@ def blocks(docs: dict[str, Doc]) -> dict[str, str]:
     compare = docs.get("compare.json")
     if compare:
         summary = summarize(compare["records"])  # re-derived: summaries gain fields over time
-        for section in ("local", "s3", "wan"):
+        regimes = wan_regimes(compare["meta"])
+        for section in ("local", "s3", *([f"wan-{r}" for r in regimes] if regimes else ["wan"])):
             rows = [r for r in summary if r.get("extra", {}).get("section") == section]
             out[section] = rows_table(rows)
             out[f"sweep-{section}"] = sweep_table(rows)
+            if section.startswith("wan-"):
+                out[f"harness-{section}"] = harness_table(rows)
     scaling = docs.get("scaling.json")
     if scaling:
         summary = summarize(scaling["records"])
@@ -289,6 +330,12 @@ def blocks(docs: dict[str, Doc]) -> dict[str, str]:
     out["targets"] = targets_table(target_results(docs))
     if "compare-before.json" in docs and compare:
         out["targets-history"] = history_table(target_results(docs, "compare-before.json"), target_results(docs))
+    for name in ("interference", "interference-gpu"):
+        doc = docs.get(f"{name}.json")
+        if doc:
+            out[name] = interference.markdown(doc)
+        elif name == "interference":
+            out[name] = pending(f"{name}.json")
     out["tiered"] = tiered_block(docs["tiered.json"]) if "tiered.json" in docs else pending("tiered.json")
     out["tiered-nodes"] = (tiered_nodes_block(docs["tiered_nodes.json"]) if "tiered_nodes.json" in docs
                            else pending("tiered_nodes.json"))  # fmt: skip
@@ -543,11 +590,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--compare", help="this compare.json instead of the committed one")
     p.add_argument("--scaling", help="this scaling.json instead of the committed one")
     p.add_argument("--scale", help="this scale_sim.json instead of the committed one")
+    p.add_argument("--interference", help="this interference.json instead of the committed one")
+    p.add_argument("--interference-gpu", help="scripts/gpu-check.sh's interference.json (committed as interference-gpu.json)")
     p.add_argument("--page", default=os.path.join(ROOT, "BENCHMARKS.md"))
     p.add_argument("--check", action="store_true", help="change nothing; print what does not hold (exit 1 if any)")
     args = p.parse_args(argv)
     docs = read_results(args.results)
-    for name, path in (("compare.json", args.compare), ("scaling.json", args.scaling), ("scale_sim.json", args.scale)):
+    overrides = (("compare.json", args.compare), ("scaling.json", args.scaling), ("scale_sim.json", args.scale),
+                 ("interference.json", args.interference), ("interference-gpu.json", args.interference_gpu))
+    for name, path in overrides:
         if path is not None:
             docs.pop(name, None)
             if os.path.exists(path):

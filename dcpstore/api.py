@@ -33,6 +33,7 @@ from .dcp.failures import save_error
 from .dcp.reader import load_state_dict
 from .dcp.state_checks import check_saveable
 from .dcp.writer import save_state_dict
+from .engines.leftovers import with_leftovers
 from .engines.saver import default_saver
 from .errors import CheckpointError, InvalidArgument
 from .handle import CheckpointInfo, SaveHandle
@@ -147,6 +148,8 @@ def save_with(state_dict: dict[str, Any], uri: str | os.PathLike[str], options: 
         return handle
     t0 = time.perf_counter()
     check_saveable(state_dict)  # background saves check while staging
+    leftovers = default_saver().leftovers  # what earlier failed saves could not clean up
+    leftovers.retry_in_background()
     storage = open_storage(uri, enable_msc=options.enable_msc, storage_options=options.storage_options)
     bar = Progress(f"save {storage.uri}", enabled=shows_progress(options.progress, options.process_group))
     try:
@@ -161,7 +164,7 @@ def save_with(state_dict: dict[str, Any], uri: str | os.PathLike[str], options: 
             save_id=options.save_id,
         )
     except (CheckpointException, CheckpointError) as e:
-        raise save_error(e, storage.uri) from e
+        raise with_leftovers(save_error(e, storage.uri), storage, leftovers) from e
     finally:
         bar.close()
         storage.close()

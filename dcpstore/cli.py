@@ -34,6 +34,7 @@ from .errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound, Unsa
 from .listing import TierRow, list_checkpoints, list_tiers
 from .listing import gc as collect
 from .storage import Storage, open_storage
+from .storage.overlap import Role, check_roles
 from .storage.secrets import scrub
 from .units import human_bytes, parse_size
 
@@ -66,6 +67,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     storage = _open(args)
     # With --local-dir (a tiered manager's local tier): each entry with the tier it lives in.
     local = open_storage(args.local_dir) if args.local_dir else None
+    if local is not None:  # one directory in two roles would list each step as "both"
+        check_roles([Role("--local-dir", local, exclusive=True, given=args.local_dir), Role("URI", storage, given=args.uri)])
     if local is None:
         rows = [TierRow(e, storage, "durable") for e in list_checkpoints(storage)]
     else:
@@ -153,7 +156,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     for path in report.removed:
         print(f"{verb} incomplete checkpoint {_name(storage, path)}")
     for path in report.kept_running:
-        print(f"kept {_name(storage, path)}: a save is running there (its alive file is fresh or names a live process)")
+        print(f"kept {_name(storage, path)}: a save is running there (its alive file is fresh, or it just ended)")
     for path in report.kept_recent:
         print(f"kept {_name(storage, path)}: modified within {args.older_than:g} s (a save may be running)")
     for path, names in report.kept_unknown:
@@ -168,6 +171,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     bench, report = _needs_torch("bench"), _needs_torch("bench.report")
+    if args.interference:
+        return _bench_interference(args, bench, report)
     size, workers = parse_size(args.size), bench.parse_int_list(args.workers)
     mode = "async/" + args.engine if args.async_ or args.tiered else "sync"
     if args.tiered:
@@ -194,6 +199,27 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if any(r.status == "failed" for r in records):
         return 1
     return 0 if any(r.status == "ok" for r in records) else 2
+
+
+def _bench_interference(args: argparse.Namespace, bench: Any, report: Any) -> int:
+    """``dcpstore bench URI --interference``: one async save per engine beside a training step."""
+    engines = ("native", "nvrx") if args.engine == "auto" else (args.engine,)
+    text, results = bench.interference(
+        args.uri, size=parse_size(args.size), tensors=args.tensors, repeat=args.repeat, engines=engines,
+        enable_msc=args.enable_msc, progress=not args.quiet,
+    )  # fmt: skip
+    interference = _needs_torch("bench.interference")
+    print(text)
+    print(interference.text_table(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            meta = {"command": "dcpstore bench --interference", "uri": args.uri, "describe": text,
+                    "git_commit": report.git_commit(), "machine": report.machine()}  # fmt: skip
+            json.dump({"meta": meta, "results": [r.to_json() for r in results]}, f, indent=1)
+        print(f"wrote {args.json}")
+    if any(r.status == "failed" for r in results):
+        return 1
+    return 0 if any(r.status == "ok" for r in results) else 2
 
 
 def _positive_int(text: str) -> int:
@@ -248,6 +274,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also measure the storage's limit with the plainest code (a local path: raw threads per "
                         "worker count; s3://: raw boto3 over 1-32 connections and 8-64 MiB parts) and show every "
                         "row's save and load speed over the best limit")
+    p.add_argument("--interference", action="store_true",
+                   help="instead: what one async save per engine (native, nvrx; --engine picks one) costs a "
+                        "training step of fixed work running beside it: lost step-seconds, peak step inflation, "
+                        "CPU and (with py-spy installed) GIL seconds per GB of the save's threads")
     p.add_argument("--json", metavar="FILE", help="write every measurement as JSON records")
     p.add_argument("--plot", metavar="FILE.png", help="plot GB/s against workers")
     p.add_argument("--drop-caches", action="store_true",

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 import crc32c
 
-from .errors import CheckpointError
-from .format.inflight import ALIVE_PREFIX, decode_owner, is_alive_file, is_running
+from .errors import CheckpointError, StorageNotFound
+from .format.inflight import ALIVE_PREFIX, LEASE_S, decode_owner, is_alive_file, is_running, write_is_stale
 from .format.layout import (
     INFLIGHT,
     METADATA,
@@ -83,14 +83,19 @@ class CheckpointEntry:
     names: list[str] = field(default_factory=list)
 
     def running(self, storage: Storage, older_than_s: float = 0.0) -> bool:
-        """Whether a save is (or may still be) writing here: its alive file
-        names a live process of this machine, or was refreshed within
-        max(``older_than_s``, the lease). Reads each alive file (small, capped)."""
+        """Whether a save is (or may still be) writing here: an alive file
+        that does not name a process of this machine that has ended and was
+        refreshed within max(``older_than_s``, the lease), or one listed that
+        is gone now (its save just ended: what it committed, if anything, is
+        newer than the listing; see :mod:`dcpstore.format.inflight`). Reads
+        each alive file (small, capped)."""
         for path, age in self.alive:
             try:
                 owner = decode_owner(read_capped(storage, path, SMALL_FILE_LIMIT))
+            except StorageNotFound:
+                return True
             except CheckpointError:
-                continue  # gone (the save just finished) or unreadable
+                owner = None  # unreadable: judged by its age alone
             if is_running(owner, age, older_than_s):
                 return True
         return False
@@ -217,15 +222,19 @@ def gc(storage: Storage, *, older_than_s: float = 300.0, dry_run: bool = False) 
     it; known from the manifest that records ``.metadata``'s CRC32C); and
     the backend's in-progress leftovers (temporary files, open multipart
     uploads). Kept: anything modified within ``older_than_s``
-    seconds; a directory where a save is running (its alive file names a
-    live process of this machine, or was refreshed within max(``older_than_s``,
-    the lease) -- whatever ``older_than_s`` says); a directory holding files
-    no DCP save writes. A committed checkpoint never loses a file it needs.
-    Never unpickles anything.
+    seconds; a directory where a save is running, and its in-progress
+    writes; any in-progress write younger than the lease -- whatever
+    ``older_than_s`` says (:mod:`dcpstore.format.inflight` is the rule); a
+    directory holding files no DCP save writes. A committed checkpoint
+    never loses a file it needs. Never unpickles anything.
     """
     report = GcReport()
     now = time.time()
+    # In-progress writes first, the checkpoints after: a write listed here
+    # belongs to a save whose alive file the listing below shows.
+    writes = storage.incomplete_writes()
     doomed: list[str] = []
+    markers: dict[str, CheckpointEntry] = {}
     for entry in list_checkpoints(storage):
         if not (entry.leftovers or entry.mixed):
             continue
@@ -247,7 +256,9 @@ def gc(storage: Storage, *, older_than_s: float = 300.0, dry_run: bool = False) 
         ):
             report.kept_recent.append(label)
             continue
-        doomed.extend(entry.leftovers)
+        doomed.extend(p for p in entry.leftovers if posixpath.basename(p) != INFLIGHT)
+        if INFLIGHT in entry.names:
+            markers[entry.path] = entry
         if not entry.committed:
             report.removed.append(label)
         elif entry.mixed and live is not None:  # and files its commit does not name
@@ -256,29 +267,42 @@ def gc(storage: Storage, *, older_than_s: float = 300.0, dry_run: bool = False) 
             doomed.extend(stale)
             report.removed.extend(stale)
     running = ["" if label == "." else label for label in report.kept_running]
-    if not dry_run:
-        if doomed:
-            storage.delete(doomed)
-        if not running:
-            report.incomplete_uploads = storage.cleanup_incomplete(older_than_s)
-        else:  # never a running save's temp files or open uploads: only other directories'
-            report.incomplete_uploads = sum(
-                _under(storage, d).cleanup_incomplete(older_than_s) for d in _idle_dirs(storage, running)
-            )
-    else:
-        report.incomplete_uploads = len(list(storage.list_incomplete()))
+    idle = [w for w in writes if write_is_stale(w.age_s, older_than_s) and not _in_running(w.path, running)]
+    if dry_run:
+        report.incomplete_uploads = len(idle)
+        return report
+    # Markers last: deletes remove the directories they empty.
+    report.incomplete_uploads = storage.remove_incomplete(idle, max(older_than_s, LEASE_S))
+    if doomed:
+        storage.delete(doomed)
+    _remove_markers(storage, markers)
     return report
 
 
-def _idle_dirs(storage: Storage, running: list[str]) -> list[str]:
-    """Directories holding incomplete writes with no running save in or under them."""
+def _in_running(path: str, running: list[str]) -> bool:
+    """Whether the in-progress write ``path`` lies in (or above: the root's
+    own) a directory where a save is running. A spread save's pieces lie in
+    ``p{hex}/`` below its checkpoint: they are that checkpoint's."""
+    directory = checkpoint_dir(posixpath.dirname(path))
+    return any(not r or not directory or directory == r or directory.startswith(r + "/") for r in running)
 
-    def holds(directory: str, other: str) -> bool:
-        return not directory or other == directory or other.startswith(directory + "/")
 
-    # A spread save's pieces lie in p{hex}/ below its checkpoint: they are that checkpoint's.
-    dirs = {checkpoint_dir(posixpath.dirname(p)) for p in storage.list_incomplete()}
-    return sorted(d for d in dirs if not any(holds(d, r) for r in running))
+def _remove_markers(storage: Storage, markers: dict[str, CheckpointEntry]) -> None:
+    """Remove the in-flight markers of the directories gc cleans, last, and
+    only where no save has started since the listing: the marker's name is
+    every save's, so a save that claimed the directory meanwhile (its alive
+    file lands before its marker) keeps it. An uncommitted directory's
+    marker removed in the instant between that look and the delete is put
+    back by its save (:meth:`~dcpstore.dcp.commit.SaveSession.check_owner`)."""
+    gone = []
+    for path, entry in markers.items():
+        prefix = f"{path}/" if path else ""
+        known = {posixpath.join(path, n) if path else n for n in entry.names}
+        listed = {o["path"] for o in storage.list(prefix) if "/" not in o["path"][len(prefix) :]}
+        if not any(is_alive_file(posixpath.basename(p)) for p in listed - known):
+            gone.append(posixpath.join(path, INFLIGHT) if path else INFLIGHT)
+    if gone:
+        storage.delete(gone)
 
 
 def _under(storage: Storage, directory: str) -> Storage:

@@ -18,8 +18,16 @@ torchrun is needed:
 3. ``--resume-world`` ranks (a different world size) resume from the newest
    *committed* step, check that model and optimizer state equal what was
    saved there, train on and save again.
-4. A summary table: per backend, steps saved, bytes, save stall (how long
-   training blocked) vs write time, resume load time.
+4. A summary table: per backend, steps saved, bytes, how long training
+   waited for that backend's previous save and how long its save() call
+   itself blocked (the snapshot), write time, resume load time.
+
+Each rank's two managers share the process's one background saver
+(dcpstore's default, one thread): each is given a save slot of its own
+(``max_in_flight`` = the number of managers), so neither save() waits for
+the other backend's save; the S3 save's writing starts once the local one's
+is done, and a save that is still writing when the same backend's next one
+is due is what the ``wait`` column shows.
 
 With no ``--root`` everything goes to a temporary directory removed at the end.
 """
@@ -39,7 +47,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -128,12 +136,22 @@ def _stats_file(args: argparse.Namespace, name: str) -> str:
     return os.path.join(args.root, f"stats-{name}.jsonl")
 
 
+def managers_for(cfgs: dict[str, CheckpointConfig]) -> dict[str, dcpstore.CheckpointManager]:
+    """One manager per backend, each with a save slot of its own on the
+    process's background saver (see the module docstring)."""
+    return {
+        name: dcpstore.CheckpointManager(cfg.save, keep=cfg.keep, options=replace(cfg.save_options(), max_in_flight=len(cfgs)))
+        for name, cfg in cfgs.items()
+        if cfg.save is not None
+    }
+
+
 def run_training(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     """Phase 1 (every rank): train and checkpoint until the crash."""
     _init(rank, world, port)
     plan = args.plan
     model, optim = build(plan, seed=0)
-    managers = {name: cfg.manager() for name, cfg in configs(args).items()}
+    managers = managers_for(configs(args))
     written = {name: 0 for name in managers}
     for step in range(1, plan.steps + 1):
         loss = train_step(model, optim, plan, step)
@@ -146,26 +164,30 @@ def run_training(rank: int, world: int, port: int, args: argparse.Namespace) -> 
             torch.save(expected, os.path.join(args.root, f"expected-{step}.pt"))
         for name, mgr in managers.items():
             t0 = time.perf_counter()
+            mgr.wait()  # this backend's previous save, if it is still writing
+            t1 = time.perf_counter()
             fsdp.save_app_state(model, optim, mgr, step=step, extra={"step": step})
-            stall = time.perf_counter() - t0
+            stall = time.perf_counter() - t1
             if rank == 0:
-                written[name] = _record(args, name, mgr, written[name], {step: stall})
+                written[name] = _record(args, name, mgr, written[name], {step: (t1 - t0, stall)})
         if rank == 0:
             committed = ", ".join(f"{name} {mgr.all_steps()}" for name, mgr in managers.items())
             print(f"  step {step:3d}  loss {loss:.4f}  saved; committed steps: {committed}", flush=True)
     raise SystemExit("the crash did not happen")
 
 
-_STALLS: dict[str, dict[int, float]] = {}
+_STALLS: dict[str, dict[int, tuple[float, float]]] = {}
 
 
-def _record(args: argparse.Namespace, name: str, mgr: dcpstore.CheckpointManager, done: int, stalls: dict[int, float]) -> int:
+def _record(args: argparse.Namespace, name: str, mgr: dcpstore.CheckpointManager, done: int,
+            stalls: dict[int, tuple[float, float]]) -> int:  # fmt: skip
     """Append finished saves (their info arrives later when async) to stats-<backend>.jsonl."""
     _STALLS.setdefault(name, {}).update(stalls)
     with open(_stats_file(args, name), "a") as f:
         for saved in mgr.history[done:]:
             info = saved.info
-            f.write(json.dumps({"step": saved.step, "bytes": info.bytes_written, "stall_s": _STALLS[name].get(saved.step, 0.0),
+            wait_s, stall_s = _STALLS[name].get(saved.step, (0.0, 0.0))
+            f.write(json.dumps({"step": saved.step, "bytes": info.bytes_written, "wait_s": wait_s, "stall_s": stall_s,
                                 "write_s": info.phases.get("write", 0.0), "commit_s": info.phases.get("commit", 0.0)}) + "\n")
     return len(mgr.history)
 
@@ -281,8 +303,8 @@ def report_crash(args: argparse.Namespace, resume_world: int) -> None:
 
 
 def summary(args: argparse.Namespace, names: list[str]) -> bool:
-    print("\n  backend  saves  MB/ckpt  stall ms  write ms  commit ms  resumed  on  load ms  state")
-    print("  " + "-" * 84)
+    print("\n  backend  saves  MB/ckpt  wait ms  stall ms  write ms  commit ms  resumed  on  load ms  state")
+    print("  " + "-" * 93)
     ok = True
     for name in names:
         rows = [json.loads(line) for line in open(_stats_file(args, name))]
@@ -293,12 +315,13 @@ def summary(args: argparse.Namespace, names: list[str]) -> bool:
         med = lambda k: 1e3 * statistics.median(r[k] for r in rows)  # noqa: E731
         print(
             f"  {name:<7}  {len(rows):>5}  {sum(r['bytes'] for r in rows) / len(rows) / 1e6:>7.2f}  "
-            f"{med('stall_s'):>8.1f}  {med('write_s'):>8.1f}  {med('commit_s'):>9.1f}  "
+            f"{med('wait_s'):>7.1f}  {med('stall_s'):>8.1f}  {med('write_s'):>8.1f}  {med('commit_s'):>9.1f}  "
             f"{resume['step']:>7}  {resume['world']:>2}  {resume['load_s'] * 1e3:>7.1f}  "
             f"{'match' if match else 'MISMATCH: ' + ', '.join(resume['mismatches'][:5])}"
         )
-    print("  (saves: those rank 0 saw finish before the crash; medians over them. stall: time training"
-          " was blocked by save(); write: time to make the data durable; bytes and write are rank 0's)")
+    print("  (saves: those rank 0 saw finish before the crash; medians over them. wait: time training waited"
+          " for this backend's previous save to finish; stall: time save() itself blocked (the snapshot);"
+          " write: time to make the data durable; bytes and write are rank 0's)")
     return ok
 
 

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# GPU check: the cuda-marked tests (tests/test_cuda.py) and
-# benchmarks/gpu_stage.py on one GPU machine, then a summary. Sized to finish
-# in under 8 minutes on one H200 (16 cores, 128 GiB).
+# GPU check: the cuda-marked tests (tests/test_cuda.py),
+# benchmarks/gpu_stage.py and benchmarks/interference.py on one GPU machine,
+# then a summary. Sized to finish in under 11 minutes on one H200 (16 cores,
+# 128 GiB; about 7 typically).
 #
 #   bash scripts/gpu-check.sh                  on the GPU machine (no network needed)
 #   bash scripts/gpu-check.sh --fetch-wheels   beforehand, where PyPI is reachable: fill .whl/
+#                                              (add --with-s3: also boto3 + moto, ~30 MB, for S3 rows)
 #   bash scripts/gpu-check.sh --dry-run        anywhere: the plumbing on a CPU, nothing measured
 #
 # The GPU machine brings Python 3.12 and a CUDA build of torch (2.11+) with
@@ -13,7 +15,7 @@
 # installed into /tmp/site, put first on PYTHONPATH; dcpstore runs from this
 # checkout. Logs and JSON go to $OUT when it is set (the device tool returns
 # what is there), else to .out/gpu-check/. Exit status: 0 when every cuda test
-# passed and the benchmark ran (goals are reported, not enforced).
+# passed and both benchmarks ran (goals are reported, not enforced).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -21,25 +23,38 @@ cd "$(dirname "$0")/.."
 # image): crc32c (a dependency), NVRx for the nvrx engine, and defusedxml (an
 # NVRx requirement). NVRx's other requirements are in the image (psutil,
 # packaging, pyyaml, nvidia-ml-py, which provides the pynvml module; the
-# 'pynvml' distribution itself is only a redirector to it).
-WHEELS=(crc32c==2.9.post0 nvidia-resiliency-ext==0.4.1 defusedxml==0.7.1)
+# 'pynvml' distribution itself is only a redirector to it). py-spy (a static
+# binary) samples the GIL for the interference benchmark.
+WHEELS=(crc32c==2.9.post0 nvidia-resiliency-ext==0.4.1 defusedxml==0.7.1 py-spy==0.4.3)
+# --with-s3: the S3 rows of the interference benchmark need boto3 and a moto
+# server; fetched with their dependencies into .whl/s3/ and put on the path
+# of that benchmark only (so they never shadow the image's packages elsewhere).
+S3_WHEELS=(boto3==1.43.117 botocore==1.43.117 "moto[s3]==5.2.5" flask flask-cors)
 SITE=/tmp/site
-# Time plan (8 minutes at most): wheels and environment ~15 s, the cuda tests
-# at most TEST_TIMEOUT (each test at most 100 s, so one hang costs one test),
-# the benchmark stops starting sizes at BENCH_BUDGET and is killed at
-# BENCH_TIMEOUT. Typical: about 5 minutes.
+SITE_S3=/tmp/site-s3
+# Time plan (under 11 minutes at most): wheels and environment ~15 s, the
+# cuda tests at most TEST_TIMEOUT (each test at most 100 s, so one hang costs
+# one test), gpu_stage.py stops starting sizes at BENCH_BUDGET and is killed at
+# BENCH_TIMEOUT, interference.py likewise at INTERFERENCE_BUDGET /
+# INTERFERENCE_TIMEOUT. Typical: about 7 minutes.
 TEST_TIMEOUT=${GPU_CHECK_TEST_TIMEOUT:-200}
 BENCH_BUDGET=${GPU_CHECK_BENCH_BUDGET:-180}
 BENCH_TIMEOUT=$((BENCH_BUDGET + 50))
+# The interference benchmark starts no row and no repeat past its budget;
+# killed at its timeout (a checkpoint process per executor takes ~20 s to start).
+INTERFERENCE_BUDGET=${GPU_CHECK_INTERFERENCE_BUDGET:-100}
+INTERFERENCE_TIMEOUT=$((INTERFERENCE_BUDGET + 80))
 
-usage() { sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
 
 dry_run=0
 fetch=0
+with_s3=0
 for arg in "$@"; do
   case "$arg" in
     --dry-run) dry_run=1 ;;
     --fetch-wheels) fetch=1 ;;
+    --with-s3) with_s3=1 ;;
     -h|--help) usage; exit 0 ;;
     *) echo "gpu-check.sh: unknown argument: $arg" >&2; usage >&2; exit 2 ;;
   esac
@@ -51,8 +66,14 @@ if [ "$fetch" = 1 ]; then
   for p in manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64 manylinux_2_28_x86_64 manylinux_2_31_x86_64; do
     platforms+=(--platform "$p")
   done
-  exec "${PYTHON:-python3}" -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
-    --implementation cp "${platforms[@]}" -d .whl "${WHEELS[@]}"
+  "${PYTHON:-python3}" -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+    --implementation cp "${platforms[@]}" -d .whl "${WHEELS[@]}" || exit 1
+  if [ "$with_s3" = 1 ]; then
+    mkdir -p .whl/s3
+    "${PYTHON:-python3}" -m pip download --only-binary=:all: --python-version 3.12 \
+      --implementation cp "${platforms[@]}" -d .whl/s3 "${S3_WHEELS[@]}" || exit 1
+  fi
+  exit 0
 fi
 
 PY=${PYTHON:-python3}
@@ -76,6 +97,12 @@ else
   echo "== installing $(ls .whl/*.whl | wc -l) carried wheel(s) into $SITE"
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl || exit 1
   export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+  [ -x "$SITE/bin/py-spy" ] && export DCPSTORE_PYSPY="$SITE/bin/py-spy"
+  if ls .whl/s3/*.whl >/dev/null 2>&1; then
+    echo "== installing $(ls .whl/s3/*.whl | wc -l) S3 wheel(s) into $SITE_S3 (interference benchmark only)"
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE_S3" .whl/s3/*.whl \
+      || echo "gpu-check.sh: the S3 wheels did not install; the interference benchmark runs without S3 rows" >&2
+  fi
 fi
 
 echo "== environment"
@@ -94,7 +121,20 @@ bench_args=(--json "$OUT_DIR/gpu_stage.json" --budget-s "$BENCH_BUDGET")
 timeout -k 10 "$BENCH_TIMEOUT" "$PY" benchmarks/gpu_stage.py "${bench_args[@]}" 2>&1 | tee "$OUT_DIR/gpu_stage.log"
 bench_rc=${PIPESTATUS[0]}
 
-summary_args=(--tests-rc "$tests_rc" --bench-rc "$bench_rc")
+echo "== benchmarks/interference.py (budget ${INTERFERENCE_BUDGET}s)"
+if [ "$dry_run" = 1 ]; then
+  intf_args=(--device cpu --size 8MiB --tensors 8 --repeat 1 --targets local --only 'dcpstore native|process \+ dcpstore')
+else
+  intf_args=(--device cuda --size 1GiB --tensors 64 --repeat 2)
+fi
+intf_path=$PYTHONPATH
+[ -d "$SITE_S3" ] && intf_path="$PYTHONPATH:$SITE_S3" && export PATH="$SITE_S3/bin:$PATH"  # moto_server
+PYTHONPATH=$intf_path timeout -k 10 "$INTERFERENCE_TIMEOUT" "$PY" benchmarks/interference.py "${intf_args[@]}" \
+  --budget-s "$INTERFERENCE_BUDGET" --label "gpu-check$([ "$dry_run" = 1 ] && echo ' dry run')" \
+  --json "$OUT_DIR/interference.json" 2>&1 | tee "$OUT_DIR/interference.log"
+intf_rc=${PIPESTATUS[0]}
+
+summary_args=(--tests-rc "$tests_rc" --bench-rc "$bench_rc" --interference-rc "$intf_rc")
 [ "$dry_run" = 1 ] && summary_args+=(--dry-run)
 "$PY" scripts/gpu_check.py summary "$OUT_DIR" "${summary_args[@]}"
 rc=$?

@@ -4,10 +4,11 @@
         write OUT_DIR/env.json (interpreter, torch and CUDA, the GPU, host
         memory and cores, the carried packages, which record writer this
         torch allows) and print it; exit 1 if dcpstore cannot be imported.
-    python scripts/gpu_check.py summary OUT_DIR --tests-rc N --bench-rc N [--dry-run]
-        read env.json, cuda-tests.xml (pytest's JUnit report) and
-        gpu_stage.json, write OUT_DIR/summary.json, print a short table;
-        exit 0 only if the tests passed and the benchmark ran.
+    python scripts/gpu_check.py summary OUT_DIR --tests-rc N --bench-rc N [--interference-rc N] [--dry-run]
+        read env.json, cuda-tests.xml (pytest's JUnit report),
+        gpu_stage.json and interference.json, write OUT_DIR/summary.json,
+        print a short table; exit 0 only if the tests passed and the
+        benchmarks ran.
 
 Nothing here needs a GPU: the dry run (``gpu-check.sh --dry-run``) runs both
 on a CPU box, which is how tests/test_gpu_check.py covers them.
@@ -148,7 +149,22 @@ def _load_json(path: str) -> dict[str, Any] | None:
         return None
 
 
-def summarise(out_dir: str, tests_rc: int, bench_rc: int, dry_run: bool) -> dict[str, Any]:
+def interference_summary(out_dir: str, rc: int | None) -> dict[str, Any] | None:
+    """interference.json's rows, as the summary shows them (None: the step did not run)."""
+    if rc is None:
+        return None
+    doc = _load_json(os.path.join(out_dir, "interference.json"))
+    keys = ("name", "target", "executor", "status", "reason", "blocked_s", "save_s", "baseline_s", "lost_s",
+            "peak_inflation", "lost_s_per_gb", "cpu_threads_s_per_gb", "cpu_children_s_per_gb", "gil_s_per_gb", "gil_note")
+    return {
+        "rc": rc,
+        "ok": rc == 0 and doc is not None,
+        "describe": (doc or {}).get("meta", {}).get("describe"),
+        "rows": [{k: r.get(k) for k in keys} for r in (doc or {}).get("results", [])],
+    }
+
+
+def summarise(out_dir: str, tests_rc: int, bench_rc: int, dry_run: bool, interference_rc: int | None = None) -> dict[str, Any]:
     env = _load_json(os.path.join(out_dir, "env.json")) or {}
     tests = junit_counts(os.path.join(out_dir, "cuda-tests.xml"))
     bench = _load_json(os.path.join(out_dir, "gpu_stage.json"))
@@ -156,9 +172,11 @@ def summarise(out_dir: str, tests_rc: int, bench_rc: int, dry_run: bool) -> dict
     if not dry_run:  # on a GPU every cuda test must have run, not been skipped
         tests_ok = tests_ok and tests.get("skipped", 1) == 0 and tests.get("passed", 0) > 0
     bench_ok = bench_rc == 0 and bench is not None
+    interference = interference_summary(out_dir, interference_rc)
     return {
         "dry_run": dry_run,
-        "ok": bool(tests_ok and bench_ok),
+        "ok": bool(tests_ok and bench_ok and (interference is None or interference["ok"])),
+        "interference": interference,
         "env": env,
         "tests": {"rc": tests_rc, "ok": bool(tests_ok), **tests},
         "benchmark": {
@@ -224,6 +242,19 @@ def print_summary(s: dict[str, Any]) -> None:
         print(f"  skipped for time: {bench['skipped']}")
     if not bench["ok"]:
         print(f"  benchmark did not finish (rc {bench['rc']})")
+    intf = s.get("interference")
+    if intf is not None:
+        print(f"  interference: {intf.get('describe') or 'no results'}")
+        for r in intf["rows"]:
+            if r["status"] != "ok":
+                print(f"    {r['name']} -> {r['target']}: {r['status']}: {r['reason']}")
+                continue
+            gil = f"{r['gil_s_per_gb']:.3f}" if r.get("gil_s_per_gb") is not None else (r.get("gil_note") or "-")
+            print(f"    {r['name']} -> {r['target']} ({r['executor']}): lost {r['lost_s']:.3f} step-s, peak "
+                  f"{r['peak_inflation']:.2f}x, blocked {r['blocked_s']:.3f} s; per GB: CPU {r['cpu_threads_s_per_gb']:.2f} "
+                  f"threads / {r['cpu_children_s_per_gb']:.2f} children, GIL {gil}")
+        if not intf["ok"]:
+            print(f"  interference benchmark did not finish cleanly (rc {intf['rc']})")
     print("=" * 72)
 
 
@@ -236,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("out_dir")
     m.add_argument("--tests-rc", type=int, required=True)
     m.add_argument("--bench-rc", type=int, required=True)
+    m.add_argument("--interference-rc", type=int)
     m.add_argument("--dry-run", action="store_true")
     args = ap.parse_args(argv)
     if args.cmd == "env":
@@ -244,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(env, f, indent=1)
         print(json.dumps(env, indent=1))
         return 1 if "import_error" in env else 0
-    summary = summarise(args.out_dir, args.tests_rc, args.bench_rc, args.dry_run)
+    summary = summarise(args.out_dir, args.tests_rc, args.bench_rc, args.dry_run, args.interference_rc)
     with open(os.path.join(args.out_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     print_summary(summary)

@@ -13,7 +13,10 @@ request, either forwards it or injects a fault:
 * ``answer``: a canned response of the test's choosing (e.g. S3's
   ``NoSuchUpload`` for a retried ``CompleteMultipartUpload``);
 * ``delay_s``: hold matching requests that long before forwarding them: a
-  slow response, or a stall when longer than the client's read timeout.
+  slow response, or a stall when longer than the client's read timeout;
+* ``hold_applies``: hold matching requests (their bodies received) until
+  :meth:`FaultProxy.release`: :meth:`FaultProxy.wait_held` then proves how
+  many a client keeps in flight at once, without timing anything.
 
 Shares are probabilities per request, drawn from a seeded RNG; ``applies``
 restricts faults to some requests (e.g. only ``UploadPart``). Counters record
@@ -34,7 +37,6 @@ import random
 import socket
 import struct
 import threading
-import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -119,6 +121,8 @@ class FaultConfig:
     #: Seconds to hold each forwarded request matching ``delay_applies``.
     delay_s: float = 0.0
     delay_applies: Callable[[Request], bool] = lambda req: False
+    #: Requests held (after their body arrived) until FaultProxy.release().
+    hold_applies: Callable[[Request], bool] = lambda req: False
 
 
 @dataclass
@@ -220,6 +224,9 @@ class FaultProxy:
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
         self._inflight: Counter[str] = Counter()
+        self._held = 0
+        self._held_changed = threading.Condition(self._lock)
+        self._released = threading.Event()
         self._sockets: set[socket.socket] = set()
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -238,13 +245,27 @@ class FaultProxy:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
+    def wait_held(self, count: int, timeout_s: float = 60.0) -> int:
+        """Wait until ``count`` requests are held at once (``hold_applies``),
+        or ``timeout_s``; return how many are held then."""
+        with self._held_changed:
+            self._held_changed.wait_for(lambda: self._held >= count, timeout_s)
+            return self._held
+
+    def release(self) -> None:
+        """Forward every held request, and hold no more from now on."""
+        self._released.set()
+
     def stop(self) -> None:
+        self._released.set()
         self._stopping.set()
         with contextlib.suppress(OSError):
             self._listener.close()
         with self._lock:
             socks = list(self._sockets)
         for s in socks:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in recv (close alone does not)
             with contextlib.suppress(OSError):
                 s.close()
         self._acceptor.join(5)
@@ -366,10 +387,22 @@ class FaultProxy:
             self._inflight[kind] += 1
             self.stats.peak_inflight[kind] = max(self.stats.peak_inflight[kind], self._inflight[kind])
         try:
+            if not self._released.is_set() and self.config.hold_applies(req):
+                with self._held_changed:
+                    self._held += 1
+                    self._held_changed.notify_all()
+                try:
+                    self._released.wait(_SOCKET_TIMEOUT_S)
+                finally:
+                    with self._held_changed:
+                        self._held -= 1
             if self.config.delay_s and self.config.delay_applies(req):
                 with self._lock:
                     self.stats.faults["delay"] += 1
-                time.sleep(self.config.delay_s)
+                # Not a plain sleep: stop() ends the hold, so that no connection
+                # thread outlives the proxy by the stall (and counts in a later
+                # test's threads).
+                self._stopping.wait(self.config.delay_s)
             head = f"{req.method} {req.target} HTTP/1.1\r\n" + "".join(
                 f"{k}: {v}\r\n" for k, v in req.headers if k.lower() != "expect"
             )

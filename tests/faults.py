@@ -13,8 +13,9 @@ import json
 import os
 import signal
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dcpstore.storage.base import ObjectInfo, ObjectWriter, Storage
+from dcpstore.storage.pending import IncompleteWrite
 
 Hook = Callable[[str], None]
 
@@ -33,6 +34,9 @@ class _EventWriter(ObjectWriter):
     def tell(self) -> int:
         return self._inner.tell()
 
+    def seal(self) -> None:
+        self._inner.seal()
+
     def _commit(self) -> None:
         self._hook(f"commit:{self._path}")
         self._inner.commit()
@@ -50,9 +54,9 @@ class EventStorage(Storage):
         self.inner, self.hook = inner, hook
         self.backend = inner.backend  # type: ignore[misc]
 
-    def open_write(self, path: str, *, size_hint: int | None = None) -> ObjectWriter:
+    def open_write(self, path: str, *, size_hint: int | None = None, batch_hint: int | None = None) -> ObjectWriter:
         self.hook(f"open:{path}")
-        return _EventWriter(self.inner.open_write(path, size_hint=size_hint), path, self.hook)
+        return _EventWriter(self.inner.open_write(path, size_hint=size_hint, batch_hint=batch_hint), path, self.hook)
 
     def makedirs(self, path: str = "") -> None:
         self.hook("makedirs")
@@ -78,11 +82,11 @@ class EventStorage(Storage):
         self.hook(f"delete:{','.join(paths)}")
         self.inner.delete(paths)
 
-    def list_incomplete(self) -> Iterator[str]:
-        return self.inner.list_incomplete()
+    def incomplete_writes(self) -> Sequence[IncompleteWrite]:
+        return self.inner.incomplete_writes()
 
-    def cleanup_incomplete(self, older_than_s: float = 0.0) -> int:
-        return self.inner.cleanup_incomplete(older_than_s)
+    def remove_incomplete(self, writes: Iterable[IncompleteWrite], older_than_s: float = 0.0) -> int:
+        return self.inner.remove_incomplete(writes, older_than_s)
 
 
 #: Where dcpstore.save / load / AsyncSaver / CheckpointManager look up ``open_storage``.

@@ -350,3 +350,38 @@ def test_cli_bench_drops_the_page_cache_only_when_asked(tmp_path, monkeypatch) -
     monkeypatch.setattr(runner, "drop_page_cache", lambda: False)  # not root
     denied = run_cli(*args, "--drop-caches")
     assert "could not drop the page cache" in denied.stdout
+
+
+@pytest.mark.slow  # two WAN regimes end to end, each with its proxies and peers
+def test_compare_wan_regimes_carry_their_harness_self_test(tmp_path) -> None:
+    """Each ``--wan-regimes`` entry is a section of its own, with harness
+    rows through an unshaping proxy beside the sweep; the targets are
+    judged per regime (never ``met`` against a limit the harness caps), and
+    report.py renders each section's self-test."""
+    out_json = tmp_path / "compare.json"
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    out = subprocess.run(
+        [sys.executable, os.path.join(BENCHMARKS, "compare.py"), "--size", "1MiB", "--sections", "wan",
+         "--wan-size", "16MiB", "--wan-tensors", "4", "--wan-regimes", "slow:20,fast:80", "--wan-connections", "2,4",
+         "--wan-peer-workers", "1", "--repeat", "1", "--quiet", "--root", str(tmp_path),
+         "--only", "raw|harness|dcpstore", "--json", str(out_json)],
+        capture_output=True, text=True, timeout=480, env=env,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    doc = _load_json(str(out_json))
+    assert set(doc["meta"]["wan"]["regimes"]) == {"slow", "fast"}
+    for regime in ("slow", "fast"):
+        rows = [r for r in doc["summary"] if r["extra"]["section"] == f"wan-{regime}"]
+        groups = {r["group"] for r in rows if r["status"] == "ok"}
+        assert groups == {"harness", "limit", "dcpstore"}, rows
+        assert all(r["backend"] == f"s3-wan-{regime}" for r in rows)
+        results = [t for t in doc["meta"]["targets"] if t["target"].startswith(f"WAN/{regime}:")]
+        limit_rows = [t for t in results if "best raw" in t["target"]]
+        assert limit_rows and all(t["status"] in ("met", "missed", "harness-bound") for t in limit_rows), limit_rows
+    page = tmp_path / "PAGE.md"
+    page.write_text("<!-- BEGIN generated:harness-wan-slow -->\n<!-- END generated:harness-wan-slow -->\n")
+    out = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "report.py"), "--compare", str(out_json),
+                          "--scaling", str(tmp_path / "none.json"), "--page", str(page)],
+                         capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "-bound** (needs 2x)" in page.read_text()

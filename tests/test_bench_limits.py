@@ -5,6 +5,7 @@ end on a few ranks."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -15,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dcpstore.bench.limits import SWEEP_CONNECTIONS, best_limits, limit_ratios, pieces, sweep_points
+from dcpstore.bench.limits import SWEEP_CONNECTIONS, best_limits, harness_verdicts, limit_ratios, pieces, sweep_points
 from s3_server import S3Endpoint
 from test_cli import run_cli
 
@@ -93,6 +94,54 @@ def test_targets_take_the_best_limit_and_the_best_peer(monkeypatch: pytest.Monke
     peer = targets.Target("t", "ours", f"{targets.BEST}s3tc", "write_gbps", 1.3)
     got = targets.evaluate(peer, rows)
     assert got["ref"] == "s3tc t=8" and got["ratio"] == pytest.approx(1.5) and got["status"] == "met"
+
+
+def test_a_section_is_network_bound_only_where_the_harness_passes_twice_its_best_row() -> None:
+    """The harness self-test: per direction, the fastest shaping-off row
+    against the fastest other row (any group); network-bound at 2x or more,
+    else harness-bound; nothing said without harness rows, and failed rows
+    count for neither side."""
+    rows = [
+        _row("harness c=16", "harness", 0.50, 0.30),
+        _row("harness c=4", "harness", 0.40, 0.90),
+        _row("harness broken", "harness", 9.0, 9.0, status="failed"),
+        _row("raw c=16", "limit", 0.20, 0.35),
+        _row("ours", "dcpstore", 0.24, 0.33),
+    ]
+    v = harness_verdicts(rows)
+    assert (v["write"]["harness"], v["write"]["best"], v["write"]["bound"]) == ("harness c=16", "ours", "network")
+    assert v["write"]["ratio"] == pytest.approx(0.5 / 0.24)
+    assert (v["read"]["harness"], v["read"]["best"], v["read"]["bound"]) == ("harness c=4", "raw c=16", "network")
+    assert harness_verdicts(rows, margin=3.0)["write"]["bound"] == "harness"
+    assert harness_verdicts([r for r in rows if r["group"] != "harness"]) == {}
+    assert "harness c=16" not in {r["name"] for r in best_limits(rows).values()}  # never a limit row
+
+
+def test_targets_refuse_to_call_a_harness_bound_row_at_the_limit_and_see_no_room(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import targets
+
+    def rows(harness_gbps: float) -> list[dict]:
+        return [dict(r, bytes=10**9, write_cpu_s=1.0, read_cpu_s=1.0) for r in [
+            _row("harness", "harness", harness_gbps, harness_gbps, "s3-wan-x"),
+            _row("raw", "limit", 0.10, 0.10, "s3-wan-x"),
+            _row("s3tc", "peer", 0.09, 0.05, "s3-wan-x"),
+            _row("ours", "dcpstore", 0.095, 0.10, "s3-wan-x"),
+        ]]  # fmt: skip
+
+    def target(words: str) -> targets.Target:
+        (found,) = [t for t in targets.wan_targets("x") if words in t.title]
+        return dataclasses.replace(found, ours="ours")
+
+    limit, cpu = target("save >= 0.9x best raw PUT"), target("save client CPU")
+    peer = dataclasses.replace(target("s3torchconnector"), ref=f"{targets.BEST}s3tc")
+    got = targets.evaluate(limit, rows(0.15))  # the harness passes only 1.5x the best row
+    assert got["status"] == "harness-bound" and got["ratio"] == pytest.approx(0.95), got
+    assert "1.50x the best row" in got["why"]
+    assert targets.evaluate(limit, rows(0.5))["status"] == "met"  # 5x: the network's limit
+    assert targets.evaluate(cpu, rows(0.15))["status"] == "met"  # CPU per byte is not capped by the harness
+    got = targets.evaluate(peer, rows(0.5))  # 1.3 x 0.09 is above the limit of 0.10
+    assert got["status"] == "no room" and "1.17x the swept limit" in got["why"], got
 
 
 def test_cli_bench_limit_on_a_disk(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import warnings
 
 import pytest
@@ -96,8 +97,10 @@ def test_unknown_scheme_exit_code() -> None:
 
 def test_gc_removes_only_incomplete(root: str) -> None:
     os.unlink(os.path.join(root, "step_2", ".metadata"))
-    with open(os.path.join(root, "step_1", ".__0_0.distcp.dcpstore-tmp-abc"), "wb") as f:
+    temp = os.path.join(root, "step_1", ".__0_0.distcp.dcpstore-tmp-abc")
+    with open(temp, "wb") as f:
         f.write(b"partial")
+    os.utime(temp, (time.time() - 600, time.time() - 600))  # a write that stopped 10 minutes ago
     dry = run_cli("gc", root, "--older-than", "0", "--dry-run")
     assert "would remove incomplete checkpoint step_2" in dry.stdout
     assert os.path.exists(os.path.join(root, "step_2"))

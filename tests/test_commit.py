@@ -56,8 +56,8 @@ def test_claim_write_publish_in_order(tmp_path: Path) -> None:
     coordinator.publish(_metadata(), results)
 
     puts = [e.split(":", 1)[1] for e in events.events if e.startswith("commit:")]
-    alive = alive_name(coordinator.save_id)  # the claim's proof of life for gc
-    assert puts == [INFLIGHT, alive, "__0_0.distcp", "__1_0.distcp", MANIFEST, METADATA]
+    alive = alive_name(coordinator.save_id)  # the claim's proof of life for gc, before the marker
+    assert puts == [alive, INFLIGHT, "__0_0.distcp", "__1_0.distcp", MANIFEST, METADATA]
     assert events.events[-1].startswith("delete:") and INFLIGHT in events.events[-1] and alive in events.events[-1]
     metadata, manifest = read_checkpoint_metadata(storage)
     assert manifest is not None and sorted(manifest["files"]) == ["__0_0.distcp", "__1_0.distcp"]

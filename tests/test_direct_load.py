@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -42,9 +43,9 @@ def _spy(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         if "read_into" in vars(cls):
             original = vars(cls)["read_into"]
 
-            def spy(self: Storage, path: str, offset: int, buffers: list[memoryview]) -> int:
+            def spy(self: Storage, path: str, offset: int, buffers: list[memoryview], **kwargs: Any) -> int:
                 addresses.extend(torch.frombuffer(b, dtype=torch.uint8).data_ptr() for b in buffers if b.nbytes)
-                return original(self, path, offset, buffers)  # type: ignore[no-any-return]
+                return original(self, path, offset, buffers, **kwargs)  # type: ignore[no-any-return]
 
             monkeypatch.setattr(cls, "read_into", spy)
         for sub in cls.__subclasses__():

@@ -42,6 +42,7 @@ def test_demo_trains_crashes_and_resumes_on_another_world_size(tmp_path: Path, f
     assert steps == [4, 6] if "--sync" in flags else (steps and len(steps) <= 3 and steps[-1] >= 4), steps
     rows = [line.split() for line in out.splitlines() if line.strip().startswith(("local ", "s3 "))]
     assert [r[0] for r in rows] == ["local", "s3"] and all(r[-1] == "match" for r in rows), out
+    assert "wait ms  stall ms" in out, out  # waiting for a backend's previous save is not its save's stall
     assert "demo passed" in out, out
     # The resumed run (1 rank) continued from the newest step and committed two steps later.
     mgr = dcpstore.CheckpointManager(str(tmp_path / "ckpt"), async_=False)

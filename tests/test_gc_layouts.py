@@ -13,6 +13,7 @@ was removed under it says so, instead of blaming "another save".
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -173,7 +174,10 @@ def test_failed_save_leaves_nothing_that_looks_alive(tmp_path: Path, monkeypatch
     assert gc(dcpstore.open_storage(str(tmp_path / "root")), older_than_s=0).removed == ["ck"]
 
 
-def test_save_whose_marker_was_removed_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_marker_removed_under_a_save_is_put_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Removed from a directory without a commit (what ``gc`` does to the
+    marker of a dead save it listed just before a new save's claim replaced
+    it): no other save has the URI, so the save puts it back and commits."""
     uri = tmp_path / "ck"
 
     def remove_marker(event: str) -> None:
@@ -181,10 +185,30 @@ def test_save_whose_marker_was_removed_says_so(tmp_path: Path, monkeypatch: pyte
             (uri / ".dcpstore.inflight").unlink(missing_ok=True)
 
     hook_all_storage({str(uri): remove_marker}, monkeypatch.setattr)
+    state = _state()
+    with caplog.at_level(logging.WARNING, logger="dcpstore"):
+        dcpstore.save(state, str(uri), workers=1)
+    assert "was removed while it was writing (by 'dcpstore gc' or by hand)" in caplog.text
+    loaded = {k: torch.zeros_like(v) for k, v in state.items()}
+    dcpstore.load(loaded, str(uri))
+    assert all(torch.equal(loaded[k], v) for k, v in state.items())
+    assert sorted(os.listdir(uri)) == [".dcpstore.json", ".metadata", "__0_0.distcp"]
+
+
+def test_save_whose_marker_was_removed_beside_a_commit_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Beside a commit, a missing marker may be another save's that
+    committed and cleaned up: the save fails, and says both."""
+    uri = tmp_path / "ck"
+    dcpstore.save(_state(), str(uri), workers=1)
+
+    def remove_marker(event: str) -> None:
+        if event.startswith("commit:__0_"):
+            (uri / ".dcpstore.inflight").unlink(missing_ok=True)
+
+    hook_all_storage({str(uri): remove_marker}, monkeypatch.setattr)
     with pytest.raises(SaveError) as info:
         dcpstore.save(_state(), str(uri), workers=1)
-    assert "was removed while it was writing (by 'dcpstore gc', or by hand)" in str(info.value)
-    assert "another save" not in str(info.value)
+    assert "another save to" in str(info.value) and "in-flight marker was removed by hand" in str(info.value)
 
 
 def test_ls_json_reports_layout_and_liveness(tmp_path: Path) -> None:

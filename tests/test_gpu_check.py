@@ -84,6 +84,29 @@ def test_benchmark_dry_run_writes_what_the_summary_reads(tmp_path: Path, gpu_sta
     assert not gpu_check.summarise(str(out), tests_rc=0, bench_rc=0, dry_run=True)["ok"]
 
 
+def test_summary_records_the_interference_benchmark(tmp_path: Path, gpu_check: Any) -> None:
+    """The summary carries interference.json's rows (a real, tiny run of
+    benchmarks/interference.py) and fails when that step failed or left no
+    results; a run that skipped the step is judged without it."""
+    (tmp_path / "gpu_stage.json").write_text(json.dumps({"goals": {}, "staging": [], "blocked": [], "skipped": []}))
+    junit_report(tmp_path, PASS)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "interference.py"), "--size", "2MiB", "--tensors", "2", "--repeat", "1",
+         "--targets", "local", "--only", "^dcpstore native$", "--no-gil", "--json", str(tmp_path / "interference.json")],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    summary = gpu_check.summarise(str(tmp_path), tests_rc=0, bench_rc=0, dry_run=True, interference_rc=0)
+    assert summary["ok"] and summary["interference"]["ok"]
+    (row,) = summary["interference"]["rows"]
+    assert row["name"] == "dcpstore native" and row["status"] == "ok" and row["lost_s_per_gb"] is not None
+    assert not gpu_check.summarise(str(tmp_path), tests_rc=0, bench_rc=0, dry_run=True, interference_rc=124)["ok"]
+    os.remove(tmp_path / "interference.json")
+    assert not gpu_check.summarise(str(tmp_path), tests_rc=0, bench_rc=0, dry_run=True, interference_rc=0)["ok"]
+    assert gpu_check.summarise(str(tmp_path), tests_rc=0, bench_rc=0, dry_run=True)["interference"] is None
+
+
 def test_summary_counts_failures_and_refuses_skips_on_a_gpu_run(tmp_path: Path, gpu_check: Any) -> None:
     (tmp_path / "gpu_stage.json").write_text(json.dumps({"goals": {}, "staging": [], "blocked": [], "skipped": []}))
     junit_report(tmp_path, PASS + FAIL + SKIP)
@@ -118,9 +141,13 @@ def test_dry_run_end_to_end(tmp_path: Path) -> None:
     env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable)
     done = subprocess.run(["bash", str(SCRIPT), "--dry-run"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    files = {"env.json", "cuda-tests.xml", "cuda-tests.log", "gpu_stage.json", "gpu_stage.log", "summary.json"}
+    files = {"env.json", "cuda-tests.xml", "cuda-tests.log", "gpu_stage.json", "gpu_stage.log", "interference.json",
+             "interference.log", "summary.json"}  # fmt: skip
     assert files <= set(os.listdir(tmp_path))
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["dry_run"] and summary["ok"] and summary["tests"]["tests"] >= 13
+    rows = {r["name"]: r for r in summary["interference"]["rows"]}
+    assert {"dcpstore native", "dcp.async_save process + dcpstore.StorageWriter"} <= set(rows), rows
+    assert all(r["status"] == "ok" for r in rows.values()), rows  # both executors, through the script
     assert summary["env"]["dcpstore_path"] == str(ROOT / "dcpstore")  # this checkout, not an installed copy
-    assert "DRY RUN" in done.stdout and "GPU check" in done.stdout
+    assert "DRY RUN" in done.stdout and "GPU check" in done.stdout and "interference:" in done.stdout

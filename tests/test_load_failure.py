@@ -25,6 +25,7 @@ from backends import Target
 from dcpstore.adapters import fsdp
 from dcpstore.storage import open_storage
 from dcpstore.dcp.commit import read_checkpoint_metadata
+from dcpstore.dcp.load_progress import NO_CHANGES, merge_changes
 from dist_utils import run_ranks
 from oracle import assert_same_state, destination, value_bytes
 
@@ -129,6 +130,18 @@ def test_a_missing_file_found_mid_load_changes_nothing_it_reports(local_target: 
         dcpstore.load(dest, local_target.uri, workers=1, verify=False)
     assert info.value.damaged_keys == () and info.value.loaded_keys == ()
     _assert_report_matches_state(info.value, dest, saved)
+
+
+def test_what_two_tries_of_a_load_changed() -> None:
+    """A load tried again (its checkpoint replaced meanwhile) reports what
+    every try changed: a key as the later try left it where it touched it
+    (a whole key loaded again is loaded, even over damaged bytes; a key
+    loaded in part over damaged bytes stays damaged), as the earlier try left
+    it elsewhere."""
+    earlier = (("a", "b", "h"), ("c",), ("d", "e"))
+    later = (("d",), ("e", "f", "h"), ("g",))
+    assert merge_changes(earlier, later) == (("a", "b", "d"), ("c", "f", "h"), ("e", "g"))
+    assert merge_changes(NO_CHANGES, later) == later and merge_changes(earlier, NO_CHANGES) == earlier
 
 
 FULL = torch.arange(4 * 40_000, dtype=torch.float32).reshape(4, 40_000)

@@ -10,8 +10,10 @@ the URI on every entry point. The kill-anywhere versions are in test_crash*.py.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,8 @@ from backends import Target
 from faults import FailAt, hook_all_storage
 from helpers import assert_state_equal, zeros_like_state
 from dcpstore import maintenance
+from dcpstore.dcp import reader
+from dcpstore.dcp.reader import LOAD_TRIES
 from dcpstore.storage import open_storage
 
 
@@ -191,6 +195,193 @@ def test_overwriting_a_stock_dcp_checkpoint(tmp_path: Path) -> None:
     restored = zeros_like_state(state(2))
     dcp.load(restored, storage_reader=FileSystemReader(tmp_path))
     assert_state_equal(state(2), restored)
+
+
+@pytest.mark.parametrize("seconds", [pytest.param(2, id="quick"), pytest.param(40, id="long", marks=pytest.mark.slow)])
+def test_loads_racing_a_stream_of_overwrites_each_get_one_saved_state(
+    target: Target, seconds: float, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``dcpstore.load`` in a loop while another thread saves over the same
+    URI again and again (sync, ``overwrite=True``, the same structure with
+    other values): every load gets exactly one of the saved states, whole --
+    never ``CheckpointCorrupt``, nothing, or a mixture. A load that read the
+    old ``.metadata`` meets the new save's commit and its clean-up of the old
+    files (and, before the whole-object read held, a ``.metadata`` torn at the
+    old one's size); the loads that straddled a commit are counted, so the
+    race really ran. The saves are paced to at most one per load begun (a save
+    slower than a load is never waited for): saves committing many times
+    within one load (``memory://``'s, several times
+    quicker than its loads) would overtake every try of it
+    (``dcpstore.dcp.reader.LOAD_TRIES``)."""
+    states = {seed: {**state(seed), "big": torch.randn(1 << 16, generator=torch.Generator().manual_seed(seed))}
+              for seed in (1, 2, 3)}  # fmt: skip  # "big" is read straight into its destination
+    dcpstore.save(states[1], target.uri, workers=2, **target.kwargs)
+    stop = threading.Event()
+    begun = threading.Semaphore(0)  # one release per load begun
+    commits = [0]
+    save_errors: list[BaseException] = []
+
+    def save_again_and_again() -> None:
+        seed = 1
+        while not stop.is_set():
+            if not begun.acquire(timeout=0.1):
+                continue
+            seed = seed % 3 + 1
+            try:
+                dcpstore.save(states[seed], target.uri, workers=2, overwrite=True, **target.kwargs)
+            except BaseException as e:  # reported below
+                save_errors.append(e)
+                return
+            commits[0] += 1
+
+    caplog.set_level(logging.DEBUG, logger="dcpstore.dcp.reader")
+    saver = threading.Thread(target=save_again_and_again)
+    saver.start()
+    wrong: list[str] = []
+    loads = straddled = 0
+    try:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline or (straddled < 3 and time.monotonic() < deadline + 60):
+            restored = zeros_like_state(states[1])
+            before = commits[0]
+            begun.release()
+            try:
+                dcpstore.load(restored, target.uri, workers=2, **target.kwargs)
+            except dcpstore.CheckpointError as e:
+                wrong.append(f"{type(e).__name__}: {e}")
+                continue
+            finally:
+                loads += 1
+                straddled += commits[0] != before
+            if restored["step"] not in states:
+                wrong.append(f"step {restored['step']!r}")
+                continue
+            try:
+                assert_state_equal(states[restored["step"]], restored)
+            except AssertionError as e:
+                wrong.append(f"a mixture: step {restored['step']} but {e}")
+    finally:
+        stop.set()
+        saver.join()
+    assert not save_errors, save_errors
+    assert not wrong, (len(wrong), loads, wrong[:3])
+    assert straddled >= 3 and commits[0] >= 3, (loads, straddled, commits)
+    again = sum("loading it again" in r.getMessage() for r in caplog.records)
+    print(f"{target.name}: {loads} loads, {straddled} beside a commit, {again} loaded again, {commits[0]} saves")
+
+
+class OverwriteMidLoad:
+    """A hook on a load's storage: at the first read of the second data file
+    of a try of the load (:meth:`begin` counts them), save ``new`` over the
+    URI -- its commit, then its clean-up of the files the load is about to
+    read -- on the tries numbered in ``on_tries`` (None: every try)."""
+
+    def __init__(self, target: Target, new: dict[str, Any], on_tries: set[int] | None) -> None:
+        self.target, self.new, self.on_tries = target, new, on_tries
+        self.tries, self.overwrites = 0, 0
+        self._files: set[str] = set()
+        self._lock = threading.Lock()
+
+    def begin(self) -> None:
+        with self._lock:
+            self.tries += 1
+            self._files = set()
+
+    def __call__(self, event: str) -> None:
+        with self._lock:
+            if not (event.startswith("read:") and event.endswith(".distcp")) or event in self._files:
+                return
+            self._files.add(event)
+            if len(self._files) != 2 or (self.on_tries is not None and self.tries not in self.on_tries):
+                return
+            dcpstore.save(self.new, self.target.uri, workers=2, overwrite=True, **self.target.kwargs)
+            self.overwrites += 1
+
+
+class NextStateEachTime(OverwriteMidLoad):
+    """:class:`OverwriteMidLoad` on every try, each saving the next of ``states``."""
+
+    def __init__(self, target: Target, states: list[dict[str, Any]]) -> None:
+        super().__init__(target, states[0], on_tries=None)
+        self.states = states
+
+    def __call__(self, event: str) -> None:
+        super().__call__(event)
+        self.new = self.states[min(self.overwrites, len(self.states) - 1)]
+
+
+def _load_beside(target: Target, hook: OverwriteMidLoad, into: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Load ``target`` into ``into`` with ``hook`` on the load's storage only
+    (spelled with a trailing "/", the URI the saves use stays unhooked)."""
+    uri = target.uri.rstrip("/") + "/"
+    hook_all_storage({uri: hook}, monkeypatch.setattr)
+    one_try = reader._load_once
+
+    def counted(*args: Any) -> Any:
+        hook.begin()
+        return one_try(*args)
+
+    monkeypatch.setattr(reader, "_load_once", counted)
+    try:
+        dcpstore.load(into, uri, workers=1, **target.kwargs)  # one reader thread: the files in order
+    finally:
+        monkeypatch.undo()
+
+
+def test_a_load_whose_checkpoint_is_replaced_mid_read_loads_the_new_one(
+    target: Target, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A load that read the old ``.metadata`` and one data file of it, when a
+    save over the URI commits and removes the old files before it reads the
+    next: it loads again from the new commit and gets the new state whole
+    (before the loader tried again: ``CheckpointCorrupt``, a data file
+    missing, with the first file's keys already changed)."""
+    old, new = state(1), state(2)
+    dcpstore.save(old, target.uri, workers=2, **target.kwargs)
+    hook = OverwriteMidLoad(target, new, on_tries={1})
+    restored = zeros_like_state(old)
+    _load_beside(target, hook, restored, monkeypatch)
+    assert (hook.tries, hook.overwrites) == (2, 1)
+    assert_state_equal(new, restored)
+
+
+def test_a_load_replaced_during_every_try_names_what_all_tries_changed(
+    local_target: Target, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Saves that commit during every try of a load overtake it: after
+    ``LOAD_TRIES`` tries it fails with ``CheckpointCorrupt`` saying so, and
+    its key lists count every try's changes: every key it does not name is
+    unchanged, every key it names as loaded holds one saved state's values."""
+    states = [state(seed) for seed in (1, 2, 3, 4, 5, 6)]
+    dcpstore.save(states[0], local_target.uri, workers=2)
+    hook = NextStateEachTime(local_target, states[1:])
+    restored = zeros_like_state(states[0])
+    with pytest.raises(dcpstore.CheckpointCorrupt, match=rf"data file is missing.*each of the {LOAD_TRIES} tries") as info:
+        _load_beside(local_target, hook, restored, monkeypatch)
+    assert hook.tries == hook.overwrites == LOAD_TRIES
+    error = info.value
+    changed = set(error.loaded_keys) | set(error.partly_loaded_keys) | set(error.damaged_keys)
+    assert error.loaded_keys and not error.damaged_keys, vars(error)
+    for key, value in restored.items():
+        if key not in changed:
+            assert value is None or not torch.is_tensor(value) or not value.any(), f"{key} changed, not named"
+        elif key in error.loaded_keys and torch.is_tensor(value):
+            assert any(torch.equal(value, s[key]) for s in states), key
+
+
+def test_a_data_file_missing_without_a_replace_fails_at_the_first_try(
+    local_target: Target, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Only a replaced checkpoint is loaded again: a data file removed by
+    hand (the ``.metadata`` unchanged) fails the first try, as before."""
+    dcpstore.save(state(1), local_target.uri, workers=2)
+    victim = sorted(p for p in listing(local_target) if p.endswith(".distcp"))[-1]
+    os.unlink(os.path.join(local_target.uri, victim))
+    caplog.set_level(logging.DEBUG, logger="dcpstore.dcp.reader")
+    with pytest.raises(dcpstore.CheckpointCorrupt, match="data file is missing") as info:
+        dcpstore.load(zeros_like_state(state(1)), local_target.uri)
+    assert "tries" not in str(info.value)
+    assert not [r for r in caplog.records if "loading it again" in r.getMessage()]
 
 
 # ---------------------------------------------------------------------------

@@ -71,9 +71,9 @@ def test_partial_load_reads_only_requested_keys(target: Target, monkeypatch: pyt
         reads.append((path, offset, length))
         return real_range(self, path, offset, length)
 
-    def read_into(self, path: str, offset: int, buffers) -> int:
+    def read_into(self, path: str, offset: int, buffers, **kwargs) -> int:
         reads.append((path, offset, sum(b.nbytes for b in buffers)))
-        return real_into(self, path, offset, buffers)
+        return real_into(self, path, offset, buffers, **kwargs)
 
     monkeypatch.setattr(cls, "read_range", read_range)
     monkeypatch.setattr(cls, "read_into", read_into)

@@ -15,6 +15,9 @@ import contextlib
 import logging
 import random
 import socket
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 import traceback
@@ -341,3 +344,94 @@ def test_stalled_part_uploads_fail_the_save_within_a_bound(proxy: FaultProxy, s3
     assert "ReadTimeoutError" in str(info.value) or "op_timeout_s" in str(info.value), str(info.value)
     assert ".metadata" not in _direct_keys(s3_endpoint, uri)
     assert s3_endpoint.open_uploads(uri.split("/", 3)[3]) == []
+
+
+# -- a failed save's clean-up, while the endpoint is down (#29 item 12) ------------
+
+#: The endpoint "goes down" once the save's data is on its way: every part
+#: upload, abort and delete fails (so the save fails, and so does its clean-up).
+_DOWN = FaultConfig(slowdown=1.0, applies=lambda r: r.kind in ("UploadPart", "AbortMultipartUpload", "DeleteObjects", "DeleteObject"))
+
+
+def _leftover_state(uri: str, endpoint: S3Endpoint) -> tuple[list[str], int]:
+    """The alive files under ``uri`` and its open uploads, as the server has them."""
+    alive = [k for k in _direct_keys(endpoint, uri) if k.startswith(".dcpstore.alive.")]
+    return alive, len(endpoint.open_uploads(uri.split("/", 3)[3] + "/"))
+
+
+def _fail_while_down(proxy: FaultProxy, endpoint: S3Endpoint, save: Callable[[str], object]) -> tuple[str, str]:
+    proxy.config = _DOWN
+    uri = _uri(endpoint)
+    with pytest.raises(dcpstore.SaveError) as info:
+        save(uri)
+    assert _leftover_state(uri, endpoint) == ([_leftover_state(uri, endpoint)[0][0]], 1)  # both left behind
+    proxy.config = FaultConfig()  # the endpoint answers again
+    return uri, str(info.value)
+
+
+def _wait_clean(uri: str, endpoint: S3Endpoint, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while _leftover_state(uri, endpoint) != ([], 0):
+        assert time.monotonic() < deadline, _leftover_state(uri, endpoint)
+        time.sleep(0.1)
+
+
+_OPTS = StorageOptions(part_size=PART, max_attempts=2, op_timeout_s=20)
+
+
+def test_a_failed_saves_clean_up_is_retried_by_the_next_save(proxy: FaultProxy, s3_endpoint: S3Endpoint, tmp_path) -> None:
+    """The error says what will happen; the next save (to another storage,
+    even) tries the clean-up again, in the background, and it succeeds."""
+    uri, message = _fail_while_down(proxy, s3_endpoint, lambda u: dcpstore.save(_state(), u, workers=1, storage_options=_OPTS))
+    assert "Its clean-up failed as well (2 step(s)" in message, message
+    assert "abort the multipart upload of" in message and "remove the alive file" in message, message
+    assert "tries again at its next save, at close() and at exit" in message and f"'dcpstore gc {uri}'" in message
+    dcpstore.save({"x": torch.ones(3)}, str(tmp_path / "next"))
+    _wait_clean(uri, s3_endpoint)
+    # What is left is an ordinary interrupted save: gc takes it, its process notwithstanding.
+    assert gc(open_storage(uri, storage_options=_OPTS), older_than_s=0).removed == ["."]
+    assert _direct_keys(s3_endpoint, uri) == []
+
+
+def test_a_failed_async_saves_clean_up_is_retried_by_close(proxy: FaultProxy, s3_endpoint: S3Endpoint) -> None:
+    saver = dcpstore.AsyncSaver()
+
+    def save(u: str) -> None:
+        saver.save(_state(), u, engine="native", workers=1, storage_options=_OPTS).result()
+
+    uri, message = _fail_while_down(proxy, s3_endpoint, save)
+    assert "tries again at its next save, at close() and at exit" in message
+    saver.close()  # tries once more, and waits for it
+    assert _leftover_state(uri, s3_endpoint) == ([], 0)
+
+
+def test_a_failed_saves_clean_up_is_retried_at_exit(proxy: FaultProxy, s3_endpoint: S3Endpoint) -> None:
+    """A process whose save failed while the endpoint was down, and that
+    exits without another save or close(): the exit hook does it."""
+    uri = _uri(s3_endpoint)
+    code = textwrap.dedent(
+        f"""
+        import sys, torch, dcpstore
+        from dcpstore.storage import MiB, StorageOptions
+        opts = StorageOptions(part_size=5 * MiB, max_attempts=2, op_timeout_s=20)
+        try:
+            dcpstore.save({{"a": torch.randn(3 * MiB)}}, {uri!r}, workers=1, storage_options=opts)
+        except dcpstore.SaveError as e:
+            print("failed", flush=True)
+        sys.stdin.readline()  # the endpoint answers again
+        """
+    )
+    proxy.config = _DOWN
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "failed"
+        assert _leftover_state(uri, s3_endpoint)[1] == 1
+        proxy.config = FaultConfig()
+        assert child.stdin is not None
+        child.stdin.write("\n")
+        child.stdin.flush()
+        assert child.wait(timeout=120) == 0
+    finally:
+        if child.poll() is None:
+            child.kill()
+    assert _leftover_state(uri, s3_endpoint) == ([], 0)

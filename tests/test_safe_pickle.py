@@ -223,7 +223,7 @@ def _load_through(entry: str, root: str, dest: dict[str, Any], **opt_in: Any) ->
     elif entry == "CheckpointManager.load":
         assert dcpstore.CheckpointManager(root).load(dest, **opt_in) == 1
     elif entry == "tiered CheckpointManager.load":  # the local tier serves it
-        with dcpstore.CheckpointManager(os.path.join(root, "durable"), local_dir=root) as mgr:
+        with dcpstore.CheckpointManager(root + "-durable", local_dir=root) as mgr:
             assert mgr.load(dest, **opt_in) == 1
     else:  # the drop-in reader under stock dcp.load
         dcp.load(dest, storage_reader=dcpstore.StorageReader(uri, **opt_in))

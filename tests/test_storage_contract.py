@@ -5,12 +5,13 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 
 import dcpstore
 from backends import Target
-from dcpstore.errors import ObjectTooLarge, StorageNotFound
+from dcpstore.errors import CheckpointError, ObjectTooLarge, StorageNotFound
 from dcpstore.storage import MiB, Storage
 
 
@@ -82,31 +83,30 @@ def test_abort_leaves_nothing(storage: Storage) -> None:
     assert [o["path"] for o in storage.list()] == []
 
 
-def test_a_put_that_need_not_be_durable_is_still_whole_and_replaces(storage: Storage) -> None:
-    """``durable=False`` may skip the fsyncs (markers written where a caller
-    waits), never the atomic replace: a reader running beside a stream of
-    such puts sees the old bytes or the new, whole, every time -- never a
-    short object, a mixture or nothing (a truncate-and-rewrite would show
-    one). Each read is one request for more than either version holds
-    (below the object-store targets' part size), so what it returns is what
-    the object held at one moment."""
-    versions = (b"o" * (MiB + 3), b"n" * (2 * MiB + 7))  # other bytes, other sizes
-    whole = 4 * MiB
+def _read_beside_puts(
+    storage: Storage, versions: tuple[bytes, ...], read: Callable[[int], bytes], *, durable: bool
+) -> None:
+    """Put ``versions`` in turn over ``m/marker`` (40 times, and on until 20
+    reads ran beside them) while another thread reads it with ``read``
+    (given the read's number), and assert that every read returned one of
+    them, whole: never a short object, a mixture or nothing."""
     storage.put("m/marker", versions[0])
     stop, streaming = threading.Event(), threading.Event()
     wrong: list[str] = []
     beside = [0]  # reads made while the stream of puts ran (memory:// puts are too quick to straddle)
 
     def read_meanwhile() -> None:
+        n = 0
         while not stop.is_set():
             during = streaming.is_set()
+            n += 1
             try:
-                data = storage.read_range("m/marker", 0, whole)
-            except StorageNotFound:
-                wrong.append("not found")
+                data = read(n)
+            except CheckpointError as e:
+                wrong.append(f"{type(e).__name__}: {e}")
                 continue
             if data not in versions:
-                wrong.append(f"{len(data)} bytes, starting {data[:1]!r}")
+                wrong.append(f"{len(data)} bytes, starting {data[:1]!r}, ending {data[-1:]!r}")
             beside[0] += during and streaming.is_set()
 
     reader = threading.Thread(target=read_meanwhile)
@@ -117,7 +117,7 @@ def test_a_put_that_need_not_be_durable_is_still_whole_and_replaces(storage: Sto
         i = 0
         while i < 40 or (beside[0] < 20 and time.monotonic() < deadline):
             i += 1
-            storage.put("m/marker", versions[i % 2], durable=False)
+            storage.put("m/marker", versions[i % 2], durable=durable)
             time.sleep(0)  # a put to memory:// holds the GIL throughout: let the reader in between
         streaming.clear()
     finally:
@@ -127,6 +127,31 @@ def test_a_put_that_need_not_be_durable_is_still_whole_and_replaces(storage: Sto
     assert beside[0] >= 3, beside  # the reader really ran beside the puts
     assert storage.read("m/marker") in versions
     assert [o["path"] for o in storage.list("m/")] == ["m/marker"]  # no temporary file left beside it
+
+
+def test_a_put_that_need_not_be_durable_is_still_whole_and_replaces(storage: Storage) -> None:
+    """``durable=False`` may skip the fsyncs (markers written where a caller
+    waits), never the atomic replace: a reader running beside a stream of
+    such puts sees the old bytes or the new, whole, every time -- never a
+    short object, a mixture or nothing (a truncate-and-rewrite would show
+    one). Each read is one request for more than either version holds
+    (below the object-store targets' part size), so what it returns is what
+    the object held at one moment."""
+    versions = (b"o" * (MiB + 3), b"n" * (2 * MiB + 7))  # other bytes, other sizes
+    _read_beside_puts(storage, versions, lambda n: storage.read_range("m/marker", 0, 4 * MiB), durable=False)
+
+
+def test_a_whole_read_beside_a_stream_of_replaces_returns_one_version_whole(storage: Storage) -> None:
+    """``read`` returns exactly one version of an object, whole, however
+    often it is replaced meanwhile (a load reading ``.metadata`` while an
+    overwrite commits its own): never the first bytes of the new version cut
+    at the old one's size, never a mixture. The larger version spans two of
+    the object-store targets' part size, so a read of it takes more than one
+    request; every other read has a ``limit`` (a limit must not change
+    which version is read)."""
+    versions = (b"o" * (MiB + 3), b"n" * (6 * MiB + 7))  # other bytes, other sizes
+    limits = (None, 8 * MiB)
+    _read_beside_puts(storage, versions, lambda n: storage.read("m/marker", limit=limits[n % 2]), durable=True)
 
 
 def test_overwrite_replaces_whole_object(storage: Storage) -> None:

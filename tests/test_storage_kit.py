@@ -2,7 +2,8 @@
 
 * the buffered object writer (position, ``tell``, part buffering) against a
   recording backend, property-tested over write and part sizes;
-* the kit's arithmetic (read ranges, buffer slices, S3 part sizes);
+* the kit's arithmetic (read ranges, buffer slices, S3 part sizes), and its
+  whole-object read of one version;
 * the root-containment check, on every backend;
 * one read pool per storage: bounded per call, kept between calls, gone
   after ``close``;
@@ -27,7 +28,7 @@ from hypothesis import strategies as st
 import dcpstore
 from backends import OBJECT_STORE_OPTIONS, Target
 from s3_server import S3Endpoint
-from dcpstore.errors import StorageError, StorageNotFound, StoragePermissionError
+from dcpstore.errors import ObjectTooLarge, StorageError, StorageNotFound, StoragePermissionError
 from dcpstore.storage import MiB, Storage, StorageOptions, open_storage
 from dcpstore.storage.buffered import BufferedObjectWriter
 from dcpstore.storage.codes import CODES, STATUSES, Meaning, code_in_text, meaning
@@ -176,6 +177,38 @@ def test_byte_ranges_share_out_a_small_tail() -> None:
     MiB = 1 << 20
     assert [n for _, n in byte_ranges(0, 32 * MiB + 12_000, 8 * MiB)] == [8 * MiB + 3_000] * 4
     assert len(byte_ranges(0, 32 * MiB + 5 * MiB, 8 * MiB)) == 5  # more than the four can share: its own GET
+
+
+@pytest.mark.parametrize(
+    ("now", "limit", "want", "requests"),
+    [
+        (b"abc", None, b"abc", [4]),  # as seen: one request
+        (b"ab", 10, b"ab", [4]),  # replaced by a smaller version: whole, one request
+        (b"abcdefgh", 10, b"abcdefgh", [4, 11]),  # by a larger one: asked again, to the limit + 1
+        (b"abcdefgh", None, b"abcdefgh", [4, None]),  # no limit: the whole object
+        (b"abcdefghijklmnop", 10, ObjectTooLarge, [4, 11]),  # past the limit: refused
+        (b"", None, b"", [4]),  # emptied
+    ],
+)
+def test_a_whole_read_returns_one_version_in_at_most_two_requests(
+    local: Storage, now: bytes, limit: int | None, want: bytes | type[Exception], requests: list[int | None]
+) -> None:
+    """The kit's whole-object read for backends whose every request returns
+    one version (MSC, fsspec): the size seen was 3 bytes; whatever replaced
+    the object since, it returns one version whole, or refuses one past the
+    limit, having asked for no more than a byte past it."""
+    asked: list[int | None] = []
+
+    def head(n: int | None) -> bytes:
+        asked.append(n)
+        return now if n is None else now[:n]
+
+    if isinstance(want, bytes):
+        assert local._read_one_version("obj", 3, limit, head) == want
+    else:
+        with pytest.raises(want, match=r"obj: more than the 10 bytes read"):
+            local._read_one_version("obj", 3, limit, head)
+    assert asked == requests
 
 
 @given(

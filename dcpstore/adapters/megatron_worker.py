@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from ..dcp.commit import ItemRecord, SaveSession
 from ..dcp.failures import describe_failure
 from ..dcp.owner_gate import OwnerGate, run_gated
-from ..dcp.data_files import write_data_file
+from ..dcp.data_files import file_size_hint, write_data_file
 from ..format.record import compact_cpu_tensor
 from ..progress import NO_PROGRESS
 from ..storage import Storage, StorageOptions, open_storage
@@ -118,12 +118,16 @@ def write_buckets(job: WorkerJob, buckets: Sequence[Bucket]) -> None:
                 session = SaveSession(storage, job.save_id, job.tagged)
                 transforms = _StorageWriterTransforms(list(job.extensions)) if job.extensions else None
 
+                batch = sum(file_size_hint([item for item, _ in (*b[2][0], *b[2][1])]) for b in buckets)
+
                 def one(bucket: Bucket, gate: OwnerGate) -> list[WriteResult]:
                     _, name, (blobs, tensors) = bucket
                     pairs = [*blobs, *tensors]  # NVRx's order: bytes items first
                     data = {item.index: value for item, value in pairs}
                     items = [item for item, _ in pairs]
-                    return write_data_file(storage, name, items, lambda it: _data(data[it.index]), transforms, NO_PROGRESS, gate)
+                    return write_data_file(
+                        storage, name, items, lambda it: _data(data[it.index]), transforms, NO_PROGRESS, gate, batch
+                    )
 
                 per_file = run_gated(session.check_owner, one, list(buckets), "dcpstore-megatron")
                 results = [r for rs in per_file for r in rs]

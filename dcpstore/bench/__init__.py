@@ -11,12 +11,15 @@ dcpstore on their own storage:
 * :mod:`.entries` -- the dcpstore entry over any URI;
 * :mod:`.limits`  -- the limit rows (raw threads on files, raw boto3 swept
   over connections and part sizes), the best of them and ratios against it;
-* :mod:`.report`  -- the text table, the JSON file, the plot.
+* :mod:`.report`  -- the text table, the JSON file, the plot;
+* :mod:`.interference` -- what a background save costs a training loop
+  (``dcpstore bench URI --interference``: :func:`interference`).
 
 :func:`bench` is what the CLI runs: one dcpstore entry per worker count.
 
 May import: dcpstore's public API (``save``/``load``), :mod:`dcpstore.storage`,
-:mod:`dcpstore.errors` and :mod:`dcpstore.units`; torch, tqdm, and (late,
+:mod:`dcpstore.errors`, :mod:`dcpstore.units` and the engines' choice
+(which engine can save where, so that a row that cannot is skipped); torch, tqdm, and (late,
 only where used) psutil and matplotlib. Never ``benchmarks/`` and never the
 CLI: the peer comparisons in ``benchmarks/`` build on this package (their
 peers and hardware limits are more :class:`Entry` subclasses), not the
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import sys
 import uuid
 from collections.abc import Collection, Sequence
@@ -34,9 +38,10 @@ from typing import Any
 
 from tqdm import tqdm
 
-from ..storage import parse_uri
+from ..storage import join_uri, parse_uri
 from ..units import human_bytes, parse_size
 from .entries import DcpstoreEntry, TieredEntry
+from .interference import DcpstoreRow, StepWork, describe, measure
 from .limits import RawFiles, s3_sweep
 from .measure import make_state, parse_int_list, zeros_like_state
 from .runner import RECORD_KEYS, Entry, Record, SaveOutcome, Skip, Waiter, done, measure_all, run_entry, summarize
@@ -50,6 +55,7 @@ __all__ = [
     "Waiter",
     "bench",
     "done",
+    "interference",
     "limit_entries",
     "human_bytes",
     "make_state",
@@ -152,6 +158,43 @@ def bench(
             for path in (os.path.join(url.path, run_id), url.path) if created_root else (os.path.join(url.path, run_id),):
                 with contextlib.suppress(OSError):
                     os.rmdir(path)
+
+
+def interference(
+    uri: str,
+    *,
+    size: int,
+    tensors: int,
+    repeat: int = 3,
+    engines: Sequence[str] = ("native", "nvrx"),
+    enable_msc: bool = False,
+    step_ops: int = 200,
+    progress: bool = True,
+) -> tuple[str, list[Any]]:
+    """Lost step-seconds and GIL time of one async save per engine at ``uri``
+    (see :mod:`.interference`): a description of the setup and the
+    :class:`~.interference.Result` per engine (an engine that cannot write
+    ``uri`` is a ``skipped`` result saying why)."""
+    url = parse_uri(uri)
+    created_root = url.scheme == "file" and not os.path.exists(url.path)
+    state = make_state(size, tensors)
+    step = StepWork(step_ops)
+    run_id = f"dcpstore-bench-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    rows = [DcpstoreRow(f"dcpstore {engine}", join_uri(uri, run_id, engine), url.scheme, engine=engine,
+                        enable_msc=enable_msc) for engine in engines]  # fmt: skip
+
+    def say(result: Any) -> None:
+        if progress:
+            print(f"  {result.name}: {result.status}", file=sys.stderr, flush=True)
+
+    try:
+        return describe(step, size, repeat, None), measure(rows, state, step, repeat=repeat, on_result=say)
+    finally:
+        if url.scheme == "file":  # this run's directory, and the root if the run made it
+            shutil.rmtree(os.path.join(url.path, run_id), ignore_errors=True)
+            if created_root:
+                with contextlib.suppress(OSError):
+                    os.rmdir(url.path)
 
 
 def limit_entries(uri: str, run_id: str, size: int, workers: Sequence[int], *, enable_msc: bool = False) -> list[Entry]:

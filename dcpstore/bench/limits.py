@@ -19,6 +19,15 @@ gives, not one arbitrary way of driving it. So the limits are swept:
 :func:`best_limits` then keeps, per direction, the best row that ran, and
 :func:`limit_ratios` puts every other row against it: ``dcpstore bench``
 and the comparison tables print those ratios.
+
+A limit measured through an emulated network is the network's only if the
+emulation itself (the shaping proxy and the endpoint behind it, on the same
+machine) is not what stops it. :class:`HarnessRaw` rows -- the widest raw
+row of each part size, through the same proxy with its shaping off -- say
+how far the harness goes, and :func:`harness_verdicts` calls a direction
+*network-bound* only where that is at least :data:`HARNESS_MARGIN` times the
+best row measured through the shaping; otherwise *harness-bound*, and no
+row of that direction may be called at the limit.
 """
 
 from __future__ import annotations
@@ -41,6 +50,8 @@ SWEEP_CONNECTIONS = (1, 2, 4, 8, 16, 32)
 SWEEP_PART_SIZES = (8 * MiB, 16 * MiB, 32 * MiB, 64 * MiB)
 #: Objects the raw S3 rows split the bytes into.
 RAW_OBJECTS = 4
+
+Row = dict[str, Any]
 
 
 def shares(state: dict[str, torch.Tensor], n: int) -> list[list[str]]:
@@ -231,6 +242,57 @@ class RawS3(Entry):
             self._client.close()
 
 
+class HarnessRaw(RawS3):
+    """A :class:`RawS3` row through the emulation with its shaping off: what
+    the harness (proxy and endpoint, on this machine) passes at most. Not a
+    limit row: :func:`best_limits` never takes it."""
+
+    group = "harness"
+
+    def __init__(self, endpoint: str | None, bucket: str, connections: int, part_size: int, *, prefix: str = "",
+                 backend: str = "s3") -> None:  # fmt: skip
+        super().__init__(endpoint, bucket, connections, part_size, prefix=f"{prefix.strip('/')}/harness", backend=backend)
+        self.name = f"harness: {raw_s3_name(backend, connections, part_size)}, shaping off"
+
+
+def harness_points(nbytes: int, connections: Sequence[int] = SWEEP_CONNECTIONS, objects: int = RAW_OBJECTS,
+                   part_sizes: Sequence[int] = SWEEP_PART_SIZES) -> list[tuple[int, int]]:  # fmt: skip
+    """The widest (connections, part size) of the sweep for each part size:
+    the points where a harness would show its ceiling first."""
+    widest: dict[int, int] = {}
+    for c, p in sweep_points(nbytes, objects, connections, part_sizes):
+        widest[p] = max(widest.get(p, 0), c)
+    return [(c, p) for p, c in sorted(widest.items())]
+
+
+#: How much faster than the best measured row the harness must go, with its
+#: shaping off, for that row to be the emulated network's limit and not the
+#: harness's.
+HARNESS_MARGIN = 2.0
+
+
+def harness_verdicts(rows: Iterable[Row], margin: float = HARNESS_MARGIN) -> dict[str, Row]:
+    """Per direction: the fastest harness row (group ``"harness"``), the
+    fastest other row that ran, their ratio, and ``bound``: ``"network"``
+    when the harness passes at least ``margin`` times that row, else
+    ``"harness"``. A direction without harness rows is left out (nothing
+    says the harness is not the limit, and nothing says it is)."""
+    rows = [r for r in rows if r.get("status") == "ok"]
+    out: dict[str, Row] = {}
+    for direction in ("write", "read"):
+        key = f"{direction}_gbps"
+        harness = [r for r in rows if r.get("group") == "harness" and r.get(key)]
+        measured = [r for r in rows if r.get("group") != "harness" and r.get(key)]
+        if not harness or not measured:
+            continue
+        top, best = max(harness, key=lambda r: r[key]), max(measured, key=lambda r: r[key])
+        ratio = top[key] / best[key]
+        out[direction] = {"harness": top["name"], "harness_gbps": top[key], "best": best["name"],
+                          "best_gbps": best[key], "ratio": ratio, "margin": margin,
+                          "bound": "network" if ratio >= margin else "harness"}  # fmt: skip
+    return out
+
+
 def raw_s3_name(backend: str, connections: int, part_size: int) -> str:
     return f"raw PUT/GET ({backend}) c={connections} part={human_bytes(part_size)}"
 
@@ -274,7 +336,6 @@ def s3_sweep(endpoint: str | None, bucket: str, nbytes: int, *, prefix: str = ""
 # The best of a sweep, and ratios against it
 # ---------------------------------------------------------------------------
 
-Row = dict[str, Any]
 
 
 def best_limits(rows: Iterable[Row]) -> dict[str, Row]:

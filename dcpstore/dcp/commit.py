@@ -45,8 +45,9 @@ files follow the same rule: over a used URI they go under save-unique names
 the commit, for readers that know only the plain name;
 :func:`read_commit_file` reads the copy the manifest records.
 
-From claim to publish (or release) the coordinator keeps the save's alive
-file fresh (:mod:`dcpstore.format.inflight`): ``gc`` never collects a save
+From claim to publish (or release) the coordinator holds the save's lease
+(:mod:`.lease`): its alive file, written before the marker and kept fresh
+(:mod:`dcpstore.format.inflight`), so that ``gc`` never collects a save
 that is still running, whatever ``--older-than`` says.
 
 :func:`read_checkpoint_metadata` is the other side: what load, inspect and
@@ -65,8 +66,7 @@ import logging
 import os
 import pickle
 import threading
-import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import crc32c
@@ -84,8 +84,7 @@ from ..errors import (
     StorageNotFound,
     UnsafeCheckpoint,
 )
-from ..format import inflight
-from ..format.inflight import Owner, alive_name, encode_alive, is_alive_file
+from ..format.inflight import alive_name, is_alive_file
 from ..format.layout import (
     INFLIGHT,
     MANIFEST,
@@ -119,6 +118,7 @@ from ..format.manifest import (
 from ..format.safe_pickle import TOOLS, Trust, load_metadata
 from ..storage import Storage
 from ..threads import run_parallel
+from .lease import Lease
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +164,7 @@ class SaveSession:
         #: The files the claim found that the commit makes stale (coordinator); None: not claimed.
         self._found: frozenset[str] | None = None
         #: Keeps the alive file fresh from claim to publish or release (coordinator).
-        self._refresher: _Refresher | None = None
+        self._lease: Lease | None = None
 
     @property
     def token(self) -> tuple[str, bool]:
@@ -215,8 +215,14 @@ class SaveSession:
                     )
                 self.save_id = os.urandom(8).hex()
             self.tag = save_tag(self.save_id)
-        self.storage.put(INFLIGHT, self.save_id.encode())
-        self._refresher = _Refresher(self.storage, self.save_id)  # proof of life for gc, until publish or release
+        # Proof of life for gc, until publish or release: before the marker,
+        # so that any listing showing the marker shows it too.
+        self._lease = Lease(self.storage, lease_id=self.save_id, save_id=self.save_id)
+        try:
+            self.storage.put(INFLIGHT, self.save_id.encode())
+        except BaseException:
+            self.release()
+            raise
         self._found = frozenset(stale)
 
     # -- every rank -----------------------------------------------------------
@@ -234,26 +240,47 @@ class SaveSession:
     def check_owner(self) -> None:
         """Refuse to publish a file or commit once another save to this URI
         has started (it replaced our in-flight marker): the later save wins,
-        this one fails clearly and never writes over the winner's files."""
-        try:
-            owner = read_capped(self.storage, INFLIGHT, SMALL_FILE_LIMIT).decode(errors="replace")
-        except StorageNotFound:
-            owner = "<none>"
-        if owner == "<none>":
+        this one fails clearly and never writes over the winner's files.
+
+        A marker that is *missing* where no ``.metadata`` is either was
+        removed by ``dcpstore gc`` (the marker of a dead save it had listed
+        before this save's claim replaced it) or by hand; no other save has
+        taken the URI (a claim replaces the marker, it never removes it,
+        and a save that committed leaves ``.metadata``). The coordinator puts
+        it back and the save goes on; other ranks go on."""
+        owner = self._marker()
+        if owner is None:
             if not self.storage.exists(METADATA):  # no save committed here since
-                raise SaveError(
-                    f"the in-flight marker {self.storage.describe(INFLIGHT)} of this save ({self.save_id}) was "
-                    "removed while it was writing (by 'dcpstore gc', or by hand); nothing was committed by this save"
+                if self._lease is None:
+                    return  # another rank's: the coordinator puts it back
+                log.warning(
+                    "the in-flight marker %s of save %s was removed while it was writing (by 'dcpstore gc' "
+                    "or by hand) and no other save has taken the URI: put back",
+                    self.storage.describe(INFLIGHT),
+                    self.save_id,
                 )
-            raise SaveError(
-                f"another save to {self.storage.uri} started while this one was writing and committed (or this "
-                f"save's in-flight marker was removed by hand); nothing was committed by this save ({self.save_id})"
-            )
+                self.storage.put(INFLIGHT, self.save_id.encode())
+                owner = self._marker()  # should another save have claimed meanwhile
+                if owner in (None, self.save_id):
+                    return
+            else:
+                raise SaveError(
+                    f"another save to {self.storage.uri} started while this one was writing and committed (or "
+                    f"this save's in-flight marker was removed by hand); nothing was committed by this save "
+                    f"({self.save_id})"
+                )
         if owner != self.save_id:
             raise SaveError(
                 f"another save to {self.storage.uri} started while this one was writing "
                 f"(its save id {owner}, ours {self.save_id}); nothing was committed by this save"
             )
+
+    def _marker(self) -> str | None:
+        """The save id the URI's in-flight marker holds (None: no marker)."""
+        try:
+            return read_capped(self.storage, INFLIGHT, SMALL_FILE_LIMIT).decode(errors="replace")
+        except StorageNotFound:
+            return None
 
     def discard(self, written: Iterable[str]) -> None:
         """After this save failed on some rank: remove the data files this
@@ -340,7 +367,7 @@ class SaveSession:
         except BaseException:
             self.release()
             raise
-        self._stop_refresher()  # the clean-up removes the alive file with the marker
+        self._end_lease(remove=False)  # the clean-up removes the alive file with the marker
         self._promote(sides)
         self._clean_up(files.keys())
 
@@ -359,15 +386,13 @@ class SaveSession:
 
     def release(self) -> None:
         """The save failed (on any rank) or never finished: stop its proof of
-        life and remove its alive file (best effort), so that ``gc`` may
-        collect what it left. Coordinator; a no-op on other ranks, after
-        :meth:`publish`, and when called again. ``with session:`` calls it
-        on leaving the block, for writers that hold the session in one frame."""
-        if self._stop_refresher():
-            try:
-                self.storage.delete([alive_name(self.save_id)])
-            except CheckpointError as e:
-                log.debug("could not remove the alive file of save %s under %s: %s", self.save_id, self.storage.uri, e)
+        life and remove its alive file, so that ``gc`` may collect what it
+        left (should the storage not answer, the removal is left with it
+        for the saver to try again: ``Storage.leave_unfinished``).
+        Coordinator; a no-op on other ranks, after :meth:`publish`, and when
+        called again. ``with session:`` calls it on leaving the block, for
+        writers that hold the session in one frame."""
+        self._end_lease(remove=True)
 
     def __enter__(self) -> SaveSession:
         return self
@@ -375,13 +400,11 @@ class SaveSession:
     def __exit__(self, *exc_info: object) -> None:
         self.release()
 
-    def _stop_refresher(self) -> bool:
-        """Stop the refresher, if running; whether it was."""
-        refresher, self._refresher = self._refresher, None
-        if refresher is None:
-            return False
-        refresher.stop()
-        return True
+    def _end_lease(self, *, remove: bool) -> CheckpointError | None:
+        """End the save's lease, if held (``remove``: remove its alive file;
+        the error, if that failed)."""
+        lease, self._lease = self._lease, None
+        return lease.stop(remove=remove) if lease is not None else None
 
     def _clean_up(self, live: Iterable[str]) -> None:
         """After the commit: delete the in-flight marker, the save's alive
@@ -412,47 +435,6 @@ def _turn(uri: str) -> threading.Lock:
     the commit's few requests; across processes the marker alone decides
     (RELIABILITY.md, Known limits)."""
     return _TURNS[hash(uri) % len(_TURNS)]
-
-
-class _Refresher:
-    """Rewrites a save's alive file every :data:`~dcpstore.format.inflight.REFRESH_S`
-    seconds on a daemon thread, until :meth:`stop`, until the save's storage
-    object is gone, or until the URI is no longer the save's (its in-flight
-    marker replaced or removed: this save will not commit)."""
-
-    def __init__(self, storage: Storage, save_id: str) -> None:
-        self._storage = weakref.ref(storage)
-        self._uri = storage.uri
-        self._save_id = save_id
-        self._blob = encode_alive(save_id, Owner.current())
-        self._stopped = threading.Event()
-        storage.put(alive_name(save_id), self._blob)
-        self._thread = threading.Thread(target=self._run, name="dcpstore-alive", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        """Stop refreshing; returns once no refresh is under way (so none
-        lands after the caller removes the file)."""
-        self._stopped.set()
-        if self._thread is not threading.current_thread():
-            self._thread.join()
-
-    def _run(self) -> None:
-        while not self._stopped.wait(inflight.REFRESH_S):
-            storage = self._storage()
-            if storage is None:
-                return
-            try:
-                if read_capped(storage, INFLIGHT, SMALL_FILE_LIMIT).decode(errors="replace") != self._save_id:
-                    return  # the URI is another save's now (or gc took it): this save will not commit
-                if not self._stopped.is_set():
-                    storage.put(alive_name(self._save_id), self._blob)
-            except StorageNotFound:
-                return
-            except CheckpointError as e:
-                log.debug("could not refresh the alive file of save %s under %s: %s", self._save_id, self._uri, e)
-            finally:
-                del storage
 
 
 # ---------------------------------------------------------------------------
@@ -502,11 +484,17 @@ def read_commit_file(storage: Storage, manifest: Manifest | None, name: str, lim
     return blob
 
 
-def read_checkpoint_metadata(storage: Storage, trust: Trust = TOOLS) -> tuple[Metadata, Manifest | None]:
+def read_checkpoint_metadata(
+    storage: Storage, trust: Trust = TOOLS, *, on_read: Callable[[bytes], None] | None = None
+) -> tuple[Metadata, Manifest | None]:
     """Read and verify ``.metadata`` (and the manifest, if there is one):
     capped reads, the manifest's schema, the CRC, the restricted unpickle
     (``trust``: what it may build beyond the allowlist), and every stored
-    item checked against the manifest. Load, verify and inspect all come here."""
+    item checked against the manifest. Load, verify and inspect all come here.
+
+    ``on_read`` is given the ``.metadata`` bytes as soon as they are read,
+    before any check (a load judges from them whether a failure met a
+    checkpoint replaced meanwhile: :func:`commit_replaced`)."""
     # Both in flight at once: most checkpoints' manifest has the plain name
     # (a save picks save-unique names only over an existing checkpoint), so
     # on an object store the commit usually costs one round trip, not two.
@@ -517,6 +505,8 @@ def read_checkpoint_metadata(storage: Storage, trust: Trust = TOOLS) -> tuple[Me
     if isinstance(blob_or_error, BaseException):
         raise blob_or_error
     blob = blob_or_error
+    if on_read is not None:
+        on_read(blob)
     # The save id .metadata records names its manifest, so the restricted
     # unpickle comes first; the CRC check then covers every byte of the blob.
     try:
@@ -540,6 +530,19 @@ def read_checkpoint_metadata(storage: Storage, trust: Trust = TOOLS) -> tuple[Me
     else:
         log.debug("%s has no integrity manifest (written by stock DCP?); loading unverified", storage.uri)
     return metadata, manifest
+
+
+def commit_replaced(storage: Storage, crc: int) -> bool:
+    """Whether the ``.metadata`` at ``storage`` is no longer the one of CRC32C
+    ``crc`` (read earlier): another save committed over it, or it is gone.
+    Every commit's bytes differ (each records its own save id). False where
+    it cannot be read for another reason."""
+    try:
+        return crc32c.crc32c(read_capped(storage, METADATA, METADATA_LIMIT)) != crc
+    except StorageNotFound:
+        return True
+    except CheckpointError:
+        return False
 
 
 def _read_or_error(storage: Storage, name: str, limit: int) -> bytes | CheckpointError:

@@ -47,6 +47,12 @@ def item_nbytes(item: WriteItem) -> int:
     return numel * item.tensor_data.properties.dtype.itemsize
 
 
+def file_size_hint(items: Sequence[WriteItem]) -> int:
+    """The expected size of a data file holding ``items``: the tensor bytes
+    and an upper estimate of each record's headers."""
+    return sum(item_nbytes(it) + RECORD_HEADERS_ESTIMATE for it in items)
+
+
 def split_buckets(items: Sequence[WriteItem], bins: int) -> list[list[WriteItem]]:
     """Size-balanced buckets: tensors largest first into the lightest bucket,
     byte blobs round-robin. Empty buckets are dropped."""
@@ -96,17 +102,17 @@ def write_data_file(
     transforms: _StorageWriterTransforms | None,
     progress: Progress,
     gate: OwnerGate,
+    batch_hint: int | None = None,
 ) -> list[WriteResult]:
     """Write one data file ``name`` holding ``items`` (``data_of(item)``: its
     bytes or CPU tensor, asked for one item at a time), published once
     ``gate`` passes; returns the items' write results, each carrying its
-    :class:`ItemRecord`. Every data file dcpstore's own record writer makes
-    is written here."""
+    :class:`ItemRecord`. ``batch_hint``: the bytes of all the files this
+    rank writes now, over which object stores share their connection budget
+    (:meth:`~dcpstore.storage.StorageOptions.upload_part_size`). Every data
+    file dcpstore's own record writer makes is written here."""
     written = []
-    # Tensor bytes and an upper estimate of each record's headers: object
-    # stores size their parts from it (see StorageOptions.part_size_for).
-    size_hint = sum(item_nbytes(it) + RECORD_HEADERS_ESTIMATE for it in items)
-    with storage.open_write(name, size_hint=size_hint) as writer:
+    with storage.open_write(name, size_hint=file_size_hint(items), batch_hint=batch_hint) as writer:
         stream = RecordStream(writer)
         for item in items:
             data = data_of(item)
@@ -116,6 +122,7 @@ def write_data_file(
             written.append((item, stream.write_item(data), descriptors))
             progress.update(item_nbytes(item))
         file_size, file_crc = stream.finish()
+        writer.seal()  # the last part leaves now, not after the gate's round trip
         # Leaving the block publishes the file; a save that lost its
         # URI to a later save must not clobber that save's files.
         gate.wait()

@@ -24,6 +24,11 @@ changed instead:
 Small tensors (under 64 KiB) and objects are verified before they are copied,
 so they are never among the damaged.
 
+A load tried again because its checkpoint was replaced meanwhile (see
+:func:`~dcpstore.dcp.reader.load_state_dict`) counts what its earlier tries
+changed too (:func:`merge_changes`): a try that succeeds sets every key, a
+last one that fails names all the tries' changes.
+
 Layer: DCP protocol. Imports :mod:`dcpstore.errors`.
 """
 
@@ -38,6 +43,30 @@ from ..errors import CheckpointError, LoadError
 #: Keys listed by name in an error message; the attributes hold them all.
 SHOWN = 8
 
+#: What a load left changed: its (loaded, partly loaded, damaged) keys, sorted.
+Changes = tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]
+NO_CHANGES: Changes = ((), (), ())
+
+
+def changes_of(error: BaseException) -> Changes:
+    """What an error of :meth:`LoadProgress.annotate` says its load changed."""
+    v = vars(error)
+    return tuple(v.get("loaded_keys", ())), tuple(v.get("partly_loaded_keys", ())), tuple(v.get("damaged_keys", ()))
+
+
+def merge_changes(earlier: Changes, later: Changes) -> Changes:
+    """What two tries of one load left changed, ``later`` after ``earlier``
+    (a load tried again over a checkpoint replaced meanwhile): a key is as
+    the later try left it where that touched it, except that bytes the
+    earlier left damaged stay damaged unless the later loaded the whole key;
+    as the earlier left it elsewhere."""
+    loaded, partly, damaged = (set(keys) for keys in later)
+    touched = loaded | partly | damaged
+    damaged |= set(earlier[2]) - loaded
+    partly = (partly | (set(earlier[1]) - touched)) - damaged
+    loaded |= set(earlier[0]) - touched - damaged
+    return tuple(sorted(loaded)), tuple(sorted(partly)), tuple(sorted(damaged))
+
 
 class Stopped(Exception):
     """Raised in a read job that finds the load already failed elsewhere."""
@@ -51,8 +80,9 @@ class LoadProgress:
     verified and committed). A job that fails calls :meth:`fail`.
     """
 
-    def __init__(self, planned: Iterable[str]) -> None:
+    def __init__(self, planned: Iterable[str], earlier: Changes = NO_CHANGES) -> None:
         self._planned = Counter(planned)
+        self._earlier = earlier  # what earlier tries of this load changed
         self._loaded: Counter[str] = Counter()
         self._exposed: Counter[str] = Counter()  # unverified bytes in the destination
         self._lock = threading.Lock()
@@ -87,12 +117,15 @@ class LoadProgress:
 
     # -- after the jobs -----------------------------------------------------
     def lists(self) -> tuple[list[str], list[str], list[str]]:
-        """(loaded, partly loaded, damaged) keys, sorted."""
+        """(loaded, partly loaded, damaged) keys, sorted, earlier tries' included."""
         with self._lock:
             damaged = sorted(k for k, n in self._exposed.items() if n > 0)
             loaded = sorted(k for k, n in self._loaded.items() if n >= self._planned[k] and k not in damaged)
             partly = sorted(k for k, n in self._loaded.items() if 0 < n < self._planned[k] and k not in damaged)
-        return loaded, partly, damaged
+        if self._earlier == NO_CHANGES:
+            return loaded, partly, damaged
+        merged = merge_changes(self._earlier, (tuple(loaded), tuple(partly), tuple(damaged)))
+        return list(merged[0]), list(merged[1]), list(merged[2])
 
     def annotate(self, error: BaseException, uri: str) -> CheckpointError:
         """The error to raise: the first real failure (not a job that merely

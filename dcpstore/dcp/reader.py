@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import os
 import threading
 import time
@@ -53,7 +54,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from ..errors import CheckpointCorrupt, CheckpointNotFound, StateDictMismatch, StorageNotFound
+from ..errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound, StateDictMismatch, StorageNotFound
 from ..format.bitcopy import copy_values
 from ..format.layout import MANIFEST, METADATA, item_key
 from ..format.manifest import Manifest
@@ -65,12 +66,14 @@ from ..progress import NO_PROGRESS, Progress
 from ..quiet import ignoring
 from ..storage import Storage
 from ..threads import run_parallel
-from .commit import read_checkpoint_metadata
+from .commit import commit_replaced, read_checkpoint_metadata
 from .failures import load_error
-from .load_progress import LoadProgress
+from .load_progress import NO_CHANGES, Changes, LoadProgress, changes_of
 from .read_plan import Direct, DirectRun, Request, Span, plan_reads, scatter_groups
 from .state_checks import check_top_level_keys, load_mismatches
 from .writer import NO_DIST_WARNING, rebind, serves
+
+log = logging.getLogger(__name__)
 
 #: Tensors smaller than this are read with their record into scratch and
 #: copied out (measured on 20,000 x 3 KiB tensors).
@@ -97,6 +100,7 @@ class DcpStorageReader(StorageReader):
         safe_globals: Sequence[Any] | None = None,
         trusted: bool = False,
         progress: Progress = NO_PROGRESS,
+        earlier: Changes = NO_CHANGES,
     ) -> None:
         super().__init__()
         #: Undoes the DCP stream transforms an item names (default registry: ZStandard).
@@ -112,7 +116,13 @@ class DcpStorageReader(StorageReader):
         self._preloaded = False
         self._storage_data: dict[MetadataIndex, _StorageInfo] = {}
         self._mismatches: list[str] = []
-        self._progress = LoadProgress(())
+        #: What earlier tries of this load changed (see load_state_dict).
+        self._earlier = earlier
+        self._progress = LoadProgress((), earlier)
+        #: CRC32C of the ``.metadata`` bytes this load read (None: none yet).
+        self._commit_crc: int | None = None
+        #: The bytes this load's direct reads move in all (see Storage.read_into).
+        self._batch: int | None = None
         self.bytes_read = 0
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -131,12 +141,25 @@ class DcpStorageReader(StorageReader):
             # The files' sizes from one listing, in flight beside the commit
             # read: _check_sizes then costs no round trip (where it can).
             commit: list[tuple[Metadata, Manifest | None]] = []
-            jobs = [lambda: commit.append(read_checkpoint_metadata(self.storage, self._trust)), self.storage.learn_sizes]
+
+            def read_commit() -> None:
+                commit.append(read_checkpoint_metadata(self.storage, self._trust, on_read=self._note_commit))
+
+            jobs = [read_commit, self.storage.learn_sizes]
             run_parallel(lambda job: job(), jobs, 2, "dcpstore-commit-read")
             self._metadata, self._manifest = commit[0]
             self._preloaded = True
         assert self._metadata is not None
         return self._metadata
+
+    def _note_commit(self, blob: bytes) -> None:
+        self._commit_crc = crc32c.crc32c(blob)
+
+    def replaced(self) -> bool:
+        """Whether another save has committed over the checkpoint since this
+        load read its ``.metadata`` (or removed it): a failure of the load
+        may then be the replaced checkpoint's files going, not damage."""
+        return self._commit_crc is not None and commit_replaced(self.storage, self._commit_crc)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:
@@ -187,17 +210,20 @@ class DcpStorageReader(StorageReader):
         assert self._metadata is not None
         lock = threading.Lock()
         future: Future[None] = Future()
-        self._progress = LoadProgress(req.dest_index.fqn for req in plan.items)
+        self._progress = LoadProgress((req.dest_index.fqn for req in plan.items), self._earlier)
         try:
             self._check_sizes(per_file)
             raw = self._manifest["tensors"] if self._manifest is not None else {}
             if transformed:  # their stored bytes are not the tensor's: always through the record
                 raw = {key: where for key, where in raw.items() if key not in transformed}
             jobs = plan_reads(per_file, raw, self._metadata, self.workers, self._manifest_where())
+            self._batch = sum(job.length for job in jobs)  # object stores share their budget out over it
             self.bar.start(sum(info.length for reqs in per_file.values() for _, info in reqs))
             run_parallel(lambda job: self._read_job(job, planner, lock), jobs, self.workers, "dcpstore-read")
         except BaseException as e:
             error = self._progress.annotate(e, self.storage.uri)  # what this rank's state now holds
+            if isinstance(error, RETRIED) and self.replaced():
+                vars(error)[REPLACED] = True  # the same decision on every rank: DCP hands them this error
             future.set_exception(error)  # type: ignore[arg-type]  # torch's stub types it as the value
             return future
         future.set_result(None)
@@ -318,7 +344,7 @@ class DcpStorageReader(StorageReader):
         exposed = [d.req.dest_index.fqn for d, pieces, _ in parts if len(pieces) > 1]
         self._progress.exposing(exposed)
         try:
-            n = self.storage.read_into(path, start, buffers)
+            n = self.storage.read_into(path, start, buffers, batch_hint=self._batch)
         except StorageNotFound as e:
             self._progress.exposing(exposed, undo=True)  # never opened: nothing was written
             raise CheckpointCorrupt(f"{self.storage.describe(path)}: data file is missing") from e
@@ -459,6 +485,18 @@ def _narrow(tensor: torch.Tensor, offsets: torch.Size, lengths: torch.Size) -> t
     return tensor
 
 
+#: Tries of one load whose checkpoint other saves keep replacing while it
+#: runs (see :func:`load_state_dict`).
+LOAD_TRIES = 4
+#: Failures that may be a replaced checkpoint's files going (a load that
+#: read the old ``.metadata`` finds the files it names deleted by the new
+#: save's clean-up) rather than damage.
+RETRIED = (CheckpointCorrupt, StorageNotFound)
+#: The attribute that marks such a failure once the load has seen its
+#: ``.metadata`` replaced (set on the failing rank, read on every rank).
+REPLACED = "checkpoint_replaced"
+
+
 def load_state_dict(
     state_dict: dict[str, Any], storage: Storage, options: LoadOptions, progress: Progress = NO_PROGRESS
 ) -> LoadStats:
@@ -475,18 +513,57 @@ def load_state_dict(
     too. A damaged item stops the load where it is found; the error says
     which keys it had already changed on this rank (its ``loaded_keys``,
     ``partly_loaded_keys`` and ``damaged_keys``; every other key is
-    unchanged)."""
-    t0 = time.perf_counter()
+    unchanged).
+
+    A load racing a save over the same URI loads the old checkpoint or the
+    new one, whole: one that read the old ``.metadata`` can find the files
+    it names deleted by the new save once that has committed, and such a
+    failure (a missing or damaged file, when the ``.metadata`` read is no
+    longer there) loads again, from the new commit, up to
+    :data:`LOAD_TRIES` tries in all. The first failed rank's error decides,
+    so every rank tries again or none. A try that succeeds sets every key;
+    a last one that fails names what all the tries changed."""
     check_top_level_keys(state_dict, loading=True)
-    reader = DcpStorageReader(
-        storage,
-        workers=options.workers,
-        verify=options.verify,
-        safe_globals=options.safe_globals,
-        trusted=options.trusted,
-        progress=progress,
-    )
-    reader.check_destination(state_dict)
+    earlier = NO_CHANGES
+    for attempt in range(1, LOAD_TRIES + 1):
+        reader = DcpStorageReader(
+            storage,
+            workers=options.workers,
+            verify=options.verify,
+            safe_globals=options.safe_globals,
+            trusted=options.trusted,
+            progress=progress,
+            earlier=earlier,
+        )
+        try:
+            return _load_once(state_dict, reader, options)
+        except CheckpointError as e:
+            annotated = "loaded_keys" in vars(e)  # failed in read_data: it says what all tries changed
+            if not vars(e).get(REPLACED):
+                if earlier != NO_CHANGES and not annotated:
+                    raise LoadProgress((), earlier).annotate(e, storage.uri) from e
+                raise
+            if attempt == LOAD_TRIES:
+                again = f"replaced by other saves during each of the {LOAD_TRIES} tries of this load"
+                error = LoadProgress((), earlier).annotate(e, storage.uri) if not annotated else e
+                out = type(error)(f"{error} ({storage.uri} was {again})")
+                vars(out).update(vars(error))
+                raise out from e
+            log.debug("%s was replaced while being loaded (%s); loading it again", storage.uri, e)
+            if annotated:
+                earlier = changes_of(e)
+    raise AssertionError("unreachable")  # the loop returns or raises
+
+
+def _load_once(state_dict: dict[str, Any], reader: DcpStorageReader, options: LoadOptions) -> LoadStats:
+    """One try of :func:`load_state_dict`."""
+    t0 = time.perf_counter()
+    try:
+        reader.check_destination(state_dict)
+    except RETRIED as e:
+        if reader.replaced():  # decided here, before any collective: the commit read is each rank's own
+            vars(e)[REPLACED] = True
+        raise
     t_read = time.perf_counter()
     no_dist = not (dist.is_available() and dist.is_initialized())
     try:
@@ -499,5 +576,5 @@ def load_state_dict(
                 no_dist=no_dist,
             )
     except CheckpointException as e:
-        raise load_error(e, storage.uri) from e
+        raise load_error(e, reader.storage.uri) from e
     return LoadStats(bytes_read=reader.bytes_read, metadata_s=t_read - t0, read_s=time.perf_counter() - t_read)

@@ -41,15 +41,10 @@ handle to tell saves apart, so each thread's current save (:class:`_Save`:
 its URI, session and stats) is its own, begun by ``reset`` or, without
 a checkpoint_id, by the first call of the next save on that thread.
 
-Every dcpstore writer is this class: file naming (:meth:`named_buckets`),
-spread prefixes and the claim (:meth:`prepare_global_plan`,
-:meth:`claim_shared`), the ownership gate (:meth:`write_files`) and the
-publish (:meth:`finish`) are written here once. Another writer replaces
-two hooks -- :meth:`bucket_items` (which items go in which data file) and
-:meth:`write_file` (how one file is written) -- and sets two flags
-(``claims_before_planning``, ``writes_in_place``): the NVRx engine's
-(:mod:`dcpstore.engines.nvrx`) and Megatron's async writer
-(:mod:`dcpstore.adapters.megatron_async`) do.
+Every dcpstore writer is this class: file naming, spread prefixes, the
+claim, the ownership gate and the publish are written here once; another
+writer (the NVRx engine's, Megatron's async one) replaces two hooks,
+:meth:`bucket_items` and :meth:`write_file`, and sets two flags.
 """
 
 from __future__ import annotations
@@ -83,7 +78,15 @@ from ..progress import NO_PROGRESS, Progress
 from ..quiet import ignoring
 from ..storage import Storage, backend_name, parse_uri
 from .commit import SaveSession, check_commit_files
-from .data_files import item_nbytes, rank_prefix, resolve_item, split_buckets, write_data_file, write_stats
+from .data_files import (
+    file_size_hint,
+    item_nbytes,
+    rank_prefix,
+    resolve_item,
+    split_buckets,
+    write_data_file,
+    write_stats,
+)
 from .failures import describe_failure
 from .owner_gate import OwnerGate, run_gated
 
@@ -287,10 +290,9 @@ class DcpStorageWriter(StorageWriter):
         ]
 
     def prepare_decentralized_global_plan(self, local_plan: SavePlan) -> SavePlan:
-        """This rank's part of :meth:`prepare_global_plan`, without the other
-        ranks' plans (NVRx's planner, where writer and planner both allow it:
-        ``can_run_decentralized_global_plan``; only a writer that
-        ``claims_before_planning`` allows it, as nothing else goes in a plan)."""
+        """This rank's part of :meth:`prepare_global_plan` (NVRx's planner,
+        for a writer that ``claims_before_planning``: a plan carries only
+        the prefix)."""
         if not self.claims_before_planning:
             raise InvalidArgument("this writer's plans carry the save's token: plan them on the coordinator")
         rank = dist.get_rank(self.process_group) if dist.is_available() and dist.is_initialized() else 0
@@ -341,11 +343,12 @@ class DcpStorageWriter(StorageWriter):
         def data_of(item: WriteItem) -> io.BytesIO | torch.Tensor:
             return resolve_item(planner, item, lock)
 
+        batch = sum(file_size_hint(items) for _, items in named)
         if self.writes_in_place:
             self.session.check_owner()
         per_file = run_gated(
             self.session.check_owner,
-            lambda nb, gate: self.write_file(storage, nb[0], nb[1], data_of, gate),
+            lambda nb, gate: self.write_file(storage, nb[0], nb[1], data_of, gate, batch),
             named,
             "dcpstore-write",
         )
@@ -367,11 +370,14 @@ class DcpStorageWriter(StorageWriter):
         items: list[WriteItem],
         data_of: Callable[[WriteItem], io.BytesIO | torch.Tensor],
         gate: OwnerGate,
+        batch: int,
     ) -> list[WriteResult]:
         """Hook: write data file ``name`` holding ``items``, published only
         once ``gate.wait()`` passes; its items' write results, each with its
-        :class:`~dcpstore.dcp.commit.ItemRecord`."""
-        return write_data_file(storage, name, items, data_of, self.transforms, self.progress, gate)
+        :class:`~dcpstore.dcp.commit.ItemRecord`. ``batch``: the bytes of
+        all the files this rank writes now (object stores share their
+        connection budget over them)."""
+        return write_data_file(storage, name, items, data_of, self.transforms, self.progress, gate, batch)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         t_start = time.perf_counter()
@@ -414,14 +420,9 @@ class DcpStorageWriter(StorageWriter):
 
 def claim_and_share(storage: Storage, wrapper: _DistWrapper, overwrite: bool, save_id: str | None) -> SaveSession:
     """The coordinator claims the URI; every rank gets the session's token
-    (or the coordinator's failure) by broadcast on ``wrapper``'s group, so no
-    rank writes before the claim. Returns this rank's session.
-
-    Raises:
-        CheckpointExists: ``overwrite=False`` and the URI holds a committed
-            checkpoint (on every rank alike).
-        SaveError: the claim failed on the coordinator (on every rank).
-    """
+    (or the coordinator's failure: ``CheckpointExists`` or ``SaveError`` on
+    every rank alike) by broadcast on ``wrapper``'s group, so no rank writes
+    before the claim. Returns this rank's session."""
     #: ("ok", token) or ("exists" / "failed", what went wrong)
     outcome: tuple[str, Any] = ("ok", None)
     error: Exception | None = None

@@ -198,7 +198,9 @@ class NvrxWriter(DcpStorageWriter):
         items: list[WriteItem],
         data_of: Callable[[WriteItem], io.BytesIO | torch.Tensor],
         gate: OwnerGate,
+        batch: int,
     ) -> list[WriteResult]:
+        del batch  # NVRx writes local files and MSC objects through open(): no connection budget to share
         if "/" in name:  # a spread directory: NVRx's open() does not create it
             storage.makedirs(posixpath.dirname(name))
         blobs = [(it, data_of(it)) for it in items if it.type == WriteItemType.BYTE_IO]

@@ -45,7 +45,7 @@ which would re-run a training script that has no ``if __name__ ==
 does not pickle (a class defined inside a function) fails that save on
 every rank, naming why.
 
-Layer: engines. Imports :mod:`dcpstore.dcp`, :mod:`.registry`, :mod:`.slab`,
+Layer: engines. Imports :mod:`dcpstore.dcp`, :mod:`.leftovers`, :mod:`.registry`, :mod:`.slab`,
 :mod:`.staging`, the value objects, :mod:`dcpstore.storage` and the foundation.
 """
 
@@ -72,11 +72,12 @@ from torch.distributed import TCPStore  # type: ignore[attr-defined]  # torch's 
 from torch.distributed.checkpoint.planner import SavePlanner
 from torch.distributed.distributed_c10d import PrefixStore
 
-from ..dcp.failures import describe_failure
+from ..dcp.failures import describe_failure, save_error
 from ..dcp.writer import save_state_dict
 from ..errors import SaveError
 from ..handle import SaveStats
 from ..storage import StorageOptions, open_storage
+from .leftovers import Leftovers, with_leftovers
 from .registry import SaveJob
 from .slab import Slab, map_bytes
 from .staging import SharedState
@@ -399,6 +400,7 @@ def serve(fd: int, parent: int) -> None:
         return
     conn.send(("ready", os.getpid()))
     blocks: dict[int, torch.Tensor] = {}
+    leftovers = Leftovers()  # clean-ups of failed saves the storage refused: tried again, as a saver does
     try:
         while True:
             try:
@@ -413,15 +415,19 @@ def serve(fd: int, parent: int) -> None:
                 blocks[slab_id] = map_bytes(fds[0], nbytes)
                 os.close(fds[0])
                 continue
-            conn.send(_save(message, blocks, grouped))
+            leftovers.retry_in_background()
+            conn.send(_save(message, blocks, grouped, leftovers))
     finally:
+        leftovers.finish("as a checkpoint process stopped")
         if grouped and dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _save(message: tuple[str, Any], blocks: dict[int, torch.Tensor], grouped: bool) -> tuple[Any, ...]:
+def _save(message: tuple[str, Any], blocks: dict[int, torch.Tensor], grouped: bool, leftovers: Leftovers) -> tuple[Any, ...]:
     """One save in the checkpoint process: ``("ok", SaveStats)`` or
-    ``("failed", pickled exception or None, description)``."""
+    ``("failed", pickled exception or None, description)``; the clean-ups
+    a failed save could not do are kept in ``leftovers``, and its error
+    says so (:func:`~dcpstore.engines.leftovers.with_leftovers`)."""
     job: _Job | None = None
     error: BaseException | None = None
     try:
@@ -449,9 +455,13 @@ def _save(message: tuple[str, Any], blocks: dict[int, torch.Tensor], grouped: bo
             try:
                 stats = save_state_dict(state, storage, workers=job.workers, process_group=None, planner=job.planner,
                                         overwrite=job.overwrite, save_id=job.save_id)  # fmt: skip
+                return ("ok", stats)
+            except BaseException as e:
+                plain = save_error(e, storage.uri, "async save")
+                kept = with_leftovers(plain, storage, leftovers)
+                error = e if kept is plain else kept  # the error as it is, unless it must say what is left
             finally:
                 storage.close()
-            return ("ok", stats)
     except BaseException as e:  # a peer gone mid-collective too: the trainer hears of it, and restarts us
         error = e
     assert error is not None

@@ -98,6 +98,7 @@ from ..threads import BackgroundThread
 from . import exit as exit_hook
 from .choice import agree_on_engine, select_engine
 from .groups import BackgroundGroups
+from .leftovers import Leftovers, with_leftovers
 from .registry import Engine, SaveJob, engine_class
 from .staging import Staging
 
@@ -172,6 +173,8 @@ class AsyncSaver:
         # saves seen failed whose handle has not reported it yet (see _raise_unobserved)
         self._failed: list[SaveHandle] = []
         self._background = BackgroundThread("dcpstore-async")
+        #: Clean-ups of failed saves that the storage refused, tried again later.
+        self.leftovers = Leftovers()
         self._lock = threading.RLock()
         self._closed = False
         exit_hook.watch(self, exit_hook.Stage.SAVERS)
@@ -259,6 +262,7 @@ class AsyncSaver:
                     raise InvalidArgument("this AsyncSaver is closed")
                 self._wait_for_slot(limit)
                 self._raise_unobserved(f"this save to {storage.uri} was not started")
+                self.leftovers.retry_in_background()
                 engine = self._engine(name)
                 group = self._groups.get(options.process_group)
                 t_stage = time.perf_counter()
@@ -322,6 +326,7 @@ class AsyncSaver:
             hung = self._finish_pending()
             self._staging.clear()
             self._close_engines()
+            self.leftovers.finish("at close()")
             if hung:
                 raise SaveError(self._hung_message(hung, "close() stopped waiting"))
             self._background.shutdown()
@@ -419,6 +424,7 @@ class AsyncSaver:
         hung = self._finish_pending()
         if hung:
             log.error("dcpstore: at interpreter exit, %s", self._hung_message(hung, "exit stopped waiting for it"))
+        self.leftovers.finish("at interpreter exit")
         with self._lock:
             failed = self._unobserved()
         for uri, error in failed:
@@ -453,7 +459,7 @@ class AsyncSaver:
             agree_on_engine(engine.name, job.group)
             stats = engine.save(job)
         except BaseException as e:
-            err = save_error(e, storage.uri, "async save")
+            err = with_leftovers(save_error(e, storage.uri, "async save"), storage, self.leftovers)
             log.error("%s%s", rank_label(job.options.process_group), err)
             raise err from e
         finally:

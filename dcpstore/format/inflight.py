@@ -2,18 +2,44 @@
 
 A save marks its URI as its own with the in-flight marker (its save id, see
 :mod:`.layout`). Beside it, the coordinator keeps an *alive file*,
-``.dcpstore.alive.<save id>``, naming the process that runs the save (host,
+``.dcpstore.alive.<id>``, naming the process that runs the save (host,
 boot id, pid namespace, pid and start time) and rewritten every
-:data:`REFRESH_S` seconds while the save runs (the commit protocol's
-refresher, :class:`dcpstore.dcp.commit.SaveSession`). One file per save, so
-a refresh never overwrites another save's marker. This module is the
-file's format and what ``gc`` concludes from it; it writes nothing.
+:data:`REFRESH_S` seconds while the save runs. One file per writer, so a
+refresh never overwrites another's. This module is the file's format and
+what ``gc`` concludes from it; it writes nothing (the one writer of alive
+files is :class:`dcpstore.dcp.lease.Lease`).
 
-``gc`` (:func:`is_running`) keeps a directory whose alive file names a
-process of this machine that still runs (whatever ``--older-than`` says),
-or, for a process elsewhere, whose file was refreshed within
-max(``--older-than``, :data:`LEASE_S`). A save killed on this machine is
-collectable at once; elsewhere, a lease later.
+The rule, both sides (every writer of a checkpoint directory and ``gc``):
+
+1. **A writer's first file in a directory is its alive file**, and its last
+   act there removes it: a save's coordinator from its claim (before the
+   in-flight marker) to its commit or failure; a tiered manager's marker
+   before a save; every rank's replication into the durable tier, until
+   the replica is committed (the coordinator's commit removes every alive
+   file). So a listing that shows anything of a running writer shows its
+   alive file too.
+2. **gc keeps a directory with a running writer, and everything in it**
+   (its files, markers, temporary files, open uploads): an alive file that
+   does not name a process of this machine that has ended and was
+   refreshed within max(``--older-than``, :data:`LEASE_S`)
+   (:func:`is_running`); or one that was listed and is gone when gc reads
+   it -- its writer just ended, and what it committed is newer than the
+   listing, so gc decides next time.
+3. **gc never removes an in-progress write younger than the lease**
+   (:func:`write_is_stale`), whatever ``--older-than`` says: before a
+   writer's alive file lands (its very first write) the in-progress write
+   of that file is all there is to see. gc lists in-progress writes before
+   the checkpoints (a write it lists belongs to a writer whose alive file
+   the listing shows) and removes them by identity (an upload begun later
+   under the same key is another upload).
+4. **The in-flight marker's name is every save's**: gc removes a dead
+   save's marker last, only where no alive file appeared since its
+   listing; a save whose marker vanished from a directory without a commit
+   puts it back (:meth:`dcpstore.dcp.commit.SaveSession.check_owner`).
+
+A save killed on this machine is thus collectable at once (its alive file
+names a process that has ended; its temporary files a lease later);
+elsewhere, a lease later.
 """
 
 from __future__ import annotations
@@ -117,3 +143,10 @@ def is_running(owner: Owner | None, age_s: float | None, older_than_s: float) ->
     # A running save rewrites its file every REFRESH_S; one that has not for a
     # lease stopped (or its process cannot refresh it any more).
     return age_s is None or age_s < max(older_than_s, LEASE_S)
+
+
+def write_is_stale(age_s: float | None, older_than_s: float) -> bool:
+    """Whether ``gc`` may remove an in-progress write (temporary file, open
+    upload) that was last written or started ``age_s`` seconds ago (None:
+    unknown): older than both ``older_than_s`` and the lease (rule 3)."""
+    return age_s is not None and age_s >= max(older_than_s, LEASE_S)

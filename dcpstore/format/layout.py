@@ -3,15 +3,16 @@
 A checkpoint directory (or key prefix) holds, in stock DCP layout::
 
     .dcpstore.inflight      the save id of the save in progress (removed at commit)
-    .dcpstore.alive.<id>    the running save's proof of life for gc (removed at
-                            commit or failure; :mod:`.inflight`)
+    .dcpstore.alive.<id>    a running writer's proof of life for gc, written
+                            before its other files and removed at commit or
+                            failure (:mod:`.inflight`)
     __{rank}_{n}.distcp     data files, one per writer thread per rank
     p{d}/__{rank}_{n}.distcp  the same, spread over key prefixes (see below)
     <name>                  a commit file a caller hands the save (e.g. Lightning's
                             ``meta.pt``), written after every data file and
                             before the manifest, recorded in it like a data file
     .dcpstore.json          the integrity manifest (written just before .metadata)
-    .dcpstore.replica.<r>   a tiered manager's replication report of rank r
+    .dcpstore.replica.<r>.<x>  a tiered manager's replication report of rank r
                             (durable tier only; removed after the commit)
     .metadata               the commit: pickled DCP ``Metadata``, written last
 
@@ -82,7 +83,7 @@ MANIFEST = ".dcpstore.json"
 #: save's while it wrote refuses to commit (two writers, one URI).
 INFLIGHT = ".dcpstore.inflight"
 #: A tiered manager's per-rank report of the files it replicated to the
-#: durable tier (``.dcpstore.replica.<rank>``; removed after that copy's commit).
+#: durable tier (``.dcpstore.replica.<rank>.<random>``; removed after that copy's commit).
 REPLICA_REPORT_PREFIX = ".dcpstore.replica."
 DATA_SUFFIX = ".distcp"
 #: ``os.urandom(8).hex()``: what :class:`~dcpstore.dcp.commit.SaveSession` makes.

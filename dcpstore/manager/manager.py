@@ -59,12 +59,15 @@ from torch.distributed.checkpoint.planner import SavePlanner
 from ..api import load_with, save_with
 from ..engines import exit as exit_hook
 from ..engines.choice import engine_problem
+from ..engines.saver import default_saver
 from ..errors import CheckpointExists, InvalidArgument, SaveError
 from ..handle import CheckpointInfo, SaveHandle
 from ..keywords import hint_keywords
 from ..options import SaveOptions
 from ..quiet import user_stacklevel
-from ..storage import StorageOptions, join_uri, open_storage
+from ..storage import Storage, StorageOptions, join_uri, open_storage
+from ..storage.overlap import Role
+from .roles import OPEN
 from .roots import OneRoot, Roots
 from .steps import StepLayout, check_layout, check_step
 from .tiered import REPLICATE_TIMEOUT_S, TieredRoots, check_tier_options
@@ -189,6 +192,7 @@ class CheckpointManager:
         saves_to = self._roots.save_storage
         problem = engine_problem(self.options.engine, saves_to.backend, saves_to.uri)
         if problem:
+            OPEN.release(self)
             self._roots.close()
             raise InvalidArgument(problem)
         self._pending: _Pending | None = None
@@ -202,11 +206,18 @@ class CheckpointManager:
     ) -> Roots:
         o = self.options
         durable = open_storage(self.root_uri, enable_msc=o.enable_msc, storage_options=o.storage_options)
+        roles = [Role("root_uri", durable, given=self.root_uri)]
+        what = f"the open CheckpointManager for {durable.uri}"
         if local_dir is None:
-            if local_keep is not None or every != 1:
+            try:
+                if local_keep is not None or every != 1:
+                    raise InvalidArgument("local_keep and replicate_every need local_dir= (a tiered manager)")
+                OPEN.claim(self, what, roles)
+            except BaseException:
                 durable.close()
-                raise InvalidArgument("local_keep and replicate_every need local_dir= (a tiered manager)")
+                raise
             return OneRoot(durable, self.root_uri, self.keep, self.layout)
+        local: Storage | None = None
         try:
             if self.layout.name != "dcpstore":
                 raise InvalidArgument(
@@ -217,24 +228,28 @@ class CheckpointManager:
             local_uri = os.fspath(local_dir)
             local = open_storage(local_uri)
             if local.backend != "local":
-                local.close()
                 raise InvalidArgument(f"local_dir must be a local path, got {local.uri!r} ({local.backend})")
+            # One directory, one role (before anything is written: the tiers' set-up writes and replicates).
+            OPEN.claim(self, what, [Role("local_dir", local, exclusive=True, given=local_uri), *roles])
+            self.local_dir = local_uri
+            return TieredRoots(
+                durable,
+                self.root_uri,
+                local,
+                local_uri,
+                keep=self.keep,
+                local_keep=local_keep,
+                replicate_every=every,
+                workers=o.workers or 8,
+                group=o.process_group,
+                timeout_s=timeout_s,
+            )
         except BaseException:
+            OPEN.release(self)
+            if local is not None:
+                local.close()
             durable.close()
             raise
-        self.local_dir = local_uri
-        return TieredRoots(
-            durable,
-            self.root_uri,
-            local,
-            local_uri,
-            keep=self.keep,
-            local_keep=local_keep,
-            replicate_every=every,
-            workers=o.workers or 8,
-            group=o.process_group,
-            timeout_s=timeout_s,
-        )
 
     # -- naming and listing -------------------------------------------------
     @property
@@ -485,7 +500,9 @@ class CheckpointManager:
             self._finish_pending()
         finally:
             exit_hook.forget(self)
+            OPEN.release(self)
             self._roots.close()
+            default_saver().leftovers.finish("at close()")  # the clean-ups its failed saves could not do
 
     def finish_at_exit(self) -> None:
         """Interpreter exit: :meth:`close`, saying loudly what was lost if it

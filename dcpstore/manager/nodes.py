@@ -9,11 +9,11 @@ for every other rank's. The ranks that see each other's probes are a
 node's own copies of what only the coordinator's directory would hold:
 
     leader, before a save   put_marker(local, step, save_id)
-                                an alive file (``dcpstore gc`` keeps the step
-                                while the job runs), then the in-flight
-                                marker, holding the save id the manager
-                                chose, so that the node's ranks pass the
-                                save's ownership check
+                                a lease (``dcpstore gc`` keeps the step
+                                until the node's copy is committed), then
+                                the in-flight marker, holding the save id
+                                the manager chose, so that the node's ranks
+                                pass the save's ownership check
                                 (:meth:`~dcpstore.dcp.commit.SaveSession.check_owner`)
                                 and a later save that takes the step over still
                                 fails them
@@ -28,8 +28,8 @@ node's own copies of what only the coordinator's directory would hold:
 (DCP puts a replicated item in one rank's file only, so a node may hold a
 whole share of what it saved and still miss what it loads).
 
-Layer: manager. Imports :mod:`dcpstore.format`, :mod:`dcpstore.storage`,
-:mod:`dcpstore.errors` and this package's :mod:`.replicate`, :mod:`.roots` and
+Layer: manager. Imports :mod:`dcpstore.dcp` (the lease), :mod:`dcpstore.format`,
+:mod:`dcpstore.storage`, :mod:`dcpstore.errors` and this package's :mod:`.replicate`, :mod:`.roots` and
 :mod:`.steps`.
 """
 
@@ -45,8 +45,9 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
+from ..dcp.lease import Lease
 from ..errors import CheckpointError, InvalidArgument, SaveError
-from ..format.inflight import Owner, alive_name, encode_alive, is_alive_file
+from ..format.inflight import is_alive_file
 from ..format.layout import INFLIGHT, METADATA, is_data_file, is_manifest
 from ..format.safe_pickle import TOOLS, load_metadata
 from ..storage import Storage
@@ -216,16 +217,22 @@ def _sees(local: Storage, probe: str | None) -> bool:
         return False
 
 
-def put_marker(local: Storage, step: int, save_id: str) -> None:
-    """The node's in-flight marker for the save of ``step`` (leader, before
-    it), after an alive file naming this process: ``dcpstore gc`` on this
-    node keeps the step while this process runs, as it keeps the
-    coordinator's (:mod:`dcpstore.format.inflight`)."""
+def put_marker(local: Storage, step: int, save_id: str) -> Lease:
+    """The in-flight marker for the save of ``step``, holding ``save_id``,
+    in the local step directory, after the lease it returns (its alive file
+    first, :mod:`dcpstore.dcp.lease`): ``dcpstore gc`` keeps the step until
+    the caller ends the lease (once the directory's copy is committed, or
+    the save failed), as it keeps the coordinator's save."""
     prefix = step_dir(step)
     # Not fsynced: the caller's training thread waits here, and a crash that
     # loses them loses nothing (the save never commits; gc collects its files).
-    local.put(f"{prefix}/{alive_name(save_id)}", encode_alive(save_id, Owner.current()), durable=False)
-    local.put(f"{prefix}/{INFLIGHT}", save_id.encode(), durable=False)
+    lease = Lease(local, prefix, save_id=save_id, durable=False)
+    try:
+        local.put(f"{prefix}/{INFLIGHT}", save_id.encode(), durable=False)
+    except BaseException:
+        lease.stop()
+        raise
+    return lease
 
 
 def localize(local: Storage, step: int, commit: LocalCommit) -> None:

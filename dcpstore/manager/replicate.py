@@ -19,11 +19,13 @@ process group from a background thread)::
                       way and checked against the local manifest before the
                       object is committed (a mismatch aborts the upload)
     other ranks   write_report(durable, step, rank, entries)
-                      ``.dcpstore.replica.<rank>``: what it uploaded (size and
-                      CRC32C per file)
-    coordinator   with keep_alive(durable, step):  around its own uploads and
-                      the commit: an alive file, refreshed, so that ``dcpstore
-                      gc`` never collects a replication in progress
+                      ``.dcpstore.replica.<rank>.<random>``: what it uploaded
+                      (size and CRC32C per file)
+    every rank    replica_lease(durable, step), before its first upload: an
+                      alive file, refreshed, so that ``dcpstore gc`` never
+                      collects a replication in progress; the coordinator's
+                      ends after the commit, the others' linger until they
+                      see it (replica_taken_over)
     coordinator   commit_replica(local, durable, step, own, deadline)
                       waits until every file the local manifest lists is
                       either its own upload or covered by a report whose
@@ -54,24 +56,23 @@ up by the save id ``.metadata`` records, finds exactly it. By the same
 rule, :func:`whole_local_steps` lists the steps of which a local directory
 holds a whole commit (what tiered loads and catch-up read from).
 
-Layer: manager. Imports :mod:`dcpstore.format`, :mod:`dcpstore.storage` and
-:mod:`dcpstore.errors`.
+Layer: manager. Imports :mod:`dcpstore.dcp` (the lease), :mod:`dcpstore.format`,
+:mod:`dcpstore.storage` and :mod:`dcpstore.errors`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
-import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import crc32c
 
+from ..dcp.lease import Lease
 from ..errors import CheckpointCorrupt, CheckpointError, SaveError, StorageNotFound
 from ..format import inflight
 from ..format.layout import METADATA, REPLICA_REPORT_PREFIX, is_data_file, is_manifest, is_replica_report
@@ -95,7 +96,9 @@ POLL_MAX_S = 1.0
 
 
 def report_name(rank: int) -> str:
-    return f"{REPLICA_REPORT_PREFIX}{rank}"
+    """A report's name: the rank and a random part, so that no two attempts
+    share one (``gc`` removes a dead attempt's by name)."""
+    return f"{REPLICA_REPORT_PREFIX}{rank}.{os.urandom(4).hex()}"
 
 
 @dataclass(frozen=True)
@@ -285,10 +288,13 @@ def check_no_clash(durable: Storage, step: int, names: Iterable[str], commit: Lo
         )
 
 
-def write_report(durable: Storage, step: int, rank: int, entries: Mapping[str, FileEntry]) -> None:
-    """Tell the coordinator what this rank uploaded for ``step``."""
+def write_report(durable: Storage, step: int, rank: int, entries: Mapping[str, FileEntry]) -> str:
+    """Tell the coordinator what this rank uploaded for ``step``; returns the
+    report's path (the coordinator removes it once the replica is committed)."""
     blob = json.dumps({"files": dict(sorted(entries.items()))}, separators=(",", ":")).encode()
-    durable.put(f"{step_dir(step)}/{report_name(rank)}", blob)
+    path = f"{step_dir(step)}/{report_name(rank)}"
+    durable.put(path, blob)
+    return path
 
 
 def _read_reports(durable: Storage, step: int) -> tuple[dict[str, FileEntry], dict[str, int], list[str]]:
@@ -370,33 +376,24 @@ def commit_replica(
         log.warning("could not remove leftovers beside the replica %s: %s", durable.describe(prefix), e)
 
 
-@contextlib.contextmanager
-def keep_alive(durable: Storage, step: int) -> Iterator[None]:
-    """An alive file in the durable ``step`` (:mod:`dcpstore.format.inflight`),
-    rewritten every ``REFRESH_S`` while the block runs and removed after it,
-    either way: ``dcpstore gc`` keeps a replication in progress, and may
-    collect what a failed or killed one left."""
-    replica_id = os.urandom(8).hex()
-    name = f"{step_dir(step)}/{inflight.alive_name(replica_id)}"
-    blob = inflight.encode_alive(replica_id, inflight.Owner.current())
-    durable.put(name, blob)
-    stop = threading.Event()
+def replica_lease(durable: Storage, step: int) -> Lease:
+    """Every rank, before its first upload of ``step``: its lease in the
+    durable step directory (:mod:`dcpstore.dcp.lease`), so that ``dcpstore
+    gc`` keeps the replication in progress and may collect what a failed
+    or killed one left. The coordinator ends it after the commit; another
+    rank's lingers until it sees the commit (:func:`replica_taken_over`)."""
+    return Lease(durable, step_dir(step))
 
-    def refresh() -> None:
-        while not stop.wait(inflight.REFRESH_S):
-            try:
-                durable.put(name, blob)
-            except CheckpointError as e:
-                log.debug("could not refresh %s: %s", durable.describe(name), e)
 
-    thread = threading.Thread(target=refresh, name="dcpstore-replica-alive", daemon=True)
-    thread.start()
+def replica_taken_over(durable: Storage, step: int, report: str, commit: LocalCommit | None) -> bool:
+    """Whether another rank's uploads of ``step`` no longer need its lease:
+    its ``report`` is gone (the coordinator's commit removes the reports;
+    retention, or a later overwrite's commit, the whole step), or the
+    durable tier holds ``commit`` (None: any commit) of the step."""
+    if not durable.exists(report):
+        return True
     try:
-        yield
-    finally:
-        stop.set()
-        thread.join()
-        try:
-            durable.delete([name])
-        except CheckpointError as e:
-            log.debug("could not remove %s: %s", durable.describe(name), e)
+        blob = read_capped(durable, f"{step_dir(step)}/{METADATA}", METADATA_LIMIT)
+    except StorageNotFound:
+        return False
+    return commit is None or blob == commit.metadata_blob

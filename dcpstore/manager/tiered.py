@@ -55,6 +55,9 @@ Which rank does what (every rank constructs the manager alike):
   (a lost node, not yet replicated) gives way to the next older one. A fresh
   node with an empty ``local_dir`` thus resumes from the durable tier; DCP
   resharding works from either, since every rank reads one whole checkpoint.
+* **gc**: every writer of a step directory holds a lease there
+  (:mod:`.leases`), so ``dcpstore gc`` on either tier never takes a step
+  in progress.
 * **Errors**: a failed replication is logged when it happens and raised
   from the next :meth:`wait` or :meth:`close`; saves keep committing locally.
   ``close()`` waits for the queue at most ``replicate_timeout_s``.
@@ -78,17 +81,19 @@ from typing import Any
 import torch.distributed as dist
 
 from ..errors import CheckpointError, InvalidArgument, SaveError
-from ..format.layout import INFLIGHT, METADATA
+from ..format.layout import METADATA
 from ..handle import SaveHandle
 from ..storage import Storage, join_uri
+from .leases import TierLeases
 from .nodes import NodeSync, put_marker, reads_locally, share_commit
 from .replicate import (
     LocalCommit,
     check_no_clash,
     commit_replica,
-    keep_alive,
     needs_replication,
     read_local_commit,
+    replica_lease,
+    replica_taken_over,
     upload_files,
     whole_local_steps,
     write_report,
@@ -160,6 +165,8 @@ class TieredRoots:
         #: Durable steps as of construction, plus those replicated since: what
         #: ``save`` checks (no object-store round trip while the caller waits).
         self._durable_known: set[int] = set()
+        #: Markers' and lingering replica leases; what failed replications left undone.
+        self._leases = TierLeases()
         try:
             self._sync = NodeSync.open(self._local, group, self._rank)  # collective (torch.distributed)
             self._nodes = self._sync.nodes
@@ -263,7 +270,7 @@ class TieredRoots:
             self.wait(self._timeout_s)
             prefix = step_dir(step)
             if any(True for _ in self._durable.list(f"{prefix}/")):
-                self._local.put(f"{prefix}/{INFLIGHT}", b"")
+                self._leases.hold_marker(step, put_marker(self._local, step, os.urandom(8).hex()))
         return None
 
     def _before_node_save(self, step: int, overwrite: bool) -> str:
@@ -278,7 +285,9 @@ class TieredRoots:
         save_id = self._sync.save_id(step)
         if self._leader:
             try:
-                put_marker(self._local, step, save_id)
+                lease = put_marker(self._local, step, save_id)
+                if lease is not None:
+                    self._leases.hold_marker(step, lease)
             except CheckpointError as e:  # the node's ranks then fail the save together, through DCP
                 log.error("could not put the in-flight marker of step %d under %s: %s", step, self.local_uri, e)
         return save_id
@@ -287,7 +296,10 @@ class TieredRoots:
         """Queue ``step`` for replication as soon as its local save commits."""
 
         def done(h: SaveHandle) -> None:
-            if h.exception() is None:
+            failed = h.exception() is not None
+            if failed or not self._nodes.node_local or self._coordinator:
+                self._leases.end_marker(step)  # the save committed this directory's copy, or failed
+            if not failed:
                 self._submit(_Job(step, h.result().files))
 
         handle.add_done_callback(done)
@@ -344,12 +356,14 @@ class TieredRoots:
                     self._cond.wait()
                 job = self._queue.popleft()
                 self._busy = True
+            self._leases.leftovers.retry()
             try:
                 self._replicate(job)
             except BaseException as e:  # kept for wait()/close(); the thread goes on
                 log.error("replicating step %d to %s failed: %s", job.step, self.uri, e)
                 with self._cond:
                     self._errors.append(e)
+            self._leases.keep_unfinished((self._durable, self._local))
             if self._leader and self._local_keep is not None:
                 self._retire_local(job.step)
 
@@ -363,7 +377,10 @@ class TieredRoots:
                     mine = read_local_commit(self._local, job.step)
                 except CheckpointError as e:  # every rank still joins the broadcast, and fails alike
                     log.error("could not read the local commit of step %d: %s", job.step, e)
-            shared = share_commit(self._sync, self._local, job.step, self._rank, mine, job.files is None)
+            try:
+                shared = share_commit(self._sync, self._local, job.step, self._rank, mine, job.files is None)
+            finally:
+                self._leases.end_marker(job.step)  # the node's copy is committed now (or cannot be)
             if shared is None:
                 return
             commit, files = shared[0], job.files if job.files is not None else shared[1]
@@ -381,13 +398,24 @@ class TieredRoots:
         if not self._coordinator:
             if not files:
                 return
-            own = upload_files(self._local, self._durable, job.step, files, expected, self._workers)
-            write_report(self._durable, job.step, self._rank, own)
+            lease = replica_lease(self._durable, job.step)
+            try:
+                own = upload_files(self._local, self._durable, job.step, files, expected, self._workers)
+                report = write_report(self._durable, job.step, self._rank, own)
+            except BaseException:
+                lease.stop()
+                raise
+            # Its files need the lease until the coordinator commits them (or gives up).
+            lease.linger(lambda: replica_taken_over(self._durable, job.step, report, commit), started + self._timeout_s)
+            self._leases.linger(lease)
             self._durable_known.add(job.step)  # the coordinator commits it (or wait() raises there)
             return
-        with keep_alive(self._durable, job.step):
+        lease = replica_lease(self._durable, job.step)
+        try:
             own = upload_files(self._local, self._durable, job.step, files, expected, self._workers)
             commit_replica(self._local, self._durable, job.step, own, started + self._timeout_s)
+        finally:
+            lease.stop()
         self._durable_known.add(job.step)
         log.info("step %d replicated to %s in %.2f s", job.step, self.uri, time.monotonic() - started)
         write_pointer(self._durable, job.step)
@@ -474,8 +502,10 @@ class TieredRoots:
                 self._cond.wait(left)
 
     def close(self) -> None:
-        """Finish the queued replications (at most ``replicate_timeout_s``),
-        then release both storages."""
+        """Finish the queued replications (at most ``replicate_timeout_s``;
+        on other ranks than the coordinator, until it committed the steps
+        they uploaded: their files need their lease until then, see
+        :func:`~.replicate.replica_lease`), then release both storages."""
         try:
             self.wait(self._timeout_s)
         finally:
@@ -483,6 +513,7 @@ class TieredRoots:
                 self._closed = True
                 idle = not (self._busy or self._queue)
                 self._cond.notify_all()
+            self._leases.close((self._durable, self._local))
             if idle:
                 self._durable.close()
                 self._local.close()

@@ -6,7 +6,9 @@ the backend kit that every backend builds on so that nothing is written
 twice (:mod:`.buffered`: the object writer with position, ``tell`` and part
 buffering; :mod:`.kit`: shared helpers and error mapping for built-in
 exceptions; :mod:`.codes`: the one S3 error-code table; :mod:`.secrets`:
-the one scrubber that keeps credentials out of every message), and one module per
+the one scrubber that keeps credentials out of every message; :mod:`.overlap`:
+whether two roots are one directory; :mod:`.pending`: what writes leave
+behind), and one module per
 backend: :mod:`.local`, :mod:`.s3` (with :mod:`.s3_client` and
 :mod:`.s3_upload`), :mod:`.msc`, :mod:`.fsspec`.
 
@@ -18,12 +20,14 @@ modules, which the registry imports on first use. Nothing else of dcpstore.
 """
 
 from .base import MiB, ObjectInfo, ObjectWriter, Storage, StorageOptions
+from .pending import IncompleteWrite
 from .registry import BACKENDS, BackendSpec, backend_class, backend_name, open_storage
 from .uri import StorageURL, join_uri, parse_uri, redact
 
 __all__ = [
     "BACKENDS",
     "BackendSpec",
+    "IncompleteWrite",
     "MiB",
     "ObjectInfo",
     "ObjectWriter",

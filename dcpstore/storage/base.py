@@ -8,8 +8,9 @@ Paths are always *relative* to the storage root (the checkpoint URI) and use
 ``/`` as separator. Call order during a save, per rank::
 
     storage.makedirs()                       # once, before any write
-    with storage.open_write("__0_0.distcp") as w:   # one per data file
-        w.write(buf) ...                     # streamed, in order
+    with storage.open_write("__0_0.distcp", size_hint=n, batch_hint=total) as w:
+        w.write(buf) ...                     # one per data file, streamed, in order
+        w.seal()                             # optional: no more bytes; send the rest
     # leaving the block commits: the object becomes visible atomically and
     # durable (POSIX: fsync + rename + fsync dir; S3: complete the upload).
     # An exception inside the block aborts: nothing becomes visible.
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -51,6 +53,7 @@ from typing_extensions import NotRequired
 
 from ..errors import CheckpointError, InvalidArgument, ObjectTooLarge, StorageError, StorageNotFound
 from .kit import PIECE_SLACK, map_os_error
+from .pending import IncompleteWrite, Unfinished
 from .pool import RequestPool
 from .secrets import scrub_exception
 from .uri import StorageURL, redact
@@ -166,6 +169,50 @@ class StorageOptions:
             size = min(AUTO_PART_MAX, -(-(-(-nbytes // (count - 1))) // MiB) * MiB)
         return size
 
+    def transfer_pieces(self, nbytes: int, batch_hint: int | None = None) -> int:
+        """How many pieces (parts of an upload, ranges of a read) an
+        automatically sized transfer of ``nbytes`` is cut into, when it is
+        one of several that make a batch of ``batch_hint`` bytes in all (this
+        one included; ``None``: it is the only one).
+
+        The *batch*, not each transfer, is cut into about
+        :data:`UPLOAD_ROUNDS` x ``max_concurrency`` pieces: a rank writing
+        or reading few files still keeps its whole connection budget busy
+        (one transfer alone: up to twice the budget in pieces), and one
+        moving many makes no more requests than the budget needs. Each
+        piece between :data:`AUTO_PART_MIN` and :data:`AUTO_PART_MAX`; a
+        transfer under twice the minimum is one piece.
+
+        Returns:
+            The number of pieces, at least 1.
+        """
+        batch = max(batch_hint or 0, nbytes)
+        aim = min(AUTO_PART_MAX, max(AUTO_PART_MIN, -(-batch // (UPLOAD_ROUNDS * self.max_concurrency))))
+        return max(-(-nbytes // AUTO_PART_MAX), min(round(nbytes / aim), nbytes // AUTO_PART_MIN), 1)
+
+    def upload_part_size(self, size_hint: int | None, batch_hint: int | None = None) -> int:
+        """The part size of a multipart upload of an object of about
+        ``size_hint`` bytes in a batch of ``batch_hint`` (see
+        :meth:`transfer_pieces`).
+
+        ``part_size`` if set; :data:`AUTO_PART_UNKNOWN` for a stream of
+        unknown size. Automatic: ``size_hint`` over its
+        :meth:`transfer_pieces`, to the byte, so that the object goes up in
+        equal parts (its last one no larger, and not a sliver). One piece is
+        a single PUT (an object that outgrows its hint goes up in parts of at
+        least the minimum).
+
+        Returns:
+            The size in bytes.
+        """
+        if self.part_size is not None:
+            return self.part_size
+        if not size_hint:
+            return AUTO_PART_UNKNOWN
+        # One part is a single PUT up to the hint; past it (a hint too low)
+        # the object still goes up in parts S3 accepts (5 MiB or more).
+        return max(AUTO_PART_MIN, -(-size_hint // self.transfer_pieces(size_hint, batch_hint)))
+
 
 #: Most key prefixes a save may spread its data files over (3 hex digits).
 MAX_SPREAD_PREFIXES = 4096
@@ -177,6 +224,11 @@ AUTO_PIECES = 8
 AUTO_PART_MIN = 8 * MiB
 AUTO_PART_MAX = 64 * MiB
 AUTO_PART_UNKNOWN = 16 * MiB
+#: Rounds of the connection budget an upload batch is cut into (see
+#: StorageOptions.upload_part_size): two, so that at most half a rank's
+#: batch is buffered in parts at once, and a part that finishes early
+#: frees its connection for another.
+UPLOAD_ROUNDS = 2
 
 
 class ObjectInfo(TypedDict):
@@ -233,6 +285,15 @@ class ObjectWriter(abc.ABC):
         self._closed = True
         self._abort()
 
+    def seal(self) -> None:
+        """No byte follows the ones written: start sending what is still
+        buffered. The object still becomes visible only at :meth:`commit`
+        (and nothing of it if the writer is aborted). For a caller that has
+        something to check between its last write and the commit (a save's
+        ownership gate) and would otherwise hold the object's last part back
+        meanwhile. A write after it is refused. The default does nothing:
+        a backend that buffers nothing has nothing to send early."""
+
     # Writers are passed to torch.save, which probes these.
     def writable(self) -> bool:
         return True
@@ -276,6 +337,8 @@ class Storage(abc.ABC):
         #: (A wrapping Storage may set ``backend`` only after this returns.)
         name = getattr(self, "backend", type(self).__name__)
         self._requests = RequestPool(self.options.max_concurrency, f"dcpstore-{name}-io")
+        self._unfinished: list[Unfinished] = []
+        self._unfinished_lock = threading.Lock()
 
     @property
     def uri(self) -> str:
@@ -299,6 +362,24 @@ class Storage(abc.ABC):
     def describe(self, path: str = "") -> str:
         """A printable URI for ``path`` under this root, for messages."""
         return f"{self.uri.rstrip('/')}/{path}" if path else self.uri
+
+    def leave_unfinished(self, what: str, retry: Callable[[], object]) -> None:
+        """Record a clean-up that failed (an abort, a delete), for the owner
+        of the write to try again later (:meth:`take_unfinished`)."""
+        with self._unfinished_lock:
+            self._unfinished.append(Unfinished(what, retry))
+
+    def take_unfinished(self) -> list[Unfinished]:
+        """The clean-ups recorded since the last call (and forget them)."""
+        with self._unfinished_lock:
+            taken, self._unfinished = self._unfinished, []
+        return taken
+
+    def local_path(self) -> str | None:
+        """The directory of this machine's filesystem the root is, where it is
+        one (a local path, MSC's POSIX profiles, fsspec's local filesystem),
+        else None: what :func:`~dcpstore.storage.overlap.overlap` compares."""
+        return None
 
     # -- the backend kit -----------------------------------------------------
     def _relpath(self, path: str) -> str:
@@ -359,11 +440,16 @@ class Storage(abc.ABC):
 
     # -- writing -----------------------------------------------------------
     @abc.abstractmethod
-    def open_write(self, path: str, *, size_hint: int | None = None) -> ObjectWriter:
+    def open_write(self, path: str, *, size_hint: int | None = None, batch_hint: int | None = None) -> ObjectWriter:
         """Start writing the object ``path``; see :class:`ObjectWriter`.
 
         ``size_hint`` (the expected size, if known) lets object stores choose
-        between a single PUT and a multipart upload up front.
+        between a single PUT and a multipart upload up front; ``batch_hint``
+        (the expected bytes of every object the caller writes at the same
+        time as this one, this one included: a rank's data files) lets them
+        share the connection budget out over the batch's parts
+        (:meth:`StorageOptions.upload_part_size`). Backends that upload
+        nothing in parts ignore both.
         """
 
     def put(self, path: str, data: bytes | bytearray | memoryview, *, durable: bool = True) -> None:
@@ -389,10 +475,15 @@ class Storage(abc.ABC):
     def read_range(self, path: str, offset: int, length: int) -> bytes:
         """Read ``length`` bytes at ``offset``; fewer only if the object ends."""
 
-    def read_into(self, path: str, offset: int, buffers: Sequence[memoryview]) -> int:
+    def read_into(
+        self, path: str, offset: int, buffers: Sequence[memoryview], *, batch_hint: int | None = None
+    ) -> int:
         """Scatter-read: fill ``buffers`` (writable, contiguous byte views),
         in order, from the bytes at ``offset``; return how many arrived
-        (fewer only if the object ends).
+        (fewer only if the object ends). ``batch_hint``: the bytes of every
+        read the caller makes at about the same time, this one included (a
+        rank's load), which object stores share their connection budget out
+        over (:meth:`StorageOptions.transfer_pieces`; ``None``: this read alone).
 
         Loads read tensor bytes through this straight into the caller's
         tensors: one call covers a run of neighbouring tensors, with scratch
@@ -411,19 +502,53 @@ class Storage(abc.ABC):
                 break
         return pos
 
+    @abc.abstractmethod
     def read(self, path: str, *, limit: int | None = None) -> bytes:
-        """Read a whole object.
+        """Read a whole object: exactly one version of it, whole.
+
+        However often the object is replaced meanwhile (a load reads
+        ``.metadata`` while an overwrite commits its own), the bytes returned
+        are all of one version that ``path`` held: never the first bytes of
+        a newer version cut at an older one's size, never pieces of two.
+        (Asking the size and then reading that many bytes, in a second open
+        or request, is exactly what breaks this.) A backend reads from one
+        open file, in one request, or in ranges pinned to the version the
+        first one returned (:meth:`_read_one_version` is the kit's way).
 
         ``limit``: refuse an object of more than ``limit`` bytes before
-        reading any of it (:class:`~dcpstore.errors.ObjectTooLarge`), for
-        files whose size is not to be trusted. The object is read at most to
-        the size first seen (one that grows meanwhile is not read past it).
-        This default asks the size first; object stores learn it from their
-        first ranged GET instead (one round trip for a small object).
+        allocating or reading it (:class:`~dcpstore.errors.ObjectTooLarge`),
+        for files whose size is not to be trusted (a crafted sparse file must
+        cost no memory); the limit is checked against the size of the
+        version read, so no version larger than the limit is ever returned
+        or read whole.
         """
-        size = self.size(path)
-        self.check_limit(path, size, limit)
-        return self.read_range(path, 0, size) if size else b""
+
+    def _read_one_version(self, path: str, seen: int, limit: int | None, head: Callable[[int | None], bytes]) -> bytes:
+        """:meth:`read` for a backend whose every request returns bytes of one
+        version: ``head(n)`` gives the object's first ``n`` bytes (``None``:
+        all of it) in one request (``b""`` past the end), ``seen`` is its
+        size as just asked, already checked against ``limit``.
+
+        The first request asks one byte more than ``seen``: fewer back means
+        the object ended there, so they are all of one version (the one asked
+        about, or one that replaced it meanwhile and is no larger). All of
+        them back: a larger version replaced it between the size and the
+        read, and one more request asks for one byte past ``limit`` (no
+        limit: the whole object), which either ends within it or is refused.
+        Memory stays bounded by the version read (or ``limit`` + 1 bytes,
+        only when a larger version lands in that window).
+        """
+        data = head(seen + 1)
+        if len(data) <= seen:
+            return data
+        data = head(None if limit is None else limit + 1)
+        if limit is not None and len(data) > limit:
+            raise ObjectTooLarge(
+                f"{self.describe(path)}: more than the {limit} bytes read (replaced by a larger object while read)",
+                len(data),
+                limit,
+            )
+        return data
 
     def check_limit(self, path: str, size: int, limit: int | None) -> None:
         """Raise :class:`~dcpstore.errors.ObjectTooLarge` if ``size`` exceeds ``limit``."""
@@ -473,19 +598,30 @@ class Storage(abc.ABC):
     def delete(self, paths: Iterable[str]) -> None:
         """Delete objects; paths that do not exist are ignored."""
 
-    def list_incomplete(self) -> Iterator[str]:
-        """Leftovers of interrupted writes (temp files, open uploads).
+    def incomplete_writes(self) -> Sequence[IncompleteWrite]:
+        """Writes in progress and leftovers of interrupted ones (temp files,
+        open uploads), with their age. Used by ``dcpstore gc``; the default
+        backend has none to report."""
+        return []
 
-        Used by ``dcpstore gc``; the default backend has none to report.
-        """
-        return iter(())
+    def list_incomplete(self) -> Iterator[str]:
+        """The paths of :meth:`incomplete_writes`."""
+        return iter([w.path for w in self.incomplete_writes()])
+
+    def remove_incomplete(self, writes: Iterable[IncompleteWrite], older_than_s: float = 0.0) -> int:
+        """Remove exactly ``writes`` (as :meth:`incomplete_writes` listed
+        them): never another write started since under the same path, and
+        (where the backend can tell) never one written to within
+        ``older_than_s`` seconds since it was listed. Returns how many were
+        removed; one already gone is not counted."""
+        return 0
 
     def cleanup_incomplete(self, older_than_s: float = 0.0) -> int:
-        """Remove leftovers of interrupted writes older than ``older_than_s``.
-
-        Returns how many were removed.
-        """
-        return 0
+        """Remove leftovers of interrupted writes older than ``older_than_s``
+        (of unknown age: only with ``older_than_s`` <= 0). Returns how many
+        were removed."""
+        old = [w for w in self.incomplete_writes() if (w.age_s is None and older_than_s <= 0) or (w.age_s or 0) >= older_than_s]
+        return self.remove_incomplete(old, older_than_s)
 
     def close(self) -> None:
         """Release clients, connections and the request pool. The storage is

@@ -20,7 +20,7 @@ Commit protocol (how an object becomes visible), chosen per filesystem:
   rename; ``memory://`` swaps one dict entry); on filesystems whose move is a
   copy plus delete, a reader sees either no object or the whole one, but the
   temporary may survive a crash. Temporary names are never listed;
-  ``list_incomplete`` / ``cleanup_incomplete`` (``dcpstore gc``) find them.
+  ``incomplete_writes`` / ``remove_incomplete`` (``dcpstore gc``) find them.
 
 Durability is whatever the filesystem provides on close (no fsync: local
 paths use the native local backend instead). ``.metadata`` is written last
@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -41,6 +41,7 @@ from fsspec.spec import AbstractBufferedFile
 
 from ..errors import BackendUnavailable, CheckpointError, StorageError, StorageNotFound
 from .base import ObjectInfo, ObjectWriter, Storage, StorageOptions
+from .pending import IncompleteWrite
 from .buffered import BufferedObjectWriter
 from .kit import LocalRoot, library_text, map_os_error
 from .secrets import scrub_exception
@@ -83,6 +84,10 @@ class FsspecStorage(Storage):
         if self._local is not None:
             self._local.check_path(self._full(path), self.describe(path))
 
+    def local_path(self) -> str | None:
+        protocols = self.fs.protocol if isinstance(self.fs.protocol, (tuple, list)) else (self.fs.protocol,)
+        return str(self.fs._strip_protocol(self.root)) if {"file", "local"} & set(protocols) else None
+
     def _has_buffered_files(self) -> bool:
         if {"memory", "file", "local"} & set(self._protocols()):
             return False
@@ -101,7 +106,7 @@ class FsspecStorage(Storage):
         return stripped[len(root) + 1 :] if root else stripped.lstrip("/")
 
     # -- writing -------------------------------------------------------------
-    def open_write(self, path: str, *, size_hint: int | None = None) -> ObjectWriter:
+    def open_write(self, path: str, *, size_hint: int | None = None, batch_hint: int | None = None) -> ObjectWriter:
         full = self._full(path)
         what = f"cannot write {self.describe(path)}"
         if self.transactional:
@@ -134,10 +139,16 @@ class FsspecStorage(Storage):
             return bytes(self.fs.cat_file(full, start=offset, end=offset + length))
 
     def read(self, path: str, *, limit: int | None = None) -> bytes:
+        """The size, then one ``cat_file`` for the whole object, never a
+        ``cat_file`` cut at the size (see :meth:`Storage._read_one_version`):
+        one GET on s3fs, gcsfs and adlfs, a slice of one file's bytes on
+        ``memory://``. (A filesystem without a ``cat_file`` of its own reads
+        through fsspec's buffered file, whose blocks are separate requests.)"""
+        full = self._full(path)
         with self._mapped(f"cannot read {self.describe(path)}"):
             size = self.size(path)  # a directory is not an object; checks the path too
             self.check_limit(path, size, limit)
-            return bytes(self.fs.cat_file(self._full(path), start=0, end=size)) if size else b""
+            return self._read_one_version(path, size, limit, lambda n: bytes(self.fs.cat_file(full, start=0, end=n)))
 
     def size(self, path: str) -> int:
         self._check_inside(path)
@@ -169,22 +180,21 @@ class FsspecStorage(Storage):
             with self._mapped(f"cannot delete {self.describe(path)}"), contextlib.suppress(FileNotFoundError):
                 self.fs.rm_file(self._full(path))
 
-    def list_incomplete(self) -> Iterator[str]:
+    def incomplete_writes(self) -> Sequence[IncompleteWrite]:
+        now = time.time()
+        found = []
         for name, info in sorted(self._find("").items()):
             if info.get("type") == "file" and _is_tmp(name):
-                yield self._relative(name)
+                mtime = _mtime(info)
+                found.append(IncompleteWrite(self._relative(name), None if mtime is None else now - mtime))
+        return found
 
-    def cleanup_incomplete(self, older_than_s: float = 0.0) -> int:
-        now = time.time()
+    def remove_incomplete(self, writes: Iterable[IncompleteWrite], older_than_s: float = 0.0) -> int:
+        """Each temporary name is unique to its write."""
         removed = 0
-        for name, info in sorted(self._find("").items()):
-            if info.get("type") != "file" or not _is_tmp(name):
-                continue
-            mtime = _mtime(info)
-            if older_than_s > 0 and (mtime is None or now - mtime < older_than_s):
-                continue  # recent (or of unknown age): it may be a live write
+        for write in writes:
             with contextlib.suppress(FileNotFoundError):
-                self.fs.rm_file(name)
+                self.fs.rm_file(self._full(write.path))
                 removed += 1
         return removed
 

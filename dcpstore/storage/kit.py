@@ -41,7 +41,13 @@ def byte_ranges(offset: int, length: int, piece: int) -> list[tuple[int, int]]:
     """
     if length <= 0:
         return []
-    count = -(-length // (piece + piece // PIECE_SLACK))
+    return equal_ranges(offset, length, -(-length // (piece + piece // PIECE_SLACK)))
+
+
+def equal_ranges(offset: int, length: int, count: int) -> list[tuple[int, int]]:
+    """``(offset, length)`` of ``count`` consecutive pieces of equal size (to
+    a byte) covering ``length`` bytes at ``offset`` (fewer if there are fewer bytes)."""
+    count = max(1, min(count, length))
     size, bigger = divmod(length, count)
     ranges = []
     for i in range(count):

@@ -5,7 +5,7 @@ directory (``.<name>.dcpstore-tmp-<random>``), fsynced, renamed over its
 final name, and then the directory is fsynced so the rename itself is durable.
 A crash at any point leaves either the old state or the complete new object,
 plus at most a temporary file that is never listed and that
-:meth:`LocalStorage.cleanup_incomplete` (``dcpstore gc``) removes.
+``dcpstore gc`` removes (:meth:`LocalStorage.incomplete_writes`).
 
 Symbolic links: a file read resolves inside the root (the root itself may be
 reached through a link: it is resolved once), else
@@ -34,6 +34,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 from ..errors import StorageError, StorageNotFound
 from .base import ObjectInfo, ObjectWriter, Storage, StorageOptions
+from .pending import IncompleteWrite
 from .buffered import BufferedObjectWriter
 from .kit import LocalRoot, disk_workers, fsync_dir, library_detail, slice_buffers
 from .uri import StorageURL
@@ -51,6 +52,37 @@ def _is_tmp(name: str) -> bool:
     return name.startswith(".") and _TMP_MARK in name
 
 
+#: How often a write re-creates a directory that a concurrent delete removed.
+_MKDIR_TRIES = 5
+
+
+def _create(tmp: str) -> int:
+    """Create the temporary file ``tmp``. Deletes remove the directories they
+    empty (retention, ``dcpstore gc``): one may go between a save's
+    ``makedirs`` and its first file, so a missing directory is made again
+    (a few times: each needs another delete to empty it in between)."""
+    for attempt in range(_MKDIR_TRIES):
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        except FileNotFoundError:
+            if attempt == _MKDIR_TRIES - 1:
+                raise
+            _makedirs(os.path.dirname(tmp))
+    raise AssertionError("unreachable")
+
+
+def _makedirs(path: str) -> None:
+    """``os.makedirs(path, exist_ok=True)``, again if a directory on the way
+    was removed while it ran (see :func:`_create`)."""
+    for attempt in range(_MKDIR_TRIES):
+        try:
+            os.makedirs(path, exist_ok=True)
+            return
+        except FileNotFoundError:
+            if attempt == _MKDIR_TRIES - 1:
+                raise
+
+
 class _LocalWriter(BufferedObjectWriter):
     """Unbuffered: each write goes to the temporary file's descriptor."""
 
@@ -62,7 +94,7 @@ class _LocalWriter(BufferedObjectWriter):
         self._dir = directory
         self._tmp = os.path.join(directory, f".{name}{_TMP_MARK}{uuid.uuid4().hex[:12]}")
         with storage._mapped(self._what):
-            self._fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            self._fd = _create(self._tmp)
 
     def _write_part(self, part: bytes | bytearray | memoryview) -> None:
         view = memoryview(part)
@@ -106,11 +138,14 @@ class LocalStorage(Storage):
     def root(self) -> str:
         return self.url.path
 
+    def local_path(self) -> str:
+        return self.root
+
     def _full(self, path: str) -> str:
         path = self._relpath(path)
         return os.path.join(self.root, path) if path else self.root
 
-    def open_write(self, path: str, *, size_hint: int | None = None) -> ObjectWriter:
+    def open_write(self, path: str, *, size_hint: int | None = None, batch_hint: int | None = None) -> ObjectWriter:
         return self._writer(path, durable=True)
 
     def put(self, path: str, data: bytes | bytearray | memoryview, *, durable: bool = True) -> None:
@@ -131,7 +166,7 @@ class LocalStorage(Storage):
         with self._mapped(f"cannot create directory {self.describe(path)}"):
             if os.path.isfile(full):
                 raise StorageError(f"{self.describe(path)} is a file, not a directory")
-            os.makedirs(full, exist_ok=True)
+            _makedirs(full)
 
     def _open_file(self, path: str) -> int:
         """Open ``path`` for reading, refusing anything but a regular file
@@ -156,19 +191,27 @@ class LocalStorage(Storage):
         with self._mapped(f"cannot read {self.describe(path)}"):
             fd = self._open_file(path)
             try:
-                chunks = []
-                while length > 0:
-                    chunk = os.pread(fd, length, offset)  # releases the GIL
-                    if not chunk:
-                        break
-                    chunks.append(chunk)
-                    offset += len(chunk)
-                    length -= len(chunk)
+                return _pread(fd, offset, length)
             finally:
                 os.close(fd)
-        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
-    def read_into(self, path: str, offset: int, buffers: Sequence[memoryview]) -> int:
+    def read(self, path: str, *, limit: int | None = None) -> bytes:
+        """One open: the size (checked against ``limit`` before anything is
+        allocated) and the bytes both come from that file, so a rename over
+        ``path`` meanwhile changes neither (see :meth:`Storage.read`). A file
+        that grows meanwhile is read to the size first seen."""
+        with self._mapped(f"cannot read {self.describe(path)}"):
+            fd = self._open_file(path)
+            try:
+                size = os.fstat(fd).st_size
+                self.check_limit(path, size, limit)
+                return _pread(fd, 0, size)
+            finally:
+                os.close(fd)
+
+    def read_into(
+        self, path: str, offset: int, buffers: Sequence[memoryview], *, batch_hint: int | None = None
+    ) -> int:
         total = sum(b.nbytes for b in buffers)
         done = 0
         with self._mapped(f"cannot read {self.describe(path)}"):
@@ -285,21 +328,36 @@ class LocalStorage(Storage):
                     break
                 parent = os.path.dirname(parent)
 
-    def list_incomplete(self) -> Iterator[str]:
-        for path, _ in self._walk(""):
-            if _is_tmp(os.path.basename(path)):
-                yield path
-
-    def cleanup_incomplete(self, older_than_s: float = 0.0) -> int:
+    def incomplete_writes(self) -> Sequence[IncompleteWrite]:
+        """The temporary files under the root (never through a link), with
+        the time since each was last written to."""
         now = time.time()
+        return [IncompleteWrite(path, now - st.st_mtime) for path, st in self._walk("") if _is_tmp(os.path.basename(path))]
+
+    def remove_incomplete(self, writes: Iterable[IncompleteWrite], older_than_s: float = 0.0) -> int:
+        """Each temporary file's name is unique to its write; one written to
+        within ``older_than_s`` seconds (looked at again now) is kept."""
         removed = 0
-        for path, st in list(self._walk("")):
-            if not _is_tmp(os.path.basename(path)) or now - st.st_mtime < older_than_s:
-                continue
-            with self._mapped(f"cannot delete {self.describe(path)}"), contextlib.suppress(FileNotFoundError):
-                os.unlink(self._full(path))  # a link itself, never its target
-                removed += 1
+        for write in writes:
+            full = self._full(write.path)
+            with self._mapped(f"cannot delete {self.describe(write.path)}"), contextlib.suppress(FileNotFoundError):
+                if time.time() - os.lstat(full).st_mtime >= older_than_s:
+                    os.unlink(full)  # a link itself, never its target
+                    removed += 1
         return removed
+
+
+def _pread(fd: int, offset: int, length: int) -> bytes:
+    """``length`` bytes of ``fd`` at ``offset``; fewer only where the file ends."""
+    chunks = []
+    while length > 0:
+        chunk = os.pread(fd, length, offset)  # releases the GIL
+        if not chunk:
+            break
+        chunks.append(chunk)
+        offset += len(chunk)
+        length -= len(chunk)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def _opened_path(fd: int, full: str) -> str:

@@ -19,6 +19,10 @@ All I/O goes through MSC's client API (``open``, ``upload_file``, ``read``
 with a byte range, ``info``, ``list``, ``delete_many``); dcpstore adds only
 what its storage contract needs on top:
 
+Whole-object reads (``.metadata``, the manifest) are one GET each, never
+ranges: MSC's ``read`` neither reports nor pins the version it returned, so
+two ranges of an object replaced meanwhile could come from two versions.
+
 Commit protocol, object-store profiles (S3, GCS, ...): MSC's client has no
 streaming upload, so ``write`` spools the object (in memory up to
 :data:`SPOOL_MEMORY`, beyond that in a temporary file under ``TMPDIR``);
@@ -41,7 +45,7 @@ dcpstore calls the file's ``fsync()`` before that close and fsyncs the
 directory after it, which makes the rename durable like the local backend's.
 The temporary name is fixed per object, so two concurrent writers of the
 *same* object would collide (DCP never does that). ``.<name>.tmp`` files are
-hidden from :meth:`MSCStorage.list` and reported by ``list_incomplete``.
+hidden from :meth:`MSCStorage.list` and reported by ``incomplete_writes``.
 Symbolic links, POSIX profiles: a listing shows none and descends into no
 linked directory (so ``gc`` never deletes through one), and a file read must
 resolve inside the root, as on the local backend
@@ -68,7 +72,7 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import IO, Any
 
 import multistorageclient as msc
@@ -77,6 +81,7 @@ from multistorageclient.types import Range
 
 from ..errors import CheckpointError, InvalidURI, StorageError, StorageNotFound, StoragePermissionError
 from .base import MiB, ObjectInfo, ObjectWriter, Storage, StorageOptions
+from .pending import IncompleteWrite
 from .buffered import BufferedObjectWriter
 from .codes import Meaning, code_in_text, meaning
 from .kit import (
@@ -233,6 +238,9 @@ class MSCStorage(Storage):
     def is_posix(self) -> bool:
         return self.posix_root is not None
 
+    def local_path(self) -> str | None:
+        return str(self.posix_root) if self.posix_root is not None else None
+
     def default_workers(self) -> int:
         """A POSIX profile is a disk (see :func:`~dcpstore.storage.kit.disk_workers`);
         any other profile an object store (see :meth:`Storage.default_workers`)."""
@@ -267,7 +275,7 @@ class MSCStorage(Storage):
         return map_os_error(e, what)
 
     # -- writing -------------------------------------------------------------
-    def open_write(self, path: str, *, size_hint: int | None = None) -> ObjectWriter:
+    def open_write(self, path: str, *, size_hint: int | None = None, batch_hint: int | None = None) -> ObjectWriter:
         what = f"cannot write {self.describe(path)}"
         if self.is_posix:
             with self._mapped(what):
@@ -291,8 +299,11 @@ class MSCStorage(Storage):
                 os.makedirs(target, exist_ok=True)
 
     # -- reading -------------------------------------------------------------
-    def _read_one(self, full: str, offset: int, length: int) -> bytes:
+    def _read_one(self, full: str, offset: int, length: int | None) -> bytes:
+        """One GET of ``length`` bytes at ``offset`` (``None``: the whole object)."""
         try:
+            if length is None:
+                return bytes(self.client.read(full))
             return bytes(self.client.read(full, byte_range=Range(offset=offset, size=length)))
         except Exception as e:
             if meaning(*_client_error(e)) is Meaning.PAST_END:
@@ -313,6 +324,9 @@ class MSCStorage(Storage):
         return b"".join(chunks)
 
     def read(self, path: str, *, limit: int | None = None) -> bytes:
+        """The size, then one GET for the whole object (MSC's ``read`` neither
+        reports nor pins a version, so ranges of one object could be of two):
+        see :meth:`Storage._read_one_version`."""
         try:
             size = self.size(path)
         except (StorageNotFound, StoragePermissionError):
@@ -324,7 +338,9 @@ class MSCStorage(Storage):
                 self.client.read(self._full(path), byte_range=Range(offset=0, size=1))
             size = self.size(path)
         self.check_limit(path, size, limit)
-        return self.read_range(path, 0, size) if size else b""
+        full = self._full(path)
+        with self._mapped(f"cannot read {self.describe(path)}"):
+            return self._read_one_version(path, size, limit, lambda n: self._read_one(full, 0, n))
 
     def size(self, path: str) -> int:
         self._check_inside(path)
@@ -366,22 +382,29 @@ class MSCStorage(Storage):
         with self._mapped(f"cannot delete {len(full)} object(s) under {self.uri}"):
             self.client.delete_many(full)
 
-    def list_incomplete(self) -> Iterator[str]:
+    def incomplete_writes(self) -> Sequence[IncompleteWrite]:
         """POSIX profiles: MSC's ``.<name>.tmp`` files. Object profiles: none
         visible through MSC (see the module docstring)."""
         if not self.is_posix:
-            return
-        for obj in self._walk(""):
-            if _is_posix_tmp(obj.key):
-                yield self._relative(obj.key)
-
-    def cleanup_incomplete(self, older_than_s: float = 0.0) -> int:
+            return []
         now = time.time()
-        stale = [
-            self._relative(obj.key)
+        return [
+            IncompleteWrite(self._relative(obj.key), now - obj.last_modified.timestamp())
             for obj in self._walk("")
-            if self.is_posix and _is_posix_tmp(obj.key) and now - obj.last_modified.timestamp() >= older_than_s
+            if _is_posix_tmp(obj.key)
         ]
+
+    def remove_incomplete(self, writes: Iterable[IncompleteWrite], older_than_s: float = 0.0) -> int:
+        """A ``.<name>.tmp`` name is reused by every write of ``name``: each
+        is looked at again, and one written to within ``older_than_s`` kept."""
+        stale = []
+        for write in writes:
+            try:
+                info = self.client.info(self._full(write.path))
+            except Exception:  # gone (renamed into place, or removed): nothing to do
+                continue
+            if time.time() - info.last_modified.timestamp() >= older_than_s:
+                stale.append(write.path)
         self.delete(stale)
         return len(stale)
 

@@ -15,8 +15,8 @@ process dies between data and commit, the prefix holds data objects but no
 ``.metadata``: it is not a checkpoint, the next save to the same URI
 overwrites it (and deletes stale data files after its own commit), and
 ``dcpstore gc`` removes it. A crash in the middle of a multipart upload leaves
-an open upload that S3 never shows as an object; :meth:`S3Storage.list_incomplete`
-lists and :meth:`S3Storage.cleanup_incomplete` (``dcpstore gc``) aborts those
+an open upload that S3 never shows as an object; :meth:`S3Storage.incomplete_writes`
+lists and :meth:`S3Storage.remove_incomplete` (``dcpstore gc``) aborts those
 under the prefix (a bucket lifecycle rule ``AbortIncompleteMultipartUpload``
 does the same server-side).
 
@@ -43,8 +43,9 @@ from botocore.response import StreamingBody
 
 from ..errors import CheckpointError, StorageError, StorageNotFound
 from .base import ObjectInfo, ObjectWriter, Storage, StorageOptions
+from .pending import IncompleteWrite
 from .codes import Meaning, meaning
-from .kit import byte_ranges, slice_buffers
+from .kit import byte_ranges, equal_ranges, slice_buffers
 from .s3_client import client_error, map_code, map_error, s3_client
 from .s3_upload import S3Writer, checksum_args, sends_checksums
 from .secrets import scrub
@@ -132,6 +133,11 @@ def _readinto_full(body: Any, buffers: list[memoryview], expected: int) -> int:
     return done
 
 
+class _ObjectChanged(StorageError):
+    """A GET pinned to the ETag of an earlier one (``If-Match``) found the
+    object replaced: :meth:`S3Storage.read` reads it again."""
+
+
 class S3Storage(Storage):
     """A key prefix in an S3 (or S3-compatible) bucket."""
 
@@ -162,14 +168,17 @@ class S3Storage(Storage):
             return fn(**kwargs)
 
     # -- writing -------------------------------------------------------------
-    def open_write(self, path: str, *, size_hint: int | None = None) -> ObjectWriter:
-        # The first full part decides on multipart; size_hint only grows the
-        # part size for objects that would otherwise need > 10,000 parts.
-        return S3Writer(self, path, client=self.client, bucket=self.bucket, key=self.key(path), size_hint=size_hint)
+    def open_write(self, path: str, *, size_hint: int | None = None, batch_hint: int | None = None) -> ObjectWriter:
+        # The hints size the parts (and start the upload at once where the
+        # object will need several); the first full part decides on multipart.
+        return S3Writer(
+            self, path, client=self.client, bucket=self.bucket, key=self.key(path), size_hint=size_hint,
+            batch_hint=batch_hint,
+        )  # fmt: skip
 
     def put(self, path: str, data: bytes | bytearray | memoryview, *, durable: bool = True) -> None:
         nbytes = memoryview(data).nbytes
-        if nbytes < self.options.part_size_for(nbytes):
+        if nbytes < self.options.upload_part_size(nbytes):
             body = bytes(data)
             self.call(
                 f"cannot write {self.describe(path)}",
@@ -224,7 +233,7 @@ class S3Storage(Storage):
                 if found is Meaning.PAST_END:
                     return None
                 if found is Meaning.CHANGED:
-                    raise StorageError(f"{what}: the object changed while it was being read") from e
+                    raise _ObjectChanged(f"{what}: the object changed while it was being read") from e
                 raise self._error(e, what) from e
             total = _total_size(resp)
             if total is not None:
@@ -247,14 +256,21 @@ class S3Storage(Storage):
         chunks = self._in_parallel(lambda o, n: self._get(path, o, n)[0], byte_ranges(offset, length, piece))
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
-    def read_into(self, path: str, offset: int, buffers: Sequence[memoryview]) -> int:
+    def read_into(
+        self, path: str, offset: int, buffers: Sequence[memoryview], *, batch_hint: int | None = None
+    ) -> int:
         """Ranged GETs in parallel, each body read straight into its stretch
-        of ``buffers`` (no whole-object bytes in between)."""
+        of ``buffers`` (no whole-object bytes in between): ranges of
+        ``part_size`` if set, else equal ones, as many as
+        :meth:`StorageOptions.transfer_pieces` gives this read in its batch."""
         total = sum(b.nbytes for b in buffers)
         if total == 0:
             self.size(path)  # still report a missing object
             return 0
-        ranges = byte_ranges(0, total, self.options.part_size_for(total))
+        if self.options.part_size is not None:
+            ranges = byte_ranges(0, total, self.options.part_size)
+        else:
+            ranges = equal_ranges(0, total, self.options.transfer_pieces(total, batch_hint))
         counts = self._in_parallel(self._get_into, [(path, offset + o, slice_buffers(buffers, o, n)) for o, n in ranges])
         done = 0
         for (_, n), got in zip(ranges, counts):
@@ -266,7 +282,23 @@ class S3Storage(Storage):
     def read(self, path: str, *, limit: int | None = None) -> bytes:
         """Whole object: the first ranged GET also tells the size (no HEAD);
         one over ``limit`` is refused from that GET's headers, its body left
-        unread."""
+        unread. The ranges after it are pinned to its ETag (``If-Match``), so
+        all of them are of one version; should a replace land in between,
+        the read starts again (``max_attempts`` reads at most, within
+        ``op_timeout_s``), so that it returns the new version, whole."""
+        deadline = time.monotonic() + self.options.op_timeout_s
+        for attempt in range(1, self.options.max_attempts + 1):
+            try:
+                return self._read_pinned(path, limit)
+            except _ObjectChanged:
+                if attempt >= self.options.max_attempts or time.monotonic() > deadline:
+                    raise
+                log.debug("%s changed while it was being read; reading it again", self.describe(path))
+        raise AssertionError("unreachable")  # the loop returns or raises
+
+    def _read_pinned(self, path: str, limit: int | None) -> bytes:
+        """One try of :meth:`read`: :class:`_ObjectChanged` if the object is
+        replaced between its first GET and a later one."""
         ps = self.options.part_size_for(None)
         first_len = ps if limit is None else max(1, min(ps, limit))
 
@@ -282,7 +314,7 @@ class S3Storage(Storage):
         if not resp:  # 416: an empty object (or none at all)
             if self.size(path) == 0:
                 return b""
-            return self.read(path, limit=limit)  # it was written meanwhile
+            return self._read_pinned(path, limit)  # it was written meanwhile
         total = _total_size(resp) or len(first)
         if total <= len(first):
             return first
@@ -362,27 +394,30 @@ class S3Storage(Storage):
             for page in paginator.paginate(Bucket=self.bucket, Prefix=s3_prefix):
                 yield from page.get("Uploads", [])
 
-    def list_incomplete(self) -> Iterator[str]:
-        """Keys (relative) with an open multipart upload: interrupted writes."""
-        for upload in self._open_uploads():
-            yield self._relative(upload["Key"])
-
-    def cleanup_incomplete(self, older_than_s: float = 0.0) -> int:
-        """Abort open multipart uploads under the prefix started ``older_than_s`` ago or earlier."""
+    def incomplete_writes(self) -> Sequence[IncompleteWrite]:
+        """Open multipart uploads under the prefix (interrupted writes, or
+        writes in progress), each with its upload id and the time since it
+        was started."""
         now = time.time()
-        removed = 0
-        for upload in list(self._open_uploads()):
+        found = []
+        for upload in self._open_uploads():
             initiated = upload.get("Initiated")
-            age = now - initiated.timestamp() if initiated is not None else float("inf")
-            if age < older_than_s:
-                continue
+            age = now - initiated.timestamp() if initiated is not None else None
+            found.append(IncompleteWrite(self._relative(upload["Key"]), age, str(upload["UploadId"])))
+        return found
+
+    def remove_incomplete(self, writes: Iterable[IncompleteWrite], older_than_s: float = 0.0) -> int:
+        """Abort each upload by its id (one already completed or aborted is
+        not counted)."""
+        removed = 0
+        for write in writes:
             with contextlib.suppress(StorageNotFound):
                 self.call(
-                    f"cannot abort multipart upload of {self.describe(self._relative(upload['Key']))}",
+                    f"cannot abort multipart upload of {self.describe(write.path)}",
                     self.client.abort_multipart_upload,
                     Bucket=self.bucket,
-                    Key=upload["Key"],
-                    UploadId=upload["UploadId"],
+                    Key=self.key(write.path),
+                    UploadId=write.key,
                 )
                 removed += 1
         return removed

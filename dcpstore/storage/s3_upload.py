@@ -2,24 +2,33 @@
 
 :class:`S3Writer` is a :class:`~dcpstore.storage.buffered.BufferedObjectWriter`
 with a part size, so the base gathers the bytes into parts
-(``StorageOptions.part_size_for`` the size hint: by default about
-``max_concurrency`` parts of 8-64 MiB per object, so one object keeps that
-many connections busy) and this module moves them::
+(``StorageOptions.upload_part_size`` of the size and batch hints: the
+caller's whole batch -- a rank's data files -- in about two rounds of its
+connection budget, each object in equal parts of 8-64 MiB, so that one
+file alone still keeps every connection busy) and this module moves them::
 
-    _write_part   the first full part starts a multipart upload; every full
-                  part goes to the storage's request pool, the connection
-                  budget that all of the rank's objects share (at most
-                  ``max_concurrency`` parts buffered or in flight per
-                  storage: a writer that gets ahead waits). A failed part
-                  fails the next ``write`` (fail fast). While the object is
-                  smaller than one part nothing is sent.
+    open          an object expected to take more than one part starts its
+                  multipart upload at once, on the storage's request pool,
+                  while the first part is still being gathered.
+    _write_part   every full part goes to the storage's request pool, the
+                  connection budget that all of the rank's objects share
+                  (at most ``max_concurrency`` parts buffered or in flight
+                  per storage: a writer that gets ahead waits). A failed
+                  part fails the next ``write`` (fail fast). While the
+                  object is smaller than one part nothing is sent.
+    _seal         (optional) the last, partial part goes too, before the
+                  commit: a caller that checks something first (the save's
+                  ownership gate) does not hold it back meanwhile.
     _publish      small object: one ``PutObject``. Multipart: upload the
-                  tail, wait for every part, ``CompleteMultipartUpload``. The
-                  object becomes visible atomically, and only here.
+                  tail (unless sealed), wait for every part,
+                  ``CompleteMultipartUpload``. The object becomes visible
+                  atomically, and only here.
     _discard      (an exception inside the ``with`` block, or a failed
                   commit) cancel this object's queued parts, wait for those in
                   flight, then ``AbortMultipartUpload``: no parts are left
-                  behind.
+                  behind. An abort that fails too (the endpoint is down) is
+                  left with the storage (``Storage.leave_unfinished``) for
+                  the saver to try again.
 
 Integrity in transit: where the client is configured to send checksums
 (botocore's ``request_checksum_calculation``, ``when_supported`` unless
@@ -35,6 +44,7 @@ the CPU.
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import logging
 from collections.abc import Callable
@@ -45,6 +55,7 @@ import crc32c
 
 from ..errors import CheckpointError, StorageError, StorageNotFound
 from .base import MiB, Storage
+from .pending import IncompleteWrite
 from .buffered import BufferedObjectWriter
 
 T = TypeVar("T")
@@ -78,8 +89,11 @@ def _part_size_for(part_size: int, size_hint: int | None) -> int:
 class S3Writer(BufferedObjectWriter):
     """Streams one object; see the module docstring for the protocol."""
 
-    def __init__(self, storage: Storage, path: str, *, client: Any, bucket: str, key: str, size_hint: int | None) -> None:
-        part_size = _part_size_for(storage.options.part_size_for(size_hint), size_hint)
+    def __init__(
+        self, storage: Storage, path: str, *, client: Any, bucket: str, key: str, size_hint: int | None,
+        batch_hint: int | None = None,
+    ) -> None:  # fmt: skip
+        part_size = _part_size_for(storage.options.upload_part_size(size_hint, batch_hint), size_hint)
         super().__init__(storage, path, part_size)
         self._client = client
         self._bucket = bucket
@@ -92,6 +106,11 @@ class S3Writer(BufferedObjectWriter):
         self._next_part = 1
         self._inflight: set[Future[dict[str, Any]]] = set()
         self._parts: dict[int, dict[str, Any]] = {}
+        # An object the hint says needs parts starts its upload now, so that
+        # the round trip overlaps gathering the first part.
+        self._creating: Future[str] | None = None
+        if size_hint and size_hint > part_size:
+            self._creating = self._requests.submit_buffered(self._create)
 
     def _call(self, what: str, fn: Callable[..., T], **kwargs: Any) -> T:
         """One request about this object, its errors mapped by the storage."""
@@ -103,7 +122,7 @@ class S3Writer(BufferedObjectWriter):
         """Hand one full part to the storage's request pool (waiting while the
         storage has ``max_concurrency`` parts buffered or in flight)."""
         if self._upload_id is None:
-            self._start()
+            self._upload_id = self._created()
         if self._next_part > _MAX_PARTS:
             raise StorageError(
                 f"{self._what}: more than {_MAX_PARTS} parts of {self._part_bytes} bytes "
@@ -114,12 +133,18 @@ class S3Writer(BufferedObjectWriter):
         self._next_part += 1
         self._inflight.add(self._requests.submit_buffered(self._upload_part, number, part))
 
-    def _start(self) -> None:
+    def _create(self) -> str:
+        """Start the multipart upload; its id."""
         algorithm = {"ChecksumAlgorithm": "CRC32C"} if self._checksums else {}
         resp = self._call(
             f"cannot start multipart upload of {self._where}", self._client.create_multipart_upload, **algorithm
         )
-        self._upload_id = resp["UploadId"]
+        return str(resp["UploadId"])
+
+    def _created(self) -> str:
+        """The upload's id: the one started at open, else one started now."""
+        creating, self._creating = self._creating, None
+        return creating.result() if creating is not None else self._create()
 
     def _upload_part(self, number: int, body: bytes | bytearray | memoryview) -> dict[str, Any]:
         """Upload one part (on a pool thread); its entry for ``CompleteMultipartUpload``."""
@@ -132,6 +157,7 @@ class S3Writer(BufferedObjectWriter):
             Body=body,
             **checksum,
         )
+        self._recycle(body)  # sent and answered: nothing reads it any more (a failed part's buffer is dropped)
         return {"PartNumber": number, "ETag": resp["ETag"], **checksum}
 
     def _harvest(self, *, wait_all: bool) -> None:
@@ -145,11 +171,20 @@ class S3Writer(BufferedObjectWriter):
             part = fut.result()
             self._parts[part["PartNumber"]] = part
 
-    # -- commit / abort ------------------------------------------------------
+    # -- seal / commit / abort -----------------------------------------------
+    def _multipart(self) -> bool:
+        return self._upload_id is not None or self._creating is not None
+
+    def _seal(self, tail: bytearray) -> bytearray:
+        if tail and self._multipart():
+            self._write_part(tail)  # the last part: any size S3 allows
+            return bytearray()
+        return tail  # a single PUT makes the object visible: it waits for the commit
+
     def _publish(self, tail: bytearray) -> None:
-        if self._upload_id is None:
-            body = bytes(tail)
-            self._call(self._what, self._client.put_object, Body=body, **(checksum_args(body) if self._checksums else {}))
+        if not self._multipart() or (self._upload_id is None and not tail):
+            self._drop_creating()  # the hint was too high: one PUT after all
+            self._call(self._what, self._client.put_object, Body=tail, **(checksum_args(tail) if self._checksums else {}))
             return
         if tail:
             self._write_part(tail)
@@ -181,6 +216,11 @@ class S3Writer(BufferedObjectWriter):
             return False
         return str(head.get("ETag", "")).strip('"') == expected
 
+    def _drop_creating(self) -> None:
+        """Abort the upload started at open that is not going to be used."""
+        if self._creating is not None:
+            self._discard()
+
     def _discard(self) -> None:
         # Parts still uploading could land after the abort and survive it:
         # drop the queued ones, let the others finish (or fail) first.
@@ -188,6 +228,11 @@ class S3Writer(BufferedObjectWriter):
             fut.cancel()
         wait(self._inflight)
         self._inflight.clear()
+        creating, self._creating = self._creating, None
+        if creating is not None and self._upload_id is None:
+            wait([creating])  # started at open: it may have created an upload
+            if creating.exception() is None:
+                self._upload_id = creating.result()
         if self._upload_id is None:
             return
         upload_id, self._upload_id = self._upload_id, None
@@ -199,7 +244,12 @@ class S3Writer(BufferedObjectWriter):
             pass  # already gone
         except CheckpointError as e:
             log.warning(
-                "%s; its parts stay until 'dcpstore gc %s' or a bucket lifecycle rule removes them",
+                "%s; the upload stays open: the saver that wrote it tries again later (its next save, close() and "
+                "exit), and 'dcpstore gc %s' or a bucket lifecycle rule removes it",
                 e,
                 self._storage.uri,
+            )
+            abort = IncompleteWrite(self._path, None, upload_id)
+            self._storage.leave_unfinished(
+                f"abort the multipart upload of {self._where}", functools.partial(self._storage.remove_incomplete, [abort])
             )
