@@ -203,9 +203,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def _bench_interference(args: argparse.Namespace, bench: Any, report: Any) -> int:
     """``dcpstore bench URI --interference``: one async save per engine beside a training step."""
-    engines = ("native", "nvrx") if args.engine == "auto" else (args.engine,)
+    engines = {} if args.engine == "auto" else {"engines": (args.engine,)}  # auto: every engine
     text, results = bench.interference(
-        args.uri, size=parse_size(args.size), tensors=args.tensors, repeat=args.repeat, engines=engines,
+        args.uri, size=parse_size(args.size), tensors=args.tensors, repeat=args.repeat, **engines,
         enable_msc=args.enable_msc, progress=not args.quiet,
     )  # fmt: skip
     interference = _needs_torch("bench.interference")
@@ -275,7 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "worker count; s3://: raw boto3 over 1-32 connections and 8-64 MiB parts) and show every "
                         "row's save and load speed over the best limit")
     p.add_argument("--interference", action="store_true",
-                   help="instead: what one async save per engine (native, nvrx; --engine picks one) costs a "
+                   help="instead: what one async save per engine (native, nvrx, process; --engine picks one) costs a "
                         "training step of fixed work running beside it: lost step-seconds, peak step inflation, "
                         "CPU and (with py-spy installed) GIL seconds per GB of the save's threads")
     p.add_argument("--json", metavar="FILE", help="write every measurement as JSON records")
