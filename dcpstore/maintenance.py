@@ -18,14 +18,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import crc32c
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
 
 from .dcp.commit import read_checkpoint_metadata
+from .dcp.item_checks import ItemChecks, item_label
 from .errors import CheckpointCorrupt, CheckpointNotFound, StorageNotFound, UnsafeCheckpoint
 from .format.layout import is_data_file, item_key
-from .format.manifest import Manifest
-from .format.record import item_tensor
-from .format.safe_pickle import check_record_end, load_object
+from .format.manifest import Manifest, commit_files
+from .format.record_zip import RecordBytes
 from .listing import CheckpointEntry, GcReport, gc, list_checkpoints
 from .storage import MiB, Storage
 
@@ -108,28 +109,28 @@ class VerifyReport:
         return not (self.problems or self.refused)
 
 
-#: (offset, length, label) of one stored item within its file.
-_Span = tuple[int, int, str]
-
-
 def verify_checkpoint(storage: Storage, progress: Callable[[int], Any] | None = None) -> VerifyReport:
     """Check everything ``dcpstore.load`` checks, reading every byte: OK
-    exactly when a load with default arguments would get every item past
-    its checks.
+    exactly when a load with default arguments of the whole checkpoint would
+    pass, because it runs the load's own checks.
 
     That is: ``.metadata`` and the manifest (capped reads, schema, CRC, the
-    restricted unpickle, every stored item listed and inside its file); each
-    data file's size and CRC32C, and each item's CRC32C, in one pass per
-    file; each non-tensor item through the restricted loader (nothing is
-    executed; a class off the allowlist is a problem naming it). Problems
-    are collected (not raised) so one run reports all damage; a checkpoint
-    that does not exist raises :class:`CheckpointNotFound`.
+    restricted unpickle, every stored item listed and inside its file, the
+    chunks tiling each tensor: :func:`read_checkpoint_metadata`); each data
+    file's size and CRC32C, and each item's CRC32C, in one pass per file;
+    and each item as a load takes it (:class:`~dcpstore.dcp.item_checks.ItemChecks`):
+    a tensor whose bytes a load reads straight into its destination, the
+    manifest's location of them proven from its record; any other tensor
+    decoded as a load decodes it, of the declared dtype and shape; each
+    non-tensor item through the restricted loader (nothing is executed; a
+    class off the allowlist is a problem naming it). Stream transforms are
+    undone with the default registry, as a default load does. Problems are
+    collected (not raised) so one run reports all damage; a checkpoint that
+    does not exist raises :class:`CheckpointNotFound`.
 
     A checkpoint without a manifest (written by stock ``dcp.save``) has no
     checksums to compare with: there, every item must lie inside its file
-    and decode (tensors as ``torch.load(weights_only=True)`` reads them, with
-    the dtype and shape ``.metadata`` declares; other items through the
-    restricted loader), and the report says ``checksums=False``.
+    and pass the same item checks, and the report says ``checksums=False``.
     """
     report = VerifyReport(storage.uri)
     try:
@@ -142,141 +143,168 @@ def verify_checkpoint(storage: Storage, progress: Callable[[int], Any] | None = 
     except UnsafeCheckpoint as e:
         report.refused.append(str(e))
         return report
-    if manifest is None:
-        report.checksums = False
-        _verify_without_checksums(storage, metadata, report, progress)
-        return report
-    spans: dict[str, list[_Span]] = {}
-    objects: list[tuple[str, int, int, str]] = []
+    report.checksums = manifest is not None
+    checks = ItemChecks(metadata, storage)
+    items: dict[str, list[_Item]] = {}
     for index, info in metadata.storage_data.items():
-        label = index.fqn if index.offset is None else f"{index.fqn} chunk at {list(index.offset)}"
-        if info.transform_descriptors:
-            report.problems.append(
-                f"{storage.describe(info.relative_path)}: item {label} uses DCP stream extensions "
-                f"{list(info.transform_descriptors)}, which dcpstore does not read"
-            )
-        spans.setdefault(info.relative_path, []).append((info.offset, info.length, label))
-        if isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
-            objects.append((info.relative_path, info.offset, info.length, repr(index.fqn)))
-    for name, entry in sorted(manifest["files"].items()):
-        try:
-            problems = _verify_file(storage, manifest, name, sorted(spans.get(name, [])), progress)
-        except UnsafeCheckpoint as e:  # a file a load does not read (a link out of the checkpoint)
-            report.refused.append(str(e))
-            continue
-        report.files_checked += 1
-        report.bytes_checked += entry["size"]
-        report.problems += problems
-    if report.ok:  # the bytes are as saved: now what they hold
-        for path, offset, length, item in objects:
-            try:
-                check_record_end(storage, path, offset, length, item)
-                load_object(storage.read_range(path, offset, length), f"checkpoint item {item}")
-            except CheckpointCorrupt as e:
-                report.problems.append(str(e))
-            except UnsafeCheckpoint as e:
-                report.refused.append(str(e))
+        items.setdefault(info.relative_path, []).append(_Item(index, info))
+    for name in commit_files(manifest, items):  # a caller's own files of the commit: size and CRC32C
+        items[name] = []
+    for name in sorted(items):
+        _FileCheck(storage, manifest, name, checks, report, progress).run(sorted(items[name], key=_Item.offset))
     return report
 
 
-def _verify_without_checksums(
-    storage: Storage, metadata: Metadata, report: VerifyReport, progress: Callable[[int], Any] | None
-) -> None:
-    """A stock DCP checkpoint: every data file there, every item inside its
-    file, and every item decoded as a load would (see :func:`verify_checkpoint`)."""
-    by_file: dict[str, list[tuple[int, int, str, Any]]] = {}
-    for index, info in metadata.storage_data.items():
-        label = repr(index.fqn) if index.offset is None else f"{index.fqn!r} chunk at {list(index.offset)}"
-        by_file.setdefault(info.relative_path, []).append((info.offset, info.length, label, index))
-    for name, items in sorted(by_file.items()):
-        where = storage.describe(name)
+@dataclass
+class _Item:
+    """One stored item as verify reads it: what it keeps of the item's bytes
+    (``keep``: ranges within the item, for its checks) and its CRC32C."""
+
+    index: MetadataIndex
+    info: _StorageInfo
+    keep: list[tuple[int, bytearray]] = field(default_factory=list)
+    crc: int = 0
+    #: Where a load reads its tensor bytes straight into the destination from (None: through the record).
+    raw: tuple[int, int] | None = None
+    skip: bool = False  # refused before reading: no check of its bytes
+
+    def offset(self) -> int:
+        return int(self.info.offset)
+
+    @property
+    def end(self) -> int:
+        return int(self.info.offset + self.info.length)
+
+
+class _FileCheck:
+    """One data file: its size, then one pass over its bytes (its CRC32C and
+    each item's), each item checked as it completes."""
+
+    def __init__(
+        self,
+        storage: Storage,
+        manifest: Manifest | None,
+        name: str,
+        checks: ItemChecks,
+        report: VerifyReport,
+        progress: Callable[[int], Any] | None,
+    ) -> None:
+        self.storage, self.manifest, self.name, self.checks = storage, manifest, name, checks
+        self.report, self.progress = report, progress
+        self.where = storage.describe(name)
+        self.tensors = manifest["tensors"] if manifest is not None else {}
+        #: Items whose bytes are not as saved (reported unless the whole file's CRC already says so).
+        self.mismatched: list[str] = []
+
+    def run(self, items: list[_Item]) -> None:
         try:
-            size = storage.size(name)
+            self._run(items)
+        except UnsafeCheckpoint as e:  # a file no load reads (a link out of the checkpoint)
+            self.report.refused.append(str(e))
+
+    def _run(self, items: list[_Item]) -> None:
+        try:
+            size = self.storage.size(self.name)
         except StorageNotFound:
-            report.problems.append(f"{where}: data file is missing")
-            continue
-        except UnsafeCheckpoint as e:
-            report.refused.append(str(e))
-            continue
-        report.files_checked += 1
-        report.bytes_checked += size
-        for offset, length, label, index in sorted(items, key=lambda item: item[0]):
-            if offset + length > size:
-                report.problems.append(
-                    f"{where}: item {label} ({length} bytes at offset {offset}) extends past the end of the file "
-                    f"({size} bytes; truncated?)"
+            self.report.problems.append(f"{self.where}: data file is missing")
+            return
+        if self.manifest is not None and size != self.manifest["files"][self.name]["size"]:
+            expected = self.manifest["files"][self.name]["size"]
+            self.report.problems.append(f"{self.where}: size {size} bytes, expected {expected} (truncated or damaged)")
+            return
+        self.report.files_checked += 1
+        self.report.bytes_checked += size
+        inside = []
+        for item in items:
+            if item.end > size:  # only without a manifest: the commit checks check it against the manifest's sizes
+                self.report.problems.append(
+                    f"{self.where}: item {item_label(item.index)} ({item.info.length} bytes at offset "
+                    f"{item.info.offset}) extends past the end of the file ({size} bytes; truncated?)"
                 )
                 continue
-            try:
-                check_record_end(storage, name, offset, length, label)
-                blob = storage.read_range(name, offset, length)
-                if len(blob) != length:
-                    raise CheckpointCorrupt(f"{where}: short read of item {label} ({len(blob)} of {length} bytes)")
-                md = metadata.state_dict_metadata.get(index.fqn)
-                if isinstance(md, TensorStorageMetadata):
-                    _check_tensor_item(blob, md, index.offset, f"{where}: item {label}")
-                else:
-                    load_object(blob, f"checkpoint item {label}")
-            except CheckpointCorrupt as e:
-                report.problems.append(str(e))
-            except UnsafeCheckpoint as e:
-                report.refused.append(str(e))
-            if progress:
-                progress(length)
+            self._plan(item)
+            inside.append(item)
+        crc, read = self._stream(inside, size)
+        if read < size:
+            self.report.problems.append(f"{self.where}: short read at offset {read}")
+        elif self.manifest is not None and crc != self.manifest["files"][self.name]["crc32c"]:
+            self.report.problems.append(f"{self.where}: checksum mismatch (damaged data file)")
+        else:
+            self.report.problems += self.mismatched
 
+    def _plan(self, item: _Item) -> None:
+        """What of the item to keep for its checks: the record around its raw
+        tensor bytes, or all of it; nothing if it is refused before reading."""
+        info, index = item.info, item.index
+        try:
+            self.checks.before_read(self.name, info, index)
+        except CheckpointCorrupt as e:
+            self.report.problems.append(str(e))
+            item.skip = True
+            return
+        item.raw = loc = self.checks.raw_location(self.name, info, index, self.tensors)
+        spans = [(0, info.length)] if loc is None else self.checks.record_around_raw(info.length, loc)
+        item.keep = [(start, bytearray(end - start)) for start, end in spans if end > start]
 
-def _check_tensor_item(blob: bytes, md: TensorStorageMetadata, offsets: Any, where: str) -> None:
-    """The item decodes (``torch.load(weights_only=True)``: nothing runs) to
-    the dtype and chunk shape ``.metadata`` declares."""
-    try:
-        tensor = item_tensor(memoryview(blob))
-    except Exception as e:  # torch.load's errors have no common base: any is damage
-        raise CheckpointCorrupt(f"{where} is not a readable tensor record ({type(e).__name__})") from e
-    chunk = next((c for c in md.chunks if offsets is None or tuple(c.offsets) == tuple(offsets)), None)
-    want = (md.properties.dtype, tuple(chunk.sizes) if chunk is not None else tuple(md.size))
-    got = (tensor.dtype, tuple(tensor.shape))
-    if got != want:
-        raise CheckpointCorrupt(f"{where} holds {got[0]} {list(got[1])}; .metadata declares {want[0]} {list(want[1])}")
-
-
-def _verify_file(
-    storage: Storage, manifest: Manifest, name: str, spans: list[_Span], progress: Callable[[int], Any] | None
-) -> list[str]:
-    """Size, CRC32C of the file and of each item in it, in one pass."""
-    size, expected_crc = manifest["files"][name]["size"], manifest["files"][name]["crc32c"]
-    try:
-        actual_size = storage.size(name)
-    except StorageNotFound:
-        return [f"{storage.describe(name)}: data file is missing"]
-    if actual_size != size:
-        return [f"{storage.describe(name)}: size {actual_size} bytes, expected {size} (truncated or damaged)"]
-    crc, offset = 0, 0
-    item_crcs = [0] * len(spans)
-    first = 0  # spans before it end before ``offset``
-    while offset < size:
-        chunk = memoryview(storage.read_range(name, offset, min(VERIFY_CHUNK, size - offset)))
-        if not chunk:
-            return [f"{storage.describe(name)}: short read at offset {offset}"]
-        crc = crc32c.crc32c(chunk, crc)
-        end = offset + len(chunk)
-        while first < len(spans) and spans[first][0] + spans[first][1] <= offset:
-            first += 1
-        for i in range(first, len(spans)):
-            start, length, _ = spans[i]
-            if start >= end:
+    def _stream(self, items: list[_Item], size: int) -> tuple[int, int]:
+        """Read the file front to back once; returns its CRC32C and how much
+        was read."""
+        crc, offset = 0, 0
+        pending = list(items)  # in offset order; checked (and dropped) as the pass moves past their end
+        while offset < size:
+            chunk = memoryview(self.storage.read_range(self.name, offset, min(VERIFY_CHUNK, size - offset)))
+            if not chunk:
                 break
-            lo, hi = max(offset, start), min(end, start + length)
-            if lo < hi:
-                item_crcs[i] = crc32c.crc32c(chunk[lo - offset : hi - offset], item_crcs[i])
-        offset = end
-        if progress:
-            progress(len(chunk))
-    if crc != expected_crc:
-        return [f"{storage.describe(name)}: checksum mismatch (damaged data file)"]
-    return [
-        f"{storage.describe(name)}: checksum mismatch in item {label} at offset {start} ({length} bytes)"
-        for (start, length, label), got in zip(spans, item_crcs)
-        if got != manifest["items"][item_key(name, start)]
-    ]
+            crc = crc32c.crc32c(chunk, crc)
+            end = offset + len(chunk)
+            for item in pending:
+                if item.info.offset >= end:
+                    break
+                lo, hi = max(offset, item.info.offset), min(end, item.end)
+                if lo < hi:
+                    item.crc = crc32c.crc32c(chunk[lo - offset : hi - offset], item.crc)
+                    for start, buf in item.keep:
+                        a, b = max(lo, item.info.offset + start), min(hi, item.info.offset + start + len(buf))
+                        if a < b:
+                            at = a - item.info.offset - start
+                            buf[at : at + b - a] = chunk[a - offset : b - offset]
+            done = [item for item in pending if item.end <= end]
+            pending = [item for item in pending if item.end > end]
+            for item in done:
+                self._check(item)
+            offset = end
+            if self.progress:
+                self.progress(len(chunk))
+        for item in pending:
+            if item.end <= offset:  # empty items at the very end
+                self._check(item)
+        return crc, offset
 
-
+    def _check(self, item: _Item) -> None:
+        """An item whose bytes have all been read: its CRC32C, then what a load checks of it."""
+        info, index = item.info, item.index
+        keep, item.keep = item.keep, []
+        if self.manifest is not None:
+            if item.crc != self.manifest["items"][item_key(self.name, info.offset)]:
+                self.mismatched.append(
+                    f"{self.where}: checksum mismatch in item {item_label(index)} at offset {info.offset} "
+                    f"({info.length} bytes)"
+                )
+                return
+        if item.skip:
+            return
+        try:
+            if item.raw is not None:
+                assert self.manifest is not None  # only the manifest locates tensor bytes
+                record = RecordBytes(info.length, [(start, memoryview(buf)) for start, buf in keep])
+                self.checks.check_raw(self.name, info, index, item.raw, record, self.manifest["where"])
+                return
+            whole = memoryview(keep[0][1]) if keep else memoryview(b"")
+            if self.checks.declared(index) is not None:
+                self.checks.tensor(self.name, info, index, whole)
+            else:
+                self.checks.object_bytes(self.name, info, index, whole)
+        except CheckpointCorrupt as e:
+            self.report.problems.append(str(e))
+        except UnsafeCheckpoint as e:
+            self.report.refused.append(str(e))

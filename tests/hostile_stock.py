@@ -24,6 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_hostile import METADATA, Payload, _declare as declare, good, write_metadata  # noqa: E402
+from test_hostile import _record_with_deflated_entry as deflated, _replace_item as replace_item  # noqa: E402
 from test_hostile_format import replace_data_files  # noqa: E402
 
 GiB = 1 << 30
@@ -87,6 +88,15 @@ def main() -> None:
     ck = good(root / "bytes-bomb")
     declare(ck, "step", 3 * GiB)
     cases["non-tensor item declared 3 GiB over a hole"] = run(load(ck))
+    ck = good(root / "deflated-object")
+    replace_item(ck, "step", deflated(5, "data.pkl", 1024))
+    cases["object record with data.pkl DEFLATE-compressed (1 GiB)"] = run(load(ck))
+    ck = good(root / "deflated-tensor")
+    replace_item(ck, "b", deflated(torch.ones(4), "data/0", 900))
+    cases["4-float tensor record with data/0 DEFLATE-compressed (900 MiB)"] = run(load(ck))
+    ck = good(root / "transformed-bomb")
+    declare(ck, "b", 3 * GiB, ["zstandard/1"])
+    cases["4-element tensor declared 3 GiB, transforms named (sparse)"] = run(load(ck))
     ck = good(root / "sparse-metadata")
     os.truncate(ck / METADATA, 2 * GiB)
     cases["sparse 2 GiB .metadata"] = run(load(ck))

@@ -16,7 +16,7 @@ from pathlib import Path
 import crc32c
 import pytest
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
 import dcpstore
@@ -43,8 +43,10 @@ def _write(session: SaveSession, rank: int, payload: bytes) -> list[WriteResult]
     return [WriteResult(index=MetadataIndex(f"k{rank}"), size_in_bytes=len(payload), storage_data=record)]
 
 
-def _metadata() -> Metadata:
-    return Metadata(state_dict_metadata={})
+def _publish(session: SaveSession, results: list[list[WriteResult]]) -> None:
+    """Commit ``results`` with DCP's global metadata for them (one non-tensor key per item)."""
+    keys = {wr.index.fqn: BytesStorageMetadata() for rank in results for wr in rank}
+    session.publish(Metadata(state_dict_metadata=keys), results)
 
 
 def test_claim_write_publish_in_order(tmp_path: Path) -> None:
@@ -53,7 +55,7 @@ def test_claim_write_publish_in_order(tmp_path: Path) -> None:
     coordinator.claim()
     follower = SaveSession(storage, coordinator.save_id)  # what rank 1 builds from the plan
     results = [_write(coordinator, 0, b"zero"), _write(follower, 1, b"one")]
-    coordinator.publish(_metadata(), results)
+    _publish(coordinator, results)
 
     puts = [e.split(":", 1)[1] for e in events.events if e.startswith("commit:")]
     alive = alive_name(coordinator.save_id)  # the claim's proof of life for gc, before the marker
@@ -77,7 +79,7 @@ def test_an_overwrite_keeps_the_old_commit_until_its_own_then_removes_the_old_fi
     storage, _ = _storage(ck)
     first = SaveSession(storage)
     first.claim()
-    first.publish(_metadata(), [_write(first, 0, b"old0"), _write(first, 1, b"old1")])
+    _publish(first, [_write(first, 0, b"old0"), _write(first, 1, b"old1")])
     # A fresh URI: stock DCP's names.
     assert sorted(p.name for p in ck.iterdir()) == sorted([METADATA, MANIFEST, "__0_0.distcp", "__1_0.distcp"])
 
@@ -89,7 +91,7 @@ def test_an_overwrite_keeps_the_old_commit_until_its_own_then_removes_the_old_fi
     assert len(second.tag) == 8 and follower.tag == second.tag
     assert sorted(r[0].storage_data.relative_path for r in results) == new_files
     assert _committed(storage) == (first.save_id, ["__0_0.distcp", "__1_0.distcp"])  # until the commit: the old one
-    second.publish(_metadata(), results)
+    _publish(second, results)
     assert _committed(storage) == (second.save_id, new_files)
     assert sorted(p.name for p in ck.iterdir()) == sorted([METADATA, f".dcpstore.{second.tag}.json", *new_files])
     assert (ck / new_files[0]).read_bytes() == b"new0"
@@ -97,7 +99,7 @@ def test_an_overwrite_keeps_the_old_commit_until_its_own_then_removes_the_old_fi
     third = SaveSession(storage)  # and over that one again: a new tag, the old files go
     third.claim()
     assert third.tag not in ("", second.tag)
-    third.publish(_metadata(), [_write(third, 0, b"third")])
+    _publish(third, [_write(third, 0, b"third")])
     assert sorted(p.name for p in ck.iterdir()) == sorted([METADATA, f".dcpstore.{third.tag}.json", f"__0_{third.tag}_0.distcp"])
 
 
@@ -108,7 +110,7 @@ def test_a_claim_with_overwrite_false_refuses_a_committed_uri(tmp_path: Path) ->
     fresh.release()
     first = SaveSession(storage)
     first.claim(overwrite=False)
-    first.publish(_metadata(), [_write(first, 0, b"old0")])
+    _publish(first, [_write(first, 0, b"old0")])
     before = sorted(os.listdir(tmp_path / "ck"))
     with pytest.raises(dcpstore.CheckpointExists, match="already exists") as info:
         SaveSession(storage).claim(overwrite=False)
@@ -124,11 +126,11 @@ def test_a_save_that_lost_its_uri_commits_nothing(tmp_path: Path) -> None:
     late = SaveSession(storage)
     late.claim()  # a later save to the same URI
     with pytest.raises(dcpstore.SaveError, match="another save .* started while this one was writing"):
-        early.publish(_metadata(), results)
+        _publish(early, results)
     with pytest.raises(dcpstore.SaveError, match="another save"):
         _write(early, 1, b"more")
     assert not (tmp_path / "ck" / METADATA).exists()
-    late.publish(_metadata(), [_write(late, 0, b"late")])
+    _publish(late, [_write(late, 0, b"late")])
     assert pickle.loads((tmp_path / "ck" / METADATA).read_bytes()).storage_meta.save_id == late.save_id
 
 

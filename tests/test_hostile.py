@@ -18,8 +18,11 @@ import io
 import json
 import os
 import pickle
+import struct
 import subprocess
 import sys
+import zipfile
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -229,15 +232,59 @@ GiB = 1 << 30
 RSS_BOUND_MIB = 900
 
 
-def _declare(ckpt: Path, fqn: str, size: int) -> None:
+def _declare(ckpt: Path, fqn: str, size: int, transforms: list[str] | None = None) -> None:
     """Declare item ``fqn`` to run to byte ``size`` of its file, and make the
     file that long: sparse, nothing on disk. The manifest goes, as an
-    attacker would drop it (the checkpoint then loads unverified)."""
+    attacker would drop it (the checkpoint then loads unverified).
+    ``transforms``: also name DCP stream transforms for it."""
     md = pickle.loads((ckpt / METADATA).read_bytes())
     for index, info in md.storage_data.items():
         if index.fqn == fqn:
             info.length = size - info.offset
+            info.transform_descriptors = transforms
             os.truncate(ckpt / info.relative_path, size)
+    write_metadata(ckpt, md, manifest=False)
+
+
+def _deflated_zeros(mib: int) -> bytes:
+    """A raw DEFLATE stream of ``mib`` MiB of zeros (~1 KiB per MiB), built
+    without compressing them all: full flushes make each MiB's block alone."""
+    packer = zlib.compressobj(9, zlib.DEFLATED, -15)
+    block = packer.compress(bytes(1 << 20)) + packer.flush(zlib.Z_FULL_FLUSH)
+    return block * mib + packer.flush(zlib.Z_FINISH)
+
+
+def _record_with_deflated_entry(obj: Any, entry: str, mib: int) -> bytes:
+    """``torch.save(obj)`` rebuilt as a zip whose entry ``entry`` is a
+    DEFLATE stream of ``mib`` MiB of zeros: what torch's reader inflates to
+    the size it declares before anything checks it."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    with zipfile.ZipFile(buf) as original:
+        entries = [(i.filename, original.open(i).read()) for i in original.infolist()]
+    out, central = bytearray(), bytearray()
+    for name, data in entries:
+        usize, method = len(data), 0
+        if name.endswith("/" + entry):
+            data, usize, method = _deflated_zeros(mib), mib << 20, 8
+        raw = name.encode()
+        header = struct.pack("<4sHHHHHIIIHH", b"PK\x03\x04", 20, 0, method, 0, 0, 0, len(data), usize, len(raw), 0)
+        central += struct.pack("<4sHHHHHHIIIHHHHHII", b"PK\x01\x02", 20, 20, 0, method, 0, 0, 0, len(data), usize,
+                               len(raw), 0, 0, 0, 0, 0, len(out)) + raw  # fmt: skip
+        out += header + raw + data
+    end = struct.pack("<4sHHHHIIH", b"PK\x05\x06", 0, 0, len(entries), len(entries), len(central), len(out), 0)
+    return bytes(out + central + end)
+
+
+def _replace_item(ckpt: Path, fqn: str, blob: bytes) -> None:
+    """Item ``fqn`` becomes ``blob``, appended to its data file; the manifest
+    goes (or an attacker rewrites it: its CRCs prove nothing then)."""
+    md = pickle.loads((ckpt / METADATA).read_bytes())
+    for index, info in md.storage_data.items():
+        if index.fqn == fqn:
+            with open(ckpt / info.relative_path, "ab") as f:
+                info.offset, info.length = f.tell(), len(blob)
+                f.write(blob)
     write_metadata(ckpt, md, manifest=False)
 
 
@@ -249,6 +296,13 @@ def bombs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tensor, blob = good(root / "tensor"), good(root / "bytes")
     _declare(tensor, "b", 3 * GiB)  # a 4-element tensor declared as a 3 GiB item
     _declare(blob, "step", 3 * GiB)  # a non-tensor item declared over a hole
+    # Issue 29 item 8: compressed record entries, and transforms naming sizes.
+    deflated_object, deflated_tensor = good(root / "deflated-object"), good(root / "deflated-tensor")
+    _replace_item(deflated_object, "step", _record_with_deflated_entry(5, "data.pkl", 1024))
+    _replace_item(deflated_tensor, "b", _record_with_deflated_entry(torch.ones(4), "data/0", 900))
+    transformed_tensor, transformed_blob = good(root / "transformed-tensor"), good(root / "transformed-bytes")
+    _declare(transformed_tensor, "b", 3 * GiB, ["zstandard/1"])
+    _declare(transformed_blob, "step", GiB, ["zstandard/1"])
     sparse = {name: good(root / f"sparse{name}") for name in (METADATA, MANIFEST)}
     for name, ckpt in sparse.items():
         os.truncate(ckpt / name, 2 * GiB)
@@ -256,6 +310,14 @@ def bombs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "tensor load": f"dcpstore.load({{'b': torch.zeros(4)}}, {str(tensor)!r})",
         "tensor verify": f"main(['verify', '-q', {str(tensor)!r}])",
         "bytes load": f"dcpstore.load({{'step': 0}}, {str(blob)!r})",
+        "deflated object load": f"dcpstore.load({{'step': 0}}, {str(deflated_object)!r})",
+        "deflated object verify": f"main(['verify', '-q', {str(deflated_object)!r}])",
+        "deflated tensor load": f"dcpstore.load({{'b': torch.zeros(4)}}, {str(deflated_tensor)!r})",
+        "deflated tensor verify": f"main(['verify', '-q', {str(deflated_tensor)!r}])",
+        "transformed tensor load": f"dcpstore.load({{'b': torch.zeros(4)}}, {str(transformed_tensor)!r})",
+        "transformed tensor verify": f"main(['verify', '-q', {str(transformed_tensor)!r}])",
+        "transformed bytes load": f"dcpstore.load({{'step': 0}}, {str(transformed_blob)!r})",
+        "transformed bytes verify": f"main(['verify', '-q', {str(transformed_blob)!r}])",
     }
     for name, ckpt in sparse.items():
         for command in ("inspect", "verify"):
@@ -282,6 +344,25 @@ def test_tensor_declared_as_3_gib_item_is_refused_before_reading(bombs: dict[str
 def test_bytes_item_declared_over_a_hole_is_refused_before_reading(bombs: dict[str, Any]) -> None:
     assert bombs["bytes load"].startswith("CheckpointCorrupt"), bombs["bytes load"]
     assert "does not end as a torch.save record" in bombs["bytes load"]
+
+
+@pytest.mark.parametrize("what", ["object", "tensor"])
+def test_compressed_record_entries_are_refused_before_inflating(bombs: dict[str, Any], what: str) -> None:
+    """Issue 29 item 8: a 1 KiB-per-MiB DEFLATE entry took load to 4.1 GiB
+    and verify to 1.8 GiB. torch.save never compresses an entry."""
+    load, verify = bombs[f"deflated {what} load"], bombs[f"deflated {what} verify"]
+    assert load.startswith("CheckpointCorrupt") and "compressed (method 8)" in load, load
+    assert verify.startswith("returned 1") and "DAMAGED" in verify and "compressed (method 8)" in verify, verify
+
+
+def test_items_under_transforms_declared_over_a_hole_are_refused_before_reading(bombs: dict[str, Any]) -> None:
+    """Issue 29 item 8: the declared-size check was skipped when transforms
+    were named; a non-tensor item is decoded from its first bytes before it
+    is read whole."""
+    for action in ("transformed tensor load", "transformed tensor verify"):
+        assert "declared 3221225472 bytes" in bombs[action] and "stream transforms" in bombs[action], bombs[action]
+    for action in ("transformed bytes load", "transformed bytes verify"):
+        assert "cannot be decoded with its stream transforms ['zstandard/1']" in bombs[action], bombs[action]
 
 
 @pytest.mark.parametrize("name", [METADATA, MANIFEST])

@@ -4,7 +4,8 @@ Owns how a DCP save and load run over a :class:`~dcpstore.storage.Storage`:
 the commit protocol (:mod:`.commit`: one :class:`~.commit.SaveSession` per
 save, used by every writer, and what counts as a committed checkpoint), the
 writer (:mod:`.writer`), the reader (:mod:`.reader`) with its pure read
-planning (:mod:`.read_plan`) and its record of what a failed load changed
+planning (:mod:`.read_plan`), the item checks it shares with ``verify``
+(:mod:`.item_checks`) and its record of what a failed load changed
 (:mod:`.load_progress`), what a state dict may hold for a save or a load
 (:mod:`.state_checks`), and the one failure summariser (:mod:`.failures`). Nothing here decides *when* a save runs (that is
 :mod:`dcpstore.engines`) or knows a backend by name.

@@ -53,7 +53,9 @@ that is still running, whatever ``--older-than`` says.
 :func:`read_checkpoint_metadata` is the other side: what load, inspect and
 verify accept as a committed checkpoint -- capped reads, the manifest's
 schema, the restricted unpickle of ``.metadata`` (nothing in a checkpoint is
-ever executed), every stored item checked against the manifest.
+ever executed), its chunks tiling every tensor, every stored item checked
+against the manifest, and the manifest that belongs to it (one of ours
+only for a ``.metadata`` of ours: :func:`~dcpstore.format.layout.manifest_names`).
 
 Layer: DCP protocol. Imports :mod:`dcpstore.format`, :mod:`dcpstore.storage`
 and :mod:`dcpstore.errors`.
@@ -84,6 +86,7 @@ from ..errors import (
     StorageNotFound,
     UnsafeCheckpoint,
 )
+from ..format.chunks import check_tiling
 from ..format.inflight import alive_name, is_alive_file
 from ..format.layout import (
     INFLIGHT,
@@ -96,6 +99,7 @@ from ..format.layout import (
     is_commit_side_file,
     is_commit_file,
     is_data_file,
+    committed_by_us,
     is_manifest,
     item_key,
     manifest_name,
@@ -512,8 +516,9 @@ def read_checkpoint_metadata(
     try:
         metadata, stored = load_metadata(blob, storage.describe(METADATA), trust)
     except (CheckpointCorrupt, UnsafeCheckpoint) as e:
-        _check_damage(storage, blob, e)
+        _check_damage(storage, blob, f"unpickling it said: {e}", e)
         raise
+    check_tiling(metadata, storage.describe(METADATA))
     manifest = None
     save_id = getattr(getattr(metadata, "storage_meta", None), "save_id", None)
     for name in manifest_names(save_id, _first_data_file(metadata)):
@@ -528,7 +533,9 @@ def read_checkpoint_metadata(
         check_items_listed(manifest, stored, storage.describe, storage.describe(name))
         break
     else:
-        log.debug("%s has no integrity manifest (written by stock DCP?); loading unverified", storage.uri)
+        if committed_by_us(save_id):  # its manifest gone, or its save id damaged: which, the CRCs tell
+            _check_damage(storage, blob, f"its save id {save_id!r} names none", None)
+        log.debug("%s has no integrity manifest of its own (stock DCP's?); loading unverified", storage.uri)
     return metadata, manifest
 
 
@@ -563,11 +570,12 @@ def _first_data_file(metadata: object) -> object:
     return getattr(next(iter(storage_data.values())), "relative_path", None)
 
 
-def _check_damage(storage: Storage, blob: bytes, refused: CheckpointError) -> None:
+def _check_damage(storage: Storage, blob: bytes, why: str, refused: CheckpointError | None) -> None:
     """``.metadata`` could not be unpickled (or names a class off the
-    allowlist): if the directory holds manifests and none records this
-    blob's CRC32C, the blob is damaged -- say that rather than what the
-    damage happens to look like. Lists the directory (a failure path only)."""
+    allowlist), or no manifest of the name its save id gives is there: if
+    the directory holds manifests and none records this blob's CRC32C, the
+    blob is damaged -- say that rather than what the damage happens to look
+    like (``why``: that). Lists the directory (a failure path only)."""
     try:
         names = [o["path"] for o in storage.list() if is_manifest(o["path"])]
         crcs = set()
@@ -581,7 +589,7 @@ def _check_damage(storage: Storage, blob: bytes, refused: CheckpointError) -> No
     if crcs and crc32c.crc32c(blob) not in crcs:
         raise CheckpointCorrupt(
             f"{storage.describe(METADATA)}: checksum mismatch (damaged commit object: no manifest records its "
-            f"CRC32C; unpickling it said: {refused})"
+            f"CRC32C; {why})"
         ) from refused
 
 

@@ -17,9 +17,14 @@ Load, as ``torch.distributed.checkpoint.load`` drives it::
                                        into the caller's state, except
                                        tensors of 64 KiB or more, read
                                        straight into their destination and
-                                       verified there; every non-tensor item
-                                       unpickled through the allowlist before
-                                       DCP's planner sees it
+                                       verified there (their location proven
+                                       from their record); every record
+                                       checked before torch.load sees it and
+                                       every non-tensor item unpickled
+                                       through the allowlist before DCP's
+                                       planner sees it: the checks of
+                                       :mod:`.item_checks`, which verify runs
+                                       too
 
 Never executes checkpoint content: ``.metadata`` and non-tensor items are
 unpickled through allowlists (:mod:`dcpstore.format.safe_pickle`);
@@ -48,8 +53,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint._extension import ExtensionRegistry
 from torch.distributed.checkpoint.filesystem import _StorageInfo, _StorageReaderTransforms
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
@@ -58,8 +63,8 @@ from ..errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound, Sta
 from ..format.bitcopy import copy_values
 from ..format.layout import MANIFEST, METADATA, item_key
 from ..format.manifest import Manifest
-from ..format.record import BYTES_ITEM_LIMIT, RECORD_OVERHEAD, decode_item, item_tensor
-from ..format.safe_pickle import Trust, check_record_end, load_object
+from ..format.record_zip import RecordBytes
+from ..format.safe_pickle import Trust
 from ..handle import LoadStats
 from ..options import LoadOptions, check_workers
 from ..progress import NO_PROGRESS, Progress
@@ -68,16 +73,13 @@ from ..storage import Storage
 from ..threads import run_parallel
 from .commit import commit_replaced, read_checkpoint_metadata
 from .failures import load_error
+from .item_checks import SMALL_TENSOR_COPY, ItemChecks
 from .load_progress import NO_CHANGES, Changes, LoadProgress, changes_of
 from .read_plan import Direct, DirectRun, Request, Span, plan_reads, scatter_groups
 from .state_checks import check_top_level_keys, load_mismatches
 from .writer import NO_DIST_WARNING, rebind, serves
 
 log = logging.getLogger(__name__)
-
-#: Tensors smaller than this are read with their record into scratch and
-#: copied out (measured on 20,000 x 3 KiB tensors).
-SMALL_TENSOR_COPY = 64 * 1024
 
 
 class DcpStorageReader(StorageReader):
@@ -114,6 +116,7 @@ class DcpStorageReader(StorageReader):
         self._manifest: Manifest | None = None
         self._metadata: Metadata | None = None
         self._preloaded = False
+        self._checks: ItemChecks | None = None
         self._storage_data: dict[MetadataIndex, _StorageInfo] = {}
         self._mismatches: list[str] = []
         #: What earlier tries of this load changed (see load_state_dict).
@@ -179,6 +182,7 @@ class DcpStorageReader(StorageReader):
         if metadata.storage_data is None:
             raise CheckpointCorrupt(f"{self.storage.describe(METADATA)}: no storage_data")
         self._storage_data = metadata.storage_data
+        self._checks = ItemChecks(metadata, self.storage, self.transforms, self._trust)
         self.bytes_read = 0
 
     def check_destination(self, state_dict: dict[str, Any]) -> None:
@@ -201,21 +205,21 @@ class DcpStorageReader(StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         per_file: dict[str, list[Request]] = defaultdict(list)
-        transformed = set()
         for req in plan.items:
             info = self._storage_data[req.storage_index]
             per_file[info.relative_path].append((req, info))
-            if info.transform_descriptors:
-                transformed.add(item_key(info.relative_path, info.offset))
-        assert self._metadata is not None
+        assert self._metadata is not None and self._checks is not None
         lock = threading.Lock()
-        future: Future[None] = Future()
         self._progress = LoadProgress((req.dest_index.fqn for req in plan.items), self._earlier)
         try:
             self._check_sizes(per_file)
-            raw = self._manifest["tensors"] if self._manifest is not None else {}
-            if transformed:  # their stored bytes are not the tensor's: always through the record
-                raw = {key: where for key, where in raw.items() if key not in transformed}
+            tensors = self._manifest["tensors"] if self._manifest is not None else {}
+            raw = {
+                item_key(path, info.offset): loc
+                for path, reqs in per_file.items()
+                for req, info in reqs
+                if (loc := self._checks.raw_location(path, info, req.storage_index, tensors)) is not None
+            }
             jobs = plan_reads(per_file, raw, self._metadata, self.workers, self._manifest_where())
             self._batch = sum(job.length for job in jobs)  # object stores share their budget out over it
             self.bar.start(sum(info.length for reqs in per_file.values() for _, info in reqs))
@@ -224,8 +228,12 @@ class DcpStorageReader(StorageReader):
             error = self._progress.annotate(e, self.storage.uri)  # what this rank's state now holds
             if isinstance(error, RETRIED) and self.replaced():
                 vars(error)[REPLACED] = True  # the same decision on every rank: DCP hands them this error
-            future.set_exception(error)  # type: ignore[arg-type]  # torch's stub types it as the value
-            return future
+            # Raised, not set on the future: torch's Future holds an error where Python's collector
+            # cannot see it, and the traceback wait() adds leads back to the future, so every frame
+            # (read buffers, the planner's state dict) of every failed load would stay in memory.
+            # DCP gathers a raise from here exactly as one from wait().
+            raise error from error.__cause__
+        future: Future[None] = Future()
         future.set_result(None)
         return future
 
@@ -240,6 +248,8 @@ class DcpStorageReader(StorageReader):
         costs none.
         """
         manifest = self._manifest if self.verify else None
+        checks = self._checks
+        assert checks is not None
 
         def check(path: str) -> None:
             reqs = per_file[path]
@@ -266,8 +276,7 @@ class DcpStorageReader(StorageReader):
                     "(truncated, or a damaged .metadata)"
                 )
             for req, info in reqs:
-                if req.type == LoadItemType.BYTE_IO and not self._trust.trusted:
-                    check_record_end(self.storage, path, info.offset, info.length, repr(req.storage_index.fqn))
+                checks.before_read(path, info, req.storage_index)
 
         run_parallel(check, sorted(per_file), len(per_file), "dcpstore-size")
 
@@ -354,9 +363,16 @@ class DcpStorageReader(StorageReader):
             )
         verified = []
         error = None
+        assert self._checks is not None
         for entry, (d, pieces, dest) in zip(group, parts):
+            if len(pieces) == 1:
+                record = RecordBytes.whole(pieces[0])
+            else:  # the header and the trailer around the bytes that went straight into the destination
+                record = RecordBytes(d.length, [(0, pieces[0]), (d.data_offset + d.nbytes, pieces[2])])
             try:
                 self._verify_item(path, d.info, *pieces)
+                where = (d.data_offset, d.nbytes)
+                self._checks.check_raw(path, d.info, d.req.storage_index, where, record, self._manifest_where())
             except CheckpointCorrupt as e:
                 error = error or e
                 continue
@@ -383,21 +399,22 @@ class DcpStorageReader(StorageReader):
         with lock:
             self.bytes_read += len(blob)
         self.bar.update(len(blob))
+        checks = self._checks
+        assert checks is not None
         for req, info in span.reqs:
             start = info.offset - span.offset
             item = view[start : start + info.length]
             self._verify_item(span.path, info, item)
-            if info.transform_descriptors:
-                item = self._decode(span.path, req, info, item)
-            self._progress.check()  # verified, and the load goes on: change the destination
             if req.type == LoadItemType.BYTE_IO:
-                if not self._trust.trusted:  # built through the allowlist first: refused before the planner runs it
-                    load_object(item, f"checkpoint item {req.storage_index.fqn!r}", self._trust)
+                # Built through the allowlist first: refused before the planner runs it.
+                item = checks.object_bytes(span.path, info, req.storage_index, item)
+                self._progress.check()  # verified, and the load goes on: change the destination
                 with lock:
                     planner.load_bytes(req, io.BytesIO(item))
                 self._progress.loaded([req.dest_index.fqn])
                 continue
-            tensor = _narrow(item_tensor(item), req.storage_offsets, req.lengths)
+            tensor = _narrow(checks.tensor(span.path, info, req.storage_index, item), req.storage_offsets, req.lengths)
+            self._progress.check()  # verified, and the load goes on: change the destination
             if target is None:
                 with lock:
                     target = planner.resolve_tensor(req).detach()
@@ -411,24 +428,6 @@ class DcpStorageReader(StorageReader):
                 planner.commit_tensor(req, target)
             self._progress.loaded([req.dest_index.fqn])
             target = None
-
-    def _decode(self, path: str, req: ReadItem, info: _StorageInfo, stored: memoryview) -> memoryview:
-        """Undo the DCP stream transforms ``info`` names (e.g. ZStandard)."""
-        assert info.transform_descriptors is not None and self._metadata is not None
-        declared = self._metadata.state_dict_metadata.get(req.storage_index.fqn)
-        limit = BYTES_ITEM_LIMIT
-        if isinstance(declared, TensorStorageMetadata):
-            numel = 1
-            for dim in declared.size:
-                numel *= dim
-            limit = numel * declared.properties.dtype.itemsize + RECORD_OVERHEAD
-        try:
-            return decode_item(stored, info.transform_descriptors, req, self.transforms, limit)
-        except Exception as e:  # an unknown transform, damaged or hostile compressed bytes
-            raise CheckpointCorrupt(
-                f"{self.storage.describe(path)}: item {req.storage_index.fqn} at offset {info.offset} cannot be "
-                f"decoded with its stream transforms {list(info.transform_descriptors)}: {type(e).__name__}: {e}"
-            ) from e
 
     def _manifest_where(self) -> str:
         """The manifest this load checks against, for messages: its real

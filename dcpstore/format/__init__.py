@@ -5,7 +5,9 @@ manifest's schema and the shared validation of a commit (:mod:`.manifest`),
 the restricted unpicklers for ``.metadata`` and non-tensor items
 (:mod:`.safe_pickle`), a running save's proof of life for ``gc``
 (:mod:`.inflight`), the CRC32C arithmetic (:mod:`.checksum`), the tensor
-record codec (:mod:`.record`) and bit-exact tensor copies for every dtype
+record codec (:mod:`.record`) and what a record must be before anything
+trusts it (:mod:`.record_zip`), whether chunks tile a tensor
+(:mod:`.chunks`), and bit-exact tensor copies for every dtype
 (:mod:`.bitcopy`). Nothing here talks to DCP's protocol or decides when
 anything is written: the DCP writer and reader (:mod:`dcpstore.dcp`) and the
 maintenance commands use these definitions. What is read from storage is

@@ -14,7 +14,7 @@ Layer: format. Imports nothing of dcpstore's.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from functools import cache
 
 import crc32c as _crc32c
@@ -74,6 +74,25 @@ def _x8nmodp(nbytes: int) -> int:
 def crc32c_combine(crc_a: int, crc_b: int, len_b: int) -> int:
     """CRC32C of ``A + B`` from ``crc32c(A)``, ``crc32c(B)`` and ``len(B)``."""
     return _multmodp(_x8nmodp(len_b), crc_a) ^ crc_b
+
+
+#: Zeros to shift a CRC over (below :data:`_ZEROS_MAX` bytes, two hardware
+#: CRC calls over zeros cost less than the polynomial arithmetic).
+_ZEROS_MAX = 1 << 16
+_ZEROS = memoryview(bytes(_ZEROS_MAX))
+
+
+def crc32c_concat(parts: Iterable[tuple[int, int]]) -> int:
+    """CRC32C of consecutive pieces from their ``(crc32c, length)``."""
+    crc = 0
+    for part_crc, length in parts:
+        if length < _ZEROS_MAX:
+            # crc(A + B) = crc(zeros(len B), crc(A)) ^ crc(zeros(len B)) ^ crc(B): CRCs are affine.
+            zeros = _ZEROS[:length]
+            crc = _crc32c.crc32c(zeros, crc) ^ _crc32c.crc32c(zeros) ^ part_crc
+        else:
+            crc = crc32c_combine(crc, part_crc, length)
+    return crc
 
 
 #: Writes at least this large are checksummed once and combined.

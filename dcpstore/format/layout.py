@@ -29,7 +29,9 @@ the old one::
                                  know only the plain name)
 
 ``.metadata`` records the save id (``storage_meta.save_id``), so a reader
-finds the manifest that belongs to it (:func:`manifest_names`). A save to a
+finds the manifest that belongs to it (:func:`manifest_names`); a
+``.metadata`` another writer committed over ours (stock DCP records a UUID)
+has none, whatever manifest ours left (:func:`committed_by_us`). A save to a
 fresh URI keeps stock DCP's names, so that a checkpoint saved once looks
 exactly as stock DCP's (and as every checkpoint dcpstore wrote before).
 
@@ -43,8 +45,10 @@ is detected too. And (``tensors``), for every item whose ``torch.save``
 record holds its tensor's bytes row-major and contiguous: where those bytes
 start within the item and how many there are -- a load then reads them
 straight into the destination tensor (shape and dtype are in
-``.metadata``), the record's other bytes into scratch, and verifies the
-item's CRC32C over all of them.
+``.metadata``), the record's other bytes into scratch, verifies the item's
+CRC32C over all of them, and proves the location from the record's own
+header and trailer (:mod:`.record_zip`): the manifest locates, it does not
+vouch.
 Readers that predate the key ignore it; manifests without it load through
 the records. A checkpoint written by plain DCP has no manifest and loads
 unverified. The manifest's schema and its validation against ``.metadata``
@@ -87,7 +91,8 @@ INFLIGHT = ".dcpstore.inflight"
 REPLICA_REPORT_PREFIX = ".dcpstore.replica."
 DATA_SUFFIX = ".distcp"
 #: ``os.urandom(8).hex()``: what :class:`~dcpstore.dcp.commit.SaveSession` makes.
-_SAVE_ID_RE = re.compile(r"^[0-9a-f]{16}$")
+SAVE_ID_LEN = 16
+_SAVE_ID_RE = re.compile(rf"^[0-9a-f]{{{SAVE_ID_LEN}}}$")
 TAG_LEN = 8
 _DATA_RE = re.compile(r"^__\d+_(?:([0-9a-f]{8})_)?\d+\.distcp$")
 _MANIFEST_RE = re.compile(r"^\.dcpstore(?:\.([0-9a-f]{8}))?\.json$")
@@ -225,19 +230,33 @@ def name_tag(path: str) -> str | None:
 
 def manifest_names(save_id: object, data_file: object = None) -> list[str]:
     """Where the manifest of a ``.metadata`` recording ``save_id`` may be, in
-    the order to try: the save-unique one (only for a save id of dcpstore's
-    form: anything else read from storage never becomes a file name) and the
-    plain one.
+    the order to try: the save-unique one and the plain one, for a save id of
+    dcpstore's form; none for any other save id: that ``.metadata`` was
+    committed by another writer (stock DCP records a UUID), perhaps over a
+    checkpoint of ours whose manifest it left behind, and no manifest there
+    describes it. ``None`` (a ``.metadata`` recording no save id, as torch
+    before 2.4 writes): the plain one. Nothing else read from storage ever
+    becomes a file name.
 
     ``data_file``, one data file that ``.metadata`` names, says which comes
     first: a save gives its manifest save-unique names exactly when it gives
     them to its data files, so the right name is usually tried first (on an
     object store each miss is a round trip)."""
-    if not (isinstance(save_id, str) and _SAVE_ID_RE.match(save_id)):
+    if save_id is None:
         return [MANIFEST]
+    if not (isinstance(save_id, str) and _SAVE_ID_RE.match(save_id)):
+        return []  # another writer's (or damaged: committed_by_us says which)
     tagged = manifest_name(save_tag(save_id))
     plain_first = isinstance(data_file, str) and name_tag(data_file) == ""
     return [MANIFEST, tagged] if plain_first else [tagged, MANIFEST]
+
+
+def committed_by_us(save_id: object) -> bool:
+    """Whether a ``.metadata`` recording ``save_id`` was committed by
+    dcpstore: its save ids are 16 characters (16 hex digits; one damaged is
+    still 16 characters), stock DCP's and its subclasses' are 36-character
+    UUIDs. A commit of ours without its manifest is damaged or stripped."""
+    return isinstance(save_id, str) and len(save_id) == SAVE_ID_LEN
 
 
 def item_key(path: str, offset: int) -> str:

@@ -11,7 +11,10 @@ ignores the file.
 Everything read from storage is hostile until checked: :func:`parse_manifest`
 checks every field's type and range, :func:`check_items_listed` checks the
 manifest against ``.metadata`` (every stored item listed, inside its file,
-its tensor bytes inside the item), and :func:`read_capped` refuses commit
+its tensor bytes inside the item, no file listed that ``.metadata`` does
+not name but a caller's commit files, each file's CRC the combination of
+its items'), and
+:func:`read_capped` refuses commit
 files larger than any real checkpoint's, before allocating. Errors are
 :class:`~dcpstore.errors.CheckpointCorrupt` naming the file and the field.
 """
@@ -26,7 +29,8 @@ import crc32c
 
 from ..errors import CheckpointCorrupt, ObjectTooLarge
 from ..storage.base import Storage
-from .layout import item_key
+from .checksum import crc32c_concat
+from .layout import commit_file_of, commit_file_problem, is_data_file, item_key
 
 MANIFEST_FORMAT = "dcpstore-manifest/1"
 _UINT32 = 1 << 32
@@ -202,11 +206,15 @@ StoredItem = tuple[str, str, int, int]
 def check_items_listed(
     manifest: Manifest, items: Iterable[StoredItem], describe: Callable[[str], str], manifest_where: str
 ) -> None:
-    """Every item ``.metadata`` stores is in the manifest, inside its file,
-    and its tensor bytes (if located) inside the item: what a load reads
-    before it trusts a byte. Shared by load and verify, so that verify says
-    OK exactly when a load would get past these checks."""
+    """The manifest describes exactly what ``.metadata`` stores: every item
+    listed, inside its file, its tensor bytes (if located) inside the item;
+    every file it lists named by ``.metadata``; and each file's CRC32C the
+    combination of its items' where they tile the file (so that no CRC in
+    it can be damaged unseen: a load checks items, verify files too). What a
+    load checks before it trusts a byte; shared by load and verify, so that
+    verify says OK exactly when a load would get past these checks."""
     files, crcs, tensors = manifest["files"], manifest["items"], manifest["tensors"]
+    per_file: dict[str, list[tuple[int, int]]] = {}
     for label, path, offset, length in items:
         entry = files.get(path)
         if entry is None:
@@ -225,6 +233,36 @@ def check_items_listed(
                 f"{manifest_where}: tensor location {loc} lies outside its item "
                 f"({path} at offset {offset}, {length} bytes)"
             )
+        per_file.setdefault(path, []).append((offset, length))
+    unnamed = sorted(set(files) - set(per_file) - set(commit_files(manifest, per_file)))
+    if unnamed:
+        raise CheckpointCorrupt(
+            f"{manifest_where}: damaged integrity manifest: lists {len(unnamed)} data file(s) that .metadata "
+            f"does not name ({', '.join(unnamed[:3])})"
+        )
+    for path, spans in per_file.items():
+        spans.sort()
+        ends = [0] + [offset + length for offset, length in spans]
+        if any(offset != end for (offset, _), end in zip(spans, ends)) or ends[-1] != files[path]["size"]:
+            continue  # not back to back (another writer's layout): the file's CRC stands alone
+        combined = crc32c_concat((crcs[item_key(path, offset)], length) for offset, length in spans)
+        if combined != files[path]["crc32c"]:
+            raise CheckpointCorrupt(
+                f"{manifest_where}: damaged integrity manifest: checksum mismatch in items of {path}: "
+                f"files[{path!r}].crc32c is not the combination of its items' CRC32Cs"
+            )
+
+
+def commit_files(manifest: Manifest | None, named: Iterable[str]) -> list[str]:
+    """The files the manifest lists beside the data files ``.metadata``
+    names (``named``): a caller's commit files (:func:`~.layout.commit_file_path`),
+    which no load of the state reads and ``read_commit_file`` checks."""
+    if manifest is None:
+        return []
+    named = set(named)
+    return sorted(
+        p for p in manifest["files"] if p not in named and not is_data_file(p) and commit_file_problem(commit_file_of(p)) is None
+    )
 
 
 def check_metadata_crc(blob: bytes, manifest: Manifest, where: str) -> None:

@@ -27,7 +27,7 @@ Both pieces are private torch API, so they are feature-detected once; if a
 torch release changes them, :func:`save_record` falls back to plain
 ``torch.save`` (slower, same format).
 
-Layer: format. Imports :mod:`dcpstore.quiet` and :mod:`.checksum`.
+Layer: format. Imports :mod:`dcpstore.quiet`, :mod:`.checksum` and :mod:`.record_zip`.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ from torch.distributed.checkpoint.planner import ReadItem, WriteItem
 
 from ..quiet import ignoring
 from .checksum import DualCrc
+from .record_zip import RecordBytes, record_entries, tensor_declaration
 
 Saver = Callable[[Any, IO[bytes]], None]
 
@@ -298,7 +299,6 @@ class _ViewReader(io.RawIOBase):
         return n
 
 
-_SKIP_DATA = getattr(torch.serialization, "skip_data", None)
 #: Items smaller than this are copied by torch.load: parsing the header twice
 #: costs more than copying a small tensor (measured on 20,000 x 3 KiB items).
 VIEW_MIN_BYTES = 1 << 20
@@ -312,13 +312,15 @@ def item_tensor(item: memoryview) -> torch.Tensor:
 
     ``torch.load`` copies the tensor's bytes into a new storage, which the
     reader then copies into the caller's tensor: on a VM where fresh memory
-    costs page faults that extra copy dominated loads. Instead, read only the
-    item's header (``skip_data``: shape, dtype, strides, no bytes) and view
-    its single storage record where it lies in ``item``. Anything else --
-    small items, several storages, another byte order, an older torch -- goes
-    through ``torch.load``.
+    costs page faults that extra copy dominated loads. Instead, read the
+    record's directory and the tensor its ``data.pkl`` declares
+    (:mod:`.record_zip`: no bytes of the tensor, nothing built) and view its
+    single storage where it lies in ``item``. Anything else -- small items,
+    several storages, another byte order, a pickle that is not a plain
+    tensor's, a storage it does not name -- goes through ``torch.load``,
+    which decides (and raises what it raises).
     """
-    if _SKIP_DATA is not None and len(item) >= VIEW_MIN_BYTES:
+    if len(item) >= VIEW_MIN_BYTES:
         try:
             view = _view_record(item)
         except Exception:  # an unexpected layout: the general path below decides
@@ -329,28 +331,30 @@ def item_tensor(item: memoryview) -> torch.Tensor:
     return loaded
 
 
+#: The view flags a record's tensor metadata may carry, and how to set them on a view.
+_VIEW_FLAGS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"conj": torch.conj, "neg": torch._neg_view}
+
+
 def _view_record(item: memoryview) -> torch.Tensor | None:
-    reader = torch._C.PyTorchFileReader(cast(IO[bytes], _ViewReader(item)))
-    records = [r for r in reader.get_all_records() if r.startswith("data/")]
-    if records != ["data/0"] or bytes(reader.get_record("byteorder")).decode() != sys.byteorder:
+    record = RecordBytes.whole(item)
+    entries = record_entries(record)
+    order = entries.get("byteorder")
+    storages = [name for name in entries if name.startswith("data/")]
+    if storages != ["data/0"] or "data.pkl" not in entries:
         return None
-    assert _SKIP_DATA is not None
-    with _SKIP_DATA():
-        meta = torch.load(cast(IO[bytes], _ViewReader(item)), map_location="cpu", weights_only=True)
-    if not isinstance(meta, torch.Tensor):
+    if order is not None and bytes(record.get(order.start, order.size)) != sys.byteorder.encode():
         return None
-    offset = reader.get_record_offset("data/0")  # type: ignore[attr-defined]  # missing from the stubs
-    nbytes = meta.untyped_storage().nbytes()
-    if nbytes == 0 or offset + nbytes > len(item):
+    pickled, data = entries["data.pkl"], entries["data/0"]
+    declared = tensor_declaration(bytes(record.get(pickled.start, pickled.size)))
+    if declared.storage_key != "0" or declared.storage_nbytes != data.size or data.size == 0:
+        return None  # torch.load says what is wrong
+    if not set(declared.flags) <= _VIEW_FLAGS.keys():
         return None
     with ignoring(_READ_ONLY_WARNING):
-        raw = torch.frombuffer(item[offset : offset + nbytes], dtype=torch.uint8)
-    view = raw.view(meta.dtype).as_strided(meta.size(), meta.stride(), meta.storage_offset())
-    # The record's view bits, as torch.load would set them.
-    if meta.is_conj():
-        view = view.conj()
-    if meta.is_neg():
-        view = torch._neg_view(view)
+        raw = torch.frombuffer(record.get(data.start, data.size), dtype=torch.uint8)
+    view = raw.view(declared.dtype).as_strided(declared.size, declared.stride, declared.storage_offset)
+    for flag in sorted(declared.flags):  # the record's view bits, as torch.load would set them
+        view = _VIEW_FLAGS[flag](view)
     return view
 
 

@@ -40,6 +40,7 @@ import io
 import os
 import pathlib
 import pickle
+import sys
 import types
 import uuid
 from collections.abc import Iterable, Mapping
@@ -67,6 +68,7 @@ from ..options import check_safe_globals, check_trusted
 from ..storage.base import Storage
 from .manifest import StoredItem, check_relative_name
 from .peer_paths import stand_ins
+from .record import BYTES_ITEM_LIMIT
 
 #: A tensor item's ``torch.save`` record is its bytes plus ~1.5 KiB of zip
 #: and pickle; an item declared larger than its tensor by more than this is
@@ -305,14 +307,30 @@ class _Fields:
         return value
 
 
+def stored_limit(nbytes: int, transformed: bool) -> int:
+    """The most bytes an item may be stored in: its tensor's ``nbytes`` plus
+    a record's headers; under stream transforms a compressor's framing too
+    (zstd's worst case is 1/256). ``nbytes`` -1: a non-tensor item, unbounded
+    as stored (:func:`check_record_end` checks it cheaply before it is read),
+    bounded by what it may decode to under transforms."""
+    if nbytes < 0:
+        if not transformed:
+            return sys.maxsize
+        nbytes = BYTES_ITEM_LIMIT
+    return nbytes + RECORD_SLACK + (nbytes // 64 + RECORD_SLACK if transformed else 0)
+
+
 def validate_metadata(metadata: Any, where: str) -> list[StoredItem]:
     """Check every field a load relies on; returns every stored item as
     ``(label, path, offset, length)`` for checking against the manifest.
 
-    Beyond types and ranges: every chunk lies inside its tensor; every chunk
-    and bytes item has a storage entry; every tensor item is no larger than
-    its chunk's bytes plus :data:`RECORD_SLACK` (so nothing larger is ever
-    allocated for it). Iterative: nothing here recurses on checkpoint content.
+    Beyond types and ranges: every chunk lies inside its tensor (that the
+    chunks of a global ``.metadata`` tile it is :func:`~.chunks.check_tiling`'s);
+    every chunk and bytes
+    item has a storage entry, and every storage entry is a declared chunk or
+    bytes item; every item is stored in no more than
+    :func:`stored_limit` bytes (so nothing larger is ever read or allocated
+    for it). Iterative: nothing here recurses on checkpoint content.
     """
     f = _Fields(where)
     if type(metadata) is not Metadata:
@@ -373,10 +391,14 @@ def validate_metadata(metadata: Any, where: str) -> list[StoredItem]:
         ):
             raise f.fail(f"storage_data[{label!r}].transform_descriptors", "None or a list of str", transforms)
         nbytes = chunk_bytes.get(key)
-        if nbytes is not None and nbytes >= 0 and not transforms and length > nbytes + RECORD_SLACK:
+        if nbytes is None:  # no load ever reads it, and verify must not judge what no load reads
+            raise CheckpointCorrupt(f"{where}: storage entry for {label}, which state_dict_metadata does not declare")
+        if length > stored_limit(nbytes, bool(transforms)):
+            what = "its tensor holds" if nbytes >= 0 else "a non-tensor item under stream transforms decodes to at most"
+            shown = nbytes if nbytes >= 0 else BYTES_ITEM_LIMIT
             raise CheckpointCorrupt(
-                f"{where}: item {label} is declared {length} bytes, but its tensor holds {nbytes} "
-                f"(a record adds at most {RECORD_SLACK}); refusing to read it"
+                f"{where}: item {label} is declared {length} bytes, but {what} {shown} (a record adds at most "
+                f"{RECORD_SLACK}{', its stream transforms 1/64 more' if transforms else ''}); refusing to read it"
             )
         stored.append((label, path, start, length))
     have = {(i.fqn, None if i.offset is None else tuple(i.offset)) for i in storage}
