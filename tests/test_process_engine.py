@@ -148,3 +148,19 @@ def test_the_checkpoint_process_dies_with_its_trainer(tmp_path: Path) -> None:
     finally:
         trainer.kill()
     assert not os.path.exists(os.path.join(uri, ".metadata"))
+
+
+def test_a_manager_saves_and_retires_through_the_process_engine(tmp_path: Path) -> None:
+    """``CheckpointManager(engine="process")``: the manager's pointer and
+    retention in the trainer, each step's save in the checkpoint process."""
+    with dcpstore.CheckpointManager(str(tmp_path / "run"), engine="process", keep=1) as mgr:
+        for step in (1, 2):
+            state = {"w": torch.full((100,), float(step)), "step": step}
+            handle = mgr.save(state, step)
+            state["w"].zero_()  # the next optimizer step, before the save is written
+            assert handle.result(timeout=120).engine == "process"
+        mgr.wait()
+        assert mgr.all_steps() == [2]
+        loaded: dict[str, Any] = {"w": torch.zeros(100), "step": 0}
+        assert mgr.load(loaded) == 2
+    assert torch.equal(loaded["w"], torch.full((100,), 2.0)) and loaded["step"] == 2

@@ -93,9 +93,12 @@ class Slab:
         """Page-lock the block for asynchronous device-to-host copies, until
         the slab goes (its buffers are staged into only while it lives);
         unpinned, those copies are merely synchronous."""
-        cudart: Any = torch.cuda.cudart()  # type: ignore[no-untyped-call]
         ptr = self.block.data_ptr()
-        if int(cudart.cudaHostRegister(ptr, self.nbytes, 0)) != 0:
+        try:
+            cudart: Any = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+            if int(cudart.cudaHostRegister(ptr, self.nbytes, 0)) != 0:
+                return
+        except Exception:  # an older or odd CUDA runtime binding: stay unpinned
             return
         finalizer = weakref.finalize(self, cudart.cudaHostUnregister, ptr)
         finalizer.atexit = False  # never after the CUDA context is gone
