@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import time
+import weakref
 from typing import Any
 
 import pytest
@@ -95,6 +97,7 @@ class GatedPlanner(DefaultSavePlanner):
         super().__init__()
         self.at = at
         where = tempfile.mkdtemp(prefix="dcpstore-gate-")
+        weakref.finalize(self, shutil.rmtree, where, True)  # here only: a pickled copy runs no __init__
         self.reached = FileEvent(os.path.join(where, "reached"))
         self.gate = FileEvent(os.path.join(where, "gate"))
 
