@@ -12,7 +12,8 @@ pass of its own). See dcpstore/bench/interference.py for the method.
 Rows (each saves the same state to its own directory or key prefix):
 
 * ``dcpstore native`` and ``dcpstore NVRx`` -- ``dcpstore.save(async_=True)``
-  on each engine (background threads of the training process);
+  on each engine (background threads of the training process), and
+  ``dcpstore process`` (``engine="process"``: a checkpoint process per rank);
 * ``dcp.async_save`` with the thread and the process executor
   (``AsyncCheckpointerType``), with ``FileSystemWriter`` and with
   ``dcpstore.StorageWriter``;
@@ -107,6 +108,7 @@ def rows(local: str, s3: str | None) -> list[Row]:
     out: list[Row] = [
         DcpstoreRow("dcpstore native", f"{local}/native", "local", engine="native"),
         DcpstoreRow("dcpstore NVRx", f"{local}/nvrx", "local", engine="nvrx"),
+        DcpstoreRow("dcpstore process", f"{local}/process", "local", executor="process", engine="process"),
         DcpAsyncRow("dcp.async_save thread + FileSystemWriter", f"{local}/dcp-thread-fs", "local", "thread", _fs_writer),
         DcpAsyncRow("dcp.async_save process + FileSystemWriter", f"{local}/dcp-process-fs", "local", "process", _fs_writer),
         DcpAsyncRow("dcp.async_save thread + dcpstore.StorageWriter", f"{local}/dcp-thread-ds", "local", "thread",
@@ -118,6 +120,7 @@ def rows(local: str, s3: str | None) -> list[Row]:
         out += [
             DcpstoreRow("dcpstore native", f"{s3}/native", "s3", engine="native"),
             DcpstoreRow("dcpstore NVRx (through MSC)", f"{s3}/nvrx", "s3", engine="nvrx", enable_msc=True),
+            DcpstoreRow("dcpstore process", f"{s3}/process", "s3", executor="process", engine="process"),
             DcpAsyncRow("dcp.async_save thread + dcpstore.StorageWriter", f"{s3}/dcp-thread-ds", "s3", "thread",
                         _dcpstore_writer),
             DcpAsyncRow("dcp.async_save process + dcpstore.StorageWriter", f"{s3}/dcp-process-ds", "s3", "process",

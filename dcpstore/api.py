@@ -6,7 +6,7 @@ storage a URI names (:mod:`dcpstore.storage`); *how* is the DCP protocol
 This module only wires them together per call, from one
 :class:`~dcpstore.options.SaveOptions` / :class:`~dcpstore.options.LoadOptions`
 built from the keywords. It keeps no state of its own; async saves (and
-sync saves on the NVRx engine) run on the engines' per-process default
+sync saves on another engine than the native one) run on the engines' per-process default
 :class:`~dcpstore.AsyncSaver` (:func:`dcpstore.engines.saver.default_saver`),
 a cache of a thread, staging buffers and process groups, not a setting.
 
@@ -69,8 +69,8 @@ def save(
     logs one INFO line on the ``dcpstore`` logger (URI, bytes, GB/s, phases).
 
     Sync (default): returns a handle that is already done; errors raise here.
-    Sync saves use dcpstore's native writer unless ``engine="nvrx"``, which
-    runs the NVRx engine and waits for it.
+    Sync saves use dcpstore's native writer unless ``engine`` names another
+    engine (``"nvrx"``, ``"process"``), which then runs and is waited for.
 
     ``async_=True``: returns once the state is staged (a host-memory copy);
     from then on the caller may mutate its tensors. The write, commit and
@@ -90,9 +90,11 @@ def save(
             CPU count, between 2 and 8).
         enable_msc: route ``s3://`` and local paths through NVIDIA
             Multi-Storage-Client.
-        engine: the engine of async saves: ``"native"`` (every backend),
-            ``"nvrx"`` (NVRx's writer; local paths and MSC) or ``"auto"``
-            (NVRx where it can, else native with an
+        engine: what runs the background part (README, "Engines"):
+            ``"native"`` (a thread; every backend), ``"nvrx"`` (NVRx's
+            writer; local paths and MSC), ``"process"`` (a checkpoint
+            process per rank; every backend but ``memory://``) or
+            ``"auto"`` (NVRx where it can, else native with an
             :class:`~dcpstore.EngineFallbackWarning` saying why).
         process_group: the ranks that save together (default: all).
         planner: a DCP ``SavePlanner`` (default: DCP's own).

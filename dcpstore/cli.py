@@ -203,9 +203,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def _bench_interference(args: argparse.Namespace, bench: Any, report: Any) -> int:
     """``dcpstore bench URI --interference``: one async save per engine beside a training step."""
-    engines = ("native", "nvrx") if args.engine == "auto" else (args.engine,)
+    engines = {} if args.engine == "auto" else {"engines": (args.engine,)}  # auto: every engine
     text, results = bench.interference(
-        args.uri, size=parse_size(args.size), tensors=args.tensors, repeat=args.repeat, engines=engines,
+        args.uri, size=parse_size(args.size), tensors=args.tensors, repeat=args.repeat, **engines,
         enable_msc=args.enable_msc, progress=not args.quiet,
     )  # fmt: skip
     interference = _needs_torch("bench.interference")
@@ -263,7 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tensors", type=_positive_int, default=32, metavar="N",
                    help="split the bytes into N float32 tensors (default 32)")
     p.add_argument("--workers", default="1,2,4,8", help="comma-separated worker counts to try (default 1,2,4,8)")
-    p.add_argument("--engine", choices=("auto", "native", "nvrx"), default="auto", help="async engine (with --async)")
+    p.add_argument("--engine", default="auto",  # checked by save() against dcpstore.options.ENGINES (torch-free here)
+                   help="async engine (with --async): dcpstore.save's engine=, e.g. native, nvrx, process")
     p.add_argument("--async", dest="async_", action="store_true", help="save with async_=True; reports the blocked time")
     p.add_argument("--repeat", type=_positive_int, default=1, help="saves per worker count (default 1)")
     p.add_argument("--tiered", metavar="LOCAL_DIR",
@@ -274,7 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "worker count; s3://: raw boto3 over 1-32 connections and 8-64 MiB parts) and show every "
                         "row's save and load speed over the best limit")
     p.add_argument("--interference", action="store_true",
-                   help="instead: what one async save per engine (native, nvrx; --engine picks one) costs a "
+                   help="instead: what one async save per engine (native, nvrx, process; --engine picks one) costs a "
                         "training step of fixed work running beside it: lost step-seconds, peak step inflation, "
                         "CPU and (with py-spy installed) GIL seconds per GB of the save's threads")
     p.add_argument("--json", metavar="FILE", help="write every measurement as JSON records")

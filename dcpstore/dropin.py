@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -42,7 +41,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from .dcp.load_progress import LoadProgress
 from .dcp.reader import DcpStorageReader
 from .dcp.writer import DcpStorageWriter
-from .engines.staging import StagedState, Stager, StagingPool
+from .engines.staging import Staging
 from .errors import InvalidArgument
 from .progress import NO_PROGRESS
 from .storage import Storage, StorageOptions, open_storage
@@ -168,13 +167,13 @@ class StorageWriter(DcpStorageWriter, AsyncStager):
         self.per_thread_copy_ahead = per_thread_copy_ahead
         self.cache_staged_state_dict = cache_staged_state_dict
         self._opener = opener
-        self._staging = _Staging(cache_staged_state_dict)
+        self._staging = _staging(cache_staged_state_dict)
 
     # -- AsyncStager: what dcp.async_save calls ------------------------------
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """A consistent host copy of ``state_dict`` (as ``dcpstore.save(async_=True)``
         takes one); ``dcp.async_save`` saves the copy while training goes on."""
-        return self._staging.stage(state_dict)
+        return self._staging.hand_out(state_dict)
 
     def synchronize_staging(self) -> None:
         """Nothing to wait for: :meth:`stage` returns once the copy is complete."""
@@ -182,7 +181,7 @@ class StorageWriter(DcpStorageWriter, AsyncStager):
     def close(self) -> None:
         """Drop the staging buffers kept for the next save (saves still in
         flight keep theirs until they finish)."""
-        self._staging.close()
+        self._staging.clear()
 
     # -- pickling: DCP's process executor sends the writer to its process ----
     def __getstate__(self) -> dict[str, Any]:
@@ -195,7 +194,7 @@ class StorageWriter(DcpStorageWriter, AsyncStager):
         super().__setstate__(state)
         self.storage = self._opener(state["storage"])
         self.progress = NO_PROGRESS
-        self._staging = _Staging(self.cache_staged_state_dict)
+        self._staging = _staging(self.cache_staged_state_dict)
 
 
 class StorageReader(DcpStorageReader):
@@ -291,40 +290,7 @@ def _check_flags(**flags: Any) -> None:
             raise InvalidArgument(f"{name} must be a bool, got {value!r}")
 
 
-class _Staging:
-    """The writer's staging for ``dcp.async_save``: dcpstore's
-    :class:`~dcpstore.engines.staging.Stager`.
-
-    With ``cache`` the buffers of one structure are kept for the next save.
-    DCP tells a stager nothing about the save it staged for (saves may
-    overlap, on either executor, and the writing may happen in another
-    process), so a staged set goes back to the pool only once nothing but
-    this object references its memory (:meth:`StagedState.in_use`): every
-    save that could still read it has dropped it. Until then the next
-    staging allocates a set of its own."""
-
-    def __init__(self, cache: bool) -> None:
-        self._cache = cache
-        self._stager = Stager(StagingPool(max_structures=1 if cache else 0, max_sets=1))
-        #: Sets handed to DCP that may still be read (cache only).
-        self._handed: list[StagedState] = []
-        self._lock = threading.Lock()
-
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        if not self._cache:
-            return self._stager.stage(state_dict).hand_out()
-        with self._lock:
-            busy = []
-            for staged in self._handed:
-                if staged.in_use():
-                    busy.append(staged)
-                else:
-                    staged.release()  # back to the pool for this copy
-            staged = self._stager.stage(state_dict)
-            self._handed = [*busy, staged]
-            return staged.hand_out()
-
-    def close(self) -> None:
-        with self._lock:
-            self._handed = []
-            self._stager.pool.clear()
+def _staging(cache: bool) -> Staging:
+    """The writer's staging for ``dcp.async_save`` (:meth:`Staging.hand_out`):
+    with ``cache`` the buffers of one structure are kept for the next save."""
+    return Staging(max_structures=1 if cache else 0, max_sets=1)

@@ -47,7 +47,8 @@ class CheckpointInfo:
     Attributes:
         uri: the checkpoint, safe to print.
         backend: the storage backend (``"local"``, ``"s3"``, ``"msc"``, ...).
-        engine: ``"sync"``, ``"native"`` or ``"nvrx"``.
+        engine: ``"sync"``, or the engine that ran it (``"native"``,
+            ``"nvrx"``, ``"process"``).
         bytes_written, files: what *this rank* wrote.
         phases: seconds per phase: ``plan`` (DCP planning), ``stage`` (the
             consistent snapshot; 0 for sync saves), ``write`` (data files
@@ -131,7 +132,7 @@ class SaveHandle:
     Attributes:
         uri: the checkpoint's URI, safe to print.
         engine: the engine that runs the save (``"sync"`` for plain
-            synchronous saves, ``"native"`` or ``"nvrx"``).
+            synchronous saves, else the engine's name).
         hang_timeout: the saver's ``hang_timeout`` (``None``: a sync save, or
             no bound).
 

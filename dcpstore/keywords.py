@@ -5,8 +5,9 @@ unknown. :func:`hint_keywords` wraps a public function or method so that the
 error also says what was probably meant: ``async_`` for ``async`` (a
 reserved word, which is why the option has its trailing underscore, PEP 8),
 the closest accepted name for a misspelling (``difflib``), or else the list of
-accepted names. The check is one set difference per call; the error stays a
-``TypeError``, as Python's is.
+accepted names; a name another library uses for one of ours
+(:data:`ELSEWHERE`: ``executor``) names ours. The check is one set difference
+per call; the error stays a ``TypeError``, as Python's is.
 
 Foundation layer: imports nothing of dcpstore's.
 """
@@ -36,6 +37,16 @@ def keyword_names(fn: Callable[..., object]) -> frozenset[str] | None:
     return frozenset(names)
 
 
+#: Keywords other libraries (and our own issue tracker) spell differently:
+#: name -> (ours, what to pass). torch's ``dcp.async_save`` chooses a
+#: checkpoint process with ``async_checkpointer_type``; dcpstore with its
+#: one option for what runs a save, ``engine``.
+ELSEWHERE = {
+    "executor": ("engine", "engine='process' runs the save in a checkpoint process"),
+    "async_checkpointer_type": ("engine", "engine='process' runs the save in a checkpoint process"),
+}
+
+
 def unknown_keyword_message(function: str, unknown: Iterable[str], accepted: Iterable[str]) -> str:
     """The message for unknown keyword arguments of ``function``, each with a
     suggestion where one is likely."""
@@ -43,8 +54,11 @@ def unknown_keyword_message(function: str, unknown: Iterable[str], accepted: Ite
     parts = []
     for name in sorted(unknown):
         text = f"an unexpected keyword argument {name!r}"
+        ours = ELSEWHERE.get(name)
         if keyword.iskeyword(name) and f"{name}_" in accepted:
             text += f": did you mean {name + '_'!r}? ({name!r} is a reserved word in Python, hence the underscore)"
+        elif ours is not None and ours[0] in accepted:
+            text += f": did you mean {ours[0]!r}? ({ours[1]})"
         else:
             close = difflib.get_close_matches(name, accepted, n=1, cutoff=0.6)
             if close:

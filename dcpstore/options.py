@@ -8,10 +8,11 @@ onto one). Every layer below receives the one object, so no layer repeats
 the keyword list, and every value is checked once, here, when the object is
 built: a :class:`SaveOptions` that exists is valid.
 
-What a value object cannot know -- whether NVRx is installed, and whether it
-can write a given backend -- is asked of the NVRx engine
-(:func:`dcpstore.engines.choice.engine_problem`), again by every layer that
-needs it, so a configuration can never allow what the writer refuses.
+What a value object cannot know -- whether an engine can run here (NVRx
+installed), and whether it can write a given backend -- is asked of the
+engine (:func:`dcpstore.engines.choice.engine_problem`), again by every
+layer that needs it, so a configuration can never allow what the writer
+refuses.
 
 Layer: value objects. Imports only :mod:`dcpstore.errors` and
 :mod:`dcpstore.storage` (for the :class:`StorageOptions` type).
@@ -30,12 +31,36 @@ from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 from .errors import InvalidArgument
 from .storage import StorageOptions
 
-#: The save engines, by name (the async engines' own list).
-ENGINES: Mapping[str, str] = {
-    "auto": "NVRx where it works, else native, with one warning naming why",
-    "native": "dcpstore's own staging + thread pool",
-    "nvrx": "NVIDIA Resiliency Extension's async writer",
+@dataclass(frozen=True)
+class EngineSpec:
+    """One row of the engine registry: a name ``engine=`` takes and the
+    engine behind it (:mod:`dcpstore.engines.registry` imports it and
+    states what an engine is)."""
+
+    name: str
+    #: ``"module:Class"`` of its engine.
+    target: str
+    summary: str
+
+
+#: The engines of background saves, by name: the one table (``engine=``,
+#: the CLI and the tests read it). A new engine is a module and a row here.
+ENGINES: Mapping[str, EngineSpec] = {
+    spec.name: spec
+    for spec in (
+        EngineSpec("native", "dcpstore.engines.native:NativeEngine", "dcpstore's own writer on a background thread"),
+        EngineSpec("nvrx", "dcpstore.engines.nvrx:NvrxEngine", "NVIDIA Resiliency Extension's planner and file writer"),
+        EngineSpec(
+            "process", "dcpstore.engines.process:ProcessEngine", "dcpstore's own writer in a checkpoint process per rank"
+        ),
+    )
 }
+#: ``engine="auto"``: the first of these that can write the storage; the
+#: last one writes every backend (and is chosen with a warning saying why).
+AUTO = "auto"
+AUTO_ORDER = ("nvrx", "native")
+#: Every value ``engine=`` takes.
+ENGINE_CHOICES = (AUTO, *ENGINES)
 
 #: Why a planner with DCP's save-plan cache switched on
 #: (``DefaultSavePlanner(enable_plan_caching=True)``, what Megatron's
@@ -94,8 +119,8 @@ def save_option_problems(
         problems.append(OptionProblem("async_", f"async_ must be a bool, got {async_!r}"))
     if not isinstance(overwrite, bool):
         problems.append(OptionProblem("overwrite", f"overwrite must be a bool, got {overwrite!r}"))
-    if not isinstance(engine, str) or engine not in ENGINES:
-        problems.append(OptionProblem("engine", f"engine must be one of {', '.join(ENGINES)}, got {engine!r}"))
+    if not isinstance(engine, str) or engine not in ENGINE_CHOICES:
+        problems.append(OptionProblem("engine", f"engine must be one of {', '.join(ENGINE_CHOICES)}, got {engine!r}"))
     try:
         check_workers(workers, 1)
     except InvalidArgument as e:
@@ -240,8 +265,9 @@ class SaveOptions:
     @property
     def runs_in_background(self) -> bool:
         """Whether the save runs on an :class:`~dcpstore.AsyncSaver`: every
-        async save, and sync saves on the NVRx engine (which then wait)."""
-        return self.async_ or self.engine == "nvrx"
+        async save, and a sync save that names an engine other than the
+        native one (which then waits for it)."""
+        return self.async_ or self.engine not in (AUTO, "native")
 
     def for_load(self, *, safe_globals: Sequence[Any] = (), trusted: bool = False) -> LoadOptions:
         """The options a load of what these options saved reads with;

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-import threading
+import os
+import shutil
+import tempfile
+import time
+import weakref
 from typing import Any
 
 import pytest
@@ -13,8 +17,20 @@ import dcpstore
 import extras
 from backends import Target
 from dcpstore.engines import nvrx as nvrx_adapter
+from dcpstore.engines.registry import engine_class
+from dcpstore.options import ENGINES as ALL_ENGINES
 
-ENGINES = ("native", "nvrx")
+ENGINES = tuple(ALL_ENGINES)
+#: Engines whose cases run in the quick suite wherever a suite runs every
+#: engine; the process engine starts a checkpoint process per saver
+#: (seconds each on a small box): a sample of its cases is quick (each
+#: suite says which), the rest run in the slow run.
+QUICK_ENGINES = ("native", "nvrx")
+
+
+def engine_params(quick: tuple[str, ...] = QUICK_ENGINES) -> list[Any]:
+    """:data:`ENGINES` for ``parametrize``: those not in ``quick`` marked slow."""
+    return [e if e in quick else pytest.param(e, marks=pytest.mark.slow) for e in ENGINES]
 
 
 def open_target(target: Target) -> dcpstore.storage.Storage:
@@ -22,22 +38,49 @@ def open_target(target: Target) -> dcpstore.storage.Storage:
 
 
 def skip_unless_engine_serves(engine: str, target: Target) -> None:
-    """Skip NVRx cases on the targets NVRx cannot write (native S3, fsspec),
-    as :data:`extras.NVRX_TARGETS` says, not as the engine does: the
-    engine's own answer (``target_for``) must agree with the table."""
-    if engine != "nvrx":
+    """Skip the cases of an engine on the targets it cannot write (NVRx:
+    native S3 and fsspec; the process engine: ``memory://``), as
+    :mod:`extras`' tables say, not as the engine does: the engine's own
+    answer must agree with the table."""
+    if engine == "native":
         return
-    extras.skip_unless(extras.NVRX)
-    assert nvrx_adapter.import_error() is None, nvrx_adapter.import_error()  # NVRx imports: the engine must see it
+    if engine == "nvrx":
+        extras.skip_unless(extras.NVRX)
+        assert nvrx_adapter.import_error() is None, nvrx_adapter.import_error()  # NVRx imports: the engine must see it
+        serves = target.name in extras.NVRX_TARGETS
+    else:
+        serves = target.name not in extras.PROCESS_REFUSED
     storage = open_target(target)
     try:
-        why = nvrx_adapter.target_for(storage)
+        why = engine_class(engine).target_problem(storage.backend, storage.uri)
     finally:
         storage.close()
-    serves = target.name in extras.NVRX_TARGETS
-    assert serves != isinstance(why, str), f"NVRx on {target.name}: the table says {serves}, the engine says {why!r}"
+    assert serves == (why is None), f"{engine} on {target.name}: the table says {serves}, the engine says {why!r}"
     if not serves:
-        pytest.skip(f"NVRx writes only POSIX paths and MSC URLs, not the {target.name} target")
+        pytest.skip(f"the {engine} engine cannot write the {target.name} target: {why}")
+
+
+class FileEvent:
+    """``threading.Event``'s ``set`` / ``is_set`` / ``wait`` across processes:
+    set once its file exists (pickled, it is the same event in the process
+    engine's checkpoint process)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def set(self) -> None:
+        open(self.path, "w").close()
+
+    def is_set(self) -> bool:
+        return os.path.exists(self.path)
+
+    def wait(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while not self.is_set():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        return True
 
 
 class GatedPlanner(DefaultSavePlanner):
@@ -46,14 +89,17 @@ class GatedPlanner(DefaultSavePlanner):
 
     ``at="setup"`` stops before planning (nothing written, nothing retracted);
     ``at="resolve"`` stops at the first data item, i.e. after the old commit
-    was retracted and before any data file is written.
+    was retracted and before any data file is written. Its events are
+    files, so it holds a save in another process too (the process engine's).
     """
 
     def __init__(self, at: str = "setup") -> None:
         super().__init__()
         self.at = at
-        self.reached = threading.Event()
-        self.gate = threading.Event()
+        where = tempfile.mkdtemp(prefix="dcpstore-gate-")
+        weakref.finalize(self, shutil.rmtree, where, True)  # here only: a pickled copy runs no __init__
+        self.reached = FileEvent(os.path.join(where, "reached"))
+        self.gate = FileEvent(os.path.join(where, "gate"))
 
     def _stop(self, where: str) -> None:
         if where == self.at and not self.reached.is_set():

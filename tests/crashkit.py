@@ -16,6 +16,14 @@ n-th *event*. Events come from every layer a save passes through:
   each botocore call, on whichever thread makes it, e.g. the part-upload
   pool): :func:`instrument_s3`.
 
+With the process engine a save runs in two processes, the trainer (staging,
+the manager's pointer and retention) and its checkpoint process (the DCP
+save), one after the other: their events are counted together
+(:class:`faults.SharedEvents`; the checkpoint process installs its hook at
+start-up, tests/worker_site/sitecustomize.py), and a kill at an event of
+the checkpoint process kills the trainer with it, as the kernel does when
+the trainer dies (the checkpoint process never outlives it).
+
 A probe run records the events (:class:`faults.Recorder`) and
 :func:`kill_points` picks where to kill: every structural event, plus a
 spread over the repetitive ones (chunk writes, staging copies, NVRx items).
@@ -29,10 +37,12 @@ Each kill point gets its own root, so every expectation is exact.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import multiprocessing as mp
 import os
 import signal
+import tempfile
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -47,7 +57,7 @@ from dcpstore.maintenance import inspect_checkpoint, list_checkpoints
 from dcpstore.manager import parse_step_dir, step_dir
 from dcpstore.storage import join_uri, open_storage
 from dcpstore.format.layout import METADATA, is_manifest
-from faults import Hook, KillAt, Recorder, hook_all_storage, spread
+from faults import Hook, KillAt, Recorder, SharedEvents, hook_all_storage, spread
 from helpers import assert_state_equal, zeros_like_state
 
 #: Events that repeat per chunk / tensor: only a spread of them become kill points.
@@ -276,6 +286,8 @@ class Managed:
     big: int = 256 * 1024
     #: Environment for the child (the forkserver predates the test's); None unsets.
     env: dict[str, str | None] = field(default_factory=dict)
+    #: Where a save in two processes counts its events (run_managed_crashes makes it).
+    events_dir: str | None = None
 
     @property
     def io(self) -> dict[str, Any]:
@@ -288,6 +300,8 @@ class Managed:
 
 
 def _managed_save(root: str, scenario: str, how: Managed, hook: Hook) -> None:
+    if isinstance(hook, SharedEvents):  # the checkpoint process installs the same hook
+        os.environ.update(hook.environment())
     for key, value in how.env.items():
         if value is None:
             os.environ.pop(key, None)
@@ -306,12 +320,24 @@ def _managed_save(root: str, scenario: str, how: Managed, hook: Hook) -> None:
     manager.close()  # waits, then writes the pointer and applies retention
 
 
+def _in_two_processes(how: Managed) -> bool:
+    """Whether the save runs in a checkpoint process (the process engine):
+    its events are counted across the trainer and that process."""
+    return how.kwargs.get("engine") == "process"
+
+
+def _shared_events(how: Managed, kill_at: int | None) -> SharedEvents:
+    fd, path = tempfile.mkstemp(dir=how.events_dir)
+    os.close(fd)
+    return SharedEvents(path, os.getpid(), kill_at)
+
+
 def managed_child(root: str, scenario: str, how: Managed, kill_at: int) -> None:
-    _managed_save(root, scenario, how, KillAt(kill_at))
+    _managed_save(root, scenario, how, _shared_events(how, kill_at) if _in_two_processes(how) else KillAt(kill_at))
 
 
 def managed_probe(root: str, scenario: str, how: Managed, queue: Any) -> None:
-    recorder = Recorder()
+    recorder = _shared_events(how, None) if _in_two_processes(how) else Recorder()
     _managed_save(root, scenario, how, recorder)
     queue.put(recorder.events)
 
@@ -349,6 +375,10 @@ def run_managed_crashes(
     wreck commits cleanly, and ``dcpstore gc`` removes every leftover and no
     committed step. Returns the probe's events, for backend-specific checks.
     """
+    if _in_two_processes(how) and how.events_dir is None:
+        with tempfile.TemporaryDirectory(prefix="dcpstore-crash-events-") as events_dir:
+            return run_managed_crashes(ctx, base, scenario, dataclasses.replace(how, events_dir=events_dir),
+                                       budget=budget, keep=keep, required=required, before_gc=before_gc)  # fmt: skip
     queue = ctx.Queue()
     assert crash(ctx, managed_probe, _seeded_root(base, "probe", how), scenario, how, queue) == 0
     events: list[str] = queue.get(timeout=30)

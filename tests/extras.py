@@ -45,6 +45,10 @@ NVRX = "nvidia-resiliency-ext"
 #: the native S3 or the fsspec backend (README, "Engines").
 NVRX_TARGETS = frozenset({"local", "local+msc", "msc", "s3+msc"})
 
+#: The targets the process engine cannot write: fsspec's ``memory://`` is
+#: one process's memory, not the checkpoint process's (README, "Engines").
+PROCESS_REFUSED = frozenset({"memory"})
+
 
 def missing(dist: str) -> str | None:
     """Why ``dist`` is not usable here (``None``: each of its modules imports)."""

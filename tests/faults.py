@@ -8,6 +8,8 @@ there, or SIGKILL the process there — the crash tests use the last.
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
 import signal
 import threading
@@ -88,7 +90,7 @@ class EventStorage(Storage):
 
 
 #: Where dcpstore.save / load / AsyncSaver / CheckpointManager look up ``open_storage``.
-_OPENERS = ("dcpstore.api", "dcpstore.engines.saver", "dcpstore.manager.manager")
+_OPENERS = ("dcpstore.api", "dcpstore.engines.saver", "dcpstore.manager.manager", "dcpstore.engines.process")
 
 
 def hook_all_storage(hook: Hook | dict[str, Hook], setattr: Callable[[object, str, object], None] = setattr) -> None:
@@ -135,6 +137,51 @@ class KillAt:
             if self.seen == self.n:
                 os.kill(os.getpid(), signal.SIGKILL)
             self.seen += 1
+
+
+class SharedEvents:
+    """:class:`Recorder` and :class:`KillAt` for a save that runs in two
+    processes, a trainer and the process engine's checkpoint process (one
+    after the other, never both at once): each event is counted in, or
+    appended to, one file under a lock. ``kill_at`` None: record;
+    otherwise SIGKILL the trainer (``trainer``, a pid) and this process at
+    the ``kill_at``-th event of the two together (0-based)."""
+
+    def __init__(self, path: str, trainer: int, kill_at: int | None = None) -> None:
+        self.path, self.trainer, self.kill_at = path, trainer, kill_at
+        self._lock = threading.Lock()  # and flock, between the processes
+
+    def __call__(self, event: str) -> None:
+        with self._lock, open(self.path, "a+") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            f.seek(0)
+            seen = sum(1 for _ in f)
+            if seen == self.kill_at:
+                if self.trainer != os.getpid():
+                    os.kill(self.trainer, signal.SIGKILL)
+                os.kill(os.getpid(), signal.SIGKILL)
+            f.write(json.dumps(event) + "\n")
+            f.flush()
+
+    @property
+    def events(self) -> list[str]:
+        with open(self.path) as f:
+            return [json.loads(line) for line in f]
+
+    def environment(self) -> dict[str, str]:
+        """What a checkpoint process needs to install the same hook
+        (tests/worker_site/sitecustomize.py)."""
+        spec = {"path": self.path, "trainer": self.trainer, "kill_at": self.kill_at}
+        tests = os.path.dirname(os.path.abspath(__file__))
+        path = os.pathsep.join(p for p in (os.path.join(tests, "worker_site"), tests, os.environ.get("PYTHONPATH")) if p)
+        return {"DCPSTORE_CRASH_HOOK": json.dumps(spec), "PYTHONPATH": path}
+
+
+def install_shared_hook() -> None:
+    """In a checkpoint process of a crash run: route its storage through
+    the :class:`SharedEvents` the environment names."""
+    spec = json.loads(os.environ["DCPSTORE_CRASH_HOOK"])
+    hook_all_storage(SharedEvents(spec["path"], spec["trainer"], spec["kill_at"]))
 
 
 class KillOn:

@@ -49,6 +49,8 @@ MISTAKES = [
     ("AsyncSaver", {"max_inflight": 2}, "did you mean 'max_in_flight'?"),
     ("AsyncSaver.save", {"workes": 4}, "did you mean 'workers'?"),
     ("AsyncSaver.save", {"engin": "native"}, "did you mean 'engine'?"),
+    ("save", {"executor": "process"}, "did you mean 'engine'? (engine='process' runs the save in a checkpoint process)"),
+    ("CheckpointManager", {"executor": "process"}, "did you mean 'engine'?"),
     ("CheckpointManager", {"async": True}, ASYNC_HINT),
     ("CheckpointManager", {"kep": 3}, "did you mean 'keep'?"),
     ("CheckpointManager.save", {"overwirte": True}, "did you mean 'overwrite'?"),

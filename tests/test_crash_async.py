@@ -1,4 +1,4 @@
-"""SIGKILL an *async* save at >= 20 points, on both engines; nothing wrong ever loads.
+"""SIGKILL an *async* save at >= 20 points, on every engine; nothing wrong ever loads.
 
 Kill points span the whole save (see crashkit.py): staging (the caller's
 thread, before ``save`` returns), the background write (each data file's
@@ -41,6 +41,8 @@ CASES = [
     pytest.param("nvrx", "overwrite", None, id="nvrx-overwrite", marks=[needs_nvrx, slow]),
     pytest.param("native", "next", None, id="native-next-all", marks=slow),
     pytest.param("native", "overwrite", None, id="native-overwrite-all", marks=slow),
+    pytest.param("process", "next", 24, id="process-next", marks=slow),
+    pytest.param("process", "overwrite", 24, id="process-overwrite", marks=slow),
 ]
 #: Always killed at, whatever the budget: staging, the gap between the data
 #: and the commit (the manifest), and both sides of the commit.

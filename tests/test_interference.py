@@ -180,16 +180,17 @@ def test_benchmark_runs_the_stock_executors_and_writes_its_metadata(tmp_path: Pa
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "interference.py"), "--size", "4MiB", "--tensors", "4",
          "--repeat", "1", "--targets", "local", "--no-gil", "--root", str(tmp_path),
-         "--only", "dcpstore native|process \\+|thread \\+ FileSystemWriter", "--json", str(out_json)],
+         "--only", "dcpstore native|dcpstore process|process \\+|thread \\+ FileSystemWriter", "--json", str(out_json)],
         capture_output=True, text=True, timeout=600, env=env,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     doc: dict[str, Any] = json.loads(out_json.read_text())
     got = {r["name"]: r for r in doc["results"]}
-    assert set(got) == {"dcpstore native", "dcp.async_save thread + FileSystemWriter",
+    assert set(got) == {"dcpstore native", "dcpstore process", "dcp.async_save thread + FileSystemWriter",
                         "dcp.async_save process + FileSystemWriter", "dcp.async_save process + dcpstore.StorageWriter"}
     assert all(r["status"] == "ok" for r in got.values()), got
     assert got["dcp.async_save process + FileSystemWriter"]["executor"] == "process"
+    assert got["dcpstore process"]["executor"] == "process"
     meta = doc["meta"]
     assert meta["git_commit"] and meta["machine"]["cpus"] and meta["command"].startswith("python benchmarks/interference.py")
     assert os.listdir(tmp_path) == ["interference.json"]  # its scratch directory is gone

@@ -1,30 +1,34 @@
 """Async saves across real ranks: gloo process groups in spawned processes.
 
 Each job runs every scenario in one set of processes (start-up dominates):
-both engines save and reload (plain tensors, a replicated tensor, a DTensor
+every engine saves and reloads (plain tensors, a replicated tensor, a DTensor
 and per-rank tensors), training collectives run on the default group while
 the background save runs its own, NVRx's plan cache survives repeated saves
 and a structure change on one rank only, a write failure on one rank commits
 nothing and raises on every rank, and so do ranks that chose different
-engines.
+engines. The process engine's checkpoint process SIGKILLed on one rank
+mid-save fails the save on every rank, naming that rank, within seconds,
+and the next save starts new ones and commits.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
+import time
 import warnings
 from datetime import timedelta
 
+import psutil
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import dcpstore
+from async_helpers import ENGINES, GatedPlanner
 from dcpstore.errors import CheckpointNotFound, SaveError
-
-ENGINES = ("native", "nvrx")
 
 
 def _free_port() -> int:
@@ -96,6 +100,7 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
             _repeated_and_changed_structure(rank, world, mesh, saver, engine, os.path.join(root, f"rep-{engine}"))
             _one_rank_fails(rank, world, mesh, saver, engine, os.path.join(root, f"fail-{engine}"))
         _ranks_disagree_on_engine(rank, world, mesh, saver, os.path.join(root, "mixed"))
+        _checkpoint_process_killed(rank, world, mesh, saver, root)
         # The module-level API (per-process default saver) across ranks too.
         uri = os.path.join(root, "default-saver")
         state = _state(rank, world, mesh, step=7)
@@ -153,7 +158,7 @@ def _repeated_and_changed_structure(
             # NVRx reuses its plan once two consecutive plans matched on every
             # rank (the round trip above saved this structure already); rank
             # 1's change at step 3 resets every rank's cache.
-            ((_, cache),) = saver._nvrx_caches.values()
+            ((_, cache),) = saver._engines["nvrx"].caches.values()  # type: ignore[attr-defined]
             assert cache.validated_cache_reuse == (step < 3), (step, cache.validated_cache_reuse)
         dist.barrier()
         loaded = _empty_like_state(state)
@@ -204,6 +209,45 @@ def _ranks_disagree_on_engine(rank: int, world: int, mesh: object, saver: dcpsto
         handle.result(timeout=120)
     dist.barrier()
     assert not os.path.exists(os.path.join(uri, ".metadata"))
+
+
+def checkpoint_processes() -> list[int]:
+    """The pids of this process's checkpoint processes (the process engine's)."""
+    return [p.pid for p in psutil.Process().children() if "dcpstore.engines.process" in " ".join(p.cmdline())]
+
+
+def _checkpoint_process_killed(rank: int, world: int, mesh: object, saver: dcpstore.AsyncSaver, root: str) -> None:
+    # Every rank's save is held before it plans; then rank 1's checkpoint
+    # process is SIGKILLed and the others go on: they must not wait for it.
+    state = _state(rank, world, mesh, step=6)
+    uri = os.path.join(root, "killed")
+    planner = GatedPlanner("setup")
+    handle = saver.save(state, uri, engine="process", planner=planner)
+    assert planner.reached.wait(120)
+    (before,) = checkpoint_processes()
+    dist.barrier()
+    if rank == 1:
+        os.kill(before, signal.SIGKILL)
+    dist.barrier()
+    started = time.monotonic()
+    planner.gate.set()
+    with pytest.raises(SaveError, match=r"checkpoint process died \(rank 1: pid \d+, killed by SIGKILL\)") as info:
+        handle.result(timeout=60)  # a hang would raise TimeoutError instead
+    assert uri in str(info.value)
+    assert time.monotonic() - started < 60
+    dist.barrier()
+    assert not os.path.exists(os.path.join(uri, ".metadata"))
+    # The next save starts a new checkpoint process on every rank and commits.
+    expected = {k: (v.clone() if isinstance(v, torch.Tensor) else dict(v)) for k, v in state.items()}  # type: ignore[call-overload]
+    info2 = saver.save(state, uri, engine="process").result(timeout=120)
+    assert info2.engine == "process"
+    (after,) = checkpoint_processes()
+    assert after != before
+    dist.barrier()
+    loaded = _empty_like_state(state)
+    dcpstore.load(loaded, uri)
+    _check_loaded(loaded, expected)
+    dist.barrier()
 
 
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])

@@ -22,6 +22,12 @@ import torch
 import dcpstore
 from dcpstore.errors import SaveError
 
+#: The engines these run on: the native one (NVRx's failures reach the saver
+#: the same way) and the process engine, whose failures come from another
+#: process; a sample of the latter is quick.
+ENGINES = ["native", "process"]
+SLOW_PROCESS = ["native", pytest.param("process", marks=pytest.mark.slow)]
+
 
 def _unwritable(tmp_path: Path) -> str:
     """A URI whose save fails in the background: its parent is a regular
@@ -40,19 +46,20 @@ def _wait_done(handle: dcpstore.SaveHandle) -> None:
     assert handle.wait_bounded()
 
 
-def test_next_save_raises_an_unobserved_failure_chained_and_naming_its_uri(tmp_path: Path) -> None:
+@pytest.mark.parametrize("engine", ENGINES)
+def test_next_save_raises_an_unobserved_failure_chained_and_naming_its_uri(tmp_path: Path, engine: str) -> None:
     bad, good = _unwritable(tmp_path), str(tmp_path / "good")
     with dcpstore.AsyncSaver() as saver:
-        first = saver.save(_state(), bad, engine="native")
+        first = saver.save(_state(), bad, engine=engine)
         _wait_done(first)
         with pytest.raises(SaveError) as info:
-            saver.save(_state(), good, engine="native")
+            saver.save(_state(), good, engine=engine)
         message = str(info.value)
         assert bad in message and "was not started" in message and good in message
         assert isinstance(info.value.__cause__, SaveError) and bad in str(info.value.__cause__)
         assert not os.path.exists(good)  # the refused save wrote nothing
         # Raised once: the next save runs, and the first handle still reports.
-        saver.save(_state(), good, engine="native").result(timeout=60)
+        saver.save(_state(), good, engine=engine).result(timeout=60)
         with pytest.raises(SaveError):
             first.result()
     assert os.path.exists(os.path.join(good, ".metadata"))
@@ -71,10 +78,11 @@ def test_an_observed_failure_is_not_raised_again(tmp_path: Path, observe: str) -
         saver.save(_state(), good, engine="native").result(timeout=60)
 
 
-def test_close_raises_an_unobserved_failure(tmp_path: Path) -> None:
+@pytest.mark.parametrize("engine", ENGINES)
+def test_close_raises_an_unobserved_failure(tmp_path: Path, engine: str) -> None:
     bad = _unwritable(tmp_path)
     saver = dcpstore.AsyncSaver()
-    saver.save(_state(), bad, engine="native")
+    saver.save(_state(), bad, engine=engine)
     with pytest.raises(SaveError, match="the saver is closed") as info:
         saver.close()
     assert bad in str(info.value)
@@ -110,10 +118,11 @@ def test_a_manager_save_raises_an_unobserved_async_failure(tmp_path: Path) -> No
         mgr.save(_state(), 1).result(timeout=60)
 
 
-def test_a_manager_raises_its_own_failed_save_from_the_next_one(tmp_path: Path) -> None:
+@pytest.mark.parametrize("engine", SLOW_PROCESS)
+def test_a_manager_raises_its_own_failed_save_from_the_next_one(tmp_path: Path, engine: str) -> None:
     root = tmp_path / "run"
     root.mkdir()
-    with dcpstore.CheckpointManager(str(root), engine="native") as mgr:
+    with dcpstore.CheckpointManager(str(root), engine=engine) as mgr:
         (root / "step_00000001").write_text("a file where the step's directory goes")
         handle = mgr.save(_state(), 1)
         _wait_done(handle)
@@ -130,12 +139,13 @@ def _run(script: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip
 
 
-def test_at_exit_an_unobserved_failure_is_reported_loudly_and_the_status_kept(tmp_path: Path) -> None:
+@pytest.mark.parametrize("engine", SLOW_PROCESS)
+def test_at_exit_an_unobserved_failure_is_reported_loudly_and_the_status_kept(tmp_path: Path, engine: str) -> None:
     bad = _unwritable(tmp_path)
     out = _run(
         f"""
         import torch, dcpstore
-        dcpstore.save({{"w": torch.ones(10)}}, {bad!r}, async_=True, engine="native")
+        dcpstore.save({{"w": torch.ones(10)}}, {bad!r}, async_=True, engine={engine!r})
         print("training done")
         """,
         tmp_path,

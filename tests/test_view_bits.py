@@ -24,6 +24,7 @@ ENGINES: dict[str, dict[str, Any]] = {
     "sync": {},
     "native": {"async_": True, "engine": "native"},
     "nvrx": {"async_": True, "engine": "nvrx"},
+    "process": {"async_": True, "engine": "process"},
 }
 
 

@@ -282,7 +282,7 @@ class CheckpointConfig:
     ckpt_assume_constant_structure: bool = False
     #: Resume from this step instead of the newest committed one.
     ckpt_step: int | None = None
-    #: dcpstore's save engine (not a Megatron field): auto, native or nvrx.
+    #: dcpstore's save engine (not a Megatron field): auto, or a name of dcpstore.options.ENGINES.
     engine: str = "auto"
     #: How steps are named (not a Megatron field): ``"dcpstore"``
     #: (``step_00000100/``, ``latest``) or ``"bridge"`` (``iter_0000100/``,

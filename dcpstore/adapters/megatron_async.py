@@ -50,14 +50,14 @@ with its plan item; a difference fails that save (:class:`SaveError`
 naming the keys, on every rank), and the committed checkpoints stay as they are.
 
 Layer: adapters. Imports :mod:`.megatron_worker`, the drop-in writer's
-argument checks, the engines' claim, the DCP protocol, the value objects,
+argument checks, the DCP protocol (whose writer it is, claiming before
+planning: ``claims_before_planning``), the value objects,
 :mod:`dcpstore.storage` and the foundation. NVRx itself is not imported:
 the writer serves NVRx's functions, it does not call them.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import secrets
@@ -71,7 +71,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint._extension import StreamTransformExtension
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner, create_default_local_save_plan
-from torch.distributed.checkpoint.filesystem import SerializationFormat, _StoragePrefix
+from torch.distributed.checkpoint.filesystem import SerializationFormat
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
@@ -79,9 +79,8 @@ from torch.distributed.checkpoint.utils import _DistWrapper
 from torch.futures import Future
 
 from ..dcp.failures import describe_failure
-from ..dcp.writer import DcpStorageWriter, rank_prefix, split_buckets
+from ..dcp.writer import DcpStorageWriter
 from ..dropin import check_writer_args
-from ..engines.nvrx import claim_and_share
 from ..errors import InvalidArgument, SaveError
 from ..handle import SaveStats
 from ..storage import Storage, StorageOptions, open_storage
@@ -121,6 +120,7 @@ class FileSystemWriterAsync(DcpStorageWriter):
 
     #: NVRx's planner may prepare the global plan on each rank.
     can_run_decentralized_global_plan: bool = True
+    claims_before_planning = True
 
     def __init__(
         self,
@@ -203,14 +203,6 @@ class FileSystemWriterAsync(DcpStorageWriter):
         self._local_plan = plan  # fresh, or NVRx's cached one: checked in prepare_write_data
         return plan
 
-    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        spread = self.storage.options.spread_prefixes
-        return [dataclasses.replace(p, storage_data=_StoragePrefix(rank_prefix(i, spread))) for i, p in enumerate(plans)]
-
-    def prepare_decentralized_global_plan(self, local_plan: SavePlan) -> SavePlan:
-        rank = dist.get_rank(self.process_group) if _distributed() else 0
-        return dataclasses.replace(local_plan, storage_data=_StoragePrefix(rank_prefix(rank, self.storage.options.spread_prefixes)))
-
     def prepare_write_data(self, plan: SavePlan, planner: SavePlanner) -> None:
         """Claim (coordinator) and share the session (collective on
         ``process_group``), then resolve this rank's items into buckets.
@@ -224,7 +216,7 @@ class FileSystemWriterAsync(DcpStorageWriter):
         wrapper = _DistWrapper(self.process_group, _distributed(), 0)
         # Raises on every rank alike (the coordinator's outcome is broadcast):
         # a refused URI (CheckpointExists) fails the save at once.
-        self._save().session = claim_and_share(self.storage, wrapper, self.overwrite, None)
+        self.claim_shared(wrapper)
         try:
             if wrapper.is_coordinator != bool(self.is_coordinator):
                 raise InvalidArgument(
@@ -238,18 +230,15 @@ class FileSystemWriterAsync(DcpStorageWriter):
         self.stats.plan_s = time.perf_counter() - self.stats.started
 
     def _buckets(self, plan: SavePlan, planner: SavePlanner) -> list[Bucket]:
-        prefix: _StoragePrefix = plan.storage_data
-        groups = split_buckets(plan.items, self.workers) if self.single_file_per_rank else [[it] for it in plan.items]
         buckets: list[Bucket] = []
-        for group in groups:
+        for name, items in self.named_buckets(plan):
             blobs, tensors = [], []
-            for item in group:
+            for item in items:
                 data = planner.resolve_data(item)
                 if item.type == WriteItemType.BYTE_IO:
                     blobs.append((item, data))
                 else:
                     tensors.append((item, _checked_tensor(item, data)))
-            name = self.session.data_file(prefix.prefix, len(buckets))
             buckets.append((self.storage.describe(name), name, (blobs, tensors)))
         return buckets
 

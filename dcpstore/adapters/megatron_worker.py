@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from ..dcp.commit import ItemRecord, SaveSession
 from ..dcp.failures import describe_failure
 from ..dcp.owner_gate import OwnerGate, run_gated
-from ..dcp.writer import file_size_hint, write_data_file
+from ..dcp.data_files import file_size_hint, write_data_file
 from ..format.record import compact_cpu_tensor
 from ..progress import NO_PROGRESS
 from ..storage import Storage, StorageOptions, open_storage

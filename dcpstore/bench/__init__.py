@@ -38,6 +38,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from ..options import ENGINES
 from ..storage import join_uri, parse_uri
 from ..units import human_bytes, parse_size
 from .entries import DcpstoreEntry, TieredEntry
@@ -166,7 +167,7 @@ def interference(
     size: int,
     tensors: int,
     repeat: int = 3,
-    engines: Sequence[str] = ("native", "nvrx"),
+    engines: Sequence[str] = tuple(ENGINES),
     enable_msc: bool = False,
     step_ops: int = 200,
     progress: bool = True,
@@ -181,7 +182,8 @@ def interference(
     step = StepWork(step_ops)
     run_id = f"dcpstore-bench-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     rows = [DcpstoreRow(f"dcpstore {engine}", join_uri(uri, run_id, engine), url.scheme, engine=engine,
-                        enable_msc=enable_msc) for engine in engines]  # fmt: skip
+                        executor="process" if engine == "process" else "threads", enable_msc=enable_msc)
+            for engine in engines]  # fmt: skip
 
     def say(result: Any) -> None:
         if progress:

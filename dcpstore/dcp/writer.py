@@ -40,6 +40,11 @@ writer object: DCP runs every call of one save on one thread and passes no
 handle to tell saves apart, so each thread's current save (:class:`_Save`:
 its URI, session and stats) is its own, begun by ``reset`` or, without
 a checkpoint_id, by the first call of the next save on that thread.
+
+Every dcpstore writer is this class: file naming, spread prefixes, the
+claim, the ownership gate and the publish are written here once; another
+writer (the NVRx engine's, Megatron's async one) replaces two hooks,
+:meth:`bucket_items` and :meth:`write_file`, and sets two flags.
 """
 
 from __future__ import annotations
@@ -60,20 +65,29 @@ import torch.distributed as dist
 from torch.distributed.checkpoint._extension import StreamTransformExtension
 from torch.distributed.checkpoint.filesystem import _StoragePrefix, _StorageWriterTransforms
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.distributed.checkpoint.utils import _DistWrapper
 from torch.futures import Future
 
-from ..errors import CheckpointError, InvalidArgument, SaveError
-from ..format.layout import spread_file_prefix
-from ..format.record import RecordStream, compact_cpu_tensor, encode_item
+from ..errors import CheckpointError, CheckpointExists, InvalidArgument, SaveError
 from ..handle import SaveStats
 from ..options import check_workers
 from ..progress import NO_PROGRESS, Progress
 from ..quiet import ignoring
 from ..storage import Storage, backend_name, parse_uri
-from .commit import ItemRecord, SaveSession, check_commit_files
+from .commit import SaveSession, check_commit_files
+from .data_files import (
+    file_size_hint,
+    item_nbytes,
+    rank_prefix,
+    resolve_item,
+    split_buckets,
+    write_data_file,
+    write_stats,
+)
+from .failures import describe_failure
 from .owner_gate import OwnerGate, run_gated
 
 #: DCP warns on every call made without an initialised process group; a
@@ -91,114 +105,12 @@ class SaveToken(_StoragePrefix):
     tagged: bool = False
 
 
-#: About what a tensor record adds to its bytes (zip headers, pickle,
-#: alignment; ~1.3 KiB measured), rounded up.
-RECORD_HEADERS_ESTIMATE = 4096
-
-
-def item_nbytes(item: WriteItem) -> int:
-    """The bytes of a tensor item's data (0 for a bytes item)."""
-    if item.tensor_data is None:
-        return 0
-    numel = 1
-    for dim in item.tensor_data.size:
-        numel *= dim
-    return numel * item.tensor_data.properties.dtype.itemsize
-
-
 #: Why ``use_collectives=False`` is refused (DCP's rank-local metadata).
 NO_COLLECTIVES_WHY = (
     "use_collectives=False makes every rank commit its own __{rank}.metadata: there is no single commit "
     "point, so a crash between two ranks' commits leaves a mixture of two saves, which dcpstore never "
     "publishes; save with use_collectives=True (the default)"
 )
-
-
-def file_size_hint(items: Sequence[WriteItem]) -> int:
-    """The expected size of a data file holding ``items``: the tensor bytes
-    and an upper estimate of each record's headers."""
-    return sum(item_nbytes(it) + RECORD_HEADERS_ESTIMATE for it in items)
-
-
-def split_buckets(items: Sequence[WriteItem], bins: int) -> list[list[WriteItem]]:
-    """Size-balanced buckets: tensors largest first into the lightest bucket,
-    byte blobs round-robin. Empty buckets are dropped."""
-    buckets: list[list[WriteItem]] = [[] for _ in range(bins)]
-    sizes = [0] * bins
-    blobs = [it for it in items if it.type == WriteItemType.BYTE_IO]
-    tensors = sorted((it for it in items if it.type != WriteItemType.BYTE_IO), key=item_nbytes, reverse=True)
-    for i, item in enumerate(blobs):
-        buckets[i % bins].append(item)
-    for item in tensors:
-        idx = min(range(bins), key=sizes.__getitem__)
-        buckets[idx].append(item)
-        sizes[idx] += item_nbytes(item)
-    return [b for b in buckets if b]
-
-
-def _resolve(planner: SavePlanner, item: WriteItem, lock: threading.Lock) -> io.BytesIO | torch.Tensor:
-    """The bytes or CPU tensor to write for ``item``; errors name the key."""
-    try:
-        with lock:
-            data = planner.resolve_data(item)
-        return data if isinstance(data, io.BytesIO) else compact_cpu_tensor(data)
-    except Exception as e:
-        raise SaveError(f"cannot serialise {item.index.fqn!r}: {type(e).__name__}: {e}") from e
-
-
-def write_stats(stats: SaveStats, results: Sequence[WriteResult], started: float) -> None:
-    """Fill in ``stats``' write phase from this rank's write results."""
-    stats.write_s = time.perf_counter() - started
-    stats.bytes_written = sum(r.storage_data.file_size for r in results if r.storage_data.offset == 0)
-    stats.files = sorted({r.storage_data.relative_path for r in results})
-
-
-def rank_prefix(rank: int, spread: int) -> str:
-    """The DCP file prefix of ``rank``'s data files (``__{rank}_``, as stock
-    DCP), in its spread directory when the storage spreads them."""
-    return spread_file_prefix(f"__{rank}_", rank, spread)
-
-
-def write_data_file(
-    storage: Storage,
-    name: str,
-    items: Sequence[WriteItem],
-    data_of: Callable[[WriteItem], io.BytesIO | torch.Tensor],
-    transforms: _StorageWriterTransforms | None,
-    progress: Progress,
-    gate: OwnerGate,
-    batch_hint: int | None = None,
-) -> list[WriteResult]:
-    """Write one data file ``name`` holding ``items`` (``data_of(item)``: its
-    bytes or CPU tensor, asked for one item at a time), published once
-    ``gate`` passes; returns the items' write results, each carrying its
-    :class:`ItemRecord`. ``batch_hint``: the bytes of all the files this
-    rank writes now, over which object stores share their connection budget
-    (:meth:`~dcpstore.storage.StorageOptions.upload_part_size`). Every
-    writer's data files are written here."""
-    written = []
-    with storage.open_write(name, size_hint=file_size_hint(items), batch_hint=batch_hint) as writer:
-        stream = RecordStream(writer)
-        for item in items:
-            data = data_of(item)
-            descriptors: tuple[str, ...] = ()
-            if transforms is not None:
-                data, descriptors = encode_item(data, item, transforms)
-            written.append((item, stream.write_item(data), descriptors))
-            progress.update(item_nbytes(item))
-        file_size, file_crc = stream.finish()
-        writer.seal()  # the last part leaves now, not after the gate's round trip
-        # Leaving the block publishes the file; a save that lost its
-        # URI to a later save must not clobber that save's files.
-        gate.wait()
-    return [
-        WriteResult(
-            index=item.index,
-            size_in_bytes=w.length,
-            storage_data=ItemRecord(name, w.offset, w.length, w.crc32c, file_size, file_crc, w.raw, descriptors),
-        )
-        for item, w, descriptors in written
-    ]
 
 
 @dataclass
@@ -238,6 +150,21 @@ class DcpStorageWriter(StorageWriter):
     the attribute holds when it begins).
     Saves through one writer may overlap (see the module docstring).
     """
+
+    #: How every rank gets the save's session. False (DCP's save): the
+    #: coordinator claims the URI in :meth:`prepare_global_plan` and each
+    #: rank's plan carries the token (:class:`SaveToken`). True: the
+    #: coordinator claimed it before planning (:meth:`claim_shared`), so
+    #: plans carry only file prefixes and may be cached and replayed (NVRx's
+    #: planner does).
+    claims_before_planning: bool = False
+    #: Data files are written under their final names as they go (NVRx
+    #: writes with ``open()``): the URI must be this save's before any of
+    #: them is written, too.
+    writes_in_place: bool = False
+    #: The ranks that plan together (decentralized planning asks this
+    #: rank's place in it); None: the default group.
+    process_group: dist.ProcessGroup | None = None
 
     def __init__(
         self,
@@ -346,59 +273,111 @@ class DcpStorageWriter(StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        # Each rank's prefix (``__{i}_`` as stock DCP, in its spread
+        # directory); the coordinator's claim and its token too, unless the
+        # session was claimed and shared before planning.
+        spread = self._save().storage.options.spread_prefixes
+        if self.claims_before_planning:
+            return [
+                dataclasses.replace(plan, storage_data=_StoragePrefix(rank_prefix(i, spread)))
+                for i, plan in enumerate(plans)
+            ]
         self.session.claim(self.overwrite)
         save_id, tagged = self.session.token
-        spread = self._save().storage.options.spread_prefixes
         return [
             dataclasses.replace(plan, storage_data=SaveToken(rank_prefix(i, spread), save_id, tagged))
             for i, plan in enumerate(plans)
         ]
 
+    def prepare_decentralized_global_plan(self, local_plan: SavePlan) -> SavePlan:
+        """This rank's part of :meth:`prepare_global_plan` (NVRx's planner,
+        for a writer that ``claims_before_planning``: a plan carries only
+        the prefix)."""
+        if not self.claims_before_planning:
+            raise InvalidArgument("this writer's plans carry the save's token: plan them on the coordinator")
+        rank = dist.get_rank(self.process_group) if dist.is_available() and dist.is_initialized() else 0
+        prefix = rank_prefix(rank, self._save().storage.options.spread_prefixes)
+        return dataclasses.replace(local_plan, storage_data=_StoragePrefix(prefix))
+
+    def claim_shared(self, wrapper: _DistWrapper) -> None:
+        """Claim this save's URI before planning (a writer that
+        ``claims_before_planning``): :func:`claim_and_share` on ``wrapper``'s
+        group, a collective; raises on every rank alike."""
+        self._save().session = claim_and_share(self._save().storage, wrapper, self.overwrite, self._save_id)
+
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         t_start = time.perf_counter()
         save = self._save()
         save.stats.plan_s = t_start - save.stats.started
-        token: SaveToken = plan.storage_data
-        if (token.save_id, token.tagged) != self.session.token:  # a follower: the coordinator's save
-            save.session = SaveSession(save.storage, token.save_id, token.tagged)
-        if self.single_file_per_rank:
-            buckets = split_buckets(plan.items, self.workers)
-        else:
-            buckets = [[item] for item in plan.items]
+        token = plan.storage_data
+        if isinstance(token, SaveToken) and (token.save_id, token.tagged) != self.session.token:
+            save.session = SaveSession(save.storage, token.save_id, token.tagged)  # a follower: the coordinator's save
         self.progress.start(sum(item_nbytes(it) for it in plan.items))
-        lock = threading.Lock()  # planners are not promised to be thread-safe
         future: Future[list[WriteResult]] = Future()
-        named = [(self.session.data_file(token.prefix, i), bucket) for i, bucket in enumerate(buckets)]
-        batch = sum(file_size_hint(bucket) for bucket in buckets)
         try:
-            per_file = run_gated(
-                self.session.check_owner,
-                lambda nb, gate: self._write_file(save.storage, nb[0], nb[1], planner, lock, gate, batch),
-                named,
-                "dcpstore-write",
-            )
+            results = self.write_files(self.named_buckets(plan), planner)
         except BaseException as e:  # DCP gathers exceptions across ranks
             self.release()
             future.set_exception(e)  # type: ignore[arg-type]  # torch's stub types it as the value
             return future
-        results = [r for rs in per_file for r in rs]
         write_stats(save.stats, results, t_start)
         future.set_result(results)
         return future
 
-    def _write_file(
+    # -- a rank's data files: written once, for every writer ------------------
+    def named_buckets(self, plan: SavePlan) -> list[tuple[str, list[WriteItem]]]:
+        """This rank's data files: ``(name, items)`` per bucket of
+        :meth:`bucket_items`, named by the save's session."""
+        prefix: str = plan.storage_data.prefix
+        return [(self.session.data_file(prefix, i), items) for i, items in enumerate(self.bucket_items(plan.items))]
+
+    def write_files(self, named: Sequence[tuple[str, list[WriteItem]]], planner: SavePlanner) -> list[WriteResult]:
+        """Write every data file of :meth:`named_buckets`, each on its own
+        thread through :meth:`write_file`; one ownership check
+        (:class:`~dcpstore.dcp.owner_gate.OwnerGate`) once every file is
+        written and before any is published -- and before any is written,
+        for a writer that ``writes_in_place``. Returns the write results."""
+        storage = self._save().storage
+        lock = threading.Lock()  # planners are not promised to be thread-safe
+
+        def data_of(item: WriteItem) -> io.BytesIO | torch.Tensor:
+            return resolve_item(planner, item, lock)
+
+        batch = sum(file_size_hint(items) for _, items in named)
+        if self.writes_in_place:
+            self.session.check_owner()
+        per_file = run_gated(
+            self.session.check_owner,
+            lambda nb, gate: self.write_file(storage, nb[0], nb[1], data_of, gate, batch),
+            named,
+            "dcpstore-write",
+        )
+        return [r for rs in per_file for r in rs]
+
+    # -- hooks: what a writer of another kind replaces ------------------------
+    def bucket_items(self, items: Sequence[WriteItem]) -> list[list[WriteItem]]:
+        """Hook: this rank's items, one list per data file (size-balanced
+        over ``workers`` files; one file per item when not
+        ``single_file_per_rank``)."""
+        if self.single_file_per_rank:
+            return split_buckets(items, self.workers)
+        return [[item] for item in items]
+
+    def write_file(
         self,
         storage: Storage,
         name: str,
         items: list[WriteItem],
-        planner: SavePlanner,
-        lock: threading.Lock,
+        data_of: Callable[[WriteItem], io.BytesIO | torch.Tensor],
         gate: OwnerGate,
         batch: int,
     ) -> list[WriteResult]:
-        return write_data_file(
-            storage, name, items, lambda item: _resolve(planner, item, lock), self.transforms, self.progress, gate, batch
-        )
+        """Hook: write data file ``name`` holding ``items``, published only
+        once ``gate.wait()`` passes; its items' write results, each with its
+        :class:`~dcpstore.dcp.commit.ItemRecord`. ``batch``: the bytes of
+        all the files this rank writes now (object stores share their
+        connection budget over them)."""
+        return write_data_file(storage, name, items, data_of, self.transforms, self.progress, gate, batch)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         t_start = time.perf_counter()
@@ -437,6 +416,35 @@ class DcpStorageWriter(StorageWriter):
         ``s3://``, ``msc://`` or a scheme an installed fsspec filesystem
         knows (not any string that parses as a URI)."""
         return serves(checkpoint_id)
+
+
+def claim_and_share(storage: Storage, wrapper: _DistWrapper, overwrite: bool, save_id: str | None) -> SaveSession:
+    """The coordinator claims the URI; every rank gets the session's token
+    (or the coordinator's failure: ``CheckpointExists`` or ``SaveError`` on
+    every rank alike) by broadcast on ``wrapper``'s group, so no rank writes
+    before the claim. Returns this rank's session."""
+    #: ("ok", token) or ("exists" / "failed", what went wrong)
+    outcome: tuple[str, Any] = ("ok", None)
+    error: Exception | None = None
+    session: SaveSession | None = None
+    if wrapper.is_coordinator:
+        try:
+            session = SaveSession(storage, save_id)
+            session.claim(overwrite)
+            outcome = ("ok", session.token)
+        except Exception as e:
+            outcome, error = ("exists" if isinstance(e, CheckpointExists) else "failed", describe_failure(e)), e
+    try:
+        kind, value = wrapper.broadcast_object(outcome)
+    except BaseException:
+        if session is not None:
+            session.release()
+        raise
+    if kind == "exists":  # the same refusal on every rank
+        raise CheckpointExists(f"save to {storage.uri} refused on rank 0: {value}") from error
+    if kind != "ok":
+        raise SaveError(f"save to {storage.uri} failed: could not start it on rank 0: {value}") from error
+    return session if session is not None else SaveSession(storage, *value)
 
 
 def rebind(

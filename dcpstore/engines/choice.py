@@ -1,14 +1,18 @@
 """Which engine runs a save: chosen per call, never silently.
 
-``native`` writes every backend; ``nvrx`` needs nvidia-resiliency-ext and a
-backend NVRx can write (POSIX or MSC); ``auto`` picks NVRx where it can and
-otherwise native with one :class:`~dcpstore.EngineFallbackWarning` naming
-why. :func:`engine_problem` is the same decision without a storage instance,
+An explicit ``engine=`` is honoured or refused with the reason: an engine
+that cannot run here (NVRx not installed) raises
+:class:`~dcpstore.BackendUnavailable`, one that cannot write the storage
+(NVRx on the native S3 backend) :class:`~dcpstore.InvalidArgument`.
+``engine="auto"`` takes the first engine of
+:data:`~dcpstore.options.AUTO_ORDER` that can do both, and says why with
+one :class:`~dcpstore.EngineFallbackWarning` when that is not the first.
+:func:`engine_problem` is the same decision without a storage instance,
 for configuration layers that validate before anything is opened
 (:class:`~dcpstore.CheckpointManager`,
 :class:`~dcpstore.adapters.megatron.CheckpointConfig`).
 
-Layer: engines. Imports :mod:`.nvrx`, the value objects and the foundation.
+Layer: engines. Imports :mod:`.registry`, the value objects and the foundation.
 """
 
 from __future__ import annotations
@@ -18,55 +22,57 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from ..errors import CheckpointError, EngineFallbackWarning, InvalidArgument, SaveError
-from ..options import ENGINES
+from ..errors import BackendUnavailable, EngineFallbackWarning, InvalidArgument, SaveError
+from ..options import AUTO, AUTO_ORDER, ENGINE_CHOICES, ENGINES
 from ..quiet import user_stacklevel
 from ..storage import Storage
-from . import nvrx
+from .registry import engine_class
 
 
 def select_engine(engine: str, storage: Storage) -> str:
-    """Resolve ``engine`` for ``storage`` to ``"native"`` or ``"nvrx"``.
-
-    Explicit choices are honoured or refused with the reason; ``"auto"``
-    falls back to native with one warning that says why, pointed at the
-    user's line.
-    """
-    if engine not in ENGINES:
-        raise InvalidArgument(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
-    if engine == "native":
-        return "native"
-    if engine == "nvrx":
-        nvrx.require()
-        nvrx.check_target(storage)
-        return "nvrx"
-    reason = nvrx.import_error()
-    if reason is None:
-        target = nvrx.target_for(storage)
-        if not isinstance(target, str):
-            return "nvrx"
-        reason = target
-    warnings.warn(
-        f"engine='auto' uses dcpstore's native async engine: {reason} "
-        "(pass engine='native' to choose it explicitly)",
-        EngineFallbackWarning,
-        stacklevel=user_stacklevel(),
-    )
-    return "native"
+    """Resolve ``engine`` for ``storage`` to the name of an engine of
+    :data:`~dcpstore.options.ENGINES` (see the module docstring)."""
+    if engine not in ENGINE_CHOICES:
+        raise InvalidArgument(f"engine must be one of {', '.join(ENGINE_CHOICES)}, got {engine!r}")
+    if engine != AUTO:
+        cls = engine_class(engine)
+        why = cls.unavailable()
+        if why is not None:
+            raise BackendUnavailable(f"engine={engine!r} cannot run here: {why}")
+        problem = cls.target_problem(storage.backend, storage.uri)
+        if problem is not None:
+            raise InvalidArgument(f"engine={engine!r} cannot save to {storage.uri}: {problem}")
+        return engine
+    reason = ""
+    for name in AUTO_ORDER:
+        cls = engine_class(name)
+        why = cls.unavailable() or cls.target_problem(storage.backend, storage.uri)
+        if why is None:
+            if name != AUTO_ORDER[0]:
+                warnings.warn(
+                    f"engine='auto' uses the {name} engine ({ENGINES[name].summary}): {reason} "
+                    f"(pass engine={name!r} to choose it explicitly)",
+                    EngineFallbackWarning,
+                    stacklevel=user_stacklevel(),
+                )
+            return name
+        reason = reason or why  # the first preference's reason is the one that matters
+    raise InvalidArgument(f"engine='auto' found no engine that can save to {storage.uri}: {reason}")
 
 
 def engine_problem(engine: str, backend: str, uri: str) -> str | None:
     """Why ``engine`` cannot save through ``backend`` (``None``: it can), by
-    the same NVRx checks :func:`select_engine` makes; ``uri`` names the
-    target in the message."""
-    if engine != "nvrx":
+    the same checks :func:`select_engine` makes; ``uri`` names the target
+    in the message. ``"auto"`` always can (its last choice writes every
+    backend)."""
+    if engine == AUTO or engine not in ENGINES:
         return None
-    try:
-        nvrx.require()
-    except CheckpointError as e:
-        return str(e)
-    problem = nvrx.backend_problem(backend)
-    return None if problem is None else f"engine='nvrx' cannot save to {uri}: {problem}"
+    cls = engine_class(engine)
+    why = cls.unavailable()
+    if why is not None:
+        return f"engine={engine!r} cannot run here: {why}"
+    problem = cls.target_problem(backend, uri)
+    return None if problem is None else f"engine={engine!r} cannot save to {uri}: {problem}"
 
 
 def agree_on_engine(engine: str, group: dist.ProcessGroup | None) -> None:

@@ -1,7 +1,11 @@
-"""The NVRx engine: NVRx's ``FileSystemWriterAsync`` under dcpstore's commit protocol.
+"""The NVRx engine: NVRx's planner and file writer under dcpstore's commit protocol.
 
 Runs on the background thread of an :class:`~dcpstore.engines.saver.AsyncSaver`
 with a state dict that is already staged (host memory, owned by the save).
+The writer is dcpstore's own (:class:`~dcpstore.dcp.writer.DcpStorageWriter`,
+:class:`NvrxWriter`) with NVRx's bucket split and per-file writer in its
+two hooks; NVRx's ``save_state_dict_async_plan`` and ``..._finalize`` drive
+it, as they drive NVRx's ``FileSystemWriterAsync``.
 
 Call order of one save, per rank::
 
@@ -9,8 +13,8 @@ Call order of one save, per rank::
                 (the sync point: no rank writes before the claim)
     plan        NVRx save_state_dict_async_plan (reduce_scatter of plans, or
                 NVRx's metadata cache when every rank's structure is unchanged)
-                -> prepare_write_data: size-balanced buckets, one file each
-    write       one thread per bucket: check the URI is still ours, NVRx's
+                -> prepare_write_data: NVRx's size-balanced buckets, one file each
+    write       check the URI is still ours; one thread per bucket: NVRx's
                 per-bucket writer (torch.save per item, fsync; each tensor's
                 raw bytes located on the way, so loads read them in place),
                 read the file back once to compute its CRC32Cs for the
@@ -50,56 +54,50 @@ for forked children); run in a thread it would switch the training thread's
 GC too, so the undecorated function is called.
 
 Layer: engines. Imports :mod:`dcpstore.dcp`, :mod:`dcpstore.format`, the
-value objects, :mod:`dcpstore.storage` and the foundation. NVRx itself is
-optional: imported only when an NVRx save runs.
+value objects, :mod:`dcpstore.storage`, :mod:`.registry` and the
+foundation. NVRx itself is optional: imported only when an NVRx save runs.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
+import io
 import os
 import posixpath
 import time
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from datetime import timedelta
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.filesystem import _StoragePrefix
+from torch.distributed.checkpoint.filesystem import _StorageWriterTransforms
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.checkpoint.utils import _DistWrapper
 
 from ..dcp.commit import ItemRecord, SaveSession
+from ..dcp.data_files import write_stats
 from ..dcp.failures import describe_failure
-from ..dcp.owner_gate import OwnerGate, run_gated
-from ..dcp.writer import rank_prefix, write_stats
-from ..errors import BackendUnavailable, CheckpointCorrupt, CheckpointExists, InvalidArgument, SaveError
+from ..dcp.owner_gate import OwnerGate
+from ..dcp.writer import DcpStorageWriter, claim_and_share
+from ..errors import CheckpointCorrupt, InvalidArgument, SaveError
 from ..format.checksum import file_and_span_crcs
-from ..format.record import compact_cpu_tensor
 from ..handle import SaveStats
 from ..storage import Storage
 from ..storage.kit import map_os_error
 from . import nvrx_release as release
 from .nvrx_release import import_error as import_error  # the engine choice asks here
+from .registry import SaveJob
 
 INSTALL_HINT = "pip install 'dcpstore[nvrx]' (nvidia-resiliency-ext)"
 
 # ---------------------------------------------------------------------------
-# Where NVRx can write, and whether it is installed
+# Where NVRx can write
 # ---------------------------------------------------------------------------
-
-
-def require() -> None:
-    """Raise :class:`BackendUnavailable` with the install hint if NVRx is unusable."""
-    reason = import_error()
-    if reason is not None:
-        raise BackendUnavailable(f"engine='nvrx' needs nvidia-resiliency-ext: {reason}; {INSTALL_HINT}")
 
 
 @dataclass(frozen=True)
@@ -146,117 +144,92 @@ def check_target(storage: Storage) -> NvrxTarget:
 
 
 # ---------------------------------------------------------------------------
-# The engine
+# The writer: dcpstore's, with NVRx's bucket split and per-file writer
 # ---------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=1)
-def writer_class() -> type:
-    """``FileSystemWriterAsync`` under dcpstore's commit protocol (built
-    lazily: NVRx is optional)."""
-    base = release.module(release.FS_MODULE, "FileSystemWriterAsync").FileSystemWriterAsync
+class NvrxWriter(DcpStorageWriter):
+    """dcpstore's DCP writer driven by NVRx's planner and finalize, with
+    NVRx's two pieces in its hooks: the bucket split
+    (:meth:`bucket_items`) and the per-file writer (:meth:`write_file`:
+    ``torch.save`` per item under the final name, fsync, then a read-back
+    for the manifest's CRC32Cs). File names, spread prefixes, the claim
+    (before planning, shared by broadcast), the ownership gate and the
+    publish are the writer's own."""
 
-    class NvrxWriter(base):  # type: ignore[misc,valid-type]
-        """NVRx's writer; planning, bucketing and file writing are NVRx's,
-        the claim, the checksums and the commit are the session's."""
+    claims_before_planning = True
+    writes_in_place = True
+    #: As NVRx's own writer: its planner may prepare the global plan on each rank.
+    can_run_decentralized_global_plan = True
 
-        def __init__(self, session: SaveSession, target: NvrxTarget, workers: int) -> None:
-            super().__init__(target.path, thread_count=workers, use_msc=target.use_msc)
-            self.session = session
-            self.storage = session.storage
-            self.stats = SaveStats(started=time.perf_counter())
-            self.error: BaseException | None = None
-            self.results: list[WriteResult] = []
-            self.write_buckets: list[Any] = []
+    def __init__(self, session: SaveSession, target: NvrxTarget, workers: int, process_group: Any = None) -> None:
+        super().__init__(session.storage, workers=workers)
+        self._begin(session.storage).session = session  # claimed and shared before planning
+        self.target = target
+        self.process_group = process_group
+        self.error: BaseException | None = None
+        self.results: list[WriteResult] = []
+        self.named: list[tuple[str, list[WriteItem]]] = []
+        self._planner: SavePlanner | None = None
+        self._write = release.bucket_writer(_StorageWriterTransforms([]), target.use_msc)
 
-        def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-            self.storage.makedirs()  # the claim happened before planning
-            return plan
+    # -- NVRx's planner calls these ---------------------------------------------
+    def prepare_write_data(self, plan: SavePlan, planner: SavePlanner) -> None:
+        # A failure here is local to this rank: keep it and report it
+        # through finalize, so that no rank is left waiting in the gather.
+        try:
+            self.named, self._planner = self.named_buckets(plan), planner
+        except BaseException as e:
+            self.error = e
 
-        def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-            # torch's ``__{i}_`` prefixes, in each rank's spread directory
-            # (NVRx's metadata cache replays this plan while it is valid).
-            spread = self.storage.options.spread_prefixes
-            return [
-                dataclasses.replace(plan, storage_data=_StoragePrefix(rank_prefix(i, spread)))
-                for i, plan in enumerate(plans)
-            ]
+    def retrieve_write_results(self) -> Any:
+        # Returned, not raised: finalize gathers it and the coordinator
+        # turns it into a CheckpointException naming this rank.
+        return _wrap_exception(self.error) if self.error is not None else self.results
 
-        def prepare_write_data(self, plan: SavePlan, planner: SavePlanner) -> None:
-            # NVRx's version also starts its spawn-context Manager; build the
-            # same buckets without it. A failure here is local to this rank:
-            # keep it and report it through finalize, so no rank is left
-            # waiting in the gather.
-            try:
-                self.write_buckets = self._buckets(plan, planner)
-            except BaseException as e:
-                self.error = e
+    # -- the hooks ---------------------------------------------------------------
+    def bucket_items(self, items: Sequence[WriteItem]) -> list[list[WriteItem]]:
+        return [bucket for bucket in release.split_items(self.workers, list(items)) if bucket]
 
-        def _buckets(self, plan: SavePlan, planner: SavePlanner) -> list[Any]:
-            prefix: _StoragePrefix = plan.storage_data
-            buckets: list[Any] = []
-            for items in release.split_items(self.thread_count, list(plan.items)):
-                if not items:
-                    continue
-                name = self.session.data_file(prefix.prefix, len(buckets))
-                if "/" in name:  # a spread directory: NVRx's open() does not create it
-                    self.storage.makedirs(posixpath.dirname(name))
-                blobs = [(it, planner.resolve_data(it)) for it in items if it.type == WriteItemType.BYTE_IO]
-                tensors = [
-                    (it, compact_cpu_tensor(cast(torch.Tensor, planner.resolve_data(it))))
-                    for it in items
-                    if it.type != WriteItemType.BYTE_IO
-                ]
-                buckets.append((os.path.join(self.checkpoint_dir, name), name, (blobs, tensors)))
-            return buckets
+    def write_file(
+        self,
+        storage: Storage,
+        name: str,
+        items: list[WriteItem],
+        data_of: Callable[[WriteItem], io.BytesIO | torch.Tensor],
+        gate: OwnerGate,
+        batch: int,
+    ) -> list[WriteResult]:
+        del batch  # NVRx writes local files and MSC objects through open(): no connection budget to share
+        if "/" in name:  # a spread directory: NVRx's open() does not create it
+            storage.makedirs(posixpath.dirname(name))
+        blobs = [(it, data_of(it)) for it in items if it.type == WriteItemType.BYTE_IO]
+        tensors = [(it, data_of(it)) for it in items if it.type != WriteItemType.BYTE_IO]
+        try:
+            written, raw = self._write((os.path.join(self.target.path, name), name, (blobs, tensors)))
+        except OSError as e:  # NVRx writes with open(): name the file and the cause
+            raise map_os_error(e, f"cannot write {storage.describe(name)}") from e
+        results = _checksum_written_file(storage, name, written, raw)
+        gate.wait()
+        return results
 
-        def write_all(self) -> None:
-            """Write every bucket, one thread each; keep results or the error."""
-            if self.error is not None or not self.write_buckets:
-                return
-            t0 = time.perf_counter()
-            write = release.bucket_writer(self)
+    # -- the engine's -----------------------------------------------------------
+    def write_all(self) -> None:
+        """Write every data file (:meth:`write_files`); keep the results or the error."""
+        if self.error is not None or not self.named or self._planner is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            self.results = self.write_files(self.named, self._planner)
+        except BaseException as e:
+            self.error = e
+            return
+        write_stats(self.stats, self.results, t0)
 
-            def one(bucket: Any, gate: OwnerGate) -> list[WriteResult]:
-                try:
-                    written, raw = write(bucket)
-                except OSError as e:  # NVRx writes with open(): name the file and the cause
-                    raise map_os_error(e, f"cannot write {self.storage.describe(bucket[1])}") from e
-                results = _checksum_written_file(self.storage, bucket[1], written, raw)
-                gate.wait()
-                return results
-
-            try:
-                # NVRx writes under the final names: the URI must be this
-                # save's before any file is written, and once they all are.
-                self.session.check_owner()
-                per_file = run_gated(self.session.check_owner, one, self.write_buckets, "dcpstore-nvrx")
-            except BaseException as e:
-                self.error = e
-                return
-            self.results = [r for rs in per_file for r in rs]
-            write_stats(self.stats, self.results, t0)
-
-        def discard(self) -> None:
-            """The save failed: remove this rank's data files (NVRx wrote
-            them in place; see :meth:`SaveSession.discard`)."""
-            self.session.discard(bucket[1] for bucket in self.write_buckets)
-
-        def retrieve_write_results(self) -> Any:
-            # Returned, not raised: finalize gathers it and the coordinator
-            # turns it into a CheckpointException naming this rank.
-            return _wrap_exception(self.error) if self.error is not None else self.results
-
-        def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-            t0 = time.perf_counter()
-            self.session.publish(metadata, results)
-            self.stats.commit_s = time.perf_counter() - t0
-
-        @property
-        def checkpoint_id(self) -> str:
-            return self.storage.url.uri
-
-    return NvrxWriter
+    def discard(self) -> None:
+        """The save failed: remove this rank's data files (NVRx wrote them
+        in place; see :meth:`SaveSession.discard`)."""
+        self.session.discard(name for name, _ in self.named)
 
 
 def _checksum_written_file(
@@ -313,7 +286,7 @@ def nvrx_save(
         session = SaveSession(storage, save_id)
         session.claim(overwrite)
         with session:
-            writer = writer_class()(session, target, workers)
+            writer = NvrxWriter(session, target, workers)
             local_metadata = _plan_single_process(state_dict, writer, planner)
             writer.stats.plan_s = time.perf_counter() - writer.stats.started
             writer.write_all()
@@ -326,7 +299,7 @@ def nvrx_save(
 
     wrapper = _DistWrapper(process_group, True, 0)
     with claim_and_share(storage, wrapper, overwrite, save_id) as session:
-        writer = writer_class()(session, target, workers)
+        writer = NvrxWriter(session, target, workers, process_group)
         metadata: Metadata | None = None
         try:
             writer, metadata, wrapper = release.plan(state_dict, writer, process_group, planner, cache)
@@ -352,34 +325,6 @@ def nvrx_save(
             raise SaveError(f"save to {storage.uri} failed on another rank: {summary}")
         stats: SaveStats = writer.stats
         return stats
-
-
-def claim_and_share(storage: Storage, wrapper: _DistWrapper, overwrite: bool, save_id: str | None) -> SaveSession:
-    """The coordinator claims the URI; every rank gets the session's token
-    (or the coordinator's failure) by broadcast, so no rank writes before
-    the claim. Returns this rank's session."""
-    #: ("ok", token) or ("exists" / "failed", what went wrong)
-    outcome: tuple[str, Any] = ("ok", None)
-    error: Exception | None = None
-    session: SaveSession | None = None
-    if wrapper.is_coordinator:
-        try:
-            session = SaveSession(storage, save_id)
-            session.claim(overwrite)
-            outcome = ("ok", session.token)
-        except Exception as e:
-            outcome, error = ("exists" if isinstance(e, CheckpointExists) else "failed", describe_failure(e)), e
-    try:
-        kind, value = wrapper.broadcast_object(outcome)
-    except BaseException:
-        if session is not None:
-            session.release()
-        raise
-    if kind == "exists":  # the same refusal on every rank
-        raise CheckpointExists(f"save to {storage.uri} refused on rank 0: {value}") from error
-    if kind != "ok":
-        raise SaveError(f"save to {storage.uri} failed: could not start it on rank 0: {value}") from error
-    return session if session is not None else SaveSession(storage, *value)
 
 
 def _plan_single_process(state_dict: dict[str, Any], writer: Any, planner: SavePlanner | None) -> Metadata:
@@ -431,3 +376,48 @@ class PlanCaches(dict[int, tuple[Hashable, Any]]):
     def drop(self, group: dist.ProcessGroup | None) -> None:
         """Forget ``group``'s cache (a failed save: every rank re-plans)."""
         self.pop(id(group), None)
+
+
+class NvrxEngine:
+    """:class:`~dcpstore.engines.registry.Engine` ``"nvrx"``: :func:`nvrx_save`
+    on the saver's background thread, with one :class:`PlanCaches` per saver."""
+
+    name: ClassVar[str] = "nvrx"
+    shared_staging: ClassVar[bool] = False
+
+    def __init__(self, collective_timeout: timedelta | None) -> None:
+        del collective_timeout  # its collectives run on the saver's background group
+        self.caches = PlanCaches()
+
+    @classmethod
+    def unavailable(cls) -> str | None:
+        reason = import_error()
+        return None if reason is None else f"{reason}; {INSTALL_HINT}"
+
+    @classmethod
+    def target_problem(cls, backend: str, uri: str) -> str | None:
+        return backend_problem(backend)
+
+    def save(self, job: SaveJob) -> SaveStats:
+        planner = job.options.planner
+        # A user planner may plan differently per call: never cache its plans.
+        cache = self.caches.for_save(job.staged.key, job.group) if planner is None else None
+        try:
+            stats = nvrx_save(
+                job.staged.state_dict,
+                job.storage,
+                workers=job.workers,
+                process_group=job.group,
+                planner=planner,
+                cache=cache,
+                overwrite=job.options.overwrite,
+                save_id=job.options.save_id,
+            )
+        except BaseException:
+            self.caches.drop(job.group)  # every rank fails together: re-plan next time
+            raise
+        job.progress.update(stats.bytes_written)  # NVRx's writer reports its bytes only at the end
+        return stats
+
+    def close(self) -> None:
+        self.caches.clear()

@@ -89,17 +89,17 @@ def split_items(bins: int, items: list[Any]) -> list[list[Any]]:
     return list(module(FS_MODULE, "_split_by_size_and_type")._split_by_size_and_type(bins, items))
 
 
-def bucket_writer(writer: Any) -> Callable[[Any], tuple[list[Any], dict[Any, tuple[int, int]]]]:
+def bucket_writer(transforms: Any, use_msc: bool) -> Callable[[Any], tuple[list[Any], dict[Any, tuple[int, int]]]]:
     """A function writing one NVRx ``WriteBucket`` (file path, storage key,
-    (bytes items, tensor items)) on the calling thread and returning its
-    DCP write results and the located tensors (item index -> offset of
-    the raw bytes in the item, nbytes; :mod:`.nvrx_stream`); raises what
-    the write raised, or the storage's ``OSError`` where torch's zip writer
-    hid it."""
-    cls = type(writer)
-    base = writer.transforms if hasattr(writer, "transforms") else None
-    use_msc = bool(writer.use_msc)
-    open_file = _open_file(writer, use_msc)
+    (bytes items, tensor items)) on the calling thread with NVRx's writer
+    (``transforms``: torch's ``_StorageWriterTransforms`` for every item;
+    ``use_msc``: open the path with ``msc.open``), returning its DCP write
+    results and the located tensors (item index -> offset of the raw bytes
+    in the item, nbytes; :mod:`.nvrx_stream`); raises what the write
+    raised, or the storage's ``OSError`` where torch's zip writer hid it."""
+    cls = module(FS_MODULE, "FileSystemWriterAsync").FileSystemWriterAsync
+    base = transforms
+    open_file = _open_file(use_msc)
     write_one: Callable[[list[Any], Any], list[Any]]
     direct = getattr(cls, "_write_bucket_to_storage", None)
     if direct is not None:  # 0.5+: a plain per-bucket function
@@ -151,11 +151,10 @@ def _preloaded_writer(cls: type, open_file: Callable[..., Any], use_msc: bool) -
     return write
 
 
-def _open_file(writer: Any, use_msc: bool) -> Callable[..., Any]:
+def _open_file(use_msc: bool) -> Callable[..., Any]:
     if use_msc:
         import multistorageclient as msc
 
         opener: Callable[..., Any] = msc.open
         return opener
-    opener = getattr(writer, "open_file", open)
-    return opener
+    return open

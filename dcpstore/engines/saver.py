@@ -11,9 +11,10 @@ runs on the per-process default saver, :func:`default_saver`)::
                       first use of a process group: create its background group
                       stage: a consistent host copy (engines/staging.py)
                       submit to the background thread; return a SaveHandle
-    background thread plan, write, commit, finalize (the whole DCP save, or
-                      NVRx's plan/write/finalize) on the staged copy, then hand
-                      the staging buffers back for the next save
+    background thread the engine plans, writes, commits and finalizes on the
+                      staged copy (the whole DCP save; NVRx's plan/write/
+                      finalize; or the DCP save in the checkpoint process),
+                      then the staging buffers go back for the next save
 
 There is one background thread per saver, so saves finalize in save order and
 every rank runs its background collectives in the same order. It is a daemon
@@ -43,16 +44,22 @@ anything: every rank sees the same failure, so every rank raises) and by
 The exit status is left alone (the README's "Async saves" says why). The
 failure is also logged at ERROR when it happens.
 
-Engines (:mod:`.choice`): ``native`` (DCP's save with dcpstore's writer,
-:func:`dcpstore.dcp.writer.save_state_dict`; any backend) and ``nvrx``
-(:mod:`.nvrx`, POSIX and MSC). ``auto`` picks NVRx where it is installed and
-can write the URI, else native with one
+Engines (:mod:`.registry`; chosen by :mod:`.choice`): the background half
+is the engine's (:meth:`~dcpstore.engines.registry.Engine.save`), the rest
+-- staging, the order of saves, failures, limits -- is the saver's, for
+every engine alike. ``native`` (:mod:`.native`: DCP's save with dcpstore's
+writer; any backend), ``nvrx`` (:mod:`.nvrx`, POSIX and MSC) and
+``process`` (:mod:`.process`: the native save in a checkpoint process per
+rank, staged in shared memory; any backend). ``auto`` picks NVRx where it
+is installed and can write the URI, else native with one
 :class:`~dcpstore.errors.EngineFallbackWarning` naming why.
 
 State kept by a saver, all bounded: the background thread, the staging-buffer
 pool (``staging_cache`` structures x ``max_in_flight`` buffer sets), one
-background group per process group used, and one NVRx metadata cache per
-background group (for the structure saved last). ``close()`` releases them.
+background group per process group used, and one instance of each engine it
+ran (NVRx: a metadata cache per background group, for the structure saved
+last; process: a checkpoint process per background group). ``close()``
+releases them.
 
 Process state: :func:`default_saver` keeps one saver per process for
 ``dcpstore.save(async_=True)`` and :class:`~dcpstore.CheckpointManager`. It
@@ -81,7 +88,6 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.planner import SavePlanner
 
 from ..dcp.failures import save_error
-from ..dcp.writer import save_state_dict
 from ..errors import InvalidArgument, SaveError
 from ..handle import CheckpointInfo, SaveHandle
 from ..keywords import hint_keywords
@@ -93,8 +99,8 @@ from . import exit as exit_hook
 from .choice import agree_on_engine, select_engine
 from .groups import BackgroundGroups
 from .leftovers import Leftovers, with_leftovers
-from .nvrx import PlanCaches, nvrx_save
-from .staging import StagedState, Stager, StagingPool
+from .registry import Engine, SaveJob, engine_class
+from .staging import Staging
 
 log = logging.getLogger(__name__)
 
@@ -156,10 +162,12 @@ class AsyncSaver:
             raise InvalidArgument(f"staging_cache must be an int >= 0, got {staging_cache!r}")
         if isinstance(collective_timeout, (int, float)):
             collective_timeout = timedelta(seconds=collective_timeout)
-        self.pool = StagingPool(max_structures=staging_cache, max_sets=self.max_in_flight)
-        self._stager = Stager(self.pool)
+        self._staging = Staging(max_structures=staging_cache, max_sets=self.max_in_flight)
+        self.pool = self._staging.pool
         self._groups = BackgroundGroups(collective_timeout)
-        self._nvrx_caches = PlanCaches()
+        self._collective_timeout = collective_timeout
+        #: One instance per engine this saver has run (name -> engine).
+        self._engines: dict[str, Engine] = {}
         # every save not yet seen finished, oldest first
         self._pending: deque[SaveHandle] = deque()
         # saves seen failed whose handle has not reported it yet (see _raise_unobserved)
@@ -225,9 +233,10 @@ class AsyncSaver:
 
     def submit(self, state_dict: dict[str, Any], uri: str | os.PathLike[str], options: SaveOptions) -> SaveHandle:
         """:meth:`save` with its options as one value (for layers that keep
-        one). A sync save (``options.async_`` False: the NVRx engine's sync
-        saves) is not snapshotted: its CPU tensors are written as they are,
-        so the caller must wait for the handle before changing them.
+        one). A sync save (``options.async_`` False: a sync save on an
+        engine other than the native one) is not snapshotted where the
+        engine writes from this process: its CPU tensors are written as they
+        are, so the caller must wait for the handle before changing them.
 
         Args:
             state_dict, uri: as for :meth:`save`.
@@ -254,13 +263,15 @@ class AsyncSaver:
                 self._wait_for_slot(limit)
                 self._raise_unobserved(f"this save to {storage.uri} was not started")
                 self.leftovers.retry_in_background()
+                engine = self._engine(name)
                 group = self._groups.get(options.process_group)
                 t_stage = time.perf_counter()
-                staged = self._stager.stage(state_dict, alias_cpu=not options.async_)
+                staged = self._staging.stage(state_dict, alias_cpu=not options.async_, shared=engine.shared_staging)
                 stage_s = time.perf_counter() - t_stage
                 blocked_s = time.perf_counter() - t0
-                job = functools.partial(self._run, name, staged, storage, group, workers, options, t0, stage_s, blocked_s)
-                future = self._background.submit(job)
+                bar = Progress(f"save {storage.uri}", enabled=shows_progress(options.progress, options.process_group))
+                job = SaveJob(staged, storage, group, workers, options, bar)
+                future = self._background.submit(functools.partial(self._run, engine, job, t0, stage_s, blocked_s))
                 handle = SaveHandle(
                     future,
                     storage.uri,
@@ -313,8 +324,8 @@ class AsyncSaver:
             self._closed = True
             exit_hook.forget(self)
             hung = self._finish_pending()
-            self.pool.clear()
-            self._nvrx_caches.clear()
+            self._staging.clear()
+            self._close_engines()
             self.leftovers.finish("at close()")
             if hung:
                 raise SaveError(self._hung_message(hung, "close() stopped waiting"))
@@ -424,65 +435,41 @@ class AsyncSaver:
                 error,
                 exc_info=error,
             )
+        if not hung:
+            self._close_engines()
 
-    def _run(
-        self,
-        engine: str,
-        staged: StagedState,
-        storage: Storage,
-        group: dist.ProcessGroup | None,
-        workers: int,
-        options: SaveOptions,
-        t0: float,
-        stage_s: float,
-        blocked_s: float,
-    ) -> CheckpointInfo:
+    def _engine(self, name: str) -> Engine:
+        """This saver's instance of engine ``name`` (made on first use)."""
+        engine = self._engines.get(name)
+        if engine is None:
+            engine = self._engines[name] = engine_class(name)(self._collective_timeout)
+        return engine
+
+    def _close_engines(self) -> None:
+        """Release what each engine keeps between saves (the process
+        engine's checkpoint processes stop; a save one still runs fails)."""
+        engines, self._engines = list(self._engines.values()), {}
+        for engine in engines:
+            engine.close()
+
+    def _run(self, engine: Engine, job: SaveJob, t0: float, stage_s: float, blocked_s: float) -> CheckpointInfo:
         """The background half of one save (runs on the saver's thread)."""
-        planner = options.planner
-        bar = Progress(f"save {storage.uri}", enabled=shows_progress(options.progress, options.process_group))
+        storage = job.storage
         try:
-            agree_on_engine(engine, group)
-            if engine == "nvrx":
-                # A user planner may plan differently per call: never cache its plans.
-                cache = self._nvrx_caches.for_save(staged.key, group) if planner is None else None
-                try:
-                    stats = nvrx_save(
-                        staged.state_dict,
-                        storage,
-                        workers=workers,
-                        process_group=group,
-                        planner=planner,
-                        cache=cache,
-                        overwrite=options.overwrite,
-                        save_id=options.save_id,
-                    )
-                except BaseException:
-                    self._nvrx_caches.drop(group)  # every rank fails together: re-plan next time
-                    raise
-                bar.update(stats.bytes_written)  # NVRx's writer reports its bytes only at the end
-            else:
-                stats = save_state_dict(
-                    staged.state_dict,
-                    storage,
-                    workers=workers,
-                    process_group=group,
-                    planner=planner,
-                    overwrite=options.overwrite,
-                    progress=bar,
-                    save_id=options.save_id,
-                )
+            agree_on_engine(engine.name, job.group)
+            stats = engine.save(job)
         except BaseException as e:
             err = with_leftovers(save_error(e, storage.uri, "async save"), storage, self.leftovers)
-            log.error("%s%s", rank_label(options.process_group), err)
+            log.error("%s%s", rank_label(job.options.process_group), err)
             raise err from e
         finally:
-            bar.close()
-            staged.release()
+            job.progress.close()
+            job.staged.release()
             storage.close()
         info = CheckpointInfo.from_stats(
-            storage, stats, engine, stage_s=stage_s, blocked_s=blocked_s, total_s=time.perf_counter() - t0
+            storage, stats, engine.name, stage_s=stage_s, blocked_s=blocked_s, total_s=time.perf_counter() - t0
         )
-        log.info("%s%s", rank_label(options.process_group), info.describe())
+        log.info("%s%s", rank_label(job.options.process_group), info.describe())
         return info
 
 
@@ -502,7 +489,8 @@ _default_saver: AsyncSaver | None = None
 
 def default_saver() -> AsyncSaver:
     """The per-process saver behind ``dcpstore.save(async_=True)`` (and sync
-    saves on the NVRx engine, and :class:`~dcpstore.CheckpointManager`).
+    saves on the other engines than the native one, and
+    :class:`~dcpstore.CheckpointManager`).
 
     Created on first use; it is a cache (thread, buffers, groups), not a
     setting: every call still chooses its engine, URI and limits itself.

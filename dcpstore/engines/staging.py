@@ -38,7 +38,18 @@ when the save of a staged set is over (DCP's ``AsyncStager`` protocol says
 nothing about it) asks :meth:`StagedState.in_use`: whether anything but the
 set itself still references its memory.
 
-Layer: engines. Imports only :mod:`dcpstore.errors`.
+One driver. :class:`Staging` is where both kinds of caller stage: the
+:class:`~dcpstore.AsyncSaver` (told when each save ends) and the drop-in
+writer as DCP's ``AsyncStager`` (not told: :meth:`Staging.hand_out`).
+
+Shared memory. For an engine that writes from another process (the process
+engine) a set is staged into one block of shared memory
+(:class:`~dcpstore.engines.slab.Slab`) instead of one buffer per tensor, and
+:attr:`StagedState.shared` describes the copy as that process rebuilds it
+(:class:`SharedState`: the skeleton and each buffer's offset).
+
+Layer: engines. Imports :mod:`.slab`, the state checks of :mod:`dcpstore.dcp`,
+:mod:`dcpstore.format` and the foundation.
 """
 
 from __future__ import annotations
@@ -56,6 +67,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from ..dcp.state_checks import check_saveable
 from ..errors import InvalidArgument, SaveError
 from ..format.bitcopy import copy_values
+from .buffers import BufferSet, BufferSpec, StagingPool, allocate, allocate_shared, buffer_spec
+from .slab import Slab, view_at
 
 try:  # DTensor and ShardedTensor exist on every torch that dcpstore supports,
     from torch.distributed.tensor import DTensor  # but keep import failures local.
@@ -71,53 +84,35 @@ from torch.distributed.checkpoint.stateful import Stateful
 _ATOMIC = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
 
 
-@dataclass(frozen=True)
-class _BufferSpec:
-    """What one host buffer looks like (the part of the key that allocates)."""
-
-    shape: tuple[int, ...]
-    stride: tuple[int, ...] | None  # None: compact row-major
-    dtype: torch.dtype
-    pinned: bool
-
-    def allocate(self) -> torch.Tensor:
-        if self.stride is None:
-            # torch.empty: no zero fill; the copy that follows touches every byte.
-            return torch.empty(self.shape, dtype=self.dtype, pin_memory=self.pinned)
-        return torch.empty_strided(self.shape, self.stride, dtype=self.dtype, pin_memory=self.pinned)
-
-
-def _is_dense(t: torch.Tensor) -> bool:
-    """True when ``t`` covers its whole storage span without gaps or overlaps
-    (contiguous or permuted), so a buffer with the same strides is compact."""
-    if t.numel() == 0:
-        return False
-    dims = sorted((s, n) for s, n in zip(t.stride(), t.shape) if n != 1)
-    expected = 1
-    for stride, size in dims:
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-def _buffer_spec(t: torch.Tensor) -> _BufferSpec:
-    if t.device.type == "meta":
-        raise InvalidArgument("cannot stage a meta tensor: it has no data to save")
-    pinned = t.device.type == "cuda"
-    stride = tuple(t.stride()) if _is_dense(t) and not t.is_contiguous() else None
-    return _BufferSpec(tuple(t.shape), stride, t.dtype, pinned)
-
-
 @dataclass
 class _Walk:
     """State of one staging pass: the structure key and the copies to make."""
 
     key: list[Hashable] = field(default_factory=list)
-    specs: list[_BufferSpec] = field(default_factory=list)
+    specs: list[BufferSpec] = field(default_factory=list)
     sources: list[torch.Tensor] = field(default_factory=list)
     paths: list[tuple[Any, ...]] = field(default_factory=list)  # per buffer, for messages
     seen: dict[int, int] = field(default_factory=dict)  # id(tensor) -> buffer index
+
+
+@dataclass(frozen=True)
+class SharedState:
+    """A staged copy in shared memory, as another process rebuilds it: the
+    state dict's skeleton (placeholders where the buffers go; DTensor and
+    ShardedTensor wrappers with their metadata; every other value as
+    staged), and each buffer's place in the slab. Picklable; the slab's
+    memory goes by file descriptor (:mod:`.slab`)."""
+
+    slab_id: int
+    slab_nbytes: int
+    skeleton: Any
+    layout: tuple[tuple[int, BufferSpec], ...]
+
+    def rebuild(self, block: torch.Tensor) -> dict[str, Any]:
+        """The state dict over ``block``, this process's mapping of the slab."""
+        buffers = [view_at(block, offset, spec.shape, spec.stride, spec.dtype) for offset, spec in self.layout]
+        state: dict[str, Any] = _fill(self.skeleton, buffers)
+        return state
 
 
 class StagedState:
@@ -132,18 +127,26 @@ class StagedState:
         self,
         state_dict: dict[str, Any],
         key: Hashable,
-        buffers: list[torch.Tensor],
+        buffers: BufferSet,
         pool: StagingPool | None,
         watched: list[tuple[StorageWeakRef, int]],
+        shared: SharedState | None = None,
     ) -> None:
         self.state_dict = state_dict
         self.key = key
-        self.nbytes = sum(b.untyped_storage().nbytes() for b in buffers)
-        self._buffers: list[torch.Tensor] | None = buffers
+        self.nbytes = buffers.nbytes
+        self._buffers: BufferSet | None = buffers
         self._pool = pool
         #: Each buffer's storage and its reference count when only the
         #: buffers held it (see _watch).
         self._watched = watched
+        #: The copy as another process rebuilds it (staged with ``shared=True``).
+        self.shared = shared
+
+    @property
+    def slab(self) -> Slab | None:
+        """The shared memory the buffers live in (staged with ``shared=True``)."""
+        return self._buffers.slab if self._buffers is not None else None
 
     def hand_out(self) -> dict[str, Any]:
         """``state_dict``, for a save this object is not told the end of:
@@ -176,70 +179,45 @@ class StagedState:
             self._pool.put(self.key, buffers)
 
 
-class StagingPool:
-    """Released buffer sets, keyed by state-dict structure; bounded (see module doc)."""
-
-    def __init__(self, max_structures: int = 2, max_sets: int = 1) -> None:
-        if max_structures < 0 or max_sets < 0:
-            raise InvalidArgument("max_structures and max_sets must be >= 0")
-        self.max_structures = max_structures
-        self.max_sets = max_sets
-        self._free: OrderedDict[Hashable, list[list[torch.Tensor]]] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def take(self, key: Hashable) -> list[torch.Tensor] | None:
-        with self._lock:
-            sets = self._free.get(key)
-            if not sets:
-                return None
-            self._free.move_to_end(key)
-            return sets.pop()
-
-    def put(self, key: Hashable, buffers: list[torch.Tensor]) -> None:
-        with self._lock:
-            sets = self._free.setdefault(key, [])
-            self._free.move_to_end(key)
-            if len(sets) < self.max_sets:
-                sets.append(buffers)
-            while len(self._free) > self.max_structures:
-                self._free.popitem(last=False)
-
-    def held_bytes(self) -> int:
-        with self._lock:
-            return sum(b.untyped_storage().nbytes() for sets in self._free.values() for s in sets for b in s)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._free.clear()
-
-
 class Stager:
     """Stages state dicts into pooled host buffers (see the module docstring).
 
     ``alias_cpu=True`` skips copying CPU tensors (CUDA tensors are still
     moved to host memory): only for callers that block until the write is
-    done, i.e. synchronous saves through a background engine.
+    done, i.e. synchronous saves through a background engine. ``shared=True``
+    stages every tensor into one block of shared memory that another
+    process can map (:mod:`.slab`; :attr:`StagedState.shared` says how it
+    rebuilds the state dict), and copies CPU tensors whatever ``alias_cpu``
+    says.
     """
 
     def __init__(self, pool: StagingPool | None = None) -> None:
         self.pool = pool if pool is not None else StagingPool()
 
     @torch.no_grad()
-    def stage(self, state_dict: Mapping[str, Any], *, alias_cpu: bool = False) -> StagedState:
+    def stage(self, state_dict: Mapping[str, Any], *, alias_cpu: bool = False, shared: bool = False) -> StagedState:
         walk = _Walk()
         resolved = {k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in state_dict.items()}
         check_saveable(resolved)
-        skeleton = self._walk(resolved, (), walk, alias_cpu)
-        key = tuple(walk.key)
-        buffers = self.pool.take(key) if walk.specs else []
-        if buffers is None:
-            buffers = [_allocate(spec, path) for spec, path in zip(walk.specs, walk.paths)]
-        self._copy(buffers, walk.sources)
-        watched = _watch(buffers)
+        skeleton = self._walk(resolved, (), walk, alias_cpu and not shared)
+        key = ("shared" if shared else "private", tuple(walk.key))
+        taken = self.pool.take(key) if walk.specs else None
+        if taken is not None:
+            buffers = taken
+        elif shared:
+            buffers = allocate_shared(walk.specs)
+        else:
+            buffers = BufferSet([allocate(spec, path) for spec, path in zip(walk.specs, walk.paths)])
+        self._copy(buffers.buffers, walk.sources)
+        watched = _watch(buffers.buffers)
         # The state dict gets aliases (one per buffer, so tied tensors stay
         # one object): each holds a reference of its own, which in_use counts.
-        staged = _fill(skeleton, [b.detach() for b in buffers])
-        return StagedState(staged, key, buffers, self.pool if walk.specs else None, watched)
+        staged = _fill(skeleton, [b.detach() for b in buffers.buffers])
+        portable = None
+        if buffers.slab is not None:
+            layout = tuple(zip(buffers.offsets, walk.specs))
+            portable = SharedState(buffers.slab.id, buffers.slab.nbytes, skeleton, layout)
+        return StagedState(staged, key, buffers, self.pool if walk.specs else None, watched, portable)
 
     # -- walk: build the key, the skeleton and the list of copies ----------
     def _walk(self, obj: Any, path: tuple[Any, ...], walk: _Walk, alias_cpu: bool) -> Any:
@@ -266,20 +244,12 @@ class Stager:
             local = self._leaf(t._local_tensor, path, walk, alias_cpu)
             spec = t._spec
             walk.key.append((path, "dtensor", tuple(t.shape), repr(spec.placements), tuple(spec.mesh.shape)))
-            return _Rewrap(lambda loc, spec=spec: DTensor(loc, spec, requires_grad=False), [local])  # type: ignore[no-untyped-call]
+            return _AsDTensor([local], spec)
         if ShardedTensor is not None and isinstance(t, ShardedTensor):
             shards = t.local_shards()
             locals_ = [self._leaf(s.tensor, (*path, i), walk, alias_cpu) for i, s in enumerate(shards)]
             walk.key.append((path, "sharded", repr(t.metadata())))
-            metas = [s.metadata for s in shards]
-            md, pg = t.metadata(), t._process_group
-
-            def rebuild(*tensors: torch.Tensor) -> Any:
-                return ShardedTensor._init_from_local_shards_and_global_metadata(
-                    [Shard(x, m) for x, m in zip(tensors, metas)], md, process_group=pg
-                )
-
-            return _Rewrap(rebuild, locals_)
+            return _AsSharded(locals_, [s.metadata for s in shards], t.metadata(), t._process_group)
         # Plain tensors, Parameters and other subclasses: DCP writes their data.
         return self._leaf(t, path, walk, alias_cpu)
 
@@ -298,7 +268,7 @@ class Stager:
             # for copy_ to fill. A fresh host copy keeps scale and zero point.
             walk.key.append((path, "quantized"))
             return t.to("cpu", copy=True)
-        spec = _buffer_spec(t)
+        spec = buffer_spec(t)
         index = len(walk.specs)
         walk.seen[ident] = index
         walk.specs.append(spec)
@@ -329,6 +299,52 @@ class Stager:
             stream.synchronize()
 
 
+class Staging:
+    """Where every staging of dcpstore's is driven: a :class:`Stager` over a
+    bounded :class:`StagingPool`, for a caller that knows when the save of
+    a staged set is over (:meth:`stage`, then the set's ``release()``: an
+    :class:`~dcpstore.AsyncSaver`) and for one that is not told
+    (:meth:`hand_out`: the drop-in writer as DCP's ``AsyncStager``)."""
+
+    def __init__(self, max_structures: int = 2, max_sets: int = 1) -> None:
+        self.pool = StagingPool(max_structures=max_structures, max_sets=max_sets)
+        self._stager = Stager(self.pool)
+        #: Sets handed out that a save may still read (see :meth:`hand_out`).
+        self._handed: list[StagedState] = []
+        self._lock = threading.Lock()
+
+    def stage(self, state_dict: Mapping[str, Any], *, alias_cpu: bool = False, shared: bool = False) -> StagedState:
+        """A staged copy (:meth:`Stager.stage`); release it when its save is over."""
+        return self._stager.stage(state_dict, alias_cpu=alias_cpu, shared=shared)
+
+    def hand_out(self, state_dict: Mapping[str, Any]) -> dict[str, Any]:
+        """A staged copy of ``state_dict`` for a save this object is told
+        nothing about (saves may overlap, on either of DCP's executors, and
+        the writing may happen in another process): a set goes back to the
+        pool only once nothing but this object references its memory
+        (:meth:`StagedState.in_use`), i.e. every save that could still read
+        it has dropped it; until then the next staging allocates its own."""
+        if self.pool.max_structures == 0:
+            return self._stager.stage(state_dict).hand_out()
+        with self._lock:
+            busy = []
+            for staged in self._handed:
+                if staged.in_use():
+                    busy.append(staged)
+                else:
+                    staged.release()  # back to the pool for this copy
+            staged = self._stager.stage(state_dict)
+            self._handed = [*busy, staged]
+            return staged.hand_out()
+
+    def clear(self) -> None:
+        """Drop every buffer kept for later saves (sets a save still holds
+        stay its own until it drops them)."""
+        with self._lock:
+            self._handed = []
+            self.pool.clear()
+
+
 def _use_count() -> Any:
     """torch's count of the strong references to a storage (None where this
     torch has none)."""
@@ -344,22 +360,6 @@ def _watch(buffers: list[torch.Tensor]) -> list[tuple[StorageWeakRef, int]]:
     return [(ref, count(ref.cdata) if count is not None else 0) for ref in refs]
 
 
-def _allocate(spec: _BufferSpec, path: tuple[Any, ...]) -> torch.Tensor:
-    """Allocate one host buffer; a failure names the key (e.g. an expanded
-    view whose logical size no host can hold)."""
-    try:
-        return spec.allocate()
-    except RuntimeError as e:  # torch's allocator errors (OutOfMemoryError too)
-        where = ".".join(map(str, path)) or "<root>"
-        numel = 1
-        for dim in spec.shape:
-            numel *= dim
-        raise SaveError(
-            f"cannot stage {where!r} for an async save: no host buffer of shape {spec.shape} "
-            f"{str(spec.dtype).removeprefix('torch.')} ({numel * spec.dtype.itemsize} bytes): {e}"
-        ) from e
-
-
 @dataclass
 class _Slot:
     """Placeholder in the skeleton for buffer ``index``."""
@@ -369,10 +369,38 @@ class _Slot:
 
 @dataclass
 class _Rewrap:
-    """Placeholder for a wrapper (DTensor, ShardedTensor) around staged locals."""
+    """Placeholder for a wrapper (DTensor, ShardedTensor) around staged
+    locals; picklable, for :class:`SharedState`."""
 
-    build: Any
     parts: list[Any]
+
+    def build(self, *tensors: torch.Tensor) -> Any:
+        raise NotImplementedError
+
+
+@dataclass
+class _AsDTensor(_Rewrap):
+    spec: Any
+
+    def build(self, *tensors: torch.Tensor) -> Any:
+        return DTensor(tensors[0], self.spec, requires_grad=False)  # type: ignore[no-untyped-call]
+
+
+@dataclass
+class _AsSharded(_Rewrap):
+    metas: list[Any]
+    metadata: Any
+    #: The tensor's group here; rebuilt elsewhere, the default group there.
+    process_group: Any
+
+    def build(self, *tensors: torch.Tensor) -> Any:
+        shards = [Shard(x, m) for x, m in zip(tensors, self.metas)]
+        return ShardedTensor._init_from_local_shards_and_global_metadata(
+            shards, self.metadata, process_group=self.process_group
+        )
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "process_group": None}  # a group is this process's only
 
 
 def _fill(obj: Any, buffers: list[torch.Tensor]) -> Any:
