@@ -128,9 +128,13 @@ def git_commit() -> str | None:
 
 def git_dirty() -> bool | None:
     """Whether tracked files of the checkout differ from its commit (the
-    numbers then measured code no commit holds); None outside a checkout."""
+    numbers then measured code no commit holds); None outside a checkout.
+    Result files (``benchmarks/results/``) do not count: one benchmark's
+    fresh output is not code the next one measures, so the runs of one
+    regeneration need no commit between them."""
     try:
-        out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
+        out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ":/",
+                              ":(exclude,top)benchmarks/results"], capture_output=True, text=True,
                              timeout=10, cwd=os.path.dirname(os.path.abspath(__file__)))  # fmt: skip
     except (OSError, subprocess.SubprocessError):
         return None
