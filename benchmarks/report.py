@@ -77,6 +77,8 @@ SCALE = ("dcpstore/dcp/writer.py", "dcpstore/dcp/commit.py", "dcpstore/dcp/owner
 INTERFERENCE = ("dcpstore/engines/saver.py", "dcpstore/engines/staging.py", "dcpstore/engines/nvrx.py",
                 "dcpstore/dcp/writer.py", "dcpstore/format/record.py", "dcpstore/storage/s3.py",
                 "dcpstore/storage/s3_upload.py", "dcpstore/bench/interference.py")  # fmt: skip
+GPU_STAGING = ("dcpstore/engines/staging.py", "dcpstore/engines/buffers.py", "dcpstore/engines/saver.py",
+               "benchmarks/gpu_stage.py")  # fmt: skip
 #: The WAN regimes compare.py runs by default (one section each).
 WAN_REGIMES = ("network", "cpu")
 TIERED = ("dcpstore/manager/tiered.py", "dcpstore/manager/replicate.py", "dcpstore/manager/nodes.py",
@@ -106,6 +108,7 @@ SOURCES: dict[str, tuple[Source, ...]] = {
        for kind in ("", "sweep-", "harness-") for regime in WAN_REGIMES},
     "interference": (Source("interference.json", INTERFERENCE),),
     "interference-gpu": (Source("interference-gpu.json", INTERFERENCE),),
+    "gpu-check": (Source("gpu-check.json", GPU_STAGING),),
     **{f"scaling-{s}": (Source("scaling.json", LOCAL),) for s in ("bytes", "tensors", "workers", "ranks", "repeat")},
     "scale": (Source("scale_sim.json", SCALE),),
     "tiered": (Source("tiered.json", TIERED),),
@@ -127,6 +130,8 @@ COMMANDS = {
                          "--json benchmarks/results/interference.json",
     "interference-gpu.json": "bash scripts/gpu-check.sh (on the GPU machine), then commit its interference.json "
                              "as benchmarks/results/interference-gpu.json",
+    "gpu-check.json": "bash scripts/gpu-check.sh (on the GPU machine, DCPSTORE_GIT_COMMIT set to the commit sent), "
+                      "then commit its summary.json as benchmarks/results/gpu-check.json",
     "tiered_nodes.json": "python benchmarks/tiered_nodes.py --size-mib 64,256 --saves 6 --label LABEL "
                          "--json benchmarks/results/tiered_nodes.json",
 }  # fmt: skip
@@ -277,6 +282,38 @@ def tiered_nodes_block(doc: Doc) -> str:
     return targets.markdown_table(head, body)
 
 
+def gpu_check_block(doc: Doc) -> str:
+    """``scripts/gpu-check.sh``'s summary: the machine, the cuda tests, the
+    staging and blocked-time rows and their goals."""
+    env, tests, bench = doc["env"], doc['tests'], doc["benchmark"]  # the summary's key, not the tests/ folder
+    lines = [f"{doc['meta']['date'][:10]}, one {env['gpu']} (compute capability {env['gpu_capability']}), "
+             f"{env['cpus']} cores, torch {env['torch']} (CUDA {env['torch_cuda']}), NVRx "
+             f"{env.get('pkg:nvidia-resiliency-ext')}, commit `{doc['meta']['git_commit']}`.", "",
+             f"- `tests/test_cuda.py -m cuda`: {tests['passed']} passed, {tests['failures']} failed, "
+             f"{tests['errors']} errors, {tests['skipped']} skipped", "",
+             "| staged | staging GB/s | best pinned copy GB/s | that copy | ratio |", "|---|---|---|---|---|"]  # fmt: skip
+    for r in bench["staging"]:
+        lines.append(f"| {human_bytes(r['bytes'])} | {r['stage_gbps']:.1f} | {r['limit_gbps']:.1f} | {r['limit']} | "
+                     f"{r['ratio']:.2f}x |")  # fmt: skip
+    lines += ["", "| state | dcpstore blocked s (steady) | best dcp.async_save | its blocked s | ratio |",
+              "|---|---|---|---|---|"]  # fmt: skip
+    for r in bench["blocked"]:
+        steady = r["steady_s"]
+        lines.append(f"| {human_bytes(r['bytes'])} | {steady['dcpstore-native']:.3f} | {r['best_dcp']} | "
+                     f"{steady[r['best_dcp']]:.3f} | {r['ratio_vs_best_dcp']:.2f}x |")  # fmt: skip
+    lines.append("")
+    for name, g in bench["goals"].items():
+        verdict = "not judged" if g["met"] is None else ("met" if g["met"] else "missed")
+        lines.append(f"- goal `{name}` {g['goal']}: **{verdict}** (worst {g['worst']:.2f}x)")
+    overhead = bench.get("pinned_overhead")
+    if overhead:
+        lines.append(f"- pinned host memory held by staging: {overhead['ratio']:.2f}x the state's bytes "
+                     f"(tensors of {overhead['tensor_mib']} MiB)")  # fmt: skip
+    for skipped in bench.get("skipped") or []:
+        lines.append(f"- not run ({skipped['why']}): {skipped['phase']} at {skipped['size_gib']} GiB")
+    return "\n".join(lines)
+
+
 def pending(name: str) -> str:
     return f"_pending: no committed `{name}`; run `{COMMANDS[name]}`, then `python benchmarks/report.py`_"
 
@@ -336,6 +373,7 @@ def blocks(docs: dict[str, Doc]) -> dict[str, str]:
             out[name] = interference.markdown(doc)
         elif name == "interference":
             out[name] = pending(f"{name}.json")
+    out["gpu-check"] = gpu_check_block(docs["gpu-check.json"]) if "gpu-check.json" in docs else pending("gpu-check.json")
     out["tiered"] = tiered_block(docs["tiered.json"]) if "tiered.json" in docs else pending("tiered.json")
     out["tiered-nodes"] = (tiered_nodes_block(docs["tiered_nodes.json"]) if "tiered_nodes.json" in docs
                            else pending("tiered_nodes.json"))  # fmt: skip

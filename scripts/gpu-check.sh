@@ -15,7 +15,10 @@
 # installed into /tmp/site, put first on PYTHONPATH; dcpstore runs from this
 # checkout. Logs and JSON go to $OUT when it is set (the device tool returns
 # what is there), else to .out/gpu-check/. Exit status: 0 when every cuda test
-# passed and both benchmarks ran (goals are reported, not enforced).
+# passed and both benchmarks ran (goals are reported, not enforced). Set
+# DCPSTORE_GIT_COMMIT to the commit you sent: the machine's copy of the
+# checkout may carry no git directory, or a stale one, and the results name
+# the commit they measured.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 

@@ -58,10 +58,16 @@ def _host_memory_bytes() -> int | None:
 
 
 def _git_commit() -> str | None:
+    """The commit measured: ``DCPSTORE_GIT_COMMIT`` where the sender of this
+    copy set it (the copy's own git directory may be missing or stale),
+    else git's answer."""
+    given = os.environ.get("DCPSTORE_GIT_COMMIT")
+    if given:
+        return given
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=True)
     except (OSError, subprocess.SubprocessError):
-        return os.environ.get("DCPSTORE_COMMIT")
+        return None
     return out.stdout.strip() or None
 
 

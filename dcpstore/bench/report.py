@@ -119,17 +119,19 @@ def cache_note(records: Sequence[Record], drop_caches: bool) -> str:
 def git_commit() -> str | None:
     """The short hash of the checkout the benchmark runs from, if it is one.
 
-    A copy of a checkout without its git directory (what a GPU machine is
-    sent: ``scripts/gpu-check.sh``) is named by ``DCPSTORE_GIT_COMMIT``,
-    which the sender sets to the commit it copied; git's answer wins
-    wherever there is one."""
+    ``DCPSTORE_GIT_COMMIT``, where set, wins: a copy of a checkout sent to
+    another machine (the GPU machine of ``scripts/gpu-check.sh``) may carry
+    no git directory, or a stale one that names another commit, and only
+    the sender knows which commit it copied."""
+    given = os.environ.get("DCPSTORE_GIT_COMMIT")
+    if given:
+        return given
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
                              cwd=os.path.dirname(os.path.abspath(__file__)))  # fmt: skip
-        found = out.stdout.strip() if out.returncode == 0 else ""
     except (OSError, subprocess.SubprocessError):
-        found = ""
-    return found or os.environ.get("DCPSTORE_GIT_COMMIT") or None
+        return None
+    return out.stdout.strip() or None
 
 
 def git_dirty() -> bool | None:
