@@ -36,13 +36,19 @@ from typing import Any
 
 from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTransformExtension
 from torch.distributed.checkpoint.filesystem import SerializationFormat
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.staging import AsyncStager
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
 from .dcp.load_progress import LoadProgress
 from .dcp.reader import DcpStorageReader
 from .dcp.writer import DcpStorageWriter
+from .engines.exit import Stage, watch
+from .engines.leftovers import Leftovers, with_leftovers
 from .engines.staging import Staging
-from .errors import InvalidArgument
+from .errors import CheckpointError, InvalidArgument
 from .progress import NO_PROGRESS
 from .storage import Storage, StorageOptions, open_storage
 
@@ -168,6 +174,46 @@ class StorageWriter(DcpStorageWriter, AsyncStager):
         self.cache_staged_state_dict = cache_staged_state_dict
         self._opener = opener
         self._staging = _staging(cache_staged_state_dict)
+        self._leftovers = _leftovers(self)
+
+    # -- a failed save's clean-up: kept, said, tried again -------------------
+    # A save that fails while the endpoint is down cannot abort its uploads
+    # or remove its alive file either: as dcpstore's own savers do, the
+    # writer keeps those clean-ups and tries them again at its next save,
+    # at close() and at exit (dcpstore.engines.leftovers), and the error
+    # says so.
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self._leftovers.retry_in_background()
+        super().set_up_storage_writer(is_coordinator, *args, **kwargs)
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        storage = self._save().storage
+        done = super().write_data(plan, planner)  # complete when it returns
+        try:
+            done.wait()
+        except CheckpointError as error:
+            said = with_leftovers(error, storage, self._leftovers)
+            if said is not error:
+                said.__cause__ = error
+                told: Future[list[WriteResult]] = Future()
+                told.set_exception(said)  # type: ignore[arg-type]  # torch's stub types it as the value
+                return told
+        except BaseException:  # noqa: BLE001 -- DCP gathers it from the future, as before
+            pass
+        return done
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        storage = self._save().storage
+        try:
+            super().finish(metadata, results)
+        except CheckpointError as e:
+            said = with_leftovers(e, storage, self._leftovers)
+            if said is e:
+                raise
+            raise said from e
+
+    def finish_at_exit(self) -> None:
+        self._leftovers.finish("at interpreter exit")
 
     # -- AsyncStager: what dcp.async_save calls ------------------------------
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -180,14 +226,17 @@ class StorageWriter(DcpStorageWriter, AsyncStager):
 
     def close(self) -> None:
         """Drop the staging buffers kept for the next save (saves still in
-        flight keep theirs until they finish)."""
+        flight keep theirs until they finish), and try once more what failed
+        saves could not clean up (waiting for it, within the storage's own
+        timeouts)."""
         self._staging.clear()
+        self._leftovers.finish("at close()")
 
     # -- pickling: DCP's process executor sends the writer to its process ----
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state["storage"] = self.storage.url.uri
-        del state["progress"], state["_staging"]  # this process's: they hold locks
+        del state["progress"], state["_staging"], state["_leftovers"]  # this process's: they hold locks
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -195,6 +244,13 @@ class StorageWriter(DcpStorageWriter, AsyncStager):
         self.storage = self._opener(state["storage"])
         self.progress = NO_PROGRESS
         self._staging = _staging(self.cache_staged_state_dict)
+        self._leftovers = _leftovers(self)
+
+
+def _leftovers(writer: StorageWriter) -> Leftovers:
+    """A writer's keeper of its failed saves' clean-ups, finished at exit."""
+    watch(writer, Stage.SAVERS)
+    return Leftovers()
 
 
 class StorageReader(DcpStorageReader):

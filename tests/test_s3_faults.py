@@ -23,6 +23,7 @@ import time
 import traceback
 import uuid
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -403,6 +404,39 @@ def test_a_failed_async_saves_clean_up_is_retried_by_close(proxy: FaultProxy, s3
     assert "tries again at its next save, at close() and at exit" in message
     saver.close()  # tries once more, and waits for it
     assert _leftover_state(uri, s3_endpoint) == ([], 0)
+
+
+def test_a_failed_dropin_saves_clean_up_is_kept_by_its_writer(proxy: FaultProxy, s3_endpoint: S3Endpoint, tmp_path) -> None:
+    """The drop-in writer under stock ``dcp.save`` keeps what a failed save
+    could not clean up as dcpstore's own savers do: the error (inside DCP's
+    CheckpointException) says what will happen, the writer's next save
+    tries again in the background, and close() waits for a last try."""
+    import torch.distributed.checkpoint as dcp
+
+    writer = dcpstore.StorageWriter(_uri(s3_endpoint), thread_count=1, storage_options=_OPTS)
+    first = _fail_while_down(proxy, s3_endpoint, lambda u: _dcp_save_raising_ours(dcp, writer, u))
+    assert "Its clean-up failed as well (2 step(s)" in first[1], first[1]
+    assert "tries again at its next save, at close() and at exit" in first[1], first[1]
+    dcp.save({"x": torch.ones(3)}, storage_writer=writer, checkpoint_id=str(tmp_path / "next"))
+    _wait_clean(first[0], s3_endpoint)
+    second = _fail_while_down(proxy, s3_endpoint, lambda u: _dcp_save_raising_ours(dcp, writer, u))
+    writer.close()  # tries once more, and waits for it
+    assert _leftover_state(second[0], s3_endpoint) == ([], 0)
+
+
+def _dcp_save_raising_ours(dcp: Any, writer: dcpstore.StorageWriter, uri: str) -> None:
+    """``dcp.save`` through ``writer`` to ``uri``; the rank's own error,
+    which DCP wraps in a CheckpointException (a BaseException), raised as
+    the SaveError ``_fail_while_down`` expects, its message as it is."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dcp.save(_state(), storage_writer=writer, checkpoint_id=uri)
+    except CheckpointException as e:
+        ours = [exc for exc, _ in e.failures.values() if isinstance(exc, dcpstore.CheckpointError)]
+        if not ours:
+            raise
+        raise dcpstore.SaveError(str(ours[0])) from e
 
 
 def test_a_failed_saves_clean_up_is_retried_at_exit(proxy: FaultProxy, s3_endpoint: S3Endpoint) -> None:

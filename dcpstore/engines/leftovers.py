@@ -46,14 +46,20 @@ def what_happens(uri: str, items: Sequence[Unfinished]) -> str:
     )
 
 
-def with_leftovers(error: SaveError, storage: Storage, leftovers: Leftovers) -> SaveError:
+def with_leftovers(error: CheckpointError, storage: Storage, leftovers: Leftovers) -> CheckpointError:
     """After a save to ``storage`` failed with ``error``: keep the clean-ups
-    the storage could not do in ``leftovers``, and say so in the error."""
+    the storage could not do in ``leftovers``, and say so in the error (of
+    the same class where its constructor takes just the message, else a
+    :class:`SaveError`)."""
     items = storage.take_unfinished()
     if not items:
         return error
     leftovers.keep(storage.uri, items)
-    return type(error)(str(error) + what_happens(storage.uri, items))
+    message = str(error) + what_happens(storage.uri, items)
+    try:
+        return type(error)(message)
+    except TypeError:  # a class with more to say than a message (ObjectTooLarge)
+        return SaveError(message)
 
 
 class Leftovers:
