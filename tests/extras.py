@@ -36,6 +36,8 @@ MODULES: dict[str, tuple[str, ...]] = {
     "s3fs": ("s3fs",),
     "s3torchconnector": ("s3torchconnector.dcp",),
     "moto": ("moto.server",),
+    "torchtitan": ("torchtitan.components.checkpoint",),
+    "lightning": ("lightning.fabric", "lightning.pytorch"),
 }
 
 NVRX = "nvidia-resiliency-ext"
@@ -70,6 +72,18 @@ def skip_unless(dist: str, what: str = "") -> None:
     if CI:
         pytest.fail(f"CI installs every extra, yet {text}")
     pytest.skip(text)
+
+
+def skip_module_unless(dist: str) -> None:
+    """At a test module's top, for a module that needs ``dist`` throughout:
+    skip the whole module when it is not usable; under CI fail: CI installs
+    every extra, and a broken install must not pass as a skip."""
+    why = missing(dist)
+    if why is None:
+        return
+    if CI:
+        pytest.fail(f"CI installs every extra, yet {why}", pytrace=False)
+    pytest.skip(f"{why} (pip install 'dcpstore[{dist}]')", allow_module_level=True)
 
 
 #: For tests that need NVRx throughout (under CI, tests/test_extras.py

@@ -19,7 +19,9 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("lightning", reason="the lightning extra is not installed (pip install 'dcpstore[lightning]')")
+from extras import skip_module_unless  # noqa: E402
+
+skip_module_unless("lightning")
 
 import torch
 import torch.distributed as dist

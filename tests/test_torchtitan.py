@@ -22,7 +22,9 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("torchtitan", reason="the torchtitan extra is not installed (pip install 'dcpstore[torchtitan]')")
+from extras import skip_module_unless  # noqa: E402
+
+skip_module_unless("torchtitan")
 
 import torch
 import torch.distributed as dist
