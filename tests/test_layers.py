@@ -26,7 +26,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "dcpstore"
 #: Bottom first. ``dcpstore`` itself (its __init__: the public surface) sits
 #: above everything it re-exports and below the tools built on the package.
 LAYERS: list[set[str]] = [
-    {"errors", "threads", "quiet", "units", "keywords", "progress"},  # foundation: imports nothing of ours
+    {"errors", "threads", "quiet", "units", "keywords", "progress", "first_use"},  # foundation: imports nothing of ours
     {"storage"},  # bytes
     {"options", "handle"},  # value objects
     {"format"},  # what the bytes mean
