@@ -21,7 +21,7 @@ import crc32c
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
 
-from .dcp.commit import read_checkpoint_metadata
+from .dcp.commit.read import read_checkpoint_metadata
 from .dcp.item_checks import ItemChecks, item_label
 from .errors import CheckpointCorrupt, CheckpointNotFound, StorageNotFound, UnsafeCheckpoint
 from .format.layout import is_data_file, item_key

@@ -64,7 +64,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.utils._pytree import tree_map_only
 
 from ..api import load, save
-from ..dcp.commit import read_checkpoint_metadata
+from ..dcp.commit.read import read_checkpoint_metadata
 from ..errors import InvalidArgument, StateDictMismatch
 from ..handle import SaveHandle
 from ..manager import CheckpointManager

@@ -76,7 +76,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from ..dcp.commit import read_checkpoint_metadata, read_commit_file
+from ..dcp.commit.read import read_checkpoint_metadata, read_commit_file
 from ..errors import InvalidArgument
 from ..format.layout import METADATA
 from ..manager.steps import delete_checkpoint

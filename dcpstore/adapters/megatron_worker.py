@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
-from ..dcp.commit import ItemRecord, SaveSession
+from ..dcp.commit.session import ItemRecord, SaveSession
 from ..dcp.failures import describe_failure
 from ..dcp.owner_gate import OwnerGate, run_gated
 from ..dcp.data_files import file_size_hint, write_data_file

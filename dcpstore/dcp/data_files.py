@@ -29,7 +29,7 @@ from ..format.record import RecordStream, compact_cpu_tensor, encode_item
 from ..handle import SaveStats
 from ..progress import Progress
 from ..storage import Storage
-from .commit import ItemRecord
+from .commit.session import ItemRecord
 from .owner_gate import OwnerGate
 
 #: About what a tensor record adds to its bytes (zip headers, pickle,

@@ -79,7 +79,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.checkpoint.utils import _DistWrapper
 
-from ..dcp.commit import ItemRecord, SaveSession
+from ..dcp.commit.session import ItemRecord, SaveSession
 from ..dcp.data_files import write_stats
 from ..dcp.failures import describe_failure
 from ..dcp.owner_gate import OwnerGate

@@ -45,7 +45,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from ..dcp.lease import Lease
+from ..dcp.commit import Lease
 from ..errors import CheckpointError, InvalidArgument, SaveError
 from ..format.inflight import is_alive_file
 from ..format.layout import INFLIGHT, METADATA, is_data_file, is_manifest
@@ -220,7 +220,7 @@ def _sees(local: Storage, probe: str | None) -> bool:
 def put_marker(local: Storage, step: int, save_id: str) -> Lease:
     """The in-flight marker for the save of ``step``, holding ``save_id``,
     in the local step directory, after the lease it returns (its alive file
-    first, :mod:`dcpstore.dcp.lease`): ``dcpstore gc`` keeps the step until
+    first, :mod:`dcpstore.dcp.commit.lease`): ``dcpstore gc`` keeps the step until
     the caller ends the lease (once the directory's copy is committed, or
     the save failed), as it keeps the coordinator's save."""
     prefix = step_dir(step)

@@ -72,7 +72,7 @@ from dataclasses import dataclass
 
 import crc32c
 
-from ..dcp.lease import Lease
+from ..dcp.commit import Lease
 from ..errors import CheckpointCorrupt, CheckpointError, SaveError, StorageNotFound
 from ..format import inflight
 from ..format.layout import METADATA, REPLICA_REPORT_PREFIX, is_data_file, is_manifest, is_replica_report
@@ -378,7 +378,7 @@ def commit_replica(
 
 def replica_lease(durable: Storage, step: int) -> Lease:
     """Every rank, before its first upload of ``step``: its lease in the
-    durable step directory (:mod:`dcpstore.dcp.lease`), so that ``dcpstore
+    durable step directory (:mod:`dcpstore.dcp.commit.lease`), so that ``dcpstore
     gc`` keeps the replication in progress and may collect what a failed
     or killed one left. The coordinator ends it after the commit; another
     rank's lingers until it sees the commit (:func:`replica_taken_over`)."""

@@ -21,9 +21,7 @@ must not start). A daemon thread rewrites it every
 the storage object is gone, or -- a save's lease -- until the directory's
 in-flight marker names another save (it took the URI over; a marker that is
 missing is the save's to judge, see
-:meth:`~dcpstore.dcp.commit.SaveSession.check_owner`).
-
-Layer: DCP protocol. Imports :mod:`dcpstore.format` and :mod:`dcpstore.storage`.
+:meth:`~.session.SaveSession.check_owner`).
 """
 
 from __future__ import annotations
@@ -37,12 +35,12 @@ import time
 import weakref
 from collections.abc import Callable
 
-from ..errors import CheckpointError, StorageNotFound
-from ..format import inflight
-from ..format.inflight import Owner, alive_name, encode_alive
-from ..format.layout import INFLIGHT
-from ..format.manifest import SMALL_FILE_LIMIT, read_capped
-from ..storage import Storage
+from ...errors import CheckpointError, StorageNotFound
+from ...format import inflight
+from ...format.inflight import Owner, alive_name, encode_alive
+from ...format.layout import INFLIGHT
+from ...format.manifest import SMALL_FILE_LIMIT, read_capped
+from ...storage import Storage
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,49 @@
+"""The commit protocol: every commit anyone writes is written, read,
+published and removed here.
+
+* :mod:`.session`: a save's commit, :class:`~.session.SaveSession` (claim,
+  names, ownership, publish, release), used by every writer;
+* :mod:`.read`: what load, inspect and verify accept as a committed
+  checkpoint (:func:`~.read.read_checkpoint_metadata`), its commit files;
+* :mod:`.lease`: the alive file that keeps a writer's directory from ``gc``
+  (its format and rule are :mod:`dcpstore.format.inflight`'s).
+
+The file names are :mod:`dcpstore.format.layout`'s. Only :mod:`.session`
+and :mod:`.read` import torch (DCP's ``Metadata``); their names are imported
+from here on first use (PEP 562), so that ``ls`` and ``gc``
+(:mod:`dcpstore.listing`) can use the rest without importing torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ...first_use import first_use
+from .lease import Lease
+
+if TYPE_CHECKING:
+    from .read import commit_replaced, read_checkpoint_metadata, read_commit_file
+    from .session import ItemRecord, SaveSession, check_commit_files
+
+#: The names that need torch, imported on first use: name -> its module.
+TORCH_NAMES: dict[str, str] = {
+    "ItemRecord": "dcpstore.dcp.commit.session",
+    "SaveSession": "dcpstore.dcp.commit.session",
+    "check_commit_files": "dcpstore.dcp.commit.session",
+    "commit_replaced": "dcpstore.dcp.commit.read",
+    "read_checkpoint_metadata": "dcpstore.dcp.commit.read",
+    "read_commit_file": "dcpstore.dcp.commit.read",
+}
+
+__getattr__ = first_use(TORCH_NAMES, globals())
+
+
+__all__ = [
+    "ItemRecord",
+    "Lease",
+    "SaveSession",
+    "check_commit_files",
+    "commit_replaced",
+    "read_checkpoint_metadata",
+    "read_commit_file",
+]
