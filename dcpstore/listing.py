@@ -18,8 +18,7 @@ import re
 import time
 from dataclasses import dataclass, field
 
-import crc32c
-
+from .dcp.commit import read_commit
 from .errors import CheckpointError, StorageNotFound
 from .format.inflight import ALIVE_PREFIX, LEASE_S, decode_owner, is_alive_file, is_running, write_is_stale
 from .format.layout import (
@@ -35,7 +34,7 @@ from .format.layout import (
     save_tag,
     split_data_path,
 )
-from .format.manifest import MANIFEST_LIMIT, METADATA_LIMIT, SMALL_FILE_LIMIT, parse_manifest, read_capped
+from .format.manifest import SMALL_FILE_LIMIT, read_capped
 from .storage import Storage
 from .storage.base import ObjectInfo
 from .storage.uri import join_uri, parse_uri
@@ -146,27 +145,19 @@ def list_checkpoints(storage: Storage) -> list[CheckpointEntry]:
 
 
 def _commit_files(storage: Storage, names: list[str]) -> set[str] | None:
-    """The files a committed directory's commit consists of, from its
-    manifest: the one that records ``.metadata``'s CRC32C, ``.metadata``,
-    and the data files it lists. None when no manifest records it (stock
-    DCP's commit, or damage) or the directory holds stock DCP's rank-local
-    commits beside ``.metadata``: then nothing is known to be stale.
-    Reads ``.metadata``'s bytes and the manifests (checked JSON), never
-    unpickles anything."""
+    """The files a committed directory's commit consists of
+    (:attr:`~dcpstore.dcp.commit.found.Commit.files`). None when no manifest
+    belongs to its ``.metadata`` (stock DCP's commit, or damage) or the
+    directory holds stock DCP's rank-local commits beside ``.metadata``:
+    then nothing is known to be stale. Reads ``.metadata``'s bytes and the
+    manifests (checked JSON), never unpickles anything."""
     if any(is_commit_file(n) and n != METADATA for n in names):
         return None
     try:
-        crc = crc32c.crc32c(read_capped(storage, METADATA, METADATA_LIMIT))
+        commit = read_commit(storage, names=names, skip_damaged=True)
     except CheckpointError:
         return None
-    for name in (n for n in names if is_manifest(n)):
-        try:
-            manifest = parse_manifest(read_capped(storage, name, MANIFEST_LIMIT), storage.describe(name))
-        except CheckpointError:
-            continue
-        if manifest["metadata_crc32c"] == crc:
-            return {METADATA, name, *manifest["files"]}
-    return None
+    return None if commit is None else set(commit.files)
 
 
 @dataclass

@@ -45,13 +45,13 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from ..dcp.commit import Lease
+from ..dcp.commit import Commit, Lease
 from ..errors import CheckpointError, InvalidArgument, SaveError
 from ..format.inflight import is_alive_file
 from ..format.layout import INFLIGHT, METADATA, is_data_file, is_manifest
 from ..format.safe_pickle import TOOLS, load_metadata
 from ..storage import Storage
-from .replicate import LocalCommit, read_local_commit
+from .replicate import read_local_commit
 from .roots import coordinator_rank
 from .steps import step_dir
 
@@ -235,7 +235,7 @@ def put_marker(local: Storage, step: int, save_id: str) -> Lease:
     return lease
 
 
-def localize(local: Storage, step: int, commit: LocalCommit) -> None:
+def localize(local: Storage, step: int, commit: Commit) -> None:
     """Make the coordinator's ``commit`` of ``step`` this node's (leader): the
     manifest, then ``.metadata`` (the commit point), then remove the marker,
     the alive files and the data files and manifests no longer named (an
@@ -257,14 +257,14 @@ def _stale(name: str, named: set[str]) -> bool:
     return is_alive_file(name) or (name not in named and (is_data_file(name) or is_manifest(name)))
 
 
-def held_files(local: Storage, step: int, commit: LocalCommit) -> list[str]:
+def held_files(local: Storage, step: int, commit: Commit) -> list[str]:
     """The data files of ``commit`` this directory holds at their size."""
     prefix = step_dir(step)
     sizes = {o["path"][len(prefix) + 1 :]: o["size"] for o in local.list(f"{prefix}/")}
     return sorted(n for n, e in commit.manifest["files"].items() if sizes.get(n) == e["size"])
 
 
-def plan_files(state_dict: dict[str, Any], commit: LocalCommit, where: str) -> set[str]:
+def plan_files(state_dict: dict[str, Any], commit: Commit, where: str) -> set[str]:
     """The data files the default load plan of ``state_dict`` reads from the
     checkpoint ``commit`` is the commit of (``where``: its URI, for errors).
     ``.metadata`` goes through the restricted unpickler like every load."""
@@ -275,7 +275,7 @@ def plan_files(state_dict: dict[str, Any], commit: LocalCommit, where: str) -> s
     return {data[item.storage_index].relative_path for item in planner.create_local_plan().items}
 
 
-def holds(local: Storage, step: int, commit: LocalCommit | None, needed: Iterable[str]) -> bool:
+def holds(local: Storage, step: int, commit: Commit | None, needed: Iterable[str]) -> bool:
     """Whether ``local`` holds every one of ``needed`` of ``commit`` at its size."""
     if commit is None:
         return False
@@ -284,8 +284,8 @@ def holds(local: Storage, step: int, commit: LocalCommit | None, needed: Iterabl
 
 
 def share_commit(
-    sync: NodeSync, local: Storage, step: int, rank: int, commit: LocalCommit | None, catch_up: bool
-) -> tuple[LocalCommit, tuple[str, ...]] | None:
+    sync: NodeSync, local: Storage, step: int, rank: int, commit: Commit | None, catch_up: bool
+) -> tuple[Commit, tuple[str, ...]] | None:
     """Every rank's replicator, for every job (the collectives on the
     replicator's group pair up: every rank queues the same jobs in the same
     order): the coordinator's ``commit`` of ``step`` (read there and

@@ -45,12 +45,11 @@ removes.
 The coordinator's own local copy must hold the manifest and ``.metadata``
 (it does: the coordinator commits the local save). Other ranks check their
 uploads against the manifest when their local directory holds it; where it
-does not, the coordinator checks the CRCs they report. The manifest is found
-as the one whose recorded ``.metadata`` CRC32C matches (:func:`read_local_commit`),
-whatever name the save gave it (the plain ``.dcpstore.json`` or a save-unique
-``.dcpstore.<tag>.json``, :func:`~dcpstore.format.layout.manifest_names`),
-without unpickling ``.metadata``; this is the rule ``dcpstore gc`` keeps a
-commit's files by. The durable copy gets the manifest under that same name and
+does not, the coordinator checks the CRCs they report. The manifest is the
+one that belongs to ``.metadata`` (:func:`read_local_commit`, by the commit
+protocol's rule: :mod:`dcpstore.dcp.commit.found`), whatever name the save
+gave it, found without unpickling ``.metadata``; ``dcpstore gc`` keeps a
+commit's files by the same rule. The durable copy gets the manifest under that same name and
 the same ``.metadata`` bytes, so the durable reader, which looks the manifest
 up by the save id ``.metadata`` records, finds exactly it. By the same
 rule, :func:`whole_local_steps` lists the steps of which a local directory
@@ -68,23 +67,14 @@ import os
 import time
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import crc32c
 
-from ..dcp.commit import Lease
+from ..dcp.commit import Commit, Lease, read_commit
 from ..errors import CheckpointCorrupt, CheckpointError, SaveError, StorageNotFound
 from ..format import inflight
 from ..format.layout import METADATA, REPLICA_REPORT_PREFIX, is_data_file, is_manifest, is_replica_report
-from ..format.manifest import (
-    MANIFEST_LIMIT,
-    METADATA_LIMIT,
-    FileEntry,
-    Manifest,
-    check_relative_name,
-    parse_manifest,
-    read_capped,
-)
+from ..format.manifest import MANIFEST_LIMIT, METADATA_LIMIT, FileEntry, Manifest, check_relative_name, read_capped
 from ..storage import Storage
 from .steps import parse_step_dir, step_dir
 
@@ -101,42 +91,12 @@ def report_name(rank: int) -> str:
     return f"{REPLICA_REPORT_PREFIX}{rank}.{os.urandom(4).hex()}"
 
 
-@dataclass(frozen=True)
-class LocalCommit:
-    """The commit of a step's local copy: ``.metadata`` and the manifest that
-    belongs to it (its name as the save wrote it, its bytes, parsed)."""
-
-    metadata_blob: bytes
-    manifest_name: str
-    manifest_blob: bytes
-    manifest: Manifest
-
-
-def read_local_commit(local: Storage, step: int, names: Iterable[str] | None = None) -> LocalCommit | None:
-    """The commit of the local copy of ``step``, or None if there is none
-    (no ``.metadata``, or no manifest: node-local directories of other
-    ranks). The manifest is the one whose ``metadata_crc32c`` is the CRC32C
-    of this ``.metadata``: a directory may also hold the manifest of an
-    earlier save at the same step (an overwrite), never the right one twice.
-    ``names``: the file names in the step's directory, if already listed."""
-    prefix = step_dir(step)
-    try:
-        metadata_blob = read_capped(local, f"{prefix}/{METADATA}", METADATA_LIMIT)
-    except StorageNotFound:
-        return None
-    if names is None:
-        names = [o["path"][len(prefix) + 1 :] for o in local.list(f"{prefix}/")]
-    crc = crc32c.crc32c(metadata_blob)
-    for name in sorted(n for n in names if is_manifest(n)):
-        where = f"{prefix}/{name}"
-        try:
-            blob = read_capped(local, where, MANIFEST_LIMIT)
-        except StorageNotFound:
-            continue
-        manifest = parse_manifest(blob, local.describe(where))
-        if manifest["metadata_crc32c"] == crc:
-            return LocalCommit(metadata_blob, name, blob, manifest)
-    return None
+def read_local_commit(local: Storage, step: int, names: Iterable[str] | None = None) -> Commit | None:
+    """The commit of the copy of ``step`` under ``local`` (either tier), or
+    None if there is none (no ``.metadata``, or no manifest of its own:
+    node-local directories of other ranks): :func:`~dcpstore.dcp.commit.found.read_commit`
+    of the step's directory. ``names``: the file names in it, if already listed."""
+    return read_commit(local, step_dir(step), names)
 
 
 def needs_replication(
@@ -260,7 +220,7 @@ def upload_files(
     return dict(zip(names, entries))
 
 
-def check_no_clash(durable: Storage, step: int, names: Iterable[str], commit: LocalCommit | None) -> None:
+def check_no_clash(durable: Storage, step: int, names: Iterable[str], commit: Commit | None) -> None:
     """Every rank, before uploading ``names`` of the local ``commit`` of
     ``step``: refuse (:class:`SaveError`, nothing uploaded) if the durable
     tier holds *another* commit of the step that names one of them, or the
@@ -385,7 +345,7 @@ def replica_lease(durable: Storage, step: int) -> Lease:
     return Lease(durable, step_dir(step))
 
 
-def replica_taken_over(durable: Storage, step: int, report: str, commit: LocalCommit | None) -> bool:
+def replica_taken_over(durable: Storage, step: int, report: str, commit: Commit | None) -> bool:
     """Whether another rank's uploads of ``step`` no longer need its lease:
     its ``report`` is gone (the coordinator's commit removes the reports;
     retention, or a later overwrite's commit, the whole step), or the

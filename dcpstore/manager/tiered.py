@@ -80,6 +80,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ..dcp.commit import Commit
 from ..errors import CheckpointError, InvalidArgument, SaveError
 from ..format.layout import METADATA
 from ..handle import SaveHandle
@@ -87,7 +88,6 @@ from ..storage import Storage, join_uri
 from .leases import TierLeases
 from .nodes import NodeSync, put_marker, reads_locally, share_commit
 from .replicate import (
-    LocalCommit,
     check_no_clash,
     commit_replica,
     needs_replication,
@@ -124,7 +124,7 @@ class _Job:
     #: node's leader, the files of ``commit`` its directory holds).
     files: tuple[str, ...] | None
     #: Node-local catch-up: the coordinator's commit of the step.
-    commit: LocalCommit | None = None
+    commit: Commit | None = None
 
 
 class TieredRoots:
@@ -329,7 +329,7 @@ class TieredRoots:
         that need replicating go to every rank; each rank queues them
         (``durable`` None: this rank could not list the durable tier, and
         raises after this)."""
-        found: list[tuple[int, LocalCommit]] = []
+        found: list[tuple[int, Commit]] = []
         if self._coordinator and durable is not None:
             try:
                 for step in self.local_steps():
@@ -368,7 +368,7 @@ class TieredRoots:
                 self._retire_local(job.step)
 
     def _replicate(self, job: _Job) -> None:
-        commit: LocalCommit | None
+        commit: Commit | None
         files: tuple[str, ...] | None
         if self._nodes.node_local:
             mine = job.commit

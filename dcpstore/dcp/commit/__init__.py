@@ -5,6 +5,8 @@ published and removed here.
   names, ownership, publish, release), used by every writer;
 * :mod:`.read`: what load, inspect and verify accept as a committed
   checkpoint (:func:`~.read.read_checkpoint_metadata`), its commit files;
+* :mod:`.found`: the manifest that belongs to a ``.metadata`` (the one that
+  records its CRC32C), for everything that works from a listing;
 * :mod:`.lease`: the alive file that keeps a writer's directory from ``gc``
   (its format and rule are :mod:`dcpstore.format.inflight`'s).
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ...first_use import first_use
+from .found import Commit, disowned, find_manifest, listed_names, read_commit
 from .lease import Lease
 
 if TYPE_CHECKING:
@@ -39,11 +42,16 @@ __getattr__ = first_use(TORCH_NAMES, globals())
 
 
 __all__ = [
+    "Commit",
     "ItemRecord",
     "Lease",
     "SaveSession",
     "check_commit_files",
     "commit_replaced",
+    "disowned",
+    "find_manifest",
+    "listed_names",
     "read_checkpoint_metadata",
+    "read_commit",
     "read_commit_file",
 ]

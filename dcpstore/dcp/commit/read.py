@@ -6,8 +6,10 @@ load read was replaced meanwhile (:func:`commit_replaced`).
 A committed checkpoint passes capped reads, the manifest's schema, the
 restricted unpickle of ``.metadata`` (nothing in a checkpoint is ever
 executed), its chunks tiling every tensor, every stored item checked
-against the manifest, and has the manifest that belongs to it (one of ours
-only for a ``.metadata`` of ours: :func:`~dcpstore.format.layout.manifest_names`).
+against the manifest, and has the manifest that belongs to it: found by
+the save id ``.metadata`` records (one of ours only for a ``.metadata`` of
+ours: :func:`~dcpstore.format.layout.manifest_names`), and checked by the
+CRC32C it records, the rule :mod:`.found` finds it by from a listing.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from ...format.manifest import (
 from ...format.safe_pickle import TOOLS, Trust, load_metadata
 from ...storage import Storage
 from ...threads import run_parallel
+from .found import disowned
 
 log = logging.getLogger(__name__)
 
@@ -161,20 +164,10 @@ def _first_data_file(metadata: object) -> object:
 def _check_damage(storage: Storage, blob: bytes, why: str, refused: CheckpointError | None) -> None:
     """``.metadata`` could not be unpickled (or names a class off the
     allowlist), or no manifest of the name its save id gives is there: if
-    the directory holds manifests and none records this blob's CRC32C, the
-    blob is damaged -- say that rather than what the damage happens to look
-    like (``why``: that). Lists the directory (a failure path only)."""
-    try:
-        names = [o["path"] for o in storage.list() if is_manifest(o["path"])]
-        crcs = set()
-        for name in names:
-            try:
-                crcs.add(parse_manifest(read_capped(storage, name, MANIFEST_LIMIT), storage.describe(name))["metadata_crc32c"])
-            except CheckpointError:
-                continue
-    except CheckpointError:
-        return
-    if crcs and crc32c.crc32c(blob) not in crcs:
+    the directory holds manifests and none records this blob's CRC32C
+    (:func:`~.found.disowned`), the blob is damaged -- say that rather than
+    what the damage happens to look like (``why``: that)."""
+    if disowned(storage, blob):
         raise CheckpointCorrupt(
             f"{storage.describe(METADATA)}: checksum mismatch (damaged commit object: no manifest records its "
             f"CRC32C; {why})"

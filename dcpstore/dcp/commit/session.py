@@ -83,16 +83,9 @@ from ...format.layout import (
     name_tag,
     save_tag,
 )
-from ...format.manifest import (
-    MANIFEST_LIMIT,
-    METADATA_LIMIT,
-    SMALL_FILE_LIMIT,
-    FileEntry,
-    build_manifest,
-    parse_manifest,
-    read_capped,
-)
+from ...format.manifest import SMALL_FILE_LIMIT, FileEntry, build_manifest, read_capped
 from ...storage import Storage
+from .found import read_commit
 from .lease import Lease
 
 log = logging.getLogger(__name__)
@@ -278,13 +271,8 @@ class SaveSession:
         """Whether the URI's ``.metadata`` is this save's: its manifest is
         there and names that ``.metadata``'s CRC32C (before the commit the
         old ``.metadata`` is there, and after a later save's commit that
-        save's)."""
-        try:
-            mine = parse_manifest(read_capped(self.storage, self.manifest, MANIFEST_LIMIT), self.storage.describe(self.manifest))
-            blob = read_capped(self.storage, METADATA, METADATA_LIMIT)
-        except StorageNotFound:
-            return False
-        return crc32c.crc32c(blob) == mine["metadata_crc32c"]
+        save's: :mod:`.found`)."""
+        return read_commit(self.storage, names=[self.manifest]) is not None
 
     def storage_meta(self) -> StorageMeta:
         """What ``.metadata`` records about this save."""
