@@ -18,7 +18,7 @@ import re
 import time
 from dataclasses import dataclass, field
 
-from .dcp.commit import read_commit
+from .dcp.commit import is_marker, read_commit, remove_markers
 from .errors import CheckpointError, StorageNotFound
 from .format.inflight import ALIVE_PREFIX, LEASE_S, decode_owner, is_alive_file, is_running, write_is_stale
 from .format.layout import (
@@ -135,7 +135,7 @@ def list_checkpoints(storage: Storage) -> list[CheckpointEntry]:
             # A committed checkpoint only ever loses our markers (and, see
             # gc, files its commit does not name); an uncommitted one
             # everything a save left.
-            if not entry.committed or name == INFLIGHT or is_alive_file(name):
+            if not entry.committed or is_marker(name) or is_alive_file(name):
                 entry.leftovers.append(obj["path"])
         entry.names = sorted(names)
         tags = {name_tag(n) for n in names} - {None}
@@ -225,7 +225,7 @@ def gc(storage: Storage, *, older_than_s: float = 300.0, dry_run: bool = False) 
     # belongs to a save whose alive file the listing below shows.
     writes = storage.incomplete_writes()
     doomed: list[str] = []
-    markers: dict[str, CheckpointEntry] = {}
+    markers: dict[str, list[str]] = {}
     for entry in list_checkpoints(storage):
         if not (entry.leftovers or entry.mixed):
             continue
@@ -247,9 +247,9 @@ def gc(storage: Storage, *, older_than_s: float = 300.0, dry_run: bool = False) 
         ):
             report.kept_recent.append(label)
             continue
-        doomed.extend(p for p in entry.leftovers if posixpath.basename(p) != INFLIGHT)
-        if INFLIGHT in entry.names:
-            markers[entry.path] = entry
+        doomed.extend(p for p in entry.leftovers if not is_marker(posixpath.basename(p)))
+        if any(map(is_marker, entry.names)):
+            markers[entry.path] = entry.names
         if not entry.committed:
             report.removed.append(label)
         elif entry.mixed and live is not None:  # and files its commit does not name
@@ -266,7 +266,7 @@ def gc(storage: Storage, *, older_than_s: float = 300.0, dry_run: bool = False) 
     report.incomplete_uploads = storage.remove_incomplete(idle, max(older_than_s, LEASE_S))
     if doomed:
         storage.delete(doomed)
-    _remove_markers(storage, markers)
+    remove_markers(storage, markers)
     return report
 
 
@@ -276,24 +276,6 @@ def _in_running(path: str, running: list[str]) -> bool:
     ``p{hex}/`` below its checkpoint: they are that checkpoint's."""
     directory = checkpoint_dir(posixpath.dirname(path))
     return any(not r or not directory or directory == r or directory.startswith(r + "/") for r in running)
-
-
-def _remove_markers(storage: Storage, markers: dict[str, CheckpointEntry]) -> None:
-    """Remove the in-flight markers of the directories gc cleans, last, and
-    only where no save has started since the listing: the marker's name is
-    every save's, so a save that claimed the directory meanwhile (its alive
-    file lands before its marker) keeps it. An uncommitted directory's
-    marker removed in the instant between that look and the delete is put
-    back by its save (:meth:`~dcpstore.dcp.commit.SaveSession.check_owner`)."""
-    gone = []
-    for path, entry in markers.items():
-        prefix = f"{path}/" if path else ""
-        known = {posixpath.join(path, n) if path else n for n in entry.names}
-        listed = {o["path"] for o in storage.list(prefix) if "/" not in o["path"][len(prefix) :]}
-        if not any(is_alive_file(posixpath.basename(p)) for p in listed - known):
-            gone.append(posixpath.join(path, INFLIGHT) if path else INFLIGHT)
-    if gone:
-        storage.delete(gone)
 
 
 def _under(storage: Storage, directory: str) -> Storage:

@@ -45,7 +45,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from ..dcp.commit import Commit, Lease
+from ..dcp.commit import Commit, Lease, mark
 from ..errors import CheckpointError, InvalidArgument, SaveError
 from ..format.inflight import is_alive_file
 from ..format.layout import INFLIGHT, METADATA, is_data_file, is_manifest
@@ -219,20 +219,13 @@ def _sees(local: Storage, probe: str | None) -> bool:
 
 def put_marker(local: Storage, step: int, save_id: str) -> Lease:
     """The in-flight marker for the save of ``step``, holding ``save_id``,
-    in the local step directory, after the lease it returns (its alive file
-    first, :mod:`dcpstore.dcp.commit.lease`): ``dcpstore gc`` keeps the step until
-    the caller ends the lease (once the directory's copy is committed, or
-    the save failed), as it keeps the coordinator's save."""
-    prefix = step_dir(step)
+    in the local step directory, after the lease it returns
+    (:func:`~dcpstore.dcp.commit.lease.mark`): ``dcpstore gc`` keeps the
+    step until the caller ends the lease (once the directory's copy is
+    committed, or the save failed), as it keeps the coordinator's save."""
     # Not fsynced: the caller's training thread waits here, and a crash that
     # loses them loses nothing (the save never commits; gc collects its files).
-    lease = Lease(local, prefix, save_id=save_id, durable=False)
-    try:
-        local.put(f"{prefix}/{INFLIGHT}", save_id.encode(), durable=False)
-    except BaseException:
-        lease.stop()
-        raise
-    return lease
+    return mark(local, save_id, step_dir(step), durable=False)
 
 
 def localize(local: Storage, step: int, commit: Commit) -> None:

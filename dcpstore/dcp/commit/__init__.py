@@ -7,8 +7,9 @@ published and removed here.
   checkpoint (:func:`~.read.read_checkpoint_metadata`), its commit files;
 * :mod:`.found`: the manifest that belongs to a ``.metadata`` (the one that
   records its CRC32C), for everything that works from a listing;
-* :mod:`.lease`: the alive file that keeps a writer's directory from ``gc``
-  (its format and rule are :mod:`dcpstore.format.inflight`'s).
+* :mod:`.marker`: the in-flight marker; :mod:`.lease`: the alive file that
+  keeps a writer's directory from ``gc`` (its format and rule are
+  :mod:`dcpstore.format.inflight`'s), and both in that order (:func:`~.lease.mark`).
 
 The file names are :mod:`dcpstore.format.layout`'s. Only :mod:`.session`
 and :mod:`.read` import torch (DCP's ``Metadata``); their names are imported
@@ -22,7 +23,8 @@ from typing import TYPE_CHECKING
 
 from ...first_use import first_use
 from .found import Commit, disowned, find_manifest, listed_names, read_commit
-from .lease import Lease
+from .lease import Lease, mark
+from .marker import is_marker, put_marker, read_marker, remove_markers
 
 if TYPE_CHECKING:
     from .read import commit_replaced, read_checkpoint_metadata, read_commit_file
@@ -50,8 +52,13 @@ __all__ = [
     "commit_replaced",
     "disowned",
     "find_manifest",
+    "is_marker",
     "listed_names",
+    "mark",
+    "put_marker",
     "read_checkpoint_metadata",
     "read_commit",
     "read_commit_file",
+    "read_marker",
+    "remove_markers",
 ]

@@ -24,7 +24,6 @@ from torch.distributed.checkpoint.metadata import Metadata
 from ...errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound, StorageNotFound, UnsafeCheckpoint
 from ...format.chunks import check_tiling
 from ...format.layout import (
-    INFLIGHT,
     MANIFEST,
     METADATA,
     commit_file_of,
@@ -47,6 +46,7 @@ from ...format.safe_pickle import TOOLS, Trust, load_metadata
 from ...storage import Storage
 from ...threads import run_parallel
 from .found import disowned
+from .marker import is_marker
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +185,7 @@ def _why_missing(storage: Storage) -> str:
         listed = [o["path"] for o in itertools.islice(storage.list(), EXPLAIN_LIMIT)]
         # The marker alone is what a save that failed before publishing any
         # data file leaves (its rank's files are published together).
-        leftovers = [p for p in listed if is_data_file(p) or is_manifest(p) or p == INFLIGHT]
+        leftovers = [p for p in listed if is_data_file(p) or is_manifest(p) or is_marker(p)]
     except StorageNotFound as e:  # e.g. the bucket itself does not exist: say so
         return f"no checkpoint at {storage.uri}: {e}"
     except CheckpointError as e:

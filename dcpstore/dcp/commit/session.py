@@ -65,7 +65,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.storage import WriteResult
 
-from ...errors import CheckpointError, CheckpointExists, InvalidArgument, SaveError, StorageNotFound
+from ...errors import CheckpointError, CheckpointExists, InvalidArgument, SaveError
 from ...format.inflight import alive_name, is_alive_file
 from ...format.layout import (
     INFLIGHT,
@@ -83,10 +83,11 @@ from ...format.layout import (
     name_tag,
     save_tag,
 )
-from ...format.manifest import SMALL_FILE_LIMIT, FileEntry, build_manifest, read_capped
+from ...format.manifest import FileEntry, build_manifest
 from ...storage import Storage
 from .found import read_commit
-from .lease import Lease
+from .lease import Lease, mark
+from .marker import put_marker, read_marker
 
 log = logging.getLogger(__name__)
 
@@ -183,14 +184,8 @@ class SaveSession:
                     )
                 self.save_id = os.urandom(8).hex()
             self.tag = save_tag(self.save_id)
-        # Proof of life for gc, until publish or release: before the marker,
-        # so that any listing showing the marker shows it too.
-        self._lease = Lease(self.storage, lease_id=self.save_id, save_id=self.save_id)
-        try:
-            self.storage.put(INFLIGHT, self.save_id.encode())
-        except BaseException:
-            self.release()
-            raise
+        # Proof of life for gc, until publish or release.
+        self._lease = mark(self.storage, self.save_id, lease_id=self.save_id)
         self._found = frozenset(stale)
 
     # -- every rank -----------------------------------------------------------
@@ -227,7 +222,7 @@ class SaveSession:
                     self.storage.describe(INFLIGHT),
                     self.save_id,
                 )
-                self.storage.put(INFLIGHT, self.save_id.encode())
+                put_marker(self.storage, self.save_id)
                 owner = self._marker()  # should another save have claimed meanwhile
                 if owner in (None, self.save_id):
                     return
@@ -245,10 +240,7 @@ class SaveSession:
 
     def _marker(self) -> str | None:
         """The save id the URI's in-flight marker holds (None: no marker)."""
-        try:
-            return read_capped(self.storage, INFLIGHT, SMALL_FILE_LIMIT).decode(errors="replace")
-        except StorageNotFound:
-            return None
+        return read_marker(self.storage)
 
     def discard(self, written: Iterable[str]) -> None:
         """After this save failed on some rank: remove the data files this
