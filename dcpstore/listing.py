@@ -6,6 +6,9 @@ file), on every backend through :class:`~dcpstore.storage.base.Storage`.
 It never imports torch, so that those two commands start in a fraction of
 the time of ``import torch``; reading a checkpoint's content (``inspect``,
 ``verify``) is :mod:`dcpstore.maintenance`, which re-exports these names.
+Which files are a save's leftovers, which a commit makes stale, which
+manifest belongs to a commit, and removing them are the commit protocol's
+(:mod:`dcpstore.dcp.commit`, whose torch-free modules these are).
 
 Layer: front door (beside :mod:`dcpstore.api` and :mod:`dcpstore.maintenance`).
 Imports the format, :mod:`dcpstore.storage` and the foundation; never torch.
@@ -14,46 +17,17 @@ Imports the format, :mod:`dcpstore.storage` and the foundation; never torch.
 from __future__ import annotations
 
 import posixpath
-import re
 import time
 from dataclasses import dataclass, field
 
-from .dcp.commit import is_marker, read_commit, remove_markers
+from .dcp.commit import alive_tag, is_leftover, is_marker, read_commit, remove_leftovers, several_saves, unnamed
 from .errors import CheckpointError, StorageNotFound
-from .format.inflight import ALIVE_PREFIX, LEASE_S, decode_owner, is_alive_file, is_running, write_is_stale
-from .format.layout import (
-    INFLIGHT,
-    METADATA,
-    checkpoint_dir,
-    is_commit_file,
-    is_commit_side_file,
-    is_data_file,
-    is_manifest,
-    is_replica_report,
-    name_tag,
-    save_tag,
-    split_data_path,
-)
+from .format.inflight import LEASE_S, decode_owner, is_alive_file, is_running, write_is_stale
+from .format.layout import METADATA, checkpoint_dir, is_commit_file, name_tag, split_data_path
 from .format.manifest import SMALL_FILE_LIMIT, read_capped
 from .storage import Storage
 from .storage.base import ObjectInfo
 from .storage.uri import join_uri, parse_uri
-
-#: What an interrupted stock commit leaves (written, then renamed).
-_STOCK_TEMP_RE = re.compile(r"^(__\d+)?\.metadata\.tmp$")
-
-
-def _is_leftover(name: str) -> bool:
-    """Files an interrupted save (ours or stock DCP's) leaves."""
-    return (
-        name == INFLIGHT
-        or is_manifest(name)
-        or is_data_file(name)
-        or is_alive_file(name)
-        or is_replica_report(name)
-        or is_commit_side_file(name)
-        or bool(_STOCK_TEMP_RE.match(name))
-    )
 
 
 @dataclass
@@ -117,12 +91,12 @@ def list_checkpoints(storage: Storage) -> list[CheckpointEntry]:
     entries = []
     for directory, objs in by_dir.items():
         names = {o["path"][len(directory) + 1 :] if directory else o["path"]: o for o in objs}
-        if not any(is_commit_file(n) or _is_leftover(n) for n in names):
+        if not any(is_commit_file(n) or is_leftover(n) for n in names):
             continue
         entry = CheckpointEntry(directory, committed=any(is_commit_file(n) for n in names))
         entry.rank_local = entry.committed and METADATA not in names
         for name, obj in sorted(names.items()):
-            if not (is_commit_file(name) or _is_leftover(name)):
+            if not (is_commit_file(name) or is_leftover(name)):
                 entry.unknown.append(obj["path"])
                 continue
             entry.files += 1
@@ -138,8 +112,7 @@ def list_checkpoints(storage: Storage) -> list[CheckpointEntry]:
             if not entry.committed or is_marker(name) or is_alive_file(name):
                 entry.leftovers.append(obj["path"])
         entry.names = sorted(names)
-        tags = {name_tag(n) for n in names} - {None}
-        entry.mixed = entry.committed and (len(tags) > 1 or sum(map(is_manifest, names)) > 1)
+        entry.mixed = entry.committed and several_saves(names)
         entries.append(entry)
     return sorted(entries, key=lambda e: e.path)
 
@@ -238,7 +211,7 @@ def gc(storage: Storage, *, older_than_s: float = 300.0, dry_run: bool = False) 
             live = _commit_files(_under(storage, entry.path) if entry.path else storage, entry.names)
         if live is not None:  # the save that committed is not running, whatever its alive file says
             done = {name_tag(n) for n in live} - {None, ""}
-            entry.alive = [a for a in entry.alive if save_tag(posixpath.basename(a[0])[len(ALIVE_PREFIX) :]) not in done]
+            entry.alive = [a for a in entry.alive if alive_tag(a[0]) not in done]
         if entry.running(storage, older_than_s):
             report.kept_running.append(label)
             continue
@@ -253,8 +226,7 @@ def gc(storage: Storage, *, older_than_s: float = 300.0, dry_run: bool = False) 
         if not entry.committed:
             report.removed.append(label)
         elif entry.mixed and live is not None:  # and files its commit does not name
-            ours = [n for n in entry.names if is_data_file(n) or is_manifest(n) or is_commit_side_file(n)]
-            stale = [posixpath.join(entry.path, n) for n in ours if n not in live]
+            stale = [posixpath.join(entry.path, n) for n in unnamed(entry.names, live)]
             doomed.extend(stale)
             report.removed.extend(stale)
     running = ["" if label == "." else label for label in report.kept_running]
@@ -264,9 +236,7 @@ def gc(storage: Storage, *, older_than_s: float = 300.0, dry_run: bool = False) 
         return report
     # Markers last: deletes remove the directories they empty.
     report.incomplete_uploads = storage.remove_incomplete(idle, max(older_than_s, LEASE_S))
-    if doomed:
-        storage.delete(doomed)
-    remove_markers(storage, markers)
+    remove_leftovers(storage, doomed, markers)
     return report
 
 

@@ -17,12 +17,12 @@ node's own copies of what only the coordinator's directory would hold:
                                 (:meth:`~dcpstore.dcp.commit.SaveSession.check_owner`)
                                 and a later save that takes the step over still
                                 fails them
-    leader, after commit    localize(local, step, commit)
+    leader, after commit    publish_copy(local, commit, step_dir(step))
                                 the coordinator's manifest, then its
                                 ``.metadata`` (the node's commit point), then the
                                 marker and what an older commit of the step left
-                                go: the same order and clean-up as
-                                :meth:`~dcpstore.dcp.commit.SaveSession.publish`
+                                go: the commit protocol's
+                                (:mod:`dcpstore.dcp.commit.publish`), as for any save
 
 :func:`plan_files` is the load side: the data files a rank's load plan reads
 (DCP puts a replicated item in one rank's file only, so a node may hold a
@@ -45,10 +45,9 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from ..dcp.commit import Commit, Lease, mark
+from ..dcp.commit import Commit, Lease, mark, publish_copy
 from ..errors import CheckpointError, InvalidArgument, SaveError
-from ..format.inflight import is_alive_file
-from ..format.layout import INFLIGHT, METADATA, is_data_file, is_manifest
+from ..format.layout import METADATA
 from ..format.safe_pickle import TOOLS, load_metadata
 from ..storage import Storage
 from .replicate import read_local_commit
@@ -228,28 +227,6 @@ def put_marker(local: Storage, step: int, save_id: str) -> Lease:
     return mark(local, save_id, step_dir(step), durable=False)
 
 
-def localize(local: Storage, step: int, commit: Commit) -> None:
-    """Make the coordinator's ``commit`` of ``step`` this node's (leader): the
-    manifest, then ``.metadata`` (the commit point), then remove the marker,
-    the alive files and the data files and manifests no longer named (an
-    older commit of the step, an interrupted save): never one the new commit
-    names."""
-    prefix = step_dir(step)
-    local.put(f"{prefix}/{commit.manifest_name}", commit.manifest_blob)
-    local.put(f"{prefix}/{METADATA}", commit.metadata_blob)
-    named = {*commit.manifest["files"], commit.manifest_name}
-    stale = [
-        o["path"]
-        for o in local.list(f"{prefix}/")
-        if _stale(o["path"][len(prefix) + 1 :], named)
-    ]
-    local.delete([f"{prefix}/{INFLIGHT}", *stale])
-
-
-def _stale(name: str, named: set[str]) -> bool:
-    return is_alive_file(name) or (name not in named and (is_data_file(name) or is_manifest(name)))
-
-
 def held_files(local: Storage, step: int, commit: Commit) -> list[str]:
     """The data files of ``commit`` this directory holds at their size."""
     prefix = step_dir(step)
@@ -283,7 +260,7 @@ def share_commit(
     replicator's group pair up: every rank queues the same jobs in the same
     order): the coordinator's ``commit`` of ``step`` (read there and
     broadcast; a catch-up's, every rank has it) becomes every node's (its
-    leader's :func:`localize`). Returns it, with the files this rank
+    leader's :func:`~dcpstore.dcp.commit.publish.publish_copy`). Returns it, with the files this rank
     uploads in a catch-up: those its node holds (the leader's), once the
     gathered holdings cover the commit; None when they do not (a lost node:
     the step cannot be replicated and stays local until retention removes
@@ -296,7 +273,7 @@ def share_commit(
     if rank == sync.nodes.leader:
         try:
             if rank != 0 and read_local_commit(local, step) != commit:
-                localize(local, step, commit)
+                publish_copy(local, commit, step_dir(step))
             held = held_files(local, step, commit)
         except CheckpointError as e:  # the node's copy stays uncommitted; the durable one is made all the same
             log.error("could not commit the local copy of step %d under %s: %s", step, local.uri, e)

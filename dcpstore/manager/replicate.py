@@ -49,11 +49,13 @@ does not, the coordinator checks the CRCs they report. The manifest is the
 one that belongs to ``.metadata`` (:func:`read_local_commit`, by the commit
 protocol's rule: :mod:`dcpstore.dcp.commit.found`), whatever name the save
 gave it, found without unpickling ``.metadata``; ``dcpstore gc`` keeps a
-commit's files by the same rule. The durable copy gets the manifest under that same name and
-the same ``.metadata`` bytes, so the durable reader, which looks the manifest
-up by the save id ``.metadata`` records, finds exactly it. By the same
-rule, :func:`whole_local_steps` lists the steps of which a local directory
-holds a whole commit (what tiered loads and catch-up read from).
+commit's files by the same rule. The commit protocol publishes the replica
+(:func:`~dcpstore.dcp.commit.publish.publish_copy`): the manifest under
+that same name and the same ``.metadata`` bytes, so the durable reader,
+which looks the manifest up by the save id ``.metadata`` records, finds
+exactly it. By the same rule, :func:`whole_local_steps` lists the steps of
+which a local directory holds a whole commit (what tiered loads and
+catch-up read from).
 
 Layer: manager. Imports :mod:`dcpstore.dcp` (the lease), :mod:`dcpstore.format`,
 :mod:`dcpstore.storage` and :mod:`dcpstore.errors`.
@@ -70,10 +72,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import crc32c
 
-from ..dcp.commit import Commit, Lease, read_commit
+from ..dcp.commit import Commit, Lease, publish_copy, read_commit
 from ..errors import CheckpointCorrupt, CheckpointError, SaveError, StorageNotFound
-from ..format import inflight
-from ..format.layout import METADATA, REPLICA_REPORT_PREFIX, is_data_file, is_manifest, is_replica_report
+from ..format.layout import METADATA, REPLICA_REPORT_PREFIX, is_replica_report
 from ..format.manifest import MANIFEST_LIMIT, METADATA_LIMIT, FileEntry, Manifest, check_relative_name, read_capped
 from ..storage import Storage
 from .steps import parse_step_dir, step_dir
@@ -257,10 +258,10 @@ def write_report(durable: Storage, step: int, rank: int, entries: Mapping[str, F
     return path
 
 
-def _read_reports(durable: Storage, step: int) -> tuple[dict[str, FileEntry], dict[str, int], list[str]]:
+def _read_reports(durable: Storage, step: int) -> tuple[dict[str, FileEntry], dict[str, int]]:
     """The files the reports under the durable ``step`` name (checked like
-    any storage content: malformed reports are ignored), the sizes of the
-    objects listed there, and the reports' names."""
+    any storage content: malformed reports are ignored) and the sizes of the
+    objects listed there."""
     prefix = step_dir(step)
     sizes: dict[str, int] = {}
     reports: list[str] = []
@@ -278,7 +279,7 @@ def _read_reports(durable: Storage, step: int) -> tuple[dict[str, FileEntry], di
                     reported[file] = {"size": entry["size"], "crc32c": entry["crc32c"]}
         except (CheckpointError, ValueError, TypeError, KeyError, AttributeError, RecursionError):
             continue  # half-visible or foreign: look again at the next poll
-    return reported, sizes, reports
+    return reported, sizes
 
 
 def commit_replica(
@@ -290,8 +291,9 @@ def commit_replica(
 ) -> None:
     """Coordinator: once every file of the local manifest of ``step`` is in
     the durable tier, checked (``own``: uploaded and checked by this rank;
-    the rest through the other ranks' reports), write the manifest and then
-    ``.metadata``, the commit point. Raises :class:`SaveError` at
+    the rest through the other ranks' reports), publish the local commit
+    there: the manifest, then ``.metadata``, the commit point, then the
+    clean-up. Raises :class:`SaveError` at
     ``deadline`` (``time.monotonic()``) naming the files still missing."""
     prefix = step_dir(step)
     commit = read_local_commit(local, step)
@@ -304,10 +306,9 @@ def commit_replica(
         if wanted.get(name) != entry:
             raise CheckpointCorrupt(f"{local.describe(f'{prefix}/{name}')}: does not match the local manifest")
     missing = sorted(set(wanted) - set(own))
-    reports: list[str] = []
     pause = POLL_S
     while missing:
-        reported, sizes, reports = _read_reports(durable, step)
+        reported, sizes = _read_reports(durable, step)
         missing = [n for n in missing if not (reported.get(n) == wanted[n] and sizes.get(n) == wanted[n]["size"])]
         if not missing:
             break
@@ -320,20 +321,9 @@ def commit_replica(
             )
         time.sleep(pause)
         pause = min(POLL_MAX_S, pause * 2)
-    durable.put(f"{prefix}/{commit.manifest_name}", commit.manifest_blob)
-    durable.put(f"{prefix}/{METADATA}", commit.metadata_blob)  # the commit point
-    try:
-        stale = [
-            o["path"]
-            for o in durable.list(f"{prefix}/")
-            if (name := o["path"][len(prefix) + 1 :]) not in wanted
-            and name != commit.manifest_name
-            and (is_data_file(name) or is_manifest(name) or is_replica_report(name) or inflight.is_alive_file(name))
-        ]
-        if stale:
-            durable.delete(stale)
-    except CheckpointError as e:  # harmless leftovers beside a committed step
-        log.warning("could not remove leftovers beside the replica %s: %s", durable.describe(prefix), e)
+    # The clean-up then removes the reports, the alive files and what an
+    # earlier commit of the step or an interrupted replica left.
+    publish_copy(durable, commit, prefix)
 
 
 def replica_lease(durable: Storage, step: int) -> Lease:

@@ -9,7 +9,12 @@ published and removed here.
   records its CRC32C), for everything that works from a listing;
 * :mod:`.marker`: the in-flight marker; :mod:`.lease`: the alive file that
   keeps a writer's directory from ``gc`` (its format and rule are
-  :mod:`dcpstore.format.inflight`'s), and both in that order (:func:`~.lease.mark`).
+  :mod:`dcpstore.format.inflight`'s), and both in that order (:func:`~.lease.mark`);
+* :mod:`.publish`: the manifest, then ``.metadata`` last, then the
+  clean-up: for a save, and for a copy of an existing commit (the
+  replicator's durable replica, a node-local tier's own copy);
+* :mod:`.leftovers`: what a save leaves and what a commit makes stale (the
+  one predicate of every clean-up, ``ls`` and ``gc``).
 
 The file names are :mod:`dcpstore.format.layout`'s. Only :mod:`.session`
 and :mod:`.read` import torch (DCP's ``Metadata``); their names are imported
@@ -24,7 +29,17 @@ from typing import TYPE_CHECKING
 from ...first_use import first_use
 from .found import Commit, disowned, find_manifest, listed_names, read_commit
 from .lease import Lease, mark
+from .leftovers import (
+    alive_tag,
+    is_leftover,
+    is_save_file,
+    remove_leftovers,
+    several_saves,
+    stale_after_commit,
+    unnamed,
+)
 from .marker import is_marker, put_marker, read_marker, remove_markers
+from .publish import clean_up, commit_point, publish_copy
 
 if TYPE_CHECKING:
     from .read import commit_replaced, read_checkpoint_metadata, read_commit_file
@@ -48,17 +63,27 @@ __all__ = [
     "ItemRecord",
     "Lease",
     "SaveSession",
+    "alive_tag",
     "check_commit_files",
+    "clean_up",
+    "commit_point",
     "commit_replaced",
     "disowned",
     "find_manifest",
+    "is_leftover",
     "is_marker",
+    "is_save_file",
     "listed_names",
     "mark",
+    "publish_copy",
     "put_marker",
     "read_checkpoint_metadata",
     "read_commit",
     "read_commit_file",
     "read_marker",
+    "remove_leftovers",
     "remove_markers",
+    "several_saves",
+    "stale_after_commit",
+    "unnamed",
 ]

@@ -25,7 +25,7 @@ written once. Call order, and which rank calls what::
                       manifest, ``.metadata`` last -- the commit point --
                       then clean up (the marker, the alive file, and the
                       data files, manifest and commit files of the
-                      checkpoint it replaced)
+                      checkpoint it replaced): :mod:`.publish`
     coordinator   session.release()   instead, when the save failed on any
                       rank (the writers call it): stop its proof of life, so
                       that ``gc`` may collect what it left; a no-op on other
@@ -75,9 +75,6 @@ from ...format.layout import (
     commit_file_problem,
     data_file_name,
     is_commit_file,
-    is_commit_side_file,
-    is_data_file,
-    is_manifest,
     item_key,
     manifest_name,
     name_tag,
@@ -86,8 +83,10 @@ from ...format.layout import (
 from ...format.manifest import FileEntry, build_manifest
 from ...storage import Storage
 from .found import read_commit
+from .leftovers import is_save_file
 from .lease import Lease, mark
 from .marker import put_marker, read_marker
+from .publish import clean_up, commit_point
 
 log = logging.getLogger(__name__)
 
@@ -168,12 +167,7 @@ class SaveSession:
                 f"Checkpoint already exists at {self.storage.uri} ({', '.join(committed[:3])}) and overwrite=False; "
                 "nothing was written"
             )
-        stale = {
-            p
-            for p in present
-            if is_data_file(p) or is_manifest(p) or is_alive_file(p) or is_commit_file(p) or is_commit_side_file(p)
-        }
-        stale.discard(METADATA)  # replaced by the commit itself
+        stale = {p for p in present if is_save_file(p) or is_alive_file(p)}
         if stale or committed or INFLIGHT in present:
             taken = {name_tag(p) for p in stale}
             while save_tag(self.save_id) in taken:  # 1 in 2**32: never reuse a name that is there
@@ -317,8 +311,7 @@ class SaveSession:
             self.check_owner()
             for path, side in sides.items():
                 self.storage.put(path, side)
-            self.storage.put(self.manifest, build_manifest(files, items, crc32c.crc32c(blob), tensors))
-            self.storage.put(METADATA, blob)  # the commit point
+            commit_point(self.storage, self.manifest, build_manifest(files, items, crc32c.crc32c(blob), tensors), blob)
         except BaseException:
             self.release()
             raise
@@ -363,16 +356,17 @@ class SaveSession:
 
     def _clean_up(self, live: Iterable[str]) -> None:
         """After the commit: delete the in-flight marker, the save's alive
-        file and what the claim found (the replaced checkpoint's data files
-        and manifest, an earlier failed save's leftovers), in one request.
-        Best effort: the commit already happened."""
-        try:
-            found = self._found
-            if found is None:  # not claimed here: only what no commit can name
+        file and what the claim found that the commit does not name (the
+        replaced checkpoint's data files and manifest, an earlier failed
+        save's leftovers), in one request (:func:`~.publish.clean_up`)."""
+        found = self._found
+        if found is None:  # not claimed here: only what no commit can name
+            try:
                 found = frozenset(p for o in self.storage.list() if is_alive_file(p := o["path"]))
-            self.storage.delete([INFLIGHT, alive_name(self.save_id), *sorted(found - {*live, self.manifest})])
-        except CheckpointError as e:
-            log.warning("could not remove the in-flight marker or stale data files under %s: %s", self.storage.uri, e)
+            except CheckpointError as e:
+                log.warning("could not remove the in-flight marker or stale data files under %s: %s", self.storage.uri, e)
+                return
+        clean_up(self.storage, {INFLIGHT, alive_name(self.save_id), *found}, {METADATA, self.manifest, *live})
 
 
 #: One lock per stripe of URIs (see _turn).
