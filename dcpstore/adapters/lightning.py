@@ -76,10 +76,10 @@ from torch.distributed.tensor import DTensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from ..dcp.commit import delete_checkpoint
 from ..dcp.commit.read import read_checkpoint_metadata, read_commit_file
 from ..errors import InvalidArgument
 from ..format.layout import METADATA
-from ..manager.steps import delete_checkpoint
 from ..storage import parse_uri
 from .dropins import DropinOptions
 

@@ -73,9 +73,10 @@ from torchtitan.components.checkpointer.dcp import AsyncMode
 from torchtitan.tools import filesystem
 from torchtitan.tools.utils import GarbageCollection
 
+from ..dcp.commit import delete_checkpoint
 from ..errors import CheckpointNotFound, InvalidArgument
 from ..format.layout import METADATA
-from ..manager.steps import StepLayout, committed_steps, delete_checkpoint
+from ..manager.steps import StepLayout, committed_steps
 from ..storage import Storage
 from .dropins import DropinOptions
 

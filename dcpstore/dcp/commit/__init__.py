@@ -14,7 +14,8 @@ published and removed here.
   clean-up: for a save, and for a copy of an existing commit (the
   replicator's durable replica, a node-local tier's own copy);
 * :mod:`.leftovers`: what a save leaves and what a commit makes stale (the
-  one predicate of every clean-up, ``ls`` and ``gc``).
+  one predicate of every clean-up, ``ls`` and ``gc``);
+* :mod:`.uncommit`: deleting a committed checkpoint, ``.metadata`` first.
 
 The file names are :mod:`dcpstore.format.layout`'s. Only :mod:`.session`
 and :mod:`.read` import torch (DCP's ``Metadata``); their names are imported
@@ -40,6 +41,7 @@ from .leftovers import (
 )
 from .marker import is_marker, put_marker, read_marker, remove_markers
 from .publish import clean_up, commit_point, publish_copy
+from .uncommit import delete_checkpoint, delete_everything
 
 if TYPE_CHECKING:
     from .read import commit_replaced, read_checkpoint_metadata, read_commit_file
@@ -68,6 +70,8 @@ __all__ = [
     "clean_up",
     "commit_point",
     "commit_replaced",
+    "delete_checkpoint",
+    "delete_everything",
     "disowned",
     "find_manifest",
     "is_leftover",
