@@ -79,8 +79,7 @@ INTERFERENCE = ("dcpstore/engines/saver.py", "dcpstore/engines/staging.py", "dcp
                 "dcpstore/storage/s3_upload.py", "dcpstore/bench/interference.py")  # fmt: skip
 #: The WAN regimes compare.py runs by default (one section each).
 WAN_REGIMES = ("network", "cpu")
-TIERED = ("dcpstore/manager/tiered.py", "dcpstore/manager/replicate.py", "dcpstore/manager/nodes.py",
-          "dcpstore/manager/roots.py", "dcpstore/engines/saver.py", "dcpstore/storage/s3.py")  # fmt: skip
+TIERED = ("dcpstore/manager/tiers", "dcpstore/manager/roots.py", "dcpstore/engines/saver.py", "dcpstore/storage/s3.py")  # fmt: skip
 
 
 @dataclass(frozen=True)

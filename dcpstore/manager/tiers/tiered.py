@@ -80,11 +80,22 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..dcp.commit import Commit
-from ..errors import CheckpointError, InvalidArgument, SaveError
-from ..format.layout import METADATA
-from ..handle import SaveHandle
-from ..storage import Storage, join_uri
+from ...dcp.commit import Commit
+from ...errors import CheckpointError, InvalidArgument, SaveError
+from ...format.layout import METADATA
+from ...handle import SaveHandle
+from ...storage import Storage, join_uri
+from ..roots import group_rank, is_distributed, not_found
+from ..steps import (
+    check_step,
+    commit_times,
+    committed_steps,
+    delete_step,
+    read_pointer,
+    retire,
+    step_dir,
+    write_pointer,
+)
 from .leases import TierLeases
 from .nodes import NodeSync, put_marker, reads_locally, share_commit
 from .replicate import (
@@ -97,17 +108,6 @@ from .replicate import (
     upload_files,
     whole_local_steps,
     write_report,
-)
-from .roots import group_rank, is_distributed, not_found
-from .steps import (
-    check_step,
-    commit_times,
-    committed_steps,
-    delete_step,
-    read_pointer,
-    retire,
-    step_dir,
-    write_pointer,
 )
 
 log = logging.getLogger(__name__)

@@ -45,14 +45,14 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from ..dcp.commit import Commit, Lease, mark, publish_copy
-from ..errors import CheckpointError, InvalidArgument, SaveError
-from ..format.layout import METADATA
-from ..format.safe_pickle import TOOLS, load_metadata
-from ..storage import Storage
+from ...dcp.commit import Commit, Lease, mark, publish_copy
+from ...errors import CheckpointError, InvalidArgument, SaveError
+from ...format.layout import METADATA
+from ...format.safe_pickle import TOOLS, load_metadata
+from ...storage import Storage
+from ..roots import coordinator_rank
+from ..steps import step_dir
 from .replicate import read_local_commit
-from .roots import coordinator_rank
-from .steps import step_dir
 
 log = logging.getLogger(__name__)
 

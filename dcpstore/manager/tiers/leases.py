@@ -17,9 +17,9 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable
 
-from ..dcp.commit import Lease
-from ..engines.leftovers import Leftovers
-from ..storage import Storage
+from ...dcp.commit import Lease
+from ...engines.leftovers import Leftovers
+from ...storage import Storage
 
 
 class TierLeases:

@@ -72,12 +72,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import crc32c
 
-from ..dcp.commit import Commit, Lease, publish_copy, read_commit
-from ..errors import CheckpointCorrupt, CheckpointError, SaveError, StorageNotFound
-from ..format.layout import METADATA, REPLICA_REPORT_PREFIX, is_replica_report
-from ..format.manifest import MANIFEST_LIMIT, METADATA_LIMIT, FileEntry, Manifest, check_relative_name, read_capped
-from ..storage import Storage
-from .steps import parse_step_dir, step_dir
+from ...dcp.commit import Commit, Lease, publish_copy, read_commit
+from ...errors import CheckpointCorrupt, CheckpointError, SaveError, StorageNotFound
+from ...format.layout import METADATA, REPLICA_REPORT_PREFIX, is_replica_report
+from ...format.manifest import MANIFEST_LIMIT, METADATA_LIMIT, FileEntry, Manifest, check_relative_name, read_capped
+from ...storage import Storage
+from ..steps import parse_step_dir, step_dir
 
 log = logging.getLogger(__name__)
 
