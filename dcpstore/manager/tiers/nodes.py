@@ -1,4 +1,4 @@
-"""Which ranks share a local directory, and what a node's directory needs.
+"""Which ranks share a local directory, and the node-local tier: :class:`NodeDirs`.
 
 A tiered manager's ``local_dir`` is either one directory that every rank
 sees (one node, or a path every node mounts) or one per node (each node's
@@ -8,7 +8,7 @@ for every other rank's. The ranks that see each other's probes are a
 *node*; the lowest rank of a node is its *leader*, the one that writes the
 node's own copies of what only the coordinator's directory would hold:
 
-    leader, before a save   put_marker(local, step, save_id)
+    leader, before a save   put_marker(local, step, save_id) (:mod:`.local`)
                                 a lease (``dcpstore gc`` keeps the step
                                 until the node's copy is committed), then
                                 the in-flight marker, holding the save id
@@ -28,9 +28,8 @@ node's own copies of what only the coordinator's directory would hold:
 (DCP puts a replicated item in one rank's file only, so a node may hold a
 whole share of what it saved and still miss what it loads).
 
-Layer: manager. Imports :mod:`dcpstore.dcp` (the lease), :mod:`dcpstore.format`,
-:mod:`dcpstore.storage`, :mod:`dcpstore.errors` and this package's :mod:`.replicate`, :mod:`.roots` and
-:mod:`.steps`.
+:class:`NodeDirs` is the tiered manager's strategy for one directory per
+node (:class:`~.local.LocalTier`; :class:`~.local.SharedDir` is the other).
 """
 
 from __future__ import annotations
@@ -38,20 +37,21 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from ...dcp.commit import Commit, Lease, mark, publish_copy
+from ...dcp.commit import Commit, publish_copy
 from ...errors import CheckpointError, InvalidArgument, SaveError
 from ...format.layout import METADATA
 from ...format.safe_pickle import TOOLS, load_metadata
 from ...storage import Storage
 from ..roots import coordinator_rank
-from ..steps import step_dir
+from ..steps import committed_steps, step_dir
+from .local import Job, TierParts, put_marker
 from .replicate import read_local_commit
 
 log = logging.getLogger(__name__)
@@ -216,17 +216,6 @@ def _sees(local: Storage, probe: str | None) -> bool:
         return False
 
 
-def put_marker(local: Storage, step: int, save_id: str) -> Lease:
-    """The in-flight marker for the save of ``step``, holding ``save_id``,
-    in the local step directory, after the lease it returns
-    (:func:`~dcpstore.dcp.commit.lease.mark`): ``dcpstore gc`` keeps the
-    step until the caller ends the lease (once the directory's copy is
-    committed, or the save failed), as it keeps the coordinator's save."""
-    # Not fsynced: the caller's training thread waits here, and a crash that
-    # loses them loses nothing (the save never commits; gc collects its files).
-    return mark(local, save_id, step_dir(step), durable=False)
-
-
 def held_files(local: Storage, step: int, commit: Commit) -> list[str]:
     """The data files of ``commit`` this directory holds at their size."""
     prefix = step_dir(step)
@@ -304,3 +293,88 @@ def reads_locally(local: Storage, step: int, state_dict: dict[str, Any]) -> bool
     except Exception as e:  # noqa: BLE001
         log.warning("the local copy of step %d is not read: %s", step, e)
         return False
+
+
+class NodeDirs:
+    """One ``local_dir`` per node (:func:`detect_nodes` found more than one).
+    ``sync``: the collectives, on the caller's thread or the replicator's."""
+
+    def __init__(self, sync: NodeSync, parts: TierParts) -> None:
+        self._sync, self._parts = sync, parts
+        self._local, self._rank, self._leases = parts.local, parts.rank, parts.leases
+
+    @property
+    def leader(self) -> bool:
+        return self._rank == self._sync.nodes.leader
+
+    @property
+    def saves_commit_here(self) -> bool:
+        """The coordinator's save commits its own node's copy; every other
+        node's is its leader's :func:`~dcpstore.dcp.commit.publish.publish_copy`
+        of that commit, on the replicator (:meth:`commit_of`)."""
+        return self._rank == 0
+
+    def local_steps(self) -> list[int]:
+        """A commit: the node's share is checked against the load plan
+        (:meth:`reads_locally`)."""
+        return committed_steps(self._local)
+
+    def any_rank(self, mine: bool) -> bool:
+        """Collective."""
+        return any(self._sync.gather(mine))
+
+    def catch_up(self, needs: Callable[[int], bool] | None) -> list[Job]:
+        """Collective: the coordinator's commits of the steps that need
+        replicating, on every rank (each leader uploads what its node holds
+        of them, :func:`share_commit`)."""
+        found: list[tuple[int, Commit]] = []
+        if self._rank == 0 and needs is not None:
+            try:
+                for step in self.local_steps():
+                    commit = read_local_commit(self._local, step) if needs(step) else None
+                    if commit is not None:
+                        found.append((step, commit))
+            except CheckpointError as e:  # saves still commit locally; a later manager catches up
+                log.error("catch-up under %s skipped: %s", self._local.uri, e)
+                found = []
+        return [Job(step, None, commit) for step, commit in self._sync.from_coordinator(found)]
+
+    def before_save(self, step: int, overwrite: bool) -> str:
+        """Every rank derives the same save id (:meth:`NodeSync.save_id`: no
+        collective where the training waits); each leader puts the marker
+        holding it into its step directory (so every save has save-unique
+        names there). An overwrite first waits for the replicator on every
+        rank: the node's copy of the older commit is made and cleaned up
+        before the new save writes beside it."""
+        if overwrite:
+            self._parts.wait_idle()  # a replication error stays for wait() to raise
+        save_id = self._sync.save_id(step)
+        if self.leader:
+            try:
+                lease = put_marker(self._local, step, save_id)
+                if lease is not None:
+                    self._leases.hold_marker(step, lease)
+            except CheckpointError as e:  # the node's ranks then fail the save together, through DCP
+                log.error("could not put the in-flight marker of step %d under %s: %s", step, self._local.uri, e)
+        return save_id
+
+    def commit_of(self, job: Job) -> tuple[Commit | None, tuple[str, ...] | None] | None:
+        """The coordinator's commit, shared with every node
+        (:func:`share_commit`); a catch-up uploads what this node holds."""
+        mine = job.commit
+        if self._rank == 0 and job.files is not None:
+            try:
+                mine = read_local_commit(self._local, job.step)
+            except CheckpointError as e:  # every rank still joins the broadcast, and fails alike
+                log.error("could not read the local commit of step %d: %s", job.step, e)
+        try:
+            shared = share_commit(self._sync, self._local, job.step, self._rank, mine, job.files is None)
+        finally:
+            self._leases.end_marker(job.step)  # the node's copy is committed now (or cannot be)
+        if shared is None:
+            return None
+        return shared[0], job.files if job.files is not None else shared[1]
+
+    def reads_locally(self, step: int, state_dict: dict[str, Any]) -> bool:
+        """Collective: every rank's node holds the files its load plan reads."""
+        return all(self._sync.gather(reads_locally(self._local, step, state_dict)))
