@@ -9,9 +9,6 @@ the time of ``import torch``; reading a checkpoint's content (``inspect``,
 Which files are a save's leftovers, which a commit makes stale, which
 manifest belongs to a commit, and removing them are the commit protocol's
 (:mod:`dcpstore.dcp.commit`, whose torch-free modules these are).
-
-Layer: front door (beside :mod:`dcpstore.api` and :mod:`dcpstore.maintenance`).
-Imports the format, :mod:`dcpstore.storage` and the foundation; never torch.
 """
 
 from __future__ import annotations

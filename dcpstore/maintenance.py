@@ -6,9 +6,6 @@ tests) can call them directly. They work on every backend through
 and live in :mod:`dcpstore.listing` (no torch; re-exported here);
 ``inspect`` and ``verify`` read ``.metadata`` and the items, through the
 restricted loaders only: nothing read is ever executed.
-
-Layer: front door (beside :mod:`dcpstore.api`). Imports the DCP protocol's
-read side, the format, :mod:`dcpstore.storage` and the foundation.
 """
 
 from __future__ import annotations

@@ -36,10 +36,6 @@ Load, on every rank (collective)::
     strict and report not ok -> StateDictMismatch, nothing loaded
     dcpstore.load(the entries present, uri)          # in place, resharding
     set_state_dict(model, optimizer, template)       # absent entries keep their values
-
-Layer: adapters. Imports the front doors (:mod:`dcpstore.api`,
-:mod:`dcpstore.manager`), :mod:`.megatron`'s format table and the layers
-below.
 """
 
 from __future__ import annotations

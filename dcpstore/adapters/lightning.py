@@ -48,10 +48,8 @@ a single ``torch.save`` file), ``load_raw``, and ``ModelCheckpoint``'s own
 probes (``-v1`` version suffixes, ``ckpt_path="last"``, ``best_k_models.yaml``),
 which go through fsspec.
 
-Layer: adapters. Imports the DCP drop-ins (through :mod:`.dropins`), the
-commit's read side, the manager's deletion, :mod:`dcpstore.storage` and the
-foundation; not Lightning itself, which it recognises by the strategy's
-class (either package layout: ``lightning`` or ``lightning_fabric`` /
+Lightning itself is not imported: a strategy is recognised by its class
+(either package layout: ``lightning`` or ``lightning_fabric`` /
 ``pytorch_lightning``).
 """
 

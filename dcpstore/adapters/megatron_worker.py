@@ -14,9 +14,6 @@ Results travel back in a private JSON file whose path the trainer chose
 file works for each way of running the request (persistent, forked, or
 ``execute_sync`` in the trainer itself). JSON, not pickle: nothing read back
 is executed.
-
-Layer: adapters. Imports the DCP protocol, the format, the foundation and
-:mod:`dcpstore.storage`.
 """
 
 from __future__ import annotations

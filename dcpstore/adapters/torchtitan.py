@@ -48,9 +48,7 @@ alone, and :meth:`Installed.uninstall` restores it):
 ``_close``
     torchtitan's, then the storage this module opened is closed.
 
-Layer: adapters. Imports the DCP drop-ins (through :mod:`.dropins`), the
-manager's step listing and deletion, :mod:`dcpstore.storage` and the
-foundation; torchtitan itself (the ``torchtitan`` extra).
+Needs torchtitan itself (the ``torchtitan`` extra).
 """
 
 from __future__ import annotations

@@ -53,9 +53,7 @@ per-bucket writer in ``_disable_gc`` (a process-wide ``gc.disable()`` meant
 for forked children); run in a thread it would switch the training thread's
 GC too, so the undecorated function is called.
 
-Layer: engines. Imports :mod:`dcpstore.dcp`, :mod:`dcpstore.format`, the
-value objects, :mod:`dcpstore.storage`, :mod:`.registry` and the
-foundation. NVRx itself is optional: imported only when an NVRx save runs.
+NVRx itself is optional: imported only when an NVRx save runs.
 """
 
 from __future__ import annotations

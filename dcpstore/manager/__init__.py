@@ -7,11 +7,6 @@ step layout on any storage root (:mod:`.steps`: names -- dcpstore's
 deletion, retention), and where the steps live
 (:mod:`.roots`: one root; :mod:`.tiers`: a local tier that saves commit to,
 replicated in the background to a durable root).
-
-Layer: manager. May import the front door :mod:`dcpstore.api`, the engines,
-the DCP protocol, the format, the value objects, :mod:`dcpstore.storage` and
-the foundation; nothing above (the adapters, the package's public surface,
-the CLI).
 """
 
 from .manager import CheckpointManager, SavedStep

@@ -35,10 +35,6 @@ is the bug this ordering rules out: retention that ran when an async save
 was *scheduled* deleted the only complete checkpoint. A step is deleted
 ``.metadata`` first, so a crash mid-delete leaves an uncommitted directory,
 never a committed-looking partial one.
-
-Layer: manager. Imports the front door :mod:`dcpstore.api`, the engines'
-exit hook and engine check, the value objects, :mod:`dcpstore.storage` and
-the foundation.
 """
 
 from __future__ import annotations

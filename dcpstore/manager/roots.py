@@ -14,9 +14,6 @@ tier with background replication. The manager calls, in this order::
     coordinator   roots.committed(step)                 after it committed
     every rank    roots.locate(step)                    (collective) what to load
     every rank    roots.wait(timeout) / roots.close()
-
-Layer: manager. Imports :mod:`dcpstore.storage`, :mod:`dcpstore.handle`,
-:mod:`dcpstore.errors` and :mod:`.steps`.
 """
 
 from __future__ import annotations

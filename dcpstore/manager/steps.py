@@ -30,9 +30,6 @@ Each function takes the root's :class:`Storage`, so the same naming,
 listing and deletion serve any root a manager keeps steps under. A step is
 deleted as the commit protocol deletes any committed checkpoint
 (:func:`~dcpstore.dcp.commit.uncommit.delete_checkpoint`).
-
-Layer: manager. Imports :mod:`dcpstore.format`, :mod:`dcpstore.storage` and
-:mod:`dcpstore.errors`.
 """
 
 from __future__ import annotations

@@ -7,9 +7,6 @@ clean-ups its replication could not do, kept between jobs.
 * other ranks' replica leases, lingering until the coordinator's commit
   (``close()`` waits for them: :meth:`~dcpstore.dcp.commit.lease.Lease.settle`);
 * what a failed replication left undone (:mod:`dcpstore.engines.leftovers`).
-
-Layer: manager. Imports :mod:`dcpstore.dcp`, :mod:`dcpstore.engines` and
-:mod:`dcpstore.storage`.
 """
 
 from __future__ import annotations

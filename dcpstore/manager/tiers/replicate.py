@@ -56,9 +56,6 @@ which looks the manifest up by the save id ``.metadata`` records, finds
 exactly it. By the same rule, :func:`whole_local_steps` lists the steps of
 which a local directory holds a whole commit (what tiered loads and
 catch-up read from).
-
-Layer: manager. Imports :mod:`dcpstore.dcp` (the lease), :mod:`dcpstore.format`,
-:mod:`dcpstore.storage` and :mod:`dcpstore.errors`.
 """
 
 from __future__ import annotations
