@@ -72,7 +72,7 @@ LOCAL = (*WRITE_READ, "dcpstore/storage/local.py", "dcpstore/engines/saver.py", 
          "dcpstore/engines/nvrx.py", "dcpstore/engines/nvrx_stream.py")  # fmt: skip
 OBJECT_STORE = (*WRITE_READ, "dcpstore/storage/s3.py", "dcpstore/storage/s3_client.py", "dcpstore/storage/s3_upload.py",
                 "dcpstore/storage/pool.py", "dcpstore/storage/msc.py")  # fmt: skip
-SCALE = ("dcpstore/dcp/writer.py", "dcpstore/dcp/commit.py", "dcpstore/dcp/owner_gate.py", "dcpstore/storage/s3.py",
+SCALE = ("dcpstore/dcp/writer.py", "dcpstore/dcp/commit", "dcpstore/dcp/owner_gate.py", "dcpstore/storage/s3.py",
          "dcpstore/storage/s3_upload.py", "dcpstore/storage/pool.py", "benchmarks/scale_sim.py")  # fmt: skip
 INTERFERENCE = ("dcpstore/engines/saver.py", "dcpstore/engines/staging.py", "dcpstore/engines/nvrx.py",
                 "dcpstore/dcp/writer.py", "dcpstore/format/record.py", "dcpstore/storage/s3.py",
@@ -81,8 +81,7 @@ GPU_STAGING = ("dcpstore/engines/staging.py", "dcpstore/engines/buffers.py", "dc
                "benchmarks/gpu_stage.py")  # fmt: skip
 #: The WAN regimes compare.py runs by default (one section each).
 WAN_REGIMES = ("network", "cpu")
-TIERED = ("dcpstore/manager/tiered.py", "dcpstore/manager/replicate.py", "dcpstore/manager/nodes.py",
-          "dcpstore/manager/roots.py", "dcpstore/engines/saver.py", "dcpstore/storage/s3.py")  # fmt: skip
+TIERED = ("dcpstore/manager/tiers", "dcpstore/manager/roots.py", "dcpstore/engines/saver.py", "dcpstore/storage/s3.py")  # fmt: skip
 
 
 @dataclass(frozen=True)

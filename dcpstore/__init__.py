@@ -19,8 +19,7 @@ at once.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .errors import (
     BackendUnavailable,
@@ -39,6 +38,7 @@ from .errors import (
     StoragePermissionError,
     UnsafeCheckpoint,
 )
+from .first_use import first_use
 from .storage import StorageOptions, open_storage
 
 if TYPE_CHECKING:
@@ -63,13 +63,7 @@ TORCH_NAMES: dict[str, str] = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = TORCH_NAMES.get(name)
-    if module is None:
-        raise AttributeError(f"module 'dcpstore' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later lookups are plain attribute reads
-    return value
+__getattr__ = first_use(TORCH_NAMES, globals())
 
 
 def __dir__() -> list[str]:

@@ -6,55 +6,25 @@ file), on every backend through :class:`~dcpstore.storage.base.Storage`.
 It never imports torch, so that those two commands start in a fraction of
 the time of ``import torch``; reading a checkpoint's content (``inspect``,
 ``verify``) is :mod:`dcpstore.maintenance`, which re-exports these names.
-
-Layer: front door (beside :mod:`dcpstore.api` and :mod:`dcpstore.maintenance`).
-Imports the format, :mod:`dcpstore.storage` and the foundation; never torch.
+Which files are a save's leftovers, which a commit makes stale, which
+manifest belongs to a commit, and removing them are the commit protocol's
+(:mod:`dcpstore.dcp.commit`, whose torch-free modules these are).
 """
 
 from __future__ import annotations
 
 import posixpath
-import re
 import time
 from dataclasses import dataclass, field
 
-import crc32c
-
+from .dcp.commit import alive_tag, is_leftover, is_marker, read_commit, remove_leftovers, several_saves, unnamed
 from .errors import CheckpointError, StorageNotFound
-from .format.inflight import ALIVE_PREFIX, LEASE_S, decode_owner, is_alive_file, is_running, write_is_stale
-from .format.layout import (
-    INFLIGHT,
-    METADATA,
-    checkpoint_dir,
-    is_commit_file,
-    is_commit_side_file,
-    is_data_file,
-    is_manifest,
-    is_replica_report,
-    name_tag,
-    save_tag,
-    split_data_path,
-)
-from .format.manifest import MANIFEST_LIMIT, METADATA_LIMIT, SMALL_FILE_LIMIT, parse_manifest, read_capped
+from .format.inflight import LEASE_S, decode_owner, is_alive_file, is_running, write_is_stale
+from .format.layout import METADATA, checkpoint_dir, is_commit_file, name_tag, split_data_path
+from .format.manifest import SMALL_FILE_LIMIT, read_capped
 from .storage import Storage
 from .storage.base import ObjectInfo
 from .storage.uri import join_uri, parse_uri
-
-#: What an interrupted stock commit leaves (written, then renamed).
-_STOCK_TEMP_RE = re.compile(r"^(__\d+)?\.metadata\.tmp$")
-
-
-def _is_leftover(name: str) -> bool:
-    """Files an interrupted save (ours or stock DCP's) leaves."""
-    return (
-        name == INFLIGHT
-        or is_manifest(name)
-        or is_data_file(name)
-        or is_alive_file(name)
-        or is_replica_report(name)
-        or is_commit_side_file(name)
-        or bool(_STOCK_TEMP_RE.match(name))
-    )
 
 
 @dataclass
@@ -118,12 +88,12 @@ def list_checkpoints(storage: Storage) -> list[CheckpointEntry]:
     entries = []
     for directory, objs in by_dir.items():
         names = {o["path"][len(directory) + 1 :] if directory else o["path"]: o for o in objs}
-        if not any(is_commit_file(n) or _is_leftover(n) for n in names):
+        if not any(is_commit_file(n) or is_leftover(n) for n in names):
             continue
         entry = CheckpointEntry(directory, committed=any(is_commit_file(n) for n in names))
         entry.rank_local = entry.committed and METADATA not in names
         for name, obj in sorted(names.items()):
-            if not (is_commit_file(name) or _is_leftover(name)):
+            if not (is_commit_file(name) or is_leftover(name)):
                 entry.unknown.append(obj["path"])
                 continue
             entry.files += 1
@@ -136,37 +106,28 @@ def list_checkpoints(storage: Storage) -> list[CheckpointEntry]:
             # A committed checkpoint only ever loses our markers (and, see
             # gc, files its commit does not name); an uncommitted one
             # everything a save left.
-            if not entry.committed or name == INFLIGHT or is_alive_file(name):
+            if not entry.committed or is_marker(name) or is_alive_file(name):
                 entry.leftovers.append(obj["path"])
         entry.names = sorted(names)
-        tags = {name_tag(n) for n in names} - {None}
-        entry.mixed = entry.committed and (len(tags) > 1 or sum(map(is_manifest, names)) > 1)
+        entry.mixed = entry.committed and several_saves(names)
         entries.append(entry)
     return sorted(entries, key=lambda e: e.path)
 
 
 def _commit_files(storage: Storage, names: list[str]) -> set[str] | None:
-    """The files a committed directory's commit consists of, from its
-    manifest: the one that records ``.metadata``'s CRC32C, ``.metadata``,
-    and the data files it lists. None when no manifest records it (stock
-    DCP's commit, or damage) or the directory holds stock DCP's rank-local
-    commits beside ``.metadata``: then nothing is known to be stale.
-    Reads ``.metadata``'s bytes and the manifests (checked JSON), never
-    unpickles anything."""
+    """The files a committed directory's commit consists of
+    (:attr:`~dcpstore.dcp.commit.found.Commit.files`). None when no manifest
+    belongs to its ``.metadata`` (stock DCP's commit, or damage) or the
+    directory holds stock DCP's rank-local commits beside ``.metadata``:
+    then nothing is known to be stale. Reads ``.metadata``'s bytes and the
+    manifests (checked JSON), never unpickles anything."""
     if any(is_commit_file(n) and n != METADATA for n in names):
         return None
     try:
-        crc = crc32c.crc32c(read_capped(storage, METADATA, METADATA_LIMIT))
+        commit = read_commit(storage, names=names, skip_damaged=True)
     except CheckpointError:
         return None
-    for name in (n for n in names if is_manifest(n)):
-        try:
-            manifest = parse_manifest(read_capped(storage, name, MANIFEST_LIMIT), storage.describe(name))
-        except CheckpointError:
-            continue
-        if manifest["metadata_crc32c"] == crc:
-            return {METADATA, name, *manifest["files"]}
-    return None
+    return None if commit is None else set(commit.files)
 
 
 @dataclass
@@ -234,7 +195,7 @@ def gc(storage: Storage, *, older_than_s: float = 300.0, dry_run: bool = False) 
     # belongs to a save whose alive file the listing below shows.
     writes = storage.incomplete_writes()
     doomed: list[str] = []
-    markers: dict[str, CheckpointEntry] = {}
+    markers: dict[str, list[str]] = {}
     for entry in list_checkpoints(storage):
         if not (entry.leftovers or entry.mixed):
             continue
@@ -247,7 +208,7 @@ def gc(storage: Storage, *, older_than_s: float = 300.0, dry_run: bool = False) 
             live = _commit_files(_under(storage, entry.path) if entry.path else storage, entry.names)
         if live is not None:  # the save that committed is not running, whatever its alive file says
             done = {name_tag(n) for n in live} - {None, ""}
-            entry.alive = [a for a in entry.alive if save_tag(posixpath.basename(a[0])[len(ALIVE_PREFIX) :]) not in done]
+            entry.alive = [a for a in entry.alive if alive_tag(a[0]) not in done]
         if entry.running(storage, older_than_s):
             report.kept_running.append(label)
             continue
@@ -256,14 +217,13 @@ def gc(storage: Storage, *, older_than_s: float = 300.0, dry_run: bool = False) 
         ):
             report.kept_recent.append(label)
             continue
-        doomed.extend(p for p in entry.leftovers if posixpath.basename(p) != INFLIGHT)
-        if INFLIGHT in entry.names:
-            markers[entry.path] = entry
+        doomed.extend(p for p in entry.leftovers if not is_marker(posixpath.basename(p)))
+        if any(map(is_marker, entry.names)):
+            markers[entry.path] = entry.names
         if not entry.committed:
             report.removed.append(label)
         elif entry.mixed and live is not None:  # and files its commit does not name
-            ours = [n for n in entry.names if is_data_file(n) or is_manifest(n) or is_commit_side_file(n)]
-            stale = [posixpath.join(entry.path, n) for n in ours if n not in live]
+            stale = [posixpath.join(entry.path, n) for n in unnamed(entry.names, live)]
             doomed.extend(stale)
             report.removed.extend(stale)
     running = ["" if label == "." else label for label in report.kept_running]
@@ -273,9 +233,7 @@ def gc(storage: Storage, *, older_than_s: float = 300.0, dry_run: bool = False) 
         return report
     # Markers last: deletes remove the directories they empty.
     report.incomplete_uploads = storage.remove_incomplete(idle, max(older_than_s, LEASE_S))
-    if doomed:
-        storage.delete(doomed)
-    _remove_markers(storage, markers)
+    remove_leftovers(storage, doomed, markers)
     return report
 
 
@@ -285,24 +243,6 @@ def _in_running(path: str, running: list[str]) -> bool:
     ``p{hex}/`` below its checkpoint: they are that checkpoint's."""
     directory = checkpoint_dir(posixpath.dirname(path))
     return any(not r or not directory or directory == r or directory.startswith(r + "/") for r in running)
-
-
-def _remove_markers(storage: Storage, markers: dict[str, CheckpointEntry]) -> None:
-    """Remove the in-flight markers of the directories gc cleans, last, and
-    only where no save has started since the listing: the marker's name is
-    every save's, so a save that claimed the directory meanwhile (its alive
-    file lands before its marker) keeps it. An uncommitted directory's
-    marker removed in the instant between that look and the delete is put
-    back by its save (:meth:`~dcpstore.dcp.commit.SaveSession.check_owner`)."""
-    gone = []
-    for path, entry in markers.items():
-        prefix = f"{path}/" if path else ""
-        known = {posixpath.join(path, n) if path else n for n in entry.names}
-        listed = {o["path"] for o in storage.list(prefix) if "/" not in o["path"][len(prefix) :]}
-        if not any(is_alive_file(posixpath.basename(p)) for p in listed - known):
-            gone.append(posixpath.join(path, INFLIGHT) if path else INFLIGHT)
-    if gone:
-        storage.delete(gone)
 
 
 def _under(storage: Storage, directory: str) -> Storage:

@@ -6,9 +6,6 @@ tests) can call them directly. They work on every backend through
 and live in :mod:`dcpstore.listing` (no torch; re-exported here);
 ``inspect`` and ``verify`` read ``.metadata`` and the items, through the
 restricted loaders only: nothing read is ever executed.
-
-Layer: front door (beside :mod:`dcpstore.api`). Imports the DCP protocol's
-read side, the format, :mod:`dcpstore.storage` and the foundation.
 """
 
 from __future__ import annotations
@@ -21,7 +18,7 @@ import crc32c
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
 
-from .dcp.commit import read_checkpoint_metadata
+from .dcp.commit.read import read_checkpoint_metadata
 from .dcp.item_checks import ItemChecks, item_label
 from .errors import CheckpointCorrupt, CheckpointNotFound, StorageNotFound, UnsafeCheckpoint
 from .format.layout import is_data_file, item_key

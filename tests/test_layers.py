@@ -26,7 +26,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "dcpstore"
 #: Bottom first. ``dcpstore`` itself (its __init__: the public surface) sits
 #: above everything it re-exports and below the tools built on the package.
 LAYERS: list[set[str]] = [
-    {"errors", "threads", "quiet", "units", "keywords", "progress"},  # foundation: imports nothing of ours
+    {"errors", "threads", "quiet", "units", "keywords", "progress", "first_use"},  # foundation: imports nothing of ours
     {"storage"},  # bytes
     {"options", "handle"},  # value objects
     {"format"},  # what the bytes mean
@@ -193,3 +193,95 @@ def test_the_parser_sees_every_kind_of_import(source: str, expected: set[str], t
         if MODULES["dcpstore.dcp.x"] is fake:
             del MODULES["dcpstore.dcp.x"]
     assert got == expected
+
+
+# -- one writer of commits ---------------------------------------------------------
+
+#: The commit package: the one module tree that writes or removes a commit
+#: (``.metadata``, a manifest), an in-flight marker or an alive file.
+COMMIT_PACKAGE = "dcpstore.dcp.commit"
+#: The format layer defines those names (and writes nothing).
+NAMES_HOME = "dcpstore.format"
+#: What a module needs only to write or remove a marker, an alive file or a
+#: save's manifest, or to tell which of a directory's files are leftovers:
+#: used nowhere but the commit package (and defined in the format layer).
+#: (``is_alive_file`` is not one: ``ls`` and ``gc`` read alive files to
+#: tell a running save.)
+WRITER_NAMES = {"INFLIGHT", "ALIVE_PREFIX", "alive_name", "manifest_name", "is_manifest"}
+#: The committed names and alive files, which readers need too: never in a write.
+READ_NAMES = {"METADATA", "MANIFEST", "is_alive_file"}
+#: Literal spellings of every one of those names.
+NAME_LITERALS = (".metadata", ".dcpstore.json", ".dcpstore.inflight", ".dcpstore.alive")
+#: The Storage calls that write or remove a file.
+WRITES = {"put", "delete", "open_write"}
+
+
+def _in(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def _mentions_a_commit_name(node: ast.AST) -> bool:
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Name) and sub.id in READ_NAMES | WRITER_NAMES:
+            return True
+        # ``commit.manifest_name`` is a Commit's field, not the naming function
+        if isinstance(sub, ast.Attribute) and sub.attr in READ_NAMES | WRITER_NAMES - {"manifest_name"}:
+            return True
+        if isinstance(sub, ast.Constant) and isinstance(sub.value, str) and any(n in sub.value for n in NAME_LITERALS):
+            return True
+    return False
+
+
+def commit_writes(module: str, tree: ast.AST) -> list[str]:
+    """Where ``module`` writes or removes a commit, a marker or an alive file
+    itself, or handles the names only that needs (none in the commit package)."""
+    if _in(module, COMMIT_PACKAGE):
+        return []
+    found = []
+    for node in ast.walk(tree):
+        line = getattr(node, "lineno", 0)
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+            if name in WRITES and any(_mentions_a_commit_name(a) for a in [*node.args, *node.keywords]):
+                found.append(f"{module}:{line} {name}() of a commit's file, a marker or an alive file")
+        if _in(module, NAMES_HOME):
+            continue
+        if isinstance(node, ast.alias) and node.name in WRITER_NAMES:
+            found.append(f"{module} imports {node.name}")
+        elif isinstance(node, ast.Name) and node.id in WRITER_NAMES:
+            found.append(f"{module}:{line} uses {node.id}")
+        elif isinstance(node, ast.Attribute) and node.attr in WRITER_NAMES - {"manifest_name"}:
+            found.append(f"{module}:{line} uses {node.attr}")
+    return found
+
+
+def test_only_the_commit_package_writes_commits_markers_and_alive_files() -> None:
+    """The commit protocol's files are written and removed in one place:
+    every other module (the replicator, node-local tiers, retention, gc)
+    calls the commit package for them (Orbax's ``TemporaryPath`` is the
+    one place its atomicity lives). A parse of the source, so it sees the
+    names and calls, not where a computed list of paths came from."""
+    found = [hit for module, path in MODULES.items() for hit in commit_writes(module, ast.parse(path.read_text()))]
+    assert not found, "\n".join(sorted(set(found)))
+
+
+@pytest.mark.parametrize(
+    "source, caught",
+    [
+        ("storage.put(f'{d}/{METADATA}', blob)", True),
+        ("root.delete([p for p in paths if p.endswith('/.metadata')])", True),
+        ("storage.put(layout.MANIFEST, blob)", True),
+        ("storage.delete([n for n in names if inflight.is_alive_file(n)])", True),
+        ("storage.put(path, blob)", False),
+        ("if storage.exists(METADATA): pass", False),
+        ("from ..format.layout import INFLIGHT", True),
+        ("ok = layout.is_manifest(name)", True),
+        ("ok = inflight.is_alive_file(name)", False),
+        ("lease = Lease(storage, prefix)", False),  # the commit package's lease writes the file
+        ("name = commit.manifest_name", False),
+    ],
+)
+def test_the_commit_check_sees_every_kind_of_write(source: str, caught: bool) -> None:
+    assert bool(commit_writes("dcpstore.manager.fake", ast.parse(source))) == caught
+    assert not commit_writes("dcpstore.dcp.commit.fake", ast.parse(source))

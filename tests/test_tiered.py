@@ -388,7 +388,7 @@ def test_two_ranks_replicate_and_agree_on_the_copy(tmp_path: Path) -> None:
 
 
 def _ranks_one_fails(rank: int, world_size: int, durable_uri: str, local: str) -> None:
-    import dcpstore.manager.tiered as tiered
+    import dcpstore.manager.tiers.tiered as tiered
 
     if rank == 1:  # rank 1's uploads fail: its files never reach the durable tier
         def broken(*args: Any, **kwargs: Any) -> Any:

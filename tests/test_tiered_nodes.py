@@ -32,8 +32,8 @@ import killcount
 from dcpstore.format.layout import INFLIGHT, METADATA, name_tag
 from dcpstore.maintenance import gc
 from dcpstore.manager import step_dir
-from dcpstore.manager.nodes import PROBE_PREFIX, nodes_from_views
-from dcpstore.manager.replicate import read_local_commit
+from dcpstore.manager.tiers.nodes import PROBE_PREFIX, nodes_from_views
+from dcpstore.manager.tiers.replicate import read_local_commit
 from backends import Target, make_target
 from dist_utils import run_ranks
 from faults import hook_all_storage, spread
@@ -236,7 +236,7 @@ def test_a_step_a_lost_node_held_gives_way_to_an_older_one(tmp_path: Path) -> No
 
 
 def _save_unreplicated(rank: int, world: int, durable: str, dirs: list[str]) -> None:
-    import dcpstore.manager.tiered as tiered
+    import dcpstore.manager.tiers.tiered as tiered
 
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise dcpstore.StorageError("injected: the object store is unreachable")
@@ -298,16 +298,16 @@ def test_an_overwrite_replaces_the_step_on_every_node_and_in_the_durable_tier(tm
 
 
 def _taken_over(rank: int, world: int, durable: str, dirs: list[str]) -> None:
-    import dcpstore.manager.tiered as tiered
+    import dcpstore.manager.tiers.nodes as nodes
 
-    real = tiered.put_marker
+    real = nodes.put_marker
 
     def then_taken(local: Any, step: int, save_id: str) -> None:
         real(local, step, save_id)
         if rank == 1:  # another save claims step 1 on node 1 right after our marker went in
             real(local, step, "f" * 16)
 
-    tiered.put_marker = then_taken  # type: ignore[assignment]
+    nodes.put_marker = then_taken  # type: ignore[assignment]
     with dcpstore.CheckpointManager(durable, local_dir=dirs[rank], async_=False) as mgr:
         with pytest.raises(dcpstore.SaveError, match="another save"):
             mgr.save(sharded(world, 1, scalar=True), 1)

@@ -19,7 +19,7 @@ from crashkit import crash
 from dcpstore.format.inflight import ALIVE_PREFIX
 from dcpstore.format.layout import METADATA, REPLICA_REPORT_PREFIX
 from dcpstore.manager import step_dir
-from dcpstore.manager.replicate import read_local_commit
+from dcpstore.manager.tiers.replicate import read_local_commit
 from helpers import assert_state_equal, zeros_like_state
 
 #: Durable tiers: a local path, native S3 (moto over HTTP), S3 through MSC.

@@ -36,10 +36,6 @@ Load, on every rank (collective)::
     strict and report not ok -> StateDictMismatch, nothing loaded
     dcpstore.load(the entries present, uri)          # in place, resharding
     set_state_dict(model, optimizer, template)       # absent entries keep their values
-
-Layer: adapters. Imports the front doors (:mod:`dcpstore.api`,
-:mod:`dcpstore.manager`), :mod:`.megatron`'s format table and the layers
-below.
 """
 
 from __future__ import annotations
@@ -64,7 +60,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.utils._pytree import tree_map_only
 
 from ..api import load, save
-from ..dcp.commit import read_checkpoint_metadata
+from ..dcp.commit.read import read_checkpoint_metadata
 from ..errors import InvalidArgument, StateDictMismatch
 from ..handle import SaveHandle
 from ..manager import CheckpointManager

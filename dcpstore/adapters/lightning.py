@@ -48,10 +48,8 @@ a single ``torch.save`` file), ``load_raw``, and ``ModelCheckpoint``'s own
 probes (``-v1`` version suffixes, ``ckpt_path="last"``, ``best_k_models.yaml``),
 which go through fsspec.
 
-Layer: adapters. Imports the DCP drop-ins (through :mod:`.dropins`), the
-commit's read side, the manager's deletion, :mod:`dcpstore.storage` and the
-foundation; not Lightning itself, which it recognises by the strategy's
-class (either package layout: ``lightning`` or ``lightning_fabric`` /
+Lightning itself is not imported: a strategy is recognised by its class
+(either package layout: ``lightning`` or ``lightning_fabric`` /
 ``pytorch_lightning``).
 """
 
@@ -76,10 +74,10 @@ from torch.distributed.tensor import DTensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from ..dcp.commit import read_checkpoint_metadata, read_commit_file
+from ..dcp.commit import delete_checkpoint
+from ..dcp.commit.read import read_checkpoint_metadata, read_commit_file
 from ..errors import InvalidArgument
 from ..format.layout import METADATA
-from ..manager.steps import delete_checkpoint
 from ..storage import parse_uri
 from .dropins import DropinOptions
 

@@ -14,9 +14,6 @@ Results travel back in a private JSON file whose path the trainer chose
 file works for each way of running the request (persistent, forked, or
 ``execute_sync`` in the trainer itself). JSON, not pickle: nothing read back
 is executed.
-
-Layer: adapters. Imports the DCP protocol, the format, the foundation and
-:mod:`dcpstore.storage`.
 """
 
 from __future__ import annotations
@@ -37,7 +34,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
-from ..dcp.commit import ItemRecord, SaveSession
+from ..dcp.commit.session import ItemRecord, SaveSession
 from ..dcp.failures import describe_failure
 from ..dcp.owner_gate import OwnerGate, run_gated
 from ..dcp.data_files import file_size_hint, write_data_file

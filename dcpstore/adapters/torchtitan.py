@@ -48,9 +48,7 @@ alone, and :meth:`Installed.uninstall` restores it):
 ``_close``
     torchtitan's, then the storage this module opened is closed.
 
-Layer: adapters. Imports the DCP drop-ins (through :mod:`.dropins`), the
-manager's step listing and deletion, :mod:`dcpstore.storage` and the
-foundation; torchtitan itself (the ``torchtitan`` extra).
+Needs torchtitan itself (the ``torchtitan`` extra).
 """
 
 from __future__ import annotations
@@ -73,9 +71,10 @@ from torchtitan.components.checkpointer.dcp import AsyncMode
 from torchtitan.tools import filesystem
 from torchtitan.tools.utils import GarbageCollection
 
+from ..dcp.commit import delete_checkpoint
 from ..errors import CheckpointNotFound, InvalidArgument
 from ..format.layout import METADATA
-from ..manager.steps import StepLayout, committed_steps, delete_checkpoint
+from ..manager.steps import StepLayout, committed_steps
 from ..storage import Storage
 from .dropins import DropinOptions
 

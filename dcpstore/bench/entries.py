@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from .. import AsyncSaver, CheckpointManager, load, save
+from ..dcp.commit import delete_everything
 from ..errors import BackendUnavailable, InvalidArgument
 from ..storage import Storage, StorageOptions, join_uri, open_storage
 from .runner import Entry, SaveOutcome, Skip, Waiter
@@ -119,7 +120,7 @@ class DcpstoreEntry(Entry):
 
     def cleanup(self) -> None:
         if self._root is not None:
-            self._root.delete([o["path"] for o in self._root.list(self.slug)])
+            delete_everything(self._root, self.slug)
 
     def close(self) -> None:
         if self._root is not None:
@@ -193,8 +194,7 @@ class TieredEntry(Entry):
     def cleanup(self) -> None:
         for root in (self._durable_root, self._local_root):
             if root is not None:
-                paths = [o["path"] for o in root.list()]
-                root.delete(sorted(paths, key=lambda p: not p.endswith("/.metadata")))  # commits first
+                delete_everything(root)
 
     def close(self) -> None:
         if self._manager is not None:

@@ -6,9 +6,6 @@ async worker) splits a rank's items into buckets, one data file each, names
 each file after the rank's DCP prefix (:func:`rank_prefix`, in the rank's
 spread directory) and the save's session, and writes it here
 (:func:`write_data_file`) or through its own per-bucket writer.
-
-Layer: DCP protocol. Imports :mod:`.commit`, :mod:`.owner_gate`, the format,
-the value objects, :mod:`dcpstore.storage` and the foundation.
 """
 
 from __future__ import annotations
@@ -29,7 +26,7 @@ from ..format.record import RecordStream, compact_cpu_tensor, encode_item
 from ..handle import SaveStats
 from ..progress import Progress
 from ..storage import Storage
-from .commit import ItemRecord
+from .commit.session import ItemRecord
 from .owner_gate import OwnerGate
 
 #: About what a tensor record adds to its bytes (zip headers, pickle,

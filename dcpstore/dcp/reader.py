@@ -71,7 +71,7 @@ from ..progress import NO_PROGRESS, Progress
 from ..quiet import ignoring
 from ..storage import Storage
 from ..threads import run_parallel
-from .commit import commit_replaced, read_checkpoint_metadata
+from .commit.read import commit_replaced, read_checkpoint_metadata
 from .failures import load_error
 from .item_checks import SMALL_TENSOR_COPY, ItemChecks
 from .load_progress import NO_CHANGES, Changes, LoadProgress, changes_of

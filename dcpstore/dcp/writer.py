@@ -77,7 +77,7 @@ from ..options import check_workers
 from ..progress import NO_PROGRESS, Progress
 from ..quiet import ignoring
 from ..storage import Storage, backend_name, parse_uri
-from .commit import SaveSession, check_commit_files
+from .commit.session import SaveSession, check_commit_files
 from .data_files import (
     file_size_hint,
     item_nbytes,

@@ -53,9 +53,7 @@ per-bucket writer in ``_disable_gc`` (a process-wide ``gc.disable()`` meant
 for forked children); run in a thread it would switch the training thread's
 GC too, so the undecorated function is called.
 
-Layer: engines. Imports :mod:`dcpstore.dcp`, :mod:`dcpstore.format`, the
-value objects, :mod:`dcpstore.storage`, :mod:`.registry` and the
-foundation. NVRx itself is optional: imported only when an NVRx save runs.
+NVRx itself is optional: imported only when an NVRx save runs.
 """
 
 from __future__ import annotations
@@ -79,7 +77,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.checkpoint.utils import _DistWrapper
 
-from ..dcp.commit import ItemRecord, SaveSession
+from ..dcp.commit.session import ItemRecord, SaveSession
 from ..dcp.data_files import write_stats
 from ..dcp.failures import describe_failure
 from ..dcp.owner_gate import OwnerGate

@@ -7,7 +7,7 @@ boot id, pid namespace, pid and start time) and rewritten every
 :data:`REFRESH_S` seconds while the save runs. One file per writer, so a
 refresh never overwrites another's. This module is the file's format and
 what ``gc`` concludes from it; it writes nothing (the one writer of alive
-files is :class:`dcpstore.dcp.lease.Lease`).
+files is :class:`dcpstore.dcp.commit.lease.Lease`).
 
 The rule, both sides (every writer of a checkpoint directory and ``gc``):
 

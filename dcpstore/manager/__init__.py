@@ -5,13 +5,8 @@ retention after a commit, resume from the newest committed step) and the
 step layout on any storage root (:mod:`.steps`: names -- dcpstore's
 ``step_*`` or Megatron-Bridge's ``iter_*`` -- listing, the pointer,
 deletion, retention), and where the steps live
-(:mod:`.roots`: one root; :mod:`.tiered`: a local tier that saves commit to,
-replicated in the background to a durable root by :mod:`.replicate`).
-
-Layer: manager. May import the front door :mod:`dcpstore.api`, the engines,
-the DCP protocol, the format, the value objects, :mod:`dcpstore.storage` and
-the foundation; nothing above (the adapters, the package's public surface,
-the CLI).
+(:mod:`.roots`: one root; :mod:`.tiers`: a local tier that saves commit to,
+replicated in the background to a durable root).
 """
 
 from .manager import CheckpointManager, SavedStep

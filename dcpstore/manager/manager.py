@@ -22,7 +22,7 @@ Call order of one save (every rank calls ``save`` with the same step)::
 Where the steps live is a :class:`~.roots.Roots`: one root
 (:class:`~.roots.OneRoot`), or with ``local_dir=`` a local tier that saves
 commit to and a durable tier that steps are replicated to in the background
-(:class:`~.tiered.TieredRoots`; retention per tier, loads from the nearest
+(:class:`~.tiers.TieredRoots`; retention per tier, loads from the nearest
 whole copy). The manager only delegates to it.
 
 Retention (``keep=K``) runs on rank 0 only, only after a save is committed,
@@ -35,10 +35,6 @@ is the bug this ordering rules out: retention that ran when an async save
 was *scheduled* deleted the only complete checkpoint. A step is deleted
 ``.metadata`` first, so a crash mid-delete leaves an uncommitted directory,
 never a committed-looking partial one.
-
-Layer: manager. Imports the front door :mod:`dcpstore.api`, the engines'
-exit hook and engine check, the value objects, :mod:`dcpstore.storage` and
-the foundation.
 """
 
 from __future__ import annotations
@@ -70,7 +66,7 @@ from ..storage.overlap import Role
 from .roles import OPEN
 from .roots import OneRoot, Roots
 from .steps import StepLayout, check_layout, check_step
-from .tiered import REPLICATE_TIMEOUT_S, TieredRoots, check_tier_options
+from .tiers import REPLICATE_TIMEOUT_S, TieredRoots, check_tier_options
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +116,7 @@ class CheckpointManager:
         local_dir: make the manager tiered: saves commit to
             ``local_dir/step_N`` (the handle completes there) and are
             replicated to ``root_uri/step_N`` in the background; loads read
-            the nearest whole copy (:mod:`dcpstore.manager.tiered`). A local
+            the nearest whole copy (:mod:`dcpstore.manager.tiers`). A local
             path the whole job shares.
         local_keep: the local tier's retention (``keep`` is then the durable
             tier's; ``None``: keep all). Needs ``local_dir``.

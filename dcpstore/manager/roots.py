@@ -4,7 +4,7 @@ The manager decides *when* (one save in flight, retention after a commit);
 a :class:`Roots` decides *where*: which URI a save writes, which steps
 exist, which copy a load reads, what happens once a save is committed.
 :class:`OneRoot` is the plain manager's single root;
-:class:`~dcpstore.manager.tiered.TieredRoots` is a local tier plus a durable
+:class:`~dcpstore.manager.tiers.TieredRoots` is a local tier plus a durable
 tier with background replication. The manager calls, in this order::
 
     every rank    roots.before_save(step, overwrite)    before the save starts;
@@ -14,9 +14,6 @@ tier with background replication. The manager calls, in this order::
     coordinator   roots.committed(step)                 after it committed
     every rank    roots.locate(step)                    (collective) what to load
     every rank    roots.wait(timeout) / roots.close()
-
-Layer: manager. Imports :mod:`dcpstore.storage`, :mod:`dcpstore.handle`,
-:mod:`dcpstore.errors` and :mod:`.steps`.
 """
 
 from __future__ import annotations

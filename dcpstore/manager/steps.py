@@ -27,10 +27,9 @@ so are the files beside the checkpoint that other tools keep in a step
 directory (Bridge's ``train_state.pt``, ``run_config.yaml``).
 
 Each function takes the root's :class:`Storage`, so the same naming,
-listing and deletion serve any root a manager keeps steps under.
-
-Layer: manager. Imports :mod:`dcpstore.format`, :mod:`dcpstore.storage` and
-:mod:`dcpstore.errors`.
+listing and deletion serve any root a manager keeps steps under. A step is
+deleted as the commit protocol deletes any committed checkpoint
+(:func:`~dcpstore.dcp.commit.uncommit.delete_checkpoint`).
 """
 
 from __future__ import annotations
@@ -39,6 +38,7 @@ import logging
 import posixpath
 from dataclasses import dataclass
 
+from ..dcp.commit import delete_checkpoint
 from ..errors import CheckpointError, InvalidArgument
 from ..format.layout import METADATA
 from ..format.manifest import SMALL_FILE_LIMIT, read_capped
@@ -174,19 +174,8 @@ def write_pointer(root: Storage, step: int, layout: StepLayout = DCPSTORE) -> No
 
 
 def delete_step(root: Storage, step: int, layout: StepLayout = DCPSTORE) -> None:
-    """Delete ``step``: see :func:`delete_checkpoint`."""
+    """Delete ``step``, ``.metadata`` first (:mod:`dcpstore.dcp.commit.uncommit`)."""
     delete_checkpoint(root, layout.step_dir(step))
-
-
-def delete_checkpoint(root: Storage, name: str = "") -> None:
-    """Delete the checkpoint directory ``name`` under ``root`` (``""``: the
-    checkpoint ``root`` is): ``.metadata`` first, so a crash mid-delete
-    leaves an uncommitted directory (never listed, removable by gc), never
-    a committed-looking partial one."""
-    root.delete([f"{name}/{METADATA}" if name else METADATA])
-    rest = [o["path"] for o in root.list(f"{name}/" if name else "")]
-    if rest:
-        root.delete(rest)
 
 
 def retire(root: Storage, committed: int, keep: int, layout: StepLayout = DCPSTORE) -> None:

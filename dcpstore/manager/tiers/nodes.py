@@ -1,4 +1,4 @@
-"""Which ranks share a local directory, and what a node's directory needs.
+"""Which ranks share a local directory, and the node-local tier: :class:`NodeDirs`.
 
 A tiered manager's ``local_dir`` is either one directory that every rank
 sees (one node, or a path every node mounts) or one per node (each node's
@@ -8,7 +8,7 @@ for every other rank's. The ranks that see each other's probes are a
 *node*; the lowest rank of a node is its *leader*, the one that writes the
 node's own copies of what only the coordinator's directory would hold:
 
-    leader, before a save   put_marker(local, step, save_id)
+    leader, before a save   put_marker(local, step, save_id) (:mod:`.local`)
                                 a lease (``dcpstore gc`` keeps the step
                                 until the node's copy is committed), then
                                 the in-flight marker, holding the save id
@@ -17,20 +17,19 @@ node's own copies of what only the coordinator's directory would hold:
                                 (:meth:`~dcpstore.dcp.commit.SaveSession.check_owner`)
                                 and a later save that takes the step over still
                                 fails them
-    leader, after commit    localize(local, step, commit)
+    leader, after commit    publish_copy(local, commit, step_dir(step))
                                 the coordinator's manifest, then its
                                 ``.metadata`` (the node's commit point), then the
                                 marker and what an older commit of the step left
-                                go: the same order and clean-up as
-                                :meth:`~dcpstore.dcp.commit.SaveSession.publish`
+                                go: the commit protocol's
+                                (:mod:`dcpstore.dcp.commit.publish`), as for any save
 
 :func:`plan_files` is the load side: the data files a rank's load plan reads
 (DCP puts a replicated item in one rank's file only, so a node may hold a
 whole share of what it saved and still miss what it loads).
 
-Layer: manager. Imports :mod:`dcpstore.dcp` (the lease), :mod:`dcpstore.format`,
-:mod:`dcpstore.storage`, :mod:`dcpstore.errors` and this package's :mod:`.replicate`, :mod:`.roots` and
-:mod:`.steps`.
+:class:`NodeDirs` is the tiered manager's strategy for one directory per
+node (:class:`~.local.LocalTier`; :class:`~.local.SharedDir` is the other).
 """
 
 from __future__ import annotations
@@ -38,22 +37,22 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from ..dcp.lease import Lease
-from ..errors import CheckpointError, InvalidArgument, SaveError
-from ..format.inflight import is_alive_file
-from ..format.layout import INFLIGHT, METADATA, is_data_file, is_manifest
-from ..format.safe_pickle import TOOLS, load_metadata
-from ..storage import Storage
-from .replicate import LocalCommit, read_local_commit
-from .roots import coordinator_rank
-from .steps import step_dir
+from ...dcp.commit import Commit, publish_copy
+from ...errors import CheckpointError, InvalidArgument, SaveError
+from ...format.layout import METADATA
+from ...format.safe_pickle import TOOLS, load_metadata
+from ...storage import Storage
+from ..roots import coordinator_rank
+from ..steps import committed_steps, step_dir
+from .local import Job, TierParts, put_marker
+from .replicate import read_local_commit
 
 log = logging.getLogger(__name__)
 
@@ -217,54 +216,14 @@ def _sees(local: Storage, probe: str | None) -> bool:
         return False
 
 
-def put_marker(local: Storage, step: int, save_id: str) -> Lease:
-    """The in-flight marker for the save of ``step``, holding ``save_id``,
-    in the local step directory, after the lease it returns (its alive file
-    first, :mod:`dcpstore.dcp.lease`): ``dcpstore gc`` keeps the step until
-    the caller ends the lease (once the directory's copy is committed, or
-    the save failed), as it keeps the coordinator's save."""
-    prefix = step_dir(step)
-    # Not fsynced: the caller's training thread waits here, and a crash that
-    # loses them loses nothing (the save never commits; gc collects its files).
-    lease = Lease(local, prefix, save_id=save_id, durable=False)
-    try:
-        local.put(f"{prefix}/{INFLIGHT}", save_id.encode(), durable=False)
-    except BaseException:
-        lease.stop()
-        raise
-    return lease
-
-
-def localize(local: Storage, step: int, commit: LocalCommit) -> None:
-    """Make the coordinator's ``commit`` of ``step`` this node's (leader): the
-    manifest, then ``.metadata`` (the commit point), then remove the marker,
-    the alive files and the data files and manifests no longer named (an
-    older commit of the step, an interrupted save): never one the new commit
-    names."""
-    prefix = step_dir(step)
-    local.put(f"{prefix}/{commit.manifest_name}", commit.manifest_blob)
-    local.put(f"{prefix}/{METADATA}", commit.metadata_blob)
-    named = {*commit.manifest["files"], commit.manifest_name}
-    stale = [
-        o["path"]
-        for o in local.list(f"{prefix}/")
-        if _stale(o["path"][len(prefix) + 1 :], named)
-    ]
-    local.delete([f"{prefix}/{INFLIGHT}", *stale])
-
-
-def _stale(name: str, named: set[str]) -> bool:
-    return is_alive_file(name) or (name not in named and (is_data_file(name) or is_manifest(name)))
-
-
-def held_files(local: Storage, step: int, commit: LocalCommit) -> list[str]:
+def held_files(local: Storage, step: int, commit: Commit) -> list[str]:
     """The data files of ``commit`` this directory holds at their size."""
     prefix = step_dir(step)
     sizes = {o["path"][len(prefix) + 1 :]: o["size"] for o in local.list(f"{prefix}/")}
     return sorted(n for n, e in commit.manifest["files"].items() if sizes.get(n) == e["size"])
 
 
-def plan_files(state_dict: dict[str, Any], commit: LocalCommit, where: str) -> set[str]:
+def plan_files(state_dict: dict[str, Any], commit: Commit, where: str) -> set[str]:
     """The data files the default load plan of ``state_dict`` reads from the
     checkpoint ``commit`` is the commit of (``where``: its URI, for errors).
     ``.metadata`` goes through the restricted unpickler like every load."""
@@ -275,7 +234,7 @@ def plan_files(state_dict: dict[str, Any], commit: LocalCommit, where: str) -> s
     return {data[item.storage_index].relative_path for item in planner.create_local_plan().items}
 
 
-def holds(local: Storage, step: int, commit: LocalCommit | None, needed: Iterable[str]) -> bool:
+def holds(local: Storage, step: int, commit: Commit | None, needed: Iterable[str]) -> bool:
     """Whether ``local`` holds every one of ``needed`` of ``commit`` at its size."""
     if commit is None:
         return False
@@ -284,13 +243,13 @@ def holds(local: Storage, step: int, commit: LocalCommit | None, needed: Iterabl
 
 
 def share_commit(
-    sync: NodeSync, local: Storage, step: int, rank: int, commit: LocalCommit | None, catch_up: bool
-) -> tuple[LocalCommit, tuple[str, ...]] | None:
+    sync: NodeSync, local: Storage, step: int, rank: int, commit: Commit | None, catch_up: bool
+) -> tuple[Commit, tuple[str, ...]] | None:
     """Every rank's replicator, for every job (the collectives on the
     replicator's group pair up: every rank queues the same jobs in the same
     order): the coordinator's ``commit`` of ``step`` (read there and
     broadcast; a catch-up's, every rank has it) becomes every node's (its
-    leader's :func:`localize`). Returns it, with the files this rank
+    leader's :func:`~dcpstore.dcp.commit.publish.publish_copy`). Returns it, with the files this rank
     uploads in a catch-up: those its node holds (the leader's), once the
     gathered holdings cover the commit; None when they do not (a lost node:
     the step cannot be replicated and stays local until retention removes
@@ -303,7 +262,7 @@ def share_commit(
     if rank == sync.nodes.leader:
         try:
             if rank != 0 and read_local_commit(local, step) != commit:
-                localize(local, step, commit)
+                publish_copy(local, commit, step_dir(step))
             held = held_files(local, step, commit)
         except CheckpointError as e:  # the node's copy stays uncommitted; the durable one is made all the same
             log.error("could not commit the local copy of step %d under %s: %s", step, local.uri, e)
@@ -334,3 +293,88 @@ def reads_locally(local: Storage, step: int, state_dict: dict[str, Any]) -> bool
     except Exception as e:  # noqa: BLE001
         log.warning("the local copy of step %d is not read: %s", step, e)
         return False
+
+
+class NodeDirs:
+    """One ``local_dir`` per node (:func:`detect_nodes` found more than one).
+    ``sync``: the collectives, on the caller's thread or the replicator's."""
+
+    def __init__(self, sync: NodeSync, parts: TierParts) -> None:
+        self._sync, self._parts = sync, parts
+        self._local, self._rank, self._leases = parts.local, parts.rank, parts.leases
+
+    @property
+    def leader(self) -> bool:
+        return self._rank == self._sync.nodes.leader
+
+    @property
+    def saves_commit_here(self) -> bool:
+        """The coordinator's save commits its own node's copy; every other
+        node's is its leader's :func:`~dcpstore.dcp.commit.publish.publish_copy`
+        of that commit, on the replicator (:meth:`commit_of`)."""
+        return self._rank == 0
+
+    def local_steps(self) -> list[int]:
+        """A commit: the node's share is checked against the load plan
+        (:meth:`reads_locally`)."""
+        return committed_steps(self._local)
+
+    def any_rank(self, mine: bool) -> bool:
+        """Collective."""
+        return any(self._sync.gather(mine))
+
+    def catch_up(self, needs: Callable[[int], bool] | None) -> list[Job]:
+        """Collective: the coordinator's commits of the steps that need
+        replicating, on every rank (each leader uploads what its node holds
+        of them, :func:`share_commit`)."""
+        found: list[tuple[int, Commit]] = []
+        if self._rank == 0 and needs is not None:
+            try:
+                for step in self.local_steps():
+                    commit = read_local_commit(self._local, step) if needs(step) else None
+                    if commit is not None:
+                        found.append((step, commit))
+            except CheckpointError as e:  # saves still commit locally; a later manager catches up
+                log.error("catch-up under %s skipped: %s", self._local.uri, e)
+                found = []
+        return [Job(step, None, commit) for step, commit in self._sync.from_coordinator(found)]
+
+    def before_save(self, step: int, overwrite: bool) -> str:
+        """Every rank derives the same save id (:meth:`NodeSync.save_id`: no
+        collective where the training waits); each leader puts the marker
+        holding it into its step directory (so every save has save-unique
+        names there). An overwrite first waits for the replicator on every
+        rank: the node's copy of the older commit is made and cleaned up
+        before the new save writes beside it."""
+        if overwrite:
+            self._parts.wait_idle()  # a replication error stays for wait() to raise
+        save_id = self._sync.save_id(step)
+        if self.leader:
+            try:
+                lease = put_marker(self._local, step, save_id)
+                if lease is not None:
+                    self._leases.hold_marker(step, lease)
+            except CheckpointError as e:  # the node's ranks then fail the save together, through DCP
+                log.error("could not put the in-flight marker of step %d under %s: %s", step, self._local.uri, e)
+        return save_id
+
+    def commit_of(self, job: Job) -> tuple[Commit | None, tuple[str, ...] | None] | None:
+        """The coordinator's commit, shared with every node
+        (:func:`share_commit`); a catch-up uploads what this node holds."""
+        mine = job.commit
+        if self._rank == 0 and job.files is not None:
+            try:
+                mine = read_local_commit(self._local, job.step)
+            except CheckpointError as e:  # every rank still joins the broadcast, and fails alike
+                log.error("could not read the local commit of step %d: %s", job.step, e)
+        try:
+            shared = share_commit(self._sync, self._local, job.step, self._rank, mine, job.files is None)
+        finally:
+            self._leases.end_marker(job.step)  # the node's copy is committed now (or cannot be)
+        if shared is None:
+            return None
+        return shared[0], job.files if job.files is not None else shared[1]
+
+    def reads_locally(self, step: int, state_dict: dict[str, Any]) -> bool:
+        """Collective: every rank's node holds the files its load plan reads."""
+        return all(self._sync.gather(reads_locally(self._local, step, state_dict)))

@@ -1,15 +1,12 @@
-"""The leases a tiered manager holds (:mod:`dcpstore.dcp.lease`) and the
+"""The leases a tiered manager holds (:mod:`dcpstore.dcp.commit.lease`) and the
 clean-ups its replication could not do, kept between jobs.
 
 * a marker's lease per step: from the in-flight marker put in a local step
   directory before a save (an overwrite of a replicated step; a node
   leader's) until that directory's copy is committed or the save failed;
 * other ranks' replica leases, lingering until the coordinator's commit
-  (``close()`` waits for them: :meth:`~dcpstore.dcp.lease.Lease.settle`);
+  (``close()`` waits for them: :meth:`~dcpstore.dcp.commit.lease.Lease.settle`);
 * what a failed replication left undone (:mod:`dcpstore.engines.leftovers`).
-
-Layer: manager. Imports :mod:`dcpstore.dcp`, :mod:`dcpstore.engines` and
-:mod:`dcpstore.storage`.
 """
 
 from __future__ import annotations
@@ -17,9 +14,9 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable
 
-from ..dcp.lease import Lease
-from ..engines.leftovers import Leftovers
-from ..storage import Storage
+from ...dcp.commit import Lease
+from ...engines.leftovers import Leftovers
+from ...storage import Storage
 
 
 class TierLeases:

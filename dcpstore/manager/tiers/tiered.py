@@ -1,105 +1,28 @@
-"""Tiered checkpoints: commit to a local directory at disk speed, replicate
-to the durable root in the background, resume from the nearest good copy.
-
-Layout: the same step directories in both tiers::
-
-    local_dir/step_00000100/...    committed by the save itself (its handle
-                                   completes here)
-    root_uri/step_00000100/...     the replica: data files, manifest,
-                                   .metadata last (:mod:`.replicate`)
-
-Which rank does what (every rank constructs the manager alike):
-
-* **Saving**: every rank saves to ``local_dir/step_N`` through the ordinary
-  save path (same layout and commit protocol as any dcpstore checkpoint).
-  When its save commits, each rank queues the step on its own replicator
-  thread, which uploads the data files *this rank* wrote; the coordinator
-  commits the replica once every file arrived (:mod:`.replicate`). Steps are
-  replicated one at a time, in the order they were committed.
-  ``replicate_every=N``: only steps divisible by N are replicated (``step %
-  N == 0``: the same choice on every rank and after a restart).
-* **Retention** (coordinator, on the replicator thread, after each step):
-  the durable tier keeps the ``keep`` newest committed steps (as a plain
-  manager does); the local tier the ``local_keep`` newest committed, but a
-  local step that still needs replicating is never deleted (one replication
-  failed: it stays until a later manager replicates it).
-* **Overwrites**: saving a step again (``overwrite=True``) never loses its
-  durable copy: the new replica commits over it as an overwrite save does
-  (save-unique names, ``.metadata`` last, then the old files go; see
-  :meth:`TieredRoots.before_save` and :mod:`.replicate`).
-* **Catch-up**: a new manager's coordinator queues the committed local steps
-  that need replicating (selected; missing from the durable tier and not
-  older than the durable tier's ``keep`` newest, or there as an older
-  commit: an overwrite whose replication did not finish), so that a crash
-  during replication loses nothing that was committed locally (from its
-  whole local copy: every file the manifest names). Local retention keeps
-  such steps too.
-* **One directory, or one per node** (:mod:`.nodes`; found when the
-  manager is made, a collective then). Node-local: each node holds the
-  files its ranks wrote; its leader puts the in-flight marker with the
-  manager's save id there before each save and commits the coordinator's
-  manifest and ``.metadata`` (broadcast on the replicator's own gloo group:
-  every rank's replicator handles the same jobs in the same order, so those
-  collectives pair up) after it, and applies local retention there.
-  Catch-up broadcasts the coordinator's commits when the manager is made;
-  each leader uploads what its node holds of them (a step no node holds
-  whole stays local, logged).
-* **Loading** (collective): the step is the newest committed one in either
-  tier (every rank holds a local commit of it, or the durable tier does);
-  it is read from the local tier if every rank's local copy holds what it
-  reads (one directory: a *whole* copy, every file the manifest names at its
-  size; node-local: the files this rank's load plan reads, at their sizes;
-  DCP puts a replicated item in one rank's file only, so a load that
-  reshards or reads such an item from another node reads the durable
-  copy), else by every rank from the durable tier; a step neither serves
-  (a lost node, not yet replicated) gives way to the next older one. A fresh
-  node with an empty ``local_dir`` thus resumes from the durable tier; DCP
-  resharding works from either, since every rank reads one whole checkpoint.
-* **gc**: every writer of a step directory holds a lease there
-  (:mod:`.leases`), so ``dcpstore gc`` on either tier never takes a step
-  in progress.
-* **Errors**: a failed replication is logged when it happens and raised
-  from the next :meth:`wait` or :meth:`close`; saves keep committing locally.
-  ``close()`` waits for the queue at most ``replicate_timeout_s``.
-
-Layer: manager. Imports :mod:`dcpstore.storage`, :mod:`dcpstore.format`,
-:mod:`dcpstore.handle`, :mod:`dcpstore.errors` and this package's
-:mod:`.steps`, :mod:`.roots` and :mod:`.replicate`.
+"""The tiered manager's :class:`~dcpstore.manager.roots.Roots`: a local tier
+that saves commit to, and a replicator thread per rank that copies each
+committed step to the durable tier, applies retention to both and answers
+which copy a load reads (see :mod:`dcpstore.manager.tiers` for the whole
+picture). How the ranks share ``local_dir`` is a :class:`~.local.LocalTier`
+strategy, asked wherever one directory and one per node differ.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
 
-from ..errors import CheckpointError, InvalidArgument, SaveError
-from ..format.layout import METADATA
-from ..handle import SaveHandle
-from ..storage import Storage, join_uri
-from .leases import TierLeases
-from .nodes import NodeSync, put_marker, reads_locally, share_commit
-from .replicate import (
-    LocalCommit,
-    check_no_clash,
-    commit_replica,
-    needs_replication,
-    read_local_commit,
-    replica_lease,
-    replica_taken_over,
-    upload_files,
-    whole_local_steps,
-    write_report,
-)
-from .roots import group_rank, is_distributed, not_found
-from .steps import (
+from ...errors import CheckpointError, InvalidArgument, SaveError
+from ...format.layout import METADATA
+from ...handle import SaveHandle
+from ...storage import Storage, join_uri
+from ..roots import group_rank, is_distributed, not_found
+from ..steps import (
     check_step,
     commit_times,
     committed_steps,
@@ -109,6 +32,18 @@ from .steps import (
     step_dir,
     write_pointer,
 )
+from .leases import TierLeases
+from .local import Job, LocalTier, SharedDir, TierParts
+from .nodes import NodeDirs, NodeSync
+from .replicate import (
+    check_no_clash,
+    commit_replica,
+    needs_replication,
+    replica_lease,
+    replica_taken_over,
+    upload_files,
+    write_report,
+)
 
 log = logging.getLogger(__name__)
 
@@ -116,19 +51,8 @@ log = logging.getLogger(__name__)
 REPLICATE_TIMEOUT_S = 1800.0
 
 
-@dataclass(frozen=True)
-class _Job:
-    step: int
-    #: The data files this rank's save wrote; None: catch-up (one directory:
-    #: the coordinator, every file the local manifest names; node-local: each
-    #: node's leader, the files of ``commit`` its directory holds).
-    files: tuple[str, ...] | None
-    #: Node-local catch-up: the coordinator's commit of the step.
-    commit: LocalCommit | None = None
-
-
 class TieredRoots:
-    """A local tier and a durable tier; see the module docstring.
+    """A local tier and a durable tier; see :mod:`dcpstore.manager.tiers`.
 
     ``durable`` and ``local`` are the two roots' storages (this object owns
     and closes them); ``workers``: parallel file uploads per rank.
@@ -157,7 +81,7 @@ class TieredRoots:
         self._timeout_s = timeout_s
         self._rank = group_rank(group)
         self._cond = threading.Condition()
-        self._queue: deque[_Job] = deque()
+        self._queue: deque[Job] = deque()
         self._busy = False
         self._errors: list[BaseException] = []
         self._thread: threading.Thread | None = None
@@ -168,20 +92,25 @@ class TieredRoots:
         #: Markers' and lingering replica leases; what failed replications left undone.
         self._leases = TierLeases()
         try:
-            self._sync = NodeSync.open(self._local, group, self._rank)  # collective (torch.distributed)
-            self._nodes = self._sync.nodes
+            sync = NodeSync.open(self._local, group, self._rank)  # collective (torch.distributed)
+            parts = TierParts(
+                self._local,
+                self._durable,
+                self._rank,
+                self._leases,
+                wait=lambda: self.wait(self._timeout_s),
+                wait_idle=lambda: self._wait_idle(self._timeout_s),
+            )
+            self._tier: LocalTier = NodeDirs(sync, parts) if sync.node_local else SharedDir(parts)
             failure: BaseException | None = None
             try:
                 replicas = commit_times(self._durable)  # also: the durable root is reachable
-            except BaseException as e:  # raised after the node-local catch-up's collective
+            except BaseException as e:  # raised after the catch-up's collective (node-local)
                 failure, replicas = e, {}
             self._durable_known = set(replicas)
-            if self._nodes.node_local:
-                self._catch_up_nodes(None if failure else replicas)
+            self._catch_up(None if failure else replicas)
             if failure is not None:
                 raise failure
-            if not self._nodes.node_local and self._coordinator:
-                self._catch_up(replicas)
         except BaseException:
             self.close()
             raise
@@ -189,11 +118,6 @@ class TieredRoots:
     @property
     def _coordinator(self) -> bool:
         return self._rank == 0
-
-    @property
-    def _leader(self) -> bool:
-        """Whether this rank keeps its directory's commits and retention."""
-        return self._rank == self._nodes.leader
 
     # -- naming and listing ---------------------------------------------------
     @property
@@ -223,13 +147,13 @@ class TieredRoots:
         knows it: listed at construction, plus what it replicated since).
         Node-local directories: collective, committed if any rank says so."""
         mine = step in self._durable_known or self._local.exists(f"{step_dir(step)}/{METADATA}")
-        return any(self._sync.gather(mine)) if self._nodes.node_local else mine
+        return self._tier.any_rank(mine)
 
     def local_steps(self) -> list[int]:
         """Steps this rank holds a local copy of: a whole one (every file the
         manifest names) in one shared directory; node-local, a commit (the
         node's share is checked against the load plan, :meth:`locate`)."""
-        return committed_steps(self._local) if self._nodes.node_local else whole_local_steps(self._local)
+        return self._tier.local_steps()
 
     def durable_steps(self) -> list[int]:
         return committed_steps(self._durable)
@@ -263,51 +187,26 @@ class TieredRoots:
         first (the claim replaces it). Should the random tags still meet
         (1 in 2**32), the replication refuses
         (:func:`~.replicate.check_no_clash`) rather than touch the old copy.
-        Node-local directories: see :meth:`_before_node_save`."""
-        if self._nodes.node_local:
-            return self._before_node_save(step, overwrite)
-        if overwrite and self._coordinator:
-            self.wait(self._timeout_s)
-            prefix = step_dir(step)
-            if any(True for _ in self._durable.list(f"{prefix}/")):
-                self._leases.hold_marker(step, put_marker(self._local, step, os.urandom(8).hex()))
-        return None
-
-    def _before_node_save(self, step: int, overwrite: bool) -> str:
-        """Every rank derives the same save id (:meth:`NodeSync.save_id`: no
-        collective where the training waits); each leader puts the marker
-        holding it into its step directory (so every save has save-unique
-        names there). An overwrite first waits for the replicator on every
-        rank: the node's copy of the older commit is made and cleaned up
-        before the new save writes beside it."""
-        if overwrite:
-            self._wait_idle(self._timeout_s)  # a replication error stays for wait() to raise
-        save_id = self._sync.save_id(step)
-        if self._leader:
-            try:
-                lease = put_marker(self._local, step, save_id)
-                if lease is not None:
-                    self._leases.hold_marker(step, lease)
-            except CheckpointError as e:  # the node's ranks then fail the save together, through DCP
-                log.error("could not put the in-flight marker of step %d under %s: %s", step, self.local_uri, e)
-        return save_id
+        Where, and the save id, are the local tier's
+        (:meth:`.local.SharedDir.before_save`, :meth:`.nodes.NodeDirs.before_save`)."""
+        return self._tier.before_save(step, overwrite)
 
     def saved(self, step: int, handle: SaveHandle) -> None:
         """Queue ``step`` for replication as soon as its local save commits."""
 
         def done(h: SaveHandle) -> None:
             failed = h.exception() is not None
-            if failed or not self._nodes.node_local or self._coordinator:
+            if failed or self._tier.saves_commit_here:
                 self._leases.end_marker(step)  # the save committed this directory's copy, or failed
             if not failed:
-                self._submit(_Job(step, h.result().files))
+                self._submit(Job(step, h.result().files))
 
         handle.add_done_callback(done)
 
     def committed(self, step: int) -> None:
         write_pointer(self._local, step)
 
-    def _submit(self, job: _Job) -> None:
+    def _submit(self, job: Job) -> None:
         with self._cond:
             if self._closed:
                 log.error("step %d committed locally after the manager closed; not replicated", job.step)
@@ -318,31 +217,15 @@ class TieredRoots:
                 self._thread.start()
             self._cond.notify_all()
 
-    def _catch_up(self, durable: Mapping[int, float | None]) -> None:
-        for step in self.local_steps():
-            if self._needs_replication(step, durable):
-                log.info("step %d is committed locally but not (as this commit) in %s: replicating it", step, self.uri)
-                self._submit(_Job(step, None))
-
-    def _catch_up_nodes(self, durable: Mapping[int, float | None] | None) -> None:
-        """Node-local directories (collective): the coordinator's commits
-        that need replicating go to every rank; each rank queues them
-        (``durable`` None: this rank could not list the durable tier, and
-        raises after this)."""
-        found: list[tuple[int, LocalCommit]] = []
-        if self._coordinator and durable is not None:
-            try:
-                for step in self.local_steps():
-                    commit = read_local_commit(self._local, step) if self._needs_replication(step, durable) else None
-                    if commit is not None:
-                        found.append((step, commit))
-            except CheckpointError as e:  # saves still commit locally; a later manager catches up
-                log.error("catch-up under %s skipped: %s", self.local_uri, e)
-                found = []
-        for step, commit in self._sync.from_coordinator(found):
+    def _catch_up(self, durable: Mapping[int, float | None] | None) -> None:
+        """Queue the committed local steps that still need replicating (the
+        local tier's choice of ranks; ``durable`` None: this rank could not
+        list the durable tier, and raises after this)."""
+        needs = None if durable is None else lambda step: self._needs_replication(step, durable)
+        for job in self._tier.catch_up(needs):
             if self._coordinator:
-                log.info("step %d is committed locally but not (as this commit) in %s: replicating it", step, self.uri)
-            self._submit(_Job(step, None, commit))
+                log.info("step %d is committed locally but not (as this commit) in %s: replicating it", job.step, self.uri)
+            self._submit(job)
 
     # -- the replicator thread ------------------------------------------------
     def _run(self) -> None:
@@ -364,28 +247,14 @@ class TieredRoots:
                 with self._cond:
                     self._errors.append(e)
             self._leases.keep_unfinished((self._durable, self._local))
-            if self._leader and self._local_keep is not None:
+            if self._tier.leader and self._local_keep is not None:
                 self._retire_local(job.step)
 
-    def _replicate(self, job: _Job) -> None:
-        commit: LocalCommit | None
-        files: tuple[str, ...] | None
-        if self._nodes.node_local:
-            mine = job.commit
-            if self._coordinator and job.files is not None:
-                try:
-                    mine = read_local_commit(self._local, job.step)
-                except CheckpointError as e:  # every rank still joins the broadcast, and fails alike
-                    log.error("could not read the local commit of step %d: %s", job.step, e)
-            try:
-                shared = share_commit(self._sync, self._local, job.step, self._rank, mine, job.files is None)
-            finally:
-                self._leases.end_marker(job.step)  # the node's copy is committed now (or cannot be)
-            if shared is None:
-                return
-            commit, files = shared[0], job.files if job.files is not None else shared[1]
-        else:
-            commit, files = read_local_commit(self._local, job.step), job.files
+    def _replicate(self, job: Job) -> None:
+        found = self._tier.commit_of(job)
+        if found is None:
+            return
+        commit, files = found
         if not self.selected(job.step):
             return
         started = time.monotonic()
@@ -471,7 +340,7 @@ class TieredRoots:
     def _reads_locally(self, step: int, state_dict: dict[str, Any]) -> bool:
         """Every rank's local copy of ``step`` holds what it reads (collective
         with node-local directories; a whole copy in one directory does)."""
-        return not self._nodes.node_local or all(self._sync.gather(reads_locally(self._local, step, state_dict)))
+        return self._tier.reads_locally(step, state_dict)
 
     # -- waiting --------------------------------------------------------------
     def wait(self, timeout: float | None) -> None:

@@ -45,19 +45,17 @@ removes.
 The coordinator's own local copy must hold the manifest and ``.metadata``
 (it does: the coordinator commits the local save). Other ranks check their
 uploads against the manifest when their local directory holds it; where it
-does not, the coordinator checks the CRCs they report. The manifest is found
-as the one whose recorded ``.metadata`` CRC32C matches (:func:`read_local_commit`),
-whatever name the save gave it (the plain ``.dcpstore.json`` or a save-unique
-``.dcpstore.<tag>.json``, :func:`~dcpstore.format.layout.manifest_names`),
-without unpickling ``.metadata``; this is the rule ``dcpstore gc`` keeps a
-commit's files by. The durable copy gets the manifest under that same name and
-the same ``.metadata`` bytes, so the durable reader, which looks the manifest
-up by the save id ``.metadata`` records, finds exactly it. By the same
-rule, :func:`whole_local_steps` lists the steps of which a local directory
-holds a whole commit (what tiered loads and catch-up read from).
-
-Layer: manager. Imports :mod:`dcpstore.dcp` (the lease), :mod:`dcpstore.format`,
-:mod:`dcpstore.storage` and :mod:`dcpstore.errors`.
+does not, the coordinator checks the CRCs they report. The manifest is the
+one that belongs to ``.metadata`` (:func:`read_local_commit`, by the commit
+protocol's rule: :mod:`dcpstore.dcp.commit.found`), whatever name the save
+gave it, found without unpickling ``.metadata``; ``dcpstore gc`` keeps a
+commit's files by the same rule. The commit protocol publishes the replica
+(:func:`~dcpstore.dcp.commit.publish.publish_copy`): the manifest under
+that same name and the same ``.metadata`` bytes, so the durable reader,
+which looks the manifest up by the save id ``.metadata`` records, finds
+exactly it. By the same rule, :func:`whole_local_steps` lists the steps of
+which a local directory holds a whole commit (what tiered loads and
+catch-up read from).
 """
 
 from __future__ import annotations
@@ -68,25 +66,15 @@ import os
 import time
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import crc32c
 
-from ..dcp.lease import Lease
-from ..errors import CheckpointCorrupt, CheckpointError, SaveError, StorageNotFound
-from ..format import inflight
-from ..format.layout import METADATA, REPLICA_REPORT_PREFIX, is_data_file, is_manifest, is_replica_report
-from ..format.manifest import (
-    MANIFEST_LIMIT,
-    METADATA_LIMIT,
-    FileEntry,
-    Manifest,
-    check_relative_name,
-    parse_manifest,
-    read_capped,
-)
-from ..storage import Storage
-from .steps import parse_step_dir, step_dir
+from ...dcp.commit import Commit, Lease, publish_copy, read_commit
+from ...errors import CheckpointCorrupt, CheckpointError, SaveError, StorageNotFound
+from ...format.layout import METADATA, REPLICA_REPORT_PREFIX, is_replica_report
+from ...format.manifest import MANIFEST_LIMIT, METADATA_LIMIT, FileEntry, Manifest, check_relative_name, read_capped
+from ...storage import Storage
+from ..steps import parse_step_dir, step_dir
 
 log = logging.getLogger(__name__)
 
@@ -101,42 +89,12 @@ def report_name(rank: int) -> str:
     return f"{REPLICA_REPORT_PREFIX}{rank}.{os.urandom(4).hex()}"
 
 
-@dataclass(frozen=True)
-class LocalCommit:
-    """The commit of a step's local copy: ``.metadata`` and the manifest that
-    belongs to it (its name as the save wrote it, its bytes, parsed)."""
-
-    metadata_blob: bytes
-    manifest_name: str
-    manifest_blob: bytes
-    manifest: Manifest
-
-
-def read_local_commit(local: Storage, step: int, names: Iterable[str] | None = None) -> LocalCommit | None:
-    """The commit of the local copy of ``step``, or None if there is none
-    (no ``.metadata``, or no manifest: node-local directories of other
-    ranks). The manifest is the one whose ``metadata_crc32c`` is the CRC32C
-    of this ``.metadata``: a directory may also hold the manifest of an
-    earlier save at the same step (an overwrite), never the right one twice.
-    ``names``: the file names in the step's directory, if already listed."""
-    prefix = step_dir(step)
-    try:
-        metadata_blob = read_capped(local, f"{prefix}/{METADATA}", METADATA_LIMIT)
-    except StorageNotFound:
-        return None
-    if names is None:
-        names = [o["path"][len(prefix) + 1 :] for o in local.list(f"{prefix}/")]
-    crc = crc32c.crc32c(metadata_blob)
-    for name in sorted(n for n in names if is_manifest(n)):
-        where = f"{prefix}/{name}"
-        try:
-            blob = read_capped(local, where, MANIFEST_LIMIT)
-        except StorageNotFound:
-            continue
-        manifest = parse_manifest(blob, local.describe(where))
-        if manifest["metadata_crc32c"] == crc:
-            return LocalCommit(metadata_blob, name, blob, manifest)
-    return None
+def read_local_commit(local: Storage, step: int, names: Iterable[str] | None = None) -> Commit | None:
+    """The commit of the copy of ``step`` under ``local`` (either tier), or
+    None if there is none (no ``.metadata``, or no manifest of its own:
+    node-local directories of other ranks): :func:`~dcpstore.dcp.commit.found.read_commit`
+    of the step's directory. ``names``: the file names in it, if already listed."""
+    return read_commit(local, step_dir(step), names)
 
 
 def needs_replication(
@@ -260,7 +218,7 @@ def upload_files(
     return dict(zip(names, entries))
 
 
-def check_no_clash(durable: Storage, step: int, names: Iterable[str], commit: LocalCommit | None) -> None:
+def check_no_clash(durable: Storage, step: int, names: Iterable[str], commit: Commit | None) -> None:
     """Every rank, before uploading ``names`` of the local ``commit`` of
     ``step``: refuse (:class:`SaveError`, nothing uploaded) if the durable
     tier holds *another* commit of the step that names one of them, or the
@@ -297,10 +255,10 @@ def write_report(durable: Storage, step: int, rank: int, entries: Mapping[str, F
     return path
 
 
-def _read_reports(durable: Storage, step: int) -> tuple[dict[str, FileEntry], dict[str, int], list[str]]:
+def _read_reports(durable: Storage, step: int) -> tuple[dict[str, FileEntry], dict[str, int]]:
     """The files the reports under the durable ``step`` name (checked like
-    any storage content: malformed reports are ignored), the sizes of the
-    objects listed there, and the reports' names."""
+    any storage content: malformed reports are ignored) and the sizes of the
+    objects listed there."""
     prefix = step_dir(step)
     sizes: dict[str, int] = {}
     reports: list[str] = []
@@ -318,7 +276,7 @@ def _read_reports(durable: Storage, step: int) -> tuple[dict[str, FileEntry], di
                     reported[file] = {"size": entry["size"], "crc32c": entry["crc32c"]}
         except (CheckpointError, ValueError, TypeError, KeyError, AttributeError, RecursionError):
             continue  # half-visible or foreign: look again at the next poll
-    return reported, sizes, reports
+    return reported, sizes
 
 
 def commit_replica(
@@ -330,8 +288,9 @@ def commit_replica(
 ) -> None:
     """Coordinator: once every file of the local manifest of ``step`` is in
     the durable tier, checked (``own``: uploaded and checked by this rank;
-    the rest through the other ranks' reports), write the manifest and then
-    ``.metadata``, the commit point. Raises :class:`SaveError` at
+    the rest through the other ranks' reports), publish the local commit
+    there: the manifest, then ``.metadata``, the commit point, then the
+    clean-up. Raises :class:`SaveError` at
     ``deadline`` (``time.monotonic()``) naming the files still missing."""
     prefix = step_dir(step)
     commit = read_local_commit(local, step)
@@ -344,10 +303,9 @@ def commit_replica(
         if wanted.get(name) != entry:
             raise CheckpointCorrupt(f"{local.describe(f'{prefix}/{name}')}: does not match the local manifest")
     missing = sorted(set(wanted) - set(own))
-    reports: list[str] = []
     pause = POLL_S
     while missing:
-        reported, sizes, reports = _read_reports(durable, step)
+        reported, sizes = _read_reports(durable, step)
         missing = [n for n in missing if not (reported.get(n) == wanted[n] and sizes.get(n) == wanted[n]["size"])]
         if not missing:
             break
@@ -360,32 +318,21 @@ def commit_replica(
             )
         time.sleep(pause)
         pause = min(POLL_MAX_S, pause * 2)
-    durable.put(f"{prefix}/{commit.manifest_name}", commit.manifest_blob)
-    durable.put(f"{prefix}/{METADATA}", commit.metadata_blob)  # the commit point
-    try:
-        stale = [
-            o["path"]
-            for o in durable.list(f"{prefix}/")
-            if (name := o["path"][len(prefix) + 1 :]) not in wanted
-            and name != commit.manifest_name
-            and (is_data_file(name) or is_manifest(name) or is_replica_report(name) or inflight.is_alive_file(name))
-        ]
-        if stale:
-            durable.delete(stale)
-    except CheckpointError as e:  # harmless leftovers beside a committed step
-        log.warning("could not remove leftovers beside the replica %s: %s", durable.describe(prefix), e)
+    # The clean-up then removes the reports, the alive files and what an
+    # earlier commit of the step or an interrupted replica left.
+    publish_copy(durable, commit, prefix)
 
 
 def replica_lease(durable: Storage, step: int) -> Lease:
     """Every rank, before its first upload of ``step``: its lease in the
-    durable step directory (:mod:`dcpstore.dcp.lease`), so that ``dcpstore
+    durable step directory (:mod:`dcpstore.dcp.commit.lease`), so that ``dcpstore
     gc`` keeps the replication in progress and may collect what a failed
     or killed one left. The coordinator ends it after the commit; another
     rank's lingers until it sees the commit (:func:`replica_taken_over`)."""
     return Lease(durable, step_dir(step))
 
 
-def replica_taken_over(durable: Storage, step: int, report: str, commit: LocalCommit | None) -> bool:
+def replica_taken_over(durable: Storage, step: int, report: str, commit: Commit | None) -> bool:
     """Whether another rank's uploads of ``step`` no longer need its lease:
     its ``report`` is gone (the coordinator's commit removes the reports;
     retention, or a later overwrite's commit, the whole step), or the

@@ -1,4 +1,4 @@
-"""The commit protocol, in one object: :class:`SaveSession`; and its read side.
+"""A save's commit, in one object: :class:`SaveSession`.
 
 Every writer -- the native :class:`~dcpstore.dcp.writer.DcpStorageWriter` and
 the NVRx engine -- runs a save through a session, so the protocol below is
@@ -25,7 +25,7 @@ written once. Call order, and which rank calls what::
                       manifest, ``.metadata`` last -- the commit point --
                       then clean up (the marker, the alive file, and the
                       data files, manifest and commit files of the
-                      checkpoint it replaced)
+                      checkpoint it replaced): :mod:`.publish`
     coordinator   session.release()   instead, when the save failed on any
                       rank (the writers call it): stop its proof of life, so
                       that ``gc`` may collect what it left; a no-op on other
@@ -43,32 +43,21 @@ that leaves garbage that ``gc`` removes, never a broken checkpoint. Commit
 files follow the same rule: over a used URI they go under save-unique names
 (``.dcpstore.side.{tag}.<name>``) and are copied to ``<name>`` only after
 the commit, for readers that know only the plain name;
-:func:`read_commit_file` reads the copy the manifest records.
+:func:`~.read.read_commit_file` reads the copy the manifest records.
 
 From claim to publish (or release) the coordinator holds the save's lease
 (:mod:`.lease`): its alive file, written before the marker and kept fresh
 (:mod:`dcpstore.format.inflight`), so that ``gc`` never collects a save
 that is still running, whatever ``--older-than`` says.
-
-:func:`read_checkpoint_metadata` is the other side: what load, inspect and
-verify accept as a committed checkpoint -- capped reads, the manifest's
-schema, the restricted unpickle of ``.metadata`` (nothing in a checkpoint is
-ever executed), its chunks tiling every tensor, every stored item checked
-against the manifest, and the manifest that belongs to it (one of ours
-only for a ``.metadata`` of ours: :func:`~dcpstore.format.layout.manifest_names`).
-
-Layer: DCP protocol. Imports :mod:`dcpstore.format`, :mod:`dcpstore.storage`
-and :mod:`dcpstore.errors`.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import pickle
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import crc32c
@@ -76,53 +65,28 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.storage import WriteResult
 
-from ..errors import (
-    CheckpointCorrupt,
-    CheckpointError,
-    CheckpointExists,
-    CheckpointNotFound,
-    InvalidArgument,
-    SaveError,
-    StorageNotFound,
-    UnsafeCheckpoint,
-)
-from ..format.chunks import check_tiling
-from ..format.inflight import alive_name, is_alive_file
-from ..format.layout import (
+from ...errors import CheckpointError, CheckpointExists, InvalidArgument, SaveError
+from ...format.inflight import alive_name, is_alive_file
+from ...format.layout import (
     INFLIGHT,
-    MANIFEST,
     METADATA,
     commit_file_of,
     commit_file_path,
     commit_file_problem,
     data_file_name,
-    is_commit_side_file,
     is_commit_file,
-    is_data_file,
-    committed_by_us,
-    is_manifest,
     item_key,
     manifest_name,
-    manifest_names,
     name_tag,
     save_tag,
 )
-from ..format.manifest import (
-    MANIFEST_LIMIT,
-    METADATA_LIMIT,
-    SMALL_FILE_LIMIT,
-    FileEntry,
-    Manifest,
-    build_manifest,
-    check_items_listed,
-    check_metadata_crc,
-    parse_manifest,
-    read_capped,
-)
-from ..format.safe_pickle import TOOLS, Trust, load_metadata
-from ..storage import Storage
-from ..threads import run_parallel
-from .lease import Lease
+from ...format.manifest import FileEntry, build_manifest
+from ...storage import Storage
+from .found import read_commit
+from .leftovers import is_save_file
+from .lease import Lease, mark
+from .marker import put_marker, read_marker
+from .publish import clean_up, commit_point
 
 log = logging.getLogger(__name__)
 
@@ -203,12 +167,7 @@ class SaveSession:
                 f"Checkpoint already exists at {self.storage.uri} ({', '.join(committed[:3])}) and overwrite=False; "
                 "nothing was written"
             )
-        stale = {
-            p
-            for p in present
-            if is_data_file(p) or is_manifest(p) or is_alive_file(p) or is_commit_file(p) or is_commit_side_file(p)
-        }
-        stale.discard(METADATA)  # replaced by the commit itself
+        stale = {p for p in present if is_save_file(p) or is_alive_file(p)}
         if stale or committed or INFLIGHT in present:
             taken = {name_tag(p) for p in stale}
             while save_tag(self.save_id) in taken:  # 1 in 2**32: never reuse a name that is there
@@ -219,14 +178,8 @@ class SaveSession:
                     )
                 self.save_id = os.urandom(8).hex()
             self.tag = save_tag(self.save_id)
-        # Proof of life for gc, until publish or release: before the marker,
-        # so that any listing showing the marker shows it too.
-        self._lease = Lease(self.storage, lease_id=self.save_id, save_id=self.save_id)
-        try:
-            self.storage.put(INFLIGHT, self.save_id.encode())
-        except BaseException:
-            self.release()
-            raise
+        # Proof of life for gc, until publish or release.
+        self._lease = mark(self.storage, self.save_id, lease_id=self.save_id)
         self._found = frozenset(stale)
 
     # -- every rank -----------------------------------------------------------
@@ -263,7 +216,7 @@ class SaveSession:
                     self.storage.describe(INFLIGHT),
                     self.save_id,
                 )
-                self.storage.put(INFLIGHT, self.save_id.encode())
+                put_marker(self.storage, self.save_id)
                 owner = self._marker()  # should another save have claimed meanwhile
                 if owner in (None, self.save_id):
                     return
@@ -281,10 +234,7 @@ class SaveSession:
 
     def _marker(self) -> str | None:
         """The save id the URI's in-flight marker holds (None: no marker)."""
-        try:
-            return read_capped(self.storage, INFLIGHT, SMALL_FILE_LIMIT).decode(errors="replace")
-        except StorageNotFound:
-            return None
+        return read_marker(self.storage)
 
     def discard(self, written: Iterable[str]) -> None:
         """After this save failed on some rank: remove the data files this
@@ -307,13 +257,8 @@ class SaveSession:
         """Whether the URI's ``.metadata`` is this save's: its manifest is
         there and names that ``.metadata``'s CRC32C (before the commit the
         old ``.metadata`` is there, and after a later save's commit that
-        save's)."""
-        try:
-            mine = parse_manifest(read_capped(self.storage, self.manifest, MANIFEST_LIMIT), self.storage.describe(self.manifest))
-            blob = read_capped(self.storage, METADATA, METADATA_LIMIT)
-        except StorageNotFound:
-            return False
-        return crc32c.crc32c(blob) == mine["metadata_crc32c"]
+        save's: :mod:`.found`)."""
+        return read_commit(self.storage, names=[self.manifest]) is not None
 
     def storage_meta(self) -> StorageMeta:
         """What ``.metadata`` records about this save."""
@@ -366,8 +311,7 @@ class SaveSession:
             self.check_owner()
             for path, side in sides.items():
                 self.storage.put(path, side)
-            self.storage.put(self.manifest, build_manifest(files, items, crc32c.crc32c(blob), tensors))
-            self.storage.put(METADATA, blob)  # the commit point
+            commit_point(self.storage, self.manifest, build_manifest(files, items, crc32c.crc32c(blob), tensors), blob)
         except BaseException:
             self.release()
             raise
@@ -378,7 +322,7 @@ class SaveSession:
     def _promote(self, sides: Mapping[str, bytes]) -> None:
         """After the commit: copy save-unique commit files to their plain
         names, for readers that know only those. Best effort: the commit
-        holds the recorded copy, which :func:`read_commit_file` reads."""
+        holds the recorded copy, which :func:`~.read.read_commit_file` reads."""
         for path, blob in sides.items():
             name = commit_file_of(path)
             if name == path:
@@ -412,16 +356,17 @@ class SaveSession:
 
     def _clean_up(self, live: Iterable[str]) -> None:
         """After the commit: delete the in-flight marker, the save's alive
-        file and what the claim found (the replaced checkpoint's data files
-        and manifest, an earlier failed save's leftovers), in one request.
-        Best effort: the commit already happened."""
-        try:
-            found = self._found
-            if found is None:  # not claimed here: only what no commit can name
+        file and what the claim found that the commit does not name (the
+        replaced checkpoint's data files and manifest, an earlier failed
+        save's leftovers), in one request (:func:`~.publish.clean_up`)."""
+        found = self._found
+        if found is None:  # not claimed here: only what no commit can name
+            try:
                 found = frozenset(p for o in self.storage.list() if is_alive_file(p := o["path"]))
-            self.storage.delete([INFLIGHT, alive_name(self.save_id), *sorted(found - {*live, self.manifest})])
-        except CheckpointError as e:
-            log.warning("could not remove the in-flight marker or stale data files under %s: %s", self.storage.uri, e)
+            except CheckpointError as e:
+                log.warning("could not remove the in-flight marker or stale data files under %s: %s", self.storage.uri, e)
+                return
+        clean_up(self.storage, {INFLIGHT, alive_name(self.save_id), *found}, {METADATA, self.manifest, *live})
 
 
 #: One lock per stripe of URIs (see _turn).
@@ -441,11 +386,6 @@ def _turn(uri: str) -> threading.Lock:
     return _TURNS[hash(uri) % len(_TURNS)]
 
 
-# ---------------------------------------------------------------------------
-# The read side: what counts as a committed checkpoint
-# ---------------------------------------------------------------------------
-
-
 def check_commit_files(commit_files: Mapping[str, bytes] | None) -> Mapping[str, bytes]:
     """``commit_files`` (None: none), each name and value checked:
     :class:`InvalidArgument` naming the first that cannot be one."""
@@ -458,168 +398,3 @@ def check_commit_files(commit_files: Mapping[str, bytes] | None) -> Mapping[str,
         if not isinstance(blob, (bytes, bytearray, memoryview)):
             raise InvalidArgument(f"commit file {name!r} must be bytes, got {type(blob).__name__}")
     return commit_files
-
-
-def read_commit_file(storage: Storage, manifest: Manifest | None, name: str, limit: int = MANIFEST_LIMIT) -> bytes:
-    """The commit file ``name`` of the committed checkpoint whose manifest
-    is ``manifest`` (from :func:`read_checkpoint_metadata`): the copy the
-    manifest records, its size and CRC32C checked
-    (:class:`CheckpointCorrupt` on a mismatch). A checkpoint without a
-    manifest (written by stock DCP and its caller) gives the plain file,
-    unverified, at most ``limit`` bytes. :class:`CheckpointNotFound` when
-    the checkpoint has no such file."""
-    paths = [name] if manifest is None else [p for p in manifest["files"] if commit_file_of(p) == name and not is_data_file(p)]
-    if not paths:
-        raise CheckpointNotFound(f"{storage.describe(name)}: the checkpoint's commit does not record this file")
-    path = paths[0]
-    try:
-        blob = read_capped(storage, path, limit)
-    except StorageNotFound as e:
-        raise (CheckpointNotFound if manifest is None else CheckpointCorrupt)(
-            f"{storage.describe(path)}: missing{' (recorded in the integrity manifest)' if manifest else ''}"
-        ) from e
-    if manifest is not None:
-        entry = manifest["files"][path]
-        if len(blob) != entry["size"] or crc32c.crc32c(blob) != entry["crc32c"]:
-            raise CheckpointCorrupt(
-                f"{storage.describe(path)}: {len(blob)} bytes, CRC32C {crc32c.crc32c(blob):08x}; the integrity "
-                f"manifest records {entry['size']} bytes, CRC32C {entry['crc32c']:08x} (damaged or replaced)"
-            )
-    return blob
-
-
-def read_checkpoint_metadata(
-    storage: Storage, trust: Trust = TOOLS, *, on_read: Callable[[bytes], None] | None = None
-) -> tuple[Metadata, Manifest | None]:
-    """Read and verify ``.metadata`` (and the manifest, if there is one):
-    capped reads, the manifest's schema, the CRC, the restricted unpickle
-    (``trust``: what it may build beyond the allowlist), and every stored
-    item checked against the manifest. Load, verify and inspect all come here.
-
-    ``on_read`` is given the ``.metadata`` bytes as soon as they are read,
-    before any check (a load judges from them whether a failure met a
-    checkpoint replaced meanwhile: :func:`commit_replaced`)."""
-    # Both in flight at once: most checkpoints' manifest has the plain name
-    # (a save picks save-unique names only over an existing checkpoint), so
-    # on an object store the commit usually costs one round trip, not two.
-    commit_files = [(METADATA, METADATA_LIMIT), (MANIFEST, MANIFEST_LIMIT)]
-    blob_or_error, plain = run_parallel(lambda f: _read_or_error(storage, *f), commit_files, 2, "dcpstore-commit-read")
-    if isinstance(blob_or_error, StorageNotFound):
-        raise CheckpointNotFound(_why_missing(storage)) from blob_or_error
-    if isinstance(blob_or_error, BaseException):
-        raise blob_or_error
-    blob = blob_or_error
-    if on_read is not None:
-        on_read(blob)
-    # The save id .metadata records names its manifest, so the restricted
-    # unpickle comes first; the CRC check then covers every byte of the blob.
-    try:
-        metadata, stored = load_metadata(blob, storage.describe(METADATA), trust)
-    except (CheckpointCorrupt, UnsafeCheckpoint) as e:
-        _check_damage(storage, blob, f"unpickling it said: {e}", e)
-        raise
-    check_tiling(metadata, storage.describe(METADATA))
-    manifest = None
-    save_id = getattr(getattr(metadata, "storage_meta", None), "save_id", None)
-    for name in manifest_names(save_id, _first_data_file(metadata)):
-        try:
-            text = plain if name == MANIFEST else read_capped(storage, name, MANIFEST_LIMIT)
-            if isinstance(text, BaseException):
-                raise text
-            manifest = parse_manifest(text, storage.describe(name))
-        except StorageNotFound:
-            continue
-        check_metadata_crc(blob, manifest, storage.describe(METADATA))
-        check_items_listed(manifest, stored, storage.describe, storage.describe(name))
-        break
-    else:
-        if committed_by_us(save_id):  # its manifest gone, or its save id damaged: which, the CRCs tell
-            _check_damage(storage, blob, f"its save id {save_id!r} names none", None)
-        log.debug("%s has no integrity manifest of its own (stock DCP's?); loading unverified", storage.uri)
-    return metadata, manifest
-
-
-def commit_replaced(storage: Storage, crc: int) -> bool:
-    """Whether the ``.metadata`` at ``storage`` is no longer the one of CRC32C
-    ``crc`` (read earlier): another save committed over it, or it is gone.
-    Every commit's bytes differ (each records its own save id). False where
-    it cannot be read for another reason."""
-    try:
-        return crc32c.crc32c(read_capped(storage, METADATA, METADATA_LIMIT)) != crc
-    except StorageNotFound:
-        return True
-    except CheckpointError:
-        return False
-
-
-def _read_or_error(storage: Storage, name: str, limit: int) -> bytes | CheckpointError:
-    """:func:`read_capped`, its :class:`CheckpointError` returned, not raised
-    (the caller decides whether it matters)."""
-    try:
-        return read_capped(storage, name, limit)
-    except CheckpointError as e:
-        return e
-
-
-def _first_data_file(metadata: object) -> object:
-    """The relative path of one item of ``metadata`` (None if it has none);
-    read defensively: this runs before the manifest checks ``.metadata``."""
-    storage_data = getattr(metadata, "storage_data", None)
-    if not isinstance(storage_data, dict) or not storage_data:
-        return None
-    return getattr(next(iter(storage_data.values())), "relative_path", None)
-
-
-def _check_damage(storage: Storage, blob: bytes, why: str, refused: CheckpointError | None) -> None:
-    """``.metadata`` could not be unpickled (or names a class off the
-    allowlist), or no manifest of the name its save id gives is there: if
-    the directory holds manifests and none records this blob's CRC32C, the
-    blob is damaged -- say that rather than what the damage happens to look
-    like (``why``: that). Lists the directory (a failure path only)."""
-    try:
-        names = [o["path"] for o in storage.list() if is_manifest(o["path"])]
-        crcs = set()
-        for name in names:
-            try:
-                crcs.add(parse_manifest(read_capped(storage, name, MANIFEST_LIMIT), storage.describe(name))["metadata_crc32c"])
-            except CheckpointError:
-                continue
-    except CheckpointError:
-        return
-    if crcs and crc32c.crc32c(blob) not in crcs:
-        raise CheckpointCorrupt(
-            f"{storage.describe(METADATA)}: checksum mismatch (damaged commit object: no manifest records its "
-            f"CRC32C; {why})"
-        ) from refused
-
-
-#: The most listed objects :func:`_why_missing` looks at: explaining an
-#: absence must not walk a whole filesystem (``file:///``) or bucket. A
-#: checkpoint's commit files, markers and first data files come first.
-EXPLAIN_LIMIT = 10_000
-
-
-def _why_missing(storage: Storage) -> str:
-    try:
-        listed = [o["path"] for o in itertools.islice(storage.list(), EXPLAIN_LIMIT)]
-        # The marker alone is what a save that failed before publishing any
-        # data file leaves (its rank's files are published together).
-        leftovers = [p for p in listed if is_data_file(p) or is_manifest(p) or p == INFLIGHT]
-    except StorageNotFound as e:  # e.g. the bucket itself does not exist: say so
-        return f"no checkpoint at {storage.uri}: {e}"
-    except CheckpointError as e:
-        return f"no checkpoint at {storage.uri} (and listing it failed: {e})"
-    rank_local = sorted(p for p in listed if is_commit_file(p) and p != METADATA)
-    if rank_local:
-        return (
-            f"no global {METADATA} at {storage.uri}: it holds rank-local metadata ({', '.join(rank_local[:3])}"
-            f"{', ...' if len(rank_local) > 3 else ''}), a checkpoint of dcp.save(..., use_collectives=False) "
-            "that dcpstore does not read (stock dcp.load does)"
-        )
-    if leftovers:
-        return (
-            f"no committed checkpoint at {storage.uri}: a save's files exist but no {METADATA} "
-            f"(an interrupted save, or one still running; 'dcpstore gc {storage.uri}' removes what an "
-            "interrupted one left)"
-        )
-    return f"no checkpoint at {storage.uri} (no {METADATA} found)"

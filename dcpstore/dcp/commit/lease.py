@@ -1,6 +1,6 @@
 """A writer's proof of life in one directory: :class:`Lease`, the one writer
 of alive files (:mod:`dcpstore.format.inflight` is their format and the rule
-``gc`` keeps by).
+``gc`` keeps by), and :func:`mark`, a lease and then the in-flight marker.
 
 Every writer that puts files into a checkpoint directory holds a lease
 there, taken *before* its first file and ended after its last:
@@ -21,9 +21,7 @@ must not start). A daemon thread rewrites it every
 the storage object is gone, or -- a save's lease -- until the directory's
 in-flight marker names another save (it took the URI over; a marker that is
 missing is the save's to judge, see
-:meth:`~dcpstore.dcp.commit.SaveSession.check_owner`).
-
-Layer: DCP protocol. Imports :mod:`dcpstore.format` and :mod:`dcpstore.storage`.
+:meth:`~.session.SaveSession.check_owner`).
 """
 
 from __future__ import annotations
@@ -37,12 +35,11 @@ import time
 import weakref
 from collections.abc import Callable
 
-from ..errors import CheckpointError, StorageNotFound
-from ..format import inflight
-from ..format.inflight import Owner, alive_name, encode_alive
-from ..format.layout import INFLIGHT
-from ..format.manifest import SMALL_FILE_LIMIT, read_capped
-from ..storage import Storage
+from ...errors import CheckpointError
+from ...format import inflight
+from ...format.inflight import Owner, alive_name, encode_alive
+from ...storage import Storage
+from .marker import put_marker, read_marker
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +66,7 @@ class Lease:
     ) -> None:
         self.lease_id = lease_id or os.urandom(8).hex()
         self.path = posixpath.join(directory, alive_name(self.lease_id)) if directory else alive_name(self.lease_id)
-        self._marker = posixpath.join(directory, INFLIGHT) if directory else INFLIGHT
+        self._directory = directory
         self._storage = weakref.ref(storage)
         self._uri = storage.uri
         self._save_id = save_id
@@ -137,11 +134,9 @@ class Lease:
         """A save's lease: whether the directory's marker names another save."""
         if self._save_id is None:
             return False
-        try:
-            owner = read_capped(storage, self._marker, SMALL_FILE_LIMIT).decode(errors="replace")
-        except StorageNotFound:
-            return False  # removed (gc, by hand): the save itself decides what that means
-        return owner != self._save_id
+        owner = read_marker(storage, self._directory)
+        # None: removed (gc, by hand): the save itself decides what that means
+        return owner is not None and owner != self._save_id
 
     def _done_lingering(self) -> bool:
         with self._lock:
@@ -176,3 +171,22 @@ class Lease:
                 log.debug("could not refresh the alive file %s: %s", storage.describe(self.path), e)
             finally:
                 del storage
+
+
+def mark(
+    storage: Storage, save_id: str, directory: str = "", *, lease_id: str | None = None, durable: bool = True
+) -> Lease:
+    """Claim ``directory`` for the save ``save_id``: its lease (the alive file
+    first, so that any listing showing the marker shows it too), then the
+    in-flight marker holding ``save_id``. Returns the lease, which the
+    caller ends once the directory's copy is committed or the save failed;
+    should the marker not land, it is ended here and the error raised.
+    ``lease_id``: the alive file's name (default: a fresh random one);
+    ``durable=False``: neither file is fsynced."""
+    lease = Lease(storage, directory, lease_id, save_id=save_id, durable=durable)
+    try:
+        put_marker(storage, save_id, directory, durable=durable)
+    except BaseException:
+        lease.stop()
+        raise
+    return lease
