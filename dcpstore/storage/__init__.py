@@ -21,7 +21,7 @@ modules, which the registry imports on first use. Nothing else of dcpstore.
 
 from .base import MiB, ObjectInfo, ObjectWriter, Storage, StorageOptions
 from .pending import IncompleteWrite
-from .registry import BACKENDS, BackendSpec, backend_class, backend_name, open_storage
+from .registry import BACKENDS, BackendSpec, backend_class, backend_name, open_storage, with_msc
 from .uri import StorageURL, join_uri, parse_uri, redact
 
 __all__ = [
@@ -40,4 +40,5 @@ __all__ = [
     "open_storage",
     "parse_uri",
     "redact",
+    "with_msc",
 ]

@@ -69,12 +69,17 @@ DEFAULT_CONNECTIONS = 16
 
 @dataclass(frozen=True)
 class StorageOptions:
-    """Tuning shared by all backends; each reads the fields that apply to it.
+    """How a storage is reached: the client (``enable_msc``) and the tuning
+    shared by all backends, each of which reads the fields that apply to it.
 
+    One value wherever a URI is opened (:func:`dcpstore.open_storage`,
+    :func:`dcpstore.save`, :class:`dcpstore.SaveOptions`, the drop-ins).
     Parsed and validated once (here), then handed to the backend constructor.
     Each field's comment below says what it does and its default.
 
     Args:
+        enable_msc: route ``s3://`` and local paths through NVIDIA
+            Multi-Storage-Client (``msc://`` always goes through it).
         part_size: object stores: multipart part and ranged-read size
             (``None``: chosen per object, :meth:`part_size_for`).
         max_concurrency: object stores: requests in flight per storage
@@ -119,8 +124,13 @@ class StorageOptions:
     #: the standard AWS sources (``AWS_REGION``, the profile, ...). MSC takes
     #: its region from its profile, fsspec from its own options.
     region: str | None = None
+    #: Route ``s3://`` and local paths through NVIDIA Multi-Storage-Client
+    #: (like Megatron's ``--enable-msc``); ``msc://`` always goes through it.
+    enable_msc: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.enable_msc, bool):
+            raise InvalidArgument(f"enable_msc must be a bool, got {self.enable_msc!r}")
         if self.region is not None and (not isinstance(self.region, str) or not self.region.strip()):
             raise InvalidArgument(f"region must be None or a non-empty AWS region name, got {self.region!r}")
         if self.part_size is not None and (not isinstance(self.part_size, int) or self.part_size < 5 * MiB):
