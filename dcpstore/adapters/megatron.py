@@ -1,27 +1,8 @@
-"""Megatron's shapes: the ``torch_dist`` state-dict format, and a
-Megatron-Bridge-style ``CheckpointConfig`` mapped onto dcpstore.
+"""Megatron's shapes: a Megatron-Bridge-style ``CheckpointConfig`` mapped
+onto dcpstore, and (re-exported) the ``torch_dist`` state-dict format.
 
 State-dict formats (:data:`FORMATS`, Megatron-Bridge's ``ckpt_format``
-values; :func:`dcpstore.adapters.fsdp.save_app_state` takes them as
-``format``):
-
-``fsdp_dtensor``
-    DCP receives FSDP2's own DTensor shards (``full_state_dict=False``).
-``torch_dist``
-    Every DTensor is handed to DCP as a torch ``ShardedTensor`` over the same
-    local storage: each rank's shard with its global shape and offsets, built
-    from one metadata all-gather per mesh (no copies). That is what Megatron's
-    ``torch_dist`` strategy hands DCP. Megatron additionally stores its
-    distributed-optimizer state as *flattened* 1-D ranges, which ties those
-    files to the data-parallel size; that layout is deliberately not
-    reproduced: FSDP2 shards are row ranges of the original shape, so both
-    formats stay fully reshardable. ``torch_dist`` needs a 1-D device mesh
-    (plain FSDP2); use ``fsdp_dtensor`` for HSDP/TP meshes. ShardedTensor is
-    deprecated in torch in favour of DTensor, hence ``fsdp_dtensor`` is the
-    default.
-
-On storage the two are identical -- stock DCP chunked tensors with global
-shapes and offsets -- so either loads into the other, on any world size.
+values, ``torch_dist`` and ``fsdp_dtensor``): :mod:`.megatron_formats`.
 
 ``CheckpointConfig``. Megatron-Bridge's fields under Bridge 0.6.2's (and
 megatron-core 0.19.2's) names (:data:`BRIDGE_FIELDS`: ``save``, ``load``,
@@ -79,25 +60,18 @@ NVRx's writer of Bridge's async ``fsdp_dtensor`` saves;
 sync writer and reader, beneath Bridge in one call.
 
 Layer: adapters. Imports the manager, the engines' engine check, the value
-objects, :mod:`dcpstore.storage`, the foundation and its Bridge modules
-(:mod:`.megatron_async`, :mod:`.megatron_bridge`).
+objects, :mod:`dcpstore.storage`, the foundation and its Megatron modules
+(:mod:`.megatron_async`, :mod:`.megatron_bridge`, :mod:`.megatron_formats`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 import dataclasses
 from dataclasses import dataclass, fields
 from typing import Any
 
-import torch
 import torch.distributed as dist
-from torch.distributed._shard.metadata import ShardMetadata
-from torch.distributed._shard.sharded_tensor.api import ShardedTensor
-from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
-from torch.distributed._shard.sharded_tensor.shard import Shard as StShard
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ..engines.choice import engine_problem
 from ..errors import CheckpointError, InvalidArgument
@@ -106,6 +80,7 @@ from ..options import SaveOptions, save_option_problems
 from ..storage import StorageOptions, backend_class, backend_name, parse_uri
 from .megatron_async import FileSystemWriterAsync
 from .megatron_bridge import BRIDGE_HOOKS, install_in_bridge, megatron_msc_enabled
+from .megatron_formats import DEFAULT_FORMAT, FORMATS, StateDictFormat, check_format
 
 __all__ = [
     "BRIDGE_FIELDS",
@@ -121,99 +96,6 @@ __all__ = [
     "megatron_msc_enabled",
     "plan_caching_supported",
 ]
-
-# ---------------------------------------------------------------------------
-# State-dict formats (``ckpt_format``)
-# ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class StateDictFormat:
-    """How a model/optimizer section is handed to DCP."""
-
-    name: str
-    summary: str
-    #: Turns a section of DTensors into what DCP receives (collective).
-    convert: Callable[[dict[str, Any]], dict[str, Any]]
-
-
-def _as_is(section: dict[str, Any]) -> dict[str, Any]:
-    return section
-
-
-def _as_sharded_tensors(section: dict[str, Any]) -> dict[str, Any]:
-    """DTensors -> torch ShardedTensors over the same local storage."""
-    dtensors = {k: v for k, v in section.items() if isinstance(v, DTensor)}
-    if not dtensors:
-        return dict(section)
-    pieces = _gather_pieces(dtensors)
-    me = dist.get_rank()
-    out = dict(section)
-    for key, dt in dtensors.items():
-        shards_md, mine = [], None
-        for rank, device, offsets, sizes in pieces[key]:
-            md = ShardMetadata(shard_offsets=list(offsets), shard_sizes=list(sizes), placement=f"rank:{rank}/{device}")
-            shards_md.append(md)
-            if rank == me:
-                mine = md
-        props = TensorProperties(dtype=dt.dtype, layout=torch.strided, requires_grad=False)
-        st_md = ShardedTensorMetadata(shards_metadata=shards_md, size=dt.shape, tensor_properties=props)
-        local = [StShard(tensor=dt.to_local().detach(), metadata=mine)] if mine is not None else []
-        out[key] = ShardedTensor._init_from_local_shards_and_global_metadata(local, st_md)
-    return out
-
-
-def _gather_pieces(dtensors: dict[str, DTensor]) -> dict[str, list[tuple[int, str, tuple[int, ...], tuple[int, ...]]]]:
-    """Every rank's (rank, device, offsets, sizes) of each DTensor, from one
-    all-gather per device mesh. Zero-size pieces and the non-first copies of
-    replicated ones are left out: a ShardedTensor's shards must not overlap."""
-    by_mesh: dict[int, list[str]] = {}
-    for key, dt in dtensors.items():
-        mesh = dt.device_mesh
-        if mesh.ndim != 1:
-            raise InvalidArgument(
-                f"format 'torch_dist' needs a 1-D device mesh (plain FSDP2); {key!r} lives on a "
-                f"{mesh.ndim}-D mesh: use format 'fsdp_dtensor'"
-            )
-        if not all(isinstance(p, (Shard, Replicate)) for p in dt.placements):
-            raise InvalidArgument(f"format 'torch_dist' cannot express {key!r} with placements {dt.placements}")
-        by_mesh.setdefault(id(mesh), []).append(key)
-    result: dict[str, list[tuple[int, str, tuple[int, ...], tuple[int, ...]]]] = {k: [] for k in dtensors}
-    for keys in by_mesh.values():
-        mesh = dtensors[keys[0]].device_mesh
-        mine: dict[str, tuple[tuple[int, ...], tuple[int, ...]] | None] = {}
-        for key in keys:
-            dt = dtensors[key]
-            sizes, offsets = compute_local_shape_and_global_offset(dt.shape, mesh, dt.placements)
-            replica = isinstance(dt.placements[0], Replicate) and mesh.get_local_rank() != 0
-            empty = any(s == 0 for s in sizes)
-            mine[key] = None if replica or empty else (tuple(offsets), tuple(sizes))
-        device = str(dtensors[keys[0]].to_local().device)
-        gathered: list[Any] = [None] * mesh.size()
-        dist.all_gather_object(gathered, (dist.get_rank(), device, mine), group=mesh.get_group())
-        for rank, dev, pieces in gathered:
-            for key, piece in pieces.items():
-                if piece is not None:
-                    result[key].append((rank, dev, piece[0], piece[1]))
-    return result
-
-
-FORMATS: Mapping[str, StateDictFormat] = {
-    f.name: f
-    for f in (
-        StateDictFormat("fsdp_dtensor", "DTensor shards, as FSDP2 holds them", _as_is),
-        StateDictFormat("torch_dist", "torch ShardedTensors (global shape + row offsets), as Megatron's torch_dist", _as_sharded_tensors),
-    )
-}
-DEFAULT_FORMAT = "fsdp_dtensor"
-
-
-def check_format(name: str) -> StateDictFormat:
-    try:
-        return FORMATS[name]
-    except (KeyError, TypeError):
-        raise InvalidArgument(f"format must be one of {', '.join(FORMATS)}, got {name!r}") from None
-
 
 #: save()'s keyword -> the config field that feeds it, for error messages.
 _FIELD_OF_OPTION = {"async_": "async_save", "engine": "engine", "workers": "dist_ckpt_workers"}
