@@ -44,7 +44,7 @@ from .dcp.writer import DcpStorageWriter
 from .engines.staging import Staging
 from .errors import InvalidArgument
 from .progress import NO_PROGRESS
-from .storage import Storage, StorageOptions, open_storage
+from .storage import Storage, StorageOptions, open_storage, with_msc
 
 #: What to use instead of s3torchconnector's arguments that select its own
 #: client and readers.
@@ -73,15 +73,14 @@ def _storage_options(storage_options: StorageOptions | None, region: str | None)
 
 
 class _Opener:
-    """Opens a checkpoint URI with fixed backend options; picklable, so a
+    """Opens a checkpoint URI with fixed storage options; picklable, so a
     writer or reader sent to DCP's checkpoint process reopens it there."""
 
-    def __init__(self, enable_msc: bool, storage_options: StorageOptions | None) -> None:
-        self.enable_msc = enable_msc
+    def __init__(self, storage_options: StorageOptions | None) -> None:
         self.storage_options = storage_options
 
     def __call__(self, uri: str | os.PathLike[str]) -> Storage:
-        return open_storage(uri, enable_msc=self.enable_msc, storage_options=self.storage_options)
+        return open_storage(uri, storage_options=self.storage_options)
 
 
 class StorageWriter(DcpStorageWriter, AsyncStager):
@@ -153,7 +152,7 @@ class StorageWriter(DcpStorageWriter, AsyncStager):
             overwrite=overwrite,
             enable_msc=enable_msc,
         )
-        opener = _Opener(enable_msc, _storage_options(storage_options, region))
+        opener = _Opener(with_msc(_storage_options(storage_options, region), enable_msc))
         super().__init__(
             opener(path),
             workers=thread_count,
@@ -245,7 +244,7 @@ class StorageReader(DcpStorageReader):
     ) -> None:
         _refuse_s3torch(s3client_config=s3client_config, reader_constructor=reader_constructor)
         _check_flags(verify=verify, trusted=trusted, enable_msc=enable_msc)
-        opener = _Opener(enable_msc, _storage_options(storage_options, region))
+        opener = _Opener(with_msc(_storage_options(storage_options, region), enable_msc))
         super().__init__(
             opener(path),
             workers=thread_count,

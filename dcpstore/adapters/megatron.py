@@ -47,7 +47,7 @@ per-save claim token the native writer puts in its plans:
 caching planner for that reason, :func:`plan_caching_supported`).
 
 Mapping: :meth:`CheckpointConfig.save_options` is the one
-:class:`~dcpstore.options.SaveOptions` the config stands for;
+:class:`~dcpstore.SaveOptions` the config stands for;
 :meth:`~CheckpointConfig.manager` builds the
 :class:`~dcpstore.CheckpointManager` for ``save`` with it (``most_recent_k``
 -> ``keep``, ``-1`` keeps all; ``layout``); :meth:`~CheckpointConfig.save_kwargs` /
@@ -77,7 +77,7 @@ from ..engines.choice import engine_problem
 from ..errors import CheckpointError, InvalidArgument
 from ..manager import LAYOUTS, CheckpointManager, check_step
 from ..options import SaveOptions, save_option_problems
-from ..storage import StorageOptions, backend_class, backend_name, parse_uri
+from ..storage import StorageOptions, backend_class, backend_name, parse_uri, with_msc
 from .megatron_async import FileSystemWriterAsync
 from .megatron_bridge import BRIDGE_HOOKS, install_in_bridge, megatron_msc_enabled
 from .megatron_formats import DEFAULT_FORMAT, FORMATS, StateDictFormat, check_format
@@ -253,8 +253,7 @@ class CheckpointConfig:
             async_=self.async_save,
             engine=self.engine,
             workers=self.dist_ckpt_workers,
-            enable_msc=self.enable_msc,
-            storage_options=storage_options,
+            storage_options=with_msc(storage_options, self.enable_msc),
             process_group=process_group,
         )
 

@@ -38,14 +38,7 @@ class NativeEngine:
 
     def save(self, job: SaveJob) -> SaveStats:
         return save_state_dict(
-            job.staged.state_dict,
-            job.storage,
-            workers=job.workers,
-            process_group=job.group,
-            planner=job.options.planner,
-            overwrite=job.options.overwrite,
-            progress=job.progress,
-            save_id=job.options.save_id,
+            job.staged.state_dict, job.storage, job.options, workers=job.workers, process_group=job.group, progress=job.progress
         )
 
     def close(self) -> None:

@@ -93,7 +93,7 @@ from ..handle import CheckpointInfo, SaveHandle
 from ..keywords import hint_keywords
 from ..options import SaveOptions, check_positive, check_workers, rank_label, shows_progress
 from ..progress import Progress
-from ..storage import Storage, StorageOptions, open_storage
+from ..storage import StorageOptions, open_storage, with_msc
 from ..threads import BackgroundThread
 from . import exit as exit_hook
 from .choice import agree_on_engine, select_engine
@@ -221,8 +221,7 @@ class AsyncSaver:
             async_=True,
             engine=engine,
             workers=workers,
-            enable_msc=enable_msc,
-            storage_options=storage_options,
+            storage_options=with_msc(storage_options, enable_msc),
             process_group=process_group,
             planner=planner,
             max_in_flight=max_in_flight,
@@ -253,7 +252,7 @@ class AsyncSaver:
         if not isinstance(state_dict, dict):
             raise InvalidArgument(f"state_dict must be a dict, got {type(state_dict).__name__}")
         limit = self.max_in_flight if options.max_in_flight is None else options.max_in_flight
-        storage = open_storage(uri, enable_msc=options.enable_msc, storage_options=options.storage_options)
+        storage = open_storage(uri, storage_options=options.storage_options)
         workers = check_workers(options.workers, storage.default_workers())
         try:  # until the background job owns the storage, close it on any failure
             name = select_engine(options.engine, storage)

@@ -65,7 +65,7 @@ from ..handle import CheckpointInfo, SaveHandle
 from ..keywords import hint_keywords
 from ..options import SaveOptions
 from ..quiet import user_stacklevel
-from ..storage import Storage, StorageOptions, join_uri, open_storage
+from ..storage import Storage, StorageOptions, join_uri, open_storage, with_msc
 from ..storage.overlap import Role
 from .roles import OPEN
 from .roots import OneRoot, Roots
@@ -171,8 +171,7 @@ class CheckpointManager:
             async_=async_,
             engine=engine,
             workers=workers,
-            enable_msc=enable_msc,
-            storage_options=storage_options,
+            storage_options=with_msc(storage_options, enable_msc),
             process_group=process_group,
             planner=planner,
             progress=progress,
@@ -188,7 +187,7 @@ class CheckpointManager:
         self.keep = keep
         self._roots = self._open_roots(local_dir, local_keep, replicate_every, replicate_timeout_s)
         #: What each save runs with: the local tier is plain local I/O.
-        self._save_options = self.options if not self.tiered else replace(self.options, enable_msc=False, storage_options=None)
+        self._save_options = self.options if not self.tiered else replace(self.options, storage_options=None)
         saves_to = self._roots.save_storage
         problem = engine_problem(self.options.engine, saves_to.backend, saves_to.uri)
         if problem:
@@ -205,7 +204,7 @@ class CheckpointManager:
         self, local_dir: str | os.PathLike[str] | None, local_keep: int | None, every: int, timeout_s: float
     ) -> Roots:
         o = self.options
-        durable = open_storage(self.root_uri, enable_msc=o.enable_msc, storage_options=o.storage_options)
+        durable = open_storage(self.root_uri, storage_options=o.storage_options)
         roles = [Role("root_uri", durable, given=self.root_uri)]
         what = f"the open CheckpointManager for {durable.uri}"
         if local_dir is None:
@@ -481,7 +480,7 @@ class CheckpointManager:
         resolved, uri = self._roots.locate(step, self.options.process_group, state_dict)
         options = self.options.for_load(safe_globals=safe_globals or (), trusted=trusted)
         if uri != self.step_uri(resolved):  # the local tier: plain local I/O
-            options = replace(options, enable_msc=False, storage_options=None)
+            options = replace(options, storage_options=None)
         load_with(state_dict, uri, options)
         return resolved
 

@@ -88,8 +88,8 @@ class StorageOptions:
         connect_timeout_s, read_timeout_s: socket timeouts, seconds.
         op_timeout_s: most seconds one object operation may take, retries
             included.
-        spread_prefixes: saves: spread the ranks' data files over this many
-            key prefixes (``p{hex}/``); 1: stock DCP's flat layout.
+        spread_prefixes: deprecated: a save's layout, not the storage's;
+            pass ``SaveOptions(spread_prefixes=N)``.
 
     Raises:
         InvalidArgument: a value out of range (the message names the field).
@@ -113,12 +113,9 @@ class StorageOptions:
     read_timeout_s: float = 60.0
     #: Upper bound on the time one object operation may take, retries included.
     op_timeout_s: float = 600.0
-    #: Saves: spread the ranks' data files over this many key prefixes
-    #: (rank ``r`` writes under ``p{r mod N, hex digits reversed}/``; see
-    #: :mod:`dcpstore.format.layout`), so that many ranks writing one
-    #: checkpoint do not all hit one object-store partition's request limit
-    #: (S3: about 3,500 PUT/s per prefix). 1 (default): stock DCP's flat
-    #: layout. Loads read either layout, whatever this is set to.
+    #: Deprecated (a save's layout, not how the storage is reached): use
+    #: :class:`dcpstore.SaveOptions`' ``spread_prefixes``, which a value
+    #: here still sets, with a :class:`DeprecationWarning`, for one release.
     spread_prefixes: int = 1
     #: Native S3 backend: the AWS region of the bucket. None (default): from
     #: the standard AWS sources (``AWS_REGION``, the profile, ...). MSC takes
@@ -141,9 +138,7 @@ class StorageOptions:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InvalidArgument(f"{name} must be an int >= 1, got {value!r}")
-        spread = self.spread_prefixes
-        if not isinstance(spread, int) or isinstance(spread, bool) or not 1 <= spread <= MAX_SPREAD_PREFIXES:
-            raise InvalidArgument(f"spread_prefixes must be an int from 1 to {MAX_SPREAD_PREFIXES}, got {spread!r}")
+        check_spread_prefixes(self.spread_prefixes)
         for name in ("connect_timeout_s", "read_timeout_s", "op_timeout_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
@@ -226,6 +221,14 @@ class StorageOptions:
 
 #: Most key prefixes a save may spread its data files over (3 hex digits).
 MAX_SPREAD_PREFIXES = 4096
+
+
+def check_spread_prefixes(spread: Any) -> int:
+    """``spread`` if it is an int from 1 to :data:`MAX_SPREAD_PREFIXES`, else
+    :class:`~dcpstore.errors.InvalidArgument` naming ``spread_prefixes``."""
+    if not isinstance(spread, int) or isinstance(spread, bool) or not 1 <= spread <= MAX_SPREAD_PREFIXES:
+        raise InvalidArgument(f"spread_prefixes must be an int from 1 to {MAX_SPREAD_PREFIXES}, got {spread!r}")
+    return spread
 #: Writer/reader threads per rank on an object store (see Storage.default_workers).
 OBJECT_STORE_WORKERS = 4
 #: Pieces per object or read that the automatic part size aims at.
