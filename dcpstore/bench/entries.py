@@ -95,7 +95,10 @@ class DcpstoreEntry(Entry):
         kwargs = dict(workers=self.requested_workers, engine=self.requested_engine, storage_options=self.where,
                       **self.save_kwargs)  # fmt: skip
         try:
-            handle = saver.save(state, self.uri, **kwargs) if saver else save(state, self.uri, async_=self.async_, **kwargs)
+            if saver:
+                handle = saver.save(state, self.uri, options=SaveOptions(async_=True, **kwargs))
+            else:
+                handle = save(state, self.uri, async_=self.async_, **kwargs)
         except InvalidArgument as e:
             if saver:
                 saver.close()
