@@ -8,25 +8,30 @@ values, ``torch_dist`` and ``fsdp_dtensor``): :mod:`.megatron_formats`.
 megatron-core 0.19.2's) names (:data:`BRIDGE_FIELDS`: ``save``, ``load``,
 ``save_interval``, ``async_save``, ``ckpt_format``, ``dist_ckpt_workers``,
 ``most_recent_k``, ``ckpt_assume_constant_structure``, ``ckpt_step``), plus
-dcpstore's own (:data:`DCPSTORE_FIELDS`: ``engine``, ``enable_msc`` -- in
-Megatron the process-global ``--enable-msc``, not a config field -- and
-``layout``). :meth:`CheckpointConfig.from_bridge` builds one from a Bridge
-(or megatron-core) ``CheckpointConfig``, reading Bridge's fields by name,
-MSC from Megatron's ``MultiStorageClientFeature`` and the layout Bridge
-writes (``iter_0000100/`` and ``latest_checkpointed_iteration.txt``). The
-config is validated once, in ``__post_init__``, without opening any storage,
-and keeps **no rules of its own** about which combinations work. It asks
-the tables the writers ask:
+dcpstore's own (:data:`DCPSTORE_FIELDS`: ``layout``, and ``options``, the
+:class:`~dcpstore.SaveOptions` every save runs with, passed whole: the
+engine, and where the bytes go -- MSC, in Megatron the process-global
+``--enable-msc``, is its ``storage_options.enable_msc``). Bridge's
+``async_save`` and ``dist_ckpt_workers`` are the options' ``async_`` and
+``workers``, under Bridge's names. :meth:`CheckpointConfig.from_bridge`
+builds one from a Bridge (or megatron-core) ``CheckpointConfig``, reading
+Bridge's fields by name, MSC from Megatron's ``MultiStorageClientFeature``
+and the layout Bridge writes (``iter_0000100/`` and
+``latest_checkpointed_iteration.txt``). The fields ``engine`` and
+``enable_msc`` (:data:`DEPRECATED_FIELDS`) still work for one release, with
+a :class:`DeprecationWarning`. The config is validated once, in
+``__post_init__``, without opening any storage, and keeps **no rules of its
+own** about which combinations work. It asks the tables the writers ask:
 
 ===================================  =========================================
 field                                validated by
 ===================================  =========================================
 ``ckpt_format``                      :data:`FORMATS`
-``async_save``, ``engine``,          :func:`dcpstore.options.save_option_problems`
-``dist_ckpt_workers``                (what :func:`dcpstore.save` checks) and, for
-                                     ``engine`` x ``save``, the NVRx engine's own
+``async_save``,                      :func:`dcpstore.options.save_option_problems`
+``dist_ckpt_workers``, ``options``   (what :func:`dcpstore.save` checks) and, for
+                                     the engine x ``save``, the NVRx engine's own
                                      backend check (NVRx writes POSIX/MSC only)
-``save``, ``load``, ``enable_msc``   URI parsing + the backend registry, as
+``save``, ``load``, MSC              URI parsing + the backend registry, as
                                      ``open_storage`` resolves them
 ``layout``                           the manager's step layouts
                                      (:data:`dcpstore.manager.LAYOUTS`)
@@ -75,8 +80,10 @@ import torch.distributed as dist
 
 from ..engines.choice import engine_problem
 from ..errors import CheckpointError, InvalidArgument
+from ..keywords import unknown_keyword_message
 from ..manager import LAYOUTS, CheckpointManager, check_step
-from ..options import SaveOptions, save_option_problems
+from ..option_keywords import resolve_options, warn_deprecated_keyword
+from ..options import AUTO, SaveOptions, save_option_problems
 from ..storage import StorageOptions, backend_class, backend_name, parse_uri, with_msc
 from .megatron_async import FileSystemWriterAsync
 from .megatron_bridge import BRIDGE_HOOKS, install_in_bridge, megatron_msc_enabled
@@ -86,6 +93,7 @@ __all__ = [
     "BRIDGE_FIELDS",
     "BRIDGE_HOOKS",
     "DCPSTORE_FIELDS",
+    "DEPRECATED_FIELDS",
     "DEFAULT_FORMAT",
     "FORMATS",
     "CheckpointConfig",
@@ -99,6 +107,15 @@ __all__ = [
 
 #: save()'s keyword -> the config field that feeds it, for error messages.
 _FIELD_OF_OPTION = {"async_": "async_save", "engine": "engine", "workers": "dist_ckpt_workers"}
+
+
+def _options_or_defaults(options: Any) -> SaveOptions:
+    return options if isinstance(options, SaveOptions) else SaveOptions()
+
+
+#: The options Bridge's fields stand for, under Bridge's names, and their defaults.
+_BRIDGE_NAME = {"async_": "async_save", "workers": "dist_ckpt_workers"}
+_BRIDGE_DEFAULTS = {"async_save": False, "dist_ckpt_workers": None}
 
 
 def plan_caching_supported() -> bool:
@@ -124,7 +141,10 @@ BRIDGE_FIELDS = (
     "ckpt_step",
 )
 #: dcpstore's own fields (Bridge has none of these).
-DCPSTORE_FIELDS = ("engine", "enable_msc", "layout")
+DCPSTORE_FIELDS = ("options", "layout")
+#: Fields that are now ``options``' (``engine``; ``enable_msc``, its
+#: ``storage_options.enable_msc``): each still works and warns, for one release.
+DEPRECATED_FIELDS = ("engine", "enable_msc")
 
 
 @dataclass
@@ -137,12 +157,15 @@ class CheckpointConfig:
     Args:
         save, load, save_interval, async_save, ckpt_format,
             dist_ckpt_workers, most_recent_k,
-            ckpt_assume_constant_structure, ckpt_step, engine, enable_msc,
-            layout: the fields below, each with its meaning in its comment.
+            ckpt_assume_constant_structure, ckpt_step, layout, options:
+            the fields below, each with its meaning in its comment.
+        engine, enable_msc: deprecated; ``options=SaveOptions(engine=...,
+            storage_options=StorageOptions(enable_msc=...))``.
 
     Raises:
         InvalidArgument: a field the writers would refuse, named as
-            ``CheckpointConfig.<field>`` with the reason.
+            ``CheckpointConfig.<field>`` with the reason; ``async_save`` or
+            ``dist_ckpt_workers`` disagreeing with ``options``.
     """
 
     #: Root to save step checkpoints under (``layout``'s step directories); ``None``: no saving.
@@ -156,37 +179,67 @@ class CheckpointConfig:
     ckpt_format: str = "torch_dist"
     #: Writer threads per rank; ``None``: dcpstore's default.
     dist_ckpt_workers: int | None = None
-    #: Route through MSC (not a field of Bridge's: Megatron's ``--enable-msc`` is process-global).
-    enable_msc: bool = False
     #: Keep the newest K committed steps; ``-1`` (or megatron-core's ``None``) keeps all.
     most_recent_k: int | None = -1
     #: Model/optimizer structure is the same at every save (see the module docstring).
     ckpt_assume_constant_structure: bool = False
     #: Resume from this step instead of the newest committed one.
     ckpt_step: int | None = None
-    #: dcpstore's save engine (not a Megatron field): auto, or a name of dcpstore.options.ENGINES.
-    engine: str = "auto"
     #: How steps are named (not a Megatron field): ``"dcpstore"``
     #: (``step_00000100/``, ``latest``) or ``"bridge"`` (``iter_0000100/``,
     #: ``latest_checkpointed_iteration.txt``: what Bridge writes and resumes from).
     layout: str = "dcpstore"
+    #: How every save runs (not a Megatron field), passed whole: the engine,
+    #: where the bytes go (``storage_options``; MSC is its ``enable_msc``)
+    #: and the rest of :class:`~dcpstore.SaveOptions`; its ``async_`` and
+    #: ``workers`` are ``async_save`` and ``dist_ckpt_workers`` (set either).
+    #: ``None``: the defaults; after construction, always the options.
+    options: SaveOptions | None = None
+    #: Deprecated: ``options.engine``.
+    engine: str | None = None
+    #: Deprecated: ``options.storage_options.enable_msc``.
+    enable_msc: bool | None = None
 
     def __post_init__(self) -> None:
+        deprecated = {name: getattr(self, name) for name in DEPRECATED_FIELDS if getattr(self, name) is not None}
+        for name, value in deprecated.items():  # first: a config that also fails says so too
+            warn_deprecated_keyword("CheckpointConfig", name, value, _options_or_defaults(self.options))
         self._check_types()
         if self.ckpt_format not in FORMATS:
             self._fail("ckpt_format", f"must be one of {', '.join(FORMATS)}, got {self.ckpt_format!r}")
-        for problem in save_option_problems(async_=self.async_save, engine=self.engine, workers=self.dist_ckpt_workers):
+        engine = deprecated.get("engine", AUTO)
+        for problem in save_option_problems(async_=self.async_save, engine=engine, workers=self.dist_ckpt_workers):
             self._fail(_FIELD_OF_OPTION.get(problem.option, problem.option), problem.message)
+        self.options = self._resolve_options(deprecated)
+        # Bridge's fields read what the saves run with.
+        self.async_save, self.dist_ckpt_workers = self.options.async_, self.options.workers
         for name in ("save", "load"):
             self._check_root(name)
         self._check_engine_target()
         if not isinstance(self.layout, str) or self.layout not in LAYOUTS:
             self._fail("layout", f"must be one of {', '.join(map(repr, LAYOUTS))}, got {self.layout!r}")
 
+    def _resolve_options(self, deprecated: dict[str, Any]) -> SaveOptions:
+        """``options`` with Bridge's fields and the deprecated ones (warned of already) applied."""
+        given = {
+            option: getattr(self, field)
+            for option, field in _BRIDGE_NAME.items()
+            if getattr(self, field) != _BRIDGE_DEFAULTS[field]
+        }
+        try:
+            return resolve_options(
+                CheckpointConfig, self.options, base=SaveOptions(), given={**given, **deprecated}, spelled_as=_BRIDGE_NAME
+            )
+        except InvalidArgument as e:
+            self._fail("options", str(e).removeprefix("CheckpointConfig: "), cause=e)
+            raise  # not reached: _fail raises
+
     def _check_types(self) -> None:
-        for name in ("async_save", "enable_msc", "ckpt_assume_constant_structure"):
+        for name in ("async_save", "ckpt_assume_constant_structure"):
             if not isinstance(getattr(self, name), bool):
                 self._fail(name, f"must be a bool, got {getattr(self, name)!r}")
+        if self.enable_msc is not None and not isinstance(self.enable_msc, bool):
+            self._fail("enable_msc", f"must be a bool, got {self.enable_msc!r}")
         for name in ("save", "load"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
@@ -212,7 +265,7 @@ class CheckpointConfig:
         if value is None:
             return
         try:
-            backend_class(backend_name(parse_uri(value), enable_msc=self.enable_msc))
+            backend_class(backend_name(parse_uri(value), enable_msc=self.save_options().enable_msc))
         except CheckpointError as e:
             self._fail(name, str(e), cause=e)
 
@@ -223,9 +276,10 @@ class CheckpointConfig:
         if self.save is None:
             return
         url = parse_uri(self.save)
-        problem = engine_problem(self.engine, backend_name(url, enable_msc=self.enable_msc), str(url))
+        options = self.save_options()
+        problem = engine_problem(options.engine, backend_name(url, enable_msc=options.enable_msc), str(url))
         if problem:
-            self._fail("engine", problem)
+            self._fail("engine" if self.engine is not None else "options.engine", problem)
 
     @staticmethod
     def _fail(name: str, message: str, cause: BaseException | None = None) -> None:
@@ -240,32 +294,43 @@ class CheckpointConfig:
     def save_options(
         self, *, process_group: dist.ProcessGroup | None = None, storage_options: StorageOptions | None = None
     ) -> SaveOptions:
-        """The options of every save this config asks for.
+        """The options of every save this config asks for: ``options``, with
+        what only the caller knows (a process group exists only once
+        torch.distributed is up, after the config is made).
 
         Args:
             process_group: the ranks that save together (default: all).
-            storage_options: backend tuning, as for :func:`dcpstore.save`.
+            storage_options: the storage's tuning, where ``options`` sets
+                none (the config's MSC choice is kept).
 
         Returns:
-            One validated :class:`~dcpstore.options.SaveOptions`.
+            One validated :class:`~dcpstore.SaveOptions`.
+
+        Raises:
+            InvalidArgument: ``options`` already sets a different one.
         """
-        return SaveOptions(
-            async_=self.async_save,
-            engine=self.engine,
-            workers=self.dist_ckpt_workers,
-            storage_options=with_msc(storage_options, self.enable_msc),
-            process_group=process_group,
-        )
+        options = self.options
+        assert options is not None  # set in __post_init__
+        given: dict[str, Any] = {"process_group": process_group} if process_group is not None else {}
+        if storage_options is not None:
+            given["storage_options"] = with_msc(storage_options, options.enable_msc)
+            if options.storage_options == StorageOptions(enable_msc=options.enable_msc):  # the MSC choice only
+                options = dataclasses.replace(options, storage_options=None)
+        return resolve_options(CheckpointConfig.save_options, options, base=options, given=given)
 
     def save_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for :func:`dcpstore.save`."""
+        """Keyword arguments for :func:`dcpstore.save`: the engine, threads,
+        mode and MSC choice, and whatever else ``options`` sets."""
         options = self.save_options()
-        return {k: options.as_kwargs()[k] for k in ("async_", "workers", "enable_msc", "engine")}
+        kwargs = {k: v for k, v in options.as_kwargs().items() if v != getattr(SaveOptions(), k, None)}
+        return {"async_": options.async_, "workers": options.workers, "enable_msc": options.enable_msc,
+                "engine": options.engine, **kwargs}  # fmt: skip
 
     def load_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for :func:`dcpstore.load`."""
         options = self.save_options().for_load()
-        return {"workers": options.workers, "enable_msc": options.enable_msc}
+        where = {"storage_options": options.storage_options} if options.storage_options is not None else {}
+        return {"workers": options.workers, "enable_msc": options.enable_msc, **where}
 
     def should_save(self, step: int) -> bool:
         """Whether ``step`` is a ``save_interval`` step."""
@@ -313,16 +378,17 @@ class CheckpointConfig:
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in fields(cls))
+        """The fields to set (the deprecated ones left out)."""
+        return tuple(f.name for f in fields(cls) if f.name not in DEPRECATED_FIELDS)
 
     @classmethod
     def from_bridge(
         cls,
         cfg: Any,
         *,
-        engine: str = "auto",
-        enable_msc: bool | None = None,
+        options: SaveOptions | None = None,
         layout: str = "bridge",
+        **deprecated: Any,
     ) -> CheckpointConfig:
         """The config for a Megatron-Bridge (or megatron-core)
         ``CheckpointConfig`` ``cfg`` (or a mapping with its field names).
@@ -336,25 +402,37 @@ class CheckpointConfig:
 
         Args:
             cfg: Bridge's ``ConfigContainer.checkpoint``.
-            engine: dcpstore's save engine, as the field.
-            enable_msc: route through MSC; ``None``: as Megatron's
+            options: the :class:`~dcpstore.SaveOptions` field (the engine,
+                the storage options, ...); MSC is on where Megatron's
                 process-global ``--enable-msc`` says
                 (``megatron.core.msc_utils.MultiStorageClientFeature``; off
-                where megatron-core is not installed).
+                where megatron-core is not installed), or where
+                ``options.storage_options.enable_msc`` says.
             layout: ``"bridge"`` (default): the manager reads and writes
                 Bridge's ``iter_NNNNNNN/`` steps and tracker; ``"dcpstore"``.
+            deprecated: ``engine`` and ``enable_msc`` (``False`` turns
+                Megatron's flag off), as the deprecated fields.
+
+        Returns:
+            The validated config.
 
         Raises:
             InvalidArgument: a Bridge setting dcpstore cannot honour (say, a
                 ``ckpt_format`` other than ``torch_dist`` / ``fsdp_dtensor``),
                 naming the field.
+            TypeError: a keyword it does not take.
         """
+        unknown = deprecated.keys() - set(DEPRECATED_FIELDS)
+        if unknown:
+            raise TypeError(unknown_keyword_message("CheckpointConfig.from_bridge", unknown, ["cfg", "options", "layout", *DEPRECATED_FIELDS]))
         defaults = {f.name: f.default for f in fields(cls)}
         if isinstance(cfg, Mapping):
             values = {name: cfg.get(name, defaults[name]) for name in BRIDGE_FIELDS}
         else:
             values = {name: getattr(cfg, name, defaults[name]) for name in BRIDGE_FIELDS}
-        if enable_msc is None:
-            enable_msc = megatron_msc_enabled()
-        return cls(**values, engine=engine, enable_msc=enable_msc, layout=layout)
-
+        if deprecated.get("enable_msc") is None:
+            deprecated.pop("enable_msc", None)
+            if megatron_msc_enabled():
+                base = options or SaveOptions()
+                options = dataclasses.replace(base, storage_options=with_msc(base.storage_options, True))
+        return cls(**values, options=options, layout=layout, **deprecated)
