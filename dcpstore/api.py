@@ -130,7 +130,8 @@ def save(
         BackendUnavailable: the backend's optional package is not installed.
     """
     _check_state_dict(state_dict)
-    return save_with(state_dict, uri, resolve_options(save, options, base=SaveOptions(), given=given_keywords(save, locals())))
+    options = resolve_options(save, options, base=SaveOptions(), given=given_keywords(save, locals()))
+    return save_with(state_dict, uri, options)
 
 
 def save_with(state_dict: dict[str, Any], uri: str | os.PathLike[str], options: SaveOptions) -> SaveHandle:
@@ -148,7 +149,9 @@ def save_with(state_dict: dict[str, Any], uri: str | os.PathLike[str], options: 
     storage = open_storage(uri, storage_options=options.storage_options)
     bar = Progress(f"save {storage.uri}", enabled=shows_progress(options.progress, options.process_group))
     try:
-        stats = save_state_dict(state_dict, storage, options, workers=options.workers, process_group=options.process_group, progress=bar)
+        stats = save_state_dict(
+            state_dict, storage, options, workers=options.workers, process_group=options.process_group, progress=bar
+        )
     except (CheckpointException, CheckpointError) as e:
         raise with_leftovers(save_error(e, storage.uri), storage, leftovers) from e
     finally:
@@ -236,7 +239,8 @@ def load(
             likely fix).
     """
     _check_state_dict(state_dict)
-    load_with(state_dict, uri, resolve_options(load, options, base=LoadOptions(), given=given_keywords(load, locals())))
+    options = resolve_options(load, options, base=LoadOptions(), given=given_keywords(load, locals()))
+    load_with(state_dict, uri, options)
 
 
 def load_with(state_dict: dict[str, Any], uri: str | os.PathLike[str], options: LoadOptions) -> None:

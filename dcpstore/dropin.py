@@ -99,7 +99,8 @@ def _refuse_the_calls(options: SaveOptions | LoadOptions) -> None:
     if engine not in (AUTO, "native"):
         raise InvalidArgument(
             f"options.engine={engine!r}: the drop-in is dcpstore's native writer under DCP's own save; "
-            "dcpstore.save(engine=...) runs other engines (NVRx's drop-in: dcpstore.adapters.megatron.FileSystemWriterAsync)"
+            "dcpstore.save(engine=...) runs other engines (NVRx's drop-in: "
+            "dcpstore.adapters.megatron.FileSystemWriterAsync)"
         )
 
 

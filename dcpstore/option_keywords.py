@@ -135,7 +135,6 @@ def warn_deprecated_keyword(where: str, name: str, value: Any, options: SaveOpti
     )
 
 
-
 def storage_spread(spread_prefixes: int | None, storage_options: StorageOptions) -> int:
     """A writer's spread: ``spread_prefixes`` as given, else the storage
     options' deprecated field (a writer built without a

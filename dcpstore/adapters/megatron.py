@@ -74,7 +74,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 import dataclasses
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, NoReturn
 
 import torch.distributed as dist
 
@@ -228,11 +228,11 @@ class CheckpointConfig:
         }
         try:
             return resolve_options(
-                CheckpointConfig, self.options, base=SaveOptions(), given={**given, **deprecated}, spelled_as=_BRIDGE_NAME
-            )
+                CheckpointConfig, self.options, base=SaveOptions(), given={**given, **deprecated},
+                spelled_as=_BRIDGE_NAME,
+            )  # fmt: skip
         except InvalidArgument as e:
             self._fail("options", str(e).removeprefix("CheckpointConfig: "), cause=e)
-            raise  # not reached: _fail raises
 
     def _check_types(self) -> None:
         for name in ("async_save", "ckpt_assume_constant_structure"):
@@ -282,7 +282,7 @@ class CheckpointConfig:
             self._fail("engine" if self.engine is not None else "options.engine", problem)
 
     @staticmethod
-    def _fail(name: str, message: str, cause: BaseException | None = None) -> None:
+    def _fail(name: str, message: str, cause: BaseException | None = None) -> NoReturn:
         raise InvalidArgument(f"CheckpointConfig.{name}: {message}") from cause
 
     # -- mapping onto dcpstore ----------------------------------------------
@@ -424,7 +424,8 @@ class CheckpointConfig:
         """
         unknown = deprecated.keys() - set(DEPRECATED_FIELDS)
         if unknown:
-            raise TypeError(unknown_keyword_message("CheckpointConfig.from_bridge", unknown, ["cfg", "options", "layout", *DEPRECATED_FIELDS]))
+            accepted = ["cfg", "options", "layout", *DEPRECATED_FIELDS]
+            raise TypeError(unknown_keyword_message("CheckpointConfig.from_bridge", unknown, accepted))
         defaults = {f.name: f.default for f in fields(cls)}
         if isinstance(cfg, Mapping):
             values = {name: cfg.get(name, defaults[name]) for name in BRIDGE_FIELDS}

@@ -38,8 +38,9 @@ class NativeEngine:
 
     def save(self, job: SaveJob) -> SaveStats:
         return save_state_dict(
-            job.staged.state_dict, job.storage, job.options, workers=job.workers, process_group=job.group, progress=job.progress
-        )
+            job.staged.state_dict, job.storage, job.options, workers=job.workers, process_group=job.group,
+            progress=job.progress,
+        )  # fmt: skip
 
     def close(self) -> None:
         pass

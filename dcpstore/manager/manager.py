@@ -536,4 +536,6 @@ def _is_step(value: object) -> bool:
 #: A manager's options when none is given.
 _DEFAULTS = SaveOptions(async_=True)
 #: The save options :class:`CheckpointManager` took as keywords before ``options=``.
-MANAGER_KEYWORDS = frozenset({"workers", "enable_msc", "engine", "process_group", "planner", "storage_options", "progress"})
+MANAGER_KEYWORDS = frozenset(
+    {"workers", "enable_msc", "engine", "process_group", "planner", "storage_options", "progress"}
+)
