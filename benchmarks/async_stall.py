@@ -107,7 +107,7 @@ class Dcpstore:
         _sync(self.device)
         uri = os.path.join(self.root, f"{self.engine}-{i % 2}")
         with _Timer() as t:
-            handle = self.saver.save(self.state, uri, engine=self.engine, workers=self.workers)
+            handle = self.saver.save(self.state, uri, options=dcpstore.SaveOptions(engine=self.engine, workers=self.workers))
         handle.result()
         return t
 

@@ -22,7 +22,7 @@ What is real and what is a model:
   GET/HEAD per second; beyond them S3 answers 503 SlowDown). Ranks run one
   after another here; the model puts them side by side.
 
-Per N (and per ``--spread``: ``StorageOptions.spread_prefixes``, rank files
+Per N (and per ``--spread``: ``SaveOptions.spread_prefixes``, rank files
 spread over that many key prefixes) it reports the requests (by kind),
 bytes, the phases' modelled durations (claim, write, commit), the busiest
 key prefix's request rate against S3's limit, and the write phase stretched
@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 import json
 import math
 import os
@@ -237,7 +236,7 @@ class FakeS3:
 
 
 def simulate(ranks: int, state: dict[str, torch.Tensor], *, options: StorageOptions, workers: int | None,
-             uri: str) -> tuple[Recorder, dict[str, Any]]:  # fmt: skip
+             uri: str, spread: int = 1) -> tuple[Recorder, dict[str, Any]]:  # fmt: skip
     """One save of ``ranks`` ranks, each saving ``state`` under its own keys
     (the same tensors: their bytes are not kept), through dcpstore's writer
     and S3 backend over :class:`FakeS3`. Returns the requests and what was
@@ -247,7 +246,7 @@ def simulate(ranks: int, state: dict[str, torch.Tensor], *, options: StorageOpti
     for rank in range(ranks):
         storage = open_storage(uri, storage_options=options)
         storage.client = FakeS3(store, rec, rank)  # type: ignore[attr-defined]
-        writer = DcpStorageWriter(storage, workers=workers)
+        writer = DcpStorageWriter(storage, workers=workers, spread_prefixes=spread)
         planner = DefaultSavePlanner()
         planner.set_up_planner({f"rank{rank}.{k}": v for k, v in state.items()}, is_coordinator=rank == 0)
         writer.set_up_storage_writer(rank == 0, rank=rank)
@@ -395,10 +394,9 @@ def run(ranks: Sequence[int], state: dict[str, torch.Tensor], model: Model, opti
         workers: int | None, uri: str, progress: bool, spreads: Sequence[int] = (1,)) -> list[Point]:  # fmt: skip
     points = []
     for spread in spreads:
-        spread_options = dataclasses.replace(options, spread_prefixes=spread)
         for n in ranks:
             t0 = time.perf_counter()
-            rec, measured = simulate(n, state, options=spread_options, workers=workers, uri=uri)
+            rec, measured = simulate(n, state, options=options, workers=workers, uri=uri, spread=spread)
             point = Point(n, evaluate(model, rec, options.max_concurrency), measured, {"spread": spread})
             point.extra["simulated_in_s"] = time.perf_counter() - t0
             points.append(point)

@@ -10,7 +10,8 @@ This module is the public surface and nothing else; the package layout (and
 which layer may import which) is in the README's Layout section.
 
 The names that need torch (:data:`TORCH_NAMES`: ``save``, ``load``, the
-saver, the manager, the handles) are imported on first use (PEP 562), so
+saver, the manager, the handles, :class:`SaveOptions` and
+:class:`LoadOptions`) are imported on first use (PEP 562), so
 that ``import dcpstore`` -- and with it the ``dcpstore`` command's ``--help``,
 ``ls`` and ``gc`` -- does not import torch (seconds). The exceptions,
 :class:`StorageOptions` and :func:`open_storage` are torch-free and imported
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
     from .engines.saver import AsyncSaver
     from .handle import CheckpointInfo, SaveHandle
     from .manager import CheckpointManager
+    from .options import LoadOptions, SaveOptions
 
 __version__ = "0.1.0"
 
@@ -55,7 +57,9 @@ TORCH_NAMES: dict[str, str] = {
     "AsyncSaver": "dcpstore.engines.saver",
     "CheckpointInfo": "dcpstore.handle",
     "CheckpointManager": "dcpstore.manager",
+    "LoadOptions": "dcpstore.options",
     "SaveHandle": "dcpstore.handle",
+    "SaveOptions": "dcpstore.options",
     "StorageReader": "dcpstore.dropin",
     "StorageWriter": "dcpstore.dropin",
     "load": "dcpstore.api",
@@ -83,8 +87,10 @@ __all__ = [
     "InvalidArgument",
     "InvalidURI",
     "LoadError",
+    "LoadOptions",
     "SaveError",
     "SaveHandle",
+    "SaveOptions",
     "StateDictMismatch",
     "StorageError",
     "StorageNotFound",

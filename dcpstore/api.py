@@ -38,6 +38,7 @@ from .engines.saver import default_saver
 from .errors import CheckpointError, InvalidArgument
 from .handle import CheckpointInfo, SaveHandle
 from .keywords import hint_keywords
+from .option_keywords import given_keywords, resolve_options
 from .options import LoadOptions, SaveOptions, rank_label, shows_progress
 from .progress import Progress
 from .storage import StorageOptions, open_storage
@@ -60,6 +61,7 @@ def save(
     max_in_flight: int = 1,
     overwrite: bool = True,
     progress: bool = False,
+    options: SaveOptions | None = None,
 ) -> SaveHandle:
     """Save ``state_dict`` to ``uri`` as a DCP checkpoint.
 
@@ -89,7 +91,7 @@ def save(
         workers: writer threads per rank, one data file each (default: the
             CPU count, between 2 and 8).
         enable_msc: route ``s3://`` and local paths through NVIDIA
-            Multi-Storage-Client.
+            Multi-Storage-Client (``storage_options.enable_msc``).
         engine: what runs the background part (README, "Engines"):
             ``"native"`` (a thread; every backend), ``"nvrx"`` (NVRx's
             writer; local paths and MSC), ``"process"`` (a checkpoint
@@ -98,7 +100,8 @@ def save(
             :class:`~dcpstore.EngineFallbackWarning` saying why).
         process_group: the ranks that save together (default: all).
         planner: a DCP ``SavePlanner`` (default: DCP's own).
-        storage_options: backend tuning (:class:`~dcpstore.StorageOptions`).
+        storage_options: where the bytes go: the client and its tuning
+            (:class:`~dcpstore.StorageOptions`).
         max_in_flight: async saves that may be pending at once; a new one
             first waits for the oldest.
         progress: draw a progress bar of this rank's bytes on stderr (rank 0
@@ -107,6 +110,9 @@ def save(
             new ``.metadata`` lands the URI loads the old one; a failed or
             killed save leaves the old one); ``False`` refuses such a URI
             with :class:`~dcpstore.CheckpointExists` instead.
+        options: every option above, and those without a keyword here
+            (``spread_prefixes``), as one :class:`~dcpstore.SaveOptions`;
+            a keyword set beside it fills what it leaves at its default.
 
     Returns:
         A :class:`~dcpstore.SaveHandle`; ``result()`` gives the
@@ -117,24 +123,14 @@ def save(
             and nobody asked its handle (async).
         CheckpointExists: ``overwrite=False`` and ``uri`` holds a committed
             checkpoint (a ``SaveError`` and a ``FileExistsError``).
-        InvalidArgument: a bad option (an unknown keyword is a ``TypeError``
-            naming the likely fix).
+        InvalidArgument: a bad option, or a keyword that disagrees with
+            ``options`` (an unknown keyword is a ``TypeError`` naming the
+            likely fix).
         InvalidURI: a URI dcpstore cannot parse or has no backend for.
         BackendUnavailable: the backend's optional package is not installed.
     """
     _check_state_dict(state_dict)
-    options = SaveOptions(
-        async_=async_,
-        engine=engine,
-        workers=workers,
-        enable_msc=enable_msc,
-        storage_options=storage_options,
-        process_group=process_group,
-        planner=planner,
-        max_in_flight=max_in_flight,
-        overwrite=overwrite,
-        progress=progress,
-    )
+    options = resolve_options(save, options, base=SaveOptions(), given=given_keywords(save, locals()))
     return save_with(state_dict, uri, options)
 
 
@@ -150,18 +146,11 @@ def save_with(state_dict: dict[str, Any], uri: str | os.PathLike[str], options: 
     check_saveable(state_dict)  # background saves check while staging
     leftovers = default_saver().leftovers  # what earlier failed saves could not clean up
     leftovers.retry_in_background()
-    storage = open_storage(uri, enable_msc=options.enable_msc, storage_options=options.storage_options)
+    storage = open_storage(uri, storage_options=options.storage_options)
     bar = Progress(f"save {storage.uri}", enabled=shows_progress(options.progress, options.process_group))
     try:
         stats = save_state_dict(
-            state_dict,
-            storage,
-            workers=options.workers,
-            process_group=options.process_group,
-            planner=options.planner,
-            overwrite=options.overwrite,
-            progress=bar,
-            save_id=options.save_id,
+            state_dict, storage, options, workers=options.workers, process_group=options.process_group, progress=bar
         )
     except (CheckpointException, CheckpointError) as e:
         raise with_leftovers(save_error(e, storage.uri), storage, leftovers) from e
@@ -188,6 +177,7 @@ def load(
     progress: bool = False,
     safe_globals: Sequence[Any] | None = None,
     trusted: bool = False,
+    options: LoadOptions | None = None,
 ) -> None:
     """Load the checkpoint at ``uri`` into ``state_dict`` in place.
 
@@ -218,18 +208,21 @@ def load(
         workers: reader threads per rank (default: the CPU count, between
             2 and 8).
         enable_msc: route ``s3://`` and local paths through NVIDIA
-            Multi-Storage-Client.
+            Multi-Storage-Client (``storage_options.enable_msc``).
         process_group: the ranks that load together (default: all).
         planner: a DCP ``LoadPlanner`` (default: DCP's own).
         verify: check every item's CRC32C and every file's size against the
             manifest (``False``: trust the bytes).
-        storage_options: backend tuning (:class:`~dcpstore.StorageOptions`).
+        storage_options: where the bytes are: the client and its tuning
+            (:class:`~dcpstore.StorageOptions`).
         progress: draw a progress bar of this rank's bytes on stderr (rank 0
             only, under torch.distributed).
         safe_globals: classes a non-tensor item may hold beyond the
             allowlist (``[cls, ...]``).
         trusted: unpickle anything (only for checkpoints you trust as you
             trust code).
+        options: every option above as one :class:`~dcpstore.LoadOptions`;
+            a keyword set beside it fills what it leaves at its default.
 
     Raises:
         CheckpointNotFound: no committed checkpoint at ``uri`` (including a
@@ -241,28 +234,19 @@ def load(
             (nothing was read).
         LoadError: the load failed on some rank for another reason.
         StorageError: the backend failed after its retries.
-        InvalidArgument: a bad option (an unknown keyword is a ``TypeError``
-            naming the likely fix).
+        InvalidArgument: a bad option, or a keyword that disagrees with
+            ``options`` (an unknown keyword is a ``TypeError`` naming the
+            likely fix).
     """
     _check_state_dict(state_dict)
-    options = LoadOptions(
-        workers=workers,
-        enable_msc=enable_msc,
-        storage_options=storage_options,
-        process_group=process_group,
-        planner=planner,
-        verify=verify,
-        progress=progress,
-        safe_globals=safe_globals or (),
-        trusted=trusted,
-    )
+    options = resolve_options(load, options, base=LoadOptions(), given=given_keywords(load, locals()))
     load_with(state_dict, uri, options)
 
 
 def load_with(state_dict: dict[str, Any], uri: str | os.PathLike[str], options: LoadOptions) -> None:
     """:func:`load` with its options as one value."""
     _check_state_dict(state_dict)
-    storage = open_storage(uri, enable_msc=options.enable_msc, storage_options=options.storage_options)
+    storage = open_storage(uri, storage_options=options.storage_options)
     bar = Progress(f"load {storage.uri}", enabled=shows_progress(options.progress, options.process_group))
     try:
         stats = load_state_dict(state_dict, storage, options, bar)

@@ -10,7 +10,9 @@ by changing one constructor::
 They take ``FileSystemWriter``'s and ``FileSystemReader``'s keyword arguments
 (each is honoured, or refused with :class:`~dcpstore.InvalidArgument` naming
 it; see the class docstrings), s3torchconnector's ``region``, and dcpstore's
-own (``enable_msc``, ``storage_options``, ``verify``). One writer or reader
+options whole (``options=``: :class:`~dcpstore.SaveOptions` /
+:class:`~dcpstore.LoadOptions`, as :func:`dcpstore.save` and
+:func:`dcpstore.load` take them). One writer or reader
 serves any number of checkpoints: ``checkpoint_id=`` re-points it, as
 torchtitan and Megatron-Bridge reuse one writer across steps, also while
 ``dcp.async_save`` calls made through it earlier still run (each save keeps
@@ -31,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTransformExtension
@@ -49,13 +51,16 @@ from .engines.exit import Stage, watch
 from .engines.leftovers import Leftovers, with_leftovers
 from .engines.staging import Staging
 from .errors import CheckpointError, InvalidArgument
+from .option_keywords import O, resolve_options
+from .options import AUTO, LoadOptions, SaveOptions
 from .progress import NO_PROGRESS
 from .storage import Storage, StorageOptions, open_storage
 
 #: What to use instead of s3torchconnector's arguments that select its own
 #: client and readers.
 _S3TORCH_INSTEAD = {
-    "s3client_config": "pass storage_options=dcpstore.StorageOptions(...) (part size, concurrency, retries, timeouts)",
+    "s3client_config": "pass options=dcpstore.SaveOptions(storage_options=dcpstore.StorageOptions(...)) "
+    "(part size, concurrency, retries, timeouts)",
     "reader_constructor": "dcpstore plans its own ranged reads; leave it out",
     "prefix_strategy": "dcpstore writes every file under the checkpoint's own prefix; leave it out",
 }
@@ -78,16 +83,63 @@ def _storage_options(storage_options: StorageOptions | None, region: str | None)
     return dataclasses.replace(storage_options or StorageOptions(), region=region)
 
 
+#: What an options value may say that the call to DCP decides, not its
+#: writer or reader: option -> what to do instead (``async_`` and
+#: ``max_in_flight`` are the choice of ``dcp.save`` or ``dcp.async_save``
+#: and are not read).
+_THE_CALLS = {
+    "process_group": "pass process_group= to dcp.save / dcp.load",
+    "planner": "pass planner= to dcp.save / dcp.load",
+    "progress": "the drop-ins draw no progress bar (dcpstore.save and load do)",
+    "save_id": "each save through the writer gets its own id",
+}
+
+
+def _refuse_the_calls(options: SaveOptions | LoadOptions) -> None:
+    """Refuse what ``options`` set that a writer or reader under DCP cannot honour."""
+    for name, instead in _THE_CALLS.items():
+        value = getattr(options, name, None)
+        if value not in (None, False):
+            raise InvalidArgument(f"options.{name}={value!r} is not the drop-in's to honour: {instead}")
+    engine = getattr(options, "engine", AUTO)
+    if engine not in (AUTO, "native"):
+        raise InvalidArgument(
+            f"options.engine={engine!r}: the drop-in is dcpstore's native writer under DCP's own save; "
+            "dcpstore.save(engine=...) runs other engines (NVRx's drop-in: "
+            "dcpstore.adapters.megatron.FileSystemWriterAsync)"
+        )
+
+
+def _resolved(
+    fn: Callable[..., Any],
+    options: O | None,
+    base: O,
+    thread_count: int | None,
+    region: str | None,
+    deprecated: dict[str, Any],
+    deprecated_names: Sequence[str],
+    given: dict[str, Any] | None = None,
+) -> tuple[O, _Opener]:
+    """A drop-in's options (``FileSystemWriter``'s ``thread_count`` is their
+    ``workers``), refused where DCP's call decides, and its opener."""
+    given = {**(given or {}), **({"workers": thread_count} if thread_count is not None else {})}
+    resolved = resolve_options(
+        fn, options, base=base, given=given, deprecated=deprecated, deprecated_names=deprecated_names,
+        spelled_as={"workers": "thread_count"},
+    )  # fmt: skip
+    _refuse_the_calls(resolved)
+    return resolved, _Opener(_storage_options(resolved.storage_options, region))
+
+
 class _Opener:
-    """Opens a checkpoint URI with fixed backend options; picklable, so a
+    """Opens a checkpoint URI with fixed storage options; picklable, so a
     writer or reader sent to DCP's checkpoint process reopens it there."""
 
-    def __init__(self, enable_msc: bool, storage_options: StorageOptions | None) -> None:
-        self.enable_msc = enable_msc
+    def __init__(self, storage_options: StorageOptions | None) -> None:
         self.storage_options = storage_options
 
     def __call__(self, uri: str | os.PathLike[str]) -> Storage:
-        return open_storage(uri, enable_msc=self.enable_msc, storage_options=self.storage_options)
+        return open_storage(uri, storage_options=self.storage_options)
 
 
 class StorageWriter(DcpStorageWriter, AsyncStager):
@@ -120,11 +172,18 @@ class StorageWriter(DcpStorageWriter, AsyncStager):
 
     s3torchconnector's ``region`` sets the native S3 backend's region;
     its ``s3client_config`` and ``prefix_strategy`` are refused with what to
-    use instead. dcpstore's own: ``enable_msc`` (route through NVIDIA MSC)
-    and ``storage_options`` (:class:`~dcpstore.StorageOptions`), and
+    use instead. dcpstore's own: ``options`` (a
+    :class:`~dcpstore.SaveOptions`, passed whole: where the bytes go,
+    ``storage_options``, and ``spread_prefixes``; its ``workers`` and
+    ``overwrite`` where ``thread_count`` and ``overwrite`` are left at their
+    defaults; what ``dcp.save`` decides -- ``process_group``, ``planner``,
+    an engine other than the native one -- is refused naming it, and
+    ``async_`` is the choice of ``dcp.save`` or ``dcp.async_save``), and
     ``commit_files`` (name -> bytes: small files of the caller's that the
     coordinator writes with the commit, before ``.metadata``, recorded with
     their CRC32C in the manifest; Lightning's ``meta.pt`` goes this way).
+    ``enable_msc=`` and ``storage_options=`` still work, with a
+    :class:`DeprecationWarning`, for one release.
 
     ``use_collectives=False`` (of ``dcp.save``) is refused: see
     :data:`~dcpstore.dcp.writer.NO_COLLECTIVES_WHY`.
@@ -142,12 +201,12 @@ class StorageWriter(DcpStorageWriter, AsyncStager):
         overwrite: bool = True,
         _extensions: Sequence[StreamTransformExtension] | None = None,
         serialization_format: SerializationFormat = SerializationFormat.TORCH_SAVE,
-        enable_msc: bool = False,
-        storage_options: StorageOptions | None = None,
         region: str | None = None,
         s3client_config: Any = None,
         prefix_strategy: Any = None,
         commit_files: Mapping[str, bytes] | None = None,
+        options: SaveOptions | None = None,
+        **deprecated: Any,
     ) -> None:
         _refuse_s3torch(s3client_config=s3client_config, prefix_strategy=prefix_strategy)
         check_writer_args(
@@ -157,17 +216,20 @@ class StorageWriter(DcpStorageWriter, AsyncStager):
             sync_files=sync_files,
             cache_staged_state_dict=cache_staged_state_dict,
             overwrite=overwrite,
-            enable_msc=enable_msc,
         )
-        opener = _Opener(enable_msc, _storage_options(storage_options, region))
+        options, opener = _resolved(
+            StorageWriter.__init__, options, SaveOptions(), thread_count, region, deprecated, _WHERE_KEYWORDS,
+            given={} if overwrite is True else {"overwrite": overwrite},
+        )  # fmt: skip
         super().__init__(
             opener(path),
-            workers=thread_count,
+            workers=options.workers,
             reopen=opener,
             single_file_per_rank=single_file_per_rank,
-            overwrite=overwrite,
+            overwrite=options.overwrite,
             extensions=_extensions or (),
             commit_files=commit_files,
+            spread_prefixes=options.spread_prefixes,
         )
         self.sync_files = sync_files
         self.per_thread_copy_ahead = per_thread_copy_ahead
@@ -257,31 +319,28 @@ class StorageReader(DcpStorageReader):
     """DCP's ``StorageReader`` for any URI dcpstore serves; a drop-in for
     ``FileSystemReader`` (and s3torchconnector's ``S3StorageReader``).
 
-    Verifies every item's CRC32C as it reads (``verify=False``: sizes and
-    checksums unchecked). ``dcp.load(..., checkpoint_id=...)`` re-points it.
-    ``thread_count``: reader threads (default: dcpstore's).
-    ``_extension_registry`` (``FileSystemReader``'s): the stream transforms
-    the checkpoint's items may name. s3torchconnector's ``region`` sets the
-    native S3 backend's region; its ``s3client_config`` and
-    ``reader_constructor`` are refused with what to use instead.
-    Nothing in the checkpoint is executed: ``safe_globals=[cls, ...]`` allows
-    more classes in ``.metadata`` and non-tensor items, ``trusted=True`` any
-    (as :func:`dcpstore.load`).
+    Verifies every item's CRC32C as it reads (``options.verify=False``:
+    sizes and checksums unchecked). ``dcp.load(..., checkpoint_id=...)``
+    re-points it. Nothing in the checkpoint is executed:
+    ``options.safe_globals`` allows more classes in ``.metadata`` and
+    non-tensor items, ``options.trusted`` any (as :func:`dcpstore.load`).
 
     Args:
         path: a local path or a URI dcpstore serves.
-        thread_count: reader threads (default: dcpstore's).
+        thread_count: reader threads (``FileSystemReader``'s name for
+            ``options.workers``; default: dcpstore's).
         _extension_registry: ``FileSystemReader``'s: the stream transforms
             the checkpoint's items may name.
-        verify: check every item's size and CRC32C as it is read.
-        safe_globals: classes ``.metadata`` and non-tensor items may hold
-            beyond the allowlist.
-        trusted: unpickle anything (only for checkpoints trusted like code).
-        enable_msc: route through NVIDIA Multi-Storage-Client.
-        storage_options: backend tuning (:class:`~dcpstore.StorageOptions`).
         region: s3torchconnector's: the native S3 backend's region.
         s3client_config, reader_constructor: s3torchconnector's; refused
             with :class:`~dcpstore.InvalidArgument` saying what to use.
+        options: how to read, whole (a :class:`~dcpstore.LoadOptions`:
+            ``storage_options``, ``verify``, ``safe_globals``, ``trusted``);
+            what ``dcp.load`` decides (``process_group``, ``planner``) is
+            refused naming it.
+        deprecated: ``verify``, ``safe_globals``, ``trusted``,
+            ``enable_msc`` and ``storage_options`` as keywords: each still
+            works and warns (:class:`DeprecationWarning`) for one release.
     """
 
     def __init__(
@@ -290,26 +349,24 @@ class StorageReader(DcpStorageReader):
         *,
         thread_count: int | None = None,
         _extension_registry: ExtensionRegistry | None = None,
-        verify: bool = True,
-        safe_globals: Sequence[Any] | None = None,
-        trusted: bool = False,
-        enable_msc: bool = False,
-        storage_options: StorageOptions | None = None,
         region: str | None = None,
         s3client_config: Any = None,
         reader_constructor: Any = None,
+        options: LoadOptions | None = None,
+        **deprecated: Any,
     ) -> None:
         _refuse_s3torch(s3client_config=s3client_config, reader_constructor=reader_constructor)
-        _check_flags(verify=verify, trusted=trusted, enable_msc=enable_msc)
-        opener = _Opener(enable_msc, _storage_options(storage_options, region))
+        options, opener = _resolved(
+            StorageReader.__init__, options, LoadOptions(), thread_count, region, deprecated, _READER_KEYWORDS
+        )
         super().__init__(
             opener(path),
-            workers=thread_count,
+            workers=options.workers,
             reopen=opener,
-            verify=verify,
+            verify=options.verify,
             extension_registry=_extension_registry,
-            safe_globals=safe_globals,
-            trusted=trusted,
+            safe_globals=options.safe_globals,
+            trusted=options.trusted,
         )
         self._opener = opener
 
@@ -324,6 +381,11 @@ class StorageReader(DcpStorageReader):
         self.storage = self._opener(state["storage"])
         self._progress = LoadProgress(())
         self.bar = NO_PROGRESS
+
+
+#: What the drop-ins took as keywords before ``options=``.
+_WHERE_KEYWORDS = ("enable_msc", "storage_options")
+_READER_KEYWORDS = ("verify", "safe_globals", "trusted", *_WHERE_KEYWORDS)
 
 
 def check_writer_args(*, per_thread_copy_ahead: Any, serialization_format: Any, **flags: Any) -> None:

@@ -1,12 +1,20 @@
 """How a save or a load runs, as one value: :class:`SaveOptions`, :class:`LoadOptions`.
 
-:func:`dcpstore.save` builds a :class:`SaveOptions` from its keywords and
-hands it down; so do :meth:`dcpstore.AsyncSaver.save`,
-:class:`dcpstore.CheckpointManager` (which keeps one for all its saves) and
-:class:`dcpstore.adapters.megatron.CheckpointConfig` (which maps its fields
-onto one). Every layer below receives the one object, so no layer repeats
-the keyword list, and every value is checked once, here, when the object is
-built: a :class:`SaveOptions` that exists is valid.
+Every entry point takes the value whole, as ``options=``:
+:func:`dcpstore.save` and :func:`dcpstore.load` (whose keywords are
+shortcuts that build one), :meth:`dcpstore.AsyncSaver.save`,
+:class:`dcpstore.CheckpointManager` (which keeps one for all its saves), the
+drop-in :class:`dcpstore.StorageWriter` / :class:`~dcpstore.StorageReader`
+and :class:`dcpstore.adapters.megatron.CheckpointConfig`; each takes as
+keywords only what is its own (retention, tiers, ``FileSystemWriter``'s
+names, Bridge's fields). Every layer below receives the one object, so no
+layer repeats the keyword list, and every value is checked once, here, when
+the object is built: a :class:`SaveOptions` that exists is valid. Where the
+bytes go is one value too, :class:`~dcpstore.StorageOptions` (the client,
+MSC or native, and its tuning).
+
+Where keywords meet an ``options=`` (and the keywords an entry point used
+to take are mapped onto it) is :mod:`dcpstore.option_keywords`.
 
 What a value object cannot know -- whether an engine can run here (NVRx
 installed), and whether it can write a given backend -- is asked of the
@@ -14,12 +22,13 @@ engine (:func:`dcpstore.engines.choice.engine_problem`), again by every
 layer that needs it, so a configuration can never allow what the writer
 refuses.
 
-Layer: value objects. Imports only :mod:`dcpstore.errors` and
-:mod:`dcpstore.storage` (for the :class:`StorageOptions` type).
+Layer: value objects. Imports the foundation and :mod:`dcpstore.storage`
+(for :class:`StorageOptions`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
@@ -29,7 +38,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 
 from .errors import InvalidArgument
-from .storage import StorageOptions
+from .quiet import warn_deprecated
+from .storage import StorageOptions, check_spread_prefixes, with_msc
 
 @dataclass(frozen=True)
 class EngineSpec:
@@ -190,15 +200,55 @@ def shows_progress(progress: bool, process_group: dist.ProcessGroup | None) -> b
     return progress and (where is None or where[0] == 0)
 
 
+def _check_storage_options(value: Any) -> None:
+    if value is not None and not isinstance(value, StorageOptions):
+        raise InvalidArgument(f"storage_options must be a dcpstore.StorageOptions or None, got {value!r}")
+
+
+class _Where:
+    """What both options have: where the bytes are (``storage_options``,
+    whose ``enable_msc`` is read here too, as the shortcut keyword names it)."""
+
+    storage_options: StorageOptions | None
+
+    @property
+    def enable_msc(self) -> bool:
+        """Whether the storage is reached through MSC (``storage_options.enable_msc``)."""
+        return self.storage_options is not None and self.storage_options.enable_msc
+
+    def spelled(self, **more: Any) -> str:
+        """How to write these options (the fields not at their defaults),
+        with ``more`` fields set, for messages; ``enable_msc`` is written
+        where it lives, in ``storage_options``."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}  # type: ignore[arg-type]
+        if "enable_msc" in more:
+            values["storage_options"] = with_msc(values["storage_options"], bool(more.pop("enable_msc")))
+        values.update(more)
+        defaults = OPTION_DEFAULTS[type(self)]
+        return f"dcpstore.{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in values.items() if v != defaults[k])})"
+
+
 @dataclass(frozen=True)
-class LoadOptions:
-    """How :func:`dcpstore.load` reads: threads, backend, verification, DCP's
-    process group and planner, and what a non-tensor item may hold beyond
-    the allowlist (``safe_globals``, kept as a tuple, and ``trusted``; see
-    :func:`dcpstore.load`)."""
+class LoadOptions(_Where):
+    """How a load reads: every option of :func:`dcpstore.load` as one value,
+    validated when it is built (a bad value is an
+    :class:`~dcpstore.InvalidArgument` naming it). Pass it whole as
+    ``options=`` to :func:`dcpstore.load` or :class:`dcpstore.StorageReader`.
+
+    Attributes:
+        workers: reader threads per rank (``None``: the backend's default).
+        storage_options: where the bytes are: the client (``enable_msc``)
+            and its tuning (:class:`~dcpstore.StorageOptions`).
+        process_group: the ranks that load together (default: all).
+        planner: a DCP ``LoadPlanner`` (default: DCP's own).
+        verify: check every item's CRC32C and every file's size.
+        progress: a progress bar of this rank's bytes on stderr (rank 0).
+        safe_globals: classes a non-tensor item may hold beyond the
+            allowlist, kept as a tuple.
+        trusted: unpickle anything (only for checkpoints trusted like code).
+    """
 
     workers: int | None = None
-    enable_msc: bool = False
     storage_options: StorageOptions | None = None
     process_group: dist.ProcessGroup | None = None
     planner: LoadPlanner | None = None
@@ -209,6 +259,7 @@ class LoadOptions:
 
     def __post_init__(self) -> None:
         check_workers(self.workers, 1)
+        _check_storage_options(self.storage_options)
         _check_bool("verify", self.verify)
         _check_bool("progress", self.progress)
         _check_process_group(self.process_group)
@@ -221,34 +272,61 @@ _SAVE_ID = re.compile(r"[0-9a-f]{16}")
 
 
 @dataclass(frozen=True)
-class SaveOptions:
-    """How :func:`dcpstore.save` runs a save (see its docstring for each
-    option). Built once from the caller's keywords, validated on
-    construction, and handed down whole.
+class SaveOptions(_Where):
+    """How a save runs: every option of :func:`dcpstore.save` as one value,
+    validated when it is built (a bad value is an
+    :class:`~dcpstore.InvalidArgument` naming it) and handed down whole.
+    Pass it as ``options=`` to :func:`dcpstore.save`,
+    :meth:`dcpstore.AsyncSaver.save`, :class:`dcpstore.CheckpointManager`,
+    :class:`dcpstore.StorageWriter` or
+    :class:`~dcpstore.adapters.megatron.CheckpointConfig`::
 
-    ``max_in_flight`` ``None`` means the saver's own limit (1 for
-    :func:`dcpstore.save`'s per-process saver). ``overwrite=False``: refuse
-    a URI that holds a committed checkpoint (:class:`~dcpstore.CheckpointExists`).
-    ``save_id`` (not one of :func:`dcpstore.save`'s keywords): the save id the
-    commit records, 16 hex digits, for a caller that must know it before the
-    save starts (a tiered manager with node-local directories); None: a
-    fresh random one.
+        options = dcpstore.SaveOptions(async_=True, engine="native", spread_prefixes=16,
+                                       storage_options=dcpstore.StorageOptions(enable_msc=True))
+        mgr = dcpstore.CheckpointManager("s3://bucket/run1", keep=3, options=options)
+
+    Attributes:
+        async_: save in the background once the state is staged.
+        engine: what runs the background part (``"auto"``, ``"native"``,
+            ``"nvrx"``, ``"process"``; :data:`ENGINES`).
+        workers: writer threads per rank (``None``: the backend's default).
+        storage_options: where the bytes go: the client (``enable_msc``)
+            and its tuning (:class:`~dcpstore.StorageOptions`).
+        process_group: the ranks that save together (default: all).
+        planner: a DCP ``SavePlanner`` (default: DCP's own).
+        max_in_flight: async saves pending at once (``None``: the saver's
+            own limit, 1 for :func:`dcpstore.save`'s per-process saver).
+        overwrite: ``False`` refuses a URI that holds a committed
+            checkpoint (:class:`~dcpstore.CheckpointExists`).
+        progress: a progress bar of this rank's bytes on stderr (rank 0).
+        spread_prefixes: spread the ranks' data files over this many key
+            prefixes (rank ``r`` writes under ``p{r mod N, hex digits
+            reversed}/``; :mod:`dcpstore.format.layout`), so that many ranks
+            writing one checkpoint do not all hit one object-store
+            partition's request limit (S3: about 3,500 PUT/s per prefix).
+            1 (default): stock DCP's flat layout. Loads read either layout.
+        save_id: the save id the commit records, 16 hex digits, for a
+            caller that must know it before the save starts (a tiered
+            manager with node-local directories); ``None``: a fresh one.
     """
 
     async_: bool = False
     engine: str = "auto"
     workers: int | None = None
-    enable_msc: bool = False
     storage_options: StorageOptions | None = None
     process_group: dist.ProcessGroup | None = None
     planner: SavePlanner | None = None
     max_in_flight: int | None = None
     overwrite: bool = True
     progress: bool = False
+    spread_prefixes: int = 1
     save_id: str | None = None
 
     def __post_init__(self) -> None:
         _check_bool("progress", self.progress)
+        _check_storage_options(self.storage_options)
+        check_spread_prefixes(self.spread_prefixes)
+        self._take_spread_from_storage_options()
         if self.save_id is not None and not (isinstance(self.save_id, str) and _SAVE_ID.fullmatch(self.save_id)):
             raise InvalidArgument(f"save_id must be None or 16 lowercase hex digits, got {self.save_id!r}")
         for problem in save_option_problems(
@@ -269,12 +347,32 @@ class SaveOptions:
         native one (which then waits for it)."""
         return self.async_ or self.engine not in (AUTO, "native")
 
+    def _take_spread_from_storage_options(self) -> None:
+        """The deprecated ``StorageOptions.spread_prefixes``: moved here, once
+        (so the storage options handed down no longer carry it)."""
+        where = self.storage_options
+        if where is None or where.spread_prefixes == 1:
+            return
+        warn_spread_deprecated(where.spread_prefixes)
+        if self.spread_prefixes not in (1, where.spread_prefixes):
+            raise InvalidArgument(
+                f"spread_prefixes={self.spread_prefixes} and storage_options.spread_prefixes={where.spread_prefixes} "
+                "disagree; pass spread_prefixes only, in SaveOptions"
+            )
+        object.__setattr__(self, "spread_prefixes", where.spread_prefixes)  # frozen: set once, here
+        object.__setattr__(self, "storage_options", dataclasses.replace(where, spread_prefixes=1))
+
     def for_load(self, *, safe_globals: Sequence[Any] = (), trusted: bool = False) -> LoadOptions:
-        """The options a load of what these options saved reads with;
-        ``safe_globals`` / ``trusted`` as :class:`LoadOptions` takes them."""
+        """The options a load of what these options saved reads with.
+
+        Args:
+            safe_globals, trusted: as :class:`LoadOptions` takes them.
+
+        Returns:
+            The :class:`LoadOptions` with these options' I/O part.
+        """
         return LoadOptions(
             workers=self.workers,
-            enable_msc=self.enable_msc,
             storage_options=self.storage_options,
             process_group=self.process_group,
             progress=self.progress,
@@ -283,5 +381,29 @@ class SaveOptions:
         )
 
     def as_kwargs(self) -> dict[str, Any]:
-        """These options as :func:`dcpstore.save`'s keyword arguments."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "save_id"}
+        """These options as :func:`dcpstore.save`'s keyword arguments: its
+        shortcuts, and what has none (``spread_prefixes``) as ``options=``.
+
+        Returns:
+            The keyword arguments, ``save(state, uri, **kwargs)``.
+        """
+        kwargs = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("save_id", "spread_prefixes")}
+        kwargs["enable_msc"] = self.enable_msc
+        if self.spread_prefixes != 1:
+            kwargs["options"] = SaveOptions(spread_prefixes=self.spread_prefixes)
+        return kwargs
+
+
+#: Each field's default, and ``enable_msc``'s (``storage_options.enable_msc``).
+OPTION_DEFAULTS: dict[type, dict[str, Any]] = {
+    kind: {"enable_msc": False, **{f.name: f.default for f in fields(kind)}} for kind in (SaveOptions, LoadOptions)
+}
+
+
+def warn_spread_deprecated(spread: int) -> None:
+    """The warning for ``StorageOptions(spread_prefixes=spread)``, wherever it takes effect."""
+    warn_deprecated(
+        f"StorageOptions(spread_prefixes={spread}) is deprecated: spreading is how a save lays out its files, "
+        f"not how the storage is reached; pass dcpstore.SaveOptions(spread_prefixes={spread}) instead "
+        "(options= of dcpstore.save and of every other entry point)"
+    )

@@ -1,5 +1,5 @@
 """Ignore one known warning for as long as dcpstore's own call runs; point
-our own warnings at the user's line.
+our own warnings (deprecations among them) at the user's line.
 
 Foundation layer: imports nothing of dcpstore's.
 
@@ -24,6 +24,7 @@ adding and removing it needs no cache invalidation.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import sys
@@ -80,14 +81,35 @@ def ignoring(message: str) -> Iterator[None]:
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
+def _ours(frame: Any) -> bool:
+    """Whether ``frame`` runs dcpstore's code: a module of the package, or
+    the ``__init__`` that ``dataclasses`` generates for one of its classes
+    (compiled from a string, so it has no file of ours; ``__post_init__``
+    warns through it), or ``dataclasses.replace`` rebuilding one."""
+    code = frame.f_code
+    if code.co_filename.startswith(_PACKAGE) or code.co_filename == dataclasses.__file__:
+        return True
+    if code.co_filename != "<string>" or code.co_name != "__init__":
+        return False
+    owner = frame.f_locals.get("self")
+    return type(owner).__module__.split(".")[0] == __name__.split(".")[0]
+
+
 def user_stacklevel() -> int:
     """The ``stacklevel`` that makes the caller's ``warnings.warn`` name the
     first frame outside the dcpstore package: the user's line, however many
-    of our layers and wrappers (:func:`dcpstore.keywords.hint_keywords`) lie
-    between (what Python 3.12's ``skip_file_prefixes`` does)."""
+    of our layers and wrappers (:func:`dcpstore.keywords.hint_keywords`, a
+    dataclass's generated ``__init__``) lie between (what Python 3.12's
+    ``skip_file_prefixes`` does)."""
     frame = sys._getframe(1)  # the function that is about to warn
     level = 1
-    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+    while frame.f_back is not None and _ours(frame):
         frame = frame.f_back
         level += 1
     return level
+
+
+def warn_deprecated(message: str) -> None:
+    """A :class:`DeprecationWarning` saying ``message`` (which names the
+    replacement), pointed at the user's line."""
+    warnings.warn(message, DeprecationWarning, stacklevel=user_stacklevel())

@@ -126,7 +126,8 @@ def configs(args: argparse.Namespace) -> dict[str, CheckpointConfig]:
     return {
         name: CheckpointConfig(
             save=root, load=root, save_interval=args.plan.every, async_save=args.async_save,
-            ckpt_format="fsdp_dtensor", most_recent_k=2, dist_ckpt_workers=2, engine=engines[name],
+            ckpt_format="fsdp_dtensor", most_recent_k=2, dist_ckpt_workers=2,
+            options=dcpstore.SaveOptions(engine=engines[name]),
         )
         for name, root in roots.items()
     }

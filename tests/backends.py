@@ -4,7 +4,9 @@ Every suite that should hold on every backend takes the ``target`` fixture
 (see conftest.py), which is parametrised over ``TARGETS``: one entry per way
 of reaching storage. A target is a URI plus the keyword arguments that
 ``dcpstore.save`` / ``load`` / ``open_storage`` need with it (e.g.
-``enable_msc=True``, ``storage_options=``). Object-store targets pull in the session's S3 endpoint
+``enable_msc=True``, ``storage_options=``); ``save_options()`` /
+``load_options()`` give them as the one value the other entry points take
+(``options=``). Object-store targets pull in the session's S3 endpoint
 fixture (tests/s3_server.py) lazily, so local-only runs start no server.
 
 Object-store targets use a small part size (5 MiB, S3's minimum) so that the
@@ -25,7 +27,8 @@ from typing import Any
 
 import pytest
 
-from dcpstore.storage import MiB, StorageOptions
+from dcpstore import LoadOptions, SaveOptions
+from dcpstore.storage import MiB, StorageOptions, with_msc
 from s3_server import MSC_MAPPED_PREFIX
 
 #: Tuning for the object-store targets: multipart from 5 MiB, bounded retries.
@@ -49,6 +52,31 @@ class Target:
         """The same backend, at ``uri/name``."""
         return Target(self.name, f"{self.uri.rstrip('/')}/{name}", dict(self.kwargs))
 
+    def save_options(self, **more: Any) -> SaveOptions:
+        """``SaveOptions`` reaching this target, with ``more`` fields."""
+        return save_options(self.kwargs, **more)
+
+    def load_options(self, **more: Any) -> LoadOptions:
+        """``LoadOptions`` reaching this target, with ``more`` fields."""
+        return load_options(self.kwargs, **more)
+
+
+def save_options(kwargs: dict[str, Any], **more: Any) -> SaveOptions:
+    """Keywords of ``dcpstore.save`` (``enable_msc`` among them) as the one
+    value the other entry points take, with ``more`` fields."""
+    return SaveOptions(**_where(kwargs), **more)
+
+
+def load_options(kwargs: dict[str, Any], **more: Any) -> LoadOptions:
+    """As :func:`save_options`, for loads."""
+    return LoadOptions(**_where(kwargs), **more)
+
+
+def _where(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``enable_msc`` folded into ``storage_options``: one value for where the bytes go."""
+    rest = {k: v for k, v in kwargs.items() if k != "enable_msc"}
+    rest["storage_options"] = with_msc(rest.get("storage_options"), kwargs.get("enable_msc", False))
+    return rest
 
 
 def _local(request: pytest.FixtureRequest, unique: str) -> Target:

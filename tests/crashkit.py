@@ -278,9 +278,9 @@ SCENARIOS = {"next": 2, "overwrite": 1}
 
 @dataclass(frozen=True)
 class Managed:
-    """How a crash child saves: ``CheckpointManager(root, keep=1, **kwargs)``."""
+    """How a crash child saves: ``CheckpointManager(root, keep=1, options=SaveOptions(**kwargs))``."""
 
-    #: CheckpointManager keywords (async_, engine, workers, storage_options).
+    #: The save options (async_, engine, workers, storage_options).
     kwargs: dict[str, Any] = field(default_factory=dict)
     #: Elements of crash_state's big tensor.
     big: int = 256 * 1024
@@ -294,6 +294,16 @@ class Managed:
         """What dcpstore.save / load need beside the URI."""
         options = self.kwargs.get("storage_options")
         return {"storage_options": options} if options is not None else {}
+
+    @property
+    def options(self) -> dcpstore.SaveOptions:
+        """``kwargs`` as the manager's options (async unless they say not)."""
+        return dcpstore.SaveOptions(**{"async_": True, **self.kwargs})
+
+    @property
+    def reader_options(self) -> dcpstore.SaveOptions:
+        """The options of a manager that only lists and loads: ``io``."""
+        return dcpstore.SaveOptions(async_=True, **self.io)
 
     def state(self, seed: int) -> dict[str, Any]:
         return crash_state(seed, big=self.big)
@@ -314,7 +324,7 @@ def _managed_save(root: str, scenario: str, how: Managed, hook: Hook) -> None:
         instrument_nvrx(hook)
     hook_all_storage(hook)
     state = how.state(2)
-    manager = dcpstore.CheckpointManager(root, keep=1, **how.kwargs)
+    manager = dcpstore.CheckpointManager(root, keep=1, options=how.options)
     manager.save(state, SCENARIOS[scenario], overwrite=scenario == "overwrite")
     mutate(state)  # training goes on; an async checkpoint must not see this
     manager.close()  # waits, then writes the pointer and applies retention
@@ -345,7 +355,7 @@ def managed_probe(root: str, scenario: str, how: Managed, queue: Any) -> None:
 def _seeded_root(base: str, name: str, how: Managed) -> str:
     """A manager root under ``base`` holding committed step 1 (seed 1)."""
     root = join_uri(base, name)
-    dcpstore.save(how.state(1), dcpstore.CheckpointManager(root, **how.io).step_uri(1), **how.io)
+    dcpstore.save(how.state(1), dcpstore.CheckpointManager(root, options=how.reader_options).step_uri(1), **how.io)
     return root
 
 
@@ -399,7 +409,7 @@ def run_managed_crashes(
     for k in points:
         name = f"k{k:03d}"
         root = _seeded_root(base, name, how)
-        manager = dcpstore.CheckpointManager(root, **how.io)
+        manager = dcpstore.CheckpointManager(root, options=how.reader_options)
         code = crash(ctx, managed_child, root, scenario, how, k)
         assert code == -signal.SIGKILL, f"kill point {k} ({events[k]}): exit code {code}"
         where = f"kill point {k} ({events[k]})"
@@ -454,9 +464,9 @@ def run_managed_crashes(
     assert all(e.committed for e in after) and {e.path for e in after} == want
     assert not [e.path for e in after if e.leftovers or e.mixed]  # the files no commit names went too
     for name, steps in committed.items():  # gc deleted no committed step
-        assert dcpstore.CheckpointManager(join_uri(base, name), **how.io).all_steps() == steps
+        assert dcpstore.CheckpointManager(join_uri(base, name), options=how.reader_options).all_steps() == steps
     for name, found in loads.items():  # ...and no file one needs
-        uri = dcpstore.CheckpointManager(join_uri(base, name), **how.io).step_uri(1)
+        uri = dcpstore.CheckpointManager(join_uri(base, name), options=how.reader_options).step_uri(1)
         assert which_state(uri, {"old": how.state(1), "new": how.state(2)}, **how.io) == found, name
     killcount.record(len(points), len(points), len(points))  # each one was asserted to kill
     return events

@@ -41,6 +41,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 import dcpstore
+from backends import load_options, save_options
 
 
 @dataclass(frozen=True)
@@ -172,7 +173,7 @@ def make_writer(kind: str, uri: str, cache: bool, kwargs: dict[str, Any]) -> Any
     if kind == "stock":
         # Stock's cached staging pins its buffers, which needs an accelerator.
         return FileSystemWriter(uri, cache_staged_state_dict=cache and torch.cuda.is_available())
-    return dcpstore.StorageWriter(uri, cache_staged_state_dict=cache, **kwargs)
+    return dcpstore.StorageWriter(uri, cache_staged_state_dict=cache, options=save_options(kwargs))
 
 
 class _Loader:
@@ -180,7 +181,7 @@ class _Loader:
     ``checkpoint_id`` (and stock's reader too, on local paths)."""
 
     def __init__(self, kind: str, kwargs: dict[str, Any], local: bool, first_uri: str) -> None:
-        self.reader = None if kind == "stock" else dcpstore.StorageReader(first_uri, **kwargs)
+        self.reader = None if kind == "stock" else dcpstore.StorageReader(first_uri, options=load_options(kwargs))
         self.local = local
 
     def difference(self, uri: str, want: dict[str, Any]) -> str | None:

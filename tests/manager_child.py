@@ -29,7 +29,7 @@ def state(step: int) -> dict[str, object]:
 
 def main() -> None:
     mode, root, keep, async_ = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1"
-    mgr = dcpstore.CheckpointManager(root, keep=keep, async_=async_, workers=4)
+    mgr = dcpstore.CheckpointManager(root, keep=keep, async_=async_, options=dcpstore.SaveOptions(workers=4))
     if mode == "commit-kill":
         for step in (1, 2):
             mgr.save(state(step), step)

@@ -24,7 +24,7 @@ def calls(tmp_path: Path) -> Iterator[dict[str, Callable[..., Any]]]:
     uri = str(tmp_path / "c")
     state = {"w": torch.ones(4)}
     saver = dcpstore.AsyncSaver()
-    mgr = dcpstore.CheckpointManager(str(tmp_path / "run"), engine="native")
+    mgr = dcpstore.CheckpointManager(str(tmp_path / "run"), options=dcpstore.SaveOptions(async_=True, engine="native"))
     yield {
         "save": lambda **kw: dcpstore.save(state, uri, **kw),
         "load": lambda **kw: dcpstore.load(state, uri, **kw),

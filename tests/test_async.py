@@ -60,7 +60,7 @@ def test_mutation_after_save_never_reaches_storage(engine: str, target: Target, 
     # Hold the background save before it plans, so every byte it writes is
     # written after the mutation below: aliasing anything would show.
     planner = GatedPlanner("setup")
-    handle = saver.save(state, target.uri, engine=engine, planner=planner, workers=3, **target.kwargs)
+    handle = saver.save(state, target.uri, options=target.save_options(engine=engine, planner=planner, workers=3))
     assert not handle.done()
     mutate(state)
     planner.gate.set()
@@ -94,7 +94,7 @@ def test_background_error_surfaces_from_result(engine: str, local_target: Target
     with open(blocker, "w") as f:
         f.write("not a directory")
     uri = os.path.join(blocker, "ckpt")
-    handle = saver.save({"w": torch.ones(10)}, uri, engine=engine)
+    handle = saver.save({"w": torch.ones(10)}, uri, options=dcpstore.SaveOptions(engine=engine))
     with pytest.raises(SaveError) as info:
         handle.result(timeout=60)
     assert uri in str(info.value)
@@ -112,7 +112,7 @@ def test_failed_write_commits_nothing(engine: str, local_target: Target, saver: 
     # stock DCP's names): that write fails mid-save.
     os.makedirs(os.path.join(uri, "__0_1.distcp"))
     with pytest.raises(SaveError, match="__0_1.distcp"):
-        saver.save(state, uri, engine=engine, workers=2).result(timeout=60)
+        saver.save(state, uri, options=dcpstore.SaveOptions(engine=engine, workers=2)).result(timeout=60)
     assert not os.path.exists(os.path.join(uri, ".metadata"))
     with pytest.raises(CheckpointNotFound):
         dcpstore.load({"a": torch.empty(64, 64), "b": torch.empty(64, 64)}, uri)
@@ -121,9 +121,9 @@ def test_failed_write_commits_nothing(engine: str, local_target: Target, saver: 
 @pytest.mark.parametrize("engine", engine_params(quick=ENGINES))
 def test_the_old_commit_loads_while_an_overwrite_writes(engine: str, local_target: Target, saver: Any) -> None:
     uri = local_target.uri
-    saver.save({"w": torch.zeros(100)}, uri, engine=engine).result(timeout=60)
+    saver.save({"w": torch.zeros(100)}, uri, options=dcpstore.SaveOptions(engine=engine)).result(timeout=60)
     planner = GatedPlanner("resolve")  # stops before the first data byte is written
-    handle = saver.save({"w": torch.ones(100)}, uri, engine=engine, planner=planner)
+    handle = saver.save({"w": torch.ones(100)}, uri, options=dcpstore.SaveOptions(engine=engine, planner=planner))
     assert planner.reached.wait(30)
     loaded = {"w": torch.empty(100)}
     dcpstore.load(loaded, uri)  # the claim happened: the old checkpoint is untouched
@@ -139,7 +139,7 @@ def test_the_old_commit_loads_while_an_overwrite_writes(engine: str, local_targe
 def test_a_later_save_to_the_same_uri_wins(engine: str, local_target: Target, saver: Any) -> None:
     uri = local_target.uri
     planner = GatedPlanner("resolve")  # the first save claimed the URI and stops before writing
-    first = saver.save({"w": torch.zeros(100)}, uri, engine=engine, planner=planner, workers=2)
+    first = saver.save({"w": torch.zeros(100)}, uri, options=dcpstore.SaveOptions(engine=engine, planner=planner, workers=2))
     assert planner.reached.wait(30)
     dcpstore.save({"w": torch.ones(100)}, uri, workers=2)  # another writer: sync, to completion
     planner.gate.set()
@@ -152,18 +152,18 @@ def test_a_later_save_to_the_same_uri_wins(engine: str, local_target: Target, sa
 
 def test_unpicklable_value_fails_in_save_naming_the_key(local_target: Target, saver: Any) -> None:
     with pytest.raises(InvalidArgument, match="bad"):
-        saver.save({"bad": threading.Lock()}, local_target.uri, engine="native")
+        saver.save({"bad": threading.Lock()}, local_target.uri, options=dcpstore.SaveOptions(engine="native"))
     assert saver.pending() == 0
 
 
 def test_max_in_flight_one_finishes_the_previous_save_first(local_target: Target, saver: Any) -> None:
     planner = GatedPlanner("setup")
-    first = saver.save({"w": torch.ones(10)}, local_target.child("a").uri, engine="native", planner=planner)
+    first = saver.save({"w": torch.ones(10)}, local_target.child("a").uri, options=dcpstore.SaveOptions(engine="native", planner=planner))
     returned = threading.Event()
     second: list[Any] = []
 
     def save_second() -> None:
-        second.append(saver.save({"w": torch.ones(10)}, local_target.child("b").uri, engine="native"))
+        second.append(saver.save({"w": torch.ones(10)}, local_target.child("b").uri, options=dcpstore.SaveOptions(engine="native")))
         returned.set()
 
     thread = threading.Thread(target=save_second)
@@ -180,14 +180,14 @@ def test_max_in_flight_two_allows_two_pending_and_finishes_in_order(local_target
     order: list[str] = []
     with dcpstore.AsyncSaver(max_in_flight=2) as saver:
         planner = GatedPlanner("setup")
-        h1 = saver.save({"w": torch.ones(10)}, local_target.child("a").uri, engine="native", planner=planner)
-        h2 = saver.save({"w": torch.ones(10)}, local_target.child("b").uri, engine="native")
+        h1 = saver.save({"w": torch.ones(10)}, local_target.child("a").uri, options=dcpstore.SaveOptions(engine="native", planner=planner))
+        h2 = saver.save({"w": torch.ones(10)}, local_target.child("b").uri, options=dcpstore.SaveOptions(engine="native"))
         h1.add_done_callback(lambda h: order.append("a"))
         h2.add_done_callback(lambda h: order.append("b"))
         assert saver.pending() == 2 and not h1.done() and not h2.done()
         third_returned = threading.Event()
         thread = threading.Thread(
-            target=lambda: (saver.save({"w": torch.ones(10)}, local_target.child("c").uri, engine="native"), third_returned.set())
+            target=lambda: (saver.save({"w": torch.ones(10)}, local_target.child("c").uri, options=dcpstore.SaveOptions(engine="native")), third_returned.set())
         )
         thread.start()
         assert not third_returned.wait(0.5)  # a third must wait for the oldest
@@ -202,11 +202,11 @@ def test_max_in_flight_two_allows_two_pending_and_finishes_in_order(local_target
 
 def test_closed_saver_refuses_and_close_waits(local_target: Target) -> None:
     saver = dcpstore.AsyncSaver()
-    handle = saver.save({"w": torch.ones(1000)}, local_target.uri, engine="native")
+    handle = saver.save({"w": torch.ones(1000)}, local_target.uri, options=dcpstore.SaveOptions(engine="native"))
     saver.close()
     assert handle.done() and handle.result().bytes_written > 0
     with pytest.raises(InvalidArgument, match="closed"):
-        saver.save({"w": torch.ones(1)}, local_target.uri, engine="native")
+        saver.save({"w": torch.ones(1)}, local_target.uri, options=dcpstore.SaveOptions(engine="native"))
 
 
 @pytest.mark.parametrize("engine", engine_params())
@@ -255,7 +255,7 @@ def _repeated_saves_stay_flat(engine: str, target: Target) -> None:
             for name in list(state)[:8]:
                 state[name].add_(1)
             uri = target.child(f"step{step % 3}").uri  # overwrite a few URIs, like a rotating manager
-            saver.save(state, uri, engine=engine, workers=2, **target.kwargs).result(timeout=60)
+            saver.save(state, uri, options=target.save_options(engine=engine, workers=2)).result(timeout=60)
             if step == 9:
                 _, fds0, threads0 = usage()
             for first, samples in windows.items():

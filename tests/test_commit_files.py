@@ -37,7 +37,7 @@ def _blob(value: Any) -> bytes:
 
 
 def _save(target: Target, state: dict[str, Any], meta: Any) -> None:
-    writer = dcpstore.StorageWriter(target.uri, commit_files={META: _blob(meta)}, **target.kwargs)
+    writer = dcpstore.StorageWriter(target.uri, commit_files={META: _blob(meta)}, options=target.save_options())
     dcp.save(state, storage_writer=writer)
 
 
@@ -106,7 +106,7 @@ def test_a_save_that_fails_before_its_commit_leaves_the_old_pair(target: Target,
     save left."""
     old = sample_state(1)
     _save(target, old, {"epoch": 1})
-    writer = dcpstore.StorageWriter(target.uri, commit_files={META: _blob({"epoch": 2})}, **target.kwargs)
+    writer = dcpstore.StorageWriter(target.uri, commit_files={META: _blob({"epoch": 2})}, options=target.save_options())
     real_put = writer.storage.put
 
     def put(path: str, data: Any, **kw: Any) -> None:

@@ -191,7 +191,7 @@ def test_async_save_of_cuda_state_matches_stock_dcp(engine: str, tmp_path: Any) 
     oracle = stock_dcp_values({k: v for k, v in state.items() if k not in VIEW_BIT_KEYS}, str(tmp_path / "stock"))
     uri = str(tmp_path / "ckpt")
     with dcpstore.AsyncSaver() as saver:
-        info = saver.save(state, uri, engine=engine).result(timeout=120)
+        info = saver.save(state, uri, options=dcpstore.SaveOptions(engine=engine)).result(timeout=120)
     assert info.engine == engine and info.phases["stage"] > 0
     loaded = template(state, "cpu")
     dcpstore.load(loaded, uri)
@@ -211,7 +211,7 @@ def test_snapshot_holds_while_the_next_step_mutates_on_another_stream(engine: st
     planner = GatedPlanner("setup")  # holds the background save before it reads anything
     uri = str(tmp_path / "ckpt")
     with dcpstore.AsyncSaver() as saver:
-        handle = saver.save(state, uri, engine=engine, planner=planner, workers=4)
+        handle = saver.save(state, uri, options=dcpstore.SaveOptions(engine=engine, planner=planner, workers=4))
         with torch.cuda.stream(side):
             for t in state.values():
                 t.mul_(-1.5).add_(1.0)  # changes every element
@@ -280,7 +280,7 @@ def job_fsdp_nccl(rank: int, world: int, root: str, engine: str, device: str = "
     from dcpstore.adapters import fsdp
 
     model, optim = build(0, device=device)
-    mgr = dcpstore.CheckpointManager(root, keep=2, async_=True, engine=engine)
+    mgr = dcpstore.CheckpointManager(root, keep=2, async_=True, options=dcpstore.SaveOptions(engine=engine))
     refs: dict[int, dict[str, Any]] = {}
     for step in range(1, 4):
         train(model, optim, 1, seed=step)
@@ -294,7 +294,7 @@ def job_fsdp_nccl(rank: int, world: int, root: str, engine: str, device: str = "
     fresh, fresh_optim = build(1, device=device)
     before = full_state(fresh, fresh_optim)
     extra: dict[str, Any] = {"step": -1}
-    with dcpstore.CheckpointManager(root, keep=2, async_=True, engine=engine) as again:
+    with dcpstore.CheckpointManager(root, keep=2, async_=True, options=dcpstore.SaveOptions(engine=engine)) as again:
         assert again.all_steps() == [2, 3]
         report = fsdp.load_app_state(fresh, fresh_optim, again, extra=extra)
     assert report.ok and report.step == 3 and extra["step"] == 3, (report.describe(), extra)
@@ -327,7 +327,7 @@ def test_manager_resumes_cuda_training_from_the_newest_step(tmp_path: Any) -> No
     root = str(tmp_path / "run")
     model, optim = build(0, sharded=False, device=DEVICE)
     refs: dict[int, dict[str, Any]] = {}
-    with dcpstore.CheckpointManager(root, keep=2, async_=True, engine="native") as mgr:
+    with dcpstore.CheckpointManager(root, keep=2, async_=True, options=dcpstore.SaveOptions(engine="native")) as mgr:
         for step in range(1, 5):
             train(model, optim, 1, seed=step)
             refs[step] = full_state(model, optim)

@@ -8,6 +8,7 @@ tests run against these classes in tests/upstream.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import io
 import os
@@ -52,11 +53,11 @@ def tensors(seed: int) -> dict[str, Any]:
 
 
 def writer(target: Target, **kwargs: Any) -> dcpstore.StorageWriter:
-    return dcpstore.StorageWriter(target.uri, **target.kwargs, **kwargs)
+    return dcpstore.StorageWriter(target.uri, options=target.save_options(), **kwargs)
 
 
 def reader(target: Target, **kwargs: Any) -> dcpstore.StorageReader:
-    return dcpstore.StorageReader(target.uri, **target.kwargs, **kwargs)
+    return dcpstore.StorageReader(target.uri, options=target.load_options(), **kwargs)
 
 
 def load_with_dcp(state: dict[str, Any], target: Target) -> dict[str, Any]:
@@ -236,7 +237,7 @@ def test_every_s3torchconnector_keyword_is_taken() -> None:
         ({"thread_count": 0}, "workers"),
         ({"per_thread_copy_ahead": -1}, "per_thread_copy_ahead"),
         ({"region": ""}, "region"),
-        ({"region": "eu-west-1", "storage_options": dcpstore.StorageOptions(region="us-east-1")}, "region"),
+        ({"region": "eu-west-1", "options": dcpstore.SaveOptions(storage_options=dcpstore.StorageOptions(region="us-east-1"))}, "region"),
     ],
 )
 def test_writer_refuses_what_it_cannot_honour(tmp_path: Path, kwargs: dict[str, Any], named: str) -> None:
@@ -249,7 +250,9 @@ def test_writer_refuses_what_it_cannot_honour(tmp_path: Path, kwargs: dict[str, 
     [({"reader_constructor": object()}, "reader_constructor"), ({"s3client_config": object()}, "s3client_config"), ({"verify": None}, "verify")],
 )
 def test_reader_refuses_what_it_cannot_honour(tmp_path: Path, kwargs: dict[str, Any], named: str) -> None:
-    with pytest.raises(dcpstore.InvalidArgument, match=named):
+    # verify= is now LoadOptions': still checked, after its deprecation warning.
+    deprecated = pytest.warns(DeprecationWarning, match="keyword verify= is deprecated") if "verify" in kwargs else contextlib.nullcontext()
+    with pytest.raises(dcpstore.InvalidArgument, match=named), deprecated:
         dcpstore.StorageReader(tmp_path, **kwargs)
 
 
@@ -318,7 +321,7 @@ def test_async_save_stages_through_dcpstore(target: Target, monkeypatch: pytest.
         return original(self, state_dict, **kwargs)
 
     monkeypatch.setattr(staging.Stager, "stage", spy)
-    w = GatedWriter(target.uri, **target.kwargs)
+    w = GatedWriter(target.uri, options=target.save_options())
     w.gate = threading.Event()
     assert isinstance(w, AsyncStager)
     state = tensors(8)

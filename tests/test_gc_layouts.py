@@ -110,7 +110,7 @@ def test_running_save_is_never_collected(tmp_path: Path, monkeypatch: pytest.Mon
     root = tmp_path / "root"
     hook_all_storage({str(root / "ck"): hook}, monkeypatch.setattr)
     saver = dcpstore.AsyncSaver()
-    handle = saver.save(_state(), str(root / "ck"), engine="native", workers=2)
+    handle = saver.save(_state(), str(root / "ck"), options=dcpstore.SaveOptions(engine="native", workers=2))
     try:
         assert hook.reached.wait(60)
         alive = [n for n in os.listdir(root / "ck") if inflight.is_alive_file(n)]

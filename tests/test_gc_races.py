@@ -167,13 +167,14 @@ def test_gc_loop_beside_a_tiered_manager(request: pytest.FixtureRequest, tmp_pat
     durable = make_target(durable_backend, request)
     local = tmp_path / "nvme"
     with gc_loop([durable.uri, str(local)]):
-        with dcpstore.CheckpointManager(durable.uri, local_dir=str(local), keep=3, local_keep=2, **durable.kwargs) as mgr:
+        with dcpstore.CheckpointManager(durable.uri, local_dir=str(local), keep=3, local_keep=2,
+                                        options=durable.save_options(async_=True)) as mgr:  # fmt: skip
             for step in range(1, 9):
                 mgr.save(_state(step), step, overwrite=step == 6)
                 if step == 5:
                     mgr.save(_state(50), 5, overwrite=True)
             mgr.wait()
-    assert dcpstore.CheckpointManager(durable.uri, **durable.kwargs).all_steps() == [6, 7, 8]
+    assert dcpstore.CheckpointManager(durable.uri, options=durable.save_options(async_=True)).all_steps() == [6, 7, 8]
     for step in (6, 7, 8):
         _loads(f"{durable.uri}/step_{step:08d}", step, **durable.kwargs)
 
@@ -191,7 +192,7 @@ def test_an_alive_file_gone_before_gc_reads_it_keeps_the_directory(tmp_path: Pat
     gate = BlockAt(lambda e: e == f"open:{METADATA}")
     hook_all_storage({str(uri): gate}, monkeypatch.setattr)
     saver = dcpstore.AsyncSaver()
-    handle = saver.save(_state(2), str(uri), engine="native", workers=2)
+    handle = saver.save(_state(2), str(uri), options=dcpstore.SaveOptions(engine="native", workers=2))
     assert gate.reached.wait(60)
     real = listing._commit_files
 
@@ -264,7 +265,7 @@ def test_a_dead_saves_marker_is_left_to_a_save_that_claimed_since(tmp_path: Path
     def then_claim(storage: Any) -> Any:
         entries = real(storage)
         if not started:
-            started.append(saver.save(_state(2), str(uri), engine="native", workers=2))
+            started.append(saver.save(_state(2), str(uri), options=dcpstore.SaveOptions(engine="native", workers=2)))
             assert gate.reached.wait(60)
         return entries
 
@@ -299,7 +300,7 @@ def _tiered_ranks(rank: int, world: int, durable: str, dirs: list[str]) -> None:
     from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,))
-    with dcpstore.CheckpointManager(durable, local_dir=dirs[rank], keep=2, local_keep=2, async_=True, engine="native") as mgr:
+    with dcpstore.CheckpointManager(durable, local_dir=dirs[rank], keep=2, local_keep=2, async_=True, options=dcpstore.SaveOptions(engine="native")) as mgr:
         for step in range(1, 6):
             full = torch.arange(64 * 8, dtype=torch.float32).reshape(64, 8) + step
             mgr.save({"w": distribute_tensor(full, mesh, [Shard(0)]), "step": step}, step, overwrite=step == 4)

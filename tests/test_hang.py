@@ -39,7 +39,7 @@ def test_hung_write_bounds_result_next_save_and_close(tmp_path, monkeypatch) -> 
     hook_all_storage(hook, monkeypatch.setattr)
     saver = dcpstore.AsyncSaver(hang_timeout=1.0)
     uri = str(tmp_path / "hung")
-    handle = saver.save(_state(), uri, engine="native", workers=2)
+    handle = saver.save(_state(), uri, options=dcpstore.SaveOptions(engine="native", workers=2))
     assert hook.reached.wait(60), "the save never reached its first write"
     try:
         t0 = time.monotonic()
@@ -50,7 +50,7 @@ def test_hung_write_bounds_result_next_save_and_close(tmp_path, monkeypatch) -> 
         # The next save does not wait forever for the hung one: it refuses, clearly.
         t0 = time.monotonic()
         with pytest.raises(SaveError, match="presumed hung") as info:
-            saver.save(_state(), str(tmp_path / "next"), engine="native")
+            saver.save(_state(), str(tmp_path / "next"), options=dcpstore.SaveOptions(engine="native"))
         assert uri in str(info.value) and "hang_timeout=1" in str(info.value)
         assert time.monotonic() - t0 < 30
         assert not os.path.exists(tmp_path / "next" / ".metadata")
@@ -71,7 +71,7 @@ def test_manager_next_save_and_close_do_not_wait_forever_for_a_hung_save(tmp_pat
     monkeypatch.setattr(async_engine, "_default_saver", dcpstore.AsyncSaver(hang_timeout=1.0))
     hook = BlockAt(lambda e: e.startswith("write:__0_"), then=StorageError("the hung call finally failed"))
     hook_all_storage({str(tmp_path / "root" / "step_00000001"): hook}, monkeypatch.setattr)
-    manager = dcpstore.CheckpointManager(str(tmp_path / "root"), keep=2, engine="native")
+    manager = dcpstore.CheckpointManager(str(tmp_path / "root"), keep=2, options=dcpstore.SaveOptions(async_=True, engine="native"))
     manager.save(_state(), 1)
     assert hook.reached.wait(60)
     try:
@@ -115,7 +115,7 @@ def test_exit_finishes_healthy_saves_and_gives_up_on_hung_ones(tmp_path) -> None
     out = _run_script(
         tmp_path,
         f"""
-        import time, torch
+        import dataclasses, time, torch
         import dcpstore
         from dcpstore.engines import saver as async_engine
         from faults import BlockAt, hook_all_storage
@@ -126,10 +126,11 @@ def test_exit_finishes_healthy_saves_and_gives_up_on_hung_ones(tmp_path) -> None
         }})
         state = {{"a": torch.arange(1 << 16, dtype=torch.float32), "b": torch.ones(1 << 16)}}
         async_engine._default_saver = dcpstore.AsyncSaver(hang_timeout=2)  # the manager's saver
-        dcpstore.CheckpointManager({str(root)!r}, keep=2, engine="native", workers=2).save(state, 1)
-        h = dcpstore.AsyncSaver(hang_timeout=2).save(state, {str(hung)!r}, engine="native", workers=2)
+        options = dcpstore.SaveOptions(engine="native", workers=2)
+        dcpstore.CheckpointManager({str(root)!r}, keep=2, options=dataclasses.replace(options, async_=True)).save(state, 1)
+        h = dcpstore.AsyncSaver(hang_timeout=2).save(state, {str(hung)!r}, options=options)
         slow = dcpstore.AsyncSaver()
-        slow.save(state, {str(slow)!r}, engine="native", workers=2)
+        slow.save(state, {str(slow)!r}, options=options)
         try:
             h.result(timeout=0.5)
         except TimeoutError:

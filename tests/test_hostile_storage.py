@@ -43,7 +43,7 @@ import dcpstore
 from dcpstore.dcp.commit import read_checkpoint_metadata
 from dcpstore.errors import CheckpointError, CheckpointNotFound, StorageError, StoragePermissionError, UnsafeCheckpoint
 from dcpstore.manager import CheckpointManager
-from dcpstore.storage import StorageOptions, open_storage
+from dcpstore.storage import open_storage
 from dcpstore.storage.local import LocalStorage
 from test_hostile import METADATA, cli, fresh, state
 
@@ -80,7 +80,7 @@ def _save(path: Path, writer: str = "dcpstore", spread: int = 1) -> Path:
     if writer == "stock":
         dcp.save(state(), storage_writer=FileSystemWriter(str(path)), no_dist=True)
     else:
-        dcpstore.save(state(), str(path), storage_options=StorageOptions(spread_prefixes=spread)).result()
+        dcpstore.save(state(), str(path), options=dcpstore.SaveOptions(spread_prefixes=spread)).result()
     return path
 
 

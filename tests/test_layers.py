@@ -28,7 +28,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "dcpstore"
 LAYERS: list[set[str]] = [
     {"errors", "threads", "quiet", "units", "keywords", "progress", "first_use"},  # foundation: imports nothing of ours
     {"storage"},  # bytes
-    {"options", "handle"},  # value objects
+    {"options", "option_keywords", "handle"},  # value objects; where keywords meet them
     {"format"},  # what the bytes mean
     {"dcp"},  # the DCP protocol: commit, writer, reader
     {"engines"},  # when: async saves, engines, exit hook

@@ -83,7 +83,7 @@ def _assert_clean_failure(previous: tuple[str, dict], scenario: str, cause: str)
     """A failing save through CheckpointManager(keep=1): a SaveError naming
     the URI and the real cause; nothing half-written; step 1 as it was."""
     uri = _failed_save_uri(previous, scenario)
-    manager = dcpstore.CheckpointManager(previous[0], keep=1, async_=False, workers=3)
+    manager = dcpstore.CheckpointManager(previous[0], keep=1, async_=False, options=dcpstore.SaveOptions(workers=3))
     with pytest.raises(dcpstore.SaveError) as info:
         manager.save(SCENARIOS[scenario], _next_state(), overwrite=scenario == "overwrite")
     message = str(info.value)

@@ -6,6 +6,7 @@ SIGKILL a child process (tests/manager_child.py) on the local backend.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -41,7 +42,7 @@ def _open(target: Target) -> dcpstore.storage.Storage:
 
 def _manager(target: Target, **kwargs: Any) -> dcpstore.CheckpointManager:
     kwargs.setdefault("async_", False)
-    return dcpstore.CheckpointManager(target.uri, **target.kwargs, **kwargs)
+    return dcpstore.CheckpointManager(target.uri, options=target.save_options(), **kwargs)
 
 
 def _loaded_step(mgr: dcpstore.CheckpointManager, step: int | None = None, like: dict[str, Any] | None = None) -> tuple[int, float, int]:
@@ -81,7 +82,10 @@ def test_steps_must_be_non_negative_ints(local_target: Target, bad: Any) -> None
     [({"keep": 0}, "keep"), ({"keep": True}, "keep"), ({"engine": "turbo"}, "engine"), ({"workers": 0}, "workers")],
 )
 def test_bad_options_fail_at_construction(local_target: Target, kwargs: dict[str, Any], match: str) -> None:
-    with pytest.raises(dcpstore.InvalidArgument, match=match):
+    # engine= and workers= are now SaveOptions': still checked, after their deprecation warning.
+    deprecated = kwargs.keys() & {"engine", "workers"}
+    warns = pytest.warns(DeprecationWarning, match="is deprecated") if deprecated else contextlib.nullcontext()
+    with pytest.raises(dcpstore.InvalidArgument, match=match), warns:
         _manager(local_target, **kwargs)
 
 

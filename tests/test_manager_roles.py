@@ -116,7 +116,7 @@ def test_msc_posix_profiles_are_the_directory_they_map_to(tmp_path: Path) -> Non
     """``enable_msc=True`` over a plain path (MSC's POSIX profile), and an
     ``msc://`` profile whose base path is the local tier."""
     root = tmp_path / "run"
-    _refused(str(root), str(root), enable_msc=True)
+    _refused(str(root), str(root), options=dcpstore.SaveOptions(storage_options=dcpstore.StorageOptions(enable_msc=True)))
     config = tmp_path / "msc.yaml"
     config.write_text(f"profiles:\n  disk:\n    storage_provider:\n      type: file\n      options:\n        base_path: {tmp_path}\n")
     code = (

@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 import dcpstore
 import killcount
-from backends import make_target
+from backends import make_target, save_options
 from bridge_kit import (
     TRACKER,
     assert_equal,
@@ -100,7 +100,7 @@ def test_bridge_async_saves_land_with_dcpstores_commit(request: pytest.FixtureRe
     msc_io = {**io, "enable_msc": use_msc}
     for step in (100, 200):
         check_step(target.uri, step, msc_io, tmp_path)
-    manager = dcpstore.CheckpointManager(target.uri, layout="bridge", async_=False, **msc_io)
+    manager = dcpstore.CheckpointManager(target.uri, layout="bridge", async_=False, options=save_options(msc_io))
     assert manager.all_steps() == [100, 200]
     if backend == "local":  # Bridge's own tracker finalize (open(): local roots only)
         assert (Path(target.uri) / TRACKER).read_text() == "200"
@@ -149,7 +149,7 @@ def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint(
     assert codes == [0, -signal.SIGKILL], codes
     killcount.record(1, 1, 1)
     assert (report / "rank0").read_text().startswith("raised"), "rank 0 finalized a save its peer died in"
-    manager = dcpstore.CheckpointManager(target.uri, layout="bridge", async_=False, **io)
+    manager = dcpstore.CheckpointManager(target.uri, layout="bridge", async_=False, options=save_options(io))
     assert manager.all_steps() == [100]
     check_step(target.uri, 100, io, tmp_path)  # the old values, exactly (also when saved over)
     if scenario == "next":

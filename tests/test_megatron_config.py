@@ -12,6 +12,7 @@ that must work and raises it fails the test.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import inspect
 import itertools
@@ -33,6 +34,7 @@ from dcpstore.engines import nvrx as nvrx_adapter
 from dcpstore.adapters.megatron import (
     BRIDGE_FIELDS,
     DCPSTORE_FIELDS,
+    DEPRECATED_FIELDS,
     CheckpointConfig,
     megatron_msc_enabled,
     plan_caching_supported,
@@ -82,8 +84,10 @@ def test_config_accepts_exactly_the_supported_combinations(
         uri = str(tmp_path / "plain")
         dcpstore.save(fsdp.get_app_state(_linear(1), None, format=fmt), uri, async_=async_save, engine=engine, workers=workers).result()
         # The config path: its manager, its format; both load back exactly.
-        cfg = CheckpointConfig(**kwargs)  # type: ignore[arg-type]
+        with _deprecated(kwargs):  # the engine field is now options.engine; it still works
+            cfg = CheckpointConfig(**kwargs)  # type: ignore[arg-type]
         assert (cfg.async_save, cfg.engine, cfg.dist_ckpt_workers) == (async_save, engine, workers)
+        assert cfg.options == dcpstore.SaveOptions(async_=async_save, engine=engine, workers=workers)
         with cfg.manager() as mgr:
             fsdp.save_app_state(_linear(1), None, mgr, step=1, format=cfg.ckpt_format)
         assert mgr.all_steps() == [1]
@@ -92,7 +96,7 @@ def test_config_accepts_exactly_the_supported_combinations(
             fsdp.load_app_state(model, None, src, format=fmt)
             assert torch.equal(model.weight, _linear(1).weight) and torch.equal(model.bias, _linear(1).bias)
         return
-    with pytest.raises(dcpstore.InvalidArgument) as info:
+    with pytest.raises(dcpstore.InvalidArgument) as info, _deprecated(kwargs):
         CheckpointConfig(**kwargs)  # type: ignore[arg-type]
     field = str(info.value).split(":", 1)[0].removeprefix("CheckpointConfig.")
     assert field in bad, f"named {field!r}, expected one of {sorted(bad)}: {info.value}"
@@ -109,7 +113,7 @@ def test_every_field_at_fault_is_refused_on_its_own() -> None:
         ({"engine": "turbo", "async_save": True}, "engine"),
         ({"dist_ckpt_workers": 0, "async_save": True}, "dist_ckpt_workers"),
     ]:
-        with pytest.raises(dcpstore.InvalidArgument, match=rf"^CheckpointConfig\.{field}: "):
+        with pytest.raises(dcpstore.InvalidArgument, match=rf"^CheckpointConfig\.{field}: "), _deprecated(kwargs):
             CheckpointConfig(**kwargs)
 
 
@@ -130,8 +134,17 @@ def test_every_field_at_fault_is_refused_on_its_own() -> None:
     ],
 )
 def test_bad_fields_are_named(kwargs: dict[str, Any], field: str) -> None:
-    with pytest.raises(dcpstore.InvalidArgument, match=rf"^CheckpointConfig\.{field}: "):
+    with pytest.raises(dcpstore.InvalidArgument, match=rf"^CheckpointConfig\.{field}: "), _deprecated(kwargs):
         CheckpointConfig(**kwargs)
+
+
+def _deprecated(kwargs: dict[str, Any]) -> Any:
+    """Expect the warning of each deprecated field in ``kwargs`` (engine,
+    enable_msc: now the options'), which comes before any refusal."""
+    names = [name for name in DEPRECATED_FIELDS if name in kwargs]
+    if not names:
+        return contextlib.nullcontext()
+    return pytest.warns(DeprecationWarning, match=rf"^CheckpointConfig's keyword ({'|'.join(names)})= is deprecated")
 
 
 def test_mapping_onto_the_manager(tmp_path: Path) -> None:
@@ -190,7 +203,8 @@ def test_constant_structure_is_accepted_and_every_save_is_exact(tmp_path: Path, 
     if not plan_caching_supported():
         with pytest.raises(dcpstore.InvalidArgument, match="plan caching"):
             dcpstore.save({"w": torch.ones(2)}, str(tmp_path / "x"), planner=_CachingPlanner())
-    cfg = CheckpointConfig(save=str(tmp_path / "run"), async_save=async_save, engine=engine, ckpt_assume_constant_structure=True)
+    cfg = CheckpointConfig(save=str(tmp_path / "run"), async_save=async_save, options=dcpstore.SaveOptions(engine=engine),
+                           ckpt_assume_constant_structure=True)  # fmt: skip
     mgr = cfg.manager()
     for step in (1, 2, 3):
         mgr.save({"w": torch.full((8,), float(step)), "b": torch.arange(step + 0.0, step + 3)}, step)
@@ -244,14 +258,15 @@ def test_from_bridge_reads_bridges_fields_and_keeps_bridges_layout(tmp_path: Pat
     root = str(tmp_path / "run")
     bridge = _bridge_cfg(save=root, load=root, async_save=True, ckpt_format="fsdp_dtensor", dist_ckpt_workers=2,
                          most_recent_k=2, ckpt_assume_constant_structure=True, save_interval=10)  # fmt: skip
-    cfg = CheckpointConfig.from_bridge(bridge, engine="native")
+    native = dcpstore.SaveOptions(engine="native")
+    cfg = CheckpointConfig.from_bridge(bridge, options=native)
     assert {name: getattr(cfg, name) for name in BRIDGE_FIELDS} == {name: getattr(bridge, name) for name in BRIDGE_FIELDS}
-    assert (cfg.layout, cfg.engine) == ("bridge", "native")
+    assert (cfg.layout, cfg.options.engine) == ("bridge", "native")
     # MSC is Megatron's process-global --enable-msc (off where megatron-core is absent).
-    assert cfg.enable_msc is megatron_msc_enabled()
+    assert cfg.options.enable_msc is megatron_msc_enabled()
     if importlib.util.find_spec("megatron") is None:
-        assert cfg.enable_msc is False
-    assert CheckpointConfig.from_bridge(vars(bridge), engine="native") == cfg  # a mapping of the fields works too
+        assert cfg.options.enable_msc is False
+    assert CheckpointConfig.from_bridge(vars(bridge), options=native) == cfg  # a mapping of the fields works too
     assert CheckpointConfig.from_bridge(_bridge_cfg(most_recent_k=None)).keep is None  # megatron-core's "keep all"
     with pytest.raises(dcpstore.InvalidArgument, match=r"^CheckpointConfig\.ckpt_format: "):
         CheckpointConfig.from_bridge(_bridge_cfg(ckpt_format="torch"))
@@ -281,15 +296,15 @@ def test_engine_and_backend_are_accepted_exactly_where_they_work(target: Target,
     ``engine`` and the writer and the manager refuse it too."""
     if engine == "nvrx" and not HAS_NVRX:
         pytest.skip("nvidia-resiliency-ext not installed")
-    kwargs: dict[str, Any] = {"save": target.uri, "async_save": True, "engine": engine, "enable_msc": target.kwargs.get("enable_msc", False)}
+    kwargs: dict[str, Any] = {"save": target.uri, "async_save": True, "options": target.save_options(engine=engine)}
     if engine != "nvrx" or target.name in NVRX_TARGETS:
         info = dcpstore.save({"w": torch.ones(2)}, f"{target.uri}/probe", async_=True, engine=engine, **target.kwargs).result()
         assert info.engine == ("nvrx" if engine == "nvrx" or (engine == "auto" and target.name in NVRX_TARGETS) else "native")
-        CheckpointConfig(**kwargs).manager(storage_options=target.kwargs.get("storage_options")).close()
+        CheckpointConfig(**kwargs).manager().close()
         return
-    with pytest.raises(dcpstore.InvalidArgument, match=r"^CheckpointConfig\.engine: "):
+    with pytest.raises(dcpstore.InvalidArgument, match=r"^CheckpointConfig\.options\.engine: "):
         CheckpointConfig(**kwargs)
     with pytest.raises(dcpstore.InvalidArgument):
         dcpstore.save({"w": torch.ones(2)}, f"{target.uri}/probe", async_=True, engine=engine, **target.kwargs).result()
     with pytest.raises(dcpstore.InvalidArgument):
-        dcpstore.CheckpointManager(target.uri, engine=engine, **target.kwargs)
+        dcpstore.CheckpointManager(target.uri, options=target.save_options(async_=True, engine=engine))

@@ -120,7 +120,7 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
 def _roundtrip(rank: int, world: int, mesh: object, saver: dcpstore.AsyncSaver, engine: str, uri: str) -> None:
     state = _state(rank, world, mesh, step=1)
     expected = {k: (v.clone() if isinstance(v, torch.Tensor) else dict(v)) for k, v in state.items()}  # type: ignore[call-overload]
-    handle = saver.save(state, uri, engine=engine, workers=2)
+    handle = saver.save(state, uri, options=dcpstore.SaveOptions(engine=engine, workers=2))
     _mutate(state)  # the next "optimizer step", before the write is done
     # Training collectives on the default group while the save runs its own.
     for _ in range(5):
@@ -151,7 +151,7 @@ def _repeated_and_changed_structure(
         state = _state(rank, world, mesh, step=step, rows=rows)
         expected = {k: (v.clone() if isinstance(v, torch.Tensor) else dict(v)) for k, v in state.items()}  # type: ignore[call-overload]
         uri = os.path.join(root, f"step{step}")
-        handle = saver.save(state, uri, engine=engine, workers=2)
+        handle = saver.save(state, uri, options=dcpstore.SaveOptions(engine=engine, workers=2))
         _mutate(state)
         handle.result(timeout=120)
         if engine == "nvrx":
@@ -171,13 +171,13 @@ def _one_rank_fails(rank: int, world: int, mesh: object, saver: dcpstore.AsyncSa
     # a directory squats on rank 1's first data file (a save to a fresh URI
     # writes stock DCP's names).
     state = _state(rank, world, mesh, step=3)
-    saver.save(state, uri, engine=engine, workers=2).result(timeout=120)
+    saver.save(state, uri, options=dcpstore.SaveOptions(engine=engine, workers=2)).result(timeout=120)
     failing = uri + "-failing"
     dist.barrier()
     if rank == 1:
         os.makedirs(os.path.join(failing, "__1_0.distcp"))
     dist.barrier()
-    handle = saver.save(state, failing, engine=engine, workers=2)
+    handle = saver.save(state, failing, options=dcpstore.SaveOptions(engine=engine, workers=2))
     with pytest.raises(SaveError) as info:
         handle.result(timeout=120)
     assert "rank 1" in str(info.value) or rank == 1, str(info.value)
@@ -195,7 +195,7 @@ def _one_rank_fails(rank: int, world: int, mesh: object, saver: dcpstore.AsyncSa
         os.rmdir(os.path.join(failing, "__1_0.distcp"))
     dist.barrier()
     # The saver (and its background group) still works after the failure.
-    saver.save(state, failing, engine=engine, workers=2).result(timeout=120)
+    saver.save(state, failing, options=dcpstore.SaveOptions(engine=engine, workers=2)).result(timeout=120)
     dist.barrier()
     assert os.path.exists(os.path.join(failing, ".metadata"))
 
@@ -204,7 +204,7 @@ def _ranks_disagree_on_engine(rank: int, world: int, mesh: object, saver: dcpsto
     # As if the last node lacked NVRx under engine="auto" (one rank of
     # ``world`` disagrees): refused on every rank, no hang.
     state = _state(rank, world, mesh, step=4)
-    handle = saver.save(state, uri, engine="native" if rank == world - 1 else "nvrx")
+    handle = saver.save(state, uri, options=dcpstore.SaveOptions(engine="native" if rank == world - 1 else "nvrx"))
     with pytest.raises(SaveError, match="different async engines"):
         handle.result(timeout=120)
     dist.barrier()
@@ -222,7 +222,7 @@ def _checkpoint_process_killed(rank: int, world: int, mesh: object, saver: dcpst
     state = _state(rank, world, mesh, step=6)
     uri = os.path.join(root, "killed")
     planner = GatedPlanner("setup")
-    handle = saver.save(state, uri, engine="process", planner=planner)
+    handle = saver.save(state, uri, options=dcpstore.SaveOptions(engine="process", planner=planner))
     assert planner.reached.wait(120)
     (before,) = checkpoint_processes()
     dist.barrier()
@@ -239,7 +239,7 @@ def _checkpoint_process_killed(rank: int, world: int, mesh: object, saver: dcpst
     assert not os.path.exists(os.path.join(uri, ".metadata"))
     # The next save starts a new checkpoint process on every rank and commits.
     expected = {k: (v.clone() if isinstance(v, torch.Tensor) else dict(v)) for k, v in state.items()}  # type: ignore[call-overload]
-    info2 = saver.save(state, uri, engine="process").result(timeout=120)
+    info2 = saver.save(state, uri, options=dcpstore.SaveOptions(engine="process")).result(timeout=120)
     assert info2.engine == "process"
     (after,) = checkpoint_processes()
     assert after != before

@@ -26,7 +26,6 @@ slow``) draws 6 more on each, the odd layouts on every engine.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import uuid
 import warnings
@@ -42,7 +41,6 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, Fsspec
 import dcpstore
 from backends import TARGETS, Target
 from dcpstore.format.layout import MANIFEST, is_manifest
-from dcpstore.storage import StorageOptions
 from oracle import SAVE_ENGINES, assert_same_state, destination, save_with
 from s3_server import BUCKET
 
@@ -161,18 +159,15 @@ FLOAT4 = getattr(torch, "float4_e2m1fn_x2", None)
 
 
 #: How a checkpoint's files are laid out: stock DCP's flat layout; data files
-#: spread over key prefixes (``StorageOptions.spread_prefixes``); or saved
+#: spread over key prefixes (``SaveOptions.spread_prefixes``); or saved
 #: over an earlier checkpoint at the URI (save-unique file and manifest names).
 ODD_LAYOUTS = ("spread", "overwritten")
 SPREAD = 4
 
 
-def _in_layout(target: Target, layout: str) -> Target:
-    """``target`` with the storage options that make ``layout``."""
-    if layout != "spread":
-        return target
-    options = dataclasses.replace(target.kwargs.get("storage_options", StorageOptions()), spread_prefixes=SPREAD)
-    return Target(target.name, target.uri, {**target.kwargs, "storage_options": options})
+def _layout_kwargs(layout: str) -> dict[str, Any]:
+    """``dcpstore.save``'s further keywords that make ``layout``."""
+    return {"options": dcpstore.SaveOptions(spread_prefixes=SPREAD)} if layout == "spread" else {}
 
 
 def _assert_layout(where: Target, layout: str) -> None:
@@ -186,10 +181,10 @@ def _assert_layout(where: Target, layout: str) -> None:
 
 
 def _dcpstore_save_round_trip(engine: str, target: Target, state: dict[str, Any], layout: str = "flat") -> None:
-    where = _in_layout(_fresh(target), layout)
+    where = _fresh(target)
     if layout == "overwritten":  # the same keys, other values: a mixture of the two saves would show
         save_with(engine, destination(state, fill=0x5A), where)
-    save_with(engine, state, where)
+    save_with(engine, state, where, **_layout_kwargs(layout))
     _assert_layout(where, layout)
     ours = destination(state, fill=0xA5)
     dcpstore.load(ours, where.uri, **where.kwargs)

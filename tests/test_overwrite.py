@@ -421,10 +421,10 @@ def test_overwrite_false_saves_where_there_is_no_commit(target: Target) -> None:
 
 def test_storage_writer_overwrite_false_under_dcp_save(target: Target) -> None:
     # What s3torchconnector's test_overwrite and PyTorch's e2e test_overwrite check.
-    dcp.save(state(1), storage_writer=dcpstore.StorageWriter(target.uri, overwrite=False, **target.kwargs))
-    dcp.save(state(2), storage_writer=dcpstore.StorageWriter(target.uri, overwrite=True, **target.kwargs))
+    dcp.save(state(1), storage_writer=dcpstore.StorageWriter(target.uri, overwrite=False, options=target.save_options()))
+    dcp.save(state(2), storage_writer=dcpstore.StorageWriter(target.uri, overwrite=True, options=target.save_options()))
     before = listing(target)
     with pytest.raises(CheckpointException, match="Checkpoint already exists"):
-        dcp.save(state(3), storage_writer=dcpstore.StorageWriter(target.uri, overwrite=False, **target.kwargs))
+        dcp.save(state(3), storage_writer=dcpstore.StorageWriter(target.uri, overwrite=False, options=target.save_options()))
     _refused(target, before)
     assert loads_as(target, {"old": state(2)}) == "old"

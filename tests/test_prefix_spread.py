@@ -1,4 +1,4 @@
-"""Spreading data files over key prefixes (``StorageOptions.spread_prefixes``).
+"""Spreading data files over key prefixes (``SaveOptions.spread_prefixes``).
 
 Many ranks writing one checkpoint under one key prefix meet an object
 store's per-partition request limit; a spread save puts rank ``r``'s files in
@@ -11,7 +11,6 @@ clean-up) treat the spread files as the checkpoint's own.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
@@ -48,10 +47,9 @@ FULL = torch.arange(96 * 40, dtype=torch.float32).reshape(96, 40)
 
 
 def _spread(target: Target, prefixes: int) -> dict[str, Any]:
-    kwargs = dict(target.kwargs)
-    base = kwargs.get("storage_options") or StorageOptions()
-    kwargs["storage_options"] = dataclasses.replace(base, spread_prefixes=prefixes)
-    return kwargs
+    """``save``'s keywords for ``target``, spread over ``prefixes`` (a save
+    option without a keyword of its own: it goes in ``options``)."""
+    return {**target.kwargs, "options": dcpstore.SaveOptions(spread_prefixes=prefixes)}
 
 
 # -- the layout's arithmetic ---------------------------------------------------
@@ -89,6 +87,8 @@ def test_one_prefix_is_the_stock_layout() -> None:
 @pytest.mark.parametrize("bad", [0, -1, 4097, 2.0, True, "16"])
 def test_bad_spread_is_refused_naming_the_option(bad: Any) -> None:
     with pytest.raises(dcpstore.InvalidArgument, match="spread_prefixes"):
+        dcpstore.SaveOptions(spread_prefixes=bad)
+    with pytest.raises(dcpstore.InvalidArgument, match="spread_prefixes"):  # the deprecated place, checked alike
         StorageOptions(spread_prefixes=bad)
 
 
@@ -122,7 +122,7 @@ def _save_spread(rank: int, world_size: int, uri: str, kwargs: dict[str, Any]) -
     mesh = init_device_mesh("cpu", (world_size,))
     state = {"w": distribute_tensor(FULL.clone(), mesh, [Shard(0)]), f"rank{rank}": torch.full((5,), float(rank))}
     info = dcpstore.save(state, uri, workers=2, **kwargs).result()
-    want = spread_file_prefix(f"__{rank}_", rank, kwargs["storage_options"].spread_prefixes)
+    want = spread_file_prefix(f"__{rank}_", rank, kwargs["options"].spread_prefixes)
     assert info.files and all(f.startswith(want) for f in info.files), (rank, info.files)
 
 
@@ -222,7 +222,7 @@ def test_ls_and_gc_treat_spread_files_as_the_checkpoints_own(tmp_path: Any) -> N
     touches its files; an interrupted one (no .metadata) is one uncommitted
     entry and gc removes all of it."""
     root = str(tmp_path / "run")
-    spread = {"storage_options": StorageOptions(spread_prefixes=16)}
+    spread = {"options": dcpstore.SaveOptions(spread_prefixes=16)}
     dcpstore.save({"w": FULL.clone()}, f"{root}/good", workers=2, **spread).result()
     dcpstore.save({"w": FULL.clone()}, f"{root}/broken", workers=2, **spread).result()
     os.remove(f"{root}/broken/{METADATA}")

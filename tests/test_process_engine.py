@@ -51,7 +51,7 @@ def test_a_killed_checkpoint_process_fails_its_save_and_the_next_save_starts_a_n
     others = set(checkpoint_processes())  # the per-process default saver's, say
     with dcpstore.AsyncSaver() as saver:
         planner = GatedPlanner("setup")  # held in the checkpoint process, before it plans
-        handle = saver.save(state, str(tmp_path / "a"), engine="process", planner=planner)
+        handle = saver.save(state, str(tmp_path / "a"), options=dcpstore.SaveOptions(engine="process", planner=planner))
         assert planner.reached.wait(120)
         (victim,) = set(checkpoint_processes()) - others
         os.kill(victim, signal.SIGKILL)
@@ -63,7 +63,7 @@ def test_a_killed_checkpoint_process_fails_its_save_and_the_next_save_starts_a_n
         with pytest.raises(CheckpointNotFound):
             dcpstore.load({"w": torch.zeros(1000), "step": 0}, str(tmp_path / "a"))
         # The next save starts a new checkpoint process and commits.
-        info2 = saver.save(state, str(tmp_path / "a"), engine="process").result(timeout=120)
+        info2 = saver.save(state, str(tmp_path / "a"), options=dcpstore.SaveOptions(engine="process")).result(timeout=120)
         assert info2.engine == "process" and info2.bytes_written > 0
         (replacement,) = set(checkpoint_processes()) - others
         assert replacement != victim
@@ -96,7 +96,7 @@ def test_each_save_sees_the_trainers_environment_as_of_that_save(
     name = "DCPSTORE_TEST_ENV_MARK"
     for value in ("first", "second"):
         monkeypatch.setenv(name, value)
-        saver.save({"w": torch.ones(3)}, str(tmp_path / value), engine="process", planner=_EnvPlanner(name, value)).result(
+        saver.save({"w": torch.ones(3)}, str(tmp_path / value), options=dcpstore.SaveOptions(engine="process", planner=_EnvPlanner(name, value))).result(
             timeout=120
         )
 
@@ -105,11 +105,11 @@ def test_a_planner_that_does_not_pickle_fails_the_save_naming_why(saver: Any, tm
     class Local(DefaultSavePlanner):  # a class inside a function: pickle cannot name it
         pass
 
-    handle = saver.save({"w": torch.ones(3)}, str(tmp_path / "a"), engine="process", planner=Local())
+    handle = saver.save({"w": torch.ones(3)}, str(tmp_path / "a"), options=dcpstore.SaveOptions(engine="process", planner=Local()))
     with pytest.raises(SaveError, match="Can't pickle local object"):
         handle.result(timeout=120)
     assert not os.path.exists(tmp_path / "a" / ".metadata")
-    saver.save({"w": torch.ones(3)}, str(tmp_path / "a"), engine="process").result(timeout=120)  # and the next one runs
+    saver.save({"w": torch.ones(3)}, str(tmp_path / "a"), options=dcpstore.SaveOptions(engine="process")).result(timeout=120)  # and the next one runs
 
 
 def test_memory_uris_are_refused_before_anything_starts() -> None:
@@ -153,7 +153,7 @@ def test_the_checkpoint_process_dies_with_its_trainer(tmp_path: Path) -> None:
 def test_a_manager_saves_and_retires_through_the_process_engine(tmp_path: Path) -> None:
     """``CheckpointManager(engine="process")``: the manager's pointer and
     retention in the trainer, each step's save in the checkpoint process."""
-    with dcpstore.CheckpointManager(str(tmp_path / "run"), engine="process", keep=1) as mgr:
+    with dcpstore.CheckpointManager(str(tmp_path / "run"), keep=1, options=dcpstore.SaveOptions(async_=True, engine="process")) as mgr:
         for step in (1, 2):
             state = {"w": torch.full((100,), float(step)), "step": step}
             handle = mgr.save(state, step)

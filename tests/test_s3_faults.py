@@ -398,7 +398,7 @@ def test_a_failed_async_saves_clean_up_is_retried_by_close(proxy: FaultProxy, s3
     saver = dcpstore.AsyncSaver()
 
     def save(u: str) -> None:
-        saver.save(_state(), u, engine="native", workers=1, storage_options=_OPTS).result()
+        saver.save(_state(), u, options=dcpstore.SaveOptions(engine="native", workers=1, storage_options=_OPTS)).result()
 
     uri, message = _fail_while_down(proxy, s3_endpoint, save)
     assert "tries again at its next save, at close() and at exit" in message

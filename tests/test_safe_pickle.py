@@ -226,7 +226,7 @@ def _load_through(entry: str, root: str, dest: dict[str, Any], **opt_in: Any) ->
         with dcpstore.CheckpointManager(root + "-durable", local_dir=root) as mgr:
             assert mgr.load(dest, **opt_in) == 1
     else:  # the drop-in reader under stock dcp.load
-        dcp.load(dest, storage_reader=dcpstore.StorageReader(uri, **opt_in))
+        dcp.load(dest, storage_reader=dcpstore.StorageReader(uri, options=dcpstore.LoadOptions(**opt_in)))
 
 
 @pytest.mark.parametrize(

@@ -76,7 +76,7 @@ def _save(engine: str, state: dict[str, Any], target: Target) -> None:
         dcpstore.save(state, target.uri, **target.kwargs).result()
         return
     with dcpstore.AsyncSaver(staging_cache=0) as saver:  # keeps no staging copy afterwards
-        saver.save(state, target.uri, engine=engine, **target.kwargs).result(timeout=1200)
+        saver.save(state, target.uri, options=target.save_options(engine=engine)).result(timeout=1200)
 
 
 def _verify_cli(target: Target, capsys: pytest.CaptureFixture[str]) -> None:

@@ -63,7 +63,7 @@ def _soak(target: Target, numel: int, engine: str = "native") -> str:
     state = _state(numel)
     state_bytes = numel * 4
     samples: list[tuple[int, int, int]] = []
-    manager = dcpstore.CheckpointManager(target.uri, keep=KEEP, async_=True, engine=engine, workers=2, **target.kwargs)
+    manager = dcpstore.CheckpointManager(target.uri, keep=KEEP, async_=True, options=target.save_options(engine=engine, workers=2))
     with manager:
         for step in range(SAVES):
             for name, value in state.items():
@@ -77,7 +77,7 @@ def _soak(target: Target, numel: int, engine: str = "native") -> str:
         manager.wait()
         assert manager.all_steps() == [SAVES - 2, SAVES - 1]
     restored = zeros_like_state(state)
-    assert dcpstore.CheckpointManager(target.uri, **target.kwargs).load(restored) == SAVES - 1
+    assert dcpstore.CheckpointManager(target.uri, options=target.save_options(async_=True)).load(restored) == SAVES - 1
     assert_state_equal(state, restored)
 
     steady = samples[len(samples) // 5 :]  # after the warm-up

@@ -34,7 +34,7 @@ from dcpstore.maintenance import gc
 from dcpstore.manager import step_dir
 from dcpstore.manager.tiers.nodes import PROBE_PREFIX, nodes_from_views
 from dcpstore.manager.tiers.replicate import read_local_commit
-from backends import Target, make_target
+from backends import Target, make_target, save_options
 from dist_utils import run_ranks
 from faults import hook_all_storage, spread
 from crashkit import age_temp_files
@@ -91,7 +91,7 @@ def durable_metadata(durable: Target, step: int) -> bytes:
 
 
 def durable_steps(durable: Target) -> list[int]:
-    return dcpstore.CheckpointManager(durable.uri, **durable.kwargs).all_steps()
+    return dcpstore.CheckpointManager(durable.uri, options=durable.save_options(async_=True)).all_steps()
 
 
 def assert_node_holds(node: Path, durable: Target, step: int, ranks: set[int], *, killed: bool = False) -> None:
@@ -121,8 +121,8 @@ def assert_node_holds(node: Path, durable: Target, step: int, ranks: set[int], *
 def _save_and_load(
     rank: int, world: int, durable: str, dirs: list[str], scalar: bool, kwargs: dict[str, Any] | None = None
 ) -> None:
-    kwargs = {"keep": 2, "local_keep": 2, "workers": 2, **(kwargs or {})}
-    with dcpstore.CheckpointManager(durable, local_dir=dirs[rank], **kwargs) as mgr:
+    options = save_options({"async_": True, "workers": 2, **(kwargs or {})})
+    with dcpstore.CheckpointManager(durable, local_dir=dirs[rank], keep=2, local_keep=2, options=options) as mgr:
         for step in (1, 2, 3):
             mgr.save(sharded(world, step, scalar=scalar), step)
         mgr.wait()
@@ -462,7 +462,7 @@ def _gc_during_save(rank: int, world: int, durable: str, dirs: list[str]) -> Non
     if rank == 1:
         hook_all_storage({f"{dirs[1]}/{step_dir(1)}": gate})
     # The native engine writes through dcpstore's storage (NVRx writes its files itself).
-    with dcpstore.CheckpointManager(durable, local_dir=dirs[rank], async_=True, engine="native") as mgr:
+    with dcpstore.CheckpointManager(durable, local_dir=dirs[rank], async_=True, options=dcpstore.SaveOptions(engine="native")) as mgr:
         mgr.save(sharded(world, 1, scalar=True), 1)
         if rank == 1:
             gc_keeps_running(dirs[1], gate, 1)

@@ -170,7 +170,8 @@ def job_resume(
     mgr.close()
     export, _ = build(2)
     got = {k: v.to(torch.bfloat16) for k, v in export.state_dict().items()}
-    reader = dcpstore.StorageReader(f"{folder}/step-{last}", storage_options=OBJECT_STORE_OPTIONS if s3 else None)
+    where = dcpstore.LoadOptions(storage_options=OBJECT_STORE_OPTIONS if s3 else None)
+    reader = dcpstore.StorageReader(f"{folder}/step-{last}", options=where)
     dcp.load(got, storage_reader=reader)  # resharding DTensors, as torchtitan's model-only load does
     gathered = {k: v.full_tensor() for k, v in got.items()}
     if rank == 0:

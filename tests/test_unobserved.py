@@ -50,16 +50,16 @@ def _wait_done(handle: dcpstore.SaveHandle) -> None:
 def test_next_save_raises_an_unobserved_failure_chained_and_naming_its_uri(tmp_path: Path, engine: str) -> None:
     bad, good = _unwritable(tmp_path), str(tmp_path / "good")
     with dcpstore.AsyncSaver() as saver:
-        first = saver.save(_state(), bad, engine=engine)
+        first = saver.save(_state(), bad, options=dcpstore.SaveOptions(engine=engine))
         _wait_done(first)
         with pytest.raises(SaveError) as info:
-            saver.save(_state(), good, engine=engine)
+            saver.save(_state(), good, options=dcpstore.SaveOptions(engine=engine))
         message = str(info.value)
         assert bad in message and "was not started" in message and good in message
         assert isinstance(info.value.__cause__, SaveError) and bad in str(info.value.__cause__)
         assert not os.path.exists(good)  # the refused save wrote nothing
         # Raised once: the next save runs, and the first handle still reports.
-        saver.save(_state(), good, engine=engine).result(timeout=60)
+        saver.save(_state(), good, options=dcpstore.SaveOptions(engine=engine)).result(timeout=60)
         with pytest.raises(SaveError):
             first.result()
     assert os.path.exists(os.path.join(good, ".metadata"))
@@ -69,20 +69,20 @@ def test_next_save_raises_an_unobserved_failure_chained_and_naming_its_uri(tmp_p
 def test_an_observed_failure_is_not_raised_again(tmp_path: Path, observe: str) -> None:
     bad, good = _unwritable(tmp_path), str(tmp_path / "good")
     with dcpstore.AsyncSaver() as saver:
-        first = saver.save(_state(), bad, engine="native")
+        first = saver.save(_state(), bad, options=dcpstore.SaveOptions(engine="native"))
         if observe == "result":
             with pytest.raises(SaveError):
                 first.result(timeout=60)
         else:
             assert isinstance(first.exception(timeout=60), SaveError)
-        saver.save(_state(), good, engine="native").result(timeout=60)
+        saver.save(_state(), good, options=dcpstore.SaveOptions(engine="native")).result(timeout=60)
 
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_close_raises_an_unobserved_failure(tmp_path: Path, engine: str) -> None:
     bad = _unwritable(tmp_path)
     saver = dcpstore.AsyncSaver()
-    saver.save(_state(), bad, engine=engine)
+    saver.save(_state(), bad, options=dcpstore.SaveOptions(engine=engine))
     with pytest.raises(SaveError, match="the saver is closed") as info:
         saver.close()
     assert bad in str(info.value)
@@ -92,10 +92,10 @@ def test_close_raises_an_unobserved_failure(tmp_path: Path, engine: str) -> None
 def test_with_two_in_flight_the_failure_is_raised_by_the_save_after_it(tmp_path: Path) -> None:
     bad = _unwritable(tmp_path)
     with dcpstore.AsyncSaver(max_in_flight=2) as saver:
-        first = saver.save(_state(), bad, engine="native")
+        first = saver.save(_state(), bad, options=dcpstore.SaveOptions(engine="native"))
         _wait_done(first)
         with pytest.raises(SaveError, match="failed and its handle never reported it"):
-            saver.save(_state(), str(tmp_path / "b"), engine="native")
+            saver.save(_state(), str(tmp_path / "b"), options=dcpstore.SaveOptions(engine="native"))
 
 
 def test_module_level_async_save_raises_it_from_the_next_save(tmp_path: Path) -> None:
@@ -111,7 +111,7 @@ def test_module_level_async_save_raises_it_from_the_next_save(tmp_path: Path) ->
 def test_a_manager_save_raises_an_unobserved_async_failure(tmp_path: Path) -> None:
     bad = _unwritable(tmp_path)
     _wait_done(dcpstore.save(_state(), bad, async_=True, engine="native"))
-    with dcpstore.CheckpointManager(str(tmp_path / "run"), engine="native") as mgr:
+    with dcpstore.CheckpointManager(str(tmp_path / "run"), options=dcpstore.SaveOptions(async_=True, engine="native")) as mgr:
         with pytest.raises(SaveError) as info:
             mgr.save(_state(), 1)
         assert bad in str(info.value) and mgr.all_steps() == []
@@ -122,7 +122,7 @@ def test_a_manager_save_raises_an_unobserved_async_failure(tmp_path: Path) -> No
 def test_a_manager_raises_its_own_failed_save_from_the_next_one(tmp_path: Path, engine: str) -> None:
     root = tmp_path / "run"
     root.mkdir()
-    with dcpstore.CheckpointManager(str(root), engine=engine) as mgr:
+    with dcpstore.CheckpointManager(str(root), options=dcpstore.SaveOptions(async_=True, engine=engine)) as mgr:
         (root / "step_00000001").write_text("a file where the step's directory goes")
         handle = mgr.save(_state(), 1)
         _wait_done(handle)

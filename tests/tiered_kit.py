@@ -81,11 +81,11 @@ def state(step: int, big: int = 4096) -> dict[str, Any]:
 
 def manager(durable: Target, local: Path, **kwargs: Any) -> dcpstore.CheckpointManager:
     kwargs.setdefault("async_", False)
-    return dcpstore.CheckpointManager(durable.uri, local_dir=str(local), **durable.kwargs, **kwargs)
+    return dcpstore.CheckpointManager(durable.uri, local_dir=str(local), options=durable.save_options(), **kwargs)
 
 
 def durable_steps(durable: Target) -> list[int]:
-    return dcpstore.CheckpointManager(durable.uri, **durable.kwargs).all_steps()
+    return dcpstore.CheckpointManager(durable.uri, options=durable.save_options(async_=True)).all_steps()
 
 
 def local_steps(local: Path) -> list[int]:

@@ -2,8 +2,8 @@
 :class:`DropinOptions`, checked once when the adapter is installed, that
 builds the writers, readers and storages the adapter's saves and loads use.
 
-Layer: adapters. Imports the DCP drop-ins (:mod:`dcpstore.dropin`),
-:mod:`dcpstore.storage` and the foundation.
+Layer: adapters. Imports the DCP drop-ins (:mod:`dcpstore.dropin`), the
+value objects, :mod:`dcpstore.storage` and the foundation.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from typing import Any
 
 from ..dropin import StorageReader, StorageWriter
 from ..errors import InvalidArgument
-from ..storage import Storage, StorageOptions, open_storage
+from ..options import LoadOptions, SaveOptions
+from ..storage import Storage, StorageOptions, open_storage, with_msc
 
 
 @dataclass(frozen=True)
@@ -45,25 +46,20 @@ class DropinOptions:
                 f"storage_options must be a dcpstore.StorageOptions, got {type(self.storage_options).__name__}"
             )
 
+    @property
+    def where(self) -> StorageOptions | None:
+        """Where the bytes go: ``storage_options`` with ``enable_msc`` folded in."""
+        return with_msc(self.storage_options, self.enable_msc)
+
     def open(self, uri: str | os.PathLike[str]) -> Storage:
-        return open_storage(uri, enable_msc=self.enable_msc, storage_options=self.storage_options)
+        return open_storage(uri, storage_options=self.where)
 
     def writer(self, uri: str | os.PathLike[str], commit_files: Mapping[str, bytes] | None = None) -> StorageWriter:
-        return StorageWriter(
-            uri,
-            thread_count=self.thread_count,
-            enable_msc=self.enable_msc,
-            storage_options=self.storage_options,
-            commit_files=commit_files,
-        )
+        options = SaveOptions(storage_options=self.where)
+        return StorageWriter(uri, thread_count=self.thread_count, commit_files=commit_files, options=options)
 
     def reader(self, uri: str | os.PathLike[str]) -> StorageReader:
-        return StorageReader(
-            uri,
-            thread_count=self.thread_count,
-            verify=self.verify,
-            safe_globals=self.safe_globals,
-            trusted=self.trusted,
-            enable_msc=self.enable_msc,
-            storage_options=self.storage_options,
+        options = LoadOptions(
+            storage_options=self.where, verify=self.verify, safe_globals=self.safe_globals or (), trusted=self.trusted
         )
+        return StorageReader(uri, thread_count=self.thread_count, options=options)

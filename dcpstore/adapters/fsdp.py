@@ -14,7 +14,7 @@ keyed by parameter FQN), so it reshards per key and a partial load can name
 exactly which entries it lacks.
 
 Formats (:data:`FORMATS`, defined with Megatron's ``torch_dist`` format in
-:mod:`.megatron`; the Megatron config validates ``ckpt_format`` against the
+:mod:`.megatron_formats`; the Megatron config validates ``ckpt_format`` against the
 same table): ``fsdp_dtensor`` hands DCP FSDP2's own DTensor shards
 (``full_state_dict=False``; the default), ``torch_dist`` hands it torch
 ``ShardedTensor`` objects over the same local storage, as Megatron's ``torch_dist``
@@ -65,8 +65,8 @@ from ..errors import InvalidArgument, StateDictMismatch
 from ..handle import SaveHandle
 from ..manager import CheckpointManager
 from ..storage import open_storage
-from .megatron import DEFAULT_FORMAT, check_format
-from .megatron import FORMATS as FORMATS  # the table save_app_state and load_app_state accept
+from .megatron_formats import DEFAULT_FORMAT, check_format
+from .megatron_formats import FORMATS as FORMATS  # the table save_app_state and load_app_state accept
 
 MODEL = "model"
 OPTIMIZER = "optimizer"
@@ -121,7 +121,7 @@ def get_app_state(
         optimizer: its optimizer, a sequence of them, or ``None``.
         format: ``"fsdp_dtensor"`` (DTensor shards) or ``"torch_dist"``
             (Megatron's ShardedTensor view of the same shards); the module
-            :mod:`dcpstore.adapters.megatron` describes both.
+            :mod:`dcpstore.adapters.megatron_formats` describes both.
         full_state_dict: gather full tensors instead of shards.
         cpu_offload: move the tensors to the CPU.
         extra: entries added at the top level (step counters, RNG state,

@@ -1,51 +1,37 @@
-"""Megatron's shapes: the ``torch_dist`` state-dict format, and a
-Megatron-Bridge-style ``CheckpointConfig`` mapped onto dcpstore.
+"""Megatron's shapes: a Megatron-Bridge-style ``CheckpointConfig`` mapped
+onto dcpstore, and (re-exported) the ``torch_dist`` state-dict format.
 
 State-dict formats (:data:`FORMATS`, Megatron-Bridge's ``ckpt_format``
-values; :func:`dcpstore.adapters.fsdp.save_app_state` takes them as
-``format``):
-
-``fsdp_dtensor``
-    DCP receives FSDP2's own DTensor shards (``full_state_dict=False``).
-``torch_dist``
-    Every DTensor is handed to DCP as a torch ``ShardedTensor`` over the same
-    local storage: each rank's shard with its global shape and offsets, built
-    from one metadata all-gather per mesh (no copies). That is what Megatron's
-    ``torch_dist`` strategy hands DCP. Megatron additionally stores its
-    distributed-optimizer state as *flattened* 1-D ranges, which ties those
-    files to the data-parallel size; that layout is deliberately not
-    reproduced: FSDP2 shards are row ranges of the original shape, so both
-    formats stay fully reshardable. ``torch_dist`` needs a 1-D device mesh
-    (plain FSDP2); use ``fsdp_dtensor`` for HSDP/TP meshes. ShardedTensor is
-    deprecated in torch in favour of DTensor, hence ``fsdp_dtensor`` is the
-    default.
-
-On storage the two are identical -- stock DCP chunked tensors with global
-shapes and offsets -- so either loads into the other, on any world size.
+values, ``torch_dist`` and ``fsdp_dtensor``): :mod:`.megatron_formats`.
 
 ``CheckpointConfig``. Megatron-Bridge's fields under Bridge 0.6.2's (and
 megatron-core 0.19.2's) names (:data:`BRIDGE_FIELDS`: ``save``, ``load``,
 ``save_interval``, ``async_save``, ``ckpt_format``, ``dist_ckpt_workers``,
 ``most_recent_k``, ``ckpt_assume_constant_structure``, ``ckpt_step``), plus
-dcpstore's own (:data:`DCPSTORE_FIELDS`: ``engine``, ``enable_msc`` -- in
-Megatron the process-global ``--enable-msc``, not a config field -- and
-``layout``). :meth:`CheckpointConfig.from_bridge` builds one from a Bridge
-(or megatron-core) ``CheckpointConfig``, reading Bridge's fields by name,
-MSC from Megatron's ``MultiStorageClientFeature`` and the layout Bridge
-writes (``iter_0000100/`` and ``latest_checkpointed_iteration.txt``). The
-config is validated once, in ``__post_init__``, without opening any storage,
-and keeps **no rules of its own** about which combinations work. It asks
-the tables the writers ask:
+dcpstore's own (:data:`DCPSTORE_FIELDS`: ``layout``, and ``options``, the
+:class:`~dcpstore.SaveOptions` every save runs with, passed whole: the
+engine, and where the bytes go -- MSC, in Megatron the process-global
+``--enable-msc``, is its ``storage_options.enable_msc``). Bridge's
+``async_save`` and ``dist_ckpt_workers`` are the options' ``async_`` and
+``workers``, under Bridge's names. :meth:`CheckpointConfig.from_bridge`
+builds one from a Bridge (or megatron-core) ``CheckpointConfig``, reading
+Bridge's fields by name, MSC from Megatron's ``MultiStorageClientFeature``
+and the layout Bridge writes (``iter_0000100/`` and
+``latest_checkpointed_iteration.txt``). The fields ``engine`` and
+``enable_msc`` (:data:`DEPRECATED_FIELDS`) still work for one release, with
+a :class:`DeprecationWarning`. The config is validated once, in
+``__post_init__``, without opening any storage, and keeps **no rules of its
+own** about which combinations work. It asks the tables the writers ask:
 
 ===================================  =========================================
 field                                validated by
 ===================================  =========================================
 ``ckpt_format``                      :data:`FORMATS`
-``async_save``, ``engine``,          :func:`dcpstore.options.save_option_problems`
-``dist_ckpt_workers``                (what :func:`dcpstore.save` checks) and, for
-                                     ``engine`` x ``save``, the NVRx engine's own
+``async_save``,                      :func:`dcpstore.options.save_option_problems`
+``dist_ckpt_workers``, ``options``   (what :func:`dcpstore.save` checks) and, for
+                                     the engine x ``save``, the NVRx engine's own
                                      backend check (NVRx writes POSIX/MSC only)
-``save``, ``load``, ``enable_msc``   URI parsing + the backend registry, as
+``save``, ``load``, MSC              URI parsing + the backend registry, as
                                      ``open_storage`` resolves them
 ``layout``                           the manager's step layouts
                                      (:data:`dcpstore.manager.LAYOUTS`)
@@ -66,7 +52,7 @@ per-save claim token the native writer puts in its plans:
 caching planner for that reason, :func:`plan_caching_supported`).
 
 Mapping: :meth:`CheckpointConfig.save_options` is the one
-:class:`~dcpstore.options.SaveOptions` the config stands for;
+:class:`~dcpstore.SaveOptions` the config stands for;
 :meth:`~CheckpointConfig.manager` builds the
 :class:`~dcpstore.CheckpointManager` for ``save`` with it (``most_recent_k``
 -> ``keep``, ``-1`` keeps all; ``layout``); :meth:`~CheckpointConfig.save_kwargs` /
@@ -79,38 +65,35 @@ NVRx's writer of Bridge's async ``fsdp_dtensor`` saves;
 sync writer and reader, beneath Bridge in one call.
 
 Layer: adapters. Imports the manager, the engines' engine check, the value
-objects, :mod:`dcpstore.storage`, the foundation and its Bridge modules
-(:mod:`.megatron_async`, :mod:`.megatron_bridge`).
+objects, :mod:`dcpstore.storage`, the foundation and its Megatron modules
+(:mod:`.megatron_async`, :mod:`.megatron_bridge`, :mod:`.megatron_formats`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 import dataclasses
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, NoReturn
 
-import torch
 import torch.distributed as dist
-from torch.distributed._shard.metadata import ShardMetadata
-from torch.distributed._shard.sharded_tensor.api import ShardedTensor
-from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
-from torch.distributed._shard.sharded_tensor.shard import Shard as StShard
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ..engines.choice import engine_problem
 from ..errors import CheckpointError, InvalidArgument
+from ..keywords import unknown_keyword_message
 from ..manager import LAYOUTS, CheckpointManager, check_step
-from ..options import SaveOptions, save_option_problems
-from ..storage import StorageOptions, backend_class, backend_name, parse_uri
+from ..option_keywords import resolve_options, warn_deprecated_keyword
+from ..options import AUTO, SaveOptions, save_option_problems
+from ..storage import StorageOptions, backend_class, backend_name, parse_uri, with_msc
 from .megatron_async import FileSystemWriterAsync
 from .megatron_bridge import BRIDGE_HOOKS, install_in_bridge, megatron_msc_enabled
+from .megatron_formats import DEFAULT_FORMAT, FORMATS, StateDictFormat, check_format
 
 __all__ = [
     "BRIDGE_FIELDS",
     "BRIDGE_HOOKS",
     "DCPSTORE_FIELDS",
+    "DEPRECATED_FIELDS",
     "DEFAULT_FORMAT",
     "FORMATS",
     "CheckpointConfig",
@@ -122,101 +105,17 @@ __all__ = [
     "plan_caching_supported",
 ]
 
-# ---------------------------------------------------------------------------
-# State-dict formats (``ckpt_format``)
-# ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class StateDictFormat:
-    """How a model/optimizer section is handed to DCP."""
-
-    name: str
-    summary: str
-    #: Turns a section of DTensors into what DCP receives (collective).
-    convert: Callable[[dict[str, Any]], dict[str, Any]]
-
-
-def _as_is(section: dict[str, Any]) -> dict[str, Any]:
-    return section
-
-
-def _as_sharded_tensors(section: dict[str, Any]) -> dict[str, Any]:
-    """DTensors -> torch ShardedTensors over the same local storage."""
-    dtensors = {k: v for k, v in section.items() if isinstance(v, DTensor)}
-    if not dtensors:
-        return dict(section)
-    pieces = _gather_pieces(dtensors)
-    me = dist.get_rank()
-    out = dict(section)
-    for key, dt in dtensors.items():
-        shards_md, mine = [], None
-        for rank, device, offsets, sizes in pieces[key]:
-            md = ShardMetadata(shard_offsets=list(offsets), shard_sizes=list(sizes), placement=f"rank:{rank}/{device}")
-            shards_md.append(md)
-            if rank == me:
-                mine = md
-        props = TensorProperties(dtype=dt.dtype, layout=torch.strided, requires_grad=False)
-        st_md = ShardedTensorMetadata(shards_metadata=shards_md, size=dt.shape, tensor_properties=props)
-        local = [StShard(tensor=dt.to_local().detach(), metadata=mine)] if mine is not None else []
-        out[key] = ShardedTensor._init_from_local_shards_and_global_metadata(local, st_md)
-    return out
-
-
-def _gather_pieces(dtensors: dict[str, DTensor]) -> dict[str, list[tuple[int, str, tuple[int, ...], tuple[int, ...]]]]:
-    """Every rank's (rank, device, offsets, sizes) of each DTensor, from one
-    all-gather per device mesh. Zero-size pieces and the non-first copies of
-    replicated ones are left out: a ShardedTensor's shards must not overlap."""
-    by_mesh: dict[int, list[str]] = {}
-    for key, dt in dtensors.items():
-        mesh = dt.device_mesh
-        if mesh.ndim != 1:
-            raise InvalidArgument(
-                f"format 'torch_dist' needs a 1-D device mesh (plain FSDP2); {key!r} lives on a "
-                f"{mesh.ndim}-D mesh: use format 'fsdp_dtensor'"
-            )
-        if not all(isinstance(p, (Shard, Replicate)) for p in dt.placements):
-            raise InvalidArgument(f"format 'torch_dist' cannot express {key!r} with placements {dt.placements}")
-        by_mesh.setdefault(id(mesh), []).append(key)
-    result: dict[str, list[tuple[int, str, tuple[int, ...], tuple[int, ...]]]] = {k: [] for k in dtensors}
-    for keys in by_mesh.values():
-        mesh = dtensors[keys[0]].device_mesh
-        mine: dict[str, tuple[tuple[int, ...], tuple[int, ...]] | None] = {}
-        for key in keys:
-            dt = dtensors[key]
-            sizes, offsets = compute_local_shape_and_global_offset(dt.shape, mesh, dt.placements)
-            replica = isinstance(dt.placements[0], Replicate) and mesh.get_local_rank() != 0
-            empty = any(s == 0 for s in sizes)
-            mine[key] = None if replica or empty else (tuple(offsets), tuple(sizes))
-        device = str(dtensors[keys[0]].to_local().device)
-        gathered: list[Any] = [None] * mesh.size()
-        dist.all_gather_object(gathered, (dist.get_rank(), device, mine), group=mesh.get_group())
-        for rank, dev, pieces in gathered:
-            for key, piece in pieces.items():
-                if piece is not None:
-                    result[key].append((rank, dev, piece[0], piece[1]))
-    return result
-
-
-FORMATS: Mapping[str, StateDictFormat] = {
-    f.name: f
-    for f in (
-        StateDictFormat("fsdp_dtensor", "DTensor shards, as FSDP2 holds them", _as_is),
-        StateDictFormat("torch_dist", "torch ShardedTensors (global shape + row offsets), as Megatron's torch_dist", _as_sharded_tensors),
-    )
-}
-DEFAULT_FORMAT = "fsdp_dtensor"
-
-
-def check_format(name: str) -> StateDictFormat:
-    try:
-        return FORMATS[name]
-    except (KeyError, TypeError):
-        raise InvalidArgument(f"format must be one of {', '.join(FORMATS)}, got {name!r}") from None
-
-
 #: save()'s keyword -> the config field that feeds it, for error messages.
 _FIELD_OF_OPTION = {"async_": "async_save", "engine": "engine", "workers": "dist_ckpt_workers"}
+
+
+def _options_or_defaults(options: Any) -> SaveOptions:
+    return options if isinstance(options, SaveOptions) else SaveOptions()
+
+
+#: The options Bridge's fields stand for, under Bridge's names, and their defaults.
+_BRIDGE_NAME = {"async_": "async_save", "workers": "dist_ckpt_workers"}
+_BRIDGE_DEFAULTS = {"async_save": False, "dist_ckpt_workers": None}
 
 
 def plan_caching_supported() -> bool:
@@ -242,7 +141,10 @@ BRIDGE_FIELDS = (
     "ckpt_step",
 )
 #: dcpstore's own fields (Bridge has none of these).
-DCPSTORE_FIELDS = ("engine", "enable_msc", "layout")
+DCPSTORE_FIELDS = ("options", "layout")
+#: Fields that are now ``options``' (``engine``; ``enable_msc``, its
+#: ``storage_options.enable_msc``): each still works and warns, for one release.
+DEPRECATED_FIELDS = ("engine", "enable_msc")
 
 
 @dataclass
@@ -255,12 +157,15 @@ class CheckpointConfig:
     Args:
         save, load, save_interval, async_save, ckpt_format,
             dist_ckpt_workers, most_recent_k,
-            ckpt_assume_constant_structure, ckpt_step, engine, enable_msc,
-            layout: the fields below, each with its meaning in its comment.
+            ckpt_assume_constant_structure, ckpt_step, layout, options:
+            the fields below, each with its meaning in its comment.
+        engine, enable_msc: deprecated; ``options=SaveOptions(engine=...,
+            storage_options=StorageOptions(enable_msc=...))``.
 
     Raises:
         InvalidArgument: a field the writers would refuse, named as
-            ``CheckpointConfig.<field>`` with the reason.
+            ``CheckpointConfig.<field>`` with the reason; ``async_save`` or
+            ``dist_ckpt_workers`` disagreeing with ``options``.
     """
 
     #: Root to save step checkpoints under (``layout``'s step directories); ``None``: no saving.
@@ -274,37 +179,67 @@ class CheckpointConfig:
     ckpt_format: str = "torch_dist"
     #: Writer threads per rank; ``None``: dcpstore's default.
     dist_ckpt_workers: int | None = None
-    #: Route through MSC (not a field of Bridge's: Megatron's ``--enable-msc`` is process-global).
-    enable_msc: bool = False
     #: Keep the newest K committed steps; ``-1`` (or megatron-core's ``None``) keeps all.
     most_recent_k: int | None = -1
     #: Model/optimizer structure is the same at every save (see the module docstring).
     ckpt_assume_constant_structure: bool = False
     #: Resume from this step instead of the newest committed one.
     ckpt_step: int | None = None
-    #: dcpstore's save engine (not a Megatron field): auto, or a name of dcpstore.options.ENGINES.
-    engine: str = "auto"
     #: How steps are named (not a Megatron field): ``"dcpstore"``
     #: (``step_00000100/``, ``latest``) or ``"bridge"`` (``iter_0000100/``,
     #: ``latest_checkpointed_iteration.txt``: what Bridge writes and resumes from).
     layout: str = "dcpstore"
+    #: How every save runs (not a Megatron field), passed whole: the engine,
+    #: where the bytes go (``storage_options``; MSC is its ``enable_msc``)
+    #: and the rest of :class:`~dcpstore.SaveOptions`; its ``async_`` and
+    #: ``workers`` are ``async_save`` and ``dist_ckpt_workers`` (set either).
+    #: ``None``: the defaults; after construction, always the options.
+    options: SaveOptions | None = None
+    #: Deprecated: ``options.engine``.
+    engine: str | None = None
+    #: Deprecated: ``options.storage_options.enable_msc``.
+    enable_msc: bool | None = None
 
     def __post_init__(self) -> None:
+        deprecated = {name: getattr(self, name) for name in DEPRECATED_FIELDS if getattr(self, name) is not None}
+        for name, value in deprecated.items():  # first: a config that also fails says so too
+            warn_deprecated_keyword("CheckpointConfig", name, value, _options_or_defaults(self.options))
         self._check_types()
         if self.ckpt_format not in FORMATS:
             self._fail("ckpt_format", f"must be one of {', '.join(FORMATS)}, got {self.ckpt_format!r}")
-        for problem in save_option_problems(async_=self.async_save, engine=self.engine, workers=self.dist_ckpt_workers):
+        engine = deprecated.get("engine", AUTO)
+        for problem in save_option_problems(async_=self.async_save, engine=engine, workers=self.dist_ckpt_workers):
             self._fail(_FIELD_OF_OPTION.get(problem.option, problem.option), problem.message)
+        self.options = self._resolve_options(deprecated)
+        # Bridge's fields read what the saves run with.
+        self.async_save, self.dist_ckpt_workers = self.options.async_, self.options.workers
         for name in ("save", "load"):
             self._check_root(name)
         self._check_engine_target()
         if not isinstance(self.layout, str) or self.layout not in LAYOUTS:
             self._fail("layout", f"must be one of {', '.join(map(repr, LAYOUTS))}, got {self.layout!r}")
 
+    def _resolve_options(self, deprecated: dict[str, Any]) -> SaveOptions:
+        """``options`` with Bridge's fields and the deprecated ones (warned of already) applied."""
+        given = {
+            option: getattr(self, field)
+            for option, field in _BRIDGE_NAME.items()
+            if getattr(self, field) != _BRIDGE_DEFAULTS[field]
+        }
+        try:
+            return resolve_options(
+                CheckpointConfig, self.options, base=SaveOptions(), given={**given, **deprecated},
+                spelled_as=_BRIDGE_NAME,
+            )  # fmt: skip
+        except InvalidArgument as e:
+            self._fail("options", str(e).removeprefix("CheckpointConfig: "), cause=e)
+
     def _check_types(self) -> None:
-        for name in ("async_save", "enable_msc", "ckpt_assume_constant_structure"):
+        for name in ("async_save", "ckpt_assume_constant_structure"):
             if not isinstance(getattr(self, name), bool):
                 self._fail(name, f"must be a bool, got {getattr(self, name)!r}")
+        if self.enable_msc is not None and not isinstance(self.enable_msc, bool):
+            self._fail("enable_msc", f"must be a bool, got {self.enable_msc!r}")
         for name in ("save", "load"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
@@ -330,7 +265,7 @@ class CheckpointConfig:
         if value is None:
             return
         try:
-            backend_class(backend_name(parse_uri(value), enable_msc=self.enable_msc))
+            backend_class(backend_name(parse_uri(value), enable_msc=self.save_options().enable_msc))
         except CheckpointError as e:
             self._fail(name, str(e), cause=e)
 
@@ -341,12 +276,13 @@ class CheckpointConfig:
         if self.save is None:
             return
         url = parse_uri(self.save)
-        problem = engine_problem(self.engine, backend_name(url, enable_msc=self.enable_msc), str(url))
+        options = self.save_options()
+        problem = engine_problem(options.engine, backend_name(url, enable_msc=options.enable_msc), str(url))
         if problem:
-            self._fail("engine", problem)
+            self._fail("engine" if self.engine is not None else "options.engine", problem)
 
     @staticmethod
-    def _fail(name: str, message: str, cause: BaseException | None = None) -> None:
+    def _fail(name: str, message: str, cause: BaseException | None = None) -> NoReturn:
         raise InvalidArgument(f"CheckpointConfig.{name}: {message}") from cause
 
     # -- mapping onto dcpstore ----------------------------------------------
@@ -358,33 +294,43 @@ class CheckpointConfig:
     def save_options(
         self, *, process_group: dist.ProcessGroup | None = None, storage_options: StorageOptions | None = None
     ) -> SaveOptions:
-        """The options of every save this config asks for.
+        """The options of every save this config asks for: ``options``, with
+        what only the caller knows (a process group exists only once
+        torch.distributed is up, after the config is made).
 
         Args:
             process_group: the ranks that save together (default: all).
-            storage_options: backend tuning, as for :func:`dcpstore.save`.
+            storage_options: the storage's tuning, where ``options`` sets
+                none (the config's MSC choice is kept).
 
         Returns:
-            One validated :class:`~dcpstore.options.SaveOptions`.
+            One validated :class:`~dcpstore.SaveOptions`.
+
+        Raises:
+            InvalidArgument: ``options`` already sets a different one.
         """
-        return SaveOptions(
-            async_=self.async_save,
-            engine=self.engine,
-            workers=self.dist_ckpt_workers,
-            enable_msc=self.enable_msc,
-            storage_options=storage_options,
-            process_group=process_group,
-        )
+        options = self.options
+        assert options is not None  # set in __post_init__
+        given: dict[str, Any] = {"process_group": process_group} if process_group is not None else {}
+        if storage_options is not None:
+            given["storage_options"] = with_msc(storage_options, options.enable_msc)
+            if options.storage_options == StorageOptions(enable_msc=options.enable_msc):  # the MSC choice only
+                options = dataclasses.replace(options, storage_options=None)
+        return resolve_options(CheckpointConfig.save_options, options, base=options, given=given)
 
     def save_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for :func:`dcpstore.save`."""
+        """Keyword arguments for :func:`dcpstore.save`: the engine, threads,
+        mode and MSC choice, and whatever else ``options`` sets."""
         options = self.save_options()
-        return {k: options.as_kwargs()[k] for k in ("async_", "workers", "enable_msc", "engine")}
+        kwargs = {k: v for k, v in options.as_kwargs().items() if v != getattr(SaveOptions(), k, None)}
+        return {"async_": options.async_, "workers": options.workers, "enable_msc": options.enable_msc,
+                "engine": options.engine, **kwargs}  # fmt: skip
 
     def load_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for :func:`dcpstore.load`."""
         options = self.save_options().for_load()
-        return {"workers": options.workers, "enable_msc": options.enable_msc}
+        where = {"storage_options": options.storage_options} if options.storage_options is not None else {}
+        return {"workers": options.workers, "enable_msc": options.enable_msc, **where}
 
     def should_save(self, step: int) -> bool:
         """Whether ``step`` is a ``save_interval`` step."""
@@ -432,16 +378,17 @@ class CheckpointConfig:
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in fields(cls))
+        """The fields to set (the deprecated ones left out)."""
+        return tuple(f.name for f in fields(cls) if f.name not in DEPRECATED_FIELDS)
 
     @classmethod
     def from_bridge(
         cls,
         cfg: Any,
         *,
-        engine: str = "auto",
-        enable_msc: bool | None = None,
+        options: SaveOptions | None = None,
         layout: str = "bridge",
+        **deprecated: Any,
     ) -> CheckpointConfig:
         """The config for a Megatron-Bridge (or megatron-core)
         ``CheckpointConfig`` ``cfg`` (or a mapping with its field names).
@@ -455,25 +402,38 @@ class CheckpointConfig:
 
         Args:
             cfg: Bridge's ``ConfigContainer.checkpoint``.
-            engine: dcpstore's save engine, as the field.
-            enable_msc: route through MSC; ``None``: as Megatron's
+            options: the :class:`~dcpstore.SaveOptions` field (the engine,
+                the storage options, ...); MSC is on where Megatron's
                 process-global ``--enable-msc`` says
                 (``megatron.core.msc_utils.MultiStorageClientFeature``; off
-                where megatron-core is not installed).
+                where megatron-core is not installed), or where
+                ``options.storage_options.enable_msc`` says.
             layout: ``"bridge"`` (default): the manager reads and writes
                 Bridge's ``iter_NNNNNNN/`` steps and tracker; ``"dcpstore"``.
+            deprecated: ``engine`` and ``enable_msc`` (``False`` turns
+                Megatron's flag off), as the deprecated fields.
+
+        Returns:
+            The validated config.
 
         Raises:
             InvalidArgument: a Bridge setting dcpstore cannot honour (say, a
                 ``ckpt_format`` other than ``torch_dist`` / ``fsdp_dtensor``),
                 naming the field.
+            TypeError: a keyword it does not take.
         """
+        unknown = deprecated.keys() - set(DEPRECATED_FIELDS)
+        if unknown:
+            accepted = ["cfg", "options", "layout", *DEPRECATED_FIELDS]
+            raise TypeError(unknown_keyword_message("CheckpointConfig.from_bridge", unknown, accepted))
         defaults = {f.name: f.default for f in fields(cls)}
         if isinstance(cfg, Mapping):
             values = {name: cfg.get(name, defaults[name]) for name in BRIDGE_FIELDS}
         else:
             values = {name: getattr(cfg, name, defaults[name]) for name in BRIDGE_FIELDS}
-        if enable_msc is None:
-            enable_msc = megatron_msc_enabled()
-        return cls(**values, engine=engine, enable_msc=enable_msc, layout=layout)
-
+        if deprecated.get("enable_msc") is None:
+            deprecated.pop("enable_msc", None)
+            if megatron_msc_enabled():
+                base = options or SaveOptions()
+                options = dataclasses.replace(base, storage_options=with_msc(base.storage_options, True))
+        return cls(**values, options=options, layout=layout, **deprecated)

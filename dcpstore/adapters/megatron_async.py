@@ -83,7 +83,7 @@ from ..dcp.writer import DcpStorageWriter
 from ..dropin import check_writer_args
 from ..errors import InvalidArgument, SaveError
 from ..handle import SaveStats
-from ..storage import Storage, StorageOptions, open_storage
+from ..storage import Storage, StorageOptions, open_storage, with_msc
 from .megatron_worker import Bucket, Preload, WorkerJob, read_results, write_buckets
 
 log = logging.getLogger(__name__)
@@ -155,6 +155,8 @@ class FileSystemWriterAsync(DcpStorageWriter):
             )
         self.use_msc = use_msc
         self.storage_options = storage_options
+        #: Where the bytes go: ``storage_options`` with NVRx's ``use_msc`` folded in.
+        self.where = with_msc(storage_options, use_msc)
         self.process_group = process_group
         super().__init__(
             self._open(path),
@@ -182,7 +184,7 @@ class FileSystemWriterAsync(DcpStorageWriter):
 
     def _open(self, uri: str | os.PathLike[str]) -> Storage:
         self.checkpoint_dir = os.fspath(uri)
-        return open_storage(uri, enable_msc=self.use_msc, storage_options=self.storage_options)
+        return open_storage(uri, storage_options=self.where)
 
     @property
     def thread_count(self) -> int:
@@ -255,7 +257,7 @@ class FileSystemWriterAsync(DcpStorageWriter):
         self._results_path = os.path.join(
             tempfile.gettempdir(), f"dcpstore-megatron-{os.getpid()}-{token[0]}-{secrets.token_hex(6)}.json"
         )
-        job = WorkerJob(self.storage.url.uri, self.use_msc, self.storage_options, *token, self.extensions, self._results_path)
+        job = WorkerJob(self.storage.url.uri, self.where, *token, self.extensions, self._results_path)
         if self.error is not None:
             buckets = []
         return write_buckets, Preload(buckets), [job, buckets]

@@ -29,7 +29,8 @@ from typing import Any
 
 from ..dropin import StorageReader, StorageWriter
 from ..errors import InvalidArgument
-from ..storage import StorageOptions
+from ..options import LoadOptions, SaveOptions
+from ..storage import StorageOptions, with_msc
 from .megatron_async import FileSystemWriterAsync
 
 #: The names in ``megatron.bridge.training.checkpointing`` (0.6.2) that its
@@ -75,17 +76,15 @@ def install_in_bridge(
             "Megatron-Bridge checkpointing module this knows (0.6.2); nothing was replaced"
         )
 
+    def where() -> StorageOptions | None:  # Megatron's --enable-msc as it is at each save and load
+        return with_msc(storage_options, megatron_msc_enabled())
+
     def sync_writer(checkpoint_path: str | os.PathLike[str]) -> StorageWriter:
-        return StorageWriter(checkpoint_path, enable_msc=megatron_msc_enabled(), storage_options=storage_options)
+        return StorageWriter(checkpoint_path, options=SaveOptions(storage_options=where()))
 
     def reader(checkpoint_dir: str | os.PathLike[str], cache_metadata: bool = False, async_strategy: str = "mcore") -> StorageReader:
-        return StorageReader(
-            checkpoint_dir,
-            enable_msc=megatron_msc_enabled(),
-            storage_options=storage_options,
-            safe_globals=safe_globals,
-            trusted=trusted,
-        )
+        options = LoadOptions(storage_options=where(), safe_globals=safe_globals or (), trusted=trusted)
+        return StorageReader(checkpoint_dir, options=options)
 
     async_writer = FileSystemWriterAsync if storage_options is None else functools.partial(FileSystemWriterAsync, storage_options=storage_options)
     for name, replacement in zip(BRIDGE_HOOKS, (async_writer, sync_writer, reader)):

@@ -5,7 +5,7 @@ preload (:func:`stage_buckets`) and the save function (:func:`write_buckets`).
 The worker is another process (NVRx's persistent caller spawns it once and
 pickles each request to it), so everything here is self-contained: module
 level functions, and a picklable :class:`WorkerJob` that *describes* the
-storage (URI, ``enable_msc``, :class:`~dcpstore.StorageOptions`), reopened in
+storage (URI and :class:`~dcpstore.StorageOptions`), reopened in
 the worker, never a live client; credentials come from the standard sources
 in the worker's environment, which it inherits from the trainer.
 
@@ -55,7 +55,7 @@ class WorkerJob:
     stream transforms, and where to leave the write results."""
 
     uri: str
-    enable_msc: bool
+    #: Where the bytes go (the client, MSC or native, and its tuning).
     storage_options: StorageOptions | None
     save_id: str
     tagged: bool
@@ -63,7 +63,7 @@ class WorkerJob:
     results_path: str
 
     def open(self) -> Storage:
-        return open_storage(self.uri, enable_msc=self.enable_msc, storage_options=self.storage_options)
+        return open_storage(self.uri, storage_options=self.storage_options)
 
 
 def stage_buckets(buckets: Sequence[Bucket]) -> list[Bucket]:

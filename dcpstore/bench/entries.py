@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-from .. import AsyncSaver, CheckpointManager, load, save
+from .. import AsyncSaver, CheckpointManager, SaveOptions, load, save
 from ..dcp.commit import delete_everything
 from ..errors import BackendUnavailable, InvalidArgument
-from ..storage import Storage, StorageOptions, join_uri, open_storage
+from ..storage import Storage, StorageOptions, join_uri, open_storage, with_msc
 from .runner import Entry, SaveOutcome, Skip, Waiter
 
 
@@ -32,7 +32,7 @@ def _not_built(e: BackendUnavailable) -> str | None:
 def open_root(uri: str, *, enable_msc: bool = False, storage_options: StorageOptions | None = None) -> Storage:
     """Open the storage at ``uri``, turning a missing backend into :class:`Skip`."""
     try:
-        return open_storage(uri, enable_msc=enable_msc, storage_options=storage_options)
+        return open_storage(uri, storage_options=with_msc(storage_options, enable_msc))
     except BackendUnavailable as e:
         module = _not_built(e)
         if module:
@@ -75,6 +75,7 @@ class DcpstoreEntry(Entry):
         self.enable_msc = enable_msc
         self.backend = backend or ""
         self.storage_options = storage_options
+        self.where = with_msc(storage_options, enable_msc)
         self.save_kwargs = save_kwargs or {}
         part = f"-p{storage_options.part_size >> 20}" if storage_options and storage_options.part_size else ""
         w = "default" if workers is None else f"w={workers}"
@@ -84,7 +85,7 @@ class DcpstoreEntry(Entry):
         self._root: Storage | None = None
 
     def setup(self, state: dict[str, torch.Tensor]) -> None:
-        self._root = open_root(self.root_uri, enable_msc=self.enable_msc, storage_options=self.storage_options)
+        self._root = open_root(self.root_uri, storage_options=self.where)
         self.backend = self.backend or self._root.backend
         if self.requested_workers is None:
             self.workers = self._root.default_workers()
@@ -92,10 +93,13 @@ class DcpstoreEntry(Entry):
 
     def save(self, state: dict[str, torch.Tensor]) -> Waiter:
         saver = AsyncSaver() if self.own_saver and self.async_ else None
-        kwargs = dict(workers=self.requested_workers, engine=self.requested_engine, enable_msc=self.enable_msc,
-                      storage_options=self.storage_options, **self.save_kwargs)  # fmt: skip
+        kwargs = dict(workers=self.requested_workers, engine=self.requested_engine, storage_options=self.where,
+                      **self.save_kwargs)  # fmt: skip
         try:
-            handle = saver.save(state, self.uri, **kwargs) if saver else save(state, self.uri, async_=self.async_, **kwargs)
+            if saver:
+                handle = saver.save(state, self.uri, options=SaveOptions(async_=True, **kwargs))
+            else:
+                handle = save(state, self.uri, async_=self.async_, **kwargs)
         except InvalidArgument as e:
             if saver:
                 saver.close()
@@ -115,8 +119,7 @@ class DcpstoreEntry(Entry):
         return wait
 
     def load(self, dest: dict[str, torch.Tensor]) -> None:
-        load(dest, self.uri, workers=self.requested_workers, enable_msc=self.enable_msc,
-                      storage_options=self.storage_options)  # fmt: skip
+        load(dest, self.uri, workers=self.requested_workers, storage_options=self.where)
 
     def cleanup(self) -> None:
         if self._root is not None:
@@ -151,8 +154,7 @@ class TieredEntry(Entry):
     ) -> None:
         self.workers = workers
         self.engine = engine
-        self.enable_msc = enable_msc
-        self.storage_options = storage_options
+        self.where = with_msc(storage_options, enable_msc)
         self.slug = f"{run_id}/tiered-{engine}-w{workers}"
         self.name = f"dcpstore tiered/{engine} w={workers}"
         self.root_uri = join_uri(os.fspath(root_uri), *self.slug.split("/"))
@@ -163,13 +165,11 @@ class TieredEntry(Entry):
         self._step = 0
 
     def setup(self, state: dict[str, torch.Tensor]) -> None:
-        self._durable_root = open_root(self.root_uri, enable_msc=self.enable_msc, storage_options=self.storage_options)
+        self._durable_root = open_root(self.root_uri, storage_options=self.where)
         self._local_root = open_root(self.local_uri)
         self.backend = f"local+{self._durable_root.backend}"
-        self._manager = CheckpointManager(
-            self.root_uri, local_dir=self.local_uri, async_=True, workers=self.workers, engine=self.engine,
-            enable_msc=self.enable_msc, storage_options=self.storage_options,
-        )  # fmt: skip
+        options = SaveOptions(async_=True, workers=self.workers, engine=self.engine, storage_options=self.where)
+        self._manager = CheckpointManager(self.root_uri, local_dir=self.local_uri, options=options)
 
     def save(self, state: dict[str, torch.Tensor]) -> Waiter:
         assert self._manager is not None

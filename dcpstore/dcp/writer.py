@@ -15,7 +15,7 @@ Save, as ``torch.distributed.checkpoint.save`` drives it::
                                         planner sees the save id .metadata records
     (all ranks)   set_up_storage_writer -> prepare_local_plan
     (coordinator) prepare_global_plan   assigns each rank its ``__{rank}_`` prefix
-                                        (in its spread directory, if the storage
+                                        (in its spread directory, if the save
                                         spreads) and claims the URI (SaveSession.claim)
     (all ranks)   write_data            ``workers`` threads, one data file each,
                                         size-balanced buckets, largest first;
@@ -73,7 +73,8 @@ from torch.futures import Future
 
 from ..errors import CheckpointError, CheckpointExists, InvalidArgument, SaveError
 from ..handle import SaveStats
-from ..options import check_workers
+from ..option_keywords import storage_spread
+from ..options import SaveOptions, check_workers
 from ..progress import NO_PROGRESS, Progress
 from ..quiet import ignoring
 from ..storage import Storage, backend_name, parse_uri
@@ -147,7 +148,10 @@ class DcpStorageWriter(StorageWriter):
     with the commit, before ``.metadata`` (see
     :meth:`~dcpstore.dcp.commit.SaveSession.publish`); the attribute of the
     same name may be replaced between saves (each save takes the files
-    the attribute holds when it begins).
+    the attribute holds when it begins). ``spread_prefixes``: the key
+    prefixes the ranks' data files are spread over
+    (:attr:`dcpstore.SaveOptions.spread_prefixes`); ``None``: the storage
+    options' deprecated field of that name, with its warning.
     Saves through one writer may overlap (see the module docstring).
     """
 
@@ -178,9 +182,11 @@ class DcpStorageWriter(StorageWriter):
         progress: Progress = NO_PROGRESS,
         save_id: str | None = None,
         commit_files: Mapping[str, bytes] | None = None,
+        spread_prefixes: int | None = None,
     ) -> None:
         super().__init__()
         self.commit_files = dict(check_commit_files(commit_files))
+        self.spread_prefixes = storage_spread(spread_prefixes, storage.options)
         #: The id the coordinator's claim records (None: a fresh one per save).
         self._save_id = save_id
         self.storage = storage
@@ -276,7 +282,7 @@ class DcpStorageWriter(StorageWriter):
         # Each rank's prefix (``__{i}_`` as stock DCP, in its spread
         # directory); the coordinator's claim and its token too, unless the
         # session was claimed and shared before planning.
-        spread = self._save().storage.options.spread_prefixes
+        spread = self.spread_prefixes
         if self.claims_before_planning:
             return [
                 dataclasses.replace(plan, storage_data=_StoragePrefix(rank_prefix(i, spread)))
@@ -296,7 +302,7 @@ class DcpStorageWriter(StorageWriter):
         if not self.claims_before_planning:
             raise InvalidArgument("this writer's plans carry the save's token: plan them on the coordinator")
         rank = dist.get_rank(self.process_group) if dist.is_available() and dist.is_initialized() else 0
-        prefix = rank_prefix(rank, self._save().storage.options.spread_prefixes)
+        prefix = rank_prefix(rank, self.spread_prefixes)
         return dataclasses.replace(local_plan, storage_data=_StoragePrefix(prefix))
 
     def claim_shared(self, wrapper: _DistWrapper) -> None:
@@ -480,25 +486,25 @@ def serves(checkpoint_id: str | os.PathLike[str]) -> bool:
 def save_state_dict(
     state_dict: dict[str, Any],
     storage: Storage,
+    options: SaveOptions,
     *,
     workers: int | None,
     process_group: dist.ProcessGroup | None,
-    planner: SavePlanner | None,
-    overwrite: bool = True,
     progress: Progress = NO_PROGRESS,
-    save_id: str | None = None,
 ) -> SaveStats:
     """One whole DCP save of ``state_dict`` to ``storage`` with dcpstore's
-    writer (every rank calls it; ``process_group`` None: no collectives).
-    The native engine, sync or on an async saver's background thread.
+    writer (every rank calls it; ``process_group`` None: no collectives),
+    as ``options`` say (its planner, overwrite, spread and save id; the
+    caller passes the threads and the group it resolved). The native
+    engine, sync or on an async saver's background thread.
     Raises what DCP raises (a ``CheckpointException`` for a failure on any
-    rank). ``save_id``: the id the coordinator's claim records
-    (:class:`~dcpstore.dcp.commit.SaveSession`; None: a fresh one)."""
-    writer = DcpStorageWriter(storage, workers=workers, overwrite=overwrite, progress=progress, save_id=save_id)
+    rank)."""
+    writer = DcpStorageWriter(storage, workers=workers, overwrite=options.overwrite, progress=progress,
+                              save_id=options.save_id, spread_prefixes=options.spread_prefixes)  # fmt: skip
     no_dist = not (dist.is_available() and dist.is_initialized())
     try:
         with ignoring(NO_DIST_WARNING) if no_dist else contextlib.nullcontext():
-            dcp_save(state_dict, storage_writer=writer, planner=planner, process_group=process_group, no_dist=no_dist)
+            dcp_save(state_dict, storage_writer=writer, planner=options.planner, process_group=process_group, no_dist=no_dist)
     except BaseException:
         writer.release()  # e.g. another rank failed: gc may collect what this save left
         raise

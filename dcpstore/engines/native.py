@@ -38,15 +38,9 @@ class NativeEngine:
 
     def save(self, job: SaveJob) -> SaveStats:
         return save_state_dict(
-            job.staged.state_dict,
-            job.storage,
-            workers=job.workers,
-            process_group=job.group,
-            planner=job.options.planner,
-            overwrite=job.options.overwrite,
+            job.staged.state_dict, job.storage, job.options, workers=job.workers, process_group=job.group,
             progress=job.progress,
-            save_id=job.options.save_id,
-        )
+        )  # fmt: skip
 
     def close(self) -> None:
         pass

@@ -160,8 +160,10 @@ class NvrxWriter(DcpStorageWriter):
     #: As NVRx's own writer: its planner may prepare the global plan on each rank.
     can_run_decentralized_global_plan = True
 
-    def __init__(self, session: SaveSession, target: NvrxTarget, workers: int, process_group: Any = None) -> None:
-        super().__init__(session.storage, workers=workers)
+    def __init__(
+        self, session: SaveSession, target: NvrxTarget, workers: int, process_group: Any = None, *, spread_prefixes: int | None = None
+    ) -> None:
+        super().__init__(session.storage, workers=workers, spread_prefixes=spread_prefixes)
         self._begin(session.storage).session = session  # claimed and shared before planning
         self.target = target
         self.process_group = process_group
@@ -267,6 +269,7 @@ def nvrx_save(
     target: NvrxTarget | None = None,
     overwrite: bool = True,
     save_id: str | None = None,
+    spread_prefixes: int | None = None,
 ) -> SaveStats:
     """One NVRx save of an already staged ``state_dict`` (see the module doc).
 
@@ -275,7 +278,8 @@ def nvrx_save(
     metadata cache to use, or ``None``. ``target`` overrides where NVRx
     writes (default: derived from ``storage``). ``overwrite=False``: refuse
     a URI that holds a committed checkpoint; ``save_id``: the id the claim
-    records (None: a fresh one). Raises on every rank if any
+    records (None: a fresh one); ``spread_prefixes`` as
+    :class:`~dcpstore.SaveOptions` says. Raises on every rank if any
     rank failed; the coordinator's session is then released (``with
     session``), so that ``gc`` may collect what the save left.
     """
@@ -284,7 +288,7 @@ def nvrx_save(
         session = SaveSession(storage, save_id)
         session.claim(overwrite)
         with session:
-            writer = NvrxWriter(session, target, workers)
+            writer = NvrxWriter(session, target, workers, spread_prefixes=spread_prefixes)
             local_metadata = _plan_single_process(state_dict, writer, planner)
             writer.stats.plan_s = time.perf_counter() - writer.stats.started
             writer.write_all()
@@ -297,7 +301,7 @@ def nvrx_save(
 
     wrapper = _DistWrapper(process_group, True, 0)
     with claim_and_share(storage, wrapper, overwrite, save_id) as session:
-        writer = NvrxWriter(session, target, workers, process_group)
+        writer = NvrxWriter(session, target, workers, process_group, spread_prefixes=spread_prefixes)
         metadata: Metadata | None = None
         try:
             writer, metadata, wrapper = release.plan(state_dict, writer, process_group, planner, cache)
@@ -410,6 +414,7 @@ class NvrxEngine:
                 cache=cache,
                 overwrite=job.options.overwrite,
                 save_id=job.options.save_id,
+                spread_prefixes=job.options.spread_prefixes,
             )
         except BaseException:
             self.caches.drop(job.group)  # every rank fails together: re-plan next time

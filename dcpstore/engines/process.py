@@ -61,6 +61,7 @@ import subprocess
 import sys
 import warnings
 import weakref
+import dataclasses
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
@@ -69,14 +70,14 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 from torch.distributed import TCPStore  # type: ignore[attr-defined]  # torch's stub does not re-export it
-from torch.distributed.checkpoint.planner import SavePlanner
 from torch.distributed.distributed_c10d import PrefixStore
 
 from ..dcp.failures import describe_failure, save_error
 from ..dcp.writer import save_state_dict
 from ..errors import SaveError
 from ..handle import SaveStats
-from ..storage import StorageOptions, open_storage
+from ..options import SaveOptions
+from ..storage import open_storage
 from .leftovers import Leftovers, with_leftovers
 from .registry import SaveJob
 from .slab import Slab, map_bytes
@@ -107,12 +108,9 @@ class _Job:
 
     env: dict[str, str]
     uri: str
-    enable_msc: bool
-    storage_options: StorageOptions | None
+    #: The save's options, but its process group (the process has its own).
+    options: SaveOptions
     workers: int
-    planner: SavePlanner | None
-    overwrite: bool
-    save_id: str | None
     state: SharedState
     #: Slabs the trainer still holds: the process forgets the others' mappings.
     live_slabs: frozenset[int]
@@ -262,8 +260,8 @@ class _Worker:
             self.slabs = {k: ref for k, ref in self.slabs.items() if ref() is not None}
             live = frozenset({*self.slabs, slab.id})
             message = pickle.dumps(
-                _Job(dict(os.environ), job.storage.url.uri, o.enable_msc, o.storage_options, job.workers, o.planner,
-                     o.overwrite, o.save_id, state, live),
+                _Job(dict(os.environ), job.storage.url.uri, dataclasses.replace(o, process_group=None), job.workers,
+                     state, live),
                 protocol=pickle.HIGHEST_PROTOCOL,
             )  # fmt: skip
         except Exception as e:  # e.g. a planner that does not pickle: refused on every rank
@@ -451,10 +449,9 @@ def _save(message: tuple[str, Any], blocks: dict[int, torch.Tensor], grouped: bo
             if error is None and bool(votes[0]):
                 error = SaveError("not started: another rank's checkpoint process could not start this save")
         if error is None and job is not None:
-            storage = open_storage(job.uri, enable_msc=job.enable_msc, storage_options=job.storage_options)
+            storage = open_storage(job.uri, storage_options=job.options.storage_options)
             try:
-                stats = save_state_dict(state, storage, workers=job.workers, process_group=None, planner=job.planner,
-                                        overwrite=job.overwrite, save_id=job.save_id)  # fmt: skip
+                stats = save_state_dict(state, storage, job.options, workers=job.workers, process_group=None)
                 return ("ok", stats)
             except BaseException as e:
                 plain = save_error(e, storage.uri, "async save")

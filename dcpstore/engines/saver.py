@@ -73,6 +73,7 @@ Layer: engines. Imports :mod:`dcpstore.dcp`, the value objects,
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -84,16 +85,14 @@ from concurrent.futures import wait as wait_futures
 from datetime import timedelta
 from typing import Any
 
-import torch.distributed as dist
-from torch.distributed.checkpoint.planner import SavePlanner
-
 from ..dcp.failures import save_error
 from ..errors import InvalidArgument, SaveError
 from ..handle import CheckpointInfo, SaveHandle
 from ..keywords import hint_keywords
+from ..option_keywords import resolve_options
 from ..options import SaveOptions, check_positive, check_workers, rank_label, shows_progress
 from ..progress import Progress
-from ..storage import Storage, StorageOptions, open_storage
+from ..storage import open_storage
 from ..threads import BackgroundThread
 from . import exit as exit_hook
 from .choice import agree_on_engine, select_engine
@@ -113,7 +112,7 @@ class AsyncSaver:
     plan caches are reused across saves::
 
         saver = dcpstore.AsyncSaver(max_in_flight=1)
-        h = saver.save(model.state_dict(), "s3://b/run/step100", engine="native")
+        h = saver.save(model.state_dict(), "s3://b/run/step100", options=dcpstore.SaveOptions(engine="native"))
         ...            # training continues; may mutate the tensors
         h.result()     # CheckpointInfo, or raises SaveError
         saver.close()
@@ -180,32 +179,32 @@ class AsyncSaver:
         exit_hook.watch(self, exit_hook.Stage.SAVERS)
 
     # -- public ---------------------------------------------------------------
-    @hint_keywords
     def save(
         self,
         state_dict: dict[str, Any],
         uri: str | os.PathLike[str],
         *,
-        workers: int | None = None,
-        enable_msc: bool = False,
-        engine: str = "auto",
-        process_group: dist.ProcessGroup | None = None,
-        planner: SavePlanner | None = None,
-        storage_options: StorageOptions | None = None,
-        max_in_flight: int | None = None,
-        overwrite: bool = True,
-        progress: bool = False,
+        options: SaveOptions | None = None,
+        **deprecated: Any,
     ) -> SaveHandle:
         """Stage ``state_dict`` and save it to ``uri`` in the background.
 
         Every rank calls it (SPMD). Returns once the snapshot is taken; the
-        caller may then change its tensors.
+        caller may then change its tensors::
+
+            saver.save(state, uri, options=dcpstore.SaveOptions(engine="native", workers=4))
 
         Args:
-            state_dict, uri, workers, enable_msc, engine, process_group,
-            planner, storage_options, progress: as for :func:`dcpstore.save`.
-            max_in_flight: this call's limit on pending saves (default: the
-                saver's).
+            state_dict, uri: as for :func:`dcpstore.save`.
+            options: how to save (:class:`~dcpstore.SaveOptions`; default:
+                its defaults); ``options.max_in_flight`` is this call's
+                limit on pending saves (``None``: the saver's). A saver's
+                saves run in the background whatever ``options.async_`` says.
+            deprecated: the keywords this method took before ``options``
+                (``workers``, ``enable_msc``, ``engine``, ``process_group``,
+                ``planner``, ``storage_options``, ``max_in_flight``,
+                ``overwrite``, ``progress``): each still works and warns
+                (:class:`DeprecationWarning`) for one release.
 
         Returns:
             The save's :class:`~dcpstore.SaveHandle`.
@@ -214,22 +213,16 @@ class AsyncSaver:
             SaveError: an earlier save on this saver failed and its handle
                 never reported it (this save was not started); or the
                 pending save this one waits for is presumed hung.
-            InvalidArgument: a bad option, or a closed saver.
+            InvalidArgument: a bad option, a keyword that disagrees with
+                ``options``, or a closed saver.
+            TypeError: a keyword this method does not take (naming the
+                likely fix).
             InvalidURI, BackendUnavailable: as for :func:`dcpstore.save`.
         """
-        options = SaveOptions(
-            async_=True,
-            engine=engine,
-            workers=workers,
-            enable_msc=enable_msc,
-            storage_options=storage_options,
-            process_group=process_group,
-            planner=planner,
-            max_in_flight=max_in_flight,
-            overwrite=overwrite,
-            progress=progress,
+        options = resolve_options(
+            AsyncSaver.save, options, base=_BACKGROUND, deprecated=deprecated, deprecated_names=SAVER_KEYWORDS
         )
-        return self.submit(state_dict, uri, options)
+        return self.submit(state_dict, uri, options if options.async_ else dataclasses.replace(options, async_=True))
 
     def submit(self, state_dict: dict[str, Any], uri: str | os.PathLike[str], options: SaveOptions) -> SaveHandle:
         """:meth:`save` with its options as one value (for layers that keep
@@ -253,7 +246,7 @@ class AsyncSaver:
         if not isinstance(state_dict, dict):
             raise InvalidArgument(f"state_dict must be a dict, got {type(state_dict).__name__}")
         limit = self.max_in_flight if options.max_in_flight is None else options.max_in_flight
-        storage = open_storage(uri, enable_msc=options.enable_msc, storage_options=options.storage_options)
+        storage = open_storage(uri, storage_options=options.storage_options)
         workers = check_workers(options.workers, storage.default_workers())
         try:  # until the background job owns the storage, close it on any failure
             name = select_engine(options.engine, storage)
@@ -485,6 +478,13 @@ def unobserved_message(failed: list[tuple[str, BaseException]], consequence: str
 
 _default_lock = threading.Lock()
 _default_saver: AsyncSaver | None = None
+
+
+#: What :meth:`AsyncSaver.save` took as keywords before ``options=``.
+SAVER_KEYWORDS = frozenset(
+    {"workers", "enable_msc", "engine", "process_group", "planner", "storage_options", "max_in_flight", "overwrite", "progress"}
+)
+_BACKGROUND = SaveOptions(async_=True)
 
 
 def default_saver() -> AsyncSaver:

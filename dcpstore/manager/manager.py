@@ -59,9 +59,10 @@ from ..engines.saver import default_saver
 from ..errors import CheckpointExists, InvalidArgument, SaveError
 from ..handle import CheckpointInfo, SaveHandle
 from ..keywords import hint_keywords
+from ..option_keywords import resolve_options
 from ..options import SaveOptions
 from ..quiet import user_stacklevel
-from ..storage import Storage, StorageOptions, join_uri, open_storage
+from ..storage import Storage, join_uri, open_storage
 from ..storage.overlap import Role
 from .roles import OPEN
 from .roots import OneRoot, Roots
@@ -105,14 +106,11 @@ class CheckpointManager:
             takes).
         keep: keep the newest ``keep`` committed steps, deleting older ones
             after each commit (rank 0; ``None``: keep all).
-        async_: save in the background (default ``True``).
-        workers, enable_msc, engine, process_group, planner,
-            storage_options, progress: :func:`dcpstore.save`'s, validated
-            here, once, into one :class:`~dcpstore.options.SaveOptions` used
-            for every save (and, its I/O part, every load).
-        options: a :class:`~dcpstore.options.SaveOptions` instead of those
-            keywords (for a layer that already holds one); the keywords must
-            then be left at their defaults.
+        async_: save in the background (default ``True``; with
+            ``options``, ``options.async_``).
+        options: how every save runs (and, its I/O part, every load): one
+            :class:`~dcpstore.SaveOptions`, used as it is (default:
+            ``SaveOptions(async_=True)``). Its ``save_id`` must be ``None``.
         local_dir: make the manager tiered: saves commit to
             ``local_dir/step_N`` (the handle completes there) and are
             replicated to ``root_uri/step_N`` in the background; loads read
@@ -130,61 +128,52 @@ class CheckpointManager:
             ``latest_checkpointed_iteration.txt``, so Bridge resumes from
             this manager's steps and this manager from Bridge's); a
             :class:`~dcpstore.manager.steps.StepLayout`. Not with ``local_dir``.
+        deprecated: the save options it took as keywords before
+            ``options`` (``workers``, ``enable_msc``, ``engine``,
+            ``process_group``, ``planner``, ``storage_options``,
+            ``progress``): each still works and warns
+            (:class:`DeprecationWarning`) for one release.
 
     Raises:
-        InvalidArgument: a bad option, both ``options=`` and option
-            keywords, an engine that cannot write ``root_uri``, or a
+        InvalidArgument: a bad option, a keyword that disagrees with
+            ``options``, an engine that cannot write ``root_uri``, or a
             ``local_dir`` that is not a local path.
+        TypeError: a keyword it does not take (naming the likely fix).
         CheckpointError: (tiered) ``root_uri`` cannot be reached.
         InvalidURI, BackendUnavailable: as for :func:`dcpstore.save`.
     """
 
-    @hint_keywords
     def __init__(
         self,
         root_uri: str | os.PathLike[str],
         *,
         keep: int | None = None,
-        async_: bool = True,
-        workers: int | None = None,
-        enable_msc: bool = False,
-        engine: str = "auto",
-        process_group: dist.ProcessGroup | None = None,
-        planner: SavePlanner | None = None,
-        storage_options: StorageOptions | None = None,
-        progress: bool = False,
+        async_: bool | None = None,
         options: SaveOptions | None = None,
         local_dir: str | os.PathLike[str] | None = None,
         local_keep: int | None = None,
         replicate_every: int = 1,
         replicate_timeout_s: float = REPLICATE_TIMEOUT_S,
         layout: str | StepLayout = "dcpstore",
+        **deprecated: Any,
     ) -> None:
+        given = {} if async_ is None else {"async_": async_}
+        self.options = resolve_options(
+            CheckpointManager.__init__, options, base=_DEFAULTS, given=given, deprecated=deprecated,
+            deprecated_names=MANAGER_KEYWORDS,
+        )  # fmt: skip
+        if self.options.save_id is not None:
+            raise InvalidArgument(
+                f"options.save_id={self.options.save_id!r}: a manager's saves each get their own id; leave it None"
+            )
         self.layout = check_layout(layout)
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
             raise InvalidArgument(f"keep must be None (keep all) or an int >= 1, got {keep!r}")
-        from_keywords = SaveOptions(
-            async_=async_,
-            engine=engine,
-            workers=workers,
-            enable_msc=enable_msc,
-            storage_options=storage_options,
-            process_group=process_group,
-            planner=planner,
-            progress=progress,
-        )
-        if options is not None and from_keywords != _DEFAULTS:
-            raise InvalidArgument("pass the save options either as options= or as keywords, not both")
-        if options is not None and options.save_id is not None:
-            raise InvalidArgument(
-                f"options.save_id={options.save_id!r}: a manager's saves each get their own id; leave it None"
-            )
-        self.options = options if options is not None else from_keywords
         self.root_uri = os.fspath(root_uri)
         self.keep = keep
         self._roots = self._open_roots(local_dir, local_keep, replicate_every, replicate_timeout_s)
         #: What each save runs with: the local tier is plain local I/O.
-        self._save_options = self.options if not self.tiered else replace(self.options, enable_msc=False, storage_options=None)
+        self._save_options = self.options if not self.tiered else replace(self.options, storage_options=None)
         saves_to = self._roots.save_storage
         problem = engine_problem(self.options.engine, saves_to.backend, saves_to.uri)
         if problem:
@@ -201,7 +190,7 @@ class CheckpointManager:
         self, local_dir: str | os.PathLike[str] | None, local_keep: int | None, every: int, timeout_s: float
     ) -> Roots:
         o = self.options
-        durable = open_storage(self.root_uri, enable_msc=o.enable_msc, storage_options=o.storage_options)
+        durable = open_storage(self.root_uri, storage_options=o.storage_options)
         roles = [Role("root_uri", durable, given=self.root_uri)]
         what = f"the open CheckpointManager for {durable.uri}"
         if local_dir is None:
@@ -477,7 +466,7 @@ class CheckpointManager:
         resolved, uri = self._roots.locate(step, self.options.process_group, state_dict)
         options = self.options.for_load(safe_globals=safe_globals or (), trusted=trusted)
         if uri != self.step_uri(resolved):  # the local tier: plain local I/O
-            options = replace(options, enable_msc=False, storage_options=None)
+            options = replace(options, storage_options=None)
         load_with(state_dict, uri, options)
         return resolved
 
@@ -540,5 +529,9 @@ def _is_step(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-#: A manager's options when none of the option keywords is given.
+#: A manager's options when none is given.
 _DEFAULTS = SaveOptions(async_=True)
+#: The save options :class:`CheckpointManager` took as keywords before ``options=``.
+MANAGER_KEYWORDS = frozenset(
+    {"workers", "enable_msc", "engine", "process_group", "planner", "storage_options", "progress"}
+)

@@ -19,9 +19,9 @@ own library (boto3, multistorageclient, fsspec), those only in that backend's
 modules, which the registry imports on first use. Nothing else of dcpstore.
 """
 
-from .base import MiB, ObjectInfo, ObjectWriter, Storage, StorageOptions
+from .base import MiB, ObjectInfo, ObjectWriter, Storage, StorageOptions, check_spread_prefixes
 from .pending import IncompleteWrite
-from .registry import BACKENDS, BackendSpec, backend_class, backend_name, open_storage
+from .registry import BACKENDS, BackendSpec, backend_class, backend_name, open_storage, with_msc
 from .uri import StorageURL, join_uri, parse_uri, redact
 
 __all__ = [
@@ -36,8 +36,10 @@ __all__ = [
     "StorageURL",
     "backend_class",
     "backend_name",
+    "check_spread_prefixes",
     "join_uri",
     "open_storage",
     "parse_uri",
     "redact",
+    "with_msc",
 ]

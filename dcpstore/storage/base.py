@@ -69,12 +69,17 @@ DEFAULT_CONNECTIONS = 16
 
 @dataclass(frozen=True)
 class StorageOptions:
-    """Tuning shared by all backends; each reads the fields that apply to it.
+    """How a storage is reached: the client (``enable_msc``) and the tuning
+    shared by all backends, each of which reads the fields that apply to it.
 
+    One value wherever a URI is opened (:func:`dcpstore.open_storage`,
+    :func:`dcpstore.save`, :class:`dcpstore.SaveOptions`, the drop-ins).
     Parsed and validated once (here), then handed to the backend constructor.
     Each field's comment below says what it does and its default.
 
     Args:
+        enable_msc: route ``s3://`` and local paths through NVIDIA
+            Multi-Storage-Client (``msc://`` always goes through it).
         part_size: object stores: multipart part and ranged-read size
             (``None``: chosen per object, :meth:`part_size_for`).
         max_concurrency: object stores: requests in flight per storage
@@ -83,8 +88,8 @@ class StorageOptions:
         connect_timeout_s, read_timeout_s: socket timeouts, seconds.
         op_timeout_s: most seconds one object operation may take, retries
             included.
-        spread_prefixes: saves: spread the ranks' data files over this many
-            key prefixes (``p{hex}/``); 1: stock DCP's flat layout.
+        spread_prefixes: deprecated: a save's layout, not the storage's;
+            pass ``SaveOptions(spread_prefixes=N)``.
 
     Raises:
         InvalidArgument: a value out of range (the message names the field).
@@ -108,19 +113,21 @@ class StorageOptions:
     read_timeout_s: float = 60.0
     #: Upper bound on the time one object operation may take, retries included.
     op_timeout_s: float = 600.0
-    #: Saves: spread the ranks' data files over this many key prefixes
-    #: (rank ``r`` writes under ``p{r mod N, hex digits reversed}/``; see
-    #: :mod:`dcpstore.format.layout`), so that many ranks writing one
-    #: checkpoint do not all hit one object-store partition's request limit
-    #: (S3: about 3,500 PUT/s per prefix). 1 (default): stock DCP's flat
-    #: layout. Loads read either layout, whatever this is set to.
+    #: Deprecated (a save's layout, not how the storage is reached): use
+    #: :class:`dcpstore.SaveOptions`' ``spread_prefixes``, which a value
+    #: here still sets, with a :class:`DeprecationWarning`, for one release.
     spread_prefixes: int = 1
     #: Native S3 backend: the AWS region of the bucket. None (default): from
     #: the standard AWS sources (``AWS_REGION``, the profile, ...). MSC takes
     #: its region from its profile, fsspec from its own options.
     region: str | None = None
+    #: Route ``s3://`` and local paths through NVIDIA Multi-Storage-Client
+    #: (like Megatron's ``--enable-msc``); ``msc://`` always goes through it.
+    enable_msc: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.enable_msc, bool):
+            raise InvalidArgument(f"enable_msc must be a bool, got {self.enable_msc!r}")
         if self.region is not None and (not isinstance(self.region, str) or not self.region.strip()):
             raise InvalidArgument(f"region must be None or a non-empty AWS region name, got {self.region!r}")
         if self.part_size is not None and (not isinstance(self.part_size, int) or self.part_size < 5 * MiB):
@@ -131,9 +138,7 @@ class StorageOptions:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InvalidArgument(f"{name} must be an int >= 1, got {value!r}")
-        spread = self.spread_prefixes
-        if not isinstance(spread, int) or isinstance(spread, bool) or not 1 <= spread <= MAX_SPREAD_PREFIXES:
-            raise InvalidArgument(f"spread_prefixes must be an int from 1 to {MAX_SPREAD_PREFIXES}, got {spread!r}")
+        check_spread_prefixes(self.spread_prefixes)
         for name in ("connect_timeout_s", "read_timeout_s", "op_timeout_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
@@ -216,6 +221,14 @@ class StorageOptions:
 
 #: Most key prefixes a save may spread its data files over (3 hex digits).
 MAX_SPREAD_PREFIXES = 4096
+
+
+def check_spread_prefixes(spread: Any) -> int:
+    """``spread`` if it is an int from 1 to :data:`MAX_SPREAD_PREFIXES`, else
+    :class:`~dcpstore.errors.InvalidArgument` naming ``spread_prefixes``."""
+    if not isinstance(spread, int) or isinstance(spread, bool) or not 1 <= spread <= MAX_SPREAD_PREFIXES:
+        raise InvalidArgument(f"spread_prefixes must be an int from 1 to {MAX_SPREAD_PREFIXES}, got {spread!r}")
+    return spread
 #: Writer/reader threads per rank on an object store (see Storage.default_workers).
 OBJECT_STORE_WORKERS = 4
 #: Pieces per object or read that the automatic part size aims at.

@@ -9,13 +9,14 @@ benchmarks and the tests all read it.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import cast
 
-from ..errors import BackendUnavailable, InvalidURI
+from ..errors import BackendUnavailable, InvalidArgument, InvalidURI
 from .base import Storage, StorageOptions
 from .uri import StorageURL, parse_uri, redact
 
@@ -89,6 +90,17 @@ def backend_class(name: str) -> type[Storage]:
     return cast(type[Storage], getattr(module, class_name))
 
 
+def with_msc(options: StorageOptions | None, enable_msc: bool) -> StorageOptions | None:
+    """``options`` with ``enable_msc=True`` folded in when ``enable_msc``
+    (the keyword of :func:`dcpstore.save`, ``load`` and ``open_storage``):
+    either one routes through MSC."""
+    if not isinstance(enable_msc, bool):
+        raise InvalidArgument(f"enable_msc must be a bool, got {enable_msc!r}")
+    if not enable_msc or (options is not None and options.enable_msc):
+        return options
+    return dataclasses.replace(options or StorageOptions(), enable_msc=True)
+
+
 def open_storage(
     uri: str | os.PathLike[str] | StorageURL,
     *,
@@ -100,8 +112,10 @@ def open_storage(
     Args:
         uri: a local path, ``file://``, ``s3://``, ``msc://`` or fsspec URL
             (the README's "URIs" table says which backend each selects).
-        enable_msc: route ``s3://`` and local paths through MSC.
-        storage_options: backend tuning; as for :func:`dcpstore.save`.
+        enable_msc: route ``s3://`` and local paths through MSC (a
+            shortcut for ``storage_options.enable_msc``).
+        storage_options: which client and its tuning
+            (:class:`~dcpstore.StorageOptions`).
 
     Returns:
         The :class:`~dcpstore.storage.base.Storage` rooted at ``uri``; close
@@ -113,4 +127,6 @@ def open_storage(
         BackendUnavailable: the backend's optional package is not installed.
     """
     url = uri if isinstance(uri, StorageURL) else parse_uri(uri)
-    return backend_class(backend_name(url, enable_msc=enable_msc))(url, storage_options)
+    options = with_msc(storage_options, enable_msc)
+    routed = options is not None and options.enable_msc
+    return backend_class(backend_name(url, enable_msc=routed))(url, options)
