@@ -32,8 +32,10 @@ Per rank, per save::
 A checkpoint process that dies (SIGKILL, OOM) fails its save with a
 :class:`~dcpstore.SaveError` naming the rank, on every rank, and never
 hangs: its trainer sees the socket close at once, and the others'
-processes see their gloo peer go. The next save starts new processes on
-every rank. A checkpoint process never outlives its trainer: it is killed
+processes see their gloo peer go. gloo tells only the ranks that talk to
+the dead one directly, so a checkpoint process whose save failed leaves at
+once: its own peers see it go in turn, and the failure reaches every rank
+however many there are. The next save starts new processes on every rank. A checkpoint process never outlives its trainer: it is killed
 with it (``PR_SET_PDEATHSIG``), and it leaves when the socket closes. It
 ignores SIGINT, as the native engine's threads do: Ctrl-C reaches the
 training loop, and interpreter exit still lets pending saves finish.
@@ -414,11 +416,20 @@ def serve(fd: int, parent: int) -> None:
                 os.close(fds[0])
                 continue
             leftovers.retry_in_background()
-            conn.send(_save(message, blocks, grouped, leftovers))
+            reply = _save(message, blocks, grouped, leftovers)
+            conn.send(reply)
+            if grouped and reply[0] != "ok":
+                # Leave at once. gloo tells only the ranks that talk to a
+                # dead peer directly: on more than two ranks the others
+                # would wait in the collective for its timeout. Closing our
+                # connections fails theirs too, rank by rank, and the
+                # trainers start every rank's process anew after a failure
+                # anyway.
+                return
     finally:
-        leftovers.finish("as a checkpoint process stopped")
         if grouped and dist.is_initialized():
-            dist.destroy_process_group()
+            dist.destroy_process_group()  # first: a leftover's retry may take the storage's timeouts
+        leftovers.finish("as a checkpoint process stopped")
 
 
 def _save(message: tuple[str, Any], blocks: dict[int, torch.Tensor], grouped: bool, leftovers: Leftovers) -> tuple[Any, ...]:
