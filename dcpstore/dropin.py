@@ -275,6 +275,8 @@ class StorageWriter(DcpStorageWriter, AsyncStager):
             raise said from e
 
     def finish_at_exit(self) -> None:
+        """At interpreter exit (the one exit hook calls it): try what failed
+        saves could not clean up once more, and log what is still left."""
         self._leftovers.finish("at interpreter exit")
 
     # -- AsyncStager: what dcp.async_save calls ------------------------------

@@ -212,20 +212,25 @@ def test_loads_racing_a_stream_of_overwrites_each_get_one_saved_state(
     slower than a load is never waited for): saves committing many times
     within one load (``memory://``'s, several times
     quicker than its loads) would overtake every try of it
-    (``dcpstore.dcp.reader.LOAD_TRIES``)."""
+    (``dcpstore.dcp.reader.LOAD_TRIES``). Nor do releases pile up while a
+    save is slower than a load: each save waits for a load begun after the
+    previous save committed, so a load meets at most one commit per try it
+    began (the bound the reader's tries are for), not a back-to-back stream."""
     states = {seed: {**state(seed), "big": torch.randn(1 << 16, generator=torch.Generator().manual_seed(seed))}
               for seed in (1, 2, 3)}  # fmt: skip  # "big" is read straight into its destination
     dcpstore.save(states[1], target.uri, workers=2, **target.kwargs)
     stop = threading.Event()
-    begun = threading.Semaphore(0)  # one release per load begun
+    begun = threading.Condition()  # notified per load begun; loads_begun[0] counts them
+    loads_begun = [0]
     commits = [0]
     save_errors: list[BaseException] = []
 
     def save_again_and_again() -> None:
-        seed = 1
+        seed, seen = 1, 0
         while not stop.is_set():
-            if not begun.acquire(timeout=0.1):
-                continue
+            with begun:
+                if not begun.wait_for(lambda: loads_begun[0] > seen, timeout=0.1):
+                    continue
             seed = seed % 3 + 1
             try:
                 dcpstore.save(states[seed], target.uri, workers=2, overwrite=True, **target.kwargs)
@@ -233,6 +238,8 @@ def test_loads_racing_a_stream_of_overwrites_each_get_one_saved_state(
                 save_errors.append(e)
                 return
             commits[0] += 1
+            with begun:
+                seen = loads_begun[0]  # the next save waits for a load begun after this commit
 
     caplog.set_level(logging.DEBUG, logger="dcpstore.dcp.reader")
     saver = threading.Thread(target=save_again_and_again)
@@ -244,7 +251,9 @@ def test_loads_racing_a_stream_of_overwrites_each_get_one_saved_state(
         while time.monotonic() < deadline or (straddled < 3 and time.monotonic() < deadline + 60):
             restored = zeros_like_state(states[1])
             before = commits[0]
-            begun.release()
+            with begun:
+                loads_begun[0] += 1
+                begun.notify()
             try:
                 dcpstore.load(restored, target.uri, workers=2, **target.kwargs)
             except dcpstore.CheckpointError as e:
