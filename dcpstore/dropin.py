@@ -36,7 +36,6 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTransformExtension
 from torch.distributed.checkpoint.filesystem import SerializationFormat
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
@@ -44,6 +43,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from .torch_compat import ExtensionRegistry, StreamTransformExtension
 from .dcp.load_progress import LoadProgress
 from .dcp.reader import DcpStorageReader
 from .dcp.writer import DcpStorageWriter

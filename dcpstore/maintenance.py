@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import crc32c
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
 
+from .torch_compat import StorageInfo
 from .dcp.commit.read import read_checkpoint_metadata
 from .dcp.item_checks import ItemChecks, item_label
 from .errors import CheckpointCorrupt, CheckpointNotFound, StorageNotFound, UnsafeCheckpoint
@@ -158,7 +158,7 @@ class _Item:
     (``keep``: ranges within the item, for its checks) and its CRC32C."""
 
     index: MetadataIndex
-    info: _StorageInfo
+    info: StorageInfo
     keep: list[tuple[int, bytearray]] = field(default_factory=list)
     crc: int = 0
     #: Where a load reads its tensor bytes straight into the destination from (None: through the record).

@@ -117,7 +117,7 @@ def collect_env() -> dict[str, Any]:
         env["dcpstore"] = dcpstore.__version__
         env["dcpstore_path"] = os.path.dirname(dcpstore.__file__)
         env["nvrx"] = nvrx.import_error() or "importable"
-        env["record_writer"] = record_saver().__name__  # _save_without_crc, or the slower torch.save fallback
+        env["record_writer"] = record_saver().__name__  # save_without_crc, or the slower torch.save fallback
     except Exception as e:  # reported, and the check stops: nothing else can run
         env["import_error"] = f"{type(e).__name__}: {e}"
     return env

@@ -26,7 +26,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "dcpstore"
 #: Bottom first. ``dcpstore`` itself (its __init__: the public surface) sits
 #: above everything it re-exports and below the tools built on the package.
 LAYERS: list[set[str]] = [
-    {"errors", "threads", "quiet", "units", "keywords", "progress", "first_use"},  # foundation: imports nothing of ours
+    {"errors", "threads", "quiet", "units", "keywords", "progress", "first_use", "torch_compat"},  # foundation: imports nothing of ours
     {"storage"},  # bytes
     {"options", "option_keywords", "handle"},  # value objects; where keywords meet them
     {"format"},  # what the bytes mean
@@ -285,3 +285,71 @@ def test_only_the_commit_package_writes_commits_markers_and_alive_files() -> Non
 def test_the_commit_check_sees_every_kind_of_write(source: str, caught: bool) -> None:
     assert bool(commit_writes("dcpstore.manager.fake", ast.parse(source))) == caught
     assert not commit_writes("dcpstore.dcp.commit.fake", ast.parse(source))
+
+
+# -- torch's private names: one seam ------------------------------------------------
+
+#: The one module that may use what torch does not publish.
+TORCH_COMPAT = "dcpstore.torch_compat"
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def private_torch_uses(tree: ast.AST) -> list[str]:
+    """Where a module imports a private name or module of torch's, or reaches
+    one as an attribute of a torch module it imported."""
+    found = []
+    modules: set[str] = set()  # local names bound to torch modules
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] != "torch":
+                    continue
+                modules.add(alias.asname or alias.name.split(".")[0])
+                if any(_private(part) for part in alias.name.split(".")):
+                    found.append(f"{node.lineno}: import {alias.name}")
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "torch":
+            private_module = any(_private(part) for part in node.module.split("."))
+            for alias in node.names:
+                if private_module or _private(alias.name):
+                    found.append(f"{node.lineno}: from {node.module} import {alias.name}")
+                if alias.name[:1].islower():  # a module (or a function: harmless here)
+                    modules.add(alias.asname or alias.name)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _private(node.attr):
+            base: ast.AST = node.value
+            while isinstance(base, ast.Attribute):
+                base = base.value
+            if isinstance(base, ast.Name) and base.id in modules:
+                found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_only_torch_compat_uses_torchs_private_names() -> None:
+    """Every name torch does not publish goes through one module, so that a
+    torch release that moves one breaks one place (as NVRx's release churn
+    has its seam)."""
+    found = [f"{module}:{hit}" for module, path in MODULES.items() if module != TORCH_COMPAT
+             for hit in private_torch_uses(ast.parse(path.read_text()))]  # fmt: skip
+    assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize(
+    "source, caught",
+    [
+        ("from torch.distributed.checkpoint.filesystem import _StorageInfo", True),
+        ("from torch.distributed.checkpoint._traverse import set_element", True),
+        ("import torch._dynamo", True),
+        ("import torch\nx = torch._C.foo", True),
+        ("import torch.distributed as dist\ndist.distributed_c10d._get_default_group()", True),
+        ("from torch import serialization as ser\nser._save(1)", True),
+        ("from torch.distributed.checkpoint import FileSystemWriter", False),
+        ("import torch\nx = torch.tensor(1).__class__", False),
+        ("import torch\nt = torch.ones(1)\nt._local_tensor", False),  # an object's attribute, not torch's module
+        ("from ..torch_compat import StorageInfo", False),
+    ],
+)
+def test_the_private_name_check_sees_every_kind_of_use(source: str, caught: bool) -> None:
+    assert bool(private_torch_uses(ast.parse(source))) == caught

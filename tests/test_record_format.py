@@ -38,7 +38,7 @@ def test_dual_crc_matches_both_running_crcs_across_the_threshold() -> None:
 def test_this_torch_gets_the_crc_free_writer() -> None:
     # If a torch release moves the private writer API this fails, telling us
     # saves fell back to torch.save (correct, but ~2x slower).
-    assert torch_save.record_saver() is torch_save._save_without_crc
+    assert torch_save.record_saver() is torch_save.save_without_crc
 
 
 @pytest.mark.parametrize("tensor", [torch.randn(3, 5), torch.arange(10, dtype=torch.int64)[2:7].clone(), torch.empty(0)])

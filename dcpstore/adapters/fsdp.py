@@ -47,8 +47,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -57,8 +55,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
-from torch.utils._pytree import tree_map_only
 
+from ..torch_compat import flatten_state_dict, set_element, tree_map_only
 from ..api import load, save
 from ..dcp.commit.read import read_checkpoint_metadata
 from ..errors import InvalidArgument, StateDictMismatch

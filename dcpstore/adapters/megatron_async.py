@@ -69,15 +69,14 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint._extension import StreamTransformExtension
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner, create_default_local_save_plan
 from torch.distributed.checkpoint.filesystem import SerializationFormat
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
-from torch.distributed.checkpoint.utils import _DistWrapper
 from torch.futures import Future
 
+from ..torch_compat import DistWrapper, StreamTransformExtension
 from ..dcp.failures import describe_failure
 from ..dcp.writer import DcpStorageWriter
 from ..dropin import check_writer_args
@@ -215,7 +214,7 @@ class FileSystemWriterAsync(DcpStorageWriter):
         raised by :meth:`retrieve_write_results` on every rank together
         (raised here, it would leave the other ranks in NVRx's next
         collective)."""
-        wrapper = _DistWrapper(self.process_group, _distributed(), 0)
+        wrapper = DistWrapper(self.process_group, _distributed(), 0)
         # Raises on every rank alike (the coordinator's outcome is broadcast):
         # a refused URI (CheckpointExists) fails the save at once.
         self.claim_shared(wrapper)
@@ -282,7 +281,7 @@ class FileSystemWriterAsync(DcpStorageWriter):
         except BaseException as e:
             error = e
         error = self.error or error  # a failed preparation: its error, not the worker's
-        wrapper = _DistWrapper(self.process_group, _distributed(), 0)
+        wrapper = DistWrapper(self.process_group, _distributed(), 0)
         outcomes = wrapper.all_gather_object(None if error is None else describe_failure(error))
         if any(what is not None for what in outcomes):
             self.release()  # the coordinator: gc may collect what the save left

@@ -32,13 +32,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed._shard.metadata import ShardMetadata
-from torch.distributed._shard.sharded_tensor.api import ShardedTensor
-from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
-from torch.distributed._shard.sharded_tensor.shard import Shard as StShard
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from ..torch_compat import ShardMetadata, ShardedTensor, ShardedTensorMetadata, ShardedTensorProperties, compute_local_shape_and_global_offset, Shard as StShard
 from ..errors import InvalidArgument
 
 @dataclass(frozen=True)
@@ -70,7 +66,7 @@ def _as_sharded_tensors(section: dict[str, Any]) -> dict[str, Any]:
             shards_md.append(md)
             if rank == me:
                 mine = md
-        props = TensorProperties(dtype=dt.dtype, layout=torch.strided, requires_grad=False)
+        props = ShardedTensorProperties(dtype=dt.dtype, layout=torch.strided, requires_grad=False)
         st_md = ShardedTensorMetadata(shards_metadata=shards_md, size=dt.shape, tensor_properties=props)
         local = [StShard(tensor=dt.to_local().detach(), metadata=mine)] if mine is not None else []
         out[key] = ShardedTensor._init_from_local_shards_and_global_metadata(local, st_md)

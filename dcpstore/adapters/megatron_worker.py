@@ -28,12 +28,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint._extension import StreamTransformExtension
-from torch.distributed.checkpoint.filesystem import _StorageWriterTransforms
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
+from ..torch_compat import StorageWriterTransforms, StreamTransformExtension
 from ..dcp.commit.session import ItemRecord, SaveSession
 from ..dcp.failures import describe_failure
 from ..dcp.owner_gate import OwnerGate, run_gated
@@ -113,7 +112,7 @@ def write_buckets(job: WorkerJob, buckets: Sequence[Bucket]) -> None:
             storage = job.open()
             try:
                 session = SaveSession(storage, job.save_id, job.tagged)
-                transforms = _StorageWriterTransforms(list(job.extensions)) if job.extensions else None
+                transforms = StorageWriterTransforms(list(job.extensions)) if job.extensions else None
 
                 batch = sum(file_size_hint([item for item, _ in (*b[2][0], *b[2][1])]) for b in buckets)
 

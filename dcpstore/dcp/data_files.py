@@ -16,10 +16,10 @@ import time
 from collections.abc import Callable, Sequence
 
 import torch
-from torch.distributed.checkpoint.filesystem import _StorageWriterTransforms
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
+from ..torch_compat import StorageWriterTransforms
 from ..errors import SaveError
 from ..format.layout import spread_file_prefix
 from ..format.record import RecordStream, compact_cpu_tensor, encode_item
@@ -96,7 +96,7 @@ def write_data_file(
     name: str,
     items: Sequence[WriteItem],
     data_of: Callable[[WriteItem], io.BytesIO | torch.Tensor],
-    transforms: _StorageWriterTransforms | None,
+    transforms: StorageWriterTransforms | None,
     progress: Progress,
     gate: OwnerGate,
     batch_hint: int | None = None,

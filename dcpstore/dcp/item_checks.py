@@ -35,10 +35,10 @@ from collections.abc import Mapping, Sequence
 from typing import IO, Any, cast
 
 import torch
-from torch.distributed.checkpoint.filesystem import _StorageInfo, _StorageReaderTransforms
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
+from ..torch_compat import StorageInfo, StorageReaderTransforms
 from ..errors import CheckpointCorrupt
 from ..format.layout import item_key
 from ..format.record import BYTES_ITEM_LIMIT, RECORD_OVERHEAD, decode_item, item_tensor
@@ -79,11 +79,11 @@ class ItemChecks:
         self,
         metadata: Metadata,
         storage: Storage,
-        transforms: _StorageReaderTransforms | None = None,
+        transforms: StorageReaderTransforms | None = None,
         trust: Trust = TOOLS,
     ) -> None:
         self.storage = storage
-        self.transforms = transforms if transforms is not None else _StorageReaderTransforms()
+        self.transforms = transforms if transforms is not None else StorageReaderTransforms()
         self.trust = trust
         #: (fqn, chunk offsets) -> (dtype, chunk sizes), for every chunk .metadata declares.
         self._chunks: dict[tuple[str, tuple[int, ...]], tuple[torch.dtype, tuple[int, ...]]] = {}
@@ -98,12 +98,12 @@ class ItemChecks:
             return None
         return self._chunks.get((index.fqn, tuple(index.offset)))
 
-    def _where(self, path: str, info: _StorageInfo, index: MetadataIndex) -> str:
+    def _where(self, path: str, info: StorageInfo, index: MetadataIndex) -> str:
         return f"{self.storage.describe(path)}: item {item_label(index)} (offset {info.offset})"
 
     # -- tensors read straight into their destination ------------------------
     def raw_location(
-        self, path: str, info: _StorageInfo, index: MetadataIndex, tensors: Mapping[str, Sequence[int]]
+        self, path: str, info: StorageInfo, index: MetadataIndex, tensors: Mapping[str, Sequence[int]]
     ) -> tuple[int, int] | None:
         """Where the item's raw tensor bytes lie in it (``tensors``: the
         manifest's), if a load may read them straight into a destination: a
@@ -128,7 +128,7 @@ class ItemChecks:
         return [(0, loc[0]), (loc[0] + loc[1], length)]
 
     def check_raw(
-        self, path: str, info: _StorageInfo, index: MetadataIndex, loc: Sequence[int], record: RecordBytes, manifest: str
+        self, path: str, info: StorageInfo, index: MetadataIndex, loc: Sequence[int], record: RecordBytes, manifest: str
     ) -> None:
         """Prove ``loc`` from the record's bytes around it (``record``: its
         header and trailer, or all of it); ``manifest`` names the manifest
@@ -144,7 +144,7 @@ class ItemChecks:
             ) from e
 
     # -- items read whole ------------------------------------------------------
-    def before_read(self, path: str, info: _StorageInfo, index: MetadataIndex) -> None:
+    def before_read(self, path: str, info: StorageInfo, index: MetadataIndex) -> None:
         """Before a large non-tensor item is read whole (one small read): it
         must end as a torch.save record does or, under stream transforms,
         start as one once decoded; a declared size over a hole of a sparse
@@ -167,7 +167,7 @@ class ItemChecks:
                 f"record with its stream transforms {list(info.transform_descriptors)}; not read"
             )
 
-    def decode(self, path: str, info: _StorageInfo, index: MetadataIndex, stored: memoryview) -> memoryview:
+    def decode(self, path: str, info: StorageInfo, index: MetadataIndex, stored: memoryview) -> memoryview:
         """The item's bytes with its stream transforms undone (as they are
         when it names none): at most its declared tensor's bytes plus a
         record's headers, or :data:`BYTES_ITEM_LIMIT` for a non-tensor item."""
@@ -185,13 +185,13 @@ class ItemChecks:
         except Exception as e:  # an unknown transform, damaged or hostile encoded bytes
             raise self._undecodable(path, info, index, e) from e
 
-    def _undecodable(self, path: str, info: _StorageInfo, index: MetadataIndex, e: Exception) -> CheckpointCorrupt:
+    def _undecodable(self, path: str, info: StorageInfo, index: MetadataIndex, e: Exception) -> CheckpointCorrupt:
         return CheckpointCorrupt(
             f"{self.storage.describe(path)}: item {index.fqn} at offset {info.offset} cannot be decoded with its "
             f"stream transforms {list(info.transform_descriptors or ())}: {type(e).__name__}: {e}"
         )
 
-    def tensor(self, path: str, info: _StorageInfo, index: MetadataIndex, stored: memoryview) -> torch.Tensor:
+    def tensor(self, path: str, info: StorageInfo, index: MetadataIndex, stored: memoryview) -> torch.Tensor:
         """The tensor the item holds (a view on its bytes where it can be;
         see the module docstring)."""
         item = self.decode(path, info, index, stored)
@@ -209,7 +209,7 @@ class ItemChecks:
             )
         return tensor
 
-    def object_bytes(self, path: str, info: _StorageInfo, index: MetadataIndex, stored: memoryview) -> memoryview:
+    def object_bytes(self, path: str, info: StorageInfo, index: MetadataIndex, stored: memoryview) -> memoryview:
         """The non-tensor item's record, decoded and checked: unpickled
         through the allowlist (a class off it raises UnsafeCheckpoint) unless
         the load is trusted; the caller hands these bytes on."""

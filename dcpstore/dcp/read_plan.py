@@ -29,15 +29,15 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
+from ..torch_compat import StorageInfo
 from ..errors import CheckpointCorrupt
 from ..format.layout import item_key
 
 #: One read request and where its item lies.
-Request = tuple[ReadItem, _StorageInfo]
+Request = tuple[ReadItem, StorageInfo]
 
 MiB = 1 << 20
 #: Neighbouring items of one file are read together up to this many bytes.
@@ -62,7 +62,7 @@ class Direct:
     """One tensor read straight into its destination."""
 
     path: str
-    info: _StorageInfo
+    info: StorageInfo
     req: ReadItem
     dtype: torch.dtype  # as stored
     data_offset: int  # of the tensor's bytes, within the item

@@ -51,14 +51,13 @@ import crc32c
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint._extension import ExtensionRegistry
-from torch.distributed.checkpoint.filesystem import _StorageInfo, _StorageReaderTransforms
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from ..torch_compat import ExtensionRegistry, StorageInfo, StorageReaderTransforms
 from ..errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound, StateDictMismatch, StorageNotFound
 from ..format.bitcopy import copy_values
 from ..format.layout import MANIFEST, METADATA, item_key
@@ -106,7 +105,7 @@ class DcpStorageReader(StorageReader):
     ) -> None:
         super().__init__()
         #: Undoes the DCP stream transforms an item names (default registry: ZStandard).
-        self.transforms = _StorageReaderTransforms(extension_registry)
+        self.transforms = StorageReaderTransforms(extension_registry)
         self.storage = storage
         self.workers = check_workers(workers, storage.default_workers())
         self.verify = verify
@@ -117,7 +116,7 @@ class DcpStorageReader(StorageReader):
         self._metadata: Metadata | None = None
         self._preloaded = False
         self._checks: ItemChecks | None = None
-        self._storage_data: dict[MetadataIndex, _StorageInfo] = {}
+        self._storage_data: dict[MetadataIndex, StorageInfo] = {}
         self._mismatches: list[str] = []
         #: What earlier tries of this load changed (see load_state_dict).
         self._earlier = earlier
@@ -434,7 +433,7 @@ class DcpStorageReader(StorageReader):
         name (a save over a used URI writes ``.dcpstore.{tag}.json``)."""
         return self._manifest["where"] if self._manifest is not None else self.storage.describe(MANIFEST)
 
-    def _verify_item(self, path: str, info: _StorageInfo, *pieces: memoryview) -> None:
+    def _verify_item(self, path: str, info: StorageInfo, *pieces: memoryview) -> None:
         """Check an item's CRC32C; ``pieces`` are its bytes, in order."""
         if not self.verify or self._manifest is None:
             return

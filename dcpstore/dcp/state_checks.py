@@ -29,21 +29,16 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-from torch.distributed.checkpoint._traverse import traverse_state_dict
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 
+from ..torch_compat import ShardedTensor, element_size, flatten_state_dict, traverse_state_dict
 from ..errors import InvalidArgument
 
 try:
     from torch.distributed.tensor import DTensor
 except ImportError:  # pragma: no cover - torch built without distributed
     DTensor = None  # type: ignore[assignment,misc]
-try:
-    from torch.distributed._shard.sharded_tensor import ShardedTensor  # type: ignore[attr-defined]
-except ImportError:  # pragma: no cover
-    ShardedTensor = None  # type: ignore[assignment,misc]
 
 
 # ---------------------------------------------------------------------------
@@ -127,10 +122,10 @@ def _local_reason(local: torch.Tensor) -> str | None:
 
 
 def _element_size(dtype: torch.dtype) -> int | None:
-    """The element size DCP's planner computes (``torch._utils._element_size``),
-    or None where it raises: the sub-byte and ``bits`` dtypes."""
+    """The element size DCP's planner computes, or None where it raises:
+    the sub-byte and ``bits`` dtypes."""
     try:
-        return int(torch._utils._element_size(dtype))  # type: ignore[no-untyped-call]
+        return element_size(dtype)
     except (TypeError, RuntimeError):
         return None
 

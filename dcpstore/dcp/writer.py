@@ -62,15 +62,13 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint._extension import StreamTransformExtension
-from torch.distributed.checkpoint.filesystem import _StoragePrefix, _StorageWriterTransforms
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
-from torch.distributed.checkpoint.utils import _DistWrapper
 from torch.futures import Future
 
+from ..torch_compat import DistWrapper, StoragePrefix, StorageWriterTransforms, StreamTransformExtension
 from ..errors import CheckpointError, CheckpointExists, InvalidArgument, SaveError
 from ..handle import SaveStats
 from ..option_keywords import storage_spread
@@ -97,7 +95,7 @@ NO_DIST_WARNING = r"torch\.distributed is disabled, unavailable or uninitialized
 
 
 @dataclass
-class SaveToken(_StoragePrefix):
+class SaveToken(StoragePrefix):
     """The coordinator's per-rank plan data: the file prefix (``__{rank}_``,
     as stock DCP) and the save id every rank checks before publishing."""
 
@@ -194,7 +192,7 @@ class DcpStorageWriter(StorageWriter):
         self.single_file_per_rank = single_file_per_rank
         self.overwrite = overwrite
         #: DCP's stream transforms for every item (None: store items as they are).
-        self.transforms = _StorageWriterTransforms(list(extensions)) if extensions else None
+        self.transforms = StorageWriterTransforms(list(extensions)) if extensions else None
         self._reopen = reopen
         self.progress = progress
         #: This thread's current save (see the module docstring).
@@ -285,7 +283,7 @@ class DcpStorageWriter(StorageWriter):
         spread = self.spread_prefixes
         if self.claims_before_planning:
             return [
-                dataclasses.replace(plan, storage_data=_StoragePrefix(rank_prefix(i, spread)))
+                dataclasses.replace(plan, storage_data=StoragePrefix(rank_prefix(i, spread)))
                 for i, plan in enumerate(plans)
             ]
         self.session.claim(self.overwrite)
@@ -303,9 +301,9 @@ class DcpStorageWriter(StorageWriter):
             raise InvalidArgument("this writer's plans carry the save's token: plan them on the coordinator")
         rank = dist.get_rank(self.process_group) if dist.is_available() and dist.is_initialized() else 0
         prefix = rank_prefix(rank, self.spread_prefixes)
-        return dataclasses.replace(local_plan, storage_data=_StoragePrefix(prefix))
+        return dataclasses.replace(local_plan, storage_data=StoragePrefix(prefix))
 
-    def claim_shared(self, wrapper: _DistWrapper) -> None:
+    def claim_shared(self, wrapper: DistWrapper) -> None:
         """Claim this save's URI before planning (a writer that
         ``claims_before_planning``): :func:`claim_and_share` on ``wrapper``'s
         group, a collective; raises on every rank alike."""
@@ -424,7 +422,7 @@ class DcpStorageWriter(StorageWriter):
         return serves(checkpoint_id)
 
 
-def claim_and_share(storage: Storage, wrapper: _DistWrapper, overwrite: bool, save_id: str | None) -> SaveSession:
+def claim_and_share(storage: Storage, wrapper: DistWrapper, overwrite: bool, save_id: str | None) -> SaveSession:
     """The coordinator claims the URI; every rank gets the session's token
     (or the coordinator's failure: ``CheckpointExists`` or ``SaveError`` on
     every rank alike) by broadcast on ``wrapper``'s group, so no rank writes

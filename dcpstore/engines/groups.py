@@ -11,6 +11,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
+from ..torch_compat import default_group
 
 
 class BackgroundGroups:
@@ -30,7 +31,7 @@ class BackgroundGroups:
     def get(self, process_group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
         if not (dist.is_available() and dist.is_initialized()):
             return None
-        default = dist.distributed_c10d._get_default_group()
+        default = default_group()
         # After destroy_process_group() + a new init, the old groups are dead.
         self._groups = {k: v for k, v in self._groups.items() if v[0] is default}
         key = id(process_group) if process_group is not None else 0
@@ -52,7 +53,7 @@ class BackgroundGroups:
         groups, self._groups = self._groups, {}
         if not (dist.is_available() and dist.is_initialized()):
             return
-        default = dist.distributed_c10d._get_default_group()
+        default = default_group()
         for owner, _, group in groups.values():
             if owner is default:
                 dist.destroy_process_group(group)

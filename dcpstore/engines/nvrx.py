@@ -69,14 +69,13 @@ from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.filesystem import _StorageWriterTransforms
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
-from torch.distributed.checkpoint.utils import _DistWrapper
 
+from ..torch_compat import DistWrapper, StorageWriterTransforms, wrap_exception
 from ..dcp.commit.session import ItemRecord, SaveSession
 from ..dcp.data_files import write_stats
 from ..dcp.failures import describe_failure
@@ -171,7 +170,7 @@ class NvrxWriter(DcpStorageWriter):
         self.results: list[WriteResult] = []
         self.named: list[tuple[str, list[WriteItem]]] = []
         self._planner: SavePlanner | None = None
-        self._write = release.bucket_writer(_StorageWriterTransforms([]), target.use_msc)
+        self._write = release.bucket_writer(StorageWriterTransforms([]), target.use_msc)
 
     # -- NVRx's planner calls these ---------------------------------------------
     def prepare_write_data(self, plan: SavePlan, planner: SavePlanner) -> None:
@@ -185,7 +184,7 @@ class NvrxWriter(DcpStorageWriter):
     def retrieve_write_results(self) -> Any:
         # Returned, not raised: finalize gathers it and the coordinator
         # turns it into a CheckpointException naming this rank.
-        return _wrap_exception(self.error) if self.error is not None else self.results
+        return wrap_exception(self.error) if self.error is not None else self.results
 
     # -- the hooks ---------------------------------------------------------------
     def bucket_items(self, items: Sequence[WriteItem]) -> list[list[WriteItem]]:
@@ -299,7 +298,7 @@ def nvrx_save(
             single: SaveStats = writer.stats
             return single
 
-    wrapper = _DistWrapper(process_group, True, 0)
+    wrapper = DistWrapper(process_group, True, 0)
     with claim_and_share(storage, wrapper, overwrite, save_id) as session:
         writer = NvrxWriter(session, target, workers, process_group, spread_prefixes=spread_prefixes)
         metadata: Metadata | None = None

@@ -64,8 +64,9 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from ..torch_compat import Shard, ShardedTensor, storage_use_count
 from ..dcp.state_checks import check_saveable
-from ..errors import InvalidArgument, SaveError
+from ..errors import InvalidArgument
 from ..format.bitcopy import copy_values
 from .buffers import BufferSet, BufferSpec, StagingPool, allocate, allocate_shared, buffer_spec
 from .slab import Slab, view_at
@@ -74,10 +75,6 @@ try:  # DTensor and ShardedTensor exist on every torch that dcpstore supports,
     from torch.distributed.tensor import DTensor  # but keep import failures local.
 except ImportError:  # pragma: no cover - torch built without distributed
     DTensor = None  # type: ignore[assignment,misc]
-try:
-    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor  # type: ignore[attr-defined]
-except ImportError:  # pragma: no cover
-    Shard = ShardedTensor = None  # type: ignore[assignment,misc]
 from torch.distributed.checkpoint.stateful import Stateful
 
 #: Values that are immutable: staged by reference.
@@ -348,7 +345,7 @@ class Staging:
 def _use_count() -> Any:
     """torch's count of the strong references to a storage (None where this
     torch has none)."""
-    return getattr(torch._C, "_storage_Use_Count", None)
+    return storage_use_count()
 
 
 def _watch(buffers: list[torch.Tensor]) -> list[tuple[StorageWeakRef, int]]:

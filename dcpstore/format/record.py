@@ -33,7 +33,6 @@ Layer: format. Imports :mod:`dcpstore.quiet`, :mod:`.checksum` and :mod:`.record
 from __future__ import annotations
 
 import io
-import pickle
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -42,22 +41,14 @@ from typing import IO, Any, Protocol, cast
 
 import numpy as np
 import torch
-from torch import serialization as _ser
-from torch.distributed.checkpoint.filesystem import _StorageReaderTransforms, _StorageWriterTransforms
 from torch.distributed.checkpoint.planner import ReadItem, WriteItem
 
+from ..torch_compat import StorageReaderTransforms, StorageWriterTransforms, neg_view, save_without_crc
 from ..quiet import ignoring
 from .checksum import DualCrc
 from .record_zip import RecordBytes, record_entries, tensor_declaration
 
 Saver = Callable[[Any, IO[bytes]], None]
-
-
-def _save_without_crc(obj: Any, stream: IO[bytes]) -> None:
-    alignment = _ser._get_storage_alignment()
-    writer = torch._C.PyTorchFileWriter(stream, False, alignment)
-    _ser._save(obj, writer, pickle, _ser.DEFAULT_PROTOCOL, False)  # type: ignore[no-untyped-call]
-    writer.write_end_of_file()
 
 
 def _torch_save(obj: Any, stream: IO[bytes]) -> None:
@@ -74,10 +65,10 @@ def record_saver() -> Saver:
     probe = torch.arange(4, dtype=torch.float32)
     try:
         buf = io.BytesIO()
-        _save_without_crc(probe, buf)
+        save_without_crc(probe, buf)
         buf.seek(0)
         if torch.equal(torch.load(buf, weights_only=True), probe):
-            return _save_without_crc
+            return save_without_crc
     except Exception:  # a torch whose private writer API moved: use the public one
         pass
     return _torch_save
@@ -332,7 +323,7 @@ def item_tensor(item: memoryview) -> torch.Tensor:
 
 
 #: The view flags a record's tensor metadata may carry, and how to set them on a view.
-_VIEW_FLAGS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"conj": torch.conj, "neg": torch._neg_view}
+_VIEW_FLAGS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"conj": torch.conj, "neg": neg_view}
 
 
 def _view_record(item: memoryview) -> torch.Tensor | None:
@@ -378,7 +369,7 @@ BYTES_ITEM_LIMIT = 1 << 30
 
 
 def encode_item(
-    data: io.BytesIO | torch.Tensor, item: WriteItem, transforms: _StorageWriterTransforms
+    data: io.BytesIO | torch.Tensor, item: WriteItem, transforms: StorageWriterTransforms
 ) -> tuple[io.BytesIO, tuple[str, ...]]:
     """The item's bytes after ``transforms`` (a bytes blob to store as it
     is), and the descriptors ``.metadata`` records for it."""
@@ -393,7 +384,7 @@ def encode_item(
 
 
 def decode_item(
-    stored: memoryview, descriptors: Sequence[str], item: ReadItem, transforms: _StorageReaderTransforms, limit: int
+    stored: memoryview, descriptors: Sequence[str], item: ReadItem, transforms: StorageReaderTransforms, limit: int
 ) -> memoryview:
     """Undo the stream transforms an item was stored with; at most ``limit``
     decoded bytes (raises ``ValueError`` beyond, or for an unknown

@@ -49,10 +49,6 @@ from typing import IO, Any, cast
 
 import numpy as np
 import torch
-from torch import _weights_only_unpickler
-from torch.distributed._shard.sharded_tensor import metadata as sharded
-from torch.distributed.checkpoint import metadata as dcp_metadata
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -63,6 +59,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from ..torch_compat import MEM_FORMAT_ENCODING, StorageInfo, get_layout, sharded_tensor_metadata, weights_only_globals
 from ..errors import CheckpointCorrupt, UnsafeCheckpoint
 from ..options import check_safe_globals, check_trusted
 from ..storage.base import Storage
@@ -184,14 +181,14 @@ def _metadata_globals() -> dict[str, Any]:
         BytesStorageMetadata,
         TensorProperties,
         StorageMeta,
-        dcp_metadata._MEM_FORMAT_ENCODING,
-        _StorageInfo,
+        MEM_FORMAT_ENCODING,
+        StorageInfo,
         # torch <= 2.1 pickled TensorProperties from the sharded-tensor module.
-        sharded.TensorProperties,
-        sharded.MEM_FORMAT_ENCODING,
+        sharded_tensor_metadata.TensorProperties,
+        sharded_tensor_metadata.MEM_FORMAT_ENCODING,
         torch.Size,
         torch.device,
-        torch.serialization._get_layout,  # how every torch.layout pickles
+        get_layout,  # how every torch.layout pickles
         collections.OrderedDict,
         set,
         frozenset,
@@ -220,7 +217,7 @@ def _safe_bytes(*args: Any) -> bytes:
 
 @functools.cache
 def _item_globals() -> dict[str, Any]:
-    allowed = dict(_weights_only_unpickler._get_allowed_globals())
+    allowed = weights_only_globals()
     allowed["builtins.bytearray"] = _safe_bytearray
     allowed["builtins.bytes"] = _safe_bytes
     plain: list[Any] = [
@@ -377,8 +374,8 @@ def validate_metadata(metadata: Any, where: str) -> list[StoredItem]:
         offset = f.attr(index, "offset")
         key = (index.fqn, None if offset is None else f.shape(f"storage_data key {index.fqn!r}", offset))
         label = index.fqn if offset is None else f"{index.fqn} chunk at {list(offset)}"
-        if type(info) is not _StorageInfo:
-            raise f.fail(f"storage_data[{label!r}]", "a _StorageInfo", info)
+        if type(info) is not StorageInfo:
+            raise f.fail(f"storage_data[{label!r}]", "a StorageInfo", info)
         path = f.attr(info, "relative_path")
         why = check_relative_name(path)
         if why:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import cast
@@ -41,8 +42,60 @@ BACKENDS: Mapping[str, BackendSpec] = {
     )
 }
 
-#: Schemes with a native backend; any other scheme goes to fsspec if it knows it.
+#: Schemes with a native backend; any other scheme goes to a registered
+#: backend (:func:`register_backend`), else to fsspec if it knows it.
 _NATIVE_SCHEMES = {"file": "local", "s3": "s3", "msc": "msc"}
+
+#: Backends registered at run time, by the scheme they serve.
+_REGISTERED: dict[str, BackendSpec] = {}
+_REGISTER_LOCK = threading.Lock()
+
+
+def register_backend(scheme: str, target: type[Storage] | str, *, summary: str = "", clobber: bool = False) -> None:
+    """Serve ``scheme://`` URIs with ``target`` (as fsspec's
+    ``register_implementation``): every ``dcpstore.save``, ``load``, drop-in
+    and tool opens such a URI with it.
+
+    Args:
+        scheme: the URI scheme, lower case (``"gs"``, ``"myfs"``); the
+            built-in ones (``file``, ``s3``, ``msc``) cannot be taken.
+        target: a :class:`Storage` subclass, or ``"module:Class"`` naming
+            one (imported at first use, so that registering costs nothing).
+        summary: what it is, for messages.
+        clobber: replace another backend registered for ``scheme``.
+
+    Raises:
+        InvalidArgument: a scheme that is not one, a built-in scheme, a
+            target that is no Storage subclass, or a scheme registered
+            already to another target without ``clobber``.
+    """
+    if not isinstance(scheme, str) or not scheme.isascii() or not scheme[:1].isalpha() \
+            or scheme != scheme.lower() or not all(c.isalnum() or c in "+.-" for c in scheme):  # fmt: skip
+        raise InvalidArgument(f"register_backend: scheme must be a lower-case URI scheme like 'gs', got {scheme!r}")
+    if scheme in _NATIVE_SCHEMES:
+        raise InvalidArgument(f"register_backend: {scheme}:// is served by the built-in {_NATIVE_SCHEMES[scheme]} backend")
+    if isinstance(target, str):
+        if target.count(":") != 1 or not all(target.split(":")):
+            raise InvalidArgument(f"register_backend: target must be a Storage subclass or 'module:Class', got {target!r}")
+        spec_target = target
+    elif isinstance(target, type) and issubclass(target, Storage):
+        spec_target = f"{target.__module__}:{target.__qualname__}"
+    else:
+        raise InvalidArgument(f"register_backend: target must be a Storage subclass or 'module:Class', got {target!r}")
+    spec = BackendSpec(f"registered:{scheme}", spec_target, None, summary or f"{scheme}:// ({spec_target})")
+    with _REGISTER_LOCK:
+        old = _REGISTERED.get(scheme)
+        if old is not None and old.target != spec.target and not clobber:
+            raise InvalidArgument(
+                f"register_backend: {scheme}:// is registered to {old.target} already; pass clobber=True to replace it"
+            )
+        _REGISTERED[scheme] = spec
+        if isinstance(target, type):
+            _CLASSES[spec.name] = target
+
+
+#: Registered classes given as classes (they may not be importable by name).
+_CLASSES: dict[str, type[Storage]] = {}
 
 
 def backend_name(url: StorageURL, *, enable_msc: bool = False) -> str:
@@ -55,12 +108,16 @@ def backend_name(url: StorageURL, *, enable_msc: bool = False) -> str:
         return "msc"
     if url.scheme in _NATIVE_SCHEMES:
         return _NATIVE_SCHEMES[url.scheme]
+    registered = _REGISTERED.get(url.scheme)
+    if registered is not None:
+        return registered.name
     if _fsspec_knows(url.scheme):
         return "fsspec"
     raise InvalidURI(
         f"unknown URI scheme {url.scheme!r} in {redact(url.original)!r}: "
-        f"dcpstore serves local paths, file://, s3://, msc:// and the schemes of installed "
-        f"fsspec filesystems (pip install 'dcpstore[fsspec]' plus e.g. gcsfs for gs://)"
+        "dcpstore serves local paths, file://, s3://, msc://, the schemes of backends given to "
+        "dcpstore.storage.register_backend, and those of installed fsspec filesystems "
+        "(pip install 'dcpstore[fsspec]' plus e.g. gcsfs for gs://)"
     )
 
 
@@ -74,10 +131,11 @@ def _fsspec_knows(scheme: str) -> bool:
 
 def backend_class(name: str) -> type[Storage]:
     """Import and return the :class:`Storage` class registered as ``name``."""
-    try:
-        spec = BACKENDS[name]
-    except KeyError:
-        raise InvalidURI(f"unknown backend {name!r}; known: {', '.join(BACKENDS)}") from None
+    if name in _CLASSES:
+        return _CLASSES[name]
+    spec = BACKENDS.get(name) or next((s for s in _REGISTERED.values() if s.name == name), None)
+    if spec is None:
+        raise InvalidURI(f"unknown backend {name!r}; known: {', '.join([*BACKENDS, *(s.name for s in _REGISTERED.values())])}")
     module_name, _, class_name = spec.target.partition(":")
     try:
         module = importlib.import_module(module_name)

@@ -61,10 +61,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import crc32c
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.storage import WriteResult
 
+from ...torch_compat import StorageInfo
 from ...errors import CheckpointError, CheckpointExists, InvalidArgument, SaveError
 from ...format.inflight import alive_name, is_alive_file
 from ...format.layout import (
@@ -287,14 +287,14 @@ class SaveSession:
             self._publish(metadata, results, sides)
 
     def _publish(self, metadata: Metadata, results: Sequence[Sequence[WriteResult]], sides: Mapping[str, bytes]) -> None:
-        storage_data: dict[MetadataIndex, _StorageInfo] = {}
+        storage_data: dict[MetadataIndex, StorageInfo] = {}
         files: dict[str, FileEntry] = {}
         items: dict[str, int] = {}
         tensors: dict[str, list[int]] = {}
         for rank_results in results:
             for wr in rank_results:
                 rec: ItemRecord = wr.storage_data
-                storage_data[wr.index] = _StorageInfo(
+                storage_data[wr.index] = StorageInfo(
                     rec.relative_path, rec.offset, rec.length, list(rec.transforms) if rec.transforms else None
                 )
                 files[rec.relative_path] = {"size": rec.file_size, "crc32c": rec.file_crc32c}
