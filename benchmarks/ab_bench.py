@@ -4,8 +4,9 @@
         [--backends local,s3] [--size 64MiB] [--tensors 16] [--workers 1,4] \\
         [--repeat 3] [--rounds 5] [--json FILE]
 
-Each round runs one ``python -m dcpstore.cli bench URI --warm -q --repeat
-N --json ...`` process per side with ``PYTHONPATH`` set to the checkout, so
+Each round runs one ``python -m dcpstore._impl.cli bench URI --warm -q --repeat
+N --json ...`` process per side (``dcpstore.cli`` in a checkout from before
+the private tree) with ``PYTHONPATH`` set to the checkout, so
 both sides run on this interpreter and its installed packages and differ
 only in dcpstore's code. The first repeat of each process warms it up
 (imports, first allocations) and is not counted. Rounds alternate the order (A B, then B A, ...) so that a
@@ -60,10 +61,16 @@ def _which_dcpstore(checkout: str) -> str:
     return out.stdout.strip()
 
 
+def _cli_module(checkout: str) -> str:
+    """The command's module in ``checkout``: ``dcpstore._impl.cli``, or
+    ``dcpstore.cli`` in a checkout from before the private tree."""
+    return "dcpstore._impl.cli" if os.path.exists(os.path.join(checkout, "dcpstore", "_impl", "cli.py")) else "dcpstore.cli"
+
+
 def _bench(checkout: str, uri: str, args: argparse.Namespace, env: dict[str, str | None]) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory(prefix="dcpstore-ab-") as tmp:
         out = os.path.join(tmp, "r.json")
-        cmd = [sys.executable, "-m", "dcpstore.cli", "bench", uri, "--size", args.size, "--tensors", str(args.tensors),
+        cmd = [sys.executable, "-m", _cli_module(checkout), "bench", uri, "--size", args.size, "--tensors", str(args.tensors),
                "--workers", args.workers, "--repeat", str(args.repeat), "--warm", "-q", "--json", out]  # fmt: skip
         # cwd: not a checkout, whose dcpstore/ "-m" would put ahead of PYTHONPATH.
         proc = subprocess.run(cmd, cwd=tmp, env=_env(checkout, env), capture_output=True, text=True)

@@ -35,7 +35,7 @@ def main() -> None:
              "dcpstore.save({'w': torch.ones(4)}, sys.argv[1] + '/step_1').result()", root],
             check=True, capture_output=True,
         )  # fmt: skip
-        cli = [sys.executable, "-m", "dcpstore.cli"]
+        cli = [sys.executable, "-m", "dcpstore._impl.cli"]
         commands = {
             "import torch": [sys.executable, "-c", "import torch"],
             "dcpstore --help": [*cli, "--help"],

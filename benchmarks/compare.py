@@ -3,7 +3,7 @@
     python benchmarks/compare.py --size 512MiB --json benchmarks/results/compare.json
 
 Sections (each a list of entries measured one after the other on the same
-state dict; see dcpstore/bench/runner.py for how each is timed):
+state dict; see dcpstore/_impl/bench/runner.py for how each is timed):
 
 * local: raw threads write+fsync / read (the disk limit), ``clone()`` (the
   async stall limit), ``dcp.save`` / ``dcp.async_save`` with
@@ -18,7 +18,7 @@ state dict; see dcpstore/bench/runner.py for how each is timed):
   MB/s per connection, where the emulated network is the limit, and ``cpu``
   at 25 MB/s, where this machine's CPUs are). Each section has its harness
   self-test (the widest raw rows through a second proxy with shaping off:
-  dcpstore.bench.limits.harness_verdicts says whether the section is
+  dcpstore._impl.bench.limits.harness_verdicts says whether the section is
   network- or harness-bound), the raw sweep, dcpstore at its defaults, and
   s3torchconnector, MSC and s3fs.
 
@@ -47,10 +47,10 @@ sys.path.insert(0, os.path.dirname(HERE))  # run from a checkout without install
 
 import torch  # noqa: E402
 
-from dcpstore.bench import Entry, Record, Waiter, make_state, parse_int_list, parse_size, run_entries, summarize, zeros_like_state  # noqa: E402
-from dcpstore.bench.entries import DcpstoreEntry, TieredEntry  # noqa: E402
-from dcpstore.units import human_bytes  # noqa: E402
-from dcpstore.bench.report import format_table, write_json  # noqa: E402
+from dcpstore._impl.bench import Entry, Record, Waiter, make_state, parse_int_list, parse_size, run_entries, summarize, zeros_like_state  # noqa: E402
+from dcpstore._impl.bench.entries import DcpstoreEntry, TieredEntry  # noqa: E402
+from dcpstore._impl.units import human_bytes  # noqa: E402
+from dcpstore._impl.bench.report import format_table, write_json  # noqa: E402
 from dcpstore.storage import StorageOptions  # noqa: E402
 
 import limits  # noqa: E402
@@ -145,7 +145,7 @@ def tiered_section(root: str, endpoint: str, run_id: str, workers: Sequence[int]
 
 def raw_sweep(endpoint: str, run_id: str, nbytes: int, backend: str) -> list[Entry]:
     """The endpoint's limit: raw boto3 over every (connections, part size)
-    worth measuring (dcpstore.bench.limits.s3_sweep), credentials from the
+    worth measuring (dcpstore._impl.bench.limits.s3_sweep), credentials from the
     environment like every other client here."""
     env = servers.s3_env(endpoint)
     return [WithEnv(e, env) for e in limits.s3_sweep(endpoint, BUCKET, nbytes, prefix=run_id, backend=backend)]

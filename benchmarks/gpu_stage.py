@@ -61,7 +61,7 @@ import torch
 
 from async_stall import Dcpstore, DcpAsync, _Timer, make_state  # a sibling: run as benchmarks/gpu_stage.py
 
-from dcpstore.engines.staging import Stager, StagingPool
+from dcpstore._impl.engines.staging import Stager, StagingPool
 
 MiB = 1 << 20
 GiB = 1 << 30

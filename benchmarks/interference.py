@@ -7,7 +7,7 @@ A training step of fixed work runs with no save, then during one async save;
 the figures are the save's lost step-seconds, its peak step inflation, and
 per GB saved: CPU seconds of the training process's other threads and of
 child processes, and GIL-held seconds of the other threads (py-spy, in a
-pass of its own). See dcpstore/bench/interference.py for the method.
+pass of its own). See dcpstore/_impl/bench/interference.py for the method.
 
 Rows (each saves the same state to its own directory or key prefix):
 
@@ -22,7 +22,7 @@ Rows (each saves the same state to its own directory or key prefix):
   installed); NVRx reaches S3 through MSC.
 
 A later way of saving is one more entry in :func:`rows` (for dcpstore's own
-options, a :class:`~dcpstore.bench.interference.DcpstoreRow` with other
+options, a :class:`~dcpstore._impl.bench.interference.DcpstoreRow` with other
 ``dcpstore.save`` keywords).
 
 A single-rank gloo process group is initialised first: ``dcp.async_save``'s
@@ -53,10 +53,10 @@ import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 
 import dcpstore  # noqa: E402
-from dcpstore.bench import make_state, parse_size  # noqa: E402
-from dcpstore.bench.interference import DcpstoreRow, Pending, Result, Row, StepWork, describe, measure, remove_uri, table_rows, text_table  # noqa: E402
-from dcpstore.bench.report import git_commit, machine  # noqa: E402
-from dcpstore.bench.runner import Skip  # noqa: E402
+from dcpstore._impl.bench import make_state, parse_size  # noqa: E402
+from dcpstore._impl.bench.interference import DcpstoreRow, Pending, Result, Row, StepWork, describe, measure, remove_uri, table_rows, text_table  # noqa: E402
+from dcpstore._impl.bench.report import git_commit, machine  # noqa: E402
+from dcpstore._impl.bench.runner import Skip  # noqa: E402
 
 BUCKET = "dcpstore-interference"
 
@@ -166,7 +166,7 @@ def one_rank_group() -> Iterator[None]:
 
 def markdown(doc: dict[str, Any]) -> str:
     """The result file as a markdown table (benchmarks/report.py's ``interference`` blocks)."""
-    from dcpstore.bench.interference import TABLE_HEAD
+    from dcpstore._impl.bench.interference import TABLE_HEAD
 
     results = [Result(**{k: v for k, v in r.items() if k in Result.__dataclass_fields__}) for r in doc["results"]]
     lines = ["| " + " | ".join(TABLE_HEAD) + " |", "|" + "|".join("---" for _ in TABLE_HEAD) + "|"]

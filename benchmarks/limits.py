@@ -1,6 +1,6 @@
 """The limits a comparison measures dcpstore against.
 
-The storage limits ship with ``dcpstore bench`` (:mod:`dcpstore.bench.limits`:
+The storage limits ship with ``dcpstore bench`` (:mod:`dcpstore._impl.bench.limits`:
 raw threads on files, raw boto3 swept over connections and part sizes, the
 best of each direction; the harness self-test rows of an emulated network);
 this module adds the one reference that is not a storage's:
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from dcpstore.bench import Entry, SaveOutcome, Waiter, done
-from dcpstore.bench.limits import HarnessRaw, RawFiles, RawS3, byte_view, harness_points, s3_sweep, shares
+from dcpstore._impl.bench import Entry, SaveOutcome, Waiter, done
+from dcpstore._impl.bench.limits import HarnessRaw, RawFiles, RawS3, byte_view, harness_points, s3_sweep, shares
 
 __all__ = ["Clone", "HarnessRaw", "RawFiles", "RawS3", "byte_view", "harness_points", "s3_sweep", "shares"]
 

@@ -3,7 +3,7 @@
 dcpstore reads large tensors straight into their destinations and verifies
 each item there, so a damaged item is found after it has overwritten its
 destination (the error then says which keys changed: see
-dcpstore/dcp/load_progress.py). A load that leaves every destination
+dcpstore/_impl/dcp/load_progress.py). A load that leaves every destination
 untouched unless the whole checkpoint verifies needs one of two things, both
 measured here against the in-place load, on the same checkpoint in one run:
 
@@ -55,7 +55,7 @@ def _verify_all(uri: str) -> None:
     import crc32c
 
     import dcpstore
-    from dcpstore.dcp.commit import read_checkpoint_metadata
+    from dcpstore._impl.dcp.commit import read_checkpoint_metadata
 
     storage = dcpstore.open_storage(uri)
     _, manifest = read_checkpoint_metadata(storage)

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from dcpstore.bench import Entry, SaveOutcome, Skip, Waiter, done
+from dcpstore._impl.bench import Entry, SaveOutcome, Skip, Waiter, done
 from servers import FAKE_CREDENTIALS, admin_client, free_port
 
 

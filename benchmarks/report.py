@@ -50,10 +50,10 @@ sys.path.insert(0, ROOT)
 
 import interference  # noqa: E402
 import targets  # noqa: E402
-from dcpstore.bench import summarize  # noqa: E402
-from dcpstore.bench.limits import best_limits, harness_verdicts, limit_ratios  # noqa: E402
-from dcpstore.bench.report import tiered_lines  # noqa: E402
-from dcpstore.units import human_bytes  # noqa: E402
+from dcpstore._impl.bench import summarize  # noqa: E402
+from dcpstore._impl.bench.limits import best_limits, harness_verdicts, limit_ratios  # noqa: E402
+from dcpstore._impl.bench.report import tiered_lines  # noqa: E402
+from dcpstore._impl.units import human_bytes  # noqa: E402
 
 Row = dict[str, Any]
 Doc = dict[str, Any]
@@ -66,22 +66,22 @@ STALE_AFTER = 10
 CONSTANTS = {"stale_after": STALE_AFTER}
 
 #: What each kind of table measures, as narrowly as the rows' code paths go.
-WRITE_READ = ("dcpstore/dcp/writer.py", "dcpstore/dcp/reader.py", "dcpstore/dcp/read_plan.py",
-              "dcpstore/format/record.py", "dcpstore/format/checksum.py")  # fmt: skip
-LOCAL = (*WRITE_READ, "dcpstore/storage/local.py", "dcpstore/engines/saver.py", "dcpstore/engines/staging.py",
-         "dcpstore/engines/nvrx.py", "dcpstore/engines/nvrx_stream.py")  # fmt: skip
-OBJECT_STORE = (*WRITE_READ, "dcpstore/storage/s3.py", "dcpstore/storage/s3_client.py", "dcpstore/storage/s3_upload.py",
-                "dcpstore/storage/pool.py", "dcpstore/storage/msc.py")  # fmt: skip
-SCALE = ("dcpstore/dcp/writer.py", "dcpstore/dcp/commit", "dcpstore/dcp/owner_gate.py", "dcpstore/storage/s3.py",
-         "dcpstore/storage/s3_upload.py", "dcpstore/storage/pool.py", "benchmarks/scale_sim.py")  # fmt: skip
-INTERFERENCE = ("dcpstore/engines/saver.py", "dcpstore/engines/staging.py", "dcpstore/engines/nvrx.py",
-                "dcpstore/dcp/writer.py", "dcpstore/format/record.py", "dcpstore/storage/s3.py",
-                "dcpstore/storage/s3_upload.py", "dcpstore/bench/interference.py")  # fmt: skip
-GPU_STAGING = ("dcpstore/engines/staging.py", "dcpstore/engines/buffers.py", "dcpstore/engines/saver.py",
+WRITE_READ = ("dcpstore/_impl/dcp/writer.py", "dcpstore/_impl/dcp/reader.py", "dcpstore/_impl/dcp/read_plan.py",
+              "dcpstore/_impl/format/record.py", "dcpstore/_impl/format/checksum.py")  # fmt: skip
+LOCAL = (*WRITE_READ, "dcpstore/_impl/storage/local.py", "dcpstore/_impl/engines/saver.py", "dcpstore/_impl/engines/staging.py",
+         "dcpstore/_impl/engines/nvrx.py", "dcpstore/_impl/engines/nvrx_stream.py")  # fmt: skip
+OBJECT_STORE = (*WRITE_READ, "dcpstore/_impl/storage/s3.py", "dcpstore/_impl/storage/s3_client.py", "dcpstore/_impl/storage/s3_upload.py",
+                "dcpstore/_impl/storage/pool.py", "dcpstore/_impl/storage/msc.py")  # fmt: skip
+SCALE = ("dcpstore/_impl/dcp/writer.py", "dcpstore/_impl/dcp/commit", "dcpstore/_impl/dcp/owner_gate.py", "dcpstore/_impl/storage/s3.py",
+         "dcpstore/_impl/storage/s3_upload.py", "dcpstore/_impl/storage/pool.py", "benchmarks/scale_sim.py")  # fmt: skip
+INTERFERENCE = ("dcpstore/_impl/engines/saver.py", "dcpstore/_impl/engines/staging.py", "dcpstore/_impl/engines/nvrx.py",
+                "dcpstore/_impl/dcp/writer.py", "dcpstore/_impl/format/record.py", "dcpstore/_impl/storage/s3.py",
+                "dcpstore/_impl/storage/s3_upload.py", "dcpstore/_impl/bench/interference.py")  # fmt: skip
+GPU_STAGING = ("dcpstore/_impl/engines/staging.py", "dcpstore/_impl/engines/buffers.py", "dcpstore/_impl/engines/saver.py",
                "benchmarks/gpu_stage.py")  # fmt: skip
 #: The WAN regimes compare.py runs by default (one section each).
 WAN_REGIMES = ("network", "cpu")
-TIERED = ("dcpstore/manager/tiers", "dcpstore/manager/roots.py", "dcpstore/engines/saver.py", "dcpstore/storage/s3.py")  # fmt: skip
+TIERED = ("dcpstore/_impl/manager/tiers", "dcpstore/_impl/manager/roots.py", "dcpstore/_impl/engines/saver.py", "dcpstore/_impl/storage/s3.py")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -219,7 +219,7 @@ def sweep_table(rows: Sequence[Row]) -> str:
 def harness_table(rows: Sequence[Row]) -> str:
     """The section's harness self-test, per direction: the proxy and endpoint
     with shaping off against the best row measured through the shaping, and
-    what that makes the section (dcpstore.bench.limits.harness_verdicts)."""
+    what that makes the section (dcpstore._impl.bench.limits.harness_verdicts)."""
     verdicts = harness_verdicts(rows)
     if not verdicts:
         return "_no harness self-test in this run_"

@@ -56,12 +56,12 @@ import botocore.exceptions as bexc  # noqa: E402
 import torch  # noqa: E402
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner  # noqa: E402
 
-from dcpstore.bench import make_state, parse_int_list, parse_size  # noqa: E402
-from dcpstore.bench.report import git_commit, git_dirty, machine  # noqa: E402
-from dcpstore.dcp.writer import DcpStorageWriter  # noqa: E402
-from dcpstore.format.layout import is_data_file  # noqa: E402
+from dcpstore._impl.bench import make_state, parse_int_list, parse_size  # noqa: E402
+from dcpstore._impl.bench.report import git_commit, git_dirty, machine  # noqa: E402
+from dcpstore._impl.dcp.writer import DcpStorageWriter  # noqa: E402
+from dcpstore._impl.format.layout import is_data_file  # noqa: E402
 from dcpstore.storage import StorageOptions, open_storage  # noqa: E402
-from dcpstore.units import human_bytes  # noqa: E402
+from dcpstore._impl.units import human_bytes  # noqa: E402
 
 #: Request kinds S3 counts against each per-prefix rate.
 WRITE_KINDS = frozenset({"PutObject", "CreateMultipartUpload", "UploadPart", "CompleteMultipartUpload",

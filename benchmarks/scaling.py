@@ -37,10 +37,10 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import torch  # noqa: E402
 
-from dcpstore.bench import Entry, Record, make_state, parse_int_list, parse_size, run_entries, summarize, zeros_like_state  # noqa: E402
-from dcpstore.bench.entries import DcpstoreEntry  # noqa: E402
-from dcpstore.bench.measure import drop_page_cache, states_equal  # noqa: E402
-from dcpstore.bench.report import format_table, write_json  # noqa: E402
+from dcpstore._impl.bench import Entry, Record, make_state, parse_int_list, parse_size, run_entries, summarize, zeros_like_state  # noqa: E402
+from dcpstore._impl.bench.entries import DcpstoreEntry  # noqa: E402
+from dcpstore._impl.bench.measure import drop_page_cache, states_equal  # noqa: E402
+from dcpstore._impl.bench.report import format_table, write_json  # noqa: E402
 
 import limits  # noqa: E402
 import peers  # noqa: E402

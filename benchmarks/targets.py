@@ -9,7 +9,7 @@ with (by entry name, as compare.py builds them). A target is
 * ``n/a`` when a row was skipped or failed for another reason (the reason
   is shown);
 * ``harness-bound`` when it compares throughput with a limit in a section
-  whose harness self-test (dcpstore.bench.limits.harness_verdicts) says
+  whose harness self-test (dcpstore._impl.bench.limits.harness_verdicts) says
   the proxy and endpoint, not the emulated network, set that limit: no row
   is called at the limit there (a peer ratio there is still computed, and
   says that the harness caps both rows);
@@ -24,11 +24,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dcpstore.bench.limits import best_limits, harness_verdicts
+from dcpstore._impl.bench.limits import best_limits, harness_verdicts
 
 Row = dict[str, Any]
 
-#: ``Target.ref`` prefix: the best limit row (see dcpstore.bench.limits.best_limits)
+#: ``Target.ref`` prefix: the best limit row (see dcpstore._impl.bench.limits.best_limits)
 #: of the backend named after it, in the target's direction.
 LIMIT = "limit:"
 #: ``Target.ref`` prefix: the best of the rows whose name starts with what follows

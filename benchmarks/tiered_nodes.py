@@ -48,7 +48,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-from dcpstore.bench.report import git_commit, git_dirty, machine  # noqa: E402
+from dcpstore._impl.bench.report import git_commit, git_dirty, machine  # noqa: E402
 
 KINDS = ("plain", "tiered-shared", "tiered-nodes")
 

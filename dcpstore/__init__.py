@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .errors import (
+from ._impl.errors import (
     BackendUnavailable,
     CheckpointCorrupt,
     CheckpointError,
@@ -39,31 +39,31 @@ from .errors import (
     StoragePermissionError,
     UnsafeCheckpoint,
 )
-from .first_use import first_use
+from ._impl.first_use import first_use
 from .storage import StorageOptions, open_storage
 
 if TYPE_CHECKING:
-    from .api import load, save
-    from .dropin import StorageReader, StorageWriter
-    from .engines.saver import AsyncSaver
-    from .handle import CheckpointInfo, SaveHandle
-    from .manager import CheckpointManager
-    from .options import LoadOptions, SaveOptions
+    from ._impl.api import load, save
+    from ._impl.dropin import StorageReader, StorageWriter
+    from ._impl.engines.saver import AsyncSaver
+    from ._impl.handle import CheckpointInfo, SaveHandle
+    from ._impl.manager import CheckpointManager
+    from ._impl.options import LoadOptions, SaveOptions
 
 __version__ = "0.1.0"
 
 #: Public names imported on first use: name -> the module that defines it.
 TORCH_NAMES: dict[str, str] = {
-    "AsyncSaver": "dcpstore.engines.saver",
-    "CheckpointInfo": "dcpstore.handle",
-    "CheckpointManager": "dcpstore.manager",
-    "LoadOptions": "dcpstore.options",
-    "SaveHandle": "dcpstore.handle",
-    "SaveOptions": "dcpstore.options",
-    "StorageReader": "dcpstore.dropin",
-    "StorageWriter": "dcpstore.dropin",
-    "load": "dcpstore.api",
-    "save": "dcpstore.api",
+    "AsyncSaver": "dcpstore._impl.engines.saver",
+    "CheckpointInfo": "dcpstore._impl.handle",
+    "CheckpointManager": "dcpstore._impl.manager",
+    "LoadOptions": "dcpstore._impl.options",
+    "SaveHandle": "dcpstore._impl.handle",
+    "SaveOptions": "dcpstore._impl.options",
+    "StorageReader": "dcpstore._impl.dropin",
+    "StorageWriter": "dcpstore._impl.dropin",
+    "load": "dcpstore._impl.api",
+    "save": "dcpstore._impl.api",
 }
 
 

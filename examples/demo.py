@@ -16,7 +16,7 @@ import time
 import torch
 
 import dcpstore
-from dcpstore.maintenance import inspect_checkpoint, verify_checkpoint
+from dcpstore._impl.maintenance import inspect_checkpoint, verify_checkpoint
 
 
 def build(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 import dcpstore
-from dcpstore.maintenance import list_checkpoints
+from dcpstore._impl.maintenance import list_checkpoints
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))

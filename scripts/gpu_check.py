@@ -111,8 +111,8 @@ def collect_env() -> dict[str, Any]:
 
         env["crc32c_hardware"] = bool(getattr(crc32c, "hardware_based", False))
         import dcpstore
-        from dcpstore.engines import nvrx
-        from dcpstore.format.record import record_saver
+        from dcpstore._impl.engines import nvrx
+        from dcpstore._impl.format.record import record_saver
 
         env["dcpstore"] = dcpstore.__version__
         env["dcpstore_path"] = os.path.dirname(dcpstore.__file__)

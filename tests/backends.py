@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 
 from dcpstore import LoadOptions, SaveOptions
-from dcpstore.storage import MiB, StorageOptions, with_msc
+from dcpstore._impl.storage import MiB, StorageOptions, with_msc
 from s3_server import MSC_MAPPED_PREFIX
 
 #: Tuning for the object-store targets: multipart from 5 MiB, bounded retries.

@@ -58,8 +58,8 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import dcpstore
 from dcpstore.adapters.megatron import install_in_bridge
-from dcpstore.manager import BRIDGE
-from dcpstore.storage import join_uri, open_storage
+from dcpstore._impl.manager import BRIDGE
+from dcpstore._impl.storage import join_uri, open_storage
 
 TRACKER = BRIDGE.pointer
 
@@ -301,7 +301,7 @@ def die_mid_write(save_fn: Any, *args: Any) -> None:
     chunk it writes into a data file, SIGKILLs the trainer (its parent) and
     itself: the whole rank dies mid-save. Scheduled instead of
     ``save_fn`` on the rank that dies (pickled to the worker by name)."""
-    import dcpstore.adapters.megatron_worker as writer_module
+    import dcpstore._impl.adapters.megatron_worker as writer_module
     from faults import EventStorage
 
     real = writer_module.open_storage

@@ -52,11 +52,11 @@ import torch
 
 import dcpstore
 import killcount
-from dcpstore.cli import main as cli_main
-from dcpstore.maintenance import inspect_checkpoint, list_checkpoints
-from dcpstore.manager import parse_step_dir, step_dir
-from dcpstore.storage import join_uri, open_storage
-from dcpstore.format.layout import METADATA, is_manifest
+from dcpstore._impl.cli import main as cli_main
+from dcpstore._impl.maintenance import inspect_checkpoint, list_checkpoints
+from dcpstore._impl.manager import parse_step_dir, step_dir
+from dcpstore._impl.storage import join_uri, open_storage
+from dcpstore._impl.format.layout import METADATA, is_manifest
 from faults import Hook, KillAt, Recorder, SharedEvents, hook_all_storage, spread
 from helpers import assert_state_equal, zeros_like_state
 
@@ -150,7 +150,7 @@ def overwrite_expected(events: list[str], k: int) -> str:
 
 def instrument_staging(hook: Hook) -> None:
     """Report each tensor copy of async staging (on the caller's thread)."""
-    from dcpstore.engines.staging import Stager
+    from dcpstore._impl.engines.staging import Stager
 
     real = Stager._copy
 
@@ -181,7 +181,7 @@ def instrument_nvrx(hook: Hook) -> None:
 
 def instrument_s3(hook: Hook, options: dcpstore.StorageOptions) -> None:
     """Report every S3 request the (per-process, cached) client makes."""
-    from dcpstore.storage.s3 import s3_client
+    from dcpstore._impl.storage.s3 import s3_client
 
     events = s3_client(options).meta.events
     events.register("before-call.s3", lambda model, **_: hook(f"s3:{model.name}"))

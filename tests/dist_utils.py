@@ -39,7 +39,7 @@ PRELOAD = [
     "torch.distributed.fsdp",
     "torch.distributed.checkpoint",
     "dcpstore",
-    "dcpstore.storage.s3",
+    "dcpstore._impl.storage.s3",
     "crashkit",
     "test_crash",
     "test_crash_async",

@@ -14,8 +14,8 @@ import os
 import signal
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dcpstore.storage.base import ObjectInfo, ObjectWriter, Storage
-from dcpstore.storage.pending import IncompleteWrite
+from dcpstore._impl.storage.base import ObjectInfo, ObjectWriter, Storage
+from dcpstore._impl.storage.pending import IncompleteWrite
 
 Hook = Callable[[str], None]
 
@@ -90,7 +90,7 @@ class EventStorage(Storage):
 
 
 #: Where dcpstore.save / load / AsyncSaver / CheckpointManager look up ``open_storage``.
-_OPENERS = ("dcpstore.api", "dcpstore.engines.saver", "dcpstore.manager.manager", "dcpstore.engines.process")
+_OPENERS = ("dcpstore._impl.api", "dcpstore._impl.engines.saver", "dcpstore._impl.manager.manager", "dcpstore._impl.engines.process")
 
 
 def hook_all_storage(hook: Hook | dict[str, Hook], setattr: Callable[[object, str, object], None] = setattr) -> None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 _CHILD = r"""
 import os, sys
-from dcpstore.cli import main
+from dcpstore._impl.cli import main
 stop, roots, extra = sys.argv[1], sys.argv[2].split("\n"), sys.argv[3:]
 rounds = 0
 while not os.path.exists(stop):

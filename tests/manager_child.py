@@ -20,7 +20,7 @@ import sys
 import torch
 
 import dcpstore
-from dcpstore.storage.local import LocalStorage
+from dcpstore._impl.storage.local import LocalStorage
 
 
 def state(step: int) -> dict[str, object]:

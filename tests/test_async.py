@@ -27,8 +27,8 @@ from async_helpers import (
     zeros_like_state,
 )
 from backends import Target
-from dcpstore.errors import CheckpointNotFound, InvalidArgument, SaveError
-from dcpstore.engines.staging import Stager, StagingPool
+from dcpstore._impl.errors import CheckpointNotFound, InvalidArgument, SaveError
+from dcpstore._impl.engines.staging import Stager, StagingPool
 from rss import fix_mmap_threshold, in_own_process, live_rss
 
 

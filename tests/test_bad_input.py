@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import dcpstore
-from dcpstore.storage import join_uri, parse_uri, redact
+from dcpstore._impl.storage import join_uri, parse_uri, redact
 
 
 def _save(uri: str, state=None, **kwargs):

@@ -18,7 +18,7 @@ import urllib.request
 import pytest
 import torch
 
-from dcpstore.bench import (
+from dcpstore._impl.bench import (
     RECORD_KEYS,
     Entry,
     SaveOutcome,
@@ -30,9 +30,9 @@ from dcpstore.bench import (
     run_entry,
     zeros_like_state,
 )
-from dcpstore.bench.measure import PeakRSS, parse_int_list
-from dcpstore.cli import main
-from dcpstore.errors import InvalidArgument
+from dcpstore._impl.bench.measure import PeakRSS, parse_int_list
+from dcpstore._impl.cli import main
+from dcpstore._impl.errors import InvalidArgument
 
 from test_cli import run_cli
 
@@ -331,7 +331,7 @@ def test_compare_smoke_local_section(tmp_path) -> None:
 def test_cli_bench_drops_the_page_cache_only_when_asked(tmp_path, monkeypatch) -> None:
     # The one privileged call is replaced: this test runs as root, and the
     # real one would empty the whole host's page cache.
-    import dcpstore.bench.runner as runner
+    import dcpstore._impl.bench.runner as runner
 
     drops: list[int] = []
 

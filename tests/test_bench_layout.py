@@ -1,7 +1,7 @@
 """Who may import whom around the benchmarks.
 
-``dcpstore.bench`` ships in the wheel and builds on the package only;
-``benchmarks/`` builds on ``dcpstore.bench`` and never reaches into
+``dcpstore._impl.bench`` ships in the wheel and builds on the package only;
+``benchmarks/`` builds on ``dcpstore._impl.bench`` and never reaches into
 ``tests/``; the CLI's size formatting does not come from the bench package.
 """
 
@@ -39,7 +39,7 @@ def test_the_bench_package_never_imports_benchmarks_or_tests() -> None:
         text = path.read_text()
         assert "sys.path" not in text, f"{path.name} edits sys.path"
         wrong = _imported_modules(path) & forbidden
-        assert not wrong, f"dcpstore/bench/{path.name} imports {sorted(wrong)}"
+        assert not wrong, f"dcpstore/_impl/bench/{path.name} imports {sorted(wrong)}"
 
 
 def test_benchmarks_never_import_tests() -> None:
@@ -52,8 +52,8 @@ def test_benchmarks_never_import_tests() -> None:
 
 def test_the_cli_formats_sizes_without_the_bench_package() -> None:
     """``dcpstore ls`` / ``inspect`` print sizes; the helper lives in
-    :mod:`dcpstore.units`, not in the benchmark harness."""
-    cli = Path(dcpstore.__file__).parent / "cli.py"
+    :mod:`dcpstore._impl.units`, not in the benchmark harness."""
+    cli = Path(dcpstore.__file__).parent / "_impl" / "cli.py"
     sources = {
         alias.name: ("." * node.level) + (node.module or "")
         for node in ast.walk(ast.parse(cli.read_text()))
@@ -61,6 +61,6 @@ def test_the_cli_formats_sizes_without_the_bench_package() -> None:
         for alias in node.names
     }
     assert sources.get("human_bytes") == ".units", sources.get("human_bytes")
-    code = "import sys, dcpstore.units; print(sorted(m for m in sys.modules if m.startswith('dcpstore.bench')))"
+    code = "import sys, dcpstore._impl.units; print(sorted(m for m in sys.modules if m.startswith('dcpstore._impl.bench')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dcpstore.bench.limits import SWEEP_CONNECTIONS, best_limits, harness_verdicts, limit_ratios, pieces, sweep_points
+from dcpstore._impl.bench.limits import SWEEP_CONNECTIONS, best_limits, harness_verdicts, limit_ratios, pieces, sweep_points
 from s3_server import S3Endpoint
 from test_cli import run_cli
 

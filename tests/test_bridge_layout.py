@@ -19,8 +19,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import dcpstore
-from dcpstore.cli import main as cli_main
-from dcpstore.manager import BRIDGE, DCPSTORE, check_step
+from dcpstore._impl.cli import main as cli_main
+from dcpstore._impl.manager import BRIDGE, DCPSTORE, check_step
 from helpers import assert_state_equal, sample_state, zeros_like_state
 
 TRACKER = "latest_checkpointed_iteration.txt"

@@ -4,7 +4,7 @@ against the crc32c library itself at lengths past 2**29 and 2**32.
 The reference is the GF(2) *matrix* formulation of zlib's original
 ``crc32_combine`` (a 32x32 bit matrix for "shift by one zero bit", squared
 and multiplied). It shares no code and no shortcut with the polynomial
-arithmetic in :mod:`dcpstore.format.checksum`, whose zlib-derived period-32
+arithmetic in :mod:`dcpstore._impl.format.checksum`, whose zlib-derived period-32
 table once broke every item of 512 MiB or more.
 """
 
@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dcpstore.format.checksum import COMBINE_MIN, DualCrc, crc32c_combine
+from dcpstore._impl.format.checksum import COMBINE_MIN, DualCrc, crc32c_combine
 
 _POLY = 0x82F63B78
 

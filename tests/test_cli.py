@@ -16,8 +16,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import dcpstore
-from dcpstore.cli import main
-from dcpstore.dcp.commit import read_checkpoint_metadata
+from dcpstore._impl.cli import main
+from dcpstore._impl.dcp.commit import read_checkpoint_metadata
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -30,7 +30,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 def test_console_script_runs_as_a_process(root: str) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "dcpstore.cli", "verify", os.path.join(root, "step_1"), "-q"],
+        [sys.executable, "-m", "dcpstore._impl.cli", "verify", os.path.join(root, "step_1"), "-q"],
         capture_output=True, text=True, timeout=120,
     )
     assert out.returncode == 0 and out.stdout.startswith("OK"), out.stderr
@@ -122,7 +122,7 @@ def test_help_ls_and_gc_never_import_torch(root: str) -> None:
     code = (
         "import contextlib, io, sys\n"
         "import dcpstore\n"
-        "from dcpstore.cli import main\n"
+        "from dcpstore._impl.cli import main\n"
         "with contextlib.redirect_stdout(io.StringIO()):\n"
         "    with contextlib.suppress(SystemExit):\n"
         "        main(['--help'])\n"

@@ -1,4 +1,4 @@
-"""The commit protocol as one object: dcpstore.dcp.commit.SaveSession.
+"""The commit protocol as one object: dcpstore._impl.dcp.commit.SaveSession.
 
 Every writer (native, NVRx) runs a save through a session; these tests drive
 one directly on a real local directory, with the storage calls recorded, so
@@ -21,10 +21,10 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 import dcpstore
 import extras
-from dcpstore.dcp.commit import ItemRecord, SaveSession, read_checkpoint_metadata
-from dcpstore.format.inflight import alive_name, is_alive_file
-from dcpstore.format.layout import INFLIGHT, MANIFEST, METADATA
-from dcpstore.maintenance import gc
+from dcpstore._impl.dcp.commit import ItemRecord, SaveSession, read_checkpoint_metadata
+from dcpstore._impl.format.inflight import alive_name, is_alive_file
+from dcpstore._impl.format.layout import INFLIGHT, MANIFEST, METADATA
+from dcpstore._impl.maintenance import gc
 from faults import EventStorage, FailAt, Recorder, hook_all_storage
 
 

@@ -22,9 +22,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import dcpstore
 from backends import Target
-from dcpstore.dcp.commit import read_checkpoint_metadata, read_commit_file
-from dcpstore.format.layout import MANIFEST, METADATA, commit_file_path, is_commit_side_file, is_manifest
-from dcpstore.maintenance import gc, list_checkpoints, verify_checkpoint
+from dcpstore._impl.dcp.commit import read_checkpoint_metadata, read_commit_file
+from dcpstore._impl.format.layout import MANIFEST, METADATA, commit_file_path, is_commit_side_file, is_manifest
+from dcpstore._impl.maintenance import gc, list_checkpoints, verify_checkpoint
 from helpers import assert_state_equal, sample_state, zeros_like_state
 
 META = "meta.pt"

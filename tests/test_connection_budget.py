@@ -25,7 +25,7 @@ from faultproxy import FaultConfig, FaultProxy, Request
 from helpers import assert_state_equal, zeros_like_state
 from s3_server import S3Endpoint
 from test_object_store_budget import PART, _uri, proxy  # noqa: F401 -- proxy: the fixture
-from dcpstore.errors import StorageError
+from dcpstore._impl.errors import StorageError
 from dcpstore.storage import MiB, StorageOptions, open_storage
 
 
@@ -182,7 +182,7 @@ def test_part_buffers_are_reused_and_never_shared(s3_endpoint: S3Endpoint) -> No
     part); two objects written at once from reused buffers still land
     byte for byte. The cache keeps at most its limit, dropping the sizes
     not asked for any more first."""
-    from dcpstore.storage.buffered import PARTS, PartCache
+    from dcpstore._impl.storage.buffered import PARTS, PartCache
 
     st = open_storage(_uri(s3_endpoint), storage_options=StorageOptions(part_size=PART, max_concurrency=2))
     PARTS.clear()

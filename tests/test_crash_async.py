@@ -27,7 +27,7 @@ from __future__ import annotations
 import pytest
 
 from crashkit import Managed, forkserver, run_managed_crashes
-from dcpstore.format.layout import METADATA
+from dcpstore._impl.format.layout import METADATA
 from extras import needs_nvrx
 
 slow = pytest.mark.slow

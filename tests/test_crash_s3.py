@@ -30,9 +30,9 @@ import pytest
 
 from backends import OBJECT_STORE_OPTIONS
 from crashkit import Managed, forkserver, run_managed_crashes
-from dcpstore.cli import main as cli_main
+from dcpstore._impl.cli import main as cli_main
 from dcpstore.storage import MiB
-from dcpstore.format.layout import METADATA
+from dcpstore._impl.format.layout import METADATA
 from s3_server import S3Endpoint, aws_env
 
 #: S3 events always killed at (the rest is thinned to the budget).

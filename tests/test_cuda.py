@@ -24,8 +24,8 @@ import torch.distributed.checkpoint as dcp
 
 import dcpstore
 from async_helpers import ENGINES, GatedPlanner, assert_same
-from dcpstore.engines import nvrx as nvrx_adapter
-from dcpstore.engines.staging import Stager, StagingPool
+from dcpstore._impl.engines import nvrx as nvrx_adapter
+from dcpstore._impl.engines.staging import Stager, StagingPool
 
 pytestmark = [
     pytest.mark.cuda,

@@ -18,10 +18,10 @@ import torch.distributed.checkpoint as dcp
 
 import dcpstore
 from backends import Target
-from dcpstore.engines.nvrx import NvrxTarget, nvrx_save
-from dcpstore.engines.staging import Stager
+from dcpstore._impl.engines.nvrx import NvrxTarget, nvrx_save
+from dcpstore._impl.engines.staging import Stager
 from dcpstore.storage import Storage
-from dcpstore.format.layout import MANIFEST
+from dcpstore._impl.format.layout import MANIFEST
 from oracle import needs_nvrx
 
 

@@ -34,9 +34,9 @@ import dcpstore
 from backends import Target
 from dist_utils import run_ranks
 from helpers import assert_state_equal, sample_state, zeros_like_state
-from dcpstore.dcp.reader import DcpStorageReader
-from dcpstore.dcp.writer import DcpStorageWriter
-from dcpstore.engines import staging
+from dcpstore._impl.dcp.reader import DcpStorageReader
+from dcpstore._impl.dcp.writer import DcpStorageWriter
+from dcpstore._impl.engines import staging
 from dcpstore.storage import open_storage
 
 

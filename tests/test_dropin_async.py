@@ -48,10 +48,10 @@ from dropin_patterns import (
     run_pattern,
     snapshot,
 )
-from dcpstore.dcp.commit import SaveSession
-from dcpstore.engines.staging import Stager, StagingPool
+from dcpstore._impl.dcp.commit import SaveSession
+from dcpstore._impl.engines.staging import Stager, StagingPool
 from dcpstore.storage import open_storage
-from dcpstore.storage.local import LocalStorage
+from dcpstore._impl.storage.local import LocalStorage
 
 
 def assert_loads(uri: str, want: dict[str, Any]) -> None:

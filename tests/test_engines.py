@@ -20,9 +20,9 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 import dcpstore
 from async_helpers import open_target
 from backends import Target
-from dcpstore.engines import nvrx as nvrx_adapter
-from dcpstore.errors import BackendUnavailable, CheckpointCorrupt, EngineFallbackWarning, InvalidArgument
-from dcpstore.engines.staging import Stager
+from dcpstore._impl.engines import nvrx as nvrx_adapter
+from dcpstore._impl.errors import BackendUnavailable, CheckpointCorrupt, EngineFallbackWarning, InvalidArgument
+from dcpstore._impl.engines.staging import Stager
 from extras import needs_nvrx
 
 
@@ -106,7 +106,7 @@ def test_engine_choice_on_every_backend(target: Target) -> None:
 
 @needs_nvrx
 def test_nvrx_refuses_native_s3_naming_the_alternatives() -> None:
-    pytest.importorskip("dcpstore.storage.s3", reason="the native S3 backend is not in this tree")
+    pytest.importorskip("dcpstore._impl.storage.s3", reason="the native S3 backend is not in this tree")
     with pytest.raises(InvalidArgument, match=r"s3.*enable_msc=True.*engine='native'"):
         dcpstore.save({"w": torch.ones(1)}, "s3://some-bucket/ckpt", async_=True, engine="nvrx")
 
@@ -138,7 +138,7 @@ def test_nvrx_writes_through_msc_when_asked(local_target: Target) -> None:
     """NVRx's use_msc path (msc.open + stream.fsync) end to end, on MSC's
     POSIX profile; dcpstore's commit and manifest stay the same."""
     pytest.importorskip("multistorageclient")
-    from dcpstore.engines.nvrx import nvrx_save
+    from dcpstore._impl.engines.nvrx import nvrx_save
 
     storage = dcpstore.open_storage(local_target.uri)
     state = {"a": torch.randn(40, 40), "b": torch.ones(7)}

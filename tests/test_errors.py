@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import dcpstore
-from dcpstore.storage import join_uri, parse_uri, redact
+from dcpstore._impl.storage import join_uri, parse_uri, redact
 
 
 def test_missing_checkpoint(tmp_path) -> None:

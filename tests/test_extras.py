@@ -12,7 +12,7 @@ from packaging.requirements import Requirement
 
 import extras
 from backends import TARGETS
-from dcpstore.engines import nvrx as nvrx_adapter
+from dcpstore._impl.engines import nvrx as nvrx_adapter
 
 ROOT = Path(__file__).resolve().parent.parent
 

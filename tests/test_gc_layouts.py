@@ -27,9 +27,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 import dcpstore
-from dcpstore.errors import SaveError, StorageError
-from dcpstore.format import inflight
-from dcpstore.maintenance import gc, list_checkpoints
+from dcpstore._impl.errors import SaveError, StorageError
+from dcpstore._impl.format import inflight
+from dcpstore._impl.maintenance import gc, list_checkpoints
 from faults import BlockAt, FailAt, hook_all_storage
 from helpers import assert_state_equal
 from test_hostile import cli
@@ -95,7 +95,7 @@ def _refreshed_after(path: Path, mtime: float, timeout_s: float = 30.0) -> bool:
 
 def _gc_in_another_process(root: Path, older_than: str = "1") -> str:
     proc = subprocess.run(
-        [sys.executable, "-m", "dcpstore.cli", "gc", "--older-than", older_than, str(root)],
+        [sys.executable, "-m", "dcpstore._impl.cli", "gc", "--older-than", older_than, str(root)],
         capture_output=True, text=True, timeout=180,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr

@@ -44,11 +44,11 @@ import torch
 
 import dcpstore
 from backends import Target, make_target
-from dcpstore.engines import nvrx as nvrx_engine
-from dcpstore.format import inflight
-from dcpstore.format.layout import INFLIGHT, METADATA
-from dcpstore import listing
-from dcpstore.maintenance import gc, list_checkpoints
+from dcpstore._impl.engines import nvrx as nvrx_engine
+from dcpstore._impl.format import inflight
+from dcpstore._impl.format.layout import INFLIGHT, METADATA
+from dcpstore._impl import listing
+from dcpstore._impl.maintenance import gc, list_checkpoints
 from faults import BlockAt, hook_all_storage
 from gc_loop import gc_loop
 from helpers import assert_state_equal, zeros_like_state

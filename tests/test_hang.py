@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import dcpstore
-from dcpstore.errors import SaveError, StorageError
+from dcpstore._impl.errors import SaveError, StorageError
 from faults import BlockAt, hook_all_storage
 from helpers import assert_state_equal
 
@@ -66,7 +66,7 @@ def test_hung_write_bounds_result_next_save_and_close(tmp_path, monkeypatch) -> 
 def test_manager_next_save_and_close_do_not_wait_forever_for_a_hung_save(tmp_path, monkeypatch) -> None:
     """CheckpointManager.save() first finishes the previous save: with that
     one hung it must refuse after hang_timeout, not block (Megatron-LM #2422)."""
-    from dcpstore.engines import saver as async_engine
+    from dcpstore._impl.engines import saver as async_engine
 
     monkeypatch.setattr(async_engine, "_default_saver", dcpstore.AsyncSaver(hang_timeout=1.0))
     hook = BlockAt(lambda e: e.startswith("write:__0_"), then=StorageError("the hung call finally failed"))
@@ -117,7 +117,7 @@ def test_exit_finishes_healthy_saves_and_gives_up_on_hung_ones(tmp_path) -> None
         f"""
         import dataclasses, time, torch
         import dcpstore
-        from dcpstore.engines import saver as async_engine
+        from dcpstore._impl.engines import saver as async_engine
         from faults import BlockAt, hook_all_storage
         hook_all_storage({{
             {str(slow)!r}: lambda e: time.sleep(0.3) if e.startswith("write:") else None,

@@ -33,9 +33,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 import dcpstore
-from dcpstore.cli import main
-from dcpstore.dcp.reader import DcpStorageReader
-from dcpstore.manager import CheckpointManager, step_dir
+from dcpstore._impl.cli import main
+from dcpstore._impl.dcp.reader import DcpStorageReader
+from dcpstore._impl.manager import CheckpointManager, step_dir
 from dcpstore.storage import open_storage
 from rss import PEAK_MIB_SOURCE
 
@@ -121,7 +121,7 @@ def test_metadata_payload_never_runs(tmp_path: Path, manifest: bool) -> None:
     write_metadata(ckpt, md, manifest=manifest)
     every_tool_refuses(ckpt, marker, r"\.metadata holds class builtins\.exec")
     with pytest.raises(dcpstore.UnsafeCheckpoint, match="tools never unpickle"):
-        dcpstore.maintenance.inspect_checkpoint(dcpstore.open_storage(str(ckpt)))
+        dcpstore._impl.maintenance.inspect_checkpoint(dcpstore.open_storage(str(ckpt)))
     # A save over the crafted checkpoint never reads it, and replaces it.
     dcpstore.save(state(), str(ckpt)).result()
     loaded = fresh()
@@ -215,8 +215,8 @@ def test_stock_dcp_runs_the_item_payload(tmp_path: Path) -> None:
 
 _PEAKS = PEAK_MIB_SOURCE + """
 import contextlib, io, json, resource, sys, dcpstore, torch
-from dcpstore.cli import main
-from dcpstore.dcp.reader import DcpStorageReader
+from dcpstore._impl.cli import main
+from dcpstore._impl.dcp.reader import DcpStorageReader
 outcomes = {}
 for name, action in json.loads(sys.argv[1]).items():
     try:

@@ -244,7 +244,7 @@ def test_symlinked_directory_is_not_followed_by_gc(tmp_path: Path) -> None:
 
 _SPECIAL_CHILD = """
 import contextlib, io, json, sys, dcpstore, torch
-from dcpstore.cli import main
+from dcpstore._impl.cli import main
 out = {}
 for ckpt in json.loads(sys.argv[1]):
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):

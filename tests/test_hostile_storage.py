@@ -40,11 +40,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
 import dcpstore
-from dcpstore.dcp.commit import read_checkpoint_metadata
-from dcpstore.errors import CheckpointError, CheckpointNotFound, StorageError, StoragePermissionError, UnsafeCheckpoint
-from dcpstore.manager import CheckpointManager
+from dcpstore._impl.dcp.commit import read_checkpoint_metadata
+from dcpstore._impl.errors import CheckpointError, CheckpointNotFound, StorageError, StoragePermissionError, UnsafeCheckpoint
+from dcpstore._impl.manager import CheckpointManager
 from dcpstore.storage import open_storage
-from dcpstore.storage.local import LocalStorage
+from dcpstore._impl.storage.local import LocalStorage
 from test_hostile import METADATA, cli, fresh, state
 
 #: How each local-filesystem backend is reached: (URI for a path, CLI flags, load kwargs).

@@ -1,4 +1,4 @@
-"""The interference measurement (dcpstore/bench/interference.py): what a
+"""The interference measurement (dcpstore/_impl/bench/interference.py): what a
 background save costs a training step beside it. The accounting is checked
 with rows whose cost is known in CPU seconds (not wall time, which a shared
 machine bends): a thread that burns CPU holding the GIL, a child process
@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from dcpstore.bench.interference import (
+from dcpstore._impl.bench.interference import (
     DcpstoreRow,
     GilSampler,
     Pending,
@@ -30,7 +30,7 @@ from dcpstore.bench.interference import (
     measure,
     text_table,
 )
-from dcpstore.bench.runner import Skip
+from dcpstore._impl.bench.runner import Skip
 
 ROOT = Path(__file__).resolve().parent.parent
 BURN_S = 0.3
@@ -161,7 +161,7 @@ def test_cli_bench_interference(tmp_path: Path) -> None:
     out_json = tmp_path / "r.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     done = subprocess.run(
-        [sys.executable, "-m", "dcpstore.cli", "bench", str(tmp_path / "root"), "--interference", "--engine", "native",
+        [sys.executable, "-m", "dcpstore._impl.cli", "bench", str(tmp_path / "root"), "--interference", "--engine", "native",
          "--size", "4MiB", "--tensors", "4", "--repeat", "1", "-q", "--json", str(out_json)],
         capture_output=True, text=True, timeout=300, env=env,
     )  # fmt: skip

@@ -23,10 +23,13 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "dcpstore"
 
-#: Bottom first. ``dcpstore`` itself (its __init__: the public surface) sits
-#: above everything it re-exports and below the tools built on the package.
+#: Bottom first. A layer is named by a module's place under ``dcpstore._impl``
+#: (``dcpstore._impl.dcp.reader`` is in ``dcp``); the supported surface --
+#: ``dcpstore`` itself (``""``), ``dcpstore.storage`` (``public:storage``),
+#: ``dcpstore.tools`` and ``dcpstore.adapters`` -- sits above what it
+#: re-exports and below the tools built on the package.
 LAYERS: list[set[str]] = [
-    {"errors", "threads", "quiet", "units", "keywords", "progress", "first_use", "torch_compat"},  # foundation: imports nothing of ours
+    {"_impl", "errors", "threads", "quiet", "units", "keywords", "progress", "first_use", "torch_compat"},  # foundation: imports nothing of ours
     {"storage"},  # bytes
     {"options", "option_keywords", "handle"},  # value objects; where keywords meet them
     {"format"},  # what the bytes mean
@@ -34,8 +37,8 @@ LAYERS: list[set[str]] = [
     {"engines"},  # when: async saves, engines, exit hook
     {"api", "dropin", "listing", "maintenance"},  # front door for one checkpoint, DCP's drop-ins; checkpoints at rest
     {"manager"},  # many checkpoints under a root
-    {"adapters"},  # other projects' shapes
-    {""},  # dcpstore/__init__.py: the public surface
+    {"adapters"},  # other projects' shapes (dcpstore.adapters and its private parts)
+    {"", "public:storage", "tools"},  # the supported surface
     {"bench"},
     {"cli"},
 ]
@@ -70,8 +73,17 @@ def _modules() -> dict[str, Path]:
 MODULES = _modules()
 
 
+def _layer_name(module: str) -> str:
+    parts = module.split(".")
+    if parts[1:2] == ["_impl"]:
+        return parts[2] if len(parts) > 2 else "_impl"
+    if len(parts) == 1:
+        return ""
+    return "public:storage" if parts[1] == "storage" else parts[1]
+
+
 def _layer(module: str) -> int:
-    top = module.split(".")[1] if "." in module else ""
+    top = _layer_name(module)
     for rank, names in enumerate(LAYERS):
         if top in names:
             return rank
@@ -171,12 +183,12 @@ def test_late_imports_only_for_optional_packages() -> None:
 @pytest.mark.parametrize(
     "source, expected",
     [
-        ("from . import x", {"dcpstore.dcp.x"}),
-        ("from .. import errors", {"dcpstore.errors"}),
-        ("from ..format.layout import METADATA", {"dcpstore.format.layout"}),
+        ("from . import x", {"dcpstore._impl.dcp.x"}),
+        ("from .. import errors", {"dcpstore._impl.errors"}),
+        ("from ..format.layout import METADATA", {"dcpstore._impl.format.layout"}),
         ("import dcpstore.storage", {"dcpstore.storage"}),
-        ("def f():\n    from ..handle import SaveStats", {"dcpstore.handle"}),
-        ("if TYPE_CHECKING:\n    from ..api import save", {"dcpstore.api"}),
+        ("def f():\n    from ..handle import SaveStats", {"dcpstore._impl.handle"}),
+        ("if TYPE_CHECKING:\n    from ..api import save", {"dcpstore._impl.api"}),
     ],
 )
 def test_the_parser_sees_every_kind_of_import(source: str, expected: set[str], tmp_path: Path) -> None:
@@ -184,14 +196,14 @@ def test_the_parser_sees_every_kind_of_import(source: str, expected: set[str], t
     imports, function-level imports and TYPE_CHECKING imports all count."""
     fake = tmp_path / "fake.py"
     fake.write_text(source)
-    MODULES["dcpstore.dcp.fake"] = fake
-    MODULES.setdefault("dcpstore.dcp.x", fake)
+    MODULES["dcpstore._impl.dcp.fake"] = fake
+    MODULES.setdefault("dcpstore._impl.dcp.x", fake)
     try:
-        got = {t for t, _, _ in _imports("dcpstore.dcp.fake") if t.startswith("dcpstore")}
+        got = {t for t, _, _ in _imports("dcpstore._impl.dcp.fake") if t.startswith("dcpstore")}
     finally:
-        del MODULES["dcpstore.dcp.fake"]
-        if MODULES["dcpstore.dcp.x"] is fake:
-            del MODULES["dcpstore.dcp.x"]
+        del MODULES["dcpstore._impl.dcp.fake"]
+        if MODULES["dcpstore._impl.dcp.x"] is fake:
+            del MODULES["dcpstore._impl.dcp.x"]
     assert got == expected
 
 
@@ -199,9 +211,9 @@ def test_the_parser_sees_every_kind_of_import(source: str, expected: set[str], t
 
 #: The commit package: the one module tree that writes or removes a commit
 #: (``.metadata``, a manifest), an in-flight marker or an alive file.
-COMMIT_PACKAGE = "dcpstore.dcp.commit"
+COMMIT_PACKAGE = "dcpstore._impl.dcp.commit"
 #: The format layer defines those names (and writes nothing).
-NAMES_HOME = "dcpstore.format"
+NAMES_HOME = "dcpstore._impl.format"
 #: What a module needs only to write or remove a marker, an alive file or a
 #: save's manifest, or to tell which of a directory's files are leftovers:
 #: used nowhere but the commit package (and defined in the format layer).
@@ -283,14 +295,14 @@ def test_only_the_commit_package_writes_commits_markers_and_alive_files() -> Non
     ],
 )
 def test_the_commit_check_sees_every_kind_of_write(source: str, caught: bool) -> None:
-    assert bool(commit_writes("dcpstore.manager.fake", ast.parse(source))) == caught
-    assert not commit_writes("dcpstore.dcp.commit.fake", ast.parse(source))
+    assert bool(commit_writes("dcpstore._impl.manager.fake", ast.parse(source))) == caught
+    assert not commit_writes("dcpstore._impl.dcp.commit.fake", ast.parse(source))
 
 
 # -- torch's private names: one seam ------------------------------------------------
 
 #: The one module that may use what torch does not publish.
-TORCH_COMPAT = "dcpstore.torch_compat"
+TORCH_COMPAT = "dcpstore._impl.torch_compat"
 
 
 def _private(name: str) -> bool:

@@ -37,7 +37,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import dcpstore
 from backends import OBJECT_STORE_OPTIONS, make_target
 from dcpstore.adapters import lightning as dl
-from dcpstore.dcp.commit import read_checkpoint_metadata
+from dcpstore._impl.dcp.commit import read_checkpoint_metadata
 from dist_utils import run_ranks
 from fsdp_jobs import assert_same, full_state
 

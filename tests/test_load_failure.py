@@ -3,7 +3,7 @@
 Large tensors are read straight into their destinations and verified there,
 so a damaged item is found after it has overwritten its destination (the
 alternative costs a second copy of the state or a second read; see
-dcpstore/dcp/load_progress.py). The promise tested here: structural
+dcpstore/_impl/dcp/load_progress.py). The promise tested here: structural
 damage and mismatched destinations change nothing; content damage stops the
 load, and the error's ``loaded_keys`` hold the checkpoint's values,
 ``damaged_keys`` hold bytes that failed verification, and every other key
@@ -25,8 +25,8 @@ import dcpstore
 from backends import Target
 from dcpstore.adapters import fsdp
 from dcpstore.storage import open_storage
-from dcpstore.dcp.commit import read_checkpoint_metadata
-from dcpstore.dcp.load_progress import NO_CHANGES, merge_changes
+from dcpstore._impl.dcp.commit import read_checkpoint_metadata
+from dcpstore._impl.dcp.load_progress import NO_CHANGES, merge_changes
 from dist_utils import run_ranks
 from oracle import assert_same_state, destination, value_bytes
 from rss import fix_mmap_threshold, in_own_process, live_rss

@@ -7,8 +7,8 @@ import io
 import pytest
 import torch
 
-from dcpstore.format import record as dcp_writer
-from dcpstore.format.record import item_tensor
+from dcpstore._impl.format import record as dcp_writer
+from dcpstore._impl.format.record import item_tensor
 
 
 @pytest.fixture(autouse=True)

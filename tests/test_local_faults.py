@@ -21,10 +21,10 @@ import torch
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 import dcpstore
-from dcpstore.errors import StorageError
+from dcpstore._impl.errors import StorageError
 from dcpstore.storage import open_storage
 from crashkit import which_state
-from dcpstore.dcp.writer import DcpStorageWriter
+from dcpstore._impl.dcp.writer import DcpStorageWriter
 from faults import EventStorage, FailAt
 from helpers import sample_state, zeros_like_state
 

@@ -22,9 +22,9 @@ import dcpstore
 import killcount
 import dcpstore.storage
 from backends import Target
-from dcpstore.maintenance import list_checkpoints
-from dcpstore.manager import parse_step_dir, step_dir
-from dcpstore.format.layout import METADATA
+from dcpstore._impl.maintenance import list_checkpoints
+from dcpstore._impl.manager import parse_step_dir, step_dir
+from dcpstore._impl.format.layout import METADATA
 from faults import BlockAt, hook_all_storage
 from manager_child import state as child_state
 

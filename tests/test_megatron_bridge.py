@@ -50,9 +50,9 @@ from bridge_kit import (
     zeros,
 )
 from dcpstore.adapters.megatron import FileSystemWriterAsync, install_in_bridge
-from dcpstore.cli import main as cli_main
-from dcpstore.maintenance import list_checkpoints
-from dcpstore.storage import join_uri, open_storage
+from dcpstore._impl.cli import main as cli_main
+from dcpstore._impl.maintenance import list_checkpoints
+from dcpstore._impl.storage import join_uri, open_storage
 from dist_utils import run_ranks
 
 pytest.importorskip("nvidia_resiliency_ext.checkpointing.async_ckpt.core")
@@ -313,7 +313,7 @@ def test_a_replayed_central_plan_is_checked_even_when_the_local_plan_is_fresh() 
     checks that one against the state dict too."""
     from torch.distributed.checkpoint import DefaultSavePlanner
 
-    from dcpstore.adapters import megatron_async
+    from dcpstore._impl.adapters import megatron_async
 
     def planned(state: dict[str, Any]) -> tuple[DefaultSavePlanner, Any]:
         planner = DefaultSavePlanner()

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 import dcpstore
 from backends import Target
 from dcpstore.adapters import fsdp
-from dcpstore.engines import nvrx as nvrx_adapter
+from dcpstore._impl.engines import nvrx as nvrx_adapter
 from dcpstore.adapters.megatron import (
     BRIDGE_FIELDS,
     DCPSTORE_FIELDS,
@@ -39,7 +39,7 @@ from dcpstore.adapters.megatron import (
     megatron_msc_enabled,
     plan_caching_supported,
 )
-from dcpstore.dcp.writer import DcpStorageWriter
+from dcpstore._impl.dcp.writer import DcpStorageWriter
 
 FORMATS = ["torch_dist", "fsdp_dtensor", "zarr", "torch"]
 ENGINES = ["auto", "native", "nvrx", "turbo"]

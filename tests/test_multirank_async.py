@@ -28,7 +28,7 @@ import torch.multiprocessing as mp
 
 import dcpstore
 from async_helpers import ENGINES, GatedPlanner
-from dcpstore.errors import CheckpointNotFound, SaveError
+from dcpstore._impl.errors import CheckpointNotFound, SaveError
 
 
 def _free_port() -> int:
@@ -213,7 +213,7 @@ def _ranks_disagree_on_engine(rank: int, world: int, mesh: object, saver: dcpsto
 
 def checkpoint_processes() -> list[int]:
     """The pids of this process's checkpoint processes (the process engine's)."""
-    return [p.pid for p in psutil.Process().children() if "dcpstore.engines.process" in " ".join(p.cmdline())]
+    return [p.pid for p in psutil.Process().children() if "dcpstore._impl.engines.process" in " ".join(p.cmdline())]
 
 
 def _checkpoint_process_killed(rank: int, world: int, mesh: object, saver: dcpstore.AsyncSaver, root: str) -> None:

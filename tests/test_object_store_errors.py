@@ -21,7 +21,7 @@ import torch
 import dcpstore
 from backends import OBJECT_STORE_OPTIONS
 from s3_server import FAKE_KEY_ID, FAKE_SECRET, REGION, MotoServer, S3Endpoint, apply_env, aws_env
-from dcpstore.cli import main as cli_main
+from dcpstore._impl.cli import main as cli_main
 from dcpstore.storage import open_storage
 
 MISSING_BUCKET = "dcpstore-no-such-bucket"

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 import dcpstore
 from dcpstore import LoadOptions, SaveOptions, StorageOptions
 from dcpstore.adapters.megatron import CheckpointConfig
-from dcpstore.engines.saver import AsyncSaver, default_saver
+from dcpstore._impl.engines.saver import AsyncSaver, default_saver
 
 TUNED = StorageOptions(max_attempts=3)
 MSC = StorageOptions(enable_msc=True)

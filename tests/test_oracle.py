@@ -40,7 +40,7 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, Fsspec
 
 import dcpstore
 from backends import TARGETS, Target
-from dcpstore.format.layout import MANIFEST, is_manifest
+from dcpstore._impl.format.layout import MANIFEST, is_manifest
 from oracle import SAVE_ENGINES, assert_same_state, destination, save_with
 from s3_server import BUCKET
 

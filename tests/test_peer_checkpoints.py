@@ -32,9 +32,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
 import dcpstore
-from dcpstore.errors import CheckpointCorrupt
-from dcpstore.format.peer_paths import PeerPath
-from dcpstore.format.safe_pickle import TOOLS, load_metadata
+from dcpstore._impl.errors import CheckpointCorrupt
+from dcpstore._impl.format.peer_paths import PeerPath
+from dcpstore._impl.format.safe_pickle import TOOLS, load_metadata
 from dist_utils import run_ranks
 from helpers import assert_state_equal, zeros_like_state
 from test_cli import run_cli
@@ -209,7 +209,7 @@ def test_a_peers_path_reads_as_inert_data(tmp_path: Path) -> None:
     uri, blob = _msc_metadata(tmp_path)
     (tmp_path / "blob").write_bytes(blob)
     probe = (
-        "import sys, os; from dcpstore.format.safe_pickle import load_metadata\n"
+        "import sys, os; from dcpstore._impl.format.safe_pickle import load_metadata\n"
         f"md, _ = load_metadata(open({str(tmp_path / 'blob')!r}, 'rb').read(), '.metadata')\n"
         "cid = md.storage_meta.checkpoint_id\n"
         "assert not [m for m in sys.modules if m.startswith('multistorageclient')], 'MSC was imported'\n"

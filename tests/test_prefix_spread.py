@@ -25,9 +25,9 @@ from hypothesis import strategies as st
 
 import dcpstore
 from backends import Target
-from dcpstore.format import inflight
-from dcpstore.format.inflight import ALIVE_PREFIX
-from dcpstore.format.layout import (
+from dcpstore._impl.format import inflight
+from dcpstore._impl.format.inflight import ALIVE_PREFIX
+from dcpstore._impl.format.layout import (
     INFLIGHT,
     MANIFEST,
     METADATA,
@@ -37,9 +37,9 @@ from dcpstore.format.layout import (
     spread_dir,
     spread_file_prefix,
 )
-from dcpstore.maintenance import gc, list_checkpoints
+from dcpstore._impl.maintenance import gc, list_checkpoints
 from dcpstore.storage import StorageOptions
-from dcpstore.storage.local import _TMP_MARK
+from dcpstore._impl.storage.local import _TMP_MARK
 from dist_utils import run_ranks
 from oracle import needs_nvrx
 

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 import dcpstore
 from async_helpers import GatedPlanner
-from dcpstore.errors import CheckpointNotFound, InvalidArgument, SaveError
+from dcpstore._impl.errors import CheckpointNotFound, InvalidArgument, SaveError
 
 #: Bound on how long a save whose checkpoint process died may take to fail.
 FAIL_WITHIN_S = 30.0
@@ -36,7 +36,7 @@ FAIL_WITHIN_S = 30.0
 def checkpoint_processes(parent: psutil.Process | None = None) -> list[int]:
     """The pids of ``parent``'s (this process's) checkpoint processes."""
     parent = parent or psutil.Process()
-    return [p.pid for p in parent.children() if "dcpstore.engines.process" in " ".join(p.cmdline())]
+    return [p.pid for p in parent.children() if "dcpstore._impl.engines.process" in " ".join(p.cmdline())]
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Read planning (dcpstore.dcp.read_plan) as pure functions.
+"""Read planning (dcpstore._impl.dcp.read_plan) as pure functions.
 
 The reader used to plan by editing its inputs in place (``_split_direct``
 rewrote the per-file request lists, ``_coalesce`` sorted them), so reading
@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
 from dcpstore import CheckpointCorrupt
-from dcpstore.dcp.read_plan import (
+from dcpstore._impl.dcp.read_plan import (
     Direct,
     DirectRun,
     Span,
@@ -37,7 +37,7 @@ from dcpstore.dcp.read_plan import (
     sequential_runs,
     split_direct,
 )
-from dcpstore.format.layout import item_key
+from dcpstore._impl.format.layout import item_key
 
 Request = tuple[ReadItem, _StorageInfo]
 

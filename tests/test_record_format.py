@@ -11,8 +11,8 @@ import crc32c
 import pytest
 import torch
 
-from dcpstore.format import record as torch_save
-from dcpstore.format.checksum import COMBINE_MIN, DualCrc, crc32c_combine
+from dcpstore._impl.format import record as torch_save
+from dcpstore._impl.format.checksum import COMBINE_MIN, DualCrc, crc32c_combine
 
 
 @pytest.mark.parametrize("seed", range(5))

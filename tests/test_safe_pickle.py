@@ -36,7 +36,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 import dcpstore
-from dcpstore.format.safe_pickle import TOOLS, Trust, load_metadata, load_object
+from dcpstore._impl.format.safe_pickle import TOOLS, Trust, load_metadata, load_object
 from dist_utils import run_ranks
 
 KINDS = ("plain", "dtensor", "sharded", "bytes", "nested", "nested_unflattened")

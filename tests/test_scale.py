@@ -26,7 +26,7 @@ import torch.distributed.checkpoint as dcp
 
 import dcpstore
 from backends import Target, make_target
-from dcpstore import cli, maintenance
+from dcpstore._impl import cli, maintenance
 from dcpstore.storage import MiB, StorageOptions
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]

@@ -230,8 +230,8 @@ _AROUND = st.text(alphabet=" ;,\n\t<>()[]{}", max_size=10)
 def test_credential_shaped_fields_are_scrubbed(value: str, name: str, sep: str, before: str, after: str) -> None:
     """Whatever an echo looks like, a credential-shaped field loses its value,
     and a value this process holds goes wherever it appears."""
-    from dcpstore.storage import secrets
-    from dcpstore.storage.secrets import REDACTED, remember, scrub
+    from dcpstore._impl.storage import secrets
+    from dcpstore._impl.storage.secrets import REDACTED, remember, scrub
 
     text = f"{before}{name}{sep}{value}{after}"
     assert value not in scrub(text) and REDACTED in scrub(text)

@@ -29,9 +29,9 @@ import torch.distributed as dist
 import dcpstore
 from backends import Target, make_target, save_options
 from crashkit import crash, forkserver
-from dcpstore.maintenance import gc, list_checkpoints
-from dcpstore.format.layout import METADATA, REPLICA_REPORT_PREFIX
-from dcpstore.manager import step_dir
+from dcpstore._impl.maintenance import gc, list_checkpoints
+from dcpstore._impl.format.layout import METADATA, REPLICA_REPORT_PREFIX
+from dcpstore._impl.manager import step_dir
 from dist_utils import run_ranks
 from faults import BlockAt, KillAt, KillOn, Recorder, hook_all_storage, spread
 from helpers import assert_state_equal, zeros_like_state
@@ -234,7 +234,7 @@ def test_an_unreachable_durable_root_fails_at_construction(request: pytest.Fixtu
 
 
 def test_ls_shows_where_each_step_lives(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from dcpstore.cli import main as cli_main
+    from dcpstore._impl.cli import main as cli_main
 
     durable = Target("local", str(tmp_path / "durable"))
     local = tmp_path / "local"
@@ -389,7 +389,7 @@ def test_two_ranks_replicate_and_agree_on_the_copy(tmp_path: Path) -> None:
 
 
 def _ranks_one_fails(rank: int, world_size: int, durable_uri: str, local: str) -> None:
-    import dcpstore.manager.tiers.tiered as tiered
+    import dcpstore._impl.manager.tiers.tiered as tiered
 
     if rank == 1:  # rank 1's uploads fail: its files never reach the durable tier
         def broken(*args: Any, **kwargs: Any) -> Any:

@@ -29,11 +29,11 @@ from torch.multiprocessing.spawn import ProcessExitedException
 import dcpstore
 import extras
 import killcount
-from dcpstore.format.layout import INFLIGHT, METADATA, name_tag
-from dcpstore.maintenance import gc
-from dcpstore.manager import step_dir
-from dcpstore.manager.tiers.nodes import PROBE_PREFIX, nodes_from_views
-from dcpstore.manager.tiers.replicate import read_local_commit
+from dcpstore._impl.format.layout import INFLIGHT, METADATA, name_tag
+from dcpstore._impl.maintenance import gc
+from dcpstore._impl.manager import step_dir
+from dcpstore._impl.manager.tiers.nodes import PROBE_PREFIX, nodes_from_views
+from dcpstore._impl.manager.tiers.replicate import read_local_commit
 from backends import Target, make_target, save_options
 from dist_utils import run_ranks
 from faults import hook_all_storage, spread
@@ -236,7 +236,7 @@ def test_a_step_a_lost_node_held_gives_way_to_an_older_one(tmp_path: Path) -> No
 
 
 def _save_unreplicated(rank: int, world: int, durable: str, dirs: list[str]) -> None:
-    import dcpstore.manager.tiers.tiered as tiered
+    import dcpstore._impl.manager.tiers.tiered as tiered
 
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise dcpstore.StorageError("injected: the object store is unreachable")
@@ -298,7 +298,7 @@ def test_an_overwrite_replaces_the_step_on_every_node_and_in_the_durable_tier(tm
 
 
 def _taken_over(rank: int, world: int, durable: str, dirs: list[str]) -> None:
-    import dcpstore.manager.tiers.nodes as nodes
+    import dcpstore._impl.manager.tiers.nodes as nodes
 
     real = nodes.put_marker
 

@@ -25,10 +25,10 @@ import torch.distributed as dist
 import dcpstore
 from backends import Target, make_target, save_options
 from crashkit import crash, forkserver
-from dcpstore.format.layout import METADATA
-from dcpstore.maintenance import gc
-from dcpstore.manager import step_dir
-from dcpstore.manager.tiers.replicate import check_no_clash, read_local_commit
+from dcpstore._impl.format.layout import METADATA
+from dcpstore._impl.maintenance import gc
+from dcpstore._impl.manager import step_dir
+from dcpstore._impl.manager.tiers.replicate import check_no_clash, read_local_commit
 from dist_utils import run_ranks
 from faults import BlockAt, KillAt, KillOn, Recorder, hook_all_storage, spread
 from helpers import assert_state_equal, zeros_like_state
@@ -122,7 +122,7 @@ def test_retention_that_cannot_compare_the_copies_keeps_the_local_steps(
 ) -> None:
     """A failing read while local retention compares a step's two copies
     keeps the local step and the replicator running."""
-    from dcpstore.manager.tiers import replicate
+    from dcpstore._impl.manager.tiers import replicate
 
     def cannot_tell(local: object, durable: object, step: int, durable_time: float | None) -> bool:
         raise dcpstore.StorageError("injected: the durable .metadata cannot be read")

@@ -17,8 +17,8 @@ import torch.distributed.checkpoint as dcp
 
 import dcpstore
 from backends import Target
-from dcpstore.format import record as dcp_writer
-from dcpstore.format.record import item_tensor
+from dcpstore._impl.format import record as dcp_writer
+from dcpstore._impl.format.record import item_tensor
 
 ENGINES: dict[str, dict[str, Any]] = {
     "sync": {},

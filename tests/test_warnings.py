@@ -3,7 +3,7 @@
 It still keeps two warnings torch raises from inside its calls out of the
 user's way (DCP's "torch.distributed is disabled ..." on a single-process
 save or load; torch.frombuffer's "not writable" on a load's item views), by
-ignoring them only while its own call runs (dcpstore.quiet).
+ignoring them only while its own call runs (dcpstore._impl.quiet).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import dcpstore
-from dcpstore.quiet import ignoring
+from dcpstore._impl.quiet import ignoring
 
 NO_DIST = "torch.distributed is disabled"
 
@@ -37,7 +37,7 @@ def test_importing_dcpstore_leaves_the_filters_alone() -> None:
         "    return f\n"
         "warnings.filterwarnings = spy(warnings.filterwarnings)\n"
         "warnings.simplefilter = spy(warnings.simplefilter)\n"
-        "import dcpstore, dcpstore.cli, dcpstore.adapters.fsdp, dcpstore.adapters.megatron, dcpstore.engines.nvrx\n"
+        "import dcpstore, dcpstore._impl.cli, dcpstore.adapters.fsdp, dcpstore.adapters.megatron, dcpstore._impl.engines.nvrx\n"
         "ours = [c for c in callers if '/dcpstore/' in c.replace('\\\\', '/')]\n"
         "assert not ours, ours\n"
         "assert not [f for f in warnings.filters if f[1] is not None and f[1].pattern.startswith(('torch.distributed', 'torch\\\\.distributed', 'The given'))]\n"
@@ -50,7 +50,7 @@ def test_importing_torch_dcpstore_and_nvrx_prints_no_warning() -> None:
     """The environment setup.sh builds is quiet: no pynvml FutureWarning (the
     'pynvml' shim NVRx requires warns from 13.0 on; constraints.txt and the
     nvrx extra keep 12.x, nvidia-ml-py provides the module), nor any other."""
-    code = "import torch, dcpstore, dcpstore.cli, dcpstore.adapters.fsdp, dcpstore.engines.nvrx, pynvml\n"
+    code = "import torch, dcpstore, dcpstore._impl.cli, dcpstore.adapters.fsdp, dcpstore._impl.engines.nvrx, pynvml\n"
     out = subprocess.run([sys.executable, "-W", "default", "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "Warning" not in out.stderr, out.stderr

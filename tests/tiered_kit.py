@@ -16,10 +16,10 @@ import dcpstore
 import killcount
 from backends import Target, make_target
 from crashkit import crash
-from dcpstore.format.inflight import ALIVE_PREFIX
-from dcpstore.format.layout import METADATA, REPLICA_REPORT_PREFIX
-from dcpstore.manager import step_dir
-from dcpstore.manager.tiers.replicate import read_local_commit
+from dcpstore._impl.format.inflight import ALIVE_PREFIX
+from dcpstore._impl.format.layout import METADATA, REPLICA_REPORT_PREFIX
+from dcpstore._impl.manager import step_dir
+from dcpstore._impl.manager.tiers.replicate import read_local_commit
 from helpers import assert_state_equal, zeros_like_state
 
 #: Durable tiers: a local path, native S3 (moto over HTTP), S3 through MSC.
@@ -143,7 +143,7 @@ def gc_keeps_running(uri: str, gate: Any, step: int) -> None:
     """Once ``gate`` (a :class:`faults.BlockAt`) holds a save or replication
     under ``uri``, ``dcpstore gc`` of any age keeps ``step`` as running and
     removes nothing; then the gate is released."""
-    from dcpstore.maintenance import gc
+    from dcpstore._impl.maintenance import gc
 
     assert gate.reached.wait(60)
     root = dcpstore.open_storage(uri)

@@ -56,15 +56,15 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from ..torch_compat import flatten_state_dict, set_element, tree_map_only
-from ..api import load, save
-from ..dcp.commit.read import read_checkpoint_metadata
-from ..errors import InvalidArgument, StateDictMismatch
-from ..handle import SaveHandle
-from ..manager import CheckpointManager
-from ..storage import open_storage
-from .megatron_formats import DEFAULT_FORMAT, check_format
-from .megatron_formats import FORMATS as FORMATS  # the table save_app_state and load_app_state accept
+from .._impl.torch_compat import flatten_state_dict, set_element, tree_map_only
+from .._impl.api import load, save
+from .._impl.dcp.commit.read import read_checkpoint_metadata
+from .._impl.errors import InvalidArgument, StateDictMismatch
+from .._impl.handle import SaveHandle
+from .._impl.manager import CheckpointManager
+from .._impl.storage import open_storage
+from .._impl.adapters.megatron_formats import DEFAULT_FORMAT, check_format
+from .._impl.adapters.megatron_formats import FORMATS as FORMATS  # the table save_app_state and load_app_state accept
 
 MODEL = "model"
 OPTIMIZER = "optimizer"
@@ -119,7 +119,7 @@ def get_app_state(
         optimizer: its optimizer, a sequence of them, or ``None``.
         format: ``"fsdp_dtensor"`` (DTensor shards) or ``"torch_dist"``
             (Megatron's ShardedTensor view of the same shards); the module
-            :mod:`dcpstore.adapters.megatron_formats` describes both.
+            :mod:`dcpstore._impl.adapters.megatron_formats` describes both.
         full_state_dict: gather full tensors instead of shards.
         cpu_offload: move the tensors to the CPU.
         extra: entries added at the top level (step counters, RNG state,

@@ -31,7 +31,7 @@ methods; the class and Lightning's modules are untouched, and
     ``.metadata``, recorded with its CRC32C in the manifest, so the
     checkpoint appears with its ``meta.pt`` or not at all, and saving over
     one never pairs its shards with another save's ``meta.pt``
-    (:mod:`dcpstore.dcp.commit`). The layout stays Lightning's: stock
+    (:mod:`dcpstore._impl.dcp.commit`). The layout stays Lightning's: stock
     Lightning loads it (and dcpstore loads stock Lightning's).
 ``load_checkpoint``
     a sharded checkpoint loads through :class:`dcpstore.StorageReader`
@@ -74,12 +74,12 @@ from torch.distributed.tensor import DTensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from ..dcp.commit import delete_checkpoint
-from ..dcp.commit.read import read_checkpoint_metadata, read_commit_file
-from ..errors import InvalidArgument
-from ..format.layout import METADATA
-from ..storage import parse_uri
-from .dropins import DropinOptions
+from .._impl.dcp.commit import delete_checkpoint
+from .._impl.dcp.commit.read import read_checkpoint_metadata, read_commit_file
+from .._impl.errors import InvalidArgument
+from .._impl.format.layout import METADATA
+from .._impl.storage import parse_uri
+from .._impl.adapters.dropins import DropinOptions
 
 #: Lightning's name for the non-tensor state of a sharded checkpoint.
 META = "meta.pt"
@@ -291,7 +291,7 @@ def install(strategy: Any, **options: Any) -> Installed:
     Args:
         strategy: Lightning's ``ModelParallelStrategy`` (Fabric's or the
             Trainer's, either package layout) or a subclass.
-        options: :class:`~dcpstore.adapters.dropins.DropinOptions`'
+        options: :class:`~dcpstore._impl.adapters.dropins.DropinOptions`'
             keywords (``storage_options``, ``enable_msc``, ``thread_count``,
             ``verify``, ``safe_globals``, ``trusted``); the last three govern
             the DCP items: ``meta.pt`` is read by ``torch.load`` with the

@@ -27,14 +27,14 @@ own** about which combinations work. It asks the tables the writers ask:
 field                                validated by
 ===================================  =========================================
 ``ckpt_format``                      :data:`FORMATS`
-``async_save``,                      :func:`dcpstore.options.save_option_problems`
+``async_save``,                      :func:`dcpstore._impl.options.save_option_problems`
 ``dist_ckpt_workers``, ``options``   (what :func:`dcpstore.save` checks) and, for
                                      the engine x ``save``, the NVRx engine's own
                                      backend check (NVRx writes POSIX/MSC only)
 ``save``, ``load``, MSC              URI parsing + the backend registry, as
                                      ``open_storage`` resolves them
 ``layout``                           the manager's step layouts
-                                     (:data:`dcpstore.manager.LAYOUTS`)
+                                     (:data:`dcpstore._impl.manager.LAYOUTS`)
 ===================================  =========================================
 
 So a format can never be refused async while the writer would save it
@@ -48,7 +48,7 @@ and :class:`FileSystemWriterAsync` under Bridge) reuses NVRx's plans while
 the structure is unchanged and checks each save against them, and the
 native engine plans every save (DCP's own plan cache would replay the
 per-save claim token the native writer puts in its plans:
-:data:`dcpstore.options.PLAN_CACHING_WHY`; ``dcpstore.save`` refuses a
+:data:`dcpstore._impl.options.PLAN_CACHING_WHY`; ``dcpstore.save`` refuses a
 caching planner for that reason, :func:`plan_caching_supported`).
 
 Mapping: :meth:`CheckpointConfig.save_options` is the one
@@ -63,10 +63,6 @@ Mapping: :meth:`CheckpointConfig.save_options` is the one
 NVRx's writer of Bridge's async ``fsdp_dtensor`` saves;
 :func:`install_in_bridge` (:mod:`.megatron_bridge`) puts it, and dcpstore's
 sync writer and reader, beneath Bridge in one call.
-
-Layer: adapters. Imports the manager, the engines' engine check, the value
-objects, :mod:`dcpstore.storage`, the foundation and its Megatron modules
-(:mod:`.megatron_async`, :mod:`.megatron_bridge`, :mod:`.megatron_formats`).
 """
 
 from __future__ import annotations
@@ -78,16 +74,16 @@ from typing import Any, NoReturn
 
 import torch.distributed as dist
 
-from ..engines.choice import engine_problem
-from ..errors import CheckpointError, InvalidArgument
-from ..keywords import unknown_keyword_message
-from ..manager import LAYOUTS, CheckpointManager, check_step
-from ..option_keywords import resolve_options, warn_deprecated_keyword
-from ..options import AUTO, SaveOptions, save_option_problems
-from ..storage import StorageOptions, backend_class, backend_name, parse_uri, with_msc
-from .megatron_async import FileSystemWriterAsync
-from .megatron_bridge import BRIDGE_HOOKS, install_in_bridge, megatron_msc_enabled
-from .megatron_formats import DEFAULT_FORMAT, FORMATS, StateDictFormat, check_format
+from .._impl.engines.choice import engine_problem
+from .._impl.errors import CheckpointError, InvalidArgument
+from .._impl.keywords import unknown_keyword_message
+from .._impl.manager import LAYOUTS, CheckpointManager, check_step
+from .._impl.option_keywords import resolve_options, warn_deprecated_keyword
+from .._impl.options import AUTO, SaveOptions, save_option_problems
+from .._impl.storage import StorageOptions, backend_class, backend_name, parse_uri, with_msc
+from .._impl.adapters.megatron_async import FileSystemWriterAsync
+from .._impl.adapters.megatron_bridge import BRIDGE_HOOKS, install_in_bridge, megatron_msc_enabled
+from .._impl.adapters.megatron_formats import DEFAULT_FORMAT, FORMATS, StateDictFormat, check_format
 
 __all__ = [
     "BRIDGE_FIELDS",
@@ -121,7 +117,7 @@ _BRIDGE_DEFAULTS = {"async_save": False, "dist_ckpt_workers": None}
 def plan_caching_supported() -> bool:
     """Whether dcpstore's native writer can run from DCP's save-plan cache
     (``DefaultSavePlanner(enable_plan_caching=True)``): no, it would replay
-    the per-save claim token (:data:`dcpstore.options.PLAN_CACHING_WHY`);
+    the per-save claim token (:data:`dcpstore._impl.options.PLAN_CACHING_WHY`);
     ``dcpstore.save`` refuses such planners. NVRx's plan cache is another
     matter: see ``ckpt_assume_constant_structure`` in the module docstring."""
     return False

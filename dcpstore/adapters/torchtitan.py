@@ -29,7 +29,7 @@ alone, and :meth:`Installed.uninstall` restores it):
     the checkpoint executed). Hugging Face loads stay torchtitan's.
 ``_find_load_step``, ``_load``
     which steps exist comes from one listing of the folder through
-    dcpstore's storage (:mod:`dcpstore.manager.steps`): ``step-N`` exists once
+    dcpstore's storage (:mod:`dcpstore._impl.manager.steps`): ``step-N`` exists once
     ``step-N/.metadata`` is listed. Rank 0 lists and broadcasts, so every
     rank resumes the same step. ``load_step=N`` of a step that is not
     committed raises :class:`~dcpstore.CheckpointNotFound` (a
@@ -71,12 +71,12 @@ from torchtitan.components.checkpointer.dcp import AsyncMode
 from torchtitan.tools import filesystem
 from torchtitan.tools.utils import GarbageCollection
 
-from ..dcp.commit import delete_checkpoint
-from ..errors import CheckpointNotFound, InvalidArgument
-from ..format.layout import METADATA
-from ..manager.steps import StepLayout, committed_steps
-from ..storage import Storage
-from .dropins import DropinOptions
+from .._impl.dcp.commit import delete_checkpoint
+from .._impl.errors import CheckpointNotFound, InvalidArgument
+from .._impl.format.layout import METADATA
+from .._impl.manager.steps import StepLayout, committed_steps
+from .._impl.storage import Storage
+from .._impl.adapters.dropins import DropinOptions
 
 #: The methods :func:`install` shadows on the instance.
 PATCHED = ("dcp_save", "dcp_load", "_find_load_step", "_load", "_purge_stale_checkpoints", "_wait_for_saving", "_close")
@@ -263,7 +263,7 @@ def install(manager: Any, **options: Any) -> Installed | None:
         manager: a ``torchtitan.components.checkpoint.CheckpointManager``
             (or a subclass). A disabled one (``checkpoint.enable=False``)
             has nothing to put beneath: None is returned.
-        options: :class:`~dcpstore.adapters.dropins.DropinOptions`'
+        options: :class:`~dcpstore._impl.adapters.dropins.DropinOptions`'
             keywords (``storage_options``, ``enable_msc``, ``thread_count``,
             ``verify``, ``safe_globals``, ``trusted``); the folder's URI
             picks the backend (a local path, ``s3://``, ...).

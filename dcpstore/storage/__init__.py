@@ -1,45 +1,36 @@
-"""Bytes behind one interface: where a checkpoint's objects live.
+"""Bytes behind one interface: the storage a checkpoint's objects live in.
 
-Owns the :class:`Storage` interface that the DCP writer and reader call
-(:mod:`.base`), URIs (:mod:`.uri`), the backend registry (:mod:`.registry`),
-the backend kit that every backend builds on so that nothing is written
-twice (:mod:`.buffered`: the object writer with position, ``tell`` and part
-buffering; :mod:`.kit`: shared helpers and error mapping for built-in
-exceptions; :mod:`.codes`: the one S3 error-code table; :mod:`.secrets`:
-the one scrubber that keeps credentials out of every message; :mod:`.overlap`:
-whether two roots are one directory; :mod:`.pending`: what writes leave
-behind), and one module per
-backend: :mod:`.local`, :mod:`.s3` (with :mod:`.s3_client` and
-:mod:`.s3_upload`), :mod:`.msc`, :mod:`.fsspec`.
+The supported surface of the storage layer, for code that opens a
+checkpoint's storage itself or brings a backend of its own:
 
-It knows nothing of what the bytes mean (no DCP, no manifest, no torch).
+* :class:`Storage`, the byte-level interface the DCP writer and reader call
+  (every method's contract is in its docstring; ``tests/test_storage_contract.py``
+  is the suite every backend passes), with :class:`ObjectInfo`;
+* :class:`BufferedObjectWriter`, the object writer that owns position and
+  part buffering, so that a backend fills in upload, commit and discard
+  (as fsspec's ``AbstractBufferedFile``), over :class:`ObjectWriter`;
+* :class:`StorageOptions`, where the bytes go and the client's tuning;
+* :func:`open_storage`, a URI's storage on the backend it selects, and
+  :func:`register_backend`, a backend of your own for a URI scheme (as
+  fsspec's ``register_implementation``); :class:`StorageURL` is a parsed URI.
 
-May import: :mod:`dcpstore.errors`, the standard library and each backend's
-own library (boto3, multistorageclient, fsspec), those only in that backend's
-modules, which the registry imports on first use. Nothing else of dcpstore.
+The built-in backends (local POSIX, S3, MSC, fsspec) and the kit they are
+built from live in ``dcpstore._impl.storage``, free to change.
 """
 
-from .base import MiB, ObjectInfo, ObjectWriter, Storage, StorageOptions, check_spread_prefixes
-from .pending import IncompleteWrite
-from .registry import BACKENDS, BackendSpec, backend_class, backend_name, open_storage, with_msc
-from .uri import StorageURL, join_uri, parse_uri, redact
+from .._impl.storage.base import MiB, ObjectInfo, ObjectWriter, Storage, StorageOptions
+from .._impl.storage.buffered import BufferedObjectWriter
+from .._impl.storage.registry import open_storage, register_backend
+from .._impl.storage.uri import StorageURL
 
 __all__ = [
-    "BACKENDS",
-    "BackendSpec",
-    "IncompleteWrite",
+    "BufferedObjectWriter",
     "MiB",
     "ObjectInfo",
     "ObjectWriter",
     "Storage",
     "StorageOptions",
     "StorageURL",
-    "backend_class",
-    "backend_name",
-    "check_spread_prefixes",
-    "join_uri",
     "open_storage",
-    "parse_uri",
-    "redact",
-    "with_msc",
+    "register_backend",
 ]

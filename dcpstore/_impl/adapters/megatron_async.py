@@ -1,0 +1,395 @@
+"""A drop-in for NVRx's ``FileSystemWriterAsync``: Megatron's async saves
+under dcpstore's commit, on any backend.
+
+Megatron-Bridge (``ckpt_format="fsdp_dtensor"``, ``async_save=True``) builds
+NVRx's writer inline and drives it through NVRx's planner and an
+``AsyncRequest`` for its async worker. :class:`FileSystemWriterAsync` takes
+the same constructor and speaks the same protocol, so that line changes only
+its import. Call order of one save, per rank, and where each step runs::
+
+    trainer   save_state_dict_async_plan(state, writer, ...)      NVRx's
+                set_up_storage_writer, prepare_local_plan (the local plan is
+                kept: see "Constant structure"), prepare_global_plan or
+                prepare_decentralized_global_plan (rank prefixes only: the
+                plan carries nothing per save, so NVRx may cache it)
+                prepare_write_data: the coordinator claims the URI
+                (SaveSession.claim) and broadcasts the session's token on
+                ``process_group`` (a collective of ours); then the
+                items are resolved into size-balanced buckets, one data
+                file each (no copy yet)
+    trainer   get_save_function_and_args() -> (save_fn, preload_fn, args)
+    worker    preload_fn(): a consistent snapshot (CPU tensors cloned,
+                device tensors copied to host); the trainer waits for it
+                (NVRx's persistent caller) or runs it itself
+    worker    save_fn(job, staged): reopens the storage from the job's
+                description, writes each bucket on its own thread, publishes
+                no file unless the URI is still this save's, and leaves its
+                write results (or its error) in a private results file
+                (:mod:`.megatron_worker`)
+    trainer   save_state_dict_async_finalize(writer, metadata, wrapper)  NVRx's
+                retrieve_write_results: the results file; then every
+                rank's outcome, all-gathered (our second collective): if
+                any rank failed, every rank raises the same SaveError
+                before NVRx's gather, and nothing is committed
+                finish (coordinator, after NVRx gathered every rank's
+                results): SaveSession.publish -- the ownership check, the
+                manifest, then ``.metadata`` last, the commit point
+
+The worker is a separate process (NVRx's persistent caller: spawned once,
+the request pickled to it), so the save function is self-contained: see
+:mod:`.megatron_worker`.
+
+Constant structure. ``enable_cache=True`` (Bridge's
+``ckpt_assume_constant_structure``) lets NVRx replay the plans of an earlier
+save once two in a row were equal; nothing of this writer's is in those
+plans. A replayed plan written against a changed state dict would be
+silently wrong (a grown tensor saved at its old size, a new key left out),
+so every save compares the local plan NVRx hands over with the state dict
+the planner holds (DCP's default local plan of it) and each resolved tensor
+with its plan item; a difference fails that save (:class:`SaveError`
+naming the keys, on every rank), and the committed checkpoints stay as they are.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import tempfile
+import types
+import time
+from collections.abc import Sequence
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner, create_default_local_save_plan
+from torch.distributed.checkpoint.filesystem import SerializationFormat
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from ..torch_compat import DistWrapper, StreamTransformExtension
+from ..dcp.failures import describe_failure
+from ..dcp.writer import DcpStorageWriter
+from ..dropin import check_writer_args
+from ..errors import InvalidArgument, SaveError
+from ..handle import SaveStats
+from ..storage import Storage, StorageOptions, open_storage, with_msc
+from .megatron_worker import Bucket, Preload, WorkerJob, read_results, write_buckets
+
+log = logging.getLogger(__name__)
+
+
+class FileSystemWriterAsync(DcpStorageWriter):
+    """NVRx's ``FileSystemWriterAsync``, on every backend dcpstore serves;
+    see the module docstring for the protocol and where each part runs.
+
+    Args:
+        path: a local path or a URI (``s3://``, ``msc://``, ``file://``, an
+            fsspec scheme), where NVRx's takes a POSIX path or an MSC URL.
+        single_file_per_rank, sync_files, thread_count,
+            per_thread_copy_ahead, cache_staged_state_dict, overwrite,
+            _extensions, serialization_format: ``FileSystemWriter``'s, as
+            NVRx takes them. ``thread_count``: data files (and threads)
+            per rank. ``single_file_per_rank=False``: one file per item
+            (NVRx refuses it). ``sync_files=False`` is accepted; every data
+            file is durable before the commit anyway. ``overwrite=False``
+            refuses a URI holding a committed checkpoint. Only
+            ``SerializationFormat.TORCH_SAVE``.
+        separation_hint: NVRx's; refused unless ``None`` (its extra file
+            names are not DCP's).
+        use_msc: NVRx's: Megatron's ``--enable-msc``; routes plain paths and
+            ``s3://`` through NVIDIA Multi-Storage-Client (``msc://`` URLs
+            always go there).
+        storage_options: dcpstore's backend tuning.
+        process_group: the group NVRx plans on (``save_state_dict_async_plan``'s;
+            Bridge's: the default group). Its rank 0 is the coordinator.
+
+    Raises:
+        InvalidArgument: an argument it cannot honour, naming it.
+    """
+
+    #: NVRx's planner may prepare the global plan on each rank.
+    can_run_decentralized_global_plan: bool = True
+    claims_before_planning = True
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        single_file_per_rank: bool = True,
+        sync_files: bool = True,
+        thread_count: int = 1,
+        per_thread_copy_ahead: int = 10_000_000,
+        cache_staged_state_dict: bool = False,
+        overwrite: bool = True,
+        _extensions: Sequence[StreamTransformExtension] | None = None,
+        serialization_format: SerializationFormat = SerializationFormat.TORCH_SAVE,
+        *,
+        separation_hint: str | None = None,
+        use_msc: bool = False,
+        storage_options: StorageOptions | None = None,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        check_writer_args(
+            per_thread_copy_ahead=per_thread_copy_ahead,
+            serialization_format=serialization_format,
+            single_file_per_rank=single_file_per_rank,
+            sync_files=sync_files,
+            cache_staged_state_dict=cache_staged_state_dict,
+            overwrite=overwrite,
+            use_msc=use_msc,
+        )
+        if separation_hint is not None:
+            raise InvalidArgument(
+                f"separation_hint={separation_hint!r} is not supported: its files are not named as DCP names "
+                "data files; leave it None (Megatron-Bridge does)"
+            )
+        self.use_msc = use_msc
+        self.storage_options = storage_options
+        #: Where the bytes go: ``storage_options`` with NVRx's ``use_msc`` folded in.
+        self.where = with_msc(storage_options, use_msc)
+        self.process_group = process_group
+        super().__init__(
+            self._open(path),
+            workers=thread_count,
+            reopen=self._open,
+            single_file_per_rank=single_file_per_rank,
+            overwrite=overwrite,
+            extensions=_extensions or (),
+        )
+        self.extensions = tuple(_extensions or ())
+        self.sync_files = sync_files
+        self.per_thread_copy_ahead = per_thread_copy_ahead
+        self.separation_hint = separation_hint
+        self.error: BaseException | None = None
+        self.write_buckets: list[Bucket] | None = None
+        self._local_plan: SavePlan | None = None
+        self._results_path: str | None = None
+
+    @staticmethod
+    def _save_slots() -> types.SimpleNamespace:
+        """NVRx's protocol runs one save at a time through a writer, its
+        calls on whichever thread Megatron's queue finalizes on: the current
+        save is the writer's, not a thread's."""
+        return types.SimpleNamespace()
+
+    def _open(self, uri: str | os.PathLike[str]) -> Storage:
+        self.checkpoint_dir = os.fspath(uri)
+        return open_storage(uri, storage_options=self.where)
+
+    @property
+    def thread_count(self) -> int:
+        return self.workers
+
+    # -- planning (NVRx's save_state_dict_async_plan) ------------------------
+    def storage_meta(self) -> StorageMeta | None:
+        return None  # the commit records the session's own
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        save = self._begin(self.storage)  # releases a previous save through this writer that never finished
+        save.running = True
+        save.stats = SaveStats(started=time.perf_counter())
+        self.is_coordinator = is_coordinator
+        self.error, self.write_buckets, self._local_plan = None, None, None
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        self._local_plan = plan  # fresh, or NVRx's cached one: checked in prepare_write_data
+        return plan
+
+    def prepare_write_data(self, plan: SavePlan, planner: SavePlanner) -> None:
+        """Claim (coordinator) and share the session (collective on
+        ``process_group``), then resolve this rank's items into buckets.
+
+        Raises:
+            CheckpointExists, SaveError: the claim failed (on every rank).
+        A failure of this rank's own (a changed structure) is kept and
+        raised by :meth:`retrieve_write_results` on every rank together
+        (raised here, it would leave the other ranks in NVRx's next
+        collective)."""
+        wrapper = DistWrapper(self.process_group, _distributed(), 0)
+        # Raises on every rank alike (the coordinator's outcome is broadcast):
+        # a refused URI (CheckpointExists) fails the save at once.
+        self.claim_shared(wrapper)
+        try:
+            if wrapper.is_coordinator != bool(self.is_coordinator):
+                raise InvalidArgument(
+                    "FileSystemWriterAsync commits on rank 0 of its process_group: plan with coordinator_rank=0 "
+                    "(as Megatron-Bridge does) and the same process group"
+                )
+            _check_structure(self._local_plan, plan, planner)
+            self.write_buckets = self._buckets(plan, planner)
+        except BaseException as e:
+            self.error, self.write_buckets = e, []
+        self.stats.plan_s = time.perf_counter() - self.stats.started
+
+    def _buckets(self, plan: SavePlan, planner: SavePlanner) -> list[Bucket]:
+        buckets: list[Bucket] = []
+        for name, items in self.named_buckets(plan):
+            blobs, tensors = [], []
+            for item in items:
+                data = planner.resolve_data(item)
+                if item.type == WriteItemType.BYTE_IO:
+                    blobs.append((item, data))
+                else:
+                    tensors.append((item, _checked_tensor(item, data)))
+            buckets.append((self.storage.describe(name), name, (blobs, tensors)))
+        return buckets
+
+    # -- the async part ------------------------------------------------------
+    def get_save_function_and_args(self) -> tuple[Callable[..., None], Callable[[], list[Bucket]], list[Any]]:
+        """(save function, preload function, arguments): the worker calls
+        ``save_fn(*args)`` with ``args[1]`` replaced by ``preload_fn()``.
+        Always a function, even with nothing to write (or a failed
+        preparation): every rank's worker then reports, so NVRx's caller
+        sees every rank finish."""
+        buckets = self.write_buckets or []
+        session = self._save().session
+        token = session.token if session is not None else ("", False)
+        self._results_path = os.path.join(
+            tempfile.gettempdir(), f"dcpstore-megatron-{os.getpid()}-{token[0]}-{secrets.token_hex(6)}.json"
+        )
+        job = WorkerJob(self.storage.url.uri, self.where, *token, self.extensions, self._results_path)
+        if self.error is not None:
+            buckets = []
+        return write_buckets, Preload(buckets), [job, buckets]
+
+    def retrieve_write_results(self) -> list[WriteResult]:
+        """This rank's write results, once every rank's are known to be
+        there (collective on ``process_group``: one all-gather of each
+        rank's outcome).
+
+        Raises:
+            SaveError: on *every* rank when any rank's preparation or
+                worker failed, naming the ranks and causes. (NVRx's finalize
+                would raise on the coordinator only and leave the others to
+                wait for it in Bridge's next barrier; raised here, before its
+                gather, every rank stops together.)
+        """
+        results: list[WriteResult] = []
+        write_s = 0.0
+        error: BaseException | None = None
+        try:
+            results, write_s = self._read_results()  # always: it removes the file
+        except BaseException as e:
+            error = e
+        error = self.error or error  # a failed preparation: its error, not the worker's
+        wrapper = DistWrapper(self.process_group, _distributed(), 0)
+        outcomes = wrapper.all_gather_object(None if error is None else describe_failure(error))
+        if any(what is not None for what in outcomes):
+            self.release()  # the coordinator: gc may collect what the save left
+            raise SaveError(f"save to {self.storage.uri} failed, nothing was committed: {_by_rank(outcomes)}") from error
+        self.stats.write_s = write_s
+        self.stats.bytes_written = sum(r.storage_data.file_size for r in results if r.storage_data.offset == 0)
+        self.stats.files = sorted({r.storage_data.relative_path for r in results})
+        log.info(
+            "wrote %d bytes in %d file(s) to %s in %.2f s (Megatron async worker)",
+            self.stats.bytes_written, len(self.stats.files), self.storage.uri, self.stats.write_s,
+        )  # fmt: skip
+        return results
+
+    def _read_results(self) -> tuple[list[WriteResult], float]:
+        uri = self.storage.uri
+        if self._results_path is None:
+            raise SaveError(f"save to {uri}: retrieve_write_results before get_save_function_and_args")  # a caller's bug
+        try:
+            found = read_results(self._results_path)
+        except FileNotFoundError:
+            raise SaveError("the async save worker left no results (it did not run, or died)") from None
+        except ValueError as e:
+            raise SaveError(f"unreadable results from the async save worker ({e})") from e
+        if isinstance(found, str):
+            raise SaveError(f"in the async save worker: {found}")
+        return found
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        super().finish(metadata, results)
+        files = {r.storage_data.relative_path for rs in results for r in rs}
+        log.info("committed %s: %d data file(s) from %d rank(s), %.2f s to commit", self.storage.uri, len(files),
+                 len(results), self.stats.commit_s)  # fmt: skip
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        raise NotImplementedError(
+            "FileSystemWriterAsync writes through save_state_dict_async_plan and its save function; "
+            "under dcp.save use dcpstore.StorageWriter"
+        )
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _by_rank(outcomes: Sequence[str | None], shown: int = 4) -> str:
+    """``rank 1: why; ranks 0, 2: why`` for the failed ranks (the same
+    failure on several ranks said once)."""
+    ranks: dict[str, list[int]] = {}
+    for rank, what in enumerate(outcomes):
+        if what is not None:
+            ranks.setdefault(what, []).append(rank)
+    parts = [f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {what}" for what, rs in ranks.items()]
+    return "; ".join(parts[:shown]) + (f"; and {len(parts) - shown} more" if len(parts) > shown else "")
+
+
+def _checked_tensor(item: WriteItem, data: Any) -> torch.Tensor:
+    """The resolved tensor of ``item``, if it is what the plan says it is."""
+    td = item.tensor_data
+    if not isinstance(data, torch.Tensor) or td is None:
+        raise SaveError(f"{_STALE}: {item.index.fqn!r} is a {type(data).__name__}, the plan has a tensor{_REPLAN}")
+    want = (tuple(td.chunk.sizes), td.properties.dtype)
+    if (tuple(data.shape), data.dtype) != want:
+        raise SaveError(
+            f"{_STALE}: {item.index.fqn!r} is {list(data.shape)} {data.dtype}, "
+            f"the plan has {list(want[0])} {want[1]}{_REPLAN}"
+        )
+    return data.detach()
+
+
+_STALE = "the state dict no longer matches the save plan"
+_REPLAN = (
+    " (a plan replayed from an earlier save: ckpt_assume_constant_structure=True; save with it False after "
+    "changing the model or optimizer)"
+)
+
+
+def _shape_of(item: WriteItem) -> tuple[Any, ...]:
+    """What of a write item a replayed plan must still match."""
+    td = item.tensor_data
+    if td is None:
+        return (item.type,)
+    return (item.type, tuple(td.chunk.offsets), tuple(td.chunk.sizes), td.properties.dtype, tuple(td.size))
+
+
+def _check_structure(local_plan: SavePlan | None, plan: SavePlan, planner: SavePlanner) -> None:
+    """The plans NVRx handed over -- the local one (NVRx 0.4.1 replays the
+    cached one) and this rank's central one (replayed by every release that
+    caches) -- against DCP's default local plan of the state dict the
+    planner holds now: the same items, each with the same chunk, dtype and
+    global size, and no central item the state dict no longer has. Only for
+    a planner that plans as DCP's default one (another's plan cannot be
+    recomputed here; each resolved tensor is still checked against its item)."""
+    state = getattr(planner, "state_dict", None)
+    default = isinstance(planner, DefaultSavePlanner) and type(planner).create_local_plan is DefaultSavePlanner.create_local_plan
+    if not default or not isinstance(state, dict):
+        return
+    coordinator = bool(getattr(planner, "is_coordinator", False))
+    now = _by_fqn(create_default_local_save_plan(state, coordinator).items)
+    planned = _by_fqn(local_plan.items) if local_plan is not None else now
+    central = _by_fqn(plan.items)
+    stale = {k for k in central if k not in now or not set(central[k]) <= set(now[k])}
+    if now == planned and not stale:
+        return
+    added = sorted(now.keys() - planned.keys())
+    gone = sorted((planned.keys() - now.keys()) | (central.keys() - now.keys()))
+    changed = sorted({k for k in now.keys() & planned.keys() if now[k] != planned[k]} | (stale & now.keys()))
+    parts = [f"{what}: {', '.join(names[:5])}{', ...' if len(names) > 5 else ''}"
+             for what, names in (("new", added), ("gone", gone), ("changed", changed)) if names]  # fmt: skip
+    raise SaveError(f"{_STALE} ({'; '.join(parts)}){_REPLAN}")
+
+
+def _by_fqn(items: Sequence[WriteItem]) -> dict[str, list[tuple[Any, ...]]]:
+    """Each key's write items (its chunks), by what must match."""
+    out: dict[str, list[tuple[Any, ...]]] = {}
+    for item in items:
+        out.setdefault(item.index.fqn, []).append(_shape_of(item))
+    return {fqn: sorted(shapes, key=repr) for fqn, shapes in out.items()}

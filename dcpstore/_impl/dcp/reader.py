@@ -1,0 +1,578 @@
+"""DCP ``StorageReader`` written once over :class:`~dcpstore.storage.Storage`.
+
+Load, as ``torch.distributed.checkpoint.load`` drives it::
+
+    (all ranks)   read_metadata        ``.metadata``, verified against the
+                                       manifest (read_checkpoint_metadata)
+    (all ranks)   set_up_storage_reader -> prepare_local_plan
+                                       (raises what check_destination found
+                                       wrong with the caller's state dict)
+    (coordinator) prepare_global_plan
+    (all ranks)   read_data            the plan's items: sizes checked against
+                                       the manifest and the files' real
+                                       sizes, read jobs planned
+                                       (:mod:`.read_plan`) and run on
+                                       ``workers`` threads; every item's
+                                       CRC32C verified before it is copied
+                                       into the caller's state, except
+                                       tensors of 64 KiB or more, read
+                                       straight into their destination and
+                                       verified there (their location proven
+                                       from their record); every record
+                                       checked before torch.load sees it and
+                                       every non-tensor item unpickled
+                                       through the allowlist before DCP's
+                                       planner sees it: the checks of
+                                       :mod:`.item_checks`, which verify runs
+                                       too
+
+Never executes checkpoint content: ``.metadata`` and non-tensor items are
+unpickled through allowlists (:mod:`dcpstore._impl.format.safe_pickle`);
+``safe_globals`` / ``trusted`` (from :class:`~dcpstore._impl.options.LoadOptions`)
+allow more. Nothing is allocated for bytes a file does not hold.
+
+A failed load says which keys it changed (:mod:`.load_progress`).
+:func:`load_state_dict` runs a whole load with this reader.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import crc32c
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from ..torch_compat import ExtensionRegistry, StorageInfo, StorageReaderTransforms
+from ..errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound, StateDictMismatch, StorageNotFound
+from ..format.bitcopy import copy_values
+from ..format.layout import MANIFEST, METADATA, item_key
+from ..format.manifest import Manifest
+from ..format.record_zip import RecordBytes
+from ..format.safe_pickle import Trust
+from ..handle import LoadStats
+from ..options import LoadOptions, check_workers
+from ..progress import NO_PROGRESS, Progress
+from ..quiet import ignoring
+from ..storage import Storage
+from ..threads import run_parallel
+from .commit.read import commit_replaced, read_checkpoint_metadata
+from .failures import load_error
+from .item_checks import SMALL_TENSOR_COPY, ItemChecks
+from .load_progress import NO_CHANGES, Changes, LoadProgress, changes_of
+from .read_plan import Direct, DirectRun, Request, Span, plan_reads, scatter_groups
+from .state_checks import check_top_level_keys, load_mismatches
+from .writer import NO_DIST_WARNING, rebind, serves
+
+log = logging.getLogger(__name__)
+
+
+class DcpStorageReader(StorageReader):
+    """A DCP ``StorageReader`` over any :class:`Storage`; verifies as it reads.
+    ``progress`` counts this rank's bytes as items are read.
+
+    Never executes checkpoint content: ``.metadata`` and non-tensor items are
+    unpickled through allowlists (:mod:`dcpstore._impl.format.safe_pickle`);
+    ``safe_globals=[cls, ...]`` allows more classes, ``trusted=True`` all.
+    """
+
+    def __init__(
+        self,
+        storage: Storage,
+        *,
+        workers: int | None = None,
+        reopen: Callable[[str], Storage] | None = None,
+        verify: bool = True,
+        extension_registry: ExtensionRegistry | None = None,
+        safe_globals: Sequence[Any] | None = None,
+        trusted: bool = False,
+        progress: Progress = NO_PROGRESS,
+        earlier: Changes = NO_CHANGES,
+    ) -> None:
+        super().__init__()
+        #: Undoes the DCP stream transforms an item names (default registry: ZStandard).
+        self.transforms = StorageReaderTransforms(extension_registry)
+        self.storage = storage
+        self.workers = check_workers(workers, storage.default_workers())
+        self.verify = verify
+        self.bar = progress
+        self._trust = Trust.of(safe_globals, trusted)
+        self._reopen = reopen
+        self._manifest: Manifest | None = None
+        self._metadata: Metadata | None = None
+        self._preloaded = False
+        self._checks: ItemChecks | None = None
+        self._storage_data: dict[MetadataIndex, StorageInfo] = {}
+        self._mismatches: list[str] = []
+        #: What earlier tries of this load changed (see load_state_dict).
+        self._earlier = earlier
+        self._progress = LoadProgress((), earlier)
+        #: CRC32C of the ``.metadata`` bytes this load read (None: none yet).
+        self._commit_crc: int | None = None
+        #: The bytes this load's direct reads move in all (see Storage.read_into).
+        self._batch: int | None = None
+        self.bytes_read = 0
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        """Point the next load at ``checkpoint_id`` (DCP calls this only when
+        ``dcp.load`` is given a ``checkpoint_id``). The commit is read afresh
+        on every load: the checkpoint at a URI may have been replaced since."""
+        self._preloaded = False
+        self.storage = rebind(self.storage, checkpoint_id, self._reopen, "reader")
+
+    def preload_metadata(self) -> Metadata:
+        """Read and verify the commit now (every rank), so that a missing or
+        damaged checkpoint fails fast with a clear error, outside DCP. The
+        next load uses it; any later load reads the commit again (the
+        checkpoint at a URI may be replaced between two loads)."""
+        if not self._preloaded:
+            # The files' sizes from one listing, in flight beside the commit
+            # read: _check_sizes then costs no round trip (where it can).
+            commit: list[tuple[Metadata, Manifest | None]] = []
+
+            def read_commit() -> None:
+                commit.append(read_checkpoint_metadata(self.storage, self._trust, on_read=self._note_commit))
+
+            jobs = [read_commit, self.storage.learn_sizes]
+            run_parallel(lambda job: job(), jobs, 2, "dcpstore-commit-read")
+            self._metadata, self._manifest = commit[0]
+            self._preloaded = True
+        assert self._metadata is not None
+        return self._metadata
+
+    def _note_commit(self, blob: bytes) -> None:
+        self._commit_crc = crc32c.crc32c(blob)
+
+    def replaced(self) -> bool:
+        """Whether another save has committed over the checkpoint since this
+        load read its ``.metadata`` (or removed it): a failure of the load
+        may then be the replaced checkpoint's files going, not damage."""
+        return self._commit_crc is not None and commit_replaced(self.storage, self._commit_crc)
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if kwargs.get("rank") is not None:
+            # DCP asks for rank-local metadata only after the global one
+            # failed: the checkpoint of a save with use_collectives=False.
+            raise CheckpointNotFound(
+                f"no {METADATA} at {self.storage.uri}: dcpstore reads checkpoints with one global {METADATA} "
+                "and does not read rank-local __{rank}.metadata (saves with use_collectives=False)"
+            )
+        metadata = self.preload_metadata()
+        self._preloaded = False  # this load has it; the next one reads it again
+        if metadata.storage_meta is None:
+            metadata.storage_meta = StorageMeta()
+        return metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if metadata.storage_data is None:
+            raise CheckpointCorrupt(f"{self.storage.describe(METADATA)}: no storage_data")
+        self._storage_data = metadata.storage_data
+        self._checks = ItemChecks(metadata, self.storage, self.transforms, self._trust)
+        self.bytes_read = 0
+
+    def check_destination(self, state_dict: dict[str, Any]) -> None:
+        """Compare the caller's ``state_dict`` with the checkpoint before
+        ``dcp.load`` (see :func:`~dcpstore._impl.dcp.state_checks.load_mismatches`).
+        What it finds is raised from :meth:`prepare_local_plan`, inside DCP's
+        planning step, which gathers every rank's failure: all ranks then
+        raise together and none is left waiting in a collective."""
+        self._mismatches = load_mismatches(state_dict, self.preload_metadata())
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        if self._mismatches:
+            raise StateDictMismatch(
+                f"cannot load {self.storage.uri} into this state_dict; nothing was loaded: " + "; ".join(self._mismatches)
+            )
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        per_file: dict[str, list[Request]] = defaultdict(list)
+        for req in plan.items:
+            info = self._storage_data[req.storage_index]
+            per_file[info.relative_path].append((req, info))
+        assert self._metadata is not None and self._checks is not None
+        lock = threading.Lock()
+        self._progress = LoadProgress((req.dest_index.fqn for req in plan.items), self._earlier)
+        try:
+            self._check_sizes(per_file)
+            tensors = self._manifest["tensors"] if self._manifest is not None else {}
+            raw = {
+                item_key(path, info.offset): loc
+                for path, reqs in per_file.items()
+                for req, info in reqs
+                if (loc := self._checks.raw_location(path, info, req.storage_index, tensors)) is not None
+            }
+            jobs = plan_reads(per_file, raw, self._metadata, self.workers, self._manifest_where())
+            self._batch = sum(job.length for job in jobs)  # object stores share their budget out over it
+            self.bar.start(sum(info.length for reqs in per_file.values() for _, info in reqs))
+            run_parallel(lambda job: self._read_job(job, planner, lock), jobs, self.workers, "dcpstore-read")
+        except BaseException as e:
+            error = self._progress.annotate(e, self.storage.uri)  # what this rank's state now holds
+            if isinstance(error, RETRIED) and self.replaced():
+                vars(error)[REPLACED] = True  # the same decision on every rank: DCP hands them this error
+            # Raised, not set on the future: torch's Future holds an error where Python's collector
+            # cannot see it, and the traceback wait() adds leads back to the future, so every frame
+            # (read buffers, the planner's state dict) of every failed load would stay in memory.
+            # DCP gathers a raise from here exactly as one from wait().
+            raise error from error.__cause__
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
+
+    def _check_sizes(self, per_file: dict[str, list[Request]]) -> None:
+        """Each file's real size against the manifest, and against the items
+        to read from it: nothing is allocated for bytes a file does not hold
+        (a plain file: a FIFO or device is refused here, before any read).
+
+        One size request per file, all in flight together (on an object
+        store, one after another they would delay the load by a round trip
+        per file); a size this storage already saw (``Storage.size_seen``)
+        costs none.
+        """
+        manifest = self._manifest if self.verify else None
+        checks = self._checks
+        assert checks is not None
+
+        def check(path: str) -> None:
+            reqs = per_file[path]
+            entry = manifest["files"].get(path) if manifest is not None else None
+            if manifest is not None and entry is None:
+                raise CheckpointCorrupt(
+                    f"{self.storage.describe(path)}: not listed in the integrity manifest {self._manifest_where()}"
+                )
+            actual = self.storage.size_seen(path)
+            if actual is None:
+                try:
+                    actual = self.storage.size(path)
+                except StorageNotFound as e:
+                    raise CheckpointCorrupt(f"{self.storage.describe(path)}: data file is missing") from e
+            if entry is not None and actual != entry["size"]:
+                raise CheckpointCorrupt(
+                    f"{self.storage.describe(path)}: size {actual} bytes, expected {entry['size']} "
+                    "(truncated or damaged)"
+                )
+            end = max(info.offset + info.length for _, info in reqs)
+            if end > actual:
+                raise CheckpointCorrupt(
+                    f"{self.storage.describe(path)}: items run to byte {end}, but the file holds {actual} "
+                    "(truncated, or a damaged .metadata)"
+                )
+            for req, info in reqs:
+                checks.before_read(path, info, req.storage_index)
+
+        run_parallel(check, sorted(per_file), len(per_file), "dcpstore-size")
+
+    def _read_job(self, job: Span | DirectRun, planner: LoadPlanner, lock: threading.Lock) -> None:
+        try:
+            self._progress.check()
+            if isinstance(job, DirectRun):
+                self._read_run(job, planner, lock)
+            else:
+                self._read_span(job, planner, lock)
+        except BaseException as e:
+            self._progress.fail(e)  # the other jobs start no new item
+            raise
+
+    def _read_run(self, run: DirectRun, planner: LoadPlanner, lock: threading.Lock) -> None:
+        """Read tensors' bytes straight into their destinations, verify each
+        item's CRC32C, and commit them.
+
+        A destination must be a contiguous CPU tensor of the stored dtype and
+        size (a plain state dict's tensors are); any other goes through its
+        record as :meth:`_read_span` does. Neighbouring tensors are read with
+        one scatter read (:meth:`Storage.read_into`), the record bytes between
+        them landing in scratch buffers.
+        """
+        with lock:
+            targets = [planner.resolve_tensor(d.req).detach() for d in run.items]
+        placed: list[tuple[Direct, torch.Tensor, memoryview]] = []
+        for d, target in zip(run.items, targets):
+            dest = _byte_view(target, d.dtype, d.nbytes)
+            if dest is None:
+                span = Span(d.path, d.info.offset, d.info.length, ((d.req, d.info),))
+                self._read_span(span, planner, lock, target)
+            else:
+                placed.append((d, target, dest))
+        for group in scatter_groups(placed):
+            self._progress.check()
+            verified, error = self._scatter_read(group)
+            with lock:
+                for (d, target, _), exposed in verified:
+                    self.bytes_read += d.length
+                    planner.commit_tensor(d.req, target)
+                    self._progress.loaded([d.req.dest_index.fqn], exposed=exposed)
+                self.bar.update(sum(d.length for (d, _, _), _ in verified))
+            if error is not None:
+                raise error
+
+    def _scatter_read(
+        self, group: list[tuple[Direct, torch.Tensor, memoryview]]
+    ) -> tuple[list[tuple[tuple[Direct, torch.Tensor, memoryview], bool]], CheckpointCorrupt | None]:
+        """One scatter read of every byte of the group's items: each record's
+        header and trailer into scratch buffers, its tensor bytes into the
+        destination; then each item's CRC32C over all three, as recorded.
+
+        Returns the verified entries (with whether their bytes went straight
+        into the destination), and the first checksum failure, if any. A
+        failed or short read raises: the destinations read into directly
+        then hold unverified bytes (recorded in ``self._progress``)."""
+        path = group[0][0].path
+        start = pos = group[0][0].info.offset
+        buffers: list[memoryview] = []
+        parts: list[tuple[Direct, list[memoryview], memoryview]] = []
+        for d, _, dest in group:
+            if d.info.offset > pos:
+                buffers.append(memoryview(bytearray(d.info.offset - pos)))  # another item, not ours
+            if d.nbytes < SMALL_TENSOR_COPY:
+                # Small: the whole record in one scratch buffer, then a copy
+                # (3 buffers and 3 CRC calls per tiny tensor cost more).
+                pieces = [memoryview(bytearray(d.length))]
+            else:
+                pieces = [memoryview(bytearray(d.data_offset)), dest, memoryview(bytearray(d.end - d.start - d.nbytes))]
+            buffers += pieces
+            parts.append((d, pieces, dest))
+            pos = d.end
+        exposed = [d.req.dest_index.fqn for d, pieces, _ in parts if len(pieces) > 1]
+        self._progress.exposing(exposed)
+        try:
+            n = self.storage.read_into(path, start, buffers, batch_hint=self._batch)
+        except StorageNotFound as e:
+            self._progress.exposing(exposed, undo=True)  # never opened: nothing was written
+            raise CheckpointCorrupt(f"{self.storage.describe(path)}: data file is missing") from e
+        if n != pos - start:
+            raise CheckpointCorrupt(
+                f"{self.storage.describe(path)}: short read at offset {start} ({n} of {pos - start} bytes; truncated?)"
+            )
+        verified = []
+        error = None
+        assert self._checks is not None
+        for entry, (d, pieces, dest) in zip(group, parts):
+            if len(pieces) == 1:
+                record = RecordBytes.whole(pieces[0])
+            else:  # the header and the trailer around the bytes that went straight into the destination
+                record = RecordBytes(d.length, [(0, pieces[0]), (d.data_offset + d.nbytes, pieces[2])])
+            try:
+                self._verify_item(path, d.info, *pieces)
+                where = (d.data_offset, d.nbytes)
+                self._checks.check_raw(path, d.info, d.req.storage_index, where, record, self._manifest_where())
+            except CheckpointCorrupt as e:
+                error = error or e
+                continue
+            if len(pieces) == 1:
+                dest[:] = pieces[0][d.data_offset : d.data_offset + d.nbytes]
+            verified.append((entry, len(pieces) > 1))
+        return verified, error
+
+    def _read_span(
+        self, span: Span, planner: LoadPlanner, lock: threading.Lock, target: torch.Tensor | None = None
+    ) -> None:
+        """Read a run of neighbouring items with one ranged read; ``target``:
+        the destination of its single tensor item, if already resolved."""
+        try:
+            blob = self.storage.read_range(span.path, span.offset, span.length)
+        except StorageNotFound as e:
+            raise CheckpointCorrupt(f"{self.storage.describe(span.path)}: data file is missing") from e
+        if len(blob) != span.length:
+            raise CheckpointCorrupt(
+                f"{self.storage.describe(span.path)}: short read at offset {span.offset} "
+                f"({len(blob)} of {span.length} bytes; truncated?)"
+            )
+        view = memoryview(blob)
+        with lock:
+            self.bytes_read += len(blob)
+        self.bar.update(len(blob))
+        checks = self._checks
+        assert checks is not None
+        for req, info in span.reqs:
+            start = info.offset - span.offset
+            item = view[start : start + info.length]
+            self._verify_item(span.path, info, item)
+            if req.type == LoadItemType.BYTE_IO:
+                # Built through the allowlist first: refused before the planner runs it.
+                item = checks.object_bytes(span.path, info, req.storage_index, item)
+                self._progress.check()  # verified, and the load goes on: change the destination
+                with lock:
+                    planner.load_bytes(req, io.BytesIO(item))
+                self._progress.loaded([req.dest_index.fqn])
+                continue
+            tensor = _narrow(checks.tensor(span.path, info, req.storage_index, item), req.storage_offsets, req.lengths)
+            self._progress.check()  # verified, and the load goes on: change the destination
+            if target is None:
+                with lock:
+                    target = planner.resolve_tensor(req).detach()
+            if target.size() != tensor.size():
+                raise CheckpointCorrupt(
+                    f"{self.storage.describe(span.path)}: item {req.storage_index.fqn} has shape "
+                    f"{tuple(tensor.size())}, the plan expects {tuple(target.size())}"
+                )
+            copy_values(target, tensor)
+            with lock:
+                planner.commit_tensor(req, target)
+            self._progress.loaded([req.dest_index.fqn])
+            target = None
+
+    def _manifest_where(self) -> str:
+        """The manifest this load checks against, for messages: its real
+        name (a save over a used URI writes ``.dcpstore.{tag}.json``)."""
+        return self._manifest["where"] if self._manifest is not None else self.storage.describe(MANIFEST)
+
+    def _verify_item(self, path: str, info: StorageInfo, *pieces: memoryview) -> None:
+        """Check an item's CRC32C; ``pieces`` are its bytes, in order."""
+        if not self.verify or self._manifest is None:
+            return
+        expected = self._manifest["items"].get(item_key(path, info.offset))
+        if expected is None:
+            raise CheckpointCorrupt(
+                f"{self.storage.describe(path)}: item at offset {info.offset} not in the manifest "
+                f"{self._manifest_where()}"
+            )
+        crc = 0
+        for piece in pieces:
+            crc = crc32c.crc32c(piece, crc)
+        if crc != expected:
+            raise CheckpointCorrupt(
+                f"{self.storage.describe(path)}: checksum mismatch in item at offset {info.offset} "
+                f"({info.length} bytes, against {self._manifest_where()}): the data file is damaged"
+            )
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.storage.url.uri
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return serves(checkpoint_id)
+
+
+def _byte_view(target: torch.Tensor, dtype: torch.dtype, nbytes: int) -> memoryview | None:
+    """``target``'s bytes as a writable memoryview, if it can take the raw
+    bytes as they lie (contiguous, on the CPU, same dtype and size, and no
+    conjugate or negative bit: such a view's bytes are not its values; not
+    quantized: its values need its quantizer, which copy_ applies)."""
+    ok = target.device.type == "cpu" and target.dtype == dtype and target.is_contiguous() and target.nbytes == nbytes
+    ok = ok and not target.is_conj() and not target.is_neg() and not target.is_quantized
+    if not ok or nbytes == 0:
+        return None
+    # as_strided, not reshape(-1): a contiguous one-element view (x[:1, 2])
+    # may carry any stride, which view(uint8) refuses.
+    array: Any = target.as_strided((target.numel(),), (1,)).view(torch.uint8).numpy()
+    return memoryview(array).cast("B")
+
+
+def _narrow(tensor: torch.Tensor, offsets: torch.Size, lengths: torch.Size) -> torch.Tensor:
+    for dim, (start, length) in enumerate(zip(offsets, lengths)):
+        if start != 0 or length != tensor.size(dim):
+            tensor = torch.narrow(tensor, dim, start, length)
+    return tensor
+
+
+#: Tries of one load whose checkpoint other saves keep replacing while it
+#: runs (see :func:`load_state_dict`).
+LOAD_TRIES = 4
+#: Failures that may be a replaced checkpoint's files going (a load that
+#: read the old ``.metadata`` finds the files it names deleted by the new
+#: save's clean-up) rather than damage.
+RETRIED = (CheckpointCorrupt, StorageNotFound)
+#: The attribute that marks such a failure once the load has seen its
+#: ``.metadata`` replaced (set on the failing rank, read on every rank).
+REPLACED = "checkpoint_replaced"
+
+
+def load_state_dict(
+    state_dict: dict[str, Any], storage: Storage, options: LoadOptions, progress: Progress = NO_PROGRESS
+) -> LoadStats:
+    """One whole DCP load of ``storage`` into ``state_dict`` in place, with
+    dcpstore's reader (every rank calls it); returns what this rank read. A
+    failure on any rank raises the first failed rank's
+    :class:`CheckpointError` (or a :class:`~dcpstore.LoadError`) on every
+    rank.
+
+    A destination that disagrees with the checkpoint (a stored object where
+    it holds a tensor; complex -> real, floating -> integer, anything ->
+    bool) raises :class:`~dcpstore.StateDictMismatch` before anything is
+    read; missing or truncated files are found before anything is changed
+    too. A damaged item stops the load where it is found; the error says
+    which keys it had already changed on this rank (its ``loaded_keys``,
+    ``partly_loaded_keys`` and ``damaged_keys``; every other key is
+    unchanged).
+
+    A load racing a save over the same URI loads the old checkpoint or the
+    new one, whole: one that read the old ``.metadata`` can find the files
+    it names deleted by the new save once that has committed, and such a
+    failure (a missing or damaged file, when the ``.metadata`` read is no
+    longer there) loads again, from the new commit, up to
+    :data:`LOAD_TRIES` tries in all. The first failed rank's error decides,
+    so every rank tries again or none. A try that succeeds sets every key;
+    a last one that fails names what all the tries changed."""
+    check_top_level_keys(state_dict, loading=True)
+    earlier = NO_CHANGES
+    for attempt in range(1, LOAD_TRIES + 1):
+        reader = DcpStorageReader(
+            storage,
+            workers=options.workers,
+            verify=options.verify,
+            safe_globals=options.safe_globals,
+            trusted=options.trusted,
+            progress=progress,
+            earlier=earlier,
+        )
+        try:
+            return _load_once(state_dict, reader, options)
+        except CheckpointError as e:
+            annotated = "loaded_keys" in vars(e)  # failed in read_data: it says what all tries changed
+            if not vars(e).get(REPLACED):
+                if earlier != NO_CHANGES and not annotated:
+                    raise LoadProgress((), earlier).annotate(e, storage.uri) from e
+                raise
+            if attempt == LOAD_TRIES:
+                again = f"replaced by other saves during each of the {LOAD_TRIES} tries of this load"
+                error = LoadProgress((), earlier).annotate(e, storage.uri) if not annotated else e
+                out = type(error)(f"{error} ({storage.uri} was {again})")
+                vars(out).update(vars(error))
+                raise out from e
+            log.debug("%s was replaced while being loaded (%s); loading it again", storage.uri, e)
+            if annotated:
+                earlier = changes_of(e)
+    raise AssertionError("unreachable")  # the loop returns or raises
+
+
+def _load_once(state_dict: dict[str, Any], reader: DcpStorageReader, options: LoadOptions) -> LoadStats:
+    """One try of :func:`load_state_dict`."""
+    t0 = time.perf_counter()
+    try:
+        reader.check_destination(state_dict)
+    except RETRIED as e:
+        if reader.replaced():  # decided here, before any collective: the commit read is each rank's own
+            vars(e)[REPLACED] = True
+        raise
+    t_read = time.perf_counter()
+    no_dist = not (dist.is_available() and dist.is_initialized())
+    try:
+        with ignoring(NO_DIST_WARNING) if no_dist else contextlib.nullcontext():
+            dcp_load(
+                state_dict,
+                storage_reader=reader,
+                planner=options.planner,
+                process_group=options.process_group,
+                no_dist=no_dist,
+            )
+    except CheckpointException as e:
+        raise load_error(e, reader.storage.uri) from e
+    return LoadStats(bytes_read=reader.bytes_read, metadata_s=t_read - t0, read_s=time.perf_counter() - t_read)
