@@ -552,10 +552,23 @@ def commits_since(commit: str, paths: Sequence[str]) -> int:
         raise LookupError(f"commit {commit} is not in this repository's history (a shallow clone, or a squashed branch?)")
     if _git("merge-base", "--is-ancestor", commit, "HEAD").returncode != 0:
         raise LookupError(f"commit {commit} is not an ancestor of HEAD")
-    out = _git("rev-list", "--count", f"{commit}..HEAD", "--", *paths)
+    out = _git("rev-list", "--count", f"{commit}..HEAD", "--", *sorted(former_names(commit, paths)))
     if out.returncode != 0:
         raise LookupError(f"git rev-list failed: {out.stderr.strip()}")
     return int(out.stdout.strip())
+
+
+def former_names(commit: str, paths: Sequence[str]) -> set[str]:
+    """``paths`` and every name each had between ``commit`` and HEAD: a
+    module moved (the private tree, a module split into a package) is the
+    same measured code, and the commits that touched it under its old name
+    count too."""
+    names = set(paths)
+    for path in paths:
+        out = _git("log", "--follow", "--name-only", "--format=", f"{commit}..HEAD", "--", path)
+        if out.returncode == 0:
+            names.update(line for line in out.stdout.splitlines() if line.strip())
+    return names
 
 
 def staleness(page: str, docs: dict[str, Doc]) -> list[str]:
