@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING
 from ._impl.first_use import first_use
 from ._impl.listing import CheckpointEntry, GcReport, list_checkpoints
 from ._impl.listing import gc as _collect
-from ._impl.storage import StorageOptions, open_storage
+from ._impl.storage import StorageOptions
+from ._impl.storage.registry import opened
 
 if TYPE_CHECKING:
     from ._impl.maintenance import VerifyReport, commit_file, inspect, verify
@@ -43,11 +44,8 @@ def ls(uri: str | os.PathLike[str], *, storage_options: StorageOptions | None = 
     Raises:
         CheckpointError: the storage cannot be opened or listed.
     """
-    storage = open_storage(uri, storage_options=storage_options)
-    try:
+    with opened(uri, storage_options) as storage:
         return list_checkpoints(storage)
-    finally:
-        storage.close()
 
 
 def gc(
@@ -72,11 +70,8 @@ def gc(
     Raises:
         CheckpointError: the storage cannot be opened, listed or written.
     """
-    storage = open_storage(uri, storage_options=storage_options)
-    try:
+    with opened(uri, storage_options) as storage:
         return _collect(storage, older_than_s=older_than_s, dry_run=dry_run)
-    finally:
-        storage.close()
 
 
 #: ``inspect``, ``verify`` and ``commit_file`` read ``.metadata``, which needs

@@ -27,7 +27,8 @@ from .format.layout import is_data_file, item_key
 from .format.manifest import Manifest, commit_files
 from .format.record_zip import RecordBytes
 from .listing import CheckpointEntry, GcReport, gc, list_checkpoints
-from .storage import MiB, Storage, StorageOptions, open_storage
+from .storage import MiB, Storage, StorageOptions
+from .storage.registry import opened
 
 __all__ = [
     "CheckpointEntry",
@@ -327,11 +328,8 @@ def inspect(uri: str | os.PathLike[str], *, storage_options: StorageOptions | No
         CheckpointCorrupt: its commit does not hold together.
         UnsafeCheckpoint: its ``.metadata`` names what is not unpickled.
     """
-    storage = open_storage(uri, storage_options=storage_options)
-    try:
+    with opened(uri, storage_options) as storage:
         return inspect_checkpoint(storage)
-    finally:
-        storage.close()
 
 
 def verify(
@@ -354,11 +352,8 @@ def verify(
     Raises:
         CheckpointNotFound: no committed checkpoint there.
     """
-    storage = open_storage(uri, storage_options=storage_options)
-    try:
+    with opened(uri, storage_options) as storage:
         return verify_checkpoint(storage, progress=progress)
-    finally:
-        storage.close()
 
 
 def commit_file(uri: str | os.PathLike[str], name: str, *, storage_options: StorageOptions | None = None) -> bytes:
@@ -380,9 +375,6 @@ def commit_file(uri: str | os.PathLike[str], name: str, *, storage_options: Stor
             records no such file.
         CheckpointCorrupt: the file does not match what the manifest records.
     """
-    storage = open_storage(uri, storage_options=storage_options)
-    try:
+    with opened(uri, storage_options) as storage:
         _, manifest = read_checkpoint_metadata(storage)
         return read_commit_file(storage, manifest, name)
-    finally:
-        storage.close()

@@ -9,11 +9,12 @@ benchmarks and the tests all read it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import cast
 
@@ -168,6 +169,16 @@ def backend_class(name: str) -> type[Storage]:
             f"({e.name or e}); {hint}"
         ) from e
     return cast(type[Storage], getattr(module, class_name))
+
+
+@contextlib.contextmanager
+def opened(uri: str | os.PathLike[str], storage_options: StorageOptions | None = None) -> Iterator[Storage]:
+    """:func:`open_storage` for the length of a ``with`` block, closed after it."""
+    storage = open_storage(uri, storage_options=storage_options)
+    try:
+        yield storage
+    finally:
+        storage.close()
 
 
 def with_msc(options: StorageOptions | None, enable_msc: bool) -> StorageOptions | None:
