@@ -413,7 +413,7 @@ def test_a_failed_dropin_saves_clean_up_is_kept_by_its_writer(proxy: FaultProxy,
     tries again in the background, and close() waits for a last try."""
     import torch.distributed.checkpoint as dcp
 
-    writer = dcpstore.StorageWriter(_uri(s3_endpoint), thread_count=1, storage_options=_OPTS)
+    writer = dcpstore.StorageWriter(_uri(s3_endpoint), thread_count=1, options=dcpstore.SaveOptions(storage_options=_OPTS))
     first = _fail_while_down(proxy, s3_endpoint, lambda u: _dcp_save_raising_ours(dcp, writer, u))
     assert "Its clean-up failed as well (2 step(s)" in first[1], first[1]
     assert "tries again at its next save, at close() and at exit" in first[1], first[1]
