@@ -16,7 +16,7 @@ import time
 import torch
 
 import dcpstore
-from dcpstore._impl.maintenance import inspect_checkpoint, verify_checkpoint
+from dcpstore import tools
 
 
 def build(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -51,9 +51,9 @@ def main() -> None:
         print(f"saved    {info.uri}: {info.bytes_written / 1e6:.1f} MB in {len(info.files)} files, "
               f"write {info.phases['write'] * 1e3:.0f} ms, commit {info.phases['commit'] * 1e3:.0f} ms")
 
-        details = inspect_checkpoint(dcpstore.open_storage(uri))
+        details = tools.inspect(uri)
         print(f"inspect  {len(details['keys'])} keys, {details['tensor_bytes'] / 1e6:.1f} MB of tensors")
-        report = verify_checkpoint(dcpstore.open_storage(uri))
+        report = tools.verify(uri)
         print(f"verify   {'OK' if report.ok else report.problems}: {report.files_checked} files checksummed")
 
         fresh_model, fresh_opt = build(1)  # different weights, empty optimizer state

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 import dcpstore
-from dcpstore._impl.maintenance import list_checkpoints
+from dcpstore import tools
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
@@ -61,7 +61,7 @@ def main() -> None:
         roundtrip("s3://demo/run1/step_10", state, model)
         roundtrip("s3://demo/run1-msc/step_10", state, model, enable_msc=True)
         print("\ndcpstore ls s3://demo/run1:")
-        for entry in list_checkpoints(dcpstore.open_storage("s3://demo/run1")):
+        for entry in tools.ls("s3://demo/run1"):
             print(f"  {entry.path or '.'}  {'committed' if entry.committed else 'incomplete'}  "
                   f"{entry.files} files  {entry.bytes / 1e6:.1f} MB")
     finally:
