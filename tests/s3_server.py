@@ -21,6 +21,7 @@ import contextlib
 import os
 import shutil
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -63,31 +64,78 @@ def _moto_command(port: int) -> list[str]:
     return [sys.executable, "-m", "moto.server", "-H", LOOPBACK, "-p", str(port)]
 
 
+@dataclass(frozen=True)
+class Tls:
+    """A self-signed certificate for the loopback address, and its key (PEM
+    files): a TLS endpoint that clients trust through ``AWS_CA_BUNDLE``."""
+
+    cert: Path
+    key: Path
+
+    @classmethod
+    def make(cls, directory: Path) -> Tls:
+        import datetime
+        import ipaddress
+
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import NameOID
+
+        key = ec.generate_private_key(ec.SECP256R1())
+        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, LOOPBACK)])
+        now = datetime.datetime.now(datetime.timezone.utc)
+        cert = (
+            x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(LOOPBACK))]), critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256())
+        )  # fmt: skip
+        tls = cls(directory / "cert.pem", directory / "key.pem")
+        tls.cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        tls.key.write_bytes(
+            key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+        )
+        return tls
+
+
 _no_proxy = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 class MotoServer:
-    """One ``moto_server`` process on a free loopback port."""
+    """One ``moto_server`` process on a free loopback port (HTTPS with ``tls``)."""
 
-    def __init__(self, log_dir: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(self, log_dir: Path, env: dict[str, str] | None = None, tls: Tls | None = None) -> None:
         self.port = free_port()
-        self.url = f"http://{LOOPBACK}:{self.port}"
+        self.url = f"{'https' if tls else 'http'}://{LOOPBACK}:{self.port}"
+        self.tls = tls
         self._log_path = log_dir / f"moto-{self.port}.log"
         self._env = {**os.environ, **(env or {})}
         self._proc: subprocess.Popen[bytes] | None = None
         self._client: tuple[int, Any] | None = None
+        self._opener = _no_proxy
+        if tls:
+            trust = ssl.create_default_context(cafile=str(tls.cert))
+            self._opener = urllib.request.build_opener(
+                urllib.request.ProxyHandler({}), urllib.request.HTTPSHandler(context=trust)
+            )
 
     def start(self, timeout_s: float = 30.0) -> MotoServer:
+        command = _moto_command(self.port)
+        if self.tls:
+            command += ["-c", str(self.tls.cert), "-k", str(self.tls.key)]
         with open(self._log_path, "wb") as log:
             self._proc = subprocess.Popen(
-                _moto_command(self.port), stdout=log, stderr=subprocess.STDOUT, env=self._env, start_new_session=True
+                command, stdout=log, stderr=subprocess.STDOUT, env=self._env, start_new_session=True
             )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
                 raise RuntimeError(f"moto_server exited with {self._proc.returncode}: {self.log_tail()}")
             try:
-                with _no_proxy.open(f"{self.url}/moto-api/data.json", timeout=1) as resp:
+                with self._opener.open(f"{self.url}/moto-api/data.json", timeout=1) as resp:
                     if resp.status == 200:
                         return self
             except OSError:
@@ -103,7 +151,7 @@ class MotoServer:
     def reset(self) -> None:
         """Drop every bucket and object (moto's reset API)."""
         req = urllib.request.Request(f"{self.url}/moto-api/reset", method="POST")
-        with _no_proxy.open(req, timeout=10):
+        with self._opener.open(req, timeout=10):
             pass
 
     def stop(self) -> None:
@@ -128,6 +176,8 @@ class MotoServer:
         shared = not kwargs
         kwargs.setdefault("aws_access_key_id", FAKE_KEY_ID)
         kwargs.setdefault("aws_secret_access_key", FAKE_SECRET)
+        if self.tls:
+            kwargs.setdefault("verify", str(self.tls.cert))
         client = boto3.session.Session().client("s3", endpoint_url=self.url, region_name=REGION, **kwargs)
         if shared:
             self._client = (os.getpid(), client)  # thread-safe; a forked child builds its own

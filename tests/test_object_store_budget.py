@@ -10,11 +10,13 @@ process, files under ``TMPDIR``.
 from __future__ import annotations
 
 import base64
+import hashlib
 import os
 import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import crc32c
 import psutil
@@ -24,7 +26,7 @@ import torch
 import dcpstore
 from faultproxy import FaultConfig, FaultProxy, Request
 from helpers import assert_state_equal, zeros_like_state
-from s3_server import S3Endpoint
+from s3_server import BUCKET, MotoServer, S3Endpoint, Tls
 from dcpstore._impl.bench.measure import PeakRSS
 from dcpstore._impl.errors import CheckpointCorrupt
 from dcpstore.storage import MiB, StorageOptions, open_storage
@@ -106,40 +108,102 @@ def _crc_header(body: bytes) -> str:
     return base64.b64encode(crc32c.crc32c(body).to_bytes(4, "big")).decode()
 
 
-@pytest.mark.parametrize("setting", ["default", "when_required"])
-def test_every_put_and_part_carries_its_crc32c(
-    proxy: FaultProxy, s3_endpoint: S3Endpoint, monkeypatch: pytest.MonkeyPatch, setting: str
-) -> None:
-    """By default each PutObject and UploadPart carries the CRC32C of exactly
-    the bytes it sends (S3 refuses a mismatch), uploads are created for
-    CRC32C and completed with every part's; AWS_REQUEST_CHECKSUM_CALCULATION
-    =when_required turns them all off."""
-    if setting == "when_required":
-        monkeypatch.setenv("AWS_REQUEST_CHECKSUM_CALCULATION", "when_required")
-    seen: list[Request] = []
-    proxy.config = FaultConfig(applies=lambda r: seen.append(r) or False)
+def _unsigned_payloads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An AWS profile that turns botocore's payload signing off (also over HTTP)."""
+    config = tmp_path / "aws-config"
+    config.write_text("[default]\ns3 =\n  payload_signing_enabled = false\n")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(config))
+
+
+def _save_and_load(uri: str) -> None:
     state = {"big": torch.randn(3 * MiB), "small": torch.arange(10)}
-    uri = _uri(s3_endpoint)
     dcpstore.save(state, uri, workers=2, storage_options=StorageOptions(part_size=PART)).result()
     restored = zeros_like_state(state)
     dcpstore.load(restored, uri, storage_options=StorageOptions(part_size=PART))
     assert_state_equal(state, restored)
 
+
+@pytest.mark.parametrize("setting", ["signed", "unsigned", "unsigned+when_required"])
+def test_every_put_and_part_carries_one_digest_of_its_bytes(
+    proxy: FaultProxy, s3_endpoint: S3Endpoint, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, setting: str
+) -> None:
+    """Every PutObject and UploadPart carries exactly one digest of exactly
+    the bytes it sends, which S3 verifies. Over plain HTTP botocore signs
+    the payload's SHA-256 (``signed``), so no checksum is added beside it --
+    neither ours nor botocore's software CRC32. Where the profile turns
+    payload signing off (``unsigned``), each request carries its CRC32C,
+    uploads are created for CRC32C and completed with every part's; and
+    AWS_REQUEST_CHECKSUM_CALCULATION=when_required then turns that off too."""
+    if setting != "signed":
+        _unsigned_payloads(tmp_path, monkeypatch)
+    if setting.endswith("when_required"):
+        monkeypatch.setenv("AWS_REQUEST_CHECKSUM_CALCULATION", "when_required")
+    seen: list[Request] = []
+    proxy.config = FaultConfig(applies=lambda r: seen.append(r) or False)
+    _save_and_load(_uri(s3_endpoint))
+
     sends = [r for r in seen if r.kind in ("PutObject", "UploadPart")]
     creates = [r for r in seen if r.kind == "CreateMultipartUpload"]
     completes = [r for r in seen if r.kind == "CompleteMultipartUpload"]
     assert len(sends) >= 5 and creates and completes  # 3 parts, the small file, the commit objects
+    crc32c_sent = setting == "unsigned"
     for r in sends:
-        # botocore's own checksums (CRC32) are never computed on top.
-        assert r.header("x-amz-checksum-crc32") is None
-        if setting == "default":
-            assert r.header("x-amz-checksum-crc32c") == _crc_header(r.body), r.kind
-        else:
-            assert r.header("x-amz-checksum-crc32c") is None
+        assert r.header("x-amz-checksum-crc32") is None  # botocore's own software CRC32: never
+        assert r.header("content-encoding") != "aws-chunked"  # no trailer: the body is the bytes
+        signed = hashlib.sha256(r.body).hexdigest() if setting == "signed" else "UNSIGNED-PAYLOAD"
+        assert r.header("x-amz-content-sha256") == signed, r.kind
+        assert r.header("x-amz-checksum-crc32c") == (_crc_header(r.body) if crc32c_sent else None), r.kind
     for r in creates:
-        assert (r.header("x-amz-checksum-algorithm") == "CRC32C") is (setting == "default")
+        assert (r.header("x-amz-checksum-algorithm") == "CRC32C") is crc32c_sent
     for r in completes:
-        assert (b"<ChecksumCRC32C>" in r.body) is (setting == "default")
+        assert (b"<ChecksumCRC32C>" in r.body) is crc32c_sent
+
+
+@pytest.fixture(scope="module")
+def tls_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Endpoint]:
+    """A second moto server, over HTTPS (a self-signed loopback certificate)."""
+    where = tmp_path_factory.mktemp("moto-tls")
+    server = MotoServer(where, tls=Tls.make(where)).start()
+    try:
+        server.client().create_bucket(Bucket=BUCKET)
+        yield S3Endpoint(server, BUCKET)
+    finally:
+        server.stop()
+
+
+def test_over_https_a_crc32c_spares_the_payload_signature(
+    s3_endpoint: S3Endpoint, tls_endpoint: S3Endpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over HTTPS each PutObject and UploadPart carries its CRC32C, and
+    botocore, seeing it, leaves the payload unsigned: one hardware CRC32C of
+    the bytes instead of a SHA-256 (requests as the client sends them, seen
+    through botocore's ``before-send``: TLS hides them from a proxy)."""
+    assert tls_endpoint.server.tls is not None
+    monkeypatch.setenv("AWS_ENDPOINT_URL", tls_endpoint.url)
+    monkeypatch.setenv("AWS_CA_BUNDLE", str(tls_endpoint.server.tls.cert))
+    uri = _uri(tls_endpoint)
+    client = open_storage(uri).client  # the process's shared client for this environment
+    seen: list[tuple[str, dict[str, str], bytes]] = []
+
+    def record(request: Any, event_name: str, **_: Any) -> None:
+        body = request.body
+        if hasattr(body, "read"):
+            at = body.tell()
+            body, _rest = body.read(), body.seek(at)
+        headers = {k: v.decode() if isinstance(v, bytes) else v for k, v in request.headers.items()}
+        seen.append((event_name.rsplit(".", 1)[-1], headers, bytes(body or b"")))
+
+    client.meta.events.register("before-send.s3", record)
+    try:
+        _save_and_load(uri)
+    finally:
+        client.meta.events.unregister("before-send.s3", record)
+    sends = [(op, h, b) for op, h, b in seen if op in ("PutObject", "UploadPart")]
+    assert len(sends) >= 5 and {op for op, _, _ in sends} == {"PutObject", "UploadPart"}
+    for op, headers, body in sends:
+        assert headers["X-Amz-Content-SHA256"] == "UNSIGNED-PAYLOAD", op
+        assert headers["x-amz-checksum-crc32c"] == _crc_header(body), op
+        assert "x-amz-checksum-crc32" not in headers
 
 
 def test_a_load_knows_each_size_before_reading_and_still_finds_a_wrong_one(

@@ -46,8 +46,8 @@ from .base import ObjectInfo, ObjectWriter, Storage, StorageOptions
 from .pending import IncompleteWrite
 from .codes import Meaning, meaning
 from .kit import byte_ranges, equal_ranges, slice_buffers
-from .s3_client import client_error, map_code, map_error, s3_client
-from .s3_upload import S3Writer, checksum_args, sends_checksums
+from .s3_client import client_error, map_code, map_error, s3_client, sends_checksums
+from .s3_upload import S3Writer, checksum_args
 from .secrets import scrub
 from .uri import StorageURL, redact
 

@@ -93,9 +93,58 @@ def _make_client(options: StorageOptions) -> Any:
     # A Session per client: sessions are not thread-safe, clients are.
     session = boto3.session.Session()
     client = session.client("s3", config=config, region_name=options.region)
+    one_digest = _one_digest(client)
+    if one_digest is not None:
+        client = session.client("s3", config=config.merge(one_digest), region_name=options.region)
     _install_deadline(client, options)
     remember_boto_credentials(session, client)  # so that no message ever shows them
     return client
+
+
+def signs_payloads(client: Any) -> bool:
+    """Whether botocore puts the SHA-256 of every request body into the
+    request's signature, which S3 verifies before it accepts the bytes:
+    where the profile's ``s3.payload_signing_enabled`` says so, else over
+    plain HTTP (botocore's ``S3SigV4Auth._should_sha256_sign_payload``; over
+    HTTPS it also does where a request carries no checksum header, which
+    :func:`_one_digest` sees to)."""
+    explicit = (getattr(client.meta.config, "s3", None) or {}).get("payload_signing_enabled")
+    if explicit is not None:
+        return bool(explicit)
+    return not str(client.meta.endpoint_url).lower().startswith("https:")
+
+
+def sends_checksums(client: Any) -> bool:
+    """Whether a writer sends a CRC32C with every PUT and part (``client``
+    checksums every request that may carry one, botocore's default, rather
+    than only where the API demands; :func:`s3_client`'s clients do so
+    exactly where the payload is not signed)."""
+    return str(getattr(client.meta.config, "request_checksum_calculation", "when_supported")) != "when_required"
+
+
+def _one_digest(client: Any) -> Config | None:
+    """What to change in ``client``'s configuration so that every request
+    body gets one digest that S3 verifies, not two, or None.
+
+    Over plain HTTP botocore SHA-256-signs every payload whatever else is
+    sent: that signature is the digest, and also guards the bytes against
+    tampering, which only TLS would do otherwise. A checksum beside it (our
+    CRC32C, or botocore's own software CRC32) would check the same bytes a
+    second time: checksums are asked only where the API requires them.
+
+    Over HTTPS, TLS guards against tampering and the writer's hardware
+    CRC32C against corruption; botocore would still SHA-256 the payload
+    (about nine times the CRC32C's CPU) because a checksum the caller
+    computes does not count as one for its signing rule: payload signing is
+    turned off. A profile that sets ``s3.payload_signing_enabled`` either way
+    is followed, and AWS_REQUEST_CHECKSUM_CALCULATION=when_required keeps
+    the writer's CRC32C off."""
+    if not sends_checksums(client):
+        return None
+    if signs_payloads(client):
+        return Config(request_checksum_calculation="when_required")
+    explicit = (getattr(client.meta.config, "s3", None) or {}).get("payload_signing_enabled")
+    return Config(s3={"payload_signing_enabled": False}) if explicit is None else None
 
 
 class RetryBursts:

@@ -30,15 +30,16 @@ file alone still keeps every connection busy) and this module moves them::
                   left with the storage (``Storage.leave_unfinished``) for
                   the saver to try again.
 
-Integrity in transit: where the client is configured to send checksums
-(botocore's ``request_checksum_calculation``, ``when_supported`` unless
-``AWS_REQUEST_CHECKSUM_CALCULATION`` says ``when_required``), every PUT and
-part carries its CRC32C, computed here with the hardware instruction
-(:func:`checksum_args`), which S3 verifies before it accepts the bytes, and a
-multipart upload is created for CRC32C and completed with every part's. botocore
-would otherwise compute a software CRC32 of every byte itself (over HTTPS
-as an ``aws-chunked`` trailer): the same protection at about three times
-the CPU.
+Integrity in transit: one digest of every request body, which S3 verifies
+before it accepts the bytes (the storage's client is configured for it:
+:func:`~dcpstore._impl.storage.s3_client._one_digest`). Over HTTPS every PUT
+and part carries its CRC32C, computed here with the hardware instruction
+(:func:`checksum_args`), a multipart upload is created for CRC32C and
+completed with every part's, and the payload goes unsigned (TLS guards it
+against tampering): botocore would otherwise SHA-256 every byte for the
+signature, and compute a software CRC32 of it too. Over plain HTTP the
+SHA-256 payload signature is the digest, and no CRC32C is sent beside it.
+AWS_REQUEST_CHECKSUM_CALCULATION=when_required turns the CRC32C off.
 """
 
 from __future__ import annotations
@@ -55,8 +56,9 @@ import crc32c
 
 from ..errors import CheckpointError, StorageError, StorageNotFound
 from .base import MiB, Storage
-from .pending import IncompleteWrite
 from .buffered import BufferedObjectWriter
+from .pending import IncompleteWrite
+from .s3_client import sends_checksums
 
 T = TypeVar("T")
 
@@ -64,12 +66,6 @@ log = logging.getLogger(__name__)
 
 #: S3 allows at most this many parts per multipart upload.
 _MAX_PARTS = 10_000
-
-
-def sends_checksums(client: Any) -> bool:
-    """Whether ``client`` is configured to checksum every request that may
-    carry one (botocore's default), rather than only where the API demands."""
-    return str(getattr(client.meta.config, "request_checksum_calculation", "when_supported")) != "when_required"
 
 
 def checksum_args(body: bytes | bytearray | memoryview) -> dict[str, str]:
