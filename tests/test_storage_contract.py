@@ -74,6 +74,18 @@ def test_streamed_write_larger_than_a_part(storage: Storage) -> None:
     assert len(whole) == 13 * MiB and whole[12 * MiB] == 12
 
 
+@pytest.mark.parametrize("hint", [100, 6 * MiB, 13 * MiB + 5])
+def test_a_size_hint_is_only_a_hint(storage: Storage, hint: int) -> None:
+    """An object lands whole whatever its size hint said: longer than a
+    small hint (its writes straddling the hint and the part boundaries), or
+    exactly as hinted."""
+    payload = os.urandom(13 * MiB + 5)
+    with storage.open_write("hinted.bin", size_hint=hint) as w:
+        for i in range(0, len(payload), 3 * MiB + 1):
+            w.write(payload[i : i + 3 * MiB + 1])
+    assert storage.read("hinted.bin") == payload
+
+
 def test_abort_leaves_nothing(storage: Storage) -> None:
     with pytest.raises(RuntimeError):
         with storage.open_write("partial.bin") as w:

@@ -44,19 +44,24 @@ class BufferedObjectWriter(ObjectWriter):
     :meth:`_publish` the rest, fewer than ``n`` bytes (possibly none). Every
     byte is copied once, into a part buffer taken from :data:`PARTS` (so
     that a process saving the same structure again writes into memory it
-    already has, instead of faulting in fresh pages for every part).
+    already has, instead of faulting in fresh pages for every part); an
+    object whose ``size_hint`` is under one part gets a buffer of that size.
 
     ``_write_part`` and ``_publish`` run inside the storage's error mapping,
     so they may raise their library's exceptions; the caller gets the
     dcpstore family, naming ``cannot write <uri>``.
     """
 
-    def __init__(self, storage: Storage, path: str, part_size: int | None = None) -> None:
+    def __init__(self, storage: Storage, path: str, part_size: int | None = None, size_hint: int | None = None) -> None:
         super().__init__()
         self._storage = storage
         self._path = path
         self._what = f"cannot write {storage.describe(path)}"
         self._part_size = part_size
+        # An object expected to be smaller than a part is gathered in a buffer
+        # of its own size: zero-filling a whole part (8 MiB or more) for a
+        # few KiB was the largest CPU cost of a small save.
+        self._small = size_hint if part_size and size_hint and size_hint < part_size else None
         self._part: bytearray | None = None  # the part being gathered, _fill bytes of it so far
         self._fill = 0
         self._kept = bytearray()  # what _seal left for _publish
@@ -107,8 +112,11 @@ class BufferedObjectWriter(ObjectWriter):
     def _gather(self, view: memoryview, part_size: int) -> None:
         while view.nbytes:
             if self._part is None:
-                self._part, self._fill = PARTS.take(part_size), 0
-            take = min(part_size - self._fill, view.nbytes)
+                self._part, self._fill = PARTS.take(part_size) if self._small is None else bytearray(self._small), 0
+            elif self._fill == len(self._part) < part_size:
+                self._part += bytearray(part_size - self._fill)  # longer than its hint said: whole parts after all
+                self._small = None
+            take = min(len(self._part) - self._fill, view.nbytes)
             self._part[self._fill : self._fill + take] = view[:take]
             self._fill += take
             view = view[take:]

@@ -90,7 +90,7 @@ class S3Writer(BufferedObjectWriter):
         batch_hint: int | None = None,
     ) -> None:  # fmt: skip
         part_size = _part_size_for(storage.options.upload_part_size(size_hint, batch_hint), size_hint)
-        super().__init__(storage, path, part_size)
+        super().__init__(storage, path, part_size, size_hint)
         self._client = client
         self._bucket = bucket
         self._key = key
