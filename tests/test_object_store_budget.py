@@ -30,7 +30,7 @@ from s3_server import BUCKET, MotoServer, S3Endpoint, Tls
 from dcpstore._impl.bench.measure import PeakRSS
 from dcpstore._impl.errors import CheckpointCorrupt
 from dcpstore.storage import MiB, StorageOptions, open_storage
-from dcpstore._impl.storage.base import OBJECT_STORE_WORKERS
+from dcpstore._impl.storage.options import OBJECT_STORE_WORKERS
 from dcpstore._impl.storage.kit import disk_workers
 
 PART = 5 * MiB

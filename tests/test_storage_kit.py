@@ -440,7 +440,7 @@ def test_automatic_part_size_leaves_no_tiny_last_part(nbytes: int) -> None:
     """Whole MiB between 8 and 64 MiB, about AUTO_PIECES parts, and no last
     part under 1/8 of the others (a request for a few KiB) unless the size
     is already at its cap."""
-    from dcpstore._impl.storage.base import AUTO_PART_MAX, AUTO_PART_MIN, AUTO_PIECES
+    from dcpstore._impl.storage.options import AUTO_PART_MAX, AUTO_PART_MIN, AUTO_PIECES
 
     size = StorageOptions().part_size_for(nbytes)
     assert size % MiB == 0 and AUTO_PART_MIN <= size <= AUTO_PART_MAX

@@ -18,7 +18,8 @@ The built-in backends (local POSIX, S3, MSC, fsspec) and the kit they are
 built from live in ``dcpstore._impl.storage``, free to change.
 """
 
-from .._impl.storage.base import MiB, ObjectInfo, ObjectWriter, Storage, StorageOptions
+from .._impl.storage.base import ObjectInfo, ObjectWriter, Storage
+from .._impl.storage.options import MiB, StorageOptions
 from .._impl.storage.buffered import BufferedObjectWriter
 from .._impl.storage.registry import open_storage, register_backend
 from .._impl.storage.uri import StorageURL

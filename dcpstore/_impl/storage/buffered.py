@@ -26,7 +26,8 @@ import threading
 from collections import OrderedDict
 
 from ..errors import StorageError
-from .base import MiB, ObjectWriter, Storage
+from .base import ObjectWriter, Storage
+from .options import MiB
 
 
 class BufferedObjectWriter(ObjectWriter):

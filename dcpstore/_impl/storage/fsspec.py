@@ -40,7 +40,8 @@ import fsspec
 from fsspec.spec import AbstractBufferedFile
 
 from ..errors import BackendUnavailable, CheckpointError, StorageError, StorageNotFound
-from .base import ObjectInfo, ObjectWriter, Storage, StorageOptions
+from .base import ObjectInfo, ObjectWriter, Storage
+from .options import StorageOptions
 from .pending import IncompleteWrite
 from .buffered import BufferedObjectWriter
 from .kit import LocalRoot, library_text, map_os_error

@@ -33,7 +33,8 @@ import uuid
 from collections.abc import Iterable, Iterator, Sequence
 
 from ..errors import StorageError, StorageNotFound
-from .base import ObjectInfo, ObjectWriter, Storage, StorageOptions
+from .base import ObjectInfo, ObjectWriter, Storage
+from .options import StorageOptions
 from .pending import IncompleteWrite
 from .buffered import BufferedObjectWriter
 from .kit import LocalRoot, disk_workers, fsync_dir, library_detail, slice_buffers

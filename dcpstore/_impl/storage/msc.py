@@ -51,7 +51,7 @@ linked directory (so ``gc`` never deletes through one), and a file read must
 resolve inside the root, as on the local backend
 (:class:`~dcpstore._impl.storage.kit.LocalRoot`).
 
-:class:`~dcpstore._impl.storage.base.StorageOptions` sets how dcpstore splits large
+:class:`~dcpstore._impl.storage.options.StorageOptions` sets how dcpstore splits large
 reads (``part_size`` ranges, ``max_concurrency`` threads). For the implicit
 S3 profile it also sets what MSC's defaults would otherwise decide (60 s
 timeouts, botocore's retries under MSC's own, which multiply): dcpstore builds
@@ -80,7 +80,8 @@ from multistorageclient import types as msc_types
 from multistorageclient.types import Range
 
 from ..errors import CheckpointError, InvalidURI, StorageError, StorageNotFound, StoragePermissionError
-from .base import MiB, ObjectInfo, ObjectWriter, Storage, StorageOptions
+from .base import ObjectInfo, ObjectWriter, Storage
+from .options import MiB, StorageOptions
 from .pending import IncompleteWrite
 from .buffered import BufferedObjectWriter
 from .codes import Meaning, code_in_text, meaning

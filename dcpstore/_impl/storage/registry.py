@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from typing import cast
 
 from ..errors import BackendUnavailable, InvalidArgument, InvalidURI
-from .base import Storage, StorageOptions
+from .base import Storage
+from .options import StorageOptions
 from .uri import StorageURL, parse_uri, redact
 
 

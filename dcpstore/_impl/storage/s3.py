@@ -42,7 +42,8 @@ import botocore.exceptions as bexc
 from botocore.response import StreamingBody
 
 from ..errors import CheckpointError, StorageError, StorageNotFound
-from .base import ObjectInfo, ObjectWriter, Storage, StorageOptions
+from .base import ObjectInfo, ObjectWriter, Storage
+from .options import StorageOptions
 from .pending import IncompleteWrite
 from .codes import Meaning, meaning
 from .kit import byte_ranges, equal_ranges, slice_buffers

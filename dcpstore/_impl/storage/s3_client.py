@@ -2,7 +2,7 @@
 
 Retries are botocore's own (``standard`` mode, or ``adaptive`` when
 ``AWS_RETRY_MODE`` says so) with ``max_attempts`` attempts per request and the
-connect/read timeouts from :class:`~dcpstore._impl.storage.base.StorageOptions`; on
+connect/read timeouts from :class:`~dcpstore._impl.storage.options.StorageOptions`; on
 top of that a request gives up once it has spent ``op_timeout_s`` retrying
 (:func:`_install_deadline`). One client per process and configuration is
 shared by every :class:`~dcpstore._impl.storage.s3.S3Storage` (:func:`s3_client`).
@@ -31,7 +31,7 @@ import botocore.exceptions as bexc
 from botocore.config import Config
 
 from ..errors import CheckpointError, StorageError, StorageNotFound, StoragePermissionError
-from .base import StorageOptions
+from .options import StorageOptions
 from .kit import aws_env_fingerprint, aws_retry_mode, http_pool_size, library_detail, library_text
 from .codes import Meaning, meaning
 from .secrets import remember_boto_credentials

@@ -55,7 +55,8 @@ from typing import Any, TypeVar
 import crc32c
 
 from ..errors import CheckpointError, StorageError, StorageNotFound
-from .base import MiB, Storage
+from .base import Storage
+from .options import MiB
 from .buffered import BufferedObjectWriter
 from .pending import IncompleteWrite
 from .s3_client import sends_checksums
