@@ -211,6 +211,21 @@ def test_bad_tier_arguments_are_refused(tmp_path: Path, kwargs: dict[str, Any], 
         dcpstore.CheckpointManager(str(tmp_path / "durable"), local_keep=1)
 
 
+def test_only_a_tiered_manager_loads_the_tiers(tmp_path: Path) -> None:
+    """A plain manager leaves the tiers package (replicator threads, node
+    discovery) unimported; a manager given local_dir imports it."""
+    script = (
+        "import sys, dcpstore\n"
+        "TIERS = 'dcpstore._impl.manager.tiers'\n"
+        f"with dcpstore.CheckpointManager({str(tmp_path / 'plain')!r}) as m:\n"
+        "    assert not m.tiered and TIERS not in sys.modules, sorted(k for k in sys.modules if 'tiers' in k)\n"
+        f"with dcpstore.CheckpointManager({str(tmp_path / 'durable')!r}, local_dir={str(tmp_path / 'local')!r}) as m:\n"
+        "    assert m.tiered and TIERS in sys.modules\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
 def test_replication_pending_at_exit_is_finished_by_atexit(tmp_path: Path) -> None:
     """A script that saves asynchronously and exits without wait() or close():
     the exit hook finishes the local commit and the replication."""
