@@ -52,15 +52,22 @@ from tiered_kit import (  # noqa: F401
 # -- the core: local commit, background replication, retention per tier -------
 
 
-@pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
-def test_steps_commit_locally_and_replicate_whole(durable: Target, tmp_path: Path, async_: bool) -> None:
+@pytest.mark.parametrize(
+    "engine_kwargs",
+    [{"async_": False}, {"async_": True}, pytest.param({"async_": True, "engine": "process"}, marks=pytest.mark.slow)],
+    ids=["sync", "async", "async-process"],
+)
+def test_steps_commit_locally_and_replicate_whole(durable: Target, tmp_path: Path, engine_kwargs: dict[str, Any]) -> None:
+    """Each engine's saves (the process engine's in its checkpoint process)
+    commit locally, and the tier replicates what they committed."""
     local = tmp_path / "local"
     big = (3 << 20) if durable.name != "local" else 4096  # 12 MiB: multipart at the targets' 5 MiB parts
-    with manager(durable, local, keep=2, local_keep=1, async_=async_) as mgr:
+    with manager(durable, local, keep=2, local_keep=1, **engine_kwargs) as mgr:
         for step in (10, 20, 30):
             handle = mgr.save(state(step, big), step)
             info = handle.result()
             assert info.uri.startswith(str(local)), info.uri  # the handle completes at the local commit
+            assert info.engine == engine_kwargs.get("engine", info.engine if engine_kwargs["async_"] else "sync")
         mgr.wait()
         assert durable_steps(durable) == [20, 30]
         assert local_steps(local) == [30]
