@@ -22,7 +22,9 @@ from async_helpers import open_target
 from backends import Target
 from dcpstore._impl.engines import nvrx as nvrx_adapter
 from dcpstore._impl.errors import BackendUnavailable, CheckpointCorrupt, EngineFallbackWarning, InvalidArgument
+from dcpstore._impl.engines.registry import engine_class
 from dcpstore._impl.engines.staging import Stager
+from dcpstore._impl.options import AUTO_ORDER, ENGINE_CHOICES, ENGINES
 from extras import needs_nvrx
 
 
@@ -36,6 +38,21 @@ def no_nvrx(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _fallback_warnings(record: list[warnings.WarningMessage]) -> list[str]:
     return [str(w.message) for w in record if issubclass(w.category, EngineFallbackWarning)]
+
+
+@pytest.mark.parametrize("name", sorted(ENGINES))
+def test_every_registry_row_names_an_engine_of_that_name(name: str) -> None:
+    """The registry's rows each import a class that says it is that row and
+    has every member of the Engine protocol, with ``auto`` choosing among rows."""
+    cls = engine_class(name)
+    assert cls.name == name
+    assert isinstance(cls.shared_staging, bool)
+    for member in ("unavailable", "target_problem", "save", "close"):
+        assert callable(getattr(cls, member, None)), f"{cls.__qualname__} lacks {member}"
+    reason = cls.unavailable()
+    assert reason is None or (isinstance(reason, str) and reason), reason  # None, or a reason to show
+    assert cls.target_problem("local", "/tmp/x") is None  # every engine writes local paths
+    assert set(AUTO_ORDER) <= set(ENGINES) and ENGINE_CHOICES == ("auto", *ENGINES)
 
 
 def test_unknown_engine_is_refused(local_target: Target) -> None:

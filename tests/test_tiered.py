@@ -52,15 +52,22 @@ from tiered_kit import (  # noqa: F401
 # -- the core: local commit, background replication, retention per tier -------
 
 
-@pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
-def test_steps_commit_locally_and_replicate_whole(durable: Target, tmp_path: Path, async_: bool) -> None:
+@pytest.mark.parametrize(
+    "engine_kwargs",
+    [{"async_": False}, {"async_": True}, pytest.param({"async_": True, "engine": "process"}, marks=pytest.mark.slow)],
+    ids=["sync", "async", "async-process"],
+)
+def test_steps_commit_locally_and_replicate_whole(durable: Target, tmp_path: Path, engine_kwargs: dict[str, Any]) -> None:
+    """Each engine's saves (the process engine's in its checkpoint process)
+    commit locally, and the tier replicates what they committed."""
     local = tmp_path / "local"
     big = (3 << 20) if durable.name != "local" else 4096  # 12 MiB: multipart at the targets' 5 MiB parts
-    with manager(durable, local, keep=2, local_keep=1, async_=async_) as mgr:
+    with manager(durable, local, keep=2, local_keep=1, **engine_kwargs) as mgr:
         for step in (10, 20, 30):
             handle = mgr.save(state(step, big), step)
             info = handle.result()
             assert info.uri.startswith(str(local)), info.uri  # the handle completes at the local commit
+            assert info.engine == engine_kwargs.get("engine", info.engine if engine_kwargs["async_"] else "sync")
         mgr.wait()
         assert durable_steps(durable) == [20, 30]
         assert local_steps(local) == [30]
@@ -209,6 +216,21 @@ def test_bad_tier_arguments_are_refused(tmp_path: Path, kwargs: dict[str, Any], 
         dcpstore.CheckpointManager(str(tmp_path / "durable"), **kwargs)
     with pytest.raises(dcpstore.InvalidArgument, match="need local_dir"):
         dcpstore.CheckpointManager(str(tmp_path / "durable"), local_keep=1)
+
+
+def test_only_a_tiered_manager_loads_the_tiers(tmp_path: Path) -> None:
+    """A plain manager leaves the tiers package (replicator threads, node
+    discovery) unimported; a manager given local_dir imports it."""
+    script = (
+        "import sys, dcpstore\n"
+        "TIERS = 'dcpstore._impl.manager.tiers'\n"
+        f"with dcpstore.CheckpointManager({str(tmp_path / 'plain')!r}) as m:\n"
+        "    assert not m.tiered and TIERS not in sys.modules, sorted(k for k in sys.modules if 'tiers' in k)\n"
+        f"with dcpstore.CheckpointManager({str(tmp_path / 'durable')!r}, local_dir={str(tmp_path / 'local')!r}) as m:\n"
+        "    assert m.tiered and TIERS in sys.modules\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
 
 
 def test_replication_pending_at_exit_is_finished_by_atexit(tmp_path: Path) -> None:

@@ -79,9 +79,10 @@ def state(step: int, big: int = 4096) -> dict[str, Any]:
     }
 
 
-def manager(durable: Target, local: Path, **kwargs: Any) -> dcpstore.CheckpointManager:
+def manager(durable: Target, local: Path, *, engine: str | None = None, **kwargs: Any) -> dcpstore.CheckpointManager:
     kwargs.setdefault("async_", False)
-    return dcpstore.CheckpointManager(durable.uri, local_dir=str(local), options=durable.save_options(), **kwargs)
+    options = durable.save_options(**({} if engine is None else {"engine": engine}))
+    return dcpstore.CheckpointManager(durable.uri, local_dir=str(local), options=options, **kwargs)
 
 
 def durable_steps(durable: Target) -> list[int]:

@@ -65,9 +65,8 @@ from ..quiet import user_stacklevel
 from ..storage import Storage, join_uri, open_storage
 from ..storage.overlap import Role
 from .roles import OPEN
-from .roots import OneRoot, Roots
+from .roots import REPLICATE_TIMEOUT_S, OneRoot, Roots
 from .steps import StepLayout, check_layout, check_step
-from .tiers import REPLICATE_TIMEOUT_S, TieredRoots, check_tier_options
 
 log = logging.getLogger(__name__)
 
@@ -202,6 +201,9 @@ class CheckpointManager:
                 durable.close()
                 raise
             return OneRoot(durable, self.root_uri, self.keep, self.layout)
+        # The tiers (threads, a gloo group, node discovery) are imported only by a manager that has them.
+        from .tiers import TieredRoots, check_tier_options
+
         local: Storage | None = None
         try:
             if self.layout.name != "dcpstore":
@@ -244,7 +246,7 @@ class CheckpointManager:
 
     @property
     def tiered(self) -> bool:
-        return isinstance(self._roots, TieredRoots)
+        return not isinstance(self._roots, OneRoot)
 
     @property
     def async_(self) -> bool:

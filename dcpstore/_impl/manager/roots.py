@@ -37,6 +37,10 @@ from .steps import (
     write_pointer,
 )
 
+#: A tiered manager's default bound on one step's replication and on
+#: ``close()``'s wait (here, so that a plain manager need not import the tiers).
+REPLICATE_TIMEOUT_S = 1800.0
+
 
 class Roots(Protocol):
     @property

@@ -21,7 +21,7 @@ from ...errors import CheckpointError, InvalidArgument, SaveError
 from ...format.layout import METADATA
 from ...handle import SaveHandle
 from ...storage import Storage, join_uri
-from ..roots import group_rank, is_distributed, not_found
+from ..roots import REPLICATE_TIMEOUT_S, group_rank, is_distributed, not_found
 from ..steps import (
     check_step,
     commit_times,
@@ -46,9 +46,6 @@ from .replicate import (
 )
 
 log = logging.getLogger(__name__)
-
-#: Default bound on one step's replication and on ``close()``'s wait.
-REPLICATE_TIMEOUT_S = 1800.0
 
 
 class TieredRoots:
