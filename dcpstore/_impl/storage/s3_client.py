@@ -95,6 +95,7 @@ def _make_client(options: StorageOptions) -> Any:
     client = session.client("s3", config=config, region_name=options.region)
     one_digest = _one_digest(client)
     if one_digest is not None:
+        client.close()  # it only told where the endpoint is and what the profile says: no request was sent
         client = session.client("s3", config=config.merge(one_digest), region_name=options.region)
     _install_deadline(client, options)
     remember_boto_credentials(session, client)  # so that no message ever shows them
