@@ -113,6 +113,7 @@ SOURCES: dict[str, tuple[Source, ...]] = {
     "scale": (Source("scale_sim.json", SCALE),),
     "tiered": (Source("tiered.json", TIERED),),
     "tiered-nodes": (Source("tiered_nodes.json", TIERED),),
+    "wan-scale": (Source("wan_scale.json", OBJECT_STORE),),
 }
 
 #: How to produce each result file (printed where one is missing).
@@ -132,6 +133,10 @@ COMMANDS = {
                              "as benchmarks/results/interference-gpu.json",
     "gpu-check.json": "bash scripts/gpu-check.sh (on the GPU machine, DCPSTORE_GIT_COMMIT set to the commit sent), "
                       "then commit its summary.json as benchmarks/results/gpu-check.json",
+    "wan_scale.json": "python benchmarks/compare.py --sections wan --wan-size 512MiB --wan-tensors 32 "
+                      "--wan-regimes network:5,cpu:25 --repeat 3 --only '^(dcpstore s3-wan-[a-z]+ sync default|"
+                      "raw PUT/GET \\(s3-wan-[a-z]+\\) c=16 part=8\\.0 MiB)$' --label LABEL "
+                      "--json benchmarks/results/wan_scale.json --quiet",
     "tiered_nodes.json": "python benchmarks/tiered_nodes.py --size-mib 64,256 --saves 6 --label LABEL "
                          "--json benchmarks/results/tiered_nodes.json",
 }  # fmt: skip
@@ -340,6 +345,17 @@ def target_results(docs: dict[str, Doc], compare: str = "compare.json") -> list[
     return results
 
 
+def wan_scale_block(doc: Doc) -> str:
+    """The WAN pair at a larger state (dcpstore's defaults and bare boto3 at
+    the same connections and part size), and the CPU targets it judges: one
+    raw row is no swept limit, so the throughput targets stay with the
+    sections of ``compare.json``."""
+    summary = summarize(doc["records"])
+    judged = [r for r in targets.evaluate_all(targets.compare_targets(max(doc["meta"]["workers"]), wan_regimes(doc["meta"])), summary)
+              if r["status"] != "n/a" and r["metric"].endswith("_cpu_per_gb")]  # fmt: skip
+    return rows_table(summary) + "\n\n" + targets_table(judged)
+
+
 def blocks(docs: dict[str, Doc]) -> dict[str, str]:
     """Every block's text from the result files in ``docs`` (name -> document)."""
     out: dict[str, str] = {"meta": meta_block(docs)}
@@ -375,6 +391,7 @@ def blocks(docs: dict[str, Doc]) -> dict[str, str]:
             out[name] = pending(f"{name}.json")
     out["gpu-check"] = gpu_check_block(docs["gpu-check.json"]) if "gpu-check.json" in docs else pending("gpu-check.json")
     out["tiered"] = tiered_block(docs["tiered.json"]) if "tiered.json" in docs else pending("tiered.json")
+    out["wan-scale"] = wan_scale_block(docs["wan_scale.json"]) if "wan_scale.json" in docs else pending("wan_scale.json")
     out["tiered-nodes"] = (tiered_nodes_block(docs["tiered_nodes.json"]) if "tiered_nodes.json" in docs
                            else pending("tiered_nodes.json"))  # fmt: skip
     return out
