@@ -66,7 +66,8 @@ STALE_AFTER = 10
 CONSTANTS = {"stale_after": STALE_AFTER}
 
 #: What each kind of table measures, as narrowly as the rows' code paths go.
-WRITE_READ = ("dcpstore/_impl/dcp/writer.py", "dcpstore/_impl/dcp/reader.py", "dcpstore/_impl/dcp/read_plan.py",
+WRITE_READ = ("dcpstore/_impl/dcp/writer.py", "dcpstore/_impl/dcp/reader.py", "dcpstore/_impl/dcp/load.py",
+              "dcpstore/_impl/dcp/read_plan.py",
               "dcpstore/_impl/format/record.py", "dcpstore/_impl/format/checksum.py")  # fmt: skip
 LOCAL = (*WRITE_READ, "dcpstore/_impl/storage/local.py", "dcpstore/_impl/engines/saver.py", "dcpstore/_impl/engines/staging.py",
          "dcpstore/_impl/engines/nvrx.py", "dcpstore/_impl/engines/nvrx_stream.py")  # fmt: skip

@@ -29,8 +29,8 @@ from backends import Target
 from faults import FailAt, hook_all_storage
 from helpers import assert_state_equal, zeros_like_state
 from dcpstore._impl import maintenance
-from dcpstore._impl.dcp import reader
-from dcpstore._impl.dcp.reader import LOAD_TRIES
+from dcpstore._impl.dcp import load as whole_load
+from dcpstore._impl.dcp.load import LOAD_TRIES
 from dcpstore.storage import open_storage
 
 
@@ -212,7 +212,7 @@ def test_loads_racing_a_stream_of_overwrites_each_get_one_saved_state(
     slower than a load is never waited for): saves committing many times
     within one load (``memory://``'s, several times
     quicker than its loads) would overtake every try of it
-    (``dcpstore._impl.dcp.reader.LOAD_TRIES``). Nor do releases pile up while a
+    (``dcpstore._impl.dcp.load.LOAD_TRIES``). Nor do releases pile up while a
     save is slower than a load: each save waits for a load begun after the
     previous save committed, so a load meets at most one commit per try it
     began (the bound the reader's tries are for), not a back-to-back stream."""
@@ -241,7 +241,7 @@ def test_loads_racing_a_stream_of_overwrites_each_get_one_saved_state(
             with begun:
                 seen = loads_begun[0]  # the next save waits for a load begun after this commit
 
-    caplog.set_level(logging.DEBUG, logger="dcpstore._impl.dcp.reader")
+    caplog.set_level(logging.DEBUG, logger="dcpstore._impl.dcp.load")
     saver = threading.Thread(target=save_again_and_again)
     saver.start()
     wrong: list[str] = []
@@ -324,13 +324,13 @@ def _load_beside(target: Target, hook: OverwriteMidLoad, into: dict[str, Any], m
     (spelled with a trailing "/", the URI the saves use stays unhooked)."""
     uri = target.uri.rstrip("/") + "/"
     hook_all_storage({uri: hook}, monkeypatch.setattr)
-    one_try = reader._load_once
+    one_try = whole_load._load_once
 
     def counted(*args: Any) -> Any:
         hook.begin()
         return one_try(*args)
 
-    monkeypatch.setattr(reader, "_load_once", counted)
+    monkeypatch.setattr(whole_load, "_load_once", counted)
     try:
         dcpstore.load(into, uri, workers=1, **target.kwargs)  # one reader thread: the files in order
     finally:
@@ -386,7 +386,7 @@ def test_a_data_file_missing_without_a_replace_fails_at_the_first_try(
     dcpstore.save(state(1), local_target.uri, workers=2)
     victim = sorted(p for p in listing(local_target) if p.endswith(".distcp"))[-1]
     os.unlink(os.path.join(local_target.uri, victim))
-    caplog.set_level(logging.DEBUG, logger="dcpstore._impl.dcp.reader")
+    caplog.set_level(logging.DEBUG, logger="dcpstore._impl.dcp.load")
     with pytest.raises(dcpstore.CheckpointCorrupt, match="data file is missing") as info:
         dcpstore.load(zeros_like_state(state(1)), local_target.uri)
     assert "tries" not in str(info.value)

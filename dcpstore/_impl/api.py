@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 
 from .dcp.failures import save_error
-from .dcp.reader import load_state_dict
+from .dcp.load import load_state_dict
 from .dcp.state_checks import check_saveable
 from .dcp.writer import save_state_dict
 from .engines.leftovers import with_leftovers

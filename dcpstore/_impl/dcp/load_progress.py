@@ -25,7 +25,7 @@ Small tensors (under 64 KiB) and objects are verified before they are copied,
 so they are never among the damaged.
 
 A load tried again because its checkpoint was replaced meanwhile (see
-:func:`~dcpstore._impl.dcp.reader.load_state_dict`) counts what its earlier tries
+:func:`~dcpstore._impl.dcp.load.load_state_dict`) counts what its earlier tries
 changed too (:func:`merge_changes`): a try that succeeds sets every key, a
 last one that fails names all the tries' changes.
 """
