@@ -25,7 +25,9 @@ The check (:func:`problems`) fails when the page differs from what the
 files give, when a figure outside generated text is in no committed file
 (:func:`loose_figures`), when a target reads "met" from a row that measured
 nothing, when a result file lacks its commit or command, or names a commit
-that is not in this repository's history, and when a block is older than
+that is not in this repository's history, when the page's Regenerate
+block or :data:`COMMANDS` names another command than the one that made a
+file (:func:`command_problems`), and when a block is older than
 the code it measures by more than :data:`STALE_AFTER` commits touching
 that code (:data:`SOURCES`).
 """
@@ -36,6 +38,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from collections.abc import Iterable, Sequence
@@ -135,7 +138,7 @@ COMMANDS = {
     "gpu-check.json": "bash scripts/gpu-check.sh (on the GPU machine, DCPSTORE_GIT_COMMIT set to the commit sent), "
                       "then commit its summary.json as benchmarks/results/gpu-check.json",
     "wan_scale.json": "python benchmarks/compare.py --sections wan --wan-size 512MiB --wan-tensors 32 "
-                      "--wan-regimes network:5,cpu:25 --repeat 3 --only '^(dcpstore s3-wan-[a-z]+ sync default|"
+                      "--wan-regimes network:5,cpu:25 --repeat 7 --only '^(dcpstore s3-wan-[a-z]+ sync default|"
                       "raw PUT/GET \\(s3-wan-[a-z]+\\) c=16 part=8\\.0 MiB)$' --label LABEL "
                       "--json benchmarks/results/wan_scale.json --quiet",
     "tiered_nodes.json": "python benchmarks/tiered_nodes.py --size-mib 64,256 --saves 6 --label LABEL "
@@ -634,6 +637,33 @@ def metadata_problems(docs: dict[str, Doc]) -> list[str]:
     return out
 
 
+def _args(command: str) -> list[str]:
+    """``command``'s arguments, its ``--label`` value spelled ``LABEL``."""
+    args = shlex.split(command)
+    if "--label" in args[:-1]:
+        args[args.index("--label") + 1] = "LABEL"
+    return args
+
+
+def command_problems(page: str, docs: dict[str, Doc]) -> list[str]:
+    """A result file made by a ``python ...`` command whose :data:`COMMANDS`
+    entry, or the page's "Regenerate" block, says another command (``--label``
+    aside): the page would tell a reader to run what did not make its numbers."""
+    block = re.search(r"## Regenerate\n.*?```bash\n(?P<body>.*?)```", page, re.S)
+    listed = [_args(line) for line in (block["body"].replace("\\\n", " ").splitlines() if block else [])
+              if line.startswith("python ")]  # fmt: skip
+    out = []
+    for name, doc in docs.items():
+        want, made = COMMANDS.get(name, ""), doc.get("meta", {}).get("command") or ""
+        if not want.startswith("python ") or not made:
+            continue  # a command run on another machine is described in words
+        if _args(made) != _args(want):
+            out.append(f"benchmarks/results/{name} was made by `{made}`, but report.py's COMMANDS says `{want}`")
+        elif _args(want) not in [a[: len(_args(want))] for a in listed]:
+            out.append(f"BENCHMARKS.md: the Regenerate block lacks the command that made {name}: `{want}`")
+    return out
+
+
 def empty_met(docs: dict[str, Doc]) -> list[str]:
     """Targets that read "met" from a row that measured nothing."""
     return [f"target {r['target']!r} reads met from a ratio of {r['ratio']!r}: nothing was measured"
@@ -642,7 +672,7 @@ def empty_met(docs: dict[str, Doc]) -> list[str]:
 
 def problems(page: str, docs: dict[str, Doc]) -> list[str]:
     """Everything that does not hold of ``page`` against the result files."""
-    out = metadata_problems(docs) + empty_met(docs)
+    out = metadata_problems(docs) + empty_met(docs) + command_problems(page, docs)
     try:
         fresh = render(page, blocks(docs), docs)
     except KeyError as e:

@@ -2,7 +2,7 @@
 
 BENCHMARKS.md: every table and every figure is generated from a committed
 result file (benchmarks/report.py), each file names its commit and its
-command, no target reads "met" from a row that measured nothing, and no
+command (the one the page tells a reader to run), no target reads "met" from a row that measured nothing, and no
 table is older than the code it measures by more than report.STALE_AFTER
 commits touching that code. RELIABILITY.md: every row names tests pytest
 collects, with the quick/slow markers they carry, and quotes only kill
@@ -104,6 +104,24 @@ def test_every_result_file_names_its_commit_and_command(report: ModuleType, docs
     del doc["meta"]["command"]
     assert report.metadata_problems({"scale_sim.json": doc}) == ["benchmarks/results/scale_sim.json: its metadata has no command"]
     assert "no block" in report.metadata_problems({"compare-wan.json": docs["compare.json"]})[0]
+
+
+def test_the_regenerate_commands_are_the_ones_that_made_the_results(report: ModuleType, docs: dict[str, Any]) -> None:
+    """report.py's COMMANDS and the page's Regenerate block name, for every
+    result file a ``python ...`` command made, that very command (its label
+    aside); a changed flag in either is refused."""
+    page = (ROOT / "BENCHMARKS.md").read_text()
+    assert report.command_problems(page, docs) == []
+    made = docs["wan_scale.json"]["meta"]["command"]
+    assert "--repeat 7" in made
+    edited = page.replace("    --repeat 7 --only", "    --repeat 3 --only", 1)
+    assert edited != page
+    assert report.command_problems(edited, docs) == [
+        f"BENCHMARKS.md: the Regenerate block lacks the command that made wan_scale.json: `{report.COMMANDS['wan_scale.json']}`"
+    ]
+    other = {**docs["wan_scale.json"], "meta": {**docs["wan_scale.json"]["meta"], "command": made.replace("--repeat 7", "--repeat 5")}}
+    found = report.command_problems(page, {"wan_scale.json": other})
+    assert len(found) == 1 and "was made by" in found[0] and "--repeat 5" in found[0]
 
 
 def test_a_table_older_than_its_code_is_refused(report: ModuleType, docs: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
