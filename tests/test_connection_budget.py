@@ -166,6 +166,8 @@ def test_part_and_range_sizes_share_the_budget_out_over_the_batch() -> None:
     file = 32 * MiB + 32 * 1024  # a quarter of a 128 MiB save, with the record headers' estimate
     assert o.transfer_pieces(file, 4 * file) == 4
     assert o.upload_part_size(file, 4 * file) == -(-file // 4)  # not 9 MiB x 3 and a 5 MiB sliver
+    big = 128 * MiB + 32 * 1024  # a quarter of a 512 MiB save (BENCHMARKS' WAN pair at 512 MiB)
+    assert o.transfer_pieces(big, 4 * big) == 8 and o.upload_part_size(big, 4 * big) == -(-big // 8)  # ~16 MiB parts
     assert o.transfer_pieces(128 * MiB) == 16  # a lone object fills the budget
     assert o.transfer_pieces(1 << 30) == 32  # 32 MiB each: two rounds
     assert o.transfer_pieces(100 << 30) == 1600  # never above 64 MiB
