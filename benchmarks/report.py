@@ -657,9 +657,10 @@ def command_problems(page: str, docs: dict[str, Doc]) -> list[str]:
         want, made = COMMANDS.get(name, ""), doc.get("meta", {}).get("command") or ""
         if not want.startswith("python ") or not made:
             continue  # a command run on another machine is described in words
-        if _args(made) != _args(want):
+        wanted = _args(want)
+        if _args(made) != wanted:
             out.append(f"benchmarks/results/{name} was made by `{made}`, but report.py's COMMANDS says `{want}`")
-        elif _args(want) not in [a[: len(_args(want))] for a in listed]:
+        elif wanted not in [a[: len(wanted)] for a in listed]:  # a line may end in a comment
             out.append(f"BENCHMARKS.md: the Regenerate block lacks the command that made {name}: `{want}`")
     return out
 

@@ -2,9 +2,9 @@
 
 BENCHMARKS.md: every table and every figure is generated from a committed
 result file (benchmarks/report.py), each file names its commit and its
-command (the one the page tells a reader to run), no target reads "met" from a row that measured nothing, and no
-table is older than the code it measures by more than report.STALE_AFTER
-commits touching that code. RELIABILITY.md: every row names tests pytest
+command (the one the page tells a reader to run), no target reads "met"
+from a row that measured nothing, and no table is older than the code it
+measures by more than report.STALE_AFTER commits touching that code. RELIABILITY.md: every row names tests pytest
 collects, with the quick/slow markers they carry, and quotes only kill
 counts the crash tests recorded (tests/reliability.py).
 
