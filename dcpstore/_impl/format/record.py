@@ -98,9 +98,11 @@ def compact_cpu_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class Sink(Protocol):
-    """Where a :class:`RecordStream` writes: an ObjectWriter's two calls."""
+    """Where a :class:`RecordStream` writes: an ObjectWriter's three calls."""
 
     def write(self, data: Any) -> Any: ...
+
+    def write_lent(self, data: Any, owner: object) -> Any: ...
 
     def tell(self) -> int: ...
 
@@ -128,7 +130,10 @@ class RecordStream:
     bytes), and coalesces small writes: torch.save emits ~40 tiny writes (zip
     headers) per tensor, and 20,000 small tensors would otherwise cost
     ~800,000 storage calls. Large writes (tensor data) pass straight through
-    without a copy. ``write``/``tell``/``flush`` are the file interface
+    without a copy, and one from the tensor's own storage is *lent* to the
+    sink (``write_lent``, the tensor its owner): the data file is written
+    before the save returns, and nothing changes a tensor that a save is
+    writing. ``write``/``tell``/``flush`` are the file interface
     torch.save writes a record through.
     """
 
@@ -144,6 +149,9 @@ class RecordStream:
         self._raw_nbytes = 0
         self._raw_ptr = 0
         self._raw: tuple[int, int] | None = None
+        # The tensor being written, and where its storage's bytes lie.
+        self._owner: torch.Tensor | None = None
+        self._storage_end = 0
         # The first storage error. torch.save's C++ writer swallows
         # exceptions raised by ``write`` and reports its own RuntimeError
         # ("unexpected pos ..."); we re-raise this one instead.
@@ -174,7 +182,9 @@ class RecordStream:
         # row-major, that call (same size, same address) is the raw tensor.
         self._raw = None
         self._raw_nbytes = tensor.nbytes if is_raw(tensor) else 0
-        self._raw_ptr = tensor.untyped_storage().data_ptr()
+        storage = tensor.untyped_storage()
+        self._raw_ptr = storage.data_ptr()
+        self._owner, self._storage_end = tensor, self._raw_ptr + storage.nbytes()
         try:
             save_record(tensor, cast(IO[bytes], self))
         except Exception:
@@ -183,6 +193,7 @@ class RecordStream:
             raise
         finally:
             self._raw_nbytes = 0
+            self._owner = None
 
     # -- the file torch.save writes into ----------------------------------
     def write(self, data: Any) -> int:
@@ -197,7 +208,11 @@ class RecordStream:
                 self._drain()
         else:
             self._drain()
-            self._forward(data)
+            address = buffer_address(view)
+            if self._owner is not None and self._raw_ptr <= address and address + size <= self._storage_end:
+                self._forward(data, self._owner)
+            else:
+                self._forward(data)
         return size
 
     def tell(self) -> int:
@@ -215,9 +230,12 @@ class RecordStream:
             buf, self._buf = self._buf, bytearray()
             self._forward(buf)
 
-    def _forward(self, data: Any) -> None:
+    def _forward(self, data: Any, owner: torch.Tensor | None = None) -> None:
         try:
-            self._sink.write(data)
+            if owner is None:
+                self._sink.write(data)
+            else:
+                self._sink.write_lent(data, owner)
         except BaseException as e:
             self._error = self._error or e
             raise

@@ -87,6 +87,14 @@ class ObjectWriter(abc.ABC):
     def write(self, data: bytes | bytearray | memoryview) -> int:
         """Append ``data``; return the number of bytes written."""
 
+    def write_lent(self, data: bytes | bytearray | memoryview, owner: object) -> int:
+        """:meth:`write` ``data``, which its caller promises stays unchanged,
+        and alive while ``owner`` is, until this object is committed or
+        aborted (a tensor's storage, for one). A writer may then send it from
+        where it lies instead of copying it (keeping ``owner`` meanwhile);
+        this one copies, like :meth:`write`."""
+        return self.write(data)
+
     @abc.abstractmethod
     def tell(self) -> int:
         """Bytes written so far."""

@@ -5,7 +5,11 @@ with a part size, so the base gathers the bytes into parts
 (``StorageOptions.upload_part_size`` of the size and batch hints: the
 caller's whole batch -- a rank's data files -- in about two rounds of its
 connection budget, each object in equal parts of 8-64 MiB, so that one
-file alone still keeps every connection busy) and this module moves them::
+file alone still keeps every connection busy) and this module moves them.
+A tensor's bytes are lent, not copied
+(:class:`~dcpstore._impl.storage.lent_parts.LendingObjectWriter`): a part
+that holds them goes up as a file over the tensor's own memory and the
+record headers around it::
 
     open          an object expected to take more than one part starts its
                   multipart upload at once, on the storage's request pool,
@@ -57,7 +61,7 @@ import crc32c
 from ..errors import CheckpointError, StorageError, StorageNotFound
 from .base import Storage
 from .options import MiB
-from .buffered import BufferedObjectWriter
+from .lent_parts import LendingObjectWriter, Part, PartBody
 from .pending import IncompleteWrite
 from .s3_client import sends_checksums
 
@@ -69,10 +73,11 @@ log = logging.getLogger(__name__)
 _MAX_PARTS = 10_000
 
 
-def checksum_args(body: bytes | bytearray | memoryview) -> dict[str, str]:
+def checksum_args(body: bytes | bytearray | memoryview | PartBody) -> dict[str, str]:
     """The ``ChecksumCRC32C`` argument of a PutObject / UploadPart of ``body``
     (S3 rejects the request if the bytes it received do not match)."""
-    return {"ChecksumCRC32C": base64.b64encode(crc32c.crc32c(body).to_bytes(4, "big")).decode()}
+    crc = body.crc32c() if isinstance(body, PartBody) else crc32c.crc32c(body)
+    return {"ChecksumCRC32C": base64.b64encode(crc.to_bytes(4, "big")).decode()}
 
 
 def _part_size_for(part_size: int, size_hint: int | None) -> int:
@@ -83,8 +88,10 @@ def _part_size_for(part_size: int, size_hint: int | None) -> int:
     return -(-needed // MiB) * MiB
 
 
-class S3Writer(BufferedObjectWriter):
-    """Streams one object; see the module docstring for the protocol."""
+class S3Writer(LendingObjectWriter):
+    """Streams one object; see the module docstring for the protocol. Lent
+    bytes (a tensor's) go up from where they lie: such a part is a file
+    over its pieces, which botocore reads (to sign it) and sends."""
 
     def __init__(
         self, storage: Storage, path: str, *, client: Any, bucket: str, key: str, size_hint: int | None,
@@ -115,7 +122,7 @@ class S3Writer(BufferedObjectWriter):
             return fn(Bucket=self._bucket, Key=self._key, **kwargs)
 
     # -- multipart -----------------------------------------------------------
-    def _write_part(self, part: bytes | bytearray | memoryview) -> None:
+    def _write_part(self, part: bytes | bytearray | memoryview | PartBody) -> None:
         """Hand one full part to the storage's request pool (waiting while the
         storage has ``max_concurrency`` parts buffered or in flight)."""
         if self._upload_id is None:
@@ -143,7 +150,7 @@ class S3Writer(BufferedObjectWriter):
         creating, self._creating = self._creating, None
         return creating.result() if creating is not None else self._create()
 
-    def _upload_part(self, number: int, body: bytes | bytearray | memoryview) -> dict[str, Any]:
+    def _upload_part(self, number: int, body: bytes | bytearray | memoryview | PartBody) -> dict[str, Any]:
         """Upload one part (on a pool thread); its entry for ``CompleteMultipartUpload``."""
         checksum = checksum_args(body) if self._checksums else {}
         resp = self._call(
@@ -172,16 +179,17 @@ class S3Writer(BufferedObjectWriter):
     def _multipart(self) -> bool:
         return self._upload_id is not None or self._creating is not None
 
-    def _seal(self, tail: bytearray) -> bytearray:
+    def _seal(self, tail: Part) -> Part:  # type: ignore[override]
         if tail and self._multipart():
             self._write_part(tail)  # the last part: any size S3 allows
             return bytearray()
         return tail  # a single PUT makes the object visible: it waits for the commit
 
-    def _publish(self, tail: bytearray) -> None:
+    def _publish(self, tail: Part) -> None:
         if not self._multipart() or (self._upload_id is None and not tail):
             self._drop_creating()  # the hint was too high: one PUT after all
             self._call(self._what, self._client.put_object, Body=tail, **(checksum_args(tail) if self._checksums else {}))
+            self._recycle(tail)
             return
         if tail:
             self._write_part(tail)
