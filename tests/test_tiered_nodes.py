@@ -364,7 +364,10 @@ class KillJob:
             return
         with self._lock:
             if self.seen == self.n:
-                others = [int(p.read_text()) for p in self.pids.iterdir() if int(p.read_text()) != os.getpid()]
+                # Only the pid files (named by rank): a rank that finished
+                # writes its events file into the same directory meanwhile.
+                pids = [int(p.read_text()) for p in self.pids.iterdir() if p.name.isdigit()]
+                others = [pid for pid in pids if pid != os.getpid()]
                 for pid in others:
                     os.kill(pid, signal.SIGKILL)
                 os.kill(os.getpid(), signal.SIGKILL)
