@@ -199,7 +199,9 @@ class RecordStream:
     def write(self, data: Any) -> int:
         view = memoryview(data)
         size = view.nbytes
-        if size == self._raw_nbytes and self._raw is None and buffer_address(view) == self._raw_ptr:
+        # Where the bytes lie, for the raw-tensor check and the lending check.
+        address = buffer_address(view) if size >= self.SMALL or size == self._raw_nbytes else -1
+        if size == self._raw_nbytes and self._raw is None and address == self._raw_ptr:
             self._raw = (self.tell(), size)
         self._crc.update(view)
         if size < self.SMALL:
@@ -208,7 +210,6 @@ class RecordStream:
                 self._drain()
         else:
             self._drain()
-            address = buffer_address(view)
             if self._owner is not None and self._raw_ptr <= address and address + size <= self._storage_end:
                 self._forward(data, self._owner)
             else:

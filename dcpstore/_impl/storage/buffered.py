@@ -140,16 +140,21 @@ class BufferedObjectWriter(ObjectWriter):
         if isinstance(part, bytearray) and len(part) == self._part_size:
             PARTS.give(part)
 
+    def _last(self) -> bytearray:
+        """What ``_seal`` or ``_publish`` gets: :meth:`_tail`, unless a
+        subclass gathers parts of another kind."""
+        return self._tail()
+
     def seal(self) -> None:
         if self._closed or self._sealed:
             return
         self._sealed = True
-        tail = self._tail()
+        tail = self._last()
         with self._storage._mapped(self._what):
             self._kept = self._seal(tail)
 
     def _commit(self) -> None:
-        tail = self._kept if self._sealed else self._tail()
+        tail = self._kept if self._sealed else self._last()
         self._kept = bytearray()
         with self._storage._mapped(self._what):
             self._publish(tail)

@@ -3,9 +3,9 @@ and the :class:`PartBody` it hands its backend.
 
 A part of an upload usually spans several records: a tensor's bytes and the
 few hundred bytes of zip headers around them. Copying all of it into one
-contiguous buffer costs as much CPU as the request's own digest (measured
-through the WAN benchmark: about 40 ms per 128 MiB on this project's VM, a
-sixth of a save's client CPU). A :class:`PartBody` instead keeps the pieces
+contiguous buffer is a pass over every byte, on the order of the request's
+own digest (BENCHMARKS.md, "S3 parts lent from the tensors", has what
+lending took off a save's client CPU). A :class:`PartBody` instead keeps the pieces
 where they are -- slices of the tensors' own memory, and small copied
 buffers for the headers -- and is read by the HTTP client as a file, one
 piece at a time.
@@ -156,7 +156,6 @@ class LendingObjectWriter(BufferedObjectWriter):
         self._buffers: list[bytearray] = []
         self._lent_fill = 0  # bytes in _pieces
         self._loose = bytearray()  # bytes copied since the last lent slice
-        self._lent_kept: Part = bytearray()  # what _seal left for _publish
 
     @abc.abstractmethod
     def _write_part(self, part: bytes | bytearray | memoryview | PartBody) -> None: ...
@@ -164,8 +163,8 @@ class LendingObjectWriter(BufferedObjectWriter):
     @abc.abstractmethod
     def _publish(self, tail: Part) -> None: ...
 
-    # The base's seal() and _commit(), which give _seal and _publish a
-    # bytearray only, are overridden below: a tail may be a body here.
+    # The base's seal() and _commit() hand _seal and _publish what _last()
+    # returns, which here may be a body: the base types them for bytearrays.
     def _seal(self, tail: Part) -> Part:  # type: ignore[override]
         return tail
 
@@ -216,23 +215,9 @@ class LendingObjectWriter(BufferedObjectWriter):
         self._pieces, self._owners, self._buffers, self._lent_fill = [], [], [], 0
         return body
 
-    def _last(self) -> Part:
+    def _last(self) -> Part:  # type: ignore[override]
         """What is gathered and not sent yet (fewer than a part)."""
         return self._body() if self._pieces else self._tail()
-
-    def seal(self) -> None:
-        if self._closed or self._sealed:
-            return
-        self._sealed = True
-        tail = self._last()
-        with self._storage._mapped(self._what):
-            self._lent_kept = self._seal(tail)
-
-    def _commit(self) -> None:
-        tail = self._lent_kept if self._sealed else self._last()
-        self._lent_kept = bytearray()
-        with self._storage._mapped(self._what):
-            self._publish(tail)
 
     def _recycle(self, part: bytearray | bytes | memoryview | PartBody) -> None:
         for buf in part.release() if isinstance(part, PartBody) else [part]:
@@ -240,5 +225,4 @@ class LendingObjectWriter(BufferedObjectWriter):
 
     def _abort(self) -> None:
         self._pieces, self._owners, self._buffers, self._lent_fill, self._loose = [], [], [], 0, bytearray()
-        self._lent_kept = bytearray()
         super()._abort()
