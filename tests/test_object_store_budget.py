@@ -32,6 +32,7 @@ from dcpstore._impl.errors import CheckpointCorrupt
 from dcpstore.storage import MiB, StorageOptions, open_storage
 from dcpstore._impl.storage.options import OBJECT_STORE_WORKERS
 from dcpstore._impl.storage.kit import disk_workers
+from dcpstore._impl.storage.s3_client import CONTINUE_MIN
 
 PART = 5 * MiB
 
@@ -157,6 +158,23 @@ def test_every_put_and_part_carries_one_digest_of_its_bytes(
         assert (r.header("x-amz-checksum-algorithm") == "CRC32C") is crc32c_sent
     for r in completes:
         assert (b"<ChecksumCRC32C>" in r.body) is crc32c_sent
+
+
+def test_only_large_bodies_wait_for_100_continue(proxy: FaultProxy, s3_endpoint: S3Endpoint) -> None:
+    """A PUT body under CONTINUE_MIN goes with its headers; a larger one
+    (a part) still asks ``Expect: 100-continue`` first, as botocore does for
+    every body: a save's small commit files each cost one round trip, not
+    two (requests as the endpoint receives them)."""
+    seen: list[Request] = []
+    proxy.config = FaultConfig(applies=lambda r: seen.append(r) or False)
+    _save_and_load(_uri(s3_endpoint))
+
+    sends = [r for r in seen if r.kind in ("PutObject", "UploadPart")]
+    small = [r for r in sends if len(r.body) < CONTINUE_MIN]
+    large = [r for r in sends if len(r.body) >= CONTINUE_MIN]
+    assert len(small) >= 4 and len(large) >= 2  # the commit's files and the small tensor's; the parts
+    assert [r.kind for r in small if r.header("expect") is not None] == []
+    assert all(r.header("expect") == "100-continue" for r in large)
 
 
 @pytest.fixture(scope="module")

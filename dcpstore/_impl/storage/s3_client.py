@@ -29,6 +29,7 @@ from typing import Any
 import boto3
 import botocore.exceptions as bexc
 from botocore.config import Config
+from botocore.utils import determine_content_length
 
 from ..errors import CheckpointError, StorageError, StorageNotFound, StoragePermissionError
 from .options import StorageOptions
@@ -98,6 +99,7 @@ def _make_client(options: StorageOptions) -> Any:
         client.close()  # it only told where the endpoint is and what the profile says: no request was sent
         client = session.client("s3", config=config.merge(one_digest), region_name=options.region)
     _install_deadline(client, options)
+    _continue_only_for_large_bodies(client)
     remember_boto_credentials(session, client)  # so that no message ever shows them
     return client
 
@@ -146,6 +148,35 @@ def _one_digest(client: Any) -> Config | None:
         return Config(request_checksum_calculation="when_required")
     explicit = (getattr(client.meta.config, "s3", None) or {}).get("payload_signing_enabled")
     return Config(s3={"payload_signing_enabled": False}) if explicit is None else None
+
+
+#: A PUT body of at least this many bytes waits for the endpoint's
+#: ``100 Continue`` before it is sent; a smaller one goes with its headers
+#: (the threshold aws-sdk-go-v2's S3 client uses by default,
+#: ``ContinueHeaderThresholdBytes``).
+CONTINUE_MIN = 2 * 1024 * 1024
+
+
+def _continue_only_for_large_bodies(client: Any) -> None:
+    """botocore sends every S3 PUT with a body as ``Expect: 100-continue``:
+    the body waits one round trip for the endpoint's go-ahead. That is
+    worth it for a large part (a request the endpoint refuses -- a
+    redirect, an expired credential -- is refused before megabytes go out),
+    not for a small file: a save's commit writes four of them one after
+    the other (the alive file, the in-flight marker, the manifest,
+    ``.metadata``), each then two round trips instead of one. Runs after
+    botocore's own ``before-call`` handler, and drops the header only where
+    the body's length is known and below :data:`CONTINUE_MIN`."""
+
+    def drop_small(params: dict[str, Any], **_: Any) -> None:
+        headers = params.get("headers")
+        if not headers or "Expect" not in headers:
+            return
+        length = determine_content_length(params.get("body"))
+        if length is not None and length < CONTINUE_MIN:
+            del headers["Expect"]
+
+    client.meta.events.register_last("before-call.s3", drop_small)
 
 
 class RetryBursts:
