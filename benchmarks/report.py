@@ -75,13 +75,14 @@ WRITE_READ = ("dcpstore/_impl/dcp/writer.py", "dcpstore/_impl/dcp/reader.py", "d
 LOCAL = (*WRITE_READ, "dcpstore/_impl/storage/local.py", "dcpstore/_impl/engines/saver.py", "dcpstore/_impl/engines/staging.py",
          "dcpstore/_impl/engines/nvrx.py", "dcpstore/_impl/engines/nvrx_stream.py")  # fmt: skip
 OBJECT_STORE = (*WRITE_READ, "dcpstore/_impl/storage/s3.py", "dcpstore/_impl/storage/s3_client.py", "dcpstore/_impl/storage/s3_upload.py",
-                "dcpstore/_impl/storage/buffered.py", "dcpstore/_impl/storage/options.py", "dcpstore/_impl/storage/pool.py",
+                "dcpstore/_impl/storage/buffered.py", "dcpstore/_impl/storage/lent_parts.py", "dcpstore/_impl/storage/options.py", "dcpstore/_impl/storage/pool.py",
                 "dcpstore/_impl/storage/msc.py")  # fmt: skip
 SCALE = ("dcpstore/_impl/dcp/writer.py", "dcpstore/_impl/dcp/commit", "dcpstore/_impl/dcp/owner_gate.py", "dcpstore/_impl/storage/s3.py",
          "dcpstore/_impl/storage/s3_upload.py", "dcpstore/_impl/storage/pool.py", "benchmarks/scale_sim.py")  # fmt: skip
 INTERFERENCE = ("dcpstore/_impl/engines/saver.py", "dcpstore/_impl/engines/staging.py", "dcpstore/_impl/engines/nvrx.py",
                 "dcpstore/_impl/dcp/writer.py", "dcpstore/_impl/format/record.py", "dcpstore/_impl/storage/s3.py",
-                "dcpstore/_impl/storage/s3_upload.py", "dcpstore/_impl/bench/interference.py")  # fmt: skip
+                "dcpstore/_impl/storage/s3_client.py", "dcpstore/_impl/storage/s3_upload.py",
+                "dcpstore/_impl/storage/lent_parts.py", "dcpstore/_impl/bench/interference.py")  # fmt: skip
 GPU_STAGING = ("dcpstore/_impl/engines/staging.py", "dcpstore/_impl/engines/buffers.py", "dcpstore/_impl/engines/saver.py",
                "benchmarks/gpu_stage.py")  # fmt: skip
 #: The WAN regimes compare.py runs by default (one section each).
