@@ -49,6 +49,7 @@ import torch  # noqa: E402
 
 from dcpstore._impl.bench import Entry, Record, Waiter, make_state, parse_int_list, parse_size, run_entries, summarize, zeros_like_state  # noqa: E402
 from dcpstore._impl.bench.entries import DcpstoreEntry, TieredEntry  # noqa: E402
+from dcpstore._impl.bench.limits import best_limits  # noqa: E402
 from dcpstore._impl.units import human_bytes  # noqa: E402
 from dcpstore._impl.bench.report import format_table, write_json  # noqa: E402
 from dcpstore.storage import StorageOptions  # noqa: E402
@@ -215,6 +216,32 @@ def _select(entries: list[Entry], only: str | None) -> list[Entry]:
     return [e for e in entries if not only or re.search(only, e.name)]
 
 
+def _pair(entries: list[Entry], records: list[Record]) -> list[Entry]:
+    """The entries a WAN section's targets against the limit compare: the
+    sweep's best raw PUT and GET rows (:func:`best_limits`, as the
+    targets pick them) and dcpstore at its defaults."""
+    rows = summarize(records)
+    names = {row["name"] for row in best_limits(rows).values()}
+    names |= {row["name"] for row in rows if row["group"] == "dcpstore" and row["name"].endswith(" sync default")}
+    return [e for e in entries if e.name in names]
+
+
+def _refine(entries: list[Entry], records: list[Record], state: dict[str, torch.Tensor], dest: dict[str, torch.Tensor],
+            title: str, done: int, total: int, common: dict[str, Any]) -> list[Record]:  # fmt: skip
+    """Measure ``entries`` again, interleaved, until each has ``total``
+    repeats (``done`` so far): the medians a target compares then rest on
+    more than one run's few repeats, the rest of the section's rows do
+    not cost as much again. Records carry on ``records``' extra fields."""
+    if len(entries) < 2:
+        return []  # nothing to compare: an entry failed or was not selected
+    extra = run_entries(entries, state, dest, desc=f"{title} (targets' rows)", **{**common, "repeat": total - done})
+    fields = {r.name: r.extra for r in records}
+    for r in extra:
+        r.repeat += done
+        r.extra.update(fields.get(r.name, {}))
+    return extra
+
+
 def _print_section(title: str, records: list[Record]) -> None:
     print(f"\n== {title}")
     print(format_table(summarize(records)), flush=True)
@@ -227,6 +254,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--wan-tensors", type=int, default=32, help="float32 tensors of the WAN state (default 32)")
     p.add_argument("--workers", default="1,2,4", help="worker counts (default 1,2,4); peers use the largest")
     p.add_argument("--repeat", type=int, default=3, help="measurements per entry (median reported; default 3)")
+    p.add_argument("--wan-pair-repeat", type=int, default=0,
+                   help="measurements, in all, of the rows each WAN section's targets against the limit compare: "
+                        "dcpstore at its defaults and the sweep's best raw PUT and GET rows, measured again "
+                        "(interleaved) after the section up to this many (default: --repeat, no more)")
     p.add_argument("--sections", default="local,s3,wan", help="which of local,s3,wan,tiered to run, in this order")
     p.add_argument("--tiered-size", default="256MiB", help="state size for the tiered section (default 256MiB)")
     p.add_argument("--wan-size", default="128MiB", help="state size for the WAN sections (default 128MiB)")
@@ -284,6 +315,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 r.extra["part_size"] = raw[r.name].part_size
             if getattr(raw.get(r.name), "own_saver", False):  # its saves allocated their staging
                 r.extra["fresh_staging"] = True
+        if title.startswith("wan-") and args.wan_pair_repeat > args.repeat:
+            recs += _refine(_pair(chosen, recs), recs, st, de, title, args.repeat, args.wan_pair_repeat, common)
         all_records.extend(recs)
         _print_section(title, recs)
 

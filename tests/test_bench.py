@@ -385,3 +385,34 @@ def test_compare_wan_regimes_carry_their_harness_self_test(tmp_path) -> None:
                          capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     assert "-bound** (needs 2x)" in page.read_text()
+
+
+@pytest.mark.slow  # a WAN section through its proxy, its targets' rows measured again
+def test_compare_measures_the_wan_targets_rows_again(tmp_path) -> None:
+    """``--wan-pair-repeat N`` measures again, interleaved, exactly the rows a
+    WAN section's targets against the limit compare -- dcpstore at its
+    defaults and the sweep's best raw PUT and GET rows -- until each has N
+    repeats; every other row keeps ``--repeat``."""
+    out_json = tmp_path / "compare.json"
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    out = subprocess.run(
+        [sys.executable, os.path.join(BENCHMARKS, "compare.py"), "--size", "1MiB", "--sections", "wan",
+         "--wan-size", "8MiB", "--wan-tensors", "4", "--wan-regimes", "fast:80", "--wan-connections", "1,2,4",
+         "--wan-peer-workers", "1", "--repeat", "1", "--wan-pair-repeat", "3", "--quiet", "--root", str(tmp_path),
+         "--only", "^(raw PUT|dcpstore)", "--json", str(out_json)],
+        capture_output=True, text=True, timeout=480, env=env,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    doc = _load_json(str(out_json))
+    first = [r for r in doc["records"] if r["repeat"] == 0 and r["status"] == "ok"]
+    raw = [r for r in first if r["group"] == "limit"]
+    assert len(raw) >= 3  # the sweep ran
+    best = {max(raw, key=lambda r: r[f"{d}_gbps"])["name"] for d in ("write", "read")}
+    expected = best | {"dcpstore s3-wan-fast sync default"}
+    repeats: dict[str, list[int]] = {}
+    for r in doc["records"]:
+        repeats.setdefault(r["name"], []).append(r["repeat"])
+    assert {name for name, rs in repeats.items() if len(rs) > 1} == expected, repeats
+    assert all(sorted(repeats[name]) == [0, 1, 2] for name in expected), repeats
+    assert all(rs == [0] for name, rs in repeats.items() if name not in expected), repeats
+    assert {r["name"]: r["repeats"] for r in doc["summary"] if r["name"] in expected} == dict.fromkeys(expected, 3)
