@@ -126,7 +126,7 @@ SOURCES: dict[str, tuple[Source, ...]] = {
 #: How to produce each result file (printed where one is missing).
 COMMANDS = {
     "compare.json": "python benchmarks/compare.py --size 512MiB --tensors 64 --workers 1,2,4 --repeat 3 "
-                    "--sections wan,s3,local --wan-size 128MiB --wan-tensors 32 --wan-regimes network:5,cpu:25 --label LABEL --json benchmarks/results/compare.json "
+                    "--sections wan,s3,local --wan-size 128MiB --wan-tensors 32 --wan-regimes network:5,cpu:25 --wan-pair-repeat 9 --label LABEL --json benchmarks/results/compare.json "
                     "--plot benchmarks/results/compare.png --quiet",
     "scaling.json": "python benchmarks/scaling.py --repeat 3 --label LABEL --json benchmarks/results/scaling.json "
                     "--plots benchmarks/results --quiet",
