@@ -199,7 +199,8 @@ def bridge_module(**io: Any) -> ModuleType:
     storage goes (Bridge itself needs CUDA to import): its three names for
     the writers and the reader, bound as Bridge binds them (NVRx's async
     writer, stock DCP's sync writer and reader), then
-    ``install_in_bridge(module, **io)`` -- the user's one change."""
+    ``install_in_bridge(module, **io)`` -- the user's one change
+    (``checkpoint_config=`` among ``io``: Bridge's checkpoint config)."""
     from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import FileSystemWriterAsync as NvrxWriter
 
     module = ModuleType("megatron.bridge.training.checkpointing")

@@ -21,7 +21,7 @@ import functools
 import os
 import signal
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 import dcpstore
 import killcount
 from backends import make_target, save_options
+from bridge_wheel import checkpoint_utils
 from bridge_kit import (
     TRACKER,
     assert_equal,
@@ -50,6 +51,7 @@ from bridge_kit import (
     zeros,
 )
 from dcpstore.adapters.megatron import FileSystemWriterAsync, install_in_bridge
+from dcpstore._impl.adapters.megatron_bridge import BridgeRoots
 from dcpstore._impl.cli import main as cli_main
 from dcpstore._impl.maintenance import list_checkpoints
 from dcpstore._impl.storage import join_uri, open_storage
@@ -58,22 +60,35 @@ from dist_utils import run_ranks
 pytest.importorskip("nvidia_resiliency_ext.checkpointing.async_ckpt.core")
 
 
-def _installed(io: dict[str, Any]) -> Any:
-    """Bridge's checkpointing names after ``install_in_bridge`` (with the
-    suites' small multipart part size on object stores)."""
-    return bridge_module(**({"storage_options": io["storage_options"]} if "storage_options" in io else {}))
+def _installed(io: dict[str, Any], root: str | None = None) -> Any:
+    """Bridge's checkpointing names after ``install_in_bridge`` for a run
+    whose ``checkpoint.save`` and ``load`` are ``root`` (with the suites'
+    small multipart part size on object stores)."""
+    config = SimpleNamespace(save=root, load=root, pretrained_checkpoint=None)
+    return bridge_module(checkpoint_config=config, **({"storage_options": io["storage_options"]} if "storage_options" in io else {}))
 
 
-def _saves_job(rank: int, world: int, root: str, io: dict[str, Any], use_msc: bool) -> None:
+def _step_name(root: str, step: int, use_msc: bool) -> str:
+    """The name Bridge's save passes its writer for ``step``: Bridge's own
+    ``get_checkpoint_name`` (its ``pathlib`` join folds ``s3://`` into
+    ``s3:/``). Under ``--enable-msc`` Bridge joins with MSC's path class,
+    which keeps the URI whole."""
+    return join_uri(root, iter_dir(step)) if use_msc else checkpoint_utils().get_checkpoint_name(root, step)
+
+
+def _saves_job(rank: int, world: int, root: str, io: dict[str, Any], use_msc: bool, cwd: str) -> None:
+    os.chdir(cwd)  # where Bridge's rank 0 makes the directory of a folded name (./s3:/...)
     with cuda_device_is_cpu():
         mesh = mesh_of(world)
         queue = new_queue()
-        bridge = _installed(io)
-        assert bridge.FileSystemWriterAsync is FileSystemWriterAsync or bridge.FileSystemWriterAsync.func is FileSystemWriterAsync
+        bridge = _installed(io, root)
+        written = bridge.FileSystemWriterAsync(_step_name(root, 1, use_msc), use_msc=use_msc)
+        assert isinstance(written, FileSystemWriterAsync) and written.storage.uri == join_uri(root, iter_dir(1))
+        written.storage.close()
         local = "://" not in root
         for step in (100, 200):
             state = sharded(full_state(step), mesh)
-            bridge_save(bridge, queue, state, join_uri(root, iter_dir(step)), save_root=root if local else None,
+            bridge_save(bridge, queue, state, _step_name(root, step, use_msc), save_root=root if local else None,
                         step=step, workers=2, use_msc=use_msc)  # fmt: skip
             mutate(state)  # training goes on: the staged snapshot is what must land
             queue.maybe_finalize_async_calls(blocking=False)  # step 100 may still be in flight at 200
@@ -96,7 +111,7 @@ def test_bridge_async_saves_land_with_dcpstores_commit(request: pytest.FixtureRe
     target = make_target(backend, request)
     io = dict(target.kwargs)
     use_msc = bool(io.pop("enable_msc", False)) or target.uri.startswith("msc://")  # Megatron's --enable-msc
-    run_ranks(_saves_job, world, target.uri, io, use_msc, timeout=300)
+    run_ranks(_saves_job, world, target.uri, io, use_msc, str(tmp_path), timeout=300)
     msc_io = {**io, "enable_msc": use_msc}
     for step in (100, 200):
         check_step(target.uri, step, msc_io, tmp_path)
@@ -166,7 +181,7 @@ def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint(
     storage.close()
     check_step(target.uri, 100, io, tmp_path / "after-gc")
     if scenario == "next":  # and the run saves on
-        run_ranks(_saves_job, 2, target.uri, io, False, timeout=300)
+        run_ranks(_saves_job, 2, target.uri, io, False, str(tmp_path), timeout=300)
         assert manager.all_steps() == [100, 200]
         check_step(target.uri, 200, io, tmp_path / "resaved")
     manager.close()
@@ -283,8 +298,8 @@ def test_install_in_bridge_puts_dcpstore_beneath_sync_saves_and_loads_too(
     left on stock storage; Bridge's sync save and its load, call for call."""
     target = make_target(backend, request)
     io = dict(target.kwargs)
-    bridge = _installed(io)
-    uri = join_uri(target.uri, iter_dir(100))
+    bridge = _installed(io, target.uri)
+    uri = _step_name(target.uri, 100, use_msc=False)  # s3://: folded to s3:/ by Bridge's join
     state = full_state(100)
     writer = bridge._create_fsdp_dtensor_storage_writer(uri)  # save_fsdp_dtensor_checkpoint
     assert isinstance(writer, dcpstore.StorageWriter)
@@ -297,6 +312,29 @@ def test_install_in_bridge_puts_dcpstore_beneath_sync_saves_and_loads_too(
     dcp.load_state_dict(state_dict=out, storage_reader=bridge._get_filesystem_reader(uri),
                         planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)  # fmt: skip
     assert_equal(state, out)
+
+
+def test_names_bridge_folds_are_read_back_as_the_configured_uri_and_only_those() -> None:
+    names = checkpoint_utils()  # Bridge 0.6.2's own path functions, from its wheel
+    config = SimpleNamespace(save="s3://bucket/run", load="msc://profile/run/", pretrained_checkpoint="s3://b2/base")
+    roots = BridgeRoots.of(config)
+    for root, want in (("s3://bucket/run", "s3://bucket/run"), ("msc://profile/run/", "msc://profile/run"), ("s3://b2/base", "s3://b2/base")):
+        folded = names.get_checkpoint_name(root, 10)
+        assert folded == want.replace("://", ":/") + "/iter_0000010"  # what Bridge hands its writers
+        assert roots.restore(folded) == f"{want}/iter_0000010"
+    assert roots.restore(names.get_checkpoint_tracker_filename("s3://bucket/run")) == "s3://bucket/run/latest_checkpointed_iteration.txt"
+    # The configuration decides: a name under no configured root stays as it came.
+    for name in ("s3:/other/run/iter_0000010", "s3:/bucket/running/iter_0000010", "/tmp/s3:/bucket/run/iter_0000010",
+                 "s3://bucket/run/iter_0000010", "relative/run"):  # fmt: skip
+        assert roots.restore(name) == name
+    assert BridgeRoots.of(None).restore("s3:/bucket/run/iter_0000010") == "s3:/bucket/run/iter_0000010"
+    # Installed without the configuration, the writers and the reader name the folded URI they refuse.
+    bridge = bridge_module()
+    folded = names.get_checkpoint_name("s3://bucket/run", 10)
+    for make in (lambda: bridge.FileSystemWriterAsync(folded, thread_count=1, use_msc=False),
+                 lambda: bridge._create_fsdp_dtensor_storage_writer(folded), lambda: bridge._get_filesystem_reader(folded)):  # fmt: skip
+        with pytest.raises(dcpstore.InvalidURI, match="s3:/bucket/run/iter_0000010"):
+            make()
 
 
 def test_install_in_bridge_refuses_a_module_it_does_not_know_and_replaces_nothing() -> None:
