@@ -7,6 +7,7 @@ SIGKILL a child process (tests/manager_child.py) on the local backend.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import subprocess
@@ -21,6 +22,8 @@ import torch
 import dcpstore
 import killcount
 import dcpstore.storage
+import dcpstore.tools
+from async_helpers import engine_params, skip_unless_engine_serves
 from backends import Target
 from dcpstore._impl.maintenance import list_checkpoints
 from dcpstore._impl.manager import parse_step_dir, step_dir
@@ -316,3 +319,32 @@ def test_async_save_pending_at_exit_is_finished_by_atexit(tmp_path: Path) -> Non
     out, err = child.communicate(timeout=120)
     assert child.returncode == 0, err
     assert dcpstore.CheckpointManager(root, async_=False).all_steps() == [1]
+
+
+# -- files of the caller's in a step's commit ------------------------------------
+
+
+@pytest.mark.parametrize("engine", engine_params(quick=("native", "nvrx", "process")))
+@pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
+def test_commit_files_land_in_the_step_commit_on_every_engine(target: Target, engine: str, async_: bool) -> None:
+    """A framework's own small files (Bridge's ``train_state.pt``, its
+    ``run_config.yaml``) go into the step's commit: under their own names in
+    the step, recorded in the manifest, read back checked; the bytes given
+    are the bytes taken at ``save`` (the caller may reuse its buffers)."""
+    skip_unless_engine_serves(engine, target)
+    options = dataclasses.replace(target.save_options(), engine=engine, async_=async_)
+    mgr = dcpstore.CheckpointManager(target.uri, options=options, layout="bridge")
+    files = {"train_state.pt": bytearray(b"\x80state of step 5"), "run_config.yaml": b"model: {}\n"}
+    mgr.save(_state(5), 5, commit_files=files)
+    files["train_state.pt"][:] = b"changed after save"
+    mgr.wait()
+    step_uri, where = mgr.step_uri(5), options.storage_options
+    assert dcpstore.tools.commit_file(step_uri, "train_state.pt", storage_options=where) == b"\x80state of step 5"
+    assert dcpstore.tools.commit_file(step_uri, "run_config.yaml", storage_options=where) == b"model: {}\n"
+    storage = dcpstore.open_storage(step_uri, **target.kwargs)
+    assert storage.read("run_config.yaml") == b"model: {}\n"  # where Bridge looks for it
+    storage.close()
+    assert _loaded_step(mgr) == (5, 5.0, 5)
+    with pytest.raises(dcpstore.InvalidArgument, match="commit file"):
+        mgr.save(_state(6), 6, commit_files={"../escape": b""})
+    mgr.close()

@@ -19,13 +19,14 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 
+from .dcp.commit.session import check_commit_files
 from .dcp.failures import save_error
 from .dcp.load import load_state_dict
 from .dcp.state_checks import check_saveable
@@ -131,11 +132,20 @@ def save(
     return save_with(state_dict, uri, options)
 
 
-def save_with(state_dict: dict[str, Any], uri: str | os.PathLike[str], options: SaveOptions) -> SaveHandle:
-    """:func:`save` with its options as one value (for layers that keep one)."""
+def save_with(
+    state_dict: dict[str, Any],
+    uri: str | os.PathLike[str],
+    options: SaveOptions,
+    commit_files: Mapping[str, bytes] | None = None,
+) -> SaveHandle:
+    """:func:`save` with its options as one value (for layers that keep
+    one); ``commit_files``: small files of the caller's that the commit
+    carries (as :class:`~dcpstore.StorageWriter`'s)."""
     _check_state_dict(state_dict)
+    # A bad name fails here, before anything is written; the bytes are the caller's as of now.
+    commit_files = {name: bytes(blob) for name, blob in check_commit_files(commit_files).items()}
     if options.runs_in_background:
-        handle = default_saver().submit(state_dict, uri, options)
+        handle = default_saver().submit(state_dict, uri, options, commit_files)
         if not options.async_:
             handle.result()  # sync: raise here, like the native sync path
         return handle
@@ -147,7 +157,8 @@ def save_with(state_dict: dict[str, Any], uri: str | os.PathLike[str], options: 
     bar = Progress(f"save {storage.uri}", enabled=shows_progress(options.progress, options.process_group))
     try:
         stats = save_state_dict(
-            state_dict, storage, options, workers=options.workers, process_group=options.process_group, progress=bar
+            state_dict, storage, options, workers=options.workers, process_group=options.process_group, progress=bar,
+            commit_files=commit_files,
         )
     except (CheckpointException, CheckpointError) as e:
         raise with_leftovers(save_error(e, storage.uri), storage, leftovers) from e

@@ -489,16 +489,19 @@ def save_state_dict(
     workers: int | None,
     process_group: dist.ProcessGroup | None,
     progress: Progress = NO_PROGRESS,
+    commit_files: Mapping[str, bytes] | None = None,
 ) -> SaveStats:
     """One whole DCP save of ``state_dict`` to ``storage`` with dcpstore's
     writer (every rank calls it; ``process_group`` None: no collectives),
     as ``options`` say (its planner, overwrite, spread and save id; the
-    caller passes the threads and the group it resolved). The native
-    engine, sync or on an async saver's background thread.
+    caller passes the threads and the group it resolved), the coordinator's
+    ``commit_files`` in its commit. The native engine, sync or on an async
+    saver's background thread.
     Raises what DCP raises (a ``CheckpointException`` for a failure on any
     rank)."""
     writer = DcpStorageWriter(storage, workers=workers, overwrite=options.overwrite, progress=progress,
-                              save_id=options.save_id, spread_prefixes=options.spread_prefixes)  # fmt: skip
+                              save_id=options.save_id, spread_prefixes=options.spread_prefixes,
+                              commit_files=commit_files)  # fmt: skip
     no_dist = not (dist.is_available() and dist.is_initialized())
     try:
         with ignoring(NO_DIST_WARNING) if no_dist else contextlib.nullcontext():

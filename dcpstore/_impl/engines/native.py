@@ -36,7 +36,7 @@ class NativeEngine:
     def save(self, job: SaveJob) -> SaveStats:
         return save_state_dict(
             job.staged.state_dict, job.storage, job.options, workers=job.workers, process_group=job.group,
-            progress=job.progress,
+            progress=job.progress, commit_files=job.commit_files,
         )  # fmt: skip
 
     def close(self) -> None:

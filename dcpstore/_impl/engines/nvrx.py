@@ -160,9 +160,16 @@ class NvrxWriter(DcpStorageWriter):
     can_run_decentralized_global_plan = True
 
     def __init__(
-        self, session: SaveSession, target: NvrxTarget, workers: int, process_group: Any = None, *, spread_prefixes: int | None = None
+        self,
+        session: SaveSession,
+        target: NvrxTarget,
+        workers: int,
+        process_group: Any = None,
+        *,
+        spread_prefixes: int | None = None,
+        commit_files: Mapping[str, bytes] | None = None,
     ) -> None:
-        super().__init__(session.storage, workers=workers, spread_prefixes=spread_prefixes)
+        super().__init__(session.storage, workers=workers, spread_prefixes=spread_prefixes, commit_files=commit_files)
         self._begin(session.storage).session = session  # claimed and shared before planning
         self.target = target
         self.process_group = process_group
@@ -269,6 +276,7 @@ def nvrx_save(
     overwrite: bool = True,
     save_id: str | None = None,
     spread_prefixes: int | None = None,
+    commit_files: Mapping[str, bytes] | None = None,
 ) -> SaveStats:
     """One NVRx save of an already staged ``state_dict`` (see the module doc).
 
@@ -278,7 +286,8 @@ def nvrx_save(
     writes (default: derived from ``storage``). ``overwrite=False``: refuse
     a URI that holds a committed checkpoint; ``save_id``: the id the claim
     records (None: a fresh one); ``spread_prefixes`` as
-    :class:`~dcpstore.SaveOptions` says. Raises on every rank if any
+    :class:`~dcpstore.SaveOptions` says; ``commit_files`` go into the
+    coordinator's commit. Raises on every rank if any
     rank failed; the coordinator's session is then released (``with
     session``), so that ``gc`` may collect what the save left.
     """
@@ -287,7 +296,7 @@ def nvrx_save(
         session = SaveSession(storage, save_id)
         session.claim(overwrite)
         with session:
-            writer = NvrxWriter(session, target, workers, spread_prefixes=spread_prefixes)
+            writer = NvrxWriter(session, target, workers, spread_prefixes=spread_prefixes, commit_files=commit_files)
             local_metadata = _plan_single_process(state_dict, writer, planner)
             writer.stats.plan_s = time.perf_counter() - writer.stats.started
             writer.write_all()
@@ -300,7 +309,7 @@ def nvrx_save(
 
     wrapper = DistWrapper(process_group, True, 0)
     with claim_and_share(storage, wrapper, overwrite, save_id) as session:
-        writer = NvrxWriter(session, target, workers, process_group, spread_prefixes=spread_prefixes)
+        writer = NvrxWriter(session, target, workers, process_group, spread_prefixes=spread_prefixes, commit_files=commit_files)
         metadata: Metadata | None = None
         try:
             writer, metadata, wrapper = release.plan(state_dict, writer, process_group, planner, cache)
@@ -414,6 +423,7 @@ class NvrxEngine:
                 overwrite=job.options.overwrite,
                 save_id=job.options.save_id,
                 spread_prefixes=job.options.spread_prefixes,
+                commit_files=job.commit_files,
             )
         except BaseException:
             self.caches.drop(job.group)  # every rank fails together: re-plan next time

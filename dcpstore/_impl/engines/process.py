@@ -116,6 +116,7 @@ class _Job:
     live_slabs: frozenset[int]
     #: The backends the trainer registered (scheme -> "module:Class").
     backends: dict[str, str]
+    commit_files: dict[str, bytes]
 
 
 class ProcessEngine:
@@ -263,7 +264,7 @@ class _Worker:
             live = frozenset({*self.slabs, slab.id})
             message = pickle.dumps(
                 _Job(dict(os.environ), job.storage.url.uri, dataclasses.replace(o, process_group=None), job.workers,
-                     state, live, registered_backends()),
+                     state, live, registered_backends(), dict(job.commit_files)),
                 protocol=pickle.HIGHEST_PROTOCOL,
             )  # fmt: skip
         except Exception as e:  # e.g. a planner that does not pickle: refused on every rank
@@ -463,7 +464,8 @@ def _save(message: tuple[str, Any], blocks: dict[int, torch.Tensor], grouped: bo
             restore_backends(job.backends)
             storage = open_storage(job.uri, storage_options=job.options.storage_options)
             try:
-                stats = save_state_dict(state, storage, job.options, workers=job.workers, process_group=None)
+                stats = save_state_dict(state, storage, job.options, workers=job.workers, process_group=None,
+                                        commit_files=job.commit_files)  # fmt: skip
                 return ("ok", stats)
             except BaseException as e:
                 plain = save_error(e, storage.uri, "async save")

@@ -18,7 +18,8 @@ starts -- whether it can run here, whether it can write the storage, what
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from collections.abc import Mapping
 from datetime import timedelta
 from typing import ClassVar, Protocol, cast
 
@@ -46,6 +47,8 @@ class SaveJob:
     options: SaveOptions
     #: This rank's progress bar (the engine reports the bytes it writes).
     progress: Progress
+    #: Small files of the caller's that the commit carries (the coordinator's count).
+    commit_files: Mapping[str, bytes] = field(default_factory=dict)
 
 
 class Engine(Protocol):

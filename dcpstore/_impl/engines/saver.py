@@ -77,6 +77,7 @@ import os
 import threading
 import time
 from collections import deque
+from collections.abc import Mapping
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from datetime import timedelta
@@ -221,7 +222,13 @@ class AsyncSaver:
         )
         return self.submit(state_dict, uri, options if options.async_ else dataclasses.replace(options, async_=True))
 
-    def submit(self, state_dict: dict[str, Any], uri: str | os.PathLike[str], options: SaveOptions) -> SaveHandle:
+    def submit(
+        self,
+        state_dict: dict[str, Any],
+        uri: str | os.PathLike[str],
+        options: SaveOptions,
+        commit_files: Mapping[str, bytes] | None = None,
+    ) -> SaveHandle:
         """:meth:`save` with its options as one value (for layers that keep
         one). A sync save (``options.async_`` False: a sync save on an
         engine other than the native one) is not snapshotted where the
@@ -260,7 +267,7 @@ class AsyncSaver:
                 stage_s = time.perf_counter() - t_stage
                 blocked_s = time.perf_counter() - t0
                 bar = Progress(f"save {storage.uri}", enabled=shows_progress(options.progress, options.process_group))
-                job = SaveJob(staged, storage, group, workers, options, bar)
+                job = SaveJob(staged, storage, group, workers, options, bar, dict(commit_files or {}))
                 future = self._background.submit(functools.partial(self._run, engine, job, t0, stage_s, blocked_s))
                 handle = SaveHandle(
                     future,

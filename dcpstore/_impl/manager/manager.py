@@ -42,7 +42,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Any, overload
@@ -300,15 +300,24 @@ class CheckpointManager:
 
     # -- saving -------------------------------------------------------------
     @overload
-    def save(self, state_dict: dict[str, Any], step: int, *, overwrite: bool = False) -> SaveHandle: ...
+    def save(
+        self, state_dict: dict[str, Any], step: int, *, overwrite: bool = False, commit_files: Mapping[str, bytes] | None = None
+    ) -> SaveHandle: ...
 
     @overload
     @deprecated("CheckpointManager.save(step, state_dict) is deprecated: pass the state first, save(state_dict, step)")
-    def save(self, state_dict: int, step: dict[str, Any], *, overwrite: bool = False) -> SaveHandle: ...
+    def save(
+        self, state_dict: int, step: dict[str, Any], *, overwrite: bool = False, commit_files: Mapping[str, bytes] | None = None
+    ) -> SaveHandle: ...
 
     @hint_keywords
     def save(
-        self, state_dict: dict[str, Any] | int, step: int | dict[str, Any], *, overwrite: bool = False
+        self,
+        state_dict: dict[str, Any] | int,
+        step: int | dict[str, Any],
+        *,
+        overwrite: bool = False,
+        commit_files: Mapping[str, bytes] | None = None,
     ) -> SaveHandle:
         """Save ``state_dict`` as ``step`` (every rank, with the same step).
 
@@ -325,6 +334,12 @@ class CheckpointManager:
                 step twice is usually a bug). A replaced step loads as the
                 old save until the new one is committed, and as the new one
                 after; a failed or killed save leaves the old one.
+            commit_files: small files of the caller's (name -> bytes: a
+                framework's train state, a config) that the step's commit
+                carries, as :class:`~dcpstore.StorageWriter`'s do: written
+                under their names in the step before ``.metadata``, each
+                recorded with its size and CRC32C, read back checked by
+                :func:`dcpstore.tools.commit_file`. The coordinator's count.
 
         Returns:
             The save's handle (already done for a sync manager).
@@ -360,7 +375,7 @@ class CheckpointManager:
         options = self._save_options
         if overwrite != options.overwrite or save_id is not None:
             options = replace(options, overwrite=overwrite, save_id=save_id)
-        handle = save_with(state_dict, self._roots.save_uri(step), options)
+        handle = save_with(state_dict, self._roots.save_uri(step), options, commit_files)
         self._roots.saved(step, handle)
         self._pending = _Pending(step, handle)
         exit_hook.hold(self, exit_hook.Stage.MANAGERS)
