@@ -11,9 +11,13 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q -c constraints.txt "torch==2.13.0"
 .venv/bin/python -m pip install -q -c constraints.txt -e ".[dev]"
-# Megatron-Bridge 0.6.2 cannot be imported without CUDA; the tests compile
-# the functions they need from its wheel's source (tests/bridge_wheel.py).
-if [ ! -f .cache/wheels/megatron_bridge-0.6.2-py3-none-any.whl ]; then
-  .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-    -d .cache/wheels "megatron-bridge==0.6.2"
-fi
+# Megatron-Bridge 0.6.2 cannot be imported without CUDA; the tests compile the
+# functions they need from its wheel's source, and megatron-core's allowlist
+# from its wheel (tests/bridge_wheel.py). Downloaded, never installed.
+for spec in "megatron-bridge==0.6.2" "megatron-core==0.19.2"; do
+  name=${spec%%==*}; version=${spec##*==}
+  if ! ls ".cache/wheels/${name//-/_}-${version}-"*.whl >/dev/null 2>&1; then
+    .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+      --platform manylinux_2_28_x86_64 --platform any -d .cache/wheels "$spec"
+  fi
+done
