@@ -582,6 +582,8 @@ def commits_since(commit: str, paths: Sequence[str]) -> int:
     """How many commits between ``commit`` and HEAD touch ``paths``; raises
     LookupError if ``commit`` is not in this repository's history."""
     if _git("rev-parse", "--verify", "--quiet", f"{commit}^{{commit}}").returncode != 0:
+        if _git("rev-parse", "--git-dir").returncode != 0:
+            raise LookupError("this copy has no git history (a source archive?)")
         raise LookupError(f"commit {commit} is not in this repository's history (a shallow clone, or a squashed branch?)")
     if _git("merge-base", "--is-ancestor", commit, "HEAD").returncode != 0:
         raise LookupError(f"commit {commit} is not an ancestor of HEAD")

@@ -155,7 +155,7 @@ def test_the_report_says_how_old_each_result_is_and_fails_nothing_for_it(
     """``ages`` counts the commits since a result's own that touch the code
     it measures, under that code's former names too, and calls the result
     stale past STALE_AFTER; a commit this copy's history lacks (a shallow
-    clone) leaves the age unknown. Neither is a problem of the page. Run in
+    clone), or a copy without git (an archive), leaves the age unknown. Neither is a problem of the page. Run in
     a repository of the test's own, so that it holds on a shallow clone."""
     if shutil.which("git") is None:
         pytest.skip("no git on this machine: ages() has nothing to count with")
@@ -191,6 +191,12 @@ def test_the_report_says_how_old_each_result_is_and_fails_nothing_for_it(
     monkeypatch.setattr(report, "STALE_AFTER", 4)
     assert report.ages(page, aged)[0] == head
     # Against a history that lacks every result's commit, the check passes and only says so.
+    assert main_check(report, capsys) == (0, "age unknown")
+    archive = tmp_path / "archive"  # no git directory in it, nor above it (GIT_CEILING_DIRECTORIES)
+    archive.mkdir()
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path))
+    monkeypatch.setattr(report, "ROOT", str(archive))
+    assert report.ages(page, docs)[0].endswith("age unknown: this copy has no git history (a source archive?)")
     assert main_check(report, capsys) == (0, "age unknown")
 
 
