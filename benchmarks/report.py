@@ -1,7 +1,7 @@
 """Regenerate BENCHMARKS.md from benchmarks/results/*.json, and check it.
 
     python benchmarks/report.py            # rewrite the generated blocks and figures
-    python benchmarks/report.py --check    # say what does not hold (tests/test_docs.py asserts none)
+    python benchmarks/report.py --check    # what does not hold, then each result's age (CI prints both)
 
 Generated text is of two kinds, both rewritten from the committed result
 files and nothing else:
@@ -21,15 +21,20 @@ files and nothing else:
   ``const|NAME|FORMAT`` (a setting of this module). FORMAT: see
   :func:`_format`.
 
-The check (:func:`problems`) fails when the page differs from what the
-files give, when a figure outside generated text is in no committed file
-(:func:`loose_figures`), when a target reads "met" from a row that measured
-nothing, when a result file lacks its commit or command, or names a commit
-that is not in this repository's history, when the page's Regenerate
-block or :data:`COMMANDS` names another command than the one that made a
-file (:func:`command_problems`), and when a block is older than
-the code it measures by more than :data:`STALE_AFTER` commits touching
-that code (:data:`SOURCES`).
+The check (:func:`problems`, which tests/test_docs.py asserts empty) holds
+on any copy of the repository, a shallow clone or a source archive without
+git included: it fails when the page differs from what the files give,
+when a figure outside generated text is in no committed file
+(:func:`loose_figures`), when a target reads "met" from a row that
+measured nothing, when a result file lacks its commit or command, and when
+the page's Regenerate block or :data:`COMMANDS` names another command than
+the one that made a file (:func:`command_problems`).
+
+How old each result is against the code it measures (:func:`ages`: the
+commits touching that code, :data:`SOURCES`, since the one its file
+records) needs git history, so it is no problem: ``--check`` prints it
+after the problems and its exit status ignores it. A test would fail a
+change for a benchmark nobody re-ran, and fails on every shallow clone.
 """
 
 from __future__ import annotations
@@ -61,8 +66,8 @@ from dcpstore._impl.units import human_bytes  # noqa: E402
 Row = dict[str, Any]
 Doc = dict[str, Any]
 
-#: A block is stale once this many commits touching the paths it measures
-#: came after the commit its result file records.
+#: :func:`ages` calls a result stale (worth re-running) once this many
+#: commits touching the paths it measures came after the commit it records.
 STALE_AFTER = 10
 
 #: The page's own settings, for ``const|NAME|FORMAT`` figures.
@@ -567,13 +572,18 @@ def loose_figures(page: str, docs: dict[str, Doc]) -> list[str]:
 
 
 def _git(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    try:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    except OSError as e:  # no git on this machine: the age is unknown, as in a copy without history
+        raise LookupError(f"git cannot run: {e}") from e
 
 
 def commits_since(commit: str, paths: Sequence[str]) -> int:
     """How many commits between ``commit`` and HEAD touch ``paths``; raises
     LookupError if ``commit`` is not in this repository's history."""
     if _git("rev-parse", "--verify", "--quiet", f"{commit}^{{commit}}").returncode != 0:
+        if _git("rev-parse", "--git-dir").returncode != 0:
+            raise LookupError("this copy has no git history (a source archive?)")
         raise LookupError(f"commit {commit} is not in this repository's history (a shallow clone, or a squashed branch?)")
     if _git("merge-base", "--is-ancestor", commit, "HEAD").returncode != 0:
         raise LookupError(f"commit {commit} is not an ancestor of HEAD")
@@ -596,33 +606,44 @@ def former_names(commit: str, paths: Sequence[str]) -> set[str]:
     return names
 
 
-def staleness(page: str, docs: dict[str, Doc]) -> list[str]:
-    """Blocks (and figures) of ``page`` older than the code they measure."""
+def measured_paths(page: str) -> dict[str, set[str]]:
+    """Each result file ``page`` renders (in a block or a figure) -> the
+    code paths its numbers measure (past runs kept for comparison aside)."""
     used: dict[str, set[str]] = {}
     for m in BLOCK.finditer(page):
         for src in SOURCES.get(m["name"], ()):
-            if not src.history and src.file in docs:
+            if not src.history:
                 used.setdefault(src.file, set()).update(src.paths)
     for m in FIGURE.finditer(page):
         file = figure_file(m["spec"])
-        if file is None:
-            continue
-        paths = {p for srcs in SOURCES.values() for s in srcs if s.file == file for p in s.paths}
-        used.setdefault(file, set()).update(paths)
+        if file is not None:
+            paths = {p for srcs in SOURCES.values() for s in srcs if s.file == file for p in s.paths}
+            used.setdefault(file, set()).update(paths)
+    return used
+
+
+def ages(page: str, docs: dict[str, Doc]) -> list[str]:
+    """One line per result file ``page`` renders: its date, its commit and
+    how many commits since touch the code it measures, ``stale`` past
+    :data:`STALE_AFTER` with the command that re-runs it. Never a problem:
+    without history (a shallow clone, an archive) the count is unknown, and
+    an old benchmark says so without failing the change that made it old."""
     out = []
-    for file, paths in sorted(used.items()):
-        commit = docs[file]["meta"].get("git_commit") if file in docs else None
-        if not commit or not paths:
-            continue  # missing metadata is reported by metadata_problems
+    for file, paths in sorted(measured_paths(page).items()):
+        meta = docs[file]["meta"] if file in docs else None
+        if not meta or not meta.get("git_commit") or not paths:
+            continue  # missing files and metadata are problems (metadata_problems, pending blocks)
+        head = f"{file} ({meta.get('date', '?')[:10]}, commit {meta['git_commit']})"
         try:
-            n = commits_since(commit, sorted(paths))
+            n = commits_since(meta["git_commit"], sorted(paths))
         except LookupError as e:
-            out.append(f"{file}: {e}")
+            out.append(f"{head}: age unknown: {e}")
             continue
+        line = f"{head}: {n} commit{'' if n == 1 else 's'} since touch the code it measures"
         if n > STALE_AFTER:
-            out.append(f"{file} (commit {commit}) is {n} commits older than the code it measures "
-                       f"(more than {STALE_AFTER} touch {sorted(paths)}): re-run `{docs[file]['meta'].get('command')}` "
-                       "on a quiet box, then python benchmarks/report.py")  # fmt: skip
+            line += (f"; stale (more than {STALE_AFTER}): re-run `{meta.get('command')}` on a quiet box, "
+                     "then python benchmarks/report.py")  # fmt: skip
+        out.append(line)
     return out
 
 
@@ -683,8 +704,7 @@ def problems(page: str, docs: dict[str, Doc]) -> list[str]:
         return [*out, f"BENCHMARKS.md: a figure names what no result file holds: {e}"]
     if fresh != page:
         out.append("BENCHMARKS.md differs from what the result files give: run python benchmarks/report.py")
-    out += [f"BENCHMARKS.md: a figure outside generated text: {f}" for f in loose_figures(page, docs)]
-    return out + staleness(page, docs)
+    return out + [f"BENCHMARKS.md: a figure outside generated text: {f}" for f in loose_figures(page, docs)]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -696,7 +716,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--interference", help="this interference.json instead of the committed one")
     p.add_argument("--interference-gpu", help="scripts/gpu-check.sh's interference.json (committed as interference-gpu.json)")
     p.add_argument("--page", default=os.path.join(ROOT, "BENCHMARKS.md"))
-    p.add_argument("--check", action="store_true", help="change nothing; print what does not hold (exit 1 if any)")
+    p.add_argument("--check", action="store_true",
+                   help="change nothing; print what does not hold (exit 1 if any), then each result's age (never a failure)")
     args = p.parse_args(argv)
     docs = read_results(args.results)
     overrides = (("compare.json", args.compare), ("scaling.json", args.scaling), ("scale_sim.json", args.scale),
@@ -712,6 +733,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.check:
         found = problems(page, docs)
         print("\n".join(found) or f"{args.page} agrees with the result files")
+        print("\nHow old each result is (commits touching the code it measures since its own):")
+        print("\n".join(f"- {line}" for line in ages(page, docs)))
         return 1 if found else 0
     page = render(page, blocks(docs), docs)
     with open(args.page, "w") as f:

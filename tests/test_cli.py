@@ -28,12 +28,14 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
-def test_console_script_runs_as_a_process(root: str) -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "dcpstore._impl.cli", "verify", os.path.join(root, "step_1"), "-q"],
-        capture_output=True, text=True, timeout=120,
-    )
+def test_python_m_dcpstore_runs_the_cli_as_a_process(root: str) -> None:
+    """``python -m dcpstore``: the command where the venv's ``bin`` is not on PATH."""
+    out = subprocess.run([sys.executable, "-m", "dcpstore", "verify", os.path.join(root, "step_1"), "-q"],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
     assert out.returncode == 0 and out.stdout.startswith("OK"), out.stderr
+    damaged = subprocess.run([sys.executable, "-m", "dcpstore", "verify", os.path.join(root, "step_9"), "-q"],
+                             capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert damaged.returncode == 1 and "step_9" in damaged.stderr, damaged  # main()'s exit status comes through
 
 
 @pytest.fixture
@@ -136,6 +138,24 @@ def test_help_ls_and_gc_never_import_torch(root: str) -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def _torch_modules_imported_by(*argv: str) -> tuple[subprocess.CompletedProcess[str], list[str]]:
+    """Run ``python -m dcpstore ARGV`` under ``-X importtime``: the process,
+    and every torch module it imported."""
+    out = subprocess.run([sys.executable, "-X", "importtime", "-m", "dcpstore", *argv],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    imported = [line.rsplit("|", 1)[1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")]
+    assert "dcpstore._impl.cli" in imported, out.stderr[-2000:]  # the trace is read: a torch import would show
+    return out, [m for m in imported if m == "torch" or m.startswith("torch.")]
+
+
+def test_python_m_dcpstore_help_ls_and_gc_never_import_torch(root: str) -> None:
+    for argv, says in ((["--help"], "usage: dcpstore"), (["ls", root], "step_2      committed"),
+                       (["gc", root, "--dry-run"], "nothing to clean up")):  # fmt: skip
+        out, torch_modules = _torch_modules_imported_by(*argv)
+        assert out.returncode == 0 and says in out.stdout, (argv, out.stdout, out.stderr[-2000:])
+        assert torch_modules == [], (argv, torch_modules[:5])
 
 
 def test_ls_of_a_missing_or_empty_root_exits_non_zero(tmp_path) -> None:

@@ -2,19 +2,24 @@
 
 BENCHMARKS.md: every table and every figure is generated from a committed
 result file (benchmarks/report.py), each file names its commit and its
-command (the one the page tells a reader to run), no target reads "met"
-from a row that measured nothing, and no table is older than the code it
-measures by more than report.STALE_AFTER commits touching that code. RELIABILITY.md: every row names tests pytest
-collects, with the quick/slow markers they carry, and quotes only kill
-counts the crash tests recorded (tests/reliability.py).
+command (the one the page tells a reader to run), and no target reads
+"met" from a row that measured nothing. RELIABILITY.md: every row names
+tests pytest collects, with the quick/slow markers they carry, and quotes
+only kill counts the crash tests recorded (tests/reliability.py).
 
 Each check also runs against a page with one drift put in, and must find it.
+All of it holds on any copy of the repository (a shallow clone, a source
+archive without git): how old a result is against its code needs this
+repository's history, so it is reported (``report.py --check``, CI), never
+asserted; its test builds a small repository of its own.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -124,17 +129,75 @@ def test_the_regenerate_commands_are_the_ones_that_made_the_results(report: Modu
     assert len(found) == 1 and "was made by" in found[0] and "--repeat 5" in found[0]
 
 
-def test_a_table_older_than_its_code_is_refused(report: ModuleType, docs: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+def _commit(repo: Path, message: str) -> str:
+    """Commit everything in ``repo``; its short hash. Settings of its own, so
+    that a user's git configuration (signing, hooks) plays no part."""
+    git = ["git", "-c", "user.name=test", "-c", "user.email=test@example.com", "-c", "commit.gpgsign=false"]
+    subprocess.run([*git, "add", "-A"], cwd=repo, check=True, capture_output=True)
+    subprocess.run([*git, "commit", "-q", "--no-verify", "-m", message], cwd=repo, check=True, capture_output=True)
+    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, check=True, capture_output=True, text=True)
+    return out.stdout.strip()
+
+
+def main_check(report: ModuleType, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    """``report.py --check`` on the committed page: its exit status, and
+    "age unknown" if every age it printed is unknown (else its output)."""
+    code = report.main(["--check", "--page", str(ROOT / "BENCHMARKS.md")])
+    out = capsys.readouterr().out
+    ages = [line for line in out.splitlines() if line.startswith("- ")]
+    return code, "age unknown" if ages and all("age unknown" in line for line in ages) else out
+
+
+def test_the_report_says_how_old_each_result_is_and_fails_nothing_for_it(
+    report: ModuleType, docs: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``ages`` counts the commits since a result's own that touch the code
+    it measures, under that code's former names too, and calls the result
+    stale past STALE_AFTER; a commit this copy's history lacks (a shallow
+    clone), or a copy without git (an archive), leaves the age unknown. Neither is a problem of the page. Run in
+    a repository of the test's own, so that it holds on a shallow clone."""
+    if shutil.which("git") is None:
+        pytest.skip("no git on this machine: ages() has nothing to count with")
+    repo = tmp_path / "repo"
+    old, new = repo / "dcpstore/_impl/dcp/old_writer.py", repo / "dcpstore/_impl/dcp/writer.py"  # writer.py is in LOCAL
+    old.parent.mkdir(parents=True)
+    old.write_text("measured = 0\n" * 20)
+    (repo / "other.py").write_text("")
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    measured = _commit(repo, "the benchmark ran here")
+    old.write_text("measured = 1\n" * 20)
+    _commit(repo, "touches the measured code under its former name")
+    old.rename(new)
+    _commit(repo, "moves it")
+    for i in range(2):
+        new.write_text(f"measured = {i + 2}\n" * 20)
+        _commit(repo, "touches it again")
+    (repo / "other.py").write_text("x = 1\n")
+    _commit(repo, "touches nothing measured")
+
     page = (ROOT / "BENCHMARKS.md").read_text()
-    commit = docs["compare.json"]["meta"]["git_commit"]
-    touching = report.commits_since(commit, report.LOCAL)
-    monkeypatch.setattr(report, "STALE_AFTER", touching - 1)
-    if touching:
-        assert any(p.startswith("compare.json") and "older than the code" in p for p in report.staleness(page, docs))
-    gone = json.loads(json.dumps(docs["compare.json"]))
-    gone["meta"]["git_commit"] = "0000000"
-    found = report.staleness(page, {**docs, "compare.json": gone})
-    assert "compare.json: commit 0000000 is not in this repository's history" in found[0], found
+    compare = {**docs["compare.json"], "meta": {**docs["compare.json"]["meta"], "git_commit": measured}}
+    aged = {**docs, "compare.json": compare}
+    monkeypatch.setattr(report, "ROOT", str(repo))
+    monkeypatch.setattr(report, "STALE_AFTER", 3)
+    lines = {line.split(" ")[0]: line for line in report.ages(page, aged)}
+    head = f"compare.json ({compare['meta']['date'][:10]}, commit {measured}): 4 commits since touch the code it measures"
+    rerun = f"re-run `{compare['meta']['command']}` on a quiet box, then python benchmarks/report.py"
+    assert lines["compare.json"] == f"{head}; stale (more than 3): {rerun}"
+    scaling = docs["scaling.json"]["meta"]["git_commit"]  # a commit the small repository lacks, as a shallow clone would
+    assert lines["scaling.json"].endswith(f"age unknown: commit {scaling} is not in this repository's history "
+                                          "(a shallow clone, or a squashed branch?)")  # fmt: skip
+    monkeypatch.setattr(report, "STALE_AFTER", 4)
+    assert report.ages(page, aged)[0] == head
+    # Against a history that lacks every result's commit, the check passes and only says so.
+    assert main_check(report, capsys) == (0, "age unknown")
+    archive = tmp_path / "archive"  # no git directory in it, nor above it (GIT_CEILING_DIRECTORIES)
+    archive.mkdir()
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path))
+    monkeypatch.setattr(report, "ROOT", str(archive))
+    assert report.ages(page, docs)[0].endswith("age unknown: this copy has no git history (a source archive?)")
+    assert main_check(report, capsys) == (0, "age unknown")
 
 
 # -- RELIABILITY.md ------------------------------------------------------------------

@@ -40,7 +40,7 @@ LAYERS: list[set[str]] = [
     {"adapters"},  # other projects' shapes (dcpstore.adapters and its private parts)
     {"", "public:storage", "tools"},  # the supported surface
     {"bench"},
-    {"cli"},
+    {"cli", "__main__"},  # the dcpstore command; dcpstore/__main__.py is python -m dcpstore
 ]
 
 #: Packages that may be imported inside a function: optional dependencies.
