@@ -205,7 +205,7 @@ class CheckpointConfig:
             self._fail("ckpt_format", f"must be one of {', '.join(FORMATS)}, got {self.ckpt_format!r}")
         engine = deprecated.get("engine", AUTO)
         for problem in save_option_problems(async_=self.async_save, engine=engine, workers=self.dist_ckpt_workers):
-            self._fail(_FIELD_OF_OPTION.get(problem.option, problem.option), problem.message)
+            self._fail(_FIELD_OF_OPTION.get(problem.option, problem.option), problem.why)
         self.options = self._resolve_options(deprecated)
         # Bridge's fields read what the saves run with.
         self.async_save, self.dist_ckpt_workers = self.options.async_, self.options.workers

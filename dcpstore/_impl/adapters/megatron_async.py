@@ -76,6 +76,8 @@ from ..dcp.writer import DcpStorageWriter
 from ..dropin import check_writer_args
 from ..errors import InvalidArgument, SaveError
 from ..handle import SaveStats
+from ..option_keywords import resolve_options
+from ..options import SaveOptions
 from ..storage import Storage, StorageOptions, open_storage, with_msc
 from .megatron_worker import Bucket, Preload, WorkerJob, read_results, write_buckets
 
@@ -153,7 +155,7 @@ class FileSystemWriterAsync(DcpStorageWriter):
         self.process_group = process_group
         super().__init__(
             self._open(path),
-            workers=thread_count,
+            workers=_workers(thread_count),
             reopen=self._open,
             single_file_per_rank=single_file_per_rank,
             overwrite=overwrite,
@@ -314,6 +316,18 @@ class FileSystemWriterAsync(DcpStorageWriter):
             "FileSystemWriterAsync writes through save_state_dict_async_plan and its save function; "
             "under dcp.save use dcpstore.StorageWriter"
         )
+
+
+def _workers(thread_count: int | None) -> int | None:
+    """NVRx's ``thread_count``, the options' ``workers``, resolved as the
+    drop-ins resolve it: a bad one is refused under the name it was given."""
+    given = {"workers": thread_count}
+    resolved = resolve_options(FileSystemWriterAsync.__init__, None, base=SaveOptions(), given=given, spelled_as=_NVRX_NAMES)
+    return resolved.workers
+
+
+#: The options NVRx's constructor takes under other names.
+_NVRX_NAMES = {"workers": "thread_count"}
 
 
 def _distributed() -> bool:
