@@ -17,6 +17,7 @@ of the call (fixtures may have set, say, an S3 endpoint since).
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing
 import os
 import socket
@@ -65,6 +66,11 @@ def _entry(
     args: tuple[Any, ...],
     backend: str = "gloo",
 ) -> None:
+    # A rank that dies of a signal (a SIGABRT at exit, a SIGSEGV in a native
+    # library) prints every thread's Python stack to its stderr first, so the
+    # failure says which thread was where (issue #38: a torchtitan rank once
+    # aborted at exit after its checks passed, and left nothing to go on).
+    faulthandler.enable(all_threads=True)
     os.environ.clear()
     os.environ.update(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     # OMP_NUM_THREADS is read when torch loads (in the forkserver): set the

@@ -234,7 +234,7 @@ def test_every_s3torchconnector_keyword_is_taken() -> None:
         ({"prefix_strategy": object()}, "prefix_strategy"),
         ({"overwrite": "no"}, "overwrite"),
         ({"single_file_per_rank": 1}, "single_file_per_rank"),
-        ({"thread_count": 0}, "workers"),
+        ({"thread_count": 0}, "^StorageWriter: thread_count must be a positive int"),
         ({"per_thread_copy_ahead": -1}, "per_thread_copy_ahead"),
         ({"region": ""}, "region"),
         ({"region": "eu-west-1", "options": dcpstore.SaveOptions(storage_options=dcpstore.StorageOptions(region="us-east-1"))}, "region"),

@@ -206,6 +206,29 @@ class Capture(Callback):
         self.end = full_state(pl_module, trainer.optimizers[0])
 
 
+class Leftovers(Callback):
+    """At step 3, what an interrupted write leaves in step 2's checkpoint
+    (a temporary file; on S3 an open multipart upload): rotation must
+    remove it with the rest."""
+
+    def __init__(self, uri: str, s3: bool) -> None:
+        self.uri, self.s3 = uri, s3
+
+    def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
+        if trainer.global_step != 3 or not trainer.is_global_zero:
+            return
+        if not self.s3:
+            with open(os.path.join(self.uri, "epoch=0-step=2.ckpt", ".__0_0.distcp.dcpstore-tmp-0123456789ab"), "wb") as f:
+                f.write(b"half a write")
+            return
+        storage = dcpstore.open_storage(self.uri, **_options(self.s3))
+        try:
+            key = f"{storage.prefix}/epoch=0-step=2.ckpt/__0_0.distcp"  # type: ignore[attr-defined]
+            storage.client.create_multipart_upload(Bucket=storage.bucket, Key=key)  # type: ignore[attr-defined]
+        finally:
+            storage.close()
+
+
 def _trainer(uri: str, s3: bool, steps: int, root: str) -> tuple[Trainer, Capture, ModelCheckpoint]:
     strategy = TrainerStrategy(data_parallel_size=2, tensor_parallel_size=1)
     dl.install(strategy, **_options(s3))
@@ -216,7 +239,7 @@ def _trainer(uri: str, s3: bool, steps: int, root: str) -> tuple[Trainer, Captur
         devices=2,
         strategy=strategy,
         max_steps=steps,
-        callbacks=[ckpt, capture],
+        callbacks=[ckpt, capture, Leftovers(uri, s3)],
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -238,13 +261,34 @@ def _listed(uri: str, s3: bool) -> list[str]:
         storage.close()
 
 
+def _names_left(uri: str, s3: bool) -> list[str]:
+    """Every name directly under ``uri``, whatever it holds: directories
+    (empty ones too), S3 directory markers and open multipart uploads."""
+    if not s3:
+        return sorted(os.listdir(uri))
+    storage = dcpstore.open_storage(uri, **_options(s3))
+    try:
+        client, bucket, prefix = storage.client, storage.bucket, f"{storage.prefix}/"  # type: ignore[attr-defined]
+        keys = [o["Key"] for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+                for o in page.get("Contents", [])]  # fmt: skip
+        keys += [u["Key"] for u in client.list_multipart_uploads(Bucket=bucket, Prefix=prefix).get("Uploads", [])]
+        return sorted({key[len(prefix) :].split("/")[0] for key in keys})
+    finally:
+        storage.close()
+
+
 def job_trainer(rank: int, world: int, uri: str, s3: bool, root: str) -> None:
     _env(rank)
-    trainer, capture, _ = _trainer(uri, s3, 4, root)
+    trainer, capture, ckpt = _trainer(uri, s3, 4, root)
     trainer.fit(Net(0), _data())
     dist.barrier()  # rank 0 removes the rotated-out checkpoint
     listed = _listed(uri, s3)
     assert listed == ["epoch=0-step=4.ckpt"], listed  # save_top_k=1: step 2 was removed through dcpstore
+    # Removed whole, as stock Lightning removes it: no empty directory (issue
+    # #38), no marker, no upload; so Lightning's own check finds the name free.
+    assert (left := _names_left(uri, s3)) == ["epoch=0-step=4.ckpt"], left
+    if not s3:  # (on S3 fsspec's listing cache, not the storage, answers Lightning's check)
+        assert not ckpt.file_exists(f"{uri}/epoch=0-step=2.ckpt", trainer)
     ckpt_path = f"{uri}/epoch=0-step=4.ckpt"
     assert _meta_recorded(ckpt_path, s3)
     trainer2, capture2, _ = _trainer(uri, s3, 6, root)
@@ -257,6 +301,7 @@ def job_trainer(rank: int, world: int, uri: str, s3: bool, root: str) -> None:
     # Lightning keeps the checkpoint a run resumed from on a local filesystem, and only there.
     want = ["epoch=0-step=6.ckpt"] if s3 else ["epoch=0-step=4.ckpt", "epoch=0-step=6.ckpt"]
     assert (listed := _listed(uri, s3)) == want, listed
+    assert (left := _names_left(uri, s3)) == want, left
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -240,6 +240,68 @@ def test_a_failure_on_one_rank_fails_the_save_on_every_rank(tmp_path: Path) -> N
         dcpstore.load(full_state(200), join_uri(root, iter_dir(200)))
 
 
+# -- a second finalize: refused for what it is, the data intact -------------
+
+
+def _finalize_twice_job(rank: int, world: int, root: str, report: str) -> None:
+    """A committed save, then a failed one, each finalized again by hand
+    with the arguments Bridge's finalize got (recorded on the way)."""
+    from nvidia_resiliency_ext.checkpointing.async_ckpt import state_dict_saver
+
+    real = state_dict_saver.save_state_dict_async_finalize
+    calls: list[tuple[Any, ...]] = []
+
+    def recording(*args: Any) -> None:
+        calls.append(args)
+        real(*args)
+
+    state_dict_saver.save_state_dict_async_finalize = recording  # bridge_save imports it per save
+    lines = []
+    with cuda_device_is_cpu():
+        mesh = mesh_of(world)
+        queue = new_queue()
+        bridge = bridge_module()
+        for step in (100, 200):
+            if step == 200 and rank == 0:  # a directory squats on one of rank 1's data files: its write fails
+                os.makedirs(os.path.join(root, iter_dir(200), "__1_1.distcp"))
+            dist.barrier()
+            bridge_save(bridge, queue, sharded(full_state(step), mesh), join_uri(root, iter_dir(step)), step=step, workers=2)
+            try:
+                queue.maybe_finalize_async_calls(blocking=True)
+                lines.append(f"{step} first: committed")
+            except dcpstore.SaveError as e:
+                lines.append(f"{step} first: {type(e).__name__}")
+            try:
+                real(*calls[-1])
+                lines.append(f"{step} second: returned")
+            except Exception as e:
+                lines.append(f"{step} second: {type(e).__name__}: {e}")
+        queue.close()
+    Path(report, f"rank{rank}").write_text("\n".join(lines))
+
+
+def test_a_second_finalize_says_the_save_is_already_finalized(tmp_path: Path) -> None:
+    """NVRx's ``save_state_dict_async_finalize`` called again after a save
+    was finalized: an ``InvalidArgument`` saying so, with how the save
+    ended, on every rank (issue #38: it said the committed save had failed,
+    its worker leaving no results). NVRx 0.4.1's own writer raises too
+    (``RuntimeError: results_queue should not be empty``); nothing changes
+    on storage: the committed step still loads exactly."""
+    root, reports = _reported(_finalize_twice_job, tmp_path)
+    for rank, lines in enumerate(reports):
+        assert lines[0] == "100 first: committed" and lines[2] == "200 first: SaveError", lines
+        second, failed_second = lines[1], lines[3]
+        assert second.startswith("100 second: InvalidArgument: save_state_dict_async_finalize called again for the save to "), second
+        ended = "committed." if rank == 0 else "this rank's results went to the commit on the coordinator"
+        assert f"already finalized: {ended}" in second and "this second call changed nothing" in second, second
+        assert "failed" not in second and "no results" not in second, second
+        assert failed_second.startswith("200 second: InvalidArgument: "), failed_second
+        assert "already finalized: it failed, nothing was committed (rank 1: " in failed_second, failed_second
+    with dcpstore.CheckpointManager(root, layout="bridge", async_=False) as manager:
+        assert manager.all_steps() == [100]
+    check_step(root, 100, {}, tmp_path)
+
+
 # -- ckpt_assume_constant_structure: NVRx's plan cache ------------------------
 
 

@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 import dcpstore
 from backends import Target
+from dist_utils import run_ranks
 from dcpstore.adapters import fsdp
 from dcpstore._impl.engines import nvrx as nvrx_adapter
 from dcpstore.adapters.megatron import (
@@ -282,6 +283,51 @@ def test_from_bridge_reads_bridges_fields_and_keeps_bridges_layout(tmp_path: Pat
     loader.close()
     with pytest.raises(dcpstore.InvalidArgument, match=r"^CheckpointConfig\.layout: "):
         CheckpointConfig(layout="megatron")
+
+
+def _ckpt_step_job(rank: int, world: int, root: str) -> None:
+    """Steps 20, 40, 60 saved in Bridge's layout; then what ``ckpt_step``
+    resumes, on every rank (``rank``, ``world``: run_ranks' arguments, or
+    0 and 1 in-process)."""
+    with CheckpointConfig.from_bridge(_bridge_cfg(save=root)).manager() as mgr:
+        for step in (20, 40, 60):
+            mgr.save({"w": torch.full((4,), float(step))}, step)
+    if rank == 0:  # a step directory that holds data but was never committed
+        (Path(root) / "iter_0000050").mkdir()
+        (Path(root) / "iter_0000050" / "__0_0.distcp").write_bytes(b"half a save")
+    if world > 1:
+        torch.distributed.barrier()
+    for ckpt_step, want in ((40, 40), (20, 20), (None, 60)):
+        loader = CheckpointConfig.from_bridge(_bridge_cfg(load=root, ckpt_step=ckpt_step)).load_manager()
+        assert loader is not None
+        out = {"w": torch.zeros(4)}
+        assert loader.resolve_step() == want
+        assert loader.load(out) == want and torch.equal(out["w"], torch.full((4,), float(want))), (ckpt_step, out)
+        assert loader.load(out, step=60) == 60 and out["w"][0] == 60.0  # a step passed to load still wins
+        loader.close()
+    for missing in (50, 80):  # uncommitted, absent: an error on every rank, never the newest step instead
+        loader = CheckpointConfig.from_bridge(_bridge_cfg(load=root, ckpt_step=missing)).load_manager()
+        assert loader is not None
+        for call in (lambda: loader.load({"w": torch.zeros(4)}), loader.resolve_step):
+            with pytest.raises(dcpstore.CheckpointNotFound) as info:
+                call()
+            message = str(info.value)
+            assert message.startswith(f"CheckpointConfig.ckpt_step={missing}: "), message
+            assert f"{root}/iter_{missing:07d}" in message and "20, 40, 60" in message, message
+            assert isinstance(info.value, FileNotFoundError)  # what Bridge raises for a missing ckpt_step
+        loader.close()
+
+
+def test_ckpt_step_is_the_step_load_manager_resumes(tmp_path: Path) -> None:
+    """Bridge's ``ckpt_step``: the load manager resumes exactly that step
+    (issue #38: it resumed the newest), and a step not committed there is a
+    ``CheckpointNotFound`` naming ``ckpt_step`` and the URI."""
+    _ckpt_step_job(0, 1, str(tmp_path / "run"))
+
+
+def test_ckpt_step_is_resumed_on_every_rank(tmp_path: Path) -> None:
+    """The same on 2 gloo ranks: rank 0 looks, every rank loads the step or raises."""
+    run_ranks(_ckpt_step_job, 2, str(tmp_path / "run"), timeout=240)
 
 
 #: Targets (backends.TARGETS) NVRx can write to: POSIX paths and MSC URLs.

@@ -336,3 +336,43 @@ def test_a_keyword_that_disagrees_with_the_options_is_refused_naming_both(
         warnings.simplefilter("ignore", DeprecationWarning)  # AsyncSaver.save's engine= also warns; not the point here
         with pytest.raises(dcpstore.InvalidArgument, match=match):
             call(tmp_path / "c")
+
+
+# -- a bad value is named as the caller spelt it -------------------------------------
+
+#: Entry points that take an option under a keyword of their own (the FileSystemWriter
+#: family's thread_count, Bridge's dist_ckpt_workers for workers): the error must name
+#: that keyword, never the options' field the caller did not pass (issue #38).
+SPELLED: list[tuple[str, Callable[[Path, Any], Any], str]] = [
+    ("StorageWriter", lambda p, v: dcpstore.StorageWriter(str(p), thread_count=v), r"^StorageWriter: thread_count "),
+    ("StorageReader", lambda p, v: dcpstore.StorageReader(str(p), thread_count=v), r"^StorageReader: thread_count "),
+    ("FileSystemWriterAsync", lambda p, v: _nvrx_writer(str(p), thread_count=v), r"^FileSystemWriterAsync: thread_count "),
+    ("CheckpointConfig", lambda p, v: CheckpointConfig(save=str(p), dist_ckpt_workers=v), r"^CheckpointConfig\.dist_ckpt_workers: "),
+]  # fmt: skip
+
+
+def _nvrx_writer(path: str, **kwargs: Any) -> Any:
+    from dcpstore.adapters.megatron import FileSystemWriterAsync
+
+    return FileSystemWriterAsync(path, **kwargs)
+
+
+@pytest.mark.parametrize("value", [0, -1, 2.5, "2", True])
+@pytest.mark.parametrize(("entry", "call", "match"), SPELLED, ids=[c[0] for c in SPELLED])
+def test_a_bad_value_is_named_as_the_caller_spelt_it(
+    tmp_path: Path, entry: str, call: Callable[[Path, Any], Any], match: str, value: Any
+) -> None:
+    with pytest.raises(dcpstore.InvalidArgument, match=match) as info:
+        call(tmp_path / "c", value)
+    message = str(info.value)
+    assert f"must be a positive int, got {value!r}" in message and "workers must" not in message, message
+
+
+def test_the_options_still_name_their_own_fields() -> None:
+    """What a caller passed as the options' field is named as the field, with the entry point."""
+    with pytest.raises(dcpstore.InvalidArgument, match=r"^workers must be a positive int, got 0$"):
+        SaveOptions(workers=0)
+    with pytest.raises(dcpstore.InvalidArgument, match=r"^save: workers must be a positive int, got 0$"):
+        dcpstore.save(_state(), "/nonexistent/never-written", workers=0)
+    with pytest.raises(dcpstore.InvalidArgument, match=r"^load: progress must be a bool, got 1$"):
+        dcpstore.load(_state(), "/nonexistent/never-written", progress=1)  # type: ignore[arg-type]

@@ -254,3 +254,34 @@ def test_parse_step() -> None:
     assert titan.parse_step("step-100") == 100 and titan.parse_step("step-0") == 0
     for name in ("step-0100", "step_00000100", "step-", "xstep-1", "step-1x"):
         assert titan.parse_step(name) is None
+
+
+def test_an_installed_manager_is_freed_when_dropped(tmp_path: Any) -> None:
+    """dcpstore's install makes no reference cycle of the manager: dropped,
+    it is freed at once and closed by torchtitan's ``__del__`` (its purge
+    thread stopped), as a stock one is. (A cycle left the manager and its
+    gloo group to the cyclic GC, alive past ``destroy_process_group()``:
+    issue #38's exit abort was looked for there.)"""
+    import gc
+    import weakref
+
+    from torch import nn
+
+    config = CheckpointManager.Config(enable=True, folder=str(tmp_path / "ckpt"), keep_latest_k=KEEP, async_mode="disabled")
+    mgr = CheckpointManager(config, dataloader=None, model_parts=[nn.Linear(2, 2)], optimizers=None,  # type: ignore[arg-type]
+                            lr_schedulers=None, states={}, sd_adapter=None)  # type: ignore[arg-type]  # fmt: skip
+    installed = titan.install(mgr)
+    assert installed is not None and installed.manager is mgr
+    purge, ref = mgr.purge_thread, weakref.ref(mgr)
+    assert purge is not None and purge.is_alive()  # dcpstore's purge loop
+    gc.disable()  # freed by reference counting alone, or not at all
+    try:
+        del mgr
+        assert ref() is None, "the dropped manager outlived its last reference: a reference cycle"
+    finally:
+        gc.enable()
+    purge.join(timeout=10)
+    assert not purge.is_alive()  # torchtitan's close() ran (its __del__), stopping the purge loop
+    installed.uninstall()  # the manager is gone: only what install opened is closed
+    with pytest.raises(dcpstore.InvalidArgument, match="CheckpointManager dcpstore was installed on is gone"):
+        installed.manager

@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 from .errors import InvalidArgument
 from .keywords import unknown_keyword_message
-from .options import OPTION_DEFAULTS, LoadOptions, SaveOptions, warn_spread_deprecated
+from .options import OPTION_DEFAULTS, InvalidOption, LoadOptions, SaveOptions, warn_spread_deprecated
 from .quiet import warn_deprecated
 from .storage import StorageOptions, check_spread_prefixes, with_msc
 
@@ -120,7 +120,15 @@ def resolve_options(
         changes[name] = value
     if "enable_msc" in changes:
         changes["storage_options"] = with_msc(changes.get("storage_options", target.storage_options), changes.pop("enable_msc"))
-    return dataclasses.replace(target, **changes) if changes else target
+    try:
+        return dataclasses.replace(target, **changes) if changes else target
+    except InvalidOption as e:
+        if e.option not in changes:  # the options' own value: they say so themselves
+            raise
+        # The options validate under their field names; the caller gave the
+        # value under fn's keyword (thread_count, not workers): name that.
+        keyword = (spelled_as or {}).get(e.option, e.option)
+        raise InvalidArgument(f"{where}: {keyword} {e.why}") from None
 
 
 def warn_deprecated_keyword(where: str, name: str, value: Any, options: SaveOptions | LoadOptions) -> None:

@@ -78,19 +78,32 @@ PLAN_CACHING_WHY = (
 )
 
 
-def check_workers(workers: int | None, default: int) -> int:
-    """Validate a ``workers`` argument (``None`` means ``default``)."""
+class InvalidOption(InvalidArgument):
+    """A bad value of one option, the option (``option``, its field name)
+    apart from what is wrong with it (``why``), so that an entry point that
+    takes the option under another keyword (the drop-ins' ``thread_count``
+    for ``workers``) names it as its caller spelt it
+    (:func:`dcpstore._impl.option_keywords.resolve_options`)."""
+
+    def __init__(self, option: str, why: str) -> None:
+        super().__init__(f"{option} {why}")
+        self.option, self.why = option, why
+
+    def __reduce__(self) -> tuple[Any, ...]:  # raised in workers too: pickles with both parts
+        return (type(self), (self.option, self.why))
+
+
+def check_workers(workers: int | None, default: int, name: str = "workers") -> int:
+    """Validate a ``workers`` argument (``None`` means ``default``), named ``name``."""
     if workers is None:
         return default
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise InvalidArgument(f"workers must be a positive int, got {workers!r}")
-    return workers
+    return check_positive(name, workers)
 
 
 def check_positive(name: str, value: Any) -> int:
-    """``value`` if it is an int >= 1 (bools refused), else InvalidArgument naming ``name``."""
+    """``value`` if it is an int >= 1 (bools refused), else InvalidOption naming ``name``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InvalidArgument(f"{name} must be a positive int, got {value!r}")
+        raise InvalidOption(name, f"must be a positive int, got {value!r}")
     return value
 
 
@@ -102,11 +115,19 @@ def uses_plan_caching(planner: Any) -> bool:
 @dataclass(frozen=True)
 class OptionProblem:
     """Why one option of a save is not accepted; ``option`` is the keyword of
-    :func:`dcpstore.save` at fault, so that a layer mapping its own field names
-    onto save's options can name its field."""
+    :func:`dcpstore.save` at fault and ``why`` what is wrong with its value,
+    so that a layer mapping its own field names onto save's options can name
+    its field."""
 
     option: str
-    message: str
+    why: str
+
+    @property
+    def message(self) -> str:
+        return f"{self.option} {self.why}"
+
+    def error(self) -> InvalidOption:
+        return InvalidOption(self.option, self.why)
 
 
 def save_option_problems(
@@ -121,22 +142,18 @@ def save_option_problems(
     """Everything wrong with these save options (empty: fine)."""
     problems: list[OptionProblem] = []
     if uses_plan_caching(planner):
-        problems.append(OptionProblem("planner", f"a planner with plan caching cannot be used: {PLAN_CACHING_WHY}"))
+        problems.append(OptionProblem("planner", f"with plan caching cannot be used: {PLAN_CACHING_WHY}"))
     if not isinstance(async_, bool):
-        problems.append(OptionProblem("async_", f"async_ must be a bool, got {async_!r}"))
+        problems.append(OptionProblem("async_", f"must be a bool, got {async_!r}"))
     if not isinstance(overwrite, bool):
-        problems.append(OptionProblem("overwrite", f"overwrite must be a bool, got {overwrite!r}"))
+        problems.append(OptionProblem("overwrite", f"must be a bool, got {overwrite!r}"))
     if not isinstance(engine, str) or engine not in ENGINE_CHOICES:
-        problems.append(OptionProblem("engine", f"engine must be one of {', '.join(ENGINE_CHOICES)}, got {engine!r}"))
-    try:
-        check_workers(workers, 1)
-    except InvalidArgument as e:
-        problems.append(OptionProblem("workers", str(e)))
-    if max_in_flight is not None:
+        problems.append(OptionProblem("engine", f"must be one of {', '.join(ENGINE_CHOICES)}, got {engine!r}"))
+    for name, value in (("workers", workers), ("max_in_flight", max_in_flight)):
         try:
-            check_positive("max_in_flight", max_in_flight)
-        except InvalidArgument as e:
-            problems.append(OptionProblem("max_in_flight", str(e)))
+            check_workers(value, 1, name)
+        except InvalidOption as e:
+            problems.append(OptionProblem(e.option, e.why))
     return problems
 
 
@@ -173,7 +190,7 @@ def _check_process_group(process_group: Any) -> None:
 
 def _check_bool(name: str, value: Any) -> None:
     if not isinstance(value, bool):
-        raise InvalidArgument(f"{name} must be a bool, got {value!r}")
+        raise InvalidOption(name, f"must be a bool, got {value!r}")
 
 
 def rank_in(process_group: dist.ProcessGroup | None) -> tuple[int, int] | None:
@@ -334,7 +351,7 @@ class SaveOptions(_Where):
             max_in_flight=self.max_in_flight,
             overwrite=self.overwrite,
         ):
-            raise InvalidArgument(problem.message)
+            raise problem.error()
         _check_process_group(self.process_group)
 
     @property

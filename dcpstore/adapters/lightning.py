@@ -41,7 +41,10 @@ methods; the class and Lightning's modules are untouched, and
 ``remove_checkpoint`` (Trainer)
     ``ModelCheckpoint``'s rotation deletes a sharded checkpoint through
     dcpstore's storage, ``.metadata`` first (on S3 a fresh listing, where
-    fsspec's cache may not see dcpstore's objects).
+    fsspec's cache may not see dcpstore's objects), then its temporary
+    files and open multipart uploads, and, on a local filesystem, its
+    directory: nothing of it is left, as with stock Lightning, so its name
+    is free again.
 
 Left to Lightning: full-state checkpoints (``save_distributed_checkpoint=False``,
 a single ``torch.save`` file), ``load_raw``, and ``ModelCheckpoint``'s own
@@ -56,6 +59,7 @@ Lightning itself is not imported: a strategy is recognised by its class
 from __future__ import annotations
 
 import io
+import logging
 import os
 import types
 from collections.abc import Callable, Mapping
@@ -80,6 +84,8 @@ from .._impl.errors import InvalidArgument
 from .._impl.format.layout import METADATA
 from .._impl.storage import parse_uri
 from .._impl.adapters.dropins import DropinOptions
+
+log = logging.getLogger(__name__)
 
 #: Lightning's name for the non-tensor state of a sharded checkpoint.
 META = "meta.pt"
@@ -194,11 +200,24 @@ class Installed:
         if local is not None and not os.path.isdir(local):
             self.own["remove_checkpoint"](filepath)  # a full-state file (or nothing): Lightning's
             return
+        # Stock Lightning removes the checkpoint whole (fsspec's
+        # rm(recursive=True)); ModelCheckpoint then finds the name free again.
         storage = self.options.open(uri)
         try:
-            delete_checkpoint(storage)
+            delete_checkpoint(storage)  # .metadata first: never a committed-looking remnant
+            storage.remove_incomplete(storage.incomplete_writes())  # temporary files, open multipart uploads
         finally:
             storage.close()
+        if local is not None:
+            # dcpstore's local storage drops the directories its deletes
+            # emptied but never its own root, which here is the checkpoint
+            # directory itself; left, Lightning sees its name as taken.
+            try:
+                os.rmdir(local)
+            except FileNotFoundError:
+                pass
+            except OSError as e:  # what dcpstore's storage does not delete (a link it never follows): said, not fatal
+                log.warning("removed checkpoint %s, but not its directory: %s", uri, e)
 
     # -- shared ------------------------------------------------------------
     def _uri(self, path: Any) -> str:

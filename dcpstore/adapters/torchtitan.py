@@ -57,6 +57,7 @@ import os
 import posixpath
 import threading
 import types
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -100,7 +101,13 @@ class Installed:
     manager back its own methods and purge thread."""
 
     def __init__(self, manager: Any, options: DropinOptions) -> None:
-        self.manager = manager
+        # Weak: the manager holds this object (its patched methods, its
+        # ``_dcpstore``), and a strong reference back would make the pair a
+        # cycle that only the cyclic GC frees -- keeping the dropped manager,
+        # its purge thread and its gloo process group alive past
+        # destroy_process_group() until some collection near exit (stock
+        # torchtitan's manager is freed, and closed, when dropped).
+        self._manager = weakref.ref(manager)
         self.options = options
         self.folder = os.fspath(manager.folder)
         #: The folder's storage: listings, existence checks, purges.
@@ -115,12 +122,20 @@ class Installed:
             raise
         cls = type(manager)
         #: The manager's own methods, bound, for what dcpstore leaves to torchtitan.
-        self.own: dict[str, Callable[..., Any]] = {name: getattr(cls, name).__get__(manager) for name in PATCHED}
+        self.own = _OwnMethods(cls, self._manager)
         for name in PATCHED:
             setattr(manager, name, types.MethodType(getattr(type(self), f"_{name.lstrip('_')}"), self))
         self._swap_purge_thread(self._remove)
         manager._dcpstore = self
         self.installed = True
+
+    @property
+    def manager(self) -> Any:
+        """The torchtitan ``CheckpointManager`` this is installed on."""
+        manager = self._manager()
+        if manager is None:
+            raise InvalidArgument("the torchtitan CheckpointManager dcpstore was installed on is gone")
+        return manager
 
     # -- what the manager calls ----------------------------------------------
     def _dcp_save(
@@ -240,10 +255,12 @@ class Installed:
         if not self.installed:
             return
         self.installed = False
-        for name in PATCHED:
-            self.manager.__dict__.pop(name, None)
-        self.manager.__dict__.pop("_dcpstore", None)
-        self._swap_purge_thread(filesystem.rmtree)
+        manager = self._manager()
+        if manager is not None:  # (gone: it took its methods and purge thread with it)
+            for name in PATCHED:
+                manager.__dict__.pop(name, None)
+            manager.__dict__.pop("_dcpstore", None)
+            self._swap_purge_thread(filesystem.rmtree)
         self.writer.close()
         self.root.close()
 
@@ -252,6 +269,18 @@ class Installed:
 
     def __exit__(self, *exc_info: object) -> None:
         self.uninstall()
+
+
+class _OwnMethods:
+    """The manager's own methods by name, bound on each use (a bound method
+    kept here would hold the manager: see :class:`Installed`)."""
+
+    def __init__(self, cls: type, manager: weakref.ref[Any]) -> None:
+        self._cls, self._manager = cls, manager
+
+    def __getitem__(self, name: str) -> Callable[..., Any]:
+        method: Callable[..., Any] = getattr(self._cls, name).__get__(self._manager())
+        return method
 
 
 def install(manager: Any, **options: Any) -> Installed | None:

@@ -76,6 +76,8 @@ from ..dcp.writer import DcpStorageWriter
 from ..dropin import check_writer_args
 from ..errors import InvalidArgument, SaveError
 from ..handle import SaveStats
+from ..option_keywords import resolve_options
+from ..options import SaveOptions
 from ..storage import Storage, StorageOptions, open_storage, with_msc
 from .megatron_worker import Bucket, Preload, WorkerJob, read_results, write_buckets
 
@@ -153,7 +155,7 @@ class FileSystemWriterAsync(DcpStorageWriter):
         self.process_group = process_group
         super().__init__(
             self._open(path),
-            workers=thread_count,
+            workers=_workers(thread_count),
             reopen=self._open,
             single_file_per_rank=single_file_per_rank,
             overwrite=overwrite,
@@ -167,6 +169,8 @@ class FileSystemWriterAsync(DcpStorageWriter):
         self.write_buckets: list[Bucket] | None = None
         self._local_plan: SavePlan | None = None
         self._results_path: str | None = None
+        #: How the current save's finalize ended (None: not finalized yet).
+        self._finalized: str | None = None
 
     @staticmethod
     def _save_slots() -> types.SimpleNamespace:
@@ -193,6 +197,7 @@ class FileSystemWriterAsync(DcpStorageWriter):
         save.stats = SaveStats(started=time.perf_counter())
         self.is_coordinator = is_coordinator
         self.error, self.write_buckets, self._local_plan = None, None, None
+        self._finalized = None
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         self._local_plan = plan  # fresh, or NVRx's cached one: checked in prepare_write_data
@@ -267,6 +272,15 @@ class FileSystemWriterAsync(DcpStorageWriter):
                 wait for it in Bridge's next barrier; raised here, before its
                 gather, every rank stops together.)
         """
+        if self._finalized is not None:
+            # Every rank finalized this save once (the outcome of that was
+            # all-gathered), so every rank refuses here alike, with no
+            # collective. NVRx's own writer raises too ("results_queue should
+            # not be empty"), naming no cause.
+            raise InvalidArgument(
+                f"save_state_dict_async_finalize called again for the save to {self.storage.uri}, already "
+                f"finalized: {self._finalized}. It runs once per save; this second call changed nothing"
+            )
         results: list[WriteResult] = []
         write_s = 0.0
         error: BaseException | None = None
@@ -279,7 +293,10 @@ class FileSystemWriterAsync(DcpStorageWriter):
         outcomes = wrapper.all_gather_object(None if error is None else describe_failure(error))
         if any(what is not None for what in outcomes):
             self.release()  # the coordinator: gc may collect what the save left
-            raise SaveError(f"save to {self.storage.uri} failed, nothing was committed: {_by_rank(outcomes)}") from error
+            why = f"save to {self.storage.uri} failed, nothing was committed: {_by_rank(outcomes)}"
+            self._finalized = f"it failed, nothing was committed ({_by_rank(outcomes)})"
+            raise SaveError(why) from error
+        self._finalized = "this rank's results went to the commit on the coordinator (rank 0 of the process group)"
         self.stats.write_s = write_s
         self.stats.bytes_written = sum(r.storage_data.file_size for r in results if r.storage_data.offset == 0)
         self.stats.files = sorted({r.storage_data.relative_path for r in results})
@@ -304,7 +321,12 @@ class FileSystemWriterAsync(DcpStorageWriter):
         return found
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        super().finish(metadata, results)
+        try:
+            super().finish(metadata, results)
+        except BaseException as e:
+            self._finalized = f"its commit failed ({e})"
+            raise
+        self._finalized = "committed"
         files = {r.storage_data.relative_path for rs in results for r in rs}
         log.info("committed %s: %d data file(s) from %d rank(s), %.2f s to commit", self.storage.uri, len(files),
                  len(results), self.stats.commit_s)  # fmt: skip
@@ -314,6 +336,18 @@ class FileSystemWriterAsync(DcpStorageWriter):
             "FileSystemWriterAsync writes through save_state_dict_async_plan and its save function; "
             "under dcp.save use dcpstore.StorageWriter"
         )
+
+
+def _workers(thread_count: int | None) -> int | None:
+    """NVRx's ``thread_count``, the options' ``workers``, resolved as the
+    drop-ins resolve it: a bad one is refused under the name it was given."""
+    given = {"workers": thread_count}
+    resolved = resolve_options(FileSystemWriterAsync.__init__, None, base=SaveOptions(), given=given, spelled_as=_NVRX_NAMES)
+    return resolved.workers
+
+
+#: The options NVRx's constructor takes under other names.
+_NVRX_NAMES = {"workers": "thread_count"}
 
 
 def _distributed() -> bool:

@@ -66,7 +66,7 @@ sync writer and reader, beneath Bridge in one call.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 import dataclasses
 from dataclasses import dataclass, fields
 from typing import Any, NoReturn
@@ -74,9 +74,10 @@ from typing import Any, NoReturn
 import torch.distributed as dist
 
 from ..engines.choice import engine_problem
-from ..errors import CheckpointError, InvalidArgument
-from ..keywords import unknown_keyword_message
+from ..errors import CheckpointError, CheckpointNotFound, InvalidArgument
+from ..keywords import hint_keywords, unknown_keyword_message
 from ..manager import LAYOUTS, CheckpointManager, check_step
+from ..manager.roots import coordinator_rank, group_rank, is_distributed
 from ..option_keywords import resolve_options, warn_deprecated_keyword
 from ..options import AUTO, SaveOptions, save_option_problems
 from ..storage import StorageOptions, backend_class, backend_name, parse_uri, with_msc
@@ -162,7 +163,9 @@ class CheckpointConfig:
     most_recent_k: int | None = -1
     #: Model/optimizer structure is the same at every save (see the module docstring).
     ckpt_assume_constant_structure: bool = False
-    #: Resume from this step instead of the newest committed one.
+    #: Resume from this step instead of the newest committed one: the
+    #: manager :meth:`load_manager` returns loads exactly it (a step that is
+    #: not committed there is an error, never the newest instead, as in Bridge).
     ckpt_step: int | None = None
     #: How steps are named (not a Megatron field): ``"dcpstore"``
     #: (``step_00000100/``, ``latest``) or ``"bridge"`` (``iter_0000100/``,
@@ -188,7 +191,7 @@ class CheckpointConfig:
             self._fail("ckpt_format", f"must be one of {', '.join(FORMATS)}, got {self.ckpt_format!r}")
         engine = deprecated.get("engine", AUTO)
         for problem in save_option_problems(async_=self.async_save, engine=engine, workers=self.dist_ckpt_workers):
-            self._fail(_FIELD_OF_OPTION.get(problem.option, problem.option), problem.message)
+            self._fail(_FIELD_OF_OPTION.get(problem.option, problem.option), problem.why)
         self.options = self._resolve_options(deprecated)
         # Bridge's fields read what the saves run with.
         self.async_save, self.dist_ckpt_workers = self.options.async_, self.options.workers
@@ -339,8 +342,11 @@ class CheckpointConfig:
     def load_manager(
         self, *, process_group: dist.ProcessGroup | None = None, storage_options: StorageOptions | None = None
     ) -> CheckpointManager | None:
-        """A manager to resume from ``load``: resume ``ckpt_step`` if set,
-        else the newest committed step.
+        """A manager to resume from ``load``: its ``load(state)`` and
+        ``resolve_step()`` without a step (and so
+        :func:`dcpstore.adapters.fsdp.load_app_state` with it) resume
+        ``ckpt_step`` if set, else the newest committed step; a ``step=``
+        passed to them still wins.
 
         Args:
             process_group, storage_options: as for :meth:`save_options`.
@@ -348,12 +354,22 @@ class CheckpointConfig:
         Returns:
             A load-only :class:`~dcpstore.CheckpointManager`, or ``None``
             when ``load`` is ``None`` (not resuming).
+
+        Its ``load`` / ``resolve_step`` raise:
+            CheckpointNotFound: ``ckpt_step`` is set and that step is not
+                committed under ``load`` (naming ``ckpt_step``, the step's
+                URI and the steps that are), on every rank; never the
+                newest step instead (Bridge's ``ckpt_step`` refuses a
+                missing step too).
         """
         if self.load is None:
             return None
         options = self.save_options(process_group=process_group, storage_options=storage_options)
         # It only loads: no background saver to start.
-        return CheckpointManager(self.load, options=dataclasses.replace(options, async_=False), layout=self.layout)
+        options = dataclasses.replace(options, async_=False)
+        if self.ckpt_step is None:
+            return CheckpointManager(self.load, options=options, layout=self.layout)
+        return _ResumeManager(self.load, ckpt_step=self.ckpt_step, options=options, layout=self.layout)
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
@@ -416,3 +432,55 @@ class CheckpointConfig:
                 base = options or SaveOptions()
                 options = dataclasses.replace(base, storage_options=with_msc(base.storage_options, True))
         return cls(**values, options=options, layout=layout, **deprecated)
+
+
+class _ResumeManager(CheckpointManager):
+    """:meth:`CheckpointConfig.load_manager`'s manager with ``ckpt_step``
+    set: a load or ``resolve_step`` that names no step resumes exactly
+    ``ckpt_step``."""
+
+    def __init__(self, root_uri: str, *, ckpt_step: int, **kwargs: Any) -> None:
+        super().__init__(root_uri, **kwargs)
+        self.ckpt_step = ckpt_step
+
+    def resolve_step(self, step: int | None = None) -> int:
+        return super().resolve_step(self._resumed(step))
+
+    @hint_keywords
+    def load(
+        self, state_dict: dict[str, Any], step: int | None = None, *, safe_globals: Sequence[Any] | None = None,
+        trusted: bool = False,
+    ) -> int:  # fmt: skip
+        return super().load(state_dict, self._resumed(step), safe_globals=safe_globals, trusted=trusted)
+
+    def _resumed(self, step: int | None) -> int:
+        """``step`` if given, else ``ckpt_step`` once it is known committed.
+        Rank 0 looks and broadcasts, so every rank loads it or every rank
+        raises (a rank that raised alone would leave the others in the
+        load's collectives)."""
+        if step is not None:
+            return step
+        self._check_open()
+        group = self.options.process_group
+        found: list[Any] = [None]
+        if group_rank(group) == 0:
+            found = [(self._roots.is_committed(self.ckpt_step), self.all_steps())]
+        if is_distributed():
+            dist.broadcast_object_list(found, src=coordinator_rank(group), group=group)
+        committed, steps = found[0]
+        if not committed:
+            shown = ", ".join(map(str, steps[-_STEPS_SHOWN:])) or "none"
+            more = f" (newest {_STEPS_SHOWN} of {len(steps)})" if len(steps) > _STEPS_SHOWN else ""
+            raise CheckpointNotFound(
+                f"CheckpointConfig.ckpt_step={self.ckpt_step}: no committed checkpoint at "
+                f"{self.step_uri(self.ckpt_step)}; committed steps under {self.uri}{more}: {shown}. Set ckpt_step "
+                "to one of them, or to None to resume the newest"
+            )
+        return self.ckpt_step
+
+    def __repr__(self) -> str:
+        return f"{super().__repr__()[:-1]}, ckpt_step={self.ckpt_step})"
+
+
+#: How many committed steps a missing ``ckpt_step``'s error lists.
+_STEPS_SHOWN = 10
