@@ -273,7 +273,9 @@ def new_queue(cpu_shm: bool = False) -> Any:
 _results_managers: list[Any] = []
 
 
-def _stop_results_managers() -> None:
+def stop_results_managers() -> None:
+    """Shut the Managers :func:`new_queue` made on this rank down (a rank
+    that exits through os._exit or dies by SIGKILL would orphan them)."""
     while _results_managers:
         manager = _results_managers.pop()
         if manager is not None:
@@ -336,7 +338,7 @@ def _rank_entry(rank: int, world: int, port: int, env: dict[str, str], fn: Calla
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
     fn(rank, world, *args)
-    _stop_results_managers()
+    stop_results_managers()
     os._exit(0)  # no teardown collective: a peer may be dead (see run_ranks_codes)
 
 

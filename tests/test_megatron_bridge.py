@@ -49,6 +49,7 @@ from bridge_kit import (
     new_queue,
     run_ranks_codes,
     sharded,
+    stop_results_managers,
     zeros,
 )
 from dcpstore.adapters.megatron import FileSystemWriterAsync, install_in_bridge
@@ -129,6 +130,8 @@ def _kill_job(rank: int, world: int, root: str, io: dict[str, Any], scenario: st
         queue.maybe_finalize_async_calls(blocking=True)
         step = 200 if scenario == "next" else 100
         state = sharded(full_state(200), mesh)
+        if rank == 1:  # it dies by SIGKILL: NVRx's results-queue Manager (0.6+), unused by dcpstore, would outlive it
+            stop_results_managers()
         try:
             bridge_save(bridge, queue, state, join_uri(root, iter_dir(step)), step=step,
                         wrap_save_fn=dying if rank == 1 else None, **kwargs)  # fmt: skip
