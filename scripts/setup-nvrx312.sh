@@ -23,9 +23,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON312:-python3.12}
 if ! command -v "$PY" >/dev/null 2>&1; then
-  for candidate in /root/.pyenv/versions/3.12*/bin/python3.12; do
+  for candidate in "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python3.12; do
     [ -x "$candidate" ] && PY=$candidate
   done
+fi
+if ! command -v "$PY" >/dev/null 2>&1; then
+  echo "setup-nvrx312.sh needs Python 3.12: none on PATH or under pyenv; set PYTHON312=/path/to/python3.12" >&2
+  exit 1
 fi
 NVRX_RELEASES=(0.6.0 0.7.0)
 
