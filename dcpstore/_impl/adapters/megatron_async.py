@@ -121,7 +121,7 @@ class FileSystemWriterAsync(DcpStorageWriter):
         is_multiproc_io: NVRx 0.6+'s: write the data files from child
             processes of the worker instead of threads. Accepted: this
             writer's worker writes each data file on its own thread either
-            way (the writes and checksums release the GIL), so the files,
+            way (file writes release the GIL), so the files,
             their bytes and their durability are the same; unlike NVRx's,
             it also works in NVRx's default daemon worker.
         use_cached_data_structure: NVRx 0.6+'s: let the worker keep the CUDA
