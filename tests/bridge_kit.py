@@ -23,17 +23,29 @@ on every rank::
 
 and ``maybe_finalize_async_save`` -> ``queue.maybe_finalize_async_calls(blocking)``
 each step (blocking at the end). :func:`bridge_save` is that sequence with
-the writer class as a parameter; the ranks use NVRx 0.4.1's real
-``AsyncCallsQueue(persistent=True)``, whose worker is a spawned process that
-the request is pickled to (Bridge requires the persistent worker for async
-saves).
+the writer class as a parameter. The queue is :func:`new_queue`: Bridge's
+``GlobalState.initialize_async_checkpoint_worker`` -- NVRx's real
+``AsyncCallsQueue(persistent=True)`` (Bridge requires the persistent worker
+for async saves), whose worker is a spawned process that each request is
+pickled to, then, on releases that have them (0.6+; Bridge's ``nvrx``
+strategy cannot import 0.4.1 for want of them),
+``warmup_persistent_caller(rank, cpu_priority=10, io_priority=3)`` (Bridge's
+defaults), which spawns that worker before the first save, and
+``get_write_results_queue("fork")``.
 
-What needs CUDA, and its replay: NVRx's ``AsyncCaller.sync_all_async_calls``
-and ``AsyncRequest.execute_finalize_fns`` build their one-int all-reduce
-tensors on ``torch.cuda.current_device()``; :func:`cuda_device_is_cpu` makes
-that name the CPU inside a rank, so the same all-reduces run on gloo and
-every other line of NVRx runs as it is. (The persistent worker's loop makes
-no CUDA call in 0.4.1; NVRx's non-persistent ``TemporalAsyncCaller`` calls
+What needs CUDA, and its replay (:func:`cuda_device_is_cpu`), on every
+release: NVRx's ``AsyncCaller.sync_all_async_calls`` and
+``AsyncRequest.execute_finalize_fns`` (and, from 0.6,
+``save_state_dict_async_finalize``'s failure broadcast) build their one-int
+tensors on ``torch.cuda.current_device()``: that names the CPU inside a
+rank, so the same collectives run on gloo. From 0.6 the persistent worker
+binds a GPU when it starts (``torch.cuda.set_device(rank %
+torch.cuda.device_count())`` and a one-element CUDA tensor), which a
+CPU-only machine cannot: the replay starts it through NVRx's own
+``async_process_target`` with ``cpu_shm_mode=True``, the release's branch
+that skips exactly that binding (its only use of the flag in the worker).
+Every other line of NVRx runs as it is. (0.4.1's worker makes no CUDA
+call; NVRx's non-persistent ``TemporalAsyncCaller`` calls
 ``torch.cuda.synchronize()`` and is not usable on CPU-only torch.)
 """
 
@@ -41,6 +53,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import multiprocessing as mp
 import os
 import signal
@@ -69,15 +82,38 @@ def iter_dir(step: int) -> str:
     return f"iter_{step:07d}"
 
 
+#: The persistent worker's entry points that _start_worker (0.6+) picks from.
+_WORKER_LOOPS = ("async_loop", "async_loop_for_daemon_worker")
+
+
 @contextlib.contextmanager
 def cuda_device_is_cpu() -> Iterator[None]:
-    """``torch.cuda.current_device()`` names the CPU (see the module docstring)."""
+    """``torch.cuda.current_device()`` names the CPU, and a persistent
+    worker started meanwhile binds no GPU (see the module docstring)."""
+    from nvidia_resiliency_ext.checkpointing.async_ckpt.core import PersistentAsyncCaller
+
     real = torch.cuda.current_device
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
+    loops = {name: PersistentAsyncCaller.__dict__[name] for name in _WORKER_LOOPS if name in PersistentAsyncCaller.__dict__}
+    target = getattr(PersistentAsyncCaller, "async_process_target", None)  # 0.6+
+    binds_gpu = target is not None and "cpu_shm_mode" in inspect.signature(target).parameters
+    if binds_gpu:
+        for name in loops:  # the spawned worker unpickles this partial and runs the named loop there
+            setattr(PersistentAsyncCaller, name, staticmethod(functools.partial(_worker_binding_no_gpu, name)))
     try:
         yield
     finally:
         torch.cuda.current_device = real  # type: ignore[assignment]
+        for name, loop in loops.items():
+            setattr(PersistentAsyncCaller, name, loop)
+
+
+def _worker_binding_no_gpu(loop: str, *args: Any) -> None:
+    """In the spawned worker: NVRx's own loop ``loop`` with its last argument,
+    ``cpu_shm_mode``, True (the branch without the GPU binding)."""
+    from nvidia_resiliency_ext.checkpointing.async_ckpt.core import PersistentAsyncCaller
+
+    getattr(PersistentAsyncCaller, loop)(*args[:-1], True)
 
 
 def full_state(step: int, grow: int = 0) -> dict[str, Any]:
@@ -211,10 +247,40 @@ def bridge_module(**io: Any) -> ModuleType:
     return module
 
 
-def new_queue() -> Any:
+def new_queue(cpu_shm: bool = False) -> Any:
+    """Bridge's async set-up on this rank (see the module docstring): the
+    persistent queue, warmed up where the release can. ``cpu_shm``:
+    megatron-core's ``--async-ckpt-use-cpu-shm`` set-up instead
+    (``init_persistent_async_worker``): ``cpu_shm_mode=True`` for the queue
+    and its warm-up where the release takes it (0.6+), a worker that binds
+    no GPU and gets every tensor through CPU shared memory."""
+    from nvidia_resiliency_ext.checkpointing.async_ckpt import filesystem_async
     from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncCallsQueue
 
-    return AsyncCallsQueue(persistent=True)
+    shm: dict[str, Any] = {}
+    if cpu_shm and "cpu_shm_mode" in inspect.signature(AsyncCallsQueue.__init__).parameters:
+        shm["cpu_shm_mode"] = True
+    queue = AsyncCallsQueue(persistent=True, **shm)
+    if hasattr(queue, "warmup_persistent_caller"):
+        queue.warmup_persistent_caller(dist.get_rank(), cpu_priority=10, io_priority=3, **shm)
+    if hasattr(filesystem_async, "get_write_results_queue"):
+        results = filesystem_async.get_write_results_queue("fork")
+        # NVRx drops the Manager and keeps only this proxy; the Manager's server
+        # would outlive a rank that ends in os._exit (run_ranks_codes).
+        _results_managers.append(getattr(results, "_manager", None))
+    return queue
+
+
+_results_managers: list[Any] = []
+
+
+def stop_results_managers() -> None:
+    """Shut the Managers :func:`new_queue` made on this rank down (a rank
+    that exits through os._exit or dies by SIGKILL would orphan them)."""
+    while _results_managers:
+        manager = _results_managers.pop()
+        if manager is not None:
+            manager.shutdown()
 
 
 def mesh_of(world: int) -> Any:
@@ -273,6 +339,7 @@ def _rank_entry(rank: int, world: int, port: int, env: dict[str, str], fn: Calla
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
     fn(rank, world, *args)
+    stop_results_managers()
     os._exit(0)  # no teardown collective: a peer may be dead (see run_ranks_codes)
 
 

@@ -18,6 +18,8 @@ ranks, with stock ``dcp.load`` as the oracle.
 from __future__ import annotations
 
 import functools
+import inspect
+import io
 import os
 import signal
 from pathlib import Path
@@ -48,6 +50,7 @@ from bridge_kit import (
     new_queue,
     run_ranks_codes,
     sharded,
+    stop_results_managers,
     zeros,
 )
 from dcpstore.adapters.megatron import FileSystemWriterAsync, install_in_bridge
@@ -56,8 +59,10 @@ from dcpstore._impl.cli import main as cli_main
 from dcpstore._impl.maintenance import list_checkpoints
 from dcpstore._impl.storage import join_uri, open_storage
 from dist_utils import run_ranks
+from extras import NVRX, skip_module_unless
 
-pytest.importorskip("nvidia_resiliency_ext.checkpointing.async_ckpt.core")
+# NVRx throughout; under CI (which runs this file on every tested release) a missing one fails.
+skip_module_unless(NVRX)
 
 
 def _installed(io: dict[str, Any], root: str | None = None) -> Any:
@@ -81,6 +86,8 @@ def _saves_job(rank: int, world: int, root: str, io: dict[str, Any], use_msc: bo
     with cuda_device_is_cpu():
         mesh = mesh_of(world)
         queue = new_queue()
+        warmed = getattr(type(queue), "_warmup_persistent_caller", None)  # 0.6+: Bridge's warm-up started it
+        assert warmed is None or warmed.process.is_alive()
         bridge = _installed(io, root)
         written = bridge.FileSystemWriterAsync(_step_name(root, 1, use_msc), use_msc=use_msc)
         assert isinstance(written, FileSystemWriterAsync) and written.storage.uri == join_uri(root, iter_dir(1))
@@ -93,6 +100,7 @@ def _saves_job(rank: int, world: int, root: str, io: dict[str, Any], use_msc: bo
             mutate(state)  # training goes on: the staged snapshot is what must land
             queue.maybe_finalize_async_calls(blocking=False)  # step 100 may still be in flight at 200
         queue.maybe_finalize_async_calls(blocking=True)
+        assert warmed is None or queue.persistent_caller is warmed  # the saves ran in the warmed-up worker
         queue.close()
 
 
@@ -137,6 +145,8 @@ def _kill_job(rank: int, world: int, root: str, io: dict[str, Any], scenario: st
         queue.maybe_finalize_async_calls(blocking=True)
         step = 200 if scenario == "next" else 100
         state = sharded(full_state(200), mesh)
+        if rank == 1:  # it dies by SIGKILL: NVRx's results-queue Manager (0.6+), unused by dcpstore, would outlive it
+            stop_results_managers()
         try:
             bridge_save(bridge, queue, state, join_uri(root, iter_dir(step)), step=step,
                         wrap_save_fn=dying if rank == 1 else None, **kwargs)  # fmt: skip
@@ -302,6 +312,85 @@ def test_a_second_finalize_says_the_save_is_already_finalized(tmp_path: Path) ->
     check_step(root, 100, {}, tmp_path)
 
 
+# -- NVRx 0.6+'s writer keywords ----------------------------------------------
+
+
+def _cpu_shm_job(rank: int, world: int, root: str, report: str) -> None:
+    """megatron-core's ``--async-ckpt-use-cpu-shm``: the queue in
+    ``cpu_shm_mode`` (0.6+) and the writer with every 0.6 keyword Megatron
+    passes, as Megatron finds them (in the writer's signature)."""
+    with cuda_device_is_cpu():
+        mesh = mesh_of(world)
+        queue = new_queue(cpu_shm=True)
+        bridge = bridge_module()
+        params = inspect.signature(bridge.FileSystemWriterAsync).parameters  # install_in_bridge keeps the class signature
+        keywords = {k: True for k in ("use_cpu_shm_for_gpu_tensors", "use_cached_data_structure", "is_multiproc_io") if k in params}
+        assert len(keywords) == 3, params
+        bridge.FileSystemWriterAsync = functools.partial(FileSystemWriterAsync, **keywords)
+        lines = []
+        for step in (100, 200):
+            state = sharded(full_state(step), mesh)
+            live = {t.to_local().untyped_storage().data_ptr() for t in _dtensors(state)}
+            writer = bridge_save(bridge, queue, state, join_uri(root, iter_dir(step)), save_root=root, step=step, workers=2)
+            # The writer's tensors are its own snapshots in shared memory, not training's.
+            staged = [t for bucket in writer.write_buckets for _, t in bucket[2][1]]
+            lines.append(f"{step} {len(staged)} {all(t.is_shared() for t in staged)} "
+                         f"{any(t.untyped_storage().data_ptr() in live for t in staged)}")  # fmt: skip
+            mutate(state)
+            queue.maybe_finalize_async_calls(blocking=False)
+        queue.maybe_finalize_async_calls(blocking=True)
+        Path(report, f"rank{rank}").write_text("\n".join(lines))
+        queue.close()
+
+
+def _dtensors(state: dict[str, Any]) -> list[Any]:
+    out = []
+    for value in state.values():
+        if isinstance(value, dict):
+            out += _dtensors(value)
+        elif hasattr(value, "to_local"):
+            out.append(value)
+    return out
+
+
+def test_nvrx_06_writer_keywords_save_from_shared_memory_snapshots(tmp_path: Path) -> None:
+    root, reports = _reported(_cpu_shm_job, tmp_path)
+    for lines in reports:
+        for line in lines:
+            step, count, shared, aliased = line.split()
+            assert int(count) > 0 and shared == "True" and aliased == "False", line
+    with dcpstore.CheckpointManager(root, layout="bridge", async_=False) as manager:
+        assert manager.all_steps() == [100, 200] and manager.read_pointer() == 200
+    for step in (100, 200):  # the values at save time, though training changed them right after
+        check_step(root, step, {}, tmp_path)
+
+
+def test_the_writer_takes_every_installed_releases_keywords(tmp_path: Path) -> None:
+    """Feature detection, not versions: whatever NVRx is installed, each
+    keyword its writer takes is a parameter of the drop-in's (Megatron
+    probes the signature), and each the drop-in cannot honour is refused
+    naming it as the caller spelt it."""
+    from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import FileSystemWriterAsync as NvrxWriter
+
+    def keywords(cls: Any) -> set[str]:
+        return {n for n, p in inspect.signature(cls.__init__).parameters.items() if p.kind is p.KEYWORD_ONLY}
+
+    assert keywords(NvrxWriter) <= keywords(FileSystemWriterAsync)
+    for kwargs, match in (
+        ({"separation_hint": "optimizer."}, "separation_hint='optimizer.' is not supported"),
+        ({"open_file": io.open}, None),  # builtin open, by another name: taken
+        ({"open_file": lambda *a: None}, "open_file=<function .* is not supported"),
+        ({"is_multiproc_io": 1}, "is_multiproc_io must be a bool, got 1"),
+        ({"use_cached_data_structure": "yes"}, "use_cached_data_structure must be a bool, got 'yes'"),
+        ({"use_cpu_shm_for_gpu_tensors": None}, "use_cpu_shm_for_gpu_tensors must be a bool, got None"),
+    ):
+        if match is None:
+            FileSystemWriterAsync(str(tmp_path / "ckpt"), **kwargs)
+        else:
+            with pytest.raises(dcpstore.InvalidArgument, match=match):
+                FileSystemWriterAsync(str(tmp_path / "ckpt"), **kwargs)
+
+
 # -- ckpt_assume_constant_structure: NVRx's plan cache ------------------------
 
 
@@ -318,7 +407,9 @@ def _constant_structure_job(rank: int, world: int, root: str, report: str) -> No
             full = full_state(step, grow=3 if change == "grow" else 0)
             if change == "new key":
                 full["model"]["output_layer.weight"] = full["model"]["embedding.word_embeddings.weight"].clone()
-            replayed = state_dict_saver.get_metadata_caching_status()[0]  # NVRx replays this save's plan
+            # NVRx replays this save's plan (get_cache_metadata: every release's;
+            # get_metadata_caching_status is 0.4.1's only).
+            replayed = state_dict_saver._checkpoint_metadata_cache.get_cache_metadata()[2]
             bridge_save(bridge, queue, sharded(full, mesh), join_uri(root, iter_dir(step)),
                         step=step, workers=2, constant_structure=True)  # fmt: skip
             try:

@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.filesystem import _StoragePrefix as StoragePre
 from torch.distributed.checkpoint.filesystem import _StorageReaderTransforms as StorageReaderTransforms
 from torch.distributed.checkpoint.filesystem import _StorageWriterTransforms as StorageWriterTransforms
 from torch.distributed.checkpoint.utils import _DistWrapper as DistWrapper
+from torch.distributed.checkpoint.utils import _get_failure_dict as failure_dict
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.utils._pytree import tree_map_only
 
@@ -54,6 +55,7 @@ __all__ = [
     "compute_local_shape_and_global_offset",
     "default_group",
     "element_size",
+    "failure_dict",
     "flatten_state_dict",
     "get_layout",
     "neg_view",

@@ -39,6 +39,21 @@ The worker is a separate process (NVRx's persistent caller: spawned once,
 the request pickled to it), so the save function is self-contained: see
 :mod:`.megatron_worker`.
 
+NVRx releases. Tested with 0.4.1 (Python 3.11) and with 0.6.0 and 0.7.0
+(Python 3.12; ``scripts/setup-nvrx312.sh``): ``tests/test_megatron_bridge.py``
+replays Bridge 0.6.2's async set-up and saves on each, including, where the
+release has it (0.6+), ``AsyncCallsQueue.warmup_persistent_caller``, after
+which the saves run in the warmed-up worker. The constructor takes every
+release's keywords as explicit parameters (0.6 added ``is_multiproc_io``,
+``use_cached_data_structure``, ``use_cpu_shm_for_gpu_tensors``; Megatron
+looks for them in this signature); the protocol NVRx's planner, finalize and
+queue speak to a writer is the same in the three. What 0.6 changed in the
+persistent worker (spawned at warm-up, a daemon by default, GPU-bound at
+start unless ``cpu_shm_mode``, a cache of tensor hand-overs keyed by plan,
+cleared by a restart callback) serves NVRx's own writer: this writer's
+requests carry their tensors each time, the worker keeps nothing between
+saves, and it writes with threads, which a daemon may start.
+
 Constant structure. ``enable_cache=True`` (Bridge's
 ``ckpt_assume_constant_structure``) lets NVRx replay the plans of an earlier
 save once two in a row were equal; nothing of this writer's is in those
@@ -105,6 +120,25 @@ class FileSystemWriterAsync(DcpStorageWriter):
         use_msc: NVRx's: Megatron's ``--enable-msc``; routes plain paths and
             ``s3://`` through NVIDIA Multi-Storage-Client (``msc://`` URLs
             always go there).
+        is_multiproc_io: NVRx 0.6+'s: write the data files from child
+            processes of the worker instead of threads. Accepted: this
+            writer's worker writes each data file on its own thread either
+            way (file writes release the GIL), so the files,
+            their bytes and their durability are the same; unlike NVRx's,
+            it also works in NVRx's default daemon worker.
+        use_cached_data_structure: NVRx 0.6+'s: let the worker keep the CUDA
+            IPC handles of a plan's tensors across saves. Accepted: an
+            optimisation of the hand-over only; this writer hands every
+            save's tensors over afresh, so a replaced allocation can never
+            be written from a stale handle.
+        use_cpu_shm_for_gpu_tensors: NVRx 0.6+'s: snapshot every tensor into
+            CPU shared memory on the trainer, at planning, so that the
+            worker never imports CUDA IPC handles nor reads training's
+            tensors (what ``AsyncCallsQueue(cpu_shm_mode=True)``, whose
+            worker binds no GPU, needs). Honoured: the worker then writes
+            those snapshots as they are.
+        open_file: NVRx 0.6+'s test hook replacing ``open``; refused unless
+            it is ``open`` (this writer writes through dcpstore's storage).
         storage_options: dcpstore's backend tuning.
         process_group: the group NVRx plans on (``save_state_dict_async_plan``'s;
             Bridge's: the default group). Its rank 0 is the coordinator.
@@ -131,9 +165,16 @@ class FileSystemWriterAsync(DcpStorageWriter):
         *,
         separation_hint: str | None = None,
         use_msc: bool = False,
+        is_multiproc_io: bool = False,
+        use_cached_data_structure: bool = False,
+        use_cpu_shm_for_gpu_tensors: bool = False,
+        open_file: Callable[..., Any] = open,
         storage_options: StorageOptions | None = None,
         process_group: dist.ProcessGroup | None = None,
     ) -> None:
+        # Every NVRx release's keywords are explicit parameters: Megatron
+        # detects a writer feature by its name in this signature
+        # (``inspect.signature(FileSystemWriterAsync.__init__)``).
         check_writer_args(
             per_thread_copy_ahead=per_thread_copy_ahead,
             serialization_format=serialization_format,
@@ -142,11 +183,19 @@ class FileSystemWriterAsync(DcpStorageWriter):
             cache_staged_state_dict=cache_staged_state_dict,
             overwrite=overwrite,
             use_msc=use_msc,
+            is_multiproc_io=is_multiproc_io,
+            use_cached_data_structure=use_cached_data_structure,
+            use_cpu_shm_for_gpu_tensors=use_cpu_shm_for_gpu_tensors,
         )
         if separation_hint is not None:
             raise InvalidArgument(
                 f"separation_hint={separation_hint!r} is not supported: its files are not named as DCP names "
                 "data files; leave it None (Megatron-Bridge does)"
+            )
+        if open_file is not open:
+            raise InvalidArgument(
+                f"open_file={open_file!r} is not supported: this writer writes through dcpstore's storage, "
+                "not a file opener; leave it out (NVRx's test hook; Megatron never passes it)"
             )
         self.use_msc = use_msc
         self.storage_options = storage_options
@@ -165,6 +214,9 @@ class FileSystemWriterAsync(DcpStorageWriter):
         self.sync_files = sync_files
         self.per_thread_copy_ahead = per_thread_copy_ahead
         self.separation_hint = separation_hint
+        self.is_multi_proc_io = is_multiproc_io  # NVRx's attribute name
+        self.use_cached_data_structure = use_cached_data_structure
+        self.use_cpu_shm_for_gpu_tensors = use_cpu_shm_for_gpu_tensors
         self.error: BaseException | None = None
         self.write_buckets: list[Bucket] | None = None
         self._local_plan: SavePlan | None = None
@@ -230,7 +282,12 @@ class FileSystemWriterAsync(DcpStorageWriter):
         self.stats.plan_s = time.perf_counter() - self.stats.started
 
     def _buckets(self, plan: SavePlan, planner: SavePlanner) -> list[Bucket]:
+        """This rank's items resolved into one bucket per data file; with
+        ``use_cpu_shm_for_gpu_tensors`` every tensor already copied into a
+        private CPU shared-memory snapshot (then the preload has nothing
+        left to stage)."""
         buckets: list[Bucket] = []
+        snapshot = self.use_cpu_shm_for_gpu_tensors
         for name, items in self.named_buckets(plan):
             blobs, tensors = [], []
             for item in items:
@@ -238,7 +295,8 @@ class FileSystemWriterAsync(DcpStorageWriter):
                 if item.type == WriteItemType.BYTE_IO:
                     blobs.append((item, data))
                 else:
-                    tensors.append((item, _checked_tensor(item, data)))
+                    tensor = _checked_tensor(item, data)
+                    tensors.append((item, _shm_snapshot(tensor) if snapshot else tensor))
             buckets.append((self.storage.describe(name), name, (blobs, tensors)))
         return buckets
 
@@ -258,7 +316,7 @@ class FileSystemWriterAsync(DcpStorageWriter):
         job = WorkerJob(self.storage.url.uri, self.where, *token, self.extensions, self._results_path)
         if self.error is not None:
             buckets = []
-        return write_buckets, Preload(buckets), [job, buckets]
+        return write_buckets, Preload(buckets, staged=self.use_cpu_shm_for_gpu_tensors), [job, buckets]
 
     def retrieve_write_results(self) -> list[WriteResult]:
         """This rank's write results, once every rank's are known to be
@@ -363,6 +421,17 @@ def _by_rank(outcomes: Sequence[str | None], shown: int = 4) -> str:
             ranks.setdefault(what, []).append(rank)
     parts = [f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {what}" for what, rs in ranks.items()]
     return "; ".join(parts[:shown]) + (f"; and {len(parts) - shown} more" if len(parts) > shown else "")
+
+
+def _shm_snapshot(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of ``tensor``'s current value in CPU shared memory, owned by
+    the save: pickled to NVRx's worker it travels as a shared-memory handle
+    (no CUDA IPC), and training may change ``tensor`` once this returns. A
+    blocking copy: a device tensor's bytes have landed when it returns."""
+    snapshot = torch.empty(tensor.shape, dtype=tensor.dtype)
+    snapshot.share_memory_()  # type: ignore[no-untyped-call]  # in place: moves the new storage to shared memory
+    snapshot.copy_(tensor)
+    return snapshot
 
 
 def _checked_tensor(item: WriteItem, data: Any) -> torch.Tensor:

@@ -29,6 +29,7 @@ stays a path). Bridge's rank 0 creates that directory
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
 from pathlib import PurePosixPath
@@ -124,6 +125,7 @@ def install_in_bridge(
 
     roots = BridgeRoots.of(checkpoint_config)
 
+    @functools.wraps(FileSystemWriterAsync)  # megatron-core reads the writer's signature for its keywords
     def async_writer(path: str | os.PathLike[str], *args: Any, **kwargs: Any) -> FileSystemWriterAsync:
         return FileSystemWriterAsync(roots.restore(path), *args, **{"storage_options": storage_options, **kwargs})
 

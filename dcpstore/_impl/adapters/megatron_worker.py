@@ -89,13 +89,16 @@ def stage_buckets(buckets: Sequence[Bucket]) -> list[Bucket]:
 
 class Preload:
     """``stage_buckets(buckets)`` as the picklable callable NVRx sends to its
-    worker (and calls without arguments)."""
+    worker (and calls without arguments); ``staged``: every tensor is
+    already a snapshot the save owns (the writer's
+    ``use_cpu_shm_for_gpu_tensors``), handed on as it is."""
 
-    def __init__(self, buckets: list[Bucket]) -> None:
+    def __init__(self, buckets: list[Bucket], staged: bool = False) -> None:
         self.buckets = buckets
+        self.staged = staged
 
     def __call__(self) -> list[Bucket]:
-        return stage_buckets(self.buckets)
+        return list(self.buckets) if self.staged else stage_buckets(self.buckets)
 
 
 def write_buckets(job: WorkerJob, buckets: Sequence[Bucket]) -> None:

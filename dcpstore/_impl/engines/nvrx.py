@@ -4,8 +4,8 @@ Runs on the background thread of an :class:`~dcpstore._impl.engines.saver.AsyncS
 with a state dict that is already staged (host memory, owned by the save).
 The writer is dcpstore's own (:class:`~dcpstore._impl.dcp.writer.DcpStorageWriter`,
 :class:`NvrxWriter`) with NVRx's bucket split and per-file writer in its
-two hooks; NVRx's ``save_state_dict_async_plan`` and ``..._finalize`` drive
-it, as they drive NVRx's ``FileSystemWriterAsync``.
+two hooks; NVRx's ``save_state_dict_async_plan`` and the steps of its
+``..._finalize`` drive it, as they drive NVRx's ``FileSystemWriterAsync``.
 
 Call order of one save, per rank::
 
@@ -19,8 +19,9 @@ Call order of one save, per rank::
                 raw bytes located on the way, so loads read them in place),
                 read the file back once to compute its CRC32Cs for the
                 manifest (NVRx has no checksum hook), check again
-    finalize    NVRx save_state_dict_async_finalize: gather write results on the
-                coordinator; if every rank succeeded, finish():
+    finalize    save_state_dict_async_finalize's steps (nvrx_release.finalize):
+                gather write results on the coordinator; if every rank
+                succeeded, finish():
                 SaveSession.publish (manifest, .metadata last, clean up)
     outcome     the coordinator broadcasts success or the failure, so every
                 rank's handle raises when any rank failed
@@ -40,10 +41,12 @@ object store, one extra GET of each data file).
 
 NVRx releases. Everything that depends on which NVRx release is installed is
 in :mod:`.nvrx_release`, decided by feature detection (``hasattr`` /
-signature checks), never by version numbers. dcpstore takes NVRx's
-planning with its ``CheckpointMetadataCache`` (a *private* instance per
-structure; NVRx's module-global cache is never touched) and its finalize as
-they are; its bucket split and per-bucket writer too, but run in dcpstore's
+signature checks), never by version numbers; tested with 0.4.1, 0.6.0 and
+0.7.0. dcpstore takes NVRx's planning with its ``CheckpointMetadataCache`` (a
+*private* instance per structure; NVRx's module-global cache is never
+touched) as it is, and its finalize's gather and finish without the
+failure broadcast on a CUDA device that 0.6 added (the outcome broadcast
+below replaces it; :func:`.nvrx_release.finalize` says why); its bucket split and per-bucket writer too, but run in dcpstore's
 own threads: NVRx 0.4.1 forks one process per bucket and gathers results
 through a spawn-context ``Manager`` (which re-imports ``__main__``), its
 ``preload_tensors`` calls ``torch.cuda.synchronize()`` and its

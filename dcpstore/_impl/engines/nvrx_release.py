@@ -2,15 +2,27 @@
 installed, decided by feature detection (``hasattr`` and signature checks),
 never by version numbers.
 
-Tested against 0.4.1 (the newest release installable on Python 3.11);
-written to also accept the 0.5+ layout, where the per-bucket write is the
-plain function ``FileSystemWriterAsync._write_bucket_to_storage``. On 0.4.x
-the per-bucket write is ``write_preloaded_data``, meant for a forked worker
-with multiprocessing queues: :func:`bucket_writer` calls its undecorated
-function on the calling thread (NVRx wraps it in ``_disable_gc``, a
-process-wide ``gc.disable()`` meant for forked children). What dcpstore
-takes from NVRx and why it runs NVRx's pieces in its own threads is in
-:mod:`.nvrx`.
+Tested with 0.4.1 (Python 3.11, the newest release installable there) and
+with 0.6.0 and 0.7.0 (Python 3.12: they ship only cp312 wheels; CI unpacks
+them side by side, ``scripts/setup-nvrx312.sh``), in ``tests/test_engines.py``,
+``tests/test_multirank_async.py`` and, for Megatron's drop-in writer,
+``tests/test_megatron_bridge.py``. What differs between them and is
+detected here:
+
+* the per-bucket write: from 0.5 the plain function
+  ``FileSystemWriterAsync._write_bucket_to_storage``; on 0.4.x
+  ``write_preloaded_data``, meant for a forked worker with multiprocessing
+  queues, whose undecorated function :func:`bucket_writer` calls on the
+  calling thread (NVRx wraps it in ``_disable_gc``, a process-wide
+  ``gc.disable()`` meant for forked children);
+* the planner's per-call ``metadata_cache`` (:func:`new_metadata_cache`);
+* finalize: 0.6 added a failure broadcast on a CUDA device, which
+  :func:`finalize` leaves out (it says why).
+
+What dcpstore takes from NVRx and why it runs NVRx's pieces in its own
+threads is in :mod:`.nvrx`. Megatron's drop-in writer
+(:mod:`dcpstore._impl.adapters.megatron_async`) takes nothing from here but
+the protocol: NVRx's planner, finalize and queue drive it.
 """
 
 from __future__ import annotations
@@ -20,6 +32,9 @@ import queue
 from collections.abc import Callable
 from typing import Any
 
+from torch.distributed.checkpoint.api import CheckpointException
+
+from ..torch_compat import failure_dict
 from .nvrx_stream import CheckedTransforms
 
 FS_MODULE = "nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async"
@@ -41,7 +56,6 @@ def import_error() -> str | None:
             (fs, "FileSystemWriterAsync"),
             (fs, "_split_by_size_and_type"),
             (saver, "save_state_dict_async_plan"),
-            (saver, "save_state_dict_async_finalize"),
         )
         if not hasattr(mod, name)
     ]
@@ -77,9 +91,27 @@ def plan(
 
 
 def finalize(writer: Any, metadata: Any, dist_wrapper: Any) -> None:
-    module(SAVER_MODULE, "save_state_dict_async_finalize").save_state_dict_async_finalize(
-        writer, metadata, dist_wrapper
-    )
+    """``save_state_dict_async_finalize`` as every release does it up to its
+    report of a failure: each rank's write results (or its wrapped error)
+    gathered on the coordinator, which raises ``CheckpointException``
+    naming the failed ranks, or else calls ``writer.finish``.
+
+    Not NVRx's own function: from 0.6 it then broadcasts whether the save
+    failed in a one-int tensor on ``torch.cuda.current_device()``. On
+    CPU-only torch that raises on every rank after the coordinator has
+    committed; on a GPU machine, on the saver's background thread (whose
+    CUDA device is 0 whatever the trainer bound), every rank would create a
+    context on GPU 0. The engine broadcasts the outcome itself, on its gloo
+    group (:func:`~.nvrx.nvrx_save`), so that step is left out.
+    """
+    results = writer.retrieve_write_results()
+    gathered = dist_wrapper.gather_object(results)
+    if not dist_wrapper.is_coordinator:
+        return
+    failures = failure_dict(gathered)
+    if failures:
+        raise CheckpointException("write", failures)
+    writer.finish(metadata, gathered)
 
 
 def split_items(bins: int, items: list[Any]) -> list[list[Any]]:
