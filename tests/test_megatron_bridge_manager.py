@@ -167,6 +167,21 @@ def test_bridges_own_resume_reads_the_managers_steps_and_the_manager_bridges(tmp
     _equal(first["saved"][4], ours["loaded"], "the manager's load of Bridge's step")
 
 
+def test_a_pretrained_checkpoint_starts_a_fine_tune_from_its_weights(tmp_path: Path) -> None:
+    """``pretrained_checkpoint`` with nothing under ``load``: Bridge's
+    fine-tune start (weights only, iteration 0), from the newest step."""
+    base = str(tmp_path / "base")
+    first = _run(bridge_config(save=base, load=base), 4, tmp_path / "r1")
+    tuned = str(tmp_path / "tuned")
+    fine = _run(bridge_config(save=tuned, load=tuned, pretrained_checkpoint=base), 2, tmp_path / "r2")
+    assert fine["resumed"] == 0  # Bridge resets the iteration of a fine-tune
+    _equal(first["saved"][4], fine["loaded"], "pretrained weights")
+    assert fine["final"]["scheduler"]["num_steps"] == 2  # the schedule starts over: no optimizer state was loaded
+    steps = dcpstore.CheckpointManager(tuned, layout="bridge", async_=False)
+    assert steps.all_steps() == [2]  # the fine-tune saves under its own root
+    steps.close()
+
+
 @pytest.mark.slow
 def test_a_resume_on_more_ranks_reshards(tmp_path: Path) -> None:
     root = str(tmp_path / "run")

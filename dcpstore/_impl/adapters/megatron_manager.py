@@ -193,7 +193,7 @@ class BridgeCheckpointManager:
         step = int(ctx.state.train_state.step)  # Bridge's loop moves it on after save() returns
         state_dict = _bridge_state_dict(bridge, ctx, model, step)
         files = {TRAIN_STATE: _train_state_bytes(ctx), RUN_CONFIG: _run_config_bytes(cfg)}
-        self._fire_after_commit()  # the previous save's, as save() finishes it first
+        self.finalize_async_saves(ctx.state, blocking=True)  # the previous save, callbacks and all
         # Bridge saves over a step that exists (a run resumed at ckpt_step saves its later steps again);
         # the old step stays whole until the new one commits.
         self.saves.save(state_dict, step, overwrite=True, commit_files=files)
