@@ -21,13 +21,16 @@
 # version is constraints.txt's pin. Idempotent: a second run only checks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# A pyenv shim named python3.12 exists whether or not 3.12 is selected: ask
+# the interpreter itself, not the PATH.
+works() { "$1" -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1; }
 PY=${PYTHON312:-python3.12}
-if ! command -v "$PY" >/dev/null 2>&1; then
+if ! works "$PY"; then
   for candidate in "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python3.12; do
-    [ -x "$candidate" ] && PY=$candidate
+    works "$candidate" && PY=$candidate
   done
 fi
-if ! command -v "$PY" >/dev/null 2>&1; then
+if ! works "$PY"; then
   echo "setup-nvrx312.sh needs Python 3.12: none on PATH or under pyenv; set PYTHON312=/path/to/python3.12" >&2
   exit 1
 fi
@@ -42,7 +45,7 @@ pip_ install -q -c constraints.txt "torch==2.13.0"
 # dcpstore with the backends the Megatron tests save to (local, S3, MSC), the
 # S3 test server, pytest, and what NVRx's checkpointing package imports
 # besides torch (numpy comes with dcpstore; psutil NVRx's writer calls).
-pip_ install -q -c constraints.txt -e ".[s3,msc]" "moto[server]" pytest pytest-timeout psutil
+pip_ install -q -c constraints.txt -e ".[s3,msc]" "moto[server]" pytest pytest-timeout psutil pyyaml
 
 for release in "${NVRX_RELEASES[@]}"; do
   target=.nvrx/$release

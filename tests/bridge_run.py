@@ -48,9 +48,17 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+import dcpstore
 from bridge_wheel import checkpointing_module
+from dcpstore.adapters.megatron import BridgeCheckpointManager
 
 MANAGER = "dcpstore.adapters.megatron.BridgeCheckpointManager"
+#: A user's subclass that picks dcpstore's engine (Bridge's config has no field for it).
+PROCESS_MANAGER = "bridge_run.ProcessEngineManager"
+
+
+class ProcessEngineManager(BridgeCheckpointManager):
+    options = dcpstore.SaveOptions(engine="process")
 
 
 class Model(nn.Module):
@@ -172,6 +180,7 @@ def train(rank: int, world: int, cfg: Config, until: int, report: str, how: dict
     how = how or {}
     bridge = checkpointing_module()
     bridge.register_allowed_target_prefix("dcpstore")  # the launch script's one line
+    bridge.register_allowed_target_prefix("bridge_run")  # where ProcessEngineManager lives
     if how.get("kill_at") is not None and rank == 1:
         _die_in_save(how["kill_at"])
     torch.manual_seed(1234)
@@ -216,7 +225,9 @@ def train(rank: int, world: int, cfg: Config, until: int, report: str, how: dict
             bridge.save_checkpoint_and_time(state, [model], optimizer, scheduler, flops, manager)
         manager.finalize_async_saves(state=state, blocking=False)
     manager.finalize_async_saves(state=state, blocking=True, terminate=True)
-    out = {"final": full_state(model, optimizer, scheduler, state.train_state), "resumed": resumed, "loaded": loaded, "saved": saved}
+    engines = [(s.step, s.info.engine) for s in manager.history]
+    out = {"final": full_state(model, optimizer, scheduler, state.train_state), "resumed": resumed, "loaded": loaded,
+           "saved": saved, "engines": engines}  # fmt: skip
     buf = io.BytesIO()
     torch.save(out, buf)
     Path(report, f"rank{rank}.pt").write_bytes(buf.getvalue())

@@ -35,10 +35,11 @@ import torch.distributed.checkpoint as dcp
 
 import dcpstore
 import dcpstore.tools
+import extras
 import killcount
 from backends import make_target
 from bridge_kit import local_copy, run_ranks_codes
-from bridge_run import MANAGER, bridge_config, read_report, train
+from bridge_run import MANAGER, PROCESS_MANAGER, bridge_config, read_report, train
 from bridge_wheel import BRIDGE_MODULE, checkpointing_module
 from dcpstore._impl.cli import main as cli_main
 from dcpstore._impl.storage import join_uri
@@ -92,6 +93,9 @@ def test_a_bridge_run_saves_through_dcpstore_and_resumes_exactly(
     second = _run(bridge_config(save=root, load=root, **settings), 8, tmp_path / "second", world)
     assert second["resumed"] == 4  # on s3:// too, where Bridge's own check sees no checkpoint
     _equal(whole["final"], second["final"], "final")  # model, optimizer, scheduler, train state, RNG
+    nvrx = backend in extras.NVRX_TARGETS and extras.missing(extras.NVRX) is None
+    engine = ("nvrx" if nvrx else "native") if async_save else "sync"  # engine="auto"
+    assert {e for _, e in whole["engines"]} == {engine}, whole["engines"]
 
     steps = dcpstore.CheckpointManager(root, layout="bridge", async_=False, options=target.save_options())
     assert steps.all_steps() == [6, 8]  # most_recent_k=2
@@ -105,6 +109,20 @@ def test_a_bridge_run_saves_through_dcpstore_and_resumes_exactly(
     assert train_state["step"].item() == 8 and train_state["consumed_train_samples"].item() == 8 * 4 * world
     assert train_state["floating_point_operations_so_far"].item() == 8000
     assert b"tensor_model_parallel_size: 1" in dcpstore.tools.commit_file(step8, "run_config.yaml", storage_options=where)
+
+
+@pytest.mark.slow
+def test_a_subclass_picks_dcpstores_engine(tmp_path: Path) -> None:
+    """``custom_manager_class`` naming a subclass with ``options``: its saves
+    run on the checkpoint-process engine, and resume exactly."""
+    root, whole_root = str(tmp_path / "run"), str(tmp_path / "whole")
+    settings = dict(async_save=True, custom_manager_class=PROCESS_MANAGER)
+    whole = _run(bridge_config(save=whole_root, load=whole_root, **settings), 6, tmp_path / "r0")
+    assert whole["engines"] == [(2, "process"), (4, "process"), (6, "process")]
+    _run(bridge_config(save=root, load=root, **settings), 4, tmp_path / "r1")
+    second = _run(bridge_config(save=root, load=root, **settings), 6, tmp_path / "r2")
+    assert second["resumed"] == 4
+    _equal(whole["final"], second["final"], "final")
 
 
 def test_resume_without_the_rng_state_is_not_exact(tmp_path: Path) -> None:

@@ -62,16 +62,16 @@ import os
 import tempfile
 from collections.abc import Callable, Iterator
 from types import ModuleType
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from ..errors import CheckpointNotFound, InvalidArgument
 from ..format.layout import METADATA
 from ..dcp.commit.read import read_checkpoint_metadata, read_commit_file
-from ..manager import BRIDGE, CheckpointManager
+from ..manager import BRIDGE, CheckpointManager, SavedStep
 from ..manager.steps import committed_steps
-from ..options import LoadOptions
+from ..options import LoadOptions, SaveOptions
 from ..storage import StorageOptions, join_uri, open_storage
 from ..dropin import StorageReader
 from .megatron_bridge import BridgeRoots
@@ -154,15 +154,30 @@ class BridgeCheckpointManager:
     Raises:
         InvalidArgument: a field this manager cannot honour, named as
             ``checkpoint.<field>`` with the reason.
+
+    Bridge builds the manager from its config alone, so dcpstore's own
+    options (the engine, the storage's tuning) come from the class: a
+    subclass that sets :attr:`options`, named in ``custom_manager_class``
+    instead, saves with them::
+
+        class ProcessEngineManager(BridgeCheckpointManager):
+            options = dcpstore.SaveOptions(engine="process")
     """
+
+    #: dcpstore's options for every save and load (``None``: the defaults,
+    #: ``engine="auto"``); Bridge's fields (``async_save``,
+    #: ``dist_ckpt_workers``, ``--enable-msc``) apply on top.
+    options: ClassVar[SaveOptions | None] = None
 
     def __init__(self, checkpoint_config: Any) -> None:
         check_covered(checkpoint_config)
         self.checkpoint_config = checkpoint_config
         #: The dcpstore side of the same fields (validated; Bridge's layout).
-        self.config = CheckpointConfig.from_bridge(checkpoint_config)
+        self.config = CheckpointConfig.from_bridge(checkpoint_config, options=type(self).options)
         self.roots = BridgeRoots.of(checkpoint_config)
         self._saves: CheckpointManager | None = None
+        #: The saves this manager finished, oldest first (committed ones only).
+        self.history: list[SavedStep] = []
         self._after_commit: list[Callable[[], None]] = []
         self._context: dict[str, Any] = {"local_checkpoint_manager": _NewestCommitted(self)}
 
@@ -207,6 +222,7 @@ class BridgeCheckpointManager:
         save: torch.distributed is up by then)."""
         if self._saves is None:
             self._saves = self.config.manager()
+            self._saves.history = self.history  # one record across the managers a terminate ends
         return self._saves
 
     def finalize_async_saves(self, state: Any, blocking: bool = False, terminate: bool = False) -> None:
