@@ -62,14 +62,16 @@ import os
 import tempfile
 from collections.abc import Callable, Iterator
 from types import ModuleType
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
+import torch.distributed as dist
 
-from ..errors import CheckpointNotFound, InvalidArgument
+from ..errors import CheckpointError, CheckpointNotFound, InvalidArgument
 from ..format.layout import METADATA
 from ..dcp.commit.read import read_checkpoint_metadata, read_commit_file
 from ..manager import BRIDGE, CheckpointManager, SavedStep
+from ..manager.roots import group_rank, is_distributed
 from ..manager.steps import committed_steps
 from ..options import LoadOptions, SaveOptions
 from ..storage import StorageOptions, join_uri, open_storage
@@ -256,17 +258,32 @@ class BridgeCheckpointManager:
         resolves it: ``ckpt_step`` or the newest committed step under
         ``load`` (or ``load`` itself, one step's directory); else the same
         under ``pretrained_checkpoint``, as a fine-tune; ``None``: nothing.
+        Every rank calls it: rank 0 lists and broadcasts its answer (or its
+        error), so one listing serves the job and every rank agrees.
 
         Raises:
             CheckpointNotFound: ``ckpt_step`` is set and not committed under ``load``.
         """
+        answer: list[Any] = [None]
+        if group_rank(None) == 0:
+            try:
+                answer = [(True, self._find_resume_point())]
+            except CheckpointError as e:
+                answer = [(False, e)]
+        if is_distributed():
+            dist.broadcast_object_list(answer, src=0)
+        found, value = answer[0]
+        if not found:
+            raise value
+        return cast("tuple[str, int, bool] | None", value)
+
+    def _find_resume_point(self) -> tuple[str, int, bool] | None:
         cfg = self.checkpoint_config
         wanted = getattr(cfg, "ckpt_step", None)
         sources = ((cfg.load, "load", bool(getattr(cfg, "finetune", False))), (getattr(cfg, "pretrained_checkpoint", None), "pretrained_checkpoint", True))
         for root, field, finetune in sources:
             if root is None:
                 continue
-            root = self.roots.restore(root)
             storage = open_storage(root, storage_options=self._where)
             try:
                 direct = BRIDGE.parse_step_dir(os.path.basename(storage.url.path.rstrip("/")))
