@@ -49,7 +49,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import dcpstore
-from bridge_wheel import checkpointing_module
+from bridge_wheel import checkpointing_module, enable_msc
 from dcpstore.adapters.megatron import BridgeCheckpointManager
 
 MANAGER = "dcpstore.adapters.megatron.BridgeCheckpointManager"
@@ -174,10 +174,13 @@ def train(rank: int, world: int, cfg: Config, until: int, report: str, how: dict
     full model right after the load, and the full model at every save.
 
     ``how``: ``kill_at``: SIGKILL rank 1 when the save of that iteration
-    writes its first data file; ``bridge_load``: resume with Bridge's own
+    writes its first data file; ``enable_msc``: Megatron's ``--enable-msc``;
+    ``bridge_load``: resume with Bridge's own
     ``_load_checkpoint_from_path(checkpoint.load)`` and megatron-core's
     stock reader, as a run without dcpstore's manager does."""
     how = how or {}
+    if how.get("enable_msc"):
+        enable_msc()
     bridge = checkpointing_module()
     bridge.register_allowed_target_prefix("dcpstore")  # the launch script's one line
     bridge.register_allowed_target_prefix("bridge_run")  # where ProcessEngineManager lives
@@ -225,7 +228,7 @@ def train(rank: int, world: int, cfg: Config, until: int, report: str, how: dict
             bridge.save_checkpoint_and_time(state, [model], optimizer, scheduler, flops, manager)
         manager.finalize_async_saves(state=state, blocking=False)
     manager.finalize_async_saves(state=state, blocking=True, terminate=True)
-    engines = [(s.step, s.info.engine) for s in manager.history]
+    engines = [(s.step, s.info.engine, s.info.backend) for s in manager.history]
     out = {"final": full_state(model, optimizer, scheduler, state.train_state), "resumed": resumed, "loaded": loaded,
            "saved": saved, "engines": engines}  # fmt: skip
     buf = io.BytesIO()

@@ -92,12 +92,30 @@ def constants_from_wheel(member: str, names: Sequence[str], namespace: dict[str,
 
 
 class MultiStorageClientFeature:
-    """megatron-core's process-global ``--enable-msc`` switch, off: what a
-    Bridge run gets unless it passes ``--enable-msc``."""
+    """megatron-core's process-global ``--enable-msc`` switch (its
+    ``megatron.core.msc_utils`` class, pure Python, restated): off, what a
+    Bridge run gets unless it passes ``--enable-msc`` (:func:`enable_msc`)."""
+
+    enabled = False
+
+    @classmethod
+    def is_enabled(cls) -> bool:
+        return cls.enabled
 
     @staticmethod
-    def is_enabled() -> bool:
-        return False
+    def import_package() -> Any:
+        import multistorageclient
+
+        return multistorageclient
+
+
+def enable_msc() -> None:
+    """Megatron's ``--enable-msc`` in this process: Bridge's functions and
+    dcpstore (which asks ``megatron.core.msc_utils``) both see it."""
+    import sys
+
+    MultiStorageClientFeature.enabled = True
+    sys.modules["megatron.core.msc_utils"] = types.SimpleNamespace(MultiStorageClientFeature=MultiStorageClientFeature)  # type: ignore[assignment]
 
 
 def checkpoint_utils() -> SimpleNamespace:

@@ -95,7 +95,7 @@ def test_a_bridge_run_saves_through_dcpstore_and_resumes_exactly(
     _equal(whole["final"], second["final"], "final")  # model, optimizer, scheduler, train state, RNG
     nvrx = backend in extras.NVRX_TARGETS and extras.missing(extras.NVRX) is None
     engine = ("nvrx" if nvrx else "native") if async_save else "sync"  # engine="auto"
-    assert {e for _, e in whole["engines"]} == {engine}, whole["engines"]
+    assert {e for _, e, _ in whole["engines"]} == {engine}, whole["engines"]
 
     steps = dcpstore.CheckpointManager(root, layout="bridge", async_=False, options=target.save_options())
     assert steps.all_steps() == [6, 8]  # most_recent_k=2
@@ -118,9 +118,21 @@ def test_a_subclass_picks_dcpstores_engine(tmp_path: Path) -> None:
     root, whole_root = str(tmp_path / "run"), str(tmp_path / "whole")
     settings = dict(async_save=True, custom_manager_class=PROCESS_MANAGER)
     whole = _run(bridge_config(save=whole_root, load=whole_root, **settings), 6, tmp_path / "r0")
-    assert whole["engines"] == [(2, "process"), (4, "process"), (6, "process")]
+    assert [(step, engine) for step, engine, _ in whole["engines"]] == [(2, "process"), (4, "process"), (6, "process")]
     _run(bridge_config(save=root, load=root, **settings), 4, tmp_path / "r1")
     second = _run(bridge_config(save=root, load=root, **settings), 6, tmp_path / "r2")
+    assert second["resumed"] == 4
+    _equal(whole["final"], second["final"], "final")
+
+
+def test_with_megatrons_enable_msc_the_bytes_go_through_msc(tmp_path: Path) -> None:
+    """``--enable-msc`` (megatron-core's process-global switch): the manager's
+    saves and loads go through MSC, as Bridge's own I/O does then."""
+    root, whole_root = str(tmp_path / "run"), str(tmp_path / "whole")
+    whole = _run(bridge_config(save=whole_root, load=whole_root, async_save=True), 6, tmp_path / "r0", enable_msc=True)
+    assert {backend for _, _, backend in whole["engines"]} == {"msc"}, whole["engines"]
+    _run(bridge_config(save=root, load=root, async_save=True), 4, tmp_path / "r1", enable_msc=True)
+    second = _run(bridge_config(save=root, load=root, async_save=True), 6, tmp_path / "r2", enable_msc=True)
     assert second["resumed"] == 4
     _equal(whole["final"], second["final"], "final")
 
