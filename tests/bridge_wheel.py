@@ -301,9 +301,8 @@ def checkpointing_module() -> types.ModuleType:
         MultiStorageClientFeature=MultiStorageClientFeature,
     )  # fmt: skip
     _stand_ins(namespace)
-    mcore = "megatron/training/config/instantiate_utils.py"
-    compile_from_wheel(mcore, ["InstantiationException", "TargetAllowlist"], namespace, MCORE_WHEEL)
-    constants_from_wheel(mcore, ["_DEFAULT_ALLOWED_PREFIXES", "_DEFAULT_ALLOWED_EXACT"], namespace, MCORE_WHEEL)
+    compile_from_wheel(MCORE_INSTANTIATE, ["InstantiationException", "TargetAllowlist"], namespace, MCORE_WHEEL)
+    constants_from_wheel(MCORE_INSTANTIATE, ["_DEFAULT_ALLOWED_PREFIXES", "_DEFAULT_ALLOWED_EXACT"], namespace, MCORE_WHEEL)
     namespace["target_allowlist"] = namespace["TargetAllowlist"]()
     for member, names in CONSTANTS.items():
         constants_from_wheel(member, names, namespace)
