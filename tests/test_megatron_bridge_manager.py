@@ -21,6 +21,7 @@ tests/bridge_wheel.py) on gloo ranks, with the values a user types
 
 from __future__ import annotations
 
+import io
 import shutil
 import signal
 import sys
@@ -69,10 +70,10 @@ def _io(target: Any) -> dict[str, Any]:
     return {k: v for k, v in target.kwargs.items() if k != "enable_msc"}
 
 
-def _stock_model(uri: str, io: dict[str, Any], like: dict[str, torch.Tensor], scratch: Path) -> dict[str, torch.Tensor]:
+def _stock_model(uri: str, kwargs: dict[str, Any], like: dict[str, torch.Tensor], scratch: Path) -> dict[str, torch.Tensor]:
     """The step's model, by stock ``dcp.load`` (the oracle) into plain tensors."""
     out = {"model": {k: torch.zeros_like(v) for k, v in like.items()}}
-    dcp.load(out, storage_reader=dcp.FileSystemReader(str(local_copy(uri, io, scratch))), no_dist=True)
+    dcp.load(out, storage_reader=dcp.FileSystemReader(str(local_copy(uri, kwargs, scratch))), no_dist=True)
     return out["model"]
 
 
@@ -84,7 +85,7 @@ def test_a_bridge_run_saves_through_dcpstore_and_resumes_exactly(
     request: pytest.FixtureRequest, tmp_path: Path, backend: str, world: int, async_save: bool
 ) -> None:
     target = make_target(backend, request)
-    io = _io(target)
+    where_kwargs = _io(target)
     root, whole_root = target.uri, target.uri.rstrip("/") + "-whole"
     settings = dict(async_save=async_save, most_recent_k=2)
     whole = _run(bridge_config(save=whole_root, load=whole_root, **settings), 8, tmp_path / "whole", world)
@@ -102,10 +103,10 @@ def test_a_bridge_run_saves_through_dcpstore_and_resumes_exactly(
     assert steps.read_pointer() == 8
     steps.close()
     step8 = join_uri(root, "iter_0000008")
-    _equal(second["saved"][8], _stock_model(step8, io, second["saved"][8], tmp_path / "copy8"), "stock dcp.load")
+    _equal(second["saved"][8], _stock_model(step8, where_kwargs, second["saved"][8], tmp_path / "copy8"), "stock dcp.load")
     assert cli_main(["verify", step8] + (["--enable-msc"] if target.kwargs.get("enable_msc") else [])) == 0
     where = target.save_options().storage_options
-    train_state = torch.load(__import__("io").BytesIO(dcpstore.tools.commit_file(step8, "train_state.pt", storage_options=where)), weights_only=True)
+    train_state = torch.load(io.BytesIO(dcpstore.tools.commit_file(step8, "train_state.pt", storage_options=where)), weights_only=True)
     assert train_state["step"].item() == 8 and train_state["consumed_train_samples"].item() == 8 * 4 * world
     assert train_state["floating_point_operations_so_far"].item() == 8000
     assert b"tensor_model_parallel_size: 1" in dcpstore.tools.commit_file(step8, "run_config.yaml", storage_options=where)

@@ -264,18 +264,7 @@ class BridgeCheckpointManager:
         Raises:
             CheckpointNotFound: ``ckpt_step`` is set and not committed under ``load``.
         """
-        answer: list[Any] = [None]
-        if group_rank(None) == 0:
-            try:
-                answer = [(True, self._find_resume_point())]
-            except CheckpointError as e:
-                answer = [(False, e)]
-        if is_distributed():
-            dist.broadcast_object_list(answer, src=0)
-        found, value = answer[0]
-        if not found:
-            raise value
-        return cast("tuple[str, int, bool] | None", value)
+        return cast("tuple[str, int, bool] | None", _on_rank_0(self._find_resume_point))
 
     def _find_resume_point(self) -> tuple[str, int, bool] | None:
         cfg = self.checkpoint_config
@@ -329,7 +318,11 @@ class BridgeCheckpointManager:
         where = self._where
         with tempfile.TemporaryDirectory(prefix="dcpstore-bridge-") as mirror:
             local = os.path.join(mirror, BRIDGE.step_dir(step))
-            _mirror_small_files(uri, local, where)
+            os.makedirs(local)
+            # Every rank needs the mirror (Bridge checks its files on each); one rank reads them.
+            for name, blob in cast("dict[str, bytes]", _on_rank_0(lambda: _small_files(uri, where))).items():
+                with open(os.path.join(local, name), "wb") as f:
+                    f.write(blob)
 
             def reader(path: str | os.PathLike[str], cache_metadata: bool = False, async_strategy: str = "mcore") -> StorageReader:
                 name = os.fspath(path)
@@ -441,12 +434,11 @@ def _fire_checkpoint_saved(callback_manager: Any, ctx: Any) -> None:
         callback_manager.fire("on_checkpoint_save", context)
 
 
-def _mirror_small_files(uri: str, local: str, where: StorageOptions | None) -> None:
-    """The step's ``.metadata`` and Bridge's two files, into ``local``, for
-    Bridge's ``open()``-based reads; the tensors stay where they are. Each
-    file as the step's commit records it, checksums verified (a step Bridge
-    or stock DCP wrote has no manifest: its files as they lie)."""
-    os.makedirs(local)
+def _small_files(uri: str, where: StorageOptions | None) -> dict[str, bytes]:
+    """The step's ``.metadata`` and Bridge's two files, for Bridge's
+    ``open()``-based reads (the tensors stay where they are): each as the
+    step's commit records it, checksums verified (a step Bridge or stock DCP
+    wrote has no manifest: its files as they lie)."""
     storage = open_storage(uri, storage_options=where)
     try:
         _, manifest = read_checkpoint_metadata(storage)  # a step that is not committed fails here
@@ -456,6 +448,22 @@ def _mirror_small_files(uri: str, local: str, where: StorageOptions | None) -> N
                 blobs[name] = read_commit_file(storage, manifest, name)
     finally:
         storage.close()
-    for name, blob in blobs.items():
-        with open(os.path.join(local, name), "wb") as f:
-            f.write(blob)
+    return blobs
+
+
+def _on_rank_0(fn: Callable[[], Any]) -> Any:
+    """``fn()`` on rank 0, its answer (or its :class:`CheckpointError`) on
+    every rank: one read of storage serves the job, and every rank agrees or
+    every rank raises."""
+    answer: list[Any] = [None]
+    if group_rank(None) == 0:
+        try:
+            answer = [(True, fn())]
+        except CheckpointError as e:
+            answer = [(False, e)]
+    if is_distributed():
+        dist.broadcast_object_list(answer, src=0)
+    ok, value = answer[0]
+    if not ok:
+        raise value
+    return value
