@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ._impl.errors import (
+from dcpstore._impl.errors import (
     BackendUnavailable,
     CheckpointCorrupt,
     CheckpointError,
@@ -39,16 +39,16 @@ from ._impl.errors import (
     StoragePermissionError,
     UnsafeCheckpoint,
 )
-from ._impl.first_use import first_use
-from .storage import StorageOptions, open_storage
+from dcpstore._impl.first_use import first_use
+from dcpstore.storage import StorageOptions, open_storage
 
 if TYPE_CHECKING:
-    from ._impl.api import load, save
-    from ._impl.dropin import StorageReader, StorageWriter
-    from ._impl.engines.saver import AsyncSaver
-    from ._impl.handle import CheckpointInfo, SaveHandle
-    from ._impl.manager import CheckpointManager
-    from ._impl.options import LoadOptions, SaveOptions
+    from dcpstore._impl.api import load, save
+    from dcpstore._impl.dropin import StorageReader, StorageWriter
+    from dcpstore._impl.engines.saver import AsyncSaver
+    from dcpstore._impl.handle import CheckpointInfo, SaveHandle
+    from dcpstore._impl.manager import CheckpointManager
+    from dcpstore._impl.options import LoadOptions, SaveOptions
 
 __version__ = "0.1.0"
 

@@ -4,6 +4,6 @@
 
 import sys
 
-from ._impl.cli import main
+from dcpstore._impl.cli import main
 
 sys.exit(main())

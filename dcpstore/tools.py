@@ -18,14 +18,14 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from ._impl.first_use import first_use
-from ._impl.listing import CheckpointEntry, GcReport, list_checkpoints
-from ._impl.listing import gc as _collect
-from ._impl.storage import StorageOptions
-from ._impl.storage.registry import opened
+from dcpstore._impl.first_use import first_use
+from dcpstore._impl.listing import CheckpointEntry, GcReport, list_checkpoints
+from dcpstore._impl.listing import gc as _collect
+from dcpstore._impl.storage import StorageOptions
+from dcpstore._impl.storage.registry import opened
 
 if TYPE_CHECKING:
-    from ._impl.maintenance import VerifyReport, commit_file, inspect, verify
+    from dcpstore._impl.maintenance import VerifyReport, commit_file, inspect, verify
 
 __all__ = ["CheckpointEntry", "GcReport", "VerifyReport", "commit_file", "gc", "inspect", "ls", "verify"]
 

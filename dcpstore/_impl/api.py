@@ -26,20 +26,20 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 
-from .dcp.commit.session import check_commit_files
-from .dcp.failures import save_error
-from .dcp.load import load_state_dict
-from .dcp.state_checks import check_saveable
-from .dcp.writer import save_state_dict
-from .engines.leftovers import with_leftovers
-from .engines.saver import default_saver
-from .errors import CheckpointError, InvalidArgument
-from .handle import CheckpointInfo, SaveHandle
-from .keywords import hint_keywords
-from .option_keywords import given_keywords, resolve_options
-from .options import LoadOptions, SaveOptions, rank_label, shows_progress
-from .progress import Progress
-from .storage import StorageOptions, open_storage
+from dcpstore._impl.dcp.commit.session import check_commit_files
+from dcpstore._impl.dcp.failures import save_error
+from dcpstore._impl.dcp.load import load_state_dict
+from dcpstore._impl.dcp.state_checks import check_saveable
+from dcpstore._impl.dcp.writer import save_state_dict
+from dcpstore._impl.engines.leftovers import with_leftovers
+from dcpstore._impl.engines.saver import default_saver
+from dcpstore._impl.errors import CheckpointError, InvalidArgument
+from dcpstore._impl.handle import CheckpointInfo, SaveHandle
+from dcpstore._impl.keywords import hint_keywords
+from dcpstore._impl.option_keywords import given_keywords, resolve_options
+from dcpstore._impl.options import LoadOptions, SaveOptions, rank_label, shows_progress
+from dcpstore._impl.progress import Progress
+from dcpstore._impl.storage import StorageOptions, open_storage
 
 log = logging.getLogger(__name__)
 

@@ -27,13 +27,13 @@ from typing import Any
 
 from tqdm import tqdm
 
-from .errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound, UnsafeCheckpoint
-from .listing import TierRow, list_checkpoints, list_tiers
-from .listing import gc as collect
-from .storage import Storage, open_storage
-from .storage.overlap import Role, check_roles
-from .storage.secrets import scrub
-from .units import human_bytes, parse_size
+from dcpstore._impl.errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound, UnsafeCheckpoint
+from dcpstore._impl.listing import TierRow, list_checkpoints, list_tiers
+from dcpstore._impl.listing import gc as collect
+from dcpstore._impl.storage import Storage, open_storage
+from dcpstore._impl.storage.overlap import Role, check_roles
+from dcpstore._impl.storage.secrets import scrub
+from dcpstore._impl.units import human_bytes, parse_size
 
 #: What ``FILES`` counts in ``ls``, and what ``inspect`` lists.
 LS_FILES = "FILES counts every file of a checkpoint: data files, .metadata, the manifest and markers"

@@ -39,19 +39,19 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from .torch_compat import ExtensionRegistry, StreamTransformExtension
-from .dcp.load_progress import LoadProgress
-from .dcp.reader import DcpStorageReader
-from .dcp.writer import DcpStorageWriter
-from .engines.exit import Stage, watch
-from .engines.leftovers import Leftovers, with_leftovers
-from .engines.staging import Staging
-from .errors import CheckpointError, InvalidArgument
-from .option_keywords import O, resolve_options
-from .options import AUTO, LoadOptions, SaveOptions
-from .progress import NO_PROGRESS
-from .storage import Storage, StorageOptions, open_storage
-from .storage.registry import registered_backends, restore_backends
+from dcpstore._impl.torch_compat import ExtensionRegistry, StreamTransformExtension
+from dcpstore._impl.dcp.load_progress import LoadProgress
+from dcpstore._impl.dcp.reader import DcpStorageReader
+from dcpstore._impl.dcp.writer import DcpStorageWriter
+from dcpstore._impl.engines.exit import Stage, watch
+from dcpstore._impl.engines.leftovers import Leftovers, with_leftovers
+from dcpstore._impl.engines.staging import Staging
+from dcpstore._impl.errors import CheckpointError, InvalidArgument
+from dcpstore._impl.option_keywords import O, resolve_options
+from dcpstore._impl.options import AUTO, LoadOptions, SaveOptions
+from dcpstore._impl.progress import NO_PROGRESS
+from dcpstore._impl.storage import Storage, StorageOptions, open_storage
+from dcpstore._impl.storage.registry import registered_backends, restore_backends
 
 #: What to use instead of s3torchconnector's arguments that select its own
 #: client and readers.

@@ -19,8 +19,8 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import Any
 
-from .storage import Storage
-from .units import human_bytes
+from dcpstore._impl.storage import Storage
+from dcpstore._impl.units import human_bytes
 
 
 @dataclass

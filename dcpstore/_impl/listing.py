@@ -17,14 +17,14 @@ import posixpath
 import time
 from dataclasses import dataclass, field
 
-from .dcp.commit import alive_tag, is_leftover, is_marker, read_commit, remove_leftovers, several_saves, unnamed
-from .errors import CheckpointError, StorageNotFound
-from .format.inflight import LEASE_S, decode_owner, is_alive_file, is_running, write_is_stale
-from .format.layout import METADATA, checkpoint_dir, is_commit_file, name_tag, split_data_path
-from .format.manifest import SMALL_FILE_LIMIT, read_capped
-from .storage import Storage
-from .storage.base import ObjectInfo
-from .storage.uri import join_uri, parse_uri
+from dcpstore._impl.dcp.commit import alive_tag, is_leftover, is_marker, read_commit, remove_leftovers, several_saves, unnamed
+from dcpstore._impl.errors import CheckpointError, StorageNotFound
+from dcpstore._impl.format.inflight import LEASE_S, decode_owner, is_alive_file, is_running, write_is_stale
+from dcpstore._impl.format.layout import METADATA, checkpoint_dir, is_commit_file, name_tag, split_data_path
+from dcpstore._impl.format.manifest import SMALL_FILE_LIMIT, read_capped
+from dcpstore._impl.storage import Storage
+from dcpstore._impl.storage.base import ObjectInfo
+from dcpstore._impl.storage.uri import join_uri, parse_uri
 
 
 @dataclass

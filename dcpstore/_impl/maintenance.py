@@ -19,16 +19,16 @@ from typing import Any
 import crc32c
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
 
-from .torch_compat import StorageInfo
-from .dcp.commit.read import read_checkpoint_metadata, read_commit_file
-from .dcp.item_checks import ItemChecks, item_label
-from .errors import CheckpointCorrupt, CheckpointNotFound, StorageNotFound, UnsafeCheckpoint
-from .format.layout import is_data_file, item_key
-from .format.manifest import Manifest, commit_files
-from .format.record_zip import RecordBytes
-from .listing import CheckpointEntry, GcReport, gc, list_checkpoints
-from .storage import MiB, Storage, StorageOptions
-from .storage.registry import opened
+from dcpstore._impl.torch_compat import StorageInfo
+from dcpstore._impl.dcp.commit.read import read_checkpoint_metadata, read_commit_file
+from dcpstore._impl.dcp.item_checks import ItemChecks, item_label
+from dcpstore._impl.errors import CheckpointCorrupt, CheckpointNotFound, StorageNotFound, UnsafeCheckpoint
+from dcpstore._impl.format.layout import is_data_file, item_key
+from dcpstore._impl.format.manifest import Manifest, commit_files
+from dcpstore._impl.format.record_zip import RecordBytes
+from dcpstore._impl.listing import CheckpointEntry, GcReport, gc, list_checkpoints
+from dcpstore._impl.storage import MiB, Storage, StorageOptions
+from dcpstore._impl.storage.registry import opened
 
 __all__ = [
     "CheckpointEntry",

@@ -25,11 +25,11 @@ import inspect
 from collections.abc import Callable, Collection, Mapping
 from typing import Any, TypeVar
 
-from .errors import InvalidArgument
-from .keywords import unknown_keyword_message
-from .options import OPTION_DEFAULTS, InvalidOption, LoadOptions, SaveOptions, warn_spread_deprecated
-from .quiet import warn_deprecated
-from .storage import StorageOptions, check_spread_prefixes, with_msc
+from dcpstore._impl.errors import InvalidArgument
+from dcpstore._impl.keywords import unknown_keyword_message
+from dcpstore._impl.options import OPTION_DEFAULTS, InvalidOption, LoadOptions, SaveOptions, warn_spread_deprecated
+from dcpstore._impl.quiet import warn_deprecated
+from dcpstore._impl.storage import StorageOptions, check_spread_prefixes, with_msc
 
 O = TypeVar("O", SaveOptions, LoadOptions)
 

@@ -34,9 +34,9 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 
-from .errors import InvalidArgument
-from .quiet import warn_deprecated
-from .storage import StorageOptions, check_spread_prefixes, with_msc
+from dcpstore._impl.errors import InvalidArgument
+from dcpstore._impl.quiet import warn_deprecated
+from dcpstore._impl.storage import StorageOptions, check_spread_prefixes, with_msc
 
 @dataclass(frozen=True)
 class EngineSpec:

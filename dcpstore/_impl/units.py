@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from .errors import InvalidArgument
+from dcpstore._impl.errors import InvalidArgument
 
 _UNITS = {
     "": 1, "b": 1,

@@ -56,15 +56,15 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from .._impl.torch_compat import flatten_state_dict, set_element, tree_map_only
-from .._impl.api import load, save
-from .._impl.dcp.commit.read import read_checkpoint_metadata
-from .._impl.errors import InvalidArgument, StateDictMismatch
-from .._impl.handle import SaveHandle
-from .._impl.manager import CheckpointManager
-from .._impl.storage import open_storage
-from .._impl.adapters.megatron_formats import DEFAULT_FORMAT, check_format
-from .._impl.adapters.megatron_formats import FORMATS as FORMATS  # the table save_app_state and load_app_state accept
+from dcpstore._impl.torch_compat import flatten_state_dict, set_element, tree_map_only
+from dcpstore._impl.api import load, save
+from dcpstore._impl.dcp.commit.read import read_checkpoint_metadata
+from dcpstore._impl.errors import InvalidArgument, StateDictMismatch
+from dcpstore._impl.handle import SaveHandle
+from dcpstore._impl.manager import CheckpointManager
+from dcpstore._impl.storage import open_storage
+from dcpstore._impl.adapters.megatron_formats import DEFAULT_FORMAT, check_format
+from dcpstore._impl.adapters.megatron_formats import FORMATS as FORMATS  # the table save_app_state and load_app_state accept
 
 MODEL = "model"
 OPTIMIZER = "optimizer"

@@ -78,12 +78,12 @@ from torch.distributed.tensor import DTensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from .._impl.dcp.commit import delete_checkpoint
-from .._impl.dcp.commit.read import read_checkpoint_metadata, read_commit_file
-from .._impl.errors import InvalidArgument
-from .._impl.format.layout import METADATA
-from .._impl.storage import parse_uri
-from .._impl.adapters.dropins import DropinOptions
+from dcpstore._impl.dcp.commit import delete_checkpoint
+from dcpstore._impl.dcp.commit.read import read_checkpoint_metadata, read_commit_file
+from dcpstore._impl.errors import InvalidArgument
+from dcpstore._impl.format.layout import METADATA
+from dcpstore._impl.storage import parse_uri
+from dcpstore._impl.adapters.dropins import DropinOptions
 
 log = logging.getLogger(__name__)
 

@@ -16,17 +16,17 @@
 
 from __future__ import annotations
 
-from .._impl.adapters.megatron_async import FileSystemWriterAsync
-from .._impl.adapters.megatron_bridge import BRIDGE_HOOKS, install_in_bridge, megatron_msc_enabled
-from .._impl.adapters.megatron_config import (
+from dcpstore._impl.adapters.megatron_async import FileSystemWriterAsync
+from dcpstore._impl.adapters.megatron_bridge import BRIDGE_HOOKS, install_in_bridge, megatron_msc_enabled
+from dcpstore._impl.adapters.megatron_config import (
     BRIDGE_FIELDS,
     DCPSTORE_FIELDS,
     DEPRECATED_FIELDS,
     CheckpointConfig,
     plan_caching_supported,
 )
-from .._impl.adapters.megatron_formats import DEFAULT_FORMAT, FORMATS, StateDictFormat, check_format
-from .._impl.adapters.megatron_manager import BridgeCheckpointManager
+from dcpstore._impl.adapters.megatron_formats import DEFAULT_FORMAT, FORMATS, StateDictFormat, check_format
+from dcpstore._impl.adapters.megatron_manager import BridgeCheckpointManager
 
 __all__ = [
     "BRIDGE_FIELDS",

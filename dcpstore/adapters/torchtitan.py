@@ -72,12 +72,12 @@ from torchtitan.components.checkpointer.dcp import AsyncMode
 from torchtitan.tools import filesystem
 from torchtitan.tools.utils import GarbageCollection
 
-from .._impl.dcp.commit import delete_checkpoint
-from .._impl.errors import CheckpointNotFound, InvalidArgument
-from .._impl.format.layout import METADATA
-from .._impl.manager.steps import StepLayout, committed_steps
-from .._impl.storage import Storage
-from .._impl.adapters.dropins import DropinOptions
+from dcpstore._impl.dcp.commit import delete_checkpoint
+from dcpstore._impl.errors import CheckpointNotFound, InvalidArgument
+from dcpstore._impl.format.layout import METADATA
+from dcpstore._impl.manager.steps import StepLayout, committed_steps
+from dcpstore._impl.storage import Storage
+from dcpstore._impl.adapters.dropins import DropinOptions
 
 #: The methods :func:`install` shadows on the instance.
 PATCHED = ("dcp_save", "dcp_load", "_find_load_step", "_load", "_purge_stale_checkpoints", "_wait_for_saving", "_close")

@@ -18,11 +18,11 @@ The built-in backends (local POSIX, S3, MSC, fsspec) and the kit they are
 built from live in ``dcpstore._impl.storage``, free to change.
 """
 
-from .._impl.storage.base import ObjectInfo, ObjectWriter, Storage
-from .._impl.storage.options import MiB, StorageOptions
-from .._impl.storage.buffered import BufferedObjectWriter
-from .._impl.storage.registry import open_storage, register_backend
-from .._impl.storage.uri import StorageURL
+from dcpstore._impl.storage.base import ObjectInfo, ObjectWriter, Storage
+from dcpstore._impl.storage.options import MiB, StorageOptions
+from dcpstore._impl.storage.buffered import BufferedObjectWriter
+from dcpstore._impl.storage.registry import open_storage, register_backend
+from dcpstore._impl.storage.uri import StorageURL
 
 __all__ = [
     "BufferedObjectWriter",

@@ -10,10 +10,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..dropin import StorageReader, StorageWriter
-from ..errors import InvalidArgument
-from ..options import LoadOptions, SaveOptions
-from ..storage import Storage, StorageOptions, open_storage, with_msc
+from dcpstore._impl.dropin import StorageReader, StorageWriter
+from dcpstore._impl.errors import InvalidArgument
+from dcpstore._impl.options import LoadOptions, SaveOptions
+from dcpstore._impl.storage import Storage, StorageOptions, open_storage, with_msc
 
 
 @dataclass(frozen=True)

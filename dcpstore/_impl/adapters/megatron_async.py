@@ -85,16 +85,16 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from ..torch_compat import DistWrapper, StreamTransformExtension
-from ..dcp.failures import describe_failure
-from ..dcp.writer import DcpStorageWriter
-from ..dropin import check_writer_args
-from ..errors import InvalidArgument, SaveError
-from ..handle import SaveStats
-from ..option_keywords import resolve_options
-from ..options import SaveOptions
-from ..storage import Storage, StorageOptions, open_storage, with_msc
-from .megatron_worker import Bucket, Preload, WorkerJob, read_results, write_buckets
+from dcpstore._impl.torch_compat import DistWrapper, StreamTransformExtension
+from dcpstore._impl.dcp.failures import describe_failure
+from dcpstore._impl.dcp.writer import DcpStorageWriter
+from dcpstore._impl.dropin import check_writer_args
+from dcpstore._impl.errors import InvalidArgument, SaveError
+from dcpstore._impl.handle import SaveStats
+from dcpstore._impl.option_keywords import resolve_options
+from dcpstore._impl.options import SaveOptions
+from dcpstore._impl.storage import Storage, StorageOptions, open_storage, with_msc
+from dcpstore._impl.adapters.megatron_worker import Bucket, Preload, WorkerJob, read_results, write_buckets
 
 log = logging.getLogger(__name__)
 

@@ -36,11 +36,11 @@ from pathlib import PurePosixPath
 from types import ModuleType
 from typing import Any
 
-from ..dropin import StorageReader, StorageWriter
-from ..errors import InvalidArgument
-from ..options import LoadOptions, SaveOptions
-from ..storage import StorageOptions, with_msc
-from .megatron_async import FileSystemWriterAsync
+from dcpstore._impl.dropin import StorageReader, StorageWriter
+from dcpstore._impl.errors import InvalidArgument
+from dcpstore._impl.options import LoadOptions, SaveOptions
+from dcpstore._impl.storage import StorageOptions, with_msc
+from dcpstore._impl.adapters.megatron_async import FileSystemWriterAsync
 
 #: The names in ``megatron.bridge.training.checkpointing`` (0.6.2) that its
 #: ``fsdp_dtensor`` saves and loads reach storage through.

@@ -73,16 +73,16 @@ from typing import Any, NoReturn
 
 import torch.distributed as dist
 
-from ..engines.choice import engine_problem
-from ..errors import CheckpointError, CheckpointNotFound, InvalidArgument
-from ..keywords import hint_keywords, unknown_keyword_message
-from ..manager import LAYOUTS, CheckpointManager, check_step
-from ..manager.roots import coordinator_rank, group_rank, is_distributed
-from ..option_keywords import resolve_options, warn_deprecated_keyword
-from ..options import AUTO, SaveOptions, save_option_problems
-from ..storage import StorageOptions, backend_class, backend_name, parse_uri, with_msc
-from .megatron_bridge import megatron_msc_enabled
-from .megatron_formats import FORMATS
+from dcpstore._impl.engines.choice import engine_problem
+from dcpstore._impl.errors import CheckpointError, CheckpointNotFound, InvalidArgument
+from dcpstore._impl.keywords import hint_keywords, unknown_keyword_message
+from dcpstore._impl.manager import LAYOUTS, CheckpointManager, check_step
+from dcpstore._impl.manager.roots import coordinator_rank, group_rank, is_distributed
+from dcpstore._impl.option_keywords import resolve_options, warn_deprecated_keyword
+from dcpstore._impl.options import AUTO, SaveOptions, save_option_problems
+from dcpstore._impl.storage import StorageOptions, backend_class, backend_name, parse_uri, with_msc
+from dcpstore._impl.adapters.megatron_bridge import megatron_msc_enabled
+from dcpstore._impl.adapters.megatron_formats import FORMATS
 
 
 #: save()'s keyword -> the config field that feeds it, for error messages.

@@ -67,17 +67,17 @@ from typing import Any, ClassVar, cast
 import torch
 import torch.distributed as dist
 
-from ..errors import CheckpointError, CheckpointNotFound, InvalidArgument
-from ..format.layout import METADATA
-from ..dcp.commit.read import read_checkpoint_metadata, read_commit_file
-from ..manager import BRIDGE, CheckpointManager, SavedStep
-from ..manager.roots import group_rank, is_distributed
-from ..manager.steps import committed_steps
-from ..options import LoadOptions, SaveOptions
-from ..storage import StorageOptions, join_uri, open_storage
-from ..dropin import StorageReader
-from .megatron_bridge import BridgeRoots
-from .megatron_config import CheckpointConfig
+from dcpstore._impl.errors import CheckpointError, CheckpointNotFound, InvalidArgument
+from dcpstore._impl.format.layout import METADATA
+from dcpstore._impl.dcp.commit.read import read_checkpoint_metadata, read_commit_file
+from dcpstore._impl.manager import BRIDGE, CheckpointManager, SavedStep
+from dcpstore._impl.manager.roots import group_rank, is_distributed
+from dcpstore._impl.manager.steps import committed_steps
+from dcpstore._impl.options import LoadOptions, SaveOptions
+from dcpstore._impl.storage import StorageOptions, join_uri, open_storage
+from dcpstore._impl.dropin import StorageReader
+from dcpstore._impl.adapters.megatron_bridge import BridgeRoots
+from dcpstore._impl.adapters.megatron_config import CheckpointConfig
 
 log = logging.getLogger(__name__)
 

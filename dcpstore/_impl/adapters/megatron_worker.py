@@ -32,14 +32,14 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
-from ..torch_compat import StorageWriterTransforms, StreamTransformExtension
-from ..dcp.commit.session import ItemRecord, SaveSession
-from ..dcp.failures import describe_failure
-from ..dcp.owner_gate import OwnerGate, run_gated
-from ..dcp.data_files import file_size_hint, write_data_file
-from ..format.record import compact_cpu_tensor
-from ..progress import NO_PROGRESS
-from ..storage import Storage, StorageOptions, open_storage
+from dcpstore._impl.torch_compat import StorageWriterTransforms, StreamTransformExtension
+from dcpstore._impl.dcp.commit.session import ItemRecord, SaveSession
+from dcpstore._impl.dcp.failures import describe_failure
+from dcpstore._impl.dcp.owner_gate import OwnerGate, run_gated
+from dcpstore._impl.dcp.data_files import file_size_hint, write_data_file
+from dcpstore._impl.format.record import compact_cpu_tensor
+from dcpstore._impl.progress import NO_PROGRESS
+from dcpstore._impl.storage import Storage, StorageOptions, open_storage
 
 log = logging.getLogger(__name__)
 

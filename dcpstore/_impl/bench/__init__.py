@@ -38,14 +38,14 @@ from typing import Any
 
 from tqdm import tqdm
 
-from ..options import ENGINES
-from ..storage import join_uri, parse_uri
-from ..units import human_bytes, parse_size
-from .entries import DcpstoreEntry, TieredEntry
-from .interference import DcpstoreRow, StepWork, describe, measure
-from .limits import RawFiles, s3_sweep
-from .measure import make_state, parse_int_list, zeros_like_state
-from .runner import RECORD_KEYS, Entry, Record, SaveOutcome, Skip, Waiter, done, measure_all, run_entry, summarize
+from dcpstore._impl.options import ENGINES
+from dcpstore._impl.storage import join_uri, parse_uri
+from dcpstore._impl.units import human_bytes, parse_size
+from dcpstore._impl.bench.entries import DcpstoreEntry, TieredEntry
+from dcpstore._impl.bench.interference import DcpstoreRow, StepWork, describe, measure
+from dcpstore._impl.bench.limits import RawFiles, s3_sweep
+from dcpstore._impl.bench.measure import make_state, parse_int_list, zeros_like_state
+from dcpstore._impl.bench.runner import RECORD_KEYS, Entry, Record, SaveOutcome, Skip, Waiter, done, measure_all, run_entry, summarize
 
 __all__ = [
     "RECORD_KEYS",

@@ -16,14 +16,14 @@ from typing import Any
 
 import torch
 
-from ..api import load, save
-from ..engines.saver import AsyncSaver
-from ..manager import CheckpointManager
-from ..options import SaveOptions
-from ..dcp.commit import delete_everything
-from ..errors import BackendUnavailable, InvalidArgument
-from ..storage import Storage, StorageOptions, join_uri, open_storage, with_msc
-from .runner import Entry, SaveOutcome, Skip, Waiter
+from dcpstore._impl.api import load, save
+from dcpstore._impl.engines.saver import AsyncSaver
+from dcpstore._impl.manager import CheckpointManager
+from dcpstore._impl.options import SaveOptions
+from dcpstore._impl.dcp.commit import delete_everything
+from dcpstore._impl.errors import BackendUnavailable, InvalidArgument
+from dcpstore._impl.storage import Storage, StorageOptions, join_uri, open_storage, with_msc
+from dcpstore._impl.bench.runner import Entry, SaveOutcome, Skip, Waiter
 
 
 def _not_built(e: BackendUnavailable) -> str | None:

@@ -55,12 +55,12 @@ from typing import Any, Protocol
 
 import torch
 
-from ..api import save
-from ..storage import join_uri, open_storage, parse_uri
-from ..units import human_bytes
-from ..engines.choice import engine_problem
-from .entries import open_root
-from .runner import SKIP_ERRORS, Skip
+from dcpstore._impl.api import save
+from dcpstore._impl.storage import join_uri, open_storage, parse_uri
+from dcpstore._impl.units import human_bytes
+from dcpstore._impl.engines.choice import engine_problem
+from dcpstore._impl.bench.entries import open_root
+from dcpstore._impl.bench.runner import SKIP_ERRORS, Skip
 
 log = logging.getLogger(__name__)
 

@@ -40,8 +40,8 @@ from typing import Any
 
 import torch
 
-from ..units import human_bytes
-from .runner import Entry, Skip, Waiter, done
+from dcpstore._impl.units import human_bytes
+from dcpstore._impl.bench.runner import Entry, Skip, Waiter, done
 
 MiB = 1 << 20
 

@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from ..units import human_bytes
-from .limits import best_limits, limit_ratios
-from .runner import Record, summarize
+from dcpstore._impl.units import human_bytes
+from dcpstore._impl.bench.limits import best_limits, limit_ratios
+from dcpstore._impl.bench.runner import Record, summarize
 
 
 def _fmt(value: float | None, spec: str) -> str:

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from .measure import PeakRSS, Stopwatch, drop_page_cache, state_bytes, states_equal, zero_state
+from dcpstore._impl.bench.measure import PeakRSS, Stopwatch, drop_page_cache, state_bytes, states_equal, zero_state
 
 log = logging.getLogger(__name__)
 

@@ -19,15 +19,15 @@ import torch
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from ..torch_compat import StorageWriterTransforms
-from ..errors import SaveError
-from ..format.layout import spread_file_prefix
-from ..format.record import RecordStream, compact_cpu_tensor, encode_item
-from ..handle import SaveStats
-from ..progress import Progress
-from ..storage import Storage
-from .commit.session import ItemRecord
-from .owner_gate import OwnerGate
+from dcpstore._impl.torch_compat import StorageWriterTransforms
+from dcpstore._impl.errors import SaveError
+from dcpstore._impl.format.layout import spread_file_prefix
+from dcpstore._impl.format.record import RecordStream, compact_cpu_tensor, encode_item
+from dcpstore._impl.handle import SaveStats
+from dcpstore._impl.progress import Progress
+from dcpstore._impl.storage import Storage
+from dcpstore._impl.dcp.commit.session import ItemRecord
+from dcpstore._impl.dcp.owner_gate import OwnerGate
 
 #: About what a tensor record adds to its bytes (zip headers, pickle,
 #: alignment; ~1.3 KiB measured), rounded up.

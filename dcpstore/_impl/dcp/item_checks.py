@@ -35,13 +35,13 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
-from ..torch_compat import StorageInfo, StorageReaderTransforms
-from ..errors import CheckpointCorrupt
-from ..format.layout import item_key
-from ..format.record import BYTES_ITEM_LIMIT, RECORD_OVERHEAD, decode_item, item_tensor
-from ..format.record_zip import RecordBytes, RecordError, check_raw_location, check_stored
-from ..format.safe_pickle import RECORD_PEEK_MIN, TOOLS, Trust, check_record_end, load_object
-from ..storage import Storage
+from dcpstore._impl.torch_compat import StorageInfo, StorageReaderTransforms
+from dcpstore._impl.errors import CheckpointCorrupt
+from dcpstore._impl.format.layout import item_key
+from dcpstore._impl.format.record import BYTES_ITEM_LIMIT, RECORD_OVERHEAD, decode_item, item_tensor
+from dcpstore._impl.format.record_zip import RecordBytes, RecordError, check_raw_location, check_stored
+from dcpstore._impl.format.safe_pickle import RECORD_PEEK_MIN, TOOLS, Trust, check_record_end, load_object
+from dcpstore._impl.storage import Storage
 
 #: Tensors smaller than this are read with their record into scratch and
 #: copied out (measured on 20,000 x 3 KiB tensors); larger ones land in the

@@ -15,17 +15,17 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-from ..errors import CheckpointError
-from ..handle import LoadStats
-from ..options import LoadOptions
-from ..progress import NO_PROGRESS, Progress
-from ..quiet import ignoring
-from ..storage import Storage
-from .failures import load_error
-from .load_progress import NO_CHANGES, LoadProgress, changes_of
-from .reader import REPLACED, RETRIED, DcpStorageReader
-from .state_checks import check_top_level_keys
-from .writer import NO_DIST_WARNING
+from dcpstore._impl.errors import CheckpointError
+from dcpstore._impl.handle import LoadStats
+from dcpstore._impl.options import LoadOptions
+from dcpstore._impl.progress import NO_PROGRESS, Progress
+from dcpstore._impl.quiet import ignoring
+from dcpstore._impl.storage import Storage
+from dcpstore._impl.dcp.failures import load_error
+from dcpstore._impl.dcp.load_progress import NO_CHANGES, LoadProgress, changes_of
+from dcpstore._impl.dcp.reader import REPLACED, RETRIED, DcpStorageReader
+from dcpstore._impl.dcp.state_checks import check_top_level_keys
+from dcpstore._impl.dcp.writer import NO_DIST_WARNING
 
 log = logging.getLogger(__name__)
 

@@ -31,8 +31,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from ..errors import SaveError
-from ..threads import run_parallel
+from dcpstore._impl.errors import SaveError
+from dcpstore._impl.threads import run_parallel
 
 T = TypeVar("T")
 R = TypeVar("R")

@@ -30,9 +30,9 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
-from ..torch_compat import StorageInfo
-from ..errors import CheckpointCorrupt
-from ..format.layout import item_key
+from dcpstore._impl.torch_compat import StorageInfo
+from dcpstore._impl.errors import CheckpointCorrupt
+from dcpstore._impl.format.layout import item_key
 
 #: One read request and where its item lies.
 Request = tuple[ReadItem, StorageInfo]

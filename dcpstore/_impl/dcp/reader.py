@@ -52,23 +52,23 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from ..torch_compat import ExtensionRegistry, StorageInfo, StorageReaderTransforms
-from ..errors import CheckpointCorrupt, CheckpointNotFound, StateDictMismatch, StorageNotFound
-from ..format.bitcopy import copy_values
-from ..format.layout import MANIFEST, METADATA, item_key
-from ..format.manifest import Manifest
-from ..format.record_zip import RecordBytes
-from ..format.safe_pickle import Trust
-from ..options import check_workers
-from ..progress import NO_PROGRESS, Progress
-from ..storage import Storage
-from ..threads import run_parallel
-from .commit.read import commit_replaced, read_checkpoint_metadata
-from .item_checks import SMALL_TENSOR_COPY, ItemChecks
-from .load_progress import NO_CHANGES, Changes, LoadProgress
-from .read_plan import Direct, DirectRun, Request, Span, plan_reads, scatter_groups
-from .state_checks import load_mismatches
-from .writer import rebind, serves
+from dcpstore._impl.torch_compat import ExtensionRegistry, StorageInfo, StorageReaderTransforms
+from dcpstore._impl.errors import CheckpointCorrupt, CheckpointNotFound, StateDictMismatch, StorageNotFound
+from dcpstore._impl.format.bitcopy import copy_values
+from dcpstore._impl.format.layout import MANIFEST, METADATA, item_key
+from dcpstore._impl.format.manifest import Manifest
+from dcpstore._impl.format.record_zip import RecordBytes
+from dcpstore._impl.format.safe_pickle import Trust
+from dcpstore._impl.options import check_workers
+from dcpstore._impl.progress import NO_PROGRESS, Progress
+from dcpstore._impl.storage import Storage
+from dcpstore._impl.threads import run_parallel
+from dcpstore._impl.dcp.commit.read import commit_replaced, read_checkpoint_metadata
+from dcpstore._impl.dcp.item_checks import SMALL_TENSOR_COPY, ItemChecks
+from dcpstore._impl.dcp.load_progress import NO_CHANGES, Changes, LoadProgress
+from dcpstore._impl.dcp.read_plan import Direct, DirectRun, Request, Span, plan_reads, scatter_groups
+from dcpstore._impl.dcp.state_checks import load_mismatches
+from dcpstore._impl.dcp.writer import rebind, serves
 
 log = logging.getLogger(__name__)
 

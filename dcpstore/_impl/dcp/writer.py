@@ -68,16 +68,16 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from ..torch_compat import DistWrapper, StoragePrefix, StorageWriterTransforms, StreamTransformExtension
-from ..errors import CheckpointError, CheckpointExists, InvalidArgument, SaveError
-from ..handle import SaveStats
-from ..option_keywords import storage_spread
-from ..options import SaveOptions, check_workers
-from ..progress import NO_PROGRESS, Progress
-from ..quiet import ignoring
-from ..storage import Storage, backend_name, parse_uri
-from .commit.session import SaveSession, check_commit_files
-from .data_files import (
+from dcpstore._impl.torch_compat import DistWrapper, StoragePrefix, StorageWriterTransforms, StreamTransformExtension
+from dcpstore._impl.errors import CheckpointError, CheckpointExists, InvalidArgument, SaveError
+from dcpstore._impl.handle import SaveStats
+from dcpstore._impl.option_keywords import storage_spread
+from dcpstore._impl.options import SaveOptions, check_workers
+from dcpstore._impl.progress import NO_PROGRESS, Progress
+from dcpstore._impl.quiet import ignoring
+from dcpstore._impl.storage import Storage, backend_name, parse_uri
+from dcpstore._impl.dcp.commit.session import SaveSession, check_commit_files
+from dcpstore._impl.dcp.data_files import (
     file_size_hint,
     item_nbytes,
     rank_prefix,
@@ -86,8 +86,8 @@ from .data_files import (
     write_data_file,
     write_stats,
 )
-from .failures import describe_failure
-from .owner_gate import OwnerGate, run_gated
+from dcpstore._impl.dcp.failures import describe_failure
+from dcpstore._impl.dcp.owner_gate import OwnerGate, run_gated
 
 #: DCP warns on every call made without an initialised process group; a
 #: single-process save or load is a supported, deliberate use here.

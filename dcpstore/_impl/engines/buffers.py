@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from ..errors import InvalidArgument, SaveError
-from .slab import Slab, aligned, view_at
+from dcpstore._impl.errors import InvalidArgument, SaveError
+from dcpstore._impl.engines.slab import Slab, aligned, view_at
 
 
 @dataclass(frozen=True)

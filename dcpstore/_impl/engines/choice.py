@@ -20,11 +20,11 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from ..errors import BackendUnavailable, EngineFallbackWarning, InvalidArgument, SaveError
-from ..options import AUTO, AUTO_ORDER, ENGINE_CHOICES, ENGINES
-from ..quiet import user_stacklevel
-from ..storage import Storage
-from .registry import engine_class
+from dcpstore._impl.errors import BackendUnavailable, EngineFallbackWarning, InvalidArgument, SaveError
+from dcpstore._impl.options import AUTO, AUTO_ORDER, ENGINE_CHOICES, ENGINES
+from dcpstore._impl.quiet import user_stacklevel
+from dcpstore._impl.storage import Storage
+from dcpstore._impl.engines.registry import engine_class
 
 
 def select_engine(engine: str, storage: Storage) -> str:

@@ -20,9 +20,9 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..errors import CheckpointError, SaveError
-from ..storage import Storage
-from ..storage.pending import Unfinished
+from dcpstore._impl.errors import CheckpointError, SaveError
+from dcpstore._impl.storage import Storage
+from dcpstore._impl.storage.pending import Unfinished
 
 log = logging.getLogger(__name__)
 

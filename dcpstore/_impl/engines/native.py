@@ -11,9 +11,9 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import ClassVar
 
-from ..dcp.writer import save_state_dict
-from ..handle import SaveStats
-from .registry import SaveJob
+from dcpstore._impl.dcp.writer import save_state_dict
+from dcpstore._impl.handle import SaveStats
+from dcpstore._impl.engines.registry import SaveJob
 
 
 class NativeEngine:

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from ..format.record import buffer_address, is_raw
+from dcpstore._impl.format.record import buffer_address, is_raw
 
 
 class CheckedTransforms:

@@ -71,17 +71,17 @@ import torch.distributed as dist
 from torch.distributed import TCPStore  # type: ignore[attr-defined]  # torch's stub does not re-export it
 from torch.distributed.distributed_c10d import PrefixStore
 
-from ..dcp.failures import describe_failure, save_error
-from ..dcp.writer import save_state_dict
-from ..errors import SaveError
-from ..handle import SaveStats
-from ..options import SaveOptions
-from ..storage import open_storage
-from ..storage.registry import registered_backends, restore_backends
-from .leftovers import Leftovers, with_leftovers
-from .registry import SaveJob
-from .slab import Slab, map_bytes
-from .staging import SharedState
+from dcpstore._impl.dcp.failures import describe_failure, save_error
+from dcpstore._impl.dcp.writer import save_state_dict
+from dcpstore._impl.errors import SaveError
+from dcpstore._impl.handle import SaveStats
+from dcpstore._impl.options import SaveOptions
+from dcpstore._impl.storage import open_storage
+from dcpstore._impl.storage.registry import registered_backends, restore_backends
+from dcpstore._impl.engines.leftovers import Leftovers, with_leftovers
+from dcpstore._impl.engines.registry import SaveJob
+from dcpstore._impl.engines.slab import Slab, map_bytes
+from dcpstore._impl.engines.staging import SharedState
 
 log = logging.getLogger(__name__)
 

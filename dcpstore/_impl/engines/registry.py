@@ -25,12 +25,12 @@ from typing import ClassVar, Protocol, cast
 
 import torch.distributed as dist
 
-from ..errors import InvalidArgument
-from ..handle import SaveStats
-from ..options import ENGINE_CHOICES, ENGINES, SaveOptions
-from ..progress import Progress
-from ..storage import Storage
-from .staging import StagedState
+from dcpstore._impl.errors import InvalidArgument
+from dcpstore._impl.handle import SaveStats
+from dcpstore._impl.options import ENGINE_CHOICES, ENGINES, SaveOptions
+from dcpstore._impl.progress import Progress
+from dcpstore._impl.storage import Storage
+from dcpstore._impl.engines.staging import StagedState
 
 
 @dataclass

@@ -83,21 +83,21 @@ from concurrent.futures import wait as wait_futures
 from datetime import timedelta
 from typing import Any
 
-from ..dcp.failures import save_error
-from ..errors import InvalidArgument, SaveError
-from ..handle import CheckpointInfo, SaveHandle
-from ..keywords import hint_keywords
-from ..option_keywords import resolve_options
-from ..options import SaveOptions, check_positive, check_workers, rank_label, shows_progress
-from ..progress import Progress
-from ..storage import open_storage
-from ..threads import BackgroundThread
-from . import exit as exit_hook
-from .choice import agree_on_engine, select_engine
-from .groups import BackgroundGroups
-from .leftovers import Leftovers, with_leftovers
-from .registry import Engine, SaveJob, engine_class
-from .staging import Staging
+from dcpstore._impl.dcp.failures import save_error
+from dcpstore._impl.errors import InvalidArgument, SaveError
+from dcpstore._impl.handle import CheckpointInfo, SaveHandle
+from dcpstore._impl.keywords import hint_keywords
+from dcpstore._impl.option_keywords import resolve_options
+from dcpstore._impl.options import SaveOptions, check_positive, check_workers, rank_label, shows_progress
+from dcpstore._impl.progress import Progress
+from dcpstore._impl.storage import open_storage
+from dcpstore._impl.threads import BackgroundThread
+from dcpstore._impl.engines import exit as exit_hook
+from dcpstore._impl.engines.choice import agree_on_engine, select_engine
+from dcpstore._impl.engines.groups import BackgroundGroups
+from dcpstore._impl.engines.leftovers import Leftovers, with_leftovers
+from dcpstore._impl.engines.registry import Engine, SaveJob, engine_class
+from dcpstore._impl.engines.staging import Staging
 
 log = logging.getLogger(__name__)
 

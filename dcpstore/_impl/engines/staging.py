@@ -61,12 +61,12 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from ..torch_compat import Shard, ShardedTensor, storage_use_count
-from ..dcp.state_checks import check_saveable
-from ..errors import InvalidArgument
-from ..format.bitcopy import copy_values
-from .buffers import BufferSet, BufferSpec, StagingPool, allocate, allocate_shared, buffer_spec
-from .slab import Slab, view_at
+from dcpstore._impl.torch_compat import Shard, ShardedTensor, storage_use_count
+from dcpstore._impl.dcp.state_checks import check_saveable
+from dcpstore._impl.errors import InvalidArgument
+from dcpstore._impl.format.bitcopy import copy_values
+from dcpstore._impl.engines.buffers import BufferSet, BufferSpec, StagingPool, allocate, allocate_shared, buffer_spec
+from dcpstore._impl.engines.slab import Slab, view_at
 
 try:  # DTensor and ShardedTensor exist on every torch that dcpstore supports,
     from torch.distributed.tensor import DTensor  # but keep import failures local.

@@ -27,10 +27,10 @@ from typing import Any, TypedDict
 
 import crc32c
 
-from ..errors import CheckpointCorrupt, ObjectTooLarge
-from ..storage.base import Storage
-from .checksum import crc32c_concat
-from .layout import commit_file_of, commit_file_problem, is_data_file, item_key
+from dcpstore._impl.errors import CheckpointCorrupt, ObjectTooLarge
+from dcpstore._impl.storage.base import Storage
+from dcpstore._impl.format.checksum import crc32c_concat
+from dcpstore._impl.format.layout import commit_file_of, commit_file_problem, is_data_file, item_key
 
 MANIFEST_FORMAT = "dcpstore-manifest/1"
 _UINT32 = 1 << 32

@@ -59,13 +59,13 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ..torch_compat import MEM_FORMAT_ENCODING, StorageInfo, get_layout, sharded_tensor_metadata, weights_only_globals
-from ..errors import CheckpointCorrupt, UnsafeCheckpoint
-from ..options import check_safe_globals, check_trusted
-from ..storage.base import Storage
-from .manifest import StoredItem, check_relative_name
-from .peer_paths import stand_ins
-from .record import BYTES_ITEM_LIMIT
+from dcpstore._impl.torch_compat import MEM_FORMAT_ENCODING, StorageInfo, get_layout, sharded_tensor_metadata, weights_only_globals
+from dcpstore._impl.errors import CheckpointCorrupt, UnsafeCheckpoint
+from dcpstore._impl.options import check_safe_globals, check_trusted
+from dcpstore._impl.storage.base import Storage
+from dcpstore._impl.format.manifest import StoredItem, check_relative_name
+from dcpstore._impl.format.peer_paths import stand_ins
+from dcpstore._impl.format.record import BYTES_ITEM_LIMIT
 
 #: A tensor item's ``torch.save`` record is its bytes plus ~1.5 KiB of zip
 #: and pickle; an item declared larger than its tensor by more than this is

@@ -9,8 +9,8 @@ deletion, retention), and where the steps live
 replicated in the background to a durable root).
 """
 
-from .manager import CheckpointManager, SavedStep
-from .steps import (
+from dcpstore._impl.manager.manager import CheckpointManager, SavedStep
+from dcpstore._impl.manager.steps import (
     BRIDGE,
     DCPSTORE,
     LATEST,

@@ -52,21 +52,21 @@ from typing_extensions import deprecated
 import torch.distributed as dist
 from torch.distributed.checkpoint.planner import SavePlanner
 
-from ..api import load_with, save_with
-from ..engines import exit as exit_hook
-from ..engines.choice import engine_problem
-from ..engines.saver import default_saver
-from ..errors import CheckpointExists, InvalidArgument, SaveError
-from ..handle import CheckpointInfo, SaveHandle
-from ..keywords import hint_keywords
-from ..option_keywords import resolve_options
-from ..options import SaveOptions
-from ..quiet import user_stacklevel
-from ..storage import Storage, join_uri, open_storage
-from ..storage.overlap import Role
-from .roles import OPEN
-from .roots import REPLICATE_TIMEOUT_S, OneRoot, Roots
-from .steps import StepLayout, check_layout, check_step
+from dcpstore._impl.api import load_with, save_with
+from dcpstore._impl.engines import exit as exit_hook
+from dcpstore._impl.engines.choice import engine_problem
+from dcpstore._impl.engines.saver import default_saver
+from dcpstore._impl.errors import CheckpointExists, InvalidArgument, SaveError
+from dcpstore._impl.handle import CheckpointInfo, SaveHandle
+from dcpstore._impl.keywords import hint_keywords
+from dcpstore._impl.option_keywords import resolve_options
+from dcpstore._impl.options import SaveOptions
+from dcpstore._impl.quiet import user_stacklevel
+from dcpstore._impl.storage import Storage, join_uri, open_storage
+from dcpstore._impl.storage.overlap import Role
+from dcpstore._impl.manager.roles import OPEN
+from dcpstore._impl.manager.roots import REPLICATE_TIMEOUT_S, OneRoot, Roots
+from dcpstore._impl.manager.steps import StepLayout, check_layout, check_step
 
 log = logging.getLogger(__name__)
 
@@ -202,7 +202,7 @@ class CheckpointManager:
                 raise
             return OneRoot(durable, self.root_uri, self.keep, self.layout)
         # The tiers (threads, a gloo group, node discovery) are imported only by a manager that has them.
-        from .tiers import TieredRoots, check_tier_options
+        from dcpstore._impl.manager.tiers import TieredRoots, check_tier_options
 
         local: Storage | None = None
         try:

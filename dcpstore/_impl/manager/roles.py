@@ -14,7 +14,7 @@ import threading
 import weakref
 from collections.abc import Sequence
 
-from ..storage.overlap import Role, check_roles
+from dcpstore._impl.storage.overlap import Role, check_roles
 
 
 class OpenRoles:

@@ -22,11 +22,11 @@ from typing import Any, Protocol
 
 import torch.distributed as dist
 
-from ..errors import CheckpointNotFound
-from ..format.layout import METADATA
-from ..handle import SaveHandle
-from ..storage import Storage, join_uri
-from .steps import (
+from dcpstore._impl.errors import CheckpointNotFound
+from dcpstore._impl.format.layout import METADATA
+from dcpstore._impl.handle import SaveHandle
+from dcpstore._impl.storage import Storage, join_uri
+from dcpstore._impl.manager.steps import (
     DCPSTORE,
     StepLayout,
     check_step,

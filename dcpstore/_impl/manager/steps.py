@@ -38,11 +38,11 @@ import logging
 import posixpath
 from dataclasses import dataclass
 
-from ..dcp.commit import delete_checkpoint
-from ..errors import CheckpointError, InvalidArgument
-from ..format.layout import METADATA
-from ..format.manifest import SMALL_FILE_LIMIT, read_capped
-from ..storage import Storage
+from dcpstore._impl.dcp.commit import delete_checkpoint
+from dcpstore._impl.errors import CheckpointError, InvalidArgument
+from dcpstore._impl.format.layout import METADATA
+from dcpstore._impl.format.manifest import SMALL_FILE_LIMIT, read_capped
+from dcpstore._impl.storage import Storage
 
 log = logging.getLogger(__name__)
 

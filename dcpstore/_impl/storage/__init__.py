@@ -19,11 +19,11 @@ own library (boto3, multistorageclient, fsspec), those only in that backend's
 modules, which the registry imports on first use. Nothing else of dcpstore.
 """
 
-from .base import ObjectInfo, ObjectWriter, Storage
-from .options import MiB, StorageOptions, check_spread_prefixes
-from .pending import IncompleteWrite
-from .registry import BACKENDS, BackendSpec, backend_class, backend_name, open_storage, with_msc
-from .uri import StorageURL, join_uri, parse_uri, redact
+from dcpstore._impl.storage.base import ObjectInfo, ObjectWriter, Storage
+from dcpstore._impl.storage.options import MiB, StorageOptions, check_spread_prefixes
+from dcpstore._impl.storage.pending import IncompleteWrite
+from dcpstore._impl.storage.registry import BACKENDS, BackendSpec, backend_class, backend_name, open_storage, with_msc
+from dcpstore._impl.storage.uri import StorageURL, join_uri, parse_uri, redact
 
 __all__ = [
     "BACKENDS",

@@ -50,13 +50,13 @@ from typing import Any, ClassVar, TypedDict, TypeVar
 
 from typing_extensions import NotRequired
 
-from ..errors import CheckpointError, ObjectTooLarge, StorageError, StorageNotFound
-from .kit import map_os_error
-from .options import OBJECT_STORE_WORKERS, StorageOptions
-from .pending import IncompleteWrite, Unfinished
-from .pool import RequestPool
-from .secrets import scrub_exception
-from .uri import StorageURL, redact
+from dcpstore._impl.errors import CheckpointError, ObjectTooLarge, StorageError, StorageNotFound
+from dcpstore._impl.storage.kit import map_os_error
+from dcpstore._impl.storage.options import OBJECT_STORE_WORKERS, StorageOptions
+from dcpstore._impl.storage.pending import IncompleteWrite, Unfinished
+from dcpstore._impl.storage.pool import RequestPool
+from dcpstore._impl.storage.secrets import scrub_exception
+from dcpstore._impl.storage.uri import StorageURL, redact
 
 T = TypeVar("T")
 

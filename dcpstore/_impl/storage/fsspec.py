@@ -39,14 +39,14 @@ from typing import Any
 import fsspec
 from fsspec.spec import AbstractBufferedFile
 
-from ..errors import BackendUnavailable, CheckpointError, StorageError, StorageNotFound
-from .base import ObjectInfo, ObjectWriter, Storage
-from .options import StorageOptions
-from .pending import IncompleteWrite
-from .buffered import BufferedObjectWriter
-from .kit import LocalRoot, library_text, map_os_error
-from .secrets import scrub_exception
-from .uri import StorageURL
+from dcpstore._impl.errors import BackendUnavailable, CheckpointError, StorageError, StorageNotFound
+from dcpstore._impl.storage.base import ObjectInfo, ObjectWriter, Storage
+from dcpstore._impl.storage.options import StorageOptions
+from dcpstore._impl.storage.pending import IncompleteWrite
+from dcpstore._impl.storage.buffered import BufferedObjectWriter
+from dcpstore._impl.storage.kit import LocalRoot, library_text, map_os_error
+from dcpstore._impl.storage.secrets import scrub_exception
+from dcpstore._impl.storage.uri import StorageURL
 
 _TMP_MARK = ".dcpstore-tmp-"
 

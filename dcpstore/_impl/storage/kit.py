@@ -20,9 +20,9 @@ import hashlib
 import os
 from collections.abc import Sequence
 
-from ..errors import CheckpointError, StorageError, StorageNotFound, StoragePermissionError, UnsafeCheckpoint
-from .secrets import scrub, scrub_exception
-from .uri import redact
+from dcpstore._impl.errors import CheckpointError, StorageError, StorageNotFound, StoragePermissionError, UnsafeCheckpoint
+from dcpstore._impl.storage.secrets import scrub, scrub_exception
+from dcpstore._impl.storage.uri import redact
 
 
 #: How much larger than the asked size a piece of :func:`byte_ranges` may

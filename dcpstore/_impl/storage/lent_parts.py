@@ -25,8 +25,8 @@ from typing import Any
 
 import crc32c as _crc32c
 
-from .base import Storage
-from .buffered import PARTS, BufferedObjectWriter
+from dcpstore._impl.storage.base import Storage
+from dcpstore._impl.storage.buffered import PARTS, BufferedObjectWriter
 
 #: Lent writes smaller than this are copied: a piece of its own in a part
 #: costs more than copying a few KiB.

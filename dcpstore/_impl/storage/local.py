@@ -32,13 +32,13 @@ import time
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
 
-from ..errors import StorageError, StorageNotFound
-from .base import ObjectInfo, ObjectWriter, Storage
-from .options import StorageOptions
-from .pending import IncompleteWrite
-from .buffered import BufferedObjectWriter
-from .kit import LocalRoot, disk_workers, fsync_dir, library_detail, slice_buffers
-from .uri import StorageURL
+from dcpstore._impl.errors import StorageError, StorageNotFound
+from dcpstore._impl.storage.base import ObjectInfo, ObjectWriter, Storage
+from dcpstore._impl.storage.options import StorageOptions
+from dcpstore._impl.storage.pending import IncompleteWrite
+from dcpstore._impl.storage.buffered import BufferedObjectWriter
+from dcpstore._impl.storage.kit import LocalRoot, disk_workers, fsync_dir, library_detail, slice_buffers
+from dcpstore._impl.storage.uri import StorageURL
 
 log = logging.getLogger("dcpstore")
 

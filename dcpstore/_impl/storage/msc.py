@@ -79,13 +79,13 @@ import multistorageclient as msc
 from multistorageclient import types as msc_types
 from multistorageclient.types import Range
 
-from ..errors import CheckpointError, InvalidURI, StorageError, StorageNotFound, StoragePermissionError
-from .base import ObjectInfo, ObjectWriter, Storage
-from .options import MiB, StorageOptions
-from .pending import IncompleteWrite
-from .buffered import BufferedObjectWriter
-from .codes import Meaning, code_in_text, meaning
-from .kit import (
+from dcpstore._impl.errors import CheckpointError, InvalidURI, StorageError, StorageNotFound, StoragePermissionError
+from dcpstore._impl.storage.base import ObjectInfo, ObjectWriter, Storage
+from dcpstore._impl.storage.options import MiB, StorageOptions
+from dcpstore._impl.storage.pending import IncompleteWrite
+from dcpstore._impl.storage.buffered import BufferedObjectWriter
+from dcpstore._impl.storage.codes import Meaning, code_in_text, meaning
+from dcpstore._impl.storage.kit import (
     LocalRoot,
     aws_env_fingerprint,
     aws_retry_mode,
@@ -96,8 +96,8 @@ from .kit import (
     library_text,
     map_os_error,
 )
-from .secrets import scrub_exception
-from .uri import StorageURL
+from dcpstore._impl.storage.secrets import scrub_exception
+from dcpstore._impl.storage.uri import StorageURL
 
 #: ``client.list``'s symlink handling that lists no link (None: an MSC
 #: release without the option).

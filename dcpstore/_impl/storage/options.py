@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import InvalidArgument
-from .kit import PIECE_SLACK
+from dcpstore._impl.errors import InvalidArgument
+from dcpstore._impl.storage.kit import PIECE_SLACK
 
 MiB = 1 << 20
 

@@ -18,10 +18,10 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import cast
 
-from ..errors import BackendUnavailable, InvalidArgument, InvalidURI
-from .base import Storage
-from .options import StorageOptions
-from .uri import StorageURL, parse_uri, redact
+from dcpstore._impl.errors import BackendUnavailable, InvalidArgument, InvalidURI
+from dcpstore._impl.storage.base import Storage
+from dcpstore._impl.storage.options import StorageOptions
+from dcpstore._impl.storage.uri import StorageURL, parse_uri, redact
 
 
 @dataclass(frozen=True)

@@ -41,16 +41,16 @@ from typing import Any, TypeVar
 import botocore.exceptions as bexc
 from botocore.response import StreamingBody
 
-from ..errors import CheckpointError, StorageError, StorageNotFound
-from .base import ObjectInfo, ObjectWriter, Storage
-from .options import StorageOptions
-from .pending import IncompleteWrite
-from .codes import Meaning, meaning
-from .kit import byte_ranges, equal_ranges, slice_buffers
-from .s3_client import client_error, map_code, map_error, s3_client, sends_checksums
-from .s3_upload import S3Writer, checksum_args
-from .secrets import scrub
-from .uri import StorageURL, redact
+from dcpstore._impl.errors import CheckpointError, StorageError, StorageNotFound
+from dcpstore._impl.storage.base import ObjectInfo, ObjectWriter, Storage
+from dcpstore._impl.storage.options import StorageOptions
+from dcpstore._impl.storage.pending import IncompleteWrite
+from dcpstore._impl.storage.codes import Meaning, meaning
+from dcpstore._impl.storage.kit import byte_ranges, equal_ranges, slice_buffers
+from dcpstore._impl.storage.s3_client import client_error, map_code, map_error, s3_client, sends_checksums
+from dcpstore._impl.storage.s3_upload import S3Writer, checksum_args
+from dcpstore._impl.storage.secrets import scrub
+from dcpstore._impl.storage.uri import StorageURL, redact
 
 __all__ = ["S3Storage", "s3_client"]
 

@@ -31,11 +31,11 @@ import botocore.exceptions as bexc
 from botocore.config import Config
 from botocore.utils import determine_content_length
 
-from ..errors import CheckpointError, StorageError, StorageNotFound, StoragePermissionError
-from .options import StorageOptions
-from .kit import aws_env_fingerprint, aws_retry_mode, http_pool_size, library_detail, library_text
-from .codes import Meaning, meaning
-from .secrets import remember_boto_credentials
+from dcpstore._impl.errors import CheckpointError, StorageError, StorageNotFound, StoragePermissionError
+from dcpstore._impl.storage.options import StorageOptions
+from dcpstore._impl.storage.kit import aws_env_fingerprint, aws_retry_mode, http_pool_size, library_detail, library_text
+from dcpstore._impl.storage.codes import Meaning, meaning
+from dcpstore._impl.storage.secrets import remember_boto_credentials
 
 log = logging.getLogger(__name__)
 

@@ -58,12 +58,12 @@ from typing import Any, TypeVar
 
 import crc32c
 
-from ..errors import CheckpointError, StorageError, StorageNotFound
-from .base import Storage
-from .options import MiB
-from .lent_parts import LendingObjectWriter, Part, PartBody
-from .pending import IncompleteWrite
-from .s3_client import sends_checksums
+from dcpstore._impl.errors import CheckpointError, StorageError, StorageNotFound
+from dcpstore._impl.storage.base import Storage
+from dcpstore._impl.storage.options import MiB
+from dcpstore._impl.storage.lent_parts import LendingObjectWriter, Part, PartBody
+from dcpstore._impl.storage.pending import IncompleteWrite
+from dcpstore._impl.storage.s3_client import sends_checksums
 
 T = TypeVar("T")
 

@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from ..errors import InvalidURI
+from dcpstore._impl.errors import InvalidURI
 
 #: Schemes whose authority is a bucket (or MSC profile) name.
 _OBJECT_SCHEMES = ("s3", "msc", "gs", "gcs", "az", "abfs")

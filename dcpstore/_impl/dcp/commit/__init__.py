@@ -27,10 +27,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ...first_use import first_use
-from .found import Commit, disowned, find_manifest, listed_names, read_commit
-from .lease import Lease, mark
-from .leftovers import (
+from dcpstore._impl.first_use import first_use
+from dcpstore._impl.dcp.commit.found import Commit, disowned, find_manifest, listed_names, read_commit
+from dcpstore._impl.dcp.commit.lease import Lease, mark
+from dcpstore._impl.dcp.commit.leftovers import (
     alive_tag,
     is_leftover,
     is_save_file,
@@ -39,13 +39,13 @@ from .leftovers import (
     stale_after_commit,
     unnamed,
 )
-from .marker import is_marker, put_marker, read_marker, remove_markers
-from .publish import clean_up, commit_point, publish_copy
-from .uncommit import delete_checkpoint, delete_everything
+from dcpstore._impl.dcp.commit.marker import is_marker, put_marker, read_marker, remove_markers
+from dcpstore._impl.dcp.commit.publish import clean_up, commit_point, publish_copy
+from dcpstore._impl.dcp.commit.uncommit import delete_checkpoint, delete_everything
 
 if TYPE_CHECKING:
-    from .read import commit_replaced, read_checkpoint_metadata, read_commit_file
-    from .session import ItemRecord, SaveSession, check_commit_files
+    from dcpstore._impl.dcp.commit.read import commit_replaced, read_checkpoint_metadata, read_commit_file
+    from dcpstore._impl.dcp.commit.session import ItemRecord, SaveSession, check_commit_files
 
 #: The names that need torch, imported on first use: name -> its module.
 TORCH_NAMES: dict[str, str] = {

@@ -35,11 +35,11 @@ import time
 import weakref
 from collections.abc import Callable
 
-from ...errors import CheckpointError
-from ...format import inflight
-from ...format.inflight import Owner, alive_name, encode_alive
-from ...storage import Storage
-from .marker import put_marker, read_marker
+from dcpstore._impl.errors import CheckpointError
+from dcpstore._impl.format import inflight
+from dcpstore._impl.format.inflight import Owner, alive_name, encode_alive
+from dcpstore._impl.storage import Storage
+from dcpstore._impl.dcp.commit.marker import put_marker, read_marker
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 
-from ...format.inflight import ALIVE_PREFIX, is_alive_file
-from ...format.layout import (
+from dcpstore._impl.format.inflight import ALIVE_PREFIX, is_alive_file
+from dcpstore._impl.format.layout import (
     METADATA,
     is_commit_file,
     is_commit_side_file,
@@ -26,8 +26,8 @@ from ...format.layout import (
     name_tag,
     save_tag,
 )
-from ...storage import Storage
-from .marker import is_marker, remove_markers
+from dcpstore._impl.storage import Storage
+from dcpstore._impl.dcp.commit.marker import is_marker, remove_markers
 
 #: What an interrupted stock commit leaves (written, then renamed).
 _STOCK_TEMP_RE = re.compile(r"^(__\d+)?\.metadata\.tmp$")

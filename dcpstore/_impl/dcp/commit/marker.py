@@ -18,11 +18,11 @@ from __future__ import annotations
 import posixpath
 from collections.abc import Iterable, Mapping
 
-from ...errors import StorageNotFound
-from ...format.inflight import is_alive_file
-from ...format.layout import INFLIGHT
-from ...format.manifest import SMALL_FILE_LIMIT, read_capped
-from ...storage import Storage
+from dcpstore._impl.errors import StorageNotFound
+from dcpstore._impl.format.inflight import is_alive_file
+from dcpstore._impl.format.layout import INFLIGHT
+from dcpstore._impl.format.manifest import SMALL_FILE_LIMIT, read_capped
+from dcpstore._impl.storage import Storage
 
 
 def marker_path(directory: str = "") -> str:

@@ -16,11 +16,11 @@ import logging
 import posixpath
 from collections.abc import Iterable
 
-from ...errors import CheckpointError
-from ...format.layout import METADATA
-from ...storage import Storage
-from .found import Commit, listed_names
-from .leftovers import stale_after_commit
+from dcpstore._impl.errors import CheckpointError
+from dcpstore._impl.format.layout import METADATA
+from dcpstore._impl.storage import Storage
+from dcpstore._impl.dcp.commit.found import Commit, listed_names
+from dcpstore._impl.dcp.commit.leftovers import stale_after_commit
 
 log = logging.getLogger(__name__)
 

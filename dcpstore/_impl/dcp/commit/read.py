@@ -21,9 +21,9 @@ from collections.abc import Callable
 import crc32c
 from torch.distributed.checkpoint.metadata import Metadata
 
-from ...errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound, StorageNotFound, UnsafeCheckpoint
-from ...format.chunks import check_tiling
-from ...format.layout import (
+from dcpstore._impl.errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound, StorageNotFound, UnsafeCheckpoint
+from dcpstore._impl.format.chunks import check_tiling
+from dcpstore._impl.format.layout import (
     MANIFEST,
     METADATA,
     commit_file_of,
@@ -33,7 +33,7 @@ from ...format.layout import (
     is_manifest,
     manifest_names,
 )
-from ...format.manifest import (
+from dcpstore._impl.format.manifest import (
     MANIFEST_LIMIT,
     METADATA_LIMIT,
     Manifest,
@@ -42,11 +42,11 @@ from ...format.manifest import (
     parse_manifest,
     read_capped,
 )
-from ...format.safe_pickle import TOOLS, Trust, load_metadata
-from ...storage import Storage
-from ...threads import run_parallel
-from .found import disowned
-from .marker import is_marker
+from dcpstore._impl.format.safe_pickle import TOOLS, Trust, load_metadata
+from dcpstore._impl.storage import Storage
+from dcpstore._impl.threads import run_parallel
+from dcpstore._impl.dcp.commit.found import disowned
+from dcpstore._impl.dcp.commit.marker import is_marker
 
 log = logging.getLogger(__name__)
 

@@ -64,10 +64,10 @@ import crc32c
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.storage import WriteResult
 
-from ...torch_compat import StorageInfo
-from ...errors import CheckpointError, CheckpointExists, InvalidArgument, SaveError
-from ...format.inflight import alive_name, is_alive_file
-from ...format.layout import (
+from dcpstore._impl.torch_compat import StorageInfo
+from dcpstore._impl.errors import CheckpointError, CheckpointExists, InvalidArgument, SaveError
+from dcpstore._impl.format.inflight import alive_name, is_alive_file
+from dcpstore._impl.format.layout import (
     INFLIGHT,
     METADATA,
     commit_file_of,
@@ -80,13 +80,13 @@ from ...format.layout import (
     name_tag,
     save_tag,
 )
-from ...format.manifest import FileEntry, build_manifest
-from ...storage import Storage
-from .found import read_commit
-from .leftovers import is_save_file
-from .lease import Lease, mark
-from .marker import put_marker, read_marker
-from .publish import clean_up, commit_point
+from dcpstore._impl.format.manifest import FileEntry, build_manifest
+from dcpstore._impl.storage import Storage
+from dcpstore._impl.dcp.commit.found import read_commit
+from dcpstore._impl.dcp.commit.leftovers import is_save_file
+from dcpstore._impl.dcp.commit.lease import Lease, mark
+from dcpstore._impl.dcp.commit.marker import put_marker, read_marker
+from dcpstore._impl.dcp.commit.publish import clean_up, commit_point
 
 log = logging.getLogger(__name__)
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import posixpath
 
-from ...format.layout import METADATA
-from ...storage import Storage
+from dcpstore._impl.format.layout import METADATA
+from dcpstore._impl.storage import Storage
 
 
 def delete_checkpoint(root: Storage, name: str = "") -> None:

@@ -71,7 +71,7 @@ and the node detection), :mod:`.replicate` (copying a step, its commit by
 the commit protocol) and :mod:`.leases` (the leases the tiers hold).
 """
 
-from ..roots import REPLICATE_TIMEOUT_S
-from .tiered import TieredRoots, check_tier_options
+from dcpstore._impl.manager.roots import REPLICATE_TIMEOUT_S
+from dcpstore._impl.manager.tiers.tiered import TieredRoots, check_tier_options
 
 __all__ = ["REPLICATE_TIMEOUT_S", "TieredRoots", "check_tier_options"]

@@ -14,9 +14,9 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable
 
-from ...dcp.commit import Lease
-from ...engines.leftovers import Leftovers
-from ...storage import Storage
+from dcpstore._impl.dcp.commit import Lease
+from dcpstore._impl.engines.leftovers import Leftovers
+from dcpstore._impl.storage import Storage
 
 
 class TierLeases:

@@ -20,11 +20,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ...dcp.commit import Commit, Lease, mark
-from ...storage import Storage
-from ..steps import step_dir
-from .leases import TierLeases
-from .replicate import read_local_commit, whole_local_steps
+from dcpstore._impl.dcp.commit import Commit, Lease, mark
+from dcpstore._impl.storage import Storage
+from dcpstore._impl.manager.steps import step_dir
+from dcpstore._impl.manager.tiers.leases import TierLeases
+from dcpstore._impl.manager.tiers.replicate import read_local_commit, whole_local_steps
 
 
 @dataclass(frozen=True)

@@ -44,15 +44,15 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from ...dcp.commit import Commit, publish_copy
-from ...errors import CheckpointError, InvalidArgument, SaveError
-from ...format.layout import METADATA
-from ...format.safe_pickle import TOOLS, load_metadata
-from ...storage import Storage
-from ..roots import coordinator_rank
-from ..steps import committed_steps, step_dir
-from .local import Job, TierParts, put_marker
-from .replicate import read_local_commit
+from dcpstore._impl.dcp.commit import Commit, publish_copy
+from dcpstore._impl.errors import CheckpointError, InvalidArgument, SaveError
+from dcpstore._impl.format.layout import METADATA
+from dcpstore._impl.format.safe_pickle import TOOLS, load_metadata
+from dcpstore._impl.storage import Storage
+from dcpstore._impl.manager.roots import coordinator_rank
+from dcpstore._impl.manager.steps import committed_steps, step_dir
+from dcpstore._impl.manager.tiers.local import Job, TierParts, put_marker
+from dcpstore._impl.manager.tiers.replicate import read_local_commit
 
 log = logging.getLogger(__name__)
 

@@ -69,12 +69,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import crc32c
 
-from ...dcp.commit import Commit, Lease, publish_copy, read_commit
-from ...errors import CheckpointCorrupt, CheckpointError, SaveError, StorageNotFound
-from ...format.layout import METADATA, REPLICA_REPORT_PREFIX, is_replica_report
-from ...format.manifest import MANIFEST_LIMIT, METADATA_LIMIT, FileEntry, Manifest, check_relative_name, read_capped
-from ...storage import Storage
-from ..steps import parse_step_dir, step_dir
+from dcpstore._impl.dcp.commit import Commit, Lease, publish_copy, read_commit
+from dcpstore._impl.errors import CheckpointCorrupt, CheckpointError, SaveError, StorageNotFound
+from dcpstore._impl.format.layout import METADATA, REPLICA_REPORT_PREFIX, is_replica_report
+from dcpstore._impl.format.manifest import MANIFEST_LIMIT, METADATA_LIMIT, FileEntry, Manifest, check_relative_name, read_capped
+from dcpstore._impl.storage import Storage
+from dcpstore._impl.manager.steps import parse_step_dir, step_dir
 
 log = logging.getLogger(__name__)
 

@@ -17,12 +17,12 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ...errors import CheckpointError, InvalidArgument, SaveError
-from ...format.layout import METADATA
-from ...handle import SaveHandle
-from ...storage import Storage, join_uri
-from ..roots import REPLICATE_TIMEOUT_S, group_rank, is_distributed, not_found
-from ..steps import (
+from dcpstore._impl.errors import CheckpointError, InvalidArgument, SaveError
+from dcpstore._impl.format.layout import METADATA
+from dcpstore._impl.handle import SaveHandle
+from dcpstore._impl.storage import Storage, join_uri
+from dcpstore._impl.manager.roots import REPLICATE_TIMEOUT_S, group_rank, is_distributed, not_found
+from dcpstore._impl.manager.steps import (
     check_step,
     commit_times,
     committed_steps,
@@ -32,10 +32,10 @@ from ..steps import (
     step_dir,
     write_pointer,
 )
-from .leases import TierLeases
-from .local import Job, LocalTier, SharedDir, TierParts
-from .nodes import NodeDirs, NodeSync
-from .replicate import (
+from dcpstore._impl.manager.tiers.leases import TierLeases
+from dcpstore._impl.manager.tiers.local import Job, LocalTier, SharedDir, TierParts
+from dcpstore._impl.manager.tiers.nodes import NodeDirs, NodeSync
+from dcpstore._impl.manager.tiers.replicate import (
     check_no_clash,
     commit_replica,
     needs_replication,
