@@ -50,7 +50,7 @@ import torch  # noqa: E402
 from dcpstore._impl.bench import Entry, Record, Waiter, make_state, parse_int_list, parse_size, run_entries, summarize, zeros_like_state  # noqa: E402
 from dcpstore._impl.bench.entries import DcpstoreEntry, TieredEntry  # noqa: E402
 from dcpstore._impl.bench.limits import best_limits  # noqa: E402
-from dcpstore._impl.units import human_bytes  # noqa: E402
+from dcpstore._impl.util.units import human_bytes  # noqa: E402
 from dcpstore._impl.bench.report import format_table, write_json  # noqa: E402
 from dcpstore.storage import StorageOptions  # noqa: E402
 

@@ -61,7 +61,7 @@ import targets  # noqa: E402
 from dcpstore._impl.bench import summarize  # noqa: E402
 from dcpstore._impl.bench.limits import best_limits, harness_verdicts, limit_ratios  # noqa: E402
 from dcpstore._impl.bench.report import tiered_lines  # noqa: E402
-from dcpstore._impl.units import human_bytes  # noqa: E402
+from dcpstore._impl.util.units import human_bytes  # noqa: E402
 
 Row = dict[str, Any]
 Doc = dict[str, Any]
@@ -77,22 +77,22 @@ CONSTANTS = {"stale_after": STALE_AFTER}
 WRITE_READ = ("dcpstore/_impl/dcp/writer.py", "dcpstore/_impl/dcp/reader.py", "dcpstore/_impl/dcp/load.py",
               "dcpstore/_impl/dcp/read_plan.py",
               "dcpstore/_impl/format/record.py", "dcpstore/_impl/format/checksum.py")  # fmt: skip
-LOCAL = (*WRITE_READ, "dcpstore/_impl/storage/local.py", "dcpstore/_impl/engines/saver.py", "dcpstore/_impl/engines/staging.py",
+LOCAL = (*WRITE_READ, "dcpstore/_impl/storage/backends/local.py", "dcpstore/_impl/engines/saver.py", "dcpstore/_impl/engines/staging.py",
          "dcpstore/_impl/engines/nvrx.py", "dcpstore/_impl/engines/nvrx_stream.py")  # fmt: skip
-OBJECT_STORE = (*WRITE_READ, "dcpstore/_impl/storage/s3.py", "dcpstore/_impl/storage/s3_client.py", "dcpstore/_impl/storage/s3_upload.py",
-                "dcpstore/_impl/storage/buffered.py", "dcpstore/_impl/storage/lent_parts.py", "dcpstore/_impl/storage/options.py", "dcpstore/_impl/storage/pool.py",
-                "dcpstore/_impl/storage/msc.py")  # fmt: skip
-SCALE = ("dcpstore/_impl/dcp/writer.py", "dcpstore/_impl/dcp/commit", "dcpstore/_impl/dcp/owner_gate.py", "dcpstore/_impl/storage/s3.py",
-         "dcpstore/_impl/storage/s3_upload.py", "dcpstore/_impl/storage/pool.py", "benchmarks/scale_sim.py")  # fmt: skip
+OBJECT_STORE = (*WRITE_READ, "dcpstore/_impl/storage/backends/s3/storage.py", "dcpstore/_impl/storage/backends/s3/client.py", "dcpstore/_impl/storage/backends/s3/upload.py",
+                "dcpstore/_impl/storage/buffered.py", "dcpstore/_impl/storage/lending_writer.py", "dcpstore/_impl/storage/storage_options.py", "dcpstore/_impl/storage/request_pool.py",
+                "dcpstore/_impl/storage/backends/msc.py")  # fmt: skip
+SCALE = ("dcpstore/_impl/dcp/writer.py", "dcpstore/_impl/dcp/commit", "dcpstore/_impl/dcp/liveness/owner_gate.py", "dcpstore/_impl/storage/backends/s3/storage.py",
+         "dcpstore/_impl/storage/backends/s3/upload.py", "dcpstore/_impl/storage/request_pool.py", "benchmarks/scale_sim.py")  # fmt: skip
 INTERFERENCE = ("dcpstore/_impl/engines/saver.py", "dcpstore/_impl/engines/staging.py", "dcpstore/_impl/engines/nvrx.py",
-                "dcpstore/_impl/dcp/writer.py", "dcpstore/_impl/format/record.py", "dcpstore/_impl/storage/s3.py",
-                "dcpstore/_impl/storage/s3_client.py", "dcpstore/_impl/storage/s3_upload.py",
-                "dcpstore/_impl/storage/lent_parts.py", "dcpstore/_impl/bench/interference.py")  # fmt: skip
+                "dcpstore/_impl/dcp/writer.py", "dcpstore/_impl/format/record.py", "dcpstore/_impl/storage/backends/s3/storage.py",
+                "dcpstore/_impl/storage/backends/s3/client.py", "dcpstore/_impl/storage/backends/s3/upload.py",
+                "dcpstore/_impl/storage/lending_writer.py", "dcpstore/_impl/bench/interference.py")  # fmt: skip
 GPU_STAGING = ("dcpstore/_impl/engines/staging.py", "dcpstore/_impl/engines/buffers.py", "dcpstore/_impl/engines/saver.py",
                "benchmarks/gpu_stage.py")  # fmt: skip
 #: The WAN regimes compare.py runs by default (one section each).
 WAN_REGIMES = ("network", "cpu")
-TIERED = ("dcpstore/_impl/manager/tiers", "dcpstore/_impl/manager/roots.py", "dcpstore/_impl/engines/saver.py", "dcpstore/_impl/storage/s3.py")  # fmt: skip
+TIERED = ("dcpstore/_impl/manager/tiers", "dcpstore/_impl/manager/roots.py", "dcpstore/_impl/engines/saver.py", "dcpstore/_impl/storage/backends/s3/storage.py")  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -61,7 +61,7 @@ from dcpstore._impl.bench.report import git_commit, git_dirty, machine  # noqa: 
 from dcpstore._impl.dcp.writer import DcpStorageWriter  # noqa: E402
 from dcpstore._impl.format.layout import is_data_file  # noqa: E402
 from dcpstore.storage import StorageOptions, open_storage  # noqa: E402
-from dcpstore._impl.units import human_bytes  # noqa: E402
+from dcpstore._impl.util.units import human_bytes  # noqa: E402
 
 #: Request kinds S3 counts against each per-prefix rate.
 WRITE_KINDS = frozenset({"PutObject", "CreateMultipartUpload", "UploadPart", "CompleteMultipartUpload",

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from dcpstore._impl.errors import (
+from dcpstore._impl.util.errors import (
     BackendUnavailable,
     CheckpointCorrupt,
     CheckpointError,
@@ -39,27 +39,27 @@ from dcpstore._impl.errors import (
     StoragePermissionError,
     UnsafeCheckpoint,
 )
-from dcpstore._impl.first_use import first_use
+from dcpstore._impl.util.lazy_names import first_use
 from dcpstore.storage import StorageOptions, open_storage
 
 if TYPE_CHECKING:
     from dcpstore._impl.api import load, save
     from dcpstore._impl.dropin import StorageReader, StorageWriter
     from dcpstore._impl.engines.saver import AsyncSaver
-    from dcpstore._impl.handle import CheckpointInfo, SaveHandle
+    from dcpstore._impl.values.results import CheckpointInfo, SaveHandle
     from dcpstore._impl.manager import CheckpointManager
-    from dcpstore._impl.options import LoadOptions, SaveOptions
+    from dcpstore._impl.values.options import LoadOptions, SaveOptions
 
 __version__ = "0.1.0"
 
 #: Public names imported on first use: name -> the module that defines it.
 TORCH_NAMES: dict[str, str] = {
     "AsyncSaver": "dcpstore._impl.engines.saver",
-    "CheckpointInfo": "dcpstore._impl.handle",
+    "CheckpointInfo": "dcpstore._impl.values.results",
     "CheckpointManager": "dcpstore._impl.manager",
-    "LoadOptions": "dcpstore._impl.options",
-    "SaveHandle": "dcpstore._impl.handle",
-    "SaveOptions": "dcpstore._impl.options",
+    "LoadOptions": "dcpstore._impl.values.options",
+    "SaveHandle": "dcpstore._impl.values.results",
+    "SaveOptions": "dcpstore._impl.values.options",
     "StorageReader": "dcpstore._impl.dropin",
     "StorageWriter": "dcpstore._impl.dropin",
     "load": "dcpstore._impl.api",

@@ -17,8 +17,8 @@ import dcpstore
 import extras
 from backends import Target
 from dcpstore._impl.engines import nvrx as nvrx_adapter
-from dcpstore._impl.engines.registry import engine_class
-from dcpstore._impl.options import ENGINES as ALL_ENGINES
+from dcpstore._impl.engines.engine import engine_class
+from dcpstore._impl.values.options import ENGINES as ALL_ENGINES
 
 ENGINES = tuple(ALL_ENGINES)
 #: Engines whose cases run in the quick suite wherever a suite runs every

@@ -53,7 +53,7 @@ import torch
 import dcpstore
 import killcount
 from dcpstore._impl.cli import main as cli_main
-from dcpstore._impl.maintenance import inspect_checkpoint, list_checkpoints
+from dcpstore._impl.tools.maintenance import inspect_checkpoint, list_checkpoints
 from dcpstore._impl.manager import parse_step_dir, step_dir
 from dcpstore._impl.storage import join_uri, open_storage
 from dcpstore._impl.format.layout import METADATA, is_manifest
@@ -181,7 +181,7 @@ def instrument_nvrx(hook: Hook) -> None:
 
 def instrument_s3(hook: Hook, options: dcpstore.StorageOptions) -> None:
     """Report every S3 request the (per-process, cached) client makes."""
-    from dcpstore._impl.storage.s3 import s3_client
+    from dcpstore._impl.storage.backends.s3.storage import s3_client
 
     events = s3_client(options).meta.events
     events.register("before-call.s3", lambda model, **_: hook(f"s3:{model.name}"))

@@ -40,7 +40,7 @@ PRELOAD = [
     "torch.distributed.fsdp",
     "torch.distributed.checkpoint",
     "dcpstore",
-    "dcpstore._impl.storage.s3",
+    "dcpstore._impl.storage.backends.s3.storage",
     "crashkit",
     "test_crash",
     "test_crash_async",

@@ -15,7 +15,7 @@ import signal
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dcpstore._impl.storage.base import ObjectInfo, ObjectWriter, Storage
-from dcpstore._impl.storage.pending import IncompleteWrite
+from dcpstore._impl.storage.incomplete import IncompleteWrite
 
 Hook = Callable[[str], None]
 

@@ -20,7 +20,7 @@ import sys
 import torch
 
 import dcpstore
-from dcpstore._impl.storage.local import LocalStorage
+from dcpstore._impl.storage.backends.local import LocalStorage
 
 
 def state(step: int) -> dict[str, object]:

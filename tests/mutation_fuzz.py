@@ -72,7 +72,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 import dcpstore
-from dcpstore._impl.maintenance import verify_checkpoint
+from dcpstore._impl.tools.maintenance import verify_checkpoint
 from rss import fix_mmap_threshold
 
 METADATA, MANIFEST = ".metadata", ".dcpstore.json"

@@ -15,7 +15,7 @@ import torch
 
 import dcpstore
 from dcpstore.adapters import fsdp, megatron
-from dcpstore._impl.keywords import unknown_keyword_message
+from dcpstore._impl.util.keyword_hints import unknown_keyword_message
 
 
 @pytest.fixture

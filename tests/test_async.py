@@ -27,7 +27,7 @@ from async_helpers import (
     zeros_like_state,
 )
 from backends import Target
-from dcpstore._impl.errors import CheckpointNotFound, InvalidArgument, SaveError
+from dcpstore._impl.util.errors import CheckpointNotFound, InvalidArgument, SaveError
 from dcpstore._impl.engines.staging import Stager, StagingPool
 from rss import fix_mmap_threshold, in_own_process, live_rss
 

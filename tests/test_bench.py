@@ -32,7 +32,7 @@ from dcpstore._impl.bench import (
 )
 from dcpstore._impl.bench.measure import PeakRSS, parse_int_list
 from dcpstore._impl.cli import main
-from dcpstore._impl.errors import InvalidArgument
+from dcpstore._impl.util.errors import InvalidArgument
 
 from test_cli import run_cli
 

@@ -52,7 +52,7 @@ def test_benchmarks_never_import_tests() -> None:
 
 def test_the_cli_formats_sizes_without_the_bench_package() -> None:
     """``dcpstore ls`` / ``inspect`` print sizes; the helper lives in
-    :mod:`dcpstore._impl.units`, not in the benchmark harness."""
+    :mod:`dcpstore._impl.util.units`, not in the benchmark harness."""
     cli = Path(dcpstore.__file__).parent / "_impl" / "cli.py"
     sources = {
         alias.name: ("." * node.level) + (node.module or "")
@@ -61,6 +61,6 @@ def test_the_cli_formats_sizes_without_the_bench_package() -> None:
         for alias in node.names
     }
     assert sources.get("human_bytes") == ".units", sources.get("human_bytes")
-    code = "import sys, dcpstore._impl.units; print(sorted(m for m in sys.modules if m.startswith('dcpstore._impl.bench')))"
+    code = "import sys, dcpstore._impl.util.units; print(sorted(m for m in sys.modules if m.startswith('dcpstore._impl.bench')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout

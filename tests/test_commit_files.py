@@ -24,7 +24,7 @@ import dcpstore
 from backends import Target
 from dcpstore._impl.dcp.commit import read_checkpoint_metadata, read_commit_file
 from dcpstore._impl.format.layout import MANIFEST, METADATA, commit_file_path, is_commit_side_file, is_manifest
-from dcpstore._impl.maintenance import gc, list_checkpoints, verify_checkpoint
+from dcpstore._impl.tools.maintenance import gc, list_checkpoints, verify_checkpoint
 from helpers import assert_state_equal, sample_state, zeros_like_state
 
 META = "meta.pt"

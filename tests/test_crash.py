@@ -25,7 +25,7 @@ import dcpstore
 import killcount
 from crashkit import Managed, age_temp_files, commit_index, crash, crash_state, forkserver, kill_points, run_managed_crashes
 from crashkit import outcome as _outcome_of
-from dcpstore._impl.maintenance import gc, list_checkpoints
+from dcpstore._impl.tools.maintenance import gc, list_checkpoints
 from dcpstore.storage import open_storage
 from dcpstore._impl.dcp.writer import DcpStorageWriter
 from faults import EventStorage, KillAt, Recorder

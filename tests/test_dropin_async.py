@@ -51,7 +51,7 @@ from dropin_patterns import (
 from dcpstore._impl.dcp.commit import SaveSession
 from dcpstore._impl.engines.staging import Stager, StagingPool
 from dcpstore.storage import open_storage
-from dcpstore._impl.storage.local import LocalStorage
+from dcpstore._impl.storage.backends.local import LocalStorage
 
 
 def assert_loads(uri: str, want: dict[str, Any]) -> None:

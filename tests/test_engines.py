@@ -21,10 +21,10 @@ import dcpstore
 from async_helpers import open_target
 from backends import Target
 from dcpstore._impl.engines import nvrx as nvrx_adapter
-from dcpstore._impl.errors import BackendUnavailable, CheckpointCorrupt, EngineFallbackWarning, InvalidArgument
-from dcpstore._impl.engines.registry import engine_class
+from dcpstore._impl.util.errors import BackendUnavailable, CheckpointCorrupt, EngineFallbackWarning, InvalidArgument
+from dcpstore._impl.engines.engine import engine_class
 from dcpstore._impl.engines.staging import Stager
-from dcpstore._impl.options import AUTO_ORDER, ENGINE_CHOICES, ENGINES
+from dcpstore._impl.values.options import AUTO_ORDER, ENGINE_CHOICES, ENGINES
 from extras import needs_nvrx
 
 
@@ -126,7 +126,7 @@ def test_engine_choice_on_every_backend(target: Target) -> None:
 
 @needs_nvrx
 def test_nvrx_refuses_native_s3_naming_the_alternatives() -> None:
-    pytest.importorskip("dcpstore._impl.storage.s3", reason="the native S3 backend is not in this tree")
+    pytest.importorskip("dcpstore._impl.storage.backends.s3.storage", reason="the native S3 backend is not in this tree")
     with pytest.raises(InvalidArgument, match=r"s3.*enable_msc=True.*engine='native'"):
         dcpstore.save({"w": torch.ones(1)}, "s3://some-bucket/ckpt", async_=True, engine="nvrx")
 

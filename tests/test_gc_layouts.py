@@ -27,9 +27,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 import dcpstore
-from dcpstore._impl.errors import SaveError, StorageError
-from dcpstore._impl.format import inflight
-from dcpstore._impl.maintenance import gc, list_checkpoints
+from dcpstore._impl.util.errors import SaveError, StorageError
+from dcpstore._impl.dcp.liveness import alive_file
+from dcpstore._impl.tools.maintenance import gc, list_checkpoints
 from faults import BlockAt, FailAt, hook_all_storage
 from helpers import assert_state_equal
 from test_hostile import cli
@@ -113,7 +113,7 @@ def test_running_save_is_never_collected(tmp_path: Path, monkeypatch: pytest.Mon
     handle = saver.save(_state(), str(root / "ck"), options=dcpstore.SaveOptions(engine="native", workers=2))
     try:
         assert hook.reached.wait(60)
-        alive = [n for n in os.listdir(root / "ck") if inflight.is_alive_file(n)]
+        alive = [n for n in os.listdir(root / "ck") if alive_file.is_alive_file(n)]
         assert len(alive) == 1 and (root / "ck" / ".dcpstore.inflight").exists()
         alive_path = root / "ck" / alive[0]
         assert _refreshed_after(alive_path, os.stat(alive_path).st_mtime)  # refreshed while the save waits
@@ -136,19 +136,19 @@ def test_running_save_is_never_collected(tmp_path: Path, monkeypatch: pytest.Mon
     assert_state_equal(_state(), loaded)  # the save gc let run committed exactly what it was given
 
 
-def _alive(ckpt: Path, owner: inflight.Owner, age_s: float) -> None:
+def _alive(ckpt: Path, owner: alive_file.Owner, age_s: float) -> None:
     ckpt.mkdir(parents=True)
     (ckpt / "__0_0.distcp").write_bytes(b"partial")
     (ckpt / ".dcpstore.inflight").write_text("0123456789abcdef")
-    (ckpt / ".dcpstore.alive.0123456789abcdef").write_bytes(inflight.encode_alive("0123456789abcdef", owner))
+    (ckpt / ".dcpstore.alive.0123456789abcdef").write_bytes(alive_file.encode_alive("0123456789abcdef", owner))
     for name in os.listdir(ckpt):
         os.utime(ckpt / name, (time.time() - age_s, time.time() - age_s))
 
 
 def test_alive_file_of_another_machine_counts_until_its_lease_ends(tmp_path: Path) -> None:
-    elsewhere = inflight.Owner(host="node7", boot="another-boot", pidns="pid:[1]", pid=1, start="1")
+    elsewhere = alive_file.Owner(host="node7", boot="another-boot", pidns="pid:[1]", pid=1, start="1")
     _alive(tmp_path / "root" / "fresh", elsewhere, age_s=30)
-    _alive(tmp_path / "root" / "stale", elsewhere, age_s=inflight.LEASE_S + 60)
+    _alive(tmp_path / "root" / "stale", elsewhere, age_s=alive_file.LEASE_S + 60)
     report = gc(dcpstore.open_storage(str(tmp_path / "root")), older_than_s=0)
     assert report.kept_running == ["fresh"] and report.removed == ["stale"]
 
@@ -156,8 +156,8 @@ def test_alive_file_of_another_machine_counts_until_its_lease_ends(tmp_path: Pat
 def test_alive_file_of_a_dead_process_here_is_collected_at_once(tmp_path: Path) -> None:
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
-    me = inflight.Owner.current()
-    dead = inflight.Owner(host=me.host, boot=me.boot, pidns=me.pidns, pid=child.pid, start="0")
+    me = alive_file.Owner.current()
+    dead = alive_file.Owner(host=me.host, boot=me.boot, pidns=me.pidns, pid=child.pid, start="0")
     _alive(tmp_path / "root" / "dead", dead, age_s=0)
     _alive(tmp_path / "root" / "mine", me, age_s=0)
     report = gc(dcpstore.open_storage(str(tmp_path / "root")), older_than_s=0)
@@ -170,7 +170,7 @@ def test_failed_save_leaves_nothing_that_looks_alive(tmp_path: Path, monkeypatch
     hook_all_storage({str(tmp_path / "root" / "ck"): hook}, monkeypatch.setattr)
     with pytest.raises(SaveError, match="disk on fire"):
         dcpstore.save(_state(), str(tmp_path / "root" / "ck"), workers=2)
-    assert not any(inflight.is_alive_file(n) for n in os.listdir(tmp_path / "root" / "ck"))
+    assert not any(alive_file.is_alive_file(n) for n in os.listdir(tmp_path / "root" / "ck"))
     assert gc(dcpstore.open_storage(str(tmp_path / "root")), older_than_s=0).removed == ["ck"]
 
 
@@ -213,7 +213,7 @@ def test_save_whose_marker_was_removed_beside_a_commit_says_so(tmp_path: Path, m
 
 def test_ls_json_reports_layout_and_liveness(tmp_path: Path) -> None:
     _stock(tmp_path / "root" / "local", use_collectives=False)
-    _alive(tmp_path / "root" / "running", inflight.Owner.current(), age_s=0)
+    _alive(tmp_path / "root" / "running", alive_file.Owner.current(), age_s=0)
     entries: list[dict[str, Any]] = json.loads(cli("ls", "--json", str(tmp_path / "root"))[1])
     by_path = {e["path"]: e for e in entries}
     assert by_path["local"]["committed"] and by_path["local"]["rank_local"]

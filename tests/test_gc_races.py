@@ -45,10 +45,10 @@ import torch
 import dcpstore
 from backends import Target, make_target
 from dcpstore._impl.engines import nvrx as nvrx_engine
-from dcpstore._impl.format import inflight
+from dcpstore._impl.dcp.liveness import alive_file
 from dcpstore._impl.format.layout import INFLIGHT, METADATA
-from dcpstore._impl import listing
-from dcpstore._impl.maintenance import gc, list_checkpoints
+from dcpstore._impl.tools import listing
+from dcpstore._impl.tools.maintenance import gc, list_checkpoints
 from faults import BlockAt, hook_all_storage
 from gc_loop import gc_loop
 from helpers import assert_state_equal, zeros_like_state
@@ -213,12 +213,12 @@ def test_a_fresh_in_progress_write_is_kept_whatever_older_than_says(tmp_path: Pa
     """Before a save's alive file lands, the write of that file is all gc
     can see of the save (a temporary file in a fresh directory): kept for a
     lease; a stale one (its writer died) is removed."""
-    fresh = tmp_path / "root" / "new" / f".{inflight.ALIVE_PREFIX}0123456789abcdef.dcpstore-tmp-aaaaaaaaaaaa"
+    fresh = tmp_path / "root" / "new" / f".{alive_file.ALIVE_PREFIX}0123456789abcdef.dcpstore-tmp-aaaaaaaaaaaa"
     stale = tmp_path / "root" / "old" / ".__0_0.distcp.dcpstore-tmp-bbbbbbbbbbbb"
     for path in (fresh, stale):
         path.parent.mkdir(parents=True)
         path.write_bytes(b"{")
-    past = time.time() - inflight.LEASE_S - 60
+    past = time.time() - alive_file.LEASE_S - 60
     os.utime(stale, (past, past))
     report = gc(dcpstore.open_storage(str(tmp_path / "root")), older_than_s=0)
     assert report.incomplete_uploads == 1 and fresh.exists() and not stale.exists()

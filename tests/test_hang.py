@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import dcpstore
-from dcpstore._impl.errors import SaveError, StorageError
+from dcpstore._impl.util.errors import SaveError, StorageError
 from faults import BlockAt, hook_all_storage
 from helpers import assert_state_equal
 

@@ -121,7 +121,7 @@ def test_metadata_payload_never_runs(tmp_path: Path, manifest: bool) -> None:
     write_metadata(ckpt, md, manifest=manifest)
     every_tool_refuses(ckpt, marker, r"\.metadata holds class builtins\.exec")
     with pytest.raises(dcpstore.UnsafeCheckpoint, match="tools never unpickle"):
-        dcpstore._impl.maintenance.inspect_checkpoint(dcpstore.open_storage(str(ckpt)))
+        dcpstore._impl.tools.maintenance.inspect_checkpoint(dcpstore.open_storage(str(ckpt)))
     # A save over the crafted checkpoint never reads it, and replaces it.
     dcpstore.save(state(), str(ckpt)).result()
     loaded = fresh()

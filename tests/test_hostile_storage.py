@@ -41,10 +41,10 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 import dcpstore
 from dcpstore._impl.dcp.commit import read_checkpoint_metadata
-from dcpstore._impl.errors import CheckpointError, CheckpointNotFound, StorageError, StoragePermissionError, UnsafeCheckpoint
+from dcpstore._impl.util.errors import CheckpointError, CheckpointNotFound, StorageError, StoragePermissionError, UnsafeCheckpoint
 from dcpstore._impl.manager import CheckpointManager
 from dcpstore.storage import open_storage
-from dcpstore._impl.storage.local import LocalStorage
+from dcpstore._impl.storage.backends.local import LocalStorage
 from test_hostile import METADATA, cli, fresh, state
 
 #: How each local-filesystem backend is reached: (URI for a path, CLI flags, load kwargs).

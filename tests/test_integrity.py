@@ -21,7 +21,7 @@ from backends import Target
 from helpers import assert_state_equal, sample_state, zeros_like_state
 from dcpstore._impl.dcp.commit import read_checkpoint_metadata
 from dcpstore._impl.format.layout import MANIFEST, manifest_name, save_tag
-from dcpstore._impl.maintenance import verify_checkpoint
+from dcpstore._impl.tools.maintenance import verify_checkpoint
 from dcpstore.storage import open_storage
 
 

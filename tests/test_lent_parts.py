@@ -29,7 +29,7 @@ import dcpstore
 from faultproxy import FaultConfig, FaultProxy
 from helpers import assert_state_equal, zeros_like_state
 from s3_server import S3Endpoint
-from dcpstore._impl.storage.lent_parts import LEND_MIN, LendingObjectWriter, Part, PartBody
+from dcpstore._impl.storage.lending_writer import LEND_MIN, LendingObjectWriter, Part, PartBody
 from dcpstore.storage import MiB, StorageOptions, open_storage
 
 PART = 5 * MiB

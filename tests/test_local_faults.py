@@ -21,7 +21,7 @@ import torch
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 import dcpstore
-from dcpstore._impl.errors import StorageError
+from dcpstore._impl.util.errors import StorageError
 from dcpstore.storage import open_storage
 from crashkit import which_state
 from dcpstore._impl.dcp.writer import DcpStorageWriter

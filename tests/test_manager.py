@@ -25,7 +25,7 @@ import dcpstore.storage
 import dcpstore.tools
 from async_helpers import engine_params, skip_unless_engine_serves
 from backends import Target
-from dcpstore._impl.maintenance import list_checkpoints
+from dcpstore._impl.tools.maintenance import list_checkpoints
 from dcpstore._impl.manager import parse_step_dir, step_dir
 from dcpstore._impl.format.layout import METADATA
 from faults import BlockAt, hook_all_storage

@@ -56,7 +56,7 @@ from bridge_kit import (
 from dcpstore.adapters.megatron import FileSystemWriterAsync, install_in_bridge
 from dcpstore._impl.adapters.megatron_bridge import BridgeRoots
 from dcpstore._impl.cli import main as cli_main
-from dcpstore._impl.maintenance import list_checkpoints
+from dcpstore._impl.tools.maintenance import list_checkpoints
 from dcpstore._impl.storage import join_uri, open_storage
 from dist_utils import run_ranks
 from extras import NVRX, skip_module_unless

@@ -28,7 +28,7 @@ import torch.multiprocessing as mp
 
 import dcpstore
 from async_helpers import ENGINES, GatedPlanner
-from dcpstore._impl.errors import CheckpointNotFound, SaveError
+from dcpstore._impl.util.errors import CheckpointNotFound, SaveError
 
 
 def _free_port() -> int:

@@ -28,11 +28,11 @@ from faultproxy import FaultConfig, FaultProxy, Request
 from helpers import assert_state_equal, zeros_like_state
 from s3_server import BUCKET, MotoServer, S3Endpoint, Tls
 from dcpstore._impl.bench.measure import PeakRSS
-from dcpstore._impl.errors import CheckpointCorrupt
+from dcpstore._impl.util.errors import CheckpointCorrupt
 from dcpstore.storage import MiB, StorageOptions, open_storage
-from dcpstore._impl.storage.options import OBJECT_STORE_WORKERS
-from dcpstore._impl.storage.kit import disk_workers
-from dcpstore._impl.storage.s3_client import CONTINUE_MIN
+from dcpstore._impl.storage.storage_options import OBJECT_STORE_WORKERS
+from dcpstore._impl.storage.concurrency import disk_workers
+from dcpstore._impl.storage.backends.s3.client import CONTINUE_MIN
 
 PART = 5 * MiB
 
@@ -233,7 +233,7 @@ def test_a_load_knows_each_size_before_reading_and_still_finds_a_wrong_one(
     does not serve (it failed, or a checkpoint of more files than a page),
     one size request per file, never one per ranged GET. A data file longer
     than the manifest says is refused either way."""
-    from dcpstore._impl.storage.s3 import S3Storage
+    from dcpstore._impl.storage.backends.s3.storage import S3Storage
 
     state = {f"t{i}": torch.randn(MiB // 4) for i in range(4)}
     uri = _uri(s3_endpoint)

@@ -16,9 +16,9 @@ import dcpstore
 from backends import OBJECT_STORE_OPTIONS, make_target
 from faultproxy import FaultConfig, FaultProxy
 from s3_server import S3Endpoint
-from dcpstore._impl.maintenance import gc
+from dcpstore._impl.tools.maintenance import gc
 from dcpstore._impl.storage import MiB, StorageOptions, open_storage, parse_uri
-from dcpstore._impl.storage.s3 import S3Storage, s3_client
+from dcpstore._impl.storage.backends.s3.storage import S3Storage, s3_client
 
 PART = 5 * MiB
 
@@ -54,7 +54,7 @@ def test_small_objects_are_one_put_large_ones_multipart(s3: S3Storage, s3_endpoi
 
 
 def test_part_size_grows_for_objects_beyond_10000_parts() -> None:
-    from dcpstore._impl.storage.s3_upload import _part_size_for
+    from dcpstore._impl.storage.backends.s3.upload import _part_size_for
 
     assert _part_size_for(PART, None) == PART
     assert _part_size_for(PART, 10_000 * PART) == PART
@@ -227,7 +227,7 @@ def test_msc_s3_uses_an_implicit_profile(s3_endpoint: S3Endpoint) -> None:
 
 def test_fsspec_s3fs_commits_atomically_and_aborts_cleanly(s3_endpoint: S3Endpoint) -> None:
     pytest.importorskip("s3fs")
-    from dcpstore._impl.storage.fsspec import FsspecStorage
+    from dcpstore._impl.storage.backends.fsspec import FsspecStorage
 
     st = FsspecStorage(parse_uri(f"s3://{s3_endpoint.bucket}/{_prefix()}"), StorageOptions(part_size=PART))
     assert st.transactional

@@ -17,7 +17,7 @@ from backends import Target
 from faultproxy import FaultConfig, FaultProxy
 from s3_server import S3Endpoint
 from dcpstore.storage import StorageOptions
-from dcpstore._impl.storage.s3_client import RetryBursts
+from dcpstore._impl.storage.backends.s3.client import RetryBursts
 
 RATE = re.compile(r"[\d.]+(e[+-]?\d+)? GB/s")
 

@@ -19,7 +19,7 @@ import torch
 
 import dcpstore
 from dcpstore.adapters.megatron import CheckpointConfig
-from dcpstore._impl.options import LoadOptions, SaveOptions
+from dcpstore._impl.values.options import LoadOptions, SaveOptions
 from dcpstore.storage import Storage
 
 

@@ -28,7 +28,7 @@ from async_helpers import skip_unless_engine_serves
 from backends import Target
 from faults import FailAt, hook_all_storage
 from helpers import assert_state_equal, zeros_like_state
-from dcpstore._impl import maintenance
+from dcpstore._impl.tools import maintenance
 from dcpstore._impl.dcp import load as whole_load
 from dcpstore._impl.dcp.load import LOAD_TRIES
 from dcpstore.storage import open_storage

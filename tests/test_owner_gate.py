@@ -1,5 +1,5 @@
 """One ownership check per rank, made after every data file is written and
-before any is published (dcpstore._impl.dcp.owner_gate), on every backend and engine.
+before any is published (dcpstore._impl.dcp.liveness.owner_gate), on every backend and engine.
 
 What the gate must keep of one check per file: no file is published once a
 later save has taken the URI over, even when that happens after the files
@@ -23,7 +23,7 @@ from async_helpers import open_target, skip_unless_engine_serves
 from backends import Target
 from faults import Recorder, hook_all_storage
 from helpers import assert_state_equal, zeros_like_state
-from dcpstore._impl.dcp.owner_gate import OwnerGate
+from dcpstore._impl.dcp.liveness.owner_gate import OwnerGate
 from dcpstore._impl.format.layout import INFLIGHT, METADATA, is_data_file
 
 ENGINES = [("native", False), ("native", True), ("nvrx", True)]

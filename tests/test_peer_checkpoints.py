@@ -32,7 +32,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
 import dcpstore
-from dcpstore._impl.errors import CheckpointCorrupt
+from dcpstore._impl.util.errors import CheckpointCorrupt
 from dcpstore._impl.format.peer_paths import PeerPath
 from dcpstore._impl.format.safe_pickle import TOOLS, load_metadata
 from dist_utils import run_ranks

@@ -25,8 +25,8 @@ from hypothesis import strategies as st
 
 import dcpstore
 from backends import Target
-from dcpstore._impl.format import inflight
-from dcpstore._impl.format.inflight import ALIVE_PREFIX
+from dcpstore._impl.dcp.liveness import alive_file
+from dcpstore._impl.dcp.liveness.alive_file import ALIVE_PREFIX
 from dcpstore._impl.format.layout import (
     INFLIGHT,
     MANIFEST,
@@ -37,9 +37,9 @@ from dcpstore._impl.format.layout import (
     spread_dir,
     spread_file_prefix,
 )
-from dcpstore._impl.maintenance import gc, list_checkpoints
+from dcpstore._impl.tools.maintenance import gc, list_checkpoints
 from dcpstore.storage import StorageOptions
-from dcpstore._impl.storage.local import _TMP_MARK
+from dcpstore._impl.storage.backends.local import _TMP_MARK
 from dist_utils import run_ranks
 from oracle import needs_nvrx
 
@@ -263,7 +263,7 @@ def test_gc_leaves_a_running_spread_saves_temporary_files_alone(tmp_path: Any) -
     (ckpt / "p1").mkdir(parents=True)
     token = "0123456789abcdef"
     (ckpt / INFLIGHT).write_text(token)
-    (ckpt / f"{ALIVE_PREFIX}{token}").write_bytes(inflight.encode_alive(token, inflight.Owner.current()))
+    (ckpt / f"{ALIVE_PREFIX}{token}").write_bytes(alive_file.encode_alive(token, alive_file.Owner.current()))
     temp = ckpt / "p1" / f".__1_0.distcp{_TMP_MARK}x"
     temp.write_bytes(b"partial")
     old = time.time() - 600

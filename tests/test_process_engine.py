@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 import dcpstore
 from async_helpers import GatedPlanner
-from dcpstore._impl.errors import CheckpointNotFound, InvalidArgument, SaveError
+from dcpstore._impl.util.errors import CheckpointNotFound, InvalidArgument, SaveError
 
 #: Bound on how long a save whose checkpoint process died may take to fail.
 FAIL_WITHIN_S = 30.0

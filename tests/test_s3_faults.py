@@ -32,7 +32,7 @@ import dcpstore
 from faultproxy import FaultConfig, FaultProxy, Request, s3_error
 from helpers import assert_state_equal, zeros_like_state
 from s3_server import S3Endpoint
-from dcpstore._impl.maintenance import gc
+from dcpstore._impl.tools.maintenance import gc
 from dcpstore.storage import MiB, StorageOptions, open_storage
 
 PART = 5 * MiB

@@ -26,7 +26,8 @@ import torch.distributed.checkpoint as dcp
 
 import dcpstore
 from backends import Target, make_target
-from dcpstore._impl import cli, maintenance
+from dcpstore._impl import cli
+from dcpstore._impl.tools import maintenance
 from dcpstore.storage import MiB, StorageOptions
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]

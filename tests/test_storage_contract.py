@@ -11,7 +11,7 @@ import pytest
 
 import dcpstore
 from backends import Target
-from dcpstore._impl.errors import CheckpointError, ObjectTooLarge, StorageNotFound
+from dcpstore._impl.util.errors import CheckpointError, ObjectTooLarge, StorageNotFound
 from dcpstore.storage import MiB, Storage
 
 

@@ -28,12 +28,12 @@ from hypothesis import strategies as st
 import dcpstore
 from backends import OBJECT_STORE_OPTIONS, Target
 from s3_server import S3Endpoint
-from dcpstore._impl.errors import ObjectTooLarge, StorageError, StorageNotFound, StoragePermissionError
+from dcpstore._impl.util.errors import ObjectTooLarge, StorageError, StorageNotFound, StoragePermissionError
 from dcpstore.storage import MiB, Storage, StorageOptions, open_storage
 from dcpstore._impl.storage.buffered import BufferedObjectWriter
-from dcpstore._impl.storage.codes import CODES, STATUSES, Meaning, code_in_text, meaning
-from dcpstore._impl.storage.kit import PIECE_SLACK, byte_ranges, slice_buffers
-from dcpstore._impl.storage.s3_upload import _MAX_PARTS, _part_size_for
+from dcpstore._impl.storage.backends.s3.error_codes import CODES, STATUSES, Meaning, code_in_text, meaning
+from dcpstore._impl.storage.byte_ranges import PIECE_SLACK, byte_ranges, slice_buffers
+from dcpstore._impl.storage.backends.s3.upload import _MAX_PARTS, _part_size_for
 
 STORAGE_DIR = Path(dcpstore.__file__).parent / "_impl" / "storage"
 
@@ -431,7 +431,7 @@ def _imports(path: Path) -> set[str]:
 def test_storage_imports_nothing_of_dcpstore_but_errors() -> None:
     for path in sorted(STORAGE_DIR.glob("*.py")):
         ours = {m for m in _imports(path) if m.split(".")[0] == "dcpstore"}
-        outside = {m for m in ours if not m.startswith("dcpstore._impl.storage") and m != "dcpstore._impl.errors"}
+        outside = {m for m in ours if not m.startswith("dcpstore._impl.storage") and m != "dcpstore._impl.util.errors"}
         assert not outside, f"{path.name} imports {sorted(outside)}"
 
 
@@ -440,7 +440,7 @@ def test_automatic_part_size_leaves_no_tiny_last_part(nbytes: int) -> None:
     """Whole MiB between 8 and 64 MiB, about AUTO_PIECES parts, and no last
     part under 1/8 of the others (a request for a few KiB) unless the size
     is already at its cap."""
-    from dcpstore._impl.storage.options import AUTO_PART_MAX, AUTO_PART_MIN, AUTO_PIECES
+    from dcpstore._impl.storage.storage_options import AUTO_PART_MAX, AUTO_PART_MIN, AUTO_PIECES
 
     size = StorageOptions().part_size_for(nbytes)
     assert size % MiB == 0 and AUTO_PART_MIN <= size <= AUTO_PART_MAX

@@ -29,7 +29,7 @@ import torch.distributed as dist
 import dcpstore
 from backends import Target, make_target, save_options
 from crashkit import crash, forkserver
-from dcpstore._impl.maintenance import gc, list_checkpoints
+from dcpstore._impl.tools.maintenance import gc, list_checkpoints
 from dcpstore._impl.format.layout import METADATA, REPLICA_REPORT_PREFIX
 from dcpstore._impl.manager import step_dir
 from dist_utils import run_ranks

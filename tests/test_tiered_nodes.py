@@ -30,7 +30,7 @@ import dcpstore
 import extras
 import killcount
 from dcpstore._impl.format.layout import INFLIGHT, METADATA, name_tag
-from dcpstore._impl.maintenance import gc
+from dcpstore._impl.tools.maintenance import gc
 from dcpstore._impl.manager import step_dir
 from dcpstore._impl.manager.tiers.nodes import PROBE_PREFIX, nodes_from_views
 from dcpstore._impl.manager.tiers.replicate import read_local_commit

@@ -26,7 +26,7 @@ import dcpstore
 from backends import Target, make_target, save_options
 from crashkit import crash, forkserver
 from dcpstore._impl.format.layout import METADATA
-from dcpstore._impl.maintenance import gc
+from dcpstore._impl.tools.maintenance import gc
 from dcpstore._impl.manager import step_dir
 from dcpstore._impl.manager.tiers.replicate import check_no_clash, read_local_commit
 from dist_utils import run_ranks

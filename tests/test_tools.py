@@ -17,7 +17,7 @@ import torch.distributed.checkpoint as dcp
 import dcpstore
 from dcpstore import tools
 from dcpstore.storage import Storage, open_storage, register_backend
-from dcpstore._impl.storage import registry
+from dcpstore._impl.storage import backend_registry as registry
 from dist_utils import run_ranks
 from helpers import assert_state_equal, zeros_like_state
 from user_backend import ROOT_VARIABLE, MirrorStorage

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import dcpstore
-from dcpstore._impl.errors import SaveError
+from dcpstore._impl.util.errors import SaveError
 
 #: The engines these run on: the native one (NVRx's failures reach the saver
 #: the same way) and the process engine, whose failures come from another

@@ -3,7 +3,7 @@
 It still keeps two warnings torch raises from inside its calls out of the
 user's way (DCP's "torch.distributed is disabled ..." on a single-process
 save or load; torch.frombuffer's "not writable" on a load's item views), by
-ignoring them only while its own call runs (dcpstore._impl.quiet).
+ignoring them only while its own call runs (dcpstore._impl.util.warning_filters).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import dcpstore
-from dcpstore._impl.quiet import ignoring
+from dcpstore._impl.util.warning_filters import ignoring
 
 NO_DIST = "torch.distributed is disabled"
 

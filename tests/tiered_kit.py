@@ -16,7 +16,7 @@ import dcpstore
 import killcount
 from backends import Target, make_target
 from crashkit import crash
-from dcpstore._impl.format.inflight import ALIVE_PREFIX
+from dcpstore._impl.dcp.liveness.alive_file import ALIVE_PREFIX
 from dcpstore._impl.format.layout import METADATA, REPLICA_REPORT_PREFIX
 from dcpstore._impl.manager import step_dir
 from dcpstore._impl.manager.tiers.replicate import read_local_commit
@@ -144,7 +144,7 @@ def gc_keeps_running(uri: str, gate: Any, step: int) -> None:
     """Once ``gate`` (a :class:`faults.BlockAt`) holds a save or replication
     under ``uri``, ``dcpstore gc`` of any age keeps ``step`` as running and
     removes nothing; then the gate is released."""
-    from dcpstore._impl.maintenance import gc
+    from dcpstore._impl.tools.maintenance import gc
 
     assert gate.reached.wait(60)
     root = dcpstore.open_storage(uri)

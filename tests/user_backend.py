@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-from dcpstore._impl.storage.local import LocalStorage
+from dcpstore._impl.storage.backends.local import LocalStorage
 
 #: Where every mirror:// URI of this process and its children lives.
 ROOT_VARIABLE = "DCPSTORE_TEST_MIRROR_ROOT"

@@ -4,7 +4,7 @@
 storage a URI names (:mod:`dcpstore.storage`); *how* is the DCP protocol
 (:mod:`dcpstore._impl.dcp`); *when* is the engines' (:mod:`dcpstore._impl.engines`).
 This module only wires them together per call, from one
-:class:`~dcpstore._impl.options.SaveOptions` / :class:`~dcpstore._impl.options.LoadOptions`
+:class:`~dcpstore._impl.values.options.SaveOptions` / :class:`~dcpstore._impl.values.options.LoadOptions`
 built from the keywords. It keeps no state of its own; async saves (and
 sync saves on another engine than the native one) run on the engines' per-process default
 :class:`~dcpstore.AsyncSaver` (:func:`dcpstore._impl.engines.saver.default_saver`),
@@ -31,14 +31,14 @@ from dcpstore._impl.dcp.failures import save_error
 from dcpstore._impl.dcp.load import load_state_dict
 from dcpstore._impl.dcp.state_checks import check_saveable
 from dcpstore._impl.dcp.writer import save_state_dict
-from dcpstore._impl.engines.leftovers import with_leftovers
+from dcpstore._impl.dcp.liveness.retried_cleanups import with_leftovers
 from dcpstore._impl.engines.saver import default_saver
-from dcpstore._impl.errors import CheckpointError, InvalidArgument
-from dcpstore._impl.handle import CheckpointInfo, SaveHandle
-from dcpstore._impl.keywords import hint_keywords
-from dcpstore._impl.option_keywords import given_keywords, resolve_options
-from dcpstore._impl.options import LoadOptions, SaveOptions, rank_label, shows_progress
-from dcpstore._impl.progress import Progress
+from dcpstore._impl.util.errors import CheckpointError, InvalidArgument
+from dcpstore._impl.values.results import CheckpointInfo, SaveHandle
+from dcpstore._impl.util.keyword_hints import hint_keywords
+from dcpstore._impl.values.keywords import given_keywords, resolve_options
+from dcpstore._impl.values.options import LoadOptions, SaveOptions, rank_label, shows_progress
+from dcpstore._impl.util.progress import Progress
 from dcpstore._impl.storage import StorageOptions, open_storage
 
 log = logging.getLogger(__name__)

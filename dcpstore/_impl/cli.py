@@ -10,7 +10,7 @@ dcpstore's allowlists only, ``ls`` and ``gc`` never read what a checkpoint
 holds.
 
 ``--help``, ``ls`` and ``gc`` never import torch (seconds): they use
-:mod:`dcpstore._impl.listing` only. ``inspect``, ``verify`` and ``bench`` import
+:mod:`dcpstore._impl.tools.listing` only. ``inspect``, ``verify`` and ``bench`` import
 their modules (and with them torch) when they run (:func:`_needs_torch`).
 """
 
@@ -27,13 +27,13 @@ from typing import Any
 
 from tqdm import tqdm
 
-from dcpstore._impl.errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound, UnsafeCheckpoint
-from dcpstore._impl.listing import TierRow, list_checkpoints, list_tiers
-from dcpstore._impl.listing import gc as collect
+from dcpstore._impl.util.errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound, UnsafeCheckpoint
+from dcpstore._impl.tools.listing import TierRow, list_checkpoints, list_tiers
+from dcpstore._impl.tools.listing import gc as collect
 from dcpstore._impl.storage import Storage, open_storage
 from dcpstore._impl.storage.overlap import Role, check_roles
 from dcpstore._impl.storage.secrets import scrub
-from dcpstore._impl.units import human_bytes, parse_size
+from dcpstore._impl.util.units import human_bytes, parse_size
 
 #: What ``FILES`` counts in ``ls``, and what ``inspect`` lists.
 LS_FILES = "FILES counts every file of a checkpoint: data files, .metadata, the manifest and markers"
@@ -260,7 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tensors", type=_positive_int, default=32, metavar="N",
                    help="split the bytes into N float32 tensors (default 32)")
     p.add_argument("--workers", default="1,2,4,8", help="comma-separated worker counts to try (default 1,2,4,8)")
-    p.add_argument("--engine", default="auto",  # checked by save() against dcpstore._impl.options.ENGINES (torch-free here)
+    p.add_argument("--engine", default="auto",  # checked by save() against dcpstore._impl.values.options.ENGINES (torch-free here)
                    help="async engine (with --async): dcpstore.save's engine=, e.g. native, nvrx, process")
     p.add_argument("--async", dest="async_", action="store_true", help="save with async_=True; reports the blocked time")
     p.add_argument("--repeat", type=_positive_int, default=1, help="saves per worker count (default 1)")

@@ -39,19 +39,19 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from dcpstore._impl.torch_compat import ExtensionRegistry, StreamTransformExtension
+from dcpstore._impl.util.torch_compat import ExtensionRegistry, StreamTransformExtension
 from dcpstore._impl.dcp.load_progress import LoadProgress
 from dcpstore._impl.dcp.reader import DcpStorageReader
 from dcpstore._impl.dcp.writer import DcpStorageWriter
 from dcpstore._impl.engines.exit import Stage, watch
-from dcpstore._impl.engines.leftovers import Leftovers, with_leftovers
+from dcpstore._impl.dcp.liveness.retried_cleanups import Leftovers, with_leftovers
 from dcpstore._impl.engines.staging import Staging
-from dcpstore._impl.errors import CheckpointError, InvalidArgument
-from dcpstore._impl.option_keywords import O, resolve_options
-from dcpstore._impl.options import AUTO, LoadOptions, SaveOptions
-from dcpstore._impl.progress import NO_PROGRESS
+from dcpstore._impl.util.errors import CheckpointError, InvalidArgument
+from dcpstore._impl.values.keywords import O, resolve_options
+from dcpstore._impl.values.options import AUTO, LoadOptions, SaveOptions
+from dcpstore._impl.util.progress import NO_PROGRESS
 from dcpstore._impl.storage import Storage, StorageOptions, open_storage
-from dcpstore._impl.storage.registry import registered_backends, restore_backends
+from dcpstore._impl.storage.backend_registry import registered_backends, restore_backends
 
 #: What to use instead of s3torchconnector's arguments that select its own
 #: client and readers.
@@ -239,7 +239,7 @@ class StorageWriter(DcpStorageWriter, AsyncStager):
     # A save that fails while the endpoint is down cannot abort its uploads
     # or remove its alive file either: as dcpstore's own savers do, the
     # writer keeps those clean-ups and tries them again at its next save,
-    # at close() and at exit (dcpstore._impl.engines.leftovers), and the error
+    # at close() and at exit (dcpstore._impl.dcp.liveness.retried_cleanups), and the error
     # says so.
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self._leftovers.retry_in_background()

@@ -19,9 +19,9 @@ built from live in ``dcpstore._impl.storage``, free to change.
 """
 
 from dcpstore._impl.storage.base import ObjectInfo, ObjectWriter, Storage
-from dcpstore._impl.storage.options import MiB, StorageOptions
+from dcpstore._impl.storage.storage_options import MiB, StorageOptions
 from dcpstore._impl.storage.buffered import BufferedObjectWriter
-from dcpstore._impl.storage.registry import open_storage, register_backend
+from dcpstore._impl.storage.backend_registry import open_storage, register_backend
 from dcpstore._impl.storage.uri import StorageURL
 
 __all__ = [

@@ -85,14 +85,14 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from dcpstore._impl.torch_compat import DistWrapper, StreamTransformExtension
+from dcpstore._impl.util.torch_compat import DistWrapper, StreamTransformExtension
 from dcpstore._impl.dcp.failures import describe_failure
 from dcpstore._impl.dcp.writer import DcpStorageWriter
 from dcpstore._impl.dropin import check_writer_args
-from dcpstore._impl.errors import InvalidArgument, SaveError
-from dcpstore._impl.handle import SaveStats
-from dcpstore._impl.option_keywords import resolve_options
-from dcpstore._impl.options import SaveOptions
+from dcpstore._impl.util.errors import InvalidArgument, SaveError
+from dcpstore._impl.values.results import SaveStats
+from dcpstore._impl.values.keywords import resolve_options
+from dcpstore._impl.values.options import SaveOptions
 from dcpstore._impl.storage import Storage, StorageOptions, open_storage, with_msc
 from dcpstore._impl.adapters.megatron_worker import Bucket, Preload, WorkerJob, read_results, write_buckets
 

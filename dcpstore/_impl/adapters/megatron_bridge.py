@@ -37,8 +37,8 @@ from types import ModuleType
 from typing import Any
 
 from dcpstore._impl.dropin import StorageReader, StorageWriter
-from dcpstore._impl.errors import InvalidArgument
-from dcpstore._impl.options import LoadOptions, SaveOptions
+from dcpstore._impl.util.errors import InvalidArgument
+from dcpstore._impl.values.options import LoadOptions, SaveOptions
 from dcpstore._impl.storage import StorageOptions, with_msc
 from dcpstore._impl.adapters.megatron_async import FileSystemWriterAsync
 

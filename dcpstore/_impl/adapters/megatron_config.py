@@ -26,7 +26,7 @@ own** about which combinations work. It asks the tables the writers ask:
 field                                validated by
 ===================================  =========================================
 ``ckpt_format``                      :data:`FORMATS`
-``async_save``,                      :func:`dcpstore._impl.options.save_option_problems`
+``async_save``,                      :func:`dcpstore._impl.values.options.save_option_problems`
 ``dist_ckpt_workers``, ``options``   (what :func:`dcpstore.save` checks) and, for
                                      the engine x ``save``, the NVRx engine's own
                                      backend check (NVRx writes POSIX/MSC only)
@@ -47,7 +47,7 @@ and :class:`FileSystemWriterAsync` under Bridge) reuses NVRx's plans while
 the structure is unchanged and checks each save against them, and the
 native engine plans every save (DCP's own plan cache would replay the
 per-save claim token the native writer puts in its plans:
-:data:`dcpstore._impl.options.PLAN_CACHING_WHY`; ``dcpstore.save`` refuses a
+:data:`dcpstore._impl.values.options.PLAN_CACHING_WHY`; ``dcpstore.save`` refuses a
 caching planner for that reason, :func:`plan_caching_supported`).
 
 Mapping: :meth:`CheckpointConfig.save_options` is the one
@@ -73,13 +73,13 @@ from typing import Any, NoReturn
 
 import torch.distributed as dist
 
-from dcpstore._impl.engines.choice import engine_problem
-from dcpstore._impl.errors import CheckpointError, CheckpointNotFound, InvalidArgument
-from dcpstore._impl.keywords import hint_keywords, unknown_keyword_message
+from dcpstore._impl.engines.selection import engine_problem
+from dcpstore._impl.util.errors import CheckpointError, CheckpointNotFound, InvalidArgument
+from dcpstore._impl.util.keyword_hints import hint_keywords, unknown_keyword_message
 from dcpstore._impl.manager import LAYOUTS, CheckpointManager, check_step
 from dcpstore._impl.manager.roots import coordinator_rank, group_rank, is_distributed
-from dcpstore._impl.option_keywords import resolve_options, warn_deprecated_keyword
-from dcpstore._impl.options import AUTO, SaveOptions, save_option_problems
+from dcpstore._impl.values.keywords import resolve_options, warn_deprecated_keyword
+from dcpstore._impl.values.options import AUTO, SaveOptions, save_option_problems
 from dcpstore._impl.storage import StorageOptions, backend_class, backend_name, parse_uri, with_msc
 from dcpstore._impl.adapters.megatron_bridge import megatron_msc_enabled
 from dcpstore._impl.adapters.megatron_formats import FORMATS
@@ -101,7 +101,7 @@ _BRIDGE_DEFAULTS = {"async_save": False, "dist_ckpt_workers": None}
 def plan_caching_supported() -> bool:
     """Whether dcpstore's native writer can run from DCP's save-plan cache
     (``DefaultSavePlanner(enable_plan_caching=True)``): no, it would replay
-    the per-save claim token (:data:`dcpstore._impl.options.PLAN_CACHING_WHY`);
+    the per-save claim token (:data:`dcpstore._impl.values.options.PLAN_CACHING_WHY`);
     ``dcpstore.save`` refuses such planners. NVRx's plan cache is another
     matter: see ``ckpt_assume_constant_structure`` in the module docstring."""
     return False

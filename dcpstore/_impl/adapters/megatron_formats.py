@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from dcpstore._impl.torch_compat import ShardMetadata, ShardedTensor, ShardedTensorMetadata, ShardedTensorProperties, compute_local_shape_and_global_offset, Shard as StShard
-from dcpstore._impl.errors import InvalidArgument
+from dcpstore._impl.util.torch_compat import ShardMetadata, ShardedTensor, ShardedTensorMetadata, ShardedTensorProperties, compute_local_shape_and_global_offset, Shard as StShard
+from dcpstore._impl.util.errors import InvalidArgument
 
 @dataclass(frozen=True)
 class StateDictFormat:

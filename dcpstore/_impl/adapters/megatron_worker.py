@@ -32,13 +32,13 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
-from dcpstore._impl.torch_compat import StorageWriterTransforms, StreamTransformExtension
+from dcpstore._impl.util.torch_compat import StorageWriterTransforms, StreamTransformExtension
 from dcpstore._impl.dcp.commit.session import ItemRecord, SaveSession
 from dcpstore._impl.dcp.failures import describe_failure
-from dcpstore._impl.dcp.owner_gate import OwnerGate, run_gated
+from dcpstore._impl.dcp.liveness.owner_gate import OwnerGate, run_gated
 from dcpstore._impl.dcp.data_files import file_size_hint, write_data_file
 from dcpstore._impl.format.record import compact_cpu_tensor
-from dcpstore._impl.progress import NO_PROGRESS
+from dcpstore._impl.util.progress import NO_PROGRESS
 from dcpstore._impl.storage import Storage, StorageOptions, open_storage
 
 log = logging.getLogger(__name__)

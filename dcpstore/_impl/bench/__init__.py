@@ -18,7 +18,7 @@ dcpstore on their own storage:
 :func:`bench` is what the CLI runs: one dcpstore entry per worker count.
 
 May import: dcpstore's public API (``save``/``load``), :mod:`dcpstore.storage`,
-:mod:`dcpstore._impl.errors`, :mod:`dcpstore._impl.units` and the engines' choice
+:mod:`dcpstore._impl.util.errors`, :mod:`dcpstore._impl.util.units` and the engines' choice
 (which engine can save where, so that a row that cannot is skipped); torch, tqdm, and (late,
 only where used) psutil and matplotlib. Never ``benchmarks/`` and never the
 CLI: the peer comparisons in ``benchmarks/`` build on this package (their
@@ -38,9 +38,9 @@ from typing import Any
 
 from tqdm import tqdm
 
-from dcpstore._impl.options import ENGINES
+from dcpstore._impl.values.options import ENGINES
 from dcpstore._impl.storage import join_uri, parse_uri
-from dcpstore._impl.units import human_bytes, parse_size
+from dcpstore._impl.util.units import human_bytes, parse_size
 from dcpstore._impl.bench.entries import DcpstoreEntry, TieredEntry
 from dcpstore._impl.bench.interference import DcpstoreRow, StepWork, describe, measure
 from dcpstore._impl.bench.limits import RawFiles, s3_sweep

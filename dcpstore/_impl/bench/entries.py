@@ -19,9 +19,9 @@ import torch
 from dcpstore._impl.api import load, save
 from dcpstore._impl.engines.saver import AsyncSaver
 from dcpstore._impl.manager import CheckpointManager
-from dcpstore._impl.options import SaveOptions
+from dcpstore._impl.values.options import SaveOptions
 from dcpstore._impl.dcp.commit import delete_everything
-from dcpstore._impl.errors import BackendUnavailable, InvalidArgument
+from dcpstore._impl.util.errors import BackendUnavailable, InvalidArgument
 from dcpstore._impl.storage import Storage, StorageOptions, join_uri, open_storage, with_msc
 from dcpstore._impl.bench.runner import Entry, SaveOutcome, Skip, Waiter
 

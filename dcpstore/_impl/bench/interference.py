@@ -57,8 +57,8 @@ import torch
 
 from dcpstore._impl.api import save
 from dcpstore._impl.storage import join_uri, open_storage, parse_uri
-from dcpstore._impl.units import human_bytes
-from dcpstore._impl.engines.choice import engine_problem
+from dcpstore._impl.util.units import human_bytes
+from dcpstore._impl.engines.selection import engine_problem
 from dcpstore._impl.bench.entries import open_root
 from dcpstore._impl.bench.runner import SKIP_ERRORS, Skip
 

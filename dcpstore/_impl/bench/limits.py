@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from dcpstore._impl.units import human_bytes
+from dcpstore._impl.util.units import human_bytes
 from dcpstore._impl.bench.runner import Entry, Skip, Waiter, done
 
 MiB = 1 << 20

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from dcpstore._impl.errors import InvalidArgument
-from dcpstore._impl.units import human_bytes
+from dcpstore._impl.util.errors import InvalidArgument
+from dcpstore._impl.util.units import human_bytes
 
 
 def parse_int_list(text: str, what: str = "workers") -> list[int]:

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from dcpstore._impl.units import human_bytes
+from dcpstore._impl.util.units import human_bytes
 from dcpstore._impl.bench.limits import best_limits, limit_ratios
 from dcpstore._impl.bench.runner import Record, summarize
 

@@ -21,8 +21,8 @@ and shape) and the stream transforms a load may undo:
   well formed, and unpickled through the allowlist (unless trusted) before
   anyone else unpickles it.
 
-Errors are :class:`~dcpstore._impl.errors.CheckpointCorrupt` (or
-:class:`~dcpstore._impl.errors.UnsafeCheckpoint`) naming the file and the item.
+Errors are :class:`~dcpstore._impl.util.errors.CheckpointCorrupt` (or
+:class:`~dcpstore._impl.util.errors.UnsafeCheckpoint`) naming the file and the item.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
-from dcpstore._impl.torch_compat import StorageInfo, StorageReaderTransforms
-from dcpstore._impl.errors import CheckpointCorrupt
+from dcpstore._impl.util.torch_compat import StorageInfo, StorageReaderTransforms
+from dcpstore._impl.util.errors import CheckpointCorrupt
 from dcpstore._impl.format.layout import item_key
 from dcpstore._impl.format.record import BYTES_ITEM_LIMIT, RECORD_OVERHEAD, decode_item, item_tensor
 from dcpstore._impl.format.record_zip import RecordBytes, RecordError, check_raw_location, check_stored

@@ -15,11 +15,11 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-from dcpstore._impl.errors import CheckpointError
-from dcpstore._impl.handle import LoadStats
-from dcpstore._impl.options import LoadOptions
-from dcpstore._impl.progress import NO_PROGRESS, Progress
-from dcpstore._impl.quiet import ignoring
+from dcpstore._impl.util.errors import CheckpointError
+from dcpstore._impl.values.results import LoadStats
+from dcpstore._impl.values.options import LoadOptions
+from dcpstore._impl.util.progress import NO_PROGRESS, Progress
+from dcpstore._impl.util.warning_filters import ignoring
 from dcpstore._impl.storage import Storage
 from dcpstore._impl.dcp.failures import load_error
 from dcpstore._impl.dcp.load_progress import NO_CHANGES, LoadProgress, changes_of

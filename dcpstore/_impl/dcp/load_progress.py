@@ -36,7 +36,7 @@ import threading
 from collections import Counter
 from collections.abc import Iterable
 
-from dcpstore._impl.errors import CheckpointError, LoadError
+from dcpstore._impl.util.errors import CheckpointError, LoadError
 
 #: Keys listed by name in an error message; the attributes hold them all.
 SHOWN = 8

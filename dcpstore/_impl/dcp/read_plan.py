@@ -30,8 +30,8 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
-from dcpstore._impl.torch_compat import StorageInfo
-from dcpstore._impl.errors import CheckpointCorrupt
+from dcpstore._impl.util.torch_compat import StorageInfo
+from dcpstore._impl.util.errors import CheckpointCorrupt
 from dcpstore._impl.format.layout import item_key
 
 #: One read request and where its item lies.

@@ -28,7 +28,7 @@ Load, as ``torch.distributed.checkpoint.load`` drives it::
 
 Never executes checkpoint content: ``.metadata`` and non-tensor items are
 unpickled through allowlists (:mod:`dcpstore._impl.format.safe_pickle`);
-``safe_globals`` / ``trusted`` (from :class:`~dcpstore._impl.options.LoadOptions`)
+``safe_globals`` / ``trusted`` (from :class:`~dcpstore._impl.values.options.LoadOptions`)
 allow more. Nothing is allocated for bytes a file does not hold.
 
 A failed load says which keys it changed (:mod:`.load_progress`).
@@ -52,18 +52,18 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from dcpstore._impl.torch_compat import ExtensionRegistry, StorageInfo, StorageReaderTransforms
-from dcpstore._impl.errors import CheckpointCorrupt, CheckpointNotFound, StateDictMismatch, StorageNotFound
+from dcpstore._impl.util.torch_compat import ExtensionRegistry, StorageInfo, StorageReaderTransforms
+from dcpstore._impl.util.errors import CheckpointCorrupt, CheckpointNotFound, StateDictMismatch, StorageNotFound
 from dcpstore._impl.format.bitcopy import copy_values
 from dcpstore._impl.format.layout import MANIFEST, METADATA, item_key
 from dcpstore._impl.format.manifest import Manifest
 from dcpstore._impl.format.record_zip import RecordBytes
 from dcpstore._impl.format.safe_pickle import Trust
-from dcpstore._impl.options import check_workers
-from dcpstore._impl.progress import NO_PROGRESS, Progress
+from dcpstore._impl.values.options import check_workers
+from dcpstore._impl.util.progress import NO_PROGRESS, Progress
 from dcpstore._impl.storage import Storage
-from dcpstore._impl.threads import run_parallel
-from dcpstore._impl.dcp.commit.read import commit_replaced, read_checkpoint_metadata
+from dcpstore._impl.util.threads import run_parallel
+from dcpstore._impl.dcp.commit.reading import commit_replaced, read_checkpoint_metadata
 from dcpstore._impl.dcp.item_checks import SMALL_TENSOR_COPY, ItemChecks
 from dcpstore._impl.dcp.load_progress import NO_CHANGES, Changes, LoadProgress
 from dcpstore._impl.dcp.read_plan import Direct, DirectRun, Request, Span, plan_reads, scatter_groups

@@ -68,13 +68,13 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from dcpstore._impl.torch_compat import DistWrapper, StoragePrefix, StorageWriterTransforms, StreamTransformExtension
-from dcpstore._impl.errors import CheckpointError, CheckpointExists, InvalidArgument, SaveError
-from dcpstore._impl.handle import SaveStats
-from dcpstore._impl.option_keywords import storage_spread
-from dcpstore._impl.options import SaveOptions, check_workers
-from dcpstore._impl.progress import NO_PROGRESS, Progress
-from dcpstore._impl.quiet import ignoring
+from dcpstore._impl.util.torch_compat import DistWrapper, StoragePrefix, StorageWriterTransforms, StreamTransformExtension
+from dcpstore._impl.util.errors import CheckpointError, CheckpointExists, InvalidArgument, SaveError
+from dcpstore._impl.values.results import SaveStats
+from dcpstore._impl.values.keywords import storage_spread
+from dcpstore._impl.values.options import SaveOptions, check_workers
+from dcpstore._impl.util.progress import NO_PROGRESS, Progress
+from dcpstore._impl.util.warning_filters import ignoring
 from dcpstore._impl.storage import Storage, backend_name, parse_uri
 from dcpstore._impl.dcp.commit.session import SaveSession, check_commit_files
 from dcpstore._impl.dcp.data_files import (
@@ -87,7 +87,7 @@ from dcpstore._impl.dcp.data_files import (
     write_stats,
 )
 from dcpstore._impl.dcp.failures import describe_failure
-from dcpstore._impl.dcp.owner_gate import OwnerGate, run_gated
+from dcpstore._impl.dcp.liveness.owner_gate import OwnerGate, run_gated
 
 #: DCP warns on every call made without an initialised process group; a
 #: single-process save or load is a supported, deliberate use here.
@@ -338,7 +338,7 @@ class DcpStorageWriter(StorageWriter):
     def write_files(self, named: Sequence[tuple[str, list[WriteItem]]], planner: SavePlanner) -> list[WriteResult]:
         """Write every data file of :meth:`named_buckets`, each on its own
         thread through :meth:`write_file`; one ownership check
-        (:class:`~dcpstore._impl.dcp.owner_gate.OwnerGate`) once every file is
+        (:class:`~dcpstore._impl.dcp.liveness.owner_gate.OwnerGate`) once every file is
         written and before any is published -- and before any is written,
         for a writer that ``writes_in_place``. Returns the write results."""
         storage = self._save().storage

@@ -1,6 +1,6 @@
 """The host buffers of staged copies: what one looks like, how it is
 allocated (one per tensor in this process's memory, or all of a set carved
-from one block of shared memory: :mod:`.slab`), and the pool that keeps
+from one block of shared memory: :mod:`.shared_memory`), and the pool that keeps
 released sets for the next save of the same structure (see
 :mod:`.staging`, "Buffer reuse").
 """
@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from dcpstore._impl.errors import InvalidArgument, SaveError
-from dcpstore._impl.engines.slab import Slab, aligned, view_at
+from dcpstore._impl.util.errors import InvalidArgument, SaveError
+from dcpstore._impl.engines.shared_memory import Slab, aligned, view_at
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ def buffer_spec(t: torch.Tensor) -> BufferSpec:
 @dataclass
 class BufferSet:
     """The host buffers of one staged copy, in walk order; carved from one
-    :class:`~dcpstore._impl.engines.slab.Slab` (at ``offsets``) when staged in
+    :class:`~dcpstore._impl.engines.shared_memory.Slab` (at ``offsets``) when staged in
     shared memory."""
 
     buffers: list[torch.Tensor]

@@ -9,7 +9,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
-from dcpstore._impl.torch_compat import default_group
+from dcpstore._impl.util.torch_compat import default_group
 
 
 class BackgroundGroups:

@@ -12,12 +12,12 @@ from datetime import timedelta
 from typing import ClassVar
 
 from dcpstore._impl.dcp.writer import save_state_dict
-from dcpstore._impl.handle import SaveStats
-from dcpstore._impl.engines.registry import SaveJob
+from dcpstore._impl.values.results import SaveStats
+from dcpstore._impl.engines.engine import SaveJob
 
 
 class NativeEngine:
-    """:class:`~dcpstore._impl.engines.registry.Engine` ``"native"``."""
+    """:class:`~dcpstore._impl.engines.engine.Engine` ``"native"``."""
 
     name: ClassVar[str] = "native"
     shared_staging: ClassVar[bool] = False

@@ -78,20 +78,20 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from dcpstore._impl.torch_compat import DistWrapper, StorageWriterTransforms, wrap_exception
+from dcpstore._impl.util.torch_compat import DistWrapper, StorageWriterTransforms, wrap_exception
 from dcpstore._impl.dcp.commit.session import ItemRecord, SaveSession
 from dcpstore._impl.dcp.data_files import write_stats
 from dcpstore._impl.dcp.failures import describe_failure
-from dcpstore._impl.dcp.owner_gate import OwnerGate
+from dcpstore._impl.dcp.liveness.owner_gate import OwnerGate
 from dcpstore._impl.dcp.writer import DcpStorageWriter, claim_and_share
-from dcpstore._impl.errors import CheckpointCorrupt, InvalidArgument, SaveError
+from dcpstore._impl.util.errors import CheckpointCorrupt, InvalidArgument, SaveError
 from dcpstore._impl.format.checksum import file_and_span_crcs
-from dcpstore._impl.handle import SaveStats
+from dcpstore._impl.values.results import SaveStats
 from dcpstore._impl.storage import Storage
-from dcpstore._impl.storage.kit import map_os_error
+from dcpstore._impl.storage.error_mapping import map_os_error
 from dcpstore._impl.engines import nvrx_release as release
 from dcpstore._impl.engines.nvrx_release import import_error as import_error  # the engine choice asks here
-from dcpstore._impl.engines.registry import SaveJob
+from dcpstore._impl.engines.engine import SaveJob
 
 INSTALL_HINT = "pip install 'dcpstore[nvrx]' (nvidia-resiliency-ext)"
 
@@ -392,7 +392,7 @@ class PlanCaches(dict[int, tuple[Hashable, Any]]):
 
 
 class NvrxEngine:
-    """:class:`~dcpstore._impl.engines.registry.Engine` ``"nvrx"``: :func:`nvrx_save`
+    """:class:`~dcpstore._impl.engines.engine.Engine` ``"nvrx"``: :func:`nvrx_save`
     on the saver's background thread, with one :class:`PlanCaches` per saver."""
 
     name: ClassVar[str] = "nvrx"

@@ -34,7 +34,7 @@ from typing import Any
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from dcpstore._impl.torch_compat import failure_dict
+from dcpstore._impl.util.torch_compat import failure_dict
 from dcpstore._impl.engines.nvrx_stream import CheckedTransforms
 
 FS_MODULE = "nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async"

@@ -11,7 +11,7 @@ checksums, names and failure reporting, on every backend.
 
 Per rank, per save::
 
-    caller's thread      stage into shared memory (a Slab: engines/slab.py)
+    caller's thread      stage into shared memory (a Slab: engines/shared_memory.py)
     saver's thread       [the first save, or a checkpoint process gone on any
                          rank (one all-reduce): every rank starts a new one;
                          they form a gloo group of their own, meeting at a
@@ -73,14 +73,14 @@ from torch.distributed.distributed_c10d import PrefixStore
 
 from dcpstore._impl.dcp.failures import describe_failure, save_error
 from dcpstore._impl.dcp.writer import save_state_dict
-from dcpstore._impl.errors import SaveError
-from dcpstore._impl.handle import SaveStats
-from dcpstore._impl.options import SaveOptions
+from dcpstore._impl.util.errors import SaveError
+from dcpstore._impl.values.results import SaveStats
+from dcpstore._impl.values.options import SaveOptions
 from dcpstore._impl.storage import open_storage
-from dcpstore._impl.storage.registry import registered_backends, restore_backends
-from dcpstore._impl.engines.leftovers import Leftovers, with_leftovers
-from dcpstore._impl.engines.registry import SaveJob
-from dcpstore._impl.engines.slab import Slab, map_bytes
+from dcpstore._impl.storage.backend_registry import registered_backends, restore_backends
+from dcpstore._impl.dcp.liveness.retried_cleanups import Leftovers, with_leftovers
+from dcpstore._impl.engines.engine import SaveJob
+from dcpstore._impl.engines.shared_memory import Slab, map_bytes
 from dcpstore._impl.engines.staging import SharedState
 
 log = logging.getLogger(__name__)
@@ -120,7 +120,7 @@ class _Job:
 
 
 class ProcessEngine:
-    """:class:`~dcpstore._impl.engines.registry.Engine` ``"process"`` (see the module docstring)."""
+    """:class:`~dcpstore._impl.engines.engine.Engine` ``"process"`` (see the module docstring)."""
 
     name: ClassVar[str] = "process"
     shared_staging: ClassVar[bool] = True
@@ -437,7 +437,7 @@ def _save(message: tuple[str, Any], blocks: dict[int, torch.Tensor], grouped: bo
     """One save in the checkpoint process: ``("ok", SaveStats)`` or
     ``("failed", pickled exception or None, description)``; the clean-ups
     a failed save could not do are kept in ``leftovers``, and its error
-    says so (:func:`~dcpstore._impl.engines.leftovers.with_leftovers`)."""
+    says so (:func:`~dcpstore._impl.dcp.liveness.retried_cleanups.with_leftovers`)."""
     job: _Job | None = None
     error: BaseException | None = None
     try:

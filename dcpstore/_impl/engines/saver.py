@@ -18,7 +18,7 @@ runs on the per-process default saver, :func:`default_saver`)::
 
 There is one background thread per saver, so saves finalize in save order and
 every rank runs its background collectives in the same order. It is a daemon
-thread (dcpstore/_impl/threads.py says why): at interpreter exit the saver waits for
+thread (dcpstore/_impl/util/threads.py says why): at interpreter exit the saver waits for
 its pending saves, but a save running longer than ``hang_timeout`` is
 presumed hung and abandoned with a logged error, so a storage call that never
 returns cannot keep the process from exiting; nor does it block the next
@@ -44,15 +44,15 @@ anything: every rank sees the same failure, so every rank raises) and by
 The exit status is left alone (the README's "Async saves" says why). The
 failure is also logged at ERROR when it happens.
 
-Engines (:mod:`.registry`; chosen by :mod:`.choice`): the background half
-is the engine's (:meth:`~dcpstore._impl.engines.registry.Engine.save`), the rest
+Engines (:mod:`.engine`; chosen by :mod:`.selection`): the background half
+is the engine's (:meth:`~dcpstore._impl.engines.engine.Engine.save`), the rest
 -- staging, the order of saves, failures, limits -- is the saver's, for
 every engine alike. ``native`` (:mod:`.native`: DCP's save with dcpstore's
 writer; any backend), ``nvrx`` (:mod:`.nvrx`, POSIX and MSC) and
 ``process`` (:mod:`.process`: the native save in a checkpoint process per
 rank, staged in shared memory; any backend). ``auto`` picks NVRx where it
 is installed and can write the URI, else native with one
-:class:`~dcpstore._impl.errors.EngineFallbackWarning` naming why.
+:class:`~dcpstore._impl.util.errors.EngineFallbackWarning` naming why.
 
 State kept by a saver, all bounded: the background thread, the staging-buffer
 pool (``staging_cache`` structures x ``max_in_flight`` buffer sets), one
@@ -84,19 +84,19 @@ from datetime import timedelta
 from typing import Any
 
 from dcpstore._impl.dcp.failures import save_error
-from dcpstore._impl.errors import InvalidArgument, SaveError
-from dcpstore._impl.handle import CheckpointInfo, SaveHandle
-from dcpstore._impl.keywords import hint_keywords
-from dcpstore._impl.option_keywords import resolve_options
-from dcpstore._impl.options import SaveOptions, check_positive, check_workers, rank_label, shows_progress
-from dcpstore._impl.progress import Progress
+from dcpstore._impl.util.errors import InvalidArgument, SaveError
+from dcpstore._impl.values.results import CheckpointInfo, SaveHandle
+from dcpstore._impl.util.keyword_hints import hint_keywords
+from dcpstore._impl.values.keywords import resolve_options
+from dcpstore._impl.values.options import SaveOptions, check_positive, check_workers, rank_label, shows_progress
+from dcpstore._impl.util.progress import Progress
 from dcpstore._impl.storage import open_storage
-from dcpstore._impl.threads import BackgroundThread
+from dcpstore._impl.util.threads import BackgroundThread
 from dcpstore._impl.engines import exit as exit_hook
-from dcpstore._impl.engines.choice import agree_on_engine, select_engine
+from dcpstore._impl.engines.selection import agree_on_engine, select_engine
 from dcpstore._impl.engines.groups import BackgroundGroups
-from dcpstore._impl.engines.leftovers import Leftovers, with_leftovers
-from dcpstore._impl.engines.registry import Engine, SaveJob, engine_class
+from dcpstore._impl.dcp.liveness.retried_cleanups import Leftovers, with_leftovers
+from dcpstore._impl.engines.engine import Engine, SaveJob, engine_class
 from dcpstore._impl.engines.staging import Staging
 
 log = logging.getLogger(__name__)

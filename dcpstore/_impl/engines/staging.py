@@ -44,7 +44,7 @@ writer as DCP's ``AsyncStager`` (not told: :meth:`Staging.hand_out`).
 
 Shared memory. For an engine that writes from another process (the process
 engine) a set is staged into one block of shared memory
-(:class:`~dcpstore._impl.engines.slab.Slab`) instead of one buffer per tensor, and
+(:class:`~dcpstore._impl.engines.shared_memory.Slab`) instead of one buffer per tensor, and
 :attr:`StagedState.shared` describes the copy as that process rebuilds it
 (:class:`SharedState`: the skeleton and each buffer's offset).
 """
@@ -61,12 +61,12 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from dcpstore._impl.torch_compat import Shard, ShardedTensor, storage_use_count
+from dcpstore._impl.util.torch_compat import Shard, ShardedTensor, storage_use_count
 from dcpstore._impl.dcp.state_checks import check_saveable
-from dcpstore._impl.errors import InvalidArgument
+from dcpstore._impl.util.errors import InvalidArgument
 from dcpstore._impl.format.bitcopy import copy_values
 from dcpstore._impl.engines.buffers import BufferSet, BufferSpec, StagingPool, allocate, allocate_shared, buffer_spec
-from dcpstore._impl.engines.slab import Slab, view_at
+from dcpstore._impl.engines.shared_memory import Slab, view_at
 
 try:  # DTensor and ShardedTensor exist on every torch that dcpstore supports,
     from torch.distributed.tensor import DTensor  # but keep import failures local.
@@ -95,7 +95,7 @@ class SharedState:
     state dict's skeleton (placeholders where the buffers go; DTensor and
     ShardedTensor wrappers with their metadata; every other value as
     staged), and each buffer's place in the slab. Picklable; the slab's
-    memory goes by file descriptor (:mod:`.slab`)."""
+    memory goes by file descriptor (:mod:`.shared_memory`)."""
 
     slab_id: int
     slab_nbytes: int
@@ -180,7 +180,7 @@ class Stager:
     moved to host memory): only for callers that block until the write is
     done, i.e. synchronous saves through a background engine. ``shared=True``
     stages every tensor into one block of shared memory that another
-    process can map (:mod:`.slab`; :attr:`StagedState.shared` says how it
+    process can map (:mod:`.shared_memory`; :attr:`StagedState.shared` says how it
     rebuilds the state dict), and copies CPU tensors whatever ``alias_cpu``
     says.
     """

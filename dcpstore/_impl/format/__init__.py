@@ -4,7 +4,7 @@ Owns the checkpoint layout and file names (:mod:`.layout`), the integrity
 manifest's schema and the shared validation of a commit (:mod:`.manifest`),
 the restricted unpicklers for ``.metadata`` and non-tensor items
 (:mod:`.safe_pickle`), a running save's proof of life for ``gc``
-(:mod:`.inflight`), the CRC32C arithmetic (:mod:`.checksum`), the tensor
+(:mod:`dcpstore._impl.dcp.liveness.alive_file`), the CRC32C arithmetic (:mod:`.checksum`), the tensor
 record codec (:mod:`.record`) and what a record must be before anything
 trusts it (:mod:`.record_zip`), whether chunks tile a tensor
 (:mod:`.chunks`), and bit-exact tensor copies for every dtype

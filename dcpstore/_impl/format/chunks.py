@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import numpy as np
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from dcpstore._impl.errors import CheckpointCorrupt
+from dcpstore._impl.util.errors import CheckpointCorrupt
 
 Box = tuple[Sequence[int], Sequence[int]]  # (offsets, sizes)
 

@@ -5,7 +5,7 @@ A checkpoint directory (or key prefix) holds, in stock DCP layout::
     .dcpstore.inflight      the save id of the save in progress (removed at commit)
     .dcpstore.alive.<id>    a running writer's proof of life for gc, written
                             before its other files and removed at commit or
-                            failure (:mod:`.inflight`)
+                            failure (:mod:`dcpstore._impl.dcp.liveness.alive_file`)
     __{rank}_{n}.distcp     data files, one per writer thread per rank
     p{d}/__{rank}_{n}.distcp  the same, spread over key prefixes (see below)
     <name>                  a commit file a caller hands the save (e.g. Lightning's

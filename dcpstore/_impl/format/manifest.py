@@ -16,7 +16,7 @@ not name but a caller's commit files, each file's CRC the combination of
 its items'), and
 :func:`read_capped` refuses commit
 files larger than any real checkpoint's, before allocating. Errors are
-:class:`~dcpstore._impl.errors.CheckpointCorrupt` naming the file and the field.
+:class:`~dcpstore._impl.util.errors.CheckpointCorrupt` naming the file and the field.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any, TypedDict
 
 import crc32c
 
-from dcpstore._impl.errors import CheckpointCorrupt, ObjectTooLarge
+from dcpstore._impl.util.errors import CheckpointCorrupt, ObjectTooLarge
 from dcpstore._impl.storage.base import Storage
 from dcpstore._impl.format.checksum import crc32c_concat
 from dcpstore._impl.format.layout import commit_file_of, commit_file_problem, is_data_file, item_key

@@ -41,8 +41,8 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.planner import ReadItem, WriteItem
 
-from dcpstore._impl.torch_compat import StorageReaderTransforms, StorageWriterTransforms, neg_view, save_without_crc
-from dcpstore._impl.quiet import ignoring
+from dcpstore._impl.util.torch_compat import StorageReaderTransforms, StorageWriterTransforms, neg_view, save_without_crc
+from dcpstore._impl.util.warning_filters import ignoring
 from dcpstore._impl.format.checksum import DualCrc
 from dcpstore._impl.format.record_zip import RecordBytes, record_entries, tensor_declaration
 

@@ -38,7 +38,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from dcpstore._impl.quiet import ignoring
+from dcpstore._impl.util.warning_filters import ignoring
 
 
 class RecordError(ValueError):

@@ -59,9 +59,9 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from dcpstore._impl.torch_compat import MEM_FORMAT_ENCODING, StorageInfo, get_layout, sharded_tensor_metadata, weights_only_globals
-from dcpstore._impl.errors import CheckpointCorrupt, UnsafeCheckpoint
-from dcpstore._impl.options import check_safe_globals, check_trusted
+from dcpstore._impl.util.torch_compat import MEM_FORMAT_ENCODING, StorageInfo, get_layout, sharded_tensor_metadata, weights_only_globals
+from dcpstore._impl.util.errors import CheckpointCorrupt, UnsafeCheckpoint
+from dcpstore._impl.values.options import check_safe_globals, check_trusted
 from dcpstore._impl.storage.base import Storage
 from dcpstore._impl.format.manifest import StoredItem, check_relative_name
 from dcpstore._impl.format.peer_paths import stand_ins
@@ -99,7 +99,7 @@ class Trust:
     @classmethod
     def of(cls, safe_globals: Iterable[Any] | None = None, trusted: bool = False) -> Trust:
         """From ``load``'s ``safe_globals`` / ``trusted`` arguments (validated
-        as :class:`~dcpstore._impl.options.LoadOptions` validates them)."""
+        as :class:`~dcpstore._impl.values.options.LoadOptions` validates them)."""
         check_trusted(trusted)
         extra: dict[str, Any] = {}
         for entry in check_safe_globals(safe_globals):

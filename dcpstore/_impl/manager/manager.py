@@ -5,7 +5,7 @@ backend: only the :class:`~dcpstore.storage.Storage` interface is used, so
 local paths, ``s3://`` and ``msc://`` roots behave the same); the listing,
 never the ``latest`` pointer, decides which steps exist. Each save is a
 :func:`dcpstore.save` with the manager's one
-:class:`~dcpstore._impl.options.SaveOptions`.
+:class:`~dcpstore._impl.values.options.SaveOptions`.
 
 Call order of one save (every rank calls ``save`` with the same step)::
 
@@ -54,14 +54,14 @@ from torch.distributed.checkpoint.planner import SavePlanner
 
 from dcpstore._impl.api import load_with, save_with
 from dcpstore._impl.engines import exit as exit_hook
-from dcpstore._impl.engines.choice import engine_problem
+from dcpstore._impl.engines.selection import engine_problem
 from dcpstore._impl.engines.saver import default_saver
-from dcpstore._impl.errors import CheckpointExists, InvalidArgument, SaveError
-from dcpstore._impl.handle import CheckpointInfo, SaveHandle
-from dcpstore._impl.keywords import hint_keywords
-from dcpstore._impl.option_keywords import resolve_options
-from dcpstore._impl.options import SaveOptions
-from dcpstore._impl.quiet import user_stacklevel
+from dcpstore._impl.util.errors import CheckpointExists, InvalidArgument, SaveError
+from dcpstore._impl.values.results import CheckpointInfo, SaveHandle
+from dcpstore._impl.util.keyword_hints import hint_keywords
+from dcpstore._impl.values.keywords import resolve_options
+from dcpstore._impl.values.options import SaveOptions
+from dcpstore._impl.util.warning_filters import user_stacklevel
 from dcpstore._impl.storage import Storage, join_uri, open_storage
 from dcpstore._impl.storage.overlap import Role
 from dcpstore._impl.manager.roles import OPEN

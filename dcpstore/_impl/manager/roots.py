@@ -22,9 +22,9 @@ from typing import Any, Protocol
 
 import torch.distributed as dist
 
-from dcpstore._impl.errors import CheckpointNotFound
+from dcpstore._impl.util.errors import CheckpointNotFound
 from dcpstore._impl.format.layout import METADATA
-from dcpstore._impl.handle import SaveHandle
+from dcpstore._impl.values.results import SaveHandle
 from dcpstore._impl.storage import Storage, join_uri
 from dcpstore._impl.manager.steps import (
     DCPSTORE,

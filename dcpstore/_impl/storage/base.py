@@ -23,16 +23,16 @@ Reads are ranged (``read_range``) so a rank loads only the items it needs.
 Backends must be safe to call from several threads at once; the writers use
 one thread per file.
 
-Errors: a missing object raises :class:`~dcpstore._impl.errors.StorageNotFound`
+Errors: a missing object raises :class:`~dcpstore._impl.util.errors.StorageNotFound`
 (also a ``FileNotFoundError``); any other failure, after the backend's own
-retries, raises :class:`~dcpstore._impl.errors.StorageError` chained to the cause.
+retries, raises :class:`~dcpstore._impl.util.errors.StorageError` chained to the cause.
 
 The backend kit: what every backend needs is written once, as protected
 members of :class:`Storage` that only backends call -- the root-containment
 check (``_relpath``), the error mapping (``_mapped`` around each library
 call, or ``_error`` in a handler of the backend's own, both translating
 through the backend's ``_map_error``), and one request pool per instance
-(:class:`~dcpstore._impl.storage.pool.RequestPool`: the connection budget that
+(:class:`~dcpstore._impl.storage.request_pool.RequestPool`: the connection budget that
 ranged reads, ``_in_parallel``, and part uploads share), shut down by
 :meth:`Storage.close`.
 Object writers build on :class:`~dcpstore._impl.storage.buffered.BufferedObjectWriter`,
@@ -50,11 +50,11 @@ from typing import Any, ClassVar, TypedDict, TypeVar
 
 from typing_extensions import NotRequired
 
-from dcpstore._impl.errors import CheckpointError, ObjectTooLarge, StorageError, StorageNotFound
-from dcpstore._impl.storage.kit import map_os_error
-from dcpstore._impl.storage.options import OBJECT_STORE_WORKERS, StorageOptions
-from dcpstore._impl.storage.pending import IncompleteWrite, Unfinished
-from dcpstore._impl.storage.pool import RequestPool
+from dcpstore._impl.util.errors import CheckpointError, ObjectTooLarge, StorageError, StorageNotFound
+from dcpstore._impl.storage.error_mapping import map_os_error
+from dcpstore._impl.storage.storage_options import OBJECT_STORE_WORKERS, StorageOptions
+from dcpstore._impl.storage.incomplete import IncompleteWrite, Unfinished
+from dcpstore._impl.storage.request_pool import RequestPool
 from dcpstore._impl.storage.secrets import scrub_exception
 from dcpstore._impl.storage.uri import StorageURL, redact
 
@@ -273,7 +273,7 @@ class Storage(abc.ABC):
     def _in_parallel(self, fn: Callable[..., T], jobs: Sequence[tuple[Any, ...]]) -> list[T]:
         """``[fn(*job) for job in jobs]`` on this storage's request pool: in
         flight with every other request of this storage, ``max_concurrency``
-        at most (see :meth:`~dcpstore._impl.storage.pool.RequestPool.map`)."""
+        at most (see :meth:`~dcpstore._impl.storage.request_pool.RequestPool.map`)."""
         return self._requests.map(fn, jobs)
 
     # -- writing -----------------------------------------------------------
@@ -354,7 +354,7 @@ class Storage(abc.ABC):
         first one returned (:meth:`_read_one_version` is the kit's way).
 
         ``limit``: refuse an object of more than ``limit`` bytes before
-        allocating or reading it (:class:`~dcpstore._impl.errors.ObjectTooLarge`),
+        allocating or reading it (:class:`~dcpstore._impl.util.errors.ObjectTooLarge`),
         for files whose size is not to be trusted (a crafted sparse file must
         cost no memory); the limit is checked against the size of the
         version read, so no version larger than the limit is ever returned
@@ -389,7 +389,7 @@ class Storage(abc.ABC):
         return data
 
     def check_limit(self, path: str, size: int, limit: int | None) -> None:
-        """Raise :class:`~dcpstore._impl.errors.ObjectTooLarge` if ``size`` exceeds ``limit``."""
+        """Raise :class:`~dcpstore._impl.util.errors.ObjectTooLarge` if ``size`` exceeds ``limit``."""
         if limit is not None and size > limit:
             raise ObjectTooLarge(f"{self.describe(path)}: {size} bytes, more than the {limit} read", size, limit)
 

@@ -25,9 +25,9 @@ import os
 import threading
 from collections import OrderedDict
 
-from dcpstore._impl.errors import StorageError
+from dcpstore._impl.util.errors import StorageError
 from dcpstore._impl.storage.base import ObjectWriter, Storage
-from dcpstore._impl.storage.options import MiB
+from dcpstore._impl.storage.storage_options import MiB
 
 
 class BufferedObjectWriter(ObjectWriter):

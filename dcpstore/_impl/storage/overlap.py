@@ -21,10 +21,10 @@ deletes what the other promised to keep
 of three). Roots may share directories with roots: a plain manager that
 lists or loads a tiered manager's durable root is one role twice. The
 manager (and ``dcpstore ls --local-dir``) refuse such a configuration with
-:class:`~dcpstore._impl.errors.InvalidArgument` naming both, before anything is
+:class:`~dcpstore._impl.util.errors.InvalidArgument` naming both, before anything is
 written.
 
-Imports only :mod:`.base`, :mod:`.uri` and :mod:`dcpstore._impl.errors`.
+Imports only :mod:`.base`, :mod:`.uri` and :mod:`dcpstore._impl.util.errors`.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from dcpstore._impl.errors import InvalidArgument
+from dcpstore._impl.util.errors import InvalidArgument
 from dcpstore._impl.storage.base import Storage
 from dcpstore._impl.storage.uri import redact
 

@@ -2,7 +2,7 @@
 
 A checkpoint is addressed by one URI. Plain paths (absolute or relative) and
 ``file://`` URIs are local; everything else keeps its scheme and is resolved
-to a backend by :mod:`dcpstore._impl.storage.registry`.
+to a backend by :mod:`dcpstore._impl.storage.backend_registry`.
 
 Redaction is here too so that every error message can name a URI without ever
 printing credentials embedded in it (``s3://KEY:SECRET@bucket``, signed query
@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from dcpstore._impl.errors import InvalidURI
+from dcpstore._impl.util.errors import InvalidURI
 
 #: Schemes whose authority is a bucket (or MSC profile) name.
 _OBJECT_SCHEMES = ("s3", "msc", "gs", "gcs", "az", "abfs")

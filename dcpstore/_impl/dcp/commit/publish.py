@@ -7,7 +7,7 @@ commit). Torch-free.
 
 Until ``.metadata`` lands the directory shows its previous commit (or
 none), after it exactly the new one; a crash before the clean-up leaves
-files that ``gc`` removes (:mod:`.leftovers`), never a broken commit.
+files that ``gc`` removes (:mod:`dcpstore._impl.dcp.liveness.save_leftovers`), never a broken commit.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ import logging
 import posixpath
 from collections.abc import Iterable
 
-from dcpstore._impl.errors import CheckpointError
+from dcpstore._impl.util.errors import CheckpointError
 from dcpstore._impl.format.layout import METADATA
 from dcpstore._impl.storage import Storage
-from dcpstore._impl.dcp.commit.found import Commit, listed_names
-from dcpstore._impl.dcp.commit.leftovers import stale_after_commit
+from dcpstore._impl.dcp.commit.from_listing import Commit, listed_names
+from dcpstore._impl.dcp.liveness.save_leftovers import stale_after_commit
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ def commit_point(
 
 def clean_up(storage: Storage, names: Iterable[str], commit: Iterable[str], directory: str = "") -> None:
     """After a commit consisting of ``commit`` landed in ``directory``: remove
-    what of ``names`` it makes stale (:func:`~.leftovers.stale_after_commit`),
+    what of ``names`` it makes stale (:func:`~dcpstore._impl.dcp.liveness.save_leftovers.stale_after_commit`),
     in one request. Best effort: the commit already happened, and what
     stays is ``gc``'s."""
     try:

@@ -43,11 +43,11 @@ that leaves garbage that ``gc`` removes, never a broken checkpoint. Commit
 files follow the same rule: over a used URI they go under save-unique names
 (``.dcpstore.side.{tag}.<name>``) and are copied to ``<name>`` only after
 the commit, for readers that know only the plain name;
-:func:`~.read.read_commit_file` reads the copy the manifest records.
+:func:`~.reading.read_commit_file` reads the copy the manifest records.
 
 From claim to publish (or release) the coordinator holds the save's lease
-(:mod:`.lease`): its alive file, written before the marker and kept fresh
-(:mod:`dcpstore._impl.format.inflight`), so that ``gc`` never collects a save
+(:mod:`dcpstore._impl.dcp.liveness.lease`): its alive file, written before the marker and kept fresh
+(:mod:`dcpstore._impl.dcp.liveness.alive_file`), so that ``gc`` never collects a save
 that is still running, whatever ``--older-than`` says.
 """
 
@@ -64,9 +64,9 @@ import crc32c
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.storage import WriteResult
 
-from dcpstore._impl.torch_compat import StorageInfo
-from dcpstore._impl.errors import CheckpointError, CheckpointExists, InvalidArgument, SaveError
-from dcpstore._impl.format.inflight import alive_name, is_alive_file
+from dcpstore._impl.util.torch_compat import StorageInfo
+from dcpstore._impl.util.errors import CheckpointError, CheckpointExists, InvalidArgument, SaveError
+from dcpstore._impl.dcp.liveness.alive_file import alive_name, is_alive_file
 from dcpstore._impl.format.layout import (
     INFLIGHT,
     METADATA,
@@ -82,10 +82,10 @@ from dcpstore._impl.format.layout import (
 )
 from dcpstore._impl.format.manifest import FileEntry, build_manifest
 from dcpstore._impl.storage import Storage
-from dcpstore._impl.dcp.commit.found import read_commit
-from dcpstore._impl.dcp.commit.leftovers import is_save_file
-from dcpstore._impl.dcp.commit.lease import Lease, mark
-from dcpstore._impl.dcp.commit.marker import put_marker, read_marker
+from dcpstore._impl.dcp.commit.from_listing import read_commit
+from dcpstore._impl.dcp.liveness.save_leftovers import is_save_file
+from dcpstore._impl.dcp.liveness.lease import Lease, mark
+from dcpstore._impl.dcp.liveness.inflight_marker import put_marker, read_marker
 from dcpstore._impl.dcp.commit.publish import clean_up, commit_point
 
 log = logging.getLogger(__name__)
@@ -257,7 +257,7 @@ class SaveSession:
         """Whether the URI's ``.metadata`` is this save's: its manifest is
         there and names that ``.metadata``'s CRC32C (before the commit the
         old ``.metadata`` is there, and after a later save's commit that
-        save's: :mod:`.found`)."""
+        save's: :mod:`.from_listing`)."""
         return read_commit(self.storage, names=[self.manifest]) is not None
 
     def storage_meta(self) -> StorageMeta:
@@ -322,7 +322,7 @@ class SaveSession:
     def _promote(self, sides: Mapping[str, bytes]) -> None:
         """After the commit: copy save-unique commit files to their plain
         names, for readers that know only those. Best effort: the commit
-        holds the recorded copy, which :func:`~.read.read_commit_file` reads."""
+        holds the recorded copy, which :func:`~.reading.read_commit_file` reads."""
         for path, blob in sides.items():
             name = commit_file_of(path)
             if name == path:

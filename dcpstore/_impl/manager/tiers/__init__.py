@@ -36,7 +36,7 @@ Which rank does what (every rank constructs the manager alike):
   such steps too.
 * **One directory, or one per node** (:mod:`.nodes`; found when the
   manager is made, a collective then; each is a strategy,
-  :class:`~.local.SharedDir` and :class:`~.nodes.NodeDirs`). Node-local: each node holds the
+  :class:`~.local_tier.SharedDir` and :class:`~.nodes.NodeDirs`). Node-local: each node holds the
   files its ranks wrote; its leader puts the in-flight marker with the
   manager's save id there before each save and commits the coordinator's
   manifest and ``.metadata`` (broadcast on the replicator's own gloo group:
@@ -57,7 +57,7 @@ Which rank does what (every rank constructs the manager alike):
   node with an empty ``local_dir`` thus resumes from the durable tier; DCP
   resharding works from either, since every rank reads one whole checkpoint.
 * **gc**: every writer of a step directory holds a lease there
-  (:mod:`.leases`), so ``dcpstore gc`` on either tier never takes a step
+  (:mod:`.kept_leases`), so ``dcpstore gc`` on either tier never takes a step
   in progress.
 * **Errors**: a failed replication is logged when it happens and raised
   from the next ``wait()`` or ``close()``; saves keep committing locally.
@@ -65,10 +65,10 @@ Which rank does what (every rank constructs the manager alike):
 
 The modules: :mod:`.tiered` (:class:`~.tiered.TieredRoots`, the manager's
 :class:`~dcpstore._impl.manager.roots.Roots` with ``local_dir=``: the replicator,
-retention, loads), :mod:`.local` (the :class:`~.local.LocalTier` strategy
-and :class:`~.local.SharedDir`), :mod:`.nodes` (:class:`~.nodes.NodeDirs`
+retention, loads), :mod:`.local_tier` (the :class:`~.local_tier.LocalTier` strategy
+and :class:`~.local_tier.SharedDir`), :mod:`.nodes` (:class:`~.nodes.NodeDirs`
 and the node detection), :mod:`.replicate` (copying a step, its commit by
-the commit protocol) and :mod:`.leases` (the leases the tiers hold).
+the commit protocol) and :mod:`.kept_leases` (the leases the tiers hold).
 """
 
 from dcpstore._impl.manager.roots import REPLICATE_TIMEOUT_S

@@ -8,7 +8,7 @@ for every other rank's. The ranks that see each other's probes are a
 *node*; the lowest rank of a node is its *leader*, the one that writes the
 node's own copies of what only the coordinator's directory would hold:
 
-    leader, before a save   put_marker(local, step, save_id) (:mod:`.local`)
+    leader, before a save   put_marker(local, step, save_id) (:mod:`.local_tier`)
                                 a lease (``dcpstore gc`` keeps the step
                                 until the node's copy is committed), then
                                 the in-flight marker, holding the save id
@@ -29,7 +29,7 @@ node's own copies of what only the coordinator's directory would hold:
 whole share of what it saved and still miss what it loads).
 
 :class:`NodeDirs` is the tiered manager's strategy for one directory per
-node (:class:`~.local.LocalTier`; :class:`~.local.SharedDir` is the other).
+node (:class:`~.local_tier.LocalTier`; :class:`~.local_tier.SharedDir` is the other).
 """
 
 from __future__ import annotations
@@ -45,13 +45,13 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from dcpstore._impl.dcp.commit import Commit, publish_copy
-from dcpstore._impl.errors import CheckpointError, InvalidArgument, SaveError
+from dcpstore._impl.util.errors import CheckpointError, InvalidArgument, SaveError
 from dcpstore._impl.format.layout import METADATA
 from dcpstore._impl.format.safe_pickle import TOOLS, load_metadata
 from dcpstore._impl.storage import Storage
 from dcpstore._impl.manager.roots import coordinator_rank
 from dcpstore._impl.manager.steps import committed_steps, step_dir
-from dcpstore._impl.manager.tiers.local import Job, TierParts, put_marker
+from dcpstore._impl.manager.tiers.local_tier import Job, TierParts, put_marker
 from dcpstore._impl.manager.tiers.replicate import read_local_commit
 
 log = logging.getLogger(__name__)

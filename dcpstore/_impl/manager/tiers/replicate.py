@@ -47,7 +47,7 @@ The coordinator's own local copy must hold the manifest and ``.metadata``
 uploads against the manifest when their local directory holds it; where it
 does not, the coordinator checks the CRCs they report. The manifest is the
 one that belongs to ``.metadata`` (:func:`read_local_commit`, by the commit
-protocol's rule: :mod:`dcpstore._impl.dcp.commit.found`), whatever name the save
+protocol's rule: :mod:`dcpstore._impl.dcp.commit.from_listing`), whatever name the save
 gave it, found without unpickling ``.metadata``; ``dcpstore gc`` keeps a
 commit's files by the same rule. The commit protocol publishes the replica
 (:func:`~dcpstore._impl.dcp.commit.publish.publish_copy`): the manifest under
@@ -69,8 +69,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import crc32c
 
-from dcpstore._impl.dcp.commit import Commit, Lease, publish_copy, read_commit
-from dcpstore._impl.errors import CheckpointCorrupt, CheckpointError, SaveError, StorageNotFound
+from dcpstore._impl.dcp.commit import Commit, publish_copy, read_commit
+from dcpstore._impl.dcp.liveness import Lease
+from dcpstore._impl.util.errors import CheckpointCorrupt, CheckpointError, SaveError, StorageNotFound
 from dcpstore._impl.format.layout import METADATA, REPLICA_REPORT_PREFIX, is_replica_report
 from dcpstore._impl.format.manifest import MANIFEST_LIMIT, METADATA_LIMIT, FileEntry, Manifest, check_relative_name, read_capped
 from dcpstore._impl.storage import Storage
@@ -92,7 +93,7 @@ def report_name(rank: int) -> str:
 def read_local_commit(local: Storage, step: int, names: Iterable[str] | None = None) -> Commit | None:
     """The commit of the copy of ``step`` under ``local`` (either tier), or
     None if there is none (no ``.metadata``, or no manifest of its own:
-    node-local directories of other ranks): :func:`~dcpstore._impl.dcp.commit.found.read_commit`
+    node-local directories of other ranks): :func:`~dcpstore._impl.dcp.commit.from_listing.read_commit`
     of the step's directory. ``names``: the file names in it, if already listed."""
     return read_commit(local, step_dir(step), names)
 
@@ -325,7 +326,7 @@ def commit_replica(
 
 def replica_lease(durable: Storage, step: int) -> Lease:
     """Every rank, before its first upload of ``step``: its lease in the
-    durable step directory (:mod:`dcpstore._impl.dcp.commit.lease`), so that ``dcpstore
+    durable step directory (:mod:`dcpstore._impl.dcp.liveness.lease`), so that ``dcpstore
     gc`` keeps the replication in progress and may collect what a failed
     or killed one left. The coordinator ends it after the commit; another
     rank's lingers until it sees the commit (:func:`replica_taken_over`)."""

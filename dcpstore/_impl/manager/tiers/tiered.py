@@ -2,7 +2,7 @@
 that saves commit to, and a replicator thread per rank that copies each
 committed step to the durable tier, applies retention to both and answers
 which copy a load reads (see :mod:`dcpstore._impl.manager.tiers` for the whole
-picture). How the ranks share ``local_dir`` is a :class:`~.local.LocalTier`
+picture). How the ranks share ``local_dir`` is a :class:`~.local_tier.LocalTier`
 strategy, asked wherever one directory and one per node differ.
 """
 
@@ -17,9 +17,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from dcpstore._impl.errors import CheckpointError, InvalidArgument, SaveError
+from dcpstore._impl.util.errors import CheckpointError, InvalidArgument, SaveError
 from dcpstore._impl.format.layout import METADATA
-from dcpstore._impl.handle import SaveHandle
+from dcpstore._impl.values.results import SaveHandle
 from dcpstore._impl.storage import Storage, join_uri
 from dcpstore._impl.manager.roots import REPLICATE_TIMEOUT_S, group_rank, is_distributed, not_found
 from dcpstore._impl.manager.steps import (
@@ -32,8 +32,8 @@ from dcpstore._impl.manager.steps import (
     step_dir,
     write_pointer,
 )
-from dcpstore._impl.manager.tiers.leases import TierLeases
-from dcpstore._impl.manager.tiers.local import Job, LocalTier, SharedDir, TierParts
+from dcpstore._impl.manager.tiers.kept_leases import TierLeases
+from dcpstore._impl.manager.tiers.local_tier import Job, LocalTier, SharedDir, TierParts
 from dcpstore._impl.manager.tiers.nodes import NodeDirs, NodeSync
 from dcpstore._impl.manager.tiers.replicate import (
     check_no_clash,
@@ -185,7 +185,7 @@ class TieredRoots:
         (1 in 2**32), the replication refuses
         (:func:`~.replicate.check_no_clash`) rather than touch the old copy.
         Where, and the save id, are the local tier's
-        (:meth:`.local.SharedDir.before_save`, :meth:`.nodes.NodeDirs.before_save`)."""
+        (:meth:`.local_tier.SharedDir.before_save`, :meth:`.nodes.NodeDirs.before_save`)."""
         return self._tier.before_save(step, overwrite)
 
     def saved(self, step: int, handle: SaveHandle) -> None:

@@ -1,0 +1,373 @@
+"""Local POSIX backend.
+
+Atomic commit: each object is written to a hidden temporary file in its final
+directory (``.<name>.dcpstore-tmp-<random>``), fsynced, renamed over its
+final name, and then the directory is fsynced so the rename itself is durable.
+A crash at any point leaves either the old state or the complete new object,
+plus at most a temporary file that is never listed and that
+``dcpstore gc`` removes (:meth:`LocalStorage.incomplete_writes`).
+
+Symbolic links: a file read resolves inside the root (the root itself may be
+reached through a link: it is resolved once), else
+:class:`~dcpstore._impl.util.errors.UnsafeCheckpoint` naming it. Listing and deleting
+never follow a link: a link is listed as itself (its own size and time), a
+linked directory is not descended into, a path reached through a linked
+directory is not deleted, and a delete removes a link, never its target.
+
+Listing errors: the directory listed is a :class:`StorageError` naming it
+and the cause (unreadable, a link loop, a name too long); a directory below
+it that cannot be read is skipped with a warning on the ``dcpstore`` logger
+(a ``lost+found`` in a mount point must not stop ``ls``, ``gc`` or a
+manager; nothing is deleted there), and so is an entry that cannot be
+stat'ed; one deleted while the walk runs is skipped silently.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import stat
+import time
+import uuid
+from collections.abc import Iterable, Iterator, Sequence
+
+from dcpstore._impl.util.errors import StorageError, StorageNotFound
+from dcpstore._impl.storage.base import ObjectInfo, ObjectWriter, Storage
+from dcpstore._impl.storage.storage_options import StorageOptions
+from dcpstore._impl.storage.incomplete import IncompleteWrite
+from dcpstore._impl.storage.buffered import BufferedObjectWriter
+from dcpstore._impl.storage.byte_ranges import slice_buffers
+from dcpstore._impl.storage.concurrency import disk_workers
+from dcpstore._impl.storage.error_mapping import library_detail
+from dcpstore._impl.storage.posix import LocalRoot, fsync_dir
+from dcpstore._impl.storage.uri import StorageURL
+
+log = logging.getLogger("dcpstore")
+
+_TMP_MARK = ".dcpstore-tmp-"
+#: Warnings one listing gives for entries it cannot read and skips.
+_SKIP_WARNINGS = 3
+#: Buffers per preadv call (the kernel's UIO_MAXIOV).
+_IOV_MAX = getattr(os, "IOV_MAX", 1024)
+
+
+def _is_tmp(name: str) -> bool:
+    return name.startswith(".") and _TMP_MARK in name
+
+
+#: How often a write re-creates a directory that a concurrent delete removed.
+_MKDIR_TRIES = 5
+
+
+def _create(tmp: str) -> int:
+    """Create the temporary file ``tmp``. Deletes remove the directories they
+    empty (retention, ``dcpstore gc``): one may go between a save's
+    ``makedirs`` and its first file, so a missing directory is made again
+    (a few times: each needs another delete to empty it in between)."""
+    for attempt in range(_MKDIR_TRIES):
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        except FileNotFoundError:
+            if attempt == _MKDIR_TRIES - 1:
+                raise
+            _makedirs(os.path.dirname(tmp))
+    raise AssertionError("unreachable")
+
+
+def _makedirs(path: str) -> None:
+    """``os.makedirs(path, exist_ok=True)``, again if a directory on the way
+    was removed while it ran (see :func:`_create`)."""
+    for attempt in range(_MKDIR_TRIES):
+        try:
+            os.makedirs(path, exist_ok=True)
+            return
+        except FileNotFoundError:
+            if attempt == _MKDIR_TRIES - 1:
+                raise
+
+
+class _LocalWriter(BufferedObjectWriter):
+    """Unbuffered: each write goes to the temporary file's descriptor."""
+
+    def __init__(self, storage: LocalStorage, path: str, final: str, durable: bool = True) -> None:
+        super().__init__(storage, path)
+        self._final = final
+        self._durable = durable
+        directory, name = os.path.split(final)
+        self._dir = directory
+        self._tmp = os.path.join(directory, f".{name}{_TMP_MARK}{uuid.uuid4().hex[:12]}")
+        with storage._mapped(self._what):
+            self._fd = _create(self._tmp)
+
+    def _write_part(self, part: bytes | bytearray | memoryview) -> None:
+        view = memoryview(part)
+        while view:
+            n = os.write(self._fd, view)  # releases the GIL
+            view = view[n:]
+
+    def _publish(self, tail: bytearray) -> None:
+        if self._durable:
+            os.fsync(self._fd)
+        os.close(self._fd)
+        self._fd = -1
+        os.replace(self._tmp, self._final)
+        if self._durable:
+            fsync_dir(self._dir)
+
+    def _discard(self) -> None:
+        if self._fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = -1
+        with contextlib.suppress(OSError):
+            os.unlink(self._tmp)
+
+
+class LocalStorage(Storage):
+    """A directory on a local (or locally mounted) POSIX filesystem."""
+
+    backend = "local"
+    _library_errors = (OSError,)
+
+    def __init__(self, url: StorageURL, options: StorageOptions | None = None) -> None:
+        super().__init__(url, options)
+        self._local = LocalRoot(self.root)
+
+    def default_workers(self) -> int:
+        """Threads are a disk's parallelism: see :func:`~dcpstore._impl.storage.concurrency.disk_workers`."""
+        return disk_workers()
+
+    @property
+    def root(self) -> str:
+        return self.url.path
+
+    def local_path(self) -> str:
+        return self.root
+
+    def _full(self, path: str) -> str:
+        path = self._relpath(path)
+        return os.path.join(self.root, path) if path else self.root
+
+    def open_write(self, path: str, *, size_hint: int | None = None, batch_hint: int | None = None) -> ObjectWriter:
+        return self._writer(path, durable=True)
+
+    def put(self, path: str, data: bytes | bytearray | memoryview, *, durable: bool = True) -> None:
+        """As :meth:`Storage.put`; ``durable=False`` skips the fsyncs (the
+        rename still shows the file whole or not at all)."""
+        with self._writer(path, durable=durable) as writer:
+            writer.write(data)
+
+    def _writer(self, path: str, *, durable: bool) -> _LocalWriter:
+        full = self._full(path)
+        parent = os.path.dirname(full)
+        if parent != self.root:
+            self.makedirs(os.path.relpath(parent, self.root))
+        return _LocalWriter(self, path, full, durable)
+
+    def makedirs(self, path: str = "") -> None:
+        full = self._full(path)
+        with self._mapped(f"cannot create directory {self.describe(path)}"):
+            if os.path.isfile(full):
+                raise StorageError(f"{self.describe(path)} is a file, not a directory")
+            _makedirs(full)
+
+    def _open_file(self, path: str) -> int:
+        """Open ``path`` for reading, refusing anything but a regular file
+        (:class:`StorageNotFound`): a FIFO would block the reader forever and
+        a device (``/dev/zero``) never end. ``O_NONBLOCK`` keeps the open of a
+        FIFO from waiting for a writer; on a regular file it changes nothing.
+        A file that resolves outside the root is refused too
+        (:class:`~dcpstore._impl.storage.posix.LocalRoot`). Both checks are on the
+        opened file, so a swap after them cannot fool them."""
+        full = self._full(path)
+        fd = os.open(full, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise StorageNotFound(f"{self.describe(path)} is not a file")
+            self._local.check(_opened_path(fd, full), self.describe(path))
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def read_range(self, path: str, offset: int, length: int) -> bytes:
+        with self._mapped(f"cannot read {self.describe(path)}"):
+            fd = self._open_file(path)
+            try:
+                return _pread(fd, offset, length)
+            finally:
+                os.close(fd)
+
+    def read(self, path: str, *, limit: int | None = None) -> bytes:
+        """One open: the size (checked against ``limit`` before anything is
+        allocated) and the bytes both come from that file, so a rename over
+        ``path`` meanwhile changes neither (see :meth:`Storage.read`). A file
+        that grows meanwhile is read to the size first seen."""
+        with self._mapped(f"cannot read {self.describe(path)}"):
+            fd = self._open_file(path)
+            try:
+                size = os.fstat(fd).st_size
+                self.check_limit(path, size, limit)
+                return _pread(fd, 0, size)
+            finally:
+                os.close(fd)
+
+    def read_into(
+        self, path: str, offset: int, buffers: Sequence[memoryview], *, batch_hint: int | None = None
+    ) -> int:
+        total = sum(b.nbytes for b in buffers)
+        done = 0
+        with self._mapped(f"cannot read {self.describe(path)}"):
+            fd = self._open_file(path)
+            try:
+                todo = list(buffers)
+                while todo:
+                    n = os.preadv(fd, todo[:_IOV_MAX], offset + done)  # releases the GIL
+                    if n == 0:
+                        break
+                    done += n
+                    todo = slice_buffers(todo, n, total - done)
+            finally:
+                os.close(fd)
+        return done
+
+    def size(self, path: str) -> int:
+        # Through the open: the same checks as a read (a regular file, inside the root).
+        with self._mapped(f"cannot stat {self.describe(path)}"):
+            fd = self._open_file(path)
+            try:
+                return os.fstat(fd).st_size
+            finally:
+                os.close(fd)
+
+    def _linked(self, full: str) -> bool:
+        """Whether ``full`` (under the root) is reached through a symbolic link."""
+        rel = os.path.relpath(full, self.root)
+        want = self._local.real() if rel == "." else os.path.join(self._local.real(), rel)
+        return os.path.realpath(full) != want
+
+    def _walk(self, prefix: str) -> Iterator[tuple[str, os.stat_result]]:
+        """``(path, lstat)`` of every entry under ``prefix`` that is not a
+        directory (links included, never followed), paths relative to the
+        root, sorted, each directory's entries before its subdirectories'
+        (as ``os.walk``). The directory listed failing is an error; one below
+        it is skipped with a warning (see the module docstring)."""
+        base = self._full(prefix)
+        what = f"cannot list {self.describe(prefix)}"
+        with self._mapped(what):
+            try:
+                # The root may be reached through a link; nothing below it is.
+                st = os.lstat(base) if prefix else os.stat(base)
+            except (FileNotFoundError, NotADirectoryError):
+                return  # nothing there: an empty listing
+            if stat.S_ISLNK(st.st_mode) or (stat.S_ISDIR(st.st_mode) and prefix and self._linked(base)):
+                return  # a link: listed by its parent's listing, never followed
+        if not stat.S_ISDIR(st.st_mode):
+            yield prefix, st
+            return
+        stack = [base]
+        skipped = [0]
+        while stack:
+            directory = stack.pop()
+            try:
+                with os.scandir(directory) as it:
+                    entries = sorted(it, key=lambda e: e.name)
+            except FileNotFoundError:
+                continue  # deleted while we walked
+            except OSError as e:
+                if directory == base:
+                    raise self._error(e, what) from e
+                self._skipped(prefix, directory, e, skipped)
+                continue
+            subdirs = []
+            for entry in entries:
+                try:
+                    if entry.is_dir(follow_symlinks=False):
+                        subdirs.append(entry.path)
+                        continue
+                    info = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                except OSError as e:
+                    self._skipped(prefix, entry.path, e, skipped)
+                    continue
+                yield os.path.relpath(entry.path, self.root), info
+            stack.extend(reversed(subdirs))
+
+    def _skipped(self, prefix: str, full: str, e: OSError, count: list[int]) -> None:
+        """Warn of an entry the listing of ``prefix`` skips; the first few only."""
+        count[0] += 1
+        if count[0] <= _SKIP_WARNINGS:
+            where = self.describe(os.path.relpath(full, self.root))
+            more = "; further entries it cannot read are skipped without a warning" if count[0] == _SKIP_WARNINGS else ""
+            log.warning("listing %s skipped %s: %s%s", self.describe(prefix), where, library_detail(e), more)
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        for path, st in self._walk(prefix.rstrip("/")):
+            if not _is_tmp(os.path.basename(path)):
+                yield {"path": path, "size": st.st_size, "mtime": st.st_mtime}
+
+    def delete(self, paths: Iterable[str]) -> None:
+        parents = set()
+        linked: dict[str, bool] = {}
+        for path in paths:
+            full = self._full(path)
+            parent = os.path.dirname(full)
+            if parent not in linked:
+                linked[parent] = parent != self.root and self._linked(parent)
+            if linked[parent]:
+                log.warning("not deleted: %s is reached through a symbolic link", self.describe(path))
+                continue
+            with self._mapped(f"cannot delete {self.describe(path)}"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(full)  # a link itself, never its target
+            parents.add(parent)
+        # Drop directories the deletes emptied (a retired step), never the root.
+        for parent in sorted(parents, key=len, reverse=True):
+            while parent.startswith(self.root + os.sep):
+                try:
+                    os.rmdir(parent)
+                except OSError:
+                    break
+                parent = os.path.dirname(parent)
+
+    def incomplete_writes(self) -> Sequence[IncompleteWrite]:
+        """The temporary files under the root (never through a link), with
+        the time since each was last written to."""
+        now = time.time()
+        return [IncompleteWrite(path, now - st.st_mtime) for path, st in self._walk("") if _is_tmp(os.path.basename(path))]
+
+    def remove_incomplete(self, writes: Iterable[IncompleteWrite], older_than_s: float = 0.0) -> int:
+        """Each temporary file's name is unique to its write; one written to
+        within ``older_than_s`` seconds (looked at again now) is kept."""
+        removed = 0
+        for write in writes:
+            full = self._full(write.path)
+            with self._mapped(f"cannot delete {self.describe(write.path)}"), contextlib.suppress(FileNotFoundError):
+                if time.time() - os.lstat(full).st_mtime >= older_than_s:
+                    os.unlink(full)  # a link itself, never its target
+                    removed += 1
+        return removed
+
+
+def _pread(fd: int, offset: int, length: int) -> bytes:
+    """``length`` bytes of ``fd`` at ``offset``; fewer only where the file ends."""
+    chunks = []
+    while length > 0:
+        chunk = os.pread(fd, length, offset)  # releases the GIL
+        if not chunk:
+            break
+        chunks.append(chunk)
+        offset += len(chunk)
+        length -= len(chunk)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def _opened_path(fd: int, full: str) -> str:
+    """Where the open ``fd`` (opened as ``full``) really is: Linux names the
+    opened file itself; elsewhere, ``full`` resolved (checked after the open)."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}").removesuffix(" (deleted)")
+    except OSError:
+        return os.path.realpath(full)

@@ -1,0 +1,54 @@
+"""Byte arithmetic for cutting one read or write into requests:
+:func:`byte_ranges`, :func:`equal_ranges`, :func:`slice_buffers`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+#: How much larger than the asked size a piece of :func:`byte_ranges` may
+#: grow (1/8): rather than a last piece of a few bytes.
+PIECE_SLACK = 8
+
+
+def byte_ranges(offset: int, length: int, piece: int) -> list[tuple[int, int]]:
+    """``(offset, length)`` of consecutive pieces covering ``length`` bytes at
+    ``offset``, about ``piece`` bytes each.
+
+    The pieces are of equal size (to a byte), at most ``piece + piece //
+    PIECE_SLACK``: a read of 4 x 8 MiB and a 12 KiB record trailer is four
+    ranged GETs, not five, one of them for 12 KiB (a whole round trip, and a
+    connection taken from the budget the others share).
+    """
+    if length <= 0:
+        return []
+    return equal_ranges(offset, length, -(-length // (piece + piece // PIECE_SLACK)))
+
+
+def equal_ranges(offset: int, length: int, count: int) -> list[tuple[int, int]]:
+    """``(offset, length)`` of ``count`` consecutive pieces of equal size (to
+    a byte) covering ``length`` bytes at ``offset`` (fewer if there are fewer bytes)."""
+    count = max(1, min(count, length))
+    size, bigger = divmod(length, count)
+    ranges = []
+    for i in range(count):
+        n = size + (i < bigger)
+        ranges.append((offset, n))
+        offset += n
+    return ranges
+
+
+def slice_buffers(buffers: Sequence[memoryview], start: int, length: int) -> list[memoryview]:
+    """The views of bytes ``[start, start + length)`` of the concatenation of
+    ``buffers`` (for splitting a scatter read into requests, or resuming one)."""
+    out: list[memoryview] = []
+    pos = 0
+    end = start + length
+    for buf in buffers:
+        lo, hi = max(start, pos), min(end, pos + buf.nbytes)
+        if lo < hi:
+            out.append(buf[lo - pos : hi - pos])
+        pos += buf.nbytes
+        if pos >= end:
+            break
+    return out

@@ -1,0 +1,200 @@
+"""How a storage is reached, and how its transfers are cut: :class:`StorageOptions`.
+
+One frozen value, validated once, handed to a backend's constructor; the
+automatic part and range sizes (:meth:`StorageOptions.part_size_for`,
+:meth:`StorageOptions.upload_part_size`) and the bounds they keep to are
+here, beside the options that override them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from dcpstore._impl.util.errors import InvalidArgument
+from dcpstore._impl.storage.byte_ranges import PIECE_SLACK
+
+MiB = 1 << 20
+
+#: Default connection budget per storage instance (``max_concurrency``):
+#: see :class:`StorageOptions`.
+DEFAULT_CONNECTIONS = 16
+
+
+@dataclass(frozen=True)
+class StorageOptions:
+    """How a storage is reached: the client (``enable_msc``) and the tuning
+    shared by all backends, each of which reads the fields that apply to it.
+
+    One value wherever a URI is opened (:func:`dcpstore.open_storage`,
+    :func:`dcpstore.save`, :class:`dcpstore.SaveOptions`, the drop-ins).
+    Parsed and validated once (here), then handed to the backend constructor.
+    Each field's comment below says what it does and its default.
+
+    Args:
+        enable_msc: route ``s3://`` and local paths through NVIDIA
+            Multi-Storage-Client (``msc://`` always goes through it).
+        part_size: object stores: multipart part and ranged-read size
+            (``None``: chosen per object, :meth:`part_size_for`).
+        max_concurrency: object stores: requests in flight per storage
+            instance (one rank's connection budget, shared by all its files).
+        max_attempts: object stores: attempts per request, the first included.
+        connect_timeout_s, read_timeout_s: socket timeouts, seconds.
+        op_timeout_s: most seconds one object operation may take, retries
+            included.
+        spread_prefixes: deprecated: a save's layout, not the storage's;
+            pass ``SaveOptions(spread_prefixes=N)``.
+
+    Raises:
+        InvalidArgument: a value out of range (the message names the field).
+    """
+
+    #: Object stores: objects larger than this go up as multipart uploads in
+    #: parts of this size; reads larger than this are split into parallel
+    #: ranged GETs of this size. None (default): chosen per object or read
+    #: from its size (:meth:`part_size_for`).
+    part_size: int | None = None
+    #: Object stores: requests in flight at once per storage instance -- one
+    #: rank's connection budget, shared by part uploads and ranged GETs of
+    #: all its files (see :mod:`dcpstore._impl.storage.request_pool`); the HTTP connection
+    #: pool is sized to match. It also bounds the parts buffered for upload
+    #: (``max_concurrency`` x the part size).
+    max_concurrency: int = DEFAULT_CONNECTIONS
+    #: Object stores: attempts per request (the first try included).
+    max_attempts: int = 8
+    #: Seconds for connecting and for each read from the socket.
+    connect_timeout_s: float = 10.0
+    read_timeout_s: float = 60.0
+    #: Upper bound on the time one object operation may take, retries included.
+    op_timeout_s: float = 600.0
+    #: Deprecated (a save's layout, not how the storage is reached): use
+    #: :class:`dcpstore.SaveOptions`' ``spread_prefixes``, which a value
+    #: here still sets, with a :class:`DeprecationWarning`, for one release.
+    spread_prefixes: int = 1
+    #: Native S3 backend: the AWS region of the bucket. None (default): from
+    #: the standard AWS sources (``AWS_REGION``, the profile, ...). MSC takes
+    #: its region from its profile, fsspec from its own options.
+    region: str | None = None
+    #: Route ``s3://`` and local paths through NVIDIA Multi-Storage-Client
+    #: (like Megatron's ``--enable-msc``); ``msc://`` always goes through it.
+    enable_msc: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enable_msc, bool):
+            raise InvalidArgument(f"enable_msc must be a bool, got {self.enable_msc!r}")
+        if self.region is not None and (not isinstance(self.region, str) or not self.region.strip()):
+            raise InvalidArgument(f"region must be None or a non-empty AWS region name, got {self.region!r}")
+        if self.part_size is not None and (not isinstance(self.part_size, int) or self.part_size < 5 * MiB):
+            raise InvalidArgument(
+                f"part_size must be None (automatic) or an int >= 5 MiB (S3's minimum part), got {self.part_size!r}"
+            )
+        for name in ("max_concurrency", "max_attempts"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InvalidArgument(f"{name} must be an int >= 1, got {value!r}")
+        check_spread_prefixes(self.spread_prefixes)
+        for name in ("connect_timeout_s", "read_timeout_s", "op_timeout_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+                raise InvalidArgument(f"{name} must be a positive number of seconds, got {value!r}")
+
+    def part_size_for(self, nbytes: int | None) -> int:
+        """The part (upload) or range (read) size, in bytes, for an object or
+        read of ``nbytes`` bytes (``None`` or 0: unknown).
+
+        ``part_size`` if set. Automatic: about :data:`AUTO_PIECES` pieces per
+        object or read, so that one object alone keeps several connections
+        busy (an object store's throughput is per connection) and the few
+        files of a rank fill its budget together, in whole MiB between 8 MiB
+        (the range size AWS recommends; S3's minimum part is 5 MiB) and
+        64 MiB (few requests for large objects: request rates, not bytes,
+        are what a busy prefix runs out of); 16 MiB for a stream of unknown
+        size. A last piece of under 1/8 of the others is shared out over
+        them instead (one request fewer).
+
+        Returns:
+            The size in bytes.
+        """
+        if self.part_size is not None:
+            return self.part_size
+        if not nbytes:
+            return AUTO_PART_UNKNOWN
+        per_piece = -(-nbytes // AUTO_PIECES)
+        size = min(AUTO_PART_MAX, max(AUTO_PART_MIN, -(-per_piece // MiB) * MiB))
+        count = -(-nbytes // size)
+        if count > 1 and nbytes - (count - 1) * size < size // PIECE_SLACK:
+            # A last part of a few KiB (a file's record headers past a round
+            # tensor size) would be a request of its own: one part fewer.
+            size = min(AUTO_PART_MAX, -(-(-(-nbytes // (count - 1))) // MiB) * MiB)
+        return size
+
+    def transfer_pieces(self, nbytes: int, batch_hint: int | None = None) -> int:
+        """How many pieces (parts of an upload, ranges of a read) an
+        automatically sized transfer of ``nbytes`` is cut into, when it is
+        one of several that make a batch of ``batch_hint`` bytes in all (this
+        one included; ``None``: it is the only one).
+
+        The *batch*, not each transfer, is cut into about
+        :data:`UPLOAD_ROUNDS` x ``max_concurrency`` pieces: a rank writing
+        or reading few files still keeps its whole connection budget busy
+        (one transfer alone: up to twice the budget in pieces), and one
+        moving many makes no more requests than the budget needs. Each
+        piece between :data:`AUTO_PART_MIN` and :data:`AUTO_PART_MAX`; a
+        transfer under twice the minimum is one piece.
+
+        Returns:
+            The number of pieces, at least 1.
+        """
+        batch = max(batch_hint or 0, nbytes)
+        aim = min(AUTO_PART_MAX, max(AUTO_PART_MIN, -(-batch // (UPLOAD_ROUNDS * self.max_concurrency))))
+        return max(-(-nbytes // AUTO_PART_MAX), min(round(nbytes / aim), nbytes // AUTO_PART_MIN), 1)
+
+    def upload_part_size(self, size_hint: int | None, batch_hint: int | None = None) -> int:
+        """The part size of a multipart upload of an object of about
+        ``size_hint`` bytes in a batch of ``batch_hint`` (see
+        :meth:`transfer_pieces`).
+
+        ``part_size`` if set; :data:`AUTO_PART_UNKNOWN` for a stream of
+        unknown size. Automatic: ``size_hint`` over its
+        :meth:`transfer_pieces`, to the byte, so that the object goes up in
+        equal parts (its last one no larger, and not a sliver). One piece is
+        a single PUT (an object that outgrows its hint goes up in parts of at
+        least the minimum).
+
+        Returns:
+            The size in bytes.
+        """
+        if self.part_size is not None:
+            return self.part_size
+        if not size_hint:
+            return AUTO_PART_UNKNOWN
+        # One part is a single PUT up to the hint; past it (a hint too low)
+        # the object still goes up in parts S3 accepts (5 MiB or more).
+        return max(AUTO_PART_MIN, -(-size_hint // self.transfer_pieces(size_hint, batch_hint)))
+
+
+#: Most key prefixes a save may spread its data files over (3 hex digits).
+MAX_SPREAD_PREFIXES = 4096
+
+
+def check_spread_prefixes(spread: Any) -> int:
+    """``spread`` if it is an int from 1 to :data:`MAX_SPREAD_PREFIXES`, else
+    :class:`~dcpstore._impl.util.errors.InvalidArgument` naming ``spread_prefixes``."""
+    if not isinstance(spread, int) or isinstance(spread, bool) or not 1 <= spread <= MAX_SPREAD_PREFIXES:
+        raise InvalidArgument(f"spread_prefixes must be an int from 1 to {MAX_SPREAD_PREFIXES}, got {spread!r}")
+    return spread
+
+
+#: Writer/reader threads per rank on an object store (see Storage.default_workers).
+OBJECT_STORE_WORKERS = 4
+#: Pieces per object or read that the automatic part size aims at.
+AUTO_PIECES = 8
+#: Bounds of the automatic part size (see StorageOptions.part_size_for).
+AUTO_PART_MIN = 8 * MiB
+AUTO_PART_MAX = 64 * MiB
+AUTO_PART_UNKNOWN = 16 * MiB
+#: Rounds of the connection budget an upload batch is cut into (see
+#: StorageOptions.upload_part_size): two, so that at most half a rank's
+#: batch is buffered in parts at once, and a part that finishes early
+#: frees its connection for another.
+UPLOAD_ROUNDS = 2
