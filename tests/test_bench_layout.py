@@ -60,7 +60,7 @@ def test_the_cli_formats_sizes_without_the_bench_package() -> None:
         if isinstance(node, ast.ImportFrom)
         for alias in node.names
     }
-    assert sources.get("human_bytes") == ".units", sources.get("human_bytes")
+    assert sources.get("human_bytes") == "dcpstore._impl.util.units", sources.get("human_bytes")
     code = "import sys, dcpstore._impl.util.units; print(sorted(m for m in sys.modules if m.startswith('dcpstore._impl.bench')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout

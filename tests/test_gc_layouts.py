@@ -105,7 +105,7 @@ def _gc_in_another_process(root: Path, older_than: str = "1") -> str:
 def test_running_save_is_never_collected(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``gc --older-than 1`` from another process while a save waits in the
     middle of its writes, for longer than that: nothing of it goes."""
-    monkeypatch.setattr(inflight, "REFRESH_S", 0.3)  # refreshed many times during the test
+    monkeypatch.setattr(alive_file, "REFRESH_S", 0.3)  # refreshed many times during the test
     hook = BlockAt(lambda e: e.startswith("write:__0_"))
     root = tmp_path / "root"
     hook_all_storage({str(root / "ck"): hook}, monkeypatch.setattr)
