@@ -104,24 +104,16 @@ def test_manager_takes_the_state_first_like_save_and_load(tmp_path: Path) -> Non
         assert mgr.all_steps() == [1, 2, 3]
 
 
-def test_manager_old_order_still_works_with_a_deprecation_warning(tmp_path: Path) -> None:
-    with dcpstore.CheckpointManager(str(tmp_path / "run"), async_=False) as mgr:
-        with pytest.warns(DeprecationWarning, match=r"save\(state_dict, step\)") as record:
-            mgr.save(7, {"w": torch.full((4,), 7.0)})  # type: ignore[call-overload]
-        assert record[0].filename == __file__  # points at the caller
-        out = {"w": torch.zeros(4)}
-        assert mgr.load(out) == 7 and out["w"].tolist() == [7.0] * 4
-
-
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
         (({"w": torch.ones(1)}, "3"), "step must be"),
         (("3", {"w": torch.ones(1)}), "state_dict must be a dict"),
         ((True, {"w": torch.ones(1)}), "state_dict must be a dict"),
+        ((7, {"w": torch.ones(1)}), r"save\(state_dict, step\): state_dict must be a dict, got int"),  # the step first
     ],
 )
-def test_manager_refuses_what_is_neither_order(tmp_path: Path, args: tuple[Any, Any], needle: str) -> None:
+def test_manager_refuses_what_is_not_state_then_step(tmp_path: Path, args: tuple[Any, Any], needle: str) -> None:
     with dcpstore.CheckpointManager(str(tmp_path / "run"), async_=False) as mgr:
         with pytest.raises(dcpstore.InvalidArgument, match=needle):
             mgr.save(*args)

@@ -41,13 +41,10 @@ from __future__ import annotations
 
 import logging
 import os
-import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from types import TracebackType
-from typing import Any, overload
-
-from typing_extensions import deprecated
+from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.planner import SavePlanner
@@ -61,7 +58,6 @@ from ..handle import CheckpointInfo, SaveHandle
 from ..keywords import hint_keywords
 from ..option_keywords import resolve_options
 from ..options import SaveOptions
-from ..quiet import user_stacklevel
 from ..storage import Storage, join_uri, open_storage
 from ..storage.overlap import Role
 from .roles import OPEN
@@ -299,22 +295,11 @@ class CheckpointManager:
         return self._roots.read_pointer()
 
     # -- saving -------------------------------------------------------------
-    @overload
-    def save(
-        self, state_dict: dict[str, Any], step: int, *, overwrite: bool = False, commit_files: Mapping[str, bytes] | None = None
-    ) -> SaveHandle: ...
-
-    @overload
-    @deprecated("CheckpointManager.save(step, state_dict) is deprecated: pass the state first, save(state_dict, step)")
-    def save(
-        self, state_dict: int, step: dict[str, Any], *, overwrite: bool = False, commit_files: Mapping[str, bytes] | None = None
-    ) -> SaveHandle: ...
-
     @hint_keywords
     def save(
         self,
-        state_dict: dict[str, Any] | int,
-        step: int | dict[str, Any],
+        state_dict: dict[str, Any],
+        step: int,
         *,
         overwrite: bool = False,
         commit_files: Mapping[str, bytes] | None = None,
@@ -322,9 +307,6 @@ class CheckpointManager:
         """Save ``state_dict`` as ``step`` (every rank, with the same step).
 
         The state comes first, as in :func:`dcpstore.save` and :meth:`load`.
-        The older order ``save(step, state_dict)`` still works and warns
-        (:class:`DeprecationWarning`); the two are told apart by type (an int
-        step, a dict state).
 
         Args:
             state_dict: this rank's state (a dict, as for :func:`dcpstore.save`).
@@ -351,14 +333,6 @@ class CheckpointManager:
                 ``overwrite`` is False (a ``SaveError`` and a ``FileExistsError``).
             InvalidArgument: a bad step, or a closed manager.
         """
-        if _is_step(state_dict) and isinstance(step, dict):
-            warnings.warn(
-                "CheckpointManager.save(step, state_dict) is deprecated: pass the state first, "
-                "save(state_dict, step), as dcpstore.save(state_dict, uri) and load(state_dict, step) do",
-                DeprecationWarning,
-                stacklevel=user_stacklevel(),
-            )
-            state_dict, step = step, state_dict
         if not isinstance(state_dict, dict):
             raise InvalidArgument(
                 f"CheckpointManager.save(state_dict, step): state_dict must be a dict, got {type(state_dict).__name__}"
@@ -540,10 +514,6 @@ class CheckpointManager:
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.uri!r}, keep={self.keep}, async_={self.async_}, layout={self.layout.name!r})"
-
-
-def _is_step(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 #: A manager's options when none is given.
