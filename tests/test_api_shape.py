@@ -89,6 +89,13 @@ def test_valid_keywords_pass_through_untouched(tmp_path: Path) -> None:
     assert list(inspect.signature(dcpstore.save).parameters)[:2] == ["state_dict", "uri"]
 
 
+def test_another_frameworks_name_elsewhere_is_named_as_ours(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match=r"'thread_count': did you mean 'workers'\? \('thread_count' is what torch's FileSystemWriter"):
+        dcpstore.save({"w": torch.ones(1)}, str(tmp_path / "c"), thread_count=2)
+    with pytest.raises(TypeError, match=r"'dist_ckpt_workers': did you mean 'workers'\? .*Megatron-Bridge"):
+        dcpstore.load({"w": torch.ones(1)}, str(tmp_path / "c"), dist_ckpt_workers=2)
+
+
 # -- the manager's argument order ------------------------------------------------
 
 
