@@ -15,7 +15,7 @@ import torch
 
 import dcpstore
 from dcpstore.adapters import fsdp, megatron
-from dcpstore._impl.keywords import unknown_keyword_message
+from dcpstore._impl.keywords import FRAMEWORK_NAMES, unknown_keyword_message
 
 
 @pytest.fixture
@@ -47,10 +47,11 @@ MISTAKES = [
     ("load", {"veryfy": False}, "did you mean 'verify'?"),
     ("load", {"workes": 4}, "did you mean 'workers'?"),
     ("AsyncSaver", {"max_inflight": 2}, "did you mean 'max_in_flight'?"),
-    ("AsyncSaver.save", {"workes": 4}, "did you mean 'workers'?"),
-    ("AsyncSaver.save", {"engin": "native"}, "did you mean 'engine'?"),
+    ("AsyncSaver.save", {"workes": 4}, "did you mean 'workers'? pass options=dcpstore.SaveOptions(workers=...)"),
+    ("AsyncSaver.save", {"engin": "native"}, "did you mean 'engine'? pass options=dcpstore.SaveOptions(engine=...)"),
     ("save", {"executor": "process"}, "did you mean 'engine'? (engine='process' runs the save in a checkpoint process)"),
-    ("CheckpointManager", {"executor": "process"}, "did you mean 'engine'?"),
+    ("CheckpointManager", {"executor": "process"}, "'executor' is torch's dcp.async_save's name for dcpstore's 'engine': "
+                                                   "pass options=dcpstore.SaveOptions(async_=True, engine=...)"),
     ("CheckpointManager", {"async": True}, ASYNC_HINT),
     ("CheckpointManager", {"kep": 3}, "did you mean 'keep'?"),
     ("CheckpointManager.save", {"overwirte": True}, "did you mean 'overwrite'?"),
@@ -87,6 +88,25 @@ def test_valid_keywords_pass_through_untouched(tmp_path: Path) -> None:
     info = dcpstore.save({"w": torch.ones(3)}, str(tmp_path / "c"), workers=1, engine="native").result()
     assert info.bytes_written > 0
     assert list(inspect.signature(dcpstore.save).parameters)[:2] == ["state_dict", "uri"]
+
+
+#: Each stand-in for another framework's class, and the arguments that are
+#: dcpstore's own (every other one is the framework's, in FRAMEWORK_NAMES).
+STAND_INS: dict[str, tuple[Any, set[str]]] = {
+    "StorageWriter": (dcpstore.StorageWriter, {"path", "commit_files", "options"}),
+    "StorageReader": (dcpstore.StorageReader, {"path", "options"}),
+    "FileSystemWriterAsync": (megatron.FileSystemWriterAsync, {"path", "storage_options", "process_group"}),
+    "CheckpointConfig": (megatron.CheckpointConfig, set(megatron.DCPSTORE_FIELDS)),
+}
+
+
+@pytest.mark.parametrize("entry", sorted(STAND_INS))
+def test_the_framework_names_a_stand_in_takes_are_the_tables(entry: str) -> None:
+    """FRAMEWORK_NAMES is the one table of other frameworks' names: what a
+    stand-in takes beyond its own arguments is exactly its rows."""
+    cls, own = STAND_INS[entry]
+    taken = set(_params(cls)) - own
+    assert taken == {name for name, f in FRAMEWORK_NAMES.items() if entry in f.taken_by}
 
 
 def test_another_frameworks_name_elsewhere_is_named_as_ours(tmp_path: Path) -> None:

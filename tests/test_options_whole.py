@@ -3,11 +3,12 @@
 ``dcpstore.save`` / ``load`` keep their keywords (shortcuts that build the
 options); ``AsyncSaver.save``, ``CheckpointManager``, the drop-in
 ``StorageWriter`` / ``StorageReader`` and Megatron's ``CheckpointConfig``
-take the options whole plus only what is theirs. What must hold: the
-options passed whole do what the keywords did; each keyword these took
-before still works for one release, with one ``DeprecationWarning`` that
-names its replacement and points at the caller's line; a keyword that
-disagrees with the options is an ``InvalidArgument`` naming both; and
+take the options whole plus only what is theirs (and the names of the
+framework they stand in for). What must hold: the options passed whole do
+what the keywords did; an option passed as a keyword where the options are
+taken whole is a ``TypeError`` saying how to pass it (nothing is
+deprecated: 0.1.0 is the first release); a keyword that disagrees with the
+options is an ``InvalidArgument`` naming both; and
 ``enable_msc`` with ``storage_options`` is one value (``StorageOptions``),
 as ``spread_prefixes`` is now a save option.
 """
@@ -27,7 +28,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 import dcpstore
 from dcpstore import LoadOptions, SaveOptions, StorageOptions
 from dcpstore.adapters.megatron import CheckpointConfig
-from dcpstore._impl.engines.saver import AsyncSaver, default_saver
+from dcpstore._impl.engines.saver import AsyncSaver
 
 TUNED = StorageOptions(max_attempts=3)
 MSC = StorageOptions(enable_msc=True)
@@ -158,14 +159,7 @@ def test_enable_msc_is_where_the_storage_options_say(tmp_path: Path) -> None:
         StorageOptions(enable_msc=1)  # type: ignore[arg-type]
 
 
-# -- the keywords these took before: still working, each warning once ------------------
-
-
-def _one_warning(record: pytest.WarningsRecorder) -> str:
-    ours = [w for w in record if issubclass(w.category, DeprecationWarning)]
-    assert len(ours) == 1, [str(w.message) for w in ours]
-    assert ours[0].filename == __file__, ours[0].filename  # the caller's line
-    return str(ours[0].message)
+# -- an option passed as a keyword where the options are taken whole ---------------
 
 
 @pytest.fixture
@@ -174,111 +168,40 @@ def saver() -> Iterator[AsyncSaver]:
         yield s
 
 
-SAVER_KEYWORDS: list[tuple[str, Any, str]] = [
-    # keyword, value, what options= then holds (as spelled in the warning)
-    ("workers", 2, "workers=2"),
-    ("enable_msc", True, "enable_msc=True"),
-    ("engine", "native", "engine='native'"),
-    ("process_group", None, "SaveOptions("),
-    ("planner", None, "SaveOptions("),
-    ("storage_options", TUNED, "storage_options=StorageOptions("),
-    ("max_in_flight", 2, "max_in_flight=2"),
-    ("overwrite", False, "overwrite=False"),
-    ("progress", True, "progress=True"),
-]
+ONE_WAY: list[tuple[str, Callable[[Path], Any], str]] = [
+    ("AsyncSaver.save", lambda p: AsyncSaver().save(_state(), str(p), engine="native"),
+     r"^AsyncSaver\.save\(\) got an unexpected keyword argument 'engine': pass options=dcpstore\.SaveOptions\(engine=\.\.\.\)$"),
+    ("CheckpointManager", lambda p: dcpstore.CheckpointManager(str(p), workers=2),
+     r"^CheckpointManager\.__init__\(\) got an unexpected keyword argument 'workers': "
+     r"pass options=dcpstore\.SaveOptions\(async_=True, workers=\.\.\.\)$"),
+    ("StorageWriter", lambda p: dcpstore.StorageWriter(str(p), storage_options=TUNED),
+     r"^StorageWriter\.__init__\(\) got an unexpected keyword argument 'storage_options': "
+     r"pass options=dcpstore\.SaveOptions\(storage_options=\.\.\.\)$"),
+    ("StorageReader", lambda p: dcpstore.StorageReader(str(p), verify=False),
+     r"^StorageReader\.__init__\(\) got an unexpected keyword argument 'verify': pass options=dcpstore\.LoadOptions\(verify=\.\.\.\)$"),
+    ("CheckpointConfig.from_bridge", lambda p: CheckpointConfig.from_bridge({}, engine="native"),
+     r"^CheckpointConfig\.from_bridge\(\) got an unexpected keyword argument 'engine': pass options=dcpstore\.SaveOptions\(engine=\.\.\.\)$"),
+]  # fmt: skip
 
 
-@pytest.mark.parametrize(("keyword", "value", "spelled"), SAVER_KEYWORDS, ids=[k[0] for k in SAVER_KEYWORDS])
-def test_each_keyword_the_saver_took_still_works_and_warns_once(
-    tmp_path: Path, saver: AsyncSaver, monkeypatch: pytest.MonkeyPatch, keyword: str, value: Any, spelled: str
+@pytest.mark.parametrize(("entry", "call", "match"), ONE_WAY, ids=[c[0] for c in ONE_WAY])
+def test_an_option_as_a_keyword_is_a_type_error_saying_how_to_pass_it(
+    tmp_path: Path, entry: str, call: Callable[[Path], Any], match: str
 ) -> None:
-    seen: list[SaveOptions] = []
-    monkeypatch.setattr(AsyncSaver, "submit", lambda self, sd, uri, options: seen.append(options))
-    with pytest.warns(DeprecationWarning) as record:
-        saver.save(_state(), str(tmp_path / "c"), **{keyword: value})
-    message = _one_warning(record)
-    assert message.startswith(f"AsyncSaver.save's keyword {keyword}= is deprecated"), message
-    assert "options=dcpstore.SaveOptions(" in message and spelled in message, message
-    assert getattr(seen[0], keyword) == value and seen[0].async_ is True
+    """One way per entry point: an entry point that takes the options whole
+    takes none of them as a keyword (and nothing is deprecated: 0.1.0 is
+    the first release)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        with pytest.raises(TypeError, match=match):
+            call(tmp_path / "c")
 
 
-def test_the_savers_old_keywords_save_for_real(tmp_path: Path, saver: AsyncSaver) -> None:
-    uri = str(tmp_path / "c")
-    with pytest.warns(DeprecationWarning, match="keyword (engine|workers)= is deprecated"):
-        info = saver.save(_state(), uri, engine="native", workers=2).result()
-    assert info.engine == "native"
-    _loads(uri, 1.0)
-
-
-MANAGER_KEYWORDS: list[tuple[str, Any]] = [
-    ("workers", 2),
-    ("enable_msc", True),
-    ("engine", "native"),
-    ("process_group", None),
-    ("planner", None),
-    ("storage_options", TUNED),
-    ("progress", True),
-]
-
-
-@pytest.mark.parametrize(("keyword", "value"), MANAGER_KEYWORDS, ids=[k[0] for k in MANAGER_KEYWORDS])
-def test_each_keyword_the_manager_took_still_works_and_warns_once(tmp_path: Path, keyword: str, value: Any) -> None:
-    with pytest.warns(DeprecationWarning) as record:
-        mgr = dcpstore.CheckpointManager(str(tmp_path / "run"), async_=False, **{keyword: value})
-    message = _one_warning(record)
-    assert message.startswith(f"CheckpointManager's keyword {keyword}= is deprecated"), message
-    # The replacement keeps the manager's own mode: a manager is async unless told not to.
-    assert "options=dcpstore.SaveOptions(" in message
-    with mgr:
-        assert getattr(mgr.options, keyword) == value and mgr.async_ is False
-        mgr.save(_state(), 1)
-    _loads(mgr.step_uri(1), 1.0, enable_msc=keyword == "enable_msc")
-
-
-def test_the_managers_replacement_keeps_it_async(tmp_path: Path) -> None:
-    with pytest.warns(DeprecationWarning, match=r"options=dcpstore\.SaveOptions\(async_=True, engine='native'\)"):
-        mgr = dcpstore.CheckpointManager(str(tmp_path / "run"), engine="native")
-    with mgr:
-        assert mgr.async_ is True and mgr.engine == "native"
-
-
-DROPIN_KEYWORDS: list[tuple[Callable[..., Any], str, Any, Callable[[Any], Any]]] = [
-    (dcpstore.StorageWriter, "enable_msc", True, lambda w: w.storage.backend == "msc"),
-    (dcpstore.StorageWriter, "storage_options", TUNED, lambda w: w.storage.options == TUNED),
-    (dcpstore.StorageReader, "enable_msc", True, lambda r: r.storage.backend == "msc"),
-    (dcpstore.StorageReader, "storage_options", TUNED, lambda r: r.storage.options == TUNED),
-    (dcpstore.StorageReader, "verify", False, lambda r: r.verify is False),
-    (dcpstore.StorageReader, "trusted", True, lambda r: r._trust.trusted is True),
-    (dcpstore.StorageReader, "safe_globals", [Path], lambda r: "pathlib.Path" in r._trust.extra),
-]
-
-
-@pytest.mark.parametrize(
-    ("cls", "keyword", "value", "honoured"), DROPIN_KEYWORDS, ids=[f"{d[0].__name__}-{d[1]}" for d in DROPIN_KEYWORDS]
-)
-def test_each_keyword_the_drop_ins_took_still_works_and_warns_once(
-    tmp_path: Path, cls: Callable[..., Any], keyword: str, value: Any, honoured: Callable[[Any], Any]
-) -> None:
-    with pytest.warns(DeprecationWarning) as record:
-        made = cls(str(tmp_path), **{keyword: value})
-    message = _one_warning(record)
-    kind = "SaveOptions" if cls is dcpstore.StorageWriter else "LoadOptions"
-    assert message.startswith(f"{cls.__name__}'s keyword {keyword}= is deprecated"), message
-    assert f"options=dcpstore.{kind}(" in message
-    assert honoured(made)
-
-
-@pytest.mark.parametrize(("field", "value"), [("engine", "native"), ("enable_msc", True)])
-def test_each_config_field_now_the_options_still_works_and_warns_once(tmp_path: Path, field: str, value: Any) -> None:
-    with pytest.warns(DeprecationWarning) as record:
-        cfg = CheckpointConfig(save=str(tmp_path / "run"), **{field: value})
-    message = _one_warning(record)
-    assert message.startswith(f"CheckpointConfig's keyword {field}= is deprecated"), message
-    assert getattr(cfg.options, field) == value
-    with pytest.warns(DeprecationWarning) as record:
-        bridged = CheckpointConfig.from_bridge({"save": str(tmp_path / "run")}, **{field: value})
-    _one_warning(record)
-    assert getattr(bridged.options, field) == value
+def _one_warning(record: pytest.WarningsRecorder) -> str:
+    ours = [w for w in record if issubclass(w.category, DeprecationWarning)]
+    assert len(ours) == 1, [str(w.message) for w in ours]
+    assert ours[0].filename == __file__, ours[0].filename  # the caller's line
+    return str(ours[0].message)
 
 
 def test_spread_prefixes_in_the_storage_options_still_spreads_and_warns_once(tmp_path: Path) -> None:
@@ -294,12 +217,14 @@ def test_spread_prefixes_in_the_storage_options_still_spreads_and_warns_once(tmp
     _loads(uri, 1.0)
 
 
-def test_an_unknown_keyword_is_still_named_with_its_fix(tmp_path: Path, saver: AsyncSaver) -> None:
-    with pytest.raises(TypeError, match=r"^AsyncSaver\.save\(\) got an unexpected keyword argument 'workes': did you mean 'workers'\?"):
+def test_an_unknown_keyword_is_named_with_its_fix(tmp_path: Path, saver: AsyncSaver) -> None:
+    with pytest.raises(TypeError, match=r"^AsyncSaver\.save\(\) got an unexpected keyword argument 'workes': "
+                                        r"did you mean 'workers'\? pass options=dcpstore\.SaveOptions\(workers=\.\.\.\)"):
         saver.save(_state(), str(tmp_path / "c"), workes=2)
-    with pytest.raises(TypeError, match=r"^StorageWriter\.__init__\(\) got an unexpected keyword argument 'thread_cont'"):
+    with pytest.raises(TypeError, match=r"^StorageWriter\.__init__\(\) got an unexpected keyword argument 'thread_cont': "
+                                        r"did you mean 'thread_count'\?"):
         dcpstore.StorageWriter(str(tmp_path), thread_cont=2)
-    with pytest.raises(TypeError, match="spread_prefixes"):  # never a keyword of the saver: no deprecation path
+    with pytest.raises(TypeError, match=r"'spread_prefixes': pass options=dcpstore\.SaveOptions\(spread_prefixes=\.\.\.\)"):
         saver.save(_state(), str(tmp_path / "c"), spread_prefixes=2)
 
 
@@ -310,8 +235,6 @@ CONFLICTS: list[tuple[str, Callable[[Path], Any], str]] = [
      r"^save: workers=2 and options\.workers=3 disagree"),
     ("load", lambda p: dcpstore.load(_state(), str(p), workers=2, options=LoadOptions(workers=3)),
      r"^load: workers=2 and options\.workers=3 disagree"),
-    ("AsyncSaver.save", lambda p: default_saver().save(_state(), str(p), engine="nvrx", options=SaveOptions(engine="native")),
-     r"^AsyncSaver\.save: engine='nvrx' and options\.engine='native' disagree"),
     ("CheckpointManager", lambda p: dcpstore.CheckpointManager(str(p), async_=False, options=SaveOptions(async_=True)),
      r"^CheckpointManager: async_=False and options\.async_=True disagree"),
     ("StorageWriter", lambda p: dcpstore.StorageWriter(str(p), thread_count=2, options=SaveOptions(workers=3)),
@@ -332,10 +255,8 @@ CONFLICTS: list[tuple[str, Callable[[Path], Any], str]] = [
 def test_a_keyword_that_disagrees_with_the_options_is_refused_naming_both(
     tmp_path: Path, entry: str, call: Callable[[Path], Any], match: str
 ) -> None:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # AsyncSaver.save's engine= also warns; not the point here
-        with pytest.raises(dcpstore.InvalidArgument, match=match):
-            call(tmp_path / "c")
+    with pytest.raises(dcpstore.InvalidArgument, match=match):
+        call(tmp_path / "c")
 
 
 # -- a bad value is named as the caller spelt it -------------------------------------

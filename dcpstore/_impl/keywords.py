@@ -154,8 +154,11 @@ def unknown_keyword_message(
             hint = f"{name!r} is {foreign.framework}'s name for dcpstore's {ours!r}: {instead[ours_key]}"
         else:
             close = difflib.get_close_matches(name, accepted, n=1, cutoff=0.6)
+            elsewhere = difflib.get_close_matches(name, list(instead), n=1, cutoff=0.6)
             if close:
                 hint = f"did you mean {close[0]!r}?"
+            elif elsewhere:
+                hint = f"did you mean {elsewhere[0]!r}? {instead[elsewhere[0]]}"
         parts.append(f"{text}: {hint}" if hint else text)
         hinted = hinted or bool(hint)
     if not hinted:

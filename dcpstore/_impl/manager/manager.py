@@ -55,8 +55,8 @@ from ..engines.choice import engine_problem
 from ..engines.saver import default_saver
 from ..errors import CheckpointExists, InvalidArgument, SaveError
 from ..handle import CheckpointInfo, SaveHandle
-from ..keywords import hint_keywords
-from ..option_keywords import resolve_options
+from ..keywords import hint_keywords, hint_keywords_with
+from ..option_keywords import pass_whole, resolve_options
 from ..options import SaveOptions
 from ..storage import Storage, join_uri, open_storage
 from ..storage.overlap import Role
@@ -65,6 +65,10 @@ from .roots import REPLICATE_TIMEOUT_S, OneRoot, Roots
 from .steps import StepLayout, check_layout, check_step
 
 log = logging.getLogger(__name__)
+
+
+#: A manager's options when none is given.
+_DEFAULTS = SaveOptions(async_=True)
 
 
 @dataclass(frozen=True)
@@ -123,21 +127,18 @@ class CheckpointManager:
             ``latest_checkpointed_iteration.txt``, so Bridge resumes from
             this manager's steps and this manager from Bridge's); a
             :class:`~dcpstore._impl.manager.steps.StepLayout`. Not with ``local_dir``.
-        deprecated: the save options it took as keywords before
-            ``options`` (``workers``, ``enable_msc``, ``engine``,
-            ``process_group``, ``planner``, ``storage_options``,
-            ``progress``): each still works and warns
-            (:class:`DeprecationWarning`) for one release.
 
     Raises:
         InvalidArgument: a bad option, a keyword that disagrees with
             ``options``, an engine that cannot write ``root_uri``, or a
             ``local_dir`` that is not a local path.
-        TypeError: a keyword it does not take (naming the likely fix).
+        TypeError: a keyword it does not take (naming the likely fix: a
+            save option goes in ``options``).
         CheckpointError: (tiered) ``root_uri`` cannot be reached.
         InvalidURI, BackendUnavailable: as for :func:`dcpstore.save`.
     """
 
+    @hint_keywords_with(pass_whole(_DEFAULTS))
     def __init__(
         self,
         root_uri: str | os.PathLike[str],
@@ -150,13 +151,9 @@ class CheckpointManager:
         replicate_every: int = 1,
         replicate_timeout_s: float = REPLICATE_TIMEOUT_S,
         layout: str | StepLayout = "dcpstore",
-        **deprecated: Any,
     ) -> None:
         given = {} if async_ is None else {"async_": async_}
-        self.options = resolve_options(
-            CheckpointManager.__init__, options, base=_DEFAULTS, given=given, deprecated=deprecated,
-            deprecated_names=MANAGER_KEYWORDS,
-        )  # fmt: skip
+        self.options = resolve_options(CheckpointManager, options, base=_DEFAULTS, given=given)
         if self.options.save_id is not None:
             raise InvalidArgument(
                 f"options.save_id={self.options.save_id!r}: a manager's saves each get their own id; leave it None"
@@ -514,11 +511,3 @@ class CheckpointManager:
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.uri!r}, keep={self.keep}, async_={self.async_}, layout={self.layout.name!r})"
-
-
-#: A manager's options when none is given.
-_DEFAULTS = SaveOptions(async_=True)
-#: The save options :class:`CheckpointManager` took as keywords before ``options=``.
-MANAGER_KEYWORDS = frozenset(
-    {"workers", "enable_msc", "engine", "process_group", "planner", "storage_options", "progress"}
-)
