@@ -197,26 +197,6 @@ def test_an_option_as_a_keyword_is_a_type_error_saying_how_to_pass_it(
             call(tmp_path / "c")
 
 
-def _one_warning(record: pytest.WarningsRecorder) -> str:
-    ours = [w for w in record if issubclass(w.category, DeprecationWarning)]
-    assert len(ours) == 1, [str(w.message) for w in ours]
-    assert ours[0].filename == __file__, ours[0].filename  # the caller's line
-    return str(ours[0].message)
-
-
-def test_spread_prefixes_in_the_storage_options_still_spreads_and_warns_once(tmp_path: Path) -> None:
-    uri = str(tmp_path / "c")
-    with pytest.warns(DeprecationWarning) as record:
-        info = dcpstore.save(_state(), uri, workers=2, storage_options=StorageOptions(spread_prefixes=4)).result()
-    message = _one_warning(record)
-    assert "StorageOptions(spread_prefixes=4) is deprecated" in message and "SaveOptions(spread_prefixes=4)" in message
-    assert info.files and all(f.startswith("p0/") for f in info.files), info.files
-    with pytest.warns(DeprecationWarning):
-        moved = SaveOptions(storage_options=StorageOptions(spread_prefixes=4, max_attempts=3))
-    assert moved == SaveOptions(spread_prefixes=4, storage_options=StorageOptions(max_attempts=3))
-    _loads(uri, 1.0)
-
-
 def test_an_unknown_keyword_is_named_with_its_fix(tmp_path: Path, saver: AsyncSaver) -> None:
     with pytest.raises(TypeError, match=r"^AsyncSaver\.save\(\) got an unexpected keyword argument 'workes': "
                                         r"did you mean 'workers'\? pass options=dcpstore\.SaveOptions\(workers=\.\.\.\)"):

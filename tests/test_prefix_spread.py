@@ -88,8 +88,13 @@ def test_one_prefix_is_the_stock_layout() -> None:
 def test_bad_spread_is_refused_naming_the_option(bad: Any) -> None:
     with pytest.raises(dcpstore.InvalidArgument, match="spread_prefixes"):
         dcpstore.SaveOptions(spread_prefixes=bad)
-    with pytest.raises(dcpstore.InvalidArgument, match="spread_prefixes"):  # the deprecated place, checked alike
-        StorageOptions(spread_prefixes=bad)
+
+
+def test_spreading_is_a_save_option_not_a_storage_option() -> None:
+    """How a save lays out its files, not how the storage is reached: only
+    SaveOptions (and save's keyword) take it."""
+    with pytest.raises(TypeError, match="spread_prefixes"):
+        StorageOptions(spread_prefixes=4)  # type: ignore[call-arg]
 
 
 # -- saves and loads -----------------------------------------------------------

@@ -26,8 +26,8 @@ from typing import Any, TypeVar
 
 from .errors import InvalidArgument
 from .keywords import foreign_names
-from .options import OPTION_DEFAULTS, InvalidOption, LoadOptions, SaveOptions, warn_spread_deprecated
-from .storage import StorageOptions, check_spread_prefixes, with_msc
+from .options import OPTION_DEFAULTS, InvalidOption, LoadOptions, SaveOptions
+from .storage import StorageOptions, with_msc
 
 O = TypeVar("O", SaveOptions, LoadOptions)
 
@@ -130,13 +130,3 @@ def pass_whole(base: SaveOptions | LoadOptions) -> dict[str, str]:
         whole.setdefault(f.name, spelled("storage_options", f"storage_options=dcpstore.StorageOptions({f.name}=...)"))
     return whole
 
-
-def storage_spread(spread_prefixes: int | None, storage_options: StorageOptions) -> int:
-    """A writer's spread: ``spread_prefixes`` as given, else the storage
-    options' deprecated field (a writer built without a
-    :class:`~dcpstore.SaveOptions`), with its warning."""
-    if spread_prefixes is not None:
-        return check_spread_prefixes(spread_prefixes)
-    if storage_options.spread_prefixes != 1:
-        warn_spread_deprecated(storage_options.spread_prefixes)
-    return storage_options.spread_prefixes

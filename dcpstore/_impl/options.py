@@ -25,7 +25,6 @@ refuses.
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
@@ -35,8 +34,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 
 from .errors import InvalidArgument
-from .quiet import warn_deprecated
-from .storage import StorageOptions, check_spread_prefixes, with_msc
+from .storage import StorageOptions, check_spread_prefixes
 
 @dataclass(frozen=True)
 class EngineSpec:
@@ -230,17 +228,6 @@ class _Where:
         """Whether the storage is reached through MSC (``storage_options.enable_msc``)."""
         return self.storage_options is not None and self.storage_options.enable_msc
 
-    def spelled(self, **more: Any) -> str:
-        """How to write these options (the fields not at their defaults),
-        with ``more`` fields set, for messages; ``enable_msc`` is written
-        where it lives, in ``storage_options``."""
-        values = {f.name: getattr(self, f.name) for f in fields(self)}  # type: ignore[arg-type]
-        if "enable_msc" in more:
-            values["storage_options"] = with_msc(values["storage_options"], bool(more.pop("enable_msc")))
-        values.update(more)
-        defaults = OPTION_DEFAULTS[type(self)]
-        return f"dcpstore.{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in values.items() if v != defaults[k])})"
-
 
 @dataclass(frozen=True)
 class LoadOptions(_Where):
@@ -340,7 +327,6 @@ class SaveOptions(_Where):
         _check_bool("progress", self.progress)
         _check_storage_options(self.storage_options)
         check_spread_prefixes(self.spread_prefixes)
-        self._take_spread_from_storage_options()
         if self.save_id is not None and not (isinstance(self.save_id, str) and _SAVE_ID.fullmatch(self.save_id)):
             raise InvalidArgument(f"save_id must be None or 16 lowercase hex digits, got {self.save_id!r}")
         for problem in save_option_problems(
@@ -360,21 +346,6 @@ class SaveOptions(_Where):
         async save, and a sync save that names an engine other than the
         native one (which then waits for it)."""
         return self.async_ or self.engine not in (AUTO, "native")
-
-    def _take_spread_from_storage_options(self) -> None:
-        """The deprecated ``StorageOptions.spread_prefixes``: moved here, once
-        (so the storage options handed down no longer carry it)."""
-        where = self.storage_options
-        if where is None or where.spread_prefixes == 1:
-            return
-        warn_spread_deprecated(where.spread_prefixes)
-        if self.spread_prefixes not in (1, where.spread_prefixes):
-            raise InvalidArgument(
-                f"spread_prefixes={self.spread_prefixes} and storage_options.spread_prefixes={where.spread_prefixes} "
-                "disagree; pass spread_prefixes only, in SaveOptions"
-            )
-        object.__setattr__(self, "spread_prefixes", where.spread_prefixes)  # frozen: set once, here
-        object.__setattr__(self, "storage_options", dataclasses.replace(where, spread_prefixes=1))
 
     def for_load(self, *, safe_globals: Sequence[Any] = (), trusted: bool = False) -> LoadOptions:
         """The options a load of what these options saved reads with.
@@ -413,11 +384,3 @@ OPTION_DEFAULTS: dict[type, dict[str, Any]] = {
     kind: {"enable_msc": False, **{f.name: f.default for f in fields(kind)}} for kind in (SaveOptions, LoadOptions)
 }
 
-
-def warn_spread_deprecated(spread: int) -> None:
-    """The warning for ``StorageOptions(spread_prefixes=spread)``, wherever it takes effect."""
-    warn_deprecated(
-        f"StorageOptions(spread_prefixes={spread}) is deprecated: spreading is how a save lays out its files, "
-        f"not how the storage is reached; pass dcpstore.SaveOptions(spread_prefixes={spread}) instead "
-        "(options= of dcpstore.save and of every other entry point)"
-    )
