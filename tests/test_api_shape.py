@@ -50,6 +50,8 @@ MISTAKES = [
     ("AsyncSaver.save", {"workes": 4}, "did you mean 'workers'? pass options=dcpstore.SaveOptions(workers=...)"),
     ("AsyncSaver.save", {"engin": "native"}, "did you mean 'engine'? pass options=dcpstore.SaveOptions(engine=...)"),
     ("save", {"executor": "process"}, "did you mean 'engine'? (engine='process' runs the save in a checkpoint process)"),
+    ("save", {"options": dcpstore.SaveOptions()}, "dcpstore.save takes each option as a keyword"),
+    ("load", {"options": dcpstore.LoadOptions()}, "dcpstore.load takes each option as a keyword"),
     ("CheckpointManager", {"executor": "process"}, "'executor' is torch's dcp.async_save's name for dcpstore's 'engine': "
                                                    "pass options=dcpstore.SaveOptions(async_=True, engine=...)"),
     ("CheckpointManager", {"async": True}, ASYNC_HINT),

@@ -1,14 +1,14 @@
-"""One options value, passed whole: every entry point takes ``options=``.
+"""One options value, one way to pass each option per entry point.
 
-``dcpstore.save`` / ``load`` keep their keywords (shortcuts that build the
-options); ``AsyncSaver.save``, ``CheckpointManager``, the drop-in
+``dcpstore.save`` / ``load`` take each option as a keyword (and no
+``options=``); ``AsyncSaver.save``, ``CheckpointManager``, the drop-in
 ``StorageWriter`` / ``StorageReader`` and Megatron's ``CheckpointConfig``
-take the options whole plus only what is theirs (and the names of the
-framework they stand in for). What must hold: the options passed whole do
-what the keywords did; an option passed as a keyword where the options are
-taken whole is a ``TypeError`` saying how to pass it (nothing is
-deprecated: 0.1.0 is the first release); a keyword that disagrees with the
-options is an ``InvalidArgument`` naming both; and
+take the options whole, as ``options=``, plus only what is theirs (and the
+names of the framework they stand in for). What must hold: the options
+passed whole do what the keywords do; an option passed the other way is a
+``TypeError`` saying how to pass it (nothing is deprecated: 0.1.0 is the
+first release); a framework's name that disagrees with the options is an
+``InvalidArgument`` naming both; and
 ``enable_msc`` with ``storage_options`` is one value (``StorageOptions``),
 as ``spread_prefixes`` is now a save option.
 """
@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 import dcpstore
 from dcpstore import LoadOptions, SaveOptions, StorageOptions
 from dcpstore.adapters.megatron import CheckpointConfig
-from dcpstore._impl.engines.saver import AsyncSaver
+from dcpstore._impl.engines.saver import AsyncSaver, default_saver
 
 TUNED = StorageOptions(max_attempts=3)
 MSC = StorageOptions(enable_msc=True)
@@ -51,20 +51,25 @@ def _data_files(uri: str) -> list[str]:
 # -- the options whole do what the keywords do ------------------------------------
 
 
-def test_save_and_load_take_the_options_their_keywords_build(tmp_path: Path) -> None:
+def test_save_and_load_take_every_option_as_a_keyword(tmp_path: Path) -> None:
     whole, keywords = str(tmp_path / "whole"), str(tmp_path / "keywords")
     options = SaveOptions(engine="native", workers=2, overwrite=False, spread_prefixes=4)
-    a = dcpstore.save(_state(), whole, options=options).result()
-    # Keywords fill what the options leave at their defaults (spread has no keyword).
-    b = dcpstore.save(_state(), keywords, engine="native", workers=2, overwrite=False,
-                      options=SaveOptions(spread_prefixes=4)).result()  # fmt: skip
+    with AsyncSaver() as saver:
+        a = saver.save(_state(), whole, options=options).result()
+    b = dcpstore.save(_state(), keywords, engine="native", workers=2, overwrite=False, spread_prefixes=4).result()
     assert a.files == b.files and all(f.startswith("p0/__0_") for f in a.files), (a.files, b.files)
     assert _data_files(whole) == _data_files(keywords)
     for uri in (whole, keywords):
         with pytest.raises(dcpstore.CheckpointExists):
-            dcpstore.save(_state(2.0), uri, options=options)
-        _loads(uri, 1.0, options=LoadOptions(workers=2, verify=True))
+            dcpstore.save(_state(2.0), uri, **options.as_kwargs())  # a SaveOptions held, passed to save
         _loads(uri, 1.0, workers=2, verify=True)
+
+
+@pytest.mark.parametrize("call", [dcpstore.save, dcpstore.load], ids=["save", "load"])
+def test_save_and_load_take_no_options_whole(tmp_path: Path, call: Callable[..., Any]) -> None:
+    with pytest.raises(TypeError, match=rf"^{call.__name__}\(\) got an unexpected keyword argument 'options': "
+                                        rf"dcpstore\.{call.__name__} takes each option as a keyword"):
+        call(_state(), str(tmp_path / "c"), options=SaveOptions())
 
 
 def test_the_async_saver_takes_the_options_whole(tmp_path: Path) -> None:
@@ -154,7 +159,7 @@ def test_enable_msc_is_where_the_storage_options_say(tmp_path: Path) -> None:
     info = dcpstore.save(_state(), uri, enable_msc=True).result()
     assert info.backend == "msc"
     assert dcpstore.StorageWriter(uri, options=SaveOptions(storage_options=MSC)).storage.backend == "msc"
-    _loads(uri, 1.0, options=LoadOptions(storage_options=MSC))
+    _loads(uri, 1.0, storage_options=MSC)
     with pytest.raises(dcpstore.InvalidArgument, match="enable_msc must be a bool"):
         StorageOptions(enable_msc=1)  # type: ignore[arg-type]
 
@@ -169,7 +174,7 @@ def saver() -> Iterator[AsyncSaver]:
 
 
 ONE_WAY: list[tuple[str, Callable[[Path], Any], str]] = [
-    ("AsyncSaver.save", lambda p: AsyncSaver().save(_state(), str(p), engine="native"),
+    ("AsyncSaver.save", lambda p: default_saver().save(_state(), str(p), engine="native"),
      r"^AsyncSaver\.save\(\) got an unexpected keyword argument 'engine': pass options=dcpstore\.SaveOptions\(engine=\.\.\.\)$"),
     ("CheckpointManager", lambda p: dcpstore.CheckpointManager(str(p), workers=2),
      r"^CheckpointManager\.__init__\(\) got an unexpected keyword argument 'workers': "
@@ -211,10 +216,6 @@ def test_an_unknown_keyword_is_named_with_its_fix(tmp_path: Path, saver: AsyncSa
 # -- a keyword that disagrees with the options: refused, naming both ------------------
 
 CONFLICTS: list[tuple[str, Callable[[Path], Any], str]] = [
-    ("save", lambda p: dcpstore.save(_state(), str(p), workers=2, options=SaveOptions(workers=3)),
-     r"^save: workers=2 and options\.workers=3 disagree"),
-    ("load", lambda p: dcpstore.load(_state(), str(p), workers=2, options=LoadOptions(workers=3)),
-     r"^load: workers=2 and options\.workers=3 disagree"),
     ("CheckpointManager", lambda p: dcpstore.CheckpointManager(str(p), async_=False, options=SaveOptions(async_=True)),
      r"^CheckpointManager: async_=False and options\.async_=True disagree"),
     ("StorageWriter", lambda p: dcpstore.StorageWriter(str(p), thread_count=2, options=SaveOptions(workers=3)),
@@ -226,8 +227,8 @@ CONFLICTS: list[tuple[str, Callable[[Path], Any], str]] = [
     ("CheckpointConfig.save_options",
      lambda p: CheckpointConfig(options=SaveOptions(storage_options=TUNED)).save_options(storage_options=StorageOptions()),
      r"^CheckpointConfig\.save_options: storage_options=.* and options\.storage_options=.* disagree"),
-    ("save, wrong type", lambda p: dcpstore.save(_state(), str(p), options=LoadOptions()),  # type: ignore[arg-type]
-     r"^save: options must be a dcpstore\.SaveOptions"),
+    ("AsyncSaver.save, wrong type", lambda p: default_saver().save(_state(), str(p), options=LoadOptions()),  # type: ignore[arg-type]
+     r"^AsyncSaver\.save: options must be a dcpstore\.SaveOptions"),
 ]  # fmt: skip
 
 

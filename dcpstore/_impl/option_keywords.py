@@ -44,8 +44,12 @@ def _keyword_defaults(fn: Callable[..., Any]) -> dict[str, Any]:
 def given_keywords(fn: Callable[..., Any], values: Mapping[str, Any]) -> dict[str, Any]:
     """The keyword-only arguments of ``fn`` (but ``options``) that ``values``
     (its ``locals()``) holds at other than their defaults: the options a
-    caller set."""
-    return {name: values[name] for name, default in _keyword_defaults(fn).items() if values[name] != default}
+    caller set (``True`` for a default of 1 too, so that it is refused)."""
+    return {
+        name: values[name]
+        for name, default in _keyword_defaults(fn).items()
+        if values[name] != default or type(values[name]) is not type(default)
+    }
 
 
 def _display(fn: Callable[..., Any]) -> str:
@@ -53,7 +57,7 @@ def _display(fn: Callable[..., Any]) -> str:
 
 
 def _same(value: Any, current: Any) -> bool:
-    return bool(value == current) or (isinstance(value, list) and tuple(value) == current)
+    return bool(value == current and type(value) is type(current)) or (isinstance(value, list) and tuple(value) == current)
 
 
 def resolve_options(fn: Callable[..., Any], options: O | None, *, base: O, given: Mapping[str, Any] | None = None) -> O:

@@ -1,20 +1,22 @@
 """How a save or a load runs, as one value: :class:`SaveOptions`, :class:`LoadOptions`.
 
-Every entry point takes the value whole, as ``options=``:
-:func:`dcpstore.save` and :func:`dcpstore.load` (whose keywords are
-shortcuts that build one), :meth:`dcpstore.AsyncSaver.save`,
-:class:`dcpstore.CheckpointManager` (which keeps one for all its saves), the
-drop-in :class:`dcpstore.StorageWriter` / :class:`~dcpstore.StorageReader`
-and :class:`dcpstore.adapters.megatron.CheckpointConfig`; each takes as
-keywords only what is its own (retention, tiers, ``FileSystemWriter``'s
-names, Bridge's fields). Every layer below receives the one object, so no
-layer repeats the keyword list, and every value is checked once, here, when
-the object is built: a :class:`SaveOptions` that exists is valid. Where the
+Each option is passed one way per entry point. :func:`dcpstore.save` and
+:func:`dcpstore.load` take each as a keyword and build the value from them;
+every other entry point takes the value whole, as ``options=``:
+:meth:`dcpstore.AsyncSaver.save`, :class:`dcpstore.CheckpointManager` (which
+keeps one for all its saves), the drop-in :class:`dcpstore.StorageWriter` /
+:class:`~dcpstore.StorageReader` and
+:class:`dcpstore.adapters.megatron.CheckpointConfig`; each takes as keywords
+only what is its own (retention, tiers, a manager's mode) and the names of
+the framework it stands in for (``FileSystemWriter``'s, Bridge's fields:
+:data:`dcpstore._impl.keywords.FRAMEWORK_NAMES`). Every layer below
+receives the one object, so no layer repeats the keyword list, and every
+value is checked once, here, when the object is built: a
+:class:`SaveOptions` that exists is valid. Where the
 bytes go is one value too, :class:`~dcpstore.StorageOptions` (the client,
 MSC or native, and its tuning).
 
-Where keywords meet an ``options=`` (and the keywords an entry point used
-to take are mapped onto it) is :mod:`dcpstore._impl.option_keywords`.
+Where keywords meet an ``options=`` is :mod:`dcpstore._impl.option_keywords`.
 
 What a value object cannot know -- whether an engine can run here (NVRx
 installed), and whether it can write a given backend -- is asked of the
@@ -234,7 +236,8 @@ class LoadOptions(_Where):
     """How a load reads: every option of :func:`dcpstore.load` as one value,
     validated when it is built (a bad value is an
     :class:`~dcpstore.InvalidArgument` naming it). Pass it whole as
-    ``options=`` to :func:`dcpstore.load` or :class:`dcpstore.StorageReader`.
+    ``options=`` to :class:`dcpstore.StorageReader` (:func:`dcpstore.load`
+    takes each option as a keyword).
 
     Attributes:
         workers: reader threads per rank (``None``: the backend's default).
@@ -277,10 +280,11 @@ class SaveOptions(_Where):
     """How a save runs: every option of :func:`dcpstore.save` as one value,
     validated when it is built (a bad value is an
     :class:`~dcpstore.InvalidArgument` naming it) and handed down whole.
-    Pass it as ``options=`` to :func:`dcpstore.save`,
-    :meth:`dcpstore.AsyncSaver.save`, :class:`dcpstore.CheckpointManager`,
-    :class:`dcpstore.StorageWriter` or
-    :class:`~dcpstore.adapters.megatron.CheckpointConfig`::
+    Pass it as ``options=`` to :meth:`dcpstore.AsyncSaver.save`,
+    :class:`dcpstore.CheckpointManager`, :class:`dcpstore.StorageWriter` or
+    :class:`~dcpstore.adapters.megatron.CheckpointConfig`
+    (:func:`dcpstore.save` takes each option as a keyword:
+    ``save(state, uri, **options.as_kwargs())``)::
 
         options = dcpstore.SaveOptions(async_=True, engine="native", spread_prefixes=16,
                                        storage_options=dcpstore.StorageOptions(enable_msc=True))
@@ -366,16 +370,14 @@ class SaveOptions(_Where):
         )
 
     def as_kwargs(self) -> dict[str, Any]:
-        """These options as :func:`dcpstore.save`'s keyword arguments: its
-        shortcuts, and what has none (``spread_prefixes``) as ``options=``.
+        """These options as :func:`dcpstore.save`'s keyword arguments (all
+        but ``save_id``, which only a manager sets, per save).
 
         Returns:
             The keyword arguments, ``save(state, uri, **kwargs)``.
         """
-        kwargs = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("save_id", "spread_prefixes")}
+        kwargs = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "save_id"}
         kwargs["enable_msc"] = self.enable_msc
-        if self.spread_prefixes != 1:
-            kwargs["options"] = SaveOptions(spread_prefixes=self.spread_prefixes)
         return kwargs
 
 
