@@ -9,10 +9,11 @@ by changing one constructor::
 
 They take ``FileSystemWriter``'s and ``FileSystemReader``'s keyword arguments
 (each is honoured, or refused with :class:`~dcpstore.InvalidArgument` naming
-it; see the class docstrings), s3torchconnector's ``region``, and dcpstore's
-options whole (``options=``: :class:`~dcpstore.SaveOptions` /
-:class:`~dcpstore.LoadOptions`, as :func:`dcpstore.save` and
-:func:`dcpstore.load` take them). One writer or reader
+it; see the class docstrings), s3torchconnector's ``region`` (their rows in
+:data:`dcpstore._impl.keywords.FRAMEWORK_NAMES`), and dcpstore's options
+whole (``options=``: :class:`~dcpstore.SaveOptions` /
+:class:`~dcpstore.LoadOptions`, what :func:`dcpstore.save` and
+:func:`dcpstore.load` take as keywords). One writer or reader
 serves any number of checkpoints: ``checkpoint_id=`` re-points it, as
 torchtitan and Megatron-Bridge reuse one writer across steps, also while
 ``dcp.async_save`` calls made through it earlier still run (each save keeps
