@@ -52,7 +52,7 @@ MISTAKES = [
     ("save", {"executor": "process"}, "did you mean 'engine'? (engine='process' runs the save in a checkpoint process)"),
     ("save", {"options": dcpstore.SaveOptions()}, "dcpstore.save takes each option as a keyword"),
     ("load", {"options": dcpstore.LoadOptions()}, "dcpstore.load takes each option as a keyword"),
-    ("CheckpointManager", {"executor": "process"}, "'executor' is torch's dcp.async_save's name for dcpstore's 'engine': "
+    ("CheckpointManager", {"executor": "process"}, "'executor' is dcpstore's 'engine' (its name in torch's dcp.async_save): "
                                                    "pass options=dcpstore.SaveOptions(async_=True, engine=...)"),
     ("CheckpointManager", {"async": True}, ASYNC_HINT),
     ("CheckpointManager", {"kep": 3}, "did you mean 'keep'?"),
@@ -112,7 +112,7 @@ def test_the_framework_names_a_stand_in_takes_are_the_tables(entry: str) -> None
 
 
 def test_another_frameworks_name_elsewhere_is_named_as_ours(tmp_path: Path) -> None:
-    with pytest.raises(TypeError, match=r"'thread_count': did you mean 'workers'\? \('thread_count' is what torch's FileSystemWriter"):
+    with pytest.raises(TypeError, match=r"'thread_count': did you mean 'workers'\? \('thread_count' is its name in torch's FileSystemWriter"):
         dcpstore.save({"w": torch.ones(1)}, str(tmp_path / "c"), thread_count=2)
     with pytest.raises(TypeError, match=r"'dist_ckpt_workers': did you mean 'workers'\? .*Megatron-Bridge"):
         dcpstore.load({"w": torch.ones(1)}, str(tmp_path / "c"), dist_ckpt_workers=2)

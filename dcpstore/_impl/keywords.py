@@ -149,9 +149,9 @@ def unknown_keyword_message(
         elif name in instead:
             hint = instead[name]
         elif foreign is not None and ours in accepted:
-            hint = f"did you mean {ours!r}? ({foreign.note or f'{name!r} is what {foreign.framework} calls it'})"
+            hint = f"did you mean {ours!r}? ({foreign.note or f'{name!r} is its name in {foreign.framework}'})"
         elif foreign is not None and ours_key is not None and ours_key in instead:
-            hint = f"{name!r} is {foreign.framework}'s name for dcpstore's {ours!r}: {instead[ours_key]}"
+            hint = f"{name!r} is dcpstore's {ours!r} (its name in {foreign.framework}): {instead[ours_key]}"
         else:
             close = difflib.get_close_matches(name, accepted, n=1, cutoff=0.6)
             elsewhere = difflib.get_close_matches(name, list(instead), n=1, cutoff=0.6)
