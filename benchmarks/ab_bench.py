@@ -4,9 +4,10 @@
         [--backends local,s3] [--size 64MiB] [--tensors 16] [--workers 1,4] \\
         [--repeat 3] [--rounds 5] [--json FILE]
 
-Each round runs one ``python -m dcpstore._impl.cli bench URI --warm -q --repeat
+Each round runs one ``python -m dcpstore._impl.cli bench URI -q --repeat
 N --json ...`` process per side (``dcpstore.cli`` in a checkout from before
-the private tree) with ``PYTHONPATH`` set to the checkout, so
+the private tree; ``--warm`` in one from before ``--drop-caches``, whose
+loads were cold unless told) with ``PYTHONPATH`` set to the checkout, so
 both sides run on this interpreter and its installed packages and differ
 only in dcpstore's code. The first repeat of each process warms it up
 (imports, first allocations) and is not counted. Rounds alternate the order (A B, then B A, ...) so that a
@@ -67,11 +68,19 @@ def _cli_module(checkout: str) -> str:
     return "dcpstore._impl.cli" if os.path.exists(os.path.join(checkout, "dcpstore", "_impl", "cli.py")) else "dcpstore.cli"
 
 
+def _warm(checkout: str) -> list[str]:
+    """The flag that keeps ``checkout``'s loads warm, as both sides' must be:
+    none since ``--drop-caches`` (warm is the default); ``--warm`` before it."""
+    source = os.path.join(checkout, *_cli_module(checkout).split(".")) + ".py"
+    with open(source, encoding="utf-8") as f:
+        return [] if '"--drop-caches"' in f.read() else ["--warm"]
+
+
 def _bench(checkout: str, uri: str, args: argparse.Namespace, env: dict[str, str | None]) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory(prefix="dcpstore-ab-") as tmp:
         out = os.path.join(tmp, "r.json")
         cmd = [sys.executable, "-m", _cli_module(checkout), "bench", uri, "--size", args.size, "--tensors", str(args.tensors),
-               "--workers", args.workers, "--repeat", str(args.repeat), "--warm", "-q", "--json", out]  # fmt: skip
+               "--workers", args.workers, "--repeat", str(args.repeat), *_warm(checkout), "-q", "--json", out]  # fmt: skip
         # cwd: not a checkout, whose dcpstore/ "-m" would put ahead of PYTHONPATH.
         proc = subprocess.run(cmd, cwd=tmp, env=_env(checkout, env), capture_output=True, text=True)
         if proc.returncode != 0:
@@ -137,7 +146,7 @@ def main() -> None:
 
     a, b = args.a[0], args.b[0]
     print(f"dcpstore bench --size {args.size} --tensors {args.tensors} --workers {args.workers} --repeat {args.repeat} "
-          f"--warm; {args.rounds} rounds alternating {a}/{b}; medians, B/A = {b}/{a}")  # fmt: skip
+          f"(warm loads); {args.rounds} rounds alternating {a}/{b}; medians, B/A = {b}/{a}")  # fmt: skip
     labels = ("save GB/s", "load GB/s", "save cpu s", "load cpu s")
     print(f"{'':11}" + "".join(f"{label:^25}" for label in labels))
     print(f"{'backend':8} {'w':>2}" + f"  {a[:7]:>7} {b[:7]:>7} {'B/A':>6} " * len(labels))

@@ -15,7 +15,7 @@ import torch
 
 import dcpstore
 from dcpstore.adapters import fsdp, megatron
-from dcpstore._impl.util.keyword_hints import unknown_keyword_message
+from dcpstore._impl.util.keyword_hints import FRAMEWORK_NAMES, unknown_keyword_message
 
 
 @pytest.fixture
@@ -47,10 +47,13 @@ MISTAKES = [
     ("load", {"veryfy": False}, "did you mean 'verify'?"),
     ("load", {"workes": 4}, "did you mean 'workers'?"),
     ("AsyncSaver", {"max_inflight": 2}, "did you mean 'max_in_flight'?"),
-    ("AsyncSaver.save", {"workes": 4}, "did you mean 'workers'?"),
-    ("AsyncSaver.save", {"engin": "native"}, "did you mean 'engine'?"),
+    ("AsyncSaver.save", {"workes": 4}, "did you mean 'workers'? pass options=dcpstore.SaveOptions(workers=...)"),
+    ("AsyncSaver.save", {"engin": "native"}, "did you mean 'engine'? pass options=dcpstore.SaveOptions(engine=...)"),
     ("save", {"executor": "process"}, "did you mean 'engine'? (engine='process' runs the save in a checkpoint process)"),
-    ("CheckpointManager", {"executor": "process"}, "did you mean 'engine'?"),
+    ("save", {"options": dcpstore.SaveOptions()}, "dcpstore.save takes each option as a keyword"),
+    ("load", {"options": dcpstore.LoadOptions()}, "dcpstore.load takes each option as a keyword"),
+    ("CheckpointManager", {"executor": "process"}, "'executor' is dcpstore's 'engine' (its name in torch's dcp.async_save): "
+                                                   "pass options=dcpstore.SaveOptions(async_=True, engine=...)"),
     ("CheckpointManager", {"async": True}, ASYNC_HINT),
     ("CheckpointManager", {"kep": 3}, "did you mean 'keep'?"),
     ("CheckpointManager.save", {"overwirte": True}, "did you mean 'overwrite'?"),
@@ -89,6 +92,32 @@ def test_valid_keywords_pass_through_untouched(tmp_path: Path) -> None:
     assert list(inspect.signature(dcpstore.save).parameters)[:2] == ["state_dict", "uri"]
 
 
+#: Each stand-in for another framework's class, and the arguments that are
+#: dcpstore's own (every other one is the framework's, in FRAMEWORK_NAMES).
+STAND_INS: dict[str, tuple[Any, set[str]]] = {
+    "StorageWriter": (dcpstore.StorageWriter, {"path", "commit_files", "options"}),
+    "StorageReader": (dcpstore.StorageReader, {"path", "options"}),
+    "FileSystemWriterAsync": (megatron.FileSystemWriterAsync, {"path", "storage_options", "process_group"}),
+    "CheckpointConfig": (megatron.CheckpointConfig, set(megatron.DCPSTORE_FIELDS)),
+}
+
+
+@pytest.mark.parametrize("entry", sorted(STAND_INS))
+def test_the_framework_names_a_stand_in_takes_are_the_tables(entry: str) -> None:
+    """FRAMEWORK_NAMES is the one table of other frameworks' names: what a
+    stand-in takes beyond its own arguments is exactly its rows."""
+    cls, own = STAND_INS[entry]
+    taken = set(_params(cls)) - own
+    assert taken == {name for name, f in FRAMEWORK_NAMES.items() if entry in f.taken_by}
+
+
+def test_another_frameworks_name_elsewhere_is_named_as_ours(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match=r"'thread_count': did you mean 'workers'\? \('thread_count' is its name in torch's FileSystemWriter"):
+        dcpstore.save({"w": torch.ones(1)}, str(tmp_path / "c"), thread_count=2)
+    with pytest.raises(TypeError, match=r"'dist_ckpt_workers': did you mean 'workers'\? .*Megatron-Bridge"):
+        dcpstore.load({"w": torch.ones(1)}, str(tmp_path / "c"), dist_ckpt_workers=2)
+
+
 # -- the manager's argument order ------------------------------------------------
 
 
@@ -104,24 +133,16 @@ def test_manager_takes_the_state_first_like_save_and_load(tmp_path: Path) -> Non
         assert mgr.all_steps() == [1, 2, 3]
 
 
-def test_manager_old_order_still_works_with_a_deprecation_warning(tmp_path: Path) -> None:
-    with dcpstore.CheckpointManager(str(tmp_path / "run"), async_=False) as mgr:
-        with pytest.warns(DeprecationWarning, match=r"save\(state_dict, step\)") as record:
-            mgr.save(7, {"w": torch.full((4,), 7.0)})  # type: ignore[call-overload]
-        assert record[0].filename == __file__  # points at the caller
-        out = {"w": torch.zeros(4)}
-        assert mgr.load(out) == 7 and out["w"].tolist() == [7.0] * 4
-
-
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
         (({"w": torch.ones(1)}, "3"), "step must be"),
         (("3", {"w": torch.ones(1)}), "state_dict must be a dict"),
         ((True, {"w": torch.ones(1)}), "state_dict must be a dict"),
+        ((7, {"w": torch.ones(1)}), r"save\(state_dict, step\): state_dict must be a dict, got int"),  # the step first
     ],
 )
-def test_manager_refuses_what_is_neither_order(tmp_path: Path, args: tuple[Any, Any], needle: str) -> None:
+def test_manager_refuses_what_is_not_state_then_step(tmp_path: Path, args: tuple[Any, Any], needle: str) -> None:
     with dcpstore.CheckpointManager(str(tmp_path / "run"), async_=False) as mgr:
         with pytest.raises(dcpstore.InvalidArgument, match=needle):
             mgr.save(*args)

@@ -51,7 +51,7 @@ def test_cli_bench_measures_verifies_and_cleans_up(tmp_path) -> None:
     (root / "keep.txt").write_text("not the benchmark's")
     out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
     out = run_cli("bench", str(root), "--size", "16MiB", "--tensors", "8", "--workers", "1,2", "--repeat", "2",
-                  "--json", str(out_json), "--plot", str(out_png), "-q", "--warm")  # fmt: skip
+                  "--json", str(out_json), "--plot", str(out_png), "-q")  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
     assert "dcpstore sync w=1" in out.stdout and "dcpstore sync w=2" in out.stdout
 
@@ -81,7 +81,7 @@ def test_cli_bench_measures_verifies_and_cleans_up(tmp_path) -> None:
 
 def test_cli_bench_removes_a_root_it_created(tmp_path) -> None:
     root = tmp_path / "fresh"
-    out = run_cli("bench", str(root), "--size", "1MiB", "--tensors", "2", "--workers", "1", "-q", "--warm")
+    out = run_cli("bench", str(root), "--size", "1MiB", "--tensors", "2", "--workers", "1", "-q")
     assert out.returncode == 0, out.stdout + out.stderr
     assert not root.exists()
 
@@ -89,7 +89,7 @@ def test_cli_bench_removes_a_root_it_created(tmp_path) -> None:
 def test_cli_bench_async_measures_and_verifies(tmp_path) -> None:
     out_json = tmp_path / "a.json"
     out = run_cli("bench", str(tmp_path / "a"), "--size", "4MiB", "--tensors", "4", "--workers", "2", "--async",
-                  "--engine", "native", "--json", str(out_json), "-q", "--warm")  # fmt: skip
+                  "--engine", "native", "--json", str(out_json), "-q")  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
     [rec] = _load_json(str(out_json))["records"]
     assert rec["status"] == "ok" and rec["verified"] is True, rec
@@ -102,7 +102,7 @@ def test_cli_bench_tiered_compares_with_both_baselines(tmp_path) -> None:
     out_json = tmp_path / "t.json"
     durable, local = tmp_path / "durable", tmp_path / "local"
     out = run_cli("bench", str(durable), "--tiered", str(local), "--size", "4MiB", "--tensors", "4", "--workers", "2",
-                  "--engine", "native", "--json", str(out_json), "-q", "--warm")  # fmt: skip
+                  "--engine", "native", "--json", str(out_json), "-q")  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
     records = {r["name"]: r for r in _load_json(str(out_json))["records"]}
     assert set(records) == {"local async/native w=2", "dcpstore tiered/native w=2", "direct async/native w=2"}
@@ -118,7 +118,12 @@ def test_cli_bench_tiered_compares_with_both_baselines(tmp_path) -> None:
 
 @pytest.mark.parametrize(
     "args, needle",
-    [(["--size", "lots"], "size 'lots'"), (["--workers", "0,2"], "workers '0,2'"), (["--tensors", "0"], "--tensors")],
+    [
+        (["--size", "lots"], "size 'lots'"),
+        (["--workers", "0,2"], "workers '0,2'"),
+        (["--tensors", "0"], "--tensors"),
+        (["--warm"], "unrecognized arguments: --warm"),  # warm loads are the default; --drop-caches asks for cold ones
+    ],
 )
 def test_cli_bench_bad_arguments(tmp_path, capsys, args, needle) -> None:
     try:

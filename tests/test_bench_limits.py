@@ -149,7 +149,7 @@ def test_cli_bench_limit_on_a_disk(tmp_path: Path) -> None:
     root.mkdir()
     out_json = tmp_path / "r.json"
     out = run_cli("bench", str(root), "--size", "8MiB", "--tensors", "4", "--workers", "1,2", "--limit",
-                  "--json", str(out_json), "-q", "--warm")  # fmt: skip
+                  "--json", str(out_json), "-q")  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
     assert "SAVE/LIMIT" in out.stdout and "LOAD/LIMIT" in out.stdout
     rows = json.loads(out_json.read_text())["summary"]

@@ -8,7 +8,6 @@ tests run against these classes in tests/upstream.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import io
 import os
@@ -247,13 +246,35 @@ def test_writer_refuses_what_it_cannot_honour(tmp_path: Path, kwargs: dict[str, 
 
 @pytest.mark.parametrize(
     ("kwargs", "named"),
-    [({"reader_constructor": object()}, "reader_constructor"), ({"s3client_config": object()}, "s3client_config"), ({"verify": None}, "verify")],
+    [
+        ({"reader_constructor": object()}, "reader_constructor"),
+        ({"s3client_config": object()}, "s3client_config"),
+        ({"thread_count": 0}, "^StorageReader: thread_count must be a positive int"),
+    ],
 )
 def test_reader_refuses_what_it_cannot_honour(tmp_path: Path, kwargs: dict[str, Any], named: str) -> None:
-    # verify= is now LoadOptions': still checked, after its deprecation warning.
-    deprecated = pytest.warns(DeprecationWarning, match="keyword verify= is deprecated") if "verify" in kwargs else contextlib.nullcontext()
-    with pytest.raises(dcpstore.InvalidArgument, match=named), deprecated:
+    with pytest.raises(dcpstore.InvalidArgument, match=named):
         dcpstore.StorageReader(tmp_path, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("cls", "keyword", "instead"),
+    [
+        (dcpstore.StorageWriter, "enable_msc", "options=dcpstore.SaveOptions(storage_options=dcpstore.StorageOptions(enable_msc=...))"),
+        (dcpstore.StorageWriter, "storage_options", "options=dcpstore.SaveOptions(storage_options=...)"),
+        (dcpstore.StorageWriter, "spread_prefixes", "options=dcpstore.SaveOptions(spread_prefixes=...)"),
+        (dcpstore.StorageReader, "verify", "options=dcpstore.LoadOptions(verify=...)"),
+        (dcpstore.StorageReader, "trusted", "options=dcpstore.LoadOptions(trusted=...)"),
+        (dcpstore.StorageReader, "storage_options", "options=dcpstore.LoadOptions(storage_options=...)"),
+    ],
+)
+def test_dcpstores_options_go_in_the_options(tmp_path: Path, cls: Any, keyword: str, instead: str) -> None:
+    """Beside FileSystemWriter's and FileSystemReader's own arguments the
+    drop-ins take dcpstore's options whole: a keyword for one is a
+    TypeError naming it and how to pass it."""
+    with pytest.raises(TypeError, match=rf"^{cls.__name__}\.__init__\(\) got an unexpected keyword argument '{keyword}'") as info:
+        cls(str(tmp_path), **{keyword: True})
+    assert instead in str(info.value), str(info.value)
 
 
 def test_a_bad_uri_fails_at_construction() -> None:

@@ -80,7 +80,7 @@ def _save(path: Path, writer: str = "dcpstore", spread: int = 1) -> Path:
     if writer == "stock":
         dcp.save(state(), storage_writer=FileSystemWriter(str(path)), no_dist=True)
     else:
-        dcpstore.save(state(), str(path), options=dcpstore.SaveOptions(spread_prefixes=spread)).result()
+        dcpstore.save(state(), str(path), spread_prefixes=spread).result()
     return path
 
 

@@ -82,14 +82,29 @@ def test_steps_must_be_non_negative_ints(local_target: Target, bad: Any) -> None
 
 @pytest.mark.parametrize(
     "kwargs, match",
-    [({"keep": 0}, "keep"), ({"keep": True}, "keep"), ({"engine": "turbo"}, "engine"), ({"workers": 0}, "workers")],
+    [({"keep": 0}, "keep"), ({"keep": True}, "keep"), ({"async_": 1}, "^CheckpointManager: async_ must be a bool")],
 )
 def test_bad_options_fail_at_construction(local_target: Target, kwargs: dict[str, Any], match: str) -> None:
-    # engine= and workers= are now SaveOptions': still checked, after their deprecation warning.
-    deprecated = kwargs.keys() & {"engine", "workers"}
-    warns = pytest.warns(DeprecationWarning, match="is deprecated") if deprecated else contextlib.nullcontext()
-    with pytest.raises(dcpstore.InvalidArgument, match=match), warns:
+    with pytest.raises(dcpstore.InvalidArgument, match=match):
         _manager(local_target, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "instead"),
+    [
+        ({"engine": "native"}, "options=dcpstore.SaveOptions(async_=True, engine=...)"),
+        ({"workers": 2}, "options=dcpstore.SaveOptions(async_=True, workers=...)"),
+        ({"enable_msc": True}, "options=dcpstore.SaveOptions(async_=True, storage_options=dcpstore.StorageOptions(enable_msc=...))"),
+        ({"dist_ckpt_workers": 2}, "'dist_ckpt_workers' is dcpstore's 'workers' (its name in Megatron-Bridge's"),
+    ],
+)
+def test_a_save_option_goes_in_the_options(local_target: Target, kwargs: dict[str, Any], instead: str) -> None:
+    """The manager takes its save options whole: a keyword for one is a
+    TypeError saying how to pass it (keeping the manager async, as options
+    passed whole are used as they are)."""
+    with pytest.raises(TypeError, match=rf"^CheckpointManager\.__init__\(\) got an unexpected keyword argument '{next(iter(kwargs))}'") as info:
+        dcpstore.CheckpointManager(local_target.uri, **kwargs)
+    assert instead in str(info.value), str(info.value)
 
 
 def test_async_is_the_default(local_target: Target) -> None:

@@ -12,7 +12,6 @@ that must work and raises it fails the test.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import inspect
 import itertools
@@ -35,7 +34,6 @@ from dcpstore._impl.engines import nvrx as nvrx_adapter
 from dcpstore.adapters.megatron import (
     BRIDGE_FIELDS,
     DCPSTORE_FIELDS,
-    DEPRECATED_FIELDS,
     CheckpointConfig,
     megatron_msc_enabled,
     plan_caching_supported,
@@ -77,7 +75,12 @@ def test_config_accepts_exactly_the_supported_combinations(
     tmp_path: Path, fmt: str, async_save: bool, engine: str, workers: int | None
 ) -> None:
     bad = _bad_fields(fmt, engine, workers)
-    kwargs = dict(save=str(tmp_path / "run"), ckpt_format=fmt, async_save=async_save, engine=engine, dist_ckpt_workers=workers)
+
+    def config() -> CheckpointConfig:
+        options = dcpstore.SaveOptions(engine=engine)  # the engine is the options'
+        return CheckpointConfig(save=str(tmp_path / "run"), ckpt_format=fmt, async_save=async_save, dist_ckpt_workers=workers,
+                                options=options)  # fmt: skip
+
     if engine == "nvrx" and not HAS_NVRX and not bad:
         pytest.skip("nvidia-resiliency-ext not installed")
     if not bad:
@@ -85,9 +88,8 @@ def test_config_accepts_exactly_the_supported_combinations(
         uri = str(tmp_path / "plain")
         dcpstore.save(fsdp.get_app_state(_linear(1), None, format=fmt), uri, async_=async_save, engine=engine, workers=workers).result()
         # The config path: its manager, its format; both load back exactly.
-        with _deprecated(kwargs):  # the engine field is now options.engine; it still works
-            cfg = CheckpointConfig(**kwargs)  # type: ignore[arg-type]
-        assert (cfg.async_save, cfg.engine, cfg.dist_ckpt_workers) == (async_save, engine, workers)
+        cfg = config()
+        assert (cfg.async_save, cfg.options.engine, cfg.dist_ckpt_workers) == (async_save, engine, workers)
         assert cfg.options == dcpstore.SaveOptions(async_=async_save, engine=engine, workers=workers)
         with cfg.manager() as mgr:
             fsdp.save_app_state(_linear(1), None, mgr, step=1, format=cfg.ckpt_format)
@@ -97,9 +99,11 @@ def test_config_accepts_exactly_the_supported_combinations(
             fsdp.load_app_state(model, None, src, format=fmt)
             assert torch.equal(model.weight, _linear(1).weight) and torch.equal(model.bias, _linear(1).bias)
         return
-    with pytest.raises(dcpstore.InvalidArgument) as info, _deprecated(kwargs):
-        CheckpointConfig(**kwargs)  # type: ignore[arg-type]
-    field = str(info.value).split(":", 1)[0].removeprefix("CheckpointConfig.")
+    with pytest.raises(dcpstore.InvalidArgument) as info:
+        config()
+    message = str(info.value)
+    # The config names its field; the options name theirs ("engine must be one of ...").
+    field = message.split(":", 1)[0].removeprefix("CheckpointConfig.") if message.startswith("CheckpointConfig.") else message.split(" ", 1)[0]
     assert field in bad, f"named {field!r}, expected one of {sorted(bad)}: {info.value}"
     # The writer refuses it too, as a bad argument (never "not implemented").
     with pytest.raises(dcpstore.InvalidArgument):
@@ -111,10 +115,9 @@ def test_every_field_at_fault_is_refused_on_its_own() -> None:
     """Each refusal names its own field when it is the only fault."""
     for kwargs, field in [
         ({"ckpt_format": "zarr"}, "ckpt_format"),
-        ({"engine": "turbo", "async_save": True}, "engine"),
         ({"dist_ckpt_workers": 0, "async_save": True}, "dist_ckpt_workers"),
     ]:
-        with pytest.raises(dcpstore.InvalidArgument, match=rf"^CheckpointConfig\.{field}: "), _deprecated(kwargs):
+        with pytest.raises(dcpstore.InvalidArgument, match=rf"^CheckpointConfig\.{field}: "):
             CheckpointConfig(**kwargs)
 
 
@@ -127,7 +130,6 @@ def test_every_field_at_fault_is_refused_on_its_own() -> None:
         ({"save_interval": 0}, "save_interval"),
         ({"save_interval": True}, "save_interval"),
         ({"async_save": "yes"}, "async_save"),
-        ({"enable_msc": 1}, "enable_msc"),
         ({"ckpt_step": -1}, "ckpt_step"),
         ({"save": "foo://bucket/run"}, "save"),
         ({"load": "s3:///no-bucket"}, "load"),
@@ -135,17 +137,21 @@ def test_every_field_at_fault_is_refused_on_its_own() -> None:
     ],
 )
 def test_bad_fields_are_named(kwargs: dict[str, Any], field: str) -> None:
-    with pytest.raises(dcpstore.InvalidArgument, match=rf"^CheckpointConfig\.{field}: "), _deprecated(kwargs):
+    with pytest.raises(dcpstore.InvalidArgument, match=rf"^CheckpointConfig\.{field}: "):
         CheckpointConfig(**kwargs)
 
 
-def _deprecated(kwargs: dict[str, Any]) -> Any:
-    """Expect the warning of each deprecated field in ``kwargs`` (engine,
-    enable_msc: now the options'), which comes before any refusal."""
-    names = [name for name in DEPRECATED_FIELDS if name in kwargs]
-    if not names:
-        return contextlib.nullcontext()
-    return pytest.warns(DeprecationWarning, match=rf"^CheckpointConfig's keyword ({'|'.join(names)})= is deprecated")
+def test_the_engine_and_msc_are_the_options_fields() -> None:
+    """Bridge has no engine and no MSC field (MSC is Megatron's --enable-msc):
+    they are the options', and the config takes no field of that name."""
+    with pytest.raises(TypeError, match="engine"):
+        CheckpointConfig(engine="native")  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="enable_msc"):
+        CheckpointConfig(enable_msc=True)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match=r"'engine': pass options=dcpstore\.SaveOptions\(engine=\.\.\.\)"):
+        CheckpointConfig.from_bridge({}, engine="native")  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match=r"'enable_msc': pass options=dcpstore\.SaveOptions\(storage_options=dcpstore\.StorageOptions\(enable_msc=\.\.\.\)\)"):
+        CheckpointConfig.from_bridge({}, enable_msc=True)  # type: ignore[call-arg]
 
 
 def test_mapping_onto_the_manager(tmp_path: Path) -> None:

@@ -56,9 +56,8 @@ def test_the_manager_saves_with_the_options_it_holds(tmp_path: Path) -> None:
     info = mgr.save({"w": torch.ones(4)}, 1).result()
     assert info.engine == "sync" and mgr.all_steps() == [1]
     mgr.close()
-    with pytest.raises(dcpstore.InvalidArgument, match="either as options= or as keywords"):
-        with pytest.warns(DeprecationWarning, match="keyword workers= is deprecated"):
-            dcpstore.CheckpointManager(str(tmp_path / "run"), workers=4, options=options)
+    with pytest.raises(dcpstore.InvalidArgument, match=r"async_=False and options\.async_=True disagree; pass it once"):
+        dcpstore.CheckpointManager(str(tmp_path / "run"), async_=False, options=dataclasses.replace(options, async_=True))
     # One id for every step would collide with itself on the first overwrite.
     fixed = dataclasses.replace(options, save_id="0123456789abcdef")
     with pytest.raises(dcpstore.InvalidArgument, match="save_id='0123456789abcdef'.*own id"):

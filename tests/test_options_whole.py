@@ -1,13 +1,14 @@
-"""One options value, passed whole: every entry point takes ``options=``.
+"""One options value, one way to pass each option per entry point.
 
-``dcpstore.save`` / ``load`` keep their keywords (shortcuts that build the
-options); ``AsyncSaver.save``, ``CheckpointManager``, the drop-in
+``dcpstore.save`` / ``load`` take each option as a keyword (and no
+``options=``); ``AsyncSaver.save``, ``CheckpointManager``, the drop-in
 ``StorageWriter`` / ``StorageReader`` and Megatron's ``CheckpointConfig``
-take the options whole plus only what is theirs. What must hold: the
-options passed whole do what the keywords did; each keyword these took
-before still works for one release, with one ``DeprecationWarning`` that
-names its replacement and points at the caller's line; a keyword that
-disagrees with the options is an ``InvalidArgument`` naming both; and
+take the options whole, as ``options=``, plus only what is theirs (and the
+names of the framework they stand in for). What must hold: the options
+passed whole do what the keywords do; an option passed the other way is a
+``TypeError`` saying how to pass it (nothing is deprecated: 0.1.0 is the
+first release); a framework's name that disagrees with the options is an
+``InvalidArgument`` naming both; and
 ``enable_msc`` with ``storage_options`` is one value (``StorageOptions``),
 as ``spread_prefixes`` is now a save option.
 """
@@ -50,20 +51,25 @@ def _data_files(uri: str) -> list[str]:
 # -- the options whole do what the keywords do ------------------------------------
 
 
-def test_save_and_load_take_the_options_their_keywords_build(tmp_path: Path) -> None:
+def test_save_and_load_take_every_option_as_a_keyword(tmp_path: Path) -> None:
     whole, keywords = str(tmp_path / "whole"), str(tmp_path / "keywords")
     options = SaveOptions(engine="native", workers=2, overwrite=False, spread_prefixes=4)
-    a = dcpstore.save(_state(), whole, options=options).result()
-    # Keywords fill what the options leave at their defaults (spread has no keyword).
-    b = dcpstore.save(_state(), keywords, engine="native", workers=2, overwrite=False,
-                      options=SaveOptions(spread_prefixes=4)).result()  # fmt: skip
+    with AsyncSaver() as saver:
+        a = saver.save(_state(), whole, options=options).result()
+    b = dcpstore.save(_state(), keywords, engine="native", workers=2, overwrite=False, spread_prefixes=4).result()
     assert a.files == b.files and all(f.startswith("p0/__0_") for f in a.files), (a.files, b.files)
     assert _data_files(whole) == _data_files(keywords)
     for uri in (whole, keywords):
         with pytest.raises(dcpstore.CheckpointExists):
-            dcpstore.save(_state(2.0), uri, options=options)
-        _loads(uri, 1.0, options=LoadOptions(workers=2, verify=True))
+            dcpstore.save(_state(2.0), uri, **options.as_kwargs())  # a SaveOptions held, passed to save
         _loads(uri, 1.0, workers=2, verify=True)
+
+
+@pytest.mark.parametrize("call", [dcpstore.save, dcpstore.load], ids=["save", "load"])
+def test_save_and_load_take_no_options_whole(tmp_path: Path, call: Callable[..., Any]) -> None:
+    with pytest.raises(TypeError, match=rf"^{call.__name__}\(\) got an unexpected keyword argument 'options': "
+                                        rf"dcpstore\.{call.__name__} takes each option as a keyword"):
+        call(_state(), str(tmp_path / "c"), options=SaveOptions())
 
 
 def test_the_async_saver_takes_the_options_whole(tmp_path: Path) -> None:
@@ -153,19 +159,12 @@ def test_enable_msc_is_where_the_storage_options_say(tmp_path: Path) -> None:
     info = dcpstore.save(_state(), uri, enable_msc=True).result()
     assert info.backend == "msc"
     assert dcpstore.StorageWriter(uri, options=SaveOptions(storage_options=MSC)).storage.backend == "msc"
-    _loads(uri, 1.0, options=LoadOptions(storage_options=MSC))
+    _loads(uri, 1.0, storage_options=MSC)
     with pytest.raises(dcpstore.InvalidArgument, match="enable_msc must be a bool"):
         StorageOptions(enable_msc=1)  # type: ignore[arg-type]
 
 
-# -- the keywords these took before: still working, each warning once ------------------
-
-
-def _one_warning(record: pytest.WarningsRecorder) -> str:
-    ours = [w for w in record if issubclass(w.category, DeprecationWarning)]
-    assert len(ours) == 1, [str(w.message) for w in ours]
-    assert ours[0].filename == __file__, ours[0].filename  # the caller's line
-    return str(ours[0].message)
+# -- an option passed as a keyword where the options are taken whole ---------------
 
 
 @pytest.fixture
@@ -174,144 +173,49 @@ def saver() -> Iterator[AsyncSaver]:
         yield s
 
 
-SAVER_KEYWORDS: list[tuple[str, Any, str]] = [
-    # keyword, value, what options= then holds (as spelled in the warning)
-    ("workers", 2, "workers=2"),
-    ("enable_msc", True, "enable_msc=True"),
-    ("engine", "native", "engine='native'"),
-    ("process_group", None, "SaveOptions("),
-    ("planner", None, "SaveOptions("),
-    ("storage_options", TUNED, "storage_options=StorageOptions("),
-    ("max_in_flight", 2, "max_in_flight=2"),
-    ("overwrite", False, "overwrite=False"),
-    ("progress", True, "progress=True"),
-]
+ONE_WAY: list[tuple[str, Callable[[Path], Any], str]] = [
+    ("AsyncSaver.save", lambda p: default_saver().save(_state(), str(p), engine="native"),
+     r"^AsyncSaver\.save\(\) got an unexpected keyword argument 'engine': pass options=dcpstore\.SaveOptions\(engine=\.\.\.\)$"),
+    ("CheckpointManager", lambda p: dcpstore.CheckpointManager(str(p), workers=2),
+     r"^CheckpointManager\.__init__\(\) got an unexpected keyword argument 'workers': "
+     r"pass options=dcpstore\.SaveOptions\(async_=True, workers=\.\.\.\)$"),
+    ("StorageWriter", lambda p: dcpstore.StorageWriter(str(p), storage_options=TUNED),
+     r"^StorageWriter\.__init__\(\) got an unexpected keyword argument 'storage_options': "
+     r"pass options=dcpstore\.SaveOptions\(storage_options=\.\.\.\)$"),
+    ("StorageReader", lambda p: dcpstore.StorageReader(str(p), verify=False),
+     r"^StorageReader\.__init__\(\) got an unexpected keyword argument 'verify': pass options=dcpstore\.LoadOptions\(verify=\.\.\.\)$"),
+    ("CheckpointConfig.from_bridge", lambda p: CheckpointConfig.from_bridge({}, engine="native"),
+     r"^CheckpointConfig\.from_bridge\(\) got an unexpected keyword argument 'engine': pass options=dcpstore\.SaveOptions\(engine=\.\.\.\)$"),
+]  # fmt: skip
 
 
-@pytest.mark.parametrize(("keyword", "value", "spelled"), SAVER_KEYWORDS, ids=[k[0] for k in SAVER_KEYWORDS])
-def test_each_keyword_the_saver_took_still_works_and_warns_once(
-    tmp_path: Path, saver: AsyncSaver, monkeypatch: pytest.MonkeyPatch, keyword: str, value: Any, spelled: str
+@pytest.mark.parametrize(("entry", "call", "match"), ONE_WAY, ids=[c[0] for c in ONE_WAY])
+def test_an_option_as_a_keyword_is_a_type_error_saying_how_to_pass_it(
+    tmp_path: Path, entry: str, call: Callable[[Path], Any], match: str
 ) -> None:
-    seen: list[SaveOptions] = []
-    monkeypatch.setattr(AsyncSaver, "submit", lambda self, sd, uri, options: seen.append(options))
-    with pytest.warns(DeprecationWarning) as record:
-        saver.save(_state(), str(tmp_path / "c"), **{keyword: value})
-    message = _one_warning(record)
-    assert message.startswith(f"AsyncSaver.save's keyword {keyword}= is deprecated"), message
-    assert "options=dcpstore.SaveOptions(" in message and spelled in message, message
-    assert getattr(seen[0], keyword) == value and seen[0].async_ is True
+    """One way per entry point: an entry point that takes the options whole
+    takes none of them as a keyword (and nothing is deprecated: 0.1.0 is
+    the first release)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        with pytest.raises(TypeError, match=match):
+            call(tmp_path / "c")
 
 
-def test_the_savers_old_keywords_save_for_real(tmp_path: Path, saver: AsyncSaver) -> None:
-    uri = str(tmp_path / "c")
-    with pytest.warns(DeprecationWarning, match="keyword (engine|workers)= is deprecated"):
-        info = saver.save(_state(), uri, engine="native", workers=2).result()
-    assert info.engine == "native"
-    _loads(uri, 1.0)
-
-
-MANAGER_KEYWORDS: list[tuple[str, Any]] = [
-    ("workers", 2),
-    ("enable_msc", True),
-    ("engine", "native"),
-    ("process_group", None),
-    ("planner", None),
-    ("storage_options", TUNED),
-    ("progress", True),
-]
-
-
-@pytest.mark.parametrize(("keyword", "value"), MANAGER_KEYWORDS, ids=[k[0] for k in MANAGER_KEYWORDS])
-def test_each_keyword_the_manager_took_still_works_and_warns_once(tmp_path: Path, keyword: str, value: Any) -> None:
-    with pytest.warns(DeprecationWarning) as record:
-        mgr = dcpstore.CheckpointManager(str(tmp_path / "run"), async_=False, **{keyword: value})
-    message = _one_warning(record)
-    assert message.startswith(f"CheckpointManager's keyword {keyword}= is deprecated"), message
-    # The replacement keeps the manager's own mode: a manager is async unless told not to.
-    assert "options=dcpstore.SaveOptions(" in message
-    with mgr:
-        assert getattr(mgr.options, keyword) == value and mgr.async_ is False
-        mgr.save(_state(), 1)
-    _loads(mgr.step_uri(1), 1.0, enable_msc=keyword == "enable_msc")
-
-
-def test_the_managers_replacement_keeps_it_async(tmp_path: Path) -> None:
-    with pytest.warns(DeprecationWarning, match=r"options=dcpstore\.SaveOptions\(async_=True, engine='native'\)"):
-        mgr = dcpstore.CheckpointManager(str(tmp_path / "run"), engine="native")
-    with mgr:
-        assert mgr.async_ is True and mgr.engine == "native"
-
-
-DROPIN_KEYWORDS: list[tuple[Callable[..., Any], str, Any, Callable[[Any], Any]]] = [
-    (dcpstore.StorageWriter, "enable_msc", True, lambda w: w.storage.backend == "msc"),
-    (dcpstore.StorageWriter, "storage_options", TUNED, lambda w: w.storage.options == TUNED),
-    (dcpstore.StorageReader, "enable_msc", True, lambda r: r.storage.backend == "msc"),
-    (dcpstore.StorageReader, "storage_options", TUNED, lambda r: r.storage.options == TUNED),
-    (dcpstore.StorageReader, "verify", False, lambda r: r.verify is False),
-    (dcpstore.StorageReader, "trusted", True, lambda r: r._trust.trusted is True),
-    (dcpstore.StorageReader, "safe_globals", [Path], lambda r: "pathlib.Path" in r._trust.extra),
-]
-
-
-@pytest.mark.parametrize(
-    ("cls", "keyword", "value", "honoured"), DROPIN_KEYWORDS, ids=[f"{d[0].__name__}-{d[1]}" for d in DROPIN_KEYWORDS]
-)
-def test_each_keyword_the_drop_ins_took_still_works_and_warns_once(
-    tmp_path: Path, cls: Callable[..., Any], keyword: str, value: Any, honoured: Callable[[Any], Any]
-) -> None:
-    with pytest.warns(DeprecationWarning) as record:
-        made = cls(str(tmp_path), **{keyword: value})
-    message = _one_warning(record)
-    kind = "SaveOptions" if cls is dcpstore.StorageWriter else "LoadOptions"
-    assert message.startswith(f"{cls.__name__}'s keyword {keyword}= is deprecated"), message
-    assert f"options=dcpstore.{kind}(" in message
-    assert honoured(made)
-
-
-@pytest.mark.parametrize(("field", "value"), [("engine", "native"), ("enable_msc", True)])
-def test_each_config_field_now_the_options_still_works_and_warns_once(tmp_path: Path, field: str, value: Any) -> None:
-    with pytest.warns(DeprecationWarning) as record:
-        cfg = CheckpointConfig(save=str(tmp_path / "run"), **{field: value})
-    message = _one_warning(record)
-    assert message.startswith(f"CheckpointConfig's keyword {field}= is deprecated"), message
-    assert getattr(cfg.options, field) == value
-    with pytest.warns(DeprecationWarning) as record:
-        bridged = CheckpointConfig.from_bridge({"save": str(tmp_path / "run")}, **{field: value})
-    _one_warning(record)
-    assert getattr(bridged.options, field) == value
-
-
-def test_spread_prefixes_in_the_storage_options_still_spreads_and_warns_once(tmp_path: Path) -> None:
-    uri = str(tmp_path / "c")
-    with pytest.warns(DeprecationWarning) as record:
-        info = dcpstore.save(_state(), uri, workers=2, storage_options=StorageOptions(spread_prefixes=4)).result()
-    message = _one_warning(record)
-    assert "StorageOptions(spread_prefixes=4) is deprecated" in message and "SaveOptions(spread_prefixes=4)" in message
-    assert info.files and all(f.startswith("p0/") for f in info.files), info.files
-    with pytest.warns(DeprecationWarning):
-        moved = SaveOptions(storage_options=StorageOptions(spread_prefixes=4, max_attempts=3))
-    assert moved == SaveOptions(spread_prefixes=4, storage_options=StorageOptions(max_attempts=3))
-    _loads(uri, 1.0)
-
-
-def test_an_unknown_keyword_is_still_named_with_its_fix(tmp_path: Path, saver: AsyncSaver) -> None:
-    with pytest.raises(TypeError, match=r"^AsyncSaver\.save\(\) got an unexpected keyword argument 'workes': did you mean 'workers'\?"):
+def test_an_unknown_keyword_is_named_with_its_fix(tmp_path: Path, saver: AsyncSaver) -> None:
+    with pytest.raises(TypeError, match=r"^AsyncSaver\.save\(\) got an unexpected keyword argument 'workes': "
+                                        r"did you mean 'workers'\? pass options=dcpstore\.SaveOptions\(workers=\.\.\.\)"):
         saver.save(_state(), str(tmp_path / "c"), workes=2)
-    with pytest.raises(TypeError, match=r"^StorageWriter\.__init__\(\) got an unexpected keyword argument 'thread_cont'"):
+    with pytest.raises(TypeError, match=r"^StorageWriter\.__init__\(\) got an unexpected keyword argument 'thread_cont': "
+                                        r"did you mean 'thread_count'\?"):
         dcpstore.StorageWriter(str(tmp_path), thread_cont=2)
-    with pytest.raises(TypeError, match="spread_prefixes"):  # never a keyword of the saver: no deprecation path
+    with pytest.raises(TypeError, match=r"'spread_prefixes': pass options=dcpstore\.SaveOptions\(spread_prefixes=\.\.\.\)"):
         saver.save(_state(), str(tmp_path / "c"), spread_prefixes=2)
 
 
 # -- a keyword that disagrees with the options: refused, naming both ------------------
 
 CONFLICTS: list[tuple[str, Callable[[Path], Any], str]] = [
-    ("save", lambda p: dcpstore.save(_state(), str(p), workers=2, options=SaveOptions(workers=3)),
-     r"^save: workers=2 and options\.workers=3 disagree"),
-    ("load", lambda p: dcpstore.load(_state(), str(p), workers=2, options=LoadOptions(workers=3)),
-     r"^load: workers=2 and options\.workers=3 disagree"),
-    ("AsyncSaver.save", lambda p: default_saver().save(_state(), str(p), engine="nvrx", options=SaveOptions(engine="native")),
-     r"^AsyncSaver\.save: engine='nvrx' and options\.engine='native' disagree"),
     ("CheckpointManager", lambda p: dcpstore.CheckpointManager(str(p), async_=False, options=SaveOptions(async_=True)),
      r"^CheckpointManager: async_=False and options\.async_=True disagree"),
     ("StorageWriter", lambda p: dcpstore.StorageWriter(str(p), thread_count=2, options=SaveOptions(workers=3)),
@@ -323,8 +227,8 @@ CONFLICTS: list[tuple[str, Callable[[Path], Any], str]] = [
     ("CheckpointConfig.save_options",
      lambda p: CheckpointConfig(options=SaveOptions(storage_options=TUNED)).save_options(storage_options=StorageOptions()),
      r"^CheckpointConfig\.save_options: storage_options=.* and options\.storage_options=.* disagree"),
-    ("save, wrong type", lambda p: dcpstore.save(_state(), str(p), options=LoadOptions()),  # type: ignore[arg-type]
-     r"^save: options must be a dcpstore\.SaveOptions"),
+    ("AsyncSaver.save, wrong type", lambda p: default_saver().save(_state(), str(p), options=LoadOptions()),  # type: ignore[arg-type]
+     r"^AsyncSaver\.save: options must be a dcpstore\.SaveOptions"),
 ]  # fmt: skip
 
 
@@ -332,10 +236,8 @@ CONFLICTS: list[tuple[str, Callable[[Path], Any], str]] = [
 def test_a_keyword_that_disagrees_with_the_options_is_refused_naming_both(
     tmp_path: Path, entry: str, call: Callable[[Path], Any], match: str
 ) -> None:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # AsyncSaver.save's engine= also warns; not the point here
-        with pytest.raises(dcpstore.InvalidArgument, match=match):
-            call(tmp_path / "c")
+    with pytest.raises(dcpstore.InvalidArgument, match=match):
+        call(tmp_path / "c")
 
 
 # -- a bad value is named as the caller spelt it -------------------------------------

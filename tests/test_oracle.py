@@ -167,7 +167,7 @@ SPREAD = 4
 
 def _layout_kwargs(layout: str) -> dict[str, Any]:
     """``dcpstore.save``'s further keywords that make ``layout``."""
-    return {"options": dcpstore.SaveOptions(spread_prefixes=SPREAD)} if layout == "spread" else {}
+    return {"spread_prefixes": SPREAD} if layout == "spread" else {}
 
 
 def _assert_layout(where: Target, layout: str) -> None:

@@ -47,9 +47,8 @@ FULL = torch.arange(96 * 40, dtype=torch.float32).reshape(96, 40)
 
 
 def _spread(target: Target, prefixes: int) -> dict[str, Any]:
-    """``save``'s keywords for ``target``, spread over ``prefixes`` (a save
-    option without a keyword of its own: it goes in ``options``)."""
-    return {**target.kwargs, "options": dcpstore.SaveOptions(spread_prefixes=prefixes)}
+    """``save``'s keywords for ``target``, spread over ``prefixes``."""
+    return {**target.kwargs, "spread_prefixes": prefixes}
 
 
 # -- the layout's arithmetic ---------------------------------------------------
@@ -85,11 +84,19 @@ def test_one_prefix_is_the_stock_layout() -> None:
 
 
 @pytest.mark.parametrize("bad", [0, -1, 4097, 2.0, True, "16"])
-def test_bad_spread_is_refused_naming_the_option(bad: Any) -> None:
+def test_bad_spread_is_refused_naming_the_option(tmp_path: Any, bad: Any) -> None:
     with pytest.raises(dcpstore.InvalidArgument, match="spread_prefixes"):
         dcpstore.SaveOptions(spread_prefixes=bad)
-    with pytest.raises(dcpstore.InvalidArgument, match="spread_prefixes"):  # the deprecated place, checked alike
-        StorageOptions(spread_prefixes=bad)
+    with pytest.raises(dcpstore.InvalidArgument, match="spread_prefixes"):
+        dcpstore.save({"w": torch.ones(1)}, str(tmp_path / "c"), spread_prefixes=bad)
+    assert not (tmp_path / "c").exists()
+
+
+def test_spreading_is_a_save_option_not_a_storage_option() -> None:
+    """How a save lays out its files, not how the storage is reached: only
+    SaveOptions (and save's keyword) take it."""
+    with pytest.raises(TypeError, match="spread_prefixes"):
+        StorageOptions(spread_prefixes=4)  # type: ignore[call-arg]
 
 
 # -- saves and loads -----------------------------------------------------------
@@ -122,7 +129,7 @@ def _save_spread(rank: int, world_size: int, uri: str, kwargs: dict[str, Any]) -
     mesh = init_device_mesh("cpu", (world_size,))
     state = {"w": distribute_tensor(FULL.clone(), mesh, [Shard(0)]), f"rank{rank}": torch.full((5,), float(rank))}
     info = dcpstore.save(state, uri, workers=2, **kwargs).result()
-    want = spread_file_prefix(f"__{rank}_", rank, kwargs["options"].spread_prefixes)
+    want = spread_file_prefix(f"__{rank}_", rank, kwargs["spread_prefixes"])
     assert info.files and all(f.startswith(want) for f in info.files), (rank, info.files)
 
 
@@ -222,7 +229,7 @@ def test_ls_and_gc_treat_spread_files_as_the_checkpoints_own(tmp_path: Any) -> N
     touches its files; an interrupted one (no .metadata) is one uncommitted
     entry and gc removes all of it."""
     root = str(tmp_path / "run")
-    spread = {"options": dcpstore.SaveOptions(spread_prefixes=16)}
+    spread = {"spread_prefixes": 16}
     dcpstore.save({"w": FULL.clone()}, f"{root}/good", workers=2, **spread).result()
     dcpstore.save({"w": FULL.clone()}, f"{root}/broken", workers=2, **spread).result()
     os.remove(f"{root}/broken/{METADATA}")

@@ -5,7 +5,9 @@ storage a URI names (:mod:`dcpstore.storage`); *how* is the DCP protocol
 (:mod:`dcpstore._impl.dcp`); *when* is the engines' (:mod:`dcpstore._impl.engines`).
 This module only wires them together per call, from one
 :class:`~dcpstore._impl.values.options.SaveOptions` / :class:`~dcpstore._impl.values.options.LoadOptions`
-built from the keywords. It keeps no state of its own; async saves (and
+built from the keywords: :func:`save` and :func:`load` take every option as
+a keyword, the one way they take it (every other entry point takes the
+value whole, as ``options=``). It keeps no state of its own; async saves (and
 sync saves on another engine than the native one) run on the engines' per-process default
 :class:`~dcpstore.AsyncSaver` (:func:`dcpstore._impl.engines.saver.default_saver`),
 a cache of a thread, staging buffers and process groups, not a setting.
@@ -35,7 +37,7 @@ from dcpstore._impl.dcp.liveness.retried_cleanups import with_leftovers
 from dcpstore._impl.engines.saver import default_saver
 from dcpstore._impl.util.errors import CheckpointError, InvalidArgument
 from dcpstore._impl.values.results import CheckpointInfo, SaveHandle
-from dcpstore._impl.util.keyword_hints import hint_keywords
+from dcpstore._impl.util.keyword_hints import hint_keywords_with
 from dcpstore._impl.values.keywords import given_keywords, resolve_options
 from dcpstore._impl.values.options import LoadOptions, SaveOptions, rank_label, shows_progress
 from dcpstore._impl.util.progress import Progress
@@ -43,8 +45,15 @@ from dcpstore._impl.storage import StorageOptions, open_storage
 
 log = logging.getLogger(__name__)
 
+#: What to pass instead of ``options=``, which save and load do not take.
+_SAVE_INSTEAD = {
+    "options": "dcpstore.save takes each option as a keyword (a dcpstore.SaveOptions o as "
+    "save(state_dict, uri, **o.as_kwargs()))"
+}
+_LOAD_INSTEAD = {"options": "dcpstore.load takes each option as a keyword (workers=..., verify=..., storage_options=...)"}
 
-@hint_keywords
+
+@hint_keywords_with(_SAVE_INSTEAD)
 def save(
     state_dict: dict[str, Any],
     uri: str | os.PathLike[str],
@@ -59,7 +68,7 @@ def save(
     max_in_flight: int = 1,
     overwrite: bool = True,
     progress: bool = False,
-    options: SaveOptions | None = None,
+    spread_prefixes: int = 1,
 ) -> SaveHandle:
     """Save ``state_dict`` to ``uri`` as a DCP checkpoint.
 
@@ -108,9 +117,11 @@ def save(
             new ``.metadata`` lands the URI loads the old one; a failed or
             killed save leaves the old one); ``False`` refuses such a URI
             with :class:`~dcpstore.CheckpointExists` instead.
-        options: every option above, and those without a keyword here
-            (``spread_prefixes``), as one :class:`~dcpstore.SaveOptions`;
-            a keyword set beside it fills what it leaves at its default.
+        spread_prefixes: spread the ranks' data files over this many key
+            prefixes, so that many ranks writing one checkpoint do not all
+            hit one object-store partition's request limit (README, "Many
+            ranks, one checkpoint"); 1: stock DCP's flat layout. Loads read
+            either layout.
 
     Returns:
         A :class:`~dcpstore.SaveHandle`; ``result()`` gives the
@@ -121,14 +132,13 @@ def save(
             and nobody asked its handle (async).
         CheckpointExists: ``overwrite=False`` and ``uri`` holds a committed
             checkpoint (a ``SaveError`` and a ``FileExistsError``).
-        InvalidArgument: a bad option, or a keyword that disagrees with
-            ``options`` (an unknown keyword is a ``TypeError`` naming the
-            likely fix).
+        InvalidArgument: a bad option (an unknown keyword is a
+            ``TypeError`` naming the likely fix).
         InvalidURI: a URI dcpstore cannot parse or has no backend for.
         BackendUnavailable: the backend's optional package is not installed.
     """
     _check_state_dict(state_dict)
-    options = resolve_options(save, options, base=SaveOptions(), given=given_keywords(save, locals()))
+    options = resolve_options(save, None, base=SaveOptions(), given=given_keywords(save, locals()))
     return save_with(state_dict, uri, options)
 
 
@@ -171,7 +181,7 @@ def save_with(
     return SaveHandle.completed(info)
 
 
-@hint_keywords
+@hint_keywords_with(_LOAD_INSTEAD)
 def load(
     state_dict: dict[str, Any],
     uri: str | os.PathLike[str],
@@ -185,7 +195,6 @@ def load(
     progress: bool = False,
     safe_globals: Sequence[Any] | None = None,
     trusted: bool = False,
-    options: LoadOptions | None = None,
 ) -> None:
     """Load the checkpoint at ``uri`` into ``state_dict`` in place.
 
@@ -229,8 +238,6 @@ def load(
             allowlist (``[cls, ...]``).
         trusted: unpickle anything (only for checkpoints you trust as you
             trust code).
-        options: every option above as one :class:`~dcpstore.LoadOptions`;
-            a keyword set beside it fills what it leaves at its default.
 
     Raises:
         CheckpointNotFound: no committed checkpoint at ``uri`` (including a
@@ -242,12 +249,11 @@ def load(
             (nothing was read).
         LoadError: the load failed on some rank for another reason.
         StorageError: the backend failed after its retries.
-        InvalidArgument: a bad option, or a keyword that disagrees with
-            ``options`` (an unknown keyword is a ``TypeError`` naming the
-            likely fix).
+        InvalidArgument: a bad option (an unknown keyword is a
+            ``TypeError`` naming the likely fix).
     """
     _check_state_dict(state_dict)
-    options = resolve_options(load, options, base=LoadOptions(), given=given_keywords(load, locals()))
+    options = resolve_options(load, None, base=LoadOptions(), given=given_keywords(load, locals()))
     load_with(state_dict, uri, options)
 
 

@@ -280,7 +280,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drop-caches", action="store_true",
                    help="drop the page cache before each local load, so that loads read the disk (needs root; "
                         "it empties the whole host's cache). Off by default: loads may then read memory")
-    p.add_argument("--warm", action="store_true", help=argparse.SUPPRESS)  # the default now; older scripts pass it
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     return parser
 

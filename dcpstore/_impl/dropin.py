@@ -9,10 +9,11 @@ by changing one constructor::
 
 They take ``FileSystemWriter``'s and ``FileSystemReader``'s keyword arguments
 (each is honoured, or refused with :class:`~dcpstore.InvalidArgument` naming
-it; see the class docstrings), s3torchconnector's ``region``, and dcpstore's
-options whole (``options=``: :class:`~dcpstore.SaveOptions` /
-:class:`~dcpstore.LoadOptions`, as :func:`dcpstore.save` and
-:func:`dcpstore.load` take them). One writer or reader
+it; see the class docstrings), s3torchconnector's ``region`` (their rows in
+:data:`dcpstore._impl.util.keyword_hints.FRAMEWORK_NAMES`), and dcpstore's options
+whole (``options=``: :class:`~dcpstore.SaveOptions` /
+:class:`~dcpstore.LoadOptions`, what :func:`dcpstore.save` and
+:func:`dcpstore.load` take as keywords). One writer or reader
 serves any number of checkpoints: ``checkpoint_id=`` re-points it, as
 torchtitan and Megatron-Bridge reuse one writer across steps, also while
 ``dcp.async_save`` calls made through it earlier still run (each save keeps
@@ -47,7 +48,8 @@ from dcpstore._impl.engines.exit import Stage, watch
 from dcpstore._impl.dcp.liveness.retried_cleanups import Leftovers, with_leftovers
 from dcpstore._impl.engines.staging import Staging
 from dcpstore._impl.util.errors import CheckpointError, InvalidArgument
-from dcpstore._impl.values.keywords import O, resolve_options
+from dcpstore._impl.util.keyword_hints import hint_keywords_with
+from dcpstore._impl.values.keywords import O, pass_whole, resolve_options
 from dcpstore._impl.values.options import AUTO, LoadOptions, SaveOptions
 from dcpstore._impl.util.progress import NO_PROGRESS
 from dcpstore._impl.storage import Storage, StorageOptions, open_storage
@@ -113,17 +115,12 @@ def _resolved(
     base: O,
     thread_count: int | None,
     region: str | None,
-    deprecated: dict[str, Any],
-    deprecated_names: Sequence[str],
     given: dict[str, Any] | None = None,
 ) -> tuple[O, _Opener]:
     """A drop-in's options (``FileSystemWriter``'s ``thread_count`` is their
     ``workers``), refused where DCP's call decides, and its opener."""
     given = {**(given or {}), **({"workers": thread_count} if thread_count is not None else {})}
-    resolved = resolve_options(
-        fn, options, base=base, given=given, deprecated=deprecated, deprecated_names=deprecated_names,
-        spelled_as={"workers": "thread_count"},
-    )  # fmt: skip
+    resolved = resolve_options(fn, options, base=base, given=given)
     _refuse_the_calls(resolved)
     return resolved, _Opener(_storage_options(resolved.storage_options, region))
 
@@ -179,13 +176,14 @@ class StorageWriter(DcpStorageWriter, AsyncStager):
     ``commit_files`` (name -> bytes: small files of the caller's that the
     coordinator writes with the commit, before ``.metadata``, recorded with
     their CRC32C in the manifest; Lightning's ``meta.pt`` goes this way).
-    ``enable_msc=`` and ``storage_options=`` still work, with a
-    :class:`DeprecationWarning`, for one release.
+    Any other option is passed in ``options``: a keyword for one is a
+    ``TypeError`` saying how (``options=dcpstore.SaveOptions(...)``).
 
     ``use_collectives=False`` (of ``dcp.save``) is refused: see
     :data:`~dcpstore._impl.dcp.writer.NO_COLLECTIVES_WHY`.
     """
 
+    @hint_keywords_with(pass_whole(SaveOptions()))
     def __init__(
         self,
         path: str | os.PathLike[str],
@@ -203,7 +201,6 @@ class StorageWriter(DcpStorageWriter, AsyncStager):
         prefix_strategy: Any = None,
         commit_files: Mapping[str, bytes] | None = None,
         options: SaveOptions | None = None,
-        **deprecated: Any,
     ) -> None:
         _refuse_s3torch(s3client_config=s3client_config, prefix_strategy=prefix_strategy)
         check_writer_args(
@@ -215,9 +212,8 @@ class StorageWriter(DcpStorageWriter, AsyncStager):
             overwrite=overwrite,
         )
         options, opener = _resolved(
-            StorageWriter.__init__, options, SaveOptions(), thread_count, region, deprecated, _WHERE_KEYWORDS,
-            given={} if overwrite is True else {"overwrite": overwrite},
-        )  # fmt: skip
+            StorageWriter, options, SaveOptions(), thread_count, region, given={} if overwrite is True else {"overwrite": overwrite}
+        )
         super().__init__(
             opener(path),
             workers=options.workers,
@@ -338,12 +334,11 @@ class StorageReader(DcpStorageReader):
         options: how to read, whole (a :class:`~dcpstore.LoadOptions`:
             ``storage_options``, ``verify``, ``safe_globals``, ``trusted``);
             what ``dcp.load`` decides (``process_group``, ``planner``) is
-            refused naming it.
-        deprecated: ``verify``, ``safe_globals``, ``trusted``,
-            ``enable_msc`` and ``storage_options`` as keywords: each still
-            works and warns (:class:`DeprecationWarning`) for one release.
+            refused naming it. A keyword for one of them is a
+            ``TypeError`` saying how to pass it here.
     """
 
+    @hint_keywords_with(pass_whole(LoadOptions()))
     def __init__(
         self,
         path: str | os.PathLike[str],
@@ -354,12 +349,9 @@ class StorageReader(DcpStorageReader):
         s3client_config: Any = None,
         reader_constructor: Any = None,
         options: LoadOptions | None = None,
-        **deprecated: Any,
     ) -> None:
         _refuse_s3torch(s3client_config=s3client_config, reader_constructor=reader_constructor)
-        options, opener = _resolved(
-            StorageReader.__init__, options, LoadOptions(), thread_count, region, deprecated, _READER_KEYWORDS
-        )
+        options, opener = _resolved(StorageReader, options, LoadOptions(), thread_count, region)
         super().__init__(
             opener(path),
             workers=options.workers,
@@ -384,11 +376,6 @@ class StorageReader(DcpStorageReader):
         self.storage = self._opener(state["storage"])
         self._progress = LoadProgress(())
         self.bar = NO_PROGRESS
-
-
-#: What the drop-ins took as keywords before ``options=``.
-_WHERE_KEYWORDS = ("enable_msc", "storage_options")
-_READER_KEYWORDS = ("verify", "safe_globals", "trusted", *_WHERE_KEYWORDS)
 
 
 def check_writer_args(*, per_thread_copy_ahead: Any, serialization_format: Any, **flags: Any) -> None:

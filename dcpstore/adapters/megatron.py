@@ -21,7 +21,6 @@ from dcpstore._impl.adapters.megatron_bridge import BRIDGE_HOOKS, install_in_bri
 from dcpstore._impl.adapters.megatron_config import (
     BRIDGE_FIELDS,
     DCPSTORE_FIELDS,
-    DEPRECATED_FIELDS,
     CheckpointConfig,
     plan_caching_supported,
 )
@@ -32,7 +31,6 @@ __all__ = [
     "BRIDGE_FIELDS",
     "BRIDGE_HOOKS",
     "DCPSTORE_FIELDS",
-    "DEPRECATED_FIELDS",
     "DEFAULT_FORMAT",
     "FORMATS",
     "BridgeCheckpointManager",

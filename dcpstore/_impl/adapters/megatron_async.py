@@ -399,13 +399,8 @@ class FileSystemWriterAsync(DcpStorageWriter):
 def _workers(thread_count: int | None) -> int | None:
     """NVRx's ``thread_count``, the options' ``workers``, resolved as the
     drop-ins resolve it: a bad one is refused under the name it was given."""
-    given = {"workers": thread_count}
-    resolved = resolve_options(FileSystemWriterAsync.__init__, None, base=SaveOptions(), given=given, spelled_as=_NVRX_NAMES)
+    resolved = resolve_options(FileSystemWriterAsync, None, base=SaveOptions(), given={"workers": thread_count})
     return resolved.workers
-
-
-#: The options NVRx's constructor takes under other names.
-_NVRX_NAMES = {"workers": "thread_count"}
 
 
 def _distributed() -> bool:

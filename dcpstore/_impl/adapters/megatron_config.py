@@ -4,7 +4,8 @@ State-dict formats (:data:`FORMATS`, Megatron-Bridge's ``ckpt_format``
 values, ``torch_dist`` and ``fsdp_dtensor``): :mod:`.megatron_formats`.
 
 ``CheckpointConfig``. Megatron-Bridge's fields under Bridge 0.6.2's (and
-megatron-core 0.19.2's) names (:data:`BRIDGE_FIELDS`: ``save``, ``load``,
+megatron-core 0.19.2's) names (:data:`BRIDGE_FIELDS`, their rows in
+:data:`dcpstore._impl.util.keyword_hints.FRAMEWORK_NAMES`: ``save``, ``load``,
 ``save_interval``, ``async_save``, ``ckpt_format``, ``dist_ckpt_workers``,
 ``most_recent_k``, ``ckpt_assume_constant_structure``, ``ckpt_step``), plus
 dcpstore's own (:data:`DCPSTORE_FIELDS`: ``layout``, and ``options``, the
@@ -16,9 +17,7 @@ engine, and where the bytes go -- MSC, in Megatron the process-global
 builds one from a Bridge (or megatron-core) ``CheckpointConfig``, reading
 Bridge's fields by name, MSC from Megatron's ``MultiStorageClientFeature``
 and the layout Bridge writes (``iter_0000100/`` and
-``latest_checkpointed_iteration.txt``). The fields ``engine`` and
-``enable_msc`` (:data:`DEPRECATED_FIELDS`) still work for one release, with
-a :class:`DeprecationWarning`. The config is validated once, in
+``latest_checkpointed_iteration.txt``). The config is validated once, in
 ``__post_init__``, without opening any storage, and keeps **no rules of its
 own** about which combinations work. It asks the tables the writers ask:
 
@@ -75,26 +74,19 @@ import torch.distributed as dist
 
 from dcpstore._impl.engines.selection import engine_problem
 from dcpstore._impl.util.errors import CheckpointError, CheckpointNotFound, InvalidArgument
-from dcpstore._impl.util.keyword_hints import hint_keywords, unknown_keyword_message
+from dcpstore._impl.util.keyword_hints import FRAMEWORK_NAMES, foreign_names, hint_keywords, hint_keywords_with
 from dcpstore._impl.manager import LAYOUTS, CheckpointManager, check_step
 from dcpstore._impl.manager.roots import coordinator_rank, group_rank, is_distributed
-from dcpstore._impl.values.keywords import resolve_options, warn_deprecated_keyword
-from dcpstore._impl.values.options import AUTO, SaveOptions, save_option_problems
+from dcpstore._impl.values.keywords import pass_whole, resolve_options
+from dcpstore._impl.values.options import OPTION_DEFAULTS, SaveOptions, save_option_problems
 from dcpstore._impl.storage import StorageOptions, backend_class, backend_name, parse_uri, with_msc
 from dcpstore._impl.adapters.megatron_bridge import megatron_msc_enabled
 from dcpstore._impl.adapters.megatron_formats import FORMATS
 
 
-#: save()'s keyword -> the config field that feeds it, for error messages.
-_FIELD_OF_OPTION = {"async_": "async_save", "engine": "engine", "workers": "dist_ckpt_workers"}
-
-
-def _options_or_defaults(options: Any) -> SaveOptions:
-    return options if isinstance(options, SaveOptions) else SaveOptions()
-
-
-#: The options Bridge's fields stand for, under Bridge's names, and their defaults.
-_BRIDGE_NAME = {"async_": "async_save", "workers": "dist_ckpt_workers"}
+#: The options Bridge's fields stand for (option -> Bridge's field:
+#: ``FRAMEWORK_NAMES``' rows), and the fields' defaults.
+_BRIDGE_NAME = {ours: theirs for theirs, ours in foreign_names("CheckpointConfig").items() if ours in OPTION_DEFAULTS[SaveOptions]}
 _BRIDGE_DEFAULTS = {"async_save": False, "dist_ckpt_workers": None}
 
 
@@ -108,23 +100,11 @@ def plan_caching_supported() -> bool:
 
 
 #: The fields of :class:`CheckpointConfig` that are Megatron-Bridge's (0.6.2)
-#: and megatron-core's (0.19.2), under their names and with their meaning.
-BRIDGE_FIELDS = (
-    "save",
-    "load",
-    "save_interval",
-    "async_save",
-    "ckpt_format",
-    "dist_ckpt_workers",
-    "most_recent_k",
-    "ckpt_assume_constant_structure",
-    "ckpt_step",
-)
+#: and megatron-core's (0.19.2), under their names and with their meaning
+#: (their rows in ``FRAMEWORK_NAMES``).
+BRIDGE_FIELDS = tuple(name for name, f in FRAMEWORK_NAMES.items() if "CheckpointConfig" in f.taken_by)
 #: dcpstore's own fields (Bridge has none of these).
 DCPSTORE_FIELDS = ("options", "layout")
-#: Fields that are now ``options``' (``engine``; ``enable_msc``, its
-#: ``storage_options.enable_msc``): each still works and warns, for one release.
-DEPRECATED_FIELDS = ("engine", "enable_msc")
 
 
 @dataclass
@@ -138,8 +118,8 @@ class CheckpointConfig:
         save, load, save_interval, async_save, ckpt_format,
             dist_ckpt_workers, most_recent_k,
             ckpt_assume_constant_structure, ckpt_step, layout, options:
-            the fields below, each with its meaning in its comment.
-        engine, enable_msc: deprecated; ``options=SaveOptions(engine=...,
+            the fields below, each with its meaning in its comment. The
+            engine and MSC are the options': ``options=SaveOptions(engine=...,
             storage_options=StorageOptions(enable_msc=...))``.
 
     Raises:
@@ -177,22 +157,14 @@ class CheckpointConfig:
     #: ``workers`` are ``async_save`` and ``dist_ckpt_workers`` (set either).
     #: ``None``: the defaults; after construction, always the options.
     options: SaveOptions | None = None
-    #: Deprecated: ``options.engine``.
-    engine: str | None = None
-    #: Deprecated: ``options.storage_options.enable_msc``.
-    enable_msc: bool | None = None
 
     def __post_init__(self) -> None:
-        deprecated = {name: getattr(self, name) for name in DEPRECATED_FIELDS if getattr(self, name) is not None}
-        for name, value in deprecated.items():  # first: a config that also fails says so too
-            warn_deprecated_keyword("CheckpointConfig", name, value, _options_or_defaults(self.options))
         self._check_types()
         if self.ckpt_format not in FORMATS:
             self._fail("ckpt_format", f"must be one of {', '.join(FORMATS)}, got {self.ckpt_format!r}")
-        engine = deprecated.get("engine", AUTO)
-        for problem in save_option_problems(async_=self.async_save, engine=engine, workers=self.dist_ckpt_workers):
-            self._fail(_FIELD_OF_OPTION.get(problem.option, problem.option), problem.why)
-        self.options = self._resolve_options(deprecated)
+        for problem in save_option_problems(async_=self.async_save, workers=self.dist_ckpt_workers):
+            self._fail(_BRIDGE_NAME.get(problem.option, problem.option), problem.why)
+        self.options = self._resolve_options()
         # Bridge's fields read what the saves run with.
         self.async_save, self.dist_ckpt_workers = self.options.async_, self.options.workers
         for name in ("save", "load"):
@@ -201,18 +173,15 @@ class CheckpointConfig:
         if not isinstance(self.layout, str) or self.layout not in LAYOUTS:
             self._fail("layout", f"must be one of {', '.join(map(repr, LAYOUTS))}, got {self.layout!r}")
 
-    def _resolve_options(self, deprecated: dict[str, Any]) -> SaveOptions:
-        """``options`` with Bridge's fields and the deprecated ones (warned of already) applied."""
+    def _resolve_options(self) -> SaveOptions:
+        """``options`` with Bridge's fields applied."""
         given = {
             option: getattr(self, field)
             for option, field in _BRIDGE_NAME.items()
             if getattr(self, field) != _BRIDGE_DEFAULTS[field]
         }
         try:
-            return resolve_options(
-                CheckpointConfig, self.options, base=SaveOptions(), given={**given, **deprecated},
-                spelled_as=_BRIDGE_NAME,
-            )  # fmt: skip
+            return resolve_options(CheckpointConfig, self.options, base=SaveOptions(), given=given)
         except InvalidArgument as e:
             self._fail("options", str(e).removeprefix("CheckpointConfig: "), cause=e)
 
@@ -220,8 +189,6 @@ class CheckpointConfig:
         for name in ("async_save", "ckpt_assume_constant_structure"):
             if not isinstance(getattr(self, name), bool):
                 self._fail(name, f"must be a bool, got {getattr(self, name)!r}")
-        if self.enable_msc is not None and not isinstance(self.enable_msc, bool):
-            self._fail("enable_msc", f"must be a bool, got {self.enable_msc!r}")
         for name in ("save", "load"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
@@ -261,7 +228,7 @@ class CheckpointConfig:
         options = self.save_options()
         problem = engine_problem(options.engine, backend_name(url, enable_msc=options.enable_msc), str(url))
         if problem:
-            self._fail("engine" if self.engine is not None else "options.engine", problem)
+            self._fail("options.engine", problem)
 
     @staticmethod
     def _fail(name: str, message: str, cause: BaseException | None = None) -> NoReturn:
@@ -373,17 +340,17 @@ class CheckpointConfig:
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
-        """The fields to set (the deprecated ones left out)."""
-        return tuple(f.name for f in fields(cls) if f.name not in DEPRECATED_FIELDS)
+        """The fields to set."""
+        return tuple(f.name for f in fields(cls))
 
     @classmethod
+    @hint_keywords_with(pass_whole(SaveOptions()))
     def from_bridge(
         cls,
         cfg: Any,
         *,
         options: SaveOptions | None = None,
         layout: str = "bridge",
-        **deprecated: Any,
     ) -> CheckpointConfig:
         """The config for a Megatron-Bridge (or megatron-core)
         ``CheckpointConfig`` ``cfg`` (or a mapping with its field names).
@@ -405,8 +372,6 @@ class CheckpointConfig:
                 ``options.storage_options.enable_msc`` says.
             layout: ``"bridge"`` (default): the manager reads and writes
                 Bridge's ``iter_NNNNNNN/`` steps and tracker; ``"dcpstore"``.
-            deprecated: ``engine`` and ``enable_msc`` (``False`` turns
-                Megatron's flag off), as the deprecated fields.
 
         Returns:
             The validated config.
@@ -415,23 +380,17 @@ class CheckpointConfig:
             InvalidArgument: a Bridge setting dcpstore cannot honour (say, a
                 ``ckpt_format`` other than ``torch_dist`` / ``fsdp_dtensor``),
                 naming the field.
-            TypeError: a keyword it does not take.
+            TypeError: a keyword it does not take (an option goes in ``options``).
         """
-        unknown = deprecated.keys() - set(DEPRECATED_FIELDS)
-        if unknown:
-            accepted = ["cfg", "options", "layout", *DEPRECATED_FIELDS]
-            raise TypeError(unknown_keyword_message("CheckpointConfig.from_bridge", unknown, accepted))
         defaults = {f.name: f.default for f in fields(cls)}
         if isinstance(cfg, Mapping):
             values = {name: cfg.get(name, defaults[name]) for name in BRIDGE_FIELDS}
         else:
             values = {name: getattr(cfg, name, defaults[name]) for name in BRIDGE_FIELDS}
-        if deprecated.get("enable_msc") is None:
-            deprecated.pop("enable_msc", None)
-            if megatron_msc_enabled():
-                base = options or SaveOptions()
-                options = dataclasses.replace(base, storage_options=with_msc(base.storage_options, True))
-        return cls(**values, options=options, layout=layout, **deprecated)
+        if megatron_msc_enabled():
+            base = options or SaveOptions()
+            options = dataclasses.replace(base, storage_options=with_msc(base.storage_options, True))
+        return cls(**values, options=options, layout=layout)
 
 
 class _ResumeManager(CheckpointManager):

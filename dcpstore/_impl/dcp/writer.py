@@ -71,11 +71,10 @@ from torch.futures import Future
 from dcpstore._impl.util.torch_compat import DistWrapper, StoragePrefix, StorageWriterTransforms, StreamTransformExtension
 from dcpstore._impl.util.errors import CheckpointError, CheckpointExists, InvalidArgument, SaveError
 from dcpstore._impl.values.results import SaveStats
-from dcpstore._impl.values.keywords import storage_spread
 from dcpstore._impl.values.options import SaveOptions, check_workers
 from dcpstore._impl.util.progress import NO_PROGRESS, Progress
 from dcpstore._impl.util.warning_filters import ignoring
-from dcpstore._impl.storage import Storage, backend_name, parse_uri
+from dcpstore._impl.storage import Storage, backend_name, check_spread_prefixes, parse_uri
 from dcpstore._impl.dcp.commit.session import SaveSession, check_commit_files
 from dcpstore._impl.dcp.data_files import (
     file_size_hint,
@@ -148,8 +147,7 @@ class DcpStorageWriter(StorageWriter):
     same name may be replaced between saves (each save takes the files
     the attribute holds when it begins). ``spread_prefixes``: the key
     prefixes the ranks' data files are spread over
-    (:attr:`dcpstore.SaveOptions.spread_prefixes`); ``None``: the storage
-    options' deprecated field of that name, with its warning.
+    (:attr:`dcpstore.SaveOptions.spread_prefixes`; 1: stock DCP's flat layout).
     Saves through one writer may overlap (see the module docstring).
     """
 
@@ -180,11 +178,11 @@ class DcpStorageWriter(StorageWriter):
         progress: Progress = NO_PROGRESS,
         save_id: str | None = None,
         commit_files: Mapping[str, bytes] | None = None,
-        spread_prefixes: int | None = None,
+        spread_prefixes: int = 1,
     ) -> None:
         super().__init__()
         self.commit_files = dict(check_commit_files(commit_files))
-        self.spread_prefixes = storage_spread(spread_prefixes, storage.options)
+        self.spread_prefixes = check_spread_prefixes(spread_prefixes)
         #: The id the coordinator's claim records (None: a fresh one per save).
         self._save_id = save_id
         self.storage = storage

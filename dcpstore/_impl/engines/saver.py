@@ -86,8 +86,8 @@ from typing import Any
 from dcpstore._impl.dcp.failures import save_error
 from dcpstore._impl.util.errors import InvalidArgument, SaveError
 from dcpstore._impl.values.results import CheckpointInfo, SaveHandle
-from dcpstore._impl.util.keyword_hints import hint_keywords
-from dcpstore._impl.values.keywords import resolve_options
+from dcpstore._impl.util.keyword_hints import hint_keywords, hint_keywords_with
+from dcpstore._impl.values.keywords import pass_whole, resolve_options
 from dcpstore._impl.values.options import SaveOptions, check_positive, check_workers, rank_label, shows_progress
 from dcpstore._impl.util.progress import Progress
 from dcpstore._impl.storage import open_storage
@@ -177,13 +177,13 @@ class AsyncSaver:
         exit_hook.watch(self, exit_hook.Stage.SAVERS)
 
     # -- public ---------------------------------------------------------------
+    @hint_keywords_with(pass_whole(SaveOptions()))
     def save(
         self,
         state_dict: dict[str, Any],
         uri: str | os.PathLike[str],
         *,
         options: SaveOptions | None = None,
-        **deprecated: Any,
     ) -> SaveHandle:
         """Stage ``state_dict`` and save it to ``uri`` in the background.
 
@@ -198,11 +198,6 @@ class AsyncSaver:
                 its defaults); ``options.max_in_flight`` is this call's
                 limit on pending saves (``None``: the saver's). A saver's
                 saves run in the background whatever ``options.async_`` says.
-            deprecated: the keywords this method took before ``options``
-                (``workers``, ``enable_msc``, ``engine``, ``process_group``,
-                ``planner``, ``storage_options``, ``max_in_flight``,
-                ``overwrite``, ``progress``): each still works and warns
-                (:class:`DeprecationWarning`) for one release.
 
         Returns:
             The save's :class:`~dcpstore.SaveHandle`.
@@ -211,15 +206,12 @@ class AsyncSaver:
             SaveError: an earlier save on this saver failed and its handle
                 never reported it (this save was not started); or the
                 pending save this one waits for is presumed hung.
-            InvalidArgument: a bad option, a keyword that disagrees with
-                ``options``, or a closed saver.
+            InvalidArgument: a bad option, or a closed saver.
             TypeError: a keyword this method does not take (naming the
-                likely fix).
+                likely fix: an option goes in ``options``).
             InvalidURI, BackendUnavailable: as for :func:`dcpstore.save`.
         """
-        options = resolve_options(
-            AsyncSaver.save, options, base=_BACKGROUND, deprecated=deprecated, deprecated_names=SAVER_KEYWORDS
-        )
+        options = resolve_options(AsyncSaver.save, options, base=_BACKGROUND)
         return self.submit(state_dict, uri, options if options.async_ else dataclasses.replace(options, async_=True))
 
     def submit(
@@ -484,10 +476,7 @@ _default_lock = threading.Lock()
 _default_saver: AsyncSaver | None = None
 
 
-#: What :meth:`AsyncSaver.save` took as keywords before ``options=``.
-SAVER_KEYWORDS = frozenset(
-    {"workers", "enable_msc", "engine", "process_group", "planner", "storage_options", "max_in_flight", "overwrite", "progress"}
-)
+#: :meth:`AsyncSaver.save`'s options when none are given.
 _BACKGROUND = SaveOptions(async_=True)
 
 

@@ -59,7 +59,7 @@ Stock DCP saving with ``use_collectives=False`` commits one
 (:func:`is_commit_file`): dcpstore does not load such a checkpoint, but
 ``ls`` and ``gc`` count it as committed.
 
-Spreading (``StorageOptions.spread_prefixes`` = P > 1): each rank's data
+Spreading (``SaveOptions.spread_prefixes`` = P > 1): each rank's data
 files go one directory down, into ``p{d}/``, where ``d`` is ``rank mod P`` in
 hex digits, least significant first (``p0``, ``p1``, ... ``pf``, then
 ``p01``, ``p11``, ... for P = 256). An object store partitions its key space
@@ -103,7 +103,7 @@ _COMMIT_FILE_RE = re.compile(r"^\.dcpstore\.side\.([0-9a-f]{8})\.(.+)$")
 #: names above can take (no directory, no leading dot, no DCP suffix).
 _COMMIT_FILE_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}$")
 #: The directory of a rank's data files when a save spreads them (``p`` +
-#: up to 3 hex digits: StorageOptions.spread_prefixes <= 4096; see the
+#: up to 3 hex digits: SaveOptions.spread_prefixes <= 4096; see the
 #: module doc).
 SPREAD_DIR_PREFIX = "p"
 _SPREAD_RE = re.compile(rf"^{SPREAD_DIR_PREFIX}[0-9a-f]{{1,3}}$")

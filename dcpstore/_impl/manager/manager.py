@@ -41,13 +41,10 @@ from __future__ import annotations
 
 import logging
 import os
-import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from types import TracebackType
-from typing import Any, overload
-
-from typing_extensions import deprecated
+from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.planner import SavePlanner
@@ -58,10 +55,9 @@ from dcpstore._impl.engines.selection import engine_problem
 from dcpstore._impl.engines.saver import default_saver
 from dcpstore._impl.util.errors import CheckpointExists, InvalidArgument, SaveError
 from dcpstore._impl.values.results import CheckpointInfo, SaveHandle
-from dcpstore._impl.util.keyword_hints import hint_keywords
-from dcpstore._impl.values.keywords import resolve_options
+from dcpstore._impl.util.keyword_hints import hint_keywords, hint_keywords_with
+from dcpstore._impl.values.keywords import pass_whole, resolve_options
 from dcpstore._impl.values.options import SaveOptions
-from dcpstore._impl.util.warning_filters import user_stacklevel
 from dcpstore._impl.storage import Storage, join_uri, open_storage
 from dcpstore._impl.storage.overlap import Role
 from dcpstore._impl.manager.roles import OPEN
@@ -69,6 +65,10 @@ from dcpstore._impl.manager.roots import REPLICATE_TIMEOUT_S, OneRoot, Roots
 from dcpstore._impl.manager.steps import StepLayout, check_layout, check_step
 
 log = logging.getLogger(__name__)
+
+
+#: A manager's options when none is given.
+_DEFAULTS = SaveOptions(async_=True)
 
 
 @dataclass(frozen=True)
@@ -127,21 +127,18 @@ class CheckpointManager:
             ``latest_checkpointed_iteration.txt``, so Bridge resumes from
             this manager's steps and this manager from Bridge's); a
             :class:`~dcpstore._impl.manager.steps.StepLayout`. Not with ``local_dir``.
-        deprecated: the save options it took as keywords before
-            ``options`` (``workers``, ``enable_msc``, ``engine``,
-            ``process_group``, ``planner``, ``storage_options``,
-            ``progress``): each still works and warns
-            (:class:`DeprecationWarning`) for one release.
 
     Raises:
         InvalidArgument: a bad option, a keyword that disagrees with
             ``options``, an engine that cannot write ``root_uri``, or a
             ``local_dir`` that is not a local path.
-        TypeError: a keyword it does not take (naming the likely fix).
+        TypeError: a keyword it does not take (naming the likely fix: a
+            save option goes in ``options``).
         CheckpointError: (tiered) ``root_uri`` cannot be reached.
         InvalidURI, BackendUnavailable: as for :func:`dcpstore.save`.
     """
 
+    @hint_keywords_with(pass_whole(_DEFAULTS))
     def __init__(
         self,
         root_uri: str | os.PathLike[str],
@@ -154,13 +151,9 @@ class CheckpointManager:
         replicate_every: int = 1,
         replicate_timeout_s: float = REPLICATE_TIMEOUT_S,
         layout: str | StepLayout = "dcpstore",
-        **deprecated: Any,
     ) -> None:
         given = {} if async_ is None else {"async_": async_}
-        self.options = resolve_options(
-            CheckpointManager.__init__, options, base=_DEFAULTS, given=given, deprecated=deprecated,
-            deprecated_names=MANAGER_KEYWORDS,
-        )  # fmt: skip
+        self.options = resolve_options(CheckpointManager, options, base=_DEFAULTS, given=given)
         if self.options.save_id is not None:
             raise InvalidArgument(
                 f"options.save_id={self.options.save_id!r}: a manager's saves each get their own id; leave it None"
@@ -299,22 +292,11 @@ class CheckpointManager:
         return self._roots.read_pointer()
 
     # -- saving -------------------------------------------------------------
-    @overload
-    def save(
-        self, state_dict: dict[str, Any], step: int, *, overwrite: bool = False, commit_files: Mapping[str, bytes] | None = None
-    ) -> SaveHandle: ...
-
-    @overload
-    @deprecated("CheckpointManager.save(step, state_dict) is deprecated: pass the state first, save(state_dict, step)")
-    def save(
-        self, state_dict: int, step: dict[str, Any], *, overwrite: bool = False, commit_files: Mapping[str, bytes] | None = None
-    ) -> SaveHandle: ...
-
     @hint_keywords
     def save(
         self,
-        state_dict: dict[str, Any] | int,
-        step: int | dict[str, Any],
+        state_dict: dict[str, Any],
+        step: int,
         *,
         overwrite: bool = False,
         commit_files: Mapping[str, bytes] | None = None,
@@ -322,9 +304,6 @@ class CheckpointManager:
         """Save ``state_dict`` as ``step`` (every rank, with the same step).
 
         The state comes first, as in :func:`dcpstore.save` and :meth:`load`.
-        The older order ``save(step, state_dict)`` still works and warns
-        (:class:`DeprecationWarning`); the two are told apart by type (an int
-        step, a dict state).
 
         Args:
             state_dict: this rank's state (a dict, as for :func:`dcpstore.save`).
@@ -351,14 +330,6 @@ class CheckpointManager:
                 ``overwrite`` is False (a ``SaveError`` and a ``FileExistsError``).
             InvalidArgument: a bad step, or a closed manager.
         """
-        if _is_step(state_dict) and isinstance(step, dict):
-            warnings.warn(
-                "CheckpointManager.save(step, state_dict) is deprecated: pass the state first, "
-                "save(state_dict, step), as dcpstore.save(state_dict, uri) and load(state_dict, step) do",
-                DeprecationWarning,
-                stacklevel=user_stacklevel(),
-            )
-            state_dict, step = step, state_dict
         if not isinstance(state_dict, dict):
             raise InvalidArgument(
                 f"CheckpointManager.save(state_dict, step): state_dict must be a dict, got {type(state_dict).__name__}"
@@ -540,15 +511,3 @@ class CheckpointManager:
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.uri!r}, keep={self.keep}, async_={self.async_}, layout={self.layout.name!r})"
-
-
-def _is_step(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-#: A manager's options when none is given.
-_DEFAULTS = SaveOptions(async_=True)
-#: The save options :class:`CheckpointManager` took as keywords before ``options=``.
-MANAGER_KEYWORDS = frozenset(
-    {"workers", "enable_msc", "engine", "process_group", "planner", "storage_options", "progress"}
-)

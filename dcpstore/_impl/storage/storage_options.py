@@ -42,8 +42,6 @@ class StorageOptions:
         connect_timeout_s, read_timeout_s: socket timeouts, seconds.
         op_timeout_s: most seconds one object operation may take, retries
             included.
-        spread_prefixes: deprecated: a save's layout, not the storage's;
-            pass ``SaveOptions(spread_prefixes=N)``.
 
     Raises:
         InvalidArgument: a value out of range (the message names the field).
@@ -67,10 +65,6 @@ class StorageOptions:
     read_timeout_s: float = 60.0
     #: Upper bound on the time one object operation may take, retries included.
     op_timeout_s: float = 600.0
-    #: Deprecated (a save's layout, not how the storage is reached): use
-    #: :class:`dcpstore.SaveOptions`' ``spread_prefixes``, which a value
-    #: here still sets, with a :class:`DeprecationWarning`, for one release.
-    spread_prefixes: int = 1
     #: Native S3 backend: the AWS region of the bucket. None (default): from
     #: the standard AWS sources (``AWS_REGION``, the profile, ...). MSC takes
     #: its region from its profile, fsspec from its own options.
@@ -92,7 +86,6 @@ class StorageOptions:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InvalidArgument(f"{name} must be an int >= 1, got {value!r}")
-        check_spread_prefixes(self.spread_prefixes)
         for name in ("connect_timeout_s", "read_timeout_s", "op_timeout_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:

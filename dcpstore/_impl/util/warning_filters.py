@@ -1,5 +1,5 @@
 """Ignore one known warning for as long as dcpstore's own call runs; point
-our own warnings (deprecations among them) at the user's line.
+our own warnings at the user's line.
 
 Foundation layer: imports nothing of dcpstore's.
 
@@ -108,8 +108,3 @@ def user_stacklevel() -> int:
         level += 1
     return level
 
-
-def warn_deprecated(message: str) -> None:
-    """A :class:`DeprecationWarning` saying ``message`` (which names the
-    replacement), pointed at the user's line."""
-    warnings.warn(message, DeprecationWarning, stacklevel=user_stacklevel())

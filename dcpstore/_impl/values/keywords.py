@@ -2,19 +2,18 @@
 place an entry point's option keywords are mapped onto its
 :class:`~dcpstore.SaveOptions` / :class:`~dcpstore.LoadOptions`.
 
-Three kinds of keyword reach it. Shortcuts (:func:`dcpstore.save`'s and
-:func:`dcpstore.load`'s keywords, a manager's ``async_``, the drop-ins'
-``thread_count``, Bridge's ``async_save``) fill what the options leave at
-their defaults. A keyword that disagrees with a value the options set is an
-:class:`~dcpstore.InvalidArgument` naming both: one value, one meaning.
-And the keywords an entry point took before it took ``options=`` (its
-``**deprecated``) warn once each, before anything else can fail, naming
-their replacement (:func:`warn_deprecated_keyword`: the options whole, with
-that value), point the warning at the caller's line
-(:func:`dcpstore._impl.util.warning_filters.user_stacklevel`), and still work, for one release;
-any other keyword is the ``TypeError`` Python raises, naming the likely fix
-(:mod:`dcpstore._impl.util.keyword_hints`). :func:`storage_spread` is the same for the one
-option that moved out of :class:`~dcpstore.StorageOptions`.
+Each option is passed one way per entry point: :func:`dcpstore.save` and
+:func:`dcpstore.load` take them as keywords (and no ``options=``); every
+other entry point takes them whole, as ``options=``, beside what is its own
+(a manager's ``async_``, its mode) and the names of the framework it
+stands in for (the drop-ins' ``thread_count``, Bridge's ``async_save``:
+:data:`dcpstore._impl.util.keyword_hints.FRAMEWORK_NAMES`, the one table of them).
+Those fill what the options leave at their defaults; one that disagrees
+with a value the options set is an :class:`~dcpstore.InvalidArgument`
+naming both, and a bad value is named as the caller spelt it. A keyword an
+entry point does not take is the ``TypeError`` Python raises, naming the
+likely fix (:mod:`dcpstore._impl.util.keyword_hints`), and, for an option it takes
+only inside ``options=``, how to pass it there (:func:`pass_whole`).
 """
 
 from __future__ import annotations
@@ -22,14 +21,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from dcpstore._impl.util.errors import InvalidArgument
-from dcpstore._impl.util.keyword_hints import unknown_keyword_message
-from dcpstore._impl.values.options import OPTION_DEFAULTS, InvalidOption, LoadOptions, SaveOptions, warn_spread_deprecated
-from dcpstore._impl.util.warning_filters import warn_deprecated
-from dcpstore._impl.storage import StorageOptions, check_spread_prefixes, with_msc
+from dcpstore._impl.util.keyword_hints import foreign_names
+from dcpstore._impl.values.options import OPTION_DEFAULTS, InvalidOption, LoadOptions, SaveOptions
+from dcpstore._impl.storage import StorageOptions, with_msc
 
 O = TypeVar("O", SaveOptions, LoadOptions)
 
@@ -45,9 +43,13 @@ def _keyword_defaults(fn: Callable[..., Any]) -> dict[str, Any]:
 
 def given_keywords(fn: Callable[..., Any], values: Mapping[str, Any]) -> dict[str, Any]:
     """The keyword-only arguments of ``fn`` (but ``options``) that ``values``
-    (its ``locals()``) holds at other than their defaults: the shortcuts a
-    caller set."""
-    return {name: values[name] for name, default in _keyword_defaults(fn).items() if values[name] != default}
+    (its ``locals()``) holds at other than their defaults: the options a
+    caller set (``True`` for a default of 1 too, so that it is refused)."""
+    return {
+        name: values[name]
+        for name, default in _keyword_defaults(fn).items()
+        if values[name] != default or type(values[name]) is not type(default)
+    }
 
 
 def _display(fn: Callable[..., Any]) -> str:
@@ -55,67 +57,48 @@ def _display(fn: Callable[..., Any]) -> str:
 
 
 def _same(value: Any, current: Any) -> bool:
-    return bool(value == current) or (isinstance(value, list) and tuple(value) == current)
+    return bool(value == current and type(value) is type(current)) or (isinstance(value, list) and tuple(value) == current)
 
 
-def resolve_options(
-    fn: Callable[..., Any],
-    options: O | None,
-    *,
-    base: O,
-    given: Mapping[str, Any] | None = None,
-    deprecated: Mapping[str, Any] | None = None,
-    deprecated_names: Collection[str] = (),
-    spelled_as: Mapping[str, str] | None = None,
-) -> O:
+def resolve_options(fn: Callable[..., Any], options: O | None, *, base: O, given: Mapping[str, Any] | None = None) -> O:
     """The options ``fn`` runs with: ``options`` (``None``: ``base``, the
     entry point's defaults) with the option keywords its caller gave.
 
     Args:
-        fn: the entry point (its name goes into every message).
+        fn: the entry point (its name goes into every message, and picks
+            the names it takes for options under another framework's name:
+            :func:`dcpstore._impl.util.keyword_hints.foreign_names`).
         options: its ``options=`` argument.
         base: its defaults, when ``options`` is ``None``.
-        given: keywords of ``fn`` that stay (``save``'s shortcuts, a
-            manager's ``async_``) and were set: option name -> value.
-        deprecated: ``fn``'s ``**`` keywords: each must be one of
-            ``deprecated_names`` (the options it used to take as keywords),
-            warns once naming its replacement, and still works.
-        deprecated_names: see ``deprecated``.
-        spelled_as: option name -> the keyword ``fn`` takes for it, where
-            they differ (the drop-in's ``thread_count`` for ``workers``).
+        given: keywords of ``fn`` that stand for an option (``save``'s, a
+            manager's ``async_``, the drop-ins' ``thread_count``) and were
+            set: option name -> value.
 
     Returns:
         The options, validated.
 
     Raises:
-        TypeError: a keyword ``fn`` never took (naming the likely fix, as
-            :func:`dcpstore._impl.util.keyword_hints.hint_keywords` does).
         InvalidArgument: ``options`` of the wrong type, a keyword that
-            disagrees with a value ``options`` sets (naming both), or a bad value.
+            disagrees with a value ``options`` sets (naming both), or a bad
+            value (named as the caller spelt it).
     """
-    given, deprecated = dict(given or {}), dict(deprecated or {})
+    given = dict(given or {})
     where = _display(fn)
-    unknown = deprecated.keys() - set(deprecated_names)
-    if unknown:
-        params = inspect.signature(fn).parameters.values()
-        named = {p.name for p in params if p.name != "self" and p.kind is not p.VAR_KEYWORD}
-        raise TypeError(unknown_keyword_message(fn.__qualname__, unknown, named | set(deprecated_names)))
+    spelled_as = {ours: theirs for theirs, ours in foreign_names(where).items()}
     kind = type(base)
     if options is not None and not isinstance(options, kind):
         raise InvalidArgument(f"{where}: options must be a dcpstore.{kind.__name__}, got {options!r}")
     target = options if options is not None else base
-    for name, value in deprecated.items():  # first: a user whose call also fails learns of it too
-        warn_deprecated_keyword(where, name, value, target)
     changes: dict[str, Any] = {}
-    for name, value in {**given, **deprecated}.items():
+    for name, value in given.items():
         current = getattr(target, name)
         if _same(value, current):
             continue
         if options is not None and current != OPTION_DEFAULTS[kind][name]:
-            keyword = (spelled_as or {}).get(name, name)
+            keyword = spelled_as.get(name, name)
             raise InvalidArgument(
-                f"{where}: {keyword}={value!r} and options.{name}={current!r} disagree; pass each option once, "
-                "either as options= or as keywords, not both"
+                f"{where}: {keyword}={value!r} and options.{name}={current!r} disagree; pass it once, "
+                f"as {keyword}= or in options="
             )
         changes[name] = value
     if "enable_msc" in changes:
@@ -127,25 +110,27 @@ def resolve_options(
             raise
         # The options validate under their field names; the caller gave the
         # value under fn's keyword (thread_count, not workers): name that.
-        keyword = (spelled_as or {}).get(e.option, e.option)
+        keyword = spelled_as.get(e.option, e.option)
         raise InvalidArgument(f"{where}: {keyword} {e.why}") from None
 
 
-def warn_deprecated_keyword(where: str, name: str, value: Any, options: SaveOptions | LoadOptions) -> None:
-    """The warning for ``where``'s deprecated keyword ``name``, naming its
-    replacement: ``options`` with that value set, passed whole."""
-    warn_deprecated(
-        f"{where}'s keyword {name}= is deprecated and goes in the next release: pass the options whole "
-        f"instead, options={options.spelled(**{name: value})}"
-    )
+def pass_whole(base: SaveOptions | LoadOptions) -> dict[str, str]:
+    """For an entry point that takes its options whole (``options=``, with
+    ``base`` when it is given none): each option, and each field of
+    :class:`~dcpstore.StorageOptions`, -> how to pass it there, for the
+    ``TypeError`` of a caller who passed it as a keyword
+    (:func:`dcpstore._impl.util.keyword_hints.hint_keywords_with`). What ``base``
+    sets (a manager's ``async_=True``) is kept in the hint, since options
+    passed whole are used as they are."""
+    kind, defaults = type(base), OPTION_DEFAULTS[type(base)]
+    kept = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if getattr(base, f.name) != defaults[f.name]}
 
+    def spelled(name: str, inner: str) -> str:
+        fields = [f"{k}={v!r}" for k, v in kept.items() if k != name]
+        return f"pass options=dcpstore.{kind.__name__}({', '.join([*fields, inner])})"
 
-def storage_spread(spread_prefixes: int | None, storage_options: StorageOptions) -> int:
-    """A writer's spread: ``spread_prefixes`` as given, else the storage
-    options' deprecated field (a writer built without a
-    :class:`~dcpstore.SaveOptions`), with its warning."""
-    if spread_prefixes is not None:
-        return check_spread_prefixes(spread_prefixes)
-    if storage_options.spread_prefixes != 1:
-        warn_spread_deprecated(storage_options.spread_prefixes)
-    return storage_options.spread_prefixes
+    whole = {f.name: spelled(f.name, f"{f.name}=...") for f in dataclasses.fields(base)}
+    for f in dataclasses.fields(StorageOptions):
+        whole.setdefault(f.name, spelled("storage_options", f"storage_options=dcpstore.StorageOptions({f.name}=...)"))
+    return whole
+

@@ -1,20 +1,22 @@
 """How a save or a load runs, as one value: :class:`SaveOptions`, :class:`LoadOptions`.
 
-Every entry point takes the value whole, as ``options=``:
-:func:`dcpstore.save` and :func:`dcpstore.load` (whose keywords are
-shortcuts that build one), :meth:`dcpstore.AsyncSaver.save`,
-:class:`dcpstore.CheckpointManager` (which keeps one for all its saves), the
-drop-in :class:`dcpstore.StorageWriter` / :class:`~dcpstore.StorageReader`
-and :class:`dcpstore.adapters.megatron.CheckpointConfig`; each takes as
-keywords only what is its own (retention, tiers, ``FileSystemWriter``'s
-names, Bridge's fields). Every layer below receives the one object, so no
-layer repeats the keyword list, and every value is checked once, here, when
-the object is built: a :class:`SaveOptions` that exists is valid. Where the
+Each option is passed one way per entry point. :func:`dcpstore.save` and
+:func:`dcpstore.load` take each as a keyword and build the value from them;
+every other entry point takes the value whole, as ``options=``:
+:meth:`dcpstore.AsyncSaver.save`, :class:`dcpstore.CheckpointManager` (which
+keeps one for all its saves), the drop-in :class:`dcpstore.StorageWriter` /
+:class:`~dcpstore.StorageReader` and
+:class:`dcpstore.adapters.megatron.CheckpointConfig`; each takes as keywords
+only what is its own (retention, tiers, a manager's mode) and the names of
+the framework it stands in for (``FileSystemWriter``'s, Bridge's fields:
+:data:`dcpstore._impl.util.keyword_hints.FRAMEWORK_NAMES`). Every layer below
+receives the one object, so no layer repeats the keyword list, and every
+value is checked once, here, when the object is built: a
+:class:`SaveOptions` that exists is valid. Where the
 bytes go is one value too, :class:`~dcpstore.StorageOptions` (the client,
 MSC or native, and its tuning).
 
-Where keywords meet an ``options=`` (and the keywords an entry point used
-to take are mapped onto it) is :mod:`dcpstore._impl.values.keywords`.
+Where keywords meet an ``options=`` is :mod:`dcpstore._impl.values.keywords`.
 
 What a value object cannot know -- whether an engine can run here (NVRx
 installed), and whether it can write a given backend -- is asked of the
@@ -25,7 +27,6 @@ refuses.
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
@@ -35,8 +36,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 
 from dcpstore._impl.util.errors import InvalidArgument
-from dcpstore._impl.util.warning_filters import warn_deprecated
-from dcpstore._impl.storage import StorageOptions, check_spread_prefixes, with_msc
+from dcpstore._impl.storage import StorageOptions, check_spread_prefixes
 
 @dataclass(frozen=True)
 class EngineSpec:
@@ -230,24 +230,14 @@ class _Where:
         """Whether the storage is reached through MSC (``storage_options.enable_msc``)."""
         return self.storage_options is not None and self.storage_options.enable_msc
 
-    def spelled(self, **more: Any) -> str:
-        """How to write these options (the fields not at their defaults),
-        with ``more`` fields set, for messages; ``enable_msc`` is written
-        where it lives, in ``storage_options``."""
-        values = {f.name: getattr(self, f.name) for f in fields(self)}  # type: ignore[arg-type]
-        if "enable_msc" in more:
-            values["storage_options"] = with_msc(values["storage_options"], bool(more.pop("enable_msc")))
-        values.update(more)
-        defaults = OPTION_DEFAULTS[type(self)]
-        return f"dcpstore.{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in values.items() if v != defaults[k])})"
-
 
 @dataclass(frozen=True)
 class LoadOptions(_Where):
     """How a load reads: every option of :func:`dcpstore.load` as one value,
     validated when it is built (a bad value is an
     :class:`~dcpstore.InvalidArgument` naming it). Pass it whole as
-    ``options=`` to :func:`dcpstore.load` or :class:`dcpstore.StorageReader`.
+    ``options=`` to :class:`dcpstore.StorageReader` (:func:`dcpstore.load`
+    takes each option as a keyword).
 
     Attributes:
         workers: reader threads per rank (``None``: the backend's default).
@@ -290,10 +280,11 @@ class SaveOptions(_Where):
     """How a save runs: every option of :func:`dcpstore.save` as one value,
     validated when it is built (a bad value is an
     :class:`~dcpstore.InvalidArgument` naming it) and handed down whole.
-    Pass it as ``options=`` to :func:`dcpstore.save`,
-    :meth:`dcpstore.AsyncSaver.save`, :class:`dcpstore.CheckpointManager`,
-    :class:`dcpstore.StorageWriter` or
-    :class:`~dcpstore.adapters.megatron.CheckpointConfig`::
+    Pass it as ``options=`` to :meth:`dcpstore.AsyncSaver.save`,
+    :class:`dcpstore.CheckpointManager`, :class:`dcpstore.StorageWriter` or
+    :class:`~dcpstore.adapters.megatron.CheckpointConfig`
+    (:func:`dcpstore.save` takes each option as a keyword:
+    ``save(state, uri, **options.as_kwargs())``)::
 
         options = dcpstore.SaveOptions(async_=True, engine="native", spread_prefixes=16,
                                        storage_options=dcpstore.StorageOptions(enable_msc=True))
@@ -340,7 +331,6 @@ class SaveOptions(_Where):
         _check_bool("progress", self.progress)
         _check_storage_options(self.storage_options)
         check_spread_prefixes(self.spread_prefixes)
-        self._take_spread_from_storage_options()
         if self.save_id is not None and not (isinstance(self.save_id, str) and _SAVE_ID.fullmatch(self.save_id)):
             raise InvalidArgument(f"save_id must be None or 16 lowercase hex digits, got {self.save_id!r}")
         for problem in save_option_problems(
@@ -361,21 +351,6 @@ class SaveOptions(_Where):
         native one (which then waits for it)."""
         return self.async_ or self.engine not in (AUTO, "native")
 
-    def _take_spread_from_storage_options(self) -> None:
-        """The deprecated ``StorageOptions.spread_prefixes``: moved here, once
-        (so the storage options handed down no longer carry it)."""
-        where = self.storage_options
-        if where is None or where.spread_prefixes == 1:
-            return
-        warn_spread_deprecated(where.spread_prefixes)
-        if self.spread_prefixes not in (1, where.spread_prefixes):
-            raise InvalidArgument(
-                f"spread_prefixes={self.spread_prefixes} and storage_options.spread_prefixes={where.spread_prefixes} "
-                "disagree; pass spread_prefixes only, in SaveOptions"
-            )
-        object.__setattr__(self, "spread_prefixes", where.spread_prefixes)  # frozen: set once, here
-        object.__setattr__(self, "storage_options", dataclasses.replace(where, spread_prefixes=1))
-
     def for_load(self, *, safe_globals: Sequence[Any] = (), trusted: bool = False) -> LoadOptions:
         """The options a load of what these options saved reads with.
 
@@ -395,16 +370,14 @@ class SaveOptions(_Where):
         )
 
     def as_kwargs(self) -> dict[str, Any]:
-        """These options as :func:`dcpstore.save`'s keyword arguments: its
-        shortcuts, and what has none (``spread_prefixes``) as ``options=``.
+        """These options as :func:`dcpstore.save`'s keyword arguments (all
+        but ``save_id``, which only a manager sets, per save).
 
         Returns:
             The keyword arguments, ``save(state, uri, **kwargs)``.
         """
-        kwargs = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("save_id", "spread_prefixes")}
+        kwargs = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "save_id"}
         kwargs["enable_msc"] = self.enable_msc
-        if self.spread_prefixes != 1:
-            kwargs["options"] = SaveOptions(spread_prefixes=self.spread_prefixes)
         return kwargs
 
 
@@ -413,11 +386,3 @@ OPTION_DEFAULTS: dict[type, dict[str, Any]] = {
     kind: {"enable_msc": False, **{f.name: f.default for f in fields(kind)}} for kind in (SaveOptions, LoadOptions)
 }
 
-
-def warn_spread_deprecated(spread: int) -> None:
-    """The warning for ``StorageOptions(spread_prefixes=spread)``, wherever it takes effect."""
-    warn_deprecated(
-        f"StorageOptions(spread_prefixes={spread}) is deprecated: spreading is how a save lays out its files, "
-        f"not how the storage is reached; pass dcpstore.SaveOptions(spread_prefixes={spread}) instead "
-        "(options= of dcpstore.save and of every other entry point)"
-    )
