@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import dcpstore
-from async_helpers import (
+from tests.support.async_helpers import (
     ENGINES,
     GatedPlanner,
     engine_params,
@@ -26,10 +26,10 @@ from async_helpers import (
     snapshot,
     zeros_like_state,
 )
-from backends import Target
+from tests.support.backends import Target
 from dcpstore._impl.errors import CheckpointNotFound, InvalidArgument, SaveError
 from dcpstore._impl.engines.staging import Stager, StagingPool
-from rss import fix_mmap_threshold, in_own_process, live_rss
+from tests.support.rss import fix_mmap_threshold, in_own_process, live_rss
 
 
 @pytest.fixture(scope="module")

@@ -34,7 +34,7 @@ from dcpstore._impl.bench.measure import PeakRSS, parse_int_list
 from dcpstore._impl.cli import main
 from dcpstore._impl.errors import InvalidArgument
 
-from test_cli import run_cli
+from tests.test_cli import run_cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCHMARKS = os.path.join(ROOT, "benchmarks")

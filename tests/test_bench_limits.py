@@ -17,8 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dcpstore._impl.bench.limits import SWEEP_CONNECTIONS, best_limits, harness_verdicts, limit_ratios, pieces, sweep_points
-from s3_server import S3Endpoint
-from test_cli import run_cli
+from tests.support.s3_server import S3Endpoint
+from tests.test_cli import run_cli
 
 MiB = 1 << 20
 ROOT = Path(__file__).resolve().parent.parent

@@ -21,7 +21,7 @@ import torch.distributed.checkpoint as dcp
 import dcpstore
 from dcpstore._impl.cli import main as cli_main
 from dcpstore._impl.manager import BRIDGE, DCPSTORE, check_step
-from helpers import assert_state_equal, sample_state, zeros_like_state
+from tests.support.helpers import assert_state_equal, sample_state, zeros_like_state
 
 TRACKER = "latest_checkpointed_iteration.txt"
 TRAIN_STATE = "latest_train_state.pt"

@@ -20,12 +20,12 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.storage import WriteResult
 
 import dcpstore
-import extras
+from tests.support import extras
 from dcpstore._impl.dcp.commit import ItemRecord, SaveSession, read_checkpoint_metadata
 from dcpstore._impl.format.inflight import alive_name, is_alive_file
 from dcpstore._impl.format.layout import INFLIGHT, MANIFEST, METADATA
 from dcpstore._impl.maintenance import gc
-from faults import EventStorage, FailAt, Recorder, hook_all_storage
+from tests.support.faults import EventStorage, FailAt, Recorder, hook_all_storage
 
 
 def _storage(path: Path) -> tuple[EventStorage, Recorder]:

@@ -21,11 +21,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 import dcpstore
-from backends import Target
+from tests.support.backends import Target
 from dcpstore._impl.dcp.commit import read_checkpoint_metadata, read_commit_file
 from dcpstore._impl.format.layout import MANIFEST, METADATA, commit_file_path, is_commit_side_file, is_manifest
 from dcpstore._impl.maintenance import gc, list_checkpoints, verify_checkpoint
-from helpers import assert_state_equal, sample_state, zeros_like_state
+from tests.support.helpers import assert_state_equal, sample_state, zeros_like_state
 
 META = "meta.pt"
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import dcpstore
-from crashkit import forkserver
+from tests.support.crashkit import forkserver
 
 
 def writer_state(seed: int) -> dict:

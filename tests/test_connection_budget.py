@@ -21,10 +21,10 @@ import pytest
 import torch
 
 import dcpstore
-from faultproxy import FaultConfig, FaultProxy, Request
-from helpers import assert_state_equal, zeros_like_state
-from s3_server import S3Endpoint
-from test_object_store_budget import PART, _uri, proxy  # noqa: F401 -- proxy: the fixture
+from tests.support.faultproxy import FaultConfig, FaultProxy, Request
+from tests.support.helpers import assert_state_equal, zeros_like_state
+from tests.support.s3_server import S3Endpoint
+from tests.test_object_store_budget import PART, _uri, proxy  # noqa: F401 -- proxy: the fixture
 from dcpstore._impl.errors import StorageError
 from dcpstore.storage import MiB, StorageOptions, open_storage
 

@@ -22,13 +22,13 @@ import pytest
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 import dcpstore
-import killcount
-from crashkit import Managed, age_temp_files, commit_index, crash, crash_state, forkserver, kill_points, run_managed_crashes
-from crashkit import outcome as _outcome_of
+from tests.support import killcount
+from tests.support.crashkit import Managed, age_temp_files, commit_index, crash, crash_state, forkserver, kill_points, run_managed_crashes
+from tests.support.crashkit import outcome as _outcome_of
 from dcpstore._impl.maintenance import gc, list_checkpoints
 from dcpstore.storage import open_storage
 from dcpstore._impl.dcp.writer import DcpStorageWriter
-from faults import EventStorage, KillAt, Recorder
+from tests.support.faults import EventStorage, KillAt, Recorder
 
 #: Kill-point budget of the quick run (None: every point, in the slow run).
 BUDGETS = [pytest.param(24, id="sampled"), pytest.param(None, id="all", marks=pytest.mark.slow)]

@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import pytest
 
-from crashkit import Managed, forkserver, run_managed_crashes
+from tests.support.crashkit import Managed, forkserver, run_managed_crashes
 from dcpstore._impl.format.layout import METADATA
-from extras import needs_nvrx
+from tests.support.extras import needs_nvrx
 
 slow = pytest.mark.slow
 #: engine, scenario, kill-point budget (None: every point). The quick run

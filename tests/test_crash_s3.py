@@ -28,12 +28,12 @@ import uuid
 
 import pytest
 
-from backends import OBJECT_STORE_OPTIONS
-from crashkit import Managed, forkserver, run_managed_crashes
+from tests.support.backends import OBJECT_STORE_OPTIONS
+from tests.support.crashkit import Managed, forkserver, run_managed_crashes
 from dcpstore._impl.cli import main as cli_main
 from dcpstore.storage import MiB
 from dcpstore._impl.format.layout import METADATA
-from s3_server import S3Endpoint, aws_env
+from tests.support.s3_server import S3Endpoint, aws_env
 
 #: S3 events always killed at (the rest is thinned to the budget).
 KEEP = ("s3:CreateMultipartUpload", "s3:UploadPart", "s3:CompleteMultipartUpload", f"commit:{METADATA}", "s3:PutObject-done")

@@ -23,7 +23,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import dcpstore
-from async_helpers import ENGINES, GatedPlanner, assert_same
+from tests.support.async_helpers import ENGINES, GatedPlanner, assert_same
 from dcpstore._impl.engines import nvrx as nvrx_adapter
 from dcpstore._impl.engines.staging import Stager, StagingPool
 
@@ -274,8 +274,8 @@ def test_load_fills_cuda_tensors_in_place(engine: str, tmp_path: Any) -> None:
 def job_fsdp_nccl(rank: int, world: int, root: str, engine: str, device: str = "cuda") -> None:
     """FSDP2 on CUDA over NCCL: async saves through a manager while training
     goes on, then a resume into a fresh model from the newest step."""
-    from fsdp_jobs import assert_same as assert_same_state
-    from fsdp_jobs import build, differs, full_state, train
+    from tests.support.fsdp_jobs import assert_same as assert_same_state
+    from tests.support.fsdp_jobs import build, differs, full_state, train
 
     from dcpstore.adapters import fsdp
 
@@ -311,7 +311,7 @@ def test_fsdp2_over_nccl_async_save_and_resume(engine: str, tmp_path: Any) -> No
     _need_engine(engine)
     if not torch.distributed.is_nccl_available():
         pytest.skip("this torch has no NCCL")
-    from dist_utils import run_ranks
+    from tests.support.dist_utils import run_ranks
 
     run_ranks(job_fsdp_nccl, 1, str(tmp_path / "run"), engine, backend="nccl", timeout=90)
 
@@ -319,8 +319,8 @@ def test_fsdp2_over_nccl_async_save_and_resume(engine: str, tmp_path: Any) -> No
 def test_manager_resumes_cuda_training_from_the_newest_step(tmp_path: Any) -> None:
     """One process, no torch.distributed: async saves while the optimizer
     keeps stepping, retention, and a resume into a fresh CUDA model."""
-    from fsdp_jobs import assert_same as assert_same_state
-    from fsdp_jobs import build, differs, full_state, train
+    from tests.support.fsdp_jobs import assert_same as assert_same_state
+    from tests.support.fsdp_jobs import build, differs, full_state, train
 
     from dcpstore.adapters import fsdp
 

@@ -17,12 +17,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import dcpstore
-from backends import Target
+from tests.support.backends import Target
 from dcpstore._impl.engines.nvrx import NvrxTarget, nvrx_save
 from dcpstore._impl.engines.staging import Stager
 from dcpstore.storage import Storage
 from dcpstore._impl.format.layout import MANIFEST
-from oracle import needs_nvrx
+from tests.support.oracle import needs_nvrx
 
 
 def _state() -> dict[str, torch.Tensor]:

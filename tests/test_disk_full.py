@@ -2,7 +2,7 @@
 
 A tmpfs of a few MiB is mounted in a private mount namespace (``unshare``;
 as root, or through an unprivileged user namespace), and the scenario runs in
-a child process inside it (tests/disk_full_child.py): a save larger than the
+a child process inside it (tests/support/disk_full_child.py): a save larger than the
 disk fails with a SaveError naming ENOSPC and the URI -- not torch's
 "unexpected pos" -- leaves no data files behind, the previous checkpoint
 still loads, and the next save succeeds. The NVRx engine writes in place, so
@@ -20,9 +20,9 @@ import sys
 
 import pytest
 
-from oracle import needs_nvrx
+from tests.support.oracle import needs_nvrx
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where tests.support imports from
 
 
 def _run_in_small_tmpfs(mountpoint: str, engines: list[str]) -> subprocess.CompletedProcess[str]:
@@ -35,8 +35,8 @@ def _run_in_small_tmpfs(mountpoint: str, engines: list[str]) -> subprocess.Compl
     )
     if probe.returncode != 0:
         pytest.skip(f"cannot mount a private tmpfs here: {probe.stderr.strip()}")
-    script = f"mount -t tmpfs -o size=4m tmpfs {mountpoint} && exec {sys.executable} {HERE}/disk_full_child.py {mountpoint} {' '.join(engines)}"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]))
+    script = f"mount -t tmpfs -o size=4m tmpfs {mountpoint} && exec {sys.executable} -m tests.support.disk_full_child {mountpoint} {' '.join(engines)}"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     return subprocess.run(
         ["unshare", "-rm", "--propagation", "private", "sh", "-c", script],
         capture_output=True,

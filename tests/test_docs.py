@@ -5,7 +5,7 @@ result file (benchmarks/report.py), each file names its commit and its
 command (the one the page tells a reader to run), and no target reads
 "met" from a row that measured nothing. RELIABILITY.md: every row names
 tests pytest collects, with the quick/slow markers they carry, and quotes
-only kill counts the crash tests recorded (tests/reliability.py).
+only kill counts the crash tests recorded (tests/support/reliability.py).
 
 Each check also runs against a page with one drift put in, and must find it.
 All of it holds on any copy of the repository (a shallow clone, a source
@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-import reliability
+from tests.support import reliability
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -241,5 +241,5 @@ def test_the_kill_point_table_is_the_recorded_counts(items: reliability.Items) -
     assert row in table
     assert "| `tests/test_tiered.py::test_sigkill_during_replication_leaves_whole_steps_s3` | slow |" in table
     assert reliability.count_problems(items, {"tests/test_x.py::gone": {}}) == [
-        "tests/kill_counts.json: tests/test_x.py::gone is no test pytest collects"
+        "tests/support/kill_counts.json: tests/test_x.py::gone is no test pytest collects"
     ]

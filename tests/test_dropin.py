@@ -31,9 +31,9 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 import dcpstore
-from backends import Target
-from dist_utils import run_ranks
-from helpers import assert_state_equal, sample_state, zeros_like_state
+from tests.support.backends import Target
+from tests.support.dist_utils import run_ranks
+from tests.support.helpers import assert_state_equal, sample_state, zeros_like_state
 from dcpstore._impl.dcp.reader import DcpStorageReader
 from dcpstore._impl.dcp.writer import DcpStorageWriter
 from dcpstore._impl.engines import staging

@@ -9,10 +9,10 @@ save 1 writes, save 2's staging while save 1 still reads its staged copy.
 What must hold (issue #29, item 2): every future that reports success names
 a checkpoint that loads exactly its own state; a failure is a raised
 exception. Stock ``FileSystemWriter`` runs the same patterns as the oracle
-(tests/dropin_patterns.py says how each call is judged).
+(tests/support/dropin_patterns.py says how each call is judged).
 
 The gated tests below force the two crossings deterministically; the hunt
-runs DCP's call patterns (tests/dropin_patterns.py) on local and S3, a
+runs DCP's call patterns (tests/support/dropin_patterns.py) on local and S3, a
 sample in the quick run and the whole cross product with ``-m slow``.
 """
 
@@ -33,9 +33,9 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
 
 import dcpstore
-from backends import Target, make_target
-from dist_utils import run_ranks
-from dropin_patterns import (
+from tests.support.backends import Target, make_target
+from tests.support.dist_utils import run_ranks
+from tests.support.dropin_patterns import (
     ALL_PATTERNS,
     SYNC_PATTERNS,
     Pattern,

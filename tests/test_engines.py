@@ -18,14 +18,14 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 import dcpstore
-from async_helpers import open_target
-from backends import Target
+from tests.support.async_helpers import open_target
+from tests.support.backends import Target
 from dcpstore._impl.engines import nvrx as nvrx_adapter
 from dcpstore._impl.errors import BackendUnavailable, CheckpointCorrupt, EngineFallbackWarning, InvalidArgument
 from dcpstore._impl.engines.registry import engine_class
 from dcpstore._impl.engines.staging import Stager
 from dcpstore._impl.options import AUTO_ORDER, ENGINE_CHOICES, ENGINES
-from extras import needs_nvrx
+from tests.support.extras import needs_nvrx
 
 
 @pytest.fixture

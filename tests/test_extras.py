@@ -1,5 +1,5 @@
 """What .ci/run installs is here, and the suites' skips are decided
-independently of the code they test (tests/extras.py)."""
+independently of the code they test (tests/support/extras.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
-import extras
-from backends import TARGETS
+from tests.support import extras
+from tests.support.backends import TARGETS
 from dcpstore._impl.engines import nvrx as nvrx_adapter
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -63,7 +63,7 @@ def test_every_extra_ci_installs_is_installed_and_imports() -> None:
 
 
 def test_the_nvrx_table_names_real_targets_and_the_engine_agrees_where_it_imports() -> None:
-    """tests/backends.py's targets are what the table speaks of; where NVRx
+    """tests/support/backends.py's targets are what the table speaks of; where NVRx
     imports, dcpstore's own check says so too."""
     assert extras.NVRX_TARGETS <= set(TARGETS), extras.NVRX_TARGETS - set(TARGETS)
     assert "s3" not in extras.NVRX_TARGETS and "memory" not in extras.NVRX_TARGETS

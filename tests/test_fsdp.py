@@ -1,8 +1,8 @@
 """FSDP2 model + optimizer state through dcpstore: formats, resharding,
 strict and partial loads.
 
-Multi-rank jobs are gloo on CPU (tests/dist_utils.py); each compares against
-the full state rank 0 gathered at save time (tests/fsdp_jobs.py).
+Multi-rank jobs are gloo on CPU (tests/support/dist_utils.py); each compares against
+the full state rank 0 gathered at save time (tests/support/fsdp_jobs.py).
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import torch
 from torch import nn
 
 import dcpstore
-import fsdp_jobs
-from backends import Target
+from tests.support import fsdp_jobs
+from tests.support.backends import Target
 from dcpstore.adapters import fsdp
-from dist_utils import run_ranks
+from tests.support.dist_utils import run_ranks
 
 # torch_dist hands DCP ShardedTensors, which torch marks deprecated.
 pytestmark = pytest.mark.filterwarnings("ignore:Please use DTensor instead:FutureWarning")

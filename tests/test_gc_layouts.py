@@ -30,9 +30,9 @@ import dcpstore
 from dcpstore._impl.errors import SaveError, StorageError
 from dcpstore._impl.format import inflight
 from dcpstore._impl.maintenance import gc, list_checkpoints
-from faults import BlockAt, FailAt, hook_all_storage
-from helpers import assert_state_equal
-from test_hostile import cli
+from tests.support.faults import BlockAt, FailAt, hook_all_storage
+from tests.support.helpers import assert_state_equal
+from tests.test_hostile import cli
 
 STATE = {"w": torch.arange(64.0).reshape(8, 8), "n": 3}
 

@@ -1,7 +1,7 @@
 """``dcpstore gc --older-than 0`` racing every kind of running save (issue #29,
 item 4, and its class).
 
-A gc loop in a process of its own (tests/gc_loop.py) runs over the roots
+A gc loop in a process of its own (tests/support/gc_loop.py) runs over the roots
 while saves run: sync, async native, NVRx, to fresh directories and over a
 committed checkpoint, local and S3 (moto), a tiered manager's local commit
 and its replication (gc on both tiers). Held: no save fails, every
@@ -43,17 +43,17 @@ import pytest
 import torch
 
 import dcpstore
-from backends import Target, make_target
+from tests.support.backends import Target, make_target
 from dcpstore._impl.engines import nvrx as nvrx_engine
 from dcpstore._impl.format import inflight
 from dcpstore._impl.format.layout import INFLIGHT, METADATA
 from dcpstore._impl import listing
 from dcpstore._impl.maintenance import gc, list_checkpoints
-from faults import BlockAt, hook_all_storage
-from gc_loop import gc_loop
-from helpers import assert_state_equal, zeros_like_state
+from tests.support.faults import BlockAt, hook_all_storage
+from tests.support.gc_loop import gc_loop
+from tests.support.helpers import assert_state_equal, zeros_like_state
 
-TESTS = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[1]  # where tests.support imports from
 
 
 def _state(i: int) -> dict[str, Any]:
@@ -76,9 +76,9 @@ def plant_wreck(uri: str, kwargs: dict[str, Any] | None = None) -> None:
     code = textwrap.dedent(
         f"""
         import sys, torch, dcpstore
-        sys.path.insert(0, {str(TESTS)!r})
-        from backends import OBJECT_STORE_OPTIONS
-        from faults import KillOn, hook_all_storage
+        sys.path.insert(0, {str(ROOT)!r})
+        from tests.support.backends import OBJECT_STORE_OPTIONS
+        from tests.support.faults import KillOn, hook_all_storage
         hook_all_storage(KillOn("wrote:__0_", prefix=True))
         options = {{"storage_options": OBJECT_STORE_OPTIONS}} if {bool(kwargs)!r} else {{}}
         dcpstore.save({{"w": torch.randn(1 << 16), "v": torch.randn(1 << 16)}}, {uri!r}, workers=2, **options)
@@ -315,7 +315,7 @@ def test_gc_loop_beside_a_multi_rank_tiered_manager(tmp_path: Path, per_node: in
     its own files to the durable tier and the coordinator commits; each
     node's leader commits its directory's copy. gc on every directory
     breaks none of it."""
-    from dist_utils import run_ranks
+    from tests.support.dist_utils import run_ranks
 
     durable = tmp_path / "durable"
     dirs = [str(tmp_path / f"node{rank // per_node}") for rank in range(2)]

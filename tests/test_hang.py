@@ -23,8 +23,8 @@ import torch
 
 import dcpstore
 from dcpstore._impl.errors import SaveError, StorageError
-from faults import BlockAt, hook_all_storage
-from helpers import assert_state_equal
+from tests.support.faults import BlockAt, hook_all_storage
+from tests.support.helpers import assert_state_equal
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -97,7 +97,7 @@ def test_manager_next_save_and_close_do_not_wait_forever_for_a_hung_save(tmp_pat
 def _run_script(tmp_path: Path, body: str, timeout: float) -> subprocess.CompletedProcess[str]:
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent(body))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.run(
         [sys.executable, str(script)], capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp_path
     )
@@ -118,7 +118,7 @@ def test_exit_finishes_healthy_saves_and_gives_up_on_hung_ones(tmp_path) -> None
         import dataclasses, time, torch
         import dcpstore
         from dcpstore._impl.engines import saver as async_engine
-        from faults import BlockAt, hook_all_storage
+        from tests.support.faults import BlockAt, hook_all_storage
         hook_all_storage({{
             {str(slow)!r}: lambda e: time.sleep(0.3) if e.startswith("write:") else None,
             {str(hung)!r}: BlockAt(lambda e: e.startswith("write:__0_")),

@@ -37,7 +37,7 @@ from dcpstore._impl.cli import main
 from dcpstore._impl.dcp.reader import DcpStorageReader
 from dcpstore._impl.manager import CheckpointManager, step_dir
 from dcpstore.storage import open_storage
-from rss import PEAK_MIB_SOURCE
+from tests.support.rss import PEAK_MIB_SOURCE
 
 MANIFEST, METADATA = ".dcpstore.json", ".metadata"
 

@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import dcpstore
-from test_hostile import MANIFEST, METADATA, cli, fresh, good, read_manifest, state, write_metadata
+from tests.test_hostile import MANIFEST, METADATA, cli, fresh, good, read_manifest, state, write_metadata
 
 
 def load_ok(ckpt: Path) -> bool:

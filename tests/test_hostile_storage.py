@@ -45,7 +45,7 @@ from dcpstore._impl.errors import CheckpointError, CheckpointNotFound, StorageEr
 from dcpstore._impl.manager import CheckpointManager
 from dcpstore.storage import open_storage
 from dcpstore._impl.storage.local import LocalStorage
-from test_hostile import METADATA, cli, fresh, state
+from tests.test_hostile import METADATA, cli, fresh, state
 
 #: How each local-filesystem backend is reached: (URI for a path, CLI flags, load kwargs).
 BACKENDS: dict[str, tuple[Callable[[Path], str], list[str], dict[str, Any]]] = {

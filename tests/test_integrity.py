@@ -17,8 +17,8 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
 import dcpstore
-from backends import Target
-from helpers import assert_state_equal, sample_state, zeros_like_state
+from tests.support.backends import Target
+from tests.support.helpers import assert_state_equal, sample_state, zeros_like_state
 from dcpstore._impl.dcp.commit import read_checkpoint_metadata
 from dcpstore._impl.format.layout import MANIFEST, manifest_name, save_tag
 from dcpstore._impl.maintenance import verify_checkpoint
@@ -283,7 +283,7 @@ def test_damage_to_a_metadata_of_ours_is_still_corrupt(saved: tuple[str, dict]) 
 
 def test_a_transformed_object_over_16_mib_loads(tmp_path) -> None:
     """Issue 29 item 7: the end check looked at the transformed bytes."""
-    from test_dropin import Xor, registry
+    from tests.test_dropin import Xor, registry
 
     root = str(tmp_path / "ck")
     state = {"w": torch.ones(4), "blob": os.urandom(17 << 20)}

@@ -26,9 +26,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import dcpstore
-from faultproxy import FaultConfig, FaultProxy
-from helpers import assert_state_equal, zeros_like_state
-from s3_server import S3Endpoint
+from tests.support.faultproxy import FaultConfig, FaultProxy
+from tests.support.helpers import assert_state_equal, zeros_like_state
+from tests.support.s3_server import S3Endpoint
 from dcpstore._impl.storage.lent_parts import LEND_MIN, LendingObjectWriter, Part, PartBody
 from dcpstore.storage import MiB, StorageOptions, open_storage
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from extras import skip_module_unless  # noqa: E402
+from tests.support.extras import skip_module_unless  # noqa: E402
 
 skip_module_unless("lightning")
 
@@ -35,11 +35,11 @@ from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, TensorDataset
 
 import dcpstore
-from backends import OBJECT_STORE_OPTIONS, make_target
+from tests.support.backends import OBJECT_STORE_OPTIONS, make_target
 from dcpstore.adapters import lightning as dl
 from dcpstore._impl.dcp.commit import read_checkpoint_metadata
-from dist_utils import run_ranks
-from fsdp_jobs import assert_same, full_state
+from tests.support.dist_utils import run_ranks
+from tests.support.fsdp_jobs import assert_same, full_state
 
 BACKENDS = ["local", "s3"]
 

@@ -23,10 +23,10 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 import dcpstore
 from dcpstore._impl.errors import StorageError
 from dcpstore.storage import open_storage
-from crashkit import which_state
+from tests.support.crashkit import which_state
 from dcpstore._impl.dcp.writer import DcpStorageWriter
-from faults import EventStorage, FailAt
-from helpers import sample_state, zeros_like_state
+from tests.support.faults import EventStorage, FailAt
+from tests.support.helpers import sample_state, zeros_like_state
 
 
 def _is_tmp_fd(fd: int) -> bool:

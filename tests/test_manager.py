@@ -1,7 +1,7 @@
 """CheckpointManager: listing, pointer, retention, crashes, lifetime.
 
 The listing/retention suites run on every backend target; the crash suites
-SIGKILL a child process (tests/manager_child.py) on the local backend.
+SIGKILL a child process (tests/support/manager_child.py) on the local backend.
 """
 
 from __future__ import annotations
@@ -20,18 +20,18 @@ import pytest
 import torch
 
 import dcpstore
-import killcount
+from tests.support import killcount
 import dcpstore.storage
 import dcpstore.tools
-from async_helpers import engine_params, skip_unless_engine_serves
-from backends import Target
+from tests.support.async_helpers import engine_params, skip_unless_engine_serves
+from tests.support.backends import Target
 from dcpstore._impl.maintenance import list_checkpoints
 from dcpstore._impl.manager import parse_step_dir, step_dir
 from dcpstore._impl.format.layout import METADATA
-from faults import BlockAt, hook_all_storage
-from manager_child import state as child_state
+from tests.support.faults import BlockAt, hook_all_storage
+from tests.support.manager_child import state as child_state
 
-CHILD = str(Path(__file__).with_name("manager_child.py"))
+CHILD = "tests.support.manager_child"  # run with -m from the repository root
 
 
 def _state(step: int) -> dict[str, Any]:
@@ -201,7 +201,7 @@ def test_close_is_idempotent_and_final(local_target: Target) -> None:
 def _child(mode: str, root: str, keep: int, async_: bool = False) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
     return subprocess.Popen(
-        [sys.executable, CHILD, mode, root, str(keep), "1" if async_ else "0"],
+        [sys.executable, "-m", CHILD, mode, root, str(keep), "1" if async_ else "0"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

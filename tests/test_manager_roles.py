@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import dcpstore
-from test_hostile import cli
+from tests.test_hostile import cli
 
 
 def _tiered(root: str, local: str, **kwargs: object) -> dcpstore.CheckpointManager:

@@ -1,6 +1,6 @@
 """Megatron-Bridge's async ``fsdp_dtensor`` saves through
 ``dcpstore.adapters.megatron.FileSystemWriterAsync``, driven exactly as
-Bridge 0.6.2 drives NVRx's writer (tests/bridge_kit.py: NVRx's own planner,
+Bridge 0.6.2 drives NVRx's writer (tests/support/bridge_kit.py: NVRx's own planner,
 finalize, ``AsyncRequest`` and persistent ``AsyncCallsQueue``), on real gloo
 ranks, with stock ``dcp.load`` as the oracle.
 
@@ -32,10 +32,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 import dcpstore
-import killcount
-from backends import make_target, save_options
-from bridge_wheel import checkpoint_utils
-from bridge_kit import (
+from tests.support import killcount
+from tests.support.backends import make_target, save_options
+from tests.support.bridge_wheel import checkpoint_utils
+from tests.support.bridge_kit import (
     TRACKER,
     assert_equal,
     bridge_module,
@@ -58,8 +58,8 @@ from dcpstore._impl.adapters.megatron_bridge import BridgeRoots
 from dcpstore._impl.cli import main as cli_main
 from dcpstore._impl.maintenance import list_checkpoints
 from dcpstore._impl.storage import join_uri, open_storage
-from dist_utils import run_ranks
-from extras import NVRX, skip_module_unless
+from tests.support.dist_utils import run_ranks
+from tests.support.extras import NVRX, skip_module_unless
 
 # NVRx throughout; under CI (which runs this file on every tested release) a missing one fails.
 skip_module_unless(NVRX)

@@ -1,8 +1,8 @@
 """``checkpoint.custom_manager_class = "dcpstore.adapters.megatron.BridgeCheckpointManager"``:
 a Megatron-Bridge 0.6.2 run checkpoints through dcpstore by configuration.
 
-Driven by Bridge's own code from its wheel (tests/bridge_run.py,
-tests/bridge_wheel.py) on gloo ranks, with the values a user types
+Driven by Bridge's own code from its wheel (tests/support/bridge_run.py,
+tests/support/bridge_wheel.py) on gloo ranks, with the values a user types
 (``checkpoint.save = "s3://bucket/run"``), stock ``dcp.load`` as the oracle:
 
 * async ``fsdp_dtensor`` saves land in Bridge's layout with dcpstore's
@@ -36,15 +36,15 @@ import torch.distributed.checkpoint as dcp
 
 import dcpstore
 import dcpstore.tools
-import extras
-import killcount
-from backends import make_target
-from bridge_kit import local_copy, run_ranks_codes
-from bridge_run import MANAGER, PROCESS_MANAGER, bridge_config, read_report, train
-from bridge_wheel import BRIDGE_MODULE, checkpointing_module
+from tests.support import extras
+from tests.support import killcount
+from tests.support.backends import make_target
+from tests.support.bridge_kit import local_copy, run_ranks_codes
+from tests.support.bridge_run import MANAGER, PROCESS_MANAGER, bridge_config, read_report, train
+from tests.support.bridge_wheel import BRIDGE_MODULE, checkpointing_module
 from dcpstore._impl.cli import main as cli_main
 from dcpstore._impl.storage import join_uri
-from dist_utils import run_ranks
+from tests.support.dist_utils import run_ranks
 
 TRACKER = "latest_checkpointed_iteration.txt"
 

@@ -28,8 +28,8 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 import dcpstore
-from backends import Target
-from dist_utils import run_ranks
+from tests.support.backends import Target
+from tests.support.dist_utils import run_ranks
 from dcpstore.adapters import fsdp
 from dcpstore._impl.engines import nvrx as nvrx_adapter
 from dcpstore.adapters.megatron import (

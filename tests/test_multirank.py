@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
 import dcpstore
-from dist_utils import run_ranks
+from tests.support.dist_utils import run_ranks
 
 FULL = torch.arange(64 * 24, dtype=torch.float32).reshape(64, 24)
 

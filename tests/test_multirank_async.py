@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import dcpstore
-from async_helpers import ENGINES, GatedPlanner
+from tests.support.async_helpers import ENGINES, GatedPlanner
 from dcpstore._impl.errors import CheckpointNotFound, SaveError
 
 

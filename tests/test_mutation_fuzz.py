@@ -1,7 +1,7 @@
 """Hunting the classes, not the instances: a mutation fuzzer over every field
 of ``.metadata``, of the manifest and of the records' zip headers.
 
-tests/mutation_fuzz.py builds the checkpoint, the catalogue of one-field
+tests/support/mutation_fuzz.py builds the checkpoint, the catalogue of one-field
 mutations (each under the modes that apply: ``damage``, ``resealed``,
 ``stripped``) and hypothesis-drawn combinations, and runs every case in one
 process of its own (``rss.in_own_process``: its own peak RSS and
@@ -37,8 +37,8 @@ from typing import Any
 
 import pytest
 
-from mutation_fuzz import RSS_SLACK, run_to_file
-from rss import in_own_process
+from tests.support.mutation_fuzz import RSS_SLACK, run_to_file
+from tests.support.rss import in_own_process
 
 
 def _run(tmp_path_factory: pytest.TempPathFactory, full: bool, examples: int) -> dict[str, Any]:

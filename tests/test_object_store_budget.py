@@ -24,9 +24,9 @@ import pytest
 import torch
 
 import dcpstore
-from faultproxy import FaultConfig, FaultProxy, Request
-from helpers import assert_state_equal, zeros_like_state
-from s3_server import BUCKET, MotoServer, S3Endpoint, Tls
+from tests.support.faultproxy import FaultConfig, FaultProxy, Request
+from tests.support.helpers import assert_state_equal, zeros_like_state
+from tests.support.s3_server import BUCKET, MotoServer, S3Endpoint, Tls
 from dcpstore._impl.bench.measure import PeakRSS
 from dcpstore._impl.errors import CheckpointCorrupt
 from dcpstore.storage import MiB, StorageOptions, open_storage

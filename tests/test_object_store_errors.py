@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import dcpstore
-from backends import OBJECT_STORE_OPTIONS
-from s3_server import FAKE_KEY_ID, FAKE_SECRET, REGION, MotoServer, S3Endpoint, apply_env, aws_env
+from tests.support.backends import OBJECT_STORE_OPTIONS
+from tests.support.s3_server import FAKE_KEY_ID, FAKE_SECRET, REGION, MotoServer, S3Endpoint, apply_env, aws_env
 from dcpstore._impl.cli import main as cli_main
 from dcpstore.storage import open_storage
 

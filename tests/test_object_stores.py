@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import dcpstore
-from backends import OBJECT_STORE_OPTIONS, make_target
-from faultproxy import FaultConfig, FaultProxy
-from s3_server import S3Endpoint
+from tests.support.backends import OBJECT_STORE_OPTIONS, make_target
+from tests.support.faultproxy import FaultConfig, FaultProxy
+from tests.support.s3_server import S3Endpoint
 from dcpstore._impl.maintenance import gc
 from dcpstore._impl.storage import MiB, StorageOptions, open_storage, parse_uri
 from dcpstore._impl.storage.s3 import S3Storage, s3_client

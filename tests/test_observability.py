@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import dcpstore
-from backends import Target
-from faultproxy import FaultConfig, FaultProxy
-from s3_server import S3Endpoint
+from tests.support.backends import Target
+from tests.support.faultproxy import FaultConfig, FaultProxy
+from tests.support.s3_server import S3Endpoint
 from dcpstore.storage import StorageOptions
 from dcpstore._impl.storage.s3_client import RetryBursts
 

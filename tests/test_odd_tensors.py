@@ -10,8 +10,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import dcpstore
-from backends import Target
-from oracle import SAVE_ENGINES, assert_same_state, destination, save_with
+from tests.support.backends import Target
+from tests.support.oracle import SAVE_ENGINES, assert_same_state, destination, save_with
 
 
 def _plain(n: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.Tensor:

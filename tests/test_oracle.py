@@ -39,10 +39,10 @@ from hypothesis import strategies as st
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
 import dcpstore
-from backends import TARGETS, Target
+from tests.support.backends import TARGETS, Target
 from dcpstore._impl.format.layout import MANIFEST, is_manifest
-from oracle import SAVE_ENGINES, assert_same_state, destination, save_with
-from s3_server import BUCKET
+from tests.support.oracle import SAVE_ENGINES, assert_same_state, destination, save_with
+from tests.support.s3_server import BUCKET
 
 DTYPES = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16,

@@ -31,9 +31,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
 import dcpstore
-import extras
-from dist_utils import run_ranks
-from oracle import SAVE_ENGINES, assert_same_tensor, destination
+from tests.support import extras
+from tests.support.dist_utils import run_ranks
+from tests.support.oracle import SAVE_ENGINES, assert_same_tensor, destination
 
 #: name -> (global shape, dtype, placement saved with, placement loaded into).
 TENSORS: dict[str, tuple[tuple[int, ...], torch.dtype, Placement, Placement]] = {

@@ -24,10 +24,10 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 import dcpstore
-from async_helpers import skip_unless_engine_serves
-from backends import Target
-from faults import FailAt, hook_all_storage
-from helpers import assert_state_equal, zeros_like_state
+from tests.support.async_helpers import skip_unless_engine_serves
+from tests.support.backends import Target
+from tests.support.faults import FailAt, hook_all_storage
+from tests.support.helpers import assert_state_equal, zeros_like_state
 from dcpstore._impl import maintenance
 from dcpstore._impl.dcp import load as whole_load
 from dcpstore._impl.dcp.load import LOAD_TRIES

@@ -35,9 +35,9 @@ import dcpstore
 from dcpstore._impl.errors import CheckpointCorrupt
 from dcpstore._impl.format.peer_paths import PeerPath
 from dcpstore._impl.format.safe_pickle import TOOLS, load_metadata
-from dist_utils import run_ranks
-from helpers import assert_state_equal, zeros_like_state
-from test_cli import run_cli
+from tests.support.dist_utils import run_ranks
+from tests.support.helpers import assert_state_equal, zeros_like_state
+from tests.test_cli import run_cli
 
 
 def _state(rank: int = 0) -> dict[str, Any]:

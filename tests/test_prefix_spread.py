@@ -24,7 +24,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import dcpstore
-from backends import Target
+from tests.support.backends import Target
 from dcpstore._impl.format import inflight
 from dcpstore._impl.format.inflight import ALIVE_PREFIX
 from dcpstore._impl.format.layout import (
@@ -40,8 +40,8 @@ from dcpstore._impl.format.layout import (
 from dcpstore._impl.maintenance import gc, list_checkpoints
 from dcpstore.storage import StorageOptions
 from dcpstore._impl.storage.local import _TMP_MARK
-from dist_utils import run_ranks
-from oracle import needs_nvrx
+from tests.support.dist_utils import run_ranks
+from tests.support.oracle import needs_nvrx
 
 FULL = torch.arange(96 * 40, dtype=torch.float32).reshape(96, 40)
 

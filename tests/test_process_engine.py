@@ -26,7 +26,7 @@ import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 import dcpstore
-from async_helpers import GatedPlanner
+from tests.support.async_helpers import GatedPlanner
 from dcpstore._impl.errors import CheckpointNotFound, InvalidArgument, SaveError
 
 #: Bound on how long a save whose checkpoint process died may take to fail.
@@ -121,7 +121,7 @@ _TRAINER = textwrap.dedent(
     """
     import sys, time, torch, dcpstore
     sys.path.insert(0, sys.argv[2])
-    from async_helpers import GatedPlanner
+    from tests.support.async_helpers import GatedPlanner
     planner = GatedPlanner("setup")
     handle = dcpstore.save({"w": torch.ones(100)}, sys.argv[1], async_=True, engine="process", planner=planner)
     assert planner.reached.wait(120)
@@ -136,8 +136,8 @@ def test_the_checkpoint_process_dies_with_its_trainer(tmp_path: Path) -> None:
     on writing, and commit, for a job that is gone), and the save it held
     commits nothing."""
     uri = str(tmp_path / "a")
-    tests = os.path.dirname(os.path.abspath(__file__))
-    trainer = subprocess.Popen([sys.executable, "-c", _TRAINER, uri, tests], stdout=subprocess.PIPE, text=True)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where tests.support imports from
+    trainer = subprocess.Popen([sys.executable, "-c", _TRAINER, uri, root], stdout=subprocess.PIPE, text=True)
     try:
         assert trainer.stdout is not None and trainer.stdout.readline().strip() == "held"
         (worker,) = checkpoint_processes(psutil.Process(trainer.pid))

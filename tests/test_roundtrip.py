@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import dcpstore
-from backends import Target
-from helpers import assert_state_equal, sample_state, zeros_like_state
+from tests.support.backends import Target
+from tests.support.helpers import assert_state_equal, sample_state, zeros_like_state
 from dcpstore.storage import MiB
 
 

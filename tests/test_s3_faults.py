@@ -1,4 +1,4 @@
-"""Saves through a faulty network (tests/faultproxy.py in front of moto).
+"""Saves through a faulty network (tests/support/faultproxy.py in front of moto).
 
 A share of requests answered ``503 SlowDown`` or ``500 InternalError``, of
 connections dropped mid-request or mid-response, of responses stalled past
@@ -29,9 +29,9 @@ import pytest
 import torch
 
 import dcpstore
-from faultproxy import FaultConfig, FaultProxy, Request, s3_error
-from helpers import assert_state_equal, zeros_like_state
-from s3_server import S3Endpoint
+from tests.support.faultproxy import FaultConfig, FaultProxy, Request, s3_error
+from tests.support.helpers import assert_state_equal, zeros_like_state
+from tests.support.s3_server import S3Endpoint
 from dcpstore._impl.maintenance import gc
 from dcpstore.storage import MiB, StorageOptions, open_storage
 

@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 import dcpstore
 from dcpstore._impl.format.safe_pickle import TOOLS, Trust, load_metadata, load_object
-from dist_utils import run_ranks
+from tests.support.dist_utils import run_ranks
 
 KINDS = ("plain", "dtensor", "sharded", "bytes", "nested", "nested_unflattened")
 WRITERS = ("stock", "stock_rank_local", "dcpstore", "dcpstore_async")

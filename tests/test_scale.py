@@ -25,7 +25,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import dcpstore
-from backends import Target, make_target
+from tests.support.backends import Target, make_target
 from dcpstore._impl import cli, maintenance
 from dcpstore.storage import MiB, StorageOptions
 

@@ -27,9 +27,9 @@ import pytest
 import torch
 
 import dcpstore
-from backends import Target
-from helpers import assert_state_equal, zeros_like_state
-from rss import fix_mmap_threshold, in_own_process, live_rss
+from tests.support.backends import Target
+from tests.support.helpers import assert_state_equal, zeros_like_state
+from tests.support.rss import fix_mmap_threshold, in_own_process, live_rss
 
 SAVES = 100
 KEEP = 2
@@ -113,6 +113,6 @@ def test_soak_full_size(local_target: Target) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["s3"])
 def test_soak_on_s3(name: str, request: pytest.FixtureRequest) -> None:
-    from backends import make_target
+    from tests.support.backends import make_target
 
     soak(make_target(name, request), numel=2 * 1024 * 1024)  # 8 MiB per save: two-part uploads

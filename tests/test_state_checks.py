@@ -20,9 +20,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import dcpstore
-from backends import Target
-from dist_utils import run_ranks
-from oracle import SAVE_ENGINES, assert_same_state, save_with
+from tests.support.backends import Target
+from tests.support.dist_utils import run_ranks
+from tests.support.oracle import SAVE_ENGINES, assert_same_state, save_with
 
 UNSAVEABLE: dict[str, tuple[Callable[[], dict[Any, Any]], str]] = {
     "sparse_coo": (lambda: {"w": {"s": torch.eye(4).to_sparse()}}, r"'w\.s'.*sparse_coo"),

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import pytest
 
 import dcpstore
-from backends import Target
+from tests.support.backends import Target
 from dcpstore._impl.errors import CheckpointError, ObjectTooLarge, StorageNotFound
 from dcpstore.storage import MiB, Storage
 

@@ -26,8 +26,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import dcpstore
-from backends import OBJECT_STORE_OPTIONS, Target
-from s3_server import S3Endpoint
+from tests.support.backends import OBJECT_STORE_OPTIONS, Target
+from tests.support.s3_server import S3Endpoint
 from dcpstore._impl.errors import ObjectTooLarge, StorageError, StorageNotFound, StoragePermissionError
 from dcpstore.storage import MiB, Storage, StorageOptions, open_storage
 from dcpstore._impl.storage.buffered import BufferedObjectWriter

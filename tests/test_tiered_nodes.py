@@ -27,18 +27,18 @@ from hypothesis import strategies as st
 from torch.multiprocessing.spawn import ProcessExitedException
 
 import dcpstore
-import extras
-import killcount
+from tests.support import extras
+from tests.support import killcount
 from dcpstore._impl.format.layout import INFLIGHT, METADATA, name_tag
 from dcpstore._impl.maintenance import gc
 from dcpstore._impl.manager import step_dir
 from dcpstore._impl.manager.tiers.nodes import PROBE_PREFIX, nodes_from_views
 from dcpstore._impl.manager.tiers.replicate import read_local_commit
-from backends import Target, make_target, save_options
-from dist_utils import run_ranks
-from faults import hook_all_storage, spread
-from crashkit import age_temp_files
-from tiered_kit import full, gc_keeps_running
+from tests.support.backends import Target, make_target, save_options
+from tests.support.dist_utils import run_ranks
+from tests.support.faults import hook_all_storage, spread
+from tests.support.crashkit import age_temp_files
+from tests.support.tiered_kit import full, gc_keeps_running
 
 ROWS = 64
 
@@ -459,7 +459,7 @@ def test_sigkill_at_every_durable_event_of_either_node(tmp_path: Path) -> None:
 
 
 def _gc_during_save(rank: int, world: int, durable: str, dirs: list[str]) -> None:
-    from faults import BlockAt
+    from tests.support.faults import BlockAt
 
     gate = BlockAt(lambda e: e.startswith("commit:__"))  # this rank's data file is written, not yet published
     if rank == 1:

@@ -23,16 +23,16 @@ import torch
 import torch.distributed as dist
 
 import dcpstore
-from backends import Target, make_target, save_options
-from crashkit import crash, forkserver
+from tests.support.backends import Target, make_target, save_options
+from tests.support.crashkit import crash, forkserver
 from dcpstore._impl.format.layout import METADATA
 from dcpstore._impl.maintenance import gc
 from dcpstore._impl.manager import step_dir
 from dcpstore._impl.manager.tiers.replicate import check_no_clash, read_local_commit
-from dist_utils import run_ranks
-from faults import BlockAt, KillAt, KillOn, Recorder, hook_all_storage, spread
-from helpers import assert_state_equal, zeros_like_state
-from tiered_kit import (  # noqa: F401
+from tests.support.dist_utils import run_ranks
+from tests.support.faults import BlockAt, KillAt, KillOn, Recorder, hook_all_storage, spread
+from tests.support.helpers import assert_state_equal, zeros_like_state
+from tests.support.tiered_kit import (  # noqa: F401
     assert_durable_step,
     crash_at_each,
     dtensor_state,

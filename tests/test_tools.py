@@ -18,9 +18,9 @@ import dcpstore
 from dcpstore import tools
 from dcpstore.storage import Storage, open_storage, register_backend
 from dcpstore._impl.storage import registry
-from dist_utils import run_ranks
-from helpers import assert_state_equal, zeros_like_state
-from user_backend import ROOT_VARIABLE, MirrorStorage
+from tests.support.dist_utils import run_ranks
+from tests.support.helpers import assert_state_equal, zeros_like_state
+from tests.support.user_backend import ROOT_VARIABLE, MirrorStorage
 
 
 def _state(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -154,9 +154,9 @@ def test_a_second_registration_needs_clobber_and_a_named_class_imports_at_first_
 ) -> None:
     register_backend("mirror", MirrorStorage)  # the same again: fine
     with pytest.raises(dcpstore.InvalidArgument, match="clobber=True"):
-        register_backend("mirror", "user_backend:Other")
+        register_backend("mirror", "tests.support.user_backend:Other")
     register_backend("mirror", "no_such_module_of_ours:Backend", clobber=True)
     with pytest.raises(dcpstore.BackendUnavailable, match="no_such_module_of_ours"):
         open_storage("mirror://bucket/x")
-    register_backend("mirror", "user_backend:MirrorStorage", clobber=True)
+    register_backend("mirror", "tests.support.user_backend:MirrorStorage", clobber=True)
     assert isinstance(open_storage("mirror://bucket/x"), MirrorStorage)

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from extras import skip_module_unless  # noqa: E402
+from tests.support.extras import skip_module_unless  # noqa: E402
 
 skip_module_unless("torchtitan")
 
@@ -35,10 +35,10 @@ from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersCon
 from torchtitan.components.optimizer.optimizer import default_adamw
 
 import dcpstore
-from backends import OBJECT_STORE_OPTIONS, Target
+from tests.support.backends import OBJECT_STORE_OPTIONS, Target
 from dcpstore.adapters import torchtitan as titan
-from dist_utils import run_ranks
-from fsdp_jobs import assert_same, build, full_state, train
+from tests.support.dist_utils import run_ranks
+from tests.support.fsdp_jobs import assert_same, build, full_state, train
 
 MODES = ("disabled", "async", "async_with_pinned_mem")
 STEPS = 4
@@ -200,7 +200,7 @@ def job_resume_from(rank: int, world: int, folder: str, mode: str, ours: bool, s
 
 
 def _folder(request: pytest.FixtureRequest, backend: str) -> str:
-    from backends import make_target
+    from tests.support.backends import make_target
 
     target: Target = make_target(backend, request)
     return target.uri

@@ -16,7 +16,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import dcpstore
-from backends import Target
+from tests.support.backends import Target
 from dcpstore._impl.format import record as dcp_writer
 from dcpstore._impl.format.record import item_tensor
 

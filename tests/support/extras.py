@@ -42,7 +42,7 @@ MODULES: dict[str, tuple[str, ...]] = {
 
 NVRX = "nvidia-resiliency-ext"
 
-#: The targets of tests/backends.py that the NVRx engine writes to: NVRx
+#: The targets of tests/support/backends.py that the NVRx engine writes to: NVRx
 #: writes with ``open()`` or ``msc.open()``, so POSIX paths and MSC, never
 #: the native S3 or the fsspec backend (README, "Engines").
 NVRX_TARGETS = frozenset({"local", "local+msc", "msc", "s3+msc"})

@@ -38,11 +38,11 @@ from typing import Any
 import pytest
 import torch
 
-from extras import CI
+from tests.support.extras import CI
 
 WHEEL = "megatron_bridge-0.6.2-py3-none-any.whl"
 MCORE_WHEEL = "megatron_core-0.19.2-cp312-cp312-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl"
-WHEELS = Path(__file__).resolve().parents[1] / ".cache" / "wheels"
+WHEELS = Path(__file__).resolve().parents[2] / ".cache" / "wheels"
 CHECKPOINT_UTILS = "megatron/bridge/training/utils/checkpoint_utils.py"
 CHECKPOINTING = "megatron/bridge/training/checkpointing.py"
 BRIDGE_MODULE = "megatron.bridge.training.checkpointing"

@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 import psutil
 
-from crashkit import forkserver
+from tests.support.crashkit import forkserver
 
 _LIBC = ctypes.CDLL("libc.so.6")
 _M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import dcpstore
-from async_helpers import skip_unless_engine_serves
-from backends import Target
-from extras import needs_nvrx  # noqa: F401  (the suites import it from here)
+from tests.support.async_helpers import skip_unless_engine_serves
+from tests.support.backends import Target
+from tests.support.extras import needs_nvrx  # noqa: F401  (the suites import it from here)
 
 #: Keyword arguments of ``dcpstore.save`` per engine.
 SAVE_ENGINES: dict[str, dict[str, Any]] = {

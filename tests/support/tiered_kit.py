@@ -13,14 +13,14 @@ import pytest
 import torch
 
 import dcpstore
-import killcount
-from backends import Target, make_target
-from crashkit import crash
+from tests.support import killcount
+from tests.support.backends import Target, make_target
+from tests.support.crashkit import crash
 from dcpstore._impl.format.inflight import ALIVE_PREFIX
 from dcpstore._impl.format.layout import METADATA, REPLICA_REPORT_PREFIX
 from dcpstore._impl.manager import step_dir
 from dcpstore._impl.manager.tiers.replicate import read_local_commit
-from helpers import assert_state_equal, zeros_like_state
+from tests.support.helpers import assert_state_equal, zeros_like_state
 
 #: Durable tiers: a local path, native S3 (moto over HTTP), S3 through MSC.
 DURABLE = ["local", "s3", "msc"]

@@ -5,7 +5,7 @@ config names dcpstore's manager, as a user's would::
     checkpoint.ckpt_format = "fsdp_dtensor"; checkpoint.save = checkpoint.load = "s3://bucket/run"
 
 Bridge's own code runs the checkpointing (compiled from its wheel,
-tests/bridge_wheel.py): ``create_checkpoint_manager`` builds the manager
+tests/support/bridge_wheel.py): ``create_checkpoint_manager`` builds the manager
 (after ``register_allowed_target_prefix("dcpstore")``, the one call Bridge's
 allowlist demands), ``setup()``'s ``_should_load_checkpoint`` decides
 whether to resume and its ``load()`` call follows, the loop saves through
@@ -49,12 +49,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import dcpstore
-from bridge_wheel import checkpointing_module, enable_msc
+from tests.support.bridge_wheel import checkpointing_module, enable_msc
 from dcpstore.adapters.megatron import BridgeCheckpointManager
 
 MANAGER = "dcpstore.adapters.megatron.BridgeCheckpointManager"
 #: A user's subclass that picks dcpstore's engine (Bridge's config has no field for it).
-PROCESS_MANAGER = "bridge_run.ProcessEngineManager"
+PROCESS_MANAGER = "tests.support.bridge_run.ProcessEngineManager"
 
 
 class ProcessEngineManager(BridgeCheckpointManager):
@@ -183,7 +183,7 @@ def train(rank: int, world: int, cfg: Config, until: int, report: str, how: dict
         enable_msc()
     bridge = checkpointing_module()
     bridge.register_allowed_target_prefix("dcpstore")  # the launch script's one line
-    bridge.register_allowed_target_prefix("bridge_run")  # where ProcessEngineManager lives
+    bridge.register_allowed_target_prefix("tests.support.bridge_run")  # where ProcessEngineManager lives
     if how.get("kill_at") is not None and rank == 1:
         _die_in_save(how["kill_at"])
     torch.manual_seed(1234)

@@ -8,7 +8,7 @@ fails the test when fewer than ``minimum`` points killed.
 With ``DCPSTORE_KILL_COUNTS=<file>`` set, :func:`record` also writes the
 counts under the test's node id into that JSON file (merged with what it
 holds); RELIABILITY.md's "Kill points" table is generated from the
-committed ``tests/kill_counts.json`` (``python tests/reliability.py
+committed ``tests/support/kill_counts.json`` (``python tests/support/reliability.py
 --write``), and tests/test_docs.py checks the table against it.
 """
 

@@ -10,7 +10,7 @@ import warnings
 import torch
 
 import dcpstore
-from oracle import SAVE_ENGINES, assert_same_state, destination
+from tests.support.oracle import SAVE_ENGINES, assert_same_state, destination
 
 warnings.filterwarnings("ignore")
 

@@ -170,10 +170,11 @@ class SharedEvents:
 
     def environment(self) -> dict[str, str]:
         """What a checkpoint process needs to install the same hook
-        (tests/worker_site/sitecustomize.py)."""
+        (tests/support/worker_site/sitecustomize.py)."""
         spec = {"path": self.path, "trainer": self.trainer, "kill_at": self.kill_at}
-        tests = os.path.dirname(os.path.abspath(__file__))
-        path = os.pathsep.join(p for p in (os.path.join(tests, "worker_site"), tests, os.environ.get("PYTHONPATH")) if p)
+        support = os.path.dirname(os.path.abspath(__file__))
+        root = os.path.dirname(os.path.dirname(support))  # where ``tests.support`` imports from
+        path = os.pathsep.join(p for p in (os.path.join(support, "worker_site"), root, os.environ.get("PYTHONPATH")) if p)
         return {"DCPSTORE_CRASH_HOOK": json.dumps(spec), "PYTHONPATH": path}
 
 

@@ -20,7 +20,7 @@ With the process engine a save runs in two processes, the trainer (staging,
 the manager's pointer and retention) and its checkpoint process (the DCP
 save), one after the other: their events are counted together
 (:class:`faults.SharedEvents`; the checkpoint process installs its hook at
-start-up, tests/worker_site/sitecustomize.py), and a kill at an event of
+start-up, tests/support/worker_site/sitecustomize.py), and a kill at an event of
 the checkpoint process kills the trainer with it, as the kernel does when
 the trainer dies (the checkpoint process never outlives it).
 
@@ -51,14 +51,14 @@ from typing import Any
 import torch
 
 import dcpstore
-import killcount
+from tests.support import killcount
 from dcpstore._impl.cli import main as cli_main
 from dcpstore._impl.maintenance import inspect_checkpoint, list_checkpoints
 from dcpstore._impl.manager import parse_step_dir, step_dir
 from dcpstore._impl.storage import join_uri, open_storage
 from dcpstore._impl.format.layout import METADATA, is_manifest
-from faults import Hook, KillAt, Recorder, SharedEvents, hook_all_storage, spread
-from helpers import assert_state_equal, zeros_like_state
+from tests.support.faults import Hook, KillAt, Recorder, SharedEvents, hook_all_storage, spread
+from tests.support.helpers import assert_state_equal, zeros_like_state
 
 #: Events that repeat per chunk / tensor: only a spread of them become kill points.
 REPETITIVE = ("write:", "wrote:", "stage:copy", "nvrx:item")
@@ -208,7 +208,7 @@ def age_temp_files(root: str, seconds: float = 600.0) -> None:
 def forkserver() -> mp.context.BaseContext:
     """The session's forkserver context, preloading dist_utils.PRELOAD
     (which names every crash suite, so their children import nothing)."""
-    from dist_utils import PRELOAD
+    from tests.support.dist_utils import PRELOAD
 
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)

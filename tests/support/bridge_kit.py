@@ -346,7 +346,7 @@ def _rank_entry(rank: int, world: int, port: int, env: dict[str, str], fn: Calla
 def run_ranks_codes(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 180.0) -> list[int | None]:
     """``fn(rank, world, *args)`` on ``world`` gloo ranks; their exit codes
     (``-9``: SIGKILLed), for jobs in which a rank dies on purpose."""
-    from dist_utils import PRELOAD, free_port
+    from tests.support.dist_utils import PRELOAD, free_port
 
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
@@ -370,7 +370,7 @@ def die_mid_write(save_fn: Any, *args: Any) -> None:
     itself: the whole rank dies mid-save. Scheduled instead of
     ``save_fn`` on the rank that dies (pickled to the worker by name)."""
     import dcpstore._impl.adapters.megatron_worker as writer_module
-    from faults import EventStorage
+    from tests.support.faults import EventStorage
 
     real = writer_module.open_storage
 

@@ -2,8 +2,8 @@
 the markers they really carry, and its kill-point figures are the ones the
 crash tests recorded.
 
-    python tests/reliability.py            # check the page (what tests/test_docs.py asserts)
-    python tests/reliability.py --write    # regenerate its generated blocks from tests/kill_counts.json
+    python tests/support/reliability.py            # check the page (what tests/test_docs.py asserts)
+    python tests/support/reliability.py --write    # regenerate its generated blocks from tests/support/kill_counts.json
 
 The row format (RELIABILITY.md says it at its top): every table with a
 ``Reproduce`` column names its tests there as node ids in backticks, and
@@ -17,7 +17,7 @@ the slow run only (every case they match is marked slow); the others in
 the quick suite (at least one case is not). ``(N quick, M slow)`` after a
 node id states how many cases it has of each, ``(marker NAME)`` that every
 case carries that marker. In a row that names a crash test recorded in
-``tests/kill_counts.json``, every number in the ``Points`` column must be
+``tests/support/kill_counts.json``, every number in the ``Points`` column must be
 one of those tests' recorded counts (points, or points that killed).
 """
 
@@ -35,10 +35,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "RELIABILITY.md"
-COUNTS = ROOT / "tests" / "kill_counts.json"
-ENV_HINT = "DCPSTORE_KILL_COUNTS=$PWD/tests/kill_counts.json python -m pytest -m '' NODE"
+COUNTS = ROOT / "tests" / "support" / "kill_counts.json"
+ENV_HINT = "DCPSTORE_KILL_COUNTS=$PWD/tests/support/kill_counts.json python -m pytest -m '' NODE"
 #: The section whose bullets each carry a check.
 NOT_COVERED = "What the suite does not cover"
 #: Generated blocks, as in BENCHMARKS.md.
@@ -179,9 +179,9 @@ def collect(paths: Sequence[str] = ("tests",)) -> Items:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "items.json")
         env = dict(os.environ, DCPSTORE_COLLECT_ITEMS=out,
-                   PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT), os.environ.get("PYTHONPATH", "")]))
+                   PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
         proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "", "-p", "reliability", "-p", "no:logging",
+            [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "", "-p", "tests.support.reliability", "-p", "no:logging",
              *paths],
             cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
         )  # fmt: skip
@@ -193,7 +193,7 @@ def collect(paths: Sequence[str] = ("tests",)) -> Items:
 
 
 def pytest_collection_finish(session: Any) -> None:
-    """With ``-p reliability``: write what was collected (see :func:`collect`)."""
+    """With ``-p tests.support.reliability``: write what was collected (see :func:`collect`)."""
     out = os.environ.get("DCPSTORE_COLLECT_ITEMS")
     if out:
         with open(out, "w") as f:
@@ -223,8 +223,8 @@ def _absent_problems(text: str, where: str) -> list[str]:
     for claim in absent_claims(text):
         holders = [
             str(p.relative_to(ROOT))
-            for p in sorted((ROOT / "tests").glob("*.py"))
-            if p.name != "reliability.py" and claim in p.read_text()
+            for p in sorted((ROOT / "tests").rglob("*.py"))  # the suite and its support, not the upstream copies
+            if p.relative_to(ROOT / "tests").parts[0] != "upstream" and p.name != "reliability.py" and claim in p.read_text()
         ]
         if holders:
             problems.append(f"{where}: says no test does {claim!r}, but {', '.join(holders)} holds it")
@@ -273,12 +273,12 @@ def row_problems(rows_: Iterable[Row], items: Items, counts: dict[str, dict[str,
             backed = {counts[n][k] for n in counted for k in ("points", "killed")}
             if stated - backed and not unrecorded:
                 problems.append(f"{where}: Points says {sorted(stated - backed)}, which no recorded count of "
-                                f"{counted} is (tests/kill_counts.json: {sorted(backed)})")  # fmt: skip
+                                f"{counted} is (tests/support/kill_counts.json: {sorted(backed)})")  # fmt: skip
     return problems
 
 
 def count_problems(items: Items, counts: dict[str, dict[str, Any]]) -> list[str]:
-    return [f"tests/kill_counts.json: {n} is no test pytest collects" for n in counts if n not in items]
+    return [f"tests/support/kill_counts.json: {n} is no test pytest collects" for n in counts if n not in items]
 
 
 # -- the generated block ---------------------------------------------------------
@@ -309,8 +309,8 @@ def read_counts() -> dict[str, dict[str, Any]]:
 def problems(page: str, items: Items, counts: dict[str, dict[str, Any]]) -> list[str]:
     out = row_problems(rows(page), items, counts) + count_problems(items, counts)
     if render(page, generated(items, counts)) != page:
-        out.append("RELIABILITY.md: a generated block differs from what tests/kill_counts.json and the markers give: "
-                   "run python tests/reliability.py --write")  # fmt: skip
+        out.append("RELIABILITY.md: a generated block differs from what tests/support/kill_counts.json and the markers give: "
+                   "run python tests/support/reliability.py --write")  # fmt: skip
     return out
 
 

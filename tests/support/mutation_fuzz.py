@@ -1,6 +1,6 @@
 """A mutation fuzzer over every field of a checkpoint's commit and records.
 
-    PYTHONPATH=$PWD:tests .venv/bin/python tests/mutation_fuzz.py OUT.json [--full] [--examples N]
+    PYTHONPATH=$PWD .venv/bin/python -m tests.support.mutation_fuzz OUT.json [--full] [--examples N]
 
 Run by tests/test_mutation_fuzz.py in a process of its own
 (``rss.in_own_process``: fresh peak RSS, a fixed mmap threshold, an audit
@@ -73,7 +73,7 @@ from torch.distributed.checkpoint.metadata import (
 
 import dcpstore
 from dcpstore._impl.maintenance import verify_checkpoint
-from rss import fix_mmap_threshold
+from tests.support.rss import fix_mmap_threshold
 
 METADATA, MANIFEST = ".metadata", ".dcpstore.json"
 MiB = 1 << 20

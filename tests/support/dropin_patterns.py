@@ -41,7 +41,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 import dcpstore
-from backends import load_options, save_options
+from tests.support.backends import load_options, save_options
 
 
 @dataclass(frozen=True)

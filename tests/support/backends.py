@@ -7,12 +7,12 @@ of reaching storage. A target is a URI plus the keyword arguments that
 ``enable_msc=True``, ``storage_options=``); ``save_options()`` /
 ``load_options()`` give them as the one value the other entry points take
 (``options=``). Object-store targets pull in the session's S3 endpoint
-fixture (tests/s3_server.py) lazily, so local-only runs start no server.
+fixture (tests/support/s3_server.py) lazily, so local-only runs start no server.
 
 Object-store targets use a small part size (5 MiB, S3's minimum) so that the
 suites' multi-MiB objects really go up as multipart uploads and come back as
 parallel ranged reads: ``OBJECT_STORE_OPTIONS`` for the native S3 backend,
-and the MSC profiles' own ``multipart_threshold`` for MSC (tests/s3_server.py:
+and the MSC profiles' own ``multipart_threshold`` for MSC (tests/support/s3_server.py:
 ``s3+msc`` resolves through the MSC config's ``path_mapping``, since MSC's
 implicit profile keeps its 64 MiB threshold). test_object_stores.py checks
 that each object-store target really uploads a multi-MiB file in parts.
@@ -29,7 +29,7 @@ import pytest
 
 from dcpstore import LoadOptions, SaveOptions
 from dcpstore._impl.storage import MiB, StorageOptions, with_msc
-from s3_server import MSC_MAPPED_PREFIX
+from tests.support.s3_server import MSC_MAPPED_PREFIX
 
 #: Tuning for the object-store targets: multipart from 5 MiB, bounded retries.
 OBJECT_STORE_OPTIONS = StorageOptions(

@@ -41,13 +41,13 @@ PRELOAD = [
     "torch.distributed.checkpoint",
     "dcpstore",
     "dcpstore._impl.storage.s3",
-    "crashkit",
-    "test_crash",
-    "test_crash_async",
-    "test_crash_s3",
-    "test_concurrency",
-    "test_tiered",
-    "test_tiered_overwrite",
+    "tests.support.crashkit",
+    "tests.test_crash",
+    "tests.test_crash_async",
+    "tests.test_crash_s3",
+    "tests.test_concurrency",
+    "tests.test_tiered",
+    "tests.test_tiered_overwrite",
 ]
 
 

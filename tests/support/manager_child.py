@@ -1,6 +1,6 @@
 """Child processes that the manager suites SIGKILL or let exit.
 
-    python manager_child.py MODE ROOT KEEP ASYNC
+    python -m tests.support.manager_child MODE ROOT KEEP ASYNC    (from the repository root)
 
 MODE:
   commit-kill  commit steps 1 and 2, then die (SIGKILL) inside step 3 after

@@ -14,8 +14,8 @@ import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 import dcpstore
-import extras
-from backends import Target
+from tests.support import extras
+from tests.support.backends import Target
 from dcpstore._impl.engines import nvrx as nvrx_adapter
 from dcpstore._impl.engines.registry import engine_class
 from dcpstore._impl.options import ENGINES as ALL_ENGINES
