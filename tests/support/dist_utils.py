@@ -42,12 +42,12 @@ PRELOAD = [
     "dcpstore",
     "dcpstore._impl.storage.s3",
     "tests.support.crashkit",
-    "tests.test_crash",
-    "tests.test_crash_async",
-    "tests.test_crash_s3",
-    "tests.test_concurrency",
-    "tests.test_tiered",
-    "tests.test_tiered_overwrite",
+    "tests.processes.test_crash",
+    "tests.processes.test_crash_async",
+    "tests.processes.test_crash_s3",
+    "tests.processes.test_concurrency",
+    "tests.integration.test_tiered",
+    "tests.integration.test_tiered_overwrite",
 ]
 
 

@@ -9,7 +9,7 @@ the table below; the suites assert that dcpstore agrees with it.
 
 Under ``CI=true`` (``.ci/run``, which installs ``.[dev]``: every extra) a
 missing extra fails the test that needs it instead of skipping it, and
-``tests/test_extras.py`` fails when anything ``.[dev]`` names is not
+``tests/ci/test_extras.py`` fails when anything ``.[dev]`` names is not
 installed or does not import.
 """
 
@@ -86,6 +86,6 @@ def skip_module_unless(dist: str) -> None:
     pytest.skip(f"{why} (pip install 'dcpstore[{dist}]')", allow_module_level=True)
 
 
-#: For tests that need NVRx throughout (under CI, tests/test_extras.py
+#: For tests that need NVRx throughout (under CI, tests/ci/test_extras.py
 #: fails the run when it is missing).
 needs_nvrx = pytest.mark.skipif(missing(NVRX) is not None, reason=missing(NVRX) or "")

@@ -1,5 +1,5 @@
 """``dcpstore gc --older-than 0`` in a loop, in a process of its own, beside
-the saves of a test (tests/test_gc_races.py).
+the saves of a test (tests/processes/test_gc_races.py).
 
 :func:`gc_loop` starts one child that runs the CLI's ``gc`` over each root
 in turn, as fast as it can, until the block ends; it then stops the child

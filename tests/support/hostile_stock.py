@@ -2,7 +2,7 @@
 
     .venv/bin/python tests/support/hostile_stock.py
 
-Builds the crafted checkpoints of tests/test_hostile*.py and runs stock
+Builds the crafted checkpoints of tests/hostile/test_hostile*.py and runs stock
 ``torch.distributed.checkpoint`` (``FileSystemReader`` / ``FileSystemWriter``)
 on each, every case in a fresh interpreter with a timeout, and prints the
 outcome and the peak RSS: the "stock DCP" column of the hostile-checkpoint
@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, where tests.* imports from
-from tests.test_hostile import METADATA, Payload, _declare as declare, good, write_metadata  # noqa: E402
-from tests.test_hostile import _record_with_deflated_entry as deflated, _replace_item as replace_item  # noqa: E402
-from tests.test_hostile_format import replace_data_files  # noqa: E402
+from tests.hostile.test_hostile import METADATA, Payload, _declare as declare, good, write_metadata  # noqa: E402
+from tests.hostile.test_hostile import _record_with_deflated_entry as deflated, _replace_item as replace_item  # noqa: E402
+from tests.hostile.test_hostile_format import replace_data_files  # noqa: E402
 from tests.support.rss import PEAK_MIB_SOURCE  # noqa: E402
 
 GiB = 1 << 30

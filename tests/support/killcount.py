@@ -9,7 +9,7 @@ With ``DCPSTORE_KILL_COUNTS=<file>`` set, :func:`record` also writes the
 counts under the test's node id into that JSON file (merged with what it
 holds); RELIABILITY.md's "Kill points" table is generated from the
 committed ``tests/support/kill_counts.json`` (``python tests/support/reliability.py
---write``), and tests/test_docs.py checks the table against it.
+--write``), and tests/docs/test_docs.py checks the table against it.
 """
 
 from __future__ import annotations

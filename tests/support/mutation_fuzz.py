@@ -2,7 +2,7 @@
 
     PYTHONPATH=$PWD .venv/bin/python -m tests.support.mutation_fuzz OUT.json [--full] [--examples N]
 
-Run by tests/test_mutation_fuzz.py in a process of its own
+Run by tests/hostile/test_mutation_fuzz.py in a process of its own
 (``rss.in_own_process``: fresh peak RSS, a fixed mmap threshold, an audit
 hook on every ``open``), or by hand. It saves one checkpoint that has
 every kind of item (tensors read straight into their destination, small and

@@ -2,7 +2,7 @@
 the markers they really carry, and its kill-point figures are the ones the
 crash tests recorded.
 
-    python tests/support/reliability.py            # check the page (what tests/test_docs.py asserts)
+    python tests/support/reliability.py            # check the page (what tests/docs/test_docs.py asserts)
     python tests/support/reliability.py --write    # regenerate its generated blocks from tests/support/kill_counts.json
 
 The row format (RELIABILITY.md says it at its top): every table with a

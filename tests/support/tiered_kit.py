@@ -1,6 +1,7 @@
-"""What the tiered-checkpoint tests share (tests/test_tiered*.py): the
-durable backends they run over, a state per step, checks of what each tier
-holds, and the kill loop of their crash tests."""
+"""What the tiered-checkpoint tests share (tests/integration/test_tiered*.py,
+tests/processes/test_tiered_nodes.py): the durable backends they run over,
+a state per step, checks of what each tier holds, and the kill loop of
+their crash tests."""
 
 from __future__ import annotations
 
