@@ -21,7 +21,7 @@ files and nothing else:
   ``const|NAME|FORMAT`` (a setting of this module). FORMAT: see
   :func:`_format`.
 
-The check (:func:`problems`, which tests/test_docs.py asserts empty) holds
+The check (:func:`problems`, which tests/docs/test_docs.py asserts empty) holds
 on any copy of the repository, a shallow clone or a source archive without
 git included: it fails when the page differs from what the files give,
 when a figure outside generated text is in no committed file
@@ -306,7 +306,7 @@ def gpu_check_block(doc: Doc) -> str:
     lines = [f"{doc['meta']['date'][:10]}, one {env['gpu']} (compute capability {env['gpu_capability']}), "
              f"{env['cpus']} cores, torch {env['torch']} (CUDA {env['torch_cuda']}), NVRx "
              f"{env.get('pkg:nvidia-resiliency-ext')}, commit `{doc['meta']['git_commit']}`.", "",
-             f"- `tests/test_cuda.py -m cuda`: {tests['passed']} passed, {tests['failures']} failed, "
+             f"- `tests/integration/test_cuda.py -m cuda`: {tests['passed']} passed, {tests['failures']} failed, "
              f"{tests['errors']} errors, {tests['skipped']} skipped", "",
              "| staged | staging GB/s | best pinned copy GB/s | that copy | ratio |", "|---|---|---|---|---|"]  # fmt: skip
     for r in bench["staging"]:

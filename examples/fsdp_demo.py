@@ -272,8 +272,8 @@ def local_s3_endpoint(workdir: str) -> Iterator[str]:
     """For ``--s3``: a moto S3 server on loopback (the test suite's launcher,
     as examples/s3_demo.py uses it), with this process's AWS environment
     pointed at it before any rank starts; yields the checkpoint root URI."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-    from s3_server import MotoServer, export_aws_env
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # the repository root
+    from tests.support.s3_server import MotoServer, export_aws_env
 
     server = MotoServer(Path(workdir)).start()
     try:

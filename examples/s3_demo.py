@@ -25,9 +25,9 @@ import dcpstore
 from dcpstore import tools
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root, for tests.support
 from demo import build, state_of, train  # noqa: E402  (the POSIX demo's model)
-from s3_server import MotoServer, export_aws_env  # noqa: E402  (the tests' moto launcher)
+from tests.support.s3_server import MotoServer, export_aws_env  # noqa: E402  (the tests' moto launcher)
 
 
 def roundtrip(uri: str, state: dict, model: torch.nn.Module, **kwargs: object) -> None:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check: the cuda-marked tests (tests/test_cuda.py),
+# GPU check: the cuda-marked tests (tests/integration/test_cuda.py),
 # benchmarks/gpu_stage.py and benchmarks/interference.py on one GPU machine,
 # then a summary. Sized to finish in under 11 minutes on one H200 (16 cores,
 # 128 GiB; about 7 typically).
@@ -114,7 +114,7 @@ echo "== environment"
 echo "== cuda tests (timeout ${TEST_TIMEOUT}s)"
 per_test=()
 "$PY" -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout 100)
-timeout -k 10 "$TEST_TIMEOUT" "$PY" -m pytest tests/test_cuda.py -m cuda -q -rA "${per_test[@]}" \
+timeout -k 10 "$TEST_TIMEOUT" "$PY" -m pytest tests/integration/test_cuda.py -m cuda -q -rA "${per_test[@]}" \
   --junitxml="$OUT_DIR/cuda-tests.xml" 2>&1 | tee "$OUT_DIR/cuda-tests.log"
 tests_rc=${PIPESTATUS[0]}
 

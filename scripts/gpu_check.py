@@ -11,7 +11,7 @@
         benchmarks ran.
 
 Nothing here needs a GPU: the dry run (``gpu-check.sh --dry-run``) runs both
-on a CPU box, which is how tests/test_gpu_check.py covers them.
+on a CPU box, which is how tests/ci/test_gpu_check.py covers them.
 """
 
 from __future__ import annotations

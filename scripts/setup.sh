@@ -13,7 +13,7 @@ fi
 .venv/bin/python -m pip install -q -c constraints.txt -e ".[dev]"
 # Megatron-Bridge 0.6.2 cannot be imported without CUDA; the tests compile the
 # functions they need from its wheel's source, and megatron-core's allowlist
-# from its wheel (tests/bridge_wheel.py). Downloaded, never installed.
+# from its wheel (tests/support/bridge_wheel.py). Downloaded, never installed.
 for spec in "megatron-bridge==0.6.2" "megatron-core==0.19.2"; do
   name=${spec%%==*}; version=${spec##*==}
   if ! ls ".cache/wheels/${name//-/_}-${version}-"*.whl >/dev/null 2>&1; then

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from backends import TARGETS, Target, make_target
-from s3_server import msc_config, s3_endpoint  # noqa: F401  (session fixtures, requested lazily)
+from tests.support.backends import TARGETS, Target, make_target
+from tests.support.s3_server import msc_config, s3_endpoint  # noqa: F401  (session fixtures, requested lazily)
 
 
 #: Targets whose code path another quick target already takes, so that the

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from s3_server import REGION, S3Endpoint
+from tests.support.s3_server import REGION, S3Endpoint
 from upstream_shim import MODE, s3_dcp, substituted
 
 HERE = Path(__file__).resolve().parent

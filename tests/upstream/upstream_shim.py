@@ -18,7 +18,7 @@ the list of tests that pass with them here was found (conftest.py).
 PyTorch's multi-process tests start each rank in a fresh process that
 imports the copy again; there the substitution has to be in place *before*
 that import. :class:`RankProcess` does it: a forkserver process (the suite's
-one server, preloaded with torch and dcpstore; see tests/dist_utils.py) whose
+one server, preloaded with torch and dcpstore; see tests/support/dist_utils.py) whose
 target applies the substitution, then imports the test class by name and
 runs torch's own per-rank entry point (``MultiProcessTestCase._run``).
 """
@@ -39,7 +39,7 @@ from torch.distributed.checkpoint import _storage_utils
 from torch.testing._internal.common_distributed import MultiProcessTestCase
 
 import dcpstore
-from dist_utils import PRELOAD
+from tests.support.dist_utils import PRELOAD
 
 MODE = os.environ.get("DCPSTORE_UPSTREAM", "dcpstore")
 if MODE not in ("dcpstore", "stock"):

@@ -1,0 +1,219 @@
+"""Engine selection (auto / native / nvrx), fallbacks and their warnings,
+and what the NVRx engine writes: stock layout, dcpstore's manifest, MSC."""
+
+from __future__ import annotations
+
+import gc
+import io
+import json
+import multiprocessing
+import os
+import sys
+import warnings
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+import dcpstore
+from tests.support.async_helpers import open_target
+from tests.support.backends import Target
+from dcpstore._impl.engines import nvrx as nvrx_adapter
+from dcpstore._impl.util.errors import BackendUnavailable, CheckpointCorrupt, EngineFallbackWarning, InvalidArgument
+from dcpstore._impl.engines.engine import engine_class
+from dcpstore._impl.engines.staging import Stager
+from dcpstore._impl.values.options import AUTO_ORDER, ENGINE_CHOICES, ENGINES
+from tests.support.extras import needs_nvrx
+
+
+@pytest.fixture
+def no_nvrx(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make nvidia-resiliency-ext unimportable, as if it were not installed
+    (a None entry in sys.modules makes ``import`` raise ImportError)."""
+    for name in [m for m in sys.modules if m.split(".")[0] == "nvidia_resiliency_ext"] + ["nvidia_resiliency_ext"]:
+        monkeypatch.setitem(sys.modules, name, None)
+
+
+def _fallback_warnings(record: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in record if issubclass(w.category, EngineFallbackWarning)]
+
+
+@pytest.mark.parametrize("name", sorted(ENGINES))
+def test_every_registry_row_names_an_engine_of_that_name(name: str) -> None:
+    """The registry's rows each import a class that says it is that row and
+    has every member of the Engine protocol."""
+    cls = engine_class(name)
+    assert cls.name == name
+    assert isinstance(cls.shared_staging, bool)
+    for member in ("unavailable", "target_problem", "save", "close"):
+        assert callable(getattr(cls, member, None)), f"{cls.__qualname__} lacks {member}"
+    reason = cls.unavailable()
+    assert reason is None or (isinstance(reason, str) and reason), reason  # None, or a reason to show
+    assert cls.target_problem("local", "/tmp/x") is None  # every engine writes local paths
+
+
+def test_auto_chooses_among_the_registry_rows() -> None:
+    assert set(AUTO_ORDER) <= set(ENGINES) and ENGINE_CHOICES == ("auto", *ENGINES)
+
+
+def test_unknown_engine_is_refused(local_target: Target) -> None:
+    with pytest.raises(InvalidArgument, match="engine must be one of auto, native, nvrx"):
+        dcpstore.save({"w": torch.ones(1)}, local_target.uri, async_=True, engine="turbo")
+
+
+def test_explicit_nvrx_without_nvrx_raises_with_install_hint(local_target: Target, no_nvrx: None) -> None:
+    with pytest.raises(BackendUnavailable, match=r"pip install 'dcpstore\[nvrx\]'"):
+        dcpstore.save({"w": torch.ones(1)}, local_target.uri, async_=True, engine="nvrx")
+    assert not os.path.exists(local_target.uri)  # nothing was written, sync or async
+
+
+def test_auto_without_nvrx_falls_back_to_native_with_one_warning(local_target: Target, no_nvrx: None) -> None:
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        handle = dcpstore.save({"w": torch.ones(3)}, local_target.uri, async_=True)
+        info = handle.result(timeout=60)
+    messages = _fallback_warnings(record)
+    assert len(messages) == 1, messages
+    assert "not installed" in messages[0] and "engine='native'" in messages[0]
+    assert record[0].filename == __file__  # points at the caller's line
+    assert info.engine == "native" and handle.engine == "native"
+    loaded = {"w": torch.zeros(3)}
+    dcpstore.load(loaded, local_target.uri)
+    assert torch.equal(loaded["w"], torch.ones(3))
+
+
+def test_explicit_native_never_warns(local_target: Target) -> None:
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        dcpstore.save({"w": torch.ones(3)}, local_target.uri, async_=True, engine="native").result(timeout=60)
+    assert _fallback_warnings(record) == []
+
+
+@needs_nvrx
+def test_auto_picks_nvrx_where_it_can_write_without_warning(local_target: Target) -> None:
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        handle = dcpstore.save({"w": torch.ones(3)}, local_target.uri, async_=True)
+        assert handle.result(timeout=60).engine == "nvrx"
+    assert _fallback_warnings(record) == []
+
+
+@needs_nvrx
+def test_engine_choice_on_every_backend(target: Target) -> None:
+    """Where NVRx can write, auto uses it silently; elsewhere explicit nvrx
+    is refused (naming enable_msc and engine='native') before anything is
+    written, and auto warns once and saves with the native engine."""
+    storage = open_target(target)
+    reason = nvrx_adapter.target_for(storage)
+    storage.close()
+    state = {"w": torch.arange(6.0)}
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        info = dcpstore.save(state, target.uri, async_=True, **target.kwargs).result(timeout=60)
+    if not isinstance(reason, str):
+        assert info.engine == "nvrx" and _fallback_warnings(record) == []
+        return
+    assert info.engine == "native"
+    assert len(_fallback_warnings(record)) == 1
+    other = target.child("refused")
+    with pytest.raises(InvalidArgument, match=r"enable_msc=True.*engine='native'"):
+        dcpstore.save(state, other.uri, async_=True, engine="nvrx", **other.kwargs)
+    with pytest.raises(dcpstore.CheckpointNotFound):
+        dcpstore.load({"w": torch.zeros(6)}, other.uri, **other.kwargs)
+
+
+@needs_nvrx
+def test_nvrx_refuses_native_s3_naming_the_alternatives() -> None:
+    pytest.importorskip("dcpstore._impl.storage.backends.s3.storage", reason="the native S3 backend is not in this tree")
+    with pytest.raises(InvalidArgument, match=r"s3.*enable_msc=True.*engine='native'"):
+        dcpstore.save({"w": torch.ones(1)}, "s3://some-bucket/ckpt", async_=True, engine="nvrx")
+
+
+@needs_nvrx
+def test_nvrx_checkpoint_is_stock_dcp_with_a_verified_manifest(local_target: Target) -> None:
+    uri = local_target.uri
+    state = {"a": torch.randn(128, 64), "b": torch.arange(500), "meta": {"step": 5}}
+    info = dcpstore.save(state, uri, async_=True, engine="nvrx", workers=2).result(timeout=60)
+    manifest = json.loads(open(os.path.join(uri, ".dcpstore.json")).read())
+    assert set(manifest["files"]) == set(info.files) == {"__0_0.distcp", "__0_1.distcp"}
+    for name, entry in manifest["files"].items():
+        assert entry["size"] == os.path.getsize(os.path.join(uri, name))
+    # Stock DCP reads it.
+    plain = {"a": torch.zeros(128, 64), "b": torch.zeros(500, dtype=torch.long)}
+    dcp.load(plain, checkpoint_id=uri)
+    assert torch.equal(plain["a"], state["a"]) and torch.equal(plain["b"], state["b"])
+    # dcpstore verifies it: one flipped byte in a data file is caught.
+    victim = os.path.join(uri, "__0_0.distcp")
+    data = bytearray(open(victim, "rb").read())
+    data[len(data) // 2] ^= 0xFF
+    open(victim, "wb").write(bytes(data))
+    with pytest.raises(CheckpointCorrupt, match="__0_0.distcp"):
+        dcpstore.load({"a": torch.zeros(128, 64), "b": torch.zeros(500, dtype=torch.long), "meta": {"step": 0}}, uri)
+
+
+@needs_nvrx
+def test_nvrx_writes_through_msc_when_asked(local_target: Target) -> None:
+    """NVRx's use_msc path (msc.open + stream.fsync) end to end, on MSC's
+    POSIX profile; dcpstore's commit and manifest stay the same."""
+    pytest.importorskip("multistorageclient")
+    from dcpstore._impl.engines.nvrx import nvrx_save
+
+    storage = dcpstore.open_storage(local_target.uri)
+    state = {"a": torch.randn(40, 40), "b": torch.ones(7)}
+    staged = Stager().stage(state)
+    stats = nvrx_save(
+        staged.state_dict,
+        storage,
+        workers=2,
+        process_group=None,
+        planner=None,
+        cache=None,
+        target=nvrx_adapter.NvrxTarget(storage.url.path, use_msc=True),
+    )
+    assert stats.bytes_written > 0 and len(stats.files) == 2
+    loaded: dict[str, Any] = {"a": torch.zeros(40, 40), "b": torch.zeros(7)}
+    dcpstore.load(loaded, local_target.uri)
+    assert torch.equal(loaded["a"], state["a"]) and torch.equal(loaded["b"], state["b"])
+
+
+class _ProbeBytes(io.BytesIO):
+    """A byte item that records, while NVRx writes it, whether the garbage
+    collector is enabled."""
+
+    seen: list[bool] = []
+
+    def getbuffer(self) -> memoryview:
+        self.seen.append(gc.isenabled())
+        return super().getbuffer()
+
+
+class _ProbePlanner(DefaultSavePlanner):
+    def resolve_data(self, write_item: Any) -> Any:
+        data = super().resolve_data(write_item)
+        return _ProbeBytes(data.getvalue()) if isinstance(data, io.BytesIO) else data
+
+
+@needs_nvrx
+def test_nvrx_runs_without_forks_or_gc_switches(local_target: Target) -> None:
+    """The NVRx engine must not fork, start NVRx's spawn Manager, or switch
+    off the process-wide garbage collector from its writer threads (NVRx
+    wraps its writer in gc.disable() for forked children)."""
+    before = set(multiprocessing.active_children())
+    _ProbeBytes.seen.clear()
+    assert gc.isenabled()
+    state = {"w": torch.ones(1000), "meta": {"step": 1}}
+    dcpstore.save(state, local_target.uri, async_=True, engine="nvrx", workers=3, planner=_ProbePlanner()).result(timeout=60)
+    assert _ProbeBytes.seen == [True]  # written by NVRx's writer, with GC left on
+    assert set(multiprocessing.active_children()) == before
+
+
+def test_auto_fallback_warning_is_shown_once_per_call_site(tmp_path: Any, no_nvrx: None) -> None:
+    """Saving every N steps to new URIs must not repeat the warning: its text
+    names the reason, not the URI, so the default filter shows it once."""
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("default")
+        for step in range(3):
+            dcpstore.save({"w": torch.ones(2)}, str(tmp_path / f"step{step}"), async_=True).result(timeout=60)
+    assert len(_fallback_warnings(record)) == 1
