@@ -75,9 +75,10 @@ import torch.distributed as dist
 
 from dcpstore._impl.engines.selection import engine_problem
 from dcpstore._impl.util.errors import CheckpointError, CheckpointNotFound, InvalidArgument
+from dcpstore._impl.util.distributed import is_distributed
 from dcpstore._impl.util.keyword_hints import hint_keywords, unknown_keyword_message
 from dcpstore._impl.manager import LAYOUTS, CheckpointManager, check_step
-from dcpstore._impl.manager.roots import coordinator_rank, group_rank, is_distributed
+from dcpstore._impl.manager.roots import coordinator_rank, group_rank
 from dcpstore._impl.values.keywords import resolve_options, warn_deprecated_keyword
 from dcpstore._impl.values.options import AUTO, SaveOptions, save_option_problems
 from dcpstore._impl.storage import StorageOptions, backend_class, backend_name, parse_uri, with_msc

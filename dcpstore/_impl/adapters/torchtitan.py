@@ -23,6 +23,7 @@ from torchtitan.tools.utils import GarbageCollection
 
 from dcpstore._impl.dcp.commit import delete_checkpoint
 from dcpstore._impl.util.errors import CheckpointNotFound, InvalidArgument
+from dcpstore._impl.util.distributed import is_distributed
 from dcpstore._impl.format.layout import METADATA
 from dcpstore._impl.manager.steps import StepLayout, committed_steps
 from dcpstore._impl.storage import Storage
@@ -269,12 +270,12 @@ def install(manager: Any, **options: Any) -> Installed | None:
 
 
 def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return dist.get_rank() if is_distributed() else 0
 
 
 def _broadcast(value: int) -> int:
     """Rank 0's ``value`` on every rank (itself without torch.distributed)."""
-    if not (dist.is_available() and dist.is_initialized()):
+    if not is_distributed():
         return value
     box: list[int] = [value]
     dist.broadcast_object_list(box, src=0)
