@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from dcpstore._impl.util.units import ceil_div
+
 
 #: How much larger than the asked size a piece of :func:`byte_ranges` may
 #: grow (1/8): rather than a last piece of a few bytes.
@@ -22,7 +24,7 @@ def byte_ranges(offset: int, length: int, piece: int) -> list[tuple[int, int]]:
     """
     if length <= 0:
         return []
-    return equal_ranges(offset, length, -(-length // (piece + piece // PIECE_SLACK)))
+    return equal_ranges(offset, length, ceil_div(length, piece + piece // PIECE_SLACK))
 
 
 def equal_ranges(offset: int, length: int, count: int) -> list[tuple[int, int]]:
