@@ -86,15 +86,12 @@ from dcpstore._impl.adapters.megatron_bridge import megatron_msc_enabled
 from dcpstore._impl.adapters.megatron_formats import FORMATS
 
 
-#: save()'s keyword -> the config field that feeds it, for error messages.
-_FIELD_OF_OPTION = {"async_": "async_save", "engine": "engine", "workers": "dist_ckpt_workers"}
-
-
 def _options_or_defaults(options: Any) -> SaveOptions:
     return options if isinstance(options, SaveOptions) else SaveOptions()
 
 
 #: The options Bridge's fields stand for, under Bridge's names, and their defaults.
+#: Also which field an error about an option names (any other: the field of its name).
 _BRIDGE_NAME = {"async_": "async_save", "workers": "dist_ckpt_workers"}
 _BRIDGE_DEFAULTS = {"async_save": False, "dist_ckpt_workers": None}
 
@@ -192,7 +189,7 @@ class CheckpointConfig:
             self._fail("ckpt_format", f"must be one of {', '.join(FORMATS)}, got {self.ckpt_format!r}")
         engine = deprecated.get("engine", AUTO)
         for problem in save_option_problems(async_=self.async_save, engine=engine, workers=self.dist_ckpt_workers):
-            self._fail(_FIELD_OF_OPTION.get(problem.option, problem.option), problem.why)
+            self._fail(_BRIDGE_NAME.get(problem.option, problem.option), problem.why)
         self.options = self._resolve_options(deprecated)
         # Bridge's fields read what the saves run with.
         self.async_save, self.dist_ckpt_workers = self.options.async_, self.options.workers
