@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import posixpath
 import threading
-import types
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -28,6 +27,7 @@ from dcpstore._impl.format.layout import METADATA
 from dcpstore._impl.manager.steps import StepLayout, committed_steps
 from dcpstore._impl.storage import Storage
 from dcpstore._impl.adapters.dropins import DropinOptions
+from dcpstore._impl.adapters.shadow import shadow, uninstall_previous, unshadow
 
 #: The methods :func:`install` shadows on the instance.
 PATCHED = ("dcp_save", "dcp_load", "_find_load_step", "_load", "_purge_stale_checkpoints", "_wait_for_saving", "_close")
@@ -73,10 +73,8 @@ class Installed:
         cls = type(manager)
         #: The manager's own methods, bound, for what dcpstore leaves to torchtitan.
         self.own = _OwnMethods(cls, self._manager)
-        for name in PATCHED:
-            setattr(manager, name, types.MethodType(getattr(type(self), f"_{name.lstrip('_')}"), self))
+        shadow(manager, self, {name: getattr(type(self), f"_{name.lstrip('_')}") for name in PATCHED})
         self._swap_purge_thread(self._remove)
-        manager._dcpstore = self
         self.installed = True
 
     @property
@@ -207,9 +205,7 @@ class Installed:
         self.installed = False
         manager = self._manager()
         if manager is not None:  # (gone: it took its methods and purge thread with it)
-            for name in PATCHED:
-                manager.__dict__.pop(name, None)
-            manager.__dict__.pop("_dcpstore", None)
+            unshadow(manager, PATCHED)
             self._swap_purge_thread(filesystem.rmtree)
         self.writer.close()
         self.root.close()
@@ -263,9 +259,7 @@ def install(manager: Any, **options: Any) -> Installed | None:
     checked = DropinOptions(**options)
     if not manager.enable:
         return None
-    previous = manager.__dict__.get("_dcpstore")
-    if previous is not None:
-        previous.uninstall()
+    uninstall_previous(manager)
     return Installed(manager, checked)
 
 
