@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from dcpstore._impl.util.units import human_bytes
-from dcpstore._impl.util.units import ceil_div
+from dcpstore._impl.storage.byte_ranges import ceil_div
 from dcpstore._impl.bench.runner import Entry, Skip, Waiter, done
 
 MiB = 1 << 20

@@ -32,8 +32,8 @@ from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
 from dcpstore._impl.util.torch_compat import StorageInfo
 from dcpstore._impl.util.errors import CheckpointCorrupt
-from dcpstore._impl.util.units import ceil_div
 from dcpstore._impl.format.layout import item_key
+from dcpstore._impl.storage.byte_ranges import ceil_div
 
 #: One read request and where its item lies.
 Request = tuple[ReadItem, StorageInfo]

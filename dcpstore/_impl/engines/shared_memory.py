@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from dcpstore._impl.util.units import ceil_div
+from dcpstore._impl.storage.byte_ranges import ceil_div
 
 #: Buffers start on this boundary (a cache line; every dtype's alignment).
 ALIGN = 64

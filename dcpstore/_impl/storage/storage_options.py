@@ -12,8 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dcpstore._impl.util.errors import InvalidArgument
-from dcpstore._impl.util.units import ceil_div
-from dcpstore._impl.storage.byte_ranges import PIECE_SLACK
+from dcpstore._impl.storage.byte_ranges import PIECE_SLACK, ceil_div
 
 MiB = 1 << 20
 

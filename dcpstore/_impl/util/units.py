@@ -1,5 +1,4 @@
-"""Byte sizes for people: ``parse_size("64MiB")`` and ``human_bytes(67108864)``;
-and how many pieces of a size hold a count (:func:`ceil_div`).
+"""Byte sizes for people: ``parse_size("64MiB")`` and ``human_bytes(67108864)``.
 
 Shared by the CLI and the benchmarks; imports nothing of dcpstore's but
 :mod:`dcpstore._impl.util.errors`.
@@ -40,9 +39,3 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n} B"
-
-
-def ceil_div(n: int, d: int) -> int:
-    """``n / d`` rounded up, in integers (``ceil_div(10, 4) == 3``): how many
-    pieces of ``d`` hold ``n``. Exact for any size, as a float's ``ceil`` is not."""
-    return -(-n // d)

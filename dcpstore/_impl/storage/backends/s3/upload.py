@@ -59,8 +59,8 @@ from typing import Any, TypeVar
 import crc32c
 
 from dcpstore._impl.util.errors import CheckpointError, StorageError, StorageNotFound
-from dcpstore._impl.util.units import ceil_div
 from dcpstore._impl.storage.base import Storage
+from dcpstore._impl.storage.byte_ranges import ceil_div
 from dcpstore._impl.storage.storage_options import MiB
 from dcpstore._impl.storage.lending_writer import LendingObjectWriter, Part, PartBody
 from dcpstore._impl.storage.incomplete import IncompleteWrite
