@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from dcpstore._impl.bench import Entry, SaveOutcome, Skip, Waiter, done
+from dcpstore._impl.util.distributed import is_distributed
 from servers import FAKE_CREDENTIALS, admin_client, free_port
 
 
@@ -242,7 +243,7 @@ class NvrxDirect(Entry):
         for needed in ("save_state_dict_async_plan", "save_state_dict_async_finalize"):
             if not hasattr(state_dict_saver, needed):
                 raise Skip(f"this NVRx has no {needed} (API changed); drive it through dcpstore's nvrx engine")
-        if not dist.is_initialized():  # NVRx asks torch.distributed for the rank
+        if not is_distributed():  # NVRx asks torch.distributed for the rank
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
             self._own_group = True
 
@@ -290,5 +291,5 @@ class NvrxDirect(Entry):
         shutil.rmtree(self.path, ignore_errors=True)
 
     def close(self) -> None:
-        if self._own_group and dist.is_initialized():
+        if self._own_group and is_distributed():
             dist.destroy_process_group()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 import logging
 import os
-import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -28,6 +27,7 @@ from dcpstore._impl.util.errors import InvalidArgument
 from dcpstore._impl.format.layout import METADATA
 from dcpstore._impl.storage import parse_uri
 from dcpstore._impl.adapters.dropins import DropinOptions
+from dcpstore._impl.adapters.shadow import shadow, uninstall_previous, unshadow
 
 log = logging.getLogger(__name__)
 
@@ -69,9 +69,7 @@ class Installed:
         cls = type(strategy)
         #: The strategy's own methods, bound, for what dcpstore leaves to Lightning.
         self.own: dict[str, Callable[..., Any]] = {n: getattr(cls, n).__get__(strategy) for n in PATCHED[kind]}
-        for name in PATCHED[kind]:
-            setattr(strategy, name, types.MethodType(getattr(type(self), f"_{kind}_{name}"), self))
-        strategy._dcpstore = self
+        shadow(strategy, self, {name: getattr(type(self), f"_{kind}_{name}") for name in PATCHED[kind]})
         self.installed = True
 
     # -- Fabric --------------------------------------------------------------
@@ -235,9 +233,7 @@ class Installed:
         if not self.installed:
             return
         self.installed = False
-        for name in PATCHED[self.kind]:
-            self.strategy.__dict__.pop(name, None)
-        self.strategy.__dict__.pop("_dcpstore", None)
+        unshadow(self.strategy, PATCHED[self.kind])
 
     def __enter__(self) -> Installed:
         return self
@@ -274,9 +270,7 @@ def install(strategy: Any, **options: Any) -> Installed:
             f"strategies), got {type(strategy).__name__}"
         )
     checked = DropinOptions(**options)
-    previous = strategy.__dict__.get("_dcpstore")
-    if previous is not None:
-        previous.uninstall()
+    uninstall_previous(strategy)
     return Installed(strategy, kind, checked)
 
 

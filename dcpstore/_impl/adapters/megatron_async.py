@@ -90,6 +90,7 @@ from dcpstore._impl.dcp.failures import describe_failure
 from dcpstore._impl.dcp.writer import DcpStorageWriter
 from dcpstore._impl.dropin import check_writer_args
 from dcpstore._impl.util.errors import InvalidArgument, SaveError
+from dcpstore._impl.util.distributed import is_distributed
 from dcpstore._impl.values.results import SaveStats
 from dcpstore._impl.values.keywords import resolve_options
 from dcpstore._impl.values.options import SaveOptions
@@ -265,7 +266,7 @@ class FileSystemWriterAsync(DcpStorageWriter):
         raised by :meth:`retrieve_write_results` on every rank together
         (raised here, it would leave the other ranks in NVRx's next
         collective)."""
-        wrapper = DistWrapper(self.process_group, _distributed(), 0)
+        wrapper = DistWrapper(self.process_group, is_distributed(), 0)
         # Raises on every rank alike (the coordinator's outcome is broadcast):
         # a refused URI (CheckpointExists) fails the save at once.
         self.claim_shared(wrapper)
@@ -347,7 +348,7 @@ class FileSystemWriterAsync(DcpStorageWriter):
         except BaseException as e:
             error = e
         error = self.error or error  # a failed preparation: its error, not the worker's
-        wrapper = DistWrapper(self.process_group, _distributed(), 0)
+        wrapper = DistWrapper(self.process_group, is_distributed(), 0)
         outcomes = wrapper.all_gather_object(None if error is None else describe_failure(error))
         if any(what is not None for what in outcomes):
             self.release()  # the coordinator: gc may collect what the save left
@@ -403,8 +404,6 @@ def _workers(thread_count: int | None) -> int | None:
     return resolved.workers
 
 
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
 
 
 def _by_rank(outcomes: Sequence[str | None], shown: int = 4) -> str:

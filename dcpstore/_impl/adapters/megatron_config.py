@@ -74,9 +74,10 @@ import torch.distributed as dist
 
 from dcpstore._impl.engines.selection import engine_problem
 from dcpstore._impl.util.errors import CheckpointError, CheckpointNotFound, InvalidArgument
+from dcpstore._impl.util.distributed import is_distributed
 from dcpstore._impl.util.keyword_hints import FRAMEWORK_NAMES, foreign_names, hint_keywords, hint_keywords_with
 from dcpstore._impl.manager import LAYOUTS, CheckpointManager, check_step
-from dcpstore._impl.manager.roots import coordinator_rank, group_rank, is_distributed
+from dcpstore._impl.manager.roots import coordinator_rank, group_rank
 from dcpstore._impl.values.keywords import pass_whole, resolve_options
 from dcpstore._impl.values.options import OPTION_DEFAULTS, SaveOptions, save_option_problems
 from dcpstore._impl.storage import StorageOptions, backend_class, backend_name, parse_uri, with_msc

@@ -68,10 +68,11 @@ import torch
 import torch.distributed as dist
 
 from dcpstore._impl.util.errors import CheckpointError, CheckpointNotFound, InvalidArgument
+from dcpstore._impl.util.distributed import is_distributed
 from dcpstore._impl.format.layout import METADATA
 from dcpstore._impl.dcp.commit.reading import read_checkpoint_metadata, read_commit_file
 from dcpstore._impl.manager import BRIDGE, CheckpointManager, SavedStep
-from dcpstore._impl.manager.roots import group_rank, is_distributed
+from dcpstore._impl.manager.roots import group_rank
 from dcpstore._impl.manager.steps import committed_steps
 from dcpstore._impl.values.options import LoadOptions, SaveOptions
 from dcpstore._impl.storage import StorageOptions, join_uri, open_storage

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import posixpath
 import threading
-import types
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -23,10 +22,12 @@ from torchtitan.tools.utils import GarbageCollection
 
 from dcpstore._impl.dcp.commit import delete_checkpoint
 from dcpstore._impl.util.errors import CheckpointNotFound, InvalidArgument
+from dcpstore._impl.util.distributed import is_distributed
 from dcpstore._impl.format.layout import METADATA
 from dcpstore._impl.manager.steps import StepLayout, committed_steps
 from dcpstore._impl.storage import Storage
 from dcpstore._impl.adapters.dropins import DropinOptions
+from dcpstore._impl.adapters.shadow import shadow, uninstall_previous, unshadow
 
 #: The methods :func:`install` shadows on the instance.
 PATCHED = ("dcp_save", "dcp_load", "_find_load_step", "_load", "_purge_stale_checkpoints", "_wait_for_saving", "_close")
@@ -72,10 +73,8 @@ class Installed:
         cls = type(manager)
         #: The manager's own methods, bound, for what dcpstore leaves to torchtitan.
         self.own = _OwnMethods(cls, self._manager)
-        for name in PATCHED:
-            setattr(manager, name, types.MethodType(getattr(type(self), f"_{name.lstrip('_')}"), self))
+        shadow(manager, self, {name: getattr(type(self), f"_{name.lstrip('_')}") for name in PATCHED})
         self._swap_purge_thread(self._remove)
-        manager._dcpstore = self
         self.installed = True
 
     @property
@@ -206,9 +205,7 @@ class Installed:
         self.installed = False
         manager = self._manager()
         if manager is not None:  # (gone: it took its methods and purge thread with it)
-            for name in PATCHED:
-                manager.__dict__.pop(name, None)
-            manager.__dict__.pop("_dcpstore", None)
+            unshadow(manager, PATCHED)
             self._swap_purge_thread(filesystem.rmtree)
         self.writer.close()
         self.root.close()
@@ -262,19 +259,17 @@ def install(manager: Any, **options: Any) -> Installed | None:
     checked = DropinOptions(**options)
     if not manager.enable:
         return None
-    previous = manager.__dict__.get("_dcpstore")
-    if previous is not None:
-        previous.uninstall()
+    uninstall_previous(manager)
     return Installed(manager, checked)
 
 
 def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return dist.get_rank() if is_distributed() else 0
 
 
 def _broadcast(value: int) -> int:
     """Rank 0's ``value`` on every rank (itself without torch.distributed)."""
-    if not (dist.is_available() and dist.is_initialized()):
+    if not is_distributed():
         return value
     box: list[int] = [value]
     dist.broadcast_object_list(box, src=0)

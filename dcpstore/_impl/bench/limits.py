@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from dcpstore._impl.util.units import human_bytes
+from dcpstore._impl.storage.byte_ranges import ceil_div
 from dcpstore._impl.bench.runner import Entry, Skip, Waiter, done
 
 MiB = 1 << 20
@@ -300,8 +301,8 @@ def raw_s3_name(backend: str, connections: int, part_size: int) -> str:
 def pieces(nbytes: int, objects: int, part_size: int) -> int:
     """Requests one direction of a :class:`RawS3` row makes: the parts (or
     ranges) of ``objects`` near-equal objects holding ``nbytes``."""
-    each = -(-nbytes // objects)
-    return objects * max(1, -(-each // part_size))
+    each = ceil_div(nbytes, objects)
+    return objects * max(1, ceil_div(each, part_size))
 
 
 def sweep_points(nbytes: int, objects: int = RAW_OBJECTS, connections: Sequence[int] = SWEEP_CONNECTIONS,

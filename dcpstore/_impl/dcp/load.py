@@ -11,11 +11,11 @@ import logging
 import time
 from typing import Any
 
-import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from dcpstore._impl.util.errors import CheckpointError
+from dcpstore._impl.util.distributed import is_distributed
 from dcpstore._impl.values.results import LoadStats
 from dcpstore._impl.values.options import LoadOptions
 from dcpstore._impl.util.progress import NO_PROGRESS, Progress
@@ -102,7 +102,7 @@ def _load_once(state_dict: dict[str, Any], reader: DcpStorageReader, options: Lo
             vars(e)[REPLACED] = True
         raise
     t_read = time.perf_counter()
-    no_dist = not (dist.is_available() and dist.is_initialized())
+    no_dist = not is_distributed()
     try:
         with ignoring(NO_DIST_WARNING) if no_dist else contextlib.nullcontext():
             dcp_load(

@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 from dcpstore._impl.util.torch_compat import StorageInfo
 from dcpstore._impl.util.errors import CheckpointCorrupt
 from dcpstore._impl.format.layout import item_key
+from dcpstore._impl.storage.byte_ranges import ceil_div
 
 #: One read request and where its item lies.
 Request = tuple[ReadItem, StorageInfo]
@@ -181,11 +182,11 @@ def sequential_runs(direct: Sequence[Direct], workers: int) -> list[DirectRun]:
     per_file: dict[str, list[Direct]] = defaultdict(list)
     for d in direct:
         per_file[d.path].append(d)
-    per_worker = -(-workers // max(1, len(per_file)))  # ceil
+    per_worker = ceil_div(workers, max(1, len(per_file)))
     runs: list[DirectRun] = []
     for items in per_file.values():
         ordered = sorted(items, key=lambda d: d.info.offset)
-        share = -(-sum(d.length for d in ordered) // per_worker)
+        share = ceil_div(sum(d.length for d in ordered), per_worker)
         run: list[Direct] = []
         run_bytes = 0
         for d in ordered:

@@ -70,6 +70,7 @@ from torch.futures import Future
 
 from dcpstore._impl.util.torch_compat import DistWrapper, StoragePrefix, StorageWriterTransforms, StreamTransformExtension
 from dcpstore._impl.util.errors import CheckpointError, CheckpointExists, InvalidArgument, SaveError
+from dcpstore._impl.util.distributed import is_distributed
 from dcpstore._impl.values.results import SaveStats
 from dcpstore._impl.values.options import SaveOptions, check_workers
 from dcpstore._impl.util.progress import NO_PROGRESS, Progress
@@ -297,7 +298,7 @@ class DcpStorageWriter(StorageWriter):
         the prefix)."""
         if not self.claims_before_planning:
             raise InvalidArgument("this writer's plans carry the save's token: plan them on the coordinator")
-        rank = dist.get_rank(self.process_group) if dist.is_available() and dist.is_initialized() else 0
+        rank = dist.get_rank(self.process_group) if is_distributed() else 0
         prefix = rank_prefix(rank, self.spread_prefixes)
         return dataclasses.replace(local_plan, storage_data=StoragePrefix(prefix))
 
@@ -500,7 +501,7 @@ def save_state_dict(
     writer = DcpStorageWriter(storage, workers=workers, overwrite=options.overwrite, progress=progress,
                               save_id=options.save_id, spread_prefixes=options.spread_prefixes,
                               commit_files=commit_files)  # fmt: skip
-    no_dist = not (dist.is_available() and dist.is_initialized())
+    no_dist = not is_distributed()
     try:
         with ignoring(NO_DIST_WARNING) if no_dist else contextlib.nullcontext():
             dcp_save(state_dict, storage_writer=writer, planner=options.planner, process_group=process_group, no_dist=no_dist)

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch.distributed as dist
 from dcpstore._impl.util.torch_compat import default_group
+from dcpstore._impl.util.distributed import is_distributed
 
 
 class BackgroundGroups:
@@ -27,7 +28,7 @@ class BackgroundGroups:
         self._groups: dict[int, tuple[Any, Any, dist.ProcessGroup]] = {}
 
     def get(self, process_group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
-        if not (dist.is_available() and dist.is_initialized()):
+        if not is_distributed():
             return None
         default = default_group()
         # After destroy_process_group() + a new init, the old groups are dead.
@@ -49,7 +50,7 @@ class BackgroundGroups:
 
     def destroy(self) -> None:
         groups, self._groups = self._groups, {}
-        if not (dist.is_available() and dist.is_initialized()):
+        if not is_distributed():
             return
         default = default_group()
         for owner, _, group in groups.values():

@@ -74,6 +74,7 @@ from torch.distributed.distributed_c10d import PrefixStore
 from dcpstore._impl.dcp.failures import describe_failure, save_error
 from dcpstore._impl.dcp.writer import save_state_dict
 from dcpstore._impl.util.errors import SaveError
+from dcpstore._impl.util.distributed import is_distributed
 from dcpstore._impl.values.results import SaveStats
 from dcpstore._impl.values.options import SaveOptions
 from dcpstore._impl.storage import open_storage
@@ -196,7 +197,7 @@ class ProcessEngine:
         if rank == 0:
             store = TCPStore("0.0.0.0", 0, None, is_master=True, wait_for_workers=False, timeout=self.timeout)
             self._stores.append(store)
-            global_rank_0 = dist.get_global_rank(group, 0) == 0 if dist.is_initialized() else True
+            global_rank_0 = dist.get_global_rank(group, 0) == 0 if is_distributed() else True
             host = os.environ.get("MASTER_ADDR") if global_rank_0 else None
             point[0] = (host or socket.getfqdn(), store.port)
         dist.broadcast_object_list(point, src=dist.get_global_rank(group, 0), group=group)
@@ -428,7 +429,7 @@ def serve(fd: int, parent: int) -> None:
                 # anyway.
                 return
     finally:
-        if grouped and dist.is_initialized():
+        if grouped and is_distributed():
             dist.destroy_process_group()  # first: a leftover's retry may take the storage's timeouts
         leftovers.finish("as a checkpoint process stopped")
 

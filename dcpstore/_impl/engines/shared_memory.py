@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from dcpstore._impl.storage.byte_ranges import ceil_div
+
 #: Buffers start on this boundary (a cache line; every dtype's alignment).
 ALIGN = 64
 
@@ -32,7 +34,7 @@ _ids = itertools.count(1)
 
 def aligned(n: int) -> int:
     """``n`` rounded up to :data:`ALIGN`."""
-    return -(-n // ALIGN) * ALIGN
+    return ceil_div(n, ALIGN) * ALIGN
 
 
 def _anonymous_file(nbytes: int) -> int:

@@ -54,6 +54,7 @@ from dcpstore._impl.engines import exit as exit_hook
 from dcpstore._impl.engines.selection import engine_problem
 from dcpstore._impl.engines.saver import default_saver
 from dcpstore._impl.util.errors import CheckpointExists, InvalidArgument, SaveError
+from dcpstore._impl.util.distributed import is_distributed
 from dcpstore._impl.values.results import CheckpointInfo, SaveHandle
 from dcpstore._impl.util.keyword_hints import hint_keywords, hint_keywords_with
 from dcpstore._impl.values.keywords import pass_whole, resolve_options
@@ -268,7 +269,7 @@ class CheckpointManager:
     def is_coordinator(self) -> bool:
         """Rank 0 of the process group (or the only process): the one that
         writes the pointer and deletes retired steps."""
-        if not (dist.is_available() and dist.is_initialized()):
+        if not is_distributed():
             return True
         return dist.get_rank(self.options.process_group) == 0
 

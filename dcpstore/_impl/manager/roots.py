@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import torch.distributed as dist
 
 from dcpstore._impl.util.errors import CheckpointNotFound
+from dcpstore._impl.util.distributed import is_distributed
 from dcpstore._impl.format.layout import METADATA
 from dcpstore._impl.values.results import SaveHandle
 from dcpstore._impl.storage import Storage, join_uri
@@ -77,10 +78,6 @@ class Roots(Protocol):
     def wait(self, timeout: float | None) -> None: ...
 
     def close(self) -> None: ...
-
-
-def is_distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
 
 
 def group_rank(group: dist.ProcessGroup | None) -> int:

@@ -1,5 +1,7 @@
 """Byte arithmetic for cutting one read or write into requests:
-:func:`byte_ranges`, :func:`equal_ranges`, :func:`slice_buffers`."""
+:func:`byte_ranges`, :func:`equal_ranges`, :func:`slice_buffers`, and how
+many pieces of a size hold a count (:func:`ceil_div`, which the layers
+above use too)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,12 @@ from collections.abc import Sequence
 #: How much larger than the asked size a piece of :func:`byte_ranges` may
 #: grow (1/8): rather than a last piece of a few bytes.
 PIECE_SLACK = 8
+
+
+def ceil_div(n: int, d: int) -> int:
+    """``n / d`` rounded up, in integers (``ceil_div(10, 4) == 3``): how many
+    pieces of ``d`` hold ``n``. Exact for any size, as a float's ``ceil`` is not."""
+    return -(-n // d)
 
 
 def byte_ranges(offset: int, length: int, piece: int) -> list[tuple[int, int]]:
@@ -22,7 +30,7 @@ def byte_ranges(offset: int, length: int, piece: int) -> list[tuple[int, int]]:
     """
     if length <= 0:
         return []
-    return equal_ranges(offset, length, -(-length // (piece + piece // PIECE_SLACK)))
+    return equal_ranges(offset, length, ceil_div(length, piece + piece // PIECE_SLACK))
 
 
 def equal_ranges(offset: int, length: int, count: int) -> list[tuple[int, int]]:

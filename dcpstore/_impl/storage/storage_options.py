@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dcpstore._impl.util.errors import InvalidArgument
-from dcpstore._impl.storage.byte_ranges import PIECE_SLACK
+from dcpstore._impl.storage.byte_ranges import PIECE_SLACK, ceil_div
 
 MiB = 1 << 20
 
@@ -112,13 +112,13 @@ class StorageOptions:
             return self.part_size
         if not nbytes:
             return AUTO_PART_UNKNOWN
-        per_piece = -(-nbytes // AUTO_PIECES)
-        size = min(AUTO_PART_MAX, max(AUTO_PART_MIN, -(-per_piece // MiB) * MiB))
-        count = -(-nbytes // size)
+        per_piece = ceil_div(nbytes, AUTO_PIECES)
+        size = min(AUTO_PART_MAX, max(AUTO_PART_MIN, ceil_div(per_piece, MiB) * MiB))
+        count = ceil_div(nbytes, size)
         if count > 1 and nbytes - (count - 1) * size < size // PIECE_SLACK:
             # A last part of a few KiB (a file's record headers past a round
             # tensor size) would be a request of its own: one part fewer.
-            size = min(AUTO_PART_MAX, -(-(-(-nbytes // (count - 1))) // MiB) * MiB)
+            size = min(AUTO_PART_MAX, ceil_div(ceil_div(nbytes, count - 1), MiB) * MiB)
         return size
 
     def transfer_pieces(self, nbytes: int, batch_hint: int | None = None) -> int:
@@ -139,8 +139,8 @@ class StorageOptions:
             The number of pieces, at least 1.
         """
         batch = max(batch_hint or 0, nbytes)
-        aim = min(AUTO_PART_MAX, max(AUTO_PART_MIN, -(-batch // (UPLOAD_ROUNDS * self.max_concurrency))))
-        return max(-(-nbytes // AUTO_PART_MAX), min(round(nbytes / aim), nbytes // AUTO_PART_MIN), 1)
+        aim = min(AUTO_PART_MAX, max(AUTO_PART_MIN, ceil_div(batch, UPLOAD_ROUNDS * self.max_concurrency)))
+        return max(ceil_div(nbytes, AUTO_PART_MAX), min(round(nbytes / aim), nbytes // AUTO_PART_MIN), 1)
 
     def upload_part_size(self, size_hint: int | None, batch_hint: int | None = None) -> int:
         """The part size of a multipart upload of an object of about
@@ -163,7 +163,7 @@ class StorageOptions:
             return AUTO_PART_UNKNOWN
         # One part is a single PUT up to the hint; past it (a hint too low)
         # the object still goes up in parts S3 accepts (5 MiB or more).
-        return max(AUTO_PART_MIN, -(-size_hint // self.transfer_pieces(size_hint, batch_hint)))
+        return max(AUTO_PART_MIN, ceil_div(size_hint, self.transfer_pieces(size_hint, batch_hint)))
 
 
 #: Most key prefixes a save may spread its data files over (3 hex digits).

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 
 from dcpstore._impl.util.errors import InvalidArgument
+from dcpstore._impl.util.distributed import is_distributed
 from dcpstore._impl.storage import StorageOptions, check_spread_prefixes
 
 @dataclass(frozen=True)
@@ -184,7 +185,7 @@ def check_trusted(trusted: Any) -> bool:
 
 
 def _check_process_group(process_group: Any) -> None:
-    if process_group is not None and not (dist.is_available() and dist.is_initialized()):
+    if process_group is not None and not is_distributed():
         raise InvalidArgument("process_group was given but torch.distributed is not initialised")
 
 
@@ -196,7 +197,7 @@ def _check_bool(name: str, value: Any) -> None:
 def rank_in(process_group: dist.ProcessGroup | None) -> tuple[int, int] | None:
     """``(rank, world size)`` in ``process_group`` (``None``: the default
     group), or ``None`` without torch.distributed."""
-    if not (dist.is_available() and dist.is_initialized()):
+    if not is_distributed():
         return None
     return dist.get_rank(process_group), dist.get_world_size(process_group)
 

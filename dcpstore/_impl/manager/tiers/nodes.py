@@ -46,6 +46,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from dcpstore._impl.dcp.commit import Commit, publish_copy
 from dcpstore._impl.util.errors import CheckpointError, InvalidArgument, SaveError
+from dcpstore._impl.util.distributed import is_distributed
 from dcpstore._impl.format.layout import METADATA
 from dcpstore._impl.format.safe_pickle import TOOLS, load_metadata
 from dcpstore._impl.storage import Storage
@@ -121,7 +122,7 @@ class NodeSync:
         ``use_local_synchronization`` by its ranks and the number of groups,
         so destroying it would hand its name, and its rendezvous keys, to
         the next group made; it goes with its default group."""
-        if not (dist.is_available() and dist.is_initialized()):
+        if not is_distributed():
             return cls(ONE_DIR, None, None)
         nodes = detect_nodes(local, group, rank)
         background = None

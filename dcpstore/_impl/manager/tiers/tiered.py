@@ -18,10 +18,11 @@ from typing import Any
 import torch.distributed as dist
 
 from dcpstore._impl.util.errors import CheckpointError, InvalidArgument, SaveError
+from dcpstore._impl.util.distributed import is_distributed
 from dcpstore._impl.format.layout import METADATA
 from dcpstore._impl.values.results import SaveHandle
 from dcpstore._impl.storage import Storage, join_uri
-from dcpstore._impl.manager.roots import REPLICATE_TIMEOUT_S, group_rank, is_distributed, not_found
+from dcpstore._impl.manager.roots import REPLICATE_TIMEOUT_S, group_rank, not_found
 from dcpstore._impl.manager.steps import (
     check_step,
     commit_times,

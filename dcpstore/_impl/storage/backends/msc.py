@@ -85,7 +85,7 @@ from dcpstore._impl.storage.storage_options import MiB, StorageOptions
 from dcpstore._impl.storage.incomplete import IncompleteWrite
 from dcpstore._impl.storage.buffered import BufferedObjectWriter
 from dcpstore._impl.storage.backends.s3.error_codes import Meaning, code_in_text, meaning
-from dcpstore._impl.storage.backends.s3.aws_env import aws_env_fingerprint, aws_retry_mode
+from dcpstore._impl.storage.backends.s3.aws_env import aws_retry_mode, client_key
 from dcpstore._impl.storage.byte_ranges import byte_ranges
 from dcpstore._impl.storage.concurrency import disk_workers
 from dcpstore._impl.storage.error_mapping import library_detail, library_text, map_os_error
@@ -125,15 +125,7 @@ def _implicit_s3_client(url: StorageURL, options: StorageOptions) -> Any:
     ``resolve_storage_client`` shares its clients (building one costs a
     config read and a boto3 client)."""
     profile = f"_s3-{url.netloc}"
-    key = (
-        os.getpid(),
-        profile,
-        os.environ.get("MSC_CONFIG"),
-        aws_env_fingerprint(),
-        options.connect_timeout_s,
-        options.read_timeout_s,
-        options.max_attempts,
-    )
+    key = client_key(options, profile, os.environ.get("MSC_CONFIG"))
     with _implicit_lock:
         client = _implicit_clients.get(key)
         if client is None:

@@ -1,10 +1,14 @@
 """The AWS environment a boto3 client reads: the native S3 and the MSC
-backends build their clients alike, and reuse one only while it is unchanged."""
+backends build their clients alike, and reuse one only while it and the
+options it was built with are unchanged (:func:`client_key`)."""
 
 from __future__ import annotations
 
 import hashlib
 import os
+from typing import Any
+
+from dcpstore._impl.storage.storage_options import StorageOptions
 
 
 #: Environment variables that change which endpoint, region or credentials a
@@ -35,6 +39,22 @@ def aws_env_fingerprint() -> str:
     for key in AWS_ENV_KEYS:
         digest.update(f"{key}={os.environ.get(key, '<unset>')}\n".encode())
     return digest.hexdigest()
+
+
+def client_key(options: StorageOptions, *built_from: Any) -> tuple[Any, ...]:
+    """What a cached boto3 client is reused for: this process (a forked
+    child builds its own), the AWS environment it read
+    (:func:`aws_env_fingerprint`), the timeouts and attempts it was built
+    with from ``options``, and whatever else the caller built it from
+    (``built_from``)."""
+    return (
+        os.getpid(),
+        aws_env_fingerprint(),
+        options.max_attempts,
+        options.connect_timeout_s,
+        options.read_timeout_s,
+        *built_from,
+    )
 
 
 def aws_retry_mode() -> str:

@@ -21,7 +21,6 @@ log line here ever contains a credential.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from typing import Any
@@ -33,7 +32,7 @@ from botocore.utils import determine_content_length
 
 from dcpstore._impl.util.errors import CheckpointError, StorageError, StorageNotFound, StoragePermissionError
 from dcpstore._impl.storage.storage_options import StorageOptions
-from dcpstore._impl.storage.backends.s3.aws_env import aws_env_fingerprint, aws_retry_mode
+from dcpstore._impl.storage.backends.s3.aws_env import aws_retry_mode, client_key
 from dcpstore._impl.storage.concurrency import http_pool_size
 from dcpstore._impl.storage.error_mapping import library_detail, library_text
 from dcpstore._impl.storage.backends.s3.error_codes import Meaning, meaning
@@ -61,16 +60,7 @@ def s3_client(options: StorageOptions) -> Any:
     environment) in one process shares one; boto3 clients are thread-safe.
     The key includes the pid: a forked child builds its own.
     """
-    key = (
-        os.getpid(),
-        aws_env_fingerprint(),
-        options.max_attempts,
-        options.max_concurrency,
-        options.connect_timeout_s,
-        options.read_timeout_s,
-        options.op_timeout_s,
-        options.region,
-    )
+    key = client_key(options, options.max_concurrency, options.op_timeout_s, options.region)
     client = _clients.get(key)
     if client is not None:
         return client

@@ -225,8 +225,8 @@ class S3Storage(Storage):
         kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": self.key(path), "Range": f"bytes={offset}-{offset + length - 1}"}
         if if_match:
             kwargs["IfMatch"] = if_match
-        deadline = time.monotonic() + self.options.op_timeout_s
-        for attempt in range(1, self.options.max_attempts + 1):
+
+        def one_try() -> T | None:
             try:
                 resp = self.client.get_object(**kwargs)
             except Exception as e:
@@ -239,13 +239,33 @@ class S3Storage(Storage):
             total = _total_size(resp)
             if total is not None:
                 self._sizes[path] = total
+            return consume(resp)
+
+        def again(e: Exception, attempt: int) -> None:
+            log.debug("%s: body read failed (%s), retrying", what, type(e).__name__)
+            time.sleep(min(random.uniform(0, 2**attempt) * 0.05, 2.0))
+
+        try:
+            return self._retried(one_try, _BODY_ERRORS, again)
+        except _BODY_ERRORS as e:
+            raise self._error(e, what) from e
+
+    def _retried(
+        self, one_try: Callable[[], T], retried: tuple[type[Exception], ...], again: Callable[[Exception, int], None]
+    ) -> T:
+        """``one_try()``, tried again while it raises one of ``retried``,
+        bounded as a request's retries are: ``max_attempts`` tries at most,
+        and none begun once ``op_timeout_s`` has passed since the first.
+        ``again(error, attempt)`` runs before each further try (it logs, it
+        may wait); the last try's error is raised as it is."""
+        deadline = time.monotonic() + self.options.op_timeout_s
+        for attempt in range(1, self.options.max_attempts + 1):
             try:
-                return consume(resp)
-            except _BODY_ERRORS as e:
+                return one_try()
+            except retried as e:
                 if attempt >= self.options.max_attempts or time.monotonic() > deadline:
-                    raise self._error(e, what) from e
-                log.debug("%s: body read failed (%s), retrying", what, type(e).__name__)
-                time.sleep(min(random.uniform(0, 2**attempt) * 0.05, 2.0))
+                    raise
+                again(e, attempt)
         raise AssertionError("unreachable")  # the loop returns or raises
 
     def read_range(self, path: str, offset: int, length: int) -> bytes:
@@ -287,15 +307,11 @@ class S3Storage(Storage):
         all of them are of one version; should a replace land in between,
         the read starts again (``max_attempts`` reads at most, within
         ``op_timeout_s``), so that it returns the new version, whole."""
-        deadline = time.monotonic() + self.options.op_timeout_s
-        for attempt in range(1, self.options.max_attempts + 1):
-            try:
-                return self._read_pinned(path, limit)
-            except _ObjectChanged:
-                if attempt >= self.options.max_attempts or time.monotonic() > deadline:
-                    raise
-                log.debug("%s changed while it was being read; reading it again", self.describe(path))
-        raise AssertionError("unreachable")  # the loop returns or raises
+
+        def again(e: Exception, attempt: int) -> None:
+            log.debug("%s changed while it was being read; reading it again", self.describe(path))
+
+        return self._retried(lambda: self._read_pinned(path, limit), (_ObjectChanged,), again)
 
     def _read_pinned(self, path: str, limit: int | None) -> bytes:
         """One try of :meth:`read`: :class:`_ObjectChanged` if the object is

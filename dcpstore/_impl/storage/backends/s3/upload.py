@@ -60,6 +60,7 @@ import crc32c
 
 from dcpstore._impl.util.errors import CheckpointError, StorageError, StorageNotFound
 from dcpstore._impl.storage.base import Storage
+from dcpstore._impl.storage.byte_ranges import ceil_div
 from dcpstore._impl.storage.storage_options import MiB
 from dcpstore._impl.storage.lending_writer import LendingObjectWriter, Part, PartBody
 from dcpstore._impl.storage.incomplete import IncompleteWrite
@@ -84,8 +85,8 @@ def _part_size_for(part_size: int, size_hint: int | None) -> int:
     """``part_size``, grown (in whole MiB) if ``size_hint`` would need more than 10,000 parts."""
     if not size_hint or size_hint <= part_size * _MAX_PARTS:
         return part_size
-    needed = -(-size_hint // _MAX_PARTS)
-    return -(-needed // MiB) * MiB
+    needed = ceil_div(size_hint, _MAX_PARTS)
+    return ceil_div(needed, MiB) * MiB
 
 
 class S3Writer(LendingObjectWriter):
