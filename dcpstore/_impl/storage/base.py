@@ -137,8 +137,10 @@ class Storage(abc.ABC):
     (:meth:`leave_unfinished`, :meth:`take_unfinished`). A backend sets the
     class attribute :attr:`backend` (its name in messages and save reports)
     and, if it defines ``__init__``, calls ``super().__init__(url, options)``.
-    :mod:`dcpstore.storage.testing` is the suite that checks a backend
-    keeps this contract.
+    :meth:`open_write` returns an :class:`ObjectWriter`; subclassing
+    :class:`~dcpstore.storage.BufferedObjectWriter` leaves a backend only
+    how bytes leave, land and are discarded. :mod:`dcpstore.storage.testing`
+    is the suite that checks a backend keeps this contract.
 
     **Who calls what, when.** :func:`~dcpstore.storage.open_storage` builds
     the storage (``cls(url, options)``) in every process that touches the
@@ -164,9 +166,10 @@ class Storage(abc.ABC):
     ``.metadata`` (with a ``limit``), :meth:`size_seen` or :meth:`size` per
     data file, then :meth:`read_into` and :meth:`read_range` on reader
     threads (:meth:`default_workers` of them unless the caller names a
-    number). ``dcpstore ls``/``gc`` and a manager's retention :meth:`list`
-    and :meth:`delete`, and ``gc`` also :meth:`incomplete_writes` and
-    :meth:`remove_incomplete`. :meth:`close` comes last.
+    number). ``dcpstore ls`` calls :meth:`list`; ``gc`` and a manager's
+    retention :meth:`list` and :meth:`delete`, and ``gc`` also
+    :meth:`incomplete_writes` and :meth:`remove_incomplete`. :meth:`close`
+    comes last.
 
     **What a backend guarantees.**
 
