@@ -141,7 +141,7 @@ def test_metadata_payload_through_the_manager(tmp_path: Path) -> None:
         with pytest.raises(dcpstore.UnsafeCheckpoint, match="builtins.exec"):
             manager.load(fresh())
         assert_untouched(marker)
-        manager.save(4, state())  # a save next to it, and retention, never read it either
+        manager.save(state(), 4)  # a save next to it, and retention, never read it either
     assert_untouched(marker)
 
 

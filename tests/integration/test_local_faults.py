@@ -85,7 +85,7 @@ def _assert_clean_failure(previous: tuple[str, dict], scenario: str, cause: str)
     uri = _failed_save_uri(previous, scenario)
     manager = dcpstore.CheckpointManager(previous[0], keep=1, async_=False, options=dcpstore.SaveOptions(workers=3))
     with pytest.raises(dcpstore.SaveError) as info:
-        manager.save(SCENARIOS[scenario], _next_state(), overwrite=scenario == "overwrite")
+        manager.save(_next_state(), SCENARIOS[scenario], overwrite=scenario == "overwrite")
     message = str(info.value)
     assert uri in message and cause in message, message
     assert "unexpected pos" not in message, message  # torch's stream error, not the storage's

@@ -56,6 +56,10 @@ OPTIONAL = {
     "megatron",  # adapters.megatron asks megatron-core whether --enable-msc is on
 }
 
+#: Test-only packages -> the modules of ours that may import them: the
+#: backend contract suite, which only tests import (and no module of ours).
+TEST_ONLY = {"pytest": {"dcpstore.storage.testing"}}
+
 #: Packages whose late imports are still to be moved to the top (none).
 LATE_IMPORTS_PENDING: set[str] = set()
 #: (module, what it imports inside a function): a feature's subpackage that
@@ -184,6 +188,20 @@ def test_late_imports_only_for_optional_packages() -> None:
         and not any(module == p or module.startswith(p + ".") for p in LATE_IMPORTS_PENDING)
     ]
     assert not late, "\n".join(late)
+
+
+def test_test_only_packages_only_in_the_modules_tests_import() -> None:
+    """pytest is not a dependency of dcpstore: only the shipped contract
+    suite imports it, and nothing of ours imports that suite."""
+    suites = set().union(*TEST_ONLY.values())
+    wrong = [
+        f"{module}:{line} imports {target}"
+        for module in MODULES
+        for target, line, _ in _imports(module)
+        if (target.split(".")[0] in TEST_ONLY and module not in TEST_ONLY[target.split(".")[0]])
+        or (target in suites and module != target)
+    ]
+    assert not wrong, "\n".join(wrong)
 
 
 @pytest.mark.parametrize(

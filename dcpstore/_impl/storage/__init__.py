@@ -1,11 +1,13 @@
 """Bytes behind one interface: where a checkpoint's objects live.
 
-Owns the :class:`Storage` interface that the DCP writer and reader call
+Owns the :class:`Storage` contract that the DCP writer and reader call
 (:mod:`.base`), URIs (:mod:`.uri`), how a storage is reached and its
 transfers cut (:mod:`.storage_options`), the backend registry
 (:mod:`.backend_registry`), one module per backend (:mod:`.backends`), and
 what every backend is built from, so that nothing is written twice:
 
+* :mod:`.backend_base`: :class:`~.backend_base.BackendBase`, the built-in
+  backends' base (root containment, error mapping, a request pool);
 * :mod:`.buffered`: the object writer with position, ``tell`` and part
   buffering; :mod:`.lending_writer`: parts that send lent bytes in place;
 * :mod:`.byte_ranges`: cutting a read into requests; :mod:`.concurrency`:

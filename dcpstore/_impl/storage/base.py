@@ -1,64 +1,31 @@
-"""The byte-level storage interface every backend implements.
+"""The byte-level storage contract every backend keeps: :class:`Storage`.
 
 dcpstore's DCP writer and reader (:mod:`dcpstore._impl.dcp`) are written once
 against :class:`Storage`; a backend is one module in this package that maps
-these few operations onto a filesystem or object store.
+its few operations onto a filesystem or object store. The class docstring
+says which methods a backend implements, which it may override, who calls
+them when, and what they guarantee; :class:`ObjectWriter` is what
+``open_write`` returns and :class:`ObjectInfo` what ``list`` yields.
 
-Paths are always *relative* to the storage root (the checkpoint URI) and use
-``/`` as separator. Call order during a save, per rank::
-
-    storage.makedirs()                       # once, before any write
-    with storage.open_write("__0_0.distcp", size_hint=n, batch_hint=total) as w:
-        w.write(buf) ...                     # one per data file, streamed, in order
-        w.seal()                             # optional: no more bytes; send the rest
-    # leaving the block commits: the object becomes visible atomically and
-    # durable (POSIX: fsync + rename + fsync dir; S3: complete the upload).
-    # An exception inside the block aborts: nothing becomes visible.
-
-and on the coordinator, after every rank's files are committed::
-
-    storage.put(".metadata", blob)           # the checkpoint's commit point
-
-Reads are ranged (``read_range``) so a rank loads only the items it needs.
-Backends must be safe to call from several threads at once; the writers use
-one thread per file.
-
-Errors: a missing object raises :class:`~dcpstore._impl.util.errors.StorageNotFound`
-(also a ``FileNotFoundError``); any other failure, after the backend's own
-retries, raises :class:`~dcpstore._impl.util.errors.StorageError` chained to the cause.
-
-The backend kit: what every backend needs is written once, as protected
-members of :class:`Storage` that only backends call -- the root-containment
-check (``_relpath``), the error mapping (``_mapped`` around each library
-call, or ``_error`` in a handler of the backend's own, both translating
-through the backend's ``_map_error``), and one request pool per instance
-(:class:`~dcpstore._impl.storage.request_pool.RequestPool`: the connection budget that
-ranged reads, ``_in_parallel``, and part uploads share), shut down by
-:meth:`Storage.close`.
-Object writers build on :class:`~dcpstore._impl.storage.buffered.BufferedObjectWriter`,
-which owns position, ``tell`` and part buffering.
+The kit the built-in backends share (the root-containment check, the error
+mapping, one request pool per instance) is not part of the contract: it
+is :class:`~dcpstore._impl.storage.backend_base.BackendBase`.
 """
 
 from __future__ import annotations
 
 import abc
-import contextlib
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from types import TracebackType
-from typing import Any, ClassVar, TypedDict, TypeVar
+from typing import ClassVar, TypedDict, final
 
 from typing_extensions import NotRequired
 
-from dcpstore._impl.util.errors import CheckpointError, ObjectTooLarge, StorageError, StorageNotFound
-from dcpstore._impl.storage.error_mapping import map_os_error
+from dcpstore._impl.util.errors import StorageNotFound
 from dcpstore._impl.storage.storage_options import OBJECT_STORE_WORKERS, StorageOptions
 from dcpstore._impl.storage.incomplete import IncompleteWrite, Unfinished
-from dcpstore._impl.storage.request_pool import RequestPool
-from dcpstore._impl.storage.secrets import scrub_exception
 from dcpstore._impl.storage.uri import StorageURL, redact
-
-T = TypeVar("T")
 
 
 class ObjectInfo(TypedDict):
@@ -155,128 +122,132 @@ class ObjectWriter(abc.ABC):
 
 
 class Storage(abc.ABC):
-    """One checkpoint location (a directory or a key prefix) on one backend.
+    """One checkpoint location (a directory or a key prefix) on one backend:
+    the contract between a backend and the rest of dcpstore.
 
-    Construct through :func:`dcpstore.storage.open_storage`, which parses the
-    URI once and picks the backend from the registry.
+    The only methods a backend must implement are :meth:`open_write`,
+    :meth:`read_range`, :meth:`read`, :meth:`size`, :meth:`list`,
+    :meth:`delete` and :meth:`makedirs` (seven); it may override
+    :meth:`put`, :meth:`read_into`, :meth:`incomplete_writes`,
+    :meth:`remove_incomplete`, :meth:`learn_sizes`, :meth:`size_seen`,
+    :meth:`default_workers`, :meth:`local_path` and :meth:`close` (nine, each
+    with a default that is correct, if slower or less informed). Everything
+    else here is built on those and is not overridden: :attr:`uri`,
+    :meth:`describe`, :meth:`exists`, and the clean-up ledger
+    (:meth:`leave_unfinished`, :meth:`take_unfinished`). A backend sets the
+    class attribute :attr:`backend` (its name in messages and save reports)
+    and, if it defines ``__init__``, calls ``super().__init__(url, options)``.
+    :meth:`open_write` returns an :class:`ObjectWriter`; subclassing
+    :class:`~dcpstore.storage.BufferedObjectWriter` leaves a backend only
+    how bytes leave, land and are discarded. :mod:`dcpstore.storage.testing`
+    is the suite that checks a backend keeps this contract.
+
+    **Who calls what, when.** :func:`~dcpstore.storage.open_storage` builds
+    the storage (``cls(url, options)``) in every process that touches the
+    checkpoint: each rank of a save or load, a checkpoint process, a tool.
+    During a save, on each rank::
+
+        storage.makedirs()                       # once, before any write
+        with storage.open_write("__0_0.distcp", size_hint=n, batch_hint=total) as w:
+            w.write(buf) ...                     # one per data file, streamed, in order
+            w.seal()                             # optional: no more bytes; send the rest
+        # leaving the block commits, an exception inside it aborts
+
+    several data files at once, each on a writer thread of its own; then, on
+    the coordinator, after every rank's files are committed::
+
+        storage.put(".dcpstore.json", manifest)  # the manifest, then
+        storage.put(".metadata", blob)           # the checkpoint's commit point
+        storage.delete(stale)                    # what the commit made stale
+
+    with :meth:`list`, :meth:`exists` and small :meth:`put` / :meth:`delete`
+    calls (an in-flight marker, alive files, ``durable=False``) around it.
+    During a load, on each rank: :meth:`learn_sizes` beside the ``read`` of
+    ``.metadata`` (with a ``limit``), :meth:`size_seen` or :meth:`size` per
+    data file, then :meth:`read_into` and :meth:`read_range` on reader
+    threads (:meth:`default_workers` of them unless the caller names a
+    number). ``dcpstore ls`` calls :meth:`list`; ``gc`` and a manager's
+    retention :meth:`list` and :meth:`delete`, and ``gc`` also
+    :meth:`incomplete_writes` and :meth:`remove_incomplete`. :meth:`close`
+    comes last.
+
+    **What a backend guarantees.**
+
+    * Paths are relative to the root (the checkpoint URI), ``/``-separated;
+      one that would leave the root (absolute, or with a ``..`` component)
+      raises :class:`~dcpstore.StorageError` before the store is touched.
+    * Atomic visibility: an object written through :meth:`open_write` (and
+      so :meth:`put`) becomes visible only when its writer commits, and then
+      whole, in place of any earlier version (a reader sees the old bytes or
+      the new, never a mixture or a short object); an aborted writer leaves
+      nothing visible. Committed means durable (POSIX: fsync, rename,
+      directory fsync; an object store: the upload completed), unless
+      :meth:`put` was told ``durable=False``.
+    * :meth:`read` returns one version of an object, whole, however often it
+      is replaced meanwhile; :meth:`read_range` and :meth:`read_into` return
+      fewer bytes than asked only where the object ends.
+    * :meth:`list` is recursive, relative to the root, treats its prefix as
+      a directory (``"x"`` lists ``x/...``, never ``xy``) and never shows an
+      in-progress write (a temporary file, an open upload).
+    * Every method may be called from several threads at once.
+    * Errors: a missing object raises :class:`~dcpstore.StorageNotFound`
+      (also a ``FileNotFoundError``); refused credentials or permissions
+      :class:`~dcpstore.StoragePermissionError`; a whole read over its
+      ``limit`` :class:`~dcpstore.storage.ObjectTooLarge`; any other failure,
+      after the backend's own retries, :class:`~dcpstore.StorageError`
+      chained to the cause, its message naming the URI (:meth:`describe`)
+      and free of credentials.
+
+    The built-in backends derive from
+    :class:`~dcpstore._impl.storage.backend_base.BackendBase`, the kit
+    (containment check, error mapping, a request pool) they share.
     """
 
     #: The registry name of this backend (``"local"``, ``"s3"``, ...).
     backend: ClassVar[str]
-    #: What this backend's library raises, which :meth:`_mapped` translates
-    #: through :meth:`_map_error`; anything else (a bug) passes unchanged.
-    _library_errors: ClassVar[tuple[type[Exception], ...]] = (Exception,)
 
     def __init__(self, url: StorageURL, options: StorageOptions | None = None) -> None:
         self.url = url
         self.options = options or StorageOptions()
-        #: This storage's connection budget: every parallel request (ranged
-        #: GETs, part uploads) of every file runs here.
-        #: (A wrapping Storage may set ``backend`` only after this returns.)
-        name = getattr(self, "backend", type(self).__name__)
-        self._requests = RequestPool(self.options.max_concurrency, f"dcpstore-{name}-io")
         self._unfinished: list[Unfinished] = []
         self._unfinished_lock = threading.Lock()
 
+    # -- what callers get, built on the rest (never overridden) -----------------
     @property
     def uri(self) -> str:
         """The root URI, safe to print (credentials redacted)."""
         return redact(self.url.uri)
 
-    def default_workers(self) -> int:
-        """Writer and reader threads per rank when a save or load names none.
-
-        Object stores (this default): :data:`OBJECT_STORE_WORKERS`, whatever
-        the CPU count. Their throughput comes from requests in flight, and
-        the storage's connection budget (``max_concurrency``) keeps those in
-        flight across all of a rank's files, so the threads only have to
-        serialise, checksum and verify faster than the network moves the
-        bytes; more of them would only make more, smaller files (more
-        requests, more objects to list). Backends on a local disk override
-        this: there the threads are the parallelism.
-        """
-        return OBJECT_STORE_WORKERS
-
+    @final
     def describe(self, path: str = "") -> str:
         """A printable URI for ``path`` under this root, for messages."""
         return f"{self.uri.rstrip('/')}/{path}" if path else self.uri
 
+    @final
+    def exists(self, path: str) -> bool:
+        """Whether the object ``path`` exists (:meth:`size` does not raise
+        :class:`~dcpstore.StorageNotFound`)."""
+        try:
+            self.size(path)
+        except StorageNotFound:
+            return False
+        return True
+
+    @final
     def leave_unfinished(self, what: str, retry: Callable[[], object]) -> None:
         """Record a clean-up that failed (an abort, a delete), for the owner
         of the write to try again later (:meth:`take_unfinished`)."""
         with self._unfinished_lock:
             self._unfinished.append(Unfinished(what, retry))
 
+    @final
     def take_unfinished(self) -> list[Unfinished]:
         """The clean-ups recorded since the last call (and forget them)."""
         with self._unfinished_lock:
             taken, self._unfinished = self._unfinished, []
         return taken
 
-    def local_path(self) -> str | None:
-        """The directory of this machine's filesystem the root is, where it is
-        one (a local path, MSC's POSIX profiles, fsspec's local filesystem),
-        else None: what :func:`~dcpstore._impl.storage.overlap.overlap` compares."""
-        return None
-
-    # -- the backend kit -----------------------------------------------------
-    def _relpath(self, path: str) -> str:
-        """``path``, checked to stay under the root, without a trailing ``/``.
-
-        Every backend resolves a path through this before it touches the
-        store: an absolute path or a ``..`` component raises
-        :class:`StorageError` (a crafted manifest must not reach outside the
-        checkpoint).
-        """
-        if path.startswith("/") or ".." in path.split("/"):
-            raise StorageError(f"{self.describe(path)}: path escapes the checkpoint root")
-        return path.rstrip("/")
-
-    def _join_root(self, root: str, path: str) -> str:
-        """``root/path`` for an object-store style ``root`` (``""``: the bucket or
-        filesystem root), ``path`` checked by :meth:`_relpath`."""
-        path = self._relpath(path)
-        if not root:
-            return path
-        return f"{root}/{path}" if path else root
-
-    def _map_error(self, e: Exception, what: str) -> CheckpointError:
-        """The dcpstore exception for ``e``, one of :attr:`_library_errors`
-        raised while doing ``what`` (the operation and the URI).
-
-        Backends override this with their library's knowledge (S3 error
-        codes, ...); the default reads the built-in exceptions. Callers go
-        through :meth:`_error`.
-        """
-        return map_os_error(e, what)
-
-    def _error(self, e: Exception, what: str) -> CheckpointError:
-        """The one way a library exception becomes ours (raise it ``from e``):
-        :meth:`_mapped` and a backend's own handlers all pass here, so that
-        whatever every mapping must do is done here once."""
-        if isinstance(e, CheckpointError):
-            return e
-        scrub_exception(e)  # ours is chained to it: what it quotes (an echoing endpoint) must be clean too
-        return self._map_error(e, what)
-
-    @contextlib.contextmanager
-    def _mapped(self, what: str) -> Iterator[None]:
-        """Run the block; raise its library errors as :meth:`_error` says,
-        chained to the original. dcpstore's own errors pass unchanged."""
-        try:
-            yield
-        except CheckpointError:
-            raise
-        except self._library_errors as e:
-            raise self._error(e, what) from e
-
-    def _in_parallel(self, fn: Callable[..., T], jobs: Sequence[tuple[Any, ...]]) -> list[T]:
-        """``[fn(*job) for job in jobs]`` on this storage's request pool: in
-        flight with every other request of this storage, ``max_concurrency``
-        at most (see :meth:`~dcpstore._impl.storage.request_pool.RequestPool.map`)."""
-        return self._requests.map(fn, jobs)
-
-    # -- writing -----------------------------------------------------------
+    # -- writing (must implement: open_write, makedirs) --------------------------
     @abc.abstractmethod
     def open_write(self, path: str, *, size_hint: int | None = None, batch_hint: int | None = None) -> ObjectWriter:
         """Start writing the object ``path``; see :class:`ObjectWriter`.
@@ -308,7 +279,7 @@ class Storage(abc.ABC):
         A no-op on object stores, where prefixes need no creation.
         """
 
-    # -- reading -----------------------------------------------------------
+    # -- reading (must implement: read_range, read, size, list) ------------------
     @abc.abstractmethod
     def read_range(self, path: str, offset: int, length: int) -> bytes:
         """Read ``length`` bytes at ``offset``; fewer only if the object ends."""
@@ -351,7 +322,8 @@ class Storage(abc.ABC):
         (Asking the size and then reading that many bytes, in a second open
         or request, is exactly what breaks this.) A backend reads from one
         open file, in one request, or in ranges pinned to the version the
-        first one returned (:meth:`_read_one_version` is the kit's way).
+        first one returned (the built-in backends' kit has
+        :meth:`~dcpstore._impl.storage.backend_base.BackendBase._read_one_version`).
 
         ``limit``: refuse an object of more than ``limit`` bytes before
         allocating or reading it (:class:`~dcpstore._impl.util.errors.ObjectTooLarge`),
@@ -360,38 +332,6 @@ class Storage(abc.ABC):
         version read, so no version larger than the limit is ever returned
         or read whole.
         """
-
-    def _read_one_version(self, path: str, seen: int, limit: int | None, head: Callable[[int | None], bytes]) -> bytes:
-        """:meth:`read` for a backend whose every request returns bytes of one
-        version: ``head(n)`` gives the object's first ``n`` bytes (``None``:
-        all of it) in one request (``b""`` past the end), ``seen`` is its
-        size as just asked, already checked against ``limit``.
-
-        The first request asks one byte more than ``seen``: fewer back means
-        the object ended there, so they are all of one version (the one asked
-        about, or one that replaced it meanwhile and is no larger). All of
-        them back: a larger version replaced it between the size and the
-        read, and one more request asks for one byte past ``limit`` (no
-        limit: the whole object), which either ends within it or is refused.
-        Memory stays bounded by the version read (or ``limit`` + 1 bytes,
-        only when a larger version lands in that window).
-        """
-        data = head(seen + 1)
-        if len(data) <= seen:
-            return data
-        data = head(None if limit is None else limit + 1)
-        if limit is not None and len(data) > limit:
-            raise ObjectTooLarge(
-                f"{self.describe(path)}: more than the {limit} bytes read (replaced by a larger object while read)",
-                len(data),
-                limit,
-            )
-        return data
-
-    def check_limit(self, path: str, size: int, limit: int | None) -> None:
-        """Raise :class:`~dcpstore._impl.util.errors.ObjectTooLarge` if ``size`` exceeds ``limit``."""
-        if limit is not None and size > limit:
-            raise ObjectTooLarge(f"{self.describe(path)}: {size} bytes, more than the {limit} read", size, limit)
 
     @abc.abstractmethod
     def size(self, path: str) -> int:
@@ -403,25 +343,19 @@ class Storage(abc.ABC):
         stores: the first page of a listing, up to 1,000 objects), so that
         :meth:`size_seen` knows them. A load runs it beside its commit read:
         the files' real sizes then cost no round trip of their own. Best
-        effort: a failure here only leaves the sizes to be asked for."""
+        effort: a failure here only leaves the sizes to be asked for. The
+        default learns nothing."""
 
     def size_seen(self, path: str) -> int | None:
         """The size of ``path`` as a read or :meth:`learn_sizes` made through
         this instance reported it, or None (never seen, or a backend whose
-        reads do not say).
+        reads do not say: the default).
 
         Object stores learn it from every ranged GET's ``Content-Range``, so
         a load checks the sizes of the files it read without a request per
         file. Sizes are remembered per instance: a load opens its own.
         """
         return None
-
-    def exists(self, path: str) -> bool:
-        try:
-            self.size(path)
-        except StorageNotFound:
-            return False
-        return True
 
     @abc.abstractmethod
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
@@ -431,7 +365,7 @@ class Storage(abc.ABC):
         listed.
         """
 
-    # -- deleting ----------------------------------------------------------
+    # -- deleting (must implement: delete) ---------------------------------------
     @abc.abstractmethod
     def delete(self, paths: Iterable[str]) -> None:
         """Delete objects; paths that do not exist are ignored."""
@@ -442,10 +376,6 @@ class Storage(abc.ABC):
         backend has none to report."""
         return []
 
-    def list_incomplete(self) -> Iterator[str]:
-        """The paths of :meth:`incomplete_writes`."""
-        return iter([w.path for w in self.incomplete_writes()])
-
     def remove_incomplete(self, writes: Iterable[IncompleteWrite], older_than_s: float = 0.0) -> int:
         """Remove exactly ``writes`` (as :meth:`incomplete_writes` listed
         them): never another write started since under the same path, and
@@ -454,17 +384,31 @@ class Storage(abc.ABC):
         removed; one already gone is not counted."""
         return 0
 
-    def cleanup_incomplete(self, older_than_s: float = 0.0) -> int:
-        """Remove leftovers of interrupted writes older than ``older_than_s``
-        (of unknown age: only with ``older_than_s`` <= 0). Returns how many
-        were removed."""
-        old = [w for w in self.incomplete_writes() if (w.age_s is None and older_than_s <= 0) or (w.age_s or 0) >= older_than_s]
-        return self.remove_incomplete(old, older_than_s)
+    # -- how it is used (may override) -------------------------------------------
+    def default_workers(self) -> int:
+        """Writer and reader threads per rank when a save or load names none.
+
+        Object stores (this default): :data:`OBJECT_STORE_WORKERS`, whatever
+        the CPU count. Their throughput comes from requests in flight, and
+        the storage's connection budget (``max_concurrency``) keeps those in
+        flight across all of a rank's files, so the threads only have to
+        serialise, checksum and verify faster than the network moves the
+        bytes; more of them would only make more, smaller files (more
+        requests, more objects to list). Backends on a local disk override
+        this: there the threads are the parallelism.
+        """
+        return OBJECT_STORE_WORKERS
+
+    def local_path(self) -> str | None:
+        """The directory of this machine's filesystem the root is, where it is
+        one (a local path, MSC's POSIX profiles, fsspec's local filesystem),
+        else None (the default): what
+        :func:`~dcpstore._impl.storage.overlap.overlap` compares."""
+        return None
 
     def close(self) -> None:
-        """Release clients, connections and the request pool. The storage is
-        unusable afterwards. Backends that hold more extend this."""
-        self._requests.close()
+        """Release clients, connections and threads. The storage is unusable
+        afterwards. The default holds nothing to release."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.uri!r})"

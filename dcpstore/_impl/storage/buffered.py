@@ -27,6 +27,7 @@ from collections import OrderedDict
 
 from dcpstore._impl.util.errors import StorageError
 from dcpstore._impl.storage.base import ObjectWriter, Storage
+from dcpstore._impl.storage.backend_base import errors_mapped
 from dcpstore._impl.storage.storage_options import MiB
 
 
@@ -99,7 +100,7 @@ class BufferedObjectWriter(ObjectWriter):
         if n and self._sealed:
             raise StorageError(f"{self._what}: write after seal() (the object's bytes were declared complete)")
         if n:
-            with self._storage._mapped(self._what):
+            with errors_mapped(self._storage, self._what):
                 if self._part_size is None:
                     self._write_part(view)
                 else:
@@ -150,13 +151,13 @@ class BufferedObjectWriter(ObjectWriter):
             return
         self._sealed = True
         tail = self._last()
-        with self._storage._mapped(self._what):
+        with errors_mapped(self._storage, self._what):
             self._kept = self._seal(tail)
 
     def _commit(self) -> None:
         tail = self._kept if self._sealed else self._last()
         self._kept = bytearray()
-        with self._storage._mapped(self._what):
+        with errors_mapped(self._storage, self._what):
             self._publish(tail)
 
     def _abort(self) -> None:

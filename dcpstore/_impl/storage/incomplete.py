@@ -19,7 +19,7 @@ class IncompleteWrite:
     """A write in progress, or what an interrupted one left: a temporary
     file, an open multipart upload (:meth:`Storage.incomplete_writes`)."""
 
-    #: Relative to the root, as :meth:`Storage.list_incomplete` reports it.
+    #: Relative to the root: a temporary file's own path, an upload's object path.
     path: str
     #: Seconds since it was last written (temporary files) or started
     #: (uploads), as listed; None: the backend does not say.

@@ -26,6 +26,7 @@ from typing import Any
 import crc32c as _crc32c
 
 from dcpstore._impl.storage.base import Storage
+from dcpstore._impl.storage.backend_base import errors_mapped
 from dcpstore._impl.storage.buffered import PARTS, BufferedObjectWriter
 
 #: Lent writes smaller than this are copied: a piece of its own in a part
@@ -172,7 +173,7 @@ class LendingObjectWriter(BufferedObjectWriter):
         view = memoryview(data).cast("B")
         if view.nbytes < LEND_MIN or self._sealed or self._part_size is None:
             return self.write(view)
-        with self._storage._mapped(self._what):
+        with errors_mapped(self._storage, self._what):
             self._lend(view, owner, self._part_size)
         self._pos += view.nbytes
         return view.nbytes

@@ -40,7 +40,8 @@ import fsspec
 from fsspec.spec import AbstractBufferedFile
 
 from dcpstore._impl.util.errors import BackendUnavailable, CheckpointError, StorageError, StorageNotFound
-from dcpstore._impl.storage.base import ObjectInfo, ObjectWriter, Storage
+from dcpstore._impl.storage.base import ObjectInfo, ObjectWriter
+from dcpstore._impl.storage.backend_base import BackendBase
 from dcpstore._impl.storage.storage_options import StorageOptions
 from dcpstore._impl.storage.incomplete import IncompleteWrite
 from dcpstore._impl.storage.buffered import BufferedObjectWriter
@@ -57,7 +58,7 @@ def _is_tmp(path: str) -> bool:
     return name.startswith(".") and _TMP_MARK in name
 
 
-class FsspecStorage(Storage):
+class FsspecStorage(BackendBase):
     """A directory (or prefix) on an fsspec filesystem."""
 
     backend = "fsspec"
@@ -142,7 +143,7 @@ class FsspecStorage(Storage):
 
     def read(self, path: str, *, limit: int | None = None) -> bytes:
         """The size, then one ``cat_file`` for the whole object, never a
-        ``cat_file`` cut at the size (see :meth:`Storage._read_one_version`):
+        ``cat_file`` cut at the size (see :meth:`BackendBase._read_one_version`):
         one GET on s3fs, gcsfs and adlfs, a slice of one file's bytes on
         ``memory://``. (A filesystem without a ``cat_file`` of its own reads
         through fsspec's buffered file, whose blocks are separate requests.)"""

@@ -33,7 +33,8 @@ import uuid
 from collections.abc import Iterable, Iterator, Sequence
 
 from dcpstore._impl.util.errors import StorageError, StorageNotFound
-from dcpstore._impl.storage.base import ObjectInfo, ObjectWriter, Storage
+from dcpstore._impl.storage.base import ObjectInfo, ObjectWriter
+from dcpstore._impl.storage.backend_base import BackendBase
 from dcpstore._impl.storage.storage_options import StorageOptions
 from dcpstore._impl.storage.incomplete import IncompleteWrite
 from dcpstore._impl.storage.buffered import BufferedObjectWriter
@@ -124,7 +125,7 @@ class _LocalWriter(BufferedObjectWriter):
             os.unlink(self._tmp)
 
 
-class LocalStorage(Storage):
+class LocalStorage(BackendBase):
     """A directory on a local (or locally mounted) POSIX filesystem."""
 
     backend = "local"

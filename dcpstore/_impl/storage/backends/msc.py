@@ -80,7 +80,8 @@ from multistorageclient import types as msc_types
 from multistorageclient.types import Range
 
 from dcpstore._impl.util.errors import CheckpointError, InvalidURI, StorageError, StorageNotFound, StoragePermissionError
-from dcpstore._impl.storage.base import ObjectInfo, ObjectWriter, Storage
+from dcpstore._impl.storage.base import ObjectInfo, ObjectWriter
+from dcpstore._impl.storage.backend_base import BackendBase
 from dcpstore._impl.storage.storage_options import MiB, StorageOptions
 from dcpstore._impl.storage.incomplete import IncompleteWrite
 from dcpstore._impl.storage.buffered import BufferedObjectWriter
@@ -190,7 +191,7 @@ def _client_error(e: BaseException) -> tuple[str, int]:
     return code_in_text(str(e)), 0
 
 
-class MSCStorage(Storage):
+class MSCStorage(BackendBase):
     """A path in one MSC profile (explicit, implicit or the POSIX default)."""
 
     backend = "msc"
@@ -313,7 +314,7 @@ class MSCStorage(Storage):
     def read(self, path: str, *, limit: int | None = None) -> bytes:
         """The size, then one GET for the whole object (MSC's ``read`` neither
         reports nor pins a version, so ranges of one object could be of two):
-        see :meth:`Storage._read_one_version`."""
+        see :meth:`BackendBase._read_one_version`."""
         try:
             size = self.size(path)
         except (StorageNotFound, StoragePermissionError):

@@ -42,7 +42,8 @@ import botocore.exceptions as bexc
 from botocore.response import StreamingBody
 
 from dcpstore._impl.util.errors import CheckpointError, StorageError, StorageNotFound
-from dcpstore._impl.storage.base import ObjectInfo, ObjectWriter, Storage
+from dcpstore._impl.storage.base import ObjectInfo, ObjectWriter
+from dcpstore._impl.storage.backend_base import BackendBase
 from dcpstore._impl.storage.storage_options import StorageOptions
 from dcpstore._impl.storage.incomplete import IncompleteWrite
 from dcpstore._impl.storage.backends.s3.error_codes import Meaning, meaning
@@ -139,7 +140,7 @@ class _ObjectChanged(StorageError):
     object replaced: :meth:`S3Storage.read` reads it again."""
 
 
-class S3Storage(Storage):
+class S3Storage(BackendBase):
     """A key prefix in an S3 (or S3-compatible) bucket."""
 
     backend = "s3"

@@ -59,7 +59,7 @@ from typing import Any, TypeVar
 import crc32c
 
 from dcpstore._impl.util.errors import CheckpointError, StorageError, StorageNotFound
-from dcpstore._impl.storage.base import Storage
+from dcpstore._impl.storage.backend_base import BackendBase, errors_mapped
 from dcpstore._impl.storage.byte_ranges import ceil_div
 from dcpstore._impl.storage.storage_options import MiB
 from dcpstore._impl.storage.lending_writer import LendingObjectWriter, Part, PartBody
@@ -95,7 +95,7 @@ class S3Writer(LendingObjectWriter):
     over its pieces, which botocore reads (to sign it) and sends."""
 
     def __init__(
-        self, storage: Storage, path: str, *, client: Any, bucket: str, key: str, size_hint: int | None,
+        self, storage: BackendBase, path: str, *, client: Any, bucket: str, key: str, size_hint: int | None,
         batch_hint: int | None = None,
     ) -> None:  # fmt: skip
         part_size = _part_size_for(storage.options.upload_part_size(size_hint, batch_hint), size_hint)
@@ -119,7 +119,7 @@ class S3Writer(LendingObjectWriter):
 
     def _call(self, what: str, fn: Callable[..., T], **kwargs: Any) -> T:
         """One request about this object, its errors mapped by the storage."""
-        with self._storage._mapped(what):
+        with errors_mapped(self._storage, what):
             return fn(Bucket=self._bucket, Key=self._key, **kwargs)
 
     # -- multipart -----------------------------------------------------------
