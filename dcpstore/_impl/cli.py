@@ -97,7 +97,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    info = _needs_torch("maintenance").inspect_checkpoint(_open(args))
+    info = _needs_torch("tools.maintenance").inspect_checkpoint(_open(args))
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
@@ -120,7 +120,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    maintenance = _needs_torch("maintenance")
+    maintenance = _needs_torch("tools.maintenance")
     storage = _open(args)
     try:
         total: int | None = sum(f["size"] for f in maintenance.inspect_checkpoint(storage)["files"].values())
