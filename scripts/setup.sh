@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create .venv and install dcpstore with every backend and test dependency, and
-# what builds the docs site (the docs extra).
+# what builds the docs site (the dev extra includes the docs extra).
 # Idempotent: a second run only checks. torch goes in first, with pip, so the
 # CPU wheel is used (other resolvers fetch the multi-GB CUDA build).
 set -euo pipefail
@@ -11,7 +11,7 @@ if [ ! -x .venv/bin/python ]; then
   .venv/bin/python -m pip install -q --upgrade pip
 fi
 .venv/bin/python -m pip install -q -c constraints.txt "torch==2.13.0"
-.venv/bin/python -m pip install -q -c constraints.txt -e ".[dev,docs]"
+.venv/bin/python -m pip install -q -c constraints.txt -e ".[dev]"
 # Megatron-Bridge 0.6.2 cannot be imported without CUDA; the tests compile the
 # functions they need from its wheel's source, and megatron-core's allowlist
 # from its wheel (tests/bridge_wheel.py). Downloaded, never installed.
