@@ -7,7 +7,7 @@
     dcpstore.load(state_dict, "s3://bucket/run/step100")
 
 This module is the public surface and nothing else; the package layout (and
-which layer may import which) is in the README's Layout section.
+which layer may import which) is in docs/layout.md.
 
 The names that need torch (:data:`TORCH_NAMES`: ``save``, ``load``, the
 saver, the manager, the handles, :class:`SaveOptions` and

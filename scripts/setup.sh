@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv and install dcpstore with every backend and test dependency.
+# Create .venv and install dcpstore with every backend and test dependency, and
+# what builds the docs site (the dev extra includes the docs extra).
 # Idempotent: a second run only checks. torch goes in first, with pip, so the
 # CPU wheel is used (other resolvers fetch the multi-GB CUDA build).
 set -euo pipefail

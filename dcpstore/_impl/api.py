@@ -93,13 +93,13 @@ def save(
         state_dict: this rank's state: tensors (plain, DTensor, sharded),
             nested dicts and lists, ``Stateful`` objects, picklable values.
         uri: where to save: a local path, ``file://``, ``s3://``, ``msc://``
-            or an fsspec URL (README, "URIs").
+            or an fsspec URL (docs/uris.md).
         async_: save in the background (see above).
         workers: writer threads per rank, one data file each (default: the
             CPU count, between 2 and 8).
         enable_msc: route ``s3://`` and local paths through NVIDIA
             Multi-Storage-Client (``storage_options.enable_msc``).
-        engine: what runs the background part (README, "Engines"):
+        engine: what runs the background part (docs/engines.md):
             ``"native"`` (a thread; every backend), ``"nvrx"`` (NVRx's
             writer; local paths and MSC), ``"process"`` (a checkpoint
             process per rank; every backend but ``memory://``) or

@@ -1,5 +1,5 @@
 """The FSDP2 demo runs end to end (fast mode, local + S3 on a moto endpoint
-it starts), as CI and the README run it."""
+it starts), as CI and the README's Quick start run it."""
 
 from __future__ import annotations
 

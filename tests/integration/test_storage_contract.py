@@ -1,5 +1,5 @@
 """The byte-level contract every backend honours (one suite, all backends):
-dcpstore.storage.testing's suite, run on each target of tests/backends.py
+dcpstore.storage.testing's suite, run on each target of tests/support/backends.py
 and on the user-written backend of tests/support/user_backend.py."""
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ A failure is *observed* when ``handle.result()`` or ``handle.exception()``
 reports it. One that is not is raised, once, by the next save (of
 ``dcpstore.save``, ``AsyncSaver.save`` and ``CheckpointManager.save``) before
 that save starts, and by ``close()``; at interpreter exit it is logged at
-ERROR with its traceback, and the exit status is left alone (README, "Async
+ERROR with its traceback, and the exit status is left alone (docs/usage.md, "Async
 saves"). The exit-time cases run in real subprocesses.
 """
 

@@ -46,7 +46,7 @@ from tests.support.backends import load_options, save_options
 
 @dataclass(frozen=True)
 class Pattern:
-    #: "one": one writer for every call (the README's "kept for the run"); "fresh": a new one per call.
+    #: "one": one writer for every call (docs/dropin.md's "kept for the run"); "fresh": a new one per call.
     writer: str = "one"
     #: DCP's executor: "thread" or "process" (AsyncCheckpointerType's
     #: values); "sync": ``dcp.save`` itself, the call returning once committed.

@@ -2,7 +2,7 @@
 
 Parses every module of ``dcpstore`` (ast; every import statement, at module
 level, inside functions and under ``TYPE_CHECKING`` alike) and checks the
-README's Layout rules:
+Layout rules (docs/layout.md):
 
 * no module imports a module of a higher layer;
 * no import cycle, counting imports inside functions;
@@ -10,7 +10,7 @@ README's Layout rules:
 
 A layer is a top-level module or package of ``dcpstore``; modules of one
 layer may import each other (without cycles). The table below is the
-README's Layout section, bottom first.
+Layout page's table (docs/layout.md), bottom first.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def _layer(module: str) -> int:
     for rank, names in enumerate(LAYERS):
         if top in names:
             return rank
-    raise AssertionError(f"{module} is in no layer: add it to LAYERS and to the README's Layout section")
+    raise AssertionError(f"{module} is in no layer: add it to LAYERS and to docs/layout.md")
 
 
 def _is_package(module: str) -> bool:

@@ -40,7 +40,7 @@ the request pickled to it), so the save function is self-contained: see
 :mod:`.megatron_worker`.
 
 NVRx releases. Tested with 0.4.1 (Python 3.11) and with 0.6.0 and 0.7.0
-(Python 3.12; ``scripts/setup-nvrx312.sh``): ``tests/test_megatron_bridge.py``
+(Python 3.12; ``scripts/setup-nvrx312.sh``): ``tests/frameworks/test_megatron_bridge.py``
 replays Bridge 0.6.2's async set-up and saves on each, including, where the
 release has it (0.6+), ``AsyncCallsQueue.warmup_persistent_caller``, after
 which the saves run in the warmed-up worker. The constructor takes every

@@ -13,7 +13,7 @@ run, largest first:
   one ranged read of at most :data:`COALESCE_LIMIT` bytes (:func:`coalesce`).
 
 Every function returns new values and leaves its inputs as they were, and
-every request lands in exactly one job (``tests/test_read_plan.py`` checks
+every request lands in exactly one job (``tests/unit/test_read_plan.py`` checks
 both), so the order in which the reader calls them cannot make it read an
 item twice or not at all.
 """

@@ -4,9 +4,9 @@ never by version numbers.
 
 Tested with 0.4.1 (Python 3.11, the newest release installable there) and
 with 0.6.0 and 0.7.0 (Python 3.12: they ship only cp312 wheels; CI unpacks
-them side by side, ``scripts/setup-nvrx312.sh``), in ``tests/test_engines.py``,
-``tests/test_multirank_async.py`` and, for Megatron's drop-in writer,
-``tests/test_megatron_bridge.py``. What differs between them and is
+them side by side, ``scripts/setup-nvrx312.sh``), in ``tests/integration/test_engines.py``,
+``tests/processes/test_multirank_async.py`` and, for Megatron's drop-in writer,
+``tests/frameworks/test_megatron_bridge.py``. What differs between them and is
 detected here:
 
 * the per-bucket write: from 0.5 the plain function

@@ -41,7 +41,7 @@ Failures nobody looked at. A save's failure is *observed* when its handle's
 chained to it, by the next ``save`` on the same saver (before it starts
 anything: every rank sees the same failure, so every rank raises) and by
 ``close()``; at interpreter exit it is logged at ERROR with its traceback.
-The exit status is left alone (the README's "Async saves" says why). The
+The exit status is left alone (docs/usage.md, "Async saves", says why). The
 failure is also logged at ERROR when it happens.
 
 Engines (:mod:`.engine`; chosen by :mod:`.selection`): the background half
@@ -407,7 +407,7 @@ class AsyncSaver:
     def finish_at_exit(self) -> None:
         """Interpreter exit: let pending saves finish, but never forever, and
         report every failure no handle reported (the exit status is left
-        alone: see the README's "Async saves")."""
+        alone: see docs/usage.md, "Async saves")."""
         if self._closed:
             return
         hung = self._finish_pending()

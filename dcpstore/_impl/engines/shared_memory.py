@@ -86,7 +86,7 @@ class Slab:
         except BaseException:
             os.close(self.fd)
             raise
-        if pin and torch.cuda.is_available():  # pragma: no cover - needs a GPU (tests/test_cuda.py)
+        if pin and torch.cuda.is_available():  # pragma: no cover - needs a GPU (tests/integration/test_cuda.py)
             self._pin()
 
     def _pin(self) -> None:  # pragma: no cover - needs a GPU

@@ -276,7 +276,7 @@ class Stager:
     def _copy(buffers: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
         streams: dict[torch.device, torch.cuda.Stream] = {}
         for buf, src in zip(buffers, sources):
-            if src.device.type == "cuda":  # pragma: no cover - needs a GPU (tests/test_cuda.py)
+            if src.device.type == "cuda":  # pragma: no cover - needs a GPU (tests/integration/test_cuda.py)
                 if src.is_conj() or src.is_neg():
                     # For a conjugate or negative view torch queues the raw
                     # bytes and then fixes the bits up *on the host* at once,

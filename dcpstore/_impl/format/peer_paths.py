@@ -19,7 +19,7 @@ the path is kept. Anything else (arguments, a state without that field or
 with a non-``str`` there) fails the unpickle: the file is then damaged.
 
 The rule for adding a class here: a peer's real writer records it (a test
-writes a checkpoint with that writer and loads it, tests/test_peer_checkpoints.py),
+writes a checkpoint with that writer and loads it, tests/frameworks/test_peer_checkpoints.py),
 and its pickle is ``NEWOBJ`` without arguments plus a state ``dict`` whose
 path is one ``str`` field. A class that pickles otherwise (a reduce to a
 function of its own, constructor arguments) needs a stand-in of its own,

@@ -480,7 +480,7 @@ class CheckpointManager:
 
     def finish_at_exit(self) -> None:
         """Interpreter exit: :meth:`close`, saying loudly what was lost if it
-        fails (the exit status is left alone: see the README's "Async saves")."""
+        fails (the exit status is left alone: see docs/usage.md, "Async saves")."""
         try:
             self.close()
         except Exception as e:  # nobody is left to catch it

@@ -203,7 +203,7 @@ def open_storage(
 
     Args:
         uri: a local path, ``file://``, ``s3://``, ``msc://`` or fsspec URL
-            (the README's "URIs" table says which backend each selects).
+            (docs/uris.md's table says which backend each selects).
         enable_msc: route ``s3://`` and local paths through MSC (a
             shortcut for ``storage_options.enable_msc``).
         storage_options: which client and its tuning

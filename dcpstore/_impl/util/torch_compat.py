@@ -4,7 +4,7 @@ dcpstore works beneath DCP, and some of what it needs torch keeps private:
 DCP's own record of where an item lives (``_StorageInfo``), its stream
 transforms, its rank wrapper, the sharded-tensor classes older checkpoints
 pickle, the serializer's pieces. Each is imported here and only here
-(``tests/test_layers.py`` holds every other module to torch's public
+(``tests/unit/test_layers.py`` holds every other module to torch's public
 names), so that a torch release that moves one breaks this module alone,
 which says what each is for. Names are given without torch's leading
 underscore: here they are dcpstore's to use.
