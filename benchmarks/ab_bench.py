@@ -57,15 +57,25 @@ def _env(checkout: str, extra: dict[str, str | None]) -> dict[str, str]:
 
 
 def _which_dcpstore(checkout: str) -> str:
-    out = subprocess.run([sys.executable, "-c", "import dcpstore; print(dcpstore.__file__)"], cwd=tempfile.gettempdir(),
-                         env=_env(checkout, {}), capture_output=True, text=True, check=True)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", "import dcpstore; print(dcpstore.__file__)"],
+        cwd=tempfile.gettempdir(),
+        env=_env(checkout, {}),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return out.stdout.strip()
 
 
 def _cli_module(checkout: str) -> str:
     """The command's module in ``checkout``: ``dcpstore._impl.cli``, or
     ``dcpstore.cli`` in a checkout from before the private tree."""
-    return "dcpstore._impl.cli" if os.path.exists(os.path.join(checkout, "dcpstore", "_impl", "cli.py")) else "dcpstore.cli"
+    return (
+        "dcpstore._impl.cli"
+        if os.path.exists(os.path.join(checkout, "dcpstore", "_impl", "cli.py"))
+        else "dcpstore.cli"
+    )
 
 
 def _warm(checkout: str) -> list[str]:
@@ -79,8 +89,25 @@ def _warm(checkout: str) -> list[str]:
 def _bench(checkout: str, uri: str, args: argparse.Namespace, env: dict[str, str | None]) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory(prefix="dcpstore-ab-") as tmp:
         out = os.path.join(tmp, "r.json")
-        cmd = [sys.executable, "-m", _cli_module(checkout), "bench", uri, "--size", args.size, "--tensors", str(args.tensors),
-               "--workers", args.workers, "--repeat", str(args.repeat), *_warm(checkout), "-q", "--json", out]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            _cli_module(checkout),
+            "bench",
+            uri,
+            "--size",
+            args.size,
+            "--tensors",
+            str(args.tensors),
+            "--workers",
+            args.workers,
+            "--repeat",
+            str(args.repeat),
+            *_warm(checkout),
+            "-q",
+            "--json",
+            out,
+        ]
         # cwd: not a checkout, whose dcpstore/ "-m" would put ahead of PYTHONPATH.
         proc = subprocess.run(cmd, cwd=tmp, env=_env(checkout, env), capture_output=True, text=True)
         if proc.returncode != 0:
@@ -145,8 +172,10 @@ def main() -> None:
                     print(f"  round {r + 1}/{args.rounds} {backend} {name} done", file=sys.stderr)
 
     a, b = args.a[0], args.b[0]
-    print(f"dcpstore bench --size {args.size} --tensors {args.tensors} --workers {args.workers} --repeat {args.repeat} "
-          f"(warm loads); {args.rounds} rounds alternating {a}/{b}; medians, B/A = {b}/{a}")  # fmt: skip
+    print(
+        f"dcpstore bench --size {args.size} --tensors {args.tensors} --workers {args.workers} --repeat {args.repeat} "
+        f"(warm loads); {args.rounds} rounds alternating {a}/{b}; medians, B/A = {b}/{a}"
+    )
     labels = ("save GB/s", "load GB/s", "save cpu s", "load cpu s")
     print(f"{'':11}" + "".join(f"{label:^25}" for label in labels))
     print(f"{'backend':8} {'w':>2}" + f"  {a[:7]:>7} {b[:7]:>7} {'B/A':>6} " * len(labels))

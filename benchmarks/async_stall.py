@@ -85,7 +85,10 @@ class Reference:
         _sync(self.device)
         with _Timer() as t:
             if self.device == "cuda":
-                copy = {k: v.to("cpu", non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in self.state.items()}
+                copy = {
+                    k: v.to("cpu", non_blocking=True) if isinstance(v, torch.Tensor) else v
+                    for k, v in self.state.items()
+                }
                 torch.cuda.synchronize()
             else:
                 copy = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in self.state.items()}
@@ -107,7 +110,9 @@ class Dcpstore:
         _sync(self.device)
         uri = os.path.join(self.root, f"{self.engine}-{i % 2}")
         with _Timer() as t:
-            handle = self.saver.save(self.state, uri, options=dcpstore.SaveOptions(engine=self.engine, workers=self.workers))
+            handle = self.saver.save(
+                self.state, uri, options=dcpstore.SaveOptions(engine=self.engine, workers=self.workers)
+            )
         handle.result()
         return t
 
@@ -190,7 +195,9 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(summarise(name, timers[name], rows[0] if rows else None))
         print(f"state: {nbytes / 2**20:.0f} MiB on {args.device}, {args.reps} saves each, torch {torch.__version__}")
         print("blocked time; x ref = ratio to the reference (target for dcpstore: <= 1.00)")
-        print(f"{'':28} {'first':>8} {'x ref':>6} {'median':>8} {'x ref':>6} {'best':>8} {'x ref':>6} {'cpu med':>8} {'x ref':>6}")
+        print(
+            f"{'':28} {'first':>8} {'x ref':>6} {'median':>8} {'x ref':>6} {'best':>8} {'x ref':>6} {'cpu med':>8} {'x ref':>6}"
+        )
         for r in rows:
             print(
                 f"{r['name']:28} {r['first_s'] * 1e3:6.0f}ms {r['first_ratio']:5.2f}x {r['steady_s'] * 1e3:6.0f}ms "

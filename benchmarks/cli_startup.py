@@ -31,10 +31,15 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as root:
         subprocess.run(
-            [sys.executable, "-c", "import sys, torch, dcpstore; "
-             "dcpstore.save({'w': torch.ones(4)}, sys.argv[1] + '/step_1').result()", root],
-            check=True, capture_output=True,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-c",
+                "import sys, torch, dcpstore; dcpstore.save({'w': torch.ones(4)}, sys.argv[1] + '/step_1').result()",
+                root,
+            ],
+            check=True,
+            capture_output=True,
+        )
         cli = [sys.executable, "-m", "dcpstore._impl.cli"]
         commands = {
             "import torch": [sys.executable, "-c", "import torch"],

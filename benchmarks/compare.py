@@ -45,19 +45,28 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))  # run from a checkout without installing
 
-import torch  # noqa: E402
-
-from dcpstore._impl.bench import Entry, Record, Waiter, make_state, parse_int_list, parse_size, run_entries, summarize, zeros_like_state  # noqa: E402
-from dcpstore._impl.bench.entries import DcpstoreEntry, TieredEntry  # noqa: E402
-from dcpstore._impl.bench.limits import best_limits  # noqa: E402
-from dcpstore._impl.util.units import human_bytes  # noqa: E402
-from dcpstore._impl.bench.report import format_table, write_json  # noqa: E402
-from dcpstore.storage import StorageOptions  # noqa: E402
-
 import limits  # noqa: E402
 import peers  # noqa: E402
 import servers  # noqa: E402
 import targets  # noqa: E402
+import torch  # noqa: E402
+
+from dcpstore._impl.bench import (  # noqa: E402
+    Entry,
+    Record,
+    Waiter,
+    make_state,
+    parse_int_list,
+    parse_size,
+    run_entries,
+    summarize,
+    zeros_like_state,
+)
+from dcpstore._impl.bench.entries import DcpstoreEntry, TieredEntry  # noqa: E402
+from dcpstore._impl.bench.limits import best_limits  # noqa: E402
+from dcpstore._impl.bench.report import format_table, write_json  # noqa: E402
+from dcpstore._impl.util.units import human_bytes  # noqa: E402
+from dcpstore.storage import StorageOptions  # noqa: E402
 
 BUCKET = "dcpstore-bench"
 ENGINES = ("native", "nvrx")
@@ -103,18 +112,35 @@ class WithEnv(Entry):
             self.inner.close()
 
 
-def dcpstore_entries(label: str, uri: str, run_id: str, workers: Sequence[int | None], *, async_workers: int | None,
-                     enable_msc: bool = False, backend: str | None = None) -> Iterator[DcpstoreEntry]:  # fmt: skip
+def dcpstore_entries(
+    label: str,
+    uri: str,
+    run_id: str,
+    workers: Sequence[int | None],
+    *,
+    async_workers: int | None,
+    enable_msc: bool = False,
+    backend: str | None = None,
+) -> Iterator[DcpstoreEntry]:
     """dcpstore sync at every worker count (None: the backend's default),
     plus async per engine at ``async_workers``."""
     for w in workers:
         size = "default" if w is None else f"w={w}"
-        yield DcpstoreEntry(uri, run_id, workers=w, enable_msc=enable_msc, backend=backend,
-                            name=f"dcpstore {label} sync {size}")  # fmt: skip
+        yield DcpstoreEntry(
+            uri, run_id, workers=w, enable_msc=enable_msc, backend=backend, name=f"dcpstore {label} sync {size}"
+        )
     if async_workers:
         for engine in ENGINES:
-            yield DcpstoreEntry(uri, run_id, workers=async_workers, engine=engine, async_=True, enable_msc=enable_msc,
-                                backend=backend, name=f"dcpstore {label} async/{engine} w={async_workers}")  # fmt: skip
+            yield DcpstoreEntry(
+                uri,
+                run_id,
+                workers=async_workers,
+                engine=engine,
+                async_=True,
+                enable_msc=enable_msc,
+                backend=backend,
+                name=f"dcpstore {label} async/{engine} w={async_workers}",
+            )
 
 
 def local_section(root: str, run_id: str, workers: Sequence[int]) -> list[Entry]:
@@ -125,8 +151,17 @@ def local_section(root: str, run_id: str, workers: Sequence[int]) -> list[Entry]
     entries.append(peers.NvrxDirect(root, w))
     entries += dcpstore_entries("local", os.path.join(root, "dcpstore"), run_id, workers, async_workers=w)
     # The staging cap: each save with a saver of its own allocates its buffers while measured.
-    entries.append(DcpstoreEntry(os.path.join(root, "dcpstore"), run_id, workers=w, engine="native", async_=True,
-                                 own_saver=True, name=f"dcpstore local async/native w={w} own saver"))  # fmt: skip
+    entries.append(
+        DcpstoreEntry(
+            os.path.join(root, "dcpstore"),
+            run_id,
+            workers=w,
+            engine="native",
+            async_=True,
+            own_saver=True,
+            name=f"dcpstore local async/native w={w} own saver",
+        )
+    )
     return entries
 
 
@@ -139,9 +174,18 @@ def tiered_section(root: str, endpoint: str, run_id: str, workers: Sequence[int]
     return [
         DcpstoreEntry(local, run_id, workers=w, engine="native", async_=True, name=f"local async/native w={w}"),
         WithEnv(TieredEntry(f"s3://{BUCKET}/tiered", local, run_id, workers=w, engine="native"), env),
-        WithEnv(DcpstoreEntry(f"s3://{BUCKET}/tiered-direct", run_id, workers=w, engine="native", async_=True,
-                              name=f"direct async/native w={w}"), env),
-    ]  # fmt: skip
+        WithEnv(
+            DcpstoreEntry(
+                f"s3://{BUCKET}/tiered-direct",
+                run_id,
+                workers=w,
+                engine="native",
+                async_=True,
+                name=f"direct async/native w={w}",
+            ),
+            env,
+        ),
+    ]
 
 
 def raw_sweep(endpoint: str, run_id: str, nbytes: int, backend: str) -> list[Entry]:
@@ -152,13 +196,17 @@ def raw_sweep(endpoint: str, run_id: str, nbytes: int, backend: str) -> list[Ent
     return [WithEnv(e, env) for e in limits.s3_sweep(endpoint, BUCKET, nbytes, prefix=run_id, backend=backend)]
 
 
-def s3_section(endpoint: str, run_id: str, workers: Sequence[int], msc_profile: str, part_size: int | None,
-               nbytes: int) -> list[Entry]:  # fmt: skip
+def s3_section(
+    endpoint: str, run_id: str, workers: Sequence[int], msc_profile: str, part_size: int | None, nbytes: int
+) -> list[Entry]:
     w = max(workers)
     env = servers.s3_env(endpoint)
     entries: list[Entry] = raw_sweep(endpoint, run_id, nbytes, "s3")
-    entries += [peers.FsspecS3(endpoint, BUCKET, w), peers.MscWriter(msc_profile, endpoint, BUCKET, w),
-                peers.S3TorchConnector(endpoint, BUCKET, w)]  # fmt: skip
+    entries += [
+        peers.FsspecS3(endpoint, BUCKET, w),
+        peers.MscWriter(msc_profile, endpoint, BUCKET, w),
+        peers.S3TorchConnector(endpoint, BUCKET, w),
+    ]
     routes = [
         ("s3", f"s3://{BUCKET}/dcpstore", False),
         ("s3+msc", f"s3://{BUCKET}/dcpstore-msc", True),
@@ -166,18 +214,41 @@ def s3_section(endpoint: str, run_id: str, workers: Sequence[int], msc_profile: 
     ]
     for label, uri, enable_msc in routes:
         sizes: list[int | None] = [None, w] if label == "s3" else [w]
-        entries += [WithEnv(e, env) for e in dcpstore_entries(label, uri, run_id, sizes, async_workers=w,
-                                                              enable_msc=enable_msc, backend=label)]  # fmt: skip
+        entries += [
+            WithEnv(e, env)
+            for e in dcpstore_entries(label, uri, run_id, sizes, async_workers=w, enable_msc=enable_msc, backend=label)
+        ]
     if part_size:  # a fixed part size beside the automatic one
         options = StorageOptions(part_size=part_size)
-        entries.append(WithEnv(DcpstoreEntry(f"s3://{BUCKET}/dcpstore", run_id, workers=w, backend="s3", storage_options=options,
-                                             name=f"dcpstore s3 sync w={w} part={human_bytes(part_size)}"), env))  # fmt: skip
-    entries += dcpstore_entries("memory", f"memory://{BUCKET}/dcpstore", run_id, [w], async_workers=None, backend="memory")
+        entries.append(
+            WithEnv(
+                DcpstoreEntry(
+                    f"s3://{BUCKET}/dcpstore",
+                    run_id,
+                    workers=w,
+                    backend="s3",
+                    storage_options=options,
+                    name=f"dcpstore s3 sync w={w} part={human_bytes(part_size)}",
+                ),
+                env,
+            )
+        )
+    entries += dcpstore_entries(
+        "memory", f"memory://{BUCKET}/dcpstore", run_id, [w], async_workers=None, backend="memory"
+    )
     return entries
 
 
-def wan_section(proxy: str, unshaped: str, run_id: str, regime: str, msc_profile: str, nbytes: int,
-                connections: Sequence[int], peer_workers: Sequence[int]) -> list[Entry]:  # fmt: skip
+def wan_section(
+    proxy: str,
+    unshaped: str,
+    run_id: str,
+    regime: str,
+    msc_profile: str,
+    nbytes: int,
+    connections: Sequence[int],
+    peer_workers: Sequence[int],
+) -> list[Entry]:
     """One regime of the emulated WAN (backend ``s3-wan-<regime>``): the
     harness self-test (the widest raw rows through the proxy with its
     shaping off, ``unshaped``), the raw sweep through the shaping proxy,
@@ -191,13 +262,22 @@ def wan_section(proxy: str, unshaped: str, run_id: str, regime: str, msc_profile
         WithEnv(limits.HarnessRaw(unshaped, BUCKET, c, p, prefix=run_id, backend=backend), harness_env)
         for c, p in limits.harness_points(nbytes, connections)
     ]
-    entries += [WithEnv(e, env) for e in limits.s3_sweep(proxy, BUCKET, nbytes, prefix=run_id, backend=backend,
-                                                         connections=connections)]  # fmt: skip
-    entries += [WithEnv(e, env) for e in dcpstore_entries(backend, f"s3://{BUCKET}/dcpstore-{backend}", run_id, [None],
-                                                          async_workers=None, backend=backend)]  # fmt: skip
+    entries += [
+        WithEnv(e, env)
+        for e in limits.s3_sweep(proxy, BUCKET, nbytes, prefix=run_id, backend=backend, connections=connections)
+    ]
+    entries += [
+        WithEnv(e, env)
+        for e in dcpstore_entries(
+            backend, f"s3://{BUCKET}/dcpstore-{backend}", run_id, [None], async_workers=None, backend=backend
+        )
+    ]
     entries += [peers.S3TorchConnector(proxy, BUCKET, w, backend=backend) for w in peer_workers]
     w = max(peer_workers)
-    entries += [peers.MscWriter(msc_profile, proxy, BUCKET, w, backend=backend), peers.FsspecS3(proxy, BUCKET, w, backend=backend)]
+    entries += [
+        peers.MscWriter(msc_profile, proxy, BUCKET, w, backend=backend),
+        peers.FsspecS3(proxy, BUCKET, w, backend=backend),
+    ]
     return entries
 
 
@@ -226,8 +306,16 @@ def _pair(entries: list[Entry], records: list[Record]) -> list[Entry]:
     return [e for e in entries if e.name in names]
 
 
-def _refine(entries: list[Entry], records: list[Record], state: dict[str, torch.Tensor], dest: dict[str, torch.Tensor],
-            title: str, done: int, total: int, common: dict[str, Any]) -> list[Record]:  # fmt: skip
+def _refine(
+    entries: list[Entry],
+    records: list[Record],
+    state: dict[str, torch.Tensor],
+    dest: dict[str, torch.Tensor],
+    title: str,
+    done: int,
+    total: int,
+    common: dict[str, Any],
+) -> list[Record]:
     """Measure ``entries`` again, interleaved, until each has ``total``
     repeats (``done`` so far): the medians a target compares then rest on
     more than one run's few repeats, the rest of the section's rows do
@@ -254,25 +342,41 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--wan-tensors", type=int, default=32, help="float32 tensors of the WAN state (default 32)")
     p.add_argument("--workers", default="1,2,4", help="worker counts (default 1,2,4); peers use the largest")
     p.add_argument("--repeat", type=int, default=3, help="measurements per entry (median reported; default 3)")
-    p.add_argument("--wan-pair-repeat", type=int, default=0,
-                   help="measurements, in all, of the rows each WAN section's targets against the limit compare: "
-                        "dcpstore at its defaults and the sweep's best raw PUT and GET rows, measured again "
-                        "(interleaved) after the section up to this many (default: --repeat, no more)")
+    p.add_argument(
+        "--wan-pair-repeat",
+        type=int,
+        default=0,
+        help="measurements, in all, of the rows each WAN section's targets against the limit compare: "
+        "dcpstore at its defaults and the sweep's best raw PUT and GET rows, measured again "
+        "(interleaved) after the section up to this many (default: --repeat, no more)",
+    )
     p.add_argument("--sections", default="local,s3,wan", help="which of local,s3,wan,tiered to run, in this order")
     p.add_argument("--tiered-size", default="256MiB", help="state size for the tiered section (default 256MiB)")
     p.add_argument("--wan-size", default="128MiB", help="state size for the WAN sections (default 128MiB)")
     p.add_argument("--wan-latency-ms", type=float, default=20.0)
-    p.add_argument("--wan-regimes", default="network:5,cpu:25",
-                   help="one WAN section per NAME:MBPS (bandwidth per connection and direction); default "
-                        "network:5 (the emulated network is the limit) and cpu:25 (the 2 CPUs are)")
-    p.add_argument("--wan-connections", default="4,8,16,32",
-                   help="connection counts of the WAN sections' raw sweep (default 4,8,16,32: one or two "
-                        "connections are never the best of a per-connection-bound network, and take minutes)")
-    p.add_argument("--wan-peer-workers", default="1,2,4",
-                   help="thread counts for s3torchconnector in the WAN sections (MSC and s3fs: the largest)")
-    p.add_argument("--s3-part-size", default="32MiB",
-                   help="also run dcpstore s3 (4 workers) with this fixed part size ('' to skip; default 32MiB, "
-                        "the raw rows' part size)")
+    p.add_argument(
+        "--wan-regimes",
+        default="network:5,cpu:25",
+        help="one WAN section per NAME:MBPS (bandwidth per connection and direction); default "
+        "network:5 (the emulated network is the limit) and cpu:25 (the 2 CPUs are)",
+    )
+    p.add_argument(
+        "--wan-connections",
+        default="4,8,16,32",
+        help="connection counts of the WAN sections' raw sweep (default 4,8,16,32: one or two "
+        "connections are never the best of a per-connection-bound network, and take minutes)",
+    )
+    p.add_argument(
+        "--wan-peer-workers",
+        default="1,2,4",
+        help="thread counts for s3torchconnector in the WAN sections (MSC and s3fs: the largest)",
+    )
+    p.add_argument(
+        "--s3-part-size",
+        default="32MiB",
+        help="also run dcpstore s3 (4 workers) with this fixed part size ('' to skip; default 32MiB, "
+        "the raw rows' part size)",
+    )
     p.add_argument("--only", help="regular expression: run only entries whose name matches")
     p.add_argument("--root", help="directory for local files (default: a temporary directory under /tmp)")
     p.add_argument("--label", default="", help="free text stored with the results (e.g. 'pre-merge')")
@@ -296,14 +400,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     peer_workers = parse_int_list(args.wan_peer_workers)
     run_id = f"compare-{uuid.uuid4().hex[:6]}"
     root = tempfile.mkdtemp(prefix="dcpstore-compare-", dir=args.root)
-    print(f"compare: {human_bytes(size)} in {args.tensors} tensors, workers {workers}, repeat {args.repeat}, "
-          f"files under {root}", flush=True)  # fmt: skip
+    print(
+        f"compare: {human_bytes(size)} in {args.tensors} tensors, workers {workers}, repeat {args.repeat}, "
+        f"files under {root}",
+        flush=True,
+    )
     state = make_state(size, args.tensors)
     dest = zeros_like_state(state)
     all_records: list[Record] = []
     server_pids: set[int] = set()  # moto and the proxy: their memory is the storage's, not the client's
-    common = {"repeat": args.repeat, "progress": not args.quiet, "drop_caches": not args.warm,
-              "rss_ignore_pids": server_pids}  # fmt: skip
+    common = {
+        "repeat": args.repeat,
+        "progress": not args.quiet,
+        "drop_caches": not args.warm,
+        "rss_ignore_pids": server_pids,
+    }
 
     def run(title: str, entries: list[Entry], st: dict[str, torch.Tensor], de: dict[str, torch.Tensor]) -> None:
         chosen = _select(entries, args.only)
@@ -334,8 +445,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if section == "tiered":
                     tiered_state = make_state(parse_size(args.tiered_size), args.tensors)
                     with servers.env(servers.FAKE_CREDENTIALS):
-                        run("tiered", tiered_section(root, endpoint, run_id, workers), tiered_state,
-                            zeros_like_state(tiered_state))
+                        run(
+                            "tiered",
+                            tiered_section(root, endpoint, run_id, workers),
+                            tiered_state,
+                            zeros_like_state(tiered_state),
+                        )
                     del tiered_state
                 elif section == "s3":
                     servers.write_msc_config(msc_config, {"bench": (endpoint, BUCKET)})
@@ -348,14 +463,23 @@ def main(argv: Sequence[str] | None = None) -> int:
                     wan_dest = zeros_like_state(wan_state)
                     for regime, rate in regimes:
                         # Two proxy processes: the shaping one, and the same with shaping off (the self-test).
-                        with servers.wan_proxy(endpoint, latency_ms=args.wan_latency_ms, rate_mbps=rate,
-                                               pids=server_pids) as proxy, \
-                             servers.wan_proxy(endpoint, latency_ms=0, rate_mbps=0, pids=server_pids) as unshaped:  # fmt: skip
+                        with (
+                            servers.wan_proxy(
+                                endpoint, latency_ms=args.wan_latency_ms, rate_mbps=rate, pids=server_pids
+                            ) as proxy,
+                            servers.wan_proxy(endpoint, latency_ms=0, rate_mbps=0, pids=server_pids) as unshaped,
+                        ):
                             profile = f"wan{regime}"
                             servers.write_msc_config(msc_config, {profile: (proxy, BUCKET)})
                             with servers.env({"MSC_CONFIG": msc_config, **servers.FAKE_CREDENTIALS}):
-                                run(f"wan-{regime}", wan_section(proxy, unshaped, run_id, regime, profile, wan_bytes,
-                                                                 wan_conns, peer_workers), wan_state, wan_dest)  # fmt: skip
+                                run(
+                                    f"wan-{regime}",
+                                    wan_section(
+                                        proxy, unshaped, run_id, regime, profile, wan_bytes, wan_conns, peer_workers
+                                    ),
+                                    wan_state,
+                                    wan_dest,
+                                )
                     del wan_state, wan_dest
     finally:
         import shutil
@@ -367,15 +491,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("\n== targets (ratios within this run)")
     print(targets.format_targets(results, targets.text_table))
     if args.json:
-        write_json(args.json, all_records, {
-            "command": shlex.join(["python", "benchmarks/compare.py", *(argv if argv is not None else sys.argv[1:])]),
-            "label": args.label, "size": size, "tensors": args.tensors, "workers": workers,
-            "wan": {"size": parse_size(args.wan_size), "tensors": args.wan_tensors, "latency_ms": args.wan_latency_ms,
+        write_json(
+            args.json,
+            all_records,
+            {
+                "command": shlex.join(
+                    ["python", "benchmarks/compare.py", *(argv if argv is not None else sys.argv[1:])]
+                ),
+                "label": args.label,
+                "size": size,
+                "tensors": args.tensors,
+                "workers": workers,
+                "wan": {
+                    "size": parse_size(args.wan_size),
+                    "tensors": args.wan_tensors,
+                    "latency_ms": args.wan_latency_ms,
                     "regimes": {name: {"rate_mbps": rate} for name, rate in regimes},
-                    "connections": wan_conns, "peer_workers": peer_workers},
-            "s3_part_size": args.s3_part_size, "tiered_size": parse_size(args.tiered_size),
-            "targets": results,
-        })  # fmt: skip
+                    "connections": wan_conns,
+                    "peer_workers": peer_workers,
+                },
+                "s3_part_size": args.s3_part_size,
+                "tiered_size": parse_size(args.tiered_size),
+                "targets": results,
+            },
+        )
         print(f"wrote {args.json}")
     if args.plot:
         import plots

@@ -58,8 +58,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-
-from async_stall import Dcpstore, DcpAsync, _Timer, make_state  # a sibling: run as benchmarks/gpu_stage.py
+from async_stall import DcpAsync, Dcpstore, _Timer, make_state  # a sibling: run as benchmarks/gpu_stage.py
 
 from dcpstore._impl.engines.staging import Stager, StagingPool
 
@@ -148,10 +147,17 @@ class PinnedCopyLimit:
                 if n > len(pairs):
                     continue
                 self._run(pairs, n)  # warm-up
-                times = [timed(lambda: self._run(pairs, n), self.device) for _ in range(reps)]
+                times = [timed(lambda: self._run(pairs, n), self.device) for _ in range(reps)]  # noqa: B023 (called here)
                 median = statistics.median(times)
                 rows.append(
-                    {"layout": name, "streams": n, "bytes": nbytes, "median_s": median, "best_s": min(times), "gbps": nbytes / median / 1e9}
+                    {
+                        "layout": name,
+                        "streams": n,
+                        "bytes": nbytes,
+                        "median_s": median,
+                        "best_s": min(times),
+                        "gbps": nbytes / median / 1e9,
+                    }
                 )
         return rows
 
@@ -243,14 +249,18 @@ class DcpAsyncCached(DcpAsync):
         import torch.distributed.checkpoint as dcp
 
         super().__init__(state, root, workers, device)
-        self.writer = dcp.FileSystemWriter(os.path.join(root, "dcp-cached"), thread_count=workers, cache_staged_state_dict=True)
+        self.writer = dcp.FileSystemWriter(
+            os.path.join(root, "dcp-cached"), thread_count=workers, cache_staged_state_dict=True
+        )
 
     def once(self, i: int) -> _Timer:
         import torch.distributed.checkpoint as dcp
 
         sync(self.device)
         with _Timer() as t:
-            future = dcp.async_save(self.state, checkpoint_id=os.path.join(self.root, f"dcp-cached-{i}"), storage_writer=self.writer)
+            future = dcp.async_save(
+                self.state, checkpoint_id=os.path.join(self.root, f"dcp-cached-{i}"), storage_writer=self.writer
+            )
         future.result()
         return t
 
@@ -264,7 +274,9 @@ class DcpAsyncDefaultStager(DcpAsync):
 
         super().__init__(state, root, workers, device)
         self.stager = DefaultStager(
-            StagingOptions(use_pinned_memory=True, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=True)
+            StagingOptions(
+                use_pinned_memory=True, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=True
+            )
         )
 
     def once(self, i: int) -> _Timer:
@@ -443,9 +455,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result["limit_buffers_s"] = time.perf_counter() - t0
     # Staging may use the first half of the budget, blocked time the rest.
     over_sizes(
-        "staging", args.sizes_gib, lambda size: measure_staging(size, args, limit),
-        lambda: left() - args.budget_s / 2, result, lambda row: [_staging_line(row)],
-    )  # fmt: skip
+        "staging",
+        args.sizes_gib,
+        lambda size: measure_staging(size, args, limit),
+        lambda: left() - args.budget_s / 2,
+        result,
+        lambda row: [_staging_line(row)],
+    )
     del limit, main, tail, flat_src
     gc.collect()
     if args.device == "cuda":
@@ -459,7 +475,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result["save_dir"] = root
         try:
             over_sizes(
-                "blocked", args.save_sizes_gib, lambda size: measure_blocked(size, args, root), left, result, _blocked_lines
+                "blocked",
+                args.save_sizes_gib,
+                lambda size: measure_blocked(size, args, root),
+                left,
+                result,
+                _blocked_lines,
             )
         finally:
             shutil.rmtree(root, ignore_errors=True)
@@ -507,7 +528,9 @@ def _blocked_lines(r: dict[str, Any]) -> list[str]:
         if "error" in row:
             lines.append(f"  {row['name']:38} not measured: {row['error'][:100]}")
         else:
-            lines.append(f"  {row['name']:38} first {row['first_s'] * 1e3:8.0f} ms  steady {row['steady_s'] * 1e3:8.0f} ms")
+            lines.append(
+                f"  {row['name']:38} first {row['first_s'] * 1e3:8.0f} ms  steady {row['steady_s'] * 1e3:8.0f} ms"
+            )
     if "ratio_vs_best_dcp" in r:
         lines.append(f"  dcpstore / best dcp ({r['best_dcp']}): {r['ratio_vs_best_dcp']:.2f}x (goal <= {BLOCKED_GOAL})")
     return lines
@@ -519,7 +542,11 @@ def main(argv: list[str] | None = None) -> int:
         warnings.simplefilter("ignore")  # DCP's experimental-API and no-process-group warnings, per save
         result = run(args)
     for name, g in result["goals"].items():
-        state = ("dry run, not judged" if args.dry_run else "not measured") if g["met"] is None else ("MET" if g["met"] else "MISSED")
+        state = (
+            ("dry run, not judged" if args.dry_run else "not measured")
+            if g["met"] is None
+            else ("MET" if g["met"] else "MISSED")
+        )
         worst = "-" if g["worst"] is None else f"{g['worst']:.2f}x"
         print(f"goal {name}: {state} (worst {worst}, goal {g['goal']})")
     if args.json:

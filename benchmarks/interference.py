@@ -54,9 +54,19 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 
 import dcpstore  # noqa: E402
 from dcpstore._impl.bench import make_state, parse_size  # noqa: E402
-from dcpstore._impl.bench.interference import DcpstoreRow, Pending, Result, Row, StepWork, describe, measure, remove_uri, table_rows, text_table  # noqa: E402
+from dcpstore._impl.bench.interference import (  # noqa: E402
+    DcpstoreRow,
+    Pending,
+    Result,
+    Row,
+    StepWork,
+    describe,
+    measure,
+    remove_uri,
+    table_rows,
+    text_table,
+)
 from dcpstore._impl.bench.report import git_commit, machine  # noqa: E402
-from dcpstore._impl.bench.runner import Skip  # noqa: E402
 
 BUCKET = "dcpstore-interference"
 
@@ -65,8 +75,16 @@ class DcpAsyncRow(Row):
     """``dcp.async_save`` with ``writer(path)`` and the ``executor``
     (``"thread"`` or ``"process"``: ``AsyncCheckpointerType``)."""
 
-    def __init__(self, name: str, root: str, target: str, executor: str, writer: Callable[[str], Any],
-                 *, enable_msc: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        name: str,
+        root: str,
+        target: str,
+        executor: str,
+        writer: Callable[[str], Any],
+        *,
+        enable_msc: bool = False,
+    ) -> None:
         self.name, self.root, self.target = name, root, target
         self.kind = executor
         self.executor = "process" if executor == "process" else "threads"
@@ -109,23 +127,47 @@ def rows(local: str, s3: str | None) -> list[Row]:
         DcpstoreRow("dcpstore native", f"{local}/native", "local", engine="native"),
         DcpstoreRow("dcpstore NVRx", f"{local}/nvrx", "local", engine="nvrx"),
         DcpstoreRow("dcpstore process", f"{local}/process", "local", executor="process", engine="process"),
-        DcpAsyncRow("dcp.async_save thread + FileSystemWriter", f"{local}/dcp-thread-fs", "local", "thread", _fs_writer),
-        DcpAsyncRow("dcp.async_save process + FileSystemWriter", f"{local}/dcp-process-fs", "local", "process", _fs_writer),
-        DcpAsyncRow("dcp.async_save thread + dcpstore.StorageWriter", f"{local}/dcp-thread-ds", "local", "thread",
-                    _dcpstore_writer),
-        DcpAsyncRow("dcp.async_save process + dcpstore.StorageWriter", f"{local}/dcp-process-ds", "local", "process",
-                    _dcpstore_writer),
-    ]  # fmt: skip
+        DcpAsyncRow(
+            "dcp.async_save thread + FileSystemWriter", f"{local}/dcp-thread-fs", "local", "thread", _fs_writer
+        ),
+        DcpAsyncRow(
+            "dcp.async_save process + FileSystemWriter", f"{local}/dcp-process-fs", "local", "process", _fs_writer
+        ),
+        DcpAsyncRow(
+            "dcp.async_save thread + dcpstore.StorageWriter",
+            f"{local}/dcp-thread-ds",
+            "local",
+            "thread",
+            _dcpstore_writer,
+        ),
+        DcpAsyncRow(
+            "dcp.async_save process + dcpstore.StorageWriter",
+            f"{local}/dcp-process-ds",
+            "local",
+            "process",
+            _dcpstore_writer,
+        ),
+    ]
     if s3 is not None:
         out += [
             DcpstoreRow("dcpstore native", f"{s3}/native", "s3", engine="native"),
             DcpstoreRow("dcpstore NVRx (through MSC)", f"{s3}/nvrx", "s3", engine="nvrx", enable_msc=True),
             DcpstoreRow("dcpstore process", f"{s3}/process", "s3", executor="process", engine="process"),
-            DcpAsyncRow("dcp.async_save thread + dcpstore.StorageWriter", f"{s3}/dcp-thread-ds", "s3", "thread",
-                        _dcpstore_writer),
-            DcpAsyncRow("dcp.async_save process + dcpstore.StorageWriter", f"{s3}/dcp-process-ds", "s3", "process",
-                        _dcpstore_writer),
-        ]  # fmt: skip
+            DcpAsyncRow(
+                "dcp.async_save thread + dcpstore.StorageWriter",
+                f"{s3}/dcp-thread-ds",
+                "s3",
+                "thread",
+                _dcpstore_writer,
+            ),
+            DcpAsyncRow(
+                "dcp.async_save process + dcpstore.StorageWriter",
+                f"{s3}/dcp-process-ds",
+                "s3",
+                "process",
+                _dcpstore_writer,
+            ),
+        ]
     return out
 
 
@@ -173,8 +215,10 @@ def markdown(doc: dict[str, Any]) -> str:
     lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in table_rows(results)]
     m = doc["meta"]
     lines.append("")
-    lines.append(f"_{m['describe']}; baseline step {_step_ms(results)}; `{m['command']}`, commit `{m.get('git_commit')}`, "
-                 f"{m['date']}_")  # fmt: skip
+    lines.append(
+        f"_{m['describe']}; baseline step {_step_ms(results)}; `{m['command']}`, commit `{m.get('git_commit')}`, "
+        f"{m['date']}_"
+    )
     return "\n".join(lines)
 
 
@@ -214,25 +258,46 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(text, flush=True)
     servers_up: set[int] = set()
     try:
-        with one_rank_group(), (s3_endpoint(root, servers_up) if "s3" in wanted else contextlib.nullcontext(None)) as s3:
-            chosen = [r for r in rows(os.path.join(root, "local"), s3)
-                      if r.target in wanted and (not args.only or re.search(args.only, r.name))]  # fmt: skip
-            results = measure(chosen, state, step, repeat=args.repeat, pin_cpu=args.pin_training, gil=not args.no_gil,
-                              budget_s=args.budget_s, ignore_pids=servers_up,
-                              on_result=lambda r: print(f"  {r.name} -> {r.target}: {r.status}", flush=True))  # fmt: skip
+        with one_rank_group(), s3_endpoint(root, servers_up) if "s3" in wanted else contextlib.nullcontext(None) as s3:
+            chosen = [
+                r
+                for r in rows(os.path.join(root, "local"), s3)
+                if r.target in wanted and (not args.only or re.search(args.only, r.name))
+            ]
+            results = measure(
+                chosen,
+                state,
+                step,
+                repeat=args.repeat,
+                pin_cpu=args.pin_training,
+                gil=not args.no_gil,
+                budget_s=args.budget_s,
+                ignore_pids=servers_up,
+                on_result=lambda r: print(f"  {r.name} -> {r.target}: {r.status}", flush=True),
+            )
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(text_table(results))
     if args.json:
         doc = {
-            "meta": {"date": _now(), "git_commit": git_commit(), "machine": machine(), "label": args.label,
-                     "command": shlex.join(["python", "benchmarks/interference.py",
-                                            *(argv if argv is not None else sys.argv[1:])]),
-                     "describe": text, "size": nbytes, "tensors": args.tensors, "device": args.device,
-                     "step": {"ops": args.step_ops, "size": args.step_size, "intra_op_threads": args.intra_op_threads},
-                     "pin_training": args.pin_training, "repeat": args.repeat},
+            "meta": {
+                "date": _now(),
+                "git_commit": git_commit(),
+                "machine": machine(),
+                "label": args.label,
+                "command": shlex.join(
+                    ["python", "benchmarks/interference.py", *(argv if argv is not None else sys.argv[1:])]
+                ),
+                "describe": text,
+                "size": nbytes,
+                "tensors": args.tensors,
+                "device": args.device,
+                "step": {"ops": args.step_ops, "size": args.step_size, "intra_op_threads": args.intra_op_threads},
+                "pin_training": args.pin_training,
+                "repeat": args.repeat,
+            },
             "results": [r.to_json() for r in results],
-        }  # fmt: skip
+        }
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)

@@ -104,7 +104,12 @@ def _child(mode: str, uri: str, size_mib: int, tensors: int, reps: int) -> dict[
             del scratch
         times.append(time.perf_counter() - t0)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
-    return {"mode": mode, "times_s": times, "median_s": statistics.median(times), "extra_rss_mib": (peak - base_rss) / 2**20}
+    return {
+        "mode": mode,
+        "times_s": times,
+        "median_s": statistics.median(times),
+        "extra_rss_mib": (peak - base_rss) / 2**20,
+    }
 
 
 def main() -> None:
@@ -129,8 +134,19 @@ def main() -> None:
         dcpstore.save(_state(args.size_mib, args.tensors), uri).result()
         rows = []
         for mode in MODES:
-            cmd = [sys.executable, __file__, "--child", mode, uri, "--size-mib", str(args.size_mib),
-                   "--tensors", str(args.tensors), "--reps", str(args.reps)]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--child",
+                mode,
+                uri,
+                "--size-mib",
+                str(args.size_mib),
+                "--tensors",
+                str(args.tensors),
+                "--reps",
+                str(args.reps),
+            ]
             out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
             rows.append(json.loads(out.strip().splitlines()[-1]))
     finally:

@@ -28,10 +28,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from servers import FAKE_CREDENTIALS, admin_client, free_port
 
 from dcpstore._impl.bench import Entry, SaveOutcome, Skip, Waiter, done
 from dcpstore._impl.util.distributed import is_distributed
-from servers import FAKE_CREDENTIALS, admin_client, free_port
 
 
 def _delete_prefix(endpoint: str, bucket: str, prefix: str) -> None:
@@ -104,15 +104,18 @@ class FsspecS3(Entry):
         except ImportError as e:
             raise Skip(f"s3fs or DCP's fsspec support is not installed ({e})") from e
         self.opts = {
-            "key": FAKE_CREDENTIALS["AWS_ACCESS_KEY_ID"], "secret": FAKE_CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
+            "key": FAKE_CREDENTIALS["AWS_ACCESS_KEY_ID"],
+            "secret": FAKE_CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
             "client_kwargs": {"endpoint_url": self.endpoint, "region_name": "us-east-1"},
             "skip_instance_cache": True,
-        }  # fmt: skip
+        }
 
     def save(self, state: dict[str, torch.Tensor]) -> Waiter:
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
-        writer = FsspecWriter(f"s3://{self.bucket}/{self.prefix}", thread_count=self.workers, sync_files=False, **self.opts)
+        writer = FsspecWriter(
+            f"s3://{self.bucket}/{self.prefix}", thread_count=self.workers, sync_files=False, **self.opts
+        )
         dcp.save(state, storage_writer=writer, no_dist=True)
         return done()
 

@@ -76,8 +76,17 @@ def compare_plot(path: str, rows: Sequence[Row]) -> None:
     plt.close(fig)
 
 
-def sweep_plot(path: str, rows: Sequence[Row], x: str, title: str, *, logx: bool = True, metric: str = "write_gbps",
-               xlabel: str | None = None, base: int = 2) -> None:  # fmt: skip
+def sweep_plot(
+    path: str,
+    rows: Sequence[Row],
+    x: str,
+    title: str,
+    *,
+    logx: bool = True,
+    metric: str = "write_gbps",
+    xlabel: str | None = None,
+    base: int = 2,
+) -> None:
     """One line per family (entry name without its parameter) of ``metric`` vs ``x``."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4))

@@ -58,6 +58,7 @@ sys.path.insert(0, ROOT)
 
 import interference  # noqa: E402
 import targets  # noqa: E402
+
 from dcpstore._impl.bench import summarize  # noqa: E402
 from dcpstore._impl.bench.limits import best_limits, harness_verdicts, limit_ratios  # noqa: E402
 from dcpstore._impl.bench.report import tiered_lines  # noqa: E402
@@ -74,25 +75,68 @@ STALE_AFTER = 10
 CONSTANTS = {"stale_after": STALE_AFTER}
 
 #: What each kind of table measures, as narrowly as the rows' code paths go.
-WRITE_READ = ("dcpstore/_impl/dcp/writer.py", "dcpstore/_impl/dcp/reader.py", "dcpstore/_impl/dcp/load.py",
-              "dcpstore/_impl/dcp/read_plan.py",
-              "dcpstore/_impl/format/record.py", "dcpstore/_impl/format/checksum.py")  # fmt: skip
-LOCAL = (*WRITE_READ, "dcpstore/_impl/storage/backends/local.py", "dcpstore/_impl/engines/saver.py", "dcpstore/_impl/engines/staging.py",
-         "dcpstore/_impl/engines/nvrx.py", "dcpstore/_impl/engines/nvrx_stream.py")  # fmt: skip
-OBJECT_STORE = (*WRITE_READ, "dcpstore/_impl/storage/backends/s3/storage.py", "dcpstore/_impl/storage/backends/s3/client.py", "dcpstore/_impl/storage/backends/s3/upload.py",
-                "dcpstore/_impl/storage/buffered.py", "dcpstore/_impl/storage/lending_writer.py", "dcpstore/_impl/storage/storage_options.py", "dcpstore/_impl/storage/request_pool.py",
-                "dcpstore/_impl/storage/backends/msc.py")  # fmt: skip
-SCALE = ("dcpstore/_impl/dcp/writer.py", "dcpstore/_impl/dcp/commit", "dcpstore/_impl/dcp/liveness/owner_gate.py", "dcpstore/_impl/storage/backends/s3/storage.py",
-         "dcpstore/_impl/storage/backends/s3/upload.py", "dcpstore/_impl/storage/request_pool.py", "benchmarks/scale_sim.py")  # fmt: skip
-INTERFERENCE = ("dcpstore/_impl/engines/saver.py", "dcpstore/_impl/engines/staging.py", "dcpstore/_impl/engines/nvrx.py",
-                "dcpstore/_impl/dcp/writer.py", "dcpstore/_impl/format/record.py", "dcpstore/_impl/storage/backends/s3/storage.py",
-                "dcpstore/_impl/storage/backends/s3/client.py", "dcpstore/_impl/storage/backends/s3/upload.py",
-                "dcpstore/_impl/storage/lending_writer.py", "dcpstore/_impl/bench/interference.py")  # fmt: skip
-GPU_STAGING = ("dcpstore/_impl/engines/staging.py", "dcpstore/_impl/engines/buffers.py", "dcpstore/_impl/engines/saver.py",
-               "benchmarks/gpu_stage.py")  # fmt: skip
+WRITE_READ = (
+    "dcpstore/_impl/dcp/writer.py",
+    "dcpstore/_impl/dcp/reader.py",
+    "dcpstore/_impl/dcp/load.py",
+    "dcpstore/_impl/dcp/read_plan.py",
+    "dcpstore/_impl/format/record.py",
+    "dcpstore/_impl/format/checksum.py",
+)
+LOCAL = (
+    *WRITE_READ,
+    "dcpstore/_impl/storage/backends/local.py",
+    "dcpstore/_impl/engines/saver.py",
+    "dcpstore/_impl/engines/staging.py",
+    "dcpstore/_impl/engines/nvrx.py",
+    "dcpstore/_impl/engines/nvrx_stream.py",
+)
+OBJECT_STORE = (
+    *WRITE_READ,
+    "dcpstore/_impl/storage/backends/s3/storage.py",
+    "dcpstore/_impl/storage/backends/s3/client.py",
+    "dcpstore/_impl/storage/backends/s3/upload.py",
+    "dcpstore/_impl/storage/buffered.py",
+    "dcpstore/_impl/storage/lending_writer.py",
+    "dcpstore/_impl/storage/storage_options.py",
+    "dcpstore/_impl/storage/request_pool.py",
+    "dcpstore/_impl/storage/backends/msc.py",
+)
+SCALE = (
+    "dcpstore/_impl/dcp/writer.py",
+    "dcpstore/_impl/dcp/commit",
+    "dcpstore/_impl/dcp/liveness/owner_gate.py",
+    "dcpstore/_impl/storage/backends/s3/storage.py",
+    "dcpstore/_impl/storage/backends/s3/upload.py",
+    "dcpstore/_impl/storage/request_pool.py",
+    "benchmarks/scale_sim.py",
+)
+INTERFERENCE = (
+    "dcpstore/_impl/engines/saver.py",
+    "dcpstore/_impl/engines/staging.py",
+    "dcpstore/_impl/engines/nvrx.py",
+    "dcpstore/_impl/dcp/writer.py",
+    "dcpstore/_impl/format/record.py",
+    "dcpstore/_impl/storage/backends/s3/storage.py",
+    "dcpstore/_impl/storage/backends/s3/client.py",
+    "dcpstore/_impl/storage/backends/s3/upload.py",
+    "dcpstore/_impl/storage/lending_writer.py",
+    "dcpstore/_impl/bench/interference.py",
+)
+GPU_STAGING = (
+    "dcpstore/_impl/engines/staging.py",
+    "dcpstore/_impl/engines/buffers.py",
+    "dcpstore/_impl/engines/saver.py",
+    "benchmarks/gpu_stage.py",
+)
 #: The WAN regimes compare.py runs by default (one section each).
 WAN_REGIMES = ("network", "cpu")
-TIERED = ("dcpstore/_impl/manager/tiers", "dcpstore/_impl/manager/roots.py", "dcpstore/_impl/engines/saver.py", "dcpstore/_impl/storage/backends/s3/storage.py")  # fmt: skip
+TIERED = (
+    "dcpstore/_impl/manager/tiers",
+    "dcpstore/_impl/manager/roots.py",
+    "dcpstore/_impl/engines/saver.py",
+    "dcpstore/_impl/storage/backends/s3/storage.py",
+)
 
 
 @dataclass(frozen=True)
@@ -114,8 +158,11 @@ SOURCES: dict[str, tuple[Source, ...]] = {
     "sweep-s3": (Source("compare.json", OBJECT_STORE),),
     "wan": (Source("compare.json", OBJECT_STORE),),
     "sweep-wan": (Source("compare.json", OBJECT_STORE),),
-    **{f"{kind}wan-{regime}": (Source("compare.json", OBJECT_STORE),)
-       for kind in ("", "sweep-", "harness-") for regime in WAN_REGIMES},
+    **{
+        f"{kind}wan-{regime}": (Source("compare.json", OBJECT_STORE),)
+        for kind in ("", "sweep-", "harness-")
+        for regime in WAN_REGIMES
+    },
     "interference": (Source("interference.json", INTERFERENCE),),
     # The GPU machine's run is kept as measured (commit c7993bc, before S3
     # parts were lent) until a task is lent a device again to re-run it.
@@ -131,29 +178,31 @@ SOURCES: dict[str, tuple[Source, ...]] = {
 #: How to produce each result file (printed where one is missing).
 COMMANDS = {
     "compare.json": "python benchmarks/compare.py --size 512MiB --tensors 64 --workers 1,2,4 --repeat 3 "
-                    "--sections wan,s3,local --wan-size 128MiB --wan-tensors 32 --wan-regimes network:5,cpu:25 --wan-pair-repeat 9 --label LABEL --json benchmarks/results/compare.json "
-                    "--plot benchmarks/results/compare.png --quiet",
+    "--sections wan,s3,local --wan-size 128MiB --wan-tensors 32 --wan-regimes network:5,cpu:25 --wan-pair-repeat 9 --label LABEL --json benchmarks/results/compare.json "
+    "--plot benchmarks/results/compare.png --quiet",
     "scaling.json": "python benchmarks/scaling.py --repeat 3 --label LABEL --json benchmarks/results/scaling.json "
-                    "--plots benchmarks/results --quiet",
+    "--plots benchmarks/results --quiet",
     "scale_sim.json": "python benchmarks/scale_sim.py --ranks 1,8,64,256,1024 --spread 1,64 --label LABEL "
-                      "--json benchmarks/results/scale_sim.json --plot benchmarks/results/scale_sim.png",
+    "--json benchmarks/results/scale_sim.json --plot benchmarks/results/scale_sim.png",
     "tiered.json": "python benchmarks/compare.py --sections tiered --tiered-size 256MiB --tensors 32 --workers 4 "
-                   "--repeat 3 --label LABEL --json benchmarks/results/tiered.json --quiet",
+    "--repeat 3 --label LABEL --json benchmarks/results/tiered.json --quiet",
     "interference.json": "python benchmarks/interference.py --size 512MiB --tensors 32 --repeat 3 --pin-training 0 "
-                         "--json benchmarks/results/interference.json",
+    "--json benchmarks/results/interference.json",
     "interference-gpu.json": "bash scripts/gpu-check.sh (on the GPU machine), then commit its interference.json "
-                             "as benchmarks/results/interference-gpu.json",
+    "as benchmarks/results/interference-gpu.json",
     "gpu-check.json": "bash scripts/gpu-check.sh (on the GPU machine, DCPSTORE_GIT_COMMIT set to the commit sent), "
-                      "then commit its summary.json as benchmarks/results/gpu-check.json",
+    "then commit its summary.json as benchmarks/results/gpu-check.json",
     "wan_scale.json": "python benchmarks/compare.py --sections wan --wan-size 512MiB --wan-tensors 32 "
-                      "--wan-regimes network:5,cpu:25 --repeat 7 --only '^(dcpstore s3-wan-[a-z]+ sync default|"
-                      "raw PUT/GET \\(s3-wan-[a-z]+\\) c=16 part=8\\.0 MiB)$' --label LABEL "
-                      "--json benchmarks/results/wan_scale.json --quiet",
+    "--wan-regimes network:5,cpu:25 --repeat 7 --only '^(dcpstore s3-wan-[a-z]+ sync default|"
+    "raw PUT/GET \\(s3-wan-[a-z]+\\) c=16 part=8\\.0 MiB)$' --label LABEL "
+    "--json benchmarks/results/wan_scale.json --quiet",
     "tiered_nodes.json": "python benchmarks/tiered_nodes.py --size-mib 64,256 --saves 6 --label LABEL "
-                         "--json benchmarks/results/tiered_nodes.json",
-}  # fmt: skip
+    "--json benchmarks/results/tiered_nodes.json",
+}
 
-BLOCK = re.compile(r"(<!-- BEGIN generated:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- END generated:(?P=name) -->)", re.S)
+BLOCK = re.compile(
+    r"(<!-- BEGIN generated:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- END generated:(?P=name) -->)", re.S
+)
 FIGURE = re.compile(r"<!-- fig (?P<spec>.*?) -->(?P<text>.*?)<!-- /fig -->")
 
 
@@ -185,8 +234,20 @@ def rows_table(rows: Sequence[Row]) -> str:
     """One row per entry. ``save/limit`` and ``load/limit``: its speed over the
     best limit row of its backend (the fastest raw row of the sweep, per
     direction); ``CPU s/GB``: client CPU seconds per GB moved."""
-    head = ["entry", "backend", "W", "save GB/s", "load GB/s", "save/limit", "load/limit", "blocked s",
-            "CPU s/GB save/load", "plan/stage/write/commit s", "RSS growth", "note"]  # fmt: skip
+    head = [
+        "entry",
+        "backend",
+        "W",
+        "save GB/s",
+        "load GB/s",
+        "save/limit",
+        "load/limit",
+        "blocked s",
+        "CPU s/GB save/load",
+        "plan/stage/write/commit s",
+        "RSS growth",
+        "note",
+    ]
     by_backend: dict[str, list[Row]] = {}
     for r in rows:
         by_backend.setdefault(r["backend"], []).append(r)
@@ -198,11 +259,22 @@ def rows_table(rows: Sequence[Row]) -> str:
         ph = r.get("phases") or {}
         phases = "/".join(f"{ph[p]:.2f}" for p in ("plan", "stage", "write", "commit") if p in ph) or "-"
         growth = r.get("rss_growth_bytes")
-        body.append([r["name"], r["backend"], str(r["workers"]), _num(r.get("write_gbps")), _num(r.get("read_gbps")),
-                     _ratio(lim.get("write_vs_limit")), _ratio(lim.get("read_vs_limit")), _num(r.get("blocked_s")),
-                     f"{_num(d.get('write_cpu_per_gb'), '.2f')}/{_num(d.get('read_cpu_per_gb'), '.2f')}",
-                     phases if r["status"] == "ok" else "-",
-                     human_bytes(growth) if growth is not None else "-", _note(r)])  # fmt: skip
+        body.append(
+            [
+                r["name"],
+                r["backend"],
+                str(r["workers"]),
+                _num(r.get("write_gbps")),
+                _num(r.get("read_gbps")),
+                _ratio(lim.get("write_vs_limit")),
+                _ratio(lim.get("read_vs_limit")),
+                _num(r.get("blocked_s")),
+                f"{_num(d.get('write_cpu_per_gb'), '.2f')}/{_num(d.get('read_cpu_per_gb'), '.2f')}",
+                phases if r["status"] == "ok" else "-",
+                human_bytes(growth) if growth is not None else "-",
+                _note(r),
+            ]
+        )
     return targets.markdown_table(head, body)
 
 
@@ -211,8 +283,11 @@ def sweep_table(rows: Sequence[Row]) -> str:
     size across, save / load GB/s in each cell; the best of each direction
     in bold."""
     # Runs from before the sweep have one raw row without a part size.
-    raw = [r for r in rows if r.get("group") == "limit" and r.get("engine") == "boto3"
-           and "part_size" in r.get("extra", {})]  # fmt: skip
+    raw = [
+        r
+        for r in rows
+        if r.get("group") == "limit" and r.get("engine") == "boto3" and "part_size" in r.get("extra", {})
+    ]
     if not raw:
         return "_no raw sweep in this run (the committed run predates it)_"
     best = best_limits(raw)
@@ -229,8 +304,16 @@ def sweep_table(rows: Sequence[Row]) -> str:
         return f"**{value}**" if best.get(direction) is r else value
 
     head = ["connections", *(f"part {human_bytes(p)}" for p in parts)]
-    body = [[str(c), *(f"{text(cell.get((c, p)), 'write')} / {text(cell.get((c, p)), 'read')}"
-                       if (c, p) in cell else "" for p in parts)] for c in conns]  # fmt: skip
+    body = [
+        [
+            str(c),
+            *(
+                f"{text(cell.get((c, p)), 'write')} / {text(cell.get((c, p)), 'read')}" if (c, p) in cell else ""
+                for p in parts
+            ),
+        ]
+        for c in conns
+    ]
     return targets.markdown_table(head, body)
 
 
@@ -242,16 +325,32 @@ def harness_table(rows: Sequence[Row]) -> str:
     if not verdicts:
         return "_no harness self-test in this run_"
     head = ["direction", "harness, shaping off (GB/s)", "best measured row", "its GB/s", "harness / best", "section is"]
-    body = [[{"write": "save", "read": "load"}[d], _num(v["harness_gbps"]), v["best"], _num(v["best_gbps"]),
-             _ratio(v["ratio"]), f"**{v['bound']}-bound** (needs {v['margin']:g}x)"]
-            for d, v in verdicts.items()]  # fmt: skip
+    body = [
+        [
+            {"write": "save", "read": "load"}[d],
+            _num(v["harness_gbps"]),
+            v["best"],
+            _num(v["best_gbps"]),
+            _ratio(v["ratio"]),
+            f"**{v['bound']}-bound** (needs {v['margin']:g}x)",
+        ]
+        for d, v in verdicts.items()
+    ]
     return targets.markdown_table(head, body)
 
 
 def targets_table(results: Sequence[Row]) -> str:
     head = ["target", "ours / reference", "ratio", "status", "why"]
-    body = [[r["target"], f"{r['ours']} / {r['ref'] or 'state size'}", targets.ratio_text(r), f"**{r['status']}**",
-             r["why"] or "see analysis below"] for r in results]  # fmt: skip
+    body = [
+        [
+            r["target"],
+            f"{r['ours']} / {r['ref'] or 'state size'}",
+            targets.ratio_text(r),
+            f"**{r['status']}**",
+            r["why"] or "see analysis below",
+        ]
+        for r in results
+    ]
     return targets.markdown_table(head, body)
 
 
@@ -260,8 +359,10 @@ def history_table(before: Sequence[Row], now: Sequence[Row]) -> str:
     re-evaluated from their records with today's definitions)."""
     old = {r["target"]: r for r in before}
     head = ["target", "before", "now"]
-    body = [[r["target"], *(f"{targets.ratio_text(x)} {x['status']}" if x else "-" for x in (old.get(r["target"]), r))]
-            for r in now]  # fmt: skip
+    body = [
+        [r["target"], *(f"{targets.ratio_text(x)} {x['status']}" if x else "-" for x in (old.get(r["target"]), r))]
+        for r in now
+    ]
     return targets.markdown_table(head, body)
 
 
@@ -271,10 +372,12 @@ def meta_block(docs: dict[str, Doc]) -> str:
         m = doc["meta"]
         mach = m.get("machine", {})
         label = f" -- **{m['label']}**" if m.get("label") else ""
-        lines.append(f"- `{name}`: {m['date']}{label}, commit `{m.get('git_commit')}`, "
-                     f"{mach.get('cpus')} CPUs, {human_bytes(mach.get('memory_bytes', 0))} RAM, "
-                     f"torch {mach.get('torch')}, Python {mach.get('python')}  \n"
-                     f"  regenerate: `{m.get('command')}`")  # fmt: skip
+        lines.append(
+            f"- `{name}`: {m['date']}{label}, commit `{m.get('git_commit')}`, "
+            f"{mach.get('cpus')} CPUs, {human_bytes(mach.get('memory_bytes', 0))} RAM, "
+            f"torch {mach.get('torch')}, Python {mach.get('python')}  \n"
+            f"  regenerate: `{m.get('command')}`"
+        )
     return "\n".join(lines)
 
 
@@ -294,38 +397,62 @@ def tiered_block(doc: Doc) -> str:
 
 def tiered_nodes_block(doc: Doc) -> str:
     head = ["state per rank", "kind", "blocked s", "x plain", "local commit s", "x plain"]
-    body = [[f"{size} MiB", kind, f"{r['blocked_s']:.3f}", f"{r['blocked_x']:.2f}x", f"{r['local_commit_s']:.3f}",
-             f"{r['local_commit_x']:.2f}x"] for size, kinds in doc["rows"].items() for kind, r in kinds.items()]  # fmt: skip
+    body = [
+        [
+            f"{size} MiB",
+            kind,
+            f"{r['blocked_s']:.3f}",
+            f"{r['blocked_x']:.2f}x",
+            f"{r['local_commit_s']:.3f}",
+            f"{r['local_commit_x']:.2f}x",
+        ]
+        for size, kinds in doc["rows"].items()
+        for kind, r in kinds.items()
+    ]
     return targets.markdown_table(head, body)
 
 
 def gpu_check_block(doc: Doc) -> str:
     """``scripts/gpu-check.sh``'s summary: the machine, the cuda tests, the
     staging and blocked-time rows and their goals."""
-    env, tests, bench = doc["env"], doc['tests'], doc["benchmark"]  # the summary's key, not the tests/ folder
-    lines = [f"{doc['meta']['date'][:10]}, one {env['gpu']} (compute capability {env['gpu_capability']}), "
-             f"{env['cpus']} cores, torch {env['torch']} (CUDA {env['torch_cuda']}), NVRx "
-             f"{env.get('pkg:nvidia-resiliency-ext')}, commit `{doc['meta']['git_commit']}`.", "",
-             f"- `tests/integration/test_cuda.py -m cuda`: {tests['passed']} passed, {tests['failures']} failed, "
-             f"{tests['errors']} errors, {tests['skipped']} skipped", "",
-             "| staged | staging GB/s | best pinned copy GB/s | that copy | ratio |", "|---|---|---|---|---|"]  # fmt: skip
+    env, tests, bench = doc["env"], doc["tests"], doc["benchmark"]  # the summary's key, not the tests/ folder
+    lines = [
+        f"{doc['meta']['date'][:10]}, one {env['gpu']} (compute capability {env['gpu_capability']}), "
+        f"{env['cpus']} cores, torch {env['torch']} (CUDA {env['torch_cuda']}), NVRx "
+        f"{env.get('pkg:nvidia-resiliency-ext')}, commit `{doc['meta']['git_commit']}`.",
+        "",
+        f"- `tests/integration/test_cuda.py -m cuda`: {tests['passed']} passed, {tests['failures']} failed, "
+        f"{tests['errors']} errors, {tests['skipped']} skipped",
+        "",
+        "| staged | staging GB/s | best pinned copy GB/s | that copy | ratio |",
+        "|---|---|---|---|---|",
+    ]
     for r in bench["staging"]:
-        lines.append(f"| {human_bytes(r['bytes'])} | {r['stage_gbps']:.1f} | {r['limit_gbps']:.1f} | {r['limit']} | "
-                     f"{r['ratio']:.2f}x |")  # fmt: skip
-    lines += ["", "| state | dcpstore blocked s (steady) | best dcp.async_save | its blocked s | ratio |",
-              "|---|---|---|---|---|"]  # fmt: skip
+        lines.append(
+            f"| {human_bytes(r['bytes'])} | {r['stage_gbps']:.1f} | {r['limit_gbps']:.1f} | {r['limit']} | "
+            f"{r['ratio']:.2f}x |"
+        )
+    lines += [
+        "",
+        "| state | dcpstore blocked s (steady) | best dcp.async_save | its blocked s | ratio |",
+        "|---|---|---|---|---|",
+    ]
     for r in bench["blocked"]:
         steady = r["steady_s"]
-        lines.append(f"| {human_bytes(r['bytes'])} | {steady['dcpstore-native']:.3f} | {r['best_dcp']} | "
-                     f"{steady[r['best_dcp']]:.3f} | {r['ratio_vs_best_dcp']:.2f}x |")  # fmt: skip
+        lines.append(
+            f"| {human_bytes(r['bytes'])} | {steady['dcpstore-native']:.3f} | {r['best_dcp']} | "
+            f"{steady[r['best_dcp']]:.3f} | {r['ratio_vs_best_dcp']:.2f}x |"
+        )
     lines.append("")
     for name, g in bench["goals"].items():
         verdict = "not judged" if g["met"] is None else ("met" if g["met"] else "missed")
         lines.append(f"- goal `{name}` {g['goal']}: **{verdict}** (worst {g['worst']:.2f}x)")
     overhead = bench.get("pinned_overhead")
     if overhead:
-        lines.append(f"- pinned host memory held by staging: {overhead['ratio']:.2f}x the state's bytes "
-                     f"(tensors of {overhead['tensor_mib']} MiB)")  # fmt: skip
+        lines.append(
+            f"- pinned host memory held by staging: {overhead['ratio']:.2f}x the state's bytes "
+            f"(tensors of {overhead['tensor_mib']} MiB)"
+        )
     for skipped in bench.get("skipped") or []:
         lines.append(f"- not run ({skipped['why']}): {skipped['phase']} at {skipped['size_gib']} GiB")
     return "\n".join(lines)
@@ -353,7 +480,9 @@ def target_results(docs: dict[str, Doc], compare: str = "compare.json") -> list[
         summary = summarize(scaling["records"])
         counts = [r["extra"]["x"] for r in summary if r.get("extra", {}).get("sweep") == "tensors"]
         if counts:
-            results += targets.evaluate_all(targets.scaling_targets(scaling["meta"]["fixed_workers"], max(counts)), summary)
+            results += targets.evaluate_all(
+                targets.scaling_targets(scaling["meta"]["fixed_workers"], max(counts)), summary
+            )
     return results
 
 
@@ -363,8 +492,13 @@ def wan_scale_block(doc: Doc) -> str:
     raw row is no swept limit, so the throughput targets stay with the
     sections of ``compare.json``."""
     summary = summarize(doc["records"])
-    judged = [r for r in targets.evaluate_all(targets.compare_targets(max(doc["meta"]["workers"]), wan_regimes(doc["meta"])), summary)
-              if r["status"] != "n/a" and r["metric"].endswith("_cpu_per_gb")]  # fmt: skip
+    judged = [
+        r
+        for r in targets.evaluate_all(
+            targets.compare_targets(max(doc["meta"]["workers"]), wan_regimes(doc["meta"])), summary
+        )
+        if r["status"] != "n/a" and r["metric"].endswith("_cpu_per_gb")
+    ]
     return rows_table(summary) + "\n\n" + targets_table(judged)
 
 
@@ -401,11 +535,16 @@ def blocks(docs: dict[str, Doc]) -> dict[str, str]:
             out[name] = interference.markdown(doc)
         elif name == "interference":
             out[name] = pending(f"{name}.json")
-    out["gpu-check"] = gpu_check_block(docs["gpu-check.json"]) if "gpu-check.json" in docs else pending("gpu-check.json")
+    out["gpu-check"] = (
+        gpu_check_block(docs["gpu-check.json"]) if "gpu-check.json" in docs else pending("gpu-check.json")
+    )
     out["tiered"] = tiered_block(docs["tiered.json"]) if "tiered.json" in docs else pending("tiered.json")
-    out["wan-scale"] = wan_scale_block(docs["wan_scale.json"]) if "wan_scale.json" in docs else pending("wan_scale.json")
-    out["tiered-nodes"] = (tiered_nodes_block(docs["tiered_nodes.json"]) if "tiered_nodes.json" in docs
-                           else pending("tiered_nodes.json"))  # fmt: skip
+    out["wan-scale"] = (
+        wan_scale_block(docs["wan_scale.json"]) if "wan_scale.json" in docs else pending("wan_scale.json")
+    )
+    out["tiered-nodes"] = (
+        tiered_nodes_block(docs["tiered_nodes.json"]) if "tiered_nodes.json" in docs else pending("tiered_nodes.json")
+    )
     return out
 
 
@@ -461,8 +600,11 @@ def figure(spec: str, docs: dict[str, Doc]) -> str:
         return str(_target(docs, args[0])["status"])
     if kind == "scale":
         ranks, spread, field, fmt = args
-        points = [p for p in docs["scale_sim.json"]["points"]
-                  if p["ranks"] == int(ranks) and p["extra"].get("spread", 1) == int(spread)]  # fmt: skip
+        points = [
+            p
+            for p in docs["scale_sim.json"]["points"]
+            if p["ranks"] == int(ranks) and p["extra"].get("spread", 1) == int(spread)
+        ]
         if len(points) != 1:
             raise KeyError(f"scale_sim.json has {len(points)} points of {ranks} ranks, spread {spread}")
         return _format(_field(points[0], field), fmt)
@@ -489,7 +631,9 @@ def figure_file(spec: str) -> str | None:
 
 def render(page: str, generated: dict[str, str], docs: dict[str, Doc] | None = None) -> str:
     """``page`` with its blocks (and, given ``docs``, its figures) regenerated."""
-    page = BLOCK.sub(lambda m: m.group(1) + generated.get(m["name"], m["body"].rstrip()).rstrip() + "\n" + m.group(4), page)
+    page = BLOCK.sub(
+        lambda m: m.group(1) + generated.get(m["name"], m["body"].rstrip()).rstrip() + "\n" + m.group(4), page
+    )
     if docs is not None:
         page = FIGURE.sub(lambda m: f"<!-- fig {m['spec']} -->{figure(m['spec'], docs)}<!-- /fig -->", page)
     return page
@@ -511,7 +655,7 @@ def read_results(directory: str = RESULTS) -> dict[str, Doc]:
 MEASURED = re.compile(
     r"(?<![\w.,/-])(?P<num>\d[\d,]*(?:\.\d+)?)(?![\d.]*\.\d)(?![\w-]*[a-wyzA-Z])(?P<unit>x\b|\s?%|\s?(?:GB/s|MB/s|PUT/s|GET/s|req/s)"
     r"|\s?ms\b|\s?s\b)?"
-)  # fmt: skip
+)
 #: What a bound (a target, not a figure) is written after.
 BOUNDS = (">=", "<=", "<", ">", "within", "target", "bound")
 #: Metadata that is no setting of the run (results, the machine).
@@ -548,8 +692,13 @@ def loose_figures(page: str, docs: dict[str, Doc]) -> list[str]:
     """Measured-looking numbers of the prose that no committed file's
     metadata holds (the runs' settings: sizes, rates, model parameters);
     a measured figure belongs in a block or a figure span."""
-    settings = {v for doc in docs.values() for key, value in doc.get("meta", {}).items()
-                if key not in NOT_SETTINGS for v in _numbers(value)}  # fmt: skip
+    settings = {
+        v
+        for doc in docs.values()
+        for key, value in doc.get("meta", {}).items()
+        if key not in NOT_SETTINGS
+        for v in _numbers(value)
+    }
     out = []
     prose = _prose(page)
     for m in MEASURED.finditer(prose):
@@ -584,7 +733,9 @@ def commits_since(commit: str, paths: Sequence[str]) -> int:
     if _git("rev-parse", "--verify", "--quiet", f"{commit}^{{commit}}").returncode != 0:
         if _git("rev-parse", "--git-dir").returncode != 0:
             raise LookupError("this copy has no git history (a source archive?)")
-        raise LookupError(f"commit {commit} is not in this repository's history (a shallow clone, or a squashed branch?)")
+        raise LookupError(
+            f"commit {commit} is not in this repository's history (a shallow clone, or a squashed branch?)"
+        )
     if _git("merge-base", "--is-ancestor", commit, "HEAD").returncode != 0:
         raise LookupError(f"commit {commit} is not an ancestor of HEAD")
     out = _git("rev-list", "--count", f"{commit}..HEAD", "--", *sorted(former_names(commit, paths)))
@@ -641,8 +792,10 @@ def ages(page: str, docs: dict[str, Doc]) -> list[str]:
             continue
         line = f"{head}: {n} commit{'' if n == 1 else 's'} since touch the code it measures"
         if n > STALE_AFTER:
-            line += (f"; stale (more than {STALE_AFTER}): re-run `{meta.get('command')}` on a quiet box, "
-                     "then python benchmarks/report.py")  # fmt: skip
+            line += (
+                f"; stale (more than {STALE_AFTER}): re-run `{meta.get('command')}` on a quiet box, "
+                "then python benchmarks/report.py"
+            )
         out.append(line)
     return out
 
@@ -674,8 +827,11 @@ def command_problems(page: str, docs: dict[str, Doc]) -> list[str]:
     entry, or the page's "Regenerate" block, says another command (``--label``
     aside): the page would tell a reader to run what did not make its numbers."""
     block = re.search(r"## Regenerate\n.*?```bash\n(?P<body>.*?)```", page, re.S)
-    listed = [_args(line) for line in (block["body"].replace("\\\n", " ").splitlines() if block else [])
-              if line.startswith("python ")]  # fmt: skip
+    listed = [
+        _args(line)
+        for line in (block["body"].replace("\\\n", " ").splitlines() if block else [])
+        if line.startswith("python ")
+    ]
     out = []
     for name, doc in docs.items():
         want, made = COMMANDS.get(name, ""), doc.get("meta", {}).get("command") or ""
@@ -691,8 +847,11 @@ def command_problems(page: str, docs: dict[str, Doc]) -> list[str]:
 
 def empty_met(docs: dict[str, Doc]) -> list[str]:
     """Targets that read "met" from a row that measured nothing."""
-    return [f"target {r['target']!r} reads met from a ratio of {r['ratio']!r}: nothing was measured"
-            for r in target_results(docs) if r["status"] == "met" and not (r["ratio"] and round(r["ratio"], 2) > 0)]  # fmt: skip
+    return [
+        f"target {r['target']!r} reads met from a ratio of {r['ratio']!r}: nothing was measured"
+        for r in target_results(docs)
+        if r["status"] == "met" and not (r["ratio"] and round(r["ratio"], 2) > 0)
+    ]
 
 
 def problems(page: str, docs: dict[str, Doc]) -> list[str]:
@@ -714,14 +873,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--scaling", help="this scaling.json instead of the committed one")
     p.add_argument("--scale", help="this scale_sim.json instead of the committed one")
     p.add_argument("--interference", help="this interference.json instead of the committed one")
-    p.add_argument("--interference-gpu", help="scripts/gpu-check.sh's interference.json (committed as interference-gpu.json)")
+    p.add_argument(
+        "--interference-gpu", help="scripts/gpu-check.sh's interference.json (committed as interference-gpu.json)"
+    )
     p.add_argument("--page", default=os.path.join(ROOT, "BENCHMARKS.md"))
-    p.add_argument("--check", action="store_true",
-                   help="change nothing; print what does not hold (exit 1 if any), then each result's age (never a failure)")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="change nothing; print what does not hold (exit 1 if any), then each result's age (never a failure)",
+    )
     args = p.parse_args(argv)
     docs = read_results(args.results)
-    overrides = (("compare.json", args.compare), ("scaling.json", args.scaling), ("scale_sim.json", args.scale),
-                 ("interference.json", args.interference), ("interference-gpu.json", args.interference_gpu))
+    overrides = (
+        ("compare.json", args.compare),
+        ("scaling.json", args.scaling),
+        ("scale_sim.json", args.scale),
+        ("interference.json", args.interference),
+        ("interference-gpu.json", args.interference_gpu),
+    )
     for name, path in overrides:
         if path is not None:
             docs.pop(name, None)

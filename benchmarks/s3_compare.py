@@ -37,17 +37,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import servers
 import torch
 import torch.distributed.checkpoint as dcp
 
 import dcpstore
 
-import servers
-
 BUCKET = "dcpstore-bench"
 
 
-def _contenders(workers: int) -> dict[str, tuple[Callable[[dict[str, Any], str], None], Callable[[dict[str, Any], str], None]]]:
+def _contenders(
+    workers: int,
+) -> dict[str, tuple[Callable[[dict[str, Any], str], None], Callable[[dict[str, Any], str], None]]]:
     from multistorageclient.contrib.torch import MultiStorageFileSystemReader, MultiStorageFileSystemWriter
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
@@ -61,9 +62,13 @@ def _contenders(workers: int) -> dict[str, tuple[Callable[[dict[str, Any], str],
         "dcpstore native": (ds_save(False), ds_load(False)),
         "dcpstore via MSC": (ds_save(True), ds_load(True)),
         "MSC MultiStorageFileSystemWriter": (
-            lambda sd, uri: dcp.save(sd, storage_writer=MultiStorageFileSystemWriter(uri, thread_count=workers), no_dist=True)
-            and None,
-            lambda sd, uri: dcp.load(sd, storage_reader=MultiStorageFileSystemReader(uri, thread_count=workers), no_dist=True),
+            lambda sd, uri: (
+                dcp.save(sd, storage_writer=MultiStorageFileSystemWriter(uri, thread_count=workers), no_dist=True)
+                and None
+            ),
+            lambda sd, uri: dcp.load(
+                sd, storage_reader=MultiStorageFileSystemReader(uri, thread_count=workers), no_dist=True
+            ),
         ),
         "DCP FsspecWriter (s3fs)": (
             lambda sd, uri: dcp.save(sd, storage_writer=FsspecWriter(uri, thread_count=workers), no_dist=True) and None,
@@ -140,8 +145,11 @@ def run(args: argparse.Namespace, client: Any) -> dict[str, dict[str, list[float
             if bad:
                 raise SystemExit(f"{name}: loaded data differs in {bad[:3]}")
             _delete_prefix(client, prefix + "/")
-            print(f"  run {r + 1}/{args.repeat} {name}: save {times[name]['save'][-1]:.2f} s, "
-                  f"load {times[name]['load'][-1]:.2f} s", file=sys.stderr)
+            print(
+                f"  run {r + 1}/{args.repeat} {name}: save {times[name]['save'][-1]:.2f} s, "
+                f"load {times[name]['load'][-1]:.2f} s",
+                file=sys.stderr,
+            )
     return times
 
 
@@ -149,10 +157,14 @@ def report(args: argparse.Namespace, times: dict[str, dict[str, list[float]]]) -
     nbytes = args.size_mib * (1 << 20) // 4 // args.tensors * 4 * args.tensors
     med = {name: {op: statistics.median(ts) for op, ts in ops.items()} for name, ops in times.items()}
     base = med["dcpstore native"]
-    print(f"{nbytes / 2**20:.0f} MiB in {args.tensors} tensors, {args.workers} threads each, "
-          f"median of {args.repeat}, local moto S3 endpoint on loopback")
-    header = (f"{'':34s} {'save s':>7s} {'GB/s':>6s} {'x':>6s} {'cpu s':>6s} {'x':>6s}"
-              f"   {'load s':>7s} {'GB/s':>6s} {'x':>6s} {'cpu s':>6s} {'x':>6s}")
+    print(
+        f"{nbytes / 2**20:.0f} MiB in {args.tensors} tensors, {args.workers} threads each, "
+        f"median of {args.repeat}, local moto S3 endpoint on loopback"
+    )
+    header = (
+        f"{'':34s} {'save s':>7s} {'GB/s':>6s} {'x':>6s} {'cpu s':>6s} {'x':>6s}"
+        f"   {'load s':>7s} {'GB/s':>6s} {'x':>6s} {'cpu s':>6s} {'x':>6s}"
+    )
     print(header)
     rows = []
     for name, m in med.items():
@@ -165,12 +177,16 @@ def report(args: argparse.Namespace, times: dict[str, dict[str, list[float]]]) -
             row[f"{op}_cpu_s"] = m[f"{op}_cpu"]
             row[f"{op}_cpu_ratio"] = m[f"{op}_cpu"] / base[f"{op}_cpu"]
             row[f"{op}_runs_s"] = times[name][op]
-            line += (f" {m[op]:7.2f} {row[f'{op}_gbps']:6.2f} {row[f'{op}_ratio']:5.2f}x"
-                     f" {m[f'{op}_cpu']:6.2f} {row[f'{op}_cpu_ratio']:5.2f}x  ")
+            line += (
+                f" {m[op]:7.2f} {row[f'{op}_gbps']:6.2f} {row[f'{op}_ratio']:5.2f}x"
+                f" {m[f'{op}_cpu']:6.2f} {row[f'{op}_cpu_ratio']:5.2f}x  "
+            )
         rows.append(row)
         print(line.rstrip())
-    print("x = that contender's wall (or client CPU) time / dcpstore native's; > 1: native is faster.\n"
-          "cpu s = CPU seconds spent in this (client) process; the moto server is not included.")
+    print(
+        "x = that contender's wall (or client CPU) time / dcpstore native's; > 1: native is faster.\n"
+        "cpu s = CPU seconds spent in this (client) process; the moto server is not included."
+    )
     if args.json:
         doc = {
             "benchmark": "s3_compare",

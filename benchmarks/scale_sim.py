@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import math
 import os
 import shlex
 import sys
@@ -60,12 +59,20 @@ from dcpstore._impl.bench import make_state, parse_int_list, parse_size  # noqa:
 from dcpstore._impl.bench.report import git_commit, git_dirty, machine  # noqa: E402
 from dcpstore._impl.dcp.writer import DcpStorageWriter  # noqa: E402
 from dcpstore._impl.format.layout import is_data_file  # noqa: E402
-from dcpstore.storage import StorageOptions, open_storage  # noqa: E402
 from dcpstore._impl.util.units import human_bytes  # noqa: E402
+from dcpstore.storage import StorageOptions, open_storage  # noqa: E402
 
 #: Request kinds S3 counts against each per-prefix rate.
-WRITE_KINDS = frozenset({"PutObject", "CreateMultipartUpload", "UploadPart", "CompleteMultipartUpload",
-                         "AbortMultipartUpload", "DeleteObjects"})  # fmt: skip
+WRITE_KINDS = frozenset(
+    {
+        "PutObject",
+        "CreateMultipartUpload",
+        "UploadPart",
+        "CompleteMultipartUpload",
+        "AbortMultipartUpload",
+        "DeleteObjects",
+    }
+)
 READ_KINDS = frozenset({"GetObject", "HeadObject", "ListObjectsV2", "ListMultipartUploads"})
 
 
@@ -92,7 +99,9 @@ class Recorder:
 
 
 def _error(code: str, status: int, op: str) -> bexc.ClientError:
-    return bexc.ClientError({"Error": {"Code": code, "Message": code}, "ResponseMetadata": {"HTTPStatusCode": status}}, op)
+    return bexc.ClientError(
+        {"Error": {"Code": code, "Message": code}, "ResponseMetadata": {"HTTPStatusCode": status}}, op
+    )
 
 
 class _Body:
@@ -210,7 +219,11 @@ class FakeS3:
         if start >= len(data) and data:
             raise _error("InvalidRange", 416, "GetObject")
         chunk = data[start:end]
-        return {"Body": _Body(chunk), "ContentLength": len(chunk), "ContentRange": f"bytes {start}-{end - 1}/{len(data)}"}
+        return {
+            "Body": _Body(chunk),
+            "ContentLength": len(chunk),
+            "ContentRange": f"bytes {start}-{end - 1}/{len(data)}",
+        }
 
     def head_object(self, Bucket: str, Key: str, **_: Any) -> dict[str, Any]:  # noqa: N803
         self.rec.add(self.rank, "HeadObject", Key)
@@ -235,8 +248,15 @@ class FakeS3:
 # ---------------------------------------------------------------------------
 
 
-def simulate(ranks: int, state: dict[str, torch.Tensor], *, options: StorageOptions, workers: int | None,
-             uri: str, spread: int = 1) -> tuple[Recorder, dict[str, Any]]:  # fmt: skip
+def simulate(
+    ranks: int,
+    state: dict[str, torch.Tensor],
+    *,
+    options: StorageOptions,
+    workers: int | None,
+    uri: str,
+    spread: int = 1,
+) -> tuple[Recorder, dict[str, Any]]:
     """One save of ``ranks`` ranks, each saving ``state`` under its own keys
     (the same tensors: their bytes are not kept), through dcpstore's writer
     and S3 backend over :class:`FakeS3`. Returns the requests and what was
@@ -345,6 +365,7 @@ def evaluate(model: Model, rec: Recorder, connections: int) -> dict[str, Any]:
     demand: collections.Counter[tuple[str, str]] = collections.Counter()
     for r in by_phase["write"]:
         demand[(prefix_of(r.key), "write" if r.kind in WRITE_KINDS else "read")] += 1
+
     def limit_of(kind: str) -> float:
         return model.write_rate if kind == "write" else model.read_rate
 
@@ -390,8 +411,16 @@ class Point:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def run(ranks: Sequence[int], state: dict[str, torch.Tensor], model: Model, options: StorageOptions,
-        workers: int | None, uri: str, progress: bool, spreads: Sequence[int] = (1,)) -> list[Point]:  # fmt: skip
+def run(
+    ranks: Sequence[int],
+    state: dict[str, torch.Tensor],
+    model: Model,
+    options: StorageOptions,
+    workers: int | None,
+    uri: str,
+    progress: bool,
+    spreads: Sequence[int] = (1,),
+) -> list[Point]:
     points = []
     for spread in spreads:
         for n in ranks:
@@ -407,18 +436,45 @@ def run(ranks: Sequence[int], state: dict[str, torch.Tensor], model: Model, opti
 
 
 def table(points: Sequence[Point]) -> list[list[str]]:
-    head = ["ranks", "spread", "requests", "data", "prefixes", "claim s", "write s", "commit s", "busiest prefix req/s",
-            "S3 limit", "busiest PUT/s", "busiest GET/s", "write s at the limit", "manifest + .metadata",
-            "finish CPU s"]  # fmt: skip
+    head = [
+        "ranks",
+        "spread",
+        "requests",
+        "data",
+        "prefixes",
+        "claim s",
+        "write s",
+        "commit s",
+        "busiest prefix req/s",
+        "S3 limit",
+        "busiest PUT/s",
+        "busiest GET/s",
+        "write s at the limit",
+        "manifest + .metadata",
+        "finish CPU s",
+    ]
     body = [head]
     for p in points:
         m, x = p.model, p.measured
-        body.append([str(p.ranks), str(p.extra.get("spread", 1)), f"{m['requests']:,}", human_bytes(m["data_bytes"]), str(m["prefixes"]),
-                     f"{m['claim_s']:.3f}", f"{m['write_s']:.2f}", f"{m['commit_s']:.3f}",
-                     f"{m['busiest_rate']:,.0f} ({m['busiest_kind']})", f"{m['rate_limit']:,.0f}",
-                     f"{m['busiest_write_rate']:,.0f}", f"{m['busiest_read_rate']:,.0f}",
-                     f"{m['write_s_throttled']:.2f}",
-                     human_bytes(x["manifest_bytes"] + x["metadata_bytes"]), f"{x['finish_cpu_s']:.3f}"])  # fmt: skip
+        body.append(
+            [
+                str(p.ranks),
+                str(p.extra.get("spread", 1)),
+                f"{m['requests']:,}",
+                human_bytes(m["data_bytes"]),
+                str(m["prefixes"]),
+                f"{m['claim_s']:.3f}",
+                f"{m['write_s']:.2f}",
+                f"{m['commit_s']:.3f}",
+                f"{m['busiest_rate']:,.0f} ({m['busiest_kind']})",
+                f"{m['rate_limit']:,.0f}",
+                f"{m['busiest_write_rate']:,.0f}",
+                f"{m['busiest_read_rate']:,.0f}",
+                f"{m['write_s_throttled']:.2f}",
+                human_bytes(x["manifest_bytes"] + x["metadata_bytes"]),
+                f"{x['finish_cpu_s']:.3f}",
+            ]
+        )
     return body
 
 
@@ -443,7 +499,9 @@ def plot(path: str, points: Sequence[Point]) -> None:
         axes[0].plot(n, [p.model["requests"] for p in group], marker="o", label=f"requests{tag}")
         axes[1].plot(n, [p.model["busiest_rate"] for p in group], marker="o", label=f"busiest prefix{tag}")
         axes[2].plot(n, [p.model["write_s"] for p in group], marker="o", label=f"write (unthrottled){tag}")
-        axes[2].plot(n, [p.model["write_s_throttled"] for p in group], marker="o", label=f"write at the prefix limit{tag}")
+        axes[2].plot(
+            n, [p.model["write_s_throttled"] for p in group], marker="o", label=f"write at the prefix limit{tag}"
+        )
         axes[2].plot(n, [p.model["commit_s"] for p in group], marker="o", label=f"commit{tag}")
     n = sorted({p.ranks for p in points})
     axes[1].plot(n, [points[0].model["rate_limit"]] * len(n), linestyle="--", label="S3 limit per prefix")
@@ -479,20 +537,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
 
-    model = Model(latency_s=args.latency_ms / 1e3, connection_bps=args.connection_mbps * 1e6, rank_bps=args.rank_gbps * 1e9)
+    model = Model(
+        latency_s=args.latency_ms / 1e3, connection_bps=args.connection_mbps * 1e6, rank_bps=args.rank_gbps * 1e9
+    )
     options = StorageOptions() if args.max_concurrency is None else StorageOptions(max_concurrency=args.max_concurrency)
     state = make_state(parse_size(args.size), args.tensors)
     ranks = parse_int_list(args.ranks, "ranks")
-    points = run(ranks, state, model, options, args.workers, args.uri, not args.quiet,
-                 parse_int_list(args.spread, "spread"))  # fmt: skip
+    points = run(
+        ranks, state, model, options, args.workers, args.uri, not args.quiet, parse_int_list(args.spread, "spread")
+    )
     print(_text(table(points)))
     if args.json:
         doc = {
-            "meta": {"command": shlex.join(["python", "benchmarks/scale_sim.py", *(argv if argv is not None else sys.argv[1:])]),
-                     "label": args.label, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine(),
-                     "git_commit": git_commit(), "git_dirty": git_dirty(),
-                     "model": asdict(model), "max_concurrency": options.max_concurrency,
-                     "state_bytes": parse_size(args.size), "tensors": args.tensors},  # fmt: skip
+            "meta": {
+                "command": shlex.join(
+                    ["python", "benchmarks/scale_sim.py", *(argv if argv is not None else sys.argv[1:])]
+                ),
+                "label": args.label,
+                "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "machine": machine(),
+                "git_commit": git_commit(),
+                "git_dirty": git_dirty(),
+                "model": asdict(model),
+                "max_concurrency": options.max_concurrency,
+                "state_bytes": parse_size(args.size),
+                "tensors": args.tensors,
+            },
             "points": [asdict(pt) for pt in points],
         }
         with open(args.json, "w") as f:

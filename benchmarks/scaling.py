@@ -35,16 +35,24 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
+import limits  # noqa: E402
+import peers  # noqa: E402
 import torch  # noqa: E402
+from servers import free_port  # noqa: E402
 
-from dcpstore._impl.bench import Entry, Record, make_state, parse_int_list, parse_size, run_entries, summarize, zeros_like_state  # noqa: E402
+from dcpstore._impl.bench import (  # noqa: E402
+    Entry,
+    Record,
+    make_state,
+    parse_int_list,
+    parse_size,
+    run_entries,
+    summarize,
+    zeros_like_state,
+)
 from dcpstore._impl.bench.entries import DcpstoreEntry  # noqa: E402
 from dcpstore._impl.bench.measure import drop_page_cache, states_equal  # noqa: E402
 from dcpstore._impl.bench.report import format_table, write_json  # noqa: E402
-
-import limits  # noqa: E402
-import peers  # noqa: E402
-from servers import free_port  # noqa: E402
 
 
 def point_entries(root: str, run_id: str, workers: int, *, raw: bool = True) -> list[tuple[str, Entry]]:
@@ -70,12 +78,28 @@ def repeat_entries(root: str, run_id: str, workers: int) -> list[tuple[str, Entr
     ]
 
 
-def run_point(sweep: str, x_name: str, x: Any, entries: list[tuple[str, Entry]], state: dict[str, torch.Tensor],
-              dest: dict[str, torch.Tensor], repeat: int, progress: bool, drop_caches: bool) -> list[Record]:  # fmt: skip
+def run_point(
+    sweep: str,
+    x_name: str,
+    x: Any,
+    entries: list[tuple[str, Entry]],
+    state: dict[str, torch.Tensor],
+    dest: dict[str, torch.Tensor],
+    repeat: int,
+    progress: bool,
+    drop_caches: bool,
+) -> list[Record]:
     for family, entry in entries:
         entry.name = f"{family} [{x_name}={x}]"
-    records = run_entries([e for _, e in entries], state, dest, repeat=repeat, progress=progress,
-                          desc=f"{sweep} {x}", drop_caches=drop_caches)  # fmt: skip
+    records = run_entries(
+        [e for _, e in entries],
+        state,
+        dest,
+        repeat=repeat,
+        progress=progress,
+        desc=f"{sweep} {x}",
+        drop_caches=drop_caches,
+    )
     families = {e.name: f for f, e in entries}
     for r in records:
         r.extra.update(sweep=sweep, family=families[r.name], x_name=x_name, x=x)
@@ -87,8 +111,18 @@ def run_point(sweep: str, x_name: str, x: Any, entries: list[tuple[str, Entry]],
 # ---------------------------------------------------------------------------
 
 
-def _rank_main(rank: int, world: int, port: int, kind: str, path: str, size: int, tensors: int, workers: int,
-               drop: bool, results: Any) -> None:  # fmt: skip
+def _rank_main(
+    rank: int,
+    world: int,
+    port: int,
+    kind: str,
+    path: str,
+    size: int,
+    tensors: int,
+    workers: int,
+    drop: bool,
+    results: Any,
+) -> None:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
@@ -146,14 +180,28 @@ def run_ranks(root: str, ranks: Sequence[int], size: int, tensors: int, workers:
     for world in ranks:
         for kind in ("dcpstore", "dcp.save"):
             path = os.path.join(root, f"ranks-{kind}-{world}")
-            rec = Record(f"{kind} [ranks={world}]", "dcpstore" if kind == "dcpstore" else "peer", "local",
-                         "sync" if kind == "dcpstore" else "dcp.save", "sync", workers, world, tensors, size)  # fmt: skip
+            rec = Record(
+                f"{kind} [ranks={world}]",
+                "dcpstore" if kind == "dcpstore" else "peer",
+                "local",
+                "sync" if kind == "dcpstore" else "dcp.save",
+                "sync",
+                workers,
+                world,
+                tensors,
+                size,
+            )
             rec.extra.update(sweep="ranks", family=kind, x_name="ranks", x=world)
             queue = ctx.SimpleQueue()
             print(f"  ranks={world} {kind} ...", file=sys.stderr, flush=True)
             try:
-                mp.start_processes(_rank_main, args=(world, free_port(), kind, path, size, tensors, workers, drop, queue),
-                                   nprocs=world, start_method="spawn", join=True)  # fmt: skip
+                mp.start_processes(
+                    _rank_main,
+                    args=(world, free_port(), kind, path, size, tensors, workers, drop, queue),
+                    nprocs=world,
+                    start_method="spawn",
+                    join=True,
+                )
                 got = queue.get()
                 rec.write_s, rec.read_s = got["write_s"], got["read_s"]
                 rec.write_gbps, rec.read_gbps = size / got["write_s"] / 1e9, size / got["read_s"] / 1e9
@@ -208,21 +256,28 @@ def main(argv: Sequence[str] | None = None) -> int:
             for s in (parse_size(x) for x in args.sizes.split(",")):
                 state = make_state(s, args.tensors)
                 dest = zeros_like_state(state)
-                records += run_point("bytes", "bytes", s, point_entries(root, run_id, w), state, dest, args.repeat, **opts)
+                records += run_point(
+                    "bytes", "bytes", s, point_entries(root, run_id, w), state, dest, args.repeat, **opts
+                )
                 del state, dest
         state = make_state(size, args.tensors)
         dest = zeros_like_state(state)
         if "workers" in sweeps:
             for n in parse_int_list(args.workers):
-                records += run_point("workers", "workers", n, point_entries(root, run_id, n), state, dest, args.repeat, **opts)
+                records += run_point(
+                    "workers", "workers", n, point_entries(root, run_id, n), state, dest, args.repeat, **opts
+                )
         if "repeat" in sweeps:
-            records += run_point("repeat", "saves", args.saves, repeat_entries(root, run_id, w), state, dest,
-                                 args.saves, **opts)  # fmt: skip
+            records += run_point(
+                "repeat", "saves", args.saves, repeat_entries(root, run_id, w), state, dest, args.saves, **opts
+            )
         if "tensors" in sweeps:
             for n in parse_int_list(args.counts, "counts"):
                 st = make_state(size, n)
                 de = zeros_like_state(st)
-                records += run_point("tensors", "tensors", n, point_entries(root, run_id, w, raw=False), st, de, args.repeat, **opts)
+                records += run_point(
+                    "tensors", "tensors", n, point_entries(root, run_id, w, raw=False), st, de, args.repeat, **opts
+                )
                 del st, de
         if "ranks" in sweeps:
             records += run_ranks(root, parse_int_list(args.ranks, "ranks"), size, args.tensors, w, not args.warm)
@@ -236,10 +291,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"\n== {sweep}")
             print(format_table(sub))
     if args.json:
-        write_json(args.json, records, {
-            "command": shlex.join(["python", "benchmarks/scaling.py", *(argv if argv is not None else sys.argv[1:])]),
-            "label": args.label, "size": size, "tensors": args.tensors, "fixed_workers": w,
-        })  # fmt: skip
+        write_json(
+            args.json,
+            records,
+            {
+                "command": shlex.join(
+                    ["python", "benchmarks/scaling.py", *(argv if argv is not None else sys.argv[1:])]
+                ),
+                "label": args.label,
+                "size": size,
+                "tensors": args.tensors,
+                "fixed_workers": w,
+            },
+        )
         print(f"wrote {args.json}")
     if args.plots:
         write_plots(args.plots, [r.to_json() for r in records])
@@ -252,8 +316,12 @@ def write_plots(directory: str, records: Sequence[dict[str, Any]]) -> None:
 
     rows = summarize(records)
     os.makedirs(directory, exist_ok=True)
-    sweeps = (("bytes", "state size (bytes)", 2), ("tensors", "tensors (same total bytes)", 10),
-              ("workers", "workers", 2), ("ranks", "ranks (gloo processes)", 2))  # fmt: skip
+    sweeps = (
+        ("bytes", "state size (bytes)", 2),
+        ("tensors", "tensors (same total bytes)", 10),
+        ("workers", "workers", 2),
+        ("ranks", "ranks (gloo processes)", 2),
+    )
     for sweep, xlabel, base in sweeps:
         sub = [dict(r, x=r["extra"]["x"]) for r in rows if r["extra"].get("sweep") == sweep]
         for metric, what in (("write_gbps", "save"), ("read_gbps", "load")):
@@ -263,11 +331,20 @@ def write_plots(directory: str, records: Sequence[dict[str, Any]]) -> None:
                 print(f"wrote {path}")
     per_save = [dict(r, x=r["repeat"] + 1) for r in records if r.get("extra", {}).get("sweep") == "repeat"]
     if per_save:
-        for metric, name, title in (("write_s", "scaling_repeat.png", "seconds until durable, per save"),
-                                    ("blocked_s", "scaling_repeat_blocked.png", "seconds the caller was blocked, per save")):  # fmt: skip
+        for metric, name, title in (
+            ("write_s", "scaling_repeat.png", "seconds until durable, per save"),
+            ("blocked_s", "scaling_repeat_blocked.png", "seconds the caller was blocked, per save"),
+        ):
             path = os.path.join(directory, name)
-            plots.sweep_plot(path, per_save, "x", f"same structure saved again: {title}", logx=False, metric=metric,
-                             xlabel="save # (same structure)")  # fmt: skip
+            plots.sweep_plot(
+                path,
+                per_save,
+                "x",
+                f"same structure saved again: {title}",
+                logx=False,
+                metric=metric,
+                xlabel="save # (same structure)",
+            )
             print(f"wrote {path}")
 
 

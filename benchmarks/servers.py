@@ -23,7 +23,11 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 #: Credentials moto accepts; they are test values, never real secrets.
-FAKE_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+FAKE_CREDENTIALS = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
 
 
 def free_port() -> int:
@@ -72,8 +76,9 @@ def moto_server(pids: set[int] | None = None) -> Iterator[str]:
     port = free_port()
     proc = subprocess.Popen(
         [_moto_binary(), "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     if pids is not None:
         pids.add(proc.pid)
     url = f"http://127.0.0.1:{port}"
@@ -89,10 +94,19 @@ def wan_proxy(endpoint: str, *, latency_ms: float, rate_mbps: float, pids: set[i
     """The shaping proxy (benchmarks/wanproxy.py) in front of ``endpoint``."""
     upstream = endpoint.split("://", 1)[-1].rstrip("/")
     proc = subprocess.Popen(
-        [sys.executable, os.path.join(HERE, "wanproxy.py"), "--upstream", upstream,
-         "--latency-ms", str(latency_ms), "--rate-mbps", str(rate_mbps)],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        [
+            sys.executable,
+            os.path.join(HERE, "wanproxy.py"),
+            "--upstream",
+            upstream,
+            "--latency-ms",
+            str(latency_ms),
+            "--rate-mbps",
+            str(rate_mbps),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )
     if pids is not None:
         pids.add(proc.pid)
     try:
@@ -134,10 +148,12 @@ def admin_client(endpoint: str) -> Any:
     import boto3
 
     return boto3.client(
-        "s3", endpoint_url=endpoint, region_name="us-east-1",
+        "s3",
+        endpoint_url=endpoint,
+        region_name="us-east-1",
         aws_access_key_id=FAKE_CREDENTIALS["AWS_ACCESS_KEY_ID"],
         aws_secret_access_key=FAKE_CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
-    )  # fmt: skip
+    )
 
 
 def create_bucket(endpoint: str, bucket: str) -> None:

@@ -34,7 +34,10 @@ def main() -> None:
     numel = args.size_mib * (1 << 20) // 4 // args.tensors
     state = {f"t{i}": torch.randn(numel) for i in range(args.tensors)}
     nbytes = numel * 4 * args.tensors
-    runs: dict[str, list[float]] = {"dcp FileSystemWriter(thread_count=1)": [], f"dcpstore.save(workers={args.workers})": []}
+    runs: dict[str, list[float]] = {
+        "dcp FileSystemWriter(thread_count=1)": [],
+        f"dcpstore.save(workers={args.workers})": [],
+    }
     try:
         for r in range(args.repeat):
             for name in runs:

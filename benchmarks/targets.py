@@ -67,34 +67,154 @@ def compare_targets(workers: int, regimes: Sequence[str] | None = None) -> list[
     w = workers
     wan = [t for regime in regimes for t in wan_targets(regime)] if regimes is not None else legacy_wan_targets(w)
     local_s3 = [
-        Target("local save >= 0.95x raw write+fsync (best thread count)", f"dcpstore local sync w={w}", f"{LIMIT}local", "write_gbps", 0.95),
-        Target("local load >= 0.9x raw read (cold cache, best thread count)", f"dcpstore local sync w={w}", f"{LIMIT}local", "read_gbps", 0.9),
-        Target("async stall <= 1.0x clone() (native)", f"dcpstore local async/native w={w}", "clone() of every tensor", "blocked_s", 1.0),
-        Target("async stall <= 1.0x clone() (nvrx)", f"dcpstore local async/nvrx w={w}", "clone() of every tensor", "blocked_s", 1.0),
-        Target("NVRx-written checkpoint loads >= 0.9x native-written", f"dcpstore local async/nvrx w={w}", f"dcpstore local async/native w={w}", "read_gbps", 0.9),
-        Target("S3 save >= 0.85x best raw PUT (default settings)", "dcpstore s3 sync default", f"{LIMIT}s3", "write_gbps", 0.85),
-        Target("S3 load >= 0.8x best raw GET (default settings)", "dcpstore s3 sync default", f"{LIMIT}s3", "read_gbps", 0.8),
-        Target("S3 save client CPU/GB <= 1.3x bare boto3 (best raw PUT row)", "dcpstore s3 sync default", f"{LIMIT}s3", "write_cpu_per_gb", 1.3),
-        Target("S3 load client CPU/GB <= 1.3x bare boto3 (best raw GET row)", "dcpstore s3 sync default", f"{LIMIT}s3", "read_cpu_per_gb", 1.3),
-        Target("S3 save >= 2x FsspecWriter+s3fs", f"dcpstore s3 sync w={w}", f"dcp FsspecWriter+s3fs (s3) threads={w}", "write_gbps", 2.0),
-        Target("S3 save >= 1.3x MSC writer", f"dcpstore s3 sync w={w}", f"MSC MultiStorageFileSystemWriter (s3) threads={w}", "write_gbps", 1.3),
-        Target("MSC route: save RSS growth <= 1.2x native S3", f"dcpstore s3+msc sync w={w}", f"dcpstore s3 sync w={w}", "rss_growth_bytes", 1.2),
-        Target("async save: peak RSS growth <= 1.1x state (staging cap = one state)", f"dcpstore local async/native w={w} own saver", "", "rss_extra", 1.1),
-    ]  # fmt: skip
+        Target(
+            "local save >= 0.95x raw write+fsync (best thread count)",
+            f"dcpstore local sync w={w}",
+            f"{LIMIT}local",
+            "write_gbps",
+            0.95,
+        ),
+        Target(
+            "local load >= 0.9x raw read (cold cache, best thread count)",
+            f"dcpstore local sync w={w}",
+            f"{LIMIT}local",
+            "read_gbps",
+            0.9,
+        ),
+        Target(
+            "async stall <= 1.0x clone() (native)",
+            f"dcpstore local async/native w={w}",
+            "clone() of every tensor",
+            "blocked_s",
+            1.0,
+        ),
+        Target(
+            "async stall <= 1.0x clone() (nvrx)",
+            f"dcpstore local async/nvrx w={w}",
+            "clone() of every tensor",
+            "blocked_s",
+            1.0,
+        ),
+        Target(
+            "NVRx-written checkpoint loads >= 0.9x native-written",
+            f"dcpstore local async/nvrx w={w}",
+            f"dcpstore local async/native w={w}",
+            "read_gbps",
+            0.9,
+        ),
+        Target(
+            "S3 save >= 0.85x best raw PUT (default settings)",
+            "dcpstore s3 sync default",
+            f"{LIMIT}s3",
+            "write_gbps",
+            0.85,
+        ),
+        Target(
+            "S3 load >= 0.8x best raw GET (default settings)",
+            "dcpstore s3 sync default",
+            f"{LIMIT}s3",
+            "read_gbps",
+            0.8,
+        ),
+        Target(
+            "S3 save client CPU/GB <= 1.3x bare boto3 (best raw PUT row)",
+            "dcpstore s3 sync default",
+            f"{LIMIT}s3",
+            "write_cpu_per_gb",
+            1.3,
+        ),
+        Target(
+            "S3 load client CPU/GB <= 1.3x bare boto3 (best raw GET row)",
+            "dcpstore s3 sync default",
+            f"{LIMIT}s3",
+            "read_cpu_per_gb",
+            1.3,
+        ),
+        Target(
+            "S3 save >= 2x FsspecWriter+s3fs",
+            f"dcpstore s3 sync w={w}",
+            f"dcp FsspecWriter+s3fs (s3) threads={w}",
+            "write_gbps",
+            2.0,
+        ),
+        Target(
+            "S3 save >= 1.3x MSC writer",
+            f"dcpstore s3 sync w={w}",
+            f"MSC MultiStorageFileSystemWriter (s3) threads={w}",
+            "write_gbps",
+            1.3,
+        ),
+        Target(
+            "MSC route: save RSS growth <= 1.2x native S3",
+            f"dcpstore s3+msc sync w={w}",
+            f"dcpstore s3 sync w={w}",
+            "rss_growth_bytes",
+            1.2,
+        ),
+        Target(
+            "async save: peak RSS growth <= 1.1x state (staging cap = one state)",
+            f"dcpstore local async/native w={w} own saver",
+            "",
+            "rss_extra",
+            1.1,
+        ),
+    ]
     return local_s3 + wan
 
 
 def legacy_wan_targets(w: int) -> list[Target]:
     """The WAN targets of runs with one ``wan`` section (before the regimes)."""
     return [
-        Target("WAN S3 save >= 0.85x best raw PUT (default settings)", "dcpstore s3-wan sync default", f"{LIMIT}s3-wan", "write_gbps", 0.85),
-        Target("WAN S3 load >= 0.8x best raw GET (default settings)", "dcpstore s3-wan sync default", f"{LIMIT}s3-wan", "read_gbps", 0.8),
-        Target("WAN S3 save >= 1.3x s3torchconnector (its best thread count)", "dcpstore s3-wan sync default", f"{BEST}s3torchconnector S3StorageWriter (s3-wan)", "write_gbps", 1.3),
-        Target("WAN S3 save client CPU/GB <= 1.3x bare boto3 (best raw PUT row)", "dcpstore s3-wan sync default", f"{LIMIT}s3-wan", "write_cpu_per_gb", 1.3),
-        Target("WAN S3 load client CPU/GB <= 1.3x bare boto3 (best raw GET row)", "dcpstore s3-wan sync default", f"{LIMIT}s3-wan", "read_cpu_per_gb", 1.3),
-        Target("WAN S3 save >= 2x FsspecWriter+s3fs", f"dcpstore s3-wan sync w={w}", f"dcp FsspecWriter+s3fs (s3-wan) threads={w}", "write_gbps", 2.0),
-        Target("WAN S3 save >= 1.3x MSC writer", f"dcpstore s3-wan sync w={w}", f"MSC MultiStorageFileSystemWriter (s3-wan) threads={w}", "write_gbps", 1.3),
-    ]  # fmt: skip
+        Target(
+            "WAN S3 save >= 0.85x best raw PUT (default settings)",
+            "dcpstore s3-wan sync default",
+            f"{LIMIT}s3-wan",
+            "write_gbps",
+            0.85,
+        ),
+        Target(
+            "WAN S3 load >= 0.8x best raw GET (default settings)",
+            "dcpstore s3-wan sync default",
+            f"{LIMIT}s3-wan",
+            "read_gbps",
+            0.8,
+        ),
+        Target(
+            "WAN S3 save >= 1.3x s3torchconnector (its best thread count)",
+            "dcpstore s3-wan sync default",
+            f"{BEST}s3torchconnector S3StorageWriter (s3-wan)",
+            "write_gbps",
+            1.3,
+        ),
+        Target(
+            "WAN S3 save client CPU/GB <= 1.3x bare boto3 (best raw PUT row)",
+            "dcpstore s3-wan sync default",
+            f"{LIMIT}s3-wan",
+            "write_cpu_per_gb",
+            1.3,
+        ),
+        Target(
+            "WAN S3 load client CPU/GB <= 1.3x bare boto3 (best raw GET row)",
+            "dcpstore s3-wan sync default",
+            f"{LIMIT}s3-wan",
+            "read_cpu_per_gb",
+            1.3,
+        ),
+        Target(
+            "WAN S3 save >= 2x FsspecWriter+s3fs",
+            f"dcpstore s3-wan sync w={w}",
+            f"dcp FsspecWriter+s3fs (s3-wan) threads={w}",
+            "write_gbps",
+            2.0,
+        ),
+        Target(
+            "WAN S3 save >= 1.3x MSC writer",
+            f"dcpstore s3-wan sync w={w}",
+            f"MSC MultiStorageFileSystemWriter (s3-wan) threads={w}",
+            "write_gbps",
+            1.3,
+        ),
+    ]
 
 
 def wan_targets(regime: str) -> list[Target]:
@@ -105,20 +225,64 @@ def wan_targets(regime: str) -> list[Target]:
     return [
         Target(f"WAN/{regime}: save >= 0.9x best raw PUT", ours, f"{LIMIT}{b}", "write_gbps", 0.9),
         Target(f"WAN/{regime}: load >= 0.9x best raw GET", ours, f"{LIMIT}{b}", "read_gbps", 0.9),
-        Target(f"WAN/{regime}: save client CPU/GB <= 1.1x bare boto3 (best raw PUT row)", ours, f"{LIMIT}{b}", "write_cpu_per_gb", 1.1),
-        Target(f"WAN/{regime}: load client CPU/GB <= 1.1x bare boto3 (best raw GET row)", ours, f"{LIMIT}{b}", "read_cpu_per_gb", 1.1),
-        Target(f"WAN/{regime}: save >= 1.3x s3torchconnector (its best thread count)", ours,
-               f"{BEST}s3torchconnector S3StorageWriter ({b})", "write_gbps", 1.3, room=True),
-        Target(f"WAN/{regime}: save >= 2x FsspecWriter+s3fs", ours, f"{BEST}dcp FsspecWriter+s3fs ({b})", "write_gbps", 2.0, room=True),
-        Target(f"WAN/{regime}: save >= 1.3x MSC writer", ours, f"{BEST}MSC MultiStorageFileSystemWriter ({b})", "write_gbps", 1.3, room=True),
-    ]  # fmt: skip
+        Target(
+            f"WAN/{regime}: save client CPU/GB <= 1.1x bare boto3 (best raw PUT row)",
+            ours,
+            f"{LIMIT}{b}",
+            "write_cpu_per_gb",
+            1.1,
+        ),
+        Target(
+            f"WAN/{regime}: load client CPU/GB <= 1.1x bare boto3 (best raw GET row)",
+            ours,
+            f"{LIMIT}{b}",
+            "read_cpu_per_gb",
+            1.1,
+        ),
+        Target(
+            f"WAN/{regime}: save >= 1.3x s3torchconnector (its best thread count)",
+            ours,
+            f"{BEST}s3torchconnector S3StorageWriter ({b})",
+            "write_gbps",
+            1.3,
+            room=True,
+        ),
+        Target(
+            f"WAN/{regime}: save >= 2x FsspecWriter+s3fs",
+            ours,
+            f"{BEST}dcp FsspecWriter+s3fs ({b})",
+            "write_gbps",
+            2.0,
+            room=True,
+        ),
+        Target(
+            f"WAN/{regime}: save >= 1.3x MSC writer",
+            ours,
+            f"{BEST}MSC MultiStorageFileSystemWriter ({b})",
+            "write_gbps",
+            1.3,
+            room=True,
+        ),
+    ]
 
 
 def scaling_targets(workers: int, count: int = 20000) -> list[Target]:
     return [
-        Target(f"{count:,} small tensors: save no slower than dcp.save", f"dcpstore [tensors={count}]", f"dcp.save [tensors={count}]", "write_s", 1.0),
-        Target(f"{count:,} small tensors: load no slower than dcp.load (info)", f"dcpstore [tensors={count}]", f"dcp.save [tensors={count}]", "read_s", 1.0),
-    ]  # fmt: skip
+        Target(
+            f"{count:,} small tensors: save no slower than dcp.save",
+            f"dcpstore [tensors={count}]",
+            f"dcp.save [tensors={count}]",
+            "write_s",
+            1.0,
+        ),
+        Target(
+            f"{count:,} small tensors: load no slower than dcp.load (info)",
+            f"dcpstore [tensors={count}]",
+            f"dcp.save [tensors={count}]",
+            "read_s",
+            1.0,
+        ),
+    ]
 
 
 def _pending(row: Row) -> bool:
@@ -157,13 +321,14 @@ def _direction(metric: str) -> str:
 def reference(target: Target, rows: Sequence[Row]) -> Row | None:
     """The reference row of ``target`` among ``rows`` (see :class:`Target`)."""
     if target.ref.startswith(LIMIT):
-        backend = target.ref[len(LIMIT):]
+        backend = target.ref[len(LIMIT) :]
         best = best_limits(r for r in rows if r.get("backend") == backend)
         return best.get(_direction(target.metric))
     if target.ref.startswith(BEST):
-        prefix = target.ref[len(BEST):]
-        candidates = [r for r in rows if r["name"].startswith(prefix) and r["status"] == "ok"
-                      and r.get(target.metric) is not None]  # fmt: skip
+        prefix = target.ref[len(BEST) :]
+        candidates = [
+            r for r in rows if r["name"].startswith(prefix) and r["status"] == "ok" and r.get(target.metric) is not None
+        ]
         if not candidates:
             return next((r for r in rows if r["name"].startswith(prefix)), None)
         pick = max if target.higher_is_better else min
@@ -179,8 +344,16 @@ def evaluate(target: Target, rows: Sequence[Row]) -> Row:
         ref: Row | None = {"name": "state size", "status": "ok", "rss_extra": 1.0}
     else:
         ref = reference(target, rows)
-    out: Row = {"target": target.title, "ours": target.ours, "ref": ref["name"] if ref else target.ref,
-                "metric": target.metric, "bound": target.bound, "ratio": None, "status": "n/a", "why": ""}  # fmt: skip
+    out: Row = {
+        "target": target.title,
+        "ours": target.ours,
+        "ref": ref["name"] if ref else target.ref,
+        "metric": target.metric,
+        "bound": target.bound,
+        "ratio": None,
+        "status": "n/a",
+        "why": "",
+    }
     if target.metric == "rss_extra" and ours is not None and ours["status"] == "ok" and not _allocated(ours):
         out["why"] = f"{ours['name']}: no measured save allocated its staging (the buffers existed before it)"
         return out
@@ -210,8 +383,10 @@ def _bounds(target: Target, out: Row, ours: Row, ref: Row, rows: Sequence[Row]) 
     direction = _direction(target.metric)
     verdict = harness_verdicts(mine).get(direction)
     if verdict is not None and verdict["bound"] == "harness":
-        why = (f"harness-bound: the proxy and endpoint with shaping off pass {verdict['ratio']:.2f}x the best row "
-               f"({verdict['best']}), under {verdict['margin']:g}x")  # fmt: skip
+        why = (
+            f"harness-bound: the proxy and endpoint with shaping off pass {verdict['ratio']:.2f}x the best row "
+            f"({verdict['best']}), under {verdict['margin']:g}x"
+        )
         if target.ref.startswith(LIMIT):
             out["status"], out["why"] = "harness-bound", why
             return
@@ -221,8 +396,10 @@ def _bounds(target: Target, out: Row, ours: Row, ref: Row, rows: Sequence[Row]) 
         needed = target.bound * ref[target.metric] / limit[target.metric]
         if needed > 1.0:
             out["status"] = "no room" if out["status"] == "missed" else out["status"]
-            out["why"] = (f"{target.bound:g}x the peer is {needed:.2f}x the swept limit ({limit['name']}): "
-                          "no client can show it here")  # fmt: skip
+            out["why"] = (
+                f"{target.bound:g}x the peer is {needed:.2f}x the swept limit ({limit['name']}): "
+                "no client can show it here"
+            )
 
 
 def evaluate_all(targets: Sequence[Target], rows: Sequence[Row]) -> list[Row]:

@@ -143,12 +143,23 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{size} MiB per rank")
         print(f"{'kind':<15} {'blocked s':>10} {'x plain':>8} {'local commit s':>15} {'x plain':>8}")
         for kind, row in rows.items():
-            print(f"{kind:<15} {row['blocked_s']:>10.3f} {row['blocked_x']:>7.2f}x "
-                  f"{row['local_commit_s']:>15.3f} {row['local_commit_x']:>7.2f}x")  # fmt: skip
+            print(
+                f"{kind:<15} {row['blocked_s']:>10.3f} {row['blocked_x']:>7.2f}x "
+                f"{row['local_commit_s']:>15.3f} {row['local_commit_x']:>7.2f}x"
+            )
     if args.json:
-        meta = {"command": shlex.join(["python", "benchmarks/tiered_nodes.py", *(argv if argv is not None else sys.argv[1:])]),
-                "label": args.label, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "git_commit": git_commit(),
-                "git_dirty": git_dirty(), "machine": machine(), "saves": args.saves, "ranks": 2}  # fmt: skip
+        meta = {
+            "command": shlex.join(
+                ["python", "benchmarks/tiered_nodes.py", *(argv if argv is not None else sys.argv[1:])]
+            ),
+            "label": args.label,
+            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "git_commit": git_commit(),
+            "git_dirty": git_dirty(),
+            "machine": machine(),
+            "saves": args.saves,
+            "ranks": 2,
+        }
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": results}, f, indent=2)
 

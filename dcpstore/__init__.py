@@ -46,9 +46,9 @@ if TYPE_CHECKING:
     from dcpstore._impl.api import load, save
     from dcpstore._impl.dropin import StorageReader, StorageWriter
     from dcpstore._impl.engines.saver import AsyncSaver
-    from dcpstore._impl.values.results import CheckpointInfo, SaveHandle
     from dcpstore._impl.manager import CheckpointManager
     from dcpstore._impl.values.options import LoadOptions, SaveOptions
+    from dcpstore._impl.values.results import CheckpointInfo, SaveHandle
 
 __version__ = "0.1.0"
 

@@ -18,11 +18,11 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from dcpstore._impl.util.lazy_names import first_use
-from dcpstore._impl.tools.listing import CheckpointEntry, GcReport, list_checkpoints
-from dcpstore._impl.tools.listing import gc as _collect
 from dcpstore._impl.storage import StorageOptions
 from dcpstore._impl.storage.backend_registry import opened
+from dcpstore._impl.tools.listing import CheckpointEntry, GcReport, list_checkpoints
+from dcpstore._impl.tools.listing import gc as _collect
+from dcpstore._impl.util.lazy_names import first_use
 
 if TYPE_CHECKING:
     from dcpstore._impl.tools.maintenance import VerifyReport, commit_file, inspect, verify
@@ -76,7 +76,9 @@ def gc(
 
 #: ``inspect``, ``verify`` and ``commit_file`` read ``.metadata``, which needs
 #: torch: imported on first use (PEP 562), as :mod:`dcpstore` does.
-_NEEDS_TORCH = {name: "dcpstore._impl.tools.maintenance" for name in ("VerifyReport", "commit_file", "inspect", "verify")}
+_NEEDS_TORCH = {
+    name: "dcpstore._impl.tools.maintenance" for name in ("VerifyReport", "commit_file", "inspect", "verify")
+}
 __getattr__ = first_use(_NEEDS_TORCH, globals())
 
 

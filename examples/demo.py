@@ -48,8 +48,10 @@ def main() -> None:
         model, opt = build(0)
         train(model, opt, 10)
         info = dcpstore.save(state_of(model, opt, 10), uri, workers=4).result()
-        print(f"saved    {info.uri}: {info.bytes_written / 1e6:.1f} MB in {len(info.files)} files, "
-              f"write {info.phases['write'] * 1e3:.0f} ms, commit {info.phases['commit'] * 1e3:.0f} ms")
+        print(
+            f"saved    {info.uri}: {info.bytes_written / 1e6:.1f} MB in {len(info.files)} files, "
+            f"write {info.phases['write'] * 1e3:.0f} ms, commit {info.phases['commit'] * 1e3:.0f} ms"
+        )
 
         details = tools.inspect(uri)
         print(f"inspect  {len(details['keys'])} keys, {details['tensor_bytes'] / 1e6:.1f} MB of tensors")

@@ -125,8 +125,13 @@ def configs(args: argparse.Namespace) -> dict[str, CheckpointConfig]:
     engines = {"local": "auto", "s3": "native"}
     return {
         name: CheckpointConfig(
-            save=root, load=root, save_interval=args.plan.every, async_save=args.async_save,
-            ckpt_format="fsdp_dtensor", most_recent_k=2, dist_ckpt_workers=2,
+            save=root,
+            load=root,
+            save_interval=args.plan.every,
+            async_save=args.async_save,
+            ckpt_format="fsdp_dtensor",
+            most_recent_k=2,
+            dist_ckpt_workers=2,
             options=dcpstore.SaveOptions(engine=engines[name]),
         )
         for name, root in roots.items()
@@ -141,7 +146,9 @@ def managers_for(cfgs: dict[str, CheckpointConfig]) -> dict[str, dcpstore.Checkp
     """One manager per backend, each with a save slot of its own on the
     process's background saver (see the module docstring)."""
     return {
-        name: dcpstore.CheckpointManager(cfg.save, keep=cfg.keep, options=replace(cfg.save_options(), max_in_flight=len(cfgs)))
+        name: dcpstore.CheckpointManager(
+            cfg.save, keep=cfg.keep, options=replace(cfg.save_options(), max_in_flight=len(cfgs))
+        )
         for name, cfg in cfgs.items()
         if cfg.save is not None
     }
@@ -180,16 +187,32 @@ def run_training(rank: int, world: int, port: int, args: argparse.Namespace) -> 
 _STALLS: dict[str, dict[int, tuple[float, float]]] = {}
 
 
-def _record(args: argparse.Namespace, name: str, mgr: dcpstore.CheckpointManager, done: int,
-            stalls: dict[int, tuple[float, float]]) -> int:  # fmt: skip
+def _record(
+    args: argparse.Namespace,
+    name: str,
+    mgr: dcpstore.CheckpointManager,
+    done: int,
+    stalls: dict[int, tuple[float, float]],
+) -> int:
     """Append finished saves (their info arrives later when async) to stats-<backend>.jsonl."""
     _STALLS.setdefault(name, {}).update(stalls)
     with open(_stats_file(args, name), "a") as f:
         for saved in mgr.history[done:]:
             info = saved.info
             wait_s, stall_s = _STALLS[name].get(saved.step, (0.0, 0.0))
-            f.write(json.dumps({"step": saved.step, "bytes": info.bytes_written, "wait_s": wait_s, "stall_s": stall_s,
-                                "write_s": info.phases.get("write", 0.0), "commit_s": info.phases.get("commit", 0.0)}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "step": saved.step,
+                        "bytes": info.bytes_written,
+                        "wait_s": wait_s,
+                        "stall_s": stall_s,
+                        "write_s": info.phases.get("write", 0.0),
+                        "commit_s": info.phases.get("commit", 0.0),
+                    }
+                )
+                + "\n"
+            )
     return len(mgr.history)
 
 
@@ -211,8 +234,17 @@ def run_resume(rank: int, world: int, port: int, args: argparse.Namespace) -> No
             expected = torch.load(os.path.join(args.root, f"expected-{report.step}.pt"), weights_only=False)
             mismatches = _compare(expected, got)
             with open(os.path.join(args.root, f"resume-{name}.json"), "w") as f:
-                json.dump({"step": report.step, "extra_step": extra["step"], "load_s": load_s, "world": world,
-                           "keys": len(report.loaded_keys), "mismatches": mismatches}, f)
+                json.dump(
+                    {
+                        "step": report.step,
+                        "extra_step": extra["step"],
+                        "load_s": load_s,
+                        "world": world,
+                        "keys": len(report.loaded_keys),
+                        "mismatches": mismatches,
+                    },
+                    f,
+                )
         # Training continues from there and checkpoints again.
         for step in range(report.step + 1, report.step + plan.every + 1):
             train_step(model, optim, plan, step)
@@ -296,9 +328,11 @@ def report_crash(args: argparse.Namespace, resume_world: int) -> None:
     newest = max((steps[-1] for steps in left.values() if steps), default=None)
     for name, steps in left.items():
         if newest is not None and (not steps or steps[-1] < newest):
-            print(f"  note: {name} is a step behind: its save of step {newest} was still being written when rank "
-                  f"{CRASH_RANK} died, so it never committed (each rank writes the backends' saves in turn, on "
-                  f"one background thread, and {name} is the slower)")
+            print(
+                f"  note: {name} is a step behind: its save of step {newest} was still being written when rank "
+                f"{CRASH_RANK} died, so it never committed (each rank writes the backends' saves in turn, on "
+                f"one background thread, and {name} is the slower)"
+            )
     print("  note: keep=2 retires old steps once a save is finished, at the next save, so 3 can be left")
     print(f"resuming on {resume_world} rank(s), each backend from its own newest committed step")
 
@@ -313,16 +347,18 @@ def summary(args: argparse.Namespace, names: list[str]) -> bool:
             resume = json.load(f)
         match = not resume["mismatches"] and resume["extra_step"] == resume["step"]
         ok &= match
-        med = lambda k: 1e3 * statistics.median(r[k] for r in rows)  # noqa: E731
+        med = lambda k: 1e3 * statistics.median(r[k] for r in rows)  # noqa: E731, B023 (used in this iteration)
         print(
             f"  {name:<7}  {len(rows):>5}  {sum(r['bytes'] for r in rows) / len(rows) / 1e6:>7.2f}  "
             f"{med('wait_s'):>7.1f}  {med('stall_s'):>8.1f}  {med('write_s'):>8.1f}  {med('commit_s'):>9.1f}  "
             f"{resume['step']:>7}  {resume['world']:>2}  {resume['load_s'] * 1e3:>7.1f}  "
             f"{'match' if match else 'MISMATCH: ' + ', '.join(resume['mismatches'][:5])}"
         )
-    print("  (saves: those rank 0 saw finish before the crash; medians over them. wait: time training waited"
-          " for this backend's previous save to finish; stall: time save() itself blocked (the snapshot);"
-          " write: time to make the data durable; bytes and write are rank 0's)")
+    print(
+        "  (saves: those rank 0 saw finish before the crash; medians over them. wait: time training waited"
+        " for this backend's previous save to finish; stall: time save() itself blocked (the snapshot);"
+        " write: time to make the data durable; bytes and write are rank 0's)"
+    )
     return ok
 
 
@@ -342,7 +378,9 @@ def main() -> None:
     keep_root = bool(args.root)
     args.root = os.path.abspath(args.root or tempfile.mkdtemp(prefix="dcpstore-fsdp-demo-"))
     os.makedirs(args.root, exist_ok=True)
-    multiprocessing.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed.fsdp", "dcpstore.adapters.fsdp"])
+    multiprocessing.set_forkserver_preload(
+        ["torch", "torch._dynamo", "torch.distributed.fsdp", "dcpstore.adapters.fsdp"]
+    )
     t0 = time.perf_counter()
     try:
         with local_s3_endpoint(args.root) if args.s3 else contextlib.nullcontext(None) as s3_uri:
@@ -351,8 +389,10 @@ def main() -> None:
                 names = list(configs(args))  # validates the configs before any rank starts
             except dcpstore.InvalidArgument as e:
                 raise SystemExit(f"demo: {e}") from e
-            print(f"training on {args.world} ranks, checkpointing every {args.plan.every} steps to {', '.join(names)} "
-                  f"({'async' if args.async_save else 'sync'}); rank {CRASH_RANK} will die at step {args.plan.crash_at}")
+            print(
+                f"training on {args.world} ranks, checkpointing every {args.plan.every} steps to {', '.join(names)} "
+                f"({'async' if args.async_save else 'sync'}); rank {CRASH_RANK} will die at step {args.plan.crash_at}"
+            )
             killed = launch(run_training, args.world, args)
             if killed != signal.SIGKILL:
                 raise SystemExit(f"expected rank {CRASH_RANK} to be SIGKILLed, got {killed}")

@@ -12,7 +12,6 @@ each back into a fresh model and checks the weights. Stops the server at the end
 
 from __future__ import annotations
 
-import os
 import shutil
 import sys
 import tempfile
@@ -27,6 +26,7 @@ from dcpstore import tools
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root, for tests.support
 from demo import build, state_of, train  # noqa: E402  (the POSIX demo's model)
+
 from tests.support.s3_server import MotoServer, export_aws_env  # noqa: E402  (the tests' moto launcher)
 
 
@@ -41,8 +41,10 @@ def roundtrip(uri: str, state: dict, model: torch.nn.Module, **kwargs: object) -
     fresh_model.load_state_dict(target["model"])
     same = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh_model.state_dict().values()))
     via = " (enable_msc)" if kwargs.get("enable_msc") else ""
-    print(f"{info.backend:6s} {uri + via:45s} save {info.total_s * 1e3:5.0f} ms  "
-          f"({info.bytes_written / 1e6:.1f} MB, {len(info.files)} files)  load {load_ms:5.0f} ms  identical: {same}")
+    print(
+        f"{info.backend:6s} {uri + via:45s} save {info.total_s * 1e3:5.0f} ms  "
+        f"({info.bytes_written / 1e6:.1f} MB, {len(info.files)} files)  load {load_ms:5.0f} ms  identical: {same}"
+    )
     if not same:
         raise SystemExit(f"demo failed: weights loaded from {uri} differ")
 
@@ -62,8 +64,10 @@ def main() -> None:
         roundtrip("s3://demo/run1-msc/step_10", state, model, enable_msc=True)
         print("\ndcpstore ls s3://demo/run1:")
         for entry in tools.ls("s3://demo/run1"):
-            print(f"  {entry.path or '.'}  {'committed' if entry.committed else 'incomplete'}  "
-                  f"{entry.files} files  {entry.bytes / 1e6:.1f} MB")
+            print(
+                f"  {entry.path or '.'}  {'committed' if entry.committed else 'incomplete'}  "
+                f"{entry.files} files  {entry.bytes / 1e6:.1f} MB"
+            )
     finally:
         server.stop()
         shutil.rmtree(workdir, ignore_errors=True)

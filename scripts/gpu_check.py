@@ -160,8 +160,23 @@ def interference_summary(out_dir: str, rc: int | None) -> dict[str, Any] | None:
     if rc is None:
         return None
     doc = _load_json(os.path.join(out_dir, "interference.json"))
-    keys = ("name", "target", "executor", "status", "reason", "blocked_s", "save_s", "baseline_s", "lost_s",
-            "peak_inflation", "lost_s_per_gb", "cpu_threads_s_per_gb", "cpu_children_s_per_gb", "gil_s_per_gb", "gil_note")
+    keys = (
+        "name",
+        "target",
+        "executor",
+        "status",
+        "reason",
+        "blocked_s",
+        "save_s",
+        "baseline_s",
+        "lost_s",
+        "peak_inflation",
+        "lost_s_per_gb",
+        "cpu_threads_s_per_gb",
+        "cpu_children_s_per_gb",
+        "gil_s_per_gb",
+        "gil_note",
+    )
     return {
         "rc": rc,
         "ok": rc == 0 and doc is not None,
@@ -170,11 +185,15 @@ def interference_summary(out_dir: str, rc: int | None) -> dict[str, Any] | None:
     }
 
 
-def summarise(out_dir: str, tests_rc: int, bench_rc: int, dry_run: bool, interference_rc: int | None = None) -> dict[str, Any]:
+def summarise(
+    out_dir: str, tests_rc: int, bench_rc: int, dry_run: bool, interference_rc: int | None = None
+) -> dict[str, Any]:
     env = _load_json(os.path.join(out_dir, "env.json")) or {}
     tests = junit_counts(os.path.join(out_dir, "cuda-tests.xml"))
     bench = _load_json(os.path.join(out_dir, "gpu_stage.json"))
-    tests_ok = tests_rc == 0 and tests.get("found", False) and tests.get("failures", 1) == 0 and tests.get("errors", 1) == 0
+    tests_ok = (
+        tests_rc == 0 and tests.get("found", False) and tests.get("failures", 1) == 0 and tests.get("errors", 1) == 0
+    )
     if not dry_run:  # on a GPU every cuda test must have run, not been skipped
         tests_ok = tests_ok and tests.get("skipped", 1) == 0 and tests.get("passed", 0) > 0
     bench_ok = bench_rc == 0 and bench is not None
@@ -195,9 +214,13 @@ def summarise(out_dir: str, tests_rc: int, bench_rc: int, dry_run: bool, interfe
                 for r in (bench or {}).get("staging", [])
             ],
             "blocked": [
-                {"bytes": r["bytes"], "best_dcp": r.get("best_dcp"), "ratio_vs_best_dcp": r.get("ratio_vs_best_dcp"),
-                 "ratio_vs_dcp_default": r.get("ratio_vs_dcp_default"),
-                 "steady_s": {x["name"]: x.get("steady_s") for x in r["rows"]}}
+                {
+                    "bytes": r["bytes"],
+                    "best_dcp": r.get("best_dcp"),
+                    "ratio_vs_best_dcp": r.get("ratio_vs_best_dcp"),
+                    "ratio_vs_dcp_default": r.get("ratio_vs_dcp_default"),
+                    "steady_s": {x["name"]: x.get("steady_s") for x in r["rows"]},
+                }
                 for r in (bench or {}).get("blocked", [])
             ],
             "skipped": (bench or {}).get("skipped", []),
@@ -209,12 +232,16 @@ def summarise(out_dir: str, tests_rc: int, bench_rc: int, dry_run: bool, interfe
 def print_summary(s: dict[str, Any]) -> None:
     env, tests, bench = s["env"], s["tests"], s["benchmark"]
     print("=" * 72)
-    print(f"GPU check{' (DRY RUN: CPU plumbing only, nothing measured)' if s['dry_run'] else ''}: {'OK' if s['ok'] else 'FAILED'}")
+    print(
+        f"GPU check{' (DRY RUN: CPU plumbing only, nothing measured)' if s['dry_run'] else ''}: {'OK' if s['ok'] else 'FAILED'}"
+    )
     print(
         f"  machine: {env.get('gpu', 'no GPU')}, {env.get('cpus')} cores, python {env.get('python')}, "
         f"torch {env.get('torch')} (cuda {env.get('torch_cuda')}), commit {str(env.get('commit'))[:12]}"
     )
-    print(f"  nvrx: {env.get('nvrx')}; crc32c {env.get('pkg:crc32c')} (hardware: {env.get('crc32c_hardware')}); record writer: {env.get('record_writer')}")
+    print(
+        f"  nvrx: {env.get('nvrx')}; crc32c {env.get('pkg:crc32c')} (hardware: {env.get('crc32c_hardware')}); record writer: {env.get('record_writer')}"
+    )
     if not env.get("torch_ok", True):
         print(f"  WARNING: torch {env.get('torch')} is older than {env.get('torch_at_least')}")
     if tests.get("found"):
@@ -239,7 +266,9 @@ def print_summary(s: dict[str, Any]) -> None:
         )
     overhead = bench.get("pinned_overhead")
     if overhead:
-        print(f"  pinned host memory held by staging: {overhead['ratio']:.2f}x the state's bytes (tensors of {overhead['tensor_mib']} MiB)")
+        print(
+            f"  pinned host memory held by staging: {overhead['ratio']:.2f}x the state's bytes (tensors of {overhead['tensor_mib']} MiB)"
+        )
     for name, g in (bench["goals"] or {}).items():
         verdict = "not judged" if g["met"] is None else ("MET" if g["met"] else "MISSED")
         worst = "-" if g["worst"] is None else f"{g['worst']:.2f}x"
@@ -256,9 +285,11 @@ def print_summary(s: dict[str, Any]) -> None:
                 print(f"    {r['name']} -> {r['target']}: {r['status']}: {r['reason']}")
                 continue
             gil = f"{r['gil_s_per_gb']:.3f}" if r.get("gil_s_per_gb") is not None else (r.get("gil_note") or "-")
-            print(f"    {r['name']} -> {r['target']} ({r['executor']}): lost {r['lost_s']:.3f} step-s, peak "
-                  f"{r['peak_inflation']:.2f}x, blocked {r['blocked_s']:.3f} s; per GB: CPU {r['cpu_threads_s_per_gb']:.2f} "
-                  f"threads / {r['cpu_children_s_per_gb']:.2f} children, GIL {gil}")
+            print(
+                f"    {r['name']} -> {r['target']} ({r['executor']}): lost {r['lost_s']:.3f} step-s, peak "
+                f"{r['peak_inflation']:.2f}x, blocked {r['blocked_s']:.3f} s; per GB: CPU {r['cpu_threads_s_per_gb']:.2f} "
+                f"threads / {r['cpu_children_s_per_gb']:.2f} children, GIL {gil}"
+            )
         if not intf["ok"]:
             print(f"  interference benchmark did not finish cleanly (rc {intf['rc']})")
     print("=" * 72)

@@ -5,7 +5,6 @@ import pytest
 from tests.support.backends import TARGETS, Target, make_target
 from tests.support.s3_server import msc_config, s3_endpoint  # noqa: F401  (session fixtures, requested lazily)
 
-
 #: Targets whose code path another quick target already takes, so that the
 #: shared suites run them in the slow run only: ``s3+msc`` is the MSC backend
 #: over MSC's S3 provider, as ``msc`` is; only how its ``s3://`` URI finds the

@@ -30,18 +30,18 @@ from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 
 from dcpstore._impl.dcp.commit.session import check_commit_files
 from dcpstore._impl.dcp.failures import save_error
+from dcpstore._impl.dcp.liveness.retried_cleanups import with_leftovers
 from dcpstore._impl.dcp.load import load_state_dict
 from dcpstore._impl.dcp.state_checks import check_saveable
 from dcpstore._impl.dcp.writer import save_state_dict
-from dcpstore._impl.dcp.liveness.retried_cleanups import with_leftovers
 from dcpstore._impl.engines.saver import default_saver
+from dcpstore._impl.storage import StorageOptions, open_storage
 from dcpstore._impl.util.errors import CheckpointError, InvalidArgument
-from dcpstore._impl.values.results import CheckpointInfo, SaveHandle
 from dcpstore._impl.util.keyword_hints import hint_keywords_with
+from dcpstore._impl.util.progress import Progress
 from dcpstore._impl.values.keywords import given_keywords, resolve_options
 from dcpstore._impl.values.options import LoadOptions, SaveOptions, rank_label, shows_progress
-from dcpstore._impl.util.progress import Progress
-from dcpstore._impl.storage import StorageOptions, open_storage
+from dcpstore._impl.values.results import CheckpointInfo, SaveHandle
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,9 @@ _SAVE_INSTEAD = {
     "options": "dcpstore.save takes each option as a keyword (a dcpstore.SaveOptions o as "
     "save(state_dict, uri, **o.as_kwargs()))"
 }
-_LOAD_INSTEAD = {"options": "dcpstore.load takes each option as a keyword (workers=..., verify=..., storage_options=...)"}
+_LOAD_INSTEAD = {
+    "options": "dcpstore.load takes each option as a keyword (workers=..., verify=..., storage_options=...)"
+}
 
 
 @hint_keywords_with(_SAVE_INSTEAD)
@@ -167,7 +169,12 @@ def save_with(
     bar = Progress(f"save {storage.uri}", enabled=shows_progress(options.progress, options.process_group))
     try:
         stats = save_state_dict(
-            state_dict, storage, options, workers=options.workers, process_group=options.process_group, progress=bar,
+            state_dict,
+            storage,
+            options,
+            workers=options.workers,
+            process_group=options.process_group,
+            progress=bar,
             commit_files=commit_files,
         )
     except (CheckpointException, CheckpointError) as e:

@@ -27,12 +27,12 @@ from typing import Any
 
 from tqdm import tqdm
 
-from dcpstore._impl.util.errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound, UnsafeCheckpoint
-from dcpstore._impl.tools.listing import TierRow, list_checkpoints, list_tiers
-from dcpstore._impl.tools.listing import gc as collect
 from dcpstore._impl.storage import Storage, open_storage
 from dcpstore._impl.storage.overlap import Role, check_roles
 from dcpstore._impl.storage.secrets import scrub
+from dcpstore._impl.tools.listing import TierRow, list_checkpoints, list_tiers
+from dcpstore._impl.tools.listing import gc as collect
+from dcpstore._impl.util.errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound, UnsafeCheckpoint
 from dcpstore._impl.util.units import human_bytes, parse_size
 
 #: What ``FILES`` counts in ``ls``, and what ``inspect`` lists.
@@ -65,7 +65,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
     # With --local-dir (a tiered manager's local tier): each entry with the tier it lives in.
     local = open_storage(args.local_dir) if args.local_dir else None
     if local is not None:  # one directory in two roles would list each step as "both"
-        check_roles([Role("--local-dir", local, exclusive=True, given=args.local_dir), Role("URI", storage, given=args.uri)])
+        check_roles(
+            [Role("--local-dir", local, exclusive=True, given=args.local_dir), Role("URI", storage, given=args.uri)]
+        )
     if local is None:
         rows = [TierRow(e, storage, "durable") for e in list_checkpoints(storage)]
     else:
@@ -103,7 +105,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         return 0
     print(f"checkpoint  {info['uri']}")
     print(f"checksums   {'crc32c manifest' if info['verified_format'] else 'none (written by stock DCP)'}")
-    print(f"tensors     {human_bytes(info['tensor_bytes'])} in {sum(k['kind'] == 'tensor' for k in info['keys'].values())} keys")
+    print(
+        f"tensors     {human_bytes(info['tensor_bytes'])} in {sum(k['kind'] == 'tensor' for k in info['keys'].values())} keys"
+    )
     print(f"files       {len(info['files'])} totalling {human_bytes(info['file_bytes'])}: {INSPECT_FILES}\n")
     width = max(3, *(len(k) for k in info["keys"]))
     print(f"{'KEY':<{width}}  {'DTYPE':<10}  {'SHAPE':<20}  {'BYTES':>10}")
@@ -127,7 +131,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
     except (CheckpointCorrupt, UnsafeCheckpoint):
         total = None  # verify names the problem below
     t0 = time.perf_counter()
-    with tqdm(total=total, unit="B", unit_scale=True, desc="verify", disable=args.quiet or None, file=sys.stderr) as bar:
+    with tqdm(
+        total=total, unit="B", unit_scale=True, desc="verify", disable=args.quiet or None, file=sys.stderr
+    ) as bar:
         report = maintenance.verify_checkpoint(storage, progress=bar.update)
     elapsed = time.perf_counter() - t0
     for problem in report.problems:
@@ -138,9 +144,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
         what = "verified" if report.checksums else "checked"
         print(f"OK  {report.files_checked} files, {human_bytes(report.bytes_checked)} {what} in {elapsed:.2f} s")
         if not report.checksums:
-            print("no checksums (written by stock DCP): every data file is there, every item lies inside "
-                  "its file and decodes to the dtype and shape .metadata declares; whether the bytes are "
-                  "the ones saved cannot be checked")  # fmt: skip
+            print(
+                "no checksums (written by stock DCP): every data file is there, every item lies inside "
+                "its file and decodes to the dtype and shape .metadata declares; whether the bytes are "
+                "the ones saved cannot be checked"
+            )
         return 0
     print(f"FAILED  {len(report.problems) + len(report.refused)} problem(s) in {storage.uri}")
     return 1
@@ -158,10 +166,14 @@ def cmd_gc(args: argparse.Namespace) -> int:
         print(f"kept {_name(storage, path)}: modified within {args.older_than:g} s (a save may be running)")
     for path, names in report.kept_unknown:
         shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
-        print(f"kept {_name(storage, path)}: holds files no DCP save writes ({shown}); remove it by hand if it is garbage")
+        print(
+            f"kept {_name(storage, path)}: holds files no DCP save writes ({shown}); remove it by hand if it is garbage"
+        )
     if report.incomplete_uploads:
         print(f"{verb} {report.incomplete_uploads} in-progress upload(s)/temporary file(s)")
-    if not (report.removed or report.kept_recent or report.kept_running or report.kept_unknown or report.incomplete_uploads):
+    if not (
+        report.removed or report.kept_recent or report.kept_running or report.kept_unknown or report.incomplete_uploads
+    ):
         print("nothing to clean up")
     return 0
 
@@ -174,13 +186,25 @@ def cmd_bench(args: argparse.Namespace) -> int:
     mode = "async/" + args.engine if args.async_ or args.tiered else "sync"
     if args.tiered:
         mode += f", tiered through {args.tiered}"
-    print(f"dcpstore bench {args.uri}: {human_bytes(size)} in {args.tensors} tensors, workers {workers}, "
-          f"{mode}, {args.repeat} repeat(s)", flush=True)  # fmt: skip
+    print(
+        f"dcpstore bench {args.uri}: {human_bytes(size)} in {args.tensors} tensors, workers {workers}, "
+        f"{mode}, {args.repeat} repeat(s)",
+        flush=True,
+    )
     records = bench.bench(
-        args.uri, size=size, tensors=args.tensors, workers=workers, engine=args.engine, async_=args.async_,
-        repeat=args.repeat, enable_msc=args.enable_msc, drop_caches=args.drop_caches, progress=not args.quiet,
-        tiered=args.tiered, limit=args.limit,
-    )  # fmt: skip
+        args.uri,
+        size=size,
+        tensors=args.tensors,
+        workers=workers,
+        engine=args.engine,
+        async_=args.async_,
+        repeat=args.repeat,
+        enable_msc=args.enable_msc,
+        drop_caches=args.drop_caches,
+        progress=not args.quiet,
+        tiered=args.tiered,
+        limit=args.limit,
+    )
     rows = bench.summarize(records)
     print(report.format_table(rows))
     for line in report.tiered_lines(rows):
@@ -202,16 +226,26 @@ def _bench_interference(args: argparse.Namespace, bench: Any, report: Any) -> in
     """``dcpstore bench URI --interference``: one async save per engine beside a training step."""
     engines = {} if args.engine == "auto" else {"engines": (args.engine,)}  # auto: every engine
     text, results = bench.interference(
-        args.uri, size=parse_size(args.size), tensors=args.tensors, repeat=args.repeat, **engines,
-        enable_msc=args.enable_msc, progress=not args.quiet,
-    )  # fmt: skip
+        args.uri,
+        size=parse_size(args.size),
+        tensors=args.tensors,
+        repeat=args.repeat,
+        **engines,
+        enable_msc=args.enable_msc,
+        progress=not args.quiet,
+    )
     interference = _needs_torch("bench.interference")
     print(text)
     print(interference.text_table(results))
     if args.json:
         with open(args.json, "w") as f:
-            meta = {"command": "dcpstore bench --interference", "uri": args.uri, "describe": text,
-                    "git_commit": report.git_commit(), "machine": report.machine()}  # fmt: skip
+            meta = {
+                "command": "dcpstore bench --interference",
+                "uri": args.uri,
+                "describe": text,
+                "git_commit": report.git_commit(),
+                "machine": report.machine(),
+            }
             json.dump({"meta": meta, "results": [r.to_json() for r in results]}, f, indent=1)
         print(f"wrote {args.json}")
     if any(r.status == "failed" for r in results):
@@ -230,7 +264,9 @@ def _positive_int(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dcpstore", description="Inspect and maintain DCP checkpoints on any backend.")
+    parser = argparse.ArgumentParser(
+        prog="dcpstore", description="Inspect and maintain DCP checkpoints on any backend."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     def add(name: str, fn: Callable[[argparse.Namespace], int], help: str) -> argparse.ArgumentParser:
@@ -240,46 +276,84 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(fn=fn)
         return p
 
-    p = add("ls", cmd_ls, "list checkpoints (committed and incomplete) under a root; FILES counts every file of "
-            "each (data, .metadata, manifest, markers); exit 1 if the root is missing or empty")
+    p = add(
+        "ls",
+        cmd_ls,
+        "list checkpoints (committed and incomplete) under a root; FILES counts every file of "
+        "each (data, .metadata, manifest, markers); exit 1 if the root is missing or empty",
+    )
     p.add_argument("--json", action="store_true")
-    p.add_argument("--local-dir", metavar="PATH",
-                   help="a tiered manager's local tier: show where each step lives (local, durable, both)")
+    p.add_argument(
+        "--local-dir",
+        metavar="PATH",
+        help="a tiered manager's local tier: show where each step lives (local, durable, both)",
+    )
     add("inspect", cmd_inspect, "show keys, shapes, dtypes, bytes and data files of a checkpoint").add_argument(
         "--json", action="store_true"
     )
-    p = add("verify", cmd_verify, "read every data file and check its size and checksums (a stock DCP "
-            "checkpoint has none: its sizes, and that every item decodes)")
+    p = add(
+        "verify",
+        cmd_verify,
+        "read every data file and check its size and checksums (a stock DCP "
+        "checkpoint has none: its sizes, and that every item decodes)",
+    )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p = add("gc", cmd_gc, "remove leftovers of interrupted saves (never a committed checkpoint)")
-    p.add_argument("--older-than", type=float, default=300.0, metavar="SECONDS",
-                   help="keep leftovers modified more recently than this (default 300)")
+    p.add_argument(
+        "--older-than",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="keep leftovers modified more recently than this (default 300)",
+    )
     p.add_argument("--dry-run", action="store_true")
     p = add("bench", cmd_bench, "benchmark save and load at a URI (writes under it, then removes what it wrote)")
     p.add_argument("--size", default="256MiB", help="total tensor bytes, e.g. 64MiB, 1GiB (default 256MiB)")
-    p.add_argument("--tensors", type=_positive_int, default=32, metavar="N",
-                   help="split the bytes into N float32 tensors (default 32)")
+    p.add_argument(
+        "--tensors",
+        type=_positive_int,
+        default=32,
+        metavar="N",
+        help="split the bytes into N float32 tensors (default 32)",
+    )
     p.add_argument("--workers", default="1,2,4,8", help="comma-separated worker counts to try (default 1,2,4,8)")
-    p.add_argument("--engine", default="auto",  # checked by save() against dcpstore._impl.values.options.ENGINES (torch-free here)
-                   help="async engine (with --async): dcpstore.save's engine=, e.g. native, nvrx, process")
-    p.add_argument("--async", dest="async_", action="store_true", help="save with async_=True; reports the blocked time")
+    p.add_argument(
+        "--engine",
+        default="auto",  # checked by save() against dcpstore._impl.values.options.ENGINES (torch-free here)
+        help="async engine (with --async): dcpstore.save's engine=, e.g. native, nvrx, process",
+    )
+    p.add_argument(
+        "--async", dest="async_", action="store_true", help="save with async_=True; reports the blocked time"
+    )
     p.add_argument("--repeat", type=_positive_int, default=1, help="saves per worker count (default 1)")
-    p.add_argument("--tiered", metavar="LOCAL_DIR",
-                   help="compare a tiered manager (commit to LOCAL_DIR, replicate to URI) with plain async saves "
-                        "to LOCAL_DIR and to URI")
-    p.add_argument("--limit", action="store_true",
-                   help="also measure the storage's limit with the plainest code (a local path: raw threads per "
-                        "worker count; s3://: raw boto3 over 1-32 connections and 8-64 MiB parts) and show every "
-                        "row's save and load speed over the best limit")
-    p.add_argument("--interference", action="store_true",
-                   help="instead: what one async save per engine (native, nvrx, process; --engine picks one) costs a "
-                        "training step of fixed work running beside it: lost step-seconds, peak step inflation, "
-                        "CPU and (with py-spy installed) GIL seconds per GB of the save's threads")
+    p.add_argument(
+        "--tiered",
+        metavar="LOCAL_DIR",
+        help="compare a tiered manager (commit to LOCAL_DIR, replicate to URI) with plain async saves "
+        "to LOCAL_DIR and to URI",
+    )
+    p.add_argument(
+        "--limit",
+        action="store_true",
+        help="also measure the storage's limit with the plainest code (a local path: raw threads per "
+        "worker count; s3://: raw boto3 over 1-32 connections and 8-64 MiB parts) and show every "
+        "row's save and load speed over the best limit",
+    )
+    p.add_argument(
+        "--interference",
+        action="store_true",
+        help="instead: what one async save per engine (native, nvrx, process; --engine picks one) costs a "
+        "training step of fixed work running beside it: lost step-seconds, peak step inflation, "
+        "CPU and (with py-spy installed) GIL seconds per GB of the save's threads",
+    )
     p.add_argument("--json", metavar="FILE", help="write every measurement as JSON records")
     p.add_argument("--plot", metavar="FILE.png", help="plot GB/s against workers")
-    p.add_argument("--drop-caches", action="store_true",
-                   help="drop the page cache before each local load, so that loads read the disk (needs root; "
-                        "it empties the whole host's cache). Off by default: loads may then read memory")
+    p.add_argument(
+        "--drop-caches",
+        action="store_true",
+        help="drop the page cache before each local load, so that loads read the disk (needs root; "
+        "it empties the whole host's cache). Off by default: loads may then read memory",
+    )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     return parser
 

@@ -40,20 +40,20 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from dcpstore._impl.util.torch_compat import ExtensionRegistry, StreamTransformExtension
+from dcpstore._impl.dcp.liveness.retried_cleanups import Leftovers, with_leftovers
 from dcpstore._impl.dcp.load_progress import LoadProgress
 from dcpstore._impl.dcp.reader import DcpStorageReader
 from dcpstore._impl.dcp.writer import DcpStorageWriter
 from dcpstore._impl.engines.exit import Stage, watch
-from dcpstore._impl.dcp.liveness.retried_cleanups import Leftovers, with_leftovers
 from dcpstore._impl.engines.staging import Staging
-from dcpstore._impl.util.errors import CheckpointError, InvalidArgument
-from dcpstore._impl.util.keyword_hints import hint_keywords_with
-from dcpstore._impl.values.keywords import O, pass_whole, resolve_options
-from dcpstore._impl.values.options import AUTO, LoadOptions, SaveOptions
-from dcpstore._impl.util.progress import NO_PROGRESS
 from dcpstore._impl.storage import Storage, StorageOptions, open_storage
 from dcpstore._impl.storage.backend_registry import registered_backends, restore_backends
+from dcpstore._impl.util.errors import CheckpointError, InvalidArgument
+from dcpstore._impl.util.keyword_hints import hint_keywords_with
+from dcpstore._impl.util.progress import NO_PROGRESS
+from dcpstore._impl.util.torch_compat import ExtensionRegistry, StreamTransformExtension
+from dcpstore._impl.values.keywords import OptionsT, pass_whole, resolve_options
+from dcpstore._impl.values.options import AUTO, LoadOptions, SaveOptions
 
 #: What to use instead of s3torchconnector's arguments that select its own
 #: client and readers.
@@ -68,7 +68,9 @@ _S3TORCH_INSTEAD = {
 def _refuse_s3torch(**given: Any) -> None:
     for name, value in given.items():
         if value is not None:
-            raise InvalidArgument(f"{name} is s3torchconnector's and has no meaning for dcpstore: {_S3TORCH_INSTEAD[name]}")
+            raise InvalidArgument(
+                f"{name} is s3torchconnector's and has no meaning for dcpstore: {_S3TORCH_INSTEAD[name]}"
+            )
 
 
 def _storage_options(storage_options: StorageOptions | None, region: str | None) -> StorageOptions | None:
@@ -111,12 +113,12 @@ def _refuse_the_calls(options: SaveOptions | LoadOptions) -> None:
 
 def _resolved(
     fn: Callable[..., Any],
-    options: O | None,
-    base: O,
+    options: OptionsT | None,
+    base: OptionsT,
     thread_count: int | None,
     region: str | None,
     given: dict[str, Any] | None = None,
-) -> tuple[O, _Opener]:
+) -> tuple[OptionsT, _Opener]:
     """A drop-in's options (``FileSystemWriter``'s ``thread_count`` is their
     ``workers``), refused where DCP's call decides, and its opener."""
     given = {**(given or {}), **({"workers": thread_count} if thread_count is not None else {})}
@@ -212,7 +214,12 @@ class StorageWriter(DcpStorageWriter, AsyncStager):
             overwrite=overwrite,
         )
         options, opener = _resolved(
-            StorageWriter, options, SaveOptions(), thread_count, region, given={} if overwrite is True else {"overwrite": overwrite}
+            StorageWriter,
+            options,
+            SaveOptions(),
+            thread_count,
+            region,
+            given={} if overwrite is True else {"overwrite": overwrite},
         )
         super().__init__(
             opener(path),
@@ -383,7 +390,11 @@ def check_writer_args(*, per_thread_copy_ahead: Any, serialization_format: Any, 
     one and Megatron's drop-in): ``flags`` are bools, ``per_thread_copy_ahead``
     an int >= 0, ``serialization_format`` TORCH_SAVE."""
     _check_flags(**flags)
-    if isinstance(per_thread_copy_ahead, bool) or not isinstance(per_thread_copy_ahead, int) or per_thread_copy_ahead < 0:
+    if (
+        isinstance(per_thread_copy_ahead, bool)
+        or not isinstance(per_thread_copy_ahead, int)
+        or per_thread_copy_ahead < 0
+    ):
         raise InvalidArgument(f"per_thread_copy_ahead must be an int >= 0, got {per_thread_copy_ahead!r}")
     if serialization_format != SerializationFormat.TORCH_SAVE:
         raise InvalidArgument(

@@ -41,12 +41,12 @@ Load, on every rank (collective)::
 from __future__ import annotations
 
 from dcpstore._impl.adapters.fsdp import (
-    KeyMismatch,
-    LoadReport,
     MODEL,
     OPTIMIZER,
-    Optimizers,
     SECTIONS,
+    KeyMismatch,
+    LoadReport,
+    Optimizers,
     compare_keys,
     get_app_state,
     load_app_state,

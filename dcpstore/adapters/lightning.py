@@ -60,9 +60,9 @@ from __future__ import annotations
 
 from dcpstore._impl.adapters.lightning import (
     FLAVOURS,
-    Installed,
     META,
     PATCHED,
+    Installed,
     flavour,
     install,
 )

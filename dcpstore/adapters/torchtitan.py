@@ -54,9 +54,9 @@ Needs torchtitan itself (the ``torchtitan`` extra).
 from __future__ import annotations
 
 from dcpstore._impl.adapters.torchtitan import (
-    Installed,
     PATCHED,
     TORCHTITAN,
+    Installed,
     install,
     parse_step,
 )

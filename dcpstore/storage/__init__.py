@@ -24,13 +24,13 @@ The built-in backends (local POSIX, S3, MSC, fsspec) and the kit they are
 built from (``BackendBase``) live in ``dcpstore._impl.storage``, free to change.
 """
 
-from dcpstore._impl.util.errors import ObjectTooLarge
+from dcpstore._impl.storage.backend_registry import open_storage, register_backend
 from dcpstore._impl.storage.base import ObjectInfo, ObjectWriter, Storage
+from dcpstore._impl.storage.buffered import BufferedObjectWriter
 from dcpstore._impl.storage.incomplete import IncompleteWrite
 from dcpstore._impl.storage.storage_options import MiB, StorageOptions
-from dcpstore._impl.storage.buffered import BufferedObjectWriter
-from dcpstore._impl.storage.backend_registry import open_storage, register_backend
 from dcpstore._impl.storage.uri import StorageURL
+from dcpstore._impl.util.errors import ObjectTooLarge
 
 __all__ = [
     "BufferedObjectWriter",

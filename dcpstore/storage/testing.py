@@ -40,9 +40,9 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from dcpstore._impl.util.errors import CheckpointError, ObjectTooLarge, StorageNotFound
 from dcpstore._impl.storage.base import Storage
 from dcpstore._impl.storage.storage_options import MiB
+from dcpstore._impl.util.errors import CheckpointError, ObjectTooLarge, StorageNotFound
 
 __all__ = ["StorageContract"]
 
@@ -58,7 +58,9 @@ class StorageContract:
     def storage(self) -> Iterator[Storage]:
         """A fresh storage whose root exists and holds nothing (``makedirs``
         done), closed when the test ends. Override it."""
-        raise NotImplementedError(f"{type(self).__name__}: override the 'storage' fixture to give the storage under test")
+        raise NotImplementedError(
+            f"{type(self).__name__}: override the 'storage' fixture to give the storage under test"
+        )
 
     def test_put_read_roundtrip(self, storage: Storage) -> None:
         storage.put("a.bin", b"hello world")
@@ -205,7 +207,9 @@ class StorageContract:
         assert whole == payload
         # Several buffers, split across part boundaries, from an offset.
         a, b, c = bytearray(MiB + 5), bytearray(7), bytearray(2 * MiB - 1000)
-        assert storage.read_into("into.bin", 777, [memoryview(a), memoryview(b), memoryview(c)]) == len(a) + len(b) + len(c)
+        assert storage.read_into("into.bin", 777, [memoryview(a), memoryview(b), memoryview(c)]) == len(a) + len(
+            b
+        ) + len(c)
         assert a + b + c == payload[777 : 777 + len(a) + len(b) + len(c)]
         tail, rest = bytearray(6), bytearray(1000)  # short at the end: the count says how much arrived
         assert storage.read_into("into.bin", len(payload) - 10, [memoryview(tail), memoryview(rest)]) == 10

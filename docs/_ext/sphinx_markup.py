@@ -95,7 +95,7 @@ def _split_groups(lines: list[str]) -> list[str]:
                 while k < len(lines) and (not lines[k].strip() or len(lines[k]) - len(lines[k].lstrip()) > indent):
                     if not lines[k].strip():
                         # a blank line ends the item unless the next text is deeper
-                        nxt = next((l for l in lines[k + 1 :] if l.strip()), "")
+                        nxt = next((line for line in lines[k + 1 :] if line.strip()), "")
                         if len(nxt) - len(nxt.lstrip()) <= indent:
                             break
                     more.append(lines[k])

@@ -33,7 +33,6 @@ from dcpstore._impl.bench import (
 from dcpstore._impl.bench.measure import PeakRSS, parse_int_list
 from dcpstore._impl.cli import main
 from dcpstore._impl.util.errors import InvalidArgument
-
 from tests.integration.test_cli import run_cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -50,8 +49,23 @@ def test_cli_bench_measures_verifies_and_cleans_up(tmp_path) -> None:
     root.mkdir()
     (root / "keep.txt").write_text("not the benchmark's")
     out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
-    out = run_cli("bench", str(root), "--size", "16MiB", "--tensors", "8", "--workers", "1,2", "--repeat", "2",
-                  "--json", str(out_json), "--plot", str(out_png), "-q")  # fmt: skip
+    out = run_cli(
+        "bench",
+        str(root),
+        "--size",
+        "16MiB",
+        "--tensors",
+        "8",
+        "--workers",
+        "1,2",
+        "--repeat",
+        "2",
+        "--json",
+        str(out_json),
+        "--plot",
+        str(out_png),
+        "-q",
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "dcpstore sync w=1" in out.stdout and "dcpstore sync w=2" in out.stdout
 
@@ -88,8 +102,22 @@ def test_cli_bench_removes_a_root_it_created(tmp_path) -> None:
 
 def test_cli_bench_async_measures_and_verifies(tmp_path) -> None:
     out_json = tmp_path / "a.json"
-    out = run_cli("bench", str(tmp_path / "a"), "--size", "4MiB", "--tensors", "4", "--workers", "2", "--async",
-                  "--engine", "native", "--json", str(out_json), "-q")  # fmt: skip
+    out = run_cli(
+        "bench",
+        str(tmp_path / "a"),
+        "--size",
+        "4MiB",
+        "--tensors",
+        "4",
+        "--workers",
+        "2",
+        "--async",
+        "--engine",
+        "native",
+        "--json",
+        str(out_json),
+        "-q",
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     [rec] = _load_json(str(out_json))["records"]
     assert rec["status"] == "ok" and rec["verified"] is True, rec
@@ -101,8 +129,23 @@ def test_cli_bench_async_measures_and_verifies(tmp_path) -> None:
 def test_cli_bench_tiered_compares_with_both_baselines(tmp_path) -> None:
     out_json = tmp_path / "t.json"
     durable, local = tmp_path / "durable", tmp_path / "local"
-    out = run_cli("bench", str(durable), "--tiered", str(local), "--size", "4MiB", "--tensors", "4", "--workers", "2",
-                  "--engine", "native", "--json", str(out_json), "-q")  # fmt: skip
+    out = run_cli(
+        "bench",
+        str(durable),
+        "--tiered",
+        str(local),
+        "--size",
+        "4MiB",
+        "--tensors",
+        "4",
+        "--workers",
+        "2",
+        "--engine",
+        "native",
+        "--json",
+        str(out_json),
+        "-q",
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     records = {r["name"]: r for r in _load_json(str(out_json))["records"]}
     assert set(records) == {"local async/native w=2", "dcpstore tiered/native w=2", "direct async/native w=2"}
@@ -110,7 +153,9 @@ def test_cli_bench_tiered_compares_with_both_baselines(tmp_path) -> None:
     tiered = records["dcpstore tiered/native w=2"]
     assert tiered["backend"] == "local+local" and tiered["mode"] == "async"
     # blocked <= local commit <= durable commit (= write_s), all from the start of save
-    assert 0 < tiered["blocked_s"] <= tiered["phases"]["local_commit"] <= tiered["phases"]["durable"] <= tiered["write_s"]
+    assert (
+        0 < tiered["blocked_s"] <= tiered["phases"]["local_commit"] <= tiered["phases"]["durable"] <= tiered["write_s"]
+    )
     assert "x plain local async" in out.stdout and "x direct async save" in out.stdout, out.stdout
     # Everything the entries wrote is gone from both tiers.
     assert not [p for p in (*durable.rglob("*"), *local.rglob("*")) if p.is_file()]
@@ -164,8 +209,14 @@ class _Scripted(Entry):
 
     group, backend, engine = "limit", "memory", "test"
 
-    def __init__(self, name: str, *, setup_error: BaseException | None = None, save_error: BaseException | None = None,
-                 corrupt: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        name: str,
+        *,
+        setup_error: BaseException | None = None,
+        save_error: BaseException | None = None,
+        corrupt: bool = False,
+    ) -> None:
         self.name, self.setup_error, self.save_error, self.corrupt = name, setup_error, save_error, corrupt
         self.page_cached = False
         self.saved: dict[str, torch.Tensor] = {}
@@ -197,7 +248,11 @@ class _Scripted(Entry):
         (_Scripted("ok"), "ok", ""),
         (_Scripted("missing", setup_error=Skip("peer x is not installed")), "skipped", "peer x is not installed"),
         (_Scripted("import", setup_error=ImportError("no module y")), "skipped", "ImportError: no module y"),
-        (_Scripted("nyi", save_error=NotImplementedError("async_ later")), "skipped", "NotImplementedError: async_ later"),
+        (
+            _Scripted("nyi", save_error=NotImplementedError("async_ later")),
+            "skipped",
+            "NotImplementedError: async_ later",
+        ),
         (_Scripted("boom", save_error=RuntimeError("disk on fire")), "failed", "RuntimeError: disk on fire"),
         (_Scripted("wrong", corrupt=True), "failed", "differ"),
     ],
@@ -226,8 +281,14 @@ def test_measure_all_interleaves_repeats_and_groups_records() -> None:
     records = measure_all([a, b, c], state, zeros_like_state(state), repeat=3)
     assert order == ["a", "b", "c", "a", "c", "a", "c"]  # b broke in round 1 and left the rotation
     assert [(r.name, r.repeat, r.status) for r in records] == [
-        ("a", 0, "ok"), ("a", 1, "ok"), ("a", 2, "ok"), ("b", 0, "failed"), ("c", 0, "ok"), ("c", 1, "ok"), ("c", 2, "ok"),
-    ]  # fmt: skip
+        ("a", 0, "ok"),
+        ("a", 1, "ok"),
+        ("a", 2, "ok"),
+        ("b", 0, "failed"),
+        ("c", 0, "ok"),
+        ("c", 1, "ok"),
+        ("c", 2, "ok"),
+    ]
 
 
 # ---------------------------------------------------------------------------
@@ -258,9 +319,18 @@ def http_origin(tmp_path):
 def test_wan_proxy_shapes_bandwidth_and_latency(http_origin) -> None:
     origin, payload = http_origin
     proc = subprocess.Popen(
-        [sys.executable, os.path.join(BENCHMARKS, "wanproxy.py"), "--upstream", origin,
-         "--latency-ms", "100", "--rate-mbps", "4"], stdout=subprocess.PIPE,
-    )  # fmt: skip
+        [
+            sys.executable,
+            os.path.join(BENCHMARKS, "wanproxy.py"),
+            "--upstream",
+            origin,
+            "--latency-ms",
+            "100",
+            "--rate-mbps",
+            "4",
+        ],
+        stdout=subprocess.PIPE,
+    )
     try:
         line = proc.stdout.readline().decode().split()
         assert line[0] == "listening"
@@ -281,8 +351,12 @@ def test_wan_proxy_shapes_bandwidth_and_latency(http_origin) -> None:
 
 
 def test_wan_proxy_refuses_non_loopback() -> None:
-    out = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "wanproxy.py"), "--upstream", "10.1.2.3:80"],
-                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, os.path.join(BENCHMARKS, "wanproxy.py"), "--upstream", "10.1.2.3:80"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode != 0 and "not a loopback address" in out.stderr
 
 
@@ -292,26 +366,68 @@ def test_compare_smoke_local_section(tmp_path) -> None:
     out_json = tmp_path / "compare.json"
     env = dict(os.environ, PYTHONPATH=ROOT)
     out = subprocess.run(
-        [sys.executable, os.path.join(BENCHMARKS, "compare.py"), "--size", "4MiB", "--tensors", "4",
-         "--workers", "2", "--repeat", "1", "--sections", "local", "--quiet", "--warm", "--root", str(tmp_path),
-         "--only", r"raw|clone|dcp\.save FileSystemWriter threads=2|dcpstore local", "--json", str(out_json)],
-        capture_output=True, text=True, timeout=240, env=env,
-    )  # fmt: skip
+        [
+            sys.executable,
+            os.path.join(BENCHMARKS, "compare.py"),
+            "--size",
+            "4MiB",
+            "--tensors",
+            "4",
+            "--workers",
+            "2",
+            "--repeat",
+            "1",
+            "--sections",
+            "local",
+            "--quiet",
+            "--warm",
+            "--root",
+            str(tmp_path),
+            "--only",
+            r"raw|clone|dcp\.save FileSystemWriter threads=2|dcpstore local",
+            "--json",
+            str(out_json),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     doc = _load_json(str(out_json))
     by_name = {r["name"]: r for r in doc["summary"]}
-    for name in ("raw write+fsync / read, 2 thread(s)", "clone() of every tensor", "dcp.save FileSystemWriter threads=2",
-                 "dcpstore local sync w=2", "dcpstore local async/native w=2"):  # fmt: skip
+    for name in (
+        "raw write+fsync / read, 2 thread(s)",
+        "clone() of every tensor",
+        "dcp.save FileSystemWriter threads=2",
+        "dcpstore local sync w=2",
+        "dcpstore local async/native w=2",
+    ):
         assert by_name[name]["status"] == "ok", by_name[name]
     assert by_name["dcpstore local sync w=2"]["verified"] is True
     targets = {t["target"]: t for t in doc["meta"]["targets"]}
     # Each target ran (met or missed, never skipped or pending) and its ratio
     # is the one its two rows give.
     for title, ours, ref, metric in [
-        ("local save >= 0.95x raw write+fsync (best thread count)", "dcpstore local sync w=2", "raw write+fsync / read, 2 thread(s)", "write_gbps"),
-        ("local load >= 0.9x raw read (cold cache, best thread count)", "dcpstore local sync w=2", "raw write+fsync / read, 2 thread(s)", "read_gbps"),
-        ("async stall <= 1.0x clone() (native)", "dcpstore local async/native w=2", "clone() of every tensor", "blocked_s"),
-    ]:  # fmt: skip
+        (
+            "local save >= 0.95x raw write+fsync (best thread count)",
+            "dcpstore local sync w=2",
+            "raw write+fsync / read, 2 thread(s)",
+            "write_gbps",
+        ),
+        (
+            "local load >= 0.9x raw read (cold cache, best thread count)",
+            "dcpstore local sync w=2",
+            "raw write+fsync / read, 2 thread(s)",
+            "read_gbps",
+        ),
+        (
+            "async stall <= 1.0x clone() (native)",
+            "dcpstore local async/native w=2",
+            "clone() of every tensor",
+            "blocked_s",
+        ),
+    ]:
         target = targets[title]
         assert target["status"] in ("met", "missed"), target
         assert target["ref"] == ref  # the only (hence best) limit row of the run
@@ -321,11 +437,26 @@ def test_compare_smoke_local_section(tmp_path) -> None:
 
     # benchmarks/report.py fills the page's generated blocks from that JSON.
     page = tmp_path / "PAGE.md"
-    page.write_text("intro\n<!-- BEGIN generated:local -->\nSTALE-ROW\n<!-- END generated:local -->\n"
-                    "<!-- BEGIN generated:targets -->\n<!-- END generated:targets -->\noutro\n")  # fmt: skip
-    out = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "report.py"), "--compare", str(out_json),
-                          "--scaling", str(tmp_path / "none.json"), "--page", str(page)],
-                         capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
+    page.write_text(
+        "intro\n<!-- BEGIN generated:local -->\nSTALE-ROW\n<!-- END generated:local -->\n"
+        "<!-- BEGIN generated:targets -->\n<!-- END generated:targets -->\noutro\n"
+    )
+    out = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(BENCHMARKS, "report.py"),
+            "--compare",
+            str(out_json),
+            "--scaling",
+            str(tmp_path / "none.json"),
+            "--page",
+            str(page),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     text = page.read_text()
     assert "STALE-ROW" not in text and text.startswith("intro\n") and text.endswith("outro\n")
@@ -366,12 +497,38 @@ def test_compare_wan_regimes_carry_their_harness_self_test(tmp_path) -> None:
     out_json = tmp_path / "compare.json"
     env = dict(os.environ, PYTHONPATH=ROOT)
     out = subprocess.run(
-        [sys.executable, os.path.join(BENCHMARKS, "compare.py"), "--size", "1MiB", "--sections", "wan",
-         "--wan-size", "16MiB", "--wan-tensors", "4", "--wan-regimes", "slow:20,fast:80", "--wan-connections", "2,4",
-         "--wan-peer-workers", "1", "--repeat", "1", "--quiet", "--root", str(tmp_path),
-         "--only", "raw|harness|dcpstore", "--json", str(out_json)],
-        capture_output=True, text=True, timeout=480, env=env,
-    )  # fmt: skip
+        [
+            sys.executable,
+            os.path.join(BENCHMARKS, "compare.py"),
+            "--size",
+            "1MiB",
+            "--sections",
+            "wan",
+            "--wan-size",
+            "16MiB",
+            "--wan-tensors",
+            "4",
+            "--wan-regimes",
+            "slow:20,fast:80",
+            "--wan-connections",
+            "2,4",
+            "--wan-peer-workers",
+            "1",
+            "--repeat",
+            "1",
+            "--quiet",
+            "--root",
+            str(tmp_path),
+            "--only",
+            "raw|harness|dcpstore",
+            "--json",
+            str(out_json),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=480,
+        env=env,
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     doc = _load_json(str(out_json))
     assert set(doc["meta"]["wan"]["regimes"]) == {"slow", "fast"}
@@ -385,9 +542,22 @@ def test_compare_wan_regimes_carry_their_harness_self_test(tmp_path) -> None:
         assert limit_rows and all(t["status"] in ("met", "missed", "harness-bound") for t in limit_rows), limit_rows
     page = tmp_path / "PAGE.md"
     page.write_text("<!-- BEGIN generated:harness-wan-slow -->\n<!-- END generated:harness-wan-slow -->\n")
-    out = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "report.py"), "--compare", str(out_json),
-                          "--scaling", str(tmp_path / "none.json"), "--page", str(page)],
-                         capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
+    out = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(BENCHMARKS, "report.py"),
+            "--compare",
+            str(out_json),
+            "--scaling",
+            str(tmp_path / "none.json"),
+            "--page",
+            str(page),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "-bound** (needs 2x)" in page.read_text()
 
@@ -401,12 +571,40 @@ def test_compare_measures_the_wan_targets_rows_again(tmp_path) -> None:
     out_json = tmp_path / "compare.json"
     env = dict(os.environ, PYTHONPATH=ROOT)
     out = subprocess.run(
-        [sys.executable, os.path.join(BENCHMARKS, "compare.py"), "--size", "1MiB", "--sections", "wan",
-         "--wan-size", "8MiB", "--wan-tensors", "4", "--wan-regimes", "fast:80", "--wan-connections", "1,2,4",
-         "--wan-peer-workers", "1", "--repeat", "1", "--wan-pair-repeat", "3", "--quiet", "--root", str(tmp_path),
-         "--only", "^(raw PUT|dcpstore)", "--json", str(out_json)],
-        capture_output=True, text=True, timeout=480, env=env,
-    )  # fmt: skip
+        [
+            sys.executable,
+            os.path.join(BENCHMARKS, "compare.py"),
+            "--size",
+            "1MiB",
+            "--sections",
+            "wan",
+            "--wan-size",
+            "8MiB",
+            "--wan-tensors",
+            "4",
+            "--wan-regimes",
+            "fast:80",
+            "--wan-connections",
+            "1,2,4",
+            "--wan-peer-workers",
+            "1",
+            "--repeat",
+            "1",
+            "--wan-pair-repeat",
+            "3",
+            "--quiet",
+            "--root",
+            str(tmp_path),
+            "--only",
+            "^(raw PUT|dcpstore)",
+            "--json",
+            str(out_json),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=480,
+        env=env,
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     doc = _load_json(str(out_json))
     first = [r for r in doc["records"] if r["repeat"] == 0 and r["status"] == "ok"]

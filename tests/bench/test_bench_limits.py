@@ -16,9 +16,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dcpstore._impl.bench.limits import SWEEP_CONNECTIONS, best_limits, harness_verdicts, limit_ratios, pieces, sweep_points
-from tests.support.s3_server import S3Endpoint
+from dcpstore._impl.bench.limits import (
+    SWEEP_CONNECTIONS,
+    best_limits,
+    harness_verdicts,
+    limit_ratios,
+    pieces,
+    sweep_points,
+)
 from tests.integration.test_cli import run_cli
+from tests.support.s3_server import S3Endpoint
 
 MiB = 1 << 20
 ROOT = Path(__file__).resolve().parents[2]
@@ -77,14 +84,17 @@ def test_targets_take_the_best_limit_and_the_best_peer(monkeypatch: pytest.Monke
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     import targets
 
-    rows = [dict(r, bytes=10**9, write_cpu_s=c, read_cpu_s=c) for r, c in [
-        (_row("raw c=4", "limit", 0.10, 0.30, "s3-wan"), 2.0),
-        (_row("raw c=16", "limit", 0.20, 0.25, "s3-wan"), 4.0),
-        (_row("raw local", "limit", 9.0, 9.0, "local"), 1.0),
-        (_row("s3tc t=1", "peer", 0.05, 0.05, "s3-wan"), 1.0),
-        (_row("s3tc t=8", "peer", 0.12, 0.05, "s3-wan"), 1.0),
-        (_row("ours", "dcpstore", 0.18, 0.27, "s3-wan"), 5.0),
-    ]]  # fmt: skip
+    rows = [
+        dict(r, bytes=10**9, write_cpu_s=c, read_cpu_s=c)
+        for r, c in [
+            (_row("raw c=4", "limit", 0.10, 0.30, "s3-wan"), 2.0),
+            (_row("raw c=16", "limit", 0.20, 0.25, "s3-wan"), 4.0),
+            (_row("raw local", "limit", 9.0, 9.0, "local"), 1.0),
+            (_row("s3tc t=1", "peer", 0.05, 0.05, "s3-wan"), 1.0),
+            (_row("s3tc t=8", "peer", 0.12, 0.05, "s3-wan"), 1.0),
+            (_row("ours", "dcpstore", 0.18, 0.27, "s3-wan"), 5.0),
+        ]
+    ]
     limit = targets.Target("t", "ours", f"{targets.LIMIT}s3-wan", "write_gbps", 0.85)
     got = targets.evaluate(limit, rows)
     assert got["ref"] == "raw c=16" and got["ratio"] == pytest.approx(0.9) and got["status"] == "met"
@@ -117,17 +127,22 @@ def test_a_section_is_network_bound_only_where_the_harness_passes_twice_its_best
     assert "harness c=16" not in {r["name"] for r in best_limits(rows).values()}  # never a limit row
 
 
-def test_targets_refuse_to_call_a_harness_bound_row_at_the_limit_and_see_no_room(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_targets_refuse_to_call_a_harness_bound_row_at_the_limit_and_see_no_room(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     import targets
 
     def rows(harness_gbps: float) -> list[dict]:
-        return [dict(r, bytes=10**9, write_cpu_s=1.0, read_cpu_s=1.0) for r in [
-            _row("harness", "harness", harness_gbps, harness_gbps, "s3-wan-x"),
-            _row("raw", "limit", 0.10, 0.10, "s3-wan-x"),
-            _row("s3tc", "peer", 0.09, 0.05, "s3-wan-x"),
-            _row("ours", "dcpstore", 0.095, 0.10, "s3-wan-x"),
-        ]]  # fmt: skip
+        return [
+            dict(r, bytes=10**9, write_cpu_s=1.0, read_cpu_s=1.0)
+            for r in [
+                _row("harness", "harness", harness_gbps, harness_gbps, "s3-wan-x"),
+                _row("raw", "limit", 0.10, 0.10, "s3-wan-x"),
+                _row("s3tc", "peer", 0.09, 0.05, "s3-wan-x"),
+                _row("ours", "dcpstore", 0.095, 0.10, "s3-wan-x"),
+            ]
+        ]
 
     def target(words: str) -> targets.Target:
         (found,) = [t for t in targets.wan_targets("x") if words in t.title]
@@ -148,30 +163,54 @@ def test_cli_bench_limit_on_a_disk(tmp_path: Path) -> None:
     root = tmp_path / "root"
     root.mkdir()
     out_json = tmp_path / "r.json"
-    out = run_cli("bench", str(root), "--size", "8MiB", "--tensors", "4", "--workers", "1,2", "--limit",
-                  "--json", str(out_json), "-q")  # fmt: skip
+    out = run_cli(
+        "bench",
+        str(root),
+        "--size",
+        "8MiB",
+        "--tensors",
+        "4",
+        "--workers",
+        "1,2",
+        "--limit",
+        "--json",
+        str(out_json),
+        "-q",
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "SAVE/LIMIT" in out.stdout and "LOAD/LIMIT" in out.stdout
     rows = json.loads(out_json.read_text())["summary"]
     assert [r["name"] for r in rows if r["group"] == "limit"] == [
-        "raw write+fsync / read, 1 thread(s)", "raw write+fsync / read, 2 thread(s)"]  # fmt: skip
+        "raw write+fsync / read, 1 thread(s)",
+        "raw write+fsync / read, 2 thread(s)",
+    ]
     best = max(r["write_gbps"] for r in rows if r["group"] == "limit")
     ours = next(r for r in rows if r["name"] == "dcpstore sync w=1")
-    line = next(l for l in out.stdout.splitlines() if l.startswith("dcpstore sync w=1"))
+    line = next(row for row in out.stdout.splitlines() if row.startswith("dcpstore sync w=1"))
     assert f"{ours['write_gbps'] / best:.2f}x" in line
     assert os.listdir(root) == []  # the limit rows' files are gone too
 
 
 def test_cli_bench_limit_on_s3_sweeps_raw_boto3(s3_endpoint: S3Endpoint) -> None:
     prefix = "bench-limit"
-    out = run_cli("bench", f"s3://{s3_endpoint.bucket}/{prefix}", "--size", "16MiB", "--tensors", "4",
-                  "--workers", "2", "--limit", "-q")  # fmt: skip
+    out = run_cli(
+        "bench",
+        f"s3://{s3_endpoint.bucket}/{prefix}",
+        "--size",
+        "16MiB",
+        "--tensors",
+        "4",
+        "--workers",
+        "2",
+        "--limit",
+        "-q",
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     # 16 MiB in 4 objects is 4 pieces at every part size: 1, 2 and 4 connections.
     for c in (1, 2, 4):
         assert f"raw PUT/GET (s3) c={c} part=8.0 MiB" in out.stdout
     assert "c=8 " not in out.stdout and "part=16.0 MiB" not in out.stdout
-    line = next(l for l in out.stdout.splitlines() if l.startswith("dcpstore sync w=2"))
+    line = next(row for row in out.stdout.splitlines() if row.startswith("dcpstore sync w=2"))
     assert line.count("x ") >= 2  # save/limit and load/limit
     left = s3_endpoint.client().list_objects_v2(Bucket=s3_endpoint.bucket, Prefix=f"{prefix}/")
     assert left.get("KeyCount", 0) == 0, left.get("Contents")
@@ -182,10 +221,28 @@ def test_scale_simulation_counts_what_dcpstore_sends(tmp_path: Path) -> None:
     out_json = tmp_path / "sim.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     out = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "scale_sim.py"), "--ranks", "1,4", "--size", "48MiB", "--tensors", "4",
-         "--workers", "2", "--spread", "1,4", "--json", str(out_json), "--quiet"],
-        capture_output=True, text=True, timeout=240, env=env,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(BENCHMARKS / "scale_sim.py"),
+            "--ranks",
+            "1,4",
+            "--size",
+            "48MiB",
+            "--tensors",
+            "4",
+            "--workers",
+            "2",
+            "--spread",
+            "1,4",
+            "--json",
+            str(out_json),
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     every = json.loads(out_json.read_text())["points"]
     points = {p["ranks"]: p for p in every if p["extra"]["spread"] == 1}

@@ -162,10 +162,30 @@ def test_cli_bench_interference(tmp_path: Path) -> None:
     out_json = tmp_path / "r.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     done = subprocess.run(
-        [sys.executable, "-m", "dcpstore._impl.cli", "bench", str(tmp_path / "root"), "--interference", "--engine", "native",
-         "--size", "4MiB", "--tensors", "4", "--repeat", "1", "-q", "--json", str(out_json)],
-        capture_output=True, text=True, timeout=300, env=env,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "dcpstore._impl.cli",
+            "bench",
+            str(tmp_path / "root"),
+            "--interference",
+            "--engine",
+            "native",
+            "--size",
+            "4MiB",
+            "--tensors",
+            "4",
+            "--repeat",
+            "1",
+            "-q",
+            "--json",
+            str(out_json),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "lost step-s" in done.stdout and "dcpstore native" in done.stdout
     doc = json.loads(out_json.read_text())
@@ -180,16 +200,40 @@ def test_benchmark_runs_the_stock_executors_and_writes_its_metadata(tmp_path: Pa
     out_json = tmp_path / "interference.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "interference.py"), "--size", "4MiB", "--tensors", "4",
-         "--repeat", "1", "--targets", "local", "--no-gil", "--root", str(tmp_path),
-         "--only", "dcpstore native|dcpstore process|process \\+|thread \\+ FileSystemWriter", "--json", str(out_json)],
-        capture_output=True, text=True, timeout=600, env=env,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "interference.py"),
+            "--size",
+            "4MiB",
+            "--tensors",
+            "4",
+            "--repeat",
+            "1",
+            "--targets",
+            "local",
+            "--no-gil",
+            "--root",
+            str(tmp_path),
+            "--only",
+            "dcpstore native|dcpstore process|process \\+|thread \\+ FileSystemWriter",
+            "--json",
+            str(out_json),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     doc: dict[str, Any] = json.loads(out_json.read_text())
     got = {r["name"]: r for r in doc["results"]}
-    assert set(got) == {"dcpstore native", "dcpstore process", "dcp.async_save thread + FileSystemWriter",
-                        "dcp.async_save process + FileSystemWriter", "dcp.async_save process + dcpstore.StorageWriter"}
+    assert set(got) == {
+        "dcpstore native",
+        "dcpstore process",
+        "dcp.async_save thread + FileSystemWriter",
+        "dcp.async_save process + FileSystemWriter",
+        "dcp.async_save process + dcpstore.StorageWriter",
+    }
     assert all(r["status"] == "ok" for r in got.values()), got
     assert got["dcp.async_save process + FileSystemWriter"]["executor"] == "process"
     assert got["dcpstore process"]["executor"] == "process"

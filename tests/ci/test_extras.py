@@ -4,15 +4,15 @@ independently of the code they test (tests/support/extras.py)."""
 from __future__ import annotations
 
 import importlib.metadata
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 from packaging.requirements import Requirement
 
+from dcpstore._impl.engines import nvrx as nvrx_adapter
 from tests.support import extras
 from tests.support.backends import TARGETS
-from dcpstore._impl.engines import nvrx as nvrx_adapter
 
 ROOT = Path(__file__).resolve().parents[2]
 

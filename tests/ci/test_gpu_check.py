@@ -48,10 +48,24 @@ def junit_report(out_dir: Path, body: str) -> None:
     test_file.write_text("import pytest\n" + body)
     xml = out_dir / "cuda-tests.xml"
     subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-c", os.devnull, "-p", "no:cacheprovider", f"--rootdir={work}",
-         f"--junitxml={xml}", str(test_file)],
-        cwd=work, capture_output=True, timeout=120, env=dict(os.environ, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1"),
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-c",
+            os.devnull,
+            "-p",
+            "no:cacheprovider",
+            f"--rootdir={work}",
+            f"--junitxml={xml}",
+            str(test_file),
+        ],
+        cwd=work,
+        capture_output=True,
+        timeout=120,
+        env=dict(os.environ, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1"),
+    )
     assert xml.exists()
 
 
@@ -73,7 +87,9 @@ def test_benchmark_dry_run_writes_what_the_summary_reads(tmp_path: Path, gpu_sta
     assert gpu_stage.main(["--dry-run", "--budget-s", "0", "--json", str(tmp_path / "none.json")]) == 0
     late = json.loads((tmp_path / "none.json").read_text())
     assert late["staging"] == [] and late["blocked"] == []
-    assert [(s["phase"], s["why"]) for s in late["skipped"]] == [("staging", "time budget")] * 2 + [("blocked", "time budget")]
+    assert [(s["phase"], s["why"]) for s in late["skipped"]] == [("staging", "time budget")] * 2 + [
+        ("blocked", "time budget")
+    ]
 
     junit_report(out, PASS)
     summary = gpu_check.summarise(str(out), tests_rc=0, bench_rc=0, dry_run=True)
@@ -92,10 +108,28 @@ def test_summary_records_the_interference_benchmark(tmp_path: Path, gpu_check: A
     junit_report(tmp_path, PASS)
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "interference.py"), "--size", "2MiB", "--tensors", "2", "--repeat", "1",
-         "--targets", "local", "--only", "^dcpstore native$", "--no-gil", "--json", str(tmp_path / "interference.json")],
-        capture_output=True, text=True, timeout=300, env=env,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "interference.py"),
+            "--size",
+            "2MiB",
+            "--tensors",
+            "2",
+            "--repeat",
+            "1",
+            "--targets",
+            "local",
+            "--only",
+            "^dcpstore native$",
+            "--no-gil",
+            "--json",
+            str(tmp_path / "interference.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     summary = gpu_check.summarise(str(tmp_path), tests_rc=0, bench_rc=0, dry_run=True, interference_rc=0)
     assert summary["ok"] and summary["interference"]["ok"]
@@ -139,10 +173,20 @@ def test_dry_run_end_to_end(tmp_path: Path) -> None:
     """The whole script on this machine: environment, the cuda tests (run
     or skipped, as the machine allows), the benchmark's dry run, summary."""
     env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable)
-    done = subprocess.run(["bash", str(SCRIPT), "--dry-run"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        ["bash", str(SCRIPT), "--dry-run"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    files = {"env.json", "cuda-tests.xml", "cuda-tests.log", "gpu_stage.json", "gpu_stage.log", "interference.json",
-             "interference.log", "summary.json"}  # fmt: skip
+    files = {
+        "env.json",
+        "cuda-tests.xml",
+        "cuda-tests.log",
+        "gpu_stage.json",
+        "gpu_stage.log",
+        "interference.json",
+        "interference.log",
+        "summary.json",
+    }
     assert files <= set(os.listdir(tmp_path))
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["dry_run"] and summary["ok"] and summary["tests"]["tests"] >= 13

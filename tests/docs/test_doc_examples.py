@@ -128,8 +128,12 @@ class Runner:
         self.log = log
         self.proc = subprocess.Popen(
             [sys.executable, str(Path(de.__file__)), str(log)],
-            env=env, cwd=log.parent, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-        )  # fmt: skip
+            env=env,
+            cwd=log.parent,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
 
     def run(self, blocks: list[de.Block], tmp: Path, timeout: float = 240) -> list[dict[str, str | None]]:
         assert self.proc.stdin and self.proc.stdout
@@ -139,7 +143,9 @@ class Runner:
         answer = self.proc.stdout.readline() if ready else ""
         if not answer:
             self.close()
-            raise AssertionError(f"the runner gave no answer ({'timed out' if not ready else 'it died'}):\n{self.tail()}")
+            raise AssertionError(
+                f"the runner gave no answer ({'timed out' if not ready else 'it died'}):\n{self.tail()}"
+            )
         return list(json.loads(answer))
 
     def tail(self, n: int = 6000) -> str:

@@ -78,7 +78,9 @@ def test_an_edited_generated_figure_or_table_is_refused(report: ModuleType, docs
     assert any("differs from what the result files give" in p for p in report.problems(edited, docs))
     row = "| dcpstore local sync w=4 | local | 4 |"
     assert row in page
-    assert any("differs" in p for p in report.problems(page.replace(row, "| dcpstore local sync w=4 | local | 8 |"), docs))
+    assert any(
+        "differs" in p for p in report.problems(page.replace(row, "| dcpstore local sync w=4 | local | 8 |"), docs)
+    )
 
 
 def test_a_met_target_needs_a_measurement(report: ModuleType, docs: dict[str, Any]) -> None:
@@ -96,8 +98,11 @@ def test_a_met_target_needs_a_measurement(report: ModuleType, docs: dict[str, An
     assert targets.evaluate(target, [renamed])["status"] == "n/a"  # the process-wide saver's buffers
     flagged = dict(renamed, extra={**renamed["extra"], "fresh_staging": True})
     assert targets.evaluate(target, [flagged])["status"] == "met"  # 48 KiB of growth: a ratio of 0.00
-    records = [dict(r, name=target.ours, extra={**r["extra"], "fresh_staging": True})
-               for r in compare["records"] if r["name"] == warm["name"]]  # fmt: skip
+    records = [
+        dict(r, name=target.ours, extra={**r["extra"], "fresh_staging": True})
+        for r in compare["records"]
+        if r["name"] == warm["name"]
+    ]
     real = [r for r in compare["records"] if r["name"] != target.ours]  # the measured row, whatever it holds
     faked = {**docs, "compare.json": {**compare, "records": [*real, *records]}}
     assert any(title in p and "nothing was measured" in p for p in report.empty_met(faked))
@@ -107,7 +112,9 @@ def test_every_result_file_names_its_commit_and_command(report: ModuleType, docs
     assert report.metadata_problems(docs) == []
     doc = json.loads(json.dumps(docs["scale_sim.json"]))
     del doc["meta"]["command"]
-    assert report.metadata_problems({"scale_sim.json": doc}) == ["benchmarks/results/scale_sim.json: its metadata has no command"]
+    assert report.metadata_problems({"scale_sim.json": doc}) == [
+        "benchmarks/results/scale_sim.json: its metadata has no command"
+    ]
     assert "no block" in report.metadata_problems({"compare-wan.json": docs["compare.json"]})[0]
 
 
@@ -124,7 +131,10 @@ def test_the_regenerate_commands_are_the_ones_that_made_the_results(report: Modu
     assert report.command_problems(edited, docs) == [
         f"BENCHMARKS.md: the Regenerate block lacks the command that made wan_scale.json: `{report.COMMANDS['wan_scale.json']}`"
     ]
-    other = {**docs["wan_scale.json"], "meta": {**docs["wan_scale.json"]["meta"], "command": made.replace("--repeat 7", "--repeat 5")}}
+    other = {
+        **docs["wan_scale.json"],
+        "meta": {**docs["wan_scale.json"]["meta"], "command": made.replace("--repeat 7", "--repeat 5")},
+    }
     found = report.command_problems(page, {"wan_scale.json": other})
     assert len(found) == 1 and "was made by" in found[0] and "--repeat 5" in found[0]
 
@@ -149,7 +159,10 @@ def main_check(report: ModuleType, capsys: pytest.CaptureFixture[str]) -> tuple[
 
 
 def test_the_report_says_how_old_each_result_is_and_fails_nothing_for_it(
-    report: ModuleType, docs: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    report: ModuleType,
+    docs: dict[str, Any],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """``ages`` counts the commits since a result's own that touch the code
@@ -182,12 +195,17 @@ def test_the_report_says_how_old_each_result_is_and_fails_nothing_for_it(
     monkeypatch.setattr(report, "ROOT", str(repo))
     monkeypatch.setattr(report, "STALE_AFTER", 3)
     lines = {line.split(" ")[0]: line for line in report.ages(page, aged)}
-    head = f"compare.json ({compare['meta']['date'][:10]}, commit {measured}): 4 commits since touch the code it measures"
+    head = (
+        f"compare.json ({compare['meta']['date'][:10]}, commit {measured}): 4 commits since touch the code it measures"
+    )
     rerun = f"re-run `{compare['meta']['command']}` on a quiet box, then python benchmarks/report.py"
     assert lines["compare.json"] == f"{head}; stale (more than 3): {rerun}"
-    scaling = docs["scaling.json"]["meta"]["git_commit"]  # a commit the small repository lacks, as a shallow clone would
-    assert lines["scaling.json"].endswith(f"age unknown: commit {scaling} is not in this repository's history "
-                                          "(a shallow clone, or a squashed branch?)")  # fmt: skip
+    scaling = docs["scaling.json"]["meta"][
+        "git_commit"
+    ]  # a commit the small repository lacks, as a shallow clone would
+    assert lines["scaling.json"].endswith(
+        f"age unknown: commit {scaling} is not in this repository's history (a shallow clone, or a squashed branch?)"
+    )
     monkeypatch.setattr(report, "STALE_AFTER", 4)
     assert report.ages(page, aged)[0] == head
     # Against a history that lacks every result's commit, the check passes and only says so.
@@ -239,7 +257,9 @@ def test_the_kill_point_table_is_the_recorded_counts(items: reliability.Items) -
     table = reliability.kill_table(items, counts)
     row = "| `tests/integration/test_tiered.py::test_sigkill_during_replication_leaves_whole_steps_local` | quick |"
     assert row in table
-    assert "| `tests/integration/test_tiered.py::test_sigkill_during_replication_leaves_whole_steps_s3` | slow |" in table
+    assert (
+        "| `tests/integration/test_tiered.py::test_sigkill_during_replication_leaves_whole_steps_s3` | slow |" in table
+    )
     assert reliability.count_problems(items, {"tests/test_x.py::gone": {}}) == [
         "tests/support/kill_counts.json: tests/test_x.py::gone is no test pytest collects"
     ]

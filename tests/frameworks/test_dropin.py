@@ -18,7 +18,6 @@ from typing import IO, Any, cast
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTransformExtension
@@ -30,13 +29,13 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 import dcpstore
-from tests.support.backends import Target
-from tests.support.dist_utils import run_ranks
-from tests.support.helpers import assert_state_equal, sample_state, zeros_like_state
 from dcpstore._impl.dcp.reader import DcpStorageReader
 from dcpstore._impl.dcp.writer import DcpStorageWriter
 from dcpstore._impl.engines import staging
 from dcpstore.storage import open_storage
+from tests.support.backends import Target
+from tests.support.dist_utils import run_ranks
+from tests.support.helpers import assert_state_equal, sample_state, zeros_like_state
 
 
 def tensors(seed: int) -> dict[str, Any]:
@@ -174,7 +173,9 @@ class RecordingPlanner(DefaultSavePlanner):
 
     seen: list[StorageMeta | None]
 
-    def set_up_planner(self, state_dict: Any, storage_meta: StorageMeta | None = None, is_coordinator: bool = False) -> None:
+    def set_up_planner(
+        self, state_dict: Any, storage_meta: StorageMeta | None = None, is_coordinator: bool = False
+    ) -> None:
         self.seen.append(storage_meta)
         super().set_up_planner(state_dict, storage_meta, is_coordinator)
 
@@ -236,7 +237,13 @@ def test_every_s3torchconnector_keyword_is_taken() -> None:
         ({"thread_count": 0}, "^StorageWriter: thread_count must be a positive int"),
         ({"per_thread_copy_ahead": -1}, "per_thread_copy_ahead"),
         ({"region": ""}, "region"),
-        ({"region": "eu-west-1", "options": dcpstore.SaveOptions(storage_options=dcpstore.StorageOptions(region="us-east-1"))}, "region"),
+        (
+            {
+                "region": "eu-west-1",
+                "options": dcpstore.SaveOptions(storage_options=dcpstore.StorageOptions(region="us-east-1")),
+            },
+            "region",
+        ),
     ],
 )
 def test_writer_refuses_what_it_cannot_honour(tmp_path: Path, kwargs: dict[str, Any], named: str) -> None:
@@ -260,7 +267,11 @@ def test_reader_refuses_what_it_cannot_honour(tmp_path: Path, kwargs: dict[str, 
 @pytest.mark.parametrize(
     ("cls", "keyword", "instead"),
     [
-        (dcpstore.StorageWriter, "enable_msc", "options=dcpstore.SaveOptions(storage_options=dcpstore.StorageOptions(enable_msc=...))"),
+        (
+            dcpstore.StorageWriter,
+            "enable_msc",
+            "options=dcpstore.SaveOptions(storage_options=dcpstore.StorageOptions(enable_msc=...))",
+        ),
         (dcpstore.StorageWriter, "storage_options", "options=dcpstore.SaveOptions(storage_options=...)"),
         (dcpstore.StorageWriter, "spread_prefixes", "options=dcpstore.SaveOptions(spread_prefixes=...)"),
         (dcpstore.StorageReader, "verify", "options=dcpstore.LoadOptions(verify=...)"),
@@ -272,7 +283,9 @@ def test_dcpstores_options_go_in_the_options(tmp_path: Path, cls: Any, keyword: 
     """Beside FileSystemWriter's and FileSystemReader's own arguments the
     drop-ins take dcpstore's options whole: a keyword for one is a
     TypeError naming it and how to pass it."""
-    with pytest.raises(TypeError, match=rf"^{cls.__name__}\.__init__\(\) got an unexpected keyword argument '{keyword}'") as info:
+    with pytest.raises(
+        TypeError, match=rf"^{cls.__name__}\.__init__\(\) got an unexpected keyword argument '{keyword}'"
+    ) as info:
         cls(str(tmp_path), **{keyword: True})
     assert instead in str(info.value), str(info.value)
 
@@ -512,7 +525,9 @@ def test_stream_transforms_match_stock_dcp_both_ways(tmp_path: Path) -> None:
 def test_an_unknown_stream_transform_is_a_clear_error(tmp_path: Path) -> None:
     state = transformed_state()
     dcp.save(state, storage_writer=dcpstore.StorageWriter(tmp_path, _extensions=[Xor()]))
-    with pytest.raises(dcpstore.CheckpointCorrupt, match=r"cannot be decoded with its stream transforms \['test.xor/1'\]"):
+    with pytest.raises(
+        dcpstore.CheckpointCorrupt, match=r"cannot be decoded with its stream transforms \['test.xor/1'\]"
+    ):
         dcpstore.load(zeros_like_state(state), tmp_path)
 
 
@@ -520,4 +535,7 @@ def test_an_item_that_decodes_to_endless_bytes_is_refused(tmp_path: Path) -> Non
     state = {"w": torch.randn(1000)}
     dcp.save(state, storage_writer=dcpstore.StorageWriter(tmp_path, _extensions=[Xor()]))
     with pytest.raises(CheckpointException, match="decodes to more than"):
-        dcp.load(zeros_like_state(state), storage_reader=dcpstore.StorageReader(tmp_path, _extension_registry=registry(Inflate)))
+        dcp.load(
+            zeros_like_state(state),
+            storage_reader=dcpstore.StorageReader(tmp_path, _extension_registry=registry(Inflate)),
+        )

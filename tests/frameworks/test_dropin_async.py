@@ -33,6 +33,10 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
 
 import dcpstore
+from dcpstore._impl.dcp.commit import SaveSession
+from dcpstore._impl.engines.staging import Stager, StagingPool
+from dcpstore._impl.storage.backends.local import LocalStorage
+from dcpstore.storage import open_storage
 from tests.support.backends import Target, make_target
 from tests.support.dist_utils import run_ranks
 from tests.support.dropin_patterns import (
@@ -48,10 +52,6 @@ from tests.support.dropin_patterns import (
     run_pattern,
     snapshot,
 )
-from dcpstore._impl.dcp.commit import SaveSession
-from dcpstore._impl.engines.staging import Stager, StagingPool
-from dcpstore.storage import open_storage
-from dcpstore._impl.storage.backends.local import LocalStorage
 
 
 def assert_loads(uri: str, want: dict[str, Any]) -> None:
@@ -180,7 +180,15 @@ def test_each_save_runs_its_writer_calls_on_one_thread(tmp_path: Path) -> None:
     class Spy(dcpstore.StorageWriter):
         pass
 
-    for name in ("reset", "storage_meta", "set_up_storage_writer", "prepare_local_plan", "prepare_global_plan", "write_data", "finish"):
+    for name in (
+        "reset",
+        "storage_meta",
+        "set_up_storage_writer",
+        "prepare_local_plan",
+        "prepare_global_plan",
+        "write_data",
+        "finish",
+    ):
 
         def spy(self: Any, *args: Any, _name: str = name, **kwargs: Any) -> Any:
             calls.append((threading.get_ident(), _name))
@@ -194,7 +202,15 @@ def test_each_save_runs_its_writer_calls_on_one_thread(tmp_path: Path) -> None:
         future.result(timeout=120)
     threads = {ident for ident, _ in calls}
     assert len(threads) == 3
-    order = ["reset", "storage_meta", "set_up_storage_writer", "prepare_local_plan", "prepare_global_plan", "write_data", "finish"]
+    order = [
+        "reset",
+        "storage_meta",
+        "set_up_storage_writer",
+        "prepare_local_plan",
+        "prepare_global_plan",
+        "write_data",
+        "finish",
+    ]
     for ident in threads:
         assert [name for t, name in calls if t == ident] == order
 
@@ -228,7 +244,9 @@ def test_two_claims_of_one_fresh_uri_in_one_process_take_turns(tmp_path: Path, m
             session.release()
 
 
-def test_a_claim_never_lands_inside_a_commit_of_the_same_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_claim_never_lands_inside_a_commit_of_the_same_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # A later save claims the URI while an earlier one commits (after its
     # last ownership check): the earlier one's clean-up would remove the
     # later one's marker, failing a save that nothing else contends with.
@@ -307,7 +325,9 @@ def test_dcp_save_repeated_on_one_writer(request: pytest.FixtureRequest, backend
 # -- the process executor and several ranks: real gloo jobs ------------------
 
 
-def _patterns_on_ranks(rank: int, world_size: int, base: str, kwargs: dict[str, Any], local: bool, patterns: list[Pattern]) -> None:
+def _patterns_on_ranks(
+    rank: int, world_size: int, base: str, kwargs: dict[str, Any], local: bool, patterns: list[Pattern]
+) -> None:
     failures = []
     for n, pattern in enumerate(patterns):
         for kind in ("stock", "dcpstore") if local else ("dcpstore",):
@@ -338,7 +358,10 @@ PROCESS_QUICK = [Pattern("one", "process", True, True, True)]
         pytest.param(1, PROCESS_QUICK, id="1rank-process-sample"),
         pytest.param(2, RANKS_SLOW, id="2ranks-every-waited-pattern", marks=pytest.mark.slow),
         pytest.param(
-            1, [p for p in ALL_PATTERNS if p.executor == "process"], id="1rank-process-every-pattern", marks=pytest.mark.slow
+            1,
+            [p for p in ALL_PATTERNS if p.executor == "process"],
+            id="1rank-process-every-pattern",
+            marks=pytest.mark.slow,
         ),
     ],
 )

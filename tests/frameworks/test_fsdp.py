@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 import dcpstore
+from dcpstore.adapters import fsdp
 from tests.support import fsdp_jobs
 from tests.support.backends import Target
-from dcpstore.adapters import fsdp
 from tests.support.dist_utils import run_ranks
 
 # torch_dist hands DCP ShardedTensors, which torch marks deprecated.
@@ -29,7 +29,12 @@ def test_fsdp2_saved_on_2_loads_on_1_2_4_and_4_loads_on_1_2(tmp_path) -> None:
     run_ranks(fsdp_jobs.job_save, 2, root)
     # 4 ranks: each 2-rank checkpoint, in both formats and as a full-state
     # load; then save a 4-rank torch_dist checkpoint.
-    cases = [("dt2", "fsdp_dtensor", False), ("td2", "fsdp_dtensor", False), ("dt2", "torch_dist", False), ("full2", "fsdp_dtensor", True)]
+    cases = [
+        ("dt2", "fsdp_dtensor", False),
+        ("td2", "fsdp_dtensor", False),
+        ("dt2", "torch_dist", False),
+        ("full2", "fsdp_dtensor", True),
+    ]
     run_ranks(fsdp_jobs.job_load, 4, root, cases, True)
     # 1 process without torch.distributed, plain model: 2 -> 1 and 4 -> 1.
     fsdp_jobs.load_unsharded(root, "dt2")

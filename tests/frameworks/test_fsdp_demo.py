@@ -16,14 +16,15 @@ import dcpstore
 REPO = Path(__file__).parents[2]
 
 
-@pytest.mark.parametrize(
-    "flags", [[], pytest.param(["--sync"], marks=pytest.mark.slow)], ids=["async", "sync"]
-)
+@pytest.mark.parametrize("flags", [[], pytest.param(["--sync"], marks=pytest.mark.slow)], ids=["async", "sync"])
 def test_demo_trains_crashes_and_resumes_on_another_world_size(tmp_path: Path, flags: list[str]) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(
         [sys.executable, str(REPO / "examples" / "fsdp_demo.py"), "--fast", "--s3", "--root", str(tmp_path), *flags],
-        capture_output=True, text=True, timeout=240, env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout

@@ -35,9 +35,9 @@ from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, TensorDataset
 
 import dcpstore
-from tests.support.backends import OBJECT_STORE_OPTIONS, make_target
-from dcpstore.adapters import lightning as dl
 from dcpstore._impl.dcp.commit import read_checkpoint_metadata
+from dcpstore.adapters import lightning as dl
+from tests.support.backends import OBJECT_STORE_OPTIONS, make_target
 from tests.support.dist_utils import run_ranks
 from tests.support.fsdp_jobs import assert_same, full_state
 
@@ -218,7 +218,9 @@ class Leftovers(Callback):
         if trainer.global_step != 3 or not trainer.is_global_zero:
             return
         if not self.s3:
-            with open(os.path.join(self.uri, "epoch=0-step=2.ckpt", ".__0_0.distcp.dcpstore-tmp-0123456789ab"), "wb") as f:
+            with open(
+                os.path.join(self.uri, "epoch=0-step=2.ckpt", ".__0_0.distcp.dcpstore-tmp-0123456789ab"), "wb"
+            ) as f:
                 f.write(b"half a write")
             return
         storage = dcpstore.open_storage(self.uri, **_options(self.s3))
@@ -269,8 +271,11 @@ def _names_left(uri: str, s3: bool) -> list[str]:
     storage = dcpstore.open_storage(uri, **_options(s3))
     try:
         client, bucket, prefix = storage.client, storage.bucket, f"{storage.prefix}/"  # type: ignore[attr-defined]
-        keys = [o["Key"] for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
-                for o in page.get("Contents", [])]  # fmt: skip
+        keys = [
+            o["Key"]
+            for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+            for o in page.get("Contents", [])
+        ]
         keys += [u["Key"] for u in client.list_multipart_uploads(Bucket=bucket, Prefix=prefix).get("Uploads", [])]
         return sorted({key[len(prefix) :].split("/")[0] for key in keys})
     finally:

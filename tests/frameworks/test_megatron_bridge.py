@@ -32,9 +32,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 import dcpstore
+from dcpstore._impl.adapters.megatron_bridge import BridgeRoots
+from dcpstore._impl.cli import main as cli_main
+from dcpstore._impl.storage import join_uri, open_storage
+from dcpstore._impl.tools.maintenance import list_checkpoints
+from dcpstore.adapters.megatron import FileSystemWriterAsync, install_in_bridge
 from tests.support import killcount
 from tests.support.backends import make_target, save_options
-from tests.support.bridge_wheel import checkpoint_utils
 from tests.support.bridge_kit import (
     TRACKER,
     assert_equal,
@@ -53,11 +57,7 @@ from tests.support.bridge_kit import (
     stop_results_managers,
     zeros,
 )
-from dcpstore.adapters.megatron import FileSystemWriterAsync, install_in_bridge
-from dcpstore._impl.adapters.megatron_bridge import BridgeRoots
-from dcpstore._impl.cli import main as cli_main
-from dcpstore._impl.tools.maintenance import list_checkpoints
-from dcpstore._impl.storage import join_uri, open_storage
+from tests.support.bridge_wheel import checkpoint_utils
 from tests.support.dist_utils import run_ranks
 from tests.support.extras import NVRX, skip_module_unless
 
@@ -70,7 +70,9 @@ def _installed(io: dict[str, Any], root: str | None = None) -> Any:
     whose ``checkpoint.save`` and ``load`` are ``root`` (with the suites'
     small multipart part size on object stores)."""
     config = SimpleNamespace(save=root, load=root, pretrained_checkpoint=None)
-    return bridge_module(checkpoint_config=config, **({"storage_options": io["storage_options"]} if "storage_options" in io else {}))
+    return bridge_module(
+        checkpoint_config=config, **({"storage_options": io["storage_options"]} if "storage_options" in io else {})
+    )
 
 
 def _step_name(root: str, step: int, use_msc: bool) -> str:
@@ -95,8 +97,16 @@ def _saves_job(rank: int, world: int, root: str, io: dict[str, Any], use_msc: bo
         local = "://" not in root
         for step in (100, 200):
             state = sharded(full_state(step), mesh)
-            bridge_save(bridge, queue, state, _step_name(root, step, use_msc), save_root=root if local else None,
-                        step=step, workers=2, use_msc=use_msc)  # fmt: skip
+            bridge_save(
+                bridge,
+                queue,
+                state,
+                _step_name(root, step, use_msc),
+                save_root=root if local else None,
+                step=step,
+                workers=2,
+                use_msc=use_msc,
+            )
             mutate(state)  # training goes on: the staged snapshot is what must land
             queue.maybe_finalize_async_calls(blocking=False)  # step 100 may still be in flight at 200
         queue.maybe_finalize_async_calls(blocking=True)
@@ -115,7 +125,9 @@ CASES = [
 
 
 @pytest.mark.parametrize("backend, world", CASES)
-def test_bridge_async_saves_land_with_dcpstores_commit(request: pytest.FixtureRequest, tmp_path: Path, backend: str, world: int) -> None:
+def test_bridge_async_saves_land_with_dcpstores_commit(
+    request: pytest.FixtureRequest, tmp_path: Path, backend: str, world: int
+) -> None:
     target = make_target(backend, request)
     io = dict(target.kwargs)
     use_msc = bool(io.pop("enable_msc", False)) or target.uri.startswith("msc://")  # Megatron's --enable-msc
@@ -148,8 +160,15 @@ def _kill_job(rank: int, world: int, root: str, io: dict[str, Any], scenario: st
         if rank == 1:  # it dies by SIGKILL: NVRx's results-queue Manager (0.6+), unused by dcpstore, would outlive it
             stop_results_managers()
         try:
-            bridge_save(bridge, queue, state, join_uri(root, iter_dir(step)), step=step,
-                        wrap_save_fn=dying if rank == 1 else None, **kwargs)  # fmt: skip
+            bridge_save(
+                bridge,
+                queue,
+                state,
+                join_uri(root, iter_dir(step)),
+                step=step,
+                wrap_save_fn=dying if rank == 1 else None,
+                **kwargs,
+            )
             mutate(state)
             queue.maybe_finalize_async_calls(blocking=True)
             outcome = "finalized"
@@ -161,7 +180,11 @@ def _kill_job(rank: int, world: int, root: str, io: dict[str, Any], scenario: st
 
 @pytest.mark.parametrize(
     "backend, scenario",
-    [("local", "next"), pytest.param("local", "overwrite", marks=pytest.mark.slow), pytest.param("s3", "next", marks=pytest.mark.slow)],
+    [
+        ("local", "next"),
+        pytest.param("local", "overwrite", marks=pytest.mark.slow),
+        pytest.param("s3", "next", marks=pytest.mark.slow),
+    ],
 )
 def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint(
     request: pytest.FixtureRequest, tmp_path: Path, backend: str, scenario: str
@@ -220,7 +243,9 @@ def _failures_job(rank: int, world: int, root: str, report: str) -> None:
         # overwrite=False over a committed checkpoint: refused on every rank, when the save is planned
         bridge.FileSystemWriterAsync = functools.partial(FileSystemWriterAsync, overwrite=False)
         try:
-            bridge_save(bridge, queue, sharded(full_state(300), mesh), join_uri(root, iter_dir(100)), step=100, workers=2)
+            bridge_save(
+                bridge, queue, sharded(full_state(300), mesh), join_uri(root, iter_dir(100)), step=100, workers=2
+            )
             lines.append("scheduled")
         except dcpstore.CheckpointExists as e:
             lines.append(f"refused: {e}")
@@ -275,7 +300,9 @@ def _finalize_twice_job(rank: int, world: int, root: str, report: str) -> None:
             if step == 200 and rank == 0:  # a directory squats on one of rank 1's data files: its write fails
                 os.makedirs(os.path.join(root, iter_dir(200), "__1_1.distcp"))
             dist.barrier()
-            bridge_save(bridge, queue, sharded(full_state(step), mesh), join_uri(root, iter_dir(step)), step=step, workers=2)
+            bridge_save(
+                bridge, queue, sharded(full_state(step), mesh), join_uri(root, iter_dir(step)), step=step, workers=2
+            )
             try:
                 queue.maybe_finalize_async_calls(blocking=True)
                 lines.append(f"{step} first: committed")
@@ -301,7 +328,9 @@ def test_a_second_finalize_says_the_save_is_already_finalized(tmp_path: Path) ->
     for rank, lines in enumerate(reports):
         assert lines[0] == "100 first: committed" and lines[2] == "200 first: SaveError", lines
         second, failed_second = lines[1], lines[3]
-        assert second.startswith("100 second: InvalidArgument: save_state_dict_async_finalize called again for the save to "), second
+        assert second.startswith(
+            "100 second: InvalidArgument: save_state_dict_async_finalize called again for the save to "
+        ), second
         ended = "committed." if rank == 0 else "this rank's results went to the commit on the coordinator"
         assert f"already finalized: {ended}" in second and "this second call changed nothing" in second, second
         assert "failed" not in second and "no results" not in second, second
@@ -323,19 +352,29 @@ def _cpu_shm_job(rank: int, world: int, root: str, report: str) -> None:
         mesh = mesh_of(world)
         queue = new_queue(cpu_shm=True)
         bridge = bridge_module()
-        params = inspect.signature(bridge.FileSystemWriterAsync).parameters  # install_in_bridge keeps the class signature
-        keywords = {k: True for k in ("use_cpu_shm_for_gpu_tensors", "use_cached_data_structure", "is_multiproc_io") if k in params}
+        params = inspect.signature(
+            bridge.FileSystemWriterAsync
+        ).parameters  # install_in_bridge keeps the class signature
+        keywords = {
+            k: True
+            for k in ("use_cpu_shm_for_gpu_tensors", "use_cached_data_structure", "is_multiproc_io")
+            if k in params
+        }
         assert len(keywords) == 3, params
         bridge.FileSystemWriterAsync = functools.partial(FileSystemWriterAsync, **keywords)
         lines = []
         for step in (100, 200):
             state = sharded(full_state(step), mesh)
             live = {t.to_local().untyped_storage().data_ptr() for t in _dtensors(state)}
-            writer = bridge_save(bridge, queue, state, join_uri(root, iter_dir(step)), save_root=root, step=step, workers=2)
+            writer = bridge_save(
+                bridge, queue, state, join_uri(root, iter_dir(step)), save_root=root, step=step, workers=2
+            )
             # The writer's tensors are its own snapshots in shared memory, not training's.
             staged = [t for bucket in writer.write_buckets for _, t in bucket[2][1]]
-            lines.append(f"{step} {len(staged)} {all(t.is_shared() for t in staged)} "
-                         f"{any(t.untyped_storage().data_ptr() in live for t in staged)}")  # fmt: skip
+            lines.append(
+                f"{step} {len(staged)} {all(t.is_shared() for t in staged)} "
+                f"{any(t.untyped_storage().data_ptr() in live for t in staged)}"
+            )
             mutate(state)
             queue.maybe_finalize_async_calls(blocking=False)
         queue.maybe_finalize_async_calls(blocking=True)
@@ -410,8 +449,15 @@ def _constant_structure_job(rank: int, world: int, root: str, report: str) -> No
             # NVRx replays this save's plan (get_cache_metadata: every release's;
             # get_metadata_caching_status is 0.4.1's only).
             replayed = state_dict_saver._checkpoint_metadata_cache.get_cache_metadata()[2]
-            bridge_save(bridge, queue, sharded(full, mesh), join_uri(root, iter_dir(step)),
-                        step=step, workers=2, constant_structure=True)  # fmt: skip
+            bridge_save(
+                bridge,
+                queue,
+                sharded(full, mesh),
+                join_uri(root, iter_dir(step)),
+                step=step,
+                workers=2,
+                constant_structure=True,
+            )
             try:
                 queue.maybe_finalize_async_calls(blocking=True)
                 lines.append(f"{step} {replayed} committed")
@@ -425,8 +471,12 @@ def test_constant_structure_replays_plans_and_never_commits_a_changed_structure(
     root, reports = _reported(_constant_structure_job, tmp_path)
     for lines in reports:
         assert [line.split(" ", 2)[:2] for line in lines] == [
-            ["100", "False"], ["200", "False"], ["300", "True"], ["400", "True"], ["500", "True"]
-        ]  # fmt: skip
+            ["100", "False"],
+            ["200", "False"],
+            ["300", "True"],
+            ["400", "True"],
+            ["500", "True"],
+        ]
         assert [line.split(" ", 2)[2].split(":")[0] for line in lines] == ["committed"] * 3 + ["failed"] * 2
         # Every rank raises, naming what changed (the replayed plan is not written).
         assert "changed: model.decoder.layers.1.mlp.weight" in lines[3] and "ckpt_assume_constant_structure" in lines[3]
@@ -462,8 +512,12 @@ def test_install_in_bridge_puts_dcpstore_beneath_sync_saves_and_loads_too(
     assert isinstance(reader, dcpstore.StorageReader)
     assert "model.embedding.word_embeddings.weight" in reader.read_metadata().state_dict_metadata
     out = zeros(state)
-    dcp.load_state_dict(state_dict=out, storage_reader=bridge._get_filesystem_reader(uri),
-                        planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)  # fmt: skip
+    dcp.load_state_dict(
+        state_dict=out,
+        storage_reader=bridge._get_filesystem_reader(uri),
+        planner=DefaultLoadPlanner(allow_partial_load=True),
+        no_dist=True,
+    )
     assert_equal(state, out)
 
 
@@ -471,21 +525,36 @@ def test_names_bridge_folds_are_read_back_as_the_configured_uri_and_only_those()
     names = checkpoint_utils()  # Bridge 0.6.2's own path functions, from its wheel
     config = SimpleNamespace(save="s3://bucket/run", load="msc://profile/run/", pretrained_checkpoint="s3://b2/base")
     roots = BridgeRoots.of(config)
-    for root, want in (("s3://bucket/run", "s3://bucket/run"), ("msc://profile/run/", "msc://profile/run"), ("s3://b2/base", "s3://b2/base")):
+    for root, want in (
+        ("s3://bucket/run", "s3://bucket/run"),
+        ("msc://profile/run/", "msc://profile/run"),
+        ("s3://b2/base", "s3://b2/base"),
+    ):
         folded = names.get_checkpoint_name(root, 10)
         assert folded == want.replace("://", ":/") + "/iter_0000010"  # what Bridge hands its writers
         assert roots.restore(folded) == f"{want}/iter_0000010"
-    assert roots.restore(names.get_checkpoint_tracker_filename("s3://bucket/run")) == "s3://bucket/run/latest_checkpointed_iteration.txt"
+    assert (
+        roots.restore(names.get_checkpoint_tracker_filename("s3://bucket/run"))
+        == "s3://bucket/run/latest_checkpointed_iteration.txt"
+    )
     # The configuration decides: a name under no configured root stays as it came.
-    for name in ("s3:/other/run/iter_0000010", "s3:/bucket/running/iter_0000010", "/tmp/s3:/bucket/run/iter_0000010",
-                 "s3://bucket/run/iter_0000010", "relative/run"):  # fmt: skip
+    for name in (
+        "s3:/other/run/iter_0000010",
+        "s3:/bucket/running/iter_0000010",
+        "/tmp/s3:/bucket/run/iter_0000010",
+        "s3://bucket/run/iter_0000010",
+        "relative/run",
+    ):
         assert roots.restore(name) == name
     assert BridgeRoots.of(None).restore("s3:/bucket/run/iter_0000010") == "s3:/bucket/run/iter_0000010"
     # Installed without the configuration, the writers and the reader name the folded URI they refuse.
     bridge = bridge_module()
     folded = names.get_checkpoint_name("s3://bucket/run", 10)
-    for make in (lambda: bridge.FileSystemWriterAsync(folded, thread_count=1, use_msc=False),
-                 lambda: bridge._create_fsdp_dtensor_storage_writer(folded), lambda: bridge._get_filesystem_reader(folded)):  # fmt: skip
+    for make in (
+        lambda: bridge.FileSystemWriterAsync(folded, thread_count=1, use_msc=False),
+        lambda: bridge._create_fsdp_dtensor_storage_writer(folded),
+        lambda: bridge._get_filesystem_reader(folded),
+    ):
         with pytest.raises(dcpstore.InvalidURI, match="s3:/bucket/run/iter_0000010"):
             make()
 

@@ -36,14 +36,13 @@ import torch.distributed.checkpoint as dcp
 
 import dcpstore
 import dcpstore.tools
-from tests.support import extras
-from tests.support import killcount
+from dcpstore._impl.cli import main as cli_main
+from dcpstore._impl.storage import join_uri
+from tests.support import extras, killcount
 from tests.support.backends import make_target
 from tests.support.bridge_kit import local_copy, run_ranks_codes
 from tests.support.bridge_run import MANAGER, PROCESS_MANAGER, bridge_config, read_report, train
 from tests.support.bridge_wheel import BRIDGE_MODULE, checkpointing_module
-from dcpstore._impl.cli import main as cli_main
-from dcpstore._impl.storage import join_uri
 from tests.support.dist_utils import run_ranks
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -70,17 +69,25 @@ def _io(target: Any) -> dict[str, Any]:
     return {k: v for k, v in target.kwargs.items() if k != "enable_msc"}
 
 
-def _stock_model(uri: str, kwargs: dict[str, Any], like: dict[str, torch.Tensor], scratch: Path) -> dict[str, torch.Tensor]:
+def _stock_model(
+    uri: str, kwargs: dict[str, Any], like: dict[str, torch.Tensor], scratch: Path
+) -> dict[str, torch.Tensor]:
     """The step's model, by stock ``dcp.load`` (the oracle) into plain tensors."""
     out = {"model": {k: torch.zeros_like(v) for k, v in like.items()}}
     dcp.load(out, storage_reader=dcp.FileSystemReader(str(local_copy(uri, kwargs, scratch))), no_dist=True)
     return out["model"]
 
 
-@pytest.mark.parametrize("backend, world, async_save", [
-    ("local", 2, True), ("s3", 2, True), ("msc", 2, True),
-    pytest.param("local", 4, False, marks=pytest.mark.slow), pytest.param("s3", 4, True, marks=pytest.mark.slow),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "backend, world, async_save",
+    [
+        ("local", 2, True),
+        ("s3", 2, True),
+        ("msc", 2, True),
+        pytest.param("local", 4, False, marks=pytest.mark.slow),
+        pytest.param("s3", 4, True, marks=pytest.mark.slow),
+    ],
+)
 def test_a_bridge_run_saves_through_dcpstore_and_resumes_exactly(
     request: pytest.FixtureRequest, tmp_path: Path, backend: str, world: int, async_save: bool
 ) -> None:
@@ -103,13 +110,19 @@ def test_a_bridge_run_saves_through_dcpstore_and_resumes_exactly(
     assert steps.read_pointer() == 8
     steps.close()
     step8 = join_uri(root, "iter_0000008")
-    _equal(second["saved"][8], _stock_model(step8, where_kwargs, second["saved"][8], tmp_path / "copy8"), "stock dcp.load")
+    _equal(
+        second["saved"][8], _stock_model(step8, where_kwargs, second["saved"][8], tmp_path / "copy8"), "stock dcp.load"
+    )
     assert cli_main(["verify", step8] + (["--enable-msc"] if target.kwargs.get("enable_msc") else [])) == 0
     where = target.save_options().storage_options
-    train_state = torch.load(io.BytesIO(dcpstore.tools.commit_file(step8, "train_state.pt", storage_options=where)), weights_only=True)
+    train_state = torch.load(
+        io.BytesIO(dcpstore.tools.commit_file(step8, "train_state.pt", storage_options=where)), weights_only=True
+    )
     assert train_state["step"].item() == 8 and train_state["consumed_train_samples"].item() == 8 * 4 * world
     assert train_state["floating_point_operations_so_far"].item() == 8000
-    assert b"tensor_model_parallel_size: 1" in dcpstore.tools.commit_file(step8, "run_config.yaml", storage_options=where)
+    assert b"tensor_model_parallel_size: 1" in dcpstore.tools.commit_file(
+        step8, "run_config.yaml", storage_options=where
+    )
 
 
 @pytest.mark.slow
@@ -159,13 +172,17 @@ def test_ckpt_step_resumes_that_step_and_a_missing_one_is_named(tmp_path: Path, 
     _equal(first["final"], again["final"], "final")  # 4 -> 6 again, exactly as the first time
     bridge.register_allowed_target_prefix("dcpstore")
     manager = bridge.create_checkpoint_manager(bridge_config(save=root, load=root, ckpt_step=5).checkpoint)
-    with pytest.raises(dcpstore.CheckpointNotFound, match=r"checkpoint.ckpt_step=5 is not a committed step .*\[2, 4, 6\]"):
+    with pytest.raises(
+        dcpstore.CheckpointNotFound, match=r"checkpoint.ckpt_step=5 is not a committed step .*\[2, 4, 6\]"
+    ):
         manager.resume_point()
 
 
 def test_a_rank_killed_mid_save_leaves_the_previous_step_which_resumes_exactly(tmp_path: Path) -> None:
     root = str(tmp_path / "run")
-    whole = _run(bridge_config(save=str(tmp_path / "whole"), load=str(tmp_path / "whole"), async_save=True), 8, tmp_path / "r0")
+    whole = _run(
+        bridge_config(save=str(tmp_path / "whole"), load=str(tmp_path / "whole"), async_save=True), 8, tmp_path / "r0"
+    )
     (tmp_path / "r1").mkdir()
     cfg = bridge_config(save=root, load=root, async_save=True)
     codes = run_ranks_codes(train, 2, cfg, 8, str(tmp_path / "r1"), {"kill_at": 6}, timeout=240)
@@ -241,17 +258,31 @@ def test_bridges_allowlist_demands_one_call(tmp_path: Path, bridge: ModuleType) 
         bridge.create_checkpoint_manager(cfg)
     bridge.register_allowed_target_prefix("dcpstore")
     manager = bridge.create_checkpoint_manager(cfg)  # Bridge checks the protocol too
-    assert type(manager).__module__ + "." + type(manager).__name__ == "dcpstore._impl.adapters.megatron_manager.BridgeCheckpointManager"
+    assert (
+        type(manager).__module__ + "." + type(manager).__name__
+        == "dcpstore._impl.adapters.megatron_manager.BridgeCheckpointManager"
+    )
     assert MANAGER == "dcpstore.adapters.megatron.BridgeCheckpointManager"
     assert isinstance(manager, bridge.CheckpointManager)
 
 
-@pytest.mark.parametrize("field, value, match", [
-    ("ckpt_format", "torch_dist", r"checkpoint.ckpt_format: is 'torch_dist'; this manager saves 'fsdp_dtensor' only"),
-    ("non_persistent_save_interval", 10, r"checkpoint.non_persistent_save_interval: is set"),
-    ("also_save_hf_checkpoint", True, r"checkpoint.also_save_hf_checkpoint: the Hugging Face sidecar export is not covered"),
-    ("most_recent_k", 0, r"CheckpointConfig.most_recent_k: must be -1 \(keep all\) or an int >= 1"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "field, value, match",
+    [
+        (
+            "ckpt_format",
+            "torch_dist",
+            r"checkpoint.ckpt_format: is 'torch_dist'; this manager saves 'fsdp_dtensor' only",
+        ),
+        ("non_persistent_save_interval", 10, r"checkpoint.non_persistent_save_interval: is set"),
+        (
+            "also_save_hf_checkpoint",
+            True,
+            r"checkpoint.also_save_hf_checkpoint: the Hugging Face sidecar export is not covered",
+        ),
+        ("most_recent_k", 0, r"CheckpointConfig.most_recent_k: must be -1 \(keep all\) or an int >= 1"),
+    ],
+)
 def test_what_the_manager_does_not_cover_is_refused_naming_the_field(
     tmp_path: Path, bridge: ModuleType, field: str, value: Any, match: str
 ) -> None:

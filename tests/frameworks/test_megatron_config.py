@@ -27,10 +27,9 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 import dcpstore
-from tests.support.backends import Target
-from tests.support.dist_utils import run_ranks
-from dcpstore.adapters import fsdp
+from dcpstore._impl.dcp.writer import DcpStorageWriter
 from dcpstore._impl.engines import nvrx as nvrx_adapter
+from dcpstore.adapters import fsdp
 from dcpstore.adapters.megatron import (
     BRIDGE_FIELDS,
     DCPSTORE_FIELDS,
@@ -38,7 +37,8 @@ from dcpstore.adapters.megatron import (
     megatron_msc_enabled,
     plan_caching_supported,
 )
-from dcpstore._impl.dcp.writer import DcpStorageWriter
+from tests.support.backends import Target
+from tests.support.dist_utils import run_ranks
 
 FORMATS = ["torch_dist", "fsdp_dtensor", "zarr", "torch"]
 ENGINES = ["auto", "native", "nvrx", "turbo"]
@@ -78,15 +78,22 @@ def test_config_accepts_exactly_the_supported_combinations(
 
     def config() -> CheckpointConfig:
         options = dcpstore.SaveOptions(engine=engine)  # the engine is the options'
-        return CheckpointConfig(save=str(tmp_path / "run"), ckpt_format=fmt, async_save=async_save, dist_ckpt_workers=workers,
-                                options=options)  # fmt: skip
+        return CheckpointConfig(
+            save=str(tmp_path / "run"),
+            ckpt_format=fmt,
+            async_save=async_save,
+            dist_ckpt_workers=workers,
+            options=options,
+        )
 
     if engine == "nvrx" and not HAS_NVRX and not bad:
         pytest.skip("nvidia-resiliency-ext not installed")
     if not bad:
         # The writer path: a plain save of the format's state with these arguments.
         uri = str(tmp_path / "plain")
-        dcpstore.save(fsdp.get_app_state(_linear(1), None, format=fmt), uri, async_=async_save, engine=engine, workers=workers).result()
+        dcpstore.save(
+            fsdp.get_app_state(_linear(1), None, format=fmt), uri, async_=async_save, engine=engine, workers=workers
+        ).result()
         # The config path: its manager, its format; both load back exactly.
         cfg = config()
         assert (cfg.async_save, cfg.options.engine, cfg.dist_ckpt_workers) == (async_save, engine, workers)
@@ -103,7 +110,11 @@ def test_config_accepts_exactly_the_supported_combinations(
         config()
     message = str(info.value)
     # The config names its field; the options name theirs ("engine must be one of ...").
-    field = message.split(":", 1)[0].removeprefix("CheckpointConfig.") if message.startswith("CheckpointConfig.") else message.split(" ", 1)[0]
+    field = (
+        message.split(":", 1)[0].removeprefix("CheckpointConfig.")
+        if message.startswith("CheckpointConfig.")
+        else message.split(" ", 1)[0]
+    )
     assert field in bad, f"named {field!r}, expected one of {sorted(bad)}: {info.value}"
     # The writer refuses it too, as a bad argument (never "not implemented").
     with pytest.raises(dcpstore.InvalidArgument):
@@ -150,12 +161,21 @@ def test_the_engine_and_msc_are_the_options_fields() -> None:
         CheckpointConfig(enable_msc=True)  # type: ignore[call-arg]
     with pytest.raises(TypeError, match=r"'engine': pass options=dcpstore\.SaveOptions\(engine=\.\.\.\)"):
         CheckpointConfig.from_bridge({}, engine="native")  # type: ignore[call-arg]
-    with pytest.raises(TypeError, match=r"'enable_msc': pass options=dcpstore\.SaveOptions\(storage_options=dcpstore\.StorageOptions\(enable_msc=\.\.\.\)\)"):
+    with pytest.raises(
+        TypeError,
+        match=r"'enable_msc': pass options=dcpstore\.SaveOptions\(storage_options=dcpstore\.StorageOptions\(enable_msc=\.\.\.\)\)",
+    ):
         CheckpointConfig.from_bridge({}, enable_msc=True)  # type: ignore[call-arg]
 
 
 def test_mapping_onto_the_manager(tmp_path: Path) -> None:
-    cfg = CheckpointConfig(save=str(tmp_path / "run"), load=str(tmp_path / "run"), save_interval=2, most_recent_k=2, ckpt_format="fsdp_dtensor")
+    cfg = CheckpointConfig(
+        save=str(tmp_path / "run"),
+        load=str(tmp_path / "run"),
+        save_interval=2,
+        most_recent_k=2,
+        ckpt_format="fsdp_dtensor",
+    )
     assert cfg.keep == 2 and CheckpointConfig().keep is None
     assert [s for s in range(7) if cfg.should_save(s)] == [2, 4, 6]
     assert not CheckpointConfig(save_interval=2).should_save(2)  # nowhere to save
@@ -210,15 +230,21 @@ def test_constant_structure_is_accepted_and_every_save_is_exact(tmp_path: Path, 
     if not plan_caching_supported():
         with pytest.raises(dcpstore.InvalidArgument, match="plan caching"):
             dcpstore.save({"w": torch.ones(2)}, str(tmp_path / "x"), planner=_CachingPlanner())
-    cfg = CheckpointConfig(save=str(tmp_path / "run"), async_save=async_save, options=dcpstore.SaveOptions(engine=engine),
-                           ckpt_assume_constant_structure=True)  # fmt: skip
+    cfg = CheckpointConfig(
+        save=str(tmp_path / "run"),
+        async_save=async_save,
+        options=dcpstore.SaveOptions(engine=engine),
+        ckpt_assume_constant_structure=True,
+    )
     mgr = cfg.manager()
     for step in (1, 2, 3):
         mgr.save({"w": torch.full((8,), float(step)), "b": torch.arange(step + 0.0, step + 3)}, step)
     for step in (1, 2, 3):
         out = {"w": torch.zeros(8), "b": torch.zeros(3)}
         mgr.load(out, step)
-        assert torch.equal(out["w"], torch.full((8,), float(step))) and torch.equal(out["b"], torch.arange(step + 0.0, step + 3))
+        assert torch.equal(out["w"], torch.full((8,), float(step))) and torch.equal(
+            out["b"], torch.arange(step + 0.0, step + 3)
+        )
     mgr.close()
 
 
@@ -255,19 +281,38 @@ def _bridge_cfg(**values: Any) -> SimpleNamespace:
     """A Bridge 0.6.2 ``CheckpointConfig`` as an object with its attributes:
     Bridge's defaults for the fields dcpstore reads, every other field set
     (to a value dcpstore must ignore)."""
-    defaults = dict(save=None, load=None, save_interval=None, async_save=False, ckpt_format="torch_dist",
-                    dist_ckpt_workers=1, most_recent_k=-1, ckpt_assume_constant_structure=False, ckpt_step=None)  # fmt: skip
+    defaults = dict(
+        save=None,
+        load=None,
+        save_interval=None,
+        async_save=False,
+        ckpt_format="torch_dist",
+        dist_ckpt_workers=1,
+        most_recent_k=-1,
+        ckpt_assume_constant_structure=False,
+        ckpt_step=None,
+    )
     others = {name: object() for name in BRIDGE_062_FIELDS - defaults.keys()}
     return SimpleNamespace(**{**others, **defaults, **values})
 
 
 def test_from_bridge_reads_bridges_fields_and_keeps_bridges_layout(tmp_path: Path) -> None:
     root = str(tmp_path / "run")
-    bridge = _bridge_cfg(save=root, load=root, async_save=True, ckpt_format="fsdp_dtensor", dist_ckpt_workers=2,
-                         most_recent_k=2, ckpt_assume_constant_structure=True, save_interval=10)  # fmt: skip
+    bridge = _bridge_cfg(
+        save=root,
+        load=root,
+        async_save=True,
+        ckpt_format="fsdp_dtensor",
+        dist_ckpt_workers=2,
+        most_recent_k=2,
+        ckpt_assume_constant_structure=True,
+        save_interval=10,
+    )
     native = dcpstore.SaveOptions(engine="native")
     cfg = CheckpointConfig.from_bridge(bridge, options=native)
-    assert {name: getattr(cfg, name) for name in BRIDGE_FIELDS} == {name: getattr(bridge, name) for name in BRIDGE_FIELDS}
+    assert {name: getattr(cfg, name) for name in BRIDGE_FIELDS} == {
+        name: getattr(bridge, name) for name in BRIDGE_FIELDS
+    }
     assert (cfg.layout, cfg.options.engine) == ("bridge", "native")
     # MSC is Megatron's process-global --enable-msc (off where megatron-core is absent).
     assert cfg.options.enable_msc is megatron_msc_enabled()
@@ -280,7 +325,11 @@ def test_from_bridge_reads_bridges_fields_and_keeps_bridges_layout(tmp_path: Pat
     with cfg.manager() as mgr:
         for step in (10, 20, 30):
             mgr.save({"w": torch.full((4,), float(step))}, step)
-    assert sorted(p.name for p in Path(root).iterdir()) == ["iter_0000020", "iter_0000030", "latest_checkpointed_iteration.txt"]
+    assert sorted(p.name for p in Path(root).iterdir()) == [
+        "iter_0000020",
+        "iter_0000030",
+        "latest_checkpointed_iteration.txt",
+    ]
     assert (Path(root) / "latest_checkpointed_iteration.txt").read_text() == "30"
     loader = CheckpointConfig.from_bridge(_bridge_cfg(load=root, ckpt_step=20)).load_manager()
     assert loader is not None
@@ -314,7 +363,7 @@ def _ckpt_step_job(rank: int, world: int, root: str) -> None:
     for missing in (50, 80):  # uncommitted, absent: an error on every rank, never the newest step instead
         loader = CheckpointConfig.from_bridge(_bridge_cfg(load=root, ckpt_step=missing)).load_manager()
         assert loader is not None
-        for call in (lambda: loader.load({"w": torch.zeros(4)}), loader.resolve_step):
+        for call in (lambda: loader.load({"w": torch.zeros(4)}), loader.resolve_step):  # noqa: B023 (called here)
             with pytest.raises(dcpstore.CheckpointNotFound) as info:
                 call()
             message = str(info.value)
@@ -350,8 +399,12 @@ def test_engine_and_backend_are_accepted_exactly_where_they_work(target: Target,
         pytest.skip("nvidia-resiliency-ext not installed")
     kwargs: dict[str, Any] = {"save": target.uri, "async_save": True, "options": target.save_options(engine=engine)}
     if engine != "nvrx" or target.name in NVRX_TARGETS:
-        info = dcpstore.save({"w": torch.ones(2)}, f"{target.uri}/probe", async_=True, engine=engine, **target.kwargs).result()
-        assert info.engine == ("nvrx" if engine == "nvrx" or (engine == "auto" and target.name in NVRX_TARGETS) else "native")
+        info = dcpstore.save(
+            {"w": torch.ones(2)}, f"{target.uri}/probe", async_=True, engine=engine, **target.kwargs
+        ).result()
+        assert info.engine == (
+            "nvrx" if engine == "nvrx" or (engine == "auto" and target.name in NVRX_TARGETS) else "native"
+        )
         CheckpointConfig(**kwargs).manager().close()
         return
     with pytest.raises(dcpstore.InvalidArgument, match=r"^CheckpointConfig\.options\.engine: "):

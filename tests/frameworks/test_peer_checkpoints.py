@@ -32,12 +32,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
 import dcpstore
-from dcpstore._impl.util.errors import CheckpointCorrupt
 from dcpstore._impl.format.peer_paths import PeerPath
 from dcpstore._impl.format.safe_pickle import TOOLS, load_metadata
+from dcpstore._impl.util.errors import CheckpointCorrupt
+from tests.integration.test_cli import run_cli
 from tests.support.dist_utils import run_ranks
 from tests.support.helpers import assert_state_equal, zeros_like_state
-from tests.integration.test_cli import run_cli
 
 
 def _state(rank: int = 0) -> dict[str, Any]:

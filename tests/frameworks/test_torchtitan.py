@@ -17,7 +17,6 @@ dcpstore resumes, and the reverse.
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
 import pytest
@@ -35,8 +34,8 @@ from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersCon
 from torchtitan.components.optimizer.optimizer import default_adamw
 
 import dcpstore
-from tests.support.backends import OBJECT_STORE_OPTIONS, Target
 from dcpstore.adapters import torchtitan as titan
+from tests.support.backends import OBJECT_STORE_OPTIONS, Target
 from tests.support.dist_utils import run_ranks
 from tests.support.fsdp_jobs import assert_same, build, full_state, train
 
@@ -60,7 +59,9 @@ class Counter:
 
 def _parts(seed: int, folder: str, mode: str, *, model_only: bool = True) -> tuple[Any, ...]:
     model, _ = build(seed)
-    optims = OptimizersContainer(dataclasses.replace(default_adamw(lr=1e-2), implementation="for-loop"), model_parts=[model])
+    optims = OptimizersContainer(
+        dataclasses.replace(default_adamw(lr=1e-2), implementation="for-loop"), model_parts=[model]
+    )
     scheds = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=optims, training_steps=10)
     loader, state = Counter(position=0, epoch=0), Counter(step=0, tokens=0)
     config = CheckpointManager.Config(
@@ -87,7 +88,9 @@ def _parts(seed: int, folder: str, mode: str, *, model_only: bool = True) -> tup
         # CPU); its CPU equivalent keeps the mode's path: async staging, the
         # process executor (the writer pickled into DCP's checkpoint process).
         mgr.stager = DefaultStager(
-            StagingOptions(use_pinned_memory=False, use_shared_memory=True, use_async_staging=True, use_non_blocking_copy=False)
+            StagingOptions(
+                use_pinned_memory=False, use_shared_memory=True, use_async_staging=True, use_non_blocking_copy=False
+            )
         )
     return model, optims, scheds, loader, state, mgr
 
@@ -195,7 +198,9 @@ def job_save_only(rank: int, world: int, folder: str, mode: str, ours: bool, s3:
     torch.save(refs, f"{out}.{rank}")
 
 
-def job_resume_from(rank: int, world: int, folder: str, mode: str, ours: bool, s3: bool, out: str, purged: bool) -> None:
+def job_resume_from(
+    rank: int, world: int, folder: str, mode: str, ours: bool, s3: bool, out: str, purged: bool
+) -> None:
     job_resume(rank, world, folder, mode, ours, s3, torch.load(f"{out}.{rank}", weights_only=False), purged)
 
 
@@ -267,9 +272,18 @@ def test_an_installed_manager_is_freed_when_dropped(tmp_path: Any) -> None:
 
     from torch import nn
 
-    config = CheckpointManager.Config(enable=True, folder=str(tmp_path / "ckpt"), keep_latest_k=KEEP, async_mode="disabled")
-    mgr = CheckpointManager(config, dataloader=None, model_parts=[nn.Linear(2, 2)], optimizers=None,  # type: ignore[arg-type]
-                            lr_schedulers=None, states={}, sd_adapter=None)  # type: ignore[arg-type]  # fmt: skip
+    config = CheckpointManager.Config(
+        enable=True, folder=str(tmp_path / "ckpt"), keep_latest_k=KEEP, async_mode="disabled"
+    )
+    mgr = CheckpointManager(
+        config,
+        dataloader=None,
+        model_parts=[nn.Linear(2, 2)],
+        optimizers=None,  # type: ignore[arg-type]
+        lr_schedulers=None,
+        states={},
+        sd_adapter=None,
+    )  # type: ignore[arg-type]
     installed = titan.install(mgr)
     assert installed is not None and installed.manager is mgr
     purge, ref = mgr.purge_thread, weakref.ref(mgr)

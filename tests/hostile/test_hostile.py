@@ -188,7 +188,9 @@ def test_item_payload_never_runs(tmp_path: Path) -> None:
     assert_untouched(marker)
     # DCP's own load with our reader (no destination check) refuses it too.
     with pytest.raises(CheckpointException, match="UnsafeCheckpoint: " + expected):
-        dcp.load({**fresh(), "sched": torch.zeros(2)}, storage_reader=DcpStorageReader(open_storage(str(ckpt))), no_dist=True)
+        dcp.load(
+            {**fresh(), "sched": torch.zeros(2)}, storage_reader=DcpStorageReader(open_storage(str(ckpt))), no_dist=True
+        )
     assert_untouched(marker)
     with CheckpointManager(str(ckpt.parent), async_=False) as manager:
         with pytest.raises(dcpstore.UnsafeCheckpoint, match=expected):
@@ -213,7 +215,9 @@ def test_stock_dcp_runs_the_item_payload(tmp_path: Path) -> None:
 # Memory amplification: sizes declared far beyond what a (sparse) file holds
 # ---------------------------------------------------------------------------
 
-_PEAKS = PEAK_MIB_SOURCE + """
+_PEAKS = (
+    PEAK_MIB_SOURCE
+    + """
 import contextlib, io, json, resource, sys, dcpstore, torch
 from dcpstore._impl.cli import main
 from dcpstore._impl.dcp.reader import DcpStorageReader
@@ -228,6 +232,7 @@ for name, action in json.loads(sys.argv[1]).items():
 outcomes["peak_mib"] = peak_mib()
 print(json.dumps(outcomes))
 """
+)
 GiB = 1 << 30
 #: Importing torch and dcpstore costs ~300 MiB here; one bomb that worked costs GiBs.
 RSS_BOUND_MIB = 900
@@ -270,8 +275,29 @@ def _record_with_deflated_entry(obj: Any, entry: str, mib: int) -> bytes:
             data, usize, method = _deflated_zeros(mib), mib << 20, 8
         raw = name.encode()
         header = struct.pack("<4sHHHHHIIIHH", b"PK\x03\x04", 20, 0, method, 0, 0, 0, len(data), usize, len(raw), 0)
-        central += struct.pack("<4sHHHHHHIIIHHHHHII", b"PK\x01\x02", 20, 20, 0, method, 0, 0, 0, len(data), usize,
-                               len(raw), 0, 0, 0, 0, 0, len(out)) + raw  # fmt: skip
+        central += (
+            struct.pack(
+                "<4sHHHHHHIIIHHHHHII",
+                b"PK\x01\x02",
+                20,
+                20,
+                0,
+                method,
+                0,
+                0,
+                0,
+                len(data),
+                usize,
+                len(raw),
+                0,
+                0,
+                0,
+                0,
+                0,
+                len(out),
+            )
+            + raw
+        )
         out += header + raw + data
     end = struct.pack("<4sHHHHIIH", b"PK\x05\x06", 0, 0, len(entries), len(entries), len(central), len(out), 0)
     return bytes(out + central + end)

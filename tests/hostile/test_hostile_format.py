@@ -10,7 +10,6 @@ when a load succeeds -- also for random damage (hypothesis).
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import pickle
@@ -57,9 +56,15 @@ def _mutations() -> dict[str, tuple[Any, str]]:
         "items is a list": (lambda m: m.update(items=list(m["items"].items())), "items"),
         "tensors is a list": (lambda m: m.update(tensors=[1, 2]), "tensors"),
         "tensor entry is a str": (lambda m: m["tensors"].update({sorted(m["tensors"])[0]: "x"}), "tensors["),
-        "tensor entry past its item": (lambda m: m["tensors"].update({sorted(m["tensors"])[0]: [0, 1 << 40]}), "tensor location"),
+        "tensor entry past its item": (
+            lambda m: m["tensors"].update({sorted(m["tensors"])[0]: [0, 1 << 40]}),
+            "tensor location",
+        ),
         "item crc is a str": (lambda m: m["items"].update({first_item(m): "0"}), "items["),
-        "item crc is wrong": (lambda m: m["items"].update({first_item(m): (m["items"][first_item(m)] + 1) % 2**32}), "checksum mismatch in item"),
+        "item crc is wrong": (
+            lambda m: m["items"].update({first_item(m): (m["items"][first_item(m)] + 1) % 2**32}),
+            "checksum mismatch in item",
+        ),
         "item of an unlisted file": (lambda m: m["items"].update({"__9_9.distcp@0": 1}), "items key"),
         "file size missing": (lambda m: m["files"][first_file(m)].pop("size"), ".size"),
         "file size negative": (lambda m: m["files"][first_file(m)].update(size=-1), ".size"),
@@ -116,7 +121,9 @@ def test_deeply_nested_manifest_is_corrupt_not_a_recursion_error(pristine: Path,
 
 def _json_values() -> st.SearchStrategy[Any]:
     scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(), st.text(max_size=20))
-    return st.recursive(scalars, lambda v: st.lists(v, max_size=3) | st.dictionaries(st.text(max_size=8), v, max_size=3), max_leaves=6)
+    return st.recursive(
+        scalars, lambda v: st.lists(v, max_size=3) | st.dictionaries(st.text(max_size=8), v, max_size=3), max_leaves=6
+    )
 
 
 def _paths(manifest: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
@@ -163,15 +170,24 @@ def _metadata_mutations() -> dict[str, tuple[Any, str]]:
 
     return {
         "storage_data a list": (lambda md: setattr(md, "storage_data", list(md.storage_data.items())), "storage_data"),
-        "relative_path climbs out": (lambda md: setattr(storage_info(md, "w"), "relative_path", "../../etc/passwd"), "relative_path"),
-        "relative_path absolute": (lambda md: setattr(storage_info(md, "w"), "relative_path", "/etc/passwd"), "relative_path"),
+        "relative_path climbs out": (
+            lambda md: setattr(storage_info(md, "w"), "relative_path", "../../etc/passwd"),
+            "relative_path",
+        ),
+        "relative_path absolute": (
+            lambda md: setattr(storage_info(md, "w"), "relative_path", "/etc/passwd"),
+            "relative_path",
+        ),
         "offset negative": (lambda md: setattr(storage_info(md, "w"), "offset", -5), ".offset"),
         "length a str": (lambda md: setattr(storage_info(md, "w"), "length", "12"), ".length"),
         "chunk outside its tensor": (lambda md: setattr(chunk(md), "offsets", torch.Size([2, 0])), "chunks[0]"),
         "chunk of other rank": (lambda md: setattr(chunk(md), "sizes", torch.Size([3])), "chunks[0].sizes"),
         "dtype a str": (lambda md: setattr(md.state_dict_metadata["w"].properties, "dtype", "float32"), "dtype"),
         "entry a dict": (lambda md: md.state_dict_metadata.update(w={}), "state_dict_metadata['w']"),
-        "chunk without storage": (lambda md: md.storage_data.__delitem__(next(i for i in md.storage_data if i.fqn == "w")), "no storage entry"),
+        "chunk without storage": (
+            lambda md: md.storage_data.__delitem__(next(i for i in md.storage_data if i.fqn == "w")),
+            "no storage entry",
+        ),
         "item larger than its tensor": (lambda md: setattr(storage_info(md, "w"), "length", 1 << 30), "declared"),
         "not Metadata": (lambda md: [md], "holds a list"),
     }
@@ -280,8 +296,10 @@ def specials(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], 
         paths[(special, which)] = str(ckpt)
     proc = subprocess.run(
         [sys.executable, "-c", _SPECIAL_CHILD, json.dumps(list(paths.values()))],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     results = json.loads(proc.stdout.strip().splitlines()[-1])
     return {key: results[path] for key, path in paths.items()}

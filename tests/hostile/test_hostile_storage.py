@@ -41,10 +41,16 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 import dcpstore
 from dcpstore._impl.dcp.commit import read_checkpoint_metadata
-from dcpstore._impl.util.errors import CheckpointError, CheckpointNotFound, StorageError, StoragePermissionError, UnsafeCheckpoint
 from dcpstore._impl.manager import CheckpointManager
-from dcpstore.storage import open_storage
 from dcpstore._impl.storage.backends.local import LocalStorage
+from dcpstore._impl.util.errors import (
+    CheckpointError,
+    CheckpointNotFound,
+    StorageError,
+    StoragePermissionError,
+    UnsafeCheckpoint,
+)
+from dcpstore.storage import open_storage
 from tests.hostile.test_hostile import METADATA, cli, fresh, state
 
 #: How each local-filesystem backend is reached: (URI for a path, CLI flags, load kwargs).
@@ -344,14 +350,44 @@ def test_explaining_a_missing_checkpoint_reads_a_bounded_listing(tmp_path: Path)
 # ---------------------------------------------------------------------------
 
 #: The OS calls the local backend makes, failed one at a time.
-OS_CALLS = ["open", "write", "fsync", "replace", "unlink", "fstat", "pread", "preadv", "lstat", "stat", "scandir", "makedirs", "readlink"]
+OS_CALLS = [
+    "open",
+    "write",
+    "fsync",
+    "replace",
+    "unlink",
+    "fstat",
+    "pread",
+    "preadv",
+    "lstat",
+    "stat",
+    "scandir",
+    "makedirs",
+    "readlink",
+]
 ERRNOS = [
-    errno.EACCES, errno.EPERM, errno.ELOOP, errno.ENAMETOOLONG, errno.EIO, errno.ENOSPC, errno.EROFS,
-    errno.EMFILE, errno.ENOTDIR, errno.EISDIR, errno.ENOENT, errno.EDQUOT, errno.ESTALE, errno.EINVAL,
-]  # fmt: skip
+    errno.EACCES,
+    errno.EPERM,
+    errno.ELOOP,
+    errno.ENAMETOOLONG,
+    errno.EIO,
+    errno.ENOSPC,
+    errno.EROFS,
+    errno.EMFILE,
+    errno.ENOTDIR,
+    errno.EISDIR,
+    errno.ENOENT,
+    errno.EDQUOT,
+    errno.ESTALE,
+    errno.EINVAL,
+]
 #: What the message says for an errno the mapping words itself.
-WORDED = {errno.ENOENT: "no such file", errno.ENOTDIR: "not a directory", errno.EACCES: "permission denied",
-          errno.EPERM: "permission denied"}  # fmt: skip
+WORDED = {
+    errno.ENOENT: "no such file",
+    errno.ENOTDIR: "not a directory",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "permission denied",
+}
 
 
 def _ops(tmp_path: Path) -> dict[str, tuple[str, Callable[[LocalStorage], Any]]]:

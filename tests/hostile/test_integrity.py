@@ -17,12 +17,12 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
 import dcpstore
-from tests.support.backends import Target
-from tests.support.helpers import assert_state_equal, sample_state, zeros_like_state
 from dcpstore._impl.dcp.commit import read_checkpoint_metadata
 from dcpstore._impl.format.layout import MANIFEST, manifest_name, save_tag
 from dcpstore._impl.tools.maintenance import verify_checkpoint
 from dcpstore.storage import open_storage
+from tests.support.backends import Target
+from tests.support.helpers import assert_state_equal, sample_state, zeros_like_state
 
 
 @pytest.fixture
@@ -216,7 +216,9 @@ def test_a_wrong_tensor_location_in_the_manifest_is_refused(tmp_path, numel: int
     and verify said OK. The location is now proven from the record."""
     root = str(tmp_path / "ck")
     dcpstore.save({"w": torch.arange(float(numel))}, root).result()
-    _edit_manifest(root, lambda m: m["tensors"]["__0_0.distcp@0"].__setitem__(field, m["tensors"]["__0_0.distcp@0"][field] + delta))
+    _edit_manifest(
+        root, lambda m: m["tensors"]["__0_0.distcp@0"].__setitem__(field, m["tensors"]["__0_0.distcp@0"][field] + delta)
+    )
     loaded, verified = _verdicts(root, {"w": torch.zeros(numel)})
     assert "tensor location" in loaded and "does not match its record" in loaded and MANIFEST in loaded, loaded
     assert loaded.startswith(verified), (loaded, verified)
@@ -288,8 +290,10 @@ def test_a_transformed_object_over_16_mib_loads(tmp_path) -> None:
     root = str(tmp_path / "ck")
     state = {"w": torch.ones(4), "blob": os.urandom(17 << 20)}
     dcp.save(state, storage_writer=dcpstore.StorageWriter(root, _extensions=[Xor()]), no_dist=True)
-    for reader in (FileSystemReader(root, _extension_registry=registry(Xor)),
-                   dcpstore.StorageReader(root, _extension_registry=registry(Xor))):  # fmt: skip
+    for reader in (
+        FileSystemReader(root, _extension_registry=registry(Xor)),
+        dcpstore.StorageReader(root, _extension_registry=registry(Xor)),
+    ):
         restored = {"w": torch.zeros(4), "blob": None}
         dcp.load(restored, storage_reader=reader, no_dist=True)
         assert restored["blob"] == state["blob"] and torch.equal(restored["w"], state["w"]), type(reader)

@@ -22,11 +22,11 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
 import dcpstore
-from tests.support.backends import Target
-from dcpstore.adapters import fsdp
-from dcpstore.storage import open_storage
 from dcpstore._impl.dcp.commit import read_checkpoint_metadata
 from dcpstore._impl.dcp.load_progress import NO_CHANGES, merge_changes
+from dcpstore.adapters import fsdp
+from dcpstore.storage import open_storage
+from tests.support.backends import Target
 from tests.support.dist_utils import run_ranks
 from tests.support.oracle import assert_same_state, destination, value_bytes
 from tests.support.rss import fix_mmap_threshold, in_own_process, live_rss

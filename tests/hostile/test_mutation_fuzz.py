@@ -100,11 +100,28 @@ def test_the_sample_covers_every_kind_of_field_and_mode(quick: dict[str, Any]) -
     assert base["loaded_ok"] and base["verify_ok"] and base["as_described"], base  # the unmutated checkpoint
     kinds = {k for case in quick["cases"] for k in case["kinds"]}
     assert kinds == set(quick["kinds"]), set(quick["kinds"]) - kinds
-    for kind in ("metadata.offset", "metadata.length", "metadata.relative_path", "metadata.transforms",
-                 "metadata.dtype", "metadata.size", "metadata.chunk_offsets", "metadata.chunk_sizes",
-                 "metadata.storage_key", "manifest.tensor_location", "manifest.file_size", "manifest.file_crc",
-                 "manifest.item_crc", "manifest.file_name", "record.central.method", "record.central.usize",
-                 "record.central.csize", "record.local.method", "record.end.cd_offset", "sparse"):  # fmt: skip
+    for kind in (
+        "metadata.offset",
+        "metadata.length",
+        "metadata.relative_path",
+        "metadata.transforms",
+        "metadata.dtype",
+        "metadata.size",
+        "metadata.chunk_offsets",
+        "metadata.chunk_sizes",
+        "metadata.storage_key",
+        "manifest.tensor_location",
+        "manifest.file_size",
+        "manifest.file_crc",
+        "manifest.item_crc",
+        "manifest.file_name",
+        "record.central.method",
+        "record.central.usize",
+        "record.central.csize",
+        "record.local.method",
+        "record.end.cd_offset",
+        "sparse",
+    ):
         assert kind in kinds, kind
     assert {c["mode"] for c in quick["cases"]} == {"damage", "resealed", "stripped"}
     assert len(quick["combinations"]) >= 8 and not quick["hypothesis_errors"], quick["hypothesis_errors"]

@@ -14,11 +14,13 @@ import pytest
 import torch
 
 import dcpstore
+from dcpstore._impl.engines.staging import Stager, StagingPool
+from dcpstore._impl.util.errors import CheckpointNotFound, InvalidArgument, SaveError
 from tests.support.async_helpers import (
     ENGINES,
     GatedPlanner,
-    engine_params,
     assert_same,
+    engine_params,
     mixed_state,
     mutate,
     open_target,
@@ -26,9 +28,7 @@ from tests.support.async_helpers import (
     snapshot,
     zeros_like_state,
 )
-from dcpstore._impl.util.errors import CheckpointNotFound, InvalidArgument, SaveError
 from tests.support.backends import Target
-from dcpstore._impl.engines.staging import Stager, StagingPool
 from tests.support.rss import fix_mmap_threshold, in_own_process, live_rss
 
 
@@ -139,7 +139,9 @@ def test_the_old_commit_loads_while_an_overwrite_writes(engine: str, local_targe
 def test_a_later_save_to_the_same_uri_wins(engine: str, local_target: Target, saver: Any) -> None:
     uri = local_target.uri
     planner = GatedPlanner("resolve")  # the first save claimed the URI and stops before writing
-    first = saver.save({"w": torch.zeros(100)}, uri, options=dcpstore.SaveOptions(engine=engine, planner=planner, workers=2))
+    first = saver.save(
+        {"w": torch.zeros(100)}, uri, options=dcpstore.SaveOptions(engine=engine, planner=planner, workers=2)
+    )
     assert planner.reached.wait(30)
     dcpstore.save({"w": torch.ones(100)}, uri, workers=2)  # another writer: sync, to completion
     planner.gate.set()
@@ -158,12 +160,20 @@ def test_unpicklable_value_fails_in_save_naming_the_key(local_target: Target, sa
 
 def test_max_in_flight_one_finishes_the_previous_save_first(local_target: Target, saver: Any) -> None:
     planner = GatedPlanner("setup")
-    first = saver.save({"w": torch.ones(10)}, local_target.child("a").uri, options=dcpstore.SaveOptions(engine="native", planner=planner))
+    first = saver.save(
+        {"w": torch.ones(10)},
+        local_target.child("a").uri,
+        options=dcpstore.SaveOptions(engine="native", planner=planner),
+    )
     returned = threading.Event()
     second: list[Any] = []
 
     def save_second() -> None:
-        second.append(saver.save({"w": torch.ones(10)}, local_target.child("b").uri, options=dcpstore.SaveOptions(engine="native")))
+        second.append(
+            saver.save(
+                {"w": torch.ones(10)}, local_target.child("b").uri, options=dcpstore.SaveOptions(engine="native")
+            )
+        )
         returned.set()
 
     thread = threading.Thread(target=save_second)
@@ -180,14 +190,25 @@ def test_max_in_flight_two_allows_two_pending_and_finishes_in_order(local_target
     order: list[str] = []
     with dcpstore.AsyncSaver(max_in_flight=2) as saver:
         planner = GatedPlanner("setup")
-        h1 = saver.save({"w": torch.ones(10)}, local_target.child("a").uri, options=dcpstore.SaveOptions(engine="native", planner=planner))
-        h2 = saver.save({"w": torch.ones(10)}, local_target.child("b").uri, options=dcpstore.SaveOptions(engine="native"))
+        h1 = saver.save(
+            {"w": torch.ones(10)},
+            local_target.child("a").uri,
+            options=dcpstore.SaveOptions(engine="native", planner=planner),
+        )
+        h2 = saver.save(
+            {"w": torch.ones(10)}, local_target.child("b").uri, options=dcpstore.SaveOptions(engine="native")
+        )
         h1.add_done_callback(lambda h: order.append("a"))
         h2.add_done_callback(lambda h: order.append("b"))
         assert saver.pending() == 2 and not h1.done() and not h2.done()
         third_returned = threading.Event()
         thread = threading.Thread(
-            target=lambda: (saver.save({"w": torch.ones(10)}, local_target.child("c").uri, options=dcpstore.SaveOptions(engine="native")), third_returned.set())
+            target=lambda: (
+                saver.save(
+                    {"w": torch.ones(10)}, local_target.child("c").uri, options=dcpstore.SaveOptions(engine="native")
+                ),
+                third_returned.set(),
+            )
         )
         thread.start()
         assert not third_returned.wait(0.5)  # a third must wait for the oldest
@@ -213,7 +234,9 @@ def test_closed_saver_refuses_and_close_waits(local_target: Target) -> None:
 def test_sync_save_with_engine_runs_it_and_raises_directly(engine: str, local_target: Target) -> None:
     handle = dcpstore.save({"w": torch.ones(10)}, local_target.uri, engine=engine)
     assert handle.done()
-    assert handle.result().engine == ("sync" if engine == "native" else engine)  # another engine runs, and is waited for
+    assert handle.result().engine == (
+        "sync" if engine == "native" else engine
+    )  # another engine runs, and is waited for
     blocker = local_target.uri + "-file"
     open(blocker, "w").close()
     with pytest.raises(SaveError):
@@ -275,9 +298,7 @@ def _repeated_saves_stay_flat(engine: str, target: Target) -> None:
 
 
 @pytest.mark.parametrize("engine", ["native"])  # every engine on every backend: the slow twin below
-def test_repeated_saves_keep_memory_files_and_threads_flat(
-    engine: str, local_target: Target
-) -> None:
+def test_repeated_saves_keep_memory_files_and_threads_flat(engine: str, local_target: Target) -> None:
     skip_unless_engine_serves(engine, local_target)
     in_own_process(_repeated_saves_stay_flat, engine, local_target)
 

@@ -44,22 +44,46 @@ CASES = [
     ("workers-bool", lambda p: _save(f"{p}/x", workers=True), dcpstore.InvalidArgument, "workers"),
     ("load-workers-zero", lambda p: dcpstore.load({}, f"{p}/x", workers=0), dcpstore.InvalidArgument, "workers"),
     ("engine-unknown", lambda p: _save(f"{p}/x", engine="fast"), dcpstore.InvalidArgument, "engine"),
-    ("process-group-without-dist", lambda p: _save(f"{p}/x", process_group=object()), dcpstore.InvalidArgument, "process_group"),
+    (
+        "process-group-without-dist",
+        lambda p: _save(f"{p}/x", process_group=object()),
+        dcpstore.InvalidArgument,
+        "process_group",
+    ),
     ("part-size-too-small", lambda p: dcpstore.StorageOptions(part_size=1024), dcpstore.InvalidArgument, "part_size"),
-    ("concurrency-zero", lambda p: dcpstore.StorageOptions(max_concurrency=0), dcpstore.InvalidArgument, "max_concurrency"),
+    (
+        "concurrency-zero",
+        lambda p: dcpstore.StorageOptions(max_concurrency=0),
+        dcpstore.InvalidArgument,
+        "max_concurrency",
+    ),
     ("timeout-negative", lambda p: dcpstore.StorageOptions(op_timeout_s=-1), dcpstore.InvalidArgument, "op_timeout_s"),
     ("unpicklable-value", lambda p: _save(f"{p}/x", {"fn": lambda: 1}), dcpstore.SaveError, "'fn'"),
     ("meta-tensor", lambda p: _save(f"{p}/x", {"m": torch.empty(3, device="meta")}), dcpstore.InvalidArgument, "'m'"),
     ("sparse-tensor", lambda p: _save(f"{p}/x", {"s": torch.eye(3).to_sparse()}), dcpstore.InvalidArgument, "'s'"),
     # A view whose logical size no machine can hold (2**62 bytes over a 4-byte storage).
     ("huge-view", lambda p: _save(f"{p}/x", {"h": torch.zeros(1).expand(2**60)}), dcpstore.SaveError, "'h'"),
-    ("huge-view-async", lambda p: _save(f"{p}/x", {"h": torch.zeros(1).expand(2**60)}, async_=True, engine="native"),
-     dcpstore.SaveError, "'h'"),
+    (
+        "huge-view-async",
+        lambda p: _save(f"{p}/x", {"h": torch.zeros(1).expand(2**60)}, async_=True, engine="native"),
+        dcpstore.SaveError,
+        "'h'",
+    ),
     ("path-is-a-file", lambda p: (open(f"{p}/f", "w").close(), _save(f"{p}/f")), dcpstore.SaveError, "is a file"),
-    ("parent-is-a-file", lambda p: (open(f"{p}/g", "w").close(), _save(f"{p}/g/ck")), dcpstore.SaveError, "not a directory"),
+    (
+        "parent-is-a-file",
+        lambda p: (open(f"{p}/g", "w").close(), _save(f"{p}/g/ck")),
+        dcpstore.SaveError,
+        "not a directory",
+    ),
     ("name-too-long", lambda p: _save(f"{p}/{'n' * 300}"), dcpstore.SaveError, "too long"),
     ("unwritable", lambda p: _save("/sys/dcpstore-x"), dcpstore.SaveError, "permission denied"),
-    ("load-missing", lambda p: dcpstore.load({"a": torch.zeros(2)}, f"{p}/none"), dcpstore.CheckpointNotFound, "no checkpoint"),
+    (
+        "load-missing",
+        lambda p: dcpstore.load({"a": torch.zeros(2)}, f"{p}/none"),
+        dcpstore.CheckpointNotFound,
+        "no checkpoint",
+    ),
     ("join-dotdot", lambda p: join_uri(str(p), ".."), dcpstore.InvalidURI, "'..'"),
     ("join-escape", lambda p: join_uri("s3://b/root", "a/../../etc"), dcpstore.InvalidURI, ".."),
     ("join-absolute", lambda p: join_uri(str(p), "/etc"), dcpstore.InvalidURI, "/etc"),
@@ -89,12 +113,26 @@ SECRET = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYzzSECRET"
 #: and file cases reach real storage (moto over HTTP, local files) first.
 SECRET_CASES = [
     ("credentials-in-uri", lambda p, b: _save(f"s3://AKIAFAKEKEY:{SECRET}@{b}/x"), dcpstore.InvalidURI),
-    ("signed-query-load", lambda p, b: dcpstore.load({"a": torch.zeros(2)}, f"s3://{b}/none?X-Amz-Signature={SECRET}"),
-     dcpstore.CheckpointNotFound),
-    ("signed-query-no-bucket", lambda p, b: _save(f"s3://dcpstore-no-such-bucket/x?X-Amz-Signature={SECRET}"), dcpstore.SaveError),
-    ("signed-query-msc", lambda p, b: dcpstore.load({"a": torch.zeros(2)}, f"s3://{b}/none?sig={SECRET}", enable_msc=True),
-     dcpstore.CheckpointNotFound),
-    ("file-uri-query", lambda p, b: dcpstore.load({"a": torch.zeros(2)}, f"file://{p}/none?sig={SECRET}"), dcpstore.CheckpointNotFound),
+    (
+        "signed-query-load",
+        lambda p, b: dcpstore.load({"a": torch.zeros(2)}, f"s3://{b}/none?X-Amz-Signature={SECRET}"),
+        dcpstore.CheckpointNotFound,
+    ),
+    (
+        "signed-query-no-bucket",
+        lambda p, b: _save(f"s3://dcpstore-no-such-bucket/x?X-Amz-Signature={SECRET}"),
+        dcpstore.SaveError,
+    ),
+    (
+        "signed-query-msc",
+        lambda p, b: dcpstore.load({"a": torch.zeros(2)}, f"s3://{b}/none?sig={SECRET}", enable_msc=True),
+        dcpstore.CheckpointNotFound,
+    ),
+    (
+        "file-uri-query",
+        lambda p, b: dcpstore.load({"a": torch.zeros(2)}, f"file://{p}/none?sig={SECRET}"),
+        dcpstore.CheckpointNotFound,
+    ),
     ("unknown-scheme-query", lambda p, b: _save(f"zzz://{b}/x?X-Amz-Signature={SECRET}"), dcpstore.InvalidURI),
 ]
 
@@ -148,7 +186,11 @@ def test_join_uri_never_escapes(name: str) -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.text(alphabet=st.characters(min_codepoint=33, max_codepoint=126, exclude_characters="@/?#"), min_size=1, max_size=30))
+@given(
+    st.text(
+        alphabet=st.characters(min_codepoint=33, max_codepoint=126, exclude_characters="@/?#"), min_size=1, max_size=30
+    )
+)
 def test_redact_hides_userinfo_and_query(secret: str) -> None:
     assert redact(f"s3://user:{secret}@bucket/key") == "s3://bucket/key"
     assert redact(f"s3://bucket/key?sig={secret}") == "s3://bucket/key?<redacted>"

@@ -30,11 +30,19 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 def test_python_m_dcpstore_runs_the_cli_as_a_process(root: str) -> None:
     """``python -m dcpstore``: the command where the venv's ``bin`` is not on PATH."""
-    out = subprocess.run([sys.executable, "-m", "dcpstore", "verify", os.path.join(root, "step_1"), "-q"],
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "dcpstore", "verify", os.path.join(root, "step_1"), "-q"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0 and out.stdout.startswith("OK"), out.stderr
-    damaged = subprocess.run([sys.executable, "-m", "dcpstore", "verify", os.path.join(root, "step_9"), "-q"],
-                             capture_output=True, text=True, timeout=120)  # fmt: skip
+    damaged = subprocess.run(
+        [sys.executable, "-m", "dcpstore", "verify", os.path.join(root, "step_9"), "-q"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert damaged.returncode == 1 and "step_9" in damaged.stderr, damaged  # main()'s exit status comes through
 
 
@@ -111,7 +119,12 @@ def test_gc_removes_only_incomplete(root: str) -> None:
     out = run_cli("gc", root, "--older-than", "0")
     assert out.returncode == 0, out.stderr
     assert not os.path.exists(os.path.join(root, "step_2"))
-    assert sorted(os.listdir(os.path.join(root, "step_1"))) == [".dcpstore.json", ".metadata", "__0_0.distcp", "__0_1.distcp"]
+    assert sorted(os.listdir(os.path.join(root, "step_1"))) == [
+        ".dcpstore.json",
+        ".metadata",
+        "__0_0.distcp",
+        "__0_1.distcp",
+    ]
     restored = {"w": torch.zeros(256, 64)}
     dcpstore.load(restored, os.path.join(root, "step_1"))
     assert restored["w"].abs().sum() > 0
@@ -143,16 +156,20 @@ def test_help_ls_and_gc_never_import_torch(root: str) -> None:
 def _torch_modules_imported_by(*argv: str) -> tuple[subprocess.CompletedProcess[str], list[str]]:
     """Run ``python -m dcpstore ARGV`` under ``-X importtime``: the process,
     and every torch module it imported."""
-    out = subprocess.run([sys.executable, "-X", "importtime", "-m", "dcpstore", *argv],
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "dcpstore", *argv], capture_output=True, text=True, timeout=120
+    )
     imported = [line.rsplit("|", 1)[1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")]
     assert "dcpstore._impl.cli" in imported, out.stderr[-2000:]  # the trace is read: a torch import would show
     return out, [m for m in imported if m == "torch" or m.startswith("torch.")]
 
 
 def test_python_m_dcpstore_help_ls_and_gc_never_import_torch(root: str) -> None:
-    for argv, says in ((["--help"], "usage: dcpstore"), (["ls", root], "step_2      committed"),
-                       (["gc", root, "--dry-run"], "nothing to clean up")):  # fmt: skip
+    for argv, says in (
+        (["--help"], "usage: dcpstore"),
+        (["ls", root], "step_2      committed"),
+        (["gc", root, "--dry-run"], "nothing to clean up"),
+    ):
         out, torch_modules = _torch_modules_imported_by(*argv)
         assert out.returncode == 0 and says in out.stdout, (argv, out.stdout, out.stderr[-2000:])
         assert torch_modules == [], (argv, torch_modules[:5])
@@ -190,8 +207,13 @@ def test_gc_given_the_checkpoint_itself_names_it(root: str) -> None:
 
 
 def _stock_checkpoint(path: str) -> dict:
-    state = {"w": torch.randn(64, 32), "half": torch.ones(5, dtype=torch.bfloat16), "scalar": torch.tensor(2.5),
-             "step": 7, "opt": {"lr": 0.1, "betas": (0.9, 0.99)}}  # fmt: skip
+    state = {
+        "w": torch.randn(64, 32),
+        "half": torch.ones(5, dtype=torch.bfloat16),
+        "scalar": torch.tensor(2.5),
+        "step": 7,
+        "opt": {"lr": 0.1, "betas": (0.9, 0.99)},
+    }
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "assuming the intent is to save in a single process"
         dcp.save(state, checkpoint_id=path)

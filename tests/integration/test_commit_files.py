@@ -21,10 +21,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 import dcpstore
-from tests.support.backends import Target
 from dcpstore._impl.dcp.commit import read_checkpoint_metadata, read_commit_file
 from dcpstore._impl.format.layout import MANIFEST, METADATA, commit_file_path, is_commit_side_file, is_manifest
 from dcpstore._impl.tools.maintenance import gc, list_checkpoints, verify_checkpoint
+from tests.support.backends import Target
 from tests.support.helpers import assert_state_equal, sample_state, zeros_like_state
 
 META = "meta.pt"
@@ -99,7 +99,9 @@ def test_overwrite_keeps_the_old_file_until_the_commit_then_replaces_it(target: 
     assert _commit_file(target) == {"epoch": 3} == _plain(target)
 
 
-def test_a_save_that_fails_before_its_commit_leaves_the_old_pair(target: Target, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_save_that_fails_before_its_commit_leaves_the_old_pair(
+    target: Target, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The crash window of an overwrite: the new commit file is written, the
     manifest and ``.metadata`` are not. The old checkpoint still loads, with
     the commit file that belongs to it, and ``gc`` removes what the failed
@@ -162,9 +164,7 @@ def test_a_checkpoint_without_the_file_says_so(local_target: Target) -> None:
         _commit_file(local_target)
 
 
-@pytest.mark.parametrize(
-    "name", [".hidden", "a/b", "", "__0_0.distcp", METADATA, MANIFEST, "__3.metadata", "x" * 200]
-)
+@pytest.mark.parametrize("name", [".hidden", "a/b", "", "__0_0.distcp", METADATA, MANIFEST, "__3.metadata", "x" * 200])
 def test_names_that_cannot_be_commit_files_are_refused(local_target: Target, name: str) -> None:
     with pytest.raises(dcpstore.InvalidArgument, match="commit file"):
         dcpstore.StorageWriter(local_target.uri, commit_files={name: b"x"})

@@ -23,9 +23,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import dcpstore
-from tests.support.async_helpers import ENGINES, GatedPlanner, assert_same
 from dcpstore._impl.engines import nvrx as nvrx_adapter
 from dcpstore._impl.engines.staging import Stager, StagingPool
+from tests.support.async_helpers import ENGINES, GatedPlanner, assert_same
 
 pytestmark = [
     pytest.mark.cuda,
@@ -274,10 +274,9 @@ def test_load_fills_cuda_tensors_in_place(engine: str, tmp_path: Any) -> None:
 def job_fsdp_nccl(rank: int, world: int, root: str, engine: str, device: str = "cuda") -> None:
     """FSDP2 on CUDA over NCCL: async saves through a manager while training
     goes on, then a resume into a fresh model from the newest step."""
+    from dcpstore.adapters import fsdp
     from tests.support.fsdp_jobs import assert_same as assert_same_state
     from tests.support.fsdp_jobs import build, differs, full_state, train
-
-    from dcpstore.adapters import fsdp
 
     model, optim = build(0, device=device)
     mgr = dcpstore.CheckpointManager(root, keep=2, async_=True, options=dcpstore.SaveOptions(engine=engine))
@@ -319,10 +318,9 @@ def test_fsdp2_over_nccl_async_save_and_resume(engine: str, tmp_path: Any) -> No
 def test_manager_resumes_cuda_training_from_the_newest_step(tmp_path: Any) -> None:
     """One process, no torch.distributed: async saves while the optimizer
     keeps stepping, retention, and a resume into a fresh CUDA model."""
+    from dcpstore.adapters import fsdp
     from tests.support.fsdp_jobs import assert_same as assert_same_state
     from tests.support.fsdp_jobs import build, differs, full_state, train
-
-    from dcpstore.adapters import fsdp
 
     root = str(tmp_path / "run")
     model, optim = build(0, sharded=False, device=DEVICE)

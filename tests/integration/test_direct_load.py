@@ -17,11 +17,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import dcpstore
-from tests.support.backends import Target
 from dcpstore._impl.engines.nvrx import NvrxTarget, nvrx_save
 from dcpstore._impl.engines.staging import Stager
-from dcpstore.storage import Storage
 from dcpstore._impl.format.layout import MANIFEST
+from dcpstore.storage import Storage
+from tests.support.backends import Target
 from tests.support.oracle import needs_nvrx
 
 
@@ -195,9 +195,7 @@ def test_nvrx_checkpoints_locate_tensors_like_native_ones(
         manifest = json.loads(open(os.path.join(uri, MANIFEST), "rb").read())
         return sorted(nbytes for _, nbytes in manifest["tensors"].values())
 
-    assert located(local_target.uri) == located(native_uri) == sorted(
-        state[k].nbytes for k in ("big", "bf16", "small")
-    )
+    assert located(local_target.uri) == located(native_uri) == sorted(state[k].nbytes for k in ("big", "bf16", "small"))
     filled = _spy(monkeypatch)
     dest = {k: torch.zeros_like(v.contiguous()) for k, v in state.items()}
     dcpstore.load(dest, local_target.uri)

@@ -18,13 +18,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 import dcpstore
-from tests.support.async_helpers import open_target
-from tests.support.backends import Target
 from dcpstore._impl.engines import nvrx as nvrx_adapter
-from dcpstore._impl.util.errors import BackendUnavailable, CheckpointCorrupt, EngineFallbackWarning, InvalidArgument
 from dcpstore._impl.engines.engine import engine_class
 from dcpstore._impl.engines.staging import Stager
+from dcpstore._impl.util.errors import BackendUnavailable, CheckpointCorrupt, EngineFallbackWarning, InvalidArgument
 from dcpstore._impl.values.options import AUTO_ORDER, ENGINE_CHOICES, ENGINES
+from tests.support.async_helpers import open_target
+from tests.support.backends import Target
 from tests.support.extras import needs_nvrx
 
 
@@ -126,7 +126,9 @@ def test_engine_choice_on_every_backend(target: Target) -> None:
 
 @needs_nvrx
 def test_nvrx_refuses_native_s3_naming_the_alternatives() -> None:
-    pytest.importorskip("dcpstore._impl.storage.backends.s3.storage", reason="the native S3 backend is not in this tree")
+    pytest.importorskip(
+        "dcpstore._impl.storage.backends.s3.storage", reason="the native S3 backend is not in this tree"
+    )
     with pytest.raises(InvalidArgument, match=r"s3.*enable_msc=True.*engine='native'"):
         dcpstore.save({"w": torch.ones(1)}, "s3://some-bucket/ckpt", async_=True, engine="nvrx")
 
@@ -204,7 +206,9 @@ def test_nvrx_runs_without_forks_or_gc_switches(local_target: Target) -> None:
     _ProbeBytes.seen.clear()
     assert gc.isenabled()
     state = {"w": torch.ones(1000), "meta": {"step": 1}}
-    dcpstore.save(state, local_target.uri, async_=True, engine="nvrx", workers=3, planner=_ProbePlanner()).result(timeout=60)
+    dcpstore.save(state, local_target.uri, async_=True, engine="nvrx", workers=3, planner=_ProbePlanner()).result(
+        timeout=60
+    )
     assert _ProbeBytes.seen == [True]  # written by NVRx's writer, with GC left on
     assert set(multiprocessing.active_children()) == before
 

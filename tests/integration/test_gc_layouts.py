@@ -27,12 +27,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 import dcpstore
-from dcpstore._impl.util.errors import SaveError, StorageError
 from dcpstore._impl.dcp.liveness import alive_file
 from dcpstore._impl.tools.maintenance import gc, list_checkpoints
+from dcpstore._impl.util.errors import SaveError, StorageError
+from tests.hostile.test_hostile import cli
 from tests.support.faults import BlockAt, FailAt, hook_all_storage
 from tests.support.helpers import assert_state_equal
-from tests.hostile.test_hostile import cli
 
 STATE = {"w": torch.arange(64.0).reshape(8, 8), "n": 3}
 
@@ -52,7 +52,9 @@ def test_rank_local_stock_checkpoint_is_committed_and_never_collected(tmp_path: 
     loaded = {"w": torch.zeros(8, 8), "n": 0}
     dcp.load(loaded, storage_reader=FileSystemReader(str(ckpt)), no_dist=True)
     assert torch.equal(loaded["w"], STATE["w"]) and loaded["n"] == 3
-    with pytest.raises(dcpstore.CheckpointNotFound, match=r"rank-local metadata \(__0\.metadata\).*use_collectives=False"):
+    with pytest.raises(
+        dcpstore.CheckpointNotFound, match=r"rank-local metadata \(__0\.metadata\).*use_collectives=False"
+    ):
         dcpstore.load({"w": torch.zeros(8, 8)}, str(ckpt))
 
 
@@ -60,7 +62,7 @@ def test_interrupted_stock_commit_is_collected(tmp_path: Path) -> None:
     """What a stock save killed mid-commit leaves: data files and .metadata.tmp."""
     ckpt = _stock(tmp_path / "root" / "wreck")
     os.rename(ckpt / ".metadata", ckpt / ".metadata.tmp")
-    entry, = list_checkpoints(dcpstore.open_storage(str(tmp_path / "root")))
+    (entry,) = list_checkpoints(dcpstore.open_storage(str(tmp_path / "root")))
     assert not entry.committed and not entry.unknown
     report = gc(dcpstore.open_storage(str(tmp_path / "root")), older_than_s=0)
     assert report.removed == ["wreck"] and not ckpt.exists()
@@ -96,8 +98,10 @@ def _refreshed_after(path: Path, mtime: float, timeout_s: float = 30.0) -> bool:
 def _gc_in_another_process(root: Path, older_than: str = "1") -> str:
     proc = subprocess.run(
         [sys.executable, "-m", "dcpstore._impl.cli", "gc", "--older-than", older_than, str(root)],
-        capture_output=True, text=True, timeout=180,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
 
@@ -174,7 +178,9 @@ def test_failed_save_leaves_nothing_that_looks_alive(tmp_path: Path, monkeypatch
     assert gc(dcpstore.open_storage(str(tmp_path / "root")), older_than_s=0).removed == ["ck"]
 
 
-def test_a_marker_removed_under_a_save_is_put_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_marker_removed_under_a_save_is_put_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     """Removed from a directory without a commit (what ``gc`` does to the
     marker of a dead save it listed just before a new save's claim replaced
     it): no other save has the URI, so the save puts it back and commits."""

@@ -21,10 +21,10 @@ import torch
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 import dcpstore
+from dcpstore._impl.dcp.writer import DcpStorageWriter
 from dcpstore._impl.util.errors import StorageError
 from dcpstore.storage import open_storage
 from tests.support.crashkit import which_state
-from dcpstore._impl.dcp.writer import DcpStorageWriter
 from tests.support.faults import EventStorage, FailAt
 from tests.support.helpers import sample_state, zeros_like_state
 
@@ -142,7 +142,10 @@ EVENTS = {
 @pytest.mark.parametrize("event", list(EVENTS))
 def test_interface_failure_commits_nothing(previous, scenario, event: str) -> None:
     uri = _failed_save_uri(previous, scenario)
-    storage = EventStorage(open_storage(uri), FailAt(lambda e: re.match(EVENTS[event], e) is not None, StorageError(f"injected at {event}")))
+    storage = EventStorage(
+        open_storage(uri),
+        FailAt(lambda e: re.match(EVENTS[event], e) is not None, StorageError(f"injected at {event}")),
+    )
     with pytest.raises(BaseException) as info:  # DCP's CheckpointException, a BaseException
         dcp_save(_next_state(), storage_writer=DcpStorageWriter(storage, workers=3), no_dist=True)
     assert "injected" in str(info.value)

@@ -20,14 +20,14 @@ import pytest
 import torch
 
 import dcpstore
-from tests.support import killcount
 import dcpstore.storage
 import dcpstore.tools
+from dcpstore._impl.format.layout import METADATA
+from dcpstore._impl.manager import parse_step_dir, step_dir
 from dcpstore._impl.tools.maintenance import list_checkpoints
+from tests.support import killcount
 from tests.support.async_helpers import engine_params, skip_unless_engine_serves
 from tests.support.backends import Target
-from dcpstore._impl.manager import parse_step_dir, step_dir
-from dcpstore._impl.format.layout import METADATA
 from tests.support.faults import BlockAt, hook_all_storage
 from tests.support.manager_child import state as child_state
 
@@ -48,7 +48,9 @@ def _manager(target: Target, **kwargs: Any) -> dcpstore.CheckpointManager:
     return dcpstore.CheckpointManager(target.uri, options=target.save_options(), **kwargs)
 
 
-def _loaded_step(mgr: dcpstore.CheckpointManager, step: int | None = None, like: dict[str, Any] | None = None) -> tuple[int, float, int]:
+def _loaded_step(
+    mgr: dcpstore.CheckpointManager, step: int | None = None, like: dict[str, Any] | None = None
+) -> tuple[int, float, int]:
     """(step loaded, the value its tensors hold, its "step" entry)."""
     dest = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else -1) for k, v in (like or _state(0)).items()}
     got = mgr.load(dest, step)
@@ -94,7 +96,10 @@ def test_bad_options_fail_at_construction(local_target: Target, kwargs: dict[str
     [
         ({"engine": "native"}, "options=dcpstore.SaveOptions(async_=True, engine=...)"),
         ({"workers": 2}, "options=dcpstore.SaveOptions(async_=True, workers=...)"),
-        ({"enable_msc": True}, "options=dcpstore.SaveOptions(async_=True, storage_options=dcpstore.StorageOptions(enable_msc=...))"),
+        (
+            {"enable_msc": True},
+            "options=dcpstore.SaveOptions(async_=True, storage_options=dcpstore.StorageOptions(enable_msc=...))",
+        ),
         ({"dist_ckpt_workers": 2}, "'dist_ckpt_workers' is dcpstore's 'workers' (its name in Megatron-Bridge's"),
     ],
 )
@@ -102,7 +107,9 @@ def test_a_save_option_goes_in_the_options(local_target: Target, kwargs: dict[st
     """The manager takes its save options whole: a keyword for one is a
     TypeError saying how to pass it (keeping the manager async, as options
     passed whole are used as they are)."""
-    with pytest.raises(TypeError, match=rf"^CheckpointManager\.__init__\(\) got an unexpected keyword argument '{next(iter(kwargs))}'") as info:
+    with pytest.raises(
+        TypeError, match=rf"^CheckpointManager\.__init__\(\) got an unexpected keyword argument '{next(iter(kwargs))}'"
+    ) as info:
         dcpstore.CheckpointManager(local_target.uri, **kwargs)
     assert instead in str(info.value), str(info.value)
 
@@ -125,7 +132,12 @@ def test_only_committed_canonical_steps_are_listed(target: Target) -> None:
     for step in (1, 5, 3):
         mgr.save(_state(step), step)
     storage = _open(target)
-    for foreign in ("step_5/.metadata", "step_00000007.bak/.metadata", "other/.metadata", "step_00000011/nested/.metadata"):
+    for foreign in (
+        "step_5/.metadata",
+        "step_00000007.bak/.metadata",
+        "other/.metadata",
+        "step_00000011/nested/.metadata",
+    ):
         storage.put(foreign, b"not a checkpoint")
     storage.put("step_00000009/__0_0.distcp", b"data of an interrupted save")
     assert mgr.all_steps() == [1, 3, 5] and mgr.latest_step() == 5
@@ -214,7 +226,10 @@ def test_close_is_idempotent_and_final(local_target: Target) -> None:
 
 
 def _child(mode: str, root: str, keep: int, async_: bool = False) -> subprocess.Popen[str]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")]),
+    }
     return subprocess.Popen(
         [sys.executable, "-m", CHILD, mode, root, str(keep), "1" if async_ else "0"],
         stdout=subprocess.PIPE,
@@ -292,7 +307,9 @@ def test_sigkill_mid_save_leaves_only_loadable_committed_steps(tmp_path: Path, a
         assert _loaded_step(mgr, step, like=child_state(0)) == (step, float(step), step)
     if killed not in steps:  # killed before its commit: what it left is no checkpoint
         assert Path(root, step_dir(killed)).is_dir() and not Path(root, step_dir(killed), ".metadata").exists()
-        assert all(e.committed == (parse_step_dir(e.path) in steps) for e in list_checkpoints(dcpstore.open_storage(root)))
+        assert all(
+            e.committed == (parse_step_dir(e.path) in steps) for e in list_checkpoints(dcpstore.open_storage(root))
+        )
     mgr.close()
 
 
@@ -313,7 +330,9 @@ def test_async_step_is_listed_only_after_commit_and_retention_waits_for_it(
     try:
         state["w"].fill_(-1.0)  # after save returns: must not reach storage
         assert held.reached.wait(60), "step 2 never reached its commit"
-        assert not handle.done() and mgr.all_steps() == [1], "step 2 listed, or step 1 retired, before step 2 was committed"
+        assert not handle.done() and mgr.all_steps() == [1], (
+            "step 2 listed, or step 1 retired, before step 2 was committed"
+        )
         reader = _manager(local_target)  # another process's view; mgr.load would wait for step 2
         assert _loaded_step(reader) == (1, 1.0, 1)
     finally:

@@ -101,7 +101,7 @@ def test_a_bind_mount_of_the_root_is_the_root(tmp_path: Path) -> None:
         "except dcpstore.InvalidArgument as e:\n"
         "    print(e)\n"
     )
-    script = f"mount --bind {root} {alias} && exec {sys.executable} -c \"$0\""
+    script = f'mount --bind {root} {alias} && exec {sys.executable} -c "$0"'
     try:
         out = subprocess.run(["unshare", "-m", "sh", "-c", script, code], capture_output=True, text=True, timeout=120)
     except FileNotFoundError:
@@ -116,9 +116,13 @@ def test_msc_posix_profiles_are_the_directory_they_map_to(tmp_path: Path) -> Non
     """``enable_msc=True`` over a plain path (MSC's POSIX profile), and an
     ``msc://`` profile whose base path is the local tier."""
     root = tmp_path / "run"
-    _refused(str(root), str(root), options=dcpstore.SaveOptions(storage_options=dcpstore.StorageOptions(enable_msc=True)))
+    _refused(
+        str(root), str(root), options=dcpstore.SaveOptions(storage_options=dcpstore.StorageOptions(enable_msc=True))
+    )
     config = tmp_path / "msc.yaml"
-    config.write_text(f"profiles:\n  disk:\n    storage_provider:\n      type: file\n      options:\n        base_path: {tmp_path}\n")
+    config.write_text(
+        f"profiles:\n  disk:\n    storage_provider:\n      type: file\n      options:\n        base_path: {tmp_path}\n"
+    )
     code = (
         "import dcpstore\n"
         "try:\n"
@@ -188,7 +192,9 @@ def _spelling(draw: st.DrawFn, parts: list[str]) -> tuple[str, str]:
     local=st.lists(st.sampled_from(_NAMES), min_size=1, max_size=3),
     data=st.data(),
 )
-def test_generated_spellings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, root: list[str], local: list[str], data: st.DataObject) -> None:
+def test_generated_spellings(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, root: list[str], local: list[str], data: st.DataObject
+) -> None:
     """Whatever the spellings, refused exactly when one directory is the
     other or holds it (decided here from the plain component lists)."""
     base = tmp_path / "base"

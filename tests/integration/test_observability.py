@@ -13,11 +13,11 @@ import pytest
 import torch
 
 import dcpstore
+from dcpstore._impl.storage.backends.s3.client import RetryBursts
+from dcpstore.storage import StorageOptions
 from tests.support.backends import Target
 from tests.support.faultproxy import FaultConfig, FaultProxy
 from tests.support.s3_server import S3Endpoint
-from dcpstore.storage import StorageOptions
-from dcpstore._impl.storage.backends.s3.client import RetryBursts
 
 RATE = re.compile(r"[\d.]+(e[+-]?\d+)? GB/s")
 
@@ -63,9 +63,7 @@ def test_nothing_is_logged_above_debug_for_a_quiet_run_but_the_info_lines(
 
 
 @pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
-def test_progress_bars_on_request_only(
-    tmp_path: Path, async_: bool, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_progress_bars_on_request_only(tmp_path: Path, async_: bool, capsys: pytest.CaptureFixture[str]) -> None:
     state = {"big": torch.randn(1 << 20)}  # 4 MiB
     dcpstore.save(state, str(tmp_path / "quiet"), async_=async_, engine="native").result(timeout=60)
     dcpstore.load({"big": torch.empty(1 << 20)}, str(tmp_path / "quiet"))

@@ -56,7 +56,9 @@ def test_zero_tensor_saves_as_zeros(local_target: Target, engine: str) -> None:
     for load in (lambda d: dcpstore.load(d, local_target.uri), lambda d: dcp.load(d, checkpoint_id=local_target.uri)):
         dest = destination(state, fill=0xFF)
         load(dest)
-        assert_same_state(dest, {"zero": torch.zeros(70_000, dtype=torch.float16), "small": torch.zeros(3, 2), "x": torch.arange(4)})
+        assert_same_state(
+            dest, {"zero": torch.zeros(70_000, dtype=torch.float16), "small": torch.zeros(3, 2), "x": torch.arange(4)}
+        )
 
 
 def test_load_into_a_one_element_view_with_any_stride(local_target: Target) -> None:

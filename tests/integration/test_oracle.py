@@ -39,19 +39,38 @@ from hypothesis import strategies as st
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
 import dcpstore
-from tests.support.backends import TARGETS, Target
 from dcpstore._impl.format.layout import MANIFEST, is_manifest
+from tests.support.backends import TARGETS, Target
 from tests.support.oracle import SAVE_ENGINES, assert_same_state, destination, save_with
 from tests.support.s3_server import BUCKET
 
 DTYPES = [
-    torch.float32, torch.float64, torch.float16, torch.bfloat16,
-    torch.complex32, torch.complex64, torch.complex128,
-    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-    torch.uint16, torch.uint32, torch.uint64,
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.complex32,
+    torch.complex64,
+    torch.complex128,
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint16,
+    torch.uint32,
+    torch.uint64,
 ] + [
     getattr(torch, name)
-    for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2")
+    for name in (
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "float8_e4m3fnuz",
+        "float8_e5m2fnuz",
+        "float8_e8m0fnu",
+        "float4_e2m1fn_x2",
+    )
     if hasattr(torch, name)
 ]
 #: dtypes torch can negate (the negative view needs it to resolve).
@@ -105,8 +124,13 @@ def tensors(draw: st.DrawFn) -> torch.Tensor:
 
 KEYS = st.text(alphabet="abcwxyz_", min_size=1, max_size=4)
 SCALARS = st.one_of(
-    st.integers(-(2**70), 2**70), st.floats(allow_nan=True), st.text(max_size=6), st.none(), st.binary(max_size=6),
-    st.lists(st.floats(allow_nan=False), max_size=3), st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=True),
+    st.text(max_size=6),
+    st.none(),
+    st.binary(max_size=6),
+    st.lists(st.floats(allow_nan=False), max_size=3),
+    st.booleans(),
 )
 
 
@@ -119,7 +143,9 @@ def state_dicts(draw: st.DrawFn) -> dict[str, Any]:
         st.tuples(st.integers(), tensors()),  # ... and pickles tuples whole, tensors included
         st.dictionaries(KEYS, leaf, max_size=3),
     )
-    state = draw(st.dictionaries(KEYS, st.one_of(inner, st.dictionaries(KEYS, inner, max_size=3)), min_size=1, max_size=6))
+    state = draw(
+        st.dictionaries(KEYS, st.one_of(inner, st.dictionaries(KEYS, inner, max_size=3)), min_size=1, max_size=6)
+    )
     state["anchor"] = draw(tensors())  # at least one tensor
     if draw(st.booleans()):  # keys over one storage: the same tensor, and a view of it
         base = draw(tensors())
@@ -309,11 +335,20 @@ def test_the_generator_covers_what_it_claims() -> None:
 
     def note(t: torch.Tensor) -> None:
         seen.add(str(t.dtype))
-        seen.update(name for name, hit in (
-            ("0-d", t.dim() == 0), ("empty", t.numel() == 0), ("conj", t.is_conj()), ("neg", t.is_neg()),
-            ("non-contiguous", not t.is_contiguous()), ("offset", t.storage_offset() > 0),
-            ("expanded", 0 in t.stride() and t.numel() > 1), ("in-place", t.nbytes >= IN_PLACE),
-        ) if hit)
+        seen.update(
+            name
+            for name, hit in (
+                ("0-d", t.dim() == 0),
+                ("empty", t.numel() == 0),
+                ("conj", t.is_conj()),
+                ("neg", t.is_neg()),
+                ("non-contiguous", not t.is_contiguous()),
+                ("offset", t.storage_offset() > 0),
+                ("expanded", 0 in t.stride() and t.numel() > 1),
+                ("in-place", t.nbytes >= IN_PLACE),
+            )
+            if hit
+        )
 
     @given(tensors())
     @settings(max_examples=500, deadline=None, database=None, derandomize=True)
@@ -321,7 +356,16 @@ def test_the_generator_covers_what_it_claims() -> None:
         note(t)
 
     collect()
-    wanted = {str(d) for d in DTYPES} | {"0-d", "empty", "conj", "neg", "non-contiguous", "offset", "expanded", "in-place"}
+    wanted = {str(d) for d in DTYPES} | {
+        "0-d",
+        "empty",
+        "conj",
+        "neg",
+        "non-contiguous",
+        "offset",
+        "expanded",
+        "in-place",
+    }
     assert wanted <= seen, sorted(wanted - seen)
 
 

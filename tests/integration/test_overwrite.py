@@ -24,14 +24,14 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 import dcpstore
+from dcpstore._impl.dcp import load as whole_load
+from dcpstore._impl.dcp.load import LOAD_TRIES
 from dcpstore._impl.tools import maintenance
+from dcpstore.storage import open_storage
 from tests.support.async_helpers import skip_unless_engine_serves
 from tests.support.backends import Target
 from tests.support.faults import FailAt, hook_all_storage
 from tests.support.helpers import assert_state_equal, zeros_like_state
-from dcpstore._impl.dcp import load as whole_load
-from dcpstore._impl.dcp.load import LOAD_TRIES
-from dcpstore.storage import open_storage
 
 
 def state(seed: int, n: int = 6) -> dict[str, Any]:
@@ -96,7 +96,7 @@ def test_every_point_of_an_overwrite_loads_old_or_new(
     assert "nothing" not in found, probe.seen
     flip = found.index("new")
     assert found[:flip] == ["old"] * flip and found[flip:] == ["new"] * (len(found) - flip), probe.seen
-    assert any(e.startswith("commit:.metadata") for e, _ in probe.seen[:flip + 1]), probe.seen
+    assert any(e.startswith("commit:.metadata") for e, _ in probe.seen[: flip + 1]), probe.seen
     assert loads_as(target, {"old": old, "new": new}) == "new"
 
 
@@ -174,7 +174,9 @@ def test_gc_removes_what_an_interrupted_overwrite_left_and_nothing_the_commit_na
 def test_stock_dcp_reads_the_old_and_then_the_new(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     old, new = state(1), state(2)
     dcpstore.save(old, tmp_path, workers=2)
-    hook_all_storage({str(tmp_path): FailAt(lambda e: e == "commit:.metadata", OSError(28, "No space left"))}, monkeypatch.setattr)
+    hook_all_storage(
+        {str(tmp_path): FailAt(lambda e: e == "commit:.metadata", OSError(28, "No space left"))}, monkeypatch.setattr
+    )
     with pytest.raises(dcpstore.SaveError):
         dcpstore.save(new, str(tmp_path), workers=2)
     monkeypatch.undo()
@@ -216,8 +218,10 @@ def test_loads_racing_a_stream_of_overwrites_each_get_one_saved_state(
     save is slower than a load: each save waits for a load begun after the
     previous save committed, so a load meets at most one commit per try it
     began (the bound the reader's tries are for), not a back-to-back stream."""
-    states = {seed: {**state(seed), "big": torch.randn(1 << 16, generator=torch.Generator().manual_seed(seed))}
-              for seed in (1, 2, 3)}  # fmt: skip  # "big" is read straight into its destination
+    states = {
+        seed: {**state(seed), "big": torch.randn(1 << 16, generator=torch.Generator().manual_seed(seed))}
+        for seed in (1, 2, 3)
+    }  # "big" is read straight into its destination
     dcpstore.save(states[1], target.uri, workers=2, **target.kwargs)
     stop = threading.Event()
     begun = threading.Condition()  # notified per load begun; loads_begun[0] counts them
@@ -229,7 +233,7 @@ def test_loads_racing_a_stream_of_overwrites_each_get_one_saved_state(
         seed, seen = 1, 0
         while not stop.is_set():
             with begun:
-                if not begun.wait_for(lambda: loads_begun[0] > seen, timeout=0.1):
+                if not begun.wait_for(lambda: loads_begun[0] > seen, timeout=0.1):  # noqa: B023 (waited on here)
                     continue
             seed = seed % 3 + 1
             try:
@@ -365,7 +369,9 @@ def test_a_load_replaced_during_every_try_names_what_all_tries_changed(
     dcpstore.save(states[0], local_target.uri, workers=2)
     hook = NextStateEachTime(local_target, states[1:])
     restored = zeros_like_state(states[0])
-    with pytest.raises(dcpstore.CheckpointCorrupt, match=rf"data file is missing.*each of the {LOAD_TRIES} tries") as info:
+    with pytest.raises(
+        dcpstore.CheckpointCorrupt, match=rf"data file is missing.*each of the {LOAD_TRIES} tries"
+    ) as info:
         _load_beside(local_target, hook, restored, monkeypatch)
     assert hook.tries == hook.overwrites == LOAD_TRIES
     error = info.value
@@ -430,10 +436,14 @@ def test_overwrite_false_saves_where_there_is_no_commit(target: Target) -> None:
 
 def test_storage_writer_overwrite_false_under_dcp_save(target: Target) -> None:
     # What s3torchconnector's test_overwrite and PyTorch's e2e test_overwrite check.
-    dcp.save(state(1), storage_writer=dcpstore.StorageWriter(target.uri, overwrite=False, options=target.save_options()))
+    dcp.save(
+        state(1), storage_writer=dcpstore.StorageWriter(target.uri, overwrite=False, options=target.save_options())
+    )
     dcp.save(state(2), storage_writer=dcpstore.StorageWriter(target.uri, overwrite=True, options=target.save_options()))
     before = listing(target)
     with pytest.raises(CheckpointException, match="Checkpoint already exists"):
-        dcp.save(state(3), storage_writer=dcpstore.StorageWriter(target.uri, overwrite=False, options=target.save_options()))
+        dcp.save(
+            state(3), storage_writer=dcpstore.StorageWriter(target.uri, overwrite=False, options=target.save_options())
+        )
     _refused(target, before)
     assert loads_as(target, {"old": state(2)}) == "old"

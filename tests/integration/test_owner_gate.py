@@ -20,11 +20,11 @@ import torch
 
 import dcpstore
 from dcpstore._impl.dcp.liveness.owner_gate import OwnerGate
+from dcpstore._impl.format.layout import INFLIGHT, METADATA, is_data_file
 from tests.support.async_helpers import open_target, skip_unless_engine_serves
 from tests.support.backends import Target
 from tests.support.faults import Recorder, hook_all_storage
 from tests.support.helpers import assert_state_equal, zeros_like_state
-from dcpstore._impl.format.layout import INFLIGHT, METADATA, is_data_file
 
 ENGINES = [("native", False), ("native", True), ("nvrx", True)]
 WORKERS = 4

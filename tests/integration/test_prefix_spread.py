@@ -26,7 +26,6 @@ from hypothesis import strategies as st
 import dcpstore
 from dcpstore._impl.dcp.liveness import alive_file
 from dcpstore._impl.dcp.liveness.alive_file import ALIVE_PREFIX
-from tests.support.backends import Target
 from dcpstore._impl.format.layout import (
     INFLIGHT,
     MANIFEST,
@@ -37,9 +36,10 @@ from dcpstore._impl.format.layout import (
     spread_dir,
     spread_file_prefix,
 )
+from dcpstore._impl.storage.backends.local import _TMP_MARK
 from dcpstore._impl.tools.maintenance import gc, list_checkpoints
 from dcpstore.storage import StorageOptions
-from dcpstore._impl.storage.backends.local import _TMP_MARK
+from tests.support.backends import Target
 from tests.support.dist_utils import run_ranks
 from tests.support.oracle import needs_nvrx
 
@@ -147,7 +147,9 @@ def test_four_ranks_spread_over_four_prefixes(target: Target) -> None:
     assert by_dir == {"p0": {"0"}, "p1": {"1"}, "p2": {"2"}, "p3": {"3"}}
     dest = {"w": torch.zeros(96, 40), **{f"rank{r}": torch.zeros(5) for r in range(4)}}
     dcpstore.load(dest, target.uri, **target.kwargs)
-    assert torch.equal(dest["w"], FULL) and all(torch.equal(dest[f"rank{r}"], torch.full((5,), float(r))) for r in range(4))
+    assert torch.equal(dest["w"], FULL) and all(
+        torch.equal(dest[f"rank{r}"], torch.full((5,), float(r))) for r in range(4)
+    )
     if target.name == "local":
         plain = {"w": torch.zeros(96, 40), "rank3": torch.zeros(5)}
         dcp.load(plain, checkpoint_id=target.uri)

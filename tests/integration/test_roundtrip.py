@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import dcpstore
+from dcpstore.storage import MiB
 from tests.support.backends import Target
 from tests.support.helpers import assert_state_equal, sample_state, zeros_like_state
-from dcpstore.storage import MiB
 
 
 def test_roundtrip_all_value_kinds(target: Target) -> None:
@@ -91,7 +91,9 @@ def test_partial_load_reads_only_requested_keys(target: Target, monkeypatch: pyt
         extra = sum(e - s for s, e in got) - sum(e - s for s, e in want)
         assert extra <= max(0, len(want) - 1) * MiB, f"{path}: {extra} bytes read beyond the requested items"
     big_b = items["big_b"]
-    assert not any(p == big_b.relative_path and o < big_b.offset + big_b.length and big_b.offset < o + n for p, o, n in reads)
+    assert not any(
+        p == big_b.relative_path and o < big_b.offset + big_b.length and big_b.offset < o + n for p, o, n in reads
+    )
 
 
 def test_overwrite_same_uri_keeps_only_the_new_checkpoint(target: Target) -> None:

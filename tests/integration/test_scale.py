@@ -27,8 +27,8 @@ import torch.distributed.checkpoint as dcp
 import dcpstore
 from dcpstore._impl import cli
 from dcpstore._impl.tools import maintenance
-from tests.support.backends import Target, make_target
 from dcpstore.storage import MiB, StorageOptions
+from tests.support.backends import Target, make_target
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -89,12 +89,18 @@ def _verify_cli(target: Target, capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 0 and "OK" in out.out, out.out + out.err
 
 
-def _round_trip(engine: str, target: Target, n: int, capsys: pytest.CaptureFixture[str], *, cli_verify: bool = True) -> None:
+def _round_trip(
+    engine: str, target: Target, n: int, capsys: pytest.CaptureFixture[str], *, cli_verify: bool = True
+) -> None:
     state: dict[str, Any] = {"big": _pattern(n), "small": torch.arange(10), "step": 3}
     _save(engine, state, target)
     del state
     gc.collect()
-    dest: dict[str, Any] = {"big": torch.zeros(n, dtype=torch.uint8), "small": torch.zeros(10, dtype=torch.int64), "step": None}
+    dest: dict[str, Any] = {
+        "big": torch.zeros(n, dtype=torch.uint8),
+        "small": torch.zeros(10, dtype=torch.int64),
+        "step": None,
+    }
     dcpstore.load(dest, target.uri, **target.kwargs)
     _assert_pattern(dest["big"], n)
     assert torch.equal(dest["small"], torch.arange(10)) and dest["step"] == 3
@@ -139,7 +145,9 @@ def test_large_tensor_round_trips_on_s3_native(
 
 
 @pytest.mark.parametrize("size", list(SIZES))
-def test_verify_of_a_large_stock_dcp_checkpoint(local_target: Target, size: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_verify_of_a_large_stock_dcp_checkpoint(
+    local_target: Target, size: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     """A checkpoint written by stock ``dcp.save`` has no checksums; ``dcpstore
     verify`` decodes every item, a large tensor record included, and says so."""
     n = SIZES[size]

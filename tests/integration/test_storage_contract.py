@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 import dcpstore
-from tests.support.backends import Target
 from dcpstore._impl.storage import backend_registry as registry
 from dcpstore.storage import Storage, register_backend
 from dcpstore.storage.testing import StorageContract
+from tests.support.backends import Target
 from tests.support.user_backend import ROOT_VARIABLE, MirrorStorage
 
 

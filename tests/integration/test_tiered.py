@@ -22,19 +22,18 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-import torch.distributed as dist
 
 import dcpstore
+from dcpstore._impl.format.layout import METADATA, REPLICA_REPORT_PREFIX
+from dcpstore._impl.manager import step_dir
 from dcpstore._impl.tools.maintenance import gc, list_checkpoints
 from tests.support.backends import Target, make_target, save_options
 from tests.support.crashkit import crash, forkserver
-from dcpstore._impl.format.layout import METADATA, REPLICA_REPORT_PREFIX
-from dcpstore._impl.manager import step_dir
 from tests.support.dist_utils import run_ranks
 from tests.support.faults import BlockAt, KillAt, KillOn, Recorder, hook_all_storage, spread
-from tests.support.helpers import assert_state_equal, zeros_like_state
 from tests.support.tiered_kit import (  # noqa: F401
     assert_durable_step,
     crash_at_each,
@@ -257,8 +256,9 @@ def test_replication_pending_at_exit_is_finished_by_atexit(tmp_path: Path) -> No
 def test_an_unreachable_durable_root_fails_at_construction(request: pytest.FixtureRequest, tmp_path: Path) -> None:
     s3 = make_target("s3", request)  # the session's endpoint; a bucket that does not exist
     with pytest.raises(dcpstore.CheckpointError, match="s3://dcpstore-no-such-bucket/run"):
-        dcpstore.CheckpointManager("s3://dcpstore-no-such-bucket/run", local_dir=str(tmp_path / "local"),
-                                   options=s3.save_options(async_=True))  # fmt: skip
+        dcpstore.CheckpointManager(
+            "s3://dcpstore-no-such-bucket/run", local_dir=str(tmp_path / "local"), options=s3.save_options(async_=True)
+        )
 
 
 def test_ls_shows_where_each_step_lives(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -286,11 +286,15 @@ def test_ls_shows_where_each_step_lives(tmp_path: Path, capsys: pytest.CaptureFi
 def _replicating_child(durable_uri: str, local: str, kwargs: dict[str, Any], hook: Any) -> None:
     """Commit step 1 (replicated), then step 2, killed by ``hook`` (on the
     durable tier's storage calls only) while step 2 is replicated."""
-    with dcpstore.CheckpointManager(durable_uri, local_dir=local, async_=False, keep=1, options=save_options(kwargs)) as mgr:
+    with dcpstore.CheckpointManager(
+        durable_uri, local_dir=local, async_=False, keep=1, options=save_options(kwargs)
+    ) as mgr:
         mgr.save(state(1, 1 << 20), 1)
         mgr.wait()
     hook_all_storage({durable_uri: hook})
-    with dcpstore.CheckpointManager(durable_uri, local_dir=local, async_=False, keep=1, options=save_options(kwargs)) as mgr:
+    with dcpstore.CheckpointManager(
+        durable_uri, local_dir=local, async_=False, keep=1, options=save_options(kwargs)
+    ) as mgr:
         mgr.save(state(2, 1 << 20), 2)
         mgr.wait()
 
@@ -370,7 +374,9 @@ def test_sigkill_during_replication_leaves_whole_steps_s3(request: pytest.Fixtur
 def _ranks_save(rank: int, world_size: int, durable_uri: str, local_dirs: list[str], env: dict[str, str]) -> None:
     # One local directory that every rank sees.
     local = local_dirs[rank % len(local_dirs)]
-    with dcpstore.CheckpointManager(durable_uri, local_dir=local, async_=True, keep=2, local_keep=2, options=dcpstore.SaveOptions(workers=2)) as mgr:
+    with dcpstore.CheckpointManager(
+        durable_uri, local_dir=local, async_=True, keep=2, local_keep=2, options=dcpstore.SaveOptions(workers=2)
+    ) as mgr:
         for step in (1, 2, 3):
             mgr.save(dtensor_state(world_size, step), step)
         mgr.wait()
@@ -420,6 +426,7 @@ def _ranks_one_fails(rank: int, world_size: int, durable_uri: str, local: str) -
     import dcpstore._impl.manager.tiers.tiered as tiered
 
     if rank == 1:  # rank 1's uploads fail: its files never reach the durable tier
+
         def broken(*args: Any, **kwargs: Any) -> Any:
             raise dcpstore.StorageError("injected: rank 1 cannot reach the object store")
 

@@ -23,12 +23,12 @@ import torch
 import torch.distributed as dist
 
 import dcpstore
-from tests.support.backends import Target, make_target, save_options
-from tests.support.crashkit import crash, forkserver
 from dcpstore._impl.format.layout import METADATA
-from dcpstore._impl.tools.maintenance import gc
 from dcpstore._impl.manager import step_dir
 from dcpstore._impl.manager.tiers.replicate import check_no_clash, read_local_commit
+from dcpstore._impl.tools.maintenance import gc
+from tests.support.backends import Target, make_target, save_options
+from tests.support.crashkit import crash, forkserver
 from tests.support.dist_utils import run_ranks
 from tests.support.faults import BlockAt, KillAt, KillOn, Recorder, hook_all_storage, spread
 from tests.support.helpers import assert_state_equal, zeros_like_state
@@ -156,15 +156,18 @@ def test_a_replica_never_writes_over_the_files_of_another_commit(tmp_path: Path)
 
 
 def _ranks_overwrite(rank: int, world_size: int, durable_uri: str, kwargs: dict[str, Any], local: str) -> None:
-    with dcpstore.CheckpointManager(durable_uri, local_dir=local, async_=True, local_keep=1,
-                                    options=save_options(kwargs, workers=2)) as mgr:  # fmt: skip
+    with dcpstore.CheckpointManager(
+        durable_uri, local_dir=local, async_=True, local_keep=1, options=save_options(kwargs, workers=2)
+    ) as mgr:
         for step in (1, 2):
             mgr.save(dtensor_state(world_size, step), step)
         mgr.wait()  # step 1 is retired locally: the overwrite starts in an empty local step directory
         mgr.save(dtensor_state(world_size, NEW), 1, overwrite=True)
         mgr.wait()
     dist.barrier()
-    fresh = dcpstore.CheckpointManager(durable_uri, local_dir=f"{local}-fresh", options=save_options(kwargs, async_=True))
+    fresh = dcpstore.CheckpointManager(
+        durable_uri, local_dir=f"{local}-fresh", options=save_options(kwargs, async_=True)
+    )
     with fresh as mgr:  # from the durable tier
         dest = dtensor_state(world_size, 0)
         assert mgr.load(dest, 1) == 1
@@ -188,12 +191,16 @@ def _overwriting_child(durable_uri: str, local: str, kwargs: dict[str, Any], hoo
     """Commit steps 1 and 2 (replicated; local_keep=1 retires step 1 locally),
     then save step 1 again with other values, with ``hook`` on the durable
     tier's storage calls (a kill lands somewhere in that replication)."""
-    with dcpstore.CheckpointManager(durable_uri, local_dir=local, async_=False, local_keep=1, options=save_options(kwargs)) as mgr:
+    with dcpstore.CheckpointManager(
+        durable_uri, local_dir=local, async_=False, local_keep=1, options=save_options(kwargs)
+    ) as mgr:
         mgr.save(state(1, BIG), 1)
         mgr.save(state(2, BIG), 2)
         mgr.wait()
     hook_all_storage({durable_uri: hook})
-    with dcpstore.CheckpointManager(durable_uri, local_dir=local, async_=False, local_keep=1, options=save_options(kwargs)) as mgr:
+    with dcpstore.CheckpointManager(
+        durable_uri, local_dir=local, async_=False, local_keep=1, options=save_options(kwargs)
+    ) as mgr:
         mgr.save(state(NEW, BIG), 1, overwrite=True)
         mgr.wait()
 

@@ -16,8 +16,8 @@ import torch.distributed.checkpoint as dcp
 
 import dcpstore
 from dcpstore import tools
-from dcpstore.storage import Storage, open_storage, register_backend
 from dcpstore._impl.storage import backend_registry as registry
+from dcpstore.storage import Storage, open_storage, register_backend
 from tests.support.dist_utils import run_ranks
 from tests.support.helpers import assert_state_equal, zeros_like_state
 from tests.support.user_backend import ROOT_VARIABLE, MirrorStorage
@@ -43,7 +43,9 @@ def test_ls_and_gc_never_import_torch(tmp_path: Path) -> None:
         "print('torch' in sys.modules)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
-    assert out.stdout.splitlines() == ["[('step1', True), ('step2', False)]", "['step2']", "False"], out.stdout + out.stderr
+    assert out.stdout.splitlines() == ["[('step1', True), ('step2', False)]", "['step2']", "False"], (
+        out.stdout + out.stderr
+    )
     assert not (tmp_path / "run" / "step2").exists() and (tmp_path / "run" / "step1" / ".metadata").exists()
 
 
@@ -122,7 +124,9 @@ def _save_through_the_process_executor(rank: int, world: int, root: str) -> None
     uri = "mirror://bucket/dcp"
     state = _state(2)
     writer = dcpstore.StorageWriter(uri)
-    dcp.async_save(state, storage_writer=writer, async_checkpointer_type=AsyncCheckpointerType.PROCESS).result(timeout=240)
+    dcp.async_save(state, storage_writer=writer, async_checkpointer_type=AsyncCheckpointerType.PROCESS).result(
+        timeout=240
+    )
     restored = zeros_like_state(state)
     dcp.load(restored, storage_reader=dcpstore.StorageReader(uri))
     assert_state_equal(state, restored)

@@ -111,7 +111,9 @@ def test_module_level_async_save_raises_it_from_the_next_save(tmp_path: Path) ->
 def test_a_manager_save_raises_an_unobserved_async_failure(tmp_path: Path) -> None:
     bad = _unwritable(tmp_path)
     _wait_done(dcpstore.save(_state(), bad, async_=True, engine="native"))
-    with dcpstore.CheckpointManager(str(tmp_path / "run"), options=dcpstore.SaveOptions(async_=True, engine="native")) as mgr:
+    with dcpstore.CheckpointManager(
+        str(tmp_path / "run"), options=dcpstore.SaveOptions(async_=True, engine="native")
+    ) as mgr:
         with pytest.raises(SaveError) as info:
             mgr.save(_state(), 1)
         assert bad in str(info.value) and mgr.all_steps() == []
@@ -135,8 +137,11 @@ def test_a_manager_raises_its_own_failed_save_from_the_next_one(tmp_path: Path, 
 def _run(script: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(script)],
-        capture_output=True, text=True, timeout=180, cwd=tmp_path,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=tmp_path,
+    )
 
 
 @pytest.mark.parametrize("engine", SLOW_PROCESS)

@@ -16,9 +16,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import dcpstore
-from tests.support.backends import Target
 from dcpstore._impl.format import record as dcp_writer
 from dcpstore._impl.format.record import item_tensor
+from tests.support.backends import Target
 
 ENGINES: dict[str, dict[str, Any]] = {
     "sync": {},

@@ -22,12 +22,11 @@ import torch
 
 import dcpstore
 from dcpstore._impl.util.errors import StorageError
+from dcpstore.storage import MiB, StorageOptions, open_storage
+from tests.object_stores.test_object_store_budget import PART, _uri, proxy  # noqa: F401 -- proxy: the fixture
 from tests.support.faultproxy import FaultConfig, FaultProxy, Request
 from tests.support.helpers import assert_state_equal, zeros_like_state
 from tests.support.s3_server import S3Endpoint
-from tests.object_stores.test_object_store_budget import PART, _uri, proxy  # noqa: F401 -- proxy: the fixture
-from dcpstore.storage import MiB, StorageOptions, open_storage
-
 
 #: The budget of the one-file tests: above the 8 pieces a lone object or
 #: read was cut into before the batch decided (so that they fail there),
@@ -114,9 +113,7 @@ def test_a_one_tensor_load_keeps_the_whole_budget_in_flight(proxy: FaultProxy, s
     assert_state_equal(state, restored)
 
 
-def test_the_last_part_leaves_at_seal_and_the_upload_starts_at_open(
-    proxy: FaultProxy, s3_endpoint: S3Endpoint
-) -> None:
+def test_the_last_part_leaves_at_seal_and_the_upload_starts_at_open(proxy: FaultProxy, s3_endpoint: S3Endpoint) -> None:
     """An object whose hint says it needs parts starts its multipart upload
     when it is opened, before any byte is written; ``seal()`` sends the
     last, partial part before the commit, which only completes the upload.

@@ -27,10 +27,10 @@ from hypothesis import strategies as st
 
 import dcpstore
 from dcpstore._impl.storage.lending_writer import LEND_MIN, LendingObjectWriter, Part, PartBody
+from dcpstore.storage import MiB, StorageOptions, open_storage
 from tests.support.faultproxy import FaultConfig, FaultProxy
 from tests.support.helpers import assert_state_equal, zeros_like_state
 from tests.support.s3_server import S3Endpoint
-from dcpstore.storage import MiB, StorageOptions, open_storage
 
 PART = 5 * MiB
 
@@ -48,7 +48,9 @@ def _address(view: memoryview) -> int:
     reads=st.lists(st.integers(1, 400), min_size=1, max_size=8),
     seek_to=st.integers(0, 2000),
 )
-def test_a_body_reads_back_its_pieces_in_order_in_any_read_sizes(sizes: list[int], reads: list[int], seek_to: int) -> None:
+def test_a_body_reads_back_its_pieces_in_order_in_any_read_sizes(
+    sizes: list[int], reads: list[int], seek_to: int
+) -> None:
     pieces = [memoryview(bytes((i * 7 + j) % 251 for j in range(n))) for i, n in enumerate(sizes)]
     whole = b"".join(pieces)
     body = PartBody(pieces)
@@ -141,11 +143,13 @@ _writes = st.lists(st.tuples(st.booleans(), st.integers(1, 3 * LEND_MIN)), max_s
 
 @settings(max_examples=150, deadline=None)
 @given(writes=_writes, part_size=st.sampled_from([LEND_MIN, 100_000, 3 * LEND_MIN + 5]), seal=st.booleans())
-def test_parts_are_the_bytes_written_whatever_mix_is_lent(writes: list[tuple[bool, int]], part_size: int, seal: bool) -> None:
+def test_parts_are_the_bytes_written_whatever_mix_is_lent(
+    writes: list[tuple[bool, int]], part_size: int, seal: bool
+) -> None:
     w = _Recorder(part_size)
     sources = []
     for i, (lend, n) in enumerate(writes):
-        data = bytearray(((i * 31 + j) % 256 for j in range(n)))
+        data = bytearray((i * 31 + j) % 256 for j in range(n))
         sources.append((lend, data))
         if lend:
             w.write_lent(data, owner=data)
@@ -198,7 +202,10 @@ def _uri(endpoint: S3Endpoint) -> str:
 
 
 def _storage_spans(state: dict[str, torch.Tensor]) -> list[tuple[int, int]]:
-    return [(t.untyped_storage().data_ptr(), t.untyped_storage().data_ptr() + t.untyped_storage().nbytes()) for t in state.values()]
+    return [
+        (t.untyped_storage().data_ptr(), t.untyped_storage().data_ptr() + t.untyped_storage().nbytes())
+        for t in state.values()
+    ]
 
 
 def test_a_save_sends_its_tensors_from_their_memory(s3_endpoint: S3Endpoint) -> None:

@@ -24,15 +24,15 @@ import pytest
 import torch
 
 import dcpstore
+from dcpstore._impl.bench.measure import PeakRSS
+from dcpstore._impl.storage.backends.s3.client import CONTINUE_MIN
+from dcpstore._impl.storage.concurrency import disk_workers
+from dcpstore._impl.storage.storage_options import OBJECT_STORE_WORKERS
+from dcpstore._impl.util.errors import CheckpointCorrupt
+from dcpstore.storage import MiB, StorageOptions, open_storage
 from tests.support.faultproxy import FaultConfig, FaultProxy, Request
 from tests.support.helpers import assert_state_equal, zeros_like_state
 from tests.support.s3_server import BUCKET, MotoServer, S3Endpoint, Tls
-from dcpstore._impl.bench.measure import PeakRSS
-from dcpstore._impl.util.errors import CheckpointCorrupt
-from dcpstore.storage import MiB, StorageOptions, open_storage
-from dcpstore._impl.storage.storage_options import OBJECT_STORE_WORKERS
-from dcpstore._impl.storage.concurrency import disk_workers
-from dcpstore._impl.storage.backends.s3.client import CONTINUE_MIN
 
 PART = 5 * MiB
 
@@ -253,8 +253,11 @@ def test_a_load_knows_each_size_before_reading_and_still_finds_a_wrong_one(
 
     prefix = uri.split("/", 3)[3]
     client = s3_endpoint.client()
-    key = next(o["Key"] for o in client.list_objects_v2(Bucket=s3_endpoint.bucket, Prefix=prefix)["Contents"]
-               if o["Key"].endswith(".distcp"))  # fmt: skip
+    key = next(
+        o["Key"]
+        for o in client.list_objects_v2(Bucket=s3_endpoint.bucket, Prefix=prefix)["Contents"]
+        if o["Key"].endswith(".distcp")
+    )
     body = client.get_object(Bucket=s3_endpoint.bucket, Key=key)["Body"].read()
     client.put_object(Bucket=s3_endpoint.bucket, Key=key, Body=body + b"appended")
     with pytest.raises(CheckpointCorrupt, match=r"size .* expected"):
@@ -322,7 +325,9 @@ def test_a_load_reads_its_commit_in_one_round_trip(proxy: FaultProxy, s3_endpoin
     assert_state_equal(state, restored)
     commit_reads = [(m, name) for m, name in seen if not name.endswith(".distcp") and name != bucket]
     assert [name for _, name in seen].count(bucket) == 1  # one listing per load
-    assert [m for m, _ in commit_reads] == ["GET"] * 3, commit_reads  # .metadata, the plain name (gone: a 404), the tagged one
+    assert [m for m, _ in commit_reads] == ["GET"] * 3, (
+        commit_reads
+    )  # .metadata, the plain name (gone: a 404), the tagged one
     assert commit_reads[-1][1].startswith(".dcpstore.") and commit_reads[-1][1] != ".dcpstore.json", commit_reads
 
 

@@ -19,10 +19,10 @@ import pytest
 import torch
 
 import dcpstore
-from tests.support.backends import OBJECT_STORE_OPTIONS
-from tests.support.s3_server import FAKE_KEY_ID, FAKE_SECRET, REGION, MotoServer, S3Endpoint, apply_env, aws_env
 from dcpstore._impl.cli import main as cli_main
 from dcpstore.storage import open_storage
+from tests.support.backends import OBJECT_STORE_OPTIONS
+from tests.support.s3_server import FAKE_KEY_ID, FAKE_SECRET, REGION, MotoServer, S3Endpoint, apply_env, aws_env
 
 MISSING_BUCKET = "dcpstore-no-such-bucket"
 BACKENDS = {"s3": {}, "s3+msc": {"enable_msc": True}}
@@ -48,8 +48,11 @@ def auth_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AuthServer
         for case in cases:
             s3.create_bucket(Bucket=f"auth-{case}")
         iam = boto3.session.Session().client(
-            "iam", endpoint_url=server.url, region_name=REGION,
-            aws_access_key_id=FAKE_KEY_ID, aws_secret_access_key=FAKE_SECRET,
+            "iam",
+            endpoint_url=server.url,
+            region_name=REGION,
+            aws_access_key_id=FAKE_KEY_ID,
+            aws_secret_access_key=FAKE_SECRET,
         )
         iam.create_user(UserName="dcpstore-nobody")
         key = iam.create_access_key(UserName="dcpstore-nobody")["AccessKey"]
@@ -115,7 +118,11 @@ def test_bad_credentials_say_so_and_never_leak(
     # botocore's own DEBUG wire logs (the Authorization header, by AWS's
     # design); it must not be in ours, MSC's, or anything at INFO and above.
     _assert_no_leak([r.getMessage() for r in caplog.records], secrets, [])
-    ours = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO or r.name.startswith(("dcpstore", "multistorageclient"))]
+    ours = [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno >= logging.INFO or r.name.startswith(("dcpstore", "multistorageclient"))
+    ]
     _assert_no_leak(ours, secrets, [key_id, auth_server.key_id])
 
 

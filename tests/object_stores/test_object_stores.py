@@ -13,12 +13,12 @@ import pytest
 import torch
 
 import dcpstore
+from dcpstore._impl.storage import MiB, StorageOptions, open_storage, parse_uri
+from dcpstore._impl.storage.backends.s3.storage import S3Storage, s3_client
 from dcpstore._impl.tools.maintenance import gc
 from tests.support.backends import OBJECT_STORE_OPTIONS, make_target
 from tests.support.faultproxy import FaultConfig, FaultProxy
 from tests.support.s3_server import S3Endpoint
-from dcpstore._impl.storage import MiB, StorageOptions, open_storage, parse_uri
-from dcpstore._impl.storage.backends.s3.storage import S3Storage, s3_client
 
 PART = 5 * MiB
 
@@ -137,8 +137,9 @@ def test_open_uploads_are_listed_and_cleaned_by_gc(s3: S3Storage, s3_endpoint: S
     client = s3_endpoint.client()
     s3.put("step1/__0_0.distcp", b"data")
     upload = client.create_multipart_upload(Bucket=s3.bucket, Key=s3.key("step1/__0_1.distcp"))
-    client.upload_part(Bucket=s3.bucket, Key=s3.key("step1/__0_1.distcp"), UploadId=upload["UploadId"],
-                       PartNumber=1, Body=b"p" * 100)
+    client.upload_part(
+        Bucket=s3.bucket, Key=s3.key("step1/__0_1.distcp"), UploadId=upload["UploadId"], PartNumber=1, Body=b"p" * 100
+    )
     assert list(s3.list_incomplete()) == ["step1/__0_1.distcp"]
     assert [o["path"] for o in s3.list()] == ["step1/__0_0.distcp"]  # uploads are not objects
     # moto reports every upload as initiated in 2010, so "too recent" is
@@ -198,7 +199,9 @@ def test_msc_object_abort_sends_nothing(name: str, request: pytest.FixtureReques
 
 
 @pytest.mark.parametrize("name", ["s3", "s3+msc", "msc"])
-def test_object_store_targets_upload_multi_mib_files_in_parts(name: str, request: pytest.FixtureRequest, s3_endpoint: S3Endpoint) -> None:
+def test_object_store_targets_upload_multi_mib_files_in_parts(
+    name: str, request: pytest.FixtureRequest, s3_endpoint: S3Endpoint
+) -> None:
     """What backends.py promises the shared suites: on every object-store
     target a 12 MiB data file goes up as a multipart upload (5 MiB parts),
     and comes back whole (the quick run's round trip through ``s3+msc``,

@@ -30,10 +30,10 @@ import torch
 
 import dcpstore
 from dcpstore._impl.tools.maintenance import gc
+from dcpstore.storage import MiB, StorageOptions, open_storage
 from tests.support.faultproxy import FaultConfig, FaultProxy, Request, s3_error
 from tests.support.helpers import assert_state_equal, zeros_like_state
 from tests.support.s3_server import S3Endpoint
-from dcpstore.storage import MiB, StorageOptions, open_storage
 
 PART = 5 * MiB
 
@@ -318,7 +318,10 @@ def test_a_hung_endpoint_fails_within_the_configured_timeout_through_msc(
         other = _uri(s3_endpoint)
         calls = {
             "save": (other, lambda: dcpstore.save(small, other, enable_msc=True, storage_options=DEAD_OPTS)),
-            "load": (uri, lambda: dcpstore.load(zeros_like_state(small), uri, enable_msc=True, storage_options=DEAD_OPTS)),
+            "load": (
+                uri,
+                lambda: dcpstore.load(zeros_like_state(small), uri, enable_msc=True, storage_options=DEAD_OPTS),
+            ),
         }
         for what, (named, call) in calls.items():
             t0 = time.monotonic()
@@ -351,7 +354,9 @@ def test_stalled_part_uploads_fail_the_save_within_a_bound(proxy: FaultProxy, s3
 
 #: The endpoint "goes down" once the save's data is on its way: every part
 #: upload, abort and delete fails (so the save fails, and so does its clean-up).
-_DOWN = FaultConfig(slowdown=1.0, applies=lambda r: r.kind in ("UploadPart", "AbortMultipartUpload", "DeleteObjects", "DeleteObject"))
+_DOWN = FaultConfig(
+    slowdown=1.0, applies=lambda r: r.kind in ("UploadPart", "AbortMultipartUpload", "DeleteObjects", "DeleteObject")
+)
 
 
 def _leftover_state(uri: str, endpoint: S3Endpoint) -> tuple[list[str], int]:
@@ -380,10 +385,14 @@ def _wait_clean(uri: str, endpoint: S3Endpoint, timeout: float = 60) -> None:
 _OPTS = StorageOptions(part_size=PART, max_attempts=2, op_timeout_s=20)
 
 
-def test_a_failed_saves_clean_up_is_retried_by_the_next_save(proxy: FaultProxy, s3_endpoint: S3Endpoint, tmp_path) -> None:
+def test_a_failed_saves_clean_up_is_retried_by_the_next_save(
+    proxy: FaultProxy, s3_endpoint: S3Endpoint, tmp_path
+) -> None:
     """The error says what will happen; the next save (to another storage,
     even) tries the clean-up again, in the background, and it succeeds."""
-    uri, message = _fail_while_down(proxy, s3_endpoint, lambda u: dcpstore.save(_state(), u, workers=1, storage_options=_OPTS))
+    uri, message = _fail_while_down(
+        proxy, s3_endpoint, lambda u: dcpstore.save(_state(), u, workers=1, storage_options=_OPTS)
+    )
     assert "Its clean-up failed as well (2 step(s)" in message, message
     assert "abort the multipart upload of" in message and "remove the alive file" in message, message
     assert "tries again at its next save, at close() and at exit" in message and f"'dcpstore gc {uri}'" in message
@@ -398,7 +407,9 @@ def test_a_failed_async_saves_clean_up_is_retried_by_close(proxy: FaultProxy, s3
     saver = dcpstore.AsyncSaver()
 
     def save(u: str) -> None:
-        saver.save(_state(), u, options=dcpstore.SaveOptions(engine="native", workers=1, storage_options=_OPTS)).result()
+        saver.save(
+            _state(), u, options=dcpstore.SaveOptions(engine="native", workers=1, storage_options=_OPTS)
+        ).result()
 
     uri, message = _fail_while_down(proxy, s3_endpoint, save)
     assert "tries again at its next save, at close() and at exit" in message
@@ -406,14 +417,18 @@ def test_a_failed_async_saves_clean_up_is_retried_by_close(proxy: FaultProxy, s3
     assert _leftover_state(uri, s3_endpoint) == ([], 0)
 
 
-def test_a_failed_dropin_saves_clean_up_is_kept_by_its_writer(proxy: FaultProxy, s3_endpoint: S3Endpoint, tmp_path) -> None:
+def test_a_failed_dropin_saves_clean_up_is_kept_by_its_writer(
+    proxy: FaultProxy, s3_endpoint: S3Endpoint, tmp_path
+) -> None:
     """The drop-in writer under stock ``dcp.save`` keeps what a failed save
     could not clean up as dcpstore's own savers do: the error (inside DCP's
     CheckpointException) says what will happen, the writer's next save
     tries again in the background, and close() waits for a last try."""
     import torch.distributed.checkpoint as dcp
 
-    writer = dcpstore.StorageWriter(_uri(s3_endpoint), thread_count=1, options=dcpstore.SaveOptions(storage_options=_OPTS))
+    writer = dcpstore.StorageWriter(
+        _uri(s3_endpoint), thread_count=1, options=dcpstore.SaveOptions(storage_options=_OPTS)
+    )
     first = _fail_while_down(proxy, s3_endpoint, lambda u: _dcp_save_raising_ours(dcp, writer, u))
     assert "Its clean-up failed as well (2 step(s)" in first[1], first[1]
     assert "tries again at its next save, at close() and at exit" in first[1], first[1]

@@ -31,8 +31,8 @@ from hypothesis import strategies as st
 
 import dcpstore
 from dcpstore.storage import StorageOptions, open_storage
-from tests.support.s3_server import REGION, aws_env
 from tests.hostile.test_hostile import cli
+from tests.support.s3_server import REGION, aws_env
 
 KEY_ID = "AKIAECHOKEYID0000001"
 SECRET = "echo/Secret+Key/never-printed-0009"

@@ -67,7 +67,7 @@ def test_two_writers_one_uri(tmp_path, ctx) -> None:
             p.join(120)
             assert p.exitcode == 0
         said = dict(results.get(timeout=5) for _ in procs)
-        for seed, what in said.items():
+        for _seed, what in said.items():
             assert what == "ok" or "another save" in what, what
         assert "ok" in said.values(), f"both writers failed: {said}"
         restored = {k: torch.zeros_like(v) for k, v in writer_state(1).items()}

@@ -22,12 +22,21 @@ import pytest
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 import dcpstore
-from dcpstore._impl.tools.maintenance import gc, list_checkpoints
-from tests.support import killcount
-from tests.support.crashkit import Managed, age_temp_files, commit_index, crash, crash_state, forkserver, kill_points, run_managed_crashes
-from tests.support.crashkit import outcome as _outcome_of
-from dcpstore.storage import open_storage
 from dcpstore._impl.dcp.writer import DcpStorageWriter
+from dcpstore._impl.tools.maintenance import gc, list_checkpoints
+from dcpstore.storage import open_storage
+from tests.support import killcount
+from tests.support.crashkit import (
+    Managed,
+    age_temp_files,
+    commit_index,
+    crash,
+    crash_state,
+    forkserver,
+    kill_points,
+    run_managed_crashes,
+)
+from tests.support.crashkit import outcome as _outcome_of
 from tests.support.faults import EventStorage, KillAt, Recorder
 
 #: Kill-point budget of the quick run (None: every point, in the slow run).

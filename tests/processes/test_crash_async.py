@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.crashkit import Managed, forkserver, run_managed_crashes
 from dcpstore._impl.format.layout import METADATA
+from tests.support.crashkit import Managed, forkserver, run_managed_crashes
 from tests.support.extras import needs_nvrx
 
 slow = pytest.mark.slow
@@ -46,7 +46,12 @@ CASES = [
 ]
 #: Always killed at, whatever the budget: staging, the gap between the data
 #: and the commit (the manifest), and both sides of the commit.
-KEEP = ("stage:", "open:.dcpstore.", f"commit:{METADATA}", f"committed:{METADATA}")  # the manifest, marker and alive file
+KEEP = (
+    "stage:",
+    "open:.dcpstore.",
+    f"commit:{METADATA}",
+    f"committed:{METADATA}",
+)  # the manifest, marker and alive file
 
 
 @pytest.fixture(scope="module")

@@ -28,15 +28,21 @@ import uuid
 
 import pytest
 
+from dcpstore._impl.cli import main as cli_main
+from dcpstore._impl.format.layout import METADATA
+from dcpstore.storage import MiB
 from tests.support.backends import OBJECT_STORE_OPTIONS
 from tests.support.crashkit import Managed, forkserver, run_managed_crashes
-from dcpstore._impl.cli import main as cli_main
-from dcpstore.storage import MiB
-from dcpstore._impl.format.layout import METADATA
 from tests.support.s3_server import S3Endpoint, aws_env
 
 #: S3 events always killed at (the rest is thinned to the budget).
-KEEP = ("s3:CreateMultipartUpload", "s3:UploadPart", "s3:CompleteMultipartUpload", f"commit:{METADATA}", "s3:PutObject-done")
+KEEP = (
+    "s3:CreateMultipartUpload",
+    "s3:UploadPart",
+    "s3:CompleteMultipartUpload",
+    f"commit:{METADATA}",
+    "s3:PutObject-done",
+)
 REQUIRED = ("s3:UploadPart", "s3:CompleteMultipartUpload", f"commit:{METADATA}")
 #: Through MSC the S3 requests are MSC's: kill at dcpstore's storage events.
 MSC_REQUIRED = (f"commit:{METADATA}",)
@@ -76,7 +82,12 @@ def test_kill_anywhere_in_an_s3_save(
 ) -> None:
     # One data file of 5.5 MiB (a two-part multipart upload at 5 MiB parts) and one small one.
     msc = mode.startswith("msc-")
-    kwargs = {"async_": mode.endswith("async"), "engine": "native", "workers": 2, "storage_options": OBJECT_STORE_OPTIONS}
+    kwargs = {
+        "async_": mode.endswith("async"),
+        "engine": "native",
+        "workers": 2,
+        "storage_options": OBJECT_STORE_OPTIONS,
+    }
     env = aws_env(s3_endpoint.url)
     base = f"s3://{s3_endpoint.bucket}/{prefix}"
     if msc:  # msc://PROFILE/...: the profile's base path is the bucket

@@ -43,12 +43,12 @@ import pytest
 import torch
 
 import dcpstore
-from tests.support.backends import Target, make_target
-from dcpstore._impl.engines import nvrx as nvrx_engine
 from dcpstore._impl.dcp.liveness import alive_file
+from dcpstore._impl.engines import nvrx as nvrx_engine
 from dcpstore._impl.format.layout import INFLIGHT, METADATA
 from dcpstore._impl.tools import listing
 from dcpstore._impl.tools.maintenance import gc, list_checkpoints
+from tests.support.backends import make_target
 from tests.support.faults import BlockAt, hook_all_storage
 from tests.support.gc_loop import gc_loop
 from tests.support.helpers import assert_state_equal, zeros_like_state
@@ -145,7 +145,7 @@ def test_gc_loop_beside_every_kind_of_save(request: pytest.FixtureRequest, backe
             if how["async_"] and i % 3 == 2:
                 handles[-1][2].result()
         errors = []
-        for uri, i, handle in handles:
+        for uri, _, handle in handles:
             try:
                 handle.result()
             except dcpstore.SaveError as e:
@@ -167,8 +167,9 @@ def test_gc_loop_beside_a_tiered_manager(request: pytest.FixtureRequest, tmp_pat
     durable = make_target(durable_backend, request)
     local = tmp_path / "nvme"
     with gc_loop([durable.uri, str(local)]):
-        with dcpstore.CheckpointManager(durable.uri, local_dir=str(local), keep=3, local_keep=2,
-                                        options=durable.save_options(async_=True)) as mgr:  # fmt: skip
+        with dcpstore.CheckpointManager(
+            durable.uri, local_dir=str(local), keep=3, local_keep=2, options=durable.save_options(async_=True)
+        ) as mgr:
             for step in range(1, 9):
                 mgr.save(_state(step), step, overwrite=step == 6)
                 if step == 5:
@@ -182,7 +183,9 @@ def test_gc_loop_beside_a_tiered_manager(request: pytest.FixtureRequest, tmp_pat
 # -- the rule's parts, one interleaving each --------------------------------------
 
 
-def test_an_alive_file_gone_before_gc_reads_it_keeps_the_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_alive_file_gone_before_gc_reads_it_keeps_the_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """gc lists an overwrite in flight, reads the commit there (the old
     one), and the overwrite then commits and cleans up before gc reads its
     alive file: the files the old commit does not name are the new
@@ -224,7 +227,9 @@ def test_a_fresh_in_progress_write_is_kept_whatever_older_than_says(tmp_path: Pa
     assert report.incomplete_uploads == 1 and fresh.exists() and not stale.exists()
 
 
-def test_gc_aborts_the_upload_it_listed_not_a_later_one_of_the_same_key(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gc_aborts_the_upload_it_listed_not_a_later_one_of_the_same_key(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A dead save's open upload of ``ck/__0_0.distcp``; gc lists it, and a
     new save starts an upload of the same key before gc aborts: only the
     dead one goes (moto dates every upload 2010, so age cannot tell them apart)."""
@@ -249,7 +254,9 @@ def test_gc_aborts_the_upload_it_listed_not_a_later_one_of_the_same_key(request:
     client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=later[0])
 
 
-def test_a_dead_saves_marker_is_left_to_a_save_that_claimed_since(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_dead_saves_marker_is_left_to_a_save_that_claimed_since(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Beside a commit, the marker of a killed overwrite; a new overwrite
     claims the directory right after gc listed it. The marker is the new
     save's now: gc removes the wreck's files but not it, and the save commits."""
@@ -300,7 +307,9 @@ def _tiered_ranks(rank: int, world: int, durable: str, dirs: list[str]) -> None:
     from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,))
-    with dcpstore.CheckpointManager(durable, local_dir=dirs[rank], keep=2, local_keep=2, async_=True, options=dcpstore.SaveOptions(engine="native")) as mgr:
+    with dcpstore.CheckpointManager(
+        durable, local_dir=dirs[rank], keep=2, local_keep=2, async_=True, options=dcpstore.SaveOptions(engine="native")
+    ) as mgr:
         for step in range(1, 6):
             full = torch.arange(64 * 8, dtype=torch.float32).reshape(64, 8) + step
             mgr.save({"w": distribute_tensor(full, mesh, [Shard(0)]), "step": step}, step, overwrite=step == 4)
@@ -325,4 +334,7 @@ def test_gc_loop_beside_a_multi_rank_tiered_manager(tmp_path: Path, per_node: in
     for step in (4, 5):
         dest = {"w": torch.zeros(64, 8), "step": 0}
         dcpstore.load(dest, str(durable / f"step_{step:08d}"))
-        assert torch.equal(dest["w"], torch.arange(64 * 8, dtype=torch.float32).reshape(64, 8) + step) and dest["step"] == step
+        assert (
+            torch.equal(dest["w"], torch.arange(64 * 8, dtype=torch.float32).reshape(64, 8) + step)
+            and dest["step"] == step
+        )

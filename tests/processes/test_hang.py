@@ -71,7 +71,9 @@ def test_manager_next_save_and_close_do_not_wait_forever_for_a_hung_save(tmp_pat
     monkeypatch.setattr(async_engine, "_default_saver", dcpstore.AsyncSaver(hang_timeout=1.0))
     hook = BlockAt(lambda e: e.startswith("write:__0_"), then=StorageError("the hung call finally failed"))
     hook_all_storage({str(tmp_path / "root" / "step_00000001"): hook}, monkeypatch.setattr)
-    manager = dcpstore.CheckpointManager(str(tmp_path / "root"), keep=2, options=dcpstore.SaveOptions(async_=True, engine="native"))
+    manager = dcpstore.CheckpointManager(
+        str(tmp_path / "root"), keep=2, options=dcpstore.SaveOptions(async_=True, engine="native")
+    )
     manager.save(_state(), 1)
     assert hook.reached.wait(60)
     try:

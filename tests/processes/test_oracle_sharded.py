@@ -121,8 +121,15 @@ def test_sharded_state_saved_and_loaded_across_world_sizes_matches_stock_dcp(tmp
 
 #: dtypes of the random layouts: widths 1-8, floats, ints, bool, complex.
 RANDOM_DTYPES = [
-    torch.float32, torch.bfloat16, torch.int8, torch.float64, torch.complex64, torch.bool, torch.uint8, torch.int32,
-]  # fmt: skip
+    torch.float32,
+    torch.bfloat16,
+    torch.int8,
+    torch.float64,
+    torch.complex64,
+    torch.bool,
+    torch.uint8,
+    torch.int32,
+]
 RANDOM_SEEDS = range(4)
 
 

@@ -56,14 +56,18 @@ def test_a_killed_checkpoint_process_fails_its_save_and_the_next_save_starts_a_n
         (victim,) = set(checkpoint_processes()) - others
         os.kill(victim, signal.SIGKILL)
         started = time.monotonic()
-        with pytest.raises(SaveError, match=rf"checkpoint process died \(rank 0: pid {victim}, killed by SIGKILL\)") as info:
+        with pytest.raises(
+            SaveError, match=rf"checkpoint process died \(rank 0: pid {victim}, killed by SIGKILL\)"
+        ) as info:
             handle.result(timeout=FAIL_WITHIN_S)  # a hang would raise TimeoutError instead
         assert time.monotonic() - started < FAIL_WITHIN_S
         assert str(tmp_path / "a") in str(info.value)
         with pytest.raises(CheckpointNotFound):
             dcpstore.load({"w": torch.zeros(1000), "step": 0}, str(tmp_path / "a"))
         # The next save starts a new checkpoint process and commits.
-        info2 = saver.save(state, str(tmp_path / "a"), options=dcpstore.SaveOptions(engine="process")).result(timeout=120)
+        info2 = saver.save(state, str(tmp_path / "a"), options=dcpstore.SaveOptions(engine="process")).result(
+            timeout=120
+        )
         assert info2.engine == "process" and info2.bytes_written > 0
         (replacement,) = set(checkpoint_processes()) - others
         assert replacement != victim
@@ -96,20 +100,26 @@ def test_each_save_sees_the_trainers_environment_as_of_that_save(
     name = "DCPSTORE_TEST_ENV_MARK"
     for value in ("first", "second"):
         monkeypatch.setenv(name, value)
-        saver.save({"w": torch.ones(3)}, str(tmp_path / value), options=dcpstore.SaveOptions(engine="process", planner=_EnvPlanner(name, value))).result(
-            timeout=120
-        )
+        saver.save(
+            {"w": torch.ones(3)},
+            str(tmp_path / value),
+            options=dcpstore.SaveOptions(engine="process", planner=_EnvPlanner(name, value)),
+        ).result(timeout=120)
 
 
 def test_a_planner_that_does_not_pickle_fails_the_save_naming_why(saver: Any, tmp_path: Path) -> None:
     class Local(DefaultSavePlanner):  # a class inside a function: pickle cannot name it
         pass
 
-    handle = saver.save({"w": torch.ones(3)}, str(tmp_path / "a"), options=dcpstore.SaveOptions(engine="process", planner=Local()))
+    handle = saver.save(
+        {"w": torch.ones(3)}, str(tmp_path / "a"), options=dcpstore.SaveOptions(engine="process", planner=Local())
+    )
     with pytest.raises(SaveError, match="Can't pickle local object"):
         handle.result(timeout=120)
     assert not os.path.exists(tmp_path / "a" / ".metadata")
-    saver.save({"w": torch.ones(3)}, str(tmp_path / "a"), options=dcpstore.SaveOptions(engine="process")).result(timeout=120)  # and the next one runs
+    saver.save({"w": torch.ones(3)}, str(tmp_path / "a"), options=dcpstore.SaveOptions(engine="process")).result(
+        timeout=120
+    )  # and the next one runs
 
 
 def test_memory_uris_are_refused_before_anything_starts() -> None:
@@ -136,7 +146,9 @@ def test_the_checkpoint_process_dies_with_its_trainer(tmp_path: Path) -> None:
     on writing, and commit, for a job that is gone), and the save it held
     commits nothing."""
     uri = str(tmp_path / "a")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # where tests.support imports from
+    root = os.path.dirname(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    )  # where tests.support imports from
     trainer = subprocess.Popen([sys.executable, "-c", _TRAINER, uri, root], stdout=subprocess.PIPE, text=True)
     try:
         assert trainer.stdout is not None and trainer.stdout.readline().strip() == "held"
@@ -153,7 +165,9 @@ def test_the_checkpoint_process_dies_with_its_trainer(tmp_path: Path) -> None:
 def test_a_manager_saves_and_retires_through_the_process_engine(tmp_path: Path) -> None:
     """``CheckpointManager(engine="process")``: the manager's pointer and
     retention in the trainer, each step's save in the checkpoint process."""
-    with dcpstore.CheckpointManager(str(tmp_path / "run"), keep=1, options=dcpstore.SaveOptions(async_=True, engine="process")) as mgr:
+    with dcpstore.CheckpointManager(
+        str(tmp_path / "run"), keep=1, options=dcpstore.SaveOptions(async_=True, engine="process")
+    ) as mgr:
         for step in (1, 2):
             state = {"w": torch.full((100,), float(step)), "step": step}
             handle = mgr.save(state, step)

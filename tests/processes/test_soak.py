@@ -63,10 +63,12 @@ def _soak(target: Target, numel: int, engine: str = "native") -> str:
     state = _state(numel)
     state_bytes = numel * 4
     samples: list[tuple[int, int, int]] = []
-    manager = dcpstore.CheckpointManager(target.uri, keep=KEEP, async_=True, options=target.save_options(engine=engine, workers=2))
+    manager = dcpstore.CheckpointManager(
+        target.uri, keep=KEEP, async_=True, options=target.save_options(engine=engine, workers=2)
+    )
     with manager:
         for step in range(SAVES):
-            for name, value in state.items():
+            for _name, value in state.items():
                 if isinstance(value, torch.Tensor):
                     value.add_(1)  # the optimizer step
             state["optim"]["step"] = step

@@ -27,17 +27,16 @@ from hypothesis import strategies as st
 from torch.multiprocessing.spawn import ProcessExitedException
 
 import dcpstore
-from tests.support import extras
-from tests.support import killcount
 from dcpstore._impl.format.layout import INFLIGHT, METADATA, name_tag
-from dcpstore._impl.tools.maintenance import gc
 from dcpstore._impl.manager import step_dir
 from dcpstore._impl.manager.tiers.nodes import PROBE_PREFIX, nodes_from_views
 from dcpstore._impl.manager.tiers.replicate import read_local_commit
+from dcpstore._impl.tools.maintenance import gc
+from tests.support import extras, killcount
 from tests.support.backends import Target, make_target, save_options
+from tests.support.crashkit import age_temp_files
 from tests.support.dist_utils import run_ranks
 from tests.support.faults import hook_all_storage, spread
-from tests.support.crashkit import age_temp_files
 from tests.support.tiered_kit import full, gc_keeps_running
 
 ROWS = 64
@@ -406,8 +405,15 @@ def _kill_points(tmp_path: Path, sample: int | None) -> list[tuple[int, int]]:
     probe run counts them; ``sample``: that many of each rank's, spread."""
     pids = tmp_path / "probe-pids"
     pids.mkdir()
-    run_ranks(_killed_while_replicating, 2, str(tmp_path / "probe" / "durable"), node_dirs(tmp_path / "probe", 2, 1),
-              str(pids), -1, -1)
+    run_ranks(
+        _killed_while_replicating,
+        2,
+        str(tmp_path / "probe" / "durable"),
+        node_dirs(tmp_path / "probe", 2, 1),
+        str(pids),
+        -1,
+        -1,
+    )
     points = []
     for rank in (0, 1):
         total = int((pids / f"events{rank}").read_text())
@@ -465,7 +471,9 @@ def _gc_during_save(rank: int, world: int, durable: str, dirs: list[str]) -> Non
     if rank == 1:
         hook_all_storage({f"{dirs[1]}/{step_dir(1)}": gate})
     # The native engine writes through dcpstore's storage (NVRx writes its files itself).
-    with dcpstore.CheckpointManager(durable, local_dir=dirs[rank], async_=True, options=dcpstore.SaveOptions(engine="native")) as mgr:
+    with dcpstore.CheckpointManager(
+        durable, local_dir=dirs[rank], async_=True, options=dcpstore.SaveOptions(engine="native")
+    ) as mgr:
         mgr.save(sharded(world, 1, scalar=True), 1)
         if rank == 1:
             gc_keeps_running(dirs[1], gate, 1)

@@ -14,11 +14,11 @@ import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 import dcpstore
-from tests.support import extras
-from tests.support.backends import Target
 from dcpstore._impl.engines import nvrx as nvrx_adapter
 from dcpstore._impl.engines.engine import engine_class
 from dcpstore._impl.values.options import ENGINES as ALL_ENGINES
+from tests.support import extras
+from tests.support.backends import Target
 
 ENGINES = tuple(ALL_ENGINES)
 #: Engines whose cases run in the quick suite wherever a suite runs every

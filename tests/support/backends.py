@@ -48,7 +48,7 @@ class Target:
     uri: str
     kwargs: dict[str, Any] = field(default_factory=dict)
 
-    def child(self, name: str) -> "Target":
+    def child(self, name: str) -> Target:
         """The same backend, at ``uri/name``."""
         return Target(self.name, f"{self.uri.rstrip('/')}/{name}", dict(self.kwargs))
 

@@ -70,9 +70,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import dcpstore
-from dcpstore.adapters.megatron import install_in_bridge
 from dcpstore._impl.manager import BRIDGE
 from dcpstore._impl.storage import join_uri, open_storage
+from dcpstore.adapters.megatron import install_in_bridge
 
 TRACKER = BRIDGE.pointer
 
@@ -94,7 +94,9 @@ def cuda_device_is_cpu() -> Iterator[None]:
 
     real = torch.cuda.current_device
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
-    loops = {name: PersistentAsyncCaller.__dict__[name] for name in _WORKER_LOOPS if name in PersistentAsyncCaller.__dict__}
+    loops = {
+        name: PersistentAsyncCaller.__dict__[name] for name in _WORKER_LOOPS if name in PersistentAsyncCaller.__dict__
+    }
     target = getattr(PersistentAsyncCaller, "async_process_target", None)  # 0.6+
     binds_gpu = target is not None and "cpu_shm_mode" in inspect.signature(target).parameters
     if binds_gpu:
@@ -122,10 +124,16 @@ def full_state(step: int, grow: int = 0) -> dict[str, Any]:
     Bridge's plain items. ``grow``: rows added to one weight (a changed
     structure)."""
     g = torch.Generator().manual_seed(step)
-    model = {f"decoder.layers.{i}.mlp.weight": torch.randn(12 + 5 * i + (grow if i == 1 else 0), 8, generator=g) for i in range(4)}
+    model = {
+        f"decoder.layers.{i}.mlp.weight": torch.randn(12 + 5 * i + (grow if i == 1 else 0), 8, generator=g)
+        for i in range(4)
+    }
     model["embedding.word_embeddings.weight"] = torch.randn(29, 8, generator=g).bfloat16()
     optim = {
-        "state": {k: {"exp_avg": torch.randn(v.shape, generator=g), "exp_avg_sq": torch.rand(v.shape, generator=g)} for k, v in model.items()},
+        "state": {
+            k: {"exp_avg": torch.randn(v.shape, generator=g), "exp_avg_sq": torch.rand(v.shape, generator=g)}
+            for k, v in model.items()
+        },
         "param_groups": [{"lr": 1e-3 * step, "betas": (0.9, 0.95), "params": sorted(model)}],
     }
     return {"model": model, "optimizer": optim, "iteration": step, "checkpoint_version": 3.0}
@@ -216,7 +224,9 @@ def bridge_save(
     save_fn, preload_fn, save_args = writer.get_save_function_and_args()
     if wrap_save_fn is not None:
         save_fn = wrap_save_fn(save_fn)
-    request = AsyncRequest(save_fn, save_args, [lambda: save_state_dict_async_finalize(*ret)], async_fn_kwargs={}, preload_fn=preload_fn)
+    request = AsyncRequest(
+        save_fn, save_args, [lambda: save_state_dict_async_finalize(*ret)], async_fn_kwargs={}, preload_fn=preload_fn
+    )
     if rank == 0 and save_root is not None:
 
         def train_state_finalize_fn() -> None:
@@ -242,7 +252,9 @@ def bridge_module(**io: Any) -> ModuleType:
     module = ModuleType("megatron.bridge.training.checkpointing")
     module.FileSystemWriterAsync = NvrxWriter  # type: ignore[attr-defined]
     module._create_fsdp_dtensor_storage_writer = lambda path: dcp.FileSystemWriter(path)  # type: ignore[attr-defined]
-    module._get_filesystem_reader = lambda path, cache_metadata=False, async_strategy="mcore": dcp.FileSystemReader(path)  # type: ignore[attr-defined]
+    module._get_filesystem_reader = lambda path, cache_metadata=False, async_strategy="mcore": dcp.FileSystemReader(
+        path
+    )  # type: ignore[attr-defined]
     install_in_bridge(module, **io)
     return module
 
@@ -333,7 +345,9 @@ def check_step(root: str, step: int, io: dict[str, Any], scratch: Path) -> None:
 # -- ranks whose exit codes are the test's business ---------------------------
 
 
-def _rank_entry(rank: int, world: int, port: int, env: dict[str, str], fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+def _rank_entry(
+    rank: int, world: int, port: int, env: dict[str, str], fn: Callable[..., Any], args: tuple[Any, ...]
+) -> None:
     os.environ.clear()
     os.environ.update(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)

@@ -49,8 +49,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import dcpstore
-from tests.support.bridge_wheel import checkpointing_module, enable_msc
 from dcpstore.adapters.megatron import BridgeCheckpointManager
+from tests.support.bridge_wheel import checkpointing_module, enable_msc
 
 MANAGER = "dcpstore.adapters.megatron.BridgeCheckpointManager"
 #: A user's subclass that picks dcpstore's engine (Bridge's config has no field for it).
@@ -87,7 +87,9 @@ class Optimizer:
         self.model = model
         self.optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
 
-    def sharded_state_dict(self, model_state_dict: Any, metadata: Any = None, is_loading: bool = False) -> dict[str, Any]:
+    def sharded_state_dict(
+        self, model_state_dict: Any, metadata: Any = None, is_loading: bool = False
+    ) -> dict[str, Any]:
         return get_optimizer_state_dict(self.model, self.optim)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -124,12 +126,28 @@ def bridge_config(**checkpoint: Any) -> Config:
     """A run's config: ``checkpoint`` fields as a user sets them, over
     Bridge 0.6.2's (and megatron-core 0.19.2's) defaults for the rest."""
     fields = dict(
-        save=None, load=None, pretrained_checkpoint=None, save_interval=2, ckpt_format="fsdp_dtensor",
-        async_save=False, most_recent_k=-1, ckpt_step=None, finetune=False, load_optim=True, load_rng=True,
-        save_optim=True, save_rng=True, dist_ckpt_workers=1, ckpt_assume_constant_structure=False,
-        non_persistent_save_interval=None, non_persistent_ckpt_type=None, non_persistent_global_ckpt_dir=None,
-        also_save_hf_checkpoint=False, strict_fsdp_dtensor_load=False, custom_manager_class=MANAGER,
-    )  # fmt: skip
+        save=None,
+        load=None,
+        pretrained_checkpoint=None,
+        save_interval=2,
+        ckpt_format="fsdp_dtensor",
+        async_save=False,
+        most_recent_k=-1,
+        ckpt_step=None,
+        finetune=False,
+        load_optim=True,
+        load_rng=True,
+        save_optim=True,
+        save_rng=True,
+        dist_ckpt_workers=1,
+        ckpt_assume_constant_structure=False,
+        non_persistent_save_interval=None,
+        non_persistent_ckpt_type=None,
+        non_persistent_global_ckpt_dir=None,
+        also_save_hf_checkpoint=False,
+        strict_fsdp_dtensor_load=False,
+        custom_manager_class=MANAGER,
+    )
     fields.update(checkpoint)
     return Config(
         checkpoint=SimpleNamespace(**fields),
@@ -191,22 +209,34 @@ def train(rank: int, world: int, cfg: Config, until: int, report: str, how: dict
     model = Model()
     fully_shard(model, mesh=mesh)
     optimizer, scheduler = Optimizer(model), Scheduler()
-    state = SimpleNamespace(cfg=cfg, train_state=bridge.TrainState(), timers=Timers(), energy_monitor=None,
-                            wandb_logger=None, mlflow_logger=None, comet_logger=None)  # fmt: skip
+    state = SimpleNamespace(
+        cfg=cfg,
+        train_state=bridge.TrainState(),
+        timers=Timers(),
+        energy_monitor=None,
+        wandb_logger=None,
+        mlflow_logger=None,
+        comet_logger=None,
+    )
 
     # setup.py:289, 397-415
     manager = bridge.create_checkpoint_manager(cfg.checkpoint)
     resumed, loaded = None, None
     if how.get("bridge_load"):
-        bridge._load_checkpoint_from_path(cfg.checkpoint.load, state, [model], optimizer, scheduler, checkpointing_context={})
+        bridge._load_checkpoint_from_path(
+            cfg.checkpoint.load, state, [model], optimizer, scheduler, checkpointing_context={}
+        )
         resumed, loaded = state.train_state.step, get_model_state_dict(model, options=FULL)
     elif bridge._should_load_checkpoint(cfg, manager):
         manager.load(
             bridge.CheckpointLoadContext(
-                state=state, model=[model], optimizer=optimizer, opt_param_scheduler=scheduler,
+                state=state,
+                model=[model],
+                optimizer=optimizer,
+                opt_param_scheduler=scheduler,
                 skip_load_to_model_and_opt=cfg.dist.use_torch_fsdp2,
             )
-        )  # fmt: skip
+        )
         resumed, loaded = state.train_state.step, get_model_state_dict(model, options=FULL)
     saved: dict[int, dict[str, Any]] = {}
     # train.py: the loop, its save (1269, save_checkpoint_and_time) and its finalize (389, 782)
@@ -229,8 +259,13 @@ def train(rank: int, world: int, cfg: Config, until: int, report: str, how: dict
         manager.finalize_async_saves(state=state, blocking=False)
     manager.finalize_async_saves(state=state, blocking=True, terminate=True)
     engines = [(s.step, s.info.engine, s.info.backend) for s in manager.history]
-    out = {"final": full_state(model, optimizer, scheduler, state.train_state), "resumed": resumed, "loaded": loaded,
-           "saved": saved, "engines": engines}  # fmt: skip
+    out = {
+        "final": full_state(model, optimizer, scheduler, state.train_state),
+        "resumed": resumed,
+        "loaded": loaded,
+        "saved": saved,
+        "engines": engines,
+    }
     buf = io.BytesIO()
     torch.save(out, buf)
     Path(report, f"rank{rank}.pt").write_bytes(buf.getvalue())

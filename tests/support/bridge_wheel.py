@@ -24,8 +24,8 @@ tests that need them skip, and under ``CI=true`` fail: CI runs setup.sh.
 """
 
 from __future__ import annotations
-
 import __future__
+
 import ast
 import os
 import types
@@ -59,7 +59,9 @@ def wheel(name: str = WHEEL) -> Path:
     return path
 
 
-def compile_from_wheel(member: str, names: Sequence[str], namespace: dict[str, Any], whl: str = WHEEL) -> SimpleNamespace:
+def compile_from_wheel(
+    member: str, names: Sequence[str], namespace: dict[str, Any], whl: str = WHEEL
+) -> SimpleNamespace:
     """The top-level functions and classes ``names`` of the wheel's
     ``member``, compiled from its source as they are (decorators included),
     with ``namespace`` as their globals."""
@@ -84,7 +86,10 @@ def constants_from_wheel(member: str, names: Sequence[str], namespace: dict[str,
         node
         for node in tree.body
         if isinstance(node, (ast.Assign, ast.AnnAssign))
-        and any(isinstance(t, ast.Name) and t.id in names for t in (node.targets if isinstance(node, ast.Assign) else [node.target]))
+        and any(
+            isinstance(t, ast.Name) and t.id in names
+            for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+        )
     ]
     exec(compile(ast.Module(body=body, type_ignores=[]), f"{whl}/{member}", "exec"), namespace)  # noqa: S102
     missing = [n for n in names if n not in namespace]
@@ -128,7 +133,12 @@ def checkpoint_utils() -> SimpleNamespace:
         "TRAIN_STATE_FILE": "train_state.pt",
         "CONFIG_FILE": "run_config.yaml",
     }
-    names = ["join_paths", "get_checkpoint_name", "get_checkpoint_train_state_filename", "get_checkpoint_tracker_filename"]
+    names = [
+        "join_paths",
+        "get_checkpoint_name",
+        "get_checkpoint_train_state_filename",
+        "get_checkpoint_tracker_filename",
+    ]
     return compile_from_wheel(CHECKPOINT_UTILS, names, namespace)
 
 
@@ -138,32 +148,81 @@ def checkpoint_utils() -> SimpleNamespace:
 FROM_BRIDGE = {
     "megatron/bridge/training/state.py": ["TrainState"],
     CHECKPOINT_UTILS: [
-        "file_exists", "join_paths", "get_checkpoint_name", "get_checkpoint_train_state_filename",
-        "get_checkpoint_run_config_filename", "get_checkpoint_tracker_filename", "_has_hf_weight_files",
-        "is_hf_checkpoint_dir", "is_checkpoint_iteration_directory", "checkpoint_exists", "read_run_config",
-        "read_train_state", "_sanitize_run_config_object",
+        "file_exists",
+        "join_paths",
+        "get_checkpoint_name",
+        "get_checkpoint_train_state_filename",
+        "get_checkpoint_run_config_filename",
+        "get_checkpoint_tracker_filename",
+        "_has_hf_weight_files",
+        "is_hf_checkpoint_dir",
+        "is_checkpoint_iteration_directory",
+        "checkpoint_exists",
+        "read_run_config",
+        "read_train_state",
+        "_sanitize_run_config_object",
     ],
     CHECKPOINTING: [
-        "CheckpointType", "CheckpointSaveContext", "CheckpointLoadContext", "CheckpointManager",
-        "create_checkpoint_manager", "get_rng_state", "generate_state_dict", "_generate_model_state_dict",
-        "preprocess_fsdp_dtensor_state_dict", "_build_sharded_state_dict_metadata", "set_checkpoint_version",
-        "get_checkpoint_version", "_get_train_state_from_state_dict", "_load_model_state_dict",
-        "_get_model_glu_interleave_sizes", "_load_checkpoint_from_path", "_load_base_checkpoint",
-        "load_fsdp_dtensor_checkpoint", "_resolve_checkpoint_iteration", "_get_checkpoint_format",
-        "_record_dataloader_state_dir", "_has_global_non_persistent_checkpoint",
-        "_get_global_non_persistent_checkpoint_dirs", "read_metadata", "_get_non_persistent_iteration",
+        "CheckpointType",
+        "CheckpointSaveContext",
+        "CheckpointLoadContext",
+        "CheckpointManager",
+        "create_checkpoint_manager",
+        "get_rng_state",
+        "generate_state_dict",
+        "_generate_model_state_dict",
+        "preprocess_fsdp_dtensor_state_dict",
+        "_build_sharded_state_dict_metadata",
+        "set_checkpoint_version",
+        "get_checkpoint_version",
+        "_get_train_state_from_state_dict",
+        "_load_model_state_dict",
+        "_get_model_glu_interleave_sizes",
+        "_load_checkpoint_from_path",
+        "_load_base_checkpoint",
+        "load_fsdp_dtensor_checkpoint",
+        "_resolve_checkpoint_iteration",
+        "_get_checkpoint_format",
+        "_record_dataloader_state_dir",
+        "_has_global_non_persistent_checkpoint",
+        "_get_global_non_persistent_checkpoint_dirs",
+        "read_metadata",
+        "_get_non_persistent_iteration",
     ],
-    "megatron/bridge/utils/instantiate_utils.py": ["_as_module_prefix", "_seed_allowlist", "register_allowed_target_prefix", "_validate_target_prefix"],
+    "megatron/bridge/utils/instantiate_utils.py": [
+        "_as_module_prefix",
+        "_seed_allowlist",
+        "register_allowed_target_prefix",
+        "_validate_target_prefix",
+    ],
     "megatron/bridge/training/setup.py": ["_should_load_checkpoint"],
     "megatron/bridge/training/train.py": ["should_disable_forward_pre_hook", "save_checkpoint_and_time"],
-}  # fmt: skip
+}
 CONSTANTS = {
-    CHECKPOINT_UTILS: ["TRAIN_STATE_FILE", "TRACKER_PREFIX", "CONFIG_FILE", "_RUNTIME_ONLY_TARGETS", "_RECIPE_CONFIG_TARGET",
-                       "_ITERATION_DIR_MARKERS", "_HF_KNOWN_WEIGHT_FILES", "_HF_WEIGHT_GLOB_PATTERNS"],
-    CHECKPOINTING: ["_CHECKPOINT_VERSION", "_NON_PERSISTENT_CKPT_SUBDIR", "_DIRECT_ITERATION_DIR_SENTINEL", "DATALOADER_STATE_SUBDIR"],
-    "megatron/bridge/utils/instantiate_utils.py": ["_ALLOWED_TARGET_PREFIXES", "_TARGET_ALLOWLIST_MUTATORS", "_ALLOWED_PRIVATE_TARGETS",
-                                                   "_DISALLOWED_TARGETS", "_DISALLOWED_CALLABLE_FIELD_NAMES"],
-}  # fmt: skip
+    CHECKPOINT_UTILS: [
+        "TRAIN_STATE_FILE",
+        "TRACKER_PREFIX",
+        "CONFIG_FILE",
+        "_RUNTIME_ONLY_TARGETS",
+        "_RECIPE_CONFIG_TARGET",
+        "_ITERATION_DIR_MARKERS",
+        "_HF_KNOWN_WEIGHT_FILES",
+        "_HF_WEIGHT_GLOB_PATTERNS",
+    ],
+    CHECKPOINTING: [
+        "_CHECKPOINT_VERSION",
+        "_NON_PERSISTENT_CKPT_SUBDIR",
+        "_DIRECT_ITERATION_DIR_SENTINEL",
+        "DATALOADER_STATE_SUBDIR",
+    ],
+    "megatron/bridge/utils/instantiate_utils.py": [
+        "_ALLOWED_TARGET_PREFIXES",
+        "_TARGET_ALLOWLIST_MUTATORS",
+        "_ALLOWED_PRIVATE_TARGETS",
+        "_DISALLOWED_TARGETS",
+        "_DISALLOWED_CALLABLE_FIELD_NAMES",
+    ],
+}
 #: megatron-core's target allowlist, which Bridge's checks consult.
 MCORE_INSTANTIATE = "megatron/training/config/instantiate_utils.py"
 
@@ -199,8 +258,11 @@ class TorchOnCpu(types.ModuleType):
     RNG and cache calls, which a CPU-only build refuses, act on nothing, and a
     tensor made ``device="cuda"`` (a one-int all-reduce) is made on the CPU."""
 
-    cuda = SimpleNamespace(get_rng_state=lambda: torch.zeros(1, dtype=torch.uint8), set_rng_state=lambda state: None,
-                           empty_cache=lambda: None)  # fmt: skip
+    cuda = SimpleNamespace(
+        get_rng_state=lambda: torch.zeros(1, dtype=torch.uint8),
+        set_rng_state=lambda state: None,
+        empty_cache=lambda: None,
+    )
 
     @staticmethod
     def tensor(data: Any, *args: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
@@ -254,7 +316,9 @@ def _stand_ins(namespace: dict[str, Any]) -> None:
         handle_experts_in_state_dict=None,
         LayerWiseDistributedOptimizer=type("LayerWiseDistributedOptimizer", (), {}),
         apply_run_config_backward_compat=lambda config: config,
-        dist_checkpointing=SimpleNamespace(check_is_distributed_checkpoint=lambda path: os.path.exists(os.path.join(path, "metadata.json"))),
+        dist_checkpointing=SimpleNamespace(
+            check_is_distributed_checkpoint=lambda path: os.path.exists(os.path.join(path, "metadata.json"))
+        ),
         # megatron-core's reader without MSC (BridgeCheckpointManager puts its own in for its loads).
         _get_filesystem_reader=lambda path, cache_metadata=False, async_strategy="mcore": dcp.FileSystemReader(path),
         wandb_utils=SimpleNamespace(on_load_checkpoint_success=nothing, on_save_checkpoint_success=nothing),
@@ -294,15 +358,34 @@ def checkpointing_module() -> types.ModuleType:
     sys.modules[BRIDGE_MODULE] = module
     namespace = module.__dict__  # the compiled functions' globals, as a real module's are
     namespace.update(
-        os=os, sys=sys, gc=gc, random=random, np=np, yaml=yaml, torch=TorchOnCpu("torch"), F=torch.nn.functional,
-        Path=Path, dataclass=dataclasses.dataclass, field=dataclasses.field, Enum=enum.Enum, auto=enum.auto, Any=Any,
-        Optional=typing.Optional, Union=typing.Union, Protocol=typing.Protocol, runtime_checkable=typing.runtime_checkable,
-        lru_cache=functools.lru_cache, logger=logging.getLogger(BRIDGE_MODULE), Stateful=Stateful,
+        os=os,
+        sys=sys,
+        gc=gc,
+        random=random,
+        np=np,
+        yaml=yaml,
+        torch=TorchOnCpu("torch"),
+        F=torch.nn.functional,
+        Path=Path,
+        dataclass=dataclasses.dataclass,
+        field=dataclasses.field,
+        Enum=enum.Enum,
+        auto=enum.auto,
+        Any=Any,
+        Optional=typing.Optional,
+        Union=typing.Union,
+        Protocol=typing.Protocol,
+        runtime_checkable=typing.runtime_checkable,
+        lru_cache=functools.lru_cache,
+        logger=logging.getLogger(BRIDGE_MODULE),
+        Stateful=Stateful,
         MultiStorageClientFeature=MultiStorageClientFeature,
-    )  # fmt: skip
+    )
     _stand_ins(namespace)
     compile_from_wheel(MCORE_INSTANTIATE, ["InstantiationException", "TargetAllowlist"], namespace, MCORE_WHEEL)
-    constants_from_wheel(MCORE_INSTANTIATE, ["_DEFAULT_ALLOWED_PREFIXES", "_DEFAULT_ALLOWED_EXACT"], namespace, MCORE_WHEEL)
+    constants_from_wheel(
+        MCORE_INSTANTIATE, ["_DEFAULT_ALLOWED_PREFIXES", "_DEFAULT_ALLOWED_EXACT"], namespace, MCORE_WHEEL
+    )
     namespace["target_allowlist"] = namespace["TargetAllowlist"]()
     for member, names in CONSTANTS.items():
         constants_from_wheel(member, names, namespace)

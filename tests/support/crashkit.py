@@ -51,12 +51,12 @@ from typing import Any
 import torch
 
 import dcpstore
-from tests.support import killcount
 from dcpstore._impl.cli import main as cli_main
-from dcpstore._impl.tools.maintenance import inspect_checkpoint, list_checkpoints
+from dcpstore._impl.format.layout import METADATA, is_manifest
 from dcpstore._impl.manager import parse_step_dir, step_dir
 from dcpstore._impl.storage import join_uri, open_storage
-from dcpstore._impl.format.layout import METADATA, is_manifest
+from dcpstore._impl.tools.maintenance import inspect_checkpoint, list_checkpoints
+from tests.support import killcount
 from tests.support.faults import Hook, KillAt, Recorder, SharedEvents, hook_all_storage, spread
 from tests.support.helpers import assert_state_equal, zeros_like_state
 
@@ -387,8 +387,16 @@ def run_managed_crashes(
     """
     if _in_two_processes(how) and how.events_dir is None:
         with tempfile.TemporaryDirectory(prefix="dcpstore-crash-events-") as events_dir:
-            return run_managed_crashes(ctx, base, scenario, dataclasses.replace(how, events_dir=events_dir),
-                                       budget=budget, keep=keep, required=required, before_gc=before_gc)  # fmt: skip
+            return run_managed_crashes(
+                ctx,
+                base,
+                scenario,
+                dataclasses.replace(how, events_dir=events_dir),
+                budget=budget,
+                keep=keep,
+                required=required,
+                before_gc=before_gc,
+            )
     queue = ctx.Queue()
     assert crash(ctx, managed_probe, _seeded_root(base, "probe", how), scenario, how, queue) == 0
     events: list[str] = queue.get(timeout=30)

@@ -51,6 +51,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 
+
 #: The pages whose code blocks are tested.
 def pages() -> list[Path]:
     return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -230,12 +231,17 @@ def _run_bash(block: Block, namespace: dict[str, Any], tmp: str) -> None:
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
     proc = subprocess.run(
         ["bash", "-euo", "pipefail", "-c", map_roots(block.source, tmp)],
-        env=env, capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     sys.stdout.write(proc.stdout)
     sys.stderr.write(proc.stderr)
     if proc.returncode != 0:
-        raise AssertionError(f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-3000:]}")
+        raise AssertionError(
+            f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-3000:]}"
+        )
 
 
 def run_page(blocks: list[Block], tmp: str) -> list[dict[str, Any]]:

@@ -87,7 +87,9 @@ ALL_PATTERNS = [
     if wait or executor == "thread"
 ]
 #: ``dcp.save`` repeated on one writer (or a fresh one per call).
-SYNC_PATTERNS = [Pattern(writer, "sync", False, repoint, True) for writer in ("one", "fresh") for repoint in (True, False)]
+SYNC_PATTERNS = [
+    Pattern(writer, "sync", False, repoint, True) for writer in ("one", "fresh") for repoint in (True, False)
+]
 
 
 def pattern_state(rank: int = 0) -> dict[str, Any]:
@@ -233,7 +235,11 @@ def run_pattern(
     calls: list[Call] = []
     for i in range(pattern.calls):
         uri = f"{base}/c{i}" if pattern.repoint else base
-        writer = shared if pattern.writer == "one" else make_writer(kind, base if pattern.repoint else uri, pattern.cache, kwargs)
+        writer = (
+            shared
+            if pattern.writer == "one"
+            else make_writer(kind, base if pattern.repoint else uri, pattern.cache, kwargs)
+        )
         call = Call(i, uri, snapshot(state), _save(pattern, state, writer, uri if pattern.repoint else None))
         advance(state)  # training goes on: the checkpoint must not see this
         calls.append(call)
@@ -257,7 +263,9 @@ def _save(pattern: Pattern, state: dict[str, Any], writer: Any, checkpoint_id: s
     """Start one call's save: ``dcp.async_save``'s future, or a done one for ``dcp.save``."""
     if pattern.executor != "sync":
         executor = AsyncCheckpointerType(pattern.executor)
-        return dcp.async_save(state, storage_writer=writer, checkpoint_id=checkpoint_id, async_checkpointer_type=executor)
+        return dcp.async_save(
+            state, storage_writer=writer, checkpoint_id=checkpoint_id, async_checkpointer_type=executor
+        )
     done: Future[Any] = Future()
     try:
         done.set_result(dcp.save(state, storage_writer=writer, checkpoint_id=checkpoint_id))
@@ -307,4 +315,3 @@ def check(calls: list[Call], pattern: Pattern, label: str) -> None:
         assert all(c.outcome == "ok" for c in calls), f"{label} {pattern}: {describe(calls)}"
     else:
         assert any(c.outcome == "ok" for c in calls), f"{label} {pattern}: {describe(calls)}"
-

@@ -48,7 +48,6 @@ _SOCKET_TIMEOUT_S = 60.0
 _MAX_HEADER_BYTES = 64 * 1024
 
 
-
 def s3_error(status: int, reason: str, code: str, message: str) -> bytes:
     """A complete HTTP response carrying an S3 XML error body."""
     body = (
@@ -67,7 +66,9 @@ def s3_error(status: int, reason: str, code: str, message: str) -> bytes:
 
 
 SLOWDOWN = s3_error(503, "Slow Down", "SlowDown", "Please reduce your request rate.")
-INTERNAL_ERROR = s3_error(500, "Internal Server Error", "InternalError", "We encountered an internal error. Please try again.")
+INTERNAL_ERROR = s3_error(
+    500, "Internal Server Error", "InternalError", "We encountered an internal error. Please try again."
+)
 
 
 @dataclass
@@ -279,7 +280,7 @@ class FaultProxy:
         while not self._stopping.is_set():
             try:
                 client, _ = self._listener.accept()
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError:
                 return

@@ -14,6 +14,7 @@ import os
 import signal
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
+
 from dcpstore._impl.storage.base import ObjectInfo, ObjectWriter, Storage
 from dcpstore._impl.storage.incomplete import IncompleteWrite
 
@@ -90,7 +91,12 @@ class EventStorage(Storage):
 
 
 #: Where dcpstore.save / load / AsyncSaver / CheckpointManager look up ``open_storage``.
-_OPENERS = ("dcpstore._impl.api", "dcpstore._impl.engines.saver", "dcpstore._impl.manager.manager", "dcpstore._impl.engines.process")
+_OPENERS = (
+    "dcpstore._impl.api",
+    "dcpstore._impl.engines.saver",
+    "dcpstore._impl.manager.manager",
+    "dcpstore._impl.engines.process",
+)
 
 
 def hook_all_storage(hook: Hook | dict[str, Hook], setattr: Callable[[object, str, object], None] = setattr) -> None:
@@ -174,7 +180,9 @@ class SharedEvents:
         spec = {"path": self.path, "trainer": self.trainer, "kill_at": self.kill_at}
         support = os.path.dirname(os.path.abspath(__file__))
         root = os.path.dirname(os.path.dirname(support))  # where ``tests.support`` imports from
-        path = os.pathsep.join(p for p in (os.path.join(support, "worker_site"), root, os.environ.get("PYTHONPATH")) if p)
+        path = os.pathsep.join(
+            p for p in (os.path.join(support, "worker_site"), root, os.environ.get("PYTHONPATH")) if p
+        )
         return {"DCPSTORE_CRASH_HOOK": json.dumps(spec), "PYTHONPATH": path}
 
 
@@ -241,4 +249,3 @@ def spread(total: int, count: int) -> list[int]:
     if total <= count:
         return list(range(total))
     return sorted({round(i * (total - 1) / (count - 1)) for i in range(count)})
-

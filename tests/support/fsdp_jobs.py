@@ -64,7 +64,7 @@ def assert_same(expected: dict[str, Any], actual: dict[str, Any], where: str) ->
             if isinstance(value, torch.Tensor):
                 assert torch.equal(value, got[key]), f"{where}: {section}.{key} differs"
             else:  # torch's full-state path turns AdamW's betas tuple into a list
-                norm = (lambda v: list(v) if isinstance(v, tuple) else v)
+                norm = lambda v: list(v) if isinstance(v, tuple) else v
                 assert norm(value) == norm(got[key]), f"{where}: {section}.{key}: {got[key]!r} != {value!r}"
 
 
@@ -113,7 +113,9 @@ def job_load(rank: int, world: int, root: str, cases: list[tuple[str, str, bool]
         after = full_state(model, optim)
         assert report.ok and extra["step"] == 3, (report.describe(), extra)
         if rank == 0:
-            ref = torch.load(os.path.join(root, f"ref{name.lstrip('dtfull')}.pt"), weights_only=False)
+            ref = torch.load(
+                os.path.join(root, f"ref{name.removeprefix('dt').removeprefix('full')}.pt"), weights_only=False
+            )
             assert differs(ref, before), "fresh model already equals the reference: the check would be vacuous"
             assert_same(ref, after, f"{name} -> {world} ranks ({fmt}, full={full})")
         train(model, optim, 1)  # the restored optimizer state is usable
@@ -132,7 +134,7 @@ def load_unsharded(root: str, name: str) -> None:
     extra: dict[str, Any] = {"step": 0}
     report = fsdp.load_app_state(model, optim, f"{root}/{name}", extra=extra)
     assert report.ok and extra["step"] == 3, report.describe()
-    ref = torch.load(os.path.join(root, f"ref{name.lstrip('dtfull')}.pt"), weights_only=False)
+    ref = torch.load(os.path.join(root, f"ref{name.removeprefix('dt').removeprefix('full')}.pt"), weights_only=False)
     assert_same(ref, full_state(model, optim), f"{name} -> 1 process")
 
 
@@ -142,6 +144,7 @@ def job_manager(rank: int, world: int, root: str) -> None:
     model, optim = build(0)
     mgr = dcpstore.CheckpointManager(root, keep=2, async_=False)
     if rank != 0:  # only rank 0 may delete (retention) or write the pointer
+
         def refuse(*args: Any, **kwargs: Any) -> None:
             raise AssertionError(f"rank {rank} modified the root outside a save")
 

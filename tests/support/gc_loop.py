@@ -76,7 +76,9 @@ def gc_loop(roots: Sequence[str], *extra: str, min_rounds: int = 3) -> Iterator[
     last = [line for line in result.output if line.startswith("rounds ")]
     assert proc.returncode == 0 and last, result.output[-20:]
     result.rounds = int(last[-1].split()[1])
-    assert not [line for line in result.output if line.startswith(("gc exit", "Traceback", "dcpstore gc:"))], result.output[-20:]
+    assert not [line for line in result.output if line.startswith(("gc exit", "Traceback", "dcpstore gc:"))], (
+        result.output[-20:]
+    )
     return None
 
 

@@ -23,14 +23,18 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, where tests.* imports from
-from tests.hostile.test_hostile import METADATA, Payload, _declare as declare, good, write_metadata  # noqa: E402
-from tests.hostile.test_hostile import _record_with_deflated_entry as deflated, _replace_item as replace_item  # noqa: E402
+from tests.hostile.test_hostile import METADATA, Payload, good, write_metadata  # noqa: E402
+from tests.hostile.test_hostile import _declare as declare
+from tests.hostile.test_hostile import _record_with_deflated_entry as deflated  # noqa: E402
+from tests.hostile.test_hostile import _replace_item as replace_item
 from tests.hostile.test_hostile_format import replace_data_files  # noqa: E402
 from tests.support.rss import PEAK_MIB_SOURCE  # noqa: E402
 
 GiB = 1 << 30
 
-_CHILD = PEAK_MIB_SOURCE + """
+_CHILD = (
+    PEAK_MIB_SOURCE
+    + """
 import json, resource, sys, warnings
 warnings.filterwarnings("ignore")
 import torch, torch.distributed.checkpoint as dcp
@@ -47,6 +51,7 @@ except BaseException as e:
     outcome = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
 print(json.dumps([outcome, peak_mib()]))
 """
+)
 
 
 def run(action: str, timeout: float = 120) -> str:
@@ -105,9 +110,13 @@ def main() -> None:
     for name, change in {
         "storage_data a list": lambda m: setattr(m, "storage_data", list(m.storage_data.items())),
         "relative_path '../../etc/passwd'": lambda m: [
-            setattr(i, "relative_path", "../../../../../../etc/passwd") for k, i in m.storage_data.items() if k.fqn == "w"
+            setattr(i, "relative_path", "../../../../../../etc/passwd")
+            for k, i in m.storage_data.items()
+            if k.fqn == "w"
         ],
-        "chunk without storage entry": lambda m: m.storage_data.__delitem__(next(i for i in m.storage_data if i.fqn == "w")),
+        "chunk without storage entry": lambda m: m.storage_data.__delitem__(
+            next(i for i in m.storage_data if i.fqn == "w")
+        ),
     }.items():
         ck = good(root / name.replace(" ", "_").replace("/", "_").replace("'", ""))
         md = pickle.loads((ck / METADATA).read_bytes())
@@ -129,7 +138,9 @@ def main() -> None:
 
     os.chdir(root)
     save = "dcp.save({'w': torch.ones(2)}, checkpoint_id='s3:bucket/x', no_dist=True)"
-    cases["checkpoint_id 's3:bucket/x'"] = run(save) + f"; local dir 's3:bucket' exists: {(root / 's3:bucket').exists()}"
+    cases["checkpoint_id 's3:bucket/x'"] = (
+        run(save) + f"; local dir 's3:bucket' exists: {(root / 's3:bucket').exists()}"
+    )
     for name, outcome in cases.items():
         print(f"{name}: {outcome}")
 

@@ -275,7 +275,13 @@ def metadata_mutations(md: Any, files: dict[str, int]) -> Iterator[Mutation]:
             if dtype != tmd.properties.dtype:
                 yield _md_mutation(f"{fqn}.dtype={dtype}", "dtype", _setter(props, "dtype", dtype))
         size = list(tmd.size)
-        for value in ([size[0] + 1, *size[1:]], [size[0] - 1, *size[1:]], size[:-1], [*size, 1], [size[-1], *size[:-1]]):
+        for value in (
+            [size[0] + 1, *size[1:]],
+            [size[0] - 1, *size[1:]],
+            size[:-1],
+            [*size, 1],
+            [size[-1], *size[:-1]],
+        ):
             yield _md_mutation(f"{fqn}.size={value}", "size", _setter(tensor, "size", torch.Size(value)))
         for i, chunk in enumerate(tmd.chunks):
 
@@ -285,15 +291,27 @@ def metadata_mutations(md: Any, files: dict[str, int]) -> Iterator[Mutation]:
             off, sz = list(chunk.offsets), list(chunk.sizes)
             for value in ([off[0] + 1, *off[1:]], [max(off[0] - 1, 0), *off[1:]]):
                 if value != off:
-                    yield _md_mutation(f"{fqn}.chunks[{i}].offsets={value}", "chunk_offsets", _setter(chunk_of, "offsets", torch.Size(value)))
+                    yield _md_mutation(
+                        f"{fqn}.chunks[{i}].offsets={value}",
+                        "chunk_offsets",
+                        _setter(chunk_of, "offsets", torch.Size(value)),
+                    )
             for value in ([sz[0] - 1, *sz[1:]], [sz[0] + 1, *sz[1:]], [0, *sz[1:]]):
-                yield _md_mutation(f"{fqn}.chunks[{i}].sizes={value}", "chunk_sizes", _setter(chunk_of, "sizes", torch.Size(value)))
+                yield _md_mutation(
+                    f"{fqn}.chunks[{i}].sizes={value}", "chunk_sizes", _setter(chunk_of, "sizes", torch.Size(value))
+                )
         if len(tmd.chunks) > 1:
-            yield _md_mutation(f"{fqn}.chunks: last dropped", "chunk_dropped", lambda m, fqn=fqn: m.state_dict_metadata[fqn].chunks.pop())
+            yield _md_mutation(
+                f"{fqn}.chunks: last dropped",
+                "chunk_dropped",
+                lambda m, fqn=fqn: m.state_dict_metadata[fqn].chunks.pop(),
+            )
     for value in ("0123456789abcdef", None, "0123456789abcdeg"):
         yield _md_mutation(f"save_id={value}", "save_id", _setter(lambda m: m.storage_meta, "save_id", value))
     stock_id = str(uuid.UUID(int=29))
-    mutation = _md_mutation(f"save_id={stock_id} (stock's form)", "save_id", _setter(lambda m: m.storage_meta, "save_id", stock_id))
+    mutation = _md_mutation(
+        f"save_id={stock_id} (stock's form)", "save_id", _setter(lambda m: m.storage_meta, "save_id", stock_id)
+    )
     yield Mutation(mutation.name, mutation.kind, mutation.target, mutation.apply, mutation.modes, foreign=True)
     yield _md_mutation("storage_meta=None", "save_id", lambda m: setattr(m, "storage_meta", None))
 
@@ -301,32 +319,69 @@ def metadata_mutations(md: Any, files: dict[str, int]) -> Iterator[Mutation]:
 def manifest_mutations(manifest: dict[str, Any]) -> Iterator[Mutation]:
     yield _manifest_mutation("format=x", "format", lambda m: m.update(format="x"))
     yield _manifest_mutation("checksum=crc32", "format", lambda m: m.update(checksum="crc32"))
-    yield _manifest_mutation("metadata_crc32c+1", "metadata_crc", lambda m: m.update(metadata_crc32c=(m["metadata_crc32c"] + 1) % 2**32))
+    yield _manifest_mutation(
+        "metadata_crc32c+1", "metadata_crc", lambda m: m.update(metadata_crc32c=(m["metadata_crc32c"] + 1) % 2**32)
+    )
     for name in sorted(manifest["files"]):
         for delta in (1, -1):
-            yield _manifest_mutation(f"files[{name}].size{delta:+}", "file_size",
-                                     lambda m, n=name, d=delta: m["files"][n].update(size=m["files"][n]["size"] + d))  # fmt: skip
-        yield _manifest_mutation(f"files[{name}].crc32c^1", "file_crc", lambda m, n=name: m["files"][n].update(crc32c=m["files"][n]["crc32c"] ^ 1))
-        yield _manifest_mutation(f"files[{name}] renamed", "file_name", lambda m, n=name: m["files"].update({"__7_7.distcp": m["files"].pop(n)}))
+            yield _manifest_mutation(
+                f"files[{name}].size{delta:+}",
+                "file_size",
+                lambda m, n=name, d=delta: m["files"][n].update(size=m["files"][n]["size"] + d),
+            )
+        yield _manifest_mutation(
+            f"files[{name}].crc32c^1",
+            "file_crc",
+            lambda m, n=name: m["files"][n].update(crc32c=m["files"][n]["crc32c"] ^ 1),
+        )
+        yield _manifest_mutation(
+            f"files[{name}] renamed",
+            "file_name",
+            lambda m, n=name: m["files"].update({"__7_7.distcp": m["files"].pop(n)}),
+        )
         yield _manifest_mutation(f"files[{name}] dropped", "file_name", lambda m, n=name: m["files"].pop(n))
-    yield _manifest_mutation("files: one more", "file_name", lambda m: m["files"].update({"__9_9.distcp": {"size": 1, "crc32c": 0}}))
+    yield _manifest_mutation(
+        "files: one more", "file_name", lambda m: m["files"].update({"__9_9.distcp": {"size": 1, "crc32c": 0}})
+    )
     for key in sorted(manifest["items"]):
         path, _, offset = key.rpartition("@")
-        yield _manifest_mutation(f"items[{key}]^1", "item_crc", lambda m, k=key: m["items"].update({k: m["items"][k] ^ 1}))
-        yield _manifest_mutation(f"items[{key}] offset+1", "item_key",
-                                 lambda m, k=key, p=path, o=offset: m["items"].update({f"{p}@{int(o) + 1}": m["items"].pop(k)}))  # fmt: skip
-    yield _manifest_mutation("items: one more", "item_key", lambda m: m["items"].update({f"{sorted(m['files'])[0]}@1": 7}))
+        yield _manifest_mutation(
+            f"items[{key}]^1", "item_crc", lambda m, k=key: m["items"].update({k: m["items"][k] ^ 1})
+        )
+        yield _manifest_mutation(
+            f"items[{key}] offset+1",
+            "item_key",
+            lambda m, k=key, p=path, o=offset: m["items"].update({f"{p}@{int(o) + 1}": m["items"].pop(k)}),
+        )
+    yield _manifest_mutation(
+        "items: one more", "item_key", lambda m: m["items"].update({f"{sorted(m['files'])[0]}@1": 7})
+    )
     for key, (start, nbytes) in sorted(manifest["tensors"].items()):
-        for field, value in ((0, start + 1), (0, start - 1), (0, start + 64), (0, start - 64), (0, 0),
-                             (1, nbytes + 1), (1, nbytes - 1), (1, nbytes * 2), (1, 0)):  # fmt: skip
+        for field, value in (
+            (0, start + 1),
+            (0, start - 1),
+            (0, start + 64),
+            (0, start - 64),
+            (0, 0),
+            (1, nbytes + 1),
+            (1, nbytes - 1),
+            (1, nbytes * 2),
+            (1, 0),
+        ):
             if value >= 0:
-                yield _manifest_mutation(f"tensors[{key}][{field}]={value}", "tensor_location",
-                                         lambda m, k=key, f=field, v=value: m["tensors"][k].__setitem__(f, v))  # fmt: skip
+                yield _manifest_mutation(
+                    f"tensors[{key}][{field}]={value}",
+                    "tensor_location",
+                    lambda m, k=key, f=field, v=value: m["tensors"][k].__setitem__(f, v),
+                )
         yield _manifest_mutation(f"tensors[{key}] dropped", "tensor_location", lambda m, k=key: m["tensors"].pop(k))
     for key in sorted(set(manifest["items"]) - set(manifest["tensors"])):
         for loc in ([64, 8400], [704, 8400], [576, 16]):  # "t" is 70 x 30 floats; plausible record offsets
-            yield _manifest_mutation(f"tensors[{key}] added {loc}", "tensor_location_added",
-                                     lambda m, k=key, loc=loc: m["tensors"].update({k: list(loc)}))  # fmt: skip
+            yield _manifest_mutation(
+                f"tensors[{key}] added {loc}",
+                "tensor_location_added",
+                lambda m, k=key, loc=loc: m["tensors"].update({k: list(loc)}),
+            )
     yield _manifest_mutation("tensors: all dropped", "tensor_location", lambda m: m.pop("tensors"))
 
 
@@ -336,7 +391,11 @@ def _zip_fields(blob: bytes) -> dict[str, tuple[int, str]]:
     name -> (offset, struct format)."""
     fields: dict[str, tuple[int, str]] = {}
     end = len(blob) - 22
-    fields["end.count"], fields["end.cd_size"], fields["end.cd_offset"] = (end + 10, "<H"), (end + 12, "<I"), (end + 16, "<I")
+    fields["end.count"], fields["end.cd_size"], fields["end.cd_offset"] = (
+        (end + 10, "<H"),
+        (end + 12, "<I"),
+        (end + 16, "<I"),
+    )
     fields["end.comment_len"] = (end + 20, "<H")
     locator = end - 20
     if blob[locator : locator + 4] == b"PK\x06\x07":
@@ -351,11 +410,22 @@ def _zip_fields(blob: bytes) -> dict[str, tuple[int, str]]:
         n, m, k = struct.unpack_from("<HHH", blob, pos + 28)
         short = blob[pos + 46 : pos + 46 + n].decode().partition("/")[2]
         if short in ("data.pkl", "data/0", "byteorder"):
-            for name, at, fmt in (("flags", 8, "<H"), ("method", 10, "<H"), ("csize", 20, "<I"), ("usize", 24, "<I"),
-                                  ("name_len", 28, "<H"), ("header", 42, "<I")):  # fmt: skip
+            for name, at, fmt in (
+                ("flags", 8, "<H"),
+                ("method", 10, "<H"),
+                ("csize", 20, "<I"),
+                ("usize", 24, "<I"),
+                ("name_len", 28, "<H"),
+                ("header", 42, "<I"),
+            ):
                 fields[f"central[{short}].{name}"] = (pos + at, fmt)
             header = infos[short].header_offset
-            for name, at, fmt in (("sig", 0, "<I"), ("method", 8, "<H"), ("name_len", 26, "<H"), ("extra_len", 28, "<H")):
+            for name, at, fmt in (
+                ("sig", 0, "<I"),
+                ("method", 8, "<H"),
+                ("name_len", 26, "<H"),
+                ("extra_len", 28, "<H"),
+            ):
                 fields[f"local[{short}].{name}"] = (header + at, fmt)
             ln, lm = struct.unpack_from("<HH", blob, header + 26)
             data = header + 30 + ln + lm
@@ -394,7 +464,13 @@ def record_mutations(ckpt: Path, md: Any) -> Iterator[Mutation]:
                 values = [value ^ 0x01, value ^ 0x20]
             for new in values:
 
-                def apply(ckpt: Path, path: str = info.relative_path, pos: int = info.offset + at, fmt: str = fmt, new: int = new) -> None:
+                def apply(
+                    ckpt: Path,
+                    path: str = info.relative_path,
+                    pos: int = info.offset + at,
+                    fmt: str = fmt,
+                    new: int = new,
+                ) -> None:
                     with open(ckpt / path, "r+b") as f:
                         f.seek(pos)
                         f.write(struct.pack(fmt, new))
@@ -422,7 +498,7 @@ def flip_mutations(ckpt: Path) -> Iterator[Mutation]:
 def sparse_mutations(md: Any) -> Iterator[Mutation]:
     """An item declared to run into a hole past its file's end (nothing on
     disk); with and without stream transforms named."""
-    for index, info in stored_items(md):
+    for index, _info in stored_items(md):
         if index.fqn not in ("big", "step"):
             continue
         for transforms in (None, ["zstandard/1"]):
@@ -436,8 +512,13 @@ def sparse_mutations(md: Any) -> Iterator[Mutation]:
                 entry.transform_descriptors = transforms
                 write_metadata(ckpt, m)
 
-            yield Mutation(f"{label(index)} runs {HOLE >> 20} MiB into a hole, transforms {transforms}", "sparse",
-                           "metadata", apply, ("resealed", "stripped"))  # fmt: skip
+            yield Mutation(
+                f"{label(index)} runs {HOLE >> 20} MiB into a hole, transforms {transforms}",
+                "sparse",
+                "metadata",
+                apply,
+                ("resealed", "stripped"),
+            )
 
 
 def catalogue(ckpt: Path) -> list[Mutation]:
@@ -483,7 +564,11 @@ def reference_state(ckpt: Path) -> dict[str, Any]:
         for chunk in tmd.chunks:
             info = md.storage_data.get(MetadataIndex(fqn, chunk.offsets))
             record = torch.load(io.BytesIO(_reference_bytes(ckpt, info)), weights_only=True)
-            if not isinstance(record, torch.Tensor) or record.dtype != dtype or tuple(record.shape) != tuple(chunk.sizes):
+            if (
+                not isinstance(record, torch.Tensor)
+                or record.dtype != dtype
+                or tuple(record.shape) != tuple(chunk.sizes)
+            ):
                 raise Invalid(f"{fqn}: record is not the declared chunk")
             if any(o + s > d for o, s, d in zip(chunk.offsets, chunk.sizes, size)) or len(chunk.offsets) != len(size):
                 raise Invalid(f"{fqn}: chunk outside the tensor")
@@ -495,7 +580,12 @@ def reference_state(ckpt: Path) -> dict[str, Any]:
         if not bool(covered.all()):
             raise Invalid(f"{fqn}: chunks do not cover it")
         out[fqn] = value
-    used = {MetadataIndex(f, c.offsets) for f, t in md.state_dict_metadata.items() if isinstance(t, TensorStorageMetadata) for c in t.chunks}
+    used = {
+        MetadataIndex(f, c.offsets)
+        for f, t in md.state_dict_metadata.items()
+        if isinstance(t, TensorStorageMetadata)
+        for c in t.chunks
+    }
     used |= {MetadataIndex(f) for f, t in md.state_dict_metadata.items() if isinstance(t, BytesStorageMetadata)}
     if set(md.storage_data) - used:
         raise Invalid("storage entries no key declares")  # dcpstore refuses these; so does this reader
@@ -593,7 +683,9 @@ def _outcome(fn: Callable[[], Any]) -> tuple[bool, str]:
         return False, f"NOT A CheckpointError: {type(e).__name__}: {str(e)[:300]}\n{traceback.format_exc()[-1500:]}"
 
 
-def run_case(root: Path, pristine: Path, mutations: list[Mutation], mode: str, opens: Opens, saved: dict[str, Any]) -> dict[str, Any]:
+def run_case(
+    root: Path, pristine: Path, mutations: list[Mutation], mode: str, opens: Opens, saved: dict[str, Any]
+) -> dict[str, Any]:
     gc.collect()  # the last case's failed load left cycles (exception, traceback, frames, buffers): not this one's peak
     work = Path(tempfile.mkdtemp(dir=root, prefix="case-"))
     ckpt = work / "ck"
@@ -608,7 +700,11 @@ def run_case(root: Path, pristine: Path, mutations: list[Mutation], mode: str, o
     after = _fingerprint(ckpt)
     changed = {name for name, fingerprint in before.items() if after.get(name) != fingerprint}
     if mode == "resealed":
-        reseal(ckpt, {"metadata", "data"}, [(i.relative_path, i.offset, i.length) for i in read_metadata(pristine).storage_data.values()])
+        reseal(
+            ckpt,
+            {"metadata", "data"},
+            [(i.relative_path, i.offset, i.length) for i in read_metadata(pristine).storage_data.values()],
+        )
     elif mode == "stripped":
         (ckpt / MANIFEST).unlink(missing_ok=True)
     # What the mutated checkpoint's own seals must catch: a changed file that
@@ -656,7 +752,7 @@ def quick_sample(cases: list[tuple[Mutation, str]]) -> list[tuple[Mutation, str]
     for mutation, mode in cases:
         by_kind.setdefault(mutation.kind, []).append((mutation, mode))
     out = []
-    for i, (kind, options) in enumerate(sorted(by_kind.items())):
+    for i, (_kind, options) in enumerate(sorted(by_kind.items())):
         modes = sorted({mode for _, mode in options})
         want = modes[i % len(modes)]
         out.append(next(case for case in options if case[1] == want))
@@ -714,8 +810,10 @@ def sweep(root: Path, full: bool, examples: int) -> dict[str, Any]:
     failures: list[str] = []
 
     @settings(max_examples=examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))
-    @given(picks=st.lists(st.sampled_from(range(len(mutations))), min_size=2, max_size=4, unique=True),
-           mode=st.sampled_from(["damage", "resealed", "stripped"]))  # fmt: skip
+    @given(
+        picks=st.lists(st.sampled_from(range(len(mutations))), min_size=2, max_size=4, unique=True),
+        mode=st.sampled_from(["damage", "resealed", "stripped"]),
+    )
     def combination(picks: list[int], mode: str) -> None:
         combos.append(run_case(root, pristine, [mutations[i] for i in picks], mode, opens, saved))
 

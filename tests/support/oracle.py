@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytest
 import torch
 
 import dcpstore
@@ -93,6 +92,4 @@ def destination(state: Any, fill: int = 0) -> Any:
 def _walked(value: list[Any]) -> bool:
     """Whether DCP's traversal walks into this list (it holds a tensor, a
     mapping, or such a list) rather than pickling it whole."""
-    return any(
-        isinstance(v, (torch.Tensor, dict)) or (isinstance(v, list) and _walked(v)) for v in value
-    )
+    return any(isinstance(v, (torch.Tensor, dict)) or (isinstance(v, list) and _walked(v)) for v in value)

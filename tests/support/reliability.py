@@ -42,7 +42,9 @@ ENV_HINT = "DCPSTORE_KILL_COUNTS=$PWD/tests/support/kill_counts.json python -m p
 #: The section whose bullets each carry a check.
 NOT_COVERED = "What the suite does not cover"
 #: Generated blocks, as in BENCHMARKS.md.
-BLOCK = re.compile(r"(<!-- BEGIN generated:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- END generated:(?P=name) -->)", re.S)
+BLOCK = re.compile(
+    r"(<!-- BEGIN generated:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- END generated:(?P=name) -->)", re.S
+)
 
 Items = dict[str, list[str]]  # node id -> marker names
 
@@ -125,9 +127,15 @@ def refs_in(text: str) -> list[Ref]:
         after = text[m.end() :]
         counts = _COUNTS.match(after)
         markers = [x.group(1) for x in [_MARKER.match(after)] if x]
-        refs.append(Ref(span, pattern, bool(label and m.start() > label.start()),
-                        counts=(int(counts.group(1)), int(counts.group(2))) if counts else None,
-                        markers=markers))  # fmt: skip
+        refs.append(
+            Ref(
+                span,
+                pattern,
+                bool(label and m.start() > label.start()),
+                counts=(int(counts.group(1)), int(counts.group(2))) if counts else None,
+                markers=markers,
+            )
+        )
     return refs
 
 
@@ -178,15 +186,36 @@ def collect(paths: Sequence[str] = ("tests",)) -> Items:
     markers: pytest's own collection, in a process of its own."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "items.json")
-        env = dict(os.environ, DCPSTORE_COLLECT_ITEMS=out,
-                   PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+        env = dict(
+            os.environ,
+            DCPSTORE_COLLECT_ITEMS=out,
+            PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        )
         proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "", "-p", "tests.support.reliability", "-p", "no:logging",
-             *paths],
-            cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "--collect-only",
+                "-q",
+                "-m",
+                "",
+                "-p",
+                "tests.support.reliability",
+                "-p",
+                "no:logging",
+                *paths,
+            ],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         if proc.returncode != 0 or not os.path.exists(out):
-            raise RuntimeError(f"pytest --collect-only failed ({proc.returncode}):\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+            raise RuntimeError(
+                f"pytest --collect-only failed ({proc.returncode}):\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
+            )
         with open(out) as f:
             items: Items = json.load(f)
     return items
@@ -224,7 +253,9 @@ def _absent_problems(text: str, where: str) -> list[str]:
         holders = [
             str(p.relative_to(ROOT))
             for p in sorted((ROOT / "tests").rglob("*.py"))  # the suite and its support, not the upstream copies
-            if p.relative_to(ROOT / "tests").parts[0] != "upstream" and p.name != "reliability.py" and claim in p.read_text()
+            if p.relative_to(ROOT / "tests").parts[0] != "upstream"
+            and p.name != "reliability.py"
+            and claim in p.read_text()
         ]
         if holders:
             problems.append(f"{where}: says no test does {claim!r}, but {', '.join(holders)} holds it")
@@ -250,14 +281,19 @@ def row_problems(rows_: Iterable[Row], items: Items, counts: dict[str, dict[str,
                 continue
             slow = [n for n in found if "slow" in items[n]]
             if ref.slow and len(slow) != len(found):
-                problems.append(f"{where}: `{ref.text}` is listed as slow, but runs in the quick suite: "
-                                f"{sorted(set(found) - set(slow))[:3]}")  # fmt: skip
+                problems.append(
+                    f"{where}: `{ref.text}` is listed as slow, but runs in the quick suite: "
+                    f"{sorted(set(found) - set(slow))[:3]}"
+                )
             if not ref.slow and len(slow) == len(found):
-                problems.append(f"{where}: `{ref.text}` is listed as quick, but every case is slow "
-                                "(list it after 'slow:')")  # fmt: skip
+                problems.append(
+                    f"{where}: `{ref.text}` is listed as quick, but every case is slow (list it after 'slow:')"
+                )
             if ref.counts and ref.counts != (len(found) - len(slow), len(slow)):
-                problems.append(f"{where}: `{ref.text}` says {ref.counts[0]} quick, {ref.counts[1]} slow; "
-                                f"it has {len(found) - len(slow)} quick, {len(slow)} slow")  # fmt: skip
+                problems.append(
+                    f"{where}: `{ref.text}` says {ref.counts[0]} quick, {ref.counts[1]} slow; "
+                    f"it has {len(found) - len(slow)} quick, {len(slow)} slow"
+                )
             for marker in ref.markers:
                 if not all(marker in items[n] for n in found):
                     problems.append(f"{where}: `{ref.text}`: not every case carries marker {marker}")
@@ -268,12 +304,16 @@ def row_problems(rows_: Iterable[Row], items: Items, counts: dict[str, dict[str,
         if stated and named:
             unrecorded = [n for n in named if n not in counts]
             if unrecorded:
-                problems.append(f"{where}: Points gives numbers, but no counts are recorded for {unrecorded[:4]} "
-                                f"(run them with {ENV_HINT})")  # fmt: skip
+                problems.append(
+                    f"{where}: Points gives numbers, but no counts are recorded for {unrecorded[:4]} "
+                    f"(run them with {ENV_HINT})"
+                )
             backed = {counts[n][k] for n in counted for k in ("points", "killed")}
             if stated - backed and not unrecorded:
-                problems.append(f"{where}: Points says {sorted(stated - backed)}, which no recorded count of "
-                                f"{counted} is (tests/support/kill_counts.json: {sorted(backed)})")  # fmt: skip
+                problems.append(
+                    f"{where}: Points says {sorted(stated - backed)}, which no recorded count of "
+                    f"{counted} is (tests/support/kill_counts.json: {sorted(backed)})"
+                )
     return problems
 
 
@@ -298,7 +338,9 @@ def generated(items: Items, counts: dict[str, dict[str, Any]]) -> dict[str, str]
 
 
 def render(page: str, blocks: dict[str, str]) -> str:
-    return BLOCK.sub(lambda m: m.group(1) + blocks.get(m["name"], m["body"].rstrip()).rstrip() + "\n" + m.group(4), page)
+    return BLOCK.sub(
+        lambda m: m.group(1) + blocks.get(m["name"], m["body"].rstrip()).rstrip() + "\n" + m.group(4), page
+    )
 
 
 def read_counts() -> dict[str, dict[str, Any]]:
@@ -309,8 +351,10 @@ def read_counts() -> dict[str, dict[str, Any]]:
 def problems(page: str, items: Items, counts: dict[str, dict[str, Any]]) -> list[str]:
     out = row_problems(rows(page), items, counts) + count_problems(items, counts)
     if render(page, generated(items, counts)) != page:
-        out.append("RELIABILITY.md: a generated block differs from what tests/support/kill_counts.json and the markers give: "
-                   "run python tests/support/reliability.py --write")  # fmt: skip
+        out.append(
+            "RELIABILITY.md: a generated block differs from what tests/support/kill_counts.json and the markers give: "
+            "run python tests/support/reliability.py --write"
+        )
     return out
 
 

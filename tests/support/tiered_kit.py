@@ -15,12 +15,12 @@ import torch
 
 import dcpstore
 from dcpstore._impl.dcp.liveness.alive_file import ALIVE_PREFIX
-from tests.support import killcount
-from tests.support.backends import Target, make_target
-from tests.support.crashkit import crash
 from dcpstore._impl.format.layout import METADATA, REPLICA_REPORT_PREFIX
 from dcpstore._impl.manager import step_dir
 from dcpstore._impl.manager.tiers.replicate import read_local_commit
+from tests.support import killcount
+from tests.support.backends import Target, make_target
+from tests.support.crashkit import crash
 from tests.support.helpers import assert_state_equal, zeros_like_state
 
 #: Durable tiers: a local path, native S3 (moto over HTTP), S3 through MSC.

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import dcpstore
-from dcpstore.adapters import fsdp, megatron
 from dcpstore._impl.util.keyword_hints import FRAMEWORK_NAMES, unknown_keyword_message
+from dcpstore.adapters import fsdp, megatron
 
 
 @pytest.fixture
@@ -49,11 +49,19 @@ MISTAKES = [
     ("AsyncSaver", {"max_inflight": 2}, "did you mean 'max_in_flight'?"),
     ("AsyncSaver.save", {"workes": 4}, "did you mean 'workers'? pass options=dcpstore.SaveOptions(workers=...)"),
     ("AsyncSaver.save", {"engin": "native"}, "did you mean 'engine'? pass options=dcpstore.SaveOptions(engine=...)"),
-    ("save", {"executor": "process"}, "did you mean 'engine'? (engine='process' runs the save in a checkpoint process)"),
+    (
+        "save",
+        {"executor": "process"},
+        "did you mean 'engine'? (engine='process' runs the save in a checkpoint process)",
+    ),
     ("save", {"options": dcpstore.SaveOptions()}, "dcpstore.save takes each option as a keyword"),
     ("load", {"options": dcpstore.LoadOptions()}, "dcpstore.load takes each option as a keyword"),
-    ("CheckpointManager", {"executor": "process"}, "'executor' is dcpstore's 'engine' (its name in torch's dcp.async_save): "
-                                                   "pass options=dcpstore.SaveOptions(async_=True, engine=...)"),
+    (
+        "CheckpointManager",
+        {"executor": "process"},
+        "'executor' is dcpstore's 'engine' (its name in torch's dcp.async_save): "
+        "pass options=dcpstore.SaveOptions(async_=True, engine=...)",
+    ),
     ("CheckpointManager", {"async": True}, ASYNC_HINT),
     ("CheckpointManager", {"kep": 3}, "did you mean 'keep'?"),
     ("CheckpointManager.save", {"overwirte": True}, "did you mean 'overwrite'?"),
@@ -112,7 +120,10 @@ def test_the_framework_names_a_stand_in_takes_are_the_tables(entry: str) -> None
 
 
 def test_another_frameworks_name_elsewhere_is_named_as_ours(tmp_path: Path) -> None:
-    with pytest.raises(TypeError, match=r"'thread_count': did you mean 'workers'\? \('thread_count' is its name in torch's FileSystemWriter"):
+    with pytest.raises(
+        TypeError,
+        match=r"'thread_count': did you mean 'workers'\? \('thread_count' is its name in torch's FileSystemWriter",
+    ):
         dcpstore.save({"w": torch.ones(1)}, str(tmp_path / "c"), thread_count=2)
     with pytest.raises(TypeError, match=r"'dist_ckpt_workers': did you mean 'workers'\? .*Megatron-Bridge"):
         dcpstore.load({"w": torch.ones(1)}, str(tmp_path / "c"), dist_ckpt_workers=2)
@@ -185,11 +196,27 @@ def _params(fn: Any) -> list[str]:
 
 #: The entry points whose failures users handle: each says what it raises.
 RAISES = {
-    "save", "load", "open_storage", "AsyncSaver", "AsyncSaver.save", "AsyncSaver.close", "AsyncSaver.wait",
-    "CheckpointManager", "CheckpointManager.save", "CheckpointManager.load", "CheckpointManager.wait",
-    "CheckpointManager.close", "CheckpointManager.resolve_step", "SaveHandle.result", "SaveHandle.exception",
-    "StorageOptions", "save_app_state", "load_app_state", "get_app_state", "CheckpointConfig",
-}  # fmt: skip
+    "save",
+    "load",
+    "open_storage",
+    "AsyncSaver",
+    "AsyncSaver.save",
+    "AsyncSaver.close",
+    "AsyncSaver.wait",
+    "CheckpointManager",
+    "CheckpointManager.save",
+    "CheckpointManager.load",
+    "CheckpointManager.wait",
+    "CheckpointManager.close",
+    "CheckpointManager.resolve_step",
+    "SaveHandle.result",
+    "SaveHandle.exception",
+    "StorageOptions",
+    "save_app_state",
+    "load_app_state",
+    "get_app_state",
+    "CheckpointConfig",
+}
 
 
 @pytest.mark.parametrize(("name", "fn"), _documented(), ids=[n for n, _ in _documented()])
@@ -228,9 +255,6 @@ def test_every_option_has_a_row_in_the_options_table() -> None:
     table = (Path(__file__).resolve().parents[2] / "docs" / "options.md").read_text()
     rows = {line.split("`")[1] for line in table.splitlines() if line.startswith("| `")}
     options = {
-        p.name
-        for fn in OPTION_TAKERS
-        for p in inspect.signature(fn).parameters.values()
-        if p.kind is p.KEYWORD_ONLY
+        p.name for fn in OPTION_TAKERS for p in inspect.signature(fn).parameters.values() if p.kind is p.KEYWORD_ONLY
     }
     assert options <= rows, f"options without a row in docs/options.md's table: {sorted(options - rows)}"

@@ -20,11 +20,11 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.storage import WriteResult
 
 import dcpstore
-from tests.support import extras
 from dcpstore._impl.dcp.commit import ItemRecord, SaveSession, read_checkpoint_metadata
 from dcpstore._impl.dcp.liveness.alive_file import alive_name, is_alive_file
 from dcpstore._impl.format.layout import INFLIGHT, MANIFEST, METADATA
 from dcpstore._impl.tools.maintenance import gc
+from tests.support import extras
 from tests.support.faults import EventStorage, FailAt, Recorder, hook_all_storage
 
 
@@ -100,7 +100,9 @@ def test_an_overwrite_keeps_the_old_commit_until_its_own_then_removes_the_old_fi
     third.claim()
     assert third.tag not in ("", second.tag)
     _publish(third, [_write(third, 0, b"third")])
-    assert sorted(p.name for p in ck.iterdir()) == sorted([METADATA, f".dcpstore.{third.tag}.json", f"__0_{third.tag}_0.distcp"])
+    assert sorted(p.name for p in ck.iterdir()) == sorted(
+        [METADATA, f".dcpstore.{third.tag}.json", f"__0_{third.tag}_0.distcp"]
+    )
 
 
 def test_a_claim_with_overwrite_false_refuses_a_committed_uri(tmp_path: Path) -> None:

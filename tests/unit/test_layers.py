@@ -368,8 +368,12 @@ def test_only_torch_compat_uses_torchs_private_names() -> None:
     """Every name torch does not publish goes through one module, so that a
     torch release that moves one breaks one place (as NVRx's release churn
     has its seam)."""
-    found = [f"{module}:{hit}" for module, path in MODULES.items() if module != TORCH_COMPAT
-             for hit in private_torch_uses(ast.parse(path.read_text()))]  # fmt: skip
+    found = [
+        f"{module}:{hit}"
+        for module, path in MODULES.items()
+        if module != TORCH_COMPAT
+        for hit in private_torch_uses(ast.parse(path.read_text()))
+    ]
     assert not found, "\n".join(found)
 
 

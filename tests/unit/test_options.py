@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import dcpstore
-from dcpstore.adapters.megatron import CheckpointConfig
 from dcpstore._impl.values.options import LoadOptions, SaveOptions
+from dcpstore.adapters.megatron import CheckpointConfig
 from dcpstore.storage import Storage
 
 
@@ -57,7 +57,9 @@ def test_the_manager_saves_with_the_options_it_holds(tmp_path: Path) -> None:
     assert info.engine == "sync" and mgr.all_steps() == [1]
     mgr.close()
     with pytest.raises(dcpstore.InvalidArgument, match=r"async_=False and options\.async_=True disagree; pass it once"):
-        dcpstore.CheckpointManager(str(tmp_path / "run"), async_=False, options=dataclasses.replace(options, async_=True))
+        dcpstore.CheckpointManager(
+            str(tmp_path / "run"), async_=False, options=dataclasses.replace(options, async_=True)
+        )
     # One id for every step would collide with itself on the first overwrite.
     fixed = dataclasses.replace(options, save_id="0123456789abcdef")
     with pytest.raises(dcpstore.InvalidArgument, match="save_id='0123456789abcdef'.*own id"):
@@ -71,7 +73,9 @@ def test_a_save_id_must_have_the_form_files_are_named_by(bad: object) -> None:
 
 
 def test_the_config_hands_its_options_to_the_manager(tmp_path: Path) -> None:
-    cfg = CheckpointConfig(save=str(tmp_path / "run"), async_save=True, options=SaveOptions(engine="native"), dist_ckpt_workers=3)
+    cfg = CheckpointConfig(
+        save=str(tmp_path / "run"), async_save=True, options=SaveOptions(engine="native"), dist_ckpt_workers=3
+    )
     mgr = cfg.manager()
     assert mgr.options == cfg.save_options() == SaveOptions(async_=True, engine="native", workers=3)
     assert cfg.save_kwargs() == {"async_": True, "workers": 3, "enable_msc": False, "engine": "native"}
@@ -83,6 +87,8 @@ def test_validating_a_config_opens_no_storage(monkeypatch: pytest.MonkeyPatch) -
         raise AssertionError("CheckpointConfig opened a storage to validate itself")
 
     monkeypatch.setattr(Storage, "__init__", refuse)
-    CheckpointConfig(save="s3://bucket/run", load="s3://bucket/run", options=SaveOptions(engine="native"), async_save=True)
+    CheckpointConfig(
+        save="s3://bucket/run", load="s3://bucket/run", options=SaveOptions(engine="native"), async_save=True
+    )
     with pytest.raises(dcpstore.InvalidArgument, match=r"^CheckpointConfig\.options\.engine: "):
         CheckpointConfig(save="s3://bucket/run", options=SaveOptions(engine="nvrx"))

@@ -27,8 +27,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 
 import dcpstore
 from dcpstore import LoadOptions, SaveOptions, StorageOptions
-from dcpstore.adapters.megatron import CheckpointConfig
 from dcpstore._impl.engines.saver import AsyncSaver, default_saver
+from dcpstore.adapters.megatron import CheckpointConfig
 
 TUNED = StorageOptions(max_attempts=3)
 MSC = StorageOptions(enable_msc=True)
@@ -67,8 +67,11 @@ def test_save_and_load_take_every_option_as_a_keyword(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("call", [dcpstore.save, dcpstore.load], ids=["save", "load"])
 def test_save_and_load_take_no_options_whole(tmp_path: Path, call: Callable[..., Any]) -> None:
-    with pytest.raises(TypeError, match=rf"^{call.__name__}\(\) got an unexpected keyword argument 'options': "
-                                        rf"dcpstore\.{call.__name__} takes each option as a keyword"):
+    with pytest.raises(
+        TypeError,
+        match=rf"^{call.__name__}\(\) got an unexpected keyword argument 'options': "
+        rf"dcpstore\.{call.__name__} takes each option as a keyword",
+    ):
         call(_state(), str(tmp_path / "c"), options=SaveOptions())
 
 
@@ -100,12 +103,16 @@ def test_the_manager_takes_the_options_whole(tmp_path: Path) -> None:
 
 def test_the_drop_ins_take_the_options_whole(tmp_path: Path) -> None:
     uri = str(tmp_path / "c")
-    writer = dcpstore.StorageWriter(uri, options=SaveOptions(workers=3, spread_prefixes=4, overwrite=False, storage_options=TUNED))
+    writer = dcpstore.StorageWriter(
+        uri, options=SaveOptions(workers=3, spread_prefixes=4, overwrite=False, storage_options=TUNED)
+    )
     assert (writer.workers, writer.spread_prefixes, writer.overwrite) == (3, 4, False)
     assert writer.storage.options == TUNED
     dcp.save(_state(), storage_writer=writer, no_dist=True)
     assert _data_files(uri) and all(f.startswith("p0/") for f in _data_files(uri))
-    reader = dcpstore.StorageReader(uri, options=LoadOptions(workers=2, verify=False, trusted=True, storage_options=TUNED))
+    reader = dcpstore.StorageReader(
+        uri, options=LoadOptions(workers=2, verify=False, trusted=True, storage_options=TUNED)
+    )
     assert (reader.workers, reader.verify, reader.storage.options) == (2, False, TUNED)
     out = {"w": torch.zeros(64), "b": torch.zeros(8), "step": 0}
     dcp.load(out, storage_reader=reader, no_dist=True)
@@ -115,18 +122,30 @@ def test_the_drop_ins_take_the_options_whole(tmp_path: Path) -> None:
 
 
 REFUSED: list[tuple[Callable[..., Any], Any, str]] = [
-    (dcpstore.StorageWriter, SaveOptions(planner=DefaultSavePlanner()), r"options\.planner=.* pass planner= to dcp\.save"),
+    (
+        dcpstore.StorageWriter,
+        SaveOptions(planner=DefaultSavePlanner()),
+        r"options\.planner=.* pass planner= to dcp\.save",
+    ),
     (dcpstore.StorageWriter, SaveOptions(progress=True), r"options\.progress=True"),
     (dcpstore.StorageWriter, SaveOptions(engine="nvrx"), r"options\.engine='nvrx'"),
     (dcpstore.StorageWriter, SaveOptions(save_id="0123456789abcdef"), r"options\.save_id="),
     (dcpstore.StorageWriter, LoadOptions(), r"options must be a dcpstore\.SaveOptions"),
-    (dcpstore.StorageReader, LoadOptions(planner=DefaultLoadPlanner()), r"options\.planner=.* pass planner= to dcp\.save / dcp\.load"),
+    (
+        dcpstore.StorageReader,
+        LoadOptions(planner=DefaultLoadPlanner()),
+        r"options\.planner=.* pass planner= to dcp\.save / dcp\.load",
+    ),
     (dcpstore.StorageReader, SaveOptions(), r"options must be a dcpstore\.LoadOptions"),
 ]
 
 
-@pytest.mark.parametrize(("cls", "options", "named"), REFUSED, ids=[f"{r[0].__name__}-{i}" for i, r in enumerate(REFUSED)])
-def test_the_drop_ins_refuse_what_dcps_call_decides(tmp_path: Path, cls: Callable[..., Any], options: Any, named: str) -> None:
+@pytest.mark.parametrize(
+    ("cls", "options", "named"), REFUSED, ids=[f"{r[0].__name__}-{i}" for i, r in enumerate(REFUSED)]
+)
+def test_the_drop_ins_refuse_what_dcps_call_decides(
+    tmp_path: Path, cls: Callable[..., Any], options: Any, named: str
+) -> None:
     with pytest.raises(dcpstore.InvalidArgument, match=named):
         cls(str(tmp_path), options=options)
 
@@ -174,19 +193,34 @@ def saver() -> Iterator[AsyncSaver]:
 
 
 ONE_WAY: list[tuple[str, Callable[[Path], Any], str]] = [
-    ("AsyncSaver.save", lambda p: default_saver().save(_state(), str(p), engine="native"),
-     r"^AsyncSaver\.save\(\) got an unexpected keyword argument 'engine': pass options=dcpstore\.SaveOptions\(engine=\.\.\.\)$"),
-    ("CheckpointManager", lambda p: dcpstore.CheckpointManager(str(p), workers=2),
-     r"^CheckpointManager\.__init__\(\) got an unexpected keyword argument 'workers': "
-     r"pass options=dcpstore\.SaveOptions\(async_=True, workers=\.\.\.\)$"),
-    ("StorageWriter", lambda p: dcpstore.StorageWriter(str(p), storage_options=TUNED),
-     r"^StorageWriter\.__init__\(\) got an unexpected keyword argument 'storage_options': "
-     r"pass options=dcpstore\.SaveOptions\(storage_options=\.\.\.\)$"),
-    ("StorageReader", lambda p: dcpstore.StorageReader(str(p), verify=False),
-     r"^StorageReader\.__init__\(\) got an unexpected keyword argument 'verify': pass options=dcpstore\.LoadOptions\(verify=\.\.\.\)$"),
-    ("CheckpointConfig.from_bridge", lambda p: CheckpointConfig.from_bridge({}, engine="native"),
-     r"^CheckpointConfig\.from_bridge\(\) got an unexpected keyword argument 'engine': pass options=dcpstore\.SaveOptions\(engine=\.\.\.\)$"),
-]  # fmt: skip
+    (
+        "AsyncSaver.save",
+        lambda p: default_saver().save(_state(), str(p), engine="native"),
+        r"^AsyncSaver\.save\(\) got an unexpected keyword argument 'engine': pass options=dcpstore\.SaveOptions\(engine=\.\.\.\)$",
+    ),
+    (
+        "CheckpointManager",
+        lambda p: dcpstore.CheckpointManager(str(p), workers=2),
+        r"^CheckpointManager\.__init__\(\) got an unexpected keyword argument 'workers': "
+        r"pass options=dcpstore\.SaveOptions\(async_=True, workers=\.\.\.\)$",
+    ),
+    (
+        "StorageWriter",
+        lambda p: dcpstore.StorageWriter(str(p), storage_options=TUNED),
+        r"^StorageWriter\.__init__\(\) got an unexpected keyword argument 'storage_options': "
+        r"pass options=dcpstore\.SaveOptions\(storage_options=\.\.\.\)$",
+    ),
+    (
+        "StorageReader",
+        lambda p: dcpstore.StorageReader(str(p), verify=False),
+        r"^StorageReader\.__init__\(\) got an unexpected keyword argument 'verify': pass options=dcpstore\.LoadOptions\(verify=\.\.\.\)$",
+    ),
+    (
+        "CheckpointConfig.from_bridge",
+        lambda p: CheckpointConfig.from_bridge({}, engine="native"),
+        r"^CheckpointConfig\.from_bridge\(\) got an unexpected keyword argument 'engine': pass options=dcpstore\.SaveOptions\(engine=\.\.\.\)$",
+    ),
+]
 
 
 @pytest.mark.parametrize(("entry", "call", "match"), ONE_WAY, ids=[c[0] for c in ONE_WAY])
@@ -203,33 +237,60 @@ def test_an_option_as_a_keyword_is_a_type_error_saying_how_to_pass_it(
 
 
 def test_an_unknown_keyword_is_named_with_its_fix(tmp_path: Path, saver: AsyncSaver) -> None:
-    with pytest.raises(TypeError, match=r"^AsyncSaver\.save\(\) got an unexpected keyword argument 'workes': "
-                                        r"did you mean 'workers'\? pass options=dcpstore\.SaveOptions\(workers=\.\.\.\)"):
+    with pytest.raises(
+        TypeError,
+        match=r"^AsyncSaver\.save\(\) got an unexpected keyword argument 'workes': "
+        r"did you mean 'workers'\? pass options=dcpstore\.SaveOptions\(workers=\.\.\.\)",
+    ):
         saver.save(_state(), str(tmp_path / "c"), workes=2)
-    with pytest.raises(TypeError, match=r"^StorageWriter\.__init__\(\) got an unexpected keyword argument 'thread_cont': "
-                                        r"did you mean 'thread_count'\?"):
+    with pytest.raises(
+        TypeError,
+        match=r"^StorageWriter\.__init__\(\) got an unexpected keyword argument 'thread_cont': "
+        r"did you mean 'thread_count'\?",
+    ):
         dcpstore.StorageWriter(str(tmp_path), thread_cont=2)
-    with pytest.raises(TypeError, match=r"'spread_prefixes': pass options=dcpstore\.SaveOptions\(spread_prefixes=\.\.\.\)"):
+    with pytest.raises(
+        TypeError, match=r"'spread_prefixes': pass options=dcpstore\.SaveOptions\(spread_prefixes=\.\.\.\)"
+    ):
         saver.save(_state(), str(tmp_path / "c"), spread_prefixes=2)
 
 
 # -- a keyword that disagrees with the options: refused, naming both ------------------
 
 CONFLICTS: list[tuple[str, Callable[[Path], Any], str]] = [
-    ("CheckpointManager", lambda p: dcpstore.CheckpointManager(str(p), async_=False, options=SaveOptions(async_=True)),
-     r"^CheckpointManager: async_=False and options\.async_=True disagree"),
-    ("StorageWriter", lambda p: dcpstore.StorageWriter(str(p), thread_count=2, options=SaveOptions(workers=3)),
-     r"^StorageWriter: thread_count=2 and options\.workers=3 disagree"),
-    ("StorageReader", lambda p: dcpstore.StorageReader(str(p), thread_count=2, options=LoadOptions(workers=3)),
-     r"^StorageReader: thread_count=2 and options\.workers=3 disagree"),
-    ("CheckpointConfig", lambda p: CheckpointConfig(save=str(p), dist_ckpt_workers=2, options=SaveOptions(workers=3)),
-     r"^CheckpointConfig\.options: dist_ckpt_workers=2 and options\.workers=3 disagree"),
-    ("CheckpointConfig.save_options",
-     lambda p: CheckpointConfig(options=SaveOptions(storage_options=TUNED)).save_options(storage_options=StorageOptions()),
-     r"^CheckpointConfig\.save_options: storage_options=.* and options\.storage_options=.* disagree"),
-    ("AsyncSaver.save, wrong type", lambda p: default_saver().save(_state(), str(p), options=LoadOptions()),  # type: ignore[arg-type]
-     r"^AsyncSaver\.save: options must be a dcpstore\.SaveOptions"),
-]  # fmt: skip
+    (
+        "CheckpointManager",
+        lambda p: dcpstore.CheckpointManager(str(p), async_=False, options=SaveOptions(async_=True)),
+        r"^CheckpointManager: async_=False and options\.async_=True disagree",
+    ),
+    (
+        "StorageWriter",
+        lambda p: dcpstore.StorageWriter(str(p), thread_count=2, options=SaveOptions(workers=3)),
+        r"^StorageWriter: thread_count=2 and options\.workers=3 disagree",
+    ),
+    (
+        "StorageReader",
+        lambda p: dcpstore.StorageReader(str(p), thread_count=2, options=LoadOptions(workers=3)),
+        r"^StorageReader: thread_count=2 and options\.workers=3 disagree",
+    ),
+    (
+        "CheckpointConfig",
+        lambda p: CheckpointConfig(save=str(p), dist_ckpt_workers=2, options=SaveOptions(workers=3)),
+        r"^CheckpointConfig\.options: dist_ckpt_workers=2 and options\.workers=3 disagree",
+    ),
+    (
+        "CheckpointConfig.save_options",
+        lambda p: CheckpointConfig(options=SaveOptions(storage_options=TUNED)).save_options(
+            storage_options=StorageOptions()
+        ),
+        r"^CheckpointConfig\.save_options: storage_options=.* and options\.storage_options=.* disagree",
+    ),
+    (
+        "AsyncSaver.save, wrong type",
+        lambda p: default_saver().save(_state(), str(p), options=LoadOptions()),  # type: ignore[arg-type]
+        r"^AsyncSaver\.save: options must be a dcpstore\.SaveOptions",
+    ),
+]
 
 
 @pytest.mark.parametrize(("entry", "call", "match"), CONFLICTS, ids=[c[0] for c in CONFLICTS])
@@ -248,9 +309,17 @@ def test_a_keyword_that_disagrees_with_the_options_is_refused_naming_both(
 SPELLED: list[tuple[str, Callable[[Path, Any], Any], str]] = [
     ("StorageWriter", lambda p, v: dcpstore.StorageWriter(str(p), thread_count=v), r"^StorageWriter: thread_count "),
     ("StorageReader", lambda p, v: dcpstore.StorageReader(str(p), thread_count=v), r"^StorageReader: thread_count "),
-    ("FileSystemWriterAsync", lambda p, v: _nvrx_writer(str(p), thread_count=v), r"^FileSystemWriterAsync: thread_count "),
-    ("CheckpointConfig", lambda p, v: CheckpointConfig(save=str(p), dist_ckpt_workers=v), r"^CheckpointConfig\.dist_ckpt_workers: "),
-]  # fmt: skip
+    (
+        "FileSystemWriterAsync",
+        lambda p, v: _nvrx_writer(str(p), thread_count=v),
+        r"^FileSystemWriterAsync: thread_count ",
+    ),
+    (
+        "CheckpointConfig",
+        lambda p, v: CheckpointConfig(save=str(p), dist_ckpt_workers=v),
+        r"^CheckpointConfig\.dist_ckpt_workers: ",
+    ),
+]
 
 
 def _nvrx_writer(path: str, **kwargs: Any) -> Any:

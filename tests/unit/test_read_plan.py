@@ -157,7 +157,10 @@ def test_coalesce_joins_neighbours_up_to_the_limit_in_file_order() -> None:
 
 
 def test_sequential_runs_split_a_file_when_workers_outnumber_files() -> None:
-    direct = [Direct("f", _StorageInfo("f", i * 100, 100), _request(str(i), "f", i * 100, 100, 20)[0], torch.float32, 10, 80) for i in range(8)]
+    direct = [
+        Direct("f", _StorageInfo("f", i * 100, 100), _request(str(i), "f", i * 100, 100, 20)[0], torch.float32, 10, 80)
+        for i in range(8)
+    ]
     runs = sequential_runs(list(reversed(direct)), workers=4)
     assert [[d.info.offset for d in r.items] for r in runs] == [[0, 100], [200, 300], [400, 500], [600, 700]]
     assert len(sequential_runs(direct, workers=1)) == 1
@@ -165,7 +168,9 @@ def test_sequential_runs_split_a_file_when_workers_outnumber_files() -> None:
 
 def test_scatter_groups_split_at_large_gaps() -> None:
     def at(offset: int) -> tuple[Direct]:
-        return (Direct("f", _StorageInfo("f", offset, 100), _request("x", "f", offset, 100, 20)[0], torch.float32, 10, 80),)
+        return (
+            Direct("f", _StorageInfo("f", offset, 100), _request("x", "f", offset, 100, 20)[0], torch.float32, 10, 80),
+        )
 
     groups = scatter_groups([at(0), at(100), at(250), at(10_000)], gap_limit=1000)
     assert [[g[0].info.offset for g in group] for group in groups] == [[0, 100, 250], [10_000]]

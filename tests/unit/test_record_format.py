@@ -41,7 +41,9 @@ def test_this_torch_gets_the_crc_free_writer() -> None:
     assert torch_save.record_saver() is torch_save.save_without_crc
 
 
-@pytest.mark.parametrize("tensor", [torch.randn(3, 5), torch.arange(10, dtype=torch.int64)[2:7].clone(), torch.empty(0)])
+@pytest.mark.parametrize(
+    "tensor", [torch.randn(3, 5), torch.arange(10, dtype=torch.int64)[2:7].clone(), torch.empty(0)]
+)
 def test_record_loads_with_stock_torch_load_and_carries_no_zip_crc(tensor: torch.Tensor) -> None:
     buf = io.BytesIO()
     torch_save.save_record(tensor, buf)

@@ -63,7 +63,10 @@ def _state(kind: str, rank: int, world: int) -> dict[str, Any]:
     if kind == "bytes":
         return {"step": 7, "name": "run", "cfg": {"lr": 0.1, "betas": (0.9, 0.99), "none": None}, "t": torch.ones(3)}
     model = {"layer": {"w": torch.randn(2, 2, generator=g), "b": torch.zeros(2)}}
-    optim = {"state": {0: {"m": torch.zeros(2), "step": torch.tensor(3.0)}}, "param_groups": [{"lr": 0.1, "params": [0]}]}
+    optim = {
+        "state": {0: {"m": torch.zeros(2), "step": torch.tensor(3.0)}},
+        "param_groups": [{"lr": 0.1, "params": [0]}],
+    }
     return {"model": model, "optim": optim}
 
 
@@ -72,8 +75,12 @@ def _write_all(rank: int, world: int, root: str) -> None:
         state = _state(kind, rank, world)
         planner = DefaultSavePlanner(flatten_state_dict=False) if kind == "nested_unflattened" else None
         dcp.save(state, storage_writer=FileSystemWriter(f"{root}/stock-{kind}"), planner=planner)
-        dcp.save(state, storage_writer=FileSystemWriter(f"{root}/stock_rank_local-{kind}"), planner=planner,
-                 use_collectives=False)  # fmt: skip
+        dcp.save(
+            state,
+            storage_writer=FileSystemWriter(f"{root}/stock_rank_local-{kind}"),
+            planner=planner,
+            use_collectives=False,
+        )
         dcpstore.save(state, f"{root}/dcpstore-{kind}", planner=planner).result()
         dcpstore.save(state, f"{root}/dcpstore_async-{kind}", async_=True, engine="native", planner=planner).result()
     dist.barrier()
@@ -211,7 +218,9 @@ def test_custom_classes_need_an_opt_in_that_names_them() -> None:
     with pytest.raises(dcpstore.UnsafeCheckpoint, match="tools never unpickle"):
         load_object(buf.getvalue(), "checkpoint item 'cfg'", TOOLS)
     assert load_object(buf.getvalue(), "x", Trust.of([Custom])) == {"cfg": Custom(3)}
-    assert load_object(buf.getvalue(), "x", Trust.of([(Custom, "tests.unit.test_safe_pickle.Custom")])) == {"cfg": Custom(3)}
+    assert load_object(buf.getvalue(), "x", Trust.of([(Custom, "tests.unit.test_safe_pickle.Custom")])) == {
+        "cfg": Custom(3)
+    }
     assert load_object(buf.getvalue(), "x", Trust.of(trusted=True)) == {"cfg": Custom(3)}
 
 
@@ -233,7 +242,9 @@ def _load_through(entry: str, root: str, dest: dict[str, Any], **opt_in: Any) ->
     "entry", ["dcpstore.load", "CheckpointManager.load", "tiered CheckpointManager.load", "StorageReader"]
 )
 @pytest.mark.parametrize("opt_in", ["none", "safe_globals", "trusted"])
-def test_every_load_entry_point_needs_the_opt_in_for_a_custom_class(tmp_path: pathlib.Path, entry: str, opt_in: str) -> None:
+def test_every_load_entry_point_needs_the_opt_in_for_a_custom_class(
+    tmp_path: pathlib.Path, entry: str, opt_in: str
+) -> None:
     """``safe_globals=`` and ``trusted=`` as each public entry point takes
     them: without either, a user's class in a non-tensor item is refused
     naming it, and the item is not loaded; with either, it loads whole."""

@@ -26,14 +26,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import dcpstore
+from dcpstore._impl.storage.backends.s3.error_codes import CODES, STATUSES, Meaning, code_in_text, meaning
+from dcpstore._impl.storage.backends.s3.upload import _MAX_PARTS, _part_size_for
+from dcpstore._impl.storage.buffered import BufferedObjectWriter
+from dcpstore._impl.storage.byte_ranges import PIECE_SLACK, byte_ranges, slice_buffers
 from dcpstore._impl.util.errors import ObjectTooLarge, StorageError, StorageNotFound, StoragePermissionError
+from dcpstore.storage import MiB, Storage, StorageOptions, open_storage
 from tests.support.backends import OBJECT_STORE_OPTIONS, Target
 from tests.support.s3_server import S3Endpoint
-from dcpstore.storage import MiB, Storage, StorageOptions, open_storage
-from dcpstore._impl.storage.buffered import BufferedObjectWriter
-from dcpstore._impl.storage.backends.s3.error_codes import CODES, STATUSES, Meaning, code_in_text, meaning
-from dcpstore._impl.storage.byte_ranges import PIECE_SLACK, byte_ranges, slice_buffers
-from dcpstore._impl.storage.backends.s3.upload import _MAX_PARTS, _part_size_for
 
 STORAGE_DIR = Path(dcpstore.__file__).parent / "_impl" / "storage"
 

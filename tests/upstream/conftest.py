@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from upstream_shim import MODE, s3_dcp, substituted
 
 from tests.support.s3_server import REGION, S3Endpoint
-from upstream_shim import MODE, s3_dcp, substituted
 
 HERE = Path(__file__).resolve().parent
 
@@ -56,10 +56,11 @@ _S3_FS = "s3torchconnector/test_e2e_s3_file_system.py::"
 #: found with DCPSTORE_UPSTREAM=stock, minus those NOT_HERE puts out of scope
 #: (listed in PROVENANCE.md). Ours must pass them all.
 PASS_WITH_STOCK: frozenset[str] = frozenset(
-    [
-        f"{_FS_CPU}TestDistributedStateDictSaveLoad::test_read_write_only_tensor_thread_count_{n}" for n in (1, 2)
+    [f"{_FS_CPU}TestDistributedStateDictSaveLoad::test_read_write_only_tensor_thread_count_{n}" for n in (1, 2)]
+    + [
+        f"{_FS_CPU}TestDistributedStateDictSaveLoadRot13::test_read_write_tensor_and_blob_thread_count_{n}"
+        for n in (1, 2)
     ]
-    + [f"{_FS_CPU}TestDistributedStateDictSaveLoadRot13::test_read_write_tensor_and_blob_thread_count_{n}" for n in (1, 2)]
     + [
         f"{_FS_CPU}TestDistributedStateDictSaveLoadWithSharedTensor::test_read_write_shard_tensor_thread_count_{n}"
         for n in (1, 2)
@@ -176,7 +177,9 @@ def _point_s3torchconnector_at(endpoint: S3Endpoint, request: pytest.FixtureRequ
     original = _s3client.S3Client.__init__
     url = endpoint.url
 
-    def init(self: Any, region: str, *, endpoint: str | None = None, s3client_config: Any = None, **kwargs: Any) -> None:
+    def init(
+        self: Any, region: str, *, endpoint: str | None = None, s3client_config: Any = None, **kwargs: Any
+    ) -> None:
         config = dataclasses.replace(s3client_config or S3ClientConfig(), force_path_style=True)
         original(self, region, endpoint=endpoint or url, s3client_config=config, **kwargs)
 

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from dcpstore._impl.dropin import StorageReader, StorageWriter
+from dcpstore._impl.storage import Storage, StorageOptions, open_storage, with_msc
 from dcpstore._impl.util.errors import InvalidArgument
 from dcpstore._impl.values.options import LoadOptions, SaveOptions
-from dcpstore._impl.storage import Storage, StorageOptions, open_storage, with_msc
 
 
 @dataclass(frozen=True)

@@ -18,15 +18,17 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from dcpstore._impl.util.torch_compat import flatten_state_dict, set_element, tree_map_only
+from dcpstore._impl.adapters.megatron_formats import DEFAULT_FORMAT, check_format
+from dcpstore._impl.adapters.megatron_formats import (
+    FORMATS as FORMATS,  # the table save_app_state and load_app_state accept
+)
 from dcpstore._impl.api import load, save
 from dcpstore._impl.dcp.commit.reading import read_checkpoint_metadata
-from dcpstore._impl.util.errors import InvalidArgument, StateDictMismatch
-from dcpstore._impl.values.results import SaveHandle
 from dcpstore._impl.manager import CheckpointManager
 from dcpstore._impl.storage import open_storage
-from dcpstore._impl.adapters.megatron_formats import DEFAULT_FORMAT, check_format
-from dcpstore._impl.adapters.megatron_formats import FORMATS as FORMATS  # the table save_app_state and load_app_state accept
+from dcpstore._impl.util.errors import InvalidArgument, StateDictMismatch
+from dcpstore._impl.util.torch_compat import flatten_state_dict, set_element, tree_map_only
+from dcpstore._impl.values.results import SaveHandle
 
 MODEL = "model"
 OPTIMIZER = "optimizer"
@@ -313,16 +315,23 @@ def load_app_state(
     # each rank keeps its shard. Templates must then exist on every rank,
     # which torch's cpu_offload+full_state_dict would restrict to rank 0.
     template = _with_extra(
-        _dtensor_state(model, optimizer, full_state_dict=full_state_dict, cpu_offload=cpu_offload and not full_state_dict),
+        _dtensor_state(
+            model, optimizer, full_state_dict=full_state_dict, cpu_offload=cpu_offload and not full_state_dict
+        ),
         extra,
     )
     if full_state_dict and cpu_offload:
-        template = {k: (tree_map_only(torch.Tensor, torch.Tensor.cpu, v) if k in SECTIONS else v) for k, v in template.items()}
+        template = {
+            k: (tree_map_only(torch.Tensor, torch.Tensor.cpu, v) if k in SECTIONS else v) for k, v in template.items()
+        }
     flat_template, paths = flatten_state_dict(template)
     report = _report(flat_template, uri, step, load_kwargs, [k for k in SECTIONS if k in template])
     if strict and not report.ok:
-        raise StateDictMismatch(f"checkpoint {report.uri} does not match this model/optimizer: "
-                                f"{report.describe()}; strict=False loads the keys that match", report)
+        raise StateDictMismatch(
+            f"checkpoint {report.uri} does not match this model/optimizer: "
+            f"{report.describe()}; strict=False loads the keys that match",
+            report,
+        )
     # What DCP fills: only entries the checkpoint has with the right shape,
     # in the requested format (sharing storage with the template's tensors).
     converted = {k: (fmt.convert(v) if k in SECTIONS else v) for k, v in template.items()}
@@ -372,7 +381,9 @@ def _apply(
     if not optims:
         set_model_state_dict(model, template[MODEL], options=options)
         return
-    set_state_dict(model, optims, model_state_dict=template[MODEL], optim_state_dict=template[OPTIMIZER], options=options)
+    set_state_dict(
+        model, optims, model_state_dict=template[MODEL], optim_state_dict=template[OPTIMIZER], options=options
+    )
 
 
 def set_app_state(
@@ -392,4 +403,3 @@ def set_app_state(
         state: ``{"model": ..., "optimizer": ...}``.
     """
     _apply(model, optimizer, state, full_state_dict=full_state_dict, cpu_offload=cpu_offload)
-

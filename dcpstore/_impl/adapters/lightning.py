@@ -21,13 +21,13 @@ from torch.distributed.tensor import DTensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from dcpstore._impl.dcp.commit import delete_checkpoint
-from dcpstore._impl.dcp.commit.reading import read_checkpoint_metadata, read_commit_file
-from dcpstore._impl.util.errors import InvalidArgument
-from dcpstore._impl.format.layout import METADATA
-from dcpstore._impl.storage import parse_uri
 from dcpstore._impl.adapters.dropins import DropinOptions
 from dcpstore._impl.adapters.shadow import shadow, uninstall_previous, unshadow
+from dcpstore._impl.dcp.commit import delete_checkpoint
+from dcpstore._impl.dcp.commit.reading import read_checkpoint_metadata, read_commit_file
+from dcpstore._impl.format.layout import METADATA
+from dcpstore._impl.storage import parse_uri
+from dcpstore._impl.util.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +114,9 @@ class Installed:
         return self._load(uri, state, strict, weights_only)
 
     # -- Trainer -------------------------------------------------------------
-    def _trainer_save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+    def _trainer_save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
         s = self.strategy
         _refuse_storage_options(s, storage_options)
         if not s._save_distributed_checkpoint:
@@ -207,7 +209,9 @@ class Installed:
         for key, optim in optimizers.items():  # each optimizer on its own, as Lightning loads them
             optim_state = {key: get_optimizer_state_dict(module, optim)}
             dcp_load(optim_state, storage_reader=self.options.reader(uri))
-            set_optimizer_state_dict(module, optim, optim_state_dict=optim_state[key], options=StateDictOptions(cpu_offload=True))
+            set_optimizer_state_dict(
+                module, optim, optim_state_dict=optim_state[key], options=StateDictOptions(cpu_offload=True)
+            )
         storage = self.options.open(uri)
         try:
             _, manifest = read_checkpoint_metadata(storage)

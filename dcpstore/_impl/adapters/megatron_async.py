@@ -71,10 +71,10 @@ import logging
 import os
 import secrets
 import tempfile
-import types
 import time
-from collections.abc import Sequence
-from typing import Any, Callable
+import types
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -85,17 +85,17 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from dcpstore._impl.util.torch_compat import DistWrapper, StreamTransformExtension
+from dcpstore._impl.adapters.megatron_worker import Bucket, Preload, WorkerJob, read_results, write_buckets
 from dcpstore._impl.dcp.failures import describe_failure
 from dcpstore._impl.dcp.writer import DcpStorageWriter
 from dcpstore._impl.dropin import check_writer_args
-from dcpstore._impl.util.errors import InvalidArgument, SaveError
+from dcpstore._impl.storage import Storage, StorageOptions, open_storage, with_msc
 from dcpstore._impl.util.distributed import is_distributed
-from dcpstore._impl.values.results import SaveStats
+from dcpstore._impl.util.errors import InvalidArgument, SaveError
+from dcpstore._impl.util.torch_compat import DistWrapper, StreamTransformExtension
 from dcpstore._impl.values.keywords import resolve_options
 from dcpstore._impl.values.options import SaveOptions
-from dcpstore._impl.storage import Storage, StorageOptions, open_storage, with_msc
-from dcpstore._impl.adapters.megatron_worker import Bucket, Preload, WorkerJob, read_results, write_buckets
+from dcpstore._impl.values.results import SaveStats
 
 log = logging.getLogger(__name__)
 
@@ -361,14 +361,19 @@ class FileSystemWriterAsync(DcpStorageWriter):
         self.stats.files = sorted({r.storage_data.relative_path for r in results})
         log.info(
             "wrote %d bytes in %d file(s) to %s in %.2f s (Megatron async worker)",
-            self.stats.bytes_written, len(self.stats.files), self.storage.uri, self.stats.write_s,
-        )  # fmt: skip
+            self.stats.bytes_written,
+            len(self.stats.files),
+            self.storage.uri,
+            self.stats.write_s,
+        )
         return results
 
     def _read_results(self) -> tuple[list[WriteResult], float]:
         uri = self.storage.uri
         if self._results_path is None:
-            raise SaveError(f"save to {uri}: retrieve_write_results before get_save_function_and_args")  # a caller's bug
+            raise SaveError(
+                f"save to {uri}: retrieve_write_results before get_save_function_and_args"
+            )  # a caller's bug
         try:
             found = read_results(self._results_path)
         except FileNotFoundError:
@@ -387,8 +392,13 @@ class FileSystemWriterAsync(DcpStorageWriter):
             raise
         self._finalized = "committed"
         files = {r.storage_data.relative_path for rs in results for r in rs}
-        log.info("committed %s: %d data file(s) from %d rank(s), %.2f s to commit", self.storage.uri, len(files),
-                 len(results), self.stats.commit_s)  # fmt: skip
+        log.info(
+            "committed %s: %d data file(s) from %d rank(s), %.2f s to commit",
+            self.storage.uri,
+            len(files),
+            len(results),
+            self.stats.commit_s,
+        )
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         raise NotImplementedError(
@@ -402,8 +412,6 @@ def _workers(thread_count: int | None) -> int | None:
     drop-ins resolve it: a bad one is refused under the name it was given."""
     resolved = resolve_options(FileSystemWriterAsync, None, base=SaveOptions(), given={"workers": thread_count})
     return resolved.workers
-
-
 
 
 def _by_rank(outcomes: Sequence[str | None], shown: int = 4) -> str:
@@ -466,7 +474,10 @@ def _check_structure(local_plan: SavePlan | None, plan: SavePlan, planner: SaveP
     a planner that plans as DCP's default one (another's plan cannot be
     recomputed here; each resolved tensor is still checked against its item)."""
     state = getattr(planner, "state_dict", None)
-    default = isinstance(planner, DefaultSavePlanner) and type(planner).create_local_plan is DefaultSavePlanner.create_local_plan
+    default = (
+        isinstance(planner, DefaultSavePlanner)
+        and type(planner).create_local_plan is DefaultSavePlanner.create_local_plan
+    )
     if not default or not isinstance(state, dict):
         return
     coordinator = bool(getattr(planner, "is_coordinator", False))
@@ -479,8 +490,11 @@ def _check_structure(local_plan: SavePlan | None, plan: SavePlan, planner: SaveP
     added = sorted(now.keys() - planned.keys())
     gone = sorted((planned.keys() - now.keys()) | (central.keys() - now.keys()))
     changed = sorted({k for k in now.keys() & planned.keys() if now[k] != planned[k]} | (stale & now.keys()))
-    parts = [f"{what}: {', '.join(names[:5])}{', ...' if len(names) > 5 else ''}"
-             for what, names in (("new", added), ("gone", gone), ("changed", changed)) if names]  # fmt: skip
+    parts = [
+        f"{what}: {', '.join(names[:5])}{', ...' if len(names) > 5 else ''}"
+        for what, names in (("new", added), ("gone", gone), ("changed", changed))
+        if names
+    ]
     raise SaveError(f"{_STALE} ({'; '.join(parts)}){_REPLAN}")
 
 

@@ -36,11 +36,11 @@ from pathlib import PurePosixPath
 from types import ModuleType
 from typing import Any
 
+from dcpstore._impl.adapters.megatron_async import FileSystemWriterAsync
 from dcpstore._impl.dropin import StorageReader, StorageWriter
+from dcpstore._impl.storage import StorageOptions, with_msc
 from dcpstore._impl.util.errors import InvalidArgument
 from dcpstore._impl.values.options import LoadOptions, SaveOptions
-from dcpstore._impl.storage import StorageOptions, with_msc
-from dcpstore._impl.adapters.megatron_async import FileSystemWriterAsync
 
 #: The names in ``megatron.bridge.training.checkpointing`` (0.6.2) that its
 #: ``fsdp_dtensor`` saves and loads reach storage through.
@@ -132,7 +132,9 @@ def install_in_bridge(
     def sync_writer(checkpoint_path: str | os.PathLike[str]) -> StorageWriter:
         return StorageWriter(roots.restore(checkpoint_path), options=SaveOptions(storage_options=where()))
 
-    def reader(checkpoint_dir: str | os.PathLike[str], cache_metadata: bool = False, async_strategy: str = "mcore") -> StorageReader:
+    def reader(
+        checkpoint_dir: str | os.PathLike[str], cache_metadata: bool = False, async_strategy: str = "mcore"
+    ) -> StorageReader:
         options = LoadOptions(storage_options=where(), safe_globals=safe_globals or (), trusted=trusted)
         return StorageReader(roots.restore(checkpoint_dir), options=options)
 

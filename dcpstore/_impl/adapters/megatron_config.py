@@ -65,29 +65,30 @@ sync writer and reader, beneath Bridge in one call.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 import dataclasses
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, NoReturn
 
 import torch.distributed as dist
 
-from dcpstore._impl.engines.selection import engine_problem
-from dcpstore._impl.util.errors import CheckpointError, CheckpointNotFound, InvalidArgument
-from dcpstore._impl.util.distributed import is_distributed
-from dcpstore._impl.util.keyword_hints import FRAMEWORK_NAMES, foreign_names, hint_keywords, hint_keywords_with
-from dcpstore._impl.manager import LAYOUTS, CheckpointManager, check_step
-from dcpstore._impl.manager.roots import coordinator_rank, group_rank
-from dcpstore._impl.values.keywords import pass_whole, resolve_options
-from dcpstore._impl.values.options import OPTION_DEFAULTS, SaveOptions, save_option_problems
-from dcpstore._impl.storage import StorageOptions, backend_class, backend_name, parse_uri, with_msc
 from dcpstore._impl.adapters.megatron_bridge import megatron_msc_enabled
 from dcpstore._impl.adapters.megatron_formats import FORMATS
-
+from dcpstore._impl.engines.selection import engine_problem
+from dcpstore._impl.manager import LAYOUTS, CheckpointManager, check_step
+from dcpstore._impl.manager.roots import coordinator_rank, group_rank
+from dcpstore._impl.storage import StorageOptions, backend_class, backend_name, parse_uri, with_msc
+from dcpstore._impl.util.distributed import is_distributed
+from dcpstore._impl.util.errors import CheckpointError, CheckpointNotFound, InvalidArgument
+from dcpstore._impl.util.keyword_hints import FRAMEWORK_NAMES, foreign_names, hint_keywords, hint_keywords_with
+from dcpstore._impl.values.keywords import pass_whole, resolve_options
+from dcpstore._impl.values.options import OPTION_DEFAULTS, SaveOptions, save_option_problems
 
 #: The options Bridge's fields stand for (option -> Bridge's field:
 #: ``FRAMEWORK_NAMES``' rows), and the fields' defaults.
-_BRIDGE_NAME = {ours: theirs for theirs, ours in foreign_names("CheckpointConfig").items() if ours in OPTION_DEFAULTS[SaveOptions]}
+_BRIDGE_NAME = {
+    ours: theirs for theirs, ours in foreign_names("CheckpointConfig").items() if ours in OPTION_DEFAULTS[SaveOptions]
+}
 _BRIDGE_DEFAULTS = {"async_save": False, "dist_ckpt_workers": None}
 
 
@@ -273,8 +274,13 @@ class CheckpointConfig:
         mode and MSC choice, and whatever else ``options`` sets."""
         options = self.save_options()
         kwargs = {k: v for k, v in options.as_kwargs().items() if v != getattr(SaveOptions(), k, None)}
-        return {"async_": options.async_, "workers": options.workers, "enable_msc": options.enable_msc,
-                "engine": options.engine, **kwargs}  # fmt: skip
+        return {
+            "async_": options.async_,
+            "workers": options.workers,
+            "enable_msc": options.enable_msc,
+            "engine": options.engine,
+            **kwargs,
+        }
 
     def load_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for :func:`dcpstore.load`."""
@@ -408,9 +414,13 @@ class _ResumeManager(CheckpointManager):
 
     @hint_keywords
     def load(
-        self, state_dict: dict[str, Any], step: int | None = None, *, safe_globals: Sequence[Any] | None = None,
+        self,
+        state_dict: dict[str, Any],
+        step: int | None = None,
+        *,
+        safe_globals: Sequence[Any] | None = None,
         trusted: bool = False,
-    ) -> int:  # fmt: skip
+    ) -> int:
         return super().load(state_dict, self._resumed(step), safe_globals=safe_globals, trusted=trusted)
 
     def _resumed(self, step: int | None) -> int:

@@ -32,8 +32,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from dcpstore._impl.util.torch_compat import ShardMetadata, ShardedTensor, ShardedTensorMetadata, ShardedTensorProperties, compute_local_shape_and_global_offset, Shard as StShard
 from dcpstore._impl.util.errors import InvalidArgument
+from dcpstore._impl.util.torch_compat import Shard as StShard
+from dcpstore._impl.util.torch_compat import (
+    ShardedTensor,
+    ShardedTensorMetadata,
+    ShardedTensorProperties,
+    ShardMetadata,
+    compute_local_shape_and_global_offset,
+)
+
 
 @dataclass(frozen=True)
 class StateDictFormat:
@@ -110,7 +118,11 @@ FORMATS: Mapping[str, StateDictFormat] = {
     f.name: f
     for f in (
         StateDictFormat("fsdp_dtensor", "DTensor shards, as FSDP2 holds them", _as_is),
-        StateDictFormat("torch_dist", "torch ShardedTensors (global shape + row offsets), as Megatron's torch_dist", _as_sharded_tensors),
+        StateDictFormat(
+            "torch_dist",
+            "torch ShardedTensors (global shape + row offsets), as Megatron's torch_dist",
+            _as_sharded_tensors,
+        ),
     )
 }
 DEFAULT_FORMAT = "fsdp_dtensor"

@@ -67,18 +67,18 @@ from typing import Any, ClassVar, cast
 import torch
 import torch.distributed as dist
 
-from dcpstore._impl.util.errors import CheckpointError, CheckpointNotFound, InvalidArgument
-from dcpstore._impl.util.distributed import is_distributed
-from dcpstore._impl.format.layout import METADATA
+from dcpstore._impl.adapters.megatron_bridge import BridgeRoots
+from dcpstore._impl.adapters.megatron_config import CheckpointConfig
 from dcpstore._impl.dcp.commit.reading import read_checkpoint_metadata, read_commit_file
+from dcpstore._impl.dropin import StorageReader
+from dcpstore._impl.format.layout import METADATA
 from dcpstore._impl.manager import BRIDGE, CheckpointManager, SavedStep
 from dcpstore._impl.manager.roots import group_rank
 from dcpstore._impl.manager.steps import committed_steps
-from dcpstore._impl.values.options import LoadOptions, SaveOptions
 from dcpstore._impl.storage import StorageOptions, join_uri, open_storage
-from dcpstore._impl.dropin import StorageReader
-from dcpstore._impl.adapters.megatron_bridge import BridgeRoots
-from dcpstore._impl.adapters.megatron_config import CheckpointConfig
+from dcpstore._impl.util.distributed import is_distributed
+from dcpstore._impl.util.errors import CheckpointError, CheckpointNotFound, InvalidArgument
+from dcpstore._impl.values.options import LoadOptions, SaveOptions
 
 log = logging.getLogger(__name__)
 
@@ -270,7 +270,10 @@ class BridgeCheckpointManager:
     def _find_resume_point(self) -> tuple[str, int, bool] | None:
         cfg = self.checkpoint_config
         wanted = getattr(cfg, "ckpt_step", None)
-        sources = ((cfg.load, "load", bool(getattr(cfg, "finetune", False))), (getattr(cfg, "pretrained_checkpoint", None), "pretrained_checkpoint", True))
+        sources = (
+            (cfg.load, "load", bool(getattr(cfg, "finetune", False))),
+            (getattr(cfg, "pretrained_checkpoint", None), "pretrained_checkpoint", True),
+        )
         for root, field, finetune in sources:
             if root is None:
                 continue
@@ -325,7 +328,9 @@ class BridgeCheckpointManager:
                 with open(os.path.join(local, name), "wb") as f:
                     f.write(blob)
 
-            def reader(path: str | os.PathLike[str], cache_metadata: bool = False, async_strategy: str = "mcore") -> StorageReader:
+            def reader(
+                path: str | os.PathLike[str], cache_metadata: bool = False, async_strategy: str = "mcore"
+            ) -> StorageReader:
                 name = os.fspath(path)
                 target = uri if os.path.normpath(name) == local else self.roots.restore(name)
                 return StorageReader(target, options=LoadOptions(storage_options=where))
@@ -387,7 +392,9 @@ def _bridge_state_dict(bridge: ModuleType, ctx: Any, model: list[Any], step: int
         pg_collection=pg_collection,
         module_name=ctx.module_name,
     )
-    rerun_state = bridge.get_rerun_state_machine().state_dict(data_iterator=ctx.train_data_iterator, ckpt_format=ckpt.ckpt_format)
+    rerun_state = bridge.get_rerun_state_machine().state_dict(
+        data_iterator=ctx.train_data_iterator, ckpt_format=ckpt.ckpt_format
+    )
     metadata = bridge._build_sharded_state_dict_metadata(cfg.optimizer.use_distributed_optimizer, ckpt)
     metadata["dp_cp_group"] = pg_collection.dp_cp
     state_dict: dict[str, Any] = bridge.generate_state_dict(
@@ -408,7 +415,9 @@ def _bridge_state_dict(bridge: ModuleType, ctx: Any, model: list[Any], step: int
 def _train_state_bytes(ctx: Any) -> bytes:
     """Bridge's ``train_state.pt`` of this save (its ``train_state_finalize_fn``)."""
     train_state = ctx.state.train_state.state_dict()
-    train_state["floating_point_operations_so_far"] = torch.tensor(ctx.num_floating_point_operations_so_far, dtype=torch.float32)
+    train_state["floating_point_operations_so_far"] = torch.tensor(
+        ctx.num_floating_point_operations_so_far, dtype=torch.float32
+    )
     buf = io.BytesIO()
     torch.save(train_state, buf)
     return buf.getvalue()

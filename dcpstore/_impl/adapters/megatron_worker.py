@@ -32,14 +32,14 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
-from dcpstore._impl.util.torch_compat import StorageWriterTransforms, StreamTransformExtension
 from dcpstore._impl.dcp.commit.session import ItemRecord, SaveSession
+from dcpstore._impl.dcp.data_files import file_size_hint, write_data_file
 from dcpstore._impl.dcp.failures import describe_failure
 from dcpstore._impl.dcp.liveness.owner_gate import OwnerGate, run_gated
-from dcpstore._impl.dcp.data_files import file_size_hint, write_data_file
 from dcpstore._impl.format.record import compact_cpu_tensor
-from dcpstore._impl.util.progress import NO_PROGRESS
 from dcpstore._impl.storage import Storage, StorageOptions, open_storage
+from dcpstore._impl.util.progress import NO_PROGRESS
+from dcpstore._impl.util.torch_compat import StorageWriterTransforms, StreamTransformExtension
 
 log = logging.getLogger(__name__)
 
@@ -184,8 +184,20 @@ def _encode(wr: WriteResult) -> list[Any]:
     index = wr.index
     offset = None if index.offset is None else list(index.offset)
     raw = None if rec.raw is None else list(rec.raw)
-    return [index.fqn, offset, index.index, wr.size_in_bytes, rec.relative_path, rec.offset, rec.length,
-            rec.crc32c, rec.file_size, rec.file_crc32c, raw, list(rec.transforms)]  # fmt: skip
+    return [
+        index.fqn,
+        offset,
+        index.index,
+        wr.size_in_bytes,
+        rec.relative_path,
+        rec.offset,
+        rec.length,
+        rec.crc32c,
+        rec.file_size,
+        rec.file_crc32c,
+        raw,
+        list(rec.transforms),
+    ]
 
 
 def _decode(row: Any) -> WriteResult:

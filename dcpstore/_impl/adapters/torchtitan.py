@@ -20,14 +20,14 @@ from torchtitan.components.checkpointer.dcp import AsyncMode
 from torchtitan.tools import filesystem
 from torchtitan.tools.utils import GarbageCollection
 
+from dcpstore._impl.adapters.dropins import DropinOptions
+from dcpstore._impl.adapters.shadow import shadow, uninstall_previous, unshadow
 from dcpstore._impl.dcp.commit import delete_checkpoint
-from dcpstore._impl.util.errors import CheckpointNotFound, InvalidArgument
-from dcpstore._impl.util.distributed import is_distributed
 from dcpstore._impl.format.layout import METADATA
 from dcpstore._impl.manager.steps import StepLayout, committed_steps
 from dcpstore._impl.storage import Storage
-from dcpstore._impl.adapters.dropins import DropinOptions
-from dcpstore._impl.adapters.shadow import shadow, uninstall_previous, unshadow
+from dcpstore._impl.util.distributed import is_distributed
+from dcpstore._impl.util.errors import CheckpointNotFound, InvalidArgument
 
 #: The methods :func:`install` shadows on the instance.
 PATCHED = ("dcp_save", "dcp_load", "_find_load_step", "_load", "_purge_stale_checkpoints", "_wait_for_saving", "_close")
@@ -99,7 +99,9 @@ class Installed:
         m = self.manager
         ret: Any
         if async_mode == AsyncMode.ASYNC:
-            ret = dcp_async_save(state_dict, storage_writer=self.writer, checkpoint_id=checkpoint_id, process_group=m.pg)
+            ret = dcp_async_save(
+                state_dict, storage_writer=self.writer, checkpoint_id=checkpoint_id, process_group=m.pg
+            )
         elif async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM:
             ret = dcp_async_save(
                 state_dict,

@@ -38,14 +38,25 @@ from typing import Any
 
 from tqdm import tqdm
 
-from dcpstore._impl.values.options import ENGINES
-from dcpstore._impl.storage import join_uri, parse_uri
-from dcpstore._impl.util.units import human_bytes, parse_size
 from dcpstore._impl.bench.entries import DcpstoreEntry, TieredEntry
 from dcpstore._impl.bench.interference import DcpstoreRow, StepWork, describe, measure
 from dcpstore._impl.bench.limits import RawFiles, s3_sweep
 from dcpstore._impl.bench.measure import make_state, parse_int_list, zeros_like_state
-from dcpstore._impl.bench.runner import RECORD_KEYS, Entry, Record, SaveOutcome, Skip, Waiter, done, measure_all, run_entry, summarize
+from dcpstore._impl.bench.runner import (
+    RECORD_KEYS,
+    Entry,
+    Record,
+    SaveOutcome,
+    Skip,
+    Waiter,
+    done,
+    measure_all,
+    run_entry,
+    summarize,
+)
+from dcpstore._impl.storage import join_uri, parse_uri
+from dcpstore._impl.util.units import human_bytes, parse_size
+from dcpstore._impl.values.options import ENGINES
 
 __all__ = [
     "RECORD_KEYS",
@@ -74,8 +85,10 @@ def _line(rec: Record) -> str:
     if rec.status != "ok":
         return f"  {rec.name}: {rec.status}: {rec.reason}"
     read = f", load {rec.read_gbps:.3f} GB/s" if rec.read_gbps is not None else ""
-    return (f"  {rec.name} #{rec.repeat + 1}: save {rec.write_gbps:.3f} GB/s{read}, "
-            f"blocked {rec.blocked_s:.3f} s, peak RSS {human_bytes(rec.peak_rss_bytes or 0)}")  # fmt: skip
+    return (
+        f"  {rec.name} #{rec.repeat + 1}: save {rec.write_gbps:.3f} GB/s{read}, "
+        f"blocked {rec.blocked_s:.3f} s, peak RSS {human_bytes(rec.peak_rss_bytes or 0)}"
+    )
 
 
 def run_entries(
@@ -92,8 +105,9 @@ def run_entries(
 ) -> list[Record]:
     """Measure the entries (interleaved, see :func:`measure_all`) under one
     progress bar on stderr; a line per measurement is printed above the bar."""
-    with tqdm(total=len(entries) * repeat, desc=desc, unit="run", file=sys.stderr,
-              disable=not progress, leave=False) as bar:  # fmt: skip
+    with tqdm(
+        total=len(entries) * repeat, desc=desc, unit="run", file=sys.stderr, disable=not progress, leave=False
+    ) as bar:
 
         def on_record(rec: Record) -> None:
             # A skipped or failed entry will not run its remaining repeats.
@@ -102,8 +116,16 @@ def run_entries(
             if progress:
                 tqdm.write(_line(rec), file=sys.stderr)
 
-        records = measure_all(entries, state, dest, repeat=repeat, drop_caches=drop_caches, verify=verify,
-                              on_record=on_record, rss_ignore_pids=rss_ignore_pids)  # fmt: skip
+        records = measure_all(
+            entries,
+            state,
+            dest,
+            repeat=repeat,
+            drop_caches=drop_caches,
+            verify=verify,
+            on_record=on_record,
+            rss_ignore_pids=rss_ignore_pids,
+        )
     return records
 
 
@@ -149,14 +171,23 @@ def bench(
         entries += [
             DcpstoreEntry(tiered, run_id, workers=w, engine=engine, async_=True, name=f"local async/{engine} w={w}"),
             TieredEntry(uri, tiered, run_id, workers=w, engine=engine, enable_msc=enable_msc),
-            DcpstoreEntry(uri, run_id, workers=w, engine=engine, async_=True, enable_msc=enable_msc,
-                          name=f"direct async/{engine} w={w}"),
-        ]  # fmt: skip
+            DcpstoreEntry(
+                uri,
+                run_id,
+                workers=w,
+                engine=engine,
+                async_=True,
+                enable_msc=enable_msc,
+                name=f"direct async/{engine} w={w}",
+            ),
+        ]
     try:
         return run_entries(entries, state, dest, repeat=repeat, drop_caches=drop_caches, progress=progress)
     finally:
         if url.scheme == "file":  # leave nothing behind (directories only if empty)
-            for path in (os.path.join(url.path, run_id), url.path) if created_root else (os.path.join(url.path, run_id),):
+            for path in (
+                (os.path.join(url.path, run_id), url.path) if created_root else (os.path.join(url.path, run_id),)
+            ):
                 with contextlib.suppress(OSError):
                     os.rmdir(path)
 
@@ -181,9 +212,17 @@ def interference(
     state = make_state(size, tensors)
     step = StepWork(step_ops)
     run_id = f"dcpstore-bench-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-    rows = [DcpstoreRow(f"dcpstore {engine}", join_uri(uri, run_id, engine), url.scheme, engine=engine,
-                        executor="process" if engine == "process" else "threads", enable_msc=enable_msc)
-            for engine in engines]  # fmt: skip
+    rows = [
+        DcpstoreRow(
+            f"dcpstore {engine}",
+            join_uri(uri, run_id, engine),
+            url.scheme,
+            engine=engine,
+            executor="process" if engine == "process" else "threads",
+            enable_msc=enable_msc,
+        )
+        for engine in engines
+    ]
 
     def say(result: Any) -> None:
         if progress:
@@ -211,8 +250,12 @@ def limit_entries(uri: str, run_id: str, size: int, workers: Sequence[int], *, e
     if url.scheme == "s3" and not enable_msc:
         prefix = "/".join(p for p in (url.path.strip("/"), run_id) if p)
         return list(s3_sweep(None, url.netloc, size, prefix=prefix))
-    return [_NoLimit(f"no limit rows for {url.scheme}://{' through MSC' if enable_msc else ''}: "
-                     "only local paths and native s3:// have a raw client to measure")]  # fmt: skip
+    return [
+        _NoLimit(
+            f"no limit rows for {url.scheme}://{' through MSC' if enable_msc else ''}: "
+            "only local paths and native s3:// have a raw client to measure"
+        )
+    ]
 
 
 class _NoLimit(Entry):

@@ -17,13 +17,13 @@ from typing import Any
 import torch
 
 from dcpstore._impl.api import load, save
+from dcpstore._impl.bench.runner import Entry, SaveOutcome, Skip, Waiter
+from dcpstore._impl.dcp.commit import delete_everything
 from dcpstore._impl.engines.saver import AsyncSaver
 from dcpstore._impl.manager import CheckpointManager
-from dcpstore._impl.values.options import SaveOptions
-from dcpstore._impl.dcp.commit import delete_everything
-from dcpstore._impl.util.errors import BackendUnavailable, InvalidArgument
 from dcpstore._impl.storage import Storage, StorageOptions, join_uri, open_storage, with_msc
-from dcpstore._impl.bench.runner import Entry, SaveOutcome, Skip, Waiter
+from dcpstore._impl.util.errors import BackendUnavailable, InvalidArgument
+from dcpstore._impl.values.options import SaveOptions
 
 
 def _not_built(e: BackendUnavailable) -> str | None:
@@ -96,8 +96,9 @@ class DcpstoreEntry(Entry):
 
     def save(self, state: dict[str, torch.Tensor]) -> Waiter:
         saver = AsyncSaver() if self.own_saver and self.async_ else None
-        kwargs = dict(workers=self.requested_workers, engine=self.requested_engine, storage_options=self.where,
-                      **self.save_kwargs)  # fmt: skip
+        kwargs = dict(
+            workers=self.requested_workers, engine=self.requested_engine, storage_options=self.where, **self.save_kwargs
+        )
         try:
             if saver:
                 handle = saver.save(state, self.uri, options=SaveOptions(async_=True, **kwargs))

@@ -56,11 +56,11 @@ from typing import Any, Protocol
 import torch
 
 from dcpstore._impl.api import save
-from dcpstore._impl.storage import join_uri, open_storage, parse_uri
-from dcpstore._impl.util.units import human_bytes
-from dcpstore._impl.engines.selection import engine_problem
 from dcpstore._impl.bench.entries import open_root
 from dcpstore._impl.bench.runner import SKIP_ERRORS, Skip
+from dcpstore._impl.engines.selection import engine_problem
+from dcpstore._impl.storage import join_uri, open_storage, parse_uri
+from dcpstore._impl.util.units import human_bytes
 
 log = logging.getLogger(__name__)
 
@@ -236,8 +236,21 @@ class GilSampler:
         self._proc: subprocess.Popen[bytes] | None = None
 
     def __enter__(self) -> GilSampler:
-        cmd = [self.pyspy, "record", "--gil", "--threads", "--nonblocking", "-r", str(self.rate), "-f", "raw",
-               "-o", self._out, "--pid", str(os.getpid())]  # fmt: skip
+        cmd = [
+            self.pyspy,
+            "record",
+            "--gil",
+            "--threads",
+            "--nonblocking",
+            "-r",
+            str(self.rate),
+            "-f",
+            "raw",
+            "-o",
+            self._out,
+            "--pid",
+            str(os.getpid()),
+        ]
         self._proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         assert self._proc.stdout is not None
         deadline = time.monotonic() + 20
@@ -328,8 +341,15 @@ def _wait(pending: Pending, step: StepWork, steps: list[float], started: float) 
     pending.result()
 
 
-def measure_once(row: Row, state: dict[str, torch.Tensor], step: StepWork, n: int, pinning: Pinning,
-                 baseline_steps: int = BASELINE_STEPS, ignore_pids: frozenset[int] = frozenset()) -> Sample:  # fmt: skip
+def measure_once(
+    row: Row,
+    state: dict[str, torch.Tensor],
+    step: StepWork,
+    n: int,
+    pinning: Pinning,
+    baseline_steps: int = BASELINE_STEPS,
+    ignore_pids: frozenset[int] = frozenset(),
+) -> Sample:
     """One repeat of ``row``: the baseline, then one save with steps beside it."""
     pinning.pin()
     try:
@@ -496,19 +516,36 @@ def _fill(res: Result, got: list[Sample]) -> None:
     res.cpu_threads_s = _median(s.cpu_threads_s for s in got)
     res.cpu_children_s = _median(s.cpu_children_s for s in got)
     res.samples = [
-        {"blocked_s": s.blocked_s, "save_s": s.save_s, "baseline_s": s.baseline_s, "lost_s": s.lost_s,
-         "peak_inflation": s.peak_inflation, "steps": len(s.steps), "cpu_threads_s": s.cpu_threads_s,
-         "cpu_children_s": s.cpu_children_s}
+        {
+            "blocked_s": s.blocked_s,
+            "save_s": s.save_s,
+            "baseline_s": s.baseline_s,
+            "lost_s": s.lost_s,
+            "peak_inflation": s.peak_inflation,
+            "steps": len(s.steps),
+            "cpu_threads_s": s.cpu_threads_s,
+            "cpu_children_s": s.cpu_children_s,
+        }
         for s in got
-    ]  # fmt: skip
+    ]
 
 
 def _num(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-TABLE_HEAD = ["row", "target", "runs on", "blocked s", "save s", "lost step-s", "peak inflation", "steps",
-              "CPU s/GB threads / children", "GIL s/GB (training thread's)"]  # fmt: skip
+TABLE_HEAD = [
+    "row",
+    "target",
+    "runs on",
+    "blocked s",
+    "save s",
+    "lost step-s",
+    "peak inflation",
+    "steps",
+    "CPU s/GB threads / children",
+    "GIL s/GB (training thread's)",
+]
 
 
 def table_rows(results: Sequence[Result]) -> list[list[str]]:
@@ -518,11 +555,25 @@ def table_rows(results: Sequence[Result]) -> list[list[str]]:
         if r.status != "ok":
             out.append([r.name, r.target, r.executor, *(["-"] * 6), f"{r.status}: {r.reason}"])
             continue
-        gil = (f"{_num(r.per_gb(r.gil_s), '.3f')} ({_num(r.per_gb(r.gil_training_s), '.2f')})"
-               if r.gil_s is not None else r.gil_note or "-")  # fmt: skip
-        out.append([r.name, r.target, r.executor, _num(r.blocked_s, ".3f"), _num(r.save_s, ".2f"),
-                    _num(r.lost_s, ".3f"), f"{_num(r.peak_inflation, '.2f')}x", str(r.steps_during),
-                    f"{_num(r.per_gb(r.cpu_threads_s), '.2f')} / {_num(r.per_gb(r.cpu_children_s), '.2f')}", gil])  # fmt: skip
+        gil = (
+            f"{_num(r.per_gb(r.gil_s), '.3f')} ({_num(r.per_gb(r.gil_training_s), '.2f')})"
+            if r.gil_s is not None
+            else r.gil_note or "-"
+        )
+        out.append(
+            [
+                r.name,
+                r.target,
+                r.executor,
+                _num(r.blocked_s, ".3f"),
+                _num(r.save_s, ".2f"),
+                _num(r.lost_s, ".3f"),
+                f"{_num(r.peak_inflation, '.2f')}x",
+                str(r.steps_during),
+                f"{_num(r.per_gb(r.cpu_threads_s), '.2f')} / {_num(r.per_gb(r.cpu_children_s), '.2f')}",
+                gil,
+            ]
+        )
     return out
 
 
@@ -534,5 +585,7 @@ def text_table(results: Sequence[Result]) -> str:
 
 def describe(step: StepWork, nbytes: int, repeat: int, pin_cpu: int | None) -> str:
     pin = f", training thread pinned to CPU {pin_cpu}" if pin_cpu is not None else ""
-    return (f"interference: one save of {human_bytes(nbytes)} per repeat beside a step of {step.describe()}, "
-            f"{torch.get_num_threads()} intra-op thread(s), {os.cpu_count()} CPUs{pin}, repeat {repeat}")  # fmt: skip
+    return (
+        f"interference: one save of {human_bytes(nbytes)} per repeat beside a step of {step.describe()}, "
+        f"{torch.get_num_threads()} intra-op thread(s), {os.cpu_count()} CPUs{pin}, repeat {repeat}"
+    )

@@ -40,9 +40,9 @@ from typing import Any
 
 import torch
 
-from dcpstore._impl.util.units import human_bytes
-from dcpstore._impl.storage.byte_ranges import ceil_div
 from dcpstore._impl.bench.runner import Entry, Skip, Waiter, done
+from dcpstore._impl.storage.byte_ranges import ceil_div
+from dcpstore._impl.util.units import human_bytes
 
 MiB = 1 << 20
 
@@ -168,8 +168,17 @@ class RawS3(Entry):
     engine = "boto3"
     page_cached = False
 
-    def __init__(self, endpoint: str | None, bucket: str, connections: int, part_size: int, *, prefix: str = "",
-                 backend: str = "s3", objects: int = RAW_OBJECTS) -> None:  # fmt: skip
+    def __init__(
+        self,
+        endpoint: str | None,
+        bucket: str,
+        connections: int,
+        part_size: int,
+        *,
+        prefix: str = "",
+        backend: str = "s3",
+        objects: int = RAW_OBJECTS,
+    ) -> None:
         self.endpoint, self.bucket = endpoint, bucket
         self.workers, self.part_size, self.objects, self.backend = connections, part_size, objects, backend
         tag = f"raw-{backend}-c{connections}-p{part_size >> 20}"
@@ -204,14 +213,18 @@ class RawS3(Entry):
                 r = c.upload_part(Bucket=self.bucket, Key=self._key(i), UploadId=uploads[i], PartNumber=n, Body=body)
                 return {"PartNumber": n, "ETag": r["ETag"]}
 
-            jobs = {(i, n): pool.submit(put, i, n, off, ln)
-                    for i, obj in enumerate(self._objects) for n, (off, ln) in enumerate(obj.ranges, 1)}  # fmt: skip
+            jobs = {
+                (i, n): pool.submit(put, i, n, off, ln)
+                for i, obj in enumerate(self._objects)
+                for n, (off, ln) in enumerate(obj.ranges, 1)
+            }
             parts = {key: f.result() for key, f in jobs.items()}
 
             def complete(i: int, upload_id: str) -> None:
                 done_parts = [parts[(i, n)] for n in range(1, len(self._objects[i].ranges) + 1)]
-                c.complete_multipart_upload(Bucket=self.bucket, Key=self._key(i), UploadId=upload_id,
-                                            MultipartUpload={"Parts": done_parts})  # fmt: skip
+                c.complete_multipart_upload(
+                    Bucket=self.bucket, Key=self._key(i), UploadId=upload_id, MultipartUpload={"Parts": done_parts}
+                )
 
             for f in [pool.submit(complete, i, u) for i, u in uploads.items()]:
                 f.result()
@@ -250,14 +263,28 @@ class HarnessRaw(RawS3):
 
     group = "harness"
 
-    def __init__(self, endpoint: str | None, bucket: str, connections: int, part_size: int, *, prefix: str = "",
-                 backend: str = "s3") -> None:  # fmt: skip
-        super().__init__(endpoint, bucket, connections, part_size, prefix=f"{prefix.strip('/')}/harness", backend=backend)
+    def __init__(
+        self,
+        endpoint: str | None,
+        bucket: str,
+        connections: int,
+        part_size: int,
+        *,
+        prefix: str = "",
+        backend: str = "s3",
+    ) -> None:
+        super().__init__(
+            endpoint, bucket, connections, part_size, prefix=f"{prefix.strip('/')}/harness", backend=backend
+        )
         self.name = f"harness: {raw_s3_name(backend, connections, part_size)}, shaping off"
 
 
-def harness_points(nbytes: int, connections: Sequence[int] = SWEEP_CONNECTIONS, objects: int = RAW_OBJECTS,
-                   part_sizes: Sequence[int] = SWEEP_PART_SIZES) -> list[tuple[int, int]]:  # fmt: skip
+def harness_points(
+    nbytes: int,
+    connections: Sequence[int] = SWEEP_CONNECTIONS,
+    objects: int = RAW_OBJECTS,
+    part_sizes: Sequence[int] = SWEEP_PART_SIZES,
+) -> list[tuple[int, int]]:
     """The widest (connections, part size) of the sweep for each part size:
     the points where a harness would show its ceiling first."""
     widest: dict[int, int] = {}
@@ -288,9 +315,15 @@ def harness_verdicts(rows: Iterable[Row], margin: float = HARNESS_MARGIN) -> dic
             continue
         top, best = max(harness, key=lambda r: r[key]), max(measured, key=lambda r: r[key])
         ratio = top[key] / best[key]
-        out[direction] = {"harness": top["name"], "harness_gbps": top[key], "best": best["name"],
-                          "best_gbps": best[key], "ratio": ratio, "margin": margin,
-                          "bound": "network" if ratio >= margin else "harness"}  # fmt: skip
+        out[direction] = {
+            "harness": top["name"],
+            "harness_gbps": top[key],
+            "best": best["name"],
+            "best_gbps": best[key],
+            "ratio": ratio,
+            "margin": margin,
+            "bound": "network" if ratio >= margin else "harness",
+        }
     return out
 
 
@@ -305,8 +338,12 @@ def pieces(nbytes: int, objects: int, part_size: int) -> int:
     return objects * max(1, ceil_div(each, part_size))
 
 
-def sweep_points(nbytes: int, objects: int = RAW_OBJECTS, connections: Sequence[int] = SWEEP_CONNECTIONS,
-                 part_sizes: Sequence[int] = SWEEP_PART_SIZES) -> list[tuple[int, int]]:  # fmt: skip
+def sweep_points(
+    nbytes: int,
+    objects: int = RAW_OBJECTS,
+    connections: Sequence[int] = SWEEP_CONNECTIONS,
+    part_sizes: Sequence[int] = SWEEP_PART_SIZES,
+) -> list[tuple[int, int]]:
     """The (connections, part size) points worth measuring for ``nbytes``:
     part sizes that give a distinct split, and for each only connection
     counts up to the first that covers every piece (more threads than
@@ -325,18 +362,27 @@ def sweep_points(nbytes: int, objects: int = RAW_OBJECTS, connections: Sequence[
     return points
 
 
-def s3_sweep(endpoint: str | None, bucket: str, nbytes: int, *, prefix: str = "", backend: str = "s3",
-             objects: int = RAW_OBJECTS, connections: Sequence[int] = SWEEP_CONNECTIONS,
-             part_sizes: Sequence[int] = SWEEP_PART_SIZES) -> list[RawS3]:  # fmt: skip
+def s3_sweep(
+    endpoint: str | None,
+    bucket: str,
+    nbytes: int,
+    *,
+    prefix: str = "",
+    backend: str = "s3",
+    objects: int = RAW_OBJECTS,
+    connections: Sequence[int] = SWEEP_CONNECTIONS,
+    part_sizes: Sequence[int] = SWEEP_PART_SIZES,
+) -> list[RawS3]:
     """One :class:`RawS3` row per point of :func:`sweep_points`."""
-    return [RawS3(endpoint, bucket, c, p, prefix=prefix, backend=backend, objects=objects)
-            for c, p in sweep_points(nbytes, objects, connections, part_sizes)]  # fmt: skip
+    return [
+        RawS3(endpoint, bucket, c, p, prefix=prefix, backend=backend, objects=objects)
+        for c, p in sweep_points(nbytes, objects, connections, part_sizes)
+    ]
 
 
 # ---------------------------------------------------------------------------
 # The best of a sweep, and ratios against it
 # ---------------------------------------------------------------------------
-
 
 
 def best_limits(rows: Iterable[Row]) -> dict[str, Row]:

@@ -80,9 +80,7 @@ def zero_state(state: dict[str, torch.Tensor]) -> None:
 
 
 def states_equal(a: dict[str, torch.Tensor], b: dict[str, Any]) -> bool:
-    return a.keys() == b.keys() and all(
-        isinstance(b[k], torch.Tensor) and torch.equal(v, b[k]) for k, v in a.items()
-    )
+    return a.keys() == b.keys() and all(isinstance(b[k], torch.Tensor) and torch.equal(v, b[k]) for k, v in a.items())
 
 
 # ---------------------------------------------------------------------------
@@ -139,8 +137,9 @@ class PeakRSS:
     and this process too every ``interval_s`` where no high-water mark exists.
     """
 
-    def __init__(self, interval_s: float = 0.01, children_every_s: float = 0.1,
-                 ignore_pids: Collection[int] = ()) -> None:  # fmt: skip
+    def __init__(
+        self, interval_s: float = 0.01, children_every_s: float = 0.1, ignore_pids: Collection[int] = ()
+    ) -> None:
         self.interval_s = interval_s
         self.children_every_s = children_every_s
         self.ignore_pids = ignore_pids

@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from dcpstore._impl.util.units import human_bytes
 from dcpstore._impl.bench.limits import best_limits, limit_ratios
 from dcpstore._impl.bench.runner import Record, summarize
+from dcpstore._impl.util.units import human_bytes
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -41,8 +41,18 @@ def format_table(rows: Iterable[dict[str, Any]]) -> str:
     with_limit = bool(best_limits(rows))
     if with_limit:
         rows = limit_ratios(rows)
-    head: tuple[str, ...] = ("ENTRY", "BACKEND", "ENGINE", "W", "WRITE GB/s", "READ GB/s", "BLOCKED s",
-                             "PLAN/STAGE/WRITE/COMMIT s", "PEAK RSS (+SAVE)", "NOTE")  # fmt: skip
+    head: tuple[str, ...] = (
+        "ENTRY",
+        "BACKEND",
+        "ENGINE",
+        "W",
+        "WRITE GB/s",
+        "READ GB/s",
+        "BLOCKED s",
+        "PLAN/STAGE/WRITE/COMMIT s",
+        "PEAK RSS (+SAVE)",
+        "NOTE",
+    )
     if with_limit:
         head = head[:6] + ("SAVE/LIMIT", "LOAD/LIMIT") + head[6:]
     lines: list[tuple[str, ...]] = []
@@ -50,14 +60,25 @@ def format_table(rows: Iterable[dict[str, Any]]) -> str:
         ph = r.get("phases") or {}
         phases = "/".join(f"{ph[p]:.2f}" for p in ("plan", "stage", "write", "commit") if p in ph) or "-"
         note = "" if r["status"] == "ok" else f"{r['status']}: {r['reason']}"
-        if r["status"] == "ok" and r.get("cold_read") is False and r.get("read_s") is not None and r["backend"] == "local":
+        if (
+            r["status"] == "ok"
+            and r.get("cold_read") is False
+            and r.get("read_s") is not None
+            and r["backend"] == "local"
+        ):
             note = "warm read (page cache not dropped)"
         cells = [
-            r["name"], r["backend"], r["engine"], str(r["workers"]),
-            _fmt(r.get("write_gbps"), ".3f"), _fmt(r.get("read_gbps"), ".3f"), _fmt(r.get("blocked_s"), ".3f"),
+            r["name"],
+            r["backend"],
+            r["engine"],
+            str(r["workers"]),
+            _fmt(r.get("write_gbps"), ".3f"),
+            _fmt(r.get("read_gbps"), ".3f"),
+            _fmt(r.get("blocked_s"), ".3f"),
             phases if r["status"] == "ok" else "-",
-            _rss(r), note,
-        ]  # fmt: skip
+            _rss(r),
+            note,
+        ]
         if with_limit:
             cells[6:6] = [_ratio(r.get("write_vs_limit")), _ratio(r.get("read_vs_limit"))]
         lines.append(tuple(cells))
@@ -65,7 +86,9 @@ def format_table(rows: Iterable[dict[str, Any]]) -> str:
     right = {3, 4, 5, 6, 7, 8, 10} if with_limit else {3, 4, 5, 6, 8}
 
     def row(cells: Sequence[str]) -> str:
-        return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+        return "  ".join(
+            c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))
+        ).rstrip()
 
     return "\n".join([row(head), *(row(line) for line in lines)])
 
@@ -108,12 +131,16 @@ def cache_note(records: Sequence[Record], drop_caches: bool) -> str:
     if cold == len(local):
         return "loads were cold: the page cache was dropped before each local load (--drop-caches)"
     if drop_caches and cold == 0:
-        return ("loads were warm: --drop-caches could not drop the page cache (it needs root: "
-                "/proc/sys/vm/drop_caches), so local loads may have read memory, not the disk")  # fmt: skip
+        return (
+            "loads were warm: --drop-caches could not drop the page cache (it needs root: "
+            "/proc/sys/vm/drop_caches), so local loads may have read memory, not the disk"
+        )
     if cold:
         return f"loads were cold in {cold} of {len(local)} local runs (dropping the page cache failed in the others)"
-    return ("loads were warm: the page cache was not dropped, so local loads may have read memory, not the disk "
-            "(--drop-caches, as root, drops it before each load; that empties the whole host's cache)")  # fmt: skip
+    return (
+        "loads were warm: the page cache was not dropped, so local loads may have read memory, not the disk "
+        "(--drop-caches, as root, drops it before each load; that empties the whole host's cache)"
+    )
 
 
 def git_commit() -> str | None:
@@ -127,8 +154,13 @@ def git_commit() -> str | None:
     if given:
         return given
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
-                             cwd=os.path.dirname(os.path.abspath(__file__)))  # fmt: skip
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            cwd=os.path.dirname(os.path.abspath(__file__)),
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() or None
@@ -141,9 +173,13 @@ def git_dirty() -> bool | None:
     fresh output is not code the next one measures, so the runs of one
     regeneration need no commit between them."""
     try:
-        out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ":/",
-                              ":(exclude,top)benchmarks/results"], capture_output=True, text=True,
-                             timeout=10, cwd=os.path.dirname(os.path.abspath(__file__)))  # fmt: skip
+        out = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no", "--", ":/", ":(exclude,top)benchmarks/results"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            cwd=os.path.dirname(os.path.abspath(__file__)),
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     return bool(out.stdout.strip()) if out.returncode == 0 else None

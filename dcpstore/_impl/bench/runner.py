@@ -38,11 +38,34 @@ log = logging.getLogger(__name__)
 
 #: Keys every JSON record carries (the schema the tests check).
 RECORD_KEYS = (
-    "name", "group", "backend", "engine", "mode", "workers", "ranks", "tensors", "bytes", "repeat",
-    "status", "reason", "write_s", "write_gbps", "read_s", "read_gbps", "blocked_s", "write_cpu_s",
-    "read_cpu_s", "phases", "bytes_written", "peak_rss_bytes", "rss_before_bytes", "rss_growth_bytes",
-    "load_peak_rss_bytes", "cold_read", "verified",
-)  # fmt: skip
+    "name",
+    "group",
+    "backend",
+    "engine",
+    "mode",
+    "workers",
+    "ranks",
+    "tensors",
+    "bytes",
+    "repeat",
+    "status",
+    "reason",
+    "write_s",
+    "write_gbps",
+    "read_s",
+    "read_gbps",
+    "blocked_s",
+    "write_cpu_s",
+    "read_cpu_s",
+    "phases",
+    "bytes_written",
+    "peak_rss_bytes",
+    "rss_before_bytes",
+    "rss_growth_bytes",
+    "load_peak_rss_bytes",
+    "cold_read",
+    "verified",
+)
 
 
 class Skip(Exception):
@@ -192,8 +215,18 @@ def measure_all(
     records: dict[int, list[Record]] = {i: [] for i in range(len(entries))}
 
     def blank(entry: Entry, r: int) -> Record:
-        return Record(entry.name, entry.group, entry.backend, entry.engine, entry.mode,
-                      entry.workers, entry.ranks, len(state), nbytes, repeat=r)  # fmt: skip
+        return Record(
+            entry.name,
+            entry.group,
+            entry.backend,
+            entry.engine,
+            entry.mode,
+            entry.workers,
+            entry.ranks,
+            len(state),
+            nbytes,
+            repeat=r,
+        )
 
     def emit(i: int, rec: Record) -> None:
         records[i].append(rec)
@@ -287,8 +320,19 @@ def _measure_once(
 # Summaries
 # ---------------------------------------------------------------------------
 
-_MEDIAN_KEYS = ("write_s", "write_gbps", "read_s", "read_gbps", "blocked_s", "write_cpu_s", "read_cpu_s",
-                "peak_rss_bytes", "rss_before_bytes", "rss_growth_bytes", "load_peak_rss_bytes")  # fmt: skip
+_MEDIAN_KEYS = (
+    "write_s",
+    "write_gbps",
+    "read_s",
+    "read_gbps",
+    "blocked_s",
+    "write_cpu_s",
+    "read_cpu_s",
+    "peak_rss_bytes",
+    "rss_before_bytes",
+    "rss_growth_bytes",
+    "load_peak_rss_bytes",
+)
 
 
 def summarize(records: Iterable[Record | dict[str, Any]]) -> list[dict[str, Any]]:

@@ -19,15 +19,15 @@ import torch
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from dcpstore._impl.util.torch_compat import StorageWriterTransforms
-from dcpstore._impl.util.errors import SaveError
-from dcpstore._impl.format.layout import spread_file_prefix
-from dcpstore._impl.format.record import RecordStream, compact_cpu_tensor, encode_item
-from dcpstore._impl.values.results import SaveStats
-from dcpstore._impl.util.progress import Progress
-from dcpstore._impl.storage import Storage
 from dcpstore._impl.dcp.commit.session import ItemRecord
 from dcpstore._impl.dcp.liveness.owner_gate import OwnerGate
+from dcpstore._impl.format.layout import spread_file_prefix
+from dcpstore._impl.format.record import RecordStream, compact_cpu_tensor, encode_item
+from dcpstore._impl.storage import Storage
+from dcpstore._impl.util.errors import SaveError
+from dcpstore._impl.util.progress import Progress
+from dcpstore._impl.util.torch_compat import StorageWriterTransforms
+from dcpstore._impl.values.results import SaveStats
 
 #: About what a tensor record adds to its bytes (zip headers, pickle,
 #: alignment; ~1.3 KiB measured), rounded up.

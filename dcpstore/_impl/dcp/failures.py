@@ -14,9 +14,9 @@ echoes request headers puts them in a library's exception text).
 
 from __future__ import annotations
 
-from dcpstore._impl.util.errors import CheckpointError, CheckpointExists, LoadError, SaveError
 from dcpstore._impl.storage import redact
 from dcpstore._impl.storage.secrets import scrub
+from dcpstore._impl.util.errors import CheckpointError, CheckpointExists, LoadError, SaveError
 
 #: Failed ranks named in one message; the rest are counted.
 RANKS_SHOWN = 4

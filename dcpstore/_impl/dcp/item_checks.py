@@ -35,13 +35,13 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
-from dcpstore._impl.util.torch_compat import StorageInfo, StorageReaderTransforms
-from dcpstore._impl.util.errors import CheckpointCorrupt
 from dcpstore._impl.format.layout import item_key
 from dcpstore._impl.format.record import BYTES_ITEM_LIMIT, RECORD_OVERHEAD, decode_item, item_tensor
 from dcpstore._impl.format.record_zip import RecordBytes, RecordError, check_raw_location, check_stored
 from dcpstore._impl.format.safe_pickle import RECORD_PEEK_MIN, TOOLS, Trust, check_record_end, load_object
 from dcpstore._impl.storage import Storage
+from dcpstore._impl.util.errors import CheckpointCorrupt
+from dcpstore._impl.util.torch_compat import StorageInfo, StorageReaderTransforms
 
 #: Tensors smaller than this are read with their record into scratch and
 #: copied out (measured on 20,000 x 3 KiB tensors); larger ones land in the
@@ -154,7 +154,9 @@ class ItemChecks:
             return
         head = _StoredBytes(self.storage, path, info.offset, info.length)
         try:
-            stream = self.transforms.transform_load_stream(_read_item(index), info.transform_descriptors, cast(IO[bytes], head))
+            stream = self.transforms.transform_load_stream(
+                _read_item(index), info.transform_descriptors, cast(IO[bytes], head)
+            )
             start = stream.read(len(_RECORD_START))
         except Exception as e:  # an unknown transform, damaged or hostile encoded bytes
             raise self._undecodable(path, info, index, e) from e
@@ -197,7 +199,9 @@ class ItemChecks:
             check_stored(item)
             tensor = item_tensor(item)
         except Exception as e:  # torch.load's errors have no common base: any is damage
-            raise CheckpointCorrupt(f"{where} is not a readable tensor record ({type(e).__name__}: {str(e)[:200]})") from e
+            raise CheckpointCorrupt(
+                f"{where} is not a readable tensor record ({type(e).__name__}: {str(e)[:200]})"
+            ) from e
         declared = self.declared(index)
         got = (tensor.dtype, tuple(tensor.shape))
         if declared is not None and got != declared:
@@ -252,4 +256,3 @@ class _StoredBytes(io.RawIOBase):
         out[: len(data)] = data
         self._pos += len(data)
         return len(data)
-

@@ -14,18 +14,18 @@ from typing import Any
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-from dcpstore._impl.util.errors import CheckpointError
-from dcpstore._impl.util.distributed import is_distributed
-from dcpstore._impl.values.results import LoadStats
-from dcpstore._impl.values.options import LoadOptions
-from dcpstore._impl.util.progress import NO_PROGRESS, Progress
-from dcpstore._impl.util.warning_filters import ignoring
-from dcpstore._impl.storage import Storage
 from dcpstore._impl.dcp.failures import load_error
 from dcpstore._impl.dcp.load_progress import NO_CHANGES, LoadProgress, changes_of
 from dcpstore._impl.dcp.reader import REPLACED, RETRIED, DcpStorageReader
 from dcpstore._impl.dcp.state_checks import check_top_level_keys
 from dcpstore._impl.dcp.writer import NO_DIST_WARNING
+from dcpstore._impl.storage import Storage
+from dcpstore._impl.util.distributed import is_distributed
+from dcpstore._impl.util.errors import CheckpointError
+from dcpstore._impl.util.progress import NO_PROGRESS, Progress
+from dcpstore._impl.util.warning_filters import ignoring
+from dcpstore._impl.values.options import LoadOptions
+from dcpstore._impl.values.results import LoadStats
 
 log = logging.getLogger(__name__)
 

@@ -30,10 +30,10 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
-from dcpstore._impl.util.torch_compat import StorageInfo
-from dcpstore._impl.util.errors import CheckpointCorrupt
 from dcpstore._impl.format.layout import item_key
 from dcpstore._impl.storage.byte_ranges import ceil_div
+from dcpstore._impl.util.errors import CheckpointCorrupt
+from dcpstore._impl.util.torch_compat import StorageInfo
 
 #: One read request and where its item lies.
 Request = tuple[ReadItem, StorageInfo]

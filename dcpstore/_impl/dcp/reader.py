@@ -52,23 +52,23 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from dcpstore._impl.util.torch_compat import ExtensionRegistry, StorageInfo, StorageReaderTransforms
-from dcpstore._impl.util.errors import CheckpointCorrupt, CheckpointNotFound, StateDictMismatch, StorageNotFound
-from dcpstore._impl.format.bitcopy import copy_values
-from dcpstore._impl.format.layout import MANIFEST, METADATA, item_key
-from dcpstore._impl.format.manifest import Manifest
-from dcpstore._impl.format.record_zip import RecordBytes
-from dcpstore._impl.format.safe_pickle import Trust
-from dcpstore._impl.values.options import check_workers
-from dcpstore._impl.util.progress import NO_PROGRESS, Progress
-from dcpstore._impl.storage import Storage
-from dcpstore._impl.util.threads import run_parallel
 from dcpstore._impl.dcp.commit.reading import commit_replaced, read_checkpoint_metadata
 from dcpstore._impl.dcp.item_checks import SMALL_TENSOR_COPY, ItemChecks
 from dcpstore._impl.dcp.load_progress import NO_CHANGES, Changes, LoadProgress
 from dcpstore._impl.dcp.read_plan import Direct, DirectRun, Request, Span, plan_reads, scatter_groups
 from dcpstore._impl.dcp.state_checks import load_mismatches
 from dcpstore._impl.dcp.writer import rebind, serves
+from dcpstore._impl.format.bitcopy import copy_values
+from dcpstore._impl.format.layout import MANIFEST, METADATA, item_key
+from dcpstore._impl.format.manifest import Manifest
+from dcpstore._impl.format.record_zip import RecordBytes
+from dcpstore._impl.format.safe_pickle import Trust
+from dcpstore._impl.storage import Storage
+from dcpstore._impl.util.errors import CheckpointCorrupt, CheckpointNotFound, StateDictMismatch, StorageNotFound
+from dcpstore._impl.util.progress import NO_PROGRESS, Progress
+from dcpstore._impl.util.threads import run_parallel
+from dcpstore._impl.util.torch_compat import ExtensionRegistry, StorageInfo, StorageReaderTransforms
+from dcpstore._impl.values.options import check_workers
 
 log = logging.getLogger(__name__)
 
@@ -195,7 +195,8 @@ class DcpStorageReader(StorageReader):
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         if self._mismatches:
             raise StateDictMismatch(
-                f"cannot load {self.storage.uri} into this state_dict; nothing was loaded: " + "; ".join(self._mismatches)
+                f"cannot load {self.storage.uri} into this state_dict; nothing was loaded: "
+                + "; ".join(self._mismatches)
             )
         return plan
 

@@ -30,8 +30,8 @@ import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 
-from dcpstore._impl.util.torch_compat import ShardedTensor, element_size, flatten_state_dict, traverse_state_dict
 from dcpstore._impl.util.errors import InvalidArgument
+from dcpstore._impl.util.torch_compat import ShardedTensor, element_size, flatten_state_dict, traverse_state_dict
 
 try:
     from torch.distributed.tensor import DTensor

@@ -68,14 +68,6 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from dcpstore._impl.util.torch_compat import DistWrapper, StoragePrefix, StorageWriterTransforms, StreamTransformExtension
-from dcpstore._impl.util.errors import CheckpointError, CheckpointExists, InvalidArgument, SaveError
-from dcpstore._impl.util.distributed import is_distributed
-from dcpstore._impl.values.results import SaveStats
-from dcpstore._impl.values.options import SaveOptions, check_workers
-from dcpstore._impl.util.progress import NO_PROGRESS, Progress
-from dcpstore._impl.util.warning_filters import ignoring
-from dcpstore._impl.storage import Storage, backend_name, check_spread_prefixes, parse_uri
 from dcpstore._impl.dcp.commit.session import SaveSession, check_commit_files
 from dcpstore._impl.dcp.data_files import (
     file_size_hint,
@@ -88,6 +80,19 @@ from dcpstore._impl.dcp.data_files import (
 )
 from dcpstore._impl.dcp.failures import describe_failure
 from dcpstore._impl.dcp.liveness.owner_gate import OwnerGate, run_gated
+from dcpstore._impl.storage import Storage, backend_name, check_spread_prefixes, parse_uri
+from dcpstore._impl.util.distributed import is_distributed
+from dcpstore._impl.util.errors import CheckpointError, CheckpointExists, InvalidArgument, SaveError
+from dcpstore._impl.util.progress import NO_PROGRESS, Progress
+from dcpstore._impl.util.torch_compat import (
+    DistWrapper,
+    StoragePrefix,
+    StorageWriterTransforms,
+    StreamTransformExtension,
+)
+from dcpstore._impl.util.warning_filters import ignoring
+from dcpstore._impl.values.options import SaveOptions, check_workers
+from dcpstore._impl.values.results import SaveStats
 
 #: DCP warns on every call made without an initialised process group; a
 #: single-process save or load is a supported, deliberate use here.
@@ -498,13 +503,21 @@ def save_state_dict(
     saver's background thread.
     Raises what DCP raises (a ``CheckpointException`` for a failure on any
     rank)."""
-    writer = DcpStorageWriter(storage, workers=workers, overwrite=options.overwrite, progress=progress,
-                              save_id=options.save_id, spread_prefixes=options.spread_prefixes,
-                              commit_files=commit_files)  # fmt: skip
+    writer = DcpStorageWriter(
+        storage,
+        workers=workers,
+        overwrite=options.overwrite,
+        progress=progress,
+        save_id=options.save_id,
+        spread_prefixes=options.spread_prefixes,
+        commit_files=commit_files,
+    )
     no_dist = not is_distributed()
     try:
         with ignoring(NO_DIST_WARNING) if no_dist else contextlib.nullcontext():
-            dcp_save(state_dict, storage_writer=writer, planner=options.planner, process_group=process_group, no_dist=no_dist)
+            dcp_save(
+                state_dict, storage_writer=writer, planner=options.planner, process_group=process_group, no_dist=no_dist
+            )
     except BaseException:
         writer.release()  # e.g. another rank failed: gc may collect what this save left
         raise

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from dcpstore._impl.util.errors import InvalidArgument, SaveError
 from dcpstore._impl.engines.shared_memory import Slab, aligned, view_at
+from dcpstore._impl.util.errors import InvalidArgument, SaveError
 
 
 @dataclass(frozen=True)
@@ -128,7 +128,9 @@ def allocate_shared(specs: list[BufferSpec]) -> BufferSet:
     try:
         slab = Slab(end, pin=any(spec.pinned for spec in specs))
     except (OSError, RuntimeError) as e:
-        raise SaveError(f"cannot stage {len(specs)} tensor(s) for an async save: no shared memory of {end} bytes: {e}") from e
+        raise SaveError(
+            f"cannot stage {len(specs)} tensor(s) for an async save: no shared memory of {end} bytes: {e}"
+        ) from e
     buffers = [view_at(slab.block, offset, spec.shape, spec.stride, spec.dtype) for offset, spec in zip(offsets, specs)]
     return BufferSet(buffers, slab, offsets)
 

@@ -18,19 +18,19 @@ starts -- whether it can run here, whether it can write the storage, what
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, field
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import ClassVar, Protocol, cast
 
 import torch.distributed as dist
 
-from dcpstore._impl.util.errors import InvalidArgument
-from dcpstore._impl.values.results import SaveStats
-from dcpstore._impl.values.options import ENGINE_CHOICES, ENGINES, SaveOptions
-from dcpstore._impl.util.progress import Progress
-from dcpstore._impl.storage import Storage
 from dcpstore._impl.engines.staging import StagedState
+from dcpstore._impl.storage import Storage
+from dcpstore._impl.util.errors import InvalidArgument
+from dcpstore._impl.util.progress import Progress
+from dcpstore._impl.values.options import ENGINE_CHOICES, ENGINES, SaveOptions
+from dcpstore._impl.values.results import SaveStats
 
 
 @dataclass

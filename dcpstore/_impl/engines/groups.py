@@ -9,8 +9,9 @@ from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
-from dcpstore._impl.util.torch_compat import default_group
+
 from dcpstore._impl.util.distributed import is_distributed
+from dcpstore._impl.util.torch_compat import default_group
 
 
 class BackgroundGroups:

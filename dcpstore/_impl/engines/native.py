@@ -12,8 +12,8 @@ from datetime import timedelta
 from typing import ClassVar
 
 from dcpstore._impl.dcp.writer import save_state_dict
-from dcpstore._impl.values.results import SaveStats
 from dcpstore._impl.engines.engine import SaveJob
+from dcpstore._impl.values.results import SaveStats
 
 
 class NativeEngine:
@@ -35,9 +35,14 @@ class NativeEngine:
 
     def save(self, job: SaveJob) -> SaveStats:
         return save_state_dict(
-            job.staged.state_dict, job.storage, job.options, workers=job.workers, process_group=job.group,
-            progress=job.progress, commit_files=job.commit_files,
-        )  # fmt: skip
+            job.staged.state_dict,
+            job.storage,
+            job.options,
+            workers=job.workers,
+            process_group=job.group,
+            progress=job.progress,
+            commit_files=job.commit_files,
+        )
 
     def close(self) -> None:
         pass

@@ -78,20 +78,20 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from dcpstore._impl.util.torch_compat import DistWrapper, StorageWriterTransforms, wrap_exception
 from dcpstore._impl.dcp.commit.session import ItemRecord, SaveSession
 from dcpstore._impl.dcp.data_files import write_stats
 from dcpstore._impl.dcp.failures import describe_failure
 from dcpstore._impl.dcp.liveness.owner_gate import OwnerGate
 from dcpstore._impl.dcp.writer import DcpStorageWriter, claim_and_share
-from dcpstore._impl.util.errors import CheckpointCorrupt, InvalidArgument, SaveError
+from dcpstore._impl.engines import nvrx_release as release
+from dcpstore._impl.engines.engine import SaveJob
+from dcpstore._impl.engines.nvrx_release import import_error as import_error  # the engine choice asks here
 from dcpstore._impl.format.checksum import file_and_span_crcs
-from dcpstore._impl.values.results import SaveStats
 from dcpstore._impl.storage import Storage
 from dcpstore._impl.storage.error_mapping import map_os_error
-from dcpstore._impl.engines import nvrx_release as release
-from dcpstore._impl.engines.nvrx_release import import_error as import_error  # the engine choice asks here
-from dcpstore._impl.engines.engine import SaveJob
+from dcpstore._impl.util.errors import CheckpointCorrupt, InvalidArgument, SaveError
+from dcpstore._impl.util.torch_compat import DistWrapper, StorageWriterTransforms, wrap_exception
+from dcpstore._impl.values.results import SaveStats
 
 INSTALL_HINT = "pip install 'dcpstore[nvrx]' (nvidia-resiliency-ext)"
 
@@ -312,7 +312,9 @@ def nvrx_save(
 
     wrapper = DistWrapper(process_group, True, 0)
     with claim_and_share(storage, wrapper, overwrite, save_id) as session:
-        writer = NvrxWriter(session, target, workers, process_group, spread_prefixes=spread_prefixes, commit_files=commit_files)
+        writer = NvrxWriter(
+            session, target, workers, process_group, spread_prefixes=spread_prefixes, commit_files=commit_files
+        )
         metadata: Metadata | None = None
         try:
             writer, metadata, wrapper = release.plan(state_dict, writer, process_group, planner, cache)

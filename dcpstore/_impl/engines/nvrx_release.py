@@ -34,8 +34,8 @@ from typing import Any
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from dcpstore._impl.util.torch_compat import failure_dict
 from dcpstore._impl.engines.nvrx_stream import CheckedTransforms
+from dcpstore._impl.util.torch_compat import failure_dict
 
 FS_MODULE = "nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async"
 SAVER_MODULE = "nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver"

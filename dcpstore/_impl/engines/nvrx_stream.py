@@ -49,9 +49,7 @@ class CheckedTransforms:
         self._inner = inner
         self.error: OSError | None = None
         self.raw: dict[Hashable, tuple[int, int]] = {}
-        self._expect = {
-            item.index: (t.nbytes, t.untyped_storage().data_ptr()) for item, t in tensors if is_raw(t)
-        }
+        self._expect = {item.index: (t.nbytes, t.untyped_storage().data_ptr()) for item, t in tensors if is_raw(t)}
 
     def transform_save_stream(self, write_item: Any, raw_stream: Any) -> Any:
         whole = _WholeWrites(raw_stream, self)

@@ -51,6 +51,7 @@ every rank, naming why.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import os
 import pickle
@@ -60,7 +61,6 @@ import subprocess
 import sys
 import warnings
 import weakref
-import dataclasses
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
@@ -72,17 +72,17 @@ from torch.distributed import TCPStore  # type: ignore[attr-defined]  # torch's 
 from torch.distributed.distributed_c10d import PrefixStore
 
 from dcpstore._impl.dcp.failures import describe_failure, save_error
-from dcpstore._impl.dcp.writer import save_state_dict
-from dcpstore._impl.util.errors import SaveError
-from dcpstore._impl.util.distributed import is_distributed
-from dcpstore._impl.values.results import SaveStats
-from dcpstore._impl.values.options import SaveOptions
-from dcpstore._impl.storage import open_storage
-from dcpstore._impl.storage.backend_registry import registered_backends, restore_backends
 from dcpstore._impl.dcp.liveness.retried_cleanups import Leftovers, with_leftovers
+from dcpstore._impl.dcp.writer import save_state_dict
 from dcpstore._impl.engines.engine import SaveJob
 from dcpstore._impl.engines.shared_memory import Slab, map_bytes
 from dcpstore._impl.engines.staging import SharedState
+from dcpstore._impl.storage import open_storage
+from dcpstore._impl.storage.backend_registry import registered_backends, restore_backends
+from dcpstore._impl.util.distributed import is_distributed
+from dcpstore._impl.util.errors import SaveError
+from dcpstore._impl.values.options import SaveOptions
+from dcpstore._impl.values.results import SaveStats
 
 log = logging.getLogger(__name__)
 
@@ -264,10 +264,18 @@ class _Worker:
             self.slabs = {k: ref for k, ref in self.slabs.items() if ref() is not None}
             live = frozenset({*self.slabs, slab.id})
             message = pickle.dumps(
-                _Job(dict(os.environ), job.storage.url.uri, dataclasses.replace(o, process_group=None), job.workers,
-                     state, live, registered_backends(), dict(job.commit_files)),
+                _Job(
+                    dict(os.environ),
+                    job.storage.url.uri,
+                    dataclasses.replace(o, process_group=None),
+                    job.workers,
+                    state,
+                    live,
+                    registered_backends(),
+                    dict(job.commit_files),
+                ),
                 protocol=pickle.HIGHEST_PROTOCOL,
-            )  # fmt: skip
+            )
         except Exception as e:  # e.g. a planner that does not pickle: refused on every rank
             return self._exchange(("refused", f"{type(e).__name__}: {e}"), None, e)
         return self._exchange(("job", message), None if slab.id in self.slabs else slab, None)
@@ -321,7 +329,9 @@ def _child_env() -> dict[str, str]:
     may have been found through a ``sys.path`` entry the environment lacks;
     the process takes the trainer's whole ``sys.path`` once started)."""
     env = dict(os.environ)
-    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # above dcpstore/: this is dcpstore/_impl/engines/process.py
+    here = os.path.dirname(
+        os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    )  # above dcpstore/: this is dcpstore/_impl/engines/process.py
     env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
     return env
 
@@ -434,7 +444,9 @@ def serve(fd: int, parent: int) -> None:
         leftovers.finish("as a checkpoint process stopped")
 
 
-def _save(message: tuple[str, Any], blocks: dict[int, torch.Tensor], grouped: bool, leftovers: Leftovers) -> tuple[Any, ...]:
+def _save(
+    message: tuple[str, Any], blocks: dict[int, torch.Tensor], grouped: bool, leftovers: Leftovers
+) -> tuple[Any, ...]:
     """One save in the checkpoint process: ``("ok", SaveStats)`` or
     ``("failed", pickled exception or None, description)``; the clean-ups
     a failed save could not do are kept in ``leftovers``, and its error
@@ -465,8 +477,9 @@ def _save(message: tuple[str, Any], blocks: dict[int, torch.Tensor], grouped: bo
             restore_backends(job.backends)
             storage = open_storage(job.uri, storage_options=job.options.storage_options)
             try:
-                stats = save_state_dict(state, storage, job.options, workers=job.workers, process_group=None,
-                                        commit_files=job.commit_files)  # fmt: skip
+                stats = save_state_dict(
+                    state, storage, job.options, workers=job.workers, process_group=None, commit_files=job.commit_files
+                )
                 return ("ok", stats)
             except BaseException as e:
                 plain = save_error(e, storage.uri, "async save")
@@ -492,5 +505,3 @@ def _die_with(parent: int) -> None:
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     if os.getppid() != parent:
         os._exit(0)
-
-

@@ -84,20 +84,20 @@ from datetime import timedelta
 from typing import Any
 
 from dcpstore._impl.dcp.failures import save_error
+from dcpstore._impl.dcp.liveness.retried_cleanups import Leftovers, with_leftovers
+from dcpstore._impl.engines import exit as exit_hook
+from dcpstore._impl.engines.engine import Engine, SaveJob, engine_class
+from dcpstore._impl.engines.groups import BackgroundGroups
+from dcpstore._impl.engines.selection import agree_on_engine, select_engine
+from dcpstore._impl.engines.staging import Staging
+from dcpstore._impl.storage import open_storage
 from dcpstore._impl.util.errors import InvalidArgument, SaveError
-from dcpstore._impl.values.results import CheckpointInfo, SaveHandle
 from dcpstore._impl.util.keyword_hints import hint_keywords, hint_keywords_with
+from dcpstore._impl.util.progress import Progress
+from dcpstore._impl.util.threads import BackgroundThread
 from dcpstore._impl.values.keywords import pass_whole, resolve_options
 from dcpstore._impl.values.options import SaveOptions, check_positive, check_workers, rank_label, shows_progress
-from dcpstore._impl.util.progress import Progress
-from dcpstore._impl.storage import open_storage
-from dcpstore._impl.util.threads import BackgroundThread
-from dcpstore._impl.engines import exit as exit_hook
-from dcpstore._impl.engines.selection import agree_on_engine, select_engine
-from dcpstore._impl.engines.groups import BackgroundGroups
-from dcpstore._impl.dcp.liveness.retried_cleanups import Leftovers, with_leftovers
-from dcpstore._impl.engines.engine import Engine, SaveJob, engine_class
-from dcpstore._impl.engines.staging import Staging
+from dcpstore._impl.values.results import CheckpointInfo, SaveHandle
 
 log = logging.getLogger(__name__)
 

@@ -20,11 +20,11 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from dcpstore._impl.util.errors import BackendUnavailable, EngineFallbackWarning, InvalidArgument, SaveError
-from dcpstore._impl.values.options import AUTO, AUTO_ORDER, ENGINE_CHOICES, ENGINES
-from dcpstore._impl.util.warning_filters import user_stacklevel
-from dcpstore._impl.storage import Storage
 from dcpstore._impl.engines.engine import engine_class
+from dcpstore._impl.storage import Storage
+from dcpstore._impl.util.errors import BackendUnavailable, EngineFallbackWarning, InvalidArgument, SaveError
+from dcpstore._impl.util.warning_filters import user_stacklevel
+from dcpstore._impl.values.options import AUTO, AUTO_ORDER, ENGINE_CHOICES, ENGINES
 
 
 def select_engine(engine: str, storage: Storage) -> str:

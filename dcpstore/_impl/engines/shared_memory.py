@@ -58,8 +58,9 @@ def map_bytes(fd: int, nbytes: int) -> torch.Tensor:
     return torch.frombuffer(mmap.mmap(fd, nbytes), dtype=torch.uint8)
 
 
-def view_at(block: torch.Tensor, offset: int, shape: tuple[int, ...], stride: tuple[int, ...] | None,
-            dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+def view_at(
+    block: torch.Tensor, offset: int, shape: tuple[int, ...], stride: tuple[int, ...] | None, dtype: torch.dtype
+) -> torch.Tensor:
     """The tensor of ``shape`` / ``stride`` (None: row-major) / ``dtype``
     at byte ``offset`` of ``block`` (a uint8 tensor)."""
     numel = 1

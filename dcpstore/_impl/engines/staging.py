@@ -61,12 +61,12 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from dcpstore._impl.util.torch_compat import Shard, ShardedTensor, storage_use_count
 from dcpstore._impl.dcp.state_checks import check_saveable
-from dcpstore._impl.util.errors import InvalidArgument
-from dcpstore._impl.format.bitcopy import copy_values
 from dcpstore._impl.engines.buffers import BufferSet, BufferSpec, StagingPool, allocate, allocate_shared, buffer_spec
 from dcpstore._impl.engines.shared_memory import Slab, view_at
+from dcpstore._impl.format.bitcopy import copy_values
+from dcpstore._impl.util.errors import InvalidArgument
+from dcpstore._impl.util.torch_compat import Shard, ShardedTensor, storage_use_count
 
 try:  # DTensor and ShardedTensor exist on every torch that dcpstore supports,
     from torch.distributed.tensor import DTensor  # but keep import failures local.

@@ -63,12 +63,15 @@ def tiling_problem(size: Sequence[int], chunks: Sequence[Box]) -> str | None:
 
 def _overlap(size: Sequence[int], boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> bool:
     """Whether any two boxes share an element."""
-    cuts = [np.unique([0, dim, *(o[d] for o, _ in boxes), *(o[d] + s[d] for o, s in boxes)]) for d, dim in enumerate(size)]
+    cuts = [
+        np.unique([0, dim, *(o[d] for o, _ in boxes), *(o[d] + s[d] for o, s in boxes)]) for d, dim in enumerate(size)
+    ]
     if math.prod(len(c) - 1 for c in cuts) <= MAX_CELLS:
         cells = np.zeros([len(c) - 1 for c in cuts], dtype=np.int32)
         for offsets, sizes in boxes:
             block = tuple(
-                slice(int(np.searchsorted(c, o)), int(np.searchsorted(c, o + s))) for c, o, s in zip(cuts, offsets, sizes)
+                slice(int(np.searchsorted(c, o)), int(np.searchsorted(c, o + s)))
+                for c, o, s in zip(cuts, offsets, sizes)
             )
             cells[block] += 1
         return bool((cells > 1).any())

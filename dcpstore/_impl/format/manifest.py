@@ -27,10 +27,10 @@ from typing import Any, TypedDict
 
 import crc32c
 
-from dcpstore._impl.util.errors import CheckpointCorrupt, ObjectTooLarge
-from dcpstore._impl.storage.base import Storage
 from dcpstore._impl.format.checksum import crc32c_concat
 from dcpstore._impl.format.layout import commit_file_of, commit_file_problem, is_data_file, item_key
+from dcpstore._impl.storage.base import Storage
+from dcpstore._impl.util.errors import CheckpointCorrupt, ObjectTooLarge
 
 MANIFEST_FORMAT = "dcpstore-manifest/1"
 _UINT32 = 1 << 32
@@ -261,7 +261,9 @@ def commit_files(manifest: Manifest | None, named: Iterable[str]) -> list[str]:
         return []
     named = set(named)
     return sorted(
-        p for p in manifest["files"] if p not in named and not is_data_file(p) and commit_file_problem(commit_file_of(p)) is None
+        p
+        for p in manifest["files"]
+        if p not in named and not is_data_file(p) and commit_file_problem(commit_file_of(p)) is None
     )
 
 

@@ -41,10 +41,15 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.planner import ReadItem, WriteItem
 
-from dcpstore._impl.util.torch_compat import StorageReaderTransforms, StorageWriterTransforms, neg_view, save_without_crc
-from dcpstore._impl.util.warning_filters import ignoring
 from dcpstore._impl.format.checksum import DualCrc
 from dcpstore._impl.format.record_zip import RecordBytes, record_entries, tensor_declaration
+from dcpstore._impl.util.torch_compat import (
+    StorageReaderTransforms,
+    StorageWriterTransforms,
+    neg_view,
+    save_without_crc,
+)
+from dcpstore._impl.util.warning_filters import ignoring
 
 Saver = Callable[[Any, IO[bytes]], None]
 
@@ -189,7 +194,7 @@ class RecordStream:
             save_record(tensor, cast(IO[bytes], self))
         except Exception:
             if self._error is not None:
-                raise self._error  # keeps its own __cause__ (the OSError)
+                raise self._error  # noqa: B904 (keeps its own __cause__, the OSError)
             raise
         finally:
             self._raw_nbytes = 0

@@ -74,7 +74,9 @@ class RecordBytes:
             for start, view in self._pieces:
                 if start <= offset and offset + size <= start + view.nbytes:
                     return view[offset - start : offset - start + size]
-        raise RecordError(f"its layout points at bytes {offset}..{offset + size} of its {self.length}, which are not there")
+        raise RecordError(
+            f"its layout points at bytes {offset}..{offset + size} of its {self.length}, which are not there"
+        )
 
 
 class Entry(NamedTuple):
@@ -271,7 +273,9 @@ def _rebuild_v2(storage: Any, offset: Any, size: Any, stride: Any, *rest: Any) -
     return (storage, None, offset, size, stride, metadata)
 
 
-def _rebuild_v3(storage: Any, offset: Any, size: Any, stride: Any, grad: Any, hooks: Any, dtype: Any, *rest: Any) -> tuple[Any, ...]:
+def _rebuild_v3(
+    storage: Any, offset: Any, size: Any, stride: Any, grad: Any, hooks: Any, dtype: Any, *rest: Any
+) -> tuple[Any, ...]:
     return (storage, dtype, offset, size, stride, rest[0] if rest else None)
 
 
@@ -372,8 +376,15 @@ def check_raw_location(record: RecordBytes, location: Sequence[int], dtype: torc
         raise RecordError("it has no data.pkl of a tensor")
     declared = tensor_declaration(bytes(record.get(pickled.start, pickled.size)))
     want = (dtype, "0", data.size, 0, tuple(shape), True, frozenset[str]())
-    got = (declared.dtype, declared.storage_key, declared.storage_nbytes, declared.storage_offset,
-           declared.size, _row_major(declared.size, declared.stride), declared.flags)  # fmt: skip
+    got = (
+        declared.dtype,
+        declared.storage_key,
+        declared.storage_nbytes,
+        declared.storage_offset,
+        declared.size,
+        _row_major(declared.size, declared.stride),
+        declared.flags,
+    )
     if got != want:
         raise RecordError(
             f"it holds {str(declared.dtype).removeprefix('torch.')} {list(declared.size)} "

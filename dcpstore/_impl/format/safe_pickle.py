@@ -59,13 +59,19 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from dcpstore._impl.util.torch_compat import MEM_FORMAT_ENCODING, StorageInfo, get_layout, sharded_tensor_metadata, weights_only_globals
-from dcpstore._impl.util.errors import CheckpointCorrupt, UnsafeCheckpoint
-from dcpstore._impl.values.options import check_safe_globals, check_trusted
-from dcpstore._impl.storage.base import Storage
 from dcpstore._impl.format.manifest import StoredItem, check_relative_name
 from dcpstore._impl.format.peer_paths import stand_ins
 from dcpstore._impl.format.record import BYTES_ITEM_LIMIT
+from dcpstore._impl.storage.base import Storage
+from dcpstore._impl.util.errors import CheckpointCorrupt, UnsafeCheckpoint
+from dcpstore._impl.util.torch_compat import (
+    MEM_FORMAT_ENCODING,
+    StorageInfo,
+    get_layout,
+    sharded_tensor_metadata,
+    weights_only_globals,
+)
+from dcpstore._impl.values.options import check_safe_globals, check_trusted
 
 #: A tensor item's ``torch.save`` record is its bytes plus ~1.5 KiB of zip
 #: and pickle; an item declared larger than its tensor by more than this is
@@ -221,11 +227,31 @@ def _item_globals() -> dict[str, Any]:
     allowed["builtins.bytearray"] = _safe_bytearray
     allowed["builtins.bytes"] = _safe_bytes
     plain: list[Any] = [
-        set, frozenset, complex, slice, list, dict, tuple, int, float, str, bool,  # fmt: skip
-        collections.OrderedDict, collections.Counter, collections.defaultdict, collections.deque,
-        datetime.datetime, datetime.date, datetime.time, datetime.timedelta, datetime.timezone,
-        decimal.Decimal, fractions.Fraction, uuid.UUID, argparse.Namespace,
-    ]  # fmt: skip
+        set,
+        frozenset,
+        complex,
+        slice,
+        list,
+        dict,
+        tuple,
+        int,
+        float,
+        str,
+        bool,
+        collections.OrderedDict,
+        collections.Counter,
+        collections.defaultdict,
+        collections.deque,
+        datetime.datetime,
+        datetime.date,
+        datetime.time,
+        datetime.timedelta,
+        datetime.timezone,
+        decimal.Decimal,
+        fractions.Fraction,
+        uuid.UUID,
+        argparse.Namespace,
+    ]
     allowed.update((_name_of(c), c) for c in plain)
     allowed.update(_paths(pure=False))
     allowed.update(_numpy_globals())

@@ -51,19 +51,19 @@ from torch.distributed.checkpoint.planner import SavePlanner
 
 from dcpstore._impl.api import load_with, save_with
 from dcpstore._impl.engines import exit as exit_hook
-from dcpstore._impl.engines.selection import engine_problem
 from dcpstore._impl.engines.saver import default_saver
-from dcpstore._impl.util.errors import CheckpointExists, InvalidArgument, SaveError
-from dcpstore._impl.util.distributed import is_distributed
-from dcpstore._impl.values.results import CheckpointInfo, SaveHandle
-from dcpstore._impl.util.keyword_hints import hint_keywords, hint_keywords_with
-from dcpstore._impl.values.keywords import pass_whole, resolve_options
-from dcpstore._impl.values.options import SaveOptions
-from dcpstore._impl.storage import Storage, join_uri, open_storage
-from dcpstore._impl.storage.overlap import Role
+from dcpstore._impl.engines.selection import engine_problem
 from dcpstore._impl.manager.roles import OPEN
 from dcpstore._impl.manager.roots import REPLICATE_TIMEOUT_S, OneRoot, Roots
 from dcpstore._impl.manager.steps import StepLayout, check_layout, check_step
+from dcpstore._impl.storage import Storage, join_uri, open_storage
+from dcpstore._impl.storage.overlap import Role
+from dcpstore._impl.util.distributed import is_distributed
+from dcpstore._impl.util.errors import CheckpointExists, InvalidArgument, SaveError
+from dcpstore._impl.util.keyword_hints import hint_keywords, hint_keywords_with
+from dcpstore._impl.values.keywords import pass_whole, resolve_options
+from dcpstore._impl.values.options import SaveOptions
+from dcpstore._impl.values.results import CheckpointInfo, SaveHandle
 
 log = logging.getLogger(__name__)
 

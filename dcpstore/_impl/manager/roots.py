@@ -22,11 +22,7 @@ from typing import Any, Protocol
 
 import torch.distributed as dist
 
-from dcpstore._impl.util.errors import CheckpointNotFound
-from dcpstore._impl.util.distributed import is_distributed
 from dcpstore._impl.format.layout import METADATA
-from dcpstore._impl.values.results import SaveHandle
-from dcpstore._impl.storage import Storage, join_uri
 from dcpstore._impl.manager.steps import (
     DCPSTORE,
     StepLayout,
@@ -37,6 +33,10 @@ from dcpstore._impl.manager.steps import (
     retire,
     write_pointer,
 )
+from dcpstore._impl.storage import Storage, join_uri
+from dcpstore._impl.util.distributed import is_distributed
+from dcpstore._impl.util.errors import CheckpointNotFound
+from dcpstore._impl.values.results import SaveHandle
 
 #: A tiered manager's default bound on one step's replication and on
 #: ``close()``'s wait (here, so that a plain manager need not import the tiers).

@@ -39,10 +39,10 @@ import posixpath
 from dataclasses import dataclass
 
 from dcpstore._impl.dcp.commit import delete_checkpoint
-from dcpstore._impl.util.errors import CheckpointError, InvalidArgument
 from dcpstore._impl.format.layout import METADATA
 from dcpstore._impl.format.manifest import SMALL_FILE_LIMIT, read_capped
 from dcpstore._impl.storage import Storage
+from dcpstore._impl.util.errors import CheckpointError, InvalidArgument
 
 log = logging.getLogger(__name__)
 

@@ -28,10 +28,17 @@ own library (boto3, multistorageclient, fsspec), those only in that backend's
 modules, which the registry imports on first use. Nothing else of dcpstore.
 """
 
+from dcpstore._impl.storage.backend_registry import (
+    BACKENDS,
+    BackendSpec,
+    backend_class,
+    backend_name,
+    open_storage,
+    with_msc,
+)
 from dcpstore._impl.storage.base import ObjectInfo, ObjectWriter, Storage
-from dcpstore._impl.storage.storage_options import MiB, StorageOptions, check_spread_prefixes
 from dcpstore._impl.storage.incomplete import IncompleteWrite
-from dcpstore._impl.storage.backend_registry import BACKENDS, BackendSpec, backend_class, backend_name, open_storage, with_msc
+from dcpstore._impl.storage.storage_options import MiB, StorageOptions, check_spread_prefixes
 from dcpstore._impl.storage.uri import StorageURL, join_uri, parse_uri, redact
 
 __all__ = [

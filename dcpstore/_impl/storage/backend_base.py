@@ -30,13 +30,13 @@ import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar, TypeVar
 
-from dcpstore._impl.util.errors import CheckpointError, ObjectTooLarge, StorageError
 from dcpstore._impl.storage.base import Storage
 from dcpstore._impl.storage.error_mapping import map_os_error
-from dcpstore._impl.storage.storage_options import StorageOptions
 from dcpstore._impl.storage.request_pool import RequestPool
 from dcpstore._impl.storage.secrets import scrub_exception
+from dcpstore._impl.storage.storage_options import StorageOptions
 from dcpstore._impl.storage.uri import StorageURL
+from dcpstore._impl.util.errors import CheckpointError, ObjectTooLarge, StorageError
 
 T = TypeVar("T")
 
@@ -158,7 +158,11 @@ class BackendBase(Storage):
         """Remove leftovers of interrupted writes older than ``older_than_s``
         (of unknown age: only with ``older_than_s`` <= 0). Returns how many
         were removed."""
-        old = [w for w in self.incomplete_writes() if (w.age_s is None and older_than_s <= 0) or (w.age_s or 0) >= older_than_s]
+        old = [
+            w
+            for w in self.incomplete_writes()
+            if (w.age_s is None and older_than_s <= 0) or (w.age_s or 0) >= older_than_s
+        ]
         return self.remove_incomplete(old, older_than_s)
 
     def close(self) -> None:

@@ -18,10 +18,10 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import cast
 
-from dcpstore._impl.util.errors import BackendUnavailable, InvalidArgument, InvalidURI
 from dcpstore._impl.storage.base import Storage
 from dcpstore._impl.storage.storage_options import StorageOptions
 from dcpstore._impl.storage.uri import StorageURL, parse_uri, redact
+from dcpstore._impl.util.errors import BackendUnavailable, InvalidArgument, InvalidURI
 
 
 @dataclass(frozen=True)
@@ -38,9 +38,13 @@ BACKENDS: Mapping[str, BackendSpec] = {
     spec.name: spec
     for spec in (
         BackendSpec("local", "dcpstore._impl.storage.backends.local:LocalStorage", None, "local POSIX filesystem"),
-        BackendSpec("s3", "dcpstore._impl.storage.backends.s3.storage:S3Storage", "s3", "Amazon S3 and compatibles, via boto3"),
+        BackendSpec(
+            "s3", "dcpstore._impl.storage.backends.s3.storage:S3Storage", "s3", "Amazon S3 and compatibles, via boto3"
+        ),
         BackendSpec("msc", "dcpstore._impl.storage.backends.msc:MSCStorage", "msc", "NVIDIA Multi-Storage-Client"),
-        BackendSpec("fsspec", "dcpstore._impl.storage.backends.fsspec:FsspecStorage", "fsspec", "any fsspec filesystem"),
+        BackendSpec(
+            "fsspec", "dcpstore._impl.storage.backends.fsspec:FsspecStorage", "fsspec", "any fsspec filesystem"
+        ),
     )
 }
 
@@ -71,14 +75,23 @@ def register_backend(scheme: str, target: type[Storage] | str, *, summary: str =
             target that is no Storage subclass, or a scheme registered
             already to another target without ``clobber``.
     """
-    if not isinstance(scheme, str) or not scheme.isascii() or not scheme[:1].isalpha() \
-            or scheme != scheme.lower() or not all(c.isalnum() or c in "+.-" for c in scheme):  # fmt: skip
+    if (
+        not isinstance(scheme, str)
+        or not scheme.isascii()
+        or not scheme[:1].isalpha()
+        or scheme != scheme.lower()
+        or not all(c.isalnum() or c in "+.-" for c in scheme)
+    ):
         raise InvalidArgument(f"register_backend: scheme must be a lower-case URI scheme like 'gs', got {scheme!r}")
     if scheme in _NATIVE_SCHEMES:
-        raise InvalidArgument(f"register_backend: {scheme}:// is served by the built-in {_NATIVE_SCHEMES[scheme]} backend")
+        raise InvalidArgument(
+            f"register_backend: {scheme}:// is served by the built-in {_NATIVE_SCHEMES[scheme]} backend"
+        )
     if isinstance(target, str):
         if target.count(":") != 1 or not all(target.split(":")):
-            raise InvalidArgument(f"register_backend: target must be a Storage subclass or 'module:Class', got {target!r}")
+            raise InvalidArgument(
+                f"register_backend: target must be a Storage subclass or 'module:Class', got {target!r}"
+            )
         spec_target = target
     elif isinstance(target, type) and issubclass(target, Storage):
         spec_target = f"{target.__module__}:{target.__qualname__}"
@@ -159,15 +172,16 @@ def backend_class(name: str) -> type[Storage]:
         return _CLASSES[name]
     spec = BACKENDS.get(name) or next((s for s in _REGISTERED.values() if s.name == name), None)
     if spec is None:
-        raise InvalidURI(f"unknown backend {name!r}; known: {', '.join([*BACKENDS, *(s.name for s in _REGISTERED.values())])}")
+        raise InvalidURI(
+            f"unknown backend {name!r}; known: {', '.join([*BACKENDS, *(s.name for s in _REGISTERED.values())])}"
+        )
     module_name, _, class_name = spec.target.partition(":")
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
         hint = f"pip install 'dcpstore[{spec.extra}]'" if spec.extra else "reinstall dcpstore"
         raise BackendUnavailable(
-            f"the {name} backend ({spec.summary}) needs a package that is not installed "
-            f"({e.name or e}); {hint}"
+            f"the {name} backend ({spec.summary}) needs a package that is not installed ({e.name or e}); {hint}"
         ) from e
     return cast(type[Storage], getattr(module, class_name))
 

@@ -22,10 +22,10 @@ from typing import ClassVar, TypedDict, final
 
 from typing_extensions import NotRequired
 
-from dcpstore._impl.util.errors import StorageNotFound
-from dcpstore._impl.storage.storage_options import OBJECT_STORE_WORKERS, StorageOptions
 from dcpstore._impl.storage.incomplete import IncompleteWrite, Unfinished
+from dcpstore._impl.storage.storage_options import OBJECT_STORE_WORKERS, StorageOptions
 from dcpstore._impl.storage.uri import StorageURL, redact
+from dcpstore._impl.util.errors import StorageNotFound
 
 
 class ObjectInfo(TypedDict):
@@ -284,9 +284,7 @@ class Storage(abc.ABC):
     def read_range(self, path: str, offset: int, length: int) -> bytes:
         """Read ``length`` bytes at ``offset``; fewer only if the object ends."""
 
-    def read_into(
-        self, path: str, offset: int, buffers: Sequence[memoryview], *, batch_hint: int | None = None
-    ) -> int:
+    def read_into(self, path: str, offset: int, buffers: Sequence[memoryview], *, batch_hint: int | None = None) -> int:
         """Scatter-read: fill ``buffers`` (writable, contiguous byte views),
         in order, from the bytes at ``offset``; return how many arrived
         (fewer only if the object ends). ``batch_hint``: the bytes of every

@@ -25,10 +25,10 @@ import os
 import threading
 from collections import OrderedDict
 
-from dcpstore._impl.util.errors import StorageError
-from dcpstore._impl.storage.base import ObjectWriter, Storage
 from dcpstore._impl.storage.backend_base import errors_mapped
+from dcpstore._impl.storage.base import ObjectWriter, Storage
 from dcpstore._impl.storage.storage_options import MiB
+from dcpstore._impl.util.errors import StorageError
 
 
 class BufferedObjectWriter(ObjectWriter):

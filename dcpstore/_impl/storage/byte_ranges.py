@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-
 #: How much larger than the asked size a piece of :func:`byte_ranges` may
 #: grow (1/8): rather than a last piece of a few bytes.
 PIECE_SLACK = 8

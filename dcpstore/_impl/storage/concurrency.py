@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 
-
 #: Connections beyond the request pool: the writer and reader threads make
 #: their own small requests (start and complete an upload, a HEAD, a
 #: one-range GET) beside the pool's, one at a time each.

@@ -25,9 +25,9 @@ from typing import Any
 
 import crc32c as _crc32c
 
-from dcpstore._impl.storage.base import Storage
 from dcpstore._impl.storage.backend_base import errors_mapped
-from dcpstore._impl.storage.buffered import PARTS, BufferedObjectWriter
+from dcpstore._impl.storage.base import Storage
+from dcpstore._impl.storage.buffered import BufferedObjectWriter
 
 #: Lent writes smaller than this are copied: a piece of its own in a part
 #: costs more than copying a few KiB.
@@ -44,7 +44,9 @@ class PartBody(io.RawIOBase):
     recycles once the part is answered. :meth:`release` drops all of them.
     """
 
-    def __init__(self, pieces: Sequence[memoryview], owners: Sequence[Any] = (), buffers: Sequence[bytearray] = ()) -> None:
+    def __init__(
+        self, pieces: Sequence[memoryview], owners: Sequence[Any] = (), buffers: Sequence[bytearray] = ()
+    ) -> None:
         super().__init__()
         self._pieces = [p for p in pieces if p.nbytes]
         self._starts: list[int] = []

@@ -33,9 +33,9 @@ import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from dcpstore._impl.util.errors import InvalidArgument
 from dcpstore._impl.storage.base import Storage
 from dcpstore._impl.storage.uri import redact
+from dcpstore._impl.util.errors import InvalidArgument
 
 
 def overlap(a: Storage, b: Storage) -> str | None:

@@ -42,7 +42,10 @@ _PATTERNS = (
     # name: value, name=value, 'name': b'value', "name": "value"
     (re.compile(rf"(?i)\b({_NAMES})(['\"]?\s*[:=]\s*b?['\"]?)[^\s'\"&<>,;)}}\]]+"), rf"\1\2{REDACTED}"),
     # <SessionToken>value</SessionToken> and friends
-    (re.compile(r"(?i)(<(?:\w+:)?(?:SessionToken|SecretAccessKey|Signature|Token|Credential)>)[^<]*"), rf"\1{REDACTED}"),
+    (
+        re.compile(r"(?i)(<(?:\w+:)?(?:SessionToken|SecretAccessKey|Signature|Token|Credential)>)[^<]*"),
+        rf"\1{REDACTED}",
+    ),
 )
 
 

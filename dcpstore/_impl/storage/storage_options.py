@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from dcpstore._impl.util.errors import InvalidArgument
 from dcpstore._impl.storage.byte_ranges import PIECE_SLACK, ceil_div
+from dcpstore._impl.util.errors import InvalidArgument
 
 MiB = 1 << 20
 

@@ -24,8 +24,25 @@ _SCHEME_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
 #: Scheme names a path is never meant to start with: ``s3:bucket/x`` is a
 #: typo of ``s3://bucket/x``, not a local directory named ``s3:bucket``.
 _KNOWN_SCHEMES = frozenset(
-    (*_OBJECT_SCHEMES, "file", "s3a", "abfss", "adl", "hdfs", "webhdfs", "http", "https", "memory",
-     "ftp", "sftp", "ssh", "hf", "oci", "oss", "r2")  # fmt: skip
+    (
+        *_OBJECT_SCHEMES,
+        "file",
+        "s3a",
+        "abfss",
+        "adl",
+        "hdfs",
+        "webhdfs",
+        "http",
+        "https",
+        "memory",
+        "ftp",
+        "sftp",
+        "ssh",
+        "hf",
+        "oci",
+        "oss",
+        "r2",
+    )
 )
 
 
@@ -64,7 +81,7 @@ def redact(uri: str) -> str:
     match = _SCHEME_RE.match(uri)
     if not match:
         return uri
-    rest = uri[match.end():]
+    rest = uri[match.end() :]
     authority, slash, path = rest.partition("/")
     if ":" in authority and "@" in rest and "@" not in authority:
         # "s3://KEY:SECRET@bucket/..." where the secret contains "/" (AWS

@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 
 from dcpstore._impl.dcp.commit import read_commit
 from dcpstore._impl.dcp.liveness import alive_tag, is_leftover, is_marker, remove_leftovers, several_saves, unnamed
-from dcpstore._impl.util.errors import CheckpointError, StorageNotFound
 from dcpstore._impl.dcp.liveness.alive_file import LEASE_S, decode_owner, is_alive_file, is_running, write_is_stale
 from dcpstore._impl.format.layout import METADATA, checkpoint_dir, is_commit_file, name_tag, split_data_path
 from dcpstore._impl.format.manifest import SMALL_FILE_LIMIT, read_capped
 from dcpstore._impl.storage import Storage
 from dcpstore._impl.storage.base import ObjectInfo
 from dcpstore._impl.storage.uri import join_uri, parse_uri
+from dcpstore._impl.util.errors import CheckpointError, StorageNotFound
 
 
 @dataclass
@@ -213,8 +213,10 @@ def gc(storage: Storage, *, older_than_s: float = 300.0, dry_run: bool = False) 
         if entry.running(storage, older_than_s):
             report.kept_running.append(label)
             continue
-        if entry.newest_mtime is None and older_than_s > 0 or (
-            entry.newest_mtime is not None and now - entry.newest_mtime < older_than_s
+        if (
+            entry.newest_mtime is None
+            and older_than_s > 0
+            or (entry.newest_mtime is not None and now - entry.newest_mtime < older_than_s)
         ):
             report.kept_recent.append(label)
             continue

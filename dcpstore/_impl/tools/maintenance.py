@@ -11,7 +11,6 @@ restricted loaders only: nothing read is ever executed.
 from __future__ import annotations
 
 import os
-
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,16 +18,16 @@ from typing import Any
 import crc32c
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
 
-from dcpstore._impl.util.torch_compat import StorageInfo
 from dcpstore._impl.dcp.commit.reading import read_checkpoint_metadata, read_commit_file
 from dcpstore._impl.dcp.item_checks import ItemChecks, item_label
-from dcpstore._impl.util.errors import CheckpointCorrupt, CheckpointNotFound, StorageNotFound, UnsafeCheckpoint
 from dcpstore._impl.format.layout import is_data_file, item_key
 from dcpstore._impl.format.manifest import Manifest, commit_files
 from dcpstore._impl.format.record_zip import RecordBytes
-from dcpstore._impl.tools.listing import CheckpointEntry, GcReport, gc, list_checkpoints
 from dcpstore._impl.storage import MiB, Storage, StorageOptions
 from dcpstore._impl.storage.backend_registry import opened
+from dcpstore._impl.tools.listing import CheckpointEntry, GcReport, gc, list_checkpoints
+from dcpstore._impl.util.errors import CheckpointCorrupt, CheckpointNotFound, StorageNotFound, UnsafeCheckpoint
+from dcpstore._impl.util.torch_compat import StorageInfo
 
 __all__ = [
     "CheckpointEntry",

@@ -85,7 +85,10 @@ FRAMEWORK_NAMES: Mapping[str, ForeignName] = {
     f.name: f
     for f in (
         ForeignName(
-            "thread_count", f"{_FS_WRITER} and FileSystemReader", "workers", ("StorageWriter", "StorageReader", *_NVRX_WRITER)
+            "thread_count",
+            f"{_FS_WRITER} and FileSystemReader",
+            "workers",
+            ("StorageWriter", "StorageReader", *_NVRX_WRITER),
         ),
         ForeignName("overwrite", _FS_WRITER, "overwrite", _WRITERS),
         ForeignName("single_file_per_rank", _FS_WRITER, None, _WRITERS),

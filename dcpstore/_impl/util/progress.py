@@ -41,9 +41,15 @@ class Progress:
         with self._lock:
             if self._bar is None:
                 self._bar = tqdm(
-                    total=total, desc=self.desc, unit="B", unit_scale=True, unit_divisor=1024,
-                    file=sys.stderr, leave=False, dynamic_ncols=True,
-                )  # fmt: skip
+                    total=total,
+                    desc=self.desc,
+                    unit="B",
+                    unit_scale=True,
+                    unit_divisor=1024,
+                    file=sys.stderr,
+                    leave=False,
+                    dynamic_ncols=True,
+                )
             else:
                 self._bar.total = (self._bar.total or 0) + total
                 self._bar.refresh()
@@ -54,7 +60,9 @@ class Progress:
             return
         with self._lock:
             if self._bar is None:  # a mover that does not know its total
-                self._bar = tqdm(desc=self.desc, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr, leave=False)
+                self._bar = tqdm(
+                    desc=self.desc, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr, leave=False
+                )
             self._bar.update(n)
 
     def close(self) -> None:

@@ -54,9 +54,7 @@ def run_parallel(fn: Callable[[T], R], items: Sequence[T], workers: int, name: s
             except BaseException as e:  # re-raised on the calling thread
                 errors[i] = e
 
-    threads = [
-        threading.Thread(target=work, name=f"{name}_{k}", daemon=True) for k in range(min(workers, len(items)))
-    ]
+    threads = [threading.Thread(target=work, name=f"{name}_{k}", daemon=True) for k in range(min(workers, len(items)))]
     for t in threads:
         t.start()
     for t in threads:

@@ -107,4 +107,3 @@ def user_stacklevel() -> int:
         frame = frame.f_back
         level += 1
     return level
-

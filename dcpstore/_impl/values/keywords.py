@@ -24,15 +24,15 @@ import inspect
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
+from dcpstore._impl.storage import StorageOptions, with_msc
 from dcpstore._impl.util.errors import InvalidArgument
 from dcpstore._impl.util.keyword_hints import foreign_names
 from dcpstore._impl.values.options import OPTION_DEFAULTS, InvalidOption, LoadOptions, SaveOptions
-from dcpstore._impl.storage import StorageOptions, with_msc
 
-O = TypeVar("O", SaveOptions, LoadOptions)
+OptionsT = TypeVar("OptionsT", SaveOptions, LoadOptions)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _keyword_defaults(fn: Callable[..., Any]) -> dict[str, Any]:
     return {
         p.name: p.default
@@ -57,10 +57,14 @@ def _display(fn: Callable[..., Any]) -> str:
 
 
 def _same(value: Any, current: Any) -> bool:
-    return bool(value == current and type(value) is type(current)) or (isinstance(value, list) and tuple(value) == current)
+    return bool(value == current and type(value) is type(current)) or (
+        isinstance(value, list) and tuple(value) == current
+    )
 
 
-def resolve_options(fn: Callable[..., Any], options: O | None, *, base: O, given: Mapping[str, Any] | None = None) -> O:
+def resolve_options(
+    fn: Callable[..., Any], options: OptionsT | None, *, base: OptionsT, given: Mapping[str, Any] | None = None
+) -> OptionsT:
     """The options ``fn`` runs with: ``options`` (``None``: ``base``, the
     entry point's defaults) with the option keywords its caller gave.
 
@@ -102,7 +106,9 @@ def resolve_options(fn: Callable[..., Any], options: O | None, *, base: O, given
             )
         changes[name] = value
     if "enable_msc" in changes:
-        changes["storage_options"] = with_msc(changes.get("storage_options", target.storage_options), changes.pop("enable_msc"))
+        changes["storage_options"] = with_msc(
+            changes.get("storage_options", target.storage_options), changes.pop("enable_msc")
+        )
     try:
         return dataclasses.replace(target, **changes) if changes else target
     except InvalidOption as e:
@@ -123,7 +129,9 @@ def pass_whole(base: SaveOptions | LoadOptions) -> dict[str, str]:
     sets (a manager's ``async_=True``) is kept in the hint, since options
     passed whole are used as they are."""
     kind, defaults = type(base), OPTION_DEFAULTS[type(base)]
-    kept = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if getattr(base, f.name) != defaults[f.name]}
+    kept = {
+        f.name: getattr(base, f.name) for f in dataclasses.fields(base) if getattr(base, f.name) != defaults[f.name]
+    }
 
     def spelled(name: str, inner: str) -> str:
         fields = [f"{k}={v!r}" for k, v in kept.items() if k != name]
@@ -133,4 +141,3 @@ def pass_whole(base: SaveOptions | LoadOptions) -> dict[str, str]:
     for f in dataclasses.fields(StorageOptions):
         whole.setdefault(f.name, spelled("storage_options", f"storage_options=dcpstore.StorageOptions({f.name}=...)"))
     return whole
-

@@ -35,9 +35,10 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 
-from dcpstore._impl.util.errors import InvalidArgument
-from dcpstore._impl.util.distributed import is_distributed
 from dcpstore._impl.storage import StorageOptions, check_spread_prefixes
+from dcpstore._impl.util.distributed import is_distributed
+from dcpstore._impl.util.errors import InvalidArgument
+
 
 @dataclass(frozen=True)
 class EngineSpec:
@@ -56,10 +57,16 @@ class EngineSpec:
 ENGINES: Mapping[str, EngineSpec] = {
     spec.name: spec
     for spec in (
-        EngineSpec("native", "dcpstore._impl.engines.native:NativeEngine", "dcpstore's own writer on a background thread"),
-        EngineSpec("nvrx", "dcpstore._impl.engines.nvrx:NvrxEngine", "NVIDIA Resiliency Extension's planner and file writer"),
         EngineSpec(
-            "process", "dcpstore._impl.engines.process:ProcessEngine", "dcpstore's own writer in a checkpoint process per rank"
+            "native", "dcpstore._impl.engines.native:NativeEngine", "dcpstore's own writer on a background thread"
+        ),
+        EngineSpec(
+            "nvrx", "dcpstore._impl.engines.nvrx:NvrxEngine", "NVIDIA Resiliency Extension's planner and file writer"
+        ),
+        EngineSpec(
+            "process",
+            "dcpstore._impl.engines.process:ProcessEngine",
+            "dcpstore's own writer in a checkpoint process per rank",
         ),
     )
 }
@@ -386,4 +393,3 @@ class SaveOptions(_Where):
 OPTION_DEFAULTS: dict[type, dict[str, Any]] = {
     kind: {"enable_msc": False, **{f.name: f.default for f in fields(kind)}} for kind in (SaveOptions, LoadOptions)
 }
-

@@ -22,10 +22,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from dcpstore._impl.util.lazy_names import first_use
 from dcpstore._impl.dcp.commit.from_listing import Commit, disowned, find_manifest, listed_names, read_commit
 from dcpstore._impl.dcp.commit.publish import clean_up, commit_point, publish_copy
 from dcpstore._impl.dcp.commit.uncommit import delete_checkpoint, delete_everything
+from dcpstore._impl.util.lazy_names import first_use
 
 if TYPE_CHECKING:
     from dcpstore._impl.dcp.commit.reading import commit_replaced, read_checkpoint_metadata, read_commit_file

@@ -23,10 +23,10 @@ from dataclasses import dataclass
 
 import crc32c
 
-from dcpstore._impl.util.errors import CheckpointError, StorageNotFound
 from dcpstore._impl.format.layout import METADATA, is_manifest
 from dcpstore._impl.format.manifest import MANIFEST_LIMIT, METADATA_LIMIT, Manifest, parse_manifest, read_capped
 from dcpstore._impl.storage import Storage
+from dcpstore._impl.util.errors import CheckpointError, StorageNotFound
 
 
 @dataclass(frozen=True)

@@ -16,11 +16,11 @@ import logging
 import posixpath
 from collections.abc import Iterable
 
-from dcpstore._impl.util.errors import CheckpointError
-from dcpstore._impl.format.layout import METADATA
-from dcpstore._impl.storage import Storage
 from dcpstore._impl.dcp.commit.from_listing import Commit, listed_names
 from dcpstore._impl.dcp.liveness.save_leftovers import stale_after_commit
+from dcpstore._impl.format.layout import METADATA
+from dcpstore._impl.storage import Storage
+from dcpstore._impl.util.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,9 @@ def clean_up(storage: Storage, names: Iterable[str], commit: Iterable[str], dire
             storage.delete([_join(directory, n) for n in stale])
     except CheckpointError as e:
         log.warning(
-            "could not remove the in-flight marker or stale files beside the commit %s: %s", storage.describe(directory), e
+            "could not remove the in-flight marker or stale files beside the commit %s: %s",
+            storage.describe(directory),
+            e,
         )
 
 

@@ -21,7 +21,8 @@ from collections.abc import Callable
 import crc32c
 from torch.distributed.checkpoint.metadata import Metadata
 
-from dcpstore._impl.util.errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound, StorageNotFound, UnsafeCheckpoint
+from dcpstore._impl.dcp.commit.from_listing import disowned
+from dcpstore._impl.dcp.liveness.inflight_marker import is_marker
 from dcpstore._impl.format.chunks import check_tiling
 from dcpstore._impl.format.layout import (
     MANIFEST,
@@ -44,9 +45,14 @@ from dcpstore._impl.format.manifest import (
 )
 from dcpstore._impl.format.safe_pickle import TOOLS, Trust, load_metadata
 from dcpstore._impl.storage import Storage
+from dcpstore._impl.util.errors import (
+    CheckpointCorrupt,
+    CheckpointError,
+    CheckpointNotFound,
+    StorageNotFound,
+    UnsafeCheckpoint,
+)
 from dcpstore._impl.util.threads import run_parallel
-from dcpstore._impl.dcp.commit.from_listing import disowned
-from dcpstore._impl.dcp.liveness.inflight_marker import is_marker
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +65,11 @@ def read_commit_file(storage: Storage, manifest: Manifest | None, name: str, lim
     manifest (written by stock DCP and its caller) gives the plain file,
     unverified, at most ``limit`` bytes. :class:`CheckpointNotFound` when
     the checkpoint has no such file."""
-    paths = [name] if manifest is None else [p for p in manifest["files"] if commit_file_of(p) == name and not is_data_file(p)]
+    paths = (
+        [name]
+        if manifest is None
+        else [p for p in manifest["files"] if commit_file_of(p) == name and not is_data_file(p)]
+    )
     if not paths:
         raise CheckpointNotFound(f"{storage.describe(name)}: the checkpoint's commit does not record this file")
     path = paths[0]

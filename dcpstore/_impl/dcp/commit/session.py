@@ -64,9 +64,12 @@ import crc32c
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.storage import WriteResult
 
-from dcpstore._impl.util.torch_compat import StorageInfo
-from dcpstore._impl.util.errors import CheckpointError, CheckpointExists, InvalidArgument, SaveError
+from dcpstore._impl.dcp.commit.from_listing import read_commit
+from dcpstore._impl.dcp.commit.publish import clean_up, commit_point
 from dcpstore._impl.dcp.liveness.alive_file import alive_name, is_alive_file
+from dcpstore._impl.dcp.liveness.inflight_marker import put_marker, read_marker
+from dcpstore._impl.dcp.liveness.lease import Lease, mark
+from dcpstore._impl.dcp.liveness.save_leftovers import is_save_file
 from dcpstore._impl.format.layout import (
     INFLIGHT,
     METADATA,
@@ -82,11 +85,8 @@ from dcpstore._impl.format.layout import (
 )
 from dcpstore._impl.format.manifest import FileEntry, build_manifest
 from dcpstore._impl.storage import Storage
-from dcpstore._impl.dcp.commit.from_listing import read_commit
-from dcpstore._impl.dcp.liveness.save_leftovers import is_save_file
-from dcpstore._impl.dcp.liveness.lease import Lease, mark
-from dcpstore._impl.dcp.liveness.inflight_marker import put_marker, read_marker
-from dcpstore._impl.dcp.commit.publish import clean_up, commit_point
+from dcpstore._impl.util.errors import CheckpointError, CheckpointExists, InvalidArgument, SaveError
+from dcpstore._impl.util.torch_compat import StorageInfo
 
 log = logging.getLogger(__name__)
 
@@ -282,11 +282,15 @@ class SaveSession:
         checkpoint (see the module docstring); each is recorded in the
         manifest with its size and CRC32C.
         """
-        sides = {commit_file_path(name, self.tag): bytes(blob) for name, blob in check_commit_files(commit_files).items()}
+        sides = {
+            commit_file_path(name, self.tag): bytes(blob) for name, blob in check_commit_files(commit_files).items()
+        }
         with _turn(self.storage.uri):
             self._publish(metadata, results, sides)
 
-    def _publish(self, metadata: Metadata, results: Sequence[Sequence[WriteResult]], sides: Mapping[str, bytes]) -> None:
+    def _publish(
+        self, metadata: Metadata, results: Sequence[Sequence[WriteResult]], sides: Mapping[str, bytes]
+    ) -> None:
         storage_data: dict[MetadataIndex, StorageInfo] = {}
         files: dict[str, FileEntry] = {}
         items: dict[str, int] = {}
@@ -364,7 +368,9 @@ class SaveSession:
             try:
                 found = frozenset(p for o in self.storage.list() if is_alive_file(p := o["path"]))
             except CheckpointError as e:
-                log.warning("could not remove the in-flight marker or stale data files under %s: %s", self.storage.uri, e)
+                log.warning(
+                    "could not remove the in-flight marker or stale data files under %s: %s", self.storage.uri, e
+                )
                 return
         clean_up(self.storage, {INFLIGHT, alive_name(self.save_id), *found}, {METADATA, self.manifest, *live})
 

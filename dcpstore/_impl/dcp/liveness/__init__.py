@@ -23,6 +23,7 @@ imports torch.
 
 from __future__ import annotations
 
+from dcpstore._impl.dcp.liveness.inflight_marker import is_marker, put_marker, read_marker, remove_markers
 from dcpstore._impl.dcp.liveness.lease import Lease, mark
 from dcpstore._impl.dcp.liveness.save_leftovers import (
     alive_tag,
@@ -33,7 +34,6 @@ from dcpstore._impl.dcp.liveness.save_leftovers import (
     stale_after_commit,
     unnamed,
 )
-from dcpstore._impl.dcp.liveness.inflight_marker import is_marker, put_marker, read_marker, remove_markers
 
 __all__ = [
     "Lease",

@@ -18,11 +18,11 @@ from __future__ import annotations
 import posixpath
 from collections.abc import Iterable, Mapping
 
-from dcpstore._impl.util.errors import StorageNotFound
 from dcpstore._impl.dcp.liveness.alive_file import is_alive_file
 from dcpstore._impl.format.layout import INFLIGHT
 from dcpstore._impl.format.manifest import SMALL_FILE_LIMIT, read_capped
 from dcpstore._impl.storage import Storage
+from dcpstore._impl.util.errors import StorageNotFound
 
 
 def marker_path(directory: str = "") -> str:

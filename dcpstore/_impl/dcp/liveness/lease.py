@@ -35,11 +35,11 @@ import time
 import weakref
 from collections.abc import Callable
 
-from dcpstore._impl.util.errors import CheckpointError
 from dcpstore._impl.dcp.liveness import alive_file
 from dcpstore._impl.dcp.liveness.alive_file import Owner, alive_name, encode_alive
-from dcpstore._impl.storage import Storage
 from dcpstore._impl.dcp.liveness.inflight_marker import put_marker, read_marker
+from dcpstore._impl.storage import Storage
+from dcpstore._impl.util.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 

@@ -20,9 +20,9 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from dcpstore._impl.util.errors import CheckpointError, SaveError
 from dcpstore._impl.storage import Storage
 from dcpstore._impl.storage.incomplete import Unfinished
+from dcpstore._impl.util.errors import CheckpointError, SaveError
 
 log = logging.getLogger(__name__)
 

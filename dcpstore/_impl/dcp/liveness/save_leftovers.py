@@ -16,6 +16,7 @@ import re
 from collections.abc import Iterable, Mapping
 
 from dcpstore._impl.dcp.liveness.alive_file import ALIVE_PREFIX, is_alive_file
+from dcpstore._impl.dcp.liveness.inflight_marker import is_marker, remove_markers
 from dcpstore._impl.format.layout import (
     METADATA,
     is_commit_file,
@@ -27,7 +28,6 @@ from dcpstore._impl.format.layout import (
     save_tag,
 )
 from dcpstore._impl.storage import Storage
-from dcpstore._impl.dcp.liveness.inflight_marker import is_marker, remove_markers
 
 #: What an interrupted stock commit leaves (written, then renamed).
 _STOCK_TEMP_RE = re.compile(r"^(__\d+)?\.metadata\.tmp$")

@@ -22,10 +22,10 @@ from typing import Any, Protocol
 
 from dcpstore._impl.dcp.commit import Commit
 from dcpstore._impl.dcp.liveness import Lease, mark
-from dcpstore._impl.storage import Storage
 from dcpstore._impl.manager.steps import step_dir
 from dcpstore._impl.manager.tiers.kept_leases import TierLeases
 from dcpstore._impl.manager.tiers.replicate import read_local_commit, whole_local_steps
+from dcpstore._impl.storage import Storage
 
 
 @dataclass(frozen=True)

@@ -45,15 +45,15 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from dcpstore._impl.dcp.commit import Commit, publish_copy
-from dcpstore._impl.util.errors import CheckpointError, InvalidArgument, SaveError
-from dcpstore._impl.util.distributed import is_distributed
 from dcpstore._impl.format.layout import METADATA
 from dcpstore._impl.format.safe_pickle import TOOLS, load_metadata
-from dcpstore._impl.storage import Storage
 from dcpstore._impl.manager.roots import coordinator_rank
 from dcpstore._impl.manager.steps import committed_steps, step_dir
 from dcpstore._impl.manager.tiers.local_tier import Job, TierParts, put_marker
 from dcpstore._impl.manager.tiers.replicate import read_local_commit
+from dcpstore._impl.storage import Storage
+from dcpstore._impl.util.distributed import is_distributed
+from dcpstore._impl.util.errors import CheckpointError, InvalidArgument, SaveError
 
 log = logging.getLogger(__name__)
 
@@ -275,7 +275,9 @@ def share_commit(
         if rank == 0:
             log.warning(
                 "step %d cannot be replicated: no node's local_dir holds %s (%d file(s)); it stays local",
-                step, sorted(missing)[:3], len(missing),
+                step,
+                sorted(missing)[:3],
+                len(missing),
             )
         return None
     return commit, tuple(held)

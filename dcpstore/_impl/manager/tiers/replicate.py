@@ -71,11 +71,18 @@ import crc32c
 
 from dcpstore._impl.dcp.commit import Commit, publish_copy, read_commit
 from dcpstore._impl.dcp.liveness import Lease
-from dcpstore._impl.util.errors import CheckpointCorrupt, CheckpointError, SaveError, StorageNotFound
 from dcpstore._impl.format.layout import METADATA, REPLICA_REPORT_PREFIX, is_replica_report
-from dcpstore._impl.format.manifest import MANIFEST_LIMIT, METADATA_LIMIT, FileEntry, Manifest, check_relative_name, read_capped
-from dcpstore._impl.storage import Storage
+from dcpstore._impl.format.manifest import (
+    MANIFEST_LIMIT,
+    METADATA_LIMIT,
+    FileEntry,
+    Manifest,
+    check_relative_name,
+    read_capped,
+)
 from dcpstore._impl.manager.steps import parse_step_dir, step_dir
+from dcpstore._impl.storage import Storage
+from dcpstore._impl.util.errors import CheckpointCorrupt, CheckpointError, SaveError, StorageNotFound
 
 log = logging.getLogger(__name__)
 

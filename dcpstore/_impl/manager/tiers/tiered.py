@@ -17,12 +17,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from dcpstore._impl.util.errors import CheckpointError, InvalidArgument, SaveError
-from dcpstore._impl.util.distributed import is_distributed
 from dcpstore._impl.format.layout import METADATA
-from dcpstore._impl.values.results import SaveHandle
-from dcpstore._impl.storage import Storage, join_uri
-from dcpstore._impl.manager.roots import REPLICATE_TIMEOUT_S, group_rank, not_found
+from dcpstore._impl.manager.roots import group_rank, not_found
 from dcpstore._impl.manager.steps import (
     check_step,
     commit_times,
@@ -45,6 +41,10 @@ from dcpstore._impl.manager.tiers.replicate import (
     upload_files,
     write_report,
 )
+from dcpstore._impl.storage import Storage, join_uri
+from dcpstore._impl.util.distributed import is_distributed
+from dcpstore._impl.util.errors import CheckpointError, InvalidArgument, SaveError
+from dcpstore._impl.values.results import SaveHandle
 
 log = logging.getLogger(__name__)
 
@@ -222,7 +222,9 @@ class TieredRoots:
         needs = None if durable is None else lambda step: self._needs_replication(step, durable)
         for job in self._tier.catch_up(needs):
             if self._coordinator:
-                log.info("step %d is committed locally but not (as this commit) in %s: replicating it", job.step, self.uri)
+                log.info(
+                    "step %d is committed locally but not (as this commit) in %s: replicating it", job.step, self.uri
+                )
             self._submit(job)
 
     # -- the replicator thread ------------------------------------------------
@@ -331,8 +333,12 @@ class TieredRoots:
             if s in durable:
                 return s, self.durable_uri(s)
             if s in local:
-                log.warning("step %d is committed locally, but not every rank's local_dir holds what it reads, "
-                            "and %s does not hold it: loading an older step", s, self.uri)
+                log.warning(
+                    "step %d is committed locally, but not every rank's local_dir holds what it reads, "
+                    "and %s does not hold it: loading an older step",
+                    s,
+                    self.uri,
+                )
         raise not_found(f"{self.uri} or {self.local_uri}")
 
     def _reads_locally(self, step: int, state_dict: dict[str, Any]) -> bool:

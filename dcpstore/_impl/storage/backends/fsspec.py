@@ -39,16 +39,16 @@ from typing import Any
 import fsspec
 from fsspec.spec import AbstractBufferedFile
 
-from dcpstore._impl.util.errors import BackendUnavailable, CheckpointError, StorageError, StorageNotFound
-from dcpstore._impl.storage.base import ObjectInfo, ObjectWriter
 from dcpstore._impl.storage.backend_base import BackendBase
-from dcpstore._impl.storage.storage_options import StorageOptions
-from dcpstore._impl.storage.incomplete import IncompleteWrite
+from dcpstore._impl.storage.base import ObjectInfo, ObjectWriter
 from dcpstore._impl.storage.buffered import BufferedObjectWriter
 from dcpstore._impl.storage.error_mapping import library_text, map_os_error
+from dcpstore._impl.storage.incomplete import IncompleteWrite
 from dcpstore._impl.storage.posix import LocalRoot
 from dcpstore._impl.storage.secrets import scrub_exception
+from dcpstore._impl.storage.storage_options import StorageOptions
 from dcpstore._impl.storage.uri import StorageURL
+from dcpstore._impl.util.errors import BackendUnavailable, CheckpointError, StorageError, StorageNotFound
 
 _TMP_MARK = ".dcpstore-tmp-"
 

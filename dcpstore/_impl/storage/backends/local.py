@@ -32,17 +32,17 @@ import time
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
 
-from dcpstore._impl.util.errors import StorageError, StorageNotFound
-from dcpstore._impl.storage.base import ObjectInfo, ObjectWriter
 from dcpstore._impl.storage.backend_base import BackendBase
-from dcpstore._impl.storage.storage_options import StorageOptions
-from dcpstore._impl.storage.incomplete import IncompleteWrite
+from dcpstore._impl.storage.base import ObjectInfo, ObjectWriter
 from dcpstore._impl.storage.buffered import BufferedObjectWriter
 from dcpstore._impl.storage.byte_ranges import slice_buffers
 from dcpstore._impl.storage.concurrency import disk_workers
 from dcpstore._impl.storage.error_mapping import library_detail
+from dcpstore._impl.storage.incomplete import IncompleteWrite
 from dcpstore._impl.storage.posix import LocalRoot, fsync_dir
+from dcpstore._impl.storage.storage_options import StorageOptions
 from dcpstore._impl.storage.uri import StorageURL
+from dcpstore._impl.util.errors import StorageError, StorageNotFound
 
 log = logging.getLogger("dcpstore")
 
@@ -214,9 +214,7 @@ class LocalStorage(BackendBase):
             finally:
                 os.close(fd)
 
-    def read_into(
-        self, path: str, offset: int, buffers: Sequence[memoryview], *, batch_hint: int | None = None
-    ) -> int:
+    def read_into(self, path: str, offset: int, buffers: Sequence[memoryview], *, batch_hint: int | None = None) -> int:
         total = sum(b.nbytes for b in buffers)
         done = 0
         with self._mapped(f"cannot read {self.describe(path)}"):
@@ -301,7 +299,9 @@ class LocalStorage(BackendBase):
         count[0] += 1
         if count[0] <= _SKIP_WARNINGS:
             where = self.describe(os.path.relpath(full, self.root))
-            more = "; further entries it cannot read are skipped without a warning" if count[0] == _SKIP_WARNINGS else ""
+            more = (
+                "; further entries it cannot read are skipped without a warning" if count[0] == _SKIP_WARNINGS else ""
+            )
             log.warning("listing %s skipped %s: %s%s", self.describe(prefix), where, library_detail(e), more)
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
@@ -337,7 +337,9 @@ class LocalStorage(BackendBase):
         """The temporary files under the root (never through a link), with
         the time since each was last written to."""
         now = time.time()
-        return [IncompleteWrite(path, now - st.st_mtime) for path, st in self._walk("") if _is_tmp(os.path.basename(path))]
+        return [
+            IncompleteWrite(path, now - st.st_mtime) for path, st in self._walk("") if _is_tmp(os.path.basename(path))
+        ]
 
     def remove_incomplete(self, writes: Iterable[IncompleteWrite], older_than_s: float = 0.0) -> int:
         """Each temporary file's name is unique to its write; one written to

@@ -79,20 +79,26 @@ import multistorageclient as msc
 from multistorageclient import types as msc_types
 from multistorageclient.types import Range
 
-from dcpstore._impl.util.errors import CheckpointError, InvalidURI, StorageError, StorageNotFound, StoragePermissionError
-from dcpstore._impl.storage.base import ObjectInfo, ObjectWriter
 from dcpstore._impl.storage.backend_base import BackendBase
-from dcpstore._impl.storage.storage_options import MiB, StorageOptions
-from dcpstore._impl.storage.incomplete import IncompleteWrite
-from dcpstore._impl.storage.buffered import BufferedObjectWriter
-from dcpstore._impl.storage.backends.s3.error_codes import Meaning, code_in_text, meaning
 from dcpstore._impl.storage.backends.s3.aws_env import aws_retry_mode, client_key
+from dcpstore._impl.storage.backends.s3.error_codes import Meaning, code_in_text, meaning
+from dcpstore._impl.storage.base import ObjectInfo, ObjectWriter
+from dcpstore._impl.storage.buffered import BufferedObjectWriter
 from dcpstore._impl.storage.byte_ranges import byte_ranges
 from dcpstore._impl.storage.concurrency import disk_workers
 from dcpstore._impl.storage.error_mapping import library_detail, library_text, map_os_error
+from dcpstore._impl.storage.incomplete import IncompleteWrite
 from dcpstore._impl.storage.posix import LocalRoot, fsync_dir
 from dcpstore._impl.storage.secrets import scrub_exception
+from dcpstore._impl.storage.storage_options import MiB, StorageOptions
 from dcpstore._impl.storage.uri import StorageURL
+from dcpstore._impl.util.errors import (
+    CheckpointError,
+    InvalidURI,
+    StorageError,
+    StorageNotFound,
+    StoragePermissionError,
+)
 
 #: ``client.list``'s symlink handling that lists no link (None: an MSC
 #: release without the option).

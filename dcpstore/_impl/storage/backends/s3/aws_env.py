@@ -10,7 +10,6 @@ from typing import Any
 
 from dcpstore._impl.storage.storage_options import StorageOptions
 
-
 #: Environment variables that change which endpoint, region or credentials a
 #: new client gets; a client is reused only while they are unchanged.
 AWS_ENV_KEYS = (

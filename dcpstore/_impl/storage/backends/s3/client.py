@@ -30,13 +30,13 @@ import botocore.exceptions as bexc
 from botocore.config import Config
 from botocore.utils import determine_content_length
 
-from dcpstore._impl.util.errors import CheckpointError, StorageError, StorageNotFound, StoragePermissionError
-from dcpstore._impl.storage.storage_options import StorageOptions
 from dcpstore._impl.storage.backends.s3.aws_env import aws_retry_mode, client_key
+from dcpstore._impl.storage.backends.s3.error_codes import Meaning, meaning
 from dcpstore._impl.storage.concurrency import http_pool_size
 from dcpstore._impl.storage.error_mapping import library_detail, library_text
-from dcpstore._impl.storage.backends.s3.error_codes import Meaning, meaning
 from dcpstore._impl.storage.secrets import remember_boto_credentials
+from dcpstore._impl.storage.storage_options import StorageOptions
+from dcpstore._impl.util.errors import CheckpointError, StorageError, StorageNotFound, StoragePermissionError
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,9 @@ class OperationTimeout(Exception):
     """Raised from a botocore hook when a request has retried past op_timeout_s."""
 
     def __init__(self, limit_s: float, elapsed_s: float, attempts: int, last: str) -> None:
-        super().__init__(f"gave up after {elapsed_s:.1f}s and {attempts} attempts (op_timeout_s={limit_s:g}); last error: {last}")
+        super().__init__(
+            f"gave up after {elapsed_s:.1f}s and {attempts} attempts (op_timeout_s={limit_s:g}); last error: {last}"
+        )
 
 
 _clients: dict[tuple[Any, ...], Any] = {}
@@ -209,16 +211,25 @@ class RetryBursts:
                 self._count = 1
                 log.warning(
                     "S3 %s to %s failed (%s); retrying (attempt %d of %d; a request gives up after op_timeout_s=%g s)",
-                    operation, self.endpoint, cause, attempt, self.max_attempts, self.op_timeout_s,
-                )  # fmt: skip
+                    operation,
+                    self.endpoint,
+                    cause,
+                    attempt,
+                    self.max_attempts,
+                    self.op_timeout_s,
+                )
                 return
             self._count += 1
             if now - self._reminded >= self.REMIND_S:
                 self._reminded = now
                 log.warning(
                     "still retrying S3 requests to %s: %d retries in the last %.0f s, the latest of %s after %s",
-                    self.endpoint, self._count, now - self._started, operation, cause,
-                )  # fmt: skip
+                    self.endpoint,
+                    self._count,
+                    now - self._started,
+                    operation,
+                    cause,
+                )
 
 
 def _install_deadline(client: Any, options: StorageOptions) -> None:
@@ -244,9 +255,7 @@ def _install_deadline(client: Any, options: StorageOptions) -> None:
             operation = event_name.rsplit(".", 1)[-1] or "request"
             bursts.retrying(operation, ctx["dcpstore_attempts"], ctx.get("dcpstore_last", "?"), now)
 
-    def on_needs_retry(
-        response: Any = None, caught_exception: Any = None, request_dict: Any = None, **_: Any
-    ) -> None:
+    def on_needs_retry(response: Any = None, caught_exception: Any = None, request_dict: Any = None, **_: Any) -> None:
         if request_dict is None:
             return None
         if caught_exception is not None:
@@ -303,7 +312,9 @@ def map_error(e: BaseException, what: str, bucket: str, endpoint: str) -> Checkp
     if isinstance(e, OperationTimeout):
         return StorageError(f"{what}: {e}")
     if isinstance(e, bexc.EndpointConnectionError | bexc.ConnectTimeoutError):
-        return StorageError(f"{what}: cannot connect to the S3 endpoint {endpoint} ({type(e).__name__}), retries exhausted")
+        return StorageError(
+            f"{what}: cannot connect to the S3 endpoint {endpoint} ({type(e).__name__}), retries exhausted"
+        )
     if isinstance(e, bexc.BotoCoreError | OSError):
         return StorageError(f"{what}: {type(e).__name__} talking to the S3 endpoint {endpoint}, retries exhausted")
     return StorageError(f"{what}: unexpected {library_detail(e)}")

@@ -41,17 +41,17 @@ from typing import Any, TypeVar
 import botocore.exceptions as bexc
 from botocore.response import StreamingBody
 
-from dcpstore._impl.util.errors import CheckpointError, StorageError, StorageNotFound
-from dcpstore._impl.storage.base import ObjectInfo, ObjectWriter
 from dcpstore._impl.storage.backend_base import BackendBase
-from dcpstore._impl.storage.storage_options import StorageOptions
-from dcpstore._impl.storage.incomplete import IncompleteWrite
-from dcpstore._impl.storage.backends.s3.error_codes import Meaning, meaning
-from dcpstore._impl.storage.byte_ranges import byte_ranges, equal_ranges, slice_buffers
 from dcpstore._impl.storage.backends.s3.client import client_error, map_code, map_error, s3_client, sends_checksums
+from dcpstore._impl.storage.backends.s3.error_codes import Meaning, meaning
 from dcpstore._impl.storage.backends.s3.upload import S3Writer, checksum_args
+from dcpstore._impl.storage.base import ObjectInfo, ObjectWriter
+from dcpstore._impl.storage.byte_ranges import byte_ranges, equal_ranges, slice_buffers
+from dcpstore._impl.storage.incomplete import IncompleteWrite
 from dcpstore._impl.storage.secrets import scrub
+from dcpstore._impl.storage.storage_options import StorageOptions
 from dcpstore._impl.storage.uri import StorageURL, redact
+from dcpstore._impl.util.errors import CheckpointError, StorageError, StorageNotFound
 
 __all__ = ["S3Storage", "s3_client"]
 
@@ -174,9 +174,14 @@ class S3Storage(BackendBase):
         # The hints size the parts (and start the upload at once where the
         # object will need several); the first full part decides on multipart.
         return S3Writer(
-            self, path, client=self.client, bucket=self.bucket, key=self.key(path), size_hint=size_hint,
+            self,
+            path,
+            client=self.client,
+            bucket=self.bucket,
+            key=self.key(path),
+            size_hint=size_hint,
             batch_hint=batch_hint,
-        )  # fmt: skip
+        )
 
     def put(self, path: str, data: bytes | bytearray | memoryview, *, durable: bool = True) -> None:
         nbytes = memoryview(data).nbytes
@@ -223,7 +228,11 @@ class S3Storage(BackendBase):
         bounded alike (``max_attempts``, ``op_timeout_s``).
         """
         what = f"cannot read {self.describe(path)}"
-        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": self.key(path), "Range": f"bytes={offset}-{offset + length - 1}"}
+        kwargs: dict[str, Any] = {
+            "Bucket": self.bucket,
+            "Key": self.key(path),
+            "Range": f"bytes={offset}-{offset + length - 1}",
+        }
         if if_match:
             kwargs["IfMatch"] = if_match
 
@@ -278,9 +287,7 @@ class S3Storage(BackendBase):
         chunks = self._in_parallel(lambda o, n: self._get(path, o, n)[0], byte_ranges(offset, length, piece))
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
-    def read_into(
-        self, path: str, offset: int, buffers: Sequence[memoryview], *, batch_hint: int | None = None
-    ) -> int:
+    def read_into(self, path: str, offset: int, buffers: Sequence[memoryview], *, batch_hint: int | None = None) -> int:
         """Ranged GETs in parallel, each body read straight into its stretch
         of ``buffers`` (no whole-object bytes in between): ranges of
         ``part_size`` if set, else equal ones, as many as
@@ -293,7 +300,9 @@ class S3Storage(BackendBase):
             ranges = byte_ranges(0, total, self.options.part_size)
         else:
             ranges = equal_ranges(0, total, self.options.transfer_pieces(total, batch_hint))
-        counts = self._in_parallel(self._get_into, [(path, offset + o, slice_buffers(buffers, o, n)) for o, n in ranges])
+        counts = self._in_parallel(
+            self._get_into, [(path, offset + o, slice_buffers(buffers, o, n)) for o, n in ranges]
+        )
         done = 0
         for (_, n), got in zip(ranges, counts):
             done += got

@@ -58,13 +58,13 @@ from typing import Any, TypeVar
 
 import crc32c
 
-from dcpstore._impl.util.errors import CheckpointError, StorageError, StorageNotFound
 from dcpstore._impl.storage.backend_base import BackendBase, errors_mapped
-from dcpstore._impl.storage.byte_ranges import ceil_div
-from dcpstore._impl.storage.storage_options import MiB
-from dcpstore._impl.storage.lending_writer import LendingObjectWriter, Part, PartBody
-from dcpstore._impl.storage.incomplete import IncompleteWrite
 from dcpstore._impl.storage.backends.s3.client import sends_checksums
+from dcpstore._impl.storage.byte_ranges import ceil_div
+from dcpstore._impl.storage.incomplete import IncompleteWrite
+from dcpstore._impl.storage.lending_writer import LendingObjectWriter, Part, PartBody
+from dcpstore._impl.storage.storage_options import MiB
+from dcpstore._impl.util.errors import CheckpointError, StorageError, StorageNotFound
 
 T = TypeVar("T")
 
@@ -95,9 +95,16 @@ class S3Writer(LendingObjectWriter):
     over its pieces, which botocore reads (to sign it) and sends."""
 
     def __init__(
-        self, storage: BackendBase, path: str, *, client: Any, bucket: str, key: str, size_hint: int | None,
+        self,
+        storage: BackendBase,
+        path: str,
+        *,
+        client: Any,
+        bucket: str,
+        key: str,
+        size_hint: int | None,
         batch_hint: int | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         part_size = _part_size_for(storage.options.upload_part_size(size_hint, batch_hint), size_hint)
         super().__init__(storage, path, part_size, size_hint)
         self._client = client
@@ -189,7 +196,9 @@ class S3Writer(LendingObjectWriter):
     def _publish(self, tail: Part) -> None:
         if not self._multipart() or (self._upload_id is None and not tail):
             self._drop_creating()  # the hint was too high: one PUT after all
-            self._call(self._what, self._client.put_object, Body=tail, **(checksum_args(tail) if self._checksums else {}))
+            self._call(
+                self._what, self._client.put_object, Body=tail, **(checksum_args(tail) if self._checksums else {})
+            )
             self._recycle(tail)
             return
         if tail:
@@ -244,7 +253,9 @@ class S3Writer(LendingObjectWriter):
         upload_id, self._upload_id = self._upload_id, None
         try:
             self._call(
-                f"cannot abort multipart upload of {self._where}", self._client.abort_multipart_upload, UploadId=upload_id
+                f"cannot abort multipart upload of {self._where}",
+                self._client.abort_multipart_upload,
+                UploadId=upload_id,
             )
         except StorageNotFound:
             pass  # already gone
@@ -257,5 +268,6 @@ class S3Writer(LendingObjectWriter):
             )
             abort = IncompleteWrite(self._path, None, upload_id)
             self._storage.leave_unfinished(
-                f"abort the multipart upload of {self._where}", functools.partial(self._storage.remove_incomplete, [abort])
+                f"abort the multipart upload of {self._where}",
+                functools.partial(self._storage.remove_incomplete, [abort]),
             )
