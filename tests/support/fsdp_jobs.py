@@ -100,6 +100,12 @@ def job_save(rank: int, world: int, root: str) -> None:
         full_state(fresh, fresh_optim)  # collective
 
 
+def _world_of(name: str) -> str:
+    """The world size a checkpoint name ends with (``dt2``, ``td4``, ``full2``):
+    its reference state is ``ref{world}.pt``."""
+    return name[len(name.rstrip("0123456789")) :]
+
+
 def job_load(rank: int, world: int, root: str, cases: list[tuple[str, str, bool]], resave: bool) -> None:
     """Load each (checkpoint, format, full_state_dict) into a fresh model on
     this world size and compare with the reference saved with it."""
@@ -113,9 +119,7 @@ def job_load(rank: int, world: int, root: str, cases: list[tuple[str, str, bool]
         after = full_state(model, optim)
         assert report.ok and extra["step"] == 3, (report.describe(), extra)
         if rank == 0:
-            ref = torch.load(
-                os.path.join(root, f"ref{name.removeprefix('dt').removeprefix('full')}.pt"), weights_only=False
-            )
+            ref = torch.load(os.path.join(root, f"ref{_world_of(name)}.pt"), weights_only=False)
             assert differs(ref, before), "fresh model already equals the reference: the check would be vacuous"
             assert_same(ref, after, f"{name} -> {world} ranks ({fmt}, full={full})")
         train(model, optim, 1)  # the restored optimizer state is usable
@@ -134,7 +138,7 @@ def load_unsharded(root: str, name: str) -> None:
     extra: dict[str, Any] = {"step": 0}
     report = fsdp.load_app_state(model, optim, f"{root}/{name}", extra=extra)
     assert report.ok and extra["step"] == 3, report.describe()
-    ref = torch.load(os.path.join(root, f"ref{name.removeprefix('dt').removeprefix('full')}.pt"), weights_only=False)
+    ref = torch.load(os.path.join(root, f"ref{_world_of(name)}.pt"), weights_only=False)
     assert_same(ref, full_state(model, optim), f"{name} -> 1 process")
 
 
