@@ -1,9 +1,12 @@
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
 from tests.support.backends import TARGETS, Target, make_target
-from tests.support.s3_server import msc_config, s3_endpoint  # noqa: F401  (session fixtures, requested lazily)
+from tests.support.faultproxy import FaultProxy
+from tests.support.s3_server import S3Endpoint, msc_config, s3_endpoint  # noqa: F401  (session fixtures, requested lazily)
 
 #: Targets whose code path another quick target already takes, so that the
 #: shared suites run them in the slow run only: ``s3+msc`` is the MSC backend
@@ -26,3 +29,11 @@ def target(request: pytest.FixtureRequest) -> Target:
 @pytest.fixture
 def local_target(request: pytest.FixtureRequest) -> Target:
     return make_target("local", request)
+
+
+@pytest.fixture
+def proxy(s3_endpoint: S3Endpoint, monkeypatch: pytest.MonkeyPatch) -> Iterator[FaultProxy]:
+    """A proxy in front of the session's moto server; dcpstore's S3 traffic goes through it."""
+    with FaultProxy(s3_endpoint.url) as p:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", p.url)
+        yield p

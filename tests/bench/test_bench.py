@@ -33,7 +33,7 @@ from dcpstore._impl.bench import (
 from dcpstore._impl.bench.measure import PeakRSS, parse_int_list
 from dcpstore._impl.cli import main
 from dcpstore._impl.util.errors import InvalidArgument
-from tests.integration.test_cli import run_cli
+from tests.support.cli_run import run_cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BENCHMARKS = os.path.join(ROOT, "benchmarks")

@@ -15,7 +15,7 @@ from pathlib import Path
 import dcpstore
 
 ROOT = Path(__file__).resolve().parents[2]
-BENCH = Path(dcpstore.__file__).parent / "bench"
+BENCH = Path(dcpstore.__file__).parent / "_impl" / "bench"
 
 
 def _imported_modules(path: Path) -> set[str]:
@@ -29,13 +29,31 @@ def _imported_modules(path: Path) -> set[str]:
     return names
 
 
+def _tests_folder_literals(path: Path) -> list[int]:
+    """Lines of string literals that name the ``tests/`` folder (``"tests"``,
+    ``"tests/..."``), leaving out subscript keys (``doc["tests"]``, a key of
+    a summary, reaches into no folder)."""
+    tree = ast.parse(path.read_text())
+    keys = {id(node.slice) for node in ast.walk(tree) if isinstance(node, ast.Subscript)}
+    return [
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant)
+        and isinstance(node.value, str)
+        and node.value.split("/")[0] == "tests"
+        and id(node) not in keys
+    ]
+
+
 def _module_names(directory: Path, pattern: str = "*.py") -> set[str]:
     return {p.stem for p in directory.glob(pattern)}
 
 
 def test_the_bench_package_never_imports_benchmarks_or_tests() -> None:
     forbidden = _module_names(ROOT / "benchmarks") | _module_names(ROOT / "tests", "**/*.py") | {"benchmarks", "tests"}
-    for path in sorted(BENCH.glob("*.py")):
+    paths = sorted(BENCH.glob("*.py"))
+    assert paths, f"no modules under {BENCH}: the check would pass vacuously"
+    for path in paths:
         text = path.read_text()
         assert "sys.path" not in text, f"{path.name} edits sys.path"
         wrong = _imported_modules(path) & forbidden
@@ -44,10 +62,13 @@ def test_the_bench_package_never_imports_benchmarks_or_tests() -> None:
 
 def test_benchmarks_never_import_tests() -> None:
     tests_modules = _module_names(ROOT / "tests", "**/*.py") | {"tests"}
-    for path in sorted((ROOT / "benchmarks").glob("*.py")):
+    paths = sorted((ROOT / "benchmarks").glob("*.py"))
+    assert paths, f"no modules under {ROOT / 'benchmarks'}: the check would pass vacuously"
+    for path in paths:
         wrong = _imported_modules(path) & tests_modules
         assert not wrong, f"benchmarks/{path.name} imports {sorted(wrong)} from tests/"
-        assert '"tests"' not in path.read_text(), f"benchmarks/{path.name} reaches into tests/"
+        lines = _tests_folder_literals(path)
+        assert not lines, f"benchmarks/{path.name} reaches into tests/ (lines {lines})"
 
 
 def test_the_cli_formats_sizes_without_the_bench_package() -> None:

@@ -24,7 +24,7 @@ from dcpstore._impl.bench.limits import (
     pieces,
     sweep_points,
 )
-from tests.integration.test_cli import run_cli
+from tests.support.cli_run import run_cli
 from tests.support.s3_server import S3Endpoint
 
 MiB = 1 << 20

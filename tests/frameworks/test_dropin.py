@@ -9,18 +9,16 @@ tests run against these classes in tests/upstream.
 from __future__ import annotations
 
 import inspect
-import io
 import os
 import pickle
 import threading
 from pathlib import Path
-from typing import IO, Any, cast
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTransformExtension
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import SerializationFormat
@@ -36,6 +34,7 @@ from dcpstore.storage import open_storage
 from tests.support.backends import Target
 from tests.support.dist_utils import run_ranks
 from tests.support.helpers import assert_state_equal, sample_state, zeros_like_state
+from tests.support.transforms import Inflate, Xor, registry
 
 
 def tensors(seed: int) -> dict[str, Any]:
@@ -422,74 +421,6 @@ def test_async_save_on_every_executor(tmp_path: Path, executor: str) -> None:
 # ---------------------------------------------------------------------------
 # DCP stream transforms (_extensions / _extension_registry)
 # ---------------------------------------------------------------------------
-
-_XOR = bytes(b ^ 0x5A for b in range(256))
-
-
-class Xor(StreamTransformExtension):
-    """A stream transform that changes every byte (so a reader that skips
-    it reads garbage), fast enough for MiB-sized tensors."""
-
-    @staticmethod
-    def registry_name() -> str:
-        return "test.xor"
-
-    @staticmethod
-    def from_descriptor(version: str) -> Xor:
-        return Xor()
-
-    def get_descriptor(self) -> str:
-        return f"{self.registry_name()}/1"
-
-    def transform_to(self, output: IO[bytes]) -> IO[bytes]:
-        class Writer(io.RawIOBase):
-            def writable(self) -> bool:
-                return True
-
-            def write(self, b: Any) -> int:
-                data = bytes(b)
-                output.write(data.translate(_XOR))
-                return len(data)
-
-            def close(self) -> None:
-                output.close()
-                super().close()
-
-        return cast(IO[bytes], Writer())
-
-    def transform_from(self, input: IO[bytes]) -> IO[bytes]:
-        return io.BytesIO(input.read().translate(_XOR))
-
-
-class Inflate(Xor):
-    """Decodes any item to endless bytes: a decompression bomb."""
-
-    @staticmethod
-    def registry_name() -> str:
-        return "test.xor"  # what the checkpoint names
-
-    @staticmethod
-    def from_descriptor(version: str) -> Inflate:
-        return Inflate()
-
-    def transform_from(self, input: IO[bytes]) -> IO[bytes]:
-        class Endless(io.RawIOBase):
-            def readable(self) -> bool:
-                return True
-
-            def readinto(self, b: Any) -> int:
-                view = memoryview(b)
-                view[:] = b"\0" * len(view)
-                return len(view)
-
-        return cast(IO[bytes], Endless())
-
-
-def registry(*classes: type[StreamTransformExtension]) -> ExtensionRegistry:
-    reg = ExtensionRegistry()
-    for cls in classes:
-        reg.register(cls)
-    return reg
 
 
 def transformed_state() -> dict[str, Any]:

@@ -35,7 +35,7 @@ import dcpstore
 from dcpstore._impl.format.peer_paths import PeerPath
 from dcpstore._impl.format.safe_pickle import TOOLS, load_metadata
 from dcpstore._impl.util.errors import CheckpointCorrupt
-from tests.integration.test_cli import run_cli
+from tests.support.cli_run import run_cli
 from tests.support.dist_utils import run_ranks
 from tests.support.helpers import assert_state_equal, zeros_like_state
 

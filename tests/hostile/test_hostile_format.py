@@ -26,7 +26,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import dcpstore
-from tests.hostile.test_hostile import MANIFEST, METADATA, cli, fresh, good, read_manifest, state, write_metadata
+from tests.support.hostile_kit import (
+    MANIFEST,
+    METADATA,
+    cli,
+    fresh,
+    good,
+    read_manifest,
+    replace_data_files,
+    state,
+    write_metadata,
+)
 
 
 def load_ok(ckpt: Path) -> bool:
@@ -215,14 +225,6 @@ def test_malformed_metadata_is_named_by_every_tool(pristine: Path, tmp_path: Pat
 # ---------------------------------------------------------------------------
 # Names, symlinks, FIFOs
 # ---------------------------------------------------------------------------
-
-
-def replace_data_files(ckpt: Path, make: Any) -> None:
-    """Replace every data file of ``ckpt`` by ``make(path)`` (a link, a FIFO)."""
-    for name in os.listdir(ckpt):
-        if name.endswith(".distcp"):
-            os.unlink(ckpt / name)
-            make(ckpt / name)
 
 
 def test_symlinked_data_file_is_never_written_through(tmp_path: Path) -> None:

@@ -51,7 +51,7 @@ from dcpstore._impl.util.errors import (
     UnsafeCheckpoint,
 )
 from dcpstore.storage import open_storage
-from tests.hostile.test_hostile import METADATA, cli, fresh, state
+from tests.support.hostile_kit import METADATA, cli, fresh, state
 
 #: How each local-filesystem backend is reached: (URI for a path, CLI flags, load kwargs).
 BACKENDS: dict[str, tuple[Callable[[Path], str], list[str], dict[str, Any]]] = {

@@ -285,7 +285,7 @@ def test_damage_to_a_metadata_of_ours_is_still_corrupt(saved: tuple[str, dict]) 
 
 def test_a_transformed_object_over_16_mib_loads(tmp_path) -> None:
     """Issue 29 item 7: the end check looked at the transformed bytes."""
-    from tests.frameworks.test_dropin import Xor, registry
+    from tests.support.transforms import Xor, registry
 
     root = str(tmp_path / "ck")
     state = {"w": torch.ones(4), "blob": os.urandom(17 << 20)}

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import subprocess
@@ -16,16 +14,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import dcpstore
-from dcpstore._impl.cli import main
 from dcpstore._impl.dcp.commit import read_checkpoint_metadata
-
-
-def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    """Run the CLI in-process (torch imports once), capturing its output."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(list(args))
-    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+from tests.support.cli_run import run_cli
 
 
 def test_python_m_dcpstore_runs_the_cli_as_a_process(root: str) -> None:

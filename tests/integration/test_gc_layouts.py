@@ -30,9 +30,9 @@ import dcpstore
 from dcpstore._impl.dcp.liveness import alive_file
 from dcpstore._impl.tools.maintenance import gc, list_checkpoints
 from dcpstore._impl.util.errors import SaveError, StorageError
-from tests.hostile.test_hostile import cli
 from tests.support.faults import BlockAt, FailAt, hook_all_storage
 from tests.support.helpers import assert_state_equal
+from tests.support.hostile_kit import cli
 
 STATE = {"w": torch.arange(64.0).reshape(8, 8), "n": 3}
 

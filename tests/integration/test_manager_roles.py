@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import dcpstore
-from tests.hostile.test_hostile import cli
+from tests.support.hostile_kit import cli
 
 
 def _tiered(root: str, local: str, **kwargs: object) -> dcpstore.CheckpointManager:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import re
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -115,13 +114,6 @@ def test_one_warning_per_burst_and_a_reminder_while_it_lasts(caplog: pytest.LogC
     t = 1005 + 2.5 * remind + quiet + 1
     again = clock.warnings_after(t, t + 0.5)
     assert len(again) == 1 and "retrying (attempt" in again[0]
-
-
-@pytest.fixture
-def proxy(s3_endpoint: S3Endpoint, monkeypatch: pytest.MonkeyPatch) -> Iterator[FaultProxy]:
-    with FaultProxy(s3_endpoint.url) as p:
-        monkeypatch.setenv("AWS_ENDPOINT_URL", p.url)
-        yield p
 
 
 SECRET = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYzz" + uuid.uuid4().hex

@@ -23,9 +23,9 @@ import torch
 import dcpstore
 from dcpstore._impl.util.errors import StorageError
 from dcpstore.storage import MiB, StorageOptions, open_storage
-from tests.object_stores.test_object_store_budget import PART, _uri, proxy  # noqa: F401 -- proxy: the fixture
 from tests.support.faultproxy import FaultConfig, FaultProxy, Request
 from tests.support.helpers import assert_state_equal, zeros_like_state
+from tests.support.s3_budget import PART, budget_uri
 from tests.support.s3_server import S3Endpoint
 
 #: The budget of the one-file tests: above the 8 pieces a lone object or
@@ -86,7 +86,7 @@ def test_a_one_file_save_keeps_the_whole_budget_in_flight(proxy: FaultProxy, s3_
     state = {f"t{i}": torch.randn(2 * MiB) for i in range(width)}  # one file of width x 8 MiB
     sizes: list[int] = []
     proxy.config = _holding("UploadPart", sizes)
-    uri = _uri(s3_endpoint)
+    uri = budget_uri(s3_endpoint)
     opts = StorageOptions(max_concurrency=width)
     assert _held_at_once(proxy, width, lambda: dcpstore.save(state, uri, workers=1, storage_options=opts)) == width
     ordered = sorted(sizes)
@@ -102,7 +102,7 @@ def test_a_one_tensor_load_keeps_the_whole_budget_in_flight(proxy: FaultProxy, s
     as above, in ranges of equal size."""
     width = ONE_FILE_BUDGET
     state = {"big": torch.randn(width * 2 * MiB)}
-    uri = _uri(s3_endpoint)
+    uri = budget_uri(s3_endpoint)
     opts = StorageOptions(max_concurrency=width)
     dcpstore.save(state, uri, storage_options=opts).result()
     sizes: list[int] = []
@@ -119,7 +119,7 @@ def test_the_last_part_leaves_at_seal_and_the_upload_starts_at_open(proxy: Fault
     last, partial part before the commit, which only completes the upload.
     An object far smaller than its hint still lands whole (one part), an
     aborted one leaves no upload behind, and a write after ``seal()`` is refused."""
-    st = open_storage(_uri(s3_endpoint))
+    st = open_storage(budget_uri(s3_endpoint))
     prefix = st.key("")  # type: ignore[attr-defined]
     payload = os.urandom(20 * MiB)  # hint 20 MiB: 2 parts of 10 MiB
     try:
@@ -183,7 +183,7 @@ def test_part_buffers_are_reused_and_never_shared(s3_endpoint: S3Endpoint) -> No
     not asked for any more first."""
     from dcpstore._impl.storage.buffered import PARTS, PartCache
 
-    st = open_storage(_uri(s3_endpoint), storage_options=StorageOptions(part_size=PART, max_concurrency=2))
+    st = open_storage(budget_uri(s3_endpoint), storage_options=StorageOptions(part_size=PART, max_concurrency=2))
     PARTS.clear()
     payloads = {name: os.urandom(4 * PART + 123) for name in ("a", "b", "c")}
     taken: list[int] = []

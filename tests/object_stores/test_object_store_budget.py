@@ -32,20 +32,8 @@ from dcpstore._impl.util.errors import CheckpointCorrupt
 from dcpstore.storage import MiB, StorageOptions, open_storage
 from tests.support.faultproxy import FaultConfig, FaultProxy, Request
 from tests.support.helpers import assert_state_equal, zeros_like_state
+from tests.support.s3_budget import PART, budget_uri
 from tests.support.s3_server import BUCKET, MotoServer, S3Endpoint, Tls
-
-PART = 5 * MiB
-
-
-def _uri(endpoint: S3Endpoint) -> str:
-    return f"s3://{endpoint.bucket}/budget-{uuid.uuid4().hex[:8]}"
-
-
-@pytest.fixture
-def proxy(s3_endpoint: S3Endpoint, monkeypatch: pytest.MonkeyPatch) -> Iterator[FaultProxy]:
-    with FaultProxy(s3_endpoint.url) as p:
-        monkeypatch.setenv("AWS_ENDPOINT_URL", p.url)
-        yield p
 
 
 def _in_threads(*fns: object) -> None:
@@ -70,7 +58,7 @@ def test_parts_of_all_files_share_one_budget(proxy: FaultProxy, s3_endpoint: S3E
     """Two objects written at once by two threads keep max_concurrency parts
     in flight between them, not each (a rank's budget, not a file's)."""
     proxy.config = FaultConfig(delay_s=0.25, delay_applies=lambda r: r.kind == "UploadPart")
-    st = open_storage(_uri(s3_endpoint), storage_options=StorageOptions(part_size=PART, max_concurrency=3))
+    st = open_storage(budget_uri(s3_endpoint), storage_options=StorageOptions(part_size=PART, max_concurrency=3))
     payload = os.urandom(4 * PART)
 
     def write(name: str) -> None:
@@ -89,7 +77,7 @@ def test_parts_of_all_files_share_one_budget(proxy: FaultProxy, s3_endpoint: S3E
 def test_reads_of_all_files_share_one_budget(proxy: FaultProxy, s3_endpoint: S3Endpoint) -> None:
     """Ranged GETs of two files read at once stay within one budget."""
     payload = os.urandom(3 * PART)
-    uri = _uri(s3_endpoint)
+    uri = budget_uri(s3_endpoint)
     prefix = uri.split("/", 3)[3]
     for name in ("a", "b"):
         s3_endpoint.client().put_object(Bucket=s3_endpoint.bucket, Key=f"{prefix}/{name}", Body=payload)
@@ -141,7 +129,7 @@ def test_every_put_and_part_carries_one_digest_of_its_bytes(
         monkeypatch.setenv("AWS_REQUEST_CHECKSUM_CALCULATION", "when_required")
     seen: list[Request] = []
     proxy.config = FaultConfig(applies=lambda r: seen.append(r) or False)
-    _save_and_load(_uri(s3_endpoint))
+    _save_and_load(budget_uri(s3_endpoint))
 
     sends = [r for r in seen if r.kind in ("PutObject", "UploadPart")]
     creates = [r for r in seen if r.kind == "CreateMultipartUpload"]
@@ -167,7 +155,7 @@ def test_only_large_bodies_wait_for_100_continue(proxy: FaultProxy, s3_endpoint:
     two (requests as the endpoint receives them)."""
     seen: list[Request] = []
     proxy.config = FaultConfig(applies=lambda r: seen.append(r) or False)
-    _save_and_load(_uri(s3_endpoint))
+    _save_and_load(budget_uri(s3_endpoint))
 
     sends = [r for r in seen if r.kind in ("PutObject", "UploadPart")]
     small = [r for r in sends if len(r.body) < CONTINUE_MIN]
@@ -199,7 +187,7 @@ def test_over_https_a_crc32c_spares_the_payload_signature(
     assert tls_endpoint.server.tls is not None
     monkeypatch.setenv("AWS_ENDPOINT_URL", tls_endpoint.url)
     monkeypatch.setenv("AWS_CA_BUNDLE", str(tls_endpoint.server.tls.cert))
-    uri = _uri(tls_endpoint)
+    uri = budget_uri(tls_endpoint)
     client = open_storage(uri).client  # the process's shared client for this environment
     seen: list[tuple[str, dict[str, str], bytes]] = []
 
@@ -236,7 +224,7 @@ def test_a_load_knows_each_size_before_reading_and_still_finds_a_wrong_one(
     from dcpstore._impl.storage.backends.s3.storage import S3Storage
 
     state = {f"t{i}": torch.randn(MiB // 4) for i in range(4)}
-    uri = _uri(s3_endpoint)
+    uri = budget_uri(s3_endpoint)
     info = dcpstore.save(state, uri, workers=2).result()
     asked: list[str] = []
     size = S3Storage.size
@@ -282,7 +270,7 @@ def test_a_load_reads_its_commit_in_one_round_trip(proxy: FaultProxy, s3_endpoin
     (save-unique manifest name) the right manifest is asked for next, and
     no name that is not there."""
     state = {f"t{i}": torch.randn(MiB // 4) for i in range(4)}
-    uri = _uri(s3_endpoint)
+    uri = budget_uri(s3_endpoint)
     dcpstore.save(state, uri, workers=2).result()
     bucket = s3_endpoint.bucket  # a listing's target
     together = {".metadata", ".dcpstore.json", bucket}
@@ -335,7 +323,7 @@ def test_a_body_cut_short_is_read_again(proxy: FaultProxy, s3_endpoint: S3Endpoi
     """A GET whose body stops half-way (received straight into the tensors)
     is retried, and the load is right."""
     state = {"a": torch.randn(3 * MiB)}
-    uri = _uri(s3_endpoint)
+    uri = budget_uri(s3_endpoint)
     opts = StorageOptions(part_size=PART, max_attempts=8)
     dcpstore.save(state, uri, storage_options=opts).result()
     gets = iter(range(1000))
@@ -349,7 +337,7 @@ def test_a_body_cut_short_is_read_again(proxy: FaultProxy, s3_endpoint: S3Endpoi
 def test_default_workers_follow_the_cpus_on_disks_only(
     tmp_path: Path, s3_endpoint: S3Endpoint, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    s3 = open_storage(_uri(s3_endpoint))
+    s3 = open_storage(budget_uri(s3_endpoint))
     local = open_storage(str(tmp_path))
     try:
         for cpus, on_disk in ((1, 2), (4, 4), (64, 8)):

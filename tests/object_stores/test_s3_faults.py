@@ -38,14 +38,6 @@ from tests.support.s3_server import S3Endpoint
 PART = 5 * MiB
 
 
-@pytest.fixture
-def proxy(s3_endpoint: S3Endpoint, monkeypatch: pytest.MonkeyPatch) -> Iterator[FaultProxy]:
-    """A proxy in front of the session's moto server; dcpstore's S3 traffic goes through it."""
-    with FaultProxy(s3_endpoint.url) as p:
-        monkeypatch.setenv("AWS_ENDPOINT_URL", p.url)
-        yield p
-
-
 def _uri(endpoint: S3Endpoint) -> str:
     return f"s3://{endpoint.bucket}/faults-{uuid.uuid4().hex[:8]}"
 

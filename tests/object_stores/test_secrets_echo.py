@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 
 import dcpstore
 from dcpstore.storage import StorageOptions, open_storage
-from tests.hostile.test_hostile import cli
+from tests.support.hostile_kit import cli
 from tests.support.s3_server import REGION, aws_env
 
 KEY_ID = "AKIAECHOKEYID0000001"

@@ -23,11 +23,16 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, where tests.* imports from
-from tests.hostile.test_hostile import METADATA, Payload, good, write_metadata  # noqa: E402
-from tests.hostile.test_hostile import _declare as declare
-from tests.hostile.test_hostile import _record_with_deflated_entry as deflated  # noqa: E402
-from tests.hostile.test_hostile import _replace_item as replace_item
-from tests.hostile.test_hostile_format import replace_data_files  # noqa: E402
+from tests.support.hostile_kit import (  # noqa: E402
+    METADATA,
+    Payload,
+    declare,
+    good,
+    replace_data_files,
+    replace_item,
+    write_metadata,
+)
+from tests.support.hostile_kit import record_with_deflated_entry as deflated  # noqa: E402
 from tests.support.rss import PEAK_MIB_SOURCE  # noqa: E402
 
 GiB = 1 << 30
