@@ -121,8 +121,8 @@ def save(
             with :class:`~dcpstore.CheckpointExists` instead.
         spread_prefixes: spread the ranks' data files over this many key
             prefixes, so that many ranks writing one checkpoint do not all
-            hit one object-store partition's request limit (README, "Many
-            ranks, one checkpoint"); 1: stock DCP's flat layout. Loads read
+            hit one object-store partition's request limit (docs/uris.md,
+            "Many ranks, one checkpoint"); 1: stock DCP's flat layout. Loads read
             either layout.
 
     Returns:
