@@ -11,7 +11,10 @@ if [ ! -x .venv/bin/python ]; then
   .venv/bin/python -m pip install -q --upgrade pip
 fi
 .venv/bin/python -m pip install -q -c constraints.txt "torch==2.13.0"
-.venv/bin/python -m pip install -q -c constraints.txt -e ".[dev]"
+# The editable install writes dcpstore.egg-info into this checkout: scripts/setup-torch.sh,
+# which .ci/run runs beside this script, takes the same lock on pyproject.toml.
+locked() { if command -v flock >/dev/null; then flock pyproject.toml "$@"; else "$@"; fi; }
+locked .venv/bin/python -m pip install -q -c constraints.txt -e ".[dev]"
 # Megatron-Bridge 0.6.2 cannot be imported without CUDA; the tests compile the
 # functions they need from its wheel's source, and megatron-core's allowlist
 # from its wheel (tests/support/bridge_wheel.py). Downloaded, never installed.

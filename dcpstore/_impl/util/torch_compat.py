@@ -8,6 +8,52 @@ pickle, the serializer's pieces. Each is imported here and only here
 names), so that a torch release that moves one breaks this module alone,
 which says what each is for. Names are given without torch's leading
 underscore: here they are dcpstore's to use.
+
+Checked against torch 2.10.0, 2.13.0 and 2.14.1: the floor of the range
+pyproject.toml declares, constraints.txt's pin, and the newest release the
+registry serves. Each name below imports there and is exercised by the
+tests: every suite under 2.13.0, ``.ci/run``'s ``TORCH_SUBSET`` under the
+two ends. Where a release below the floor lacks one, the table says so.
+
+======================================  ==============================================================  ======================
+here                                    torch                                                           checked
+======================================  ==============================================================  ======================
+StorageInfo, StoragePrefix              ``distributed.checkpoint.filesystem._StorageInfo``,             2.10.0, 2.13.0, 2.14.1
+                                        ``._StoragePrefix``
+StorageReaderTransforms,                ``distributed.checkpoint.filesystem._StorageReaderTransforms``, 2.10.0, 2.13.0, 2.14.1
+StorageWriterTransforms                 ``._StorageWriterTransforms`` (not in 2.6.0)
+ExtensionRegistry,                      ``distributed.checkpoint._extension`` (not in 2.6.0)            2.10.0, 2.13.0, 2.14.1
+StreamTransformExtension
+flatten_state_dict                      ``distributed.checkpoint._nested_dict.flatten_state_dict``      2.10.0, 2.13.0, 2.14.1
+set_element, traverse_state_dict        ``distributed.checkpoint._traverse``                            2.10.0, 2.13.0, 2.14.1
+wrap_exception                          ``distributed.checkpoint.api._wrap_exception``                  2.10.0, 2.13.0, 2.14.1
+DistWrapper, failure_dict               ``distributed.checkpoint.utils._DistWrapper``,                  2.10.0, 2.13.0, 2.14.1
+                                        ``._get_failure_dict``
+MEM_FORMAT_ENCODING                     ``distributed.checkpoint.metadata._MEM_FORMAT_ENCODING``        2.10.0, 2.13.0, 2.14.1
+Shard, ShardedTensor, ShardMetadata,    ``distributed._shard.sharded_tensor`` (and its ``metadata``),   2.10.0, 2.13.0, 2.14.1
+ShardedTensorMetadata,                  ``distributed._shard.metadata``
+ShardedTensorProperties,
+sharded_tensor_metadata
+compute_local_shape_and_global_offset   ``distributed.tensor._utils``                                   2.10.0, 2.13.0, 2.14.1
+tree_map_only                           ``utils._pytree.tree_map_only``                                 2.10.0, 2.13.0, 2.14.1
+weights_only_globals                    ``_weights_only_unpickler._get_allowed_globals``                2.10.0, 2.13.0, 2.14.1
+get_layout                              ``serialization._get_layout``                                   2.10.0, 2.13.0, 2.14.1
+save_without_crc                        ``serialization._save``, ``._get_storage_alignment`` (not in    2.10.0, 2.13.0, 2.14.1
+                                        2.6.0), ``_C.PyTorchFileWriter(stream, compute_crc32,
+                                        storage_alignment)`` (2.6.0: no ``storage_alignment``)
+neg_view                                ``_neg_view``                                                   2.10.0, 2.13.0, 2.14.1
+element_size                            ``_utils._element_size``                                        2.10.0, 2.13.0, 2.14.1
+default_group                           ``distributed.distributed_c10d._get_default_group``             2.10.0, 2.13.0, 2.14.1
+storage_use_count                       ``_C._storage_Use_Count`` (None where absent)                   2.10.0, 2.13.0, 2.14.1
+======================================  ==============================================================  ======================
+
+Below the floor: 2.6.0 lacks the names marked above, so this module does not
+import; 2.7.0 has them all, but not the public ``SerializationFormat`` of
+``torch.distributed.checkpoint.filesystem`` that the drop-ins take; 2.8.0
+and 2.9.0 import everything, but cannot copy a ``float4_e2m1fn_x2`` tensor
+(``"copy_kernel" not implemented``), so neither stock DCP nor dcpstore can
+save a view of one or load one; 2.8.0's ``dcp.save`` has no
+``use_collectives`` either.
 """
 
 from __future__ import annotations
