@@ -187,7 +187,7 @@ def test_at_exit_a_managers_failed_last_save_is_reported_loudly(tmp_path: Path) 
     out = _run(
         f"""
         import os, torch, dcpstore
-        mgr = dcpstore.CheckpointManager({str(root)!r}, engine="native")
+        mgr = dcpstore.CheckpointManager({str(root)!r}, options=dcpstore.SaveOptions(async_=True, engine="native"))
         mgr.save({{"w": torch.ones(10)}}, 1).result()
         open(os.path.join({str(root)!r}, "step_00000002"), "w").close()
         mgr.save({{"w": torch.ones(10)}}, 2)   # fails in the background; no wait(), no close()

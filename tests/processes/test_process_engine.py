@@ -163,7 +163,7 @@ def test_the_checkpoint_process_dies_with_its_trainer(tmp_path: Path) -> None:
 
 
 def test_a_manager_saves_and_retires_through_the_process_engine(tmp_path: Path) -> None:
-    """``CheckpointManager(engine="process")``: the manager's pointer and
+    """``CheckpointManager(options=SaveOptions(engine="process"))``: the manager's pointer and
     retention in the trainer, each step's save in the checkpoint process."""
     with dcpstore.CheckpointManager(
         str(tmp_path / "run"), keep=1, options=dcpstore.SaveOptions(async_=True, engine="process")
