@@ -45,7 +45,9 @@ pip_ install -q -c constraints.txt "torch==2.13.0"
 # dcpstore with the backends the Megatron tests save to (local, S3, MSC), the
 # S3 test server, pytest, and what NVRx's checkpointing package imports
 # besides torch (numpy comes with dcpstore; psutil NVRx's writer calls).
-pip_ install -q -c constraints.txt -e ".[s3,msc]" "moto[server]" pytest pytest-timeout psutil pyyaml
+# .ci/run runs this beside setup.sh: one editable install at a time writes dcpstore.egg-info.
+locked() { if command -v flock >/dev/null; then flock pyproject.toml "$@"; else "$@"; fi; }
+locked .venv312/bin/python -m pip install -q -c constraints.txt -e ".[s3,msc]" "moto[server]" pytest pytest-timeout psutil pyyaml
 
 for release in "${NVRX_RELEASES[@]}"; do
   target=.nvrx/$release
