@@ -87,11 +87,11 @@ from dcpstore._impl.dcp.failures import save_error
 from dcpstore._impl.dcp.liveness.retried_cleanups import Leftovers, with_leftovers
 from dcpstore._impl.engines import exit as exit_hook
 from dcpstore._impl.engines.engine import Engine, SaveJob, engine_class
-from dcpstore._impl.engines.groups import BackgroundGroups
 from dcpstore._impl.engines.selection import agree_on_engine, select_engine
 from dcpstore._impl.engines.staging import Staging
 from dcpstore._impl.storage import open_storage
 from dcpstore._impl.util.errors import InvalidArgument, SaveError
+from dcpstore._impl.util.groups import BackgroundGroups
 from dcpstore._impl.util.keyword_hints import hint_keywords, hint_keywords_with
 from dcpstore._impl.util.progress import Progress
 from dcpstore._impl.util.threads import BackgroundThread
@@ -161,7 +161,7 @@ class AsyncSaver:
             collective_timeout = timedelta(seconds=collective_timeout)
         self._staging = Staging(max_structures=staging_cache, max_sets=self.max_in_flight)
         self.pool = self._staging.pool
-        self._groups = BackgroundGroups(collective_timeout)
+        self._groups = BackgroundGroups(collective_timeout, desc="dcpstore_async_save")
         self._collective_timeout = collective_timeout
         #: One instance per engine this saver has run (name -> engine).
         self._engines: dict[str, Engine] = {}

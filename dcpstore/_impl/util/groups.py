@@ -1,6 +1,8 @@
-"""Background process groups: the collectives of a save run on its own group.
+"""Process groups of dcpstore's own: the collectives of a background save,
+and a load's exchange of shared reads, run on a gloo group of their own.
 
-Why a save needs a group of its own: :mod:`.saver`, "Background collectives".
+Why a save needs a group of its own: :mod:`.saver`, "Background collectives";
+why a load does: :mod:`dcpstore._impl.dcp.shared_reads`.
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ class BackgroundGroups:
     new ``init_process_group``) are dead and are dropped.
     """
 
-    def __init__(self, timeout: timedelta | None) -> None:
+    def __init__(self, timeout: timedelta | None, desc: str) -> None:
         self.timeout = timeout
+        self.desc = desc
         # key -> (default group it belongs to, the user's group, our group)
         self._groups: dict[int, tuple[Any, Any, dist.ProcessGroup]] = {}
 
@@ -43,7 +46,7 @@ class BackgroundGroups:
                 backend="gloo",
                 timeout=self.timeout,
                 use_local_synchronization=True,
-                group_desc="dcpstore_async_save",
+                group_desc=self.desc,
             )
             entry = (default, process_group, group)
             self._groups[key] = entry
