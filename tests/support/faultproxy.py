@@ -131,6 +131,8 @@ class Stats:
     requests: Counter[str] = field(default_factory=Counter)
     faults: Counter[str] = field(default_factory=Counter)
     peak_inflight: Counter[str] = field(default_factory=Counter)
+    #: Bytes of GetObject response bodies relayed, per object path (``/bucket/key``).
+    got: Counter[str] = field(default_factory=Counter)
 
 
 class _ConnectionClosed(Exception):
@@ -423,6 +425,9 @@ class FaultProxy:
                 body = b""
             else:
                 body = self._read_body(upstream, ubuf, headers)
+                if kind == "GetObject":
+                    with self._lock:
+                        self.stats.got[urlsplit(req.target).path] += len(body)
         finally:
             with self._lock:
                 self._inflight[kind] -= 1

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dcpstore._impl.storage import redact
 from dcpstore._impl.storage.secrets import scrub
-from dcpstore._impl.util.errors import CheckpointError, CheckpointExists, LoadError, SaveError
+from dcpstore._impl.util.errors import CheckpointError, CheckpointExists, LoadError, PeerFailed, SaveError
 
 #: Failed ranks named in one message; the rest are counted.
 RANKS_SHOWN = 4
@@ -32,9 +32,12 @@ def rank_failures(e: BaseException) -> list[tuple[int, BaseException]]:
 
 
 def root_cause(e: BaseException) -> BaseException:
-    """The first failed rank's exception for a ``CheckpointException``; else ``e``."""
-    ranks = rank_failures(e)
-    return ranks[0][1] if ranks else e
+    """The first failed rank's exception for a ``CheckpointException``, past
+    ranks that only stopped because another failed
+    (:class:`~dcpstore._impl.util.errors.PeerFailed`); else ``e``."""
+    causes = [cause for _, cause in rank_failures(e)]
+    own = [cause for cause in causes if not isinstance(cause, PeerFailed)]
+    return (own or causes or [e])[0]
 
 
 def describe_failure(e: BaseException) -> str:

@@ -14,14 +14,14 @@ from typing import Any
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-from dcpstore._impl.dcp.failures import load_error
+from dcpstore._impl.dcp.failures import describe_failure, load_error
 from dcpstore._impl.dcp.load_progress import NO_CHANGES, LoadProgress, changes_of
 from dcpstore._impl.dcp.reader import REPLACED, RETRIED, DcpStorageReader
 from dcpstore._impl.dcp.state_checks import check_top_level_keys
 from dcpstore._impl.dcp.writer import NO_DIST_WARNING
 from dcpstore._impl.storage import Storage
 from dcpstore._impl.util.distributed import is_distributed
-from dcpstore._impl.util.errors import CheckpointError
+from dcpstore._impl.util.errors import CheckpointError, PeerFailed
 from dcpstore._impl.util.progress import NO_PROGRESS, Progress
 from dcpstore._impl.util.warning_filters import ignoring
 from dcpstore._impl.values.options import LoadOptions
@@ -114,4 +114,13 @@ def _load_once(state_dict: dict[str, Any], reader: DcpStorageReader, options: Lo
             )
     except CheckpointException as e:
         raise load_error(e, reader.storage.uri) from e
+    except RuntimeError as e:
+        if no_dist:
+            raise
+        # DCP's own collectives between the steps: every failure inside a
+        # step reaches us as a CheckpointException, so this is a peer gone.
+        raise PeerFailed(
+            f"load from {reader.storage.uri} failed: a collective among the ranks failed "
+            f"(was a rank lost?): {describe_failure(e)}"
+        ) from e
     return LoadStats(bytes_read=reader.bytes_read, metadata_s=t_read - t0, read_s=time.perf_counter() - t_read)

@@ -47,6 +47,7 @@ from typing import Any
 
 import crc32c
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
@@ -56,6 +57,7 @@ from dcpstore._impl.dcp.commit.reading import commit_replaced, read_checkpoint_m
 from dcpstore._impl.dcp.item_checks import SMALL_TENSOR_COPY, ItemChecks
 from dcpstore._impl.dcp.load_progress import NO_CHANGES, Changes, LoadProgress
 from dcpstore._impl.dcp.read_plan import Direct, DirectRun, Request, Span, plan_reads, scatter_groups
+from dcpstore._impl.dcp.shared_reads import Piece, SharedReads, exchange, piece_of, plan_shared_reads
 from dcpstore._impl.dcp.state_checks import load_mismatches
 from dcpstore._impl.dcp.writer import rebind, serves
 from dcpstore._impl.format.bitcopy import copy_values
@@ -64,6 +66,7 @@ from dcpstore._impl.format.manifest import Manifest
 from dcpstore._impl.format.record_zip import RecordBytes
 from dcpstore._impl.format.safe_pickle import Trust
 from dcpstore._impl.storage import Storage
+from dcpstore._impl.util.distributed import is_distributed
 from dcpstore._impl.util.errors import CheckpointCorrupt, CheckpointNotFound, StateDictMismatch, StorageNotFound
 from dcpstore._impl.util.progress import NO_PROGRESS, Progress
 from dcpstore._impl.util.threads import run_parallel
@@ -125,7 +128,9 @@ class DcpStorageReader(StorageReader):
         self._commit_crc: int | None = None
         #: The bytes this load's direct reads move in all (see Storage.read_into).
         self._batch: int | None = None
+        #: Bytes this rank fetched from storage in this load (not those other ranks handed it).
         self.bytes_read = 0
+        self._counted = threading.Lock()
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Point the next load at ``checkpoint_id`` (DCP calls this only when
@@ -201,18 +206,33 @@ class DcpStorageReader(StorageReader):
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
+        """Items several ranks need are read by one of them and handed to the
+        others (:mod:`.shared_reads`), where the load runs over the whole
+        default group (the plans' order is then the global ranks')."""
+        if len(plans) < 2 or not is_distributed() or len(plans) != dist.get_world_size():
+            return plans
+        return plan_shared_reads(plans, self._storage_data)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        per_file: dict[str, list[Request]] = defaultdict(list)
+        share = plan.storage_data if isinstance(plan.storage_data, SharedReads) else None
+        shared_pieces = share.pieces() if share is not None else set()
+        per_file: dict[str, list[Request]] = defaultdict(list)  # what this rank reads for itself alone
+        shared: dict[Piece, list[Request]] = defaultdict(list)  # what comes through the exchange
         for req in plan.items:
             info = self._storage_data[req.storage_index]
-            per_file[info.relative_path].append((req, info))
+            piece = piece_of(info) if shared_pieces else None
+            if piece in shared_pieces:
+                shared[piece].append((req, info))
+            else:
+                per_file[info.relative_path].append((req, info))
         assert self._metadata is not None and self._checks is not None
         lock = threading.Lock()
         self._progress = LoadProgress((req.dest_index.fqn for req in plan.items), self._earlier)
         try:
-            self._check_sizes(per_file)
+            every_file = {path: list(reqs) for path, reqs in per_file.items()}
+            for piece, reqs in shared.items():
+                every_file.setdefault(piece.path, []).extend(reqs)
+            self._check_sizes(every_file)
             tensors = self._manifest["tensors"] if self._manifest is not None else {}
             raw = {
                 item_key(path, info.offset): loc
@@ -222,8 +242,11 @@ class DcpStorageReader(StorageReader):
             }
             jobs = plan_reads(per_file, raw, self._metadata, self.workers, self._manifest_where())
             self._batch = sum(job.length for job in jobs)  # object stores share their budget out over it
-            self.bar.start(sum(info.length for reqs in per_file.values() for _, info in reqs))
-            run_parallel(lambda job: self._read_job(job, planner, lock), jobs, self.workers, "dcpstore-read")
+            self.bar.start(sum(info.length for reqs in every_file.values() for _, info in reqs))
+            if share is None:
+                run_parallel(lambda job: self._read_job(job, planner, lock), jobs, self.workers, "dcpstore-read")
+            else:
+                self._read_shared(share, shared, jobs, planner, lock)
         except BaseException as e:
             error = self._progress.annotate(e, self.storage.uri)  # what this rank's state now holds
             if isinstance(error, RETRIED) and self.replaced():
@@ -236,6 +259,54 @@ class DcpStorageReader(StorageReader):
         future: Future[None] = Future()
         future.set_result(None)
         return future
+
+    def _read_shared(
+        self,
+        share: SharedReads,
+        shared: dict[Piece, list[Request]],
+        jobs: list[Span | DirectRun],
+        planner: LoadPlanner,
+        lock: threading.Lock,
+    ) -> None:
+        """This rank's own reads on worker threads, beside its part of the
+        exchange of the items several ranks need (on this thread, in step
+        with every other rank)."""
+        own: list[BaseException] = []
+
+        def read_own() -> None:
+            try:
+                run_parallel(lambda job: self._read_job(job, planner, lock), jobs, self.workers, "dcpstore-read")
+            except BaseException as e:
+                own.append(e)
+                self._progress.fail(e)
+
+        def read_pieces(pieces: Sequence[Piece]) -> dict[Piece, memoryview]:
+            blobs = run_parallel(self._read_piece, pieces, self.workers, "dcpstore-read-shared")
+            return dict(zip(pieces, blobs))
+
+        def use(piece: Piece, blob: memoryview) -> None:
+            self._progress.check()
+            self._use_span(Span(piece.path, piece.offset, piece.length, tuple(shared[piece])), blob, planner, lock)
+
+        worker = threading.Thread(target=read_own, name="dcpstore-read-own", daemon=True)
+        worker.start()
+        try:
+            exchange(share, self.storage.uri, read_pieces, use, lambda: self._progress.error)
+        except BaseException as e:
+            self._progress.fail(e)  # this rank's own reads start no new item
+            raise
+        finally:
+            worker.join()
+        if own:
+            raise own[0]
+
+    def _read_piece(self, piece: Piece) -> memoryview:
+        """One stored item, read whole for the ranks that need it."""
+        self._progress.check()
+        blob = self._read_checked(piece.path, piece.offset, piece.length)
+        with self._counted:
+            self.bytes_read += len(blob)
+        return memoryview(blob)
 
     def _check_sizes(self, per_file: dict[str, list[Request]]) -> None:
         """Each file's real size against the manifest, and against the items
@@ -316,10 +387,11 @@ class DcpStorageReader(StorageReader):
             verified, error = self._scatter_read(group)
             with lock:
                 for (d, target, _), exposed in verified:
-                    self.bytes_read += d.length
                     planner.commit_tensor(d.req, target)
                     self._progress.loaded([d.req.dest_index.fqn], exposed=exposed)
-                self.bar.update(sum(d.length for (d, _, _), _ in verified))
+            with self._counted:
+                self.bytes_read += sum(d.length for (d, _, _), _ in verified)
+            self.bar.update(sum(d.length for (d, _, _), _ in verified))
             if error is not None:
                 raise error
 
@@ -386,19 +458,34 @@ class DcpStorageReader(StorageReader):
     ) -> None:
         """Read a run of neighbouring items with one ranged read; ``target``:
         the destination of its single tensor item, if already resolved."""
-        try:
-            blob = self.storage.read_range(span.path, span.offset, span.length)
-        except StorageNotFound as e:
-            raise CheckpointCorrupt(f"{self.storage.describe(span.path)}: data file is missing") from e
-        if len(blob) != span.length:
-            raise CheckpointCorrupt(
-                f"{self.storage.describe(span.path)}: short read at offset {span.offset} "
-                f"({len(blob)} of {span.length} bytes; truncated?)"
-            )
-        view = memoryview(blob)
-        with lock:
+        blob = self._read_checked(span.path, span.offset, span.length)
+        with self._counted:
             self.bytes_read += len(blob)
-        self.bar.update(len(blob))
+        self._use_span(span, memoryview(blob), planner, lock, target)
+
+    def _read_checked(self, path: str, offset: int, length: int) -> bytes:
+        try:
+            blob = self.storage.read_range(path, offset, length)
+        except StorageNotFound as e:
+            raise CheckpointCorrupt(f"{self.storage.describe(path)}: data file is missing") from e
+        if len(blob) != length:
+            raise CheckpointCorrupt(
+                f"{self.storage.describe(path)}: short read at offset {offset} "
+                f"({len(blob)} of {length} bytes; truncated?)"
+            )
+        return blob
+
+    def _use_span(
+        self,
+        span: Span,
+        view: memoryview,
+        planner: LoadPlanner,
+        lock: threading.Lock,
+        target: torch.Tensor | None = None,
+    ) -> None:
+        """Verify the span's items (``view``: its bytes, however they came)
+        and hand them to the planner."""
+        self.bar.update(len(view))
         checks = self._checks
         assert checks is not None
         for req, info in span.reqs:

@@ -80,6 +80,12 @@ class LoadError(CheckpointError):
     """A load failed."""
 
 
+class PeerFailed(LoadError):
+    """This rank's load stopped because another rank failed (while reading
+    items it reads for the others: :mod:`dcpstore._impl.dcp.shared_reads`)
+    or was lost; a failed rank's own error says why."""
+
+
 class StateDictMismatch(LoadError):
     """A strict load found keys the checkpoint and the model do not share.
 

@@ -1,0 +1,307 @@
+"""Read once per job: stored items that several ranks load are read by one.
+
+A load in which several ranks need the same stored item (a plain tensor every
+rank holds, which DCP saved once; a DTensor replicated over a mesh dimension;
+a non-tensor item every rank loads) would fetch it from storage once per
+rank: at thousands of data-parallel replicas, thousands of times, at the
+moment the whole job waits. Instead:
+
+* **Plan** (:func:`plan_shared_reads`, on the coordinator, inside DCP's
+  global planning step): every item needed by more than one rank gets one
+  owner among the ranks that need it; each group of ranks that needs the
+  same items has them split into contiguous runs, one per member (whole
+  files' neighbouring items stay together, so an owner's reads coalesce),
+  the least-loaded member first. The items are then packed into rounds in
+  which no rank sends or receives more than :data:`ROUND_BYTES` (an item
+  larger than that travels alone), which bounds the memory the exchange
+  holds. Each rank's part of the schedule (:class:`SharedReads`) travels in
+  its ``LoadPlan.storage_data``; nothing is shared when no item is needed
+  twice, and then no collective runs at all.
+* **Exchange** (:func:`exchange`, on every rank, inside ``read_data``):
+  per round, each owner reads its items from storage, every rank says
+  whether it has failed (one small all-gather), and the bytes go to the
+  ranks that need them in one ``all_to_all`` on a gloo group of the loader's
+  own (CPU tensors, whatever the job's default backend). Every rank then
+  handles the bytes as if it had read them: CRC32C against the manifest,
+  records checked, objects unpickled through the allowlist, exactly as the
+  reader's own reads are.
+
+A rank that fails (a damaged item, a missing file) tells the others at the
+next round: all ranks stop there and raise, the failed rank its own error,
+the others :class:`PeerFailed` naming it; a rank that dies makes the
+group's next collective fail on every other rank (gloo sees the closed
+connection), which raises :class:`PeerFailed` too, never a hang.
+
+The plan maps plan index to global rank, so sharing needs the load to run
+over the whole default group (DCP's plans then come in global rank order);
+a load over a smaller ``process_group`` reads as before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import LoadPlan
+
+from dcpstore._impl.util.distributed import is_distributed
+from dcpstore._impl.util.errors import LoadError, PeerFailed
+from dcpstore._impl.util.groups import BackgroundGroups
+from dcpstore._impl.util.torch_compat import StorageInfo
+
+MiB = 1 << 20
+#: The most bytes one rank sends, or receives, in one round of the exchange.
+ROUND_BYTES = 256 * MiB
+
+
+@dataclass(frozen=True, order=True)
+class Piece:
+    """One stored item, as the load reads it whole: file, offset, length."""
+
+    path: str
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class Round:
+    """One rank's part of one round: the items it reads from storage (for
+    itself and others), and which items it sends to and receives from
+    which rank (in rank order; each list in piece order)."""
+
+    reads: tuple[Piece, ...] = ()
+    sends: tuple[tuple[int, tuple[Piece, ...]], ...] = ()
+    receives: tuple[tuple[int, tuple[Piece, ...]], ...] = ()
+
+
+@dataclass(frozen=True)
+class SharedReads:
+    """One rank's part of a load's exchange (its ``LoadPlan.storage_data``).
+    Every rank has the same number of rounds; a rank with nothing to do in
+    one still takes part in its collectives."""
+
+    world_size: int
+    rounds: tuple[Round, ...]
+
+    def pieces(self) -> set[Piece]:
+        """The shared items this rank needs: they come through the exchange."""
+        mine: set[Piece] = set()
+        for r in self.rounds:
+            mine.update(r.reads)
+            for _, pieces in r.receives:
+                mine.update(pieces)
+        return mine
+
+
+def piece_of(info: StorageInfo) -> Piece:
+    return Piece(str(info.relative_path), int(info.offset), int(info.length))
+
+
+def plan_shared_reads(
+    plans: Sequence[LoadPlan], storage_data: Mapping[MetadataIndex, StorageInfo], round_bytes: int = ROUND_BYTES
+) -> list[LoadPlan]:
+    """``plans`` (one per rank, in rank order) with each rank's
+    :class:`SharedReads` in ``storage_data``; unchanged where no stored item
+    is needed by two ranks (see the module docstring)."""
+    needers: dict[Piece, set[int]] = defaultdict(set)
+    for rank, plan in enumerate(plans):
+        for item in plan.items:
+            needers[piece_of(storage_data[item.storage_index])].add(rank)
+    groups: dict[tuple[int, ...], list[Piece]] = defaultdict(list)
+    for piece, ranks in needers.items():
+        if len(ranks) > 1:
+            groups[tuple(sorted(ranks))].append(piece)
+    if not groups:
+        return list(plans)
+    owner = _owners(groups, len(plans))
+    receivers = {piece: sorted(needers[piece] - {rank}) for piece, rank in owner.items()}
+    rounds = _pack_rounds(sorted(owner), owner, receivers, len(plans), round_bytes)
+    return [
+        dataclasses.replace(plan, storage_data=SharedReads(len(plans), tuple(r[rank] for r in rounds)))
+        for rank, plan in enumerate(plans)
+    ]
+
+
+def _owners(groups: Mapping[tuple[int, ...], list[Piece]], world_size: int) -> dict[Piece, int]:
+    """Each group's items, in file order, split into one contiguous run of
+    about equal bytes per member; the largest runs go to the members that
+    own the fewest bytes so far."""
+    load = [0] * world_size
+    owner: dict[Piece, int] = {}
+    for ranks, pieces in sorted(groups.items(), key=lambda g: -sum(p.length for p in g[1])):
+        pieces = sorted(pieces)
+        total = sum(p.length for p in pieces)
+        members = sorted(ranks, key=lambda r: (load[r], r))
+        share = total / len(members)
+        done = 0
+        for piece in pieces:
+            member = members[min(int(done // share) if share else 0, len(members) - 1)]
+            owner[piece] = member
+            load[member] += piece.length
+            done += piece.length
+    return owner
+
+
+def _pack_rounds(
+    pieces: Sequence[Piece],
+    owner: Mapping[Piece, int],
+    receivers: Mapping[Piece, Sequence[int]],
+    world_size: int,
+    round_bytes: int,
+) -> list[list[Round]]:
+    """The pieces, in order, cut into rounds (each rank's :class:`Round`)."""
+    cut: list[list[Piece]] = []
+    sent = [0] * world_size
+    got = [0] * world_size
+    for piece in pieces:
+        src, dsts = owner[piece], receivers[piece]
+        over = sent[src] + piece.length * len(dsts) > round_bytes or any(
+            got[d] + piece.length > round_bytes for d in dsts
+        )
+        if not cut or over:
+            cut.append([])
+            sent = [0] * world_size
+            got = [0] * world_size
+        cut[-1].append(piece)
+        sent[src] += piece.length * len(dsts)
+        for d in dsts:
+            got[d] += piece.length
+    rounds = []
+    for members in cut:
+        reads: dict[int, list[Piece]] = defaultdict(list)
+        sends: dict[int, dict[int, list[Piece]]] = defaultdict(lambda: defaultdict(list))
+        receives: dict[int, dict[int, list[Piece]]] = defaultdict(lambda: defaultdict(list))
+        for piece in members:
+            src = owner[piece]
+            reads[src].append(piece)
+            for d in receivers[piece]:
+                sends[src][d].append(piece)
+                receives[d][src].append(piece)
+        rounds.append(
+            [
+                Round(
+                    tuple(reads[rank]),
+                    tuple((d, tuple(p)) for d, p in sorted(sends[rank].items())),
+                    tuple((s, tuple(p)) for s, p in sorted(receives[rank].items())),
+                )
+                for rank in range(world_size)
+            ]
+        )
+    return rounds
+
+
+#: The loads' own gloo groups, one per default group (created on first use).
+_GROUPS = BackgroundGroups(timeout=None, desc="dcpstore_load")
+
+
+def exchange(
+    share: SharedReads,
+    uri: str,
+    read: Callable[[Sequence[Piece]], Mapping[Piece, memoryview]],
+    use: Callable[[Piece, memoryview], None],
+    failed: Callable[[], BaseException | None],
+) -> None:
+    """Run this rank's part of the exchange (every rank calls it, in step):
+    per round, ``read`` the pieces this rank owns (-> their bytes), tell
+    every rank whether ``failed()`` (this rank's load has failed elsewhere),
+    swap the bytes, and ``use`` each piece this rank needs. Raises this
+    rank's own error, or :class:`PeerFailed` when another rank failed."""
+    if not is_distributed() or dist.get_world_size() != share.world_size:
+        raise LoadError(
+            f"load from {uri}: the plan shares reads among {share.world_size} ranks, "
+            f"but this process is not one of a group of that size"
+        )
+    group = _GROUPS.get(None)
+    # A failure here is told to the others at the next round's all-gather,
+    # never raised before it: they would wait for this rank in vain.
+    used_error: BaseException | None = None
+    for r in share.rounds:
+        error = used_error or failed()
+        blobs: Mapping[Piece, memoryview] = {}
+        if error is None and r.reads:
+            try:
+                blobs = read(r.reads)
+            except BaseException as e:
+                error = e
+        _stop_if_any_failed(error, group, share.world_size, uri)
+        received = _swap(r, blobs, group, share.world_size, uri)
+        try:
+            for piece in r.reads:
+                use(piece, blobs[piece])
+            for piece, view in received:
+                use(piece, view)
+        except BaseException as e:
+            used_error = e
+    if used_error is not None:
+        raise used_error  # after the last round: no rank waits for this one any more
+
+
+def _stop_if_any_failed(error: BaseException | None, group: Any, world_size: int, uri: str) -> None:
+    flags = [torch.zeros(1, dtype=torch.uint8) for _ in range(world_size)]
+    mine = torch.tensor([0 if error is None else 1], dtype=torch.uint8)
+    _collective(lambda: dist.all_gather(flags, mine, group=group), uri)
+    if error is not None:
+        raise error
+    bad = [rank for rank, flag in enumerate(flags) if int(flag.item())]
+    if bad:
+        raise PeerFailed(
+            f"load from {uri} stopped: rank {_ranks(bad)} failed while reading items it reads for other ranks "
+            "(its error says why)"
+        )
+
+
+def _swap(
+    r: Round, blobs: Mapping[Piece, memoryview], group: Any, world_size: int, uri: str
+) -> list[tuple[Piece, memoryview]]:
+    """One all_to_all: each piece to the ranks that need it."""
+    send_sizes = [0] * world_size
+    for dst, pieces in r.sends:
+        send_sizes[dst] = sum(p.length for p in pieces)
+    recv_sizes = [0] * world_size
+    for src, pieces in r.receives:
+        recv_sizes[src] = sum(p.length for p in pieces)
+    outgoing = torch.empty(sum(send_sizes), dtype=torch.uint8)
+    out_view = _bytes_of(outgoing)
+    pos = 0
+    for _, pieces in r.sends:
+        for p in pieces:
+            out_view[pos : pos + p.length] = blobs[p]
+            pos += p.length
+    incoming = torch.empty(sum(recv_sizes), dtype=torch.uint8)
+    _collective(
+        lambda: dist.all_to_all_single(incoming, outgoing, recv_sizes, send_sizes, group=group),
+        uri,
+    )
+    in_view = _bytes_of(incoming)
+    received = []
+    pos = 0
+    for _, pieces in r.receives:
+        for p in pieces:
+            received.append((p, in_view[pos : pos + p.length]))
+            pos += p.length
+    return received
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    array: Any = tensor.numpy()
+    return memoryview(array).cast("B")
+
+
+def _collective(call: Callable[[], object], uri: str) -> None:
+    try:
+        call()
+    except RuntimeError as e:  # gloo: a peer closed the connection (torch.distributed.DistError is one too)
+        raise PeerFailed(
+            f"load from {uri} stopped: the exchange of shared reads with the other ranks failed (a rank was lost?): {e}"
+        ) from e
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    shown = ", ".join(str(r) for r in ranks[:4])
+    return shown + (f" and {len(ranks) - 4} more" if len(ranks) > 4 else "")

@@ -1,0 +1,97 @@
+"""The plan of a load's shared reads: who reads each item several ranks need,
+and who hands it to whom (the exchange itself: tests/processes/test_shared_reads.py)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
+
+from dcpstore._impl.dcp.shared_reads import Piece, SharedReads, plan_shared_reads
+from dcpstore._impl.util.torch_compat import StorageInfo
+
+
+def _job(needs: list[set[int]], sizes: list[int], world: int) -> tuple[list[LoadPlan], dict]:
+    """Item i (size sizes[i], in file f{i % 3}) is loaded by the ranks needs[i]."""
+    storage_data = {}
+    items: list[list[ReadItem]] = [[] for _ in range(world)]
+    offsets: Counter[str] = Counter()
+    for i, (ranks, size) in enumerate(zip(needs, sizes)):
+        index = MetadataIndex(f"k{i}", torch.Size([0]))
+        path = f"f{i % 3}"
+        storage_data[index] = StorageInfo(path, offsets[path], size)
+        offsets[path] += size
+        for rank in ranks:
+            items[rank].append(
+                ReadItem(
+                    type=LoadItemType.TENSOR,
+                    dest_index=index,
+                    dest_offsets=torch.Size([0]),
+                    storage_index=index,
+                    storage_offsets=torch.Size([0]),
+                    lengths=torch.Size([size]),
+                )
+            )
+    return [LoadPlan(list(i)) for i in items], storage_data
+
+
+def test_nothing_needed_twice_leaves_the_plans_as_they_are() -> None:
+    plans, data = _job([{0}, {1}, {2}, {2}], [10, 20, 30, 40], 3)
+    assert [p.storage_data for p in plan_shared_reads(plans, data)] == [None, None, None]
+
+
+def test_items_every_rank_needs_are_read_once_and_spread_evenly() -> None:
+    plans, data = _job([{0, 1, 2, 3}] * 8, [100] * 8, 4)
+    shares = [p.storage_data for p in plan_shared_reads(plans, data)]
+    reads = Counter(rank for rank, s in enumerate(shares) for r in s.rounds for _ in r.reads)
+    assert reads == {0: 2, 1: 2, 2: 2, 3: 2}
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    world=st.integers(2, 6),
+    data=st.data(),
+    round_bytes=st.sampled_from([50, 200, 10_000]),
+)
+def test_every_needed_item_reaches_every_rank_that_needs_it_exactly_once(
+    world: int, data: st.DataObject, round_bytes: int
+) -> None:
+    n = data.draw(st.integers(1, 12))
+    needs = [data.draw(st.sets(st.integers(0, world - 1), min_size=1)) for _ in range(n)]
+    sizes = [data.draw(st.integers(1, 120)) for _ in range(n)]
+    plans, storage = _job(needs, sizes, world)
+    out = plan_shared_reads(plans, storage, round_bytes)
+    assert [p.items for p in out] == [p.items for p in plans]  # what each rank loads is unchanged
+    shares = [p.storage_data for p in out]
+    pieces = [Piece(str(i.relative_path), i.offset, i.length) for i in storage.values()]
+    shared = {p: ranks for p, ranks in zip(pieces, needs) if len(ranks) > 1}
+    if not shared:
+        assert shares == [None] * world
+        return
+    assert all(isinstance(s, SharedReads) for s in shares)
+    rounds = {len(s.rounds) for s in shares}
+    assert len(rounds) == 1  # every rank takes part in every round
+    for rank, s in enumerate(shares):
+        assert s.pieces() == {p for p, ranks in shared.items() if rank in ranks}
+    for k in range(rounds.pop()):
+        sent = Counter()
+        got = Counter()
+        for rank, s in enumerate(shares):
+            r = s.rounds[k]
+            for dst, ps in r.sends:
+                assert dst != rank and all(p in r.reads for p in ps)  # an owner sends what it read
+                assert ps in [q for src, q in shares[dst].rounds[k].receives if src == rank]  # the receiver expects it
+                sent[rank] += sum(p.length for p in ps)
+                for p in ps:
+                    got[dst] += p.length
+            for p in r.reads:
+                assert rank in shared[p]  # the owner needs the item itself
+        largest = max(p.length * len(ranks) for p, ranks in shared.items())
+        assert max(sent.values(), default=0) <= max(round_bytes, largest)
+        assert max(got.values(), default=0) <= max(round_bytes, largest)
+    owners = Counter(p for s in shares for r in s.rounds for p in r.reads)
+    assert owners == Counter(set(shared))  # each shared item read from storage by exactly one rank
