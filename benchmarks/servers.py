@@ -90,8 +90,11 @@ def moto_server(pids: set[int] | None = None) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def wan_proxy(endpoint: str, *, latency_ms: float, rate_mbps: float, pids: set[int] | None = None) -> Iterator[str]:
-    """The shaping proxy (benchmarks/wanproxy.py) in front of ``endpoint``."""
+def wan_proxy(
+    endpoint: str, *, latency_ms: float, rate_mbps: float, pids: set[int] | None = None, count: str | None = None
+) -> Iterator[str]:
+    """The shaping proxy (benchmarks/wanproxy.py) in front of ``endpoint``;
+    ``count``: a file it keeps the bytes the endpoint sent in."""
     upstream = endpoint.split("://", 1)[-1].rstrip("/")
     proc = subprocess.Popen(
         [
@@ -103,6 +106,7 @@ def wan_proxy(endpoint: str, *, latency_ms: float, rate_mbps: float, pids: set[i
             str(latency_ms),
             "--rate-mbps",
             str(rate_mbps),
+            *(["--count", count] if count else []),
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,

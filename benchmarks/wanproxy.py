@@ -14,6 +14,10 @@ connection to the upstream, shaping it as a far-away object store would:
   single TCP flow to a distant region; more parallel connections -- multipart
   uploads, ranged GETs -- go faster, which is the point of measuring them.
 
+With ``--count FILE`` it writes the bytes the endpoint has sent (responses,
+headers included) to FILE each time a connection closes: what a load fetched,
+counted where the object store would bill it.
+
 It runs as its own process so its work never competes with the benchmark
 for the GIL. Loopback only: it refuses to listen or forward anywhere else.
 """
@@ -23,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ipaddress
+import os
 import signal
 import sys
 import time
@@ -47,8 +52,23 @@ class Pacer:
             await asyncio.sleep(delay)
 
 
+class Counter:
+    """Bytes the endpoint sent, over all connections; written to ``path`` on request."""
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+        self.down = 0
+
+    def write(self) -> None:
+        if self.path:
+            with open(self.path + ".tmp", "w") as f:
+                f.write(str(self.down))
+            os.replace(self.path + ".tmp", self.path)
+
+
 class Connection:
-    def __init__(self, latency_s: float, rate_bps: float) -> None:
+    def __init__(self, latency_s: float, rate_bps: float, counter: Counter) -> None:
+        self.counter = counter
         self.latency_s = latency_s
         self.up = Pacer(rate_bps)
         self.down = Pacer(rate_bps)
@@ -63,6 +83,7 @@ class Connection:
                     await asyncio.sleep(self.latency_s)
                 elif not upstream:
                     self.server_spoke = True
+                    self.counter.down += len(data)
                 await pacer.wait(len(data))
                 writer.write(data)
                 await writer.drain()
@@ -76,17 +97,23 @@ class Connection:
                 writer.close()
 
 
-async def serve(upstream: tuple[str, int], port: int, latency_s: float, rate_bps: float) -> None:
+async def serve(
+    upstream: tuple[str, int], port: int, latency_s: float, rate_bps: float, count: str | None = None
+) -> None:
+    counter = Counter(count)
+    counter.write()
+
     async def handle(client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
         try:
             server_r, server_w = await asyncio.open_connection(*upstream)
         except OSError:
             client_w.close()
             return
-        conn = Connection(latency_s, rate_bps)
+        conn = Connection(latency_s, rate_bps, counter)
         await asyncio.gather(conn.pump(client_r, server_w, True), conn.pump(server_r, client_w, False))
         for w in (client_w, server_w):
             w.close()
+        counter.write()
 
     server = await asyncio.start_server(handle, "127.0.0.1", port, limit=CHUNK * 4)
     host, bound = server.sockets[0].getsockname()[:2]
@@ -111,9 +138,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=0, help="listen port (default: a free one)")
     p.add_argument("--latency-ms", type=float, default=20.0, help="added per request (default 20)")
     p.add_argument("--rate-mbps", type=float, default=25.0, help="MB/s per connection and direction; 0 = unlimited")
+    p.add_argument("--count", default=None, help="write the bytes the endpoint sent here as connections close")
     args = p.parse_args(argv)
     host, _, port = args.upstream.rpartition(":")
-    asyncio.run(serve((_loopback(host), int(port)), args.port, args.latency_ms / 1e3, args.rate_mbps * 1e6))
+    endpoint = (_loopback(host), int(port))
+    asyncio.run(serve(endpoint, args.port, args.latency_ms / 1e3, args.rate_mbps * 1e6, args.count))
     return 0
 
 
