@@ -105,8 +105,8 @@ def save(
             ``"native"`` (a thread; every backend), ``"nvrx"`` (NVRx's
             writer; local paths and MSC), ``"process"`` (a checkpoint
             process per rank; every backend but ``memory://``) or
-            ``"auto"``: the checkpoint process for an object store on a
-            host with CUDA or at least 8 cores, else native (an
+            ``"auto"``: the checkpoint process for an object store from
+            a process that uses CUDA or has at least 8 cores, else native (an
             :class:`~dcpstore.EngineFallbackWarning` says why when its
             preference cannot run); ``CheckpointInfo.engine_reason`` says
             what it chose and why.

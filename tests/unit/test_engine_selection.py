@@ -79,7 +79,7 @@ def _fake_storage(backend: str, uri: str) -> Any:
 
 def _host(monkeypatch: pytest.MonkeyPatch, cores: int, cuda: bool) -> None:
     monkeypatch.setattr(selection, "usable_cores", lambda: cores)
-    monkeypatch.setattr(selection.torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(selection, "cuda_in_use", lambda: cuda)
 
 
 @pytest.mark.parametrize("cores, cuda, engine", [(16, False, "process"), (2, True, "process"), (2, False, "native")])

@@ -51,8 +51,8 @@ every engine alike. ``native`` (:mod:`.native`: DCP's save with dcpstore's
 writer; any backend), ``nvrx`` (:mod:`.nvrx`, POSIX and MSC) and
 ``process`` (:mod:`.process`: the native save in a checkpoint process per
 rank, staged in shared memory; any backend). ``auto`` picks the process
-engine for an object store on a host with CUDA or enough cores, else
-native (:mod:`.selection` says why, and warns with
+engine for an object store from a process that uses CUDA or has enough
+cores, else native (:mod:`.selection` says why, and warns with
 :class:`~dcpstore._impl.util.errors.EngineFallbackWarning` when its
 preference cannot run).
 

@@ -9,7 +9,7 @@ that cannot run here (NVRx not installed) raises
 costing the training loop least (BENCHMARKS.md, "What a background save
 costs the training loop"), by :func:`auto_preference`, a pure function of
 the storage's kind (:func:`storage_kind`), this process's cores and
-whether CUDA is present:
+whether it uses CUDA:
 
 - an object store, with CUDA or at least :data:`PROCESS_MIN_CORES` cores:
   the checkpoint process (``"process"``). On threads, the object store's
@@ -100,12 +100,12 @@ def usable_cores() -> int:
 
 
 def auto_preference(kind: StorageKind, cores: int, cuda: bool) -> tuple[tuple[str, ...], str]:
-    """What ``engine="auto"`` prefers for a save to ``kind`` on a host with
-    ``cores`` usable cores, with CUDA present or not: the engines to try in
+    """What ``engine="auto"`` prefers for a save to ``kind`` from a process
+    with ``cores`` usable cores that uses CUDA (``cuda``) or not: the engines to try in
     order (the last, native, writes every backend) and the reason for the
     first, in words. Pure: the module docstring says what it follows."""
     if kind == "object store" and (cuda or cores >= PROCESS_MIN_CORES):
-        where = "CUDA present" if cuda else f"{cores} cores (>= {PROCESS_MIN_CORES})"
+        where = "CUDA in use" if cuda else f"{cores} cores (>= {PROCESS_MIN_CORES})"
         return ("process", "native"), (
             f"an object store with {where}: a checkpoint process keeps the storage client off the training GIL"
         )
@@ -117,9 +117,18 @@ def auto_preference(kind: StorageKind, cores: int, cuda: bool) -> tuple[tuple[st
     return ("native",), "local storage: threads cost the training loop least"
 
 
+def cuda_in_use() -> bool:
+    """Whether this process has initialised CUDA (a GPU training process
+    has by its first save). Asking the driver instead
+    (``torch.cuda.is_available()``) would initialise it in a process that
+    does not use it, which breaks CUDA in the children it forks later."""
+    return torch.cuda.is_initialized()
+
+
 def auto_engine(backend: str, uri: str) -> tuple[tuple[str, ...], str]:
-    """:func:`auto_preference` for a save through ``backend`` to ``uri`` on this host."""
-    return auto_preference(storage_kind(backend, uri), usable_cores(), torch.cuda.is_available())
+    """:func:`auto_preference` for a save through ``backend`` to ``uri`` in
+    this process, on this host."""
+    return auto_preference(storage_kind(backend, uri), usable_cores(), cuda_in_use())
 
 
 def select_engine(engine: str, storage: Storage) -> EngineChoice:
