@@ -122,7 +122,7 @@ def cuda_in_use() -> bool:
     has by its first save). Asking the driver instead
     (``torch.cuda.is_available()``) would initialise it in a process that
     does not use it, which breaks CUDA in the children it forks later."""
-    return torch.cuda.is_initialized()
+    return bool(torch.cuda.is_initialized())  # type: ignore[no-untyped-call]
 
 
 def auto_engine(backend: str, uri: str) -> tuple[tuple[str, ...], str]:
