@@ -129,7 +129,9 @@ class Row(abc.ABC):
 
 class DcpstoreRow(Row):
     """``dcpstore.save(state, uri, async_=True, **save_kwargs)`` (each save
-    to its own URI under ``root_uri``)."""
+    to its own URI under ``root_uri``). Without ``engine`` (or with
+    ``"auto"``) the row measures the default, and its ``executor`` becomes
+    that of the engine auto chose, at the first save."""
 
     def __init__(self, name: str, root_uri: str, target: str, *, executor: str = "threads", **save_kwargs: Any) -> None:
         self.name, self.root_uri, self.target, self.executor = name, root_uri, target, executor
@@ -149,7 +151,9 @@ class DcpstoreRow(Row):
     def start(self, state: dict[str, torch.Tensor], n: int) -> Pending:
         uri = join_uri(self.root_uri, f"save-{n}")
         self._uris.append(uri)
-        handle: Pending = save(state, uri, async_=True, **self.save_kwargs)
+        handle = save(state, uri, async_=True, **self.save_kwargs)
+        if self.save_kwargs.get("engine", "auto") == "auto":  # where the default runs is what the row measures
+            self.executor = "process" if handle.engine == "process" else "threads"
         return handle
 
     def cleanup(self) -> None:
@@ -458,6 +462,7 @@ def measure(
         try:
             row.setup(state)
             _wait(row.start(state, next(counter)), step, [], time.perf_counter())  # warm-up, not measured
+            res.executor = row.executor  # an engine="auto" row knows where it runs once it has saved
             live.append((row, res))
         except SKIP_ERRORS as e:
             res.status, res.reason = "skipped", _why(e)
