@@ -127,3 +127,14 @@ def test_async_save_reports_engine_and_reason(tmp_path: Path, caplog: pytest.Log
 def test_sync_save_reports_its_reason(tmp_path: Path) -> None:
     info = dcpstore.save({"w": torch.ones(2)}, str(tmp_path / "step1")).result()
     assert info.engine == "sync" and "synchronous" in info.engine_reason
+
+
+def test_manager_saves_choose_as_save_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """CheckpointManager's saves go through the same choice: with auto
+    told the root is an object store on 2 cores, threads, saying why."""
+    monkeypatch.setattr(selection, "storage_kind", lambda backend, uri: "object store")
+    _host(monkeypatch, 2, False)
+    with dcpstore.CheckpointManager(str(tmp_path / "run"), async_=True) as manager:
+        info = manager.save({"w": torch.ones(2)}, 1).result(timeout=60)
+    assert info.engine == "native"
+    assert info.engine_reason.startswith("engine='auto': an object store on 2 core(s) (< 8) without CUDA")
