@@ -57,6 +57,7 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 import dcpstore  # noqa: E402
 from dcpstore._impl.bench import make_state, parse_size  # noqa: E402
 from dcpstore._impl.bench.interference import (  # noqa: E402
+    DEFAULT_ROW,
     DcpstoreRow,
     Pending,
     Result,
@@ -71,9 +72,6 @@ from dcpstore._impl.bench.interference import (  # noqa: E402
 from dcpstore._impl.bench.report import git_commit, machine  # noqa: E402
 
 BUCKET = "dcpstore-interference"
-#: The row a user gets: ``dcpstore.save(async_=True)`` with every default
-#: (``engine="auto"``; its "runs on" column says what auto chose there).
-DEFAULT_ROW = "dcpstore default (engine='auto')"
 
 
 class DcpAsyncRow(Row):

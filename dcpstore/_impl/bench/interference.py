@@ -66,6 +66,9 @@ log = logging.getLogger(__name__)
 
 #: Steps that make a baseline (their median), before each save.
 BASELINE_STEPS = 30
+#: The row a user gets: ``dcpstore.save(async_=True)`` with every default
+#: (``engine="auto"``; its "runs on" column says what auto chose there).
+DEFAULT_ROW = "dcpstore default (engine='auto')"
 #: A save running longer than this fails its row (nothing hangs forever).
 SAVE_TIMEOUT_S = 900.0
 #: py-spy's sampling rate for the GIL pass (samples per second).
