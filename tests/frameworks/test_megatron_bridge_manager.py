@@ -104,9 +104,9 @@ def test_a_bridge_run_saves_through_dcpstore_and_resumes_exactly(
     assert second["resumed"] == 4  # on s3:// too, where Bridge's own check sees no checkpoint
     _equal(whole["final"], second["final"], "final")  # model, optimizer, scheduler, train state, RNG
     storage = open_target(target)
-    auto, _ = auto_engine(storage.backend, storage.uri)  # the ranks run on this host
+    auto = auto_engine(storage.backend, storage.uri)  # the ranks run on this host
     storage.close()
-    engine = auto[0] if async_save else "sync"  # engine="auto"
+    engine = auto.order[0] if async_save else "sync"  # engine="auto"
     assert {e for _, e, _ in whole["engines"]} == {engine}, whole["engines"]
 
     steps = dcpstore.CheckpointManager(root, layout="bridge", async_=False, options=target.save_options())

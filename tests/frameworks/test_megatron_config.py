@@ -402,7 +402,7 @@ def test_engine_and_backend_are_accepted_exactly_where_they_work(target: Target,
         info = dcpstore.save(
             {"w": torch.ones(2)}, f"{target.uri}/probe", async_=True, engine=engine, **target.kwargs
         ).result()
-        assert info.engine == (auto_engine(info.backend, info.uri)[0][0] if engine == "auto" else engine)
+        assert info.engine == (auto_engine(info.backend, info.uri).order[0] if engine == "auto" else engine)
         CheckpointConfig(**kwargs).manager().close()
         return
     with pytest.raises(dcpstore.InvalidArgument, match=r"^CheckpointConfig\.options\.engine: "):

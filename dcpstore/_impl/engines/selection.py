@@ -11,11 +11,12 @@ costs the training loop"), by :func:`auto_preference`, a pure function of
 the storage's kind (:func:`storage_kind`), this process's cores and
 whether it uses CUDA:
 
-- an object store, with CUDA or at least :data:`PROCESS_MIN_CORES` cores:
+- an object store, from a process that uses CUDA or may run on at least
+  :data:`PROCESS_MIN_CORES` cores:
   the checkpoint process (``"process"``). On threads, the object store's
   Python client (botocore, MSC, fsspec's event loop) holds the training
   process's GIL for most of a second per GB and stalls a training step
-  beside it; on 16 cores with CUDA the checkpoint process halved the lost
+  beside it; on 16 cores with CUDA the checkpoint process about halved the lost
   step time and took the worst step from 80x the baseline to 2x;
 - everything else (a local path, ``memory://``; an object store on fewer
   cores without CUDA): the native engine's threads. Locally they cost the
@@ -40,7 +41,7 @@ from __future__ import annotations
 import os
 import warnings
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -57,7 +58,7 @@ from dcpstore._impl.values.options import AUTO, ENGINE_CHOICES, ENGINES
 StorageKind = Literal["local", "object store"]
 
 #: Cores (this process's CPU affinity) from which ``engine="auto"`` runs an
-#: object-store save in a checkpoint process when CUDA is absent. Measured:
+#: object-store save in a checkpoint process when it does not use CUDA. Measured:
 #: 2 cores lose (the checkpoint process, about 3 CPU-s per GB of its own,
 #: shares the one core training does not use), 16 win; 8 is the smallest
 #: common host where training's thread, its intra-op threads and the
@@ -68,6 +69,14 @@ PROCESS_MIN_CORES = 8
 #: fsspec schemes that are not object stores: the host's own filesystem and
 #: this process's memory (no network client holds the GIL for them).
 _LOCAL_SCHEMES = frozenset({"file", "local", "memory"})
+
+
+class AutoPreference(NamedTuple):
+    """What ``engine="auto"`` prefers: the engines to try, in order (the
+    last, native, writes every backend), and why the first, in words."""
+
+    order: tuple[str, ...]
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -81,9 +90,9 @@ class EngineChoice:
 
 def storage_kind(backend: str, uri: str) -> StorageKind:
     """``"local"`` for the local backend and fsspec's local and memory
-    filesystems, else ``"object store"`` (native S3, MSC -- whose profiles
-    are object stores but for POSIX ones, which count as object stores
-    here -- and every other fsspec protocol)."""
+    filesystems, else ``"object store"``: native S3, every other fsspec
+    protocol, and MSC (a POSIX profile too: which provider a profile has
+    is not known before it is opened)."""
     if backend == "local":
         return "local"
     if backend == "fsspec" and uri.partition("://")[0] in _LOCAL_SCHEMES:
@@ -99,22 +108,23 @@ def usable_cores() -> int:
     return os.cpu_count() or 1  # pragma: no cover - macOS, Windows
 
 
-def auto_preference(kind: StorageKind, cores: int, cuda: bool) -> tuple[tuple[str, ...], str]:
+def auto_preference(kind: StorageKind, cores: int, cuda: bool) -> AutoPreference:
     """What ``engine="auto"`` prefers for a save to ``kind`` from a process
-    with ``cores`` usable cores that uses CUDA (``cuda``) or not: the engines to try in
-    order (the last, native, writes every backend) and the reason for the
-    first, in words. Pure: the module docstring says what it follows."""
+    that may run on ``cores`` cores and uses CUDA (``cuda``) or not. Pure:
+    the module docstring says what it follows."""
     if kind == "object store" and (cuda or cores >= PROCESS_MIN_CORES):
         where = "CUDA in use" if cuda else f"{cores} cores (>= {PROCESS_MIN_CORES})"
-        return ("process", "native"), (
-            f"an object store with {where}: a checkpoint process keeps the storage client off the training GIL"
+        return AutoPreference(
+            ("process", "native"),
+            f"an object store with {where}: a checkpoint process keeps the storage client off the training GIL",
         )
     if kind == "object store":
-        return ("native",), (
+        return AutoPreference(
+            ("native",),
             f"an object store on {cores} core(s) (< {PROCESS_MIN_CORES}) without CUDA: "
-            "a checkpoint process would compete with training for the cores"
+            "a checkpoint process would compete with training for the cores",
         )
-    return ("native",), "local storage: threads cost the training loop least"
+    return AutoPreference(("native",), "local storage: threads cost the training loop least")
 
 
 def cuda_in_use() -> bool:
@@ -125,7 +135,7 @@ def cuda_in_use() -> bool:
     return bool(torch.cuda.is_initialized())  # type: ignore[no-untyped-call]
 
 
-def auto_engine(backend: str, uri: str) -> tuple[tuple[str, ...], str]:
+def auto_engine(backend: str, uri: str) -> AutoPreference:
     """:func:`auto_preference` for a save through ``backend`` to ``uri`` in
     this process, on this host."""
     return auto_preference(storage_kind(backend, uri), usable_cores(), cuda_in_use())
