@@ -16,8 +16,9 @@ whether it uses CUDA:
   the checkpoint process (``"process"``). On threads, the object store's
   Python client (botocore, MSC, fsspec's event loop) holds the training
   process's GIL for most of a second per GB and stalls a training step
-  beside it; on 16 cores with CUDA the checkpoint process about halved the lost
-  step time and took the worst step from 80x the baseline to 2x;
+  beside it; on 16 cores with CUDA the checkpoint process about halved the
+  lost step time and made the worst step a small multiple of the baseline
+  instead of a stall;
 - everything else (a local path, ``memory://``; an object store on fewer
   cores without CUDA): the native engine's threads. Locally they cost the
   least on both measured machines (NVRx's threads and the checkpoint
@@ -59,7 +60,7 @@ StorageKind = Literal["local", "object store"]
 
 #: Cores (this process's CPU affinity) from which ``engine="auto"`` runs an
 #: object-store save in a checkpoint process when it does not use CUDA. Measured:
-#: 2 cores lose (the checkpoint process, about 3 CPU-s per GB of its own,
+#: 2 cores lose (the checkpoint process, seconds of CPU per GB of its own,
 #: shares the one core training does not use), 16 win; 8 is the smallest
 #: common host where training's thread, its intra-op threads and the
 #: checkpoint process each keep a core, and the ``dcpstore default`` rows of
