@@ -13,7 +13,9 @@ Rows (each saves the same state to its own directory or key prefix):
 
 * ``dcpstore native`` and ``dcpstore NVRx`` -- ``dcpstore.save(async_=True)``
   on each engine (background threads of the training process), and
-  ``dcpstore process`` (``engine="process"``: a checkpoint process per rank);
+  ``dcpstore process`` (``engine="process"``: a checkpoint process per rank),
+  and ``dcpstore default (engine='auto')``: what a user gets, on whichever
+  engine auto chooses on this machine (its "runs on" column);
 * ``dcp.async_save`` with the thread and the process executor
   (``AsyncCheckpointerType``), with ``FileSystemWriter`` and with
   ``dcpstore.StorageWriter``;
@@ -55,6 +57,7 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 import dcpstore  # noqa: E402
 from dcpstore._impl.bench import make_state, parse_size  # noqa: E402
 from dcpstore._impl.bench.interference import (  # noqa: E402
+    DEFAULT_ROW,
     DcpstoreRow,
     Pending,
     Result,
@@ -127,6 +130,7 @@ def rows(local: str, s3: str | None) -> list[Row]:
         DcpstoreRow("dcpstore native", f"{local}/native", "local", engine="native"),
         DcpstoreRow("dcpstore NVRx", f"{local}/nvrx", "local", engine="nvrx"),
         DcpstoreRow("dcpstore process", f"{local}/process", "local", executor="process", engine="process"),
+        DcpstoreRow(DEFAULT_ROW, f"{local}/default", "local"),
         DcpAsyncRow(
             "dcp.async_save thread + FileSystemWriter", f"{local}/dcp-thread-fs", "local", "thread", _fs_writer
         ),
@@ -153,6 +157,7 @@ def rows(local: str, s3: str | None) -> list[Row]:
             DcpstoreRow("dcpstore native", f"{s3}/native", "s3", engine="native"),
             DcpstoreRow("dcpstore NVRx (through MSC)", f"{s3}/nvrx", "s3", engine="nvrx", enable_msc=True),
             DcpstoreRow("dcpstore process", f"{s3}/process", "s3", executor="process", engine="process"),
+            DcpstoreRow(DEFAULT_ROW, f"{s3}/default", "s3"),
             DcpAsyncRow(
                 "dcp.async_save thread + dcpstore.StorageWriter",
                 f"{s3}/dcp-thread-ds",

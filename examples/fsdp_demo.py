@@ -120,9 +120,8 @@ def configs(args: argparse.Namespace) -> dict[str, CheckpointConfig]:
     roots = {"local": os.path.join(args.root, "ckpt")}
     if args.s3_uri:
         roots["s3"] = args.s3_uri
-    # NVRx writes POSIX paths and MSC URLs only, so native S3 uses dcpstore's
-    # own async engine; naming it avoids engine="auto"'s fallback warning.
-    engines = {"local": "auto", "s3": "native"}
+    # engine="auto" (the default) picks per backend: threads for the local
+    # path, a checkpoint process for S3 on a GPU node (docs/engines.md).
     return {
         name: CheckpointConfig(
             save=root,
@@ -132,7 +131,6 @@ def configs(args: argparse.Namespace) -> dict[str, CheckpointConfig]:
             ckpt_format="fsdp_dtensor",
             most_recent_k=2,
             dist_ckpt_workers=2,
-            options=dcpstore.SaveOptions(engine=engines[name]),
         )
         for name, root in roots.items()
     }

@@ -45,6 +45,8 @@ BENCH_BUDGET=${GPU_CHECK_BENCH_BUDGET:-180}
 BENCH_TIMEOUT=$((BENCH_BUDGET + 50))
 # The interference benchmark starts no row and no repeat past its budget;
 # killed at its timeout (a checkpoint process per executor takes ~20 s to start).
+# Its rows include "dcpstore default (engine='auto')" per target beside every
+# explicit engine, so each GPU run checks what engine="auto" chooses there.
 INTERFERENCE_BUDGET=${GPU_CHECK_INTERFERENCE_BUDGET:-100}
 INTERFERENCE_TIMEOUT=$((INTERFERENCE_BUDGET + 80))
 
@@ -126,7 +128,7 @@ bench_rc=${PIPESTATUS[0]}
 
 echo "== benchmarks/interference.py (budget ${INTERFERENCE_BUDGET}s)"
 if [ "$dry_run" = 1 ]; then
-  intf_args=(--device cpu --size 8MiB --tensors 8 --repeat 1 --targets local --only 'dcpstore native|process \+ dcpstore')
+  intf_args=(--device cpu --size 8MiB --tensors 8 --repeat 1 --targets local --only 'dcpstore (native|default)|process \+ dcpstore')
 else
   intf_args=(--device cuda --size 1GiB --tensors 64 --repeat 2)
 fi

@@ -105,8 +105,11 @@ def save(
             ``"native"`` (a thread; every backend), ``"nvrx"`` (NVRx's
             writer; local paths and MSC), ``"process"`` (a checkpoint
             process per rank; every backend but ``memory://``) or
-            ``"auto"`` (NVRx where it can, else native with an
-            :class:`~dcpstore.EngineFallbackWarning` saying why).
+            ``"auto"``: the checkpoint process for an object store from
+            a process that uses CUDA or has at least 8 cores, else native (an
+            :class:`~dcpstore.EngineFallbackWarning` says why when its
+            preference cannot run); ``CheckpointInfo.engine_reason`` says
+            what it chose and why.
         process_group: the ranks that save together (default: all).
         planner: a DCP ``SavePlanner`` (default: DCP's own).
         storage_options: where the bytes go: the client and its tuning
@@ -183,7 +186,15 @@ def save_with(
         bar.close()
         storage.close()
     elapsed = time.perf_counter() - t0
-    info = CheckpointInfo.from_stats(storage, stats, "sync", stage_s=0.0, blocked_s=elapsed, total_s=elapsed)
+    info = CheckpointInfo.from_stats(
+        storage,
+        stats,
+        "sync",
+        engine_reason="a synchronous save: written on the caller's thread",
+        stage_s=0.0,
+        blocked_s=elapsed,
+        total_s=elapsed,
+    )
     log.info("%s%s", rank_label(options.process_group), info.describe())
     return SaveHandle.completed(info)
 

@@ -224,7 +224,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def _bench_interference(args: argparse.Namespace, bench: Any, report: Any) -> int:
     """``dcpstore bench URI --interference``: one async save per engine beside a training step."""
-    engines = {} if args.engine == "auto" else {"engines": (args.engine,)}  # auto: every engine
+    engines = {} if args.engine == "auto" else {"engines": (args.engine,)}  # auto: every engine, and the default
     text, results = bench.interference(
         args.uri,
         size=parse_size(args.size),
@@ -342,7 +342,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--interference",
         action="store_true",
-        help="instead: what one async save per engine (native, nvrx, process; --engine picks one) costs a "
+        help="instead: what one async save per engine (native, nvrx, process, and auto: the default, on the "
+        "engine it chooses; --engine picks one) costs a "
         "training step of fixed work running beside it: lost step-seconds, peak step inflation, "
         "CPU and (with py-spy installed) GIL seconds per GB of the save's threads",
     )

@@ -32,6 +32,9 @@ from dcpstore._impl.bench.interference import (
 )
 from dcpstore._impl.bench.report import git_commit
 from dcpstore._impl.bench.runner import Skip
+from dcpstore._impl.engines import saver as saver_module
+from dcpstore._impl.engines import selection
+from dcpstore._impl.engines.saver import AsyncSaver
 
 ROOT = Path(__file__).resolve().parents[2]
 BURN_S = 0.3
@@ -156,6 +159,27 @@ def test_dcpstore_rows_save_and_clean_up(tmp_path: Path) -> None:
     assert skipped.status == "skipped" and "nvrx" in skipped.reason.lower(), skipped  # not a failure
     assert result.bytes == 4 * 64 * 1024 * 4
     assert not any((tmp_path / "native").glob("save-*"))
+
+
+@pytest.mark.parametrize("cores, runs_on", [(2, "threads"), (16, "process")])
+def test_default_row_reports_where_auto_ran_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cores: int, runs_on: str
+) -> None:
+    """A row at engine="auto" is labelled by the engine auto chose, not by a
+    guess made before the save (here auto is told the path is an object
+    store, on 2 cores and on 16)."""
+    monkeypatch.setattr(selection, "storage_kind", lambda backend, uri: "object store")
+    monkeypatch.setattr(selection, "usable_cores", lambda: cores)
+    own = AsyncSaver()  # this test's checkpoint process stops with it
+    monkeypatch.setattr(saver_module, "_default_saver", own)
+    state = {f"t{i}": torch.randn(16 * 1024) for i in range(2)}
+    row = DcpstoreRow("dcpstore default", str(tmp_path / "default"), "local")
+    try:
+        (result,) = measure([row], state, StepWork(ops=20, size=16), repeat=1, gil=False)
+    finally:
+        own.close()
+    assert result.status == "ok", result.reason
+    assert result.executor == runs_on
 
 
 def test_cli_bench_interference(tmp_path: Path) -> None:

@@ -191,7 +191,11 @@ def test_dry_run_end_to_end(tmp_path: Path) -> None:
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["dry_run"] and summary["ok"] and summary["tests"]["tests"] >= 13
     rows = {r["name"]: r for r in summary["interference"]["rows"]}
-    assert {"dcpstore native", "dcp.async_save process + dcpstore.StorageWriter"} <= set(rows), rows
+    assert {
+        "dcpstore native",
+        "dcpstore default (engine='auto')",
+        "dcp.async_save process + dcpstore.StorageWriter",
+    } <= set(rows), rows
     assert all(r["status"] == "ok" for r in rows.values()), rows  # both executors, through the script
     assert summary["env"]["dcpstore_path"] == str(ROOT / "dcpstore")  # this checkout, not an installed copy
     assert "DRY RUN" in done.stdout and "GPU check" in done.stdout and "interference:" in done.stdout

@@ -37,8 +37,10 @@ import torch.distributed.checkpoint as dcp
 import dcpstore
 import dcpstore.tools
 from dcpstore._impl.cli import main as cli_main
+from dcpstore._impl.engines.selection import auto_engine
 from dcpstore._impl.storage import join_uri
-from tests.support import extras, killcount
+from tests.support import killcount
+from tests.support.async_helpers import open_target
 from tests.support.backends import make_target
 from tests.support.bridge_kit import local_copy, run_ranks_codes
 from tests.support.bridge_run import MANAGER, PROCESS_MANAGER, bridge_config, read_report, train
@@ -101,8 +103,10 @@ def test_a_bridge_run_saves_through_dcpstore_and_resumes_exactly(
     second = _run(bridge_config(save=root, load=root, **settings), 8, tmp_path / "second", world)
     assert second["resumed"] == 4  # on s3:// too, where Bridge's own check sees no checkpoint
     _equal(whole["final"], second["final"], "final")  # model, optimizer, scheduler, train state, RNG
-    nvrx = backend in extras.NVRX_TARGETS and extras.missing(extras.NVRX) is None
-    engine = ("nvrx" if nvrx else "native") if async_save else "sync"  # engine="auto"
+    storage = open_target(target)
+    auto = auto_engine(storage.backend, storage.uri)  # the ranks run on this host
+    storage.close()
+    engine = auto.order[0] if async_save else "sync"  # engine="auto"
     assert {e for _, e, _ in whole["engines"]} == {engine}, whole["engines"]
 
     steps = dcpstore.CheckpointManager(root, layout="bridge", async_=False, options=target.save_options())

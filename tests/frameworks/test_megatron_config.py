@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 import dcpstore
 from dcpstore._impl.dcp.writer import DcpStorageWriter
 from dcpstore._impl.engines import nvrx as nvrx_adapter
+from dcpstore._impl.engines.selection import auto_engine
 from dcpstore.adapters import fsdp
 from dcpstore.adapters.megatron import (
     BRIDGE_FIELDS,
@@ -389,10 +390,9 @@ def test_ckpt_step_is_resumed_on_every_rank(tmp_path: Path) -> None:
 NVRX_TARGETS = {"local", "local+msc", "msc", "s3+msc"}
 
 
-@pytest.mark.filterwarnings("ignore::dcpstore.EngineFallbackWarning")
 @pytest.mark.parametrize("engine", ["auto", "native", "nvrx"])
 def test_engine_and_backend_are_accepted_exactly_where_they_work(target: Target, engine: str) -> None:
-    """engine x backend: auto and native everywhere, NVRx on POSIX and MSC
+    """engine x backend: auto (what it prefers there) and native everywhere, NVRx on POSIX and MSC
     only. Accepted: an async save really works; refused: the config names
     ``engine`` and the writer and the manager refuse it too."""
     if engine == "nvrx" and not HAS_NVRX:
@@ -402,9 +402,7 @@ def test_engine_and_backend_are_accepted_exactly_where_they_work(target: Target,
         info = dcpstore.save(
             {"w": torch.ones(2)}, f"{target.uri}/probe", async_=True, engine=engine, **target.kwargs
         ).result()
-        assert info.engine == (
-            "nvrx" if engine == "nvrx" or (engine == "auto" and target.name in NVRX_TARGETS) else "native"
-        )
+        assert info.engine == (auto_engine(info.backend, info.uri).order[0] if engine == "auto" else engine)
         CheckpointConfig(**kwargs).manager().close()
         return
     with pytest.raises(dcpstore.InvalidArgument, match=r"^CheckpointConfig\.options\.engine: "):

@@ -24,6 +24,7 @@ import torch.distributed.checkpoint as dcp
 
 import dcpstore
 from dcpstore._impl.engines import nvrx as nvrx_adapter
+from dcpstore._impl.engines import selection
 from dcpstore._impl.engines.staging import Stager, StagingPool
 from tests.support.async_helpers import ENGINES, GatedPlanner, assert_same
 
@@ -181,6 +182,19 @@ def test_conjugate_and_negative_cuda_views_stage_as_their_values() -> None:
 
 
 # -- async saves of CUDA state ------------------------------------------------
+
+
+def test_auto_sees_cuda_in_use(tmp_path: Any) -> None:
+    """A process holding CUDA state saves object stores from a checkpoint
+    process under engine="auto" (whatever its core count), local paths on
+    threads; the save says so."""
+    state = cuda_state()
+    assert selection.cuda_in_use()
+    order, reason = selection.auto_engine("s3", "s3://bucket/step1")
+    assert order[0] == "process" and "CUDA in use" in reason
+    with dcpstore.AsyncSaver() as saver:
+        info = saver.save(state, str(tmp_path / "ckpt")).result(timeout=120)
+    assert info.engine == "native" and info.engine_reason.startswith("engine='auto': local storage")
 
 
 @pytest.mark.parametrize("engine", ENGINES)

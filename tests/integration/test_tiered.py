@@ -55,7 +55,7 @@ from tests.support.tiered_kit import (  # noqa: F401
     "engine_kwargs, ran_by",
     [
         ({"async_": False}, {"sync"}),
-        ({"async_": True}, {"native", "nvrx"}),  # engine="auto": NVRx where it can write the local tier
+        ({"async_": True}, {"native"}),  # engine="auto": threads for the local tier
         pytest.param({"async_": True, "engine": "process"}, {"process"}, marks=pytest.mark.slow),
     ],
     ids=["sync", "async", "async-process"],

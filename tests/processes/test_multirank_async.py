@@ -201,8 +201,9 @@ def _one_rank_fails(rank: int, world: int, mesh: object, saver: dcpstore.AsyncSa
 
 
 def _ranks_disagree_on_engine(rank: int, world: int, mesh: object, saver: dcpstore.AsyncSaver, uri: str) -> None:
-    # As if the last node lacked NVRx under engine="auto" (one rank of
-    # ``world`` disagrees): refused on every rank, no hang.
+    # As if engine="auto" chose otherwise on the last rank (its CPU
+    # affinity or CUDA differs; one rank of ``world`` disagrees): refused
+    # on every rank, no hang.
     state = _state(rank, world, mesh, step=4)
     handle = saver.save(state, uri, options=dcpstore.SaveOptions(engine="native" if rank == world - 1 else "nvrx"))
     with pytest.raises(SaveError, match="different async engines"):

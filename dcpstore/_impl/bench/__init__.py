@@ -39,7 +39,7 @@ from typing import Any
 from tqdm import tqdm
 
 from dcpstore._impl.bench.entries import DcpstoreEntry, TieredEntry
-from dcpstore._impl.bench.interference import DcpstoreRow, StepWork, describe, measure
+from dcpstore._impl.bench.interference import DEFAULT_ROW, DcpstoreRow, StepWork, describe, measure
 from dcpstore._impl.bench.limits import RawFiles, s3_sweep
 from dcpstore._impl.bench.measure import make_state, parse_int_list, zeros_like_state
 from dcpstore._impl.bench.runner import (
@@ -56,7 +56,7 @@ from dcpstore._impl.bench.runner import (
 )
 from dcpstore._impl.storage import join_uri, parse_uri
 from dcpstore._impl.util.units import human_bytes, parse_size
-from dcpstore._impl.values.options import ENGINES
+from dcpstore._impl.values.options import AUTO, ENGINES
 
 __all__ = [
     "RECORD_KEYS",
@@ -198,13 +198,14 @@ def interference(
     size: int,
     tensors: int,
     repeat: int = 3,
-    engines: Sequence[str] = tuple(ENGINES),
+    engines: Sequence[str] = (*ENGINES, AUTO),
     enable_msc: bool = False,
     step_ops: int = 200,
     progress: bool = True,
 ) -> tuple[str, list[Any]]:
     """Lost step-seconds and GIL time of one async save per engine at ``uri``
-    (see :mod:`.interference`): a description of the setup and the
+    (see :mod:`.interference`), ``"auto"`` among them (the default, on
+    whichever engine it chooses here): a description of the setup and the
     :class:`~.interference.Result` per engine (an engine that cannot write
     ``uri`` is a ``skipped`` result saying why)."""
     url = parse_uri(uri)
@@ -214,7 +215,7 @@ def interference(
     run_id = f"dcpstore-bench-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     rows = [
         DcpstoreRow(
-            f"dcpstore {engine}",
+            DEFAULT_ROW if engine == AUTO else f"dcpstore {engine}",
             join_uri(uri, run_id, engine),
             url.scheme,
             engine=engine,

@@ -66,6 +66,9 @@ log = logging.getLogger(__name__)
 
 #: Steps that make a baseline (their median), before each save.
 BASELINE_STEPS = 30
+#: The row a user gets: ``dcpstore.save(async_=True)`` with every default
+#: (``engine="auto"``; its "runs on" column says what auto chose there).
+DEFAULT_ROW = "dcpstore default (engine='auto')"
 #: A save running longer than this fails its row (nothing hangs forever).
 SAVE_TIMEOUT_S = 900.0
 #: py-spy's sampling rate for the GIL pass (samples per second).
@@ -129,7 +132,9 @@ class Row(abc.ABC):
 
 class DcpstoreRow(Row):
     """``dcpstore.save(state, uri, async_=True, **save_kwargs)`` (each save
-    to its own URI under ``root_uri``)."""
+    to its own URI under ``root_uri``). Without ``engine`` (or with
+    ``"auto"``) the row measures the default, and its ``executor`` becomes
+    that of the engine auto chose, at the first save."""
 
     def __init__(self, name: str, root_uri: str, target: str, *, executor: str = "threads", **save_kwargs: Any) -> None:
         self.name, self.root_uri, self.target, self.executor = name, root_uri, target, executor
@@ -149,7 +154,9 @@ class DcpstoreRow(Row):
     def start(self, state: dict[str, torch.Tensor], n: int) -> Pending:
         uri = join_uri(self.root_uri, f"save-{n}")
         self._uris.append(uri)
-        handle: Pending = save(state, uri, async_=True, **self.save_kwargs)
+        handle = save(state, uri, async_=True, **self.save_kwargs)
+        if self.save_kwargs.get("engine", "auto") == "auto":  # where the default runs is what the row measures
+            self.executor = "process" if handle.engine == "process" else "threads"
         return handle
 
     def cleanup(self) -> None:
@@ -458,6 +465,7 @@ def measure(
         try:
             row.setup(state)
             _wait(row.start(state, next(counter)), step, [], time.perf_counter())  # warm-up, not measured
+            res.executor = row.executor  # an engine="auto" row knows where it runs once it has saved
             live.append((row, res))
         except SKIP_ERRORS as e:
             res.status, res.reason = "skipped", _why(e)

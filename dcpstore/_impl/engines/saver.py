@@ -50,9 +50,11 @@ is the engine's (:meth:`~dcpstore._impl.engines.engine.Engine.save`), the rest
 every engine alike. ``native`` (:mod:`.native`: DCP's save with dcpstore's
 writer; any backend), ``nvrx`` (:mod:`.nvrx`, POSIX and MSC) and
 ``process`` (:mod:`.process`: the native save in a checkpoint process per
-rank, staged in shared memory; any backend). ``auto`` picks NVRx where it
-is installed and can write the URI, else native with one
-:class:`~dcpstore._impl.util.errors.EngineFallbackWarning` naming why.
+rank, staged in shared memory; any backend). ``auto`` picks the process
+engine for an object store from a process that uses CUDA or has enough
+cores, else native (:mod:`.selection` says why, and warns with
+:class:`~dcpstore._impl.util.errors.EngineFallbackWarning` when its
+preference cannot run).
 
 State kept by a saver, all bounded: the background thread, the staging-buffer
 pool (``staging_cache`` structures x ``max_in_flight`` buffer sets), one
@@ -245,14 +247,14 @@ class AsyncSaver:
         storage = open_storage(uri, storage_options=options.storage_options)
         workers = check_workers(options.workers, storage.default_workers())
         try:  # until the background job owns the storage, close it on any failure
-            name = select_engine(options.engine, storage)
+            choice = select_engine(options.engine, storage)
             with self._lock:
                 if self._closed:
                     raise InvalidArgument("this AsyncSaver is closed")
                 self._wait_for_slot(limit)
                 self._raise_unobserved(f"this save to {storage.uri} was not started")
                 self.leftovers.retry_in_background()
-                engine = self._engine(name)
+                engine = self._engine(choice.name)
                 group = self._groups.get(options.process_group)
                 t_stage = time.perf_counter()
                 staged = self._staging.stage(state_dict, alias_cpu=not options.async_, shared=engine.shared_staging)
@@ -260,11 +262,13 @@ class AsyncSaver:
                 blocked_s = time.perf_counter() - t0
                 bar = Progress(f"save {storage.uri}", enabled=shows_progress(options.progress, options.process_group))
                 job = SaveJob(staged, storage, group, workers, options, bar, dict(commit_files or {}))
-                future = self._background.submit(functools.partial(self._run, engine, job, t0, stage_s, blocked_s))
+                future = self._background.submit(
+                    functools.partial(self._run, engine, job, choice.reason, t0, stage_s, blocked_s)
+                )
                 handle = SaveHandle(
                     future,
                     storage.uri,
-                    engine=name,
+                    engine=choice.name,
                     bounded_wait=functools.partial(self._wait_bounded, future),
                     hang_timeout=self.hang_timeout,
                 )
@@ -441,8 +445,11 @@ class AsyncSaver:
         for engine in engines:
             engine.close()
 
-    def _run(self, engine: Engine, job: SaveJob, t0: float, stage_s: float, blocked_s: float) -> CheckpointInfo:
-        """The background half of one save (runs on the saver's thread)."""
+    def _run(
+        self, engine: Engine, job: SaveJob, reason: str, t0: float, stage_s: float, blocked_s: float
+    ) -> CheckpointInfo:
+        """The background half of one save (runs on the saver's thread);
+        ``reason``: why ``engine`` runs it."""
         storage = job.storage
         try:
             agree_on_engine(engine.name, job.group)
@@ -456,7 +463,13 @@ class AsyncSaver:
             job.staged.release()
             storage.close()
         info = CheckpointInfo.from_stats(
-            storage, stats, engine.name, stage_s=stage_s, blocked_s=blocked_s, total_s=time.perf_counter() - t0
+            storage,
+            stats,
+            engine.name,
+            engine_reason=reason,
+            stage_s=stage_s,
+            blocked_s=blocked_s,
+            total_s=time.perf_counter() - t0,
         )
         log.info("%s%s", rank_label(job.options.process_group), info.describe())
         return info

@@ -99,4 +99,5 @@ class StateDictMismatch(LoadError):
 
 
 class EngineFallbackWarning(UserWarning):
-    """``engine="auto"`` chose the native async engine; the message says why."""
+    """``engine="auto"`` could not run the engine it prefers and chose the
+    native one; the message says why."""

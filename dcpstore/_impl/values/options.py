@@ -70,10 +70,9 @@ ENGINES: Mapping[str, EngineSpec] = {
         ),
     )
 }
-#: ``engine="auto"``: the first of these that can write the storage; the
-#: last one writes every backend (and is chosen with a warning saying why).
+#: ``engine="auto"``: the engine measured to cost training least for the
+#: storage and the host (:mod:`dcpstore._impl.engines.selection`).
 AUTO = "auto"
-AUTO_ORDER = ("nvrx", "native")
 #: Every value ``engine=`` takes.
 ENGINE_CHOICES = (AUTO, *ENGINES)
 

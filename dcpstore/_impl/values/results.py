@@ -46,6 +46,10 @@ class CheckpointInfo:
         backend: the storage backend (``"local"``, ``"s3"``, ``"msc"``, ...).
         engine: ``"sync"``, or the engine that ran it (``"native"``,
             ``"nvrx"``, ``"process"``).
+        engine_reason: why that engine ran, in words: ``engine='X' was
+            passed``, or what ``engine="auto"`` weighed (the storage's kind,
+            the cores, CUDA; docs/engines.md) and any fallback; for a sync
+            save, that it ran on the caller's thread.
         bytes_written, files: what *this rank* wrote.
         phases: seconds per phase: ``plan`` (DCP planning), ``stage`` (the
             consistent snapshot; 0 for sync saves), ``write`` (data files
@@ -62,10 +66,19 @@ class CheckpointInfo:
     phases: dict[str, float] = field(default_factory=dict)
     blocked_s: float = 0.0
     total_s: float = 0.0
+    engine_reason: str = ""
 
     @classmethod
     def from_stats(
-        cls, storage: Storage, stats: SaveStats, engine: str, *, stage_s: float, blocked_s: float, total_s: float
+        cls,
+        storage: Storage,
+        stats: SaveStats,
+        engine: str,
+        *,
+        engine_reason: str,
+        stage_s: float,
+        blocked_s: float,
+        total_s: float,
     ) -> CheckpointInfo:
         """The info of a save that wrote ``stats`` to ``storage`` (the engines
         call this; the other arguments are the attributes of the same names)."""
@@ -73,6 +86,7 @@ class CheckpointInfo:
             uri=storage.uri,
             backend=storage.backend,
             engine=engine,
+            engine_reason=engine_reason,
             bytes_written=stats.bytes_written,
             files=tuple(stats.files),
             phases={"plan": stats.plan_s, "stage": stage_s, "write": stats.write_s, "commit": stats.commit_s},
@@ -86,12 +100,13 @@ class CheckpointInfo:
         return self.bytes_written / self.phases["write"] / 1e9 if self.phases.get("write") else 0.0
 
     def describe(self) -> str:
-        """One line: URI, bytes, rate, phases (the INFO line of a save)."""
+        """One line: URI, bytes, rate, phases, backend, engine and why (the
+        INFO line of a save)."""
         phases = ", ".join(f"{name} {seconds:.3g} s" for name, seconds in self.phases.items())
         return (
             f"saved {self.uri}: {human_bytes(self.bytes_written)} in {len(self.files)} file(s), {self.write_gbps:.3g} GB/s "
             f"write, {self.total_s:.3g} s in all ({phases}; the caller blocked {self.blocked_s:.3g} s) "
-            f"[{self.backend}, {self.engine}]"
+            f"[{self.backend}, {self.engine}: {self.engine_reason}]"
         )
 
 
