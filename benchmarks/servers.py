@@ -91,10 +91,17 @@ def moto_server(pids: set[int] | None = None) -> Iterator[str]:
 
 @contextlib.contextmanager
 def wan_proxy(
-    endpoint: str, *, latency_ms: float, rate_mbps: float, pids: set[int] | None = None, count: str | None = None
+    endpoint: str,
+    *,
+    latency_ms: float,
+    rate_mbps: float,
+    pids: set[int] | None = None,
+    count: str | None = None,
+    total_mbps: float = 0.0,
 ) -> Iterator[str]:
     """The shaping proxy (benchmarks/wanproxy.py) in front of ``endpoint``;
-    ``count``: a file it keeps the bytes the endpoint sent in."""
+    ``count``: a file it keeps the bytes the endpoint sent in;
+    ``total_mbps``: what the endpoint sends in all (0: no limit)."""
     upstream = endpoint.split("://", 1)[-1].rstrip("/")
     proc = subprocess.Popen(
         [
@@ -107,6 +114,7 @@ def wan_proxy(
             "--rate-mbps",
             str(rate_mbps),
             *(["--count", count] if count else []),
+            *(["--total-mbps", str(total_mbps)] if total_mbps else []),
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,

@@ -13,6 +13,9 @@ connection to the upstream, shaping it as a far-away object store would:
   in each direction (a token bucket), so one stream cannot go faster than a
   single TCP flow to a distant region; more parallel connections -- multipart
   uploads, ranged GETs -- go faster, which is the point of measuring them.
+  ``--total-mbps`` also paces what the endpoint sends over all connections
+  together (0, the default: no limit): the endpoint's own throughput, shared
+  by every client, which is what many ranks reading one checkpoint meet.
 
 With ``--count FILE`` it writes the bytes the endpoint has sent (responses,
 headers included) to FILE each time a connection closes: what a load fetched,
@@ -67,8 +70,9 @@ class Counter:
 
 
 class Connection:
-    def __init__(self, latency_s: float, rate_bps: float, counter: Counter) -> None:
+    def __init__(self, latency_s: float, rate_bps: float, counter: Counter, total: Pacer) -> None:
         self.counter = counter
+        self.total = total
         self.latency_s = latency_s
         self.up = Pacer(rate_bps)
         self.down = Pacer(rate_bps)
@@ -84,6 +88,7 @@ class Connection:
                 elif not upstream:
                     self.server_spoke = True
                     self.counter.down += len(data)
+                    await self.total.wait(len(data))
                 await pacer.wait(len(data))
                 writer.write(data)
                 await writer.drain()
@@ -98,9 +103,15 @@ class Connection:
 
 
 async def serve(
-    upstream: tuple[str, int], port: int, latency_s: float, rate_bps: float, count: str | None = None
+    upstream: tuple[str, int],
+    port: int,
+    latency_s: float,
+    rate_bps: float,
+    count: str | None = None,
+    total_bps: float = 0.0,
 ) -> None:
     counter = Counter(count)
+    total = Pacer(total_bps)
     counter.write()
 
     async def handle(client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
@@ -109,7 +120,7 @@ async def serve(
         except OSError:
             client_w.close()
             return
-        conn = Connection(latency_s, rate_bps, counter)
+        conn = Connection(latency_s, rate_bps, counter, total)
         await asyncio.gather(conn.pump(client_r, server_w, True), conn.pump(server_r, client_w, False))
         for w in (client_w, server_w):
             w.close()
@@ -138,11 +149,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=0, help="listen port (default: a free one)")
     p.add_argument("--latency-ms", type=float, default=20.0, help="added per request (default 20)")
     p.add_argument("--rate-mbps", type=float, default=25.0, help="MB/s per connection and direction; 0 = unlimited")
+    p.add_argument("--total-mbps", type=float, default=0.0, help="MB/s the endpoint sends in all; 0 = unlimited")
     p.add_argument("--count", default=None, help="write the bytes the endpoint sent here as connections close")
     args = p.parse_args(argv)
     host, _, port = args.upstream.rpartition(":")
     endpoint = (_loopback(host), int(port))
-    asyncio.run(serve(endpoint, args.port, args.latency_ms / 1e3, args.rate_mbps * 1e6, args.count))
+    rates = (args.rate_mbps * 1e6, args.count, args.total_mbps * 1e6)
+    asyncio.run(serve(endpoint, args.port, args.latency_ms / 1e3, *rates))
     return 0
 
 

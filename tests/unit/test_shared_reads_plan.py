@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
-from dcpstore._impl.dcp.shared_reads import Piece, SharedReads, plan_shared_reads
+from dcpstore._impl.dcp.shared_reads import Piece, SharedReads, neighbours, plan_shared_reads
 from dcpstore._impl.util.torch_compat import StorageInfo
 
 
@@ -95,3 +95,10 @@ def test_every_needed_item_reaches_every_rank_that_needs_it_exactly_once(
         assert max(got.values(), default=0) <= max(round_bytes, largest)
     owners = Counter(p for s in shares for r in s.rounds for p in r.reads)
     assert owners == Counter(set(shared))  # each shared item read from storage by exactly one rank
+
+
+def test_neighbouring_pieces_of_one_file_are_read_together_up_to_the_limit() -> None:
+    a, b, c = Piece("f", 0, 10), Piece("f", 10, 10), Piece("f", 20, 10)
+    far, other = Piece("f", 100, 5), Piece("g", 30, 10)
+    assert neighbours([c, far, a, other, b], 100) == [[a, b, c], [far], [other]]
+    assert neighbours([a, b, c], 20) == [[a, b], [c]]

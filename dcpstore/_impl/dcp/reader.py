@@ -56,8 +56,16 @@ from torch.futures import Future
 from dcpstore._impl.dcp.commit.reading import commit_replaced, read_checkpoint_metadata
 from dcpstore._impl.dcp.item_checks import SMALL_TENSOR_COPY, ItemChecks
 from dcpstore._impl.dcp.load_progress import NO_CHANGES, Changes, LoadProgress
-from dcpstore._impl.dcp.read_plan import Direct, DirectRun, Request, Span, plan_reads, scatter_groups
-from dcpstore._impl.dcp.shared_reads import Piece, SharedReads, exchange, piece_of, plan_shared_reads
+from dcpstore._impl.dcp.read_plan import (
+    COALESCE_LIMIT,
+    Direct,
+    DirectRun,
+    Request,
+    Span,
+    plan_reads,
+    scatter_groups,
+)
+from dcpstore._impl.dcp.shared_reads import Piece, SharedReads, exchange, neighbours, piece_of, plan_shared_reads
 from dcpstore._impl.dcp.state_checks import load_mismatches
 from dcpstore._impl.dcp.writer import rebind, serves
 from dcpstore._impl.format.bitcopy import copy_values
@@ -281,8 +289,15 @@ class DcpStorageReader(StorageReader):
                 self._progress.fail(e)
 
         def read_pieces(pieces: Sequence[Piece]) -> dict[Piece, memoryview]:
-            blobs = run_parallel(self._read_piece, pieces, self.workers, "dcpstore-read-shared")
-            return dict(zip(pieces, blobs))
+            groups = neighbours(pieces, COALESCE_LIMIT)
+            blobs: dict[Piece, memoryview] = {}
+            for group, blob in zip(
+                groups, run_parallel(self._read_pieces, groups, self.workers, "dcpstore-read-shared")
+            ):
+                for piece in group:
+                    start = piece.offset - group[0].offset
+                    blobs[piece] = blob[start : start + piece.length]
+            return blobs
 
         def use(piece: Piece, blob: memoryview) -> None:
             self._progress.check()
@@ -300,10 +315,11 @@ class DcpStorageReader(StorageReader):
         if own:
             raise own[0]
 
-    def _read_piece(self, piece: Piece) -> memoryview:
-        """One stored item, read whole for the ranks that need it."""
+    def _read_pieces(self, group: Sequence[Piece]) -> memoryview:
+        """Neighbouring stored items of one file, read whole with one ranged
+        read for the ranks that need them."""
         self._progress.check()
-        blob = self._read_checked(piece.path, piece.offset, piece.length)
+        blob = self._read_checked(group[0].path, group[0].offset, sum(p.length for p in group))
         with self._counted:
             self.bytes_read += len(blob)
         return memoryview(blob)

@@ -128,6 +128,24 @@ def plan_shared_reads(
     ]
 
 
+def neighbours(pieces: Sequence[Piece], limit: int) -> list[list[Piece]]:
+    """``pieces`` in file order, grouped where each starts at the end of the
+    one before in the same file, up to ``limit`` bytes a group (one ranged
+    read each)."""
+    groups: list[list[Piece]] = []
+    size = 0
+    for piece in sorted(pieces):
+        last = groups[-1][-1] if groups else None
+        if last is not None and last.path == piece.path and last.offset + last.length == piece.offset:
+            if size + piece.length <= limit:
+                groups[-1].append(piece)
+                size += piece.length
+                continue
+        groups.append([piece])
+        size = piece.length
+    return groups
+
+
 def _owners(groups: Mapping[tuple[int, ...], list[Piece]], world_size: int) -> dict[Piece, int]:
     """Each group's items, in file order, split into one contiguous run of
     about equal bytes per member; the largest runs go to the members that
