@@ -172,6 +172,7 @@ SOURCES: dict[str, tuple[Source, ...]] = {
     "scale": (Source("scale_sim.json", SCALE),),
     "tiered": (Source("tiered.json", TIERED),),
     "tiered-nodes": (Source("tiered_nodes.json", TIERED),),
+    "shared-reads": (Source("shared_reads.json", TIERED),),
     "wan-scale": (Source("wan_scale.json", OBJECT_STORE),),
 }
 
@@ -198,6 +199,9 @@ COMMANDS = {
     "--json benchmarks/results/wan_scale.json --quiet",
     "tiered_nodes.json": "python benchmarks/tiered_nodes.py --size-mib 64,256 --saves 6 --label LABEL "
     "--json benchmarks/results/tiered_nodes.json",
+    "shared_reads.json": "python benchmarks/shared_reads.py --a before=CHECKOUT_BEFORE --b after=. --size-mib 64 "
+    "--ranks 2,4 --rounds 3 --latency-ms 5 --rate-mbps 50 --total-mbps 100 --label LABEL "
+    "--json benchmarks/results/shared_reads.json",
 }
 
 BLOCK = re.compile(
@@ -412,6 +416,25 @@ def tiered_nodes_block(doc: Doc) -> str:
     return targets.markdown_table(head, body)
 
 
+def shared_reads_block(doc: Doc) -> str:
+    """Bytes fetched over bytes stored, and restore time, before and after."""
+    a, b = doc["meta"]["sides"]
+    head = ["state", "ranks", f"{a}: fetched / stored", f"{b}: fetched / stored", f"{a} s", f"{b} s", f"{b} / {a}"]
+    body = [
+        [
+            r["state"],
+            str(r["ranks"]),
+            f"{r[a]['fetched_x']:.2f}x",
+            f"{r[b]['fetched_x']:.2f}x",
+            f"{r[a]['restore_s']:.2f}",
+            f"{r[b]['restore_s']:.2f}",
+            f"{r['restore_b_over_a']:.2f}x",
+        ]
+        for r in doc["rows"]
+    ]
+    return targets.markdown_table(head, body)
+
+
 def gpu_check_block(doc: Doc) -> str:
     """``scripts/gpu-check.sh``'s summary: the machine, the cuda tests, the
     staging and blocked-time rows and their goals."""
@@ -544,6 +567,9 @@ def blocks(docs: dict[str, Doc]) -> dict[str, str]:
     )
     out["tiered-nodes"] = (
         tiered_nodes_block(docs["tiered_nodes.json"]) if "tiered_nodes.json" in docs else pending("tiered_nodes.json")
+    )
+    out["shared-reads"] = (
+        shared_reads_block(docs["shared_reads.json"]) if "shared_reads.json" in docs else pending("shared_reads.json")
     )
     return out
 
