@@ -146,6 +146,27 @@ def test_a_damaged_shared_item_fails_the_load_on_every_rank_with_its_own_error(t
     run_ranks(_load_damaged, WORLD, uri, "plain")
 
 
+def _load_failing_early(rank: int, world_size: int, uri: str, kind: str) -> None:
+    if rank == 3:  # fails before its part of the exchange begins (a file's size, on its node)
+
+        def fail(self: DcpStorageReader, every_file: object) -> None:
+            raise dcpstore.CheckpointCorrupt("injected: rank 3 found a data file truncated")
+
+        DcpStorageReader._check_sizes = fail  # type: ignore[method-assign,assignment]
+    state = _zeroed(STATES[kind](world_size))
+    with pytest.raises(dcpstore.CheckpointCorrupt, match="injected: rank 3"):
+        dcpstore.load(state, uri)
+
+
+def test_a_rank_failing_before_the_exchange_fails_the_load_on_every_rank_promptly(tmp_path: Path) -> None:
+    """The failing rank still takes part in the exchange's first round, to
+    tell the others: they would otherwise wait there for it, while it waits
+    for them in DCP's own collective."""
+    uri = str(tmp_path / "ck")
+    run_ranks(_save, WORLD, uri, "plain")
+    run_ranks(_load_failing_early, WORLD, uri, "plain", timeout=90)
+
+
 def _load_and_die(rank: int, world_size: int, port: int, env: dict, uri: str, out: str) -> None:
     os.environ.clear()
     os.environ.update(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -240,21 +240,17 @@ class DcpStorageReader(StorageReader):
             every_file = {path: list(reqs) for path, reqs in per_file.items()}
             for piece, reqs in shared.items():
                 every_file.setdefault(piece.path, []).extend(reqs)
-            self._check_sizes(every_file)
-            tensors = self._manifest["tensors"] if self._manifest is not None else {}
-            raw = {
-                item_key(path, info.offset): loc
-                for path, reqs in per_file.items()
-                for req, info in reqs
-                if (loc := self._checks.raw_location(path, info, req.storage_index, tensors)) is not None
-            }
-            jobs = plan_reads(per_file, raw, self._metadata, self.workers, self._manifest_where())
-            self._batch = sum(job.length for job in jobs)  # object stores share their budget out over it
-            self.bar.start(sum(info.length for reqs in every_file.values() for _, info in reqs))
             if share is None:
+                jobs = self._plan_own_reads(per_file, every_file)
                 run_parallel(lambda job: self._read_job(job, planner, lock), jobs, self.workers, "dcpstore-read")
             else:
-                self._read_shared(share, shared, jobs, planner, lock)
+                try:
+                    jobs, early = self._plan_own_reads(per_file, every_file), None
+                except BaseException as e:
+                    # Told to the other ranks in the exchange's first round:
+                    # raised here, they would wait for this rank there.
+                    jobs, early = [], e
+                self._read_shared(share, shared, jobs, planner, lock, early)
         except BaseException as e:
             error = self._progress.annotate(e, self.storage.uri)  # what this rank's state now holds
             if isinstance(error, RETRIED) and self.replaced():
@@ -268,6 +264,25 @@ class DcpStorageReader(StorageReader):
         future.set_result(None)
         return future
 
+    def _plan_own_reads(
+        self, per_file: dict[str, list[Request]], every_file: dict[str, list[Request]]
+    ) -> list[Span | DirectRun]:
+        """Check the sizes of every file this rank's items lie in, and plan
+        the reads of those it reads for itself alone (``per_file``)."""
+        assert self._metadata is not None and self._checks is not None
+        self._check_sizes(every_file)
+        tensors = self._manifest["tensors"] if self._manifest is not None else {}
+        raw = {
+            item_key(path, info.offset): loc
+            for path, reqs in per_file.items()
+            for req, info in reqs
+            if (loc := self._checks.raw_location(path, info, req.storage_index, tensors)) is not None
+        }
+        jobs = plan_reads(per_file, raw, self._metadata, self.workers, self._manifest_where())
+        self._batch = sum(job.length for job in jobs)  # object stores share their budget out over it
+        self.bar.start(sum(info.length for reqs in every_file.values() for _, info in reqs))
+        return jobs
+
     def _read_shared(
         self,
         share: SharedReads,
@@ -275,11 +290,13 @@ class DcpStorageReader(StorageReader):
         jobs: list[Span | DirectRun],
         planner: LoadPlanner,
         lock: threading.Lock,
+        early: BaseException | None,
     ) -> None:
         """This rank's own reads on worker threads, beside its part of the
         exchange of the items several ranks need (on this thread, in step
-        with every other rank)."""
-        own: list[BaseException] = []
+        with every other rank). ``early``: how this rank's load failed
+        before (it still takes part, to tell the others)."""
+        own: list[BaseException] = [] if early is None else [early]
 
         def read_own() -> None:
             try:
@@ -306,7 +323,7 @@ class DcpStorageReader(StorageReader):
         worker = threading.Thread(target=read_own, name="dcpstore-read-own", daemon=True)
         worker.start()
         try:
-            exchange(share, self.storage.uri, read_pieces, use, lambda: self._progress.error)
+            exchange(share, self.storage.uri, read_pieces, use, lambda: early or self._progress.error)
         except BaseException as e:
             self._progress.fail(e)  # this rank's own reads start no new item
             raise
