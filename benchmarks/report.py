@@ -418,8 +418,17 @@ def tiered_nodes_block(doc: Doc) -> str:
 
 def shared_reads_block(doc: Doc) -> str:
     """Bytes fetched over bytes stored, and restore time, before and after."""
-    a, b = doc["meta"]["sides"]
-    head = ["state", "ranks", f"{a}: fetched / stored", f"{b}: fetched / stored", f"{a} s", f"{b} s", f"{b} / {a}"]
+    sides = doc["meta"]["sides"]
+    a, b = sides
+    head = [
+        "state",
+        "ranks",
+        f"{a} (`{sides[a]}`): fetched / stored",
+        f"{b} (`{sides[b]}`): fetched / stored",
+        f"{a} s",
+        f"{b} s",
+        f"{b} / {a}",
+    ]
     body = [
         [
             r["state"],
