@@ -78,20 +78,23 @@ def test_every_needed_item_reaches_every_rank_that_needs_it_exactly_once(
     for rank, s in enumerate(shares):
         assert s.pieces() == {p for p, ranks in shared.items() if rank in ranks}
     for k in range(rounds.pop()):
-        sent = Counter()
-        got = Counter()
+        got: Counter[int] = Counter()
         for rank, s in enumerate(shares):
             r = s.rounds[k]
-            for dst, ps in r.sends:
-                assert dst != rank and all(p in r.reads for p in ps)  # an owner sends what it read
-                assert ps in [q for src, q in shares[dst].rounds[k].receives if src == rank]  # the receiver expects it
-                sent[rank] += sum(p.length for p in ps)
-                for p in ps:
+            for p, dsts in r.sends:
+                assert p in r.reads and rank not in dsts  # an owner sends what it read, to others
+                for dst in dsts:
+                    assert (p, rank) in shares[dst].rounds[k].receives  # the receiver expects it from the owner
                     got[dst] += p.length
+            # Both ends of each pair list its pieces in the same (piece) order.
+            assert [p for p, _ in r.sends] == sorted(p for p, _ in r.sends)
+            assert [p for p, _ in r.receives] == sorted(p for p, _ in r.receives)
             for p in r.reads:
                 assert rank in shared[p]  # the owner needs the item itself
-        largest = max(p.length * len(ranks) for p, ranks in shared.items())
-        assert max(sent.values(), default=0) <= max(round_bytes, largest)
+        # What a rank holds at once for the others: what it read for them, and what it received.
+        largest = max(p.length for p in shared)
+        held = [sum(p.length for p in s.rounds[k].reads) for s in shares]
+        assert max(held) <= max(round_bytes, largest)
         assert max(got.values(), default=0) <= max(round_bytes, largest)
     owners = Counter(p for s in shares for r in s.rounds for p in r.reads)
     assert owners == Counter(set(shared))  # each shared item read from storage by exactly one rank

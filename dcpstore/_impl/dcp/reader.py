@@ -37,6 +37,7 @@ A failed load says which keys it changed (:mod:`.load_progress`).
 
 from __future__ import annotations
 
+import functools
 import io
 import logging
 import os
@@ -305,12 +306,12 @@ class DcpStorageReader(StorageReader):
                 own.append(e)
                 self._progress.fail(e)
 
-        def read_pieces(pieces: Sequence[Piece]) -> dict[Piece, memoryview]:
+        def read_pieces(pieces: Sequence[Piece]) -> dict[Piece, torch.Tensor]:
             groups = neighbours(pieces, COALESCE_LIMIT)
-            blobs: dict[Piece, memoryview] = {}
-            for group, blob in zip(
-                groups, run_parallel(self._read_pieces, groups, self.workers, "dcpstore-read-shared")
-            ):
+            batch = sum(p.length for p in pieces)  # read at about the same time: shares the connection budget
+            blobs: dict[Piece, torch.Tensor] = {}
+            read = functools.partial(self._read_pieces, batch=batch)
+            for group, blob in zip(groups, run_parallel(read, groups, self.workers, "dcpstore-read-shared")):
                 for piece in group:
                     start = piece.offset - group[0].offset
                     blobs[piece] = blob[start : start + piece.length]
@@ -332,14 +333,27 @@ class DcpStorageReader(StorageReader):
         if own:
             raise own[0]
 
-    def _read_pieces(self, group: Sequence[Piece]) -> memoryview:
+    def _read_pieces(self, group: Sequence[Piece], batch: int) -> torch.Tensor:
         """Neighbouring stored items of one file, read whole with one ranged
-        read for the ranks that need them."""
+        read for the ranks that need them, into a buffer the exchange sends
+        as it is."""
         self._progress.check()
-        blob = self._read_checked(group[0].path, group[0].offset, sum(p.length for p in group))
+        first = group[0]
+        length = sum(p.length for p in group)
+        blob = torch.empty(length, dtype=torch.uint8)
+        array: Any = blob.numpy()
+        try:
+            n = self.storage.read_into(first.path, first.offset, [memoryview(array).cast("B")], batch_hint=batch)
+        except StorageNotFound as e:
+            raise CheckpointCorrupt(f"{self.storage.describe(first.path)}: data file is missing") from e
+        if n != length:
+            raise CheckpointCorrupt(
+                f"{self.storage.describe(first.path)}: short read at offset {first.offset} "
+                f"({n} of {length} bytes; truncated?)"
+            )
         with self._counted:
-            self.bytes_read += len(blob)
-        return memoryview(blob)
+            self.bytes_read += length
+        return blob
 
     def _check_sizes(self, per_file: dict[str, list[Request]]) -> None:
         """Each file's real size against the manifest, and against the items

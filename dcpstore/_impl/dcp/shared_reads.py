@@ -12,16 +12,17 @@ moment the whole job waits. Instead:
   same items has them split into contiguous runs, one per member (whole
   files' neighbouring items stay together, so an owner's reads coalesce),
   the least-loaded member first. The items are then packed into rounds in
-  which no rank sends or receives more than :data:`ROUND_BYTES` (an item
-  larger than that travels alone), which bounds the memory the exchange
-  holds. Each rank's part of the schedule (:class:`SharedReads`) travels in
+  which no rank reads for others, or receives, more than :data:`ROUND_BYTES`
+  (an item larger than that travels alone), which bounds the memory the
+  exchange holds. Each rank's part of the schedule (:class:`SharedReads`) travels in
   its ``LoadPlan.storage_data``; nothing is shared when no item is needed
   twice, and then no collective runs at all.
 * **Exchange** (:func:`exchange`, on every rank, inside ``read_data``):
   per round, each owner reads its items from storage, every rank says
-  whether it has failed (one small all-gather), and the bytes go to the
-  ranks that need them in one ``all_to_all`` on a gloo group of the loader's
-  own (CPU tensors, whatever the job's default backend). Every rank then
+  whether it has failed (one small all-gather), and the owner sends its own
+  read buffer to each rank that needs it (point to point, no copy per
+  receiver) on a gloo group of the loader's own (CPU tensors, whatever the
+  job's default backend). Every rank then
   handles the bytes as if it had read them: CRC32C against the manifest,
   records checked, objects unpickled through the allowlist, exactly as the
   reader's own reads are.
@@ -56,7 +57,8 @@ from dcpstore._impl.util.groups import BackgroundGroups
 from dcpstore._impl.util.torch_compat import StorageInfo
 
 MiB = 1 << 20
-#: The most bytes one rank sends, or receives, in one round of the exchange.
+#: The most bytes one rank reads for others, or receives, in one round of
+#: the exchange (what it holds at once beyond its own state).
 ROUND_BYTES = 256 * MiB
 
 
@@ -71,13 +73,15 @@ class Piece:
 
 @dataclass(frozen=True)
 class Round:
-    """One rank's part of one round: the items it reads from storage (for
-    itself and others), and which items it sends to and receives from
-    which rank (in rank order; each list in piece order)."""
+    """One rank's part of one round, each list in piece order: the items it
+    reads from storage (for itself and others), each of those it sends with
+    the ranks it goes to, and each it receives with the rank it comes from.
+    (Both ends of a pair list its pieces in the same order: the order in
+    which they travel.)"""
 
     reads: tuple[Piece, ...] = ()
-    sends: tuple[tuple[int, tuple[Piece, ...]], ...] = ()
-    receives: tuple[tuple[int, tuple[Piece, ...]], ...] = ()
+    sends: tuple[tuple[Piece, tuple[int, ...]], ...] = ()
+    receives: tuple[tuple[Piece, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -94,8 +98,7 @@ class SharedReads:
         mine: set[Piece] = set()
         for r in self.rounds:
             mine.update(r.reads)
-            for _, pieces in r.receives:
-                mine.update(pieces)
+            mine.update(piece for piece, _ in r.receives)
         return mine
 
 
@@ -120,7 +123,7 @@ def plan_shared_reads(
     if not groups:
         return list(plans)
     owner = _owners(groups, len(plans))
-    receivers = {piece: sorted(needers[piece] - {rank}) for piece, rank in owner.items()}
+    receivers = {piece: tuple(sorted(needers[piece] - {rank})) for piece, rank in owner.items()}
     rounds = _pack_rounds(sorted(owner), owner, receivers, len(plans), round_bytes)
     return [
         dataclasses.replace(plan, storage_data=SharedReads(len(plans), tuple(r[rank] for r in rounds)))
@@ -169,48 +172,36 @@ def _owners(groups: Mapping[tuple[int, ...], list[Piece]], world_size: int) -> d
 def _pack_rounds(
     pieces: Sequence[Piece],
     owner: Mapping[Piece, int],
-    receivers: Mapping[Piece, Sequence[int]],
+    receivers: Mapping[Piece, tuple[int, ...]],
     world_size: int,
     round_bytes: int,
 ) -> list[list[Round]]:
-    """The pieces, in order, cut into rounds (each rank's :class:`Round`)."""
+    """The pieces, in order, cut into rounds (each rank's :class:`Round`).
+    Linear in the pieces' receivers: it runs on the coordinator for the
+    whole job (at 16,384 ranks, a state every rank holds has as many)."""
     cut: list[list[Piece]] = []
-    sent = [0] * world_size
-    got = [0] * world_size
+    held = [0] * world_size  # what each rank reads for others, or receives, this round
     for piece in pieces:
         src, dsts = owner[piece], receivers[piece]
-        over = sent[src] + piece.length * len(dsts) > round_bytes or any(
-            got[d] + piece.length > round_bytes for d in dsts
-        )
-        if not cut or over:
+        if not cut or max(held[src], *(held[d] for d in dsts)) + piece.length > round_bytes:
             cut.append([])
-            sent = [0] * world_size
-            got = [0] * world_size
+            held = [0] * world_size
         cut[-1].append(piece)
-        sent[src] += piece.length * len(dsts)
+        held[src] += piece.length
         for d in dsts:
-            got[d] += piece.length
+            held[d] += piece.length
     rounds = []
     for members in cut:
-        reads: dict[int, list[Piece]] = defaultdict(list)
-        sends: dict[int, dict[int, list[Piece]]] = defaultdict(lambda: defaultdict(list))
-        receives: dict[int, dict[int, list[Piece]]] = defaultdict(lambda: defaultdict(list))
+        reads: list[list[Piece]] = [[] for _ in range(world_size)]
+        sends: list[list[tuple[Piece, tuple[int, ...]]]] = [[] for _ in range(world_size)]
+        receives: list[list[tuple[Piece, int]]] = [[] for _ in range(world_size)]
         for piece in members:
-            src = owner[piece]
+            src, dsts = owner[piece], receivers[piece]
             reads[src].append(piece)
-            for d in receivers[piece]:
-                sends[src][d].append(piece)
-                receives[d][src].append(piece)
-        rounds.append(
-            [
-                Round(
-                    tuple(reads[rank]),
-                    tuple((d, tuple(p)) for d, p in sorted(sends[rank].items())),
-                    tuple((s, tuple(p)) for s, p in sorted(receives[rank].items())),
-                )
-                for rank in range(world_size)
-            ]
-        )
+            sends[src].append((piece, dsts))
+            for d in dsts:
+                receives[d].append((piece, src))
+        rounds.append([Round(tuple(reads[r]), tuple(sends[r]), tuple(receives[r])) for r in range(world_size)])
     return rounds
 
 
@@ -221,15 +212,16 @@ _GROUPS = BackgroundGroups(timeout=None, desc="dcpstore_load")
 def exchange(
     share: SharedReads,
     uri: str,
-    read: Callable[[Sequence[Piece]], Mapping[Piece, memoryview]],
+    read: Callable[[Sequence[Piece]], Mapping[Piece, torch.Tensor]],
     use: Callable[[Piece, memoryview], None],
     failed: Callable[[], BaseException | None],
 ) -> None:
     """Run this rank's part of the exchange (every rank calls it, in step):
-    per round, ``read`` the pieces this rank owns (-> their bytes), tell
-    every rank whether ``failed()`` (this rank's load has failed elsewhere),
-    swap the bytes, and ``use`` each piece this rank needs. Raises this
-    rank's own error, or :class:`PeerFailed` when another rank failed."""
+    per round, ``read`` the pieces this rank owns (-> their bytes, as
+    contiguous uint8 tensors), tell every rank whether ``failed()`` (this
+    rank's load has failed elsewhere), send and receive the bytes, and
+    ``use`` each piece this rank needs. Raises this rank's own error, or
+    :class:`PeerFailed` when another rank failed."""
     if not is_distributed() or dist.get_world_size() != share.world_size:
         raise LoadError(
             f"load from {uri}: the plan shares reads among {share.world_size} ranks, "
@@ -241,19 +233,19 @@ def exchange(
     used_error: BaseException | None = None
     for r in share.rounds:
         error = used_error or failed()
-        blobs: Mapping[Piece, memoryview] = {}
+        blobs: Mapping[Piece, torch.Tensor] = {}
         if error is None and r.reads:
             try:
                 blobs = read(r.reads)
             except BaseException as e:
                 error = e
         _stop_if_any_failed(error, group, share.world_size, uri)
-        received = _swap(r, blobs, group, share.world_size, uri)
+        received = _transfer(r, blobs, group, uri)
         try:
             for piece in r.reads:
-                use(piece, blobs[piece])
-            for piece, view in received:
-                use(piece, view)
+                use(piece, _bytes_of(blobs[piece]))
+            for piece, tensor in received:
+                use(piece, _bytes_of(tensor))
         except BaseException as e:
             used_error = e
     if used_error is not None:
@@ -274,35 +266,27 @@ def _stop_if_any_failed(error: BaseException | None, group: Any, world_size: int
         )
 
 
-def _swap(
-    r: Round, blobs: Mapping[Piece, memoryview], group: Any, world_size: int, uri: str
-) -> list[tuple[Piece, memoryview]]:
-    """One all_to_all: each piece to the ranks that need it."""
-    send_sizes = [0] * world_size
-    for dst, pieces in r.sends:
-        send_sizes[dst] = sum(p.length for p in pieces)
-    recv_sizes = [0] * world_size
-    for src, pieces in r.receives:
-        recv_sizes[src] = sum(p.length for p in pieces)
-    outgoing = torch.empty(sum(send_sizes), dtype=torch.uint8)
-    out_view = _bytes_of(outgoing)
-    pos = 0
-    for _, pieces in r.sends:
-        for p in pieces:
-            out_view[pos : pos + p.length] = blobs[p]
-            pos += p.length
-    incoming = torch.empty(sum(recv_sizes), dtype=torch.uint8)
-    _collective(
-        lambda: dist.all_to_all_single(incoming, outgoing, recv_sizes, send_sizes, group=group),
-        uri,
-    )
-    in_view = _bytes_of(incoming)
+def _transfer(r: Round, blobs: Mapping[Piece, torch.Tensor], group: Any, uri: str) -> list[tuple[Piece, torch.Tensor]]:
+    """Each piece from its owner to the ranks that need it, point to point:
+    the owner sends its own read buffer to each (no copy per receiver), and
+    a pair's messages arrive in the order sent (both sides list them in
+    piece order)."""
+    works = []
     received = []
-    pos = 0
-    for _, pieces in r.receives:
-        for p in pieces:
-            received.append((p, in_view[pos : pos + p.length]))
-            pos += p.length
+
+    def post() -> None:
+        for p, dsts in r.sends:
+            for dst in dsts:
+                works.append(dist.isend(blobs[p], dst, group=group))
+        for p, src in r.receives:
+            buf = torch.empty(p.length, dtype=torch.uint8)
+            works.append(dist.irecv(buf, src, group=group))
+            received.append((p, buf))
+        for work in works:
+            if work is not None:  # None only for a rank outside the group: never here
+                work.wait()
+
+    _collective(post, uri)
     return received
 
 
@@ -316,7 +300,7 @@ def _collective(call: Callable[[], object], uri: str) -> None:
         call()
     except RuntimeError as e:  # gloo: a peer closed the connection (torch.distributed.DistError is one too)
         raise PeerFailed(
-            f"load from {uri} stopped: the exchange of shared reads with the other ranks failed (a rank was lost?): {e}"
+            f"load from {uri} stopped: the exchange of shared reads with the other ranks failed (was a rank lost?): {e}"
         ) from e
 
 
