@@ -37,10 +37,12 @@ A failed load says which keys it changed (:mod:`.load_progress`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import io
 import logging
 import os
+import socket
 import threading
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -212,7 +214,8 @@ class DcpStorageReader(StorageReader):
                 f"cannot load {self.storage.uri} into this state_dict; nothing was loaded: "
                 + "; ".join(self._mismatches)
             )
-        return plan
+        # This rank's host, for the coordinator's plan of shared reads (no collective of its own).
+        return dataclasses.replace(plan, storage_data=socket.gethostname())
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         """Items several ranks need are read by one of them and handed to the
@@ -220,7 +223,9 @@ class DcpStorageReader(StorageReader):
         default group (the plans' order is then the global ranks')."""
         if len(plans) < 2 or not is_distributed() or len(plans) != dist.get_world_size():
             return plans
-        return plan_shared_reads(plans, self._storage_data)
+        hosts = [p.storage_data for p in plans]
+        known = all(isinstance(h, str) for h in hosts)  # a planner of the caller's may drop them: one host
+        return plan_shared_reads(plans, self._storage_data, hosts if known else None)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         share = plan.storage_data if isinstance(plan.storage_data, SharedReads) else None

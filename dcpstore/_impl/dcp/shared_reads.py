@@ -7,11 +7,15 @@ rank: at thousands of data-parallel replicas, thousands of times, at the
 moment the whole job waits. Instead:
 
 * **Plan** (:func:`plan_shared_reads`, on the coordinator, inside DCP's
-  global planning step): every item needed by more than one rank gets one
-  owner among the ranks that need it; each group of ranks that needs the
-  same items has them split into contiguous runs, one per member (whole
-  files' neighbouring items stay together, so an owner's reads coalesce),
-  the least-loaded member first. The items are then packed into rounds in
+  global planning step, from every rank's host, which each rank's local
+  plan carries): the ranks that need an item are cut into teams of at most
+  :data:`TEAM_SIZE`, a host's ranks together (:func:`teams`), and each team
+  reads it once: one owner among its members; each team has its items split
+  into contiguous runs, one per member (a file's neighbouring items stay
+  together, so an owner's reads coalesce), the least-loaded member first.
+  On one node (or up to :data:`TEAM_SIZE` ranks) an item is read once per
+  job; on many, once per node, and the bytes cross no more links than they
+  would from storage. The items are then packed into rounds in
   which no rank reads for others, or receives, more than :data:`ROUND_BYTES`
   (an item larger than that travels alone), which bounds the memory the
   exchange holds. Each rank's part of the schedule (:class:`SharedReads`) travels in
@@ -42,7 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,28 +111,63 @@ def piece_of(info: StorageInfo) -> Piece:
 
 
 def plan_shared_reads(
-    plans: Sequence[LoadPlan], storage_data: Mapping[MetadataIndex, StorageInfo], round_bytes: int = ROUND_BYTES
+    plans: Sequence[LoadPlan],
+    storage_data: Mapping[MetadataIndex, StorageInfo],
+    hosts: Sequence[str] | None = None,
+    round_bytes: int = ROUND_BYTES,
 ) -> list[LoadPlan]:
     """``plans`` (one per rank, in rank order) with each rank's
     :class:`SharedReads` in ``storage_data``; unchanged where no stored item
-    is needed by two ranks (see the module docstring)."""
+    is needed by two ranks (see the module docstring). ``hosts``: each
+    rank's host (None: one host), which :func:`teams` keeps together."""
     needers: dict[Piece, set[int]] = defaultdict(set)
     for rank, plan in enumerate(plans):
         for item in plan.items:
             needers[piece_of(storage_data[item.storage_index])].add(rank)
+    on = hosts if hosts is not None else [""] * len(plans)
     groups: dict[tuple[int, ...], list[Piece]] = defaultdict(list)
     for piece, ranks in needers.items():
         if len(ranks) > 1:
-            groups[tuple(sorted(ranks))].append(piece)
+            for team in teams(ranks, on):
+                groups[team].append(piece)
     if not groups:
         return list(plans)
-    owner = _owners(groups, len(plans))
-    receivers = {piece: tuple(sorted(needers[piece] - {rank})) for piece, rank in owner.items()}
-    rounds = _pack_rounds(sorted(owner), owner, receivers, len(plans), round_bytes)
+    transfers = _owners(groups, len(plans))
+    rounds = _pack_rounds(transfers, len(plans), round_bytes)
     return [
         dataclasses.replace(plan, storage_data=SharedReads(len(plans), tuple(r[rank] for r in rounds)))
         for rank, plan in enumerate(plans)
     ]
+
+
+#: The most ranks one read from storage serves: its owner sends to at most
+#: this many less one. A node's GPUs: a state every rank of a large job holds
+#: is read once per node (or per group of nodes with fewer ranks), and no
+#: owner's link carries its bytes to thousands of ranks one by one.
+TEAM_SIZE = 8
+
+
+def teams(ranks: Iterable[int], hosts: Sequence[str], size: int = TEAM_SIZE) -> list[tuple[int, ...]]:
+    """The ranks that need one item, cut into teams of at most ``size`` that
+    each read it once: each host's ranks together (a host with more split
+    into teams of ``size``), hosts with fewer pooled in host order. Teams of
+    one are left out: such a rank reads the item itself."""
+    by_host: dict[str, list[int]] = defaultdict(list)
+    for rank in sorted(ranks):
+        by_host[hosts[rank]].append(rank)
+    out: list[list[int]] = []
+    pool: list[int] = []
+    for host in sorted(by_host, key=lambda h: by_host[h][0]):
+        members = by_host[host]
+        while len(members) >= size:
+            out.append(members[:size])
+            members = members[size:]
+        if len(pool) + len(members) > size:
+            out.append(pool)
+            pool = []
+        pool += members
+    out.append(pool)
+    return [tuple(team) for team in out if len(team) > 1]
 
 
 def neighbours(pieces: Sequence[Piece], limit: int) -> list[list[Piece]]:
@@ -149,12 +188,16 @@ def neighbours(pieces: Sequence[Piece], limit: int) -> list[list[Piece]]:
     return groups
 
 
-def _owners(groups: Mapping[tuple[int, ...], list[Piece]], world_size: int) -> dict[Piece, int]:
-    """Each group's items, in file order, split into one contiguous run of
+#: One piece from its owner to the other ranks of its team.
+Transfer = tuple[Piece, int, tuple[int, ...]]
+
+
+def _owners(groups: Mapping[tuple[int, ...], list[Piece]], world_size: int) -> list[Transfer]:
+    """Each team's items, in file order, split into one contiguous run of
     about equal bytes per member; the largest runs go to the members that
-    own the fewest bytes so far."""
+    own the fewest bytes so far. Returns the transfers in piece order."""
     load = [0] * world_size
-    owner: dict[Piece, int] = {}
+    transfers: list[Transfer] = []
     for ranks, pieces in sorted(groups.items(), key=lambda g: -sum(p.length for p in g[1])):
         pieces = sorted(pieces)
         total = sum(p.length for p in pieces)
@@ -163,30 +206,24 @@ def _owners(groups: Mapping[tuple[int, ...], list[Piece]], world_size: int) -> d
         done = 0
         for piece in pieces:
             member = members[min(int(done // share) if share else 0, len(members) - 1)]
-            owner[piece] = member
+            transfers.append((piece, member, tuple(r for r in ranks if r != member)))
             load[member] += piece.length
             done += piece.length
-    return owner
+    return sorted(transfers)
 
 
-def _pack_rounds(
-    pieces: Sequence[Piece],
-    owner: Mapping[Piece, int],
-    receivers: Mapping[Piece, tuple[int, ...]],
-    world_size: int,
-    round_bytes: int,
-) -> list[list[Round]]:
-    """The pieces, in order, cut into rounds (each rank's :class:`Round`).
-    Linear in the pieces' receivers: it runs on the coordinator for the
+def _pack_rounds(transfers: Sequence[Transfer], world_size: int, round_bytes: int) -> list[list[Round]]:
+    """The transfers, in order, cut into rounds (each rank's :class:`Round`).
+    Linear in the transfers' receivers: it runs on the coordinator for the
     whole job (at 16,384 ranks, a state every rank holds has as many)."""
-    cut: list[list[Piece]] = []
+    cut: list[list[Transfer]] = []
     held = [0] * world_size  # what each rank reads for others, or receives, this round
-    for piece in pieces:
-        src, dsts = owner[piece], receivers[piece]
+    for t in transfers:
+        piece, src, dsts = t
         if not cut or max(held[src], *(held[d] for d in dsts)) + piece.length > round_bytes:
             cut.append([])
             held = [0] * world_size
-        cut[-1].append(piece)
+        cut[-1].append(t)
         held[src] += piece.length
         for d in dsts:
             held[d] += piece.length
@@ -195,8 +232,7 @@ def _pack_rounds(
         reads: list[list[Piece]] = [[] for _ in range(world_size)]
         sends: list[list[tuple[Piece, tuple[int, ...]]]] = [[] for _ in range(world_size)]
         receives: list[list[tuple[Piece, int]]] = [[] for _ in range(world_size)]
-        for piece in members:
-            src, dsts = owner[piece], receivers[piece]
+        for piece, src, dsts in members:
             reads[src].append(piece)
             sends[src].append((piece, dsts))
             for d in dsts:
