@@ -1,4 +1,4 @@
-"""Read once per job: stored items that several ranks load are read by one.
+"""Read once per team: a stored item that several ranks load is read by one.
 
 A load in which several ranks need the same stored item (a plain tensor every
 rank holds, which DCP saved once; a DTensor replicated over a mesh dimension;
@@ -7,33 +7,31 @@ rank: at thousands of data-parallel replicas, thousands of times, at the
 moment the whole job waits. Instead:
 
 * **Plan** (:func:`plan_shared_reads`, on the coordinator, inside DCP's
-  global planning step, from every rank's host, which each rank's local
-  plan carries): the ranks that need an item are cut into teams of at most
-  :data:`TEAM_SIZE`, a host's ranks together (:func:`teams`), and each team
-  reads it once: one owner among its members; each team has its items split
-  into contiguous runs, one per member (a file's neighbouring items stay
-  together, so an owner's reads coalesce), the least-loaded member first.
-  On one node (or up to :data:`TEAM_SIZE` ranks) an item is read once per
-  job; on many, once per node, and the bytes cross no more links than they
-  would from storage. The items are then packed into rounds in
-  which no rank reads for others, or receives, more than :data:`ROUND_BYTES`
-  (an item larger than that travels alone), which bounds the memory the
-  exchange holds. Each rank's part of the schedule (:class:`SharedReads`) travels in
-  its ``LoadPlan.storage_data``; nothing is shared when no item is needed
-  twice, and then no collective runs at all.
-* **Exchange** (:func:`exchange`, on every rank, inside ``read_data``):
-  per round, each owner reads its items from storage, every rank says
-  whether it has failed (one small all-gather), and the owner sends its own
-  read buffer to each rank that needs it (point to point, no copy per
-  receiver) on a gloo group of the loader's own (CPU tensors, whatever the
-  job's default backend). Every rank then
-  handles the bytes as if it had read them: CRC32C against the manifest,
-  records checked, objects unpickled through the allowlist, exactly as the
-  reader's own reads are.
+  global planning step). The ranks that need an item are cut into teams of
+  at most :data:`TEAM_SIZE`, a host's ranks together (:func:`teams`; each
+  rank's local plan carries its host, so this costs no collective), and
+  each team reads the item once. Within a team, its items are split into
+  contiguous runs of about equal bytes, one per member, the least-loaded
+  member first; a file's neighbouring items stay together, so an owner's
+  reads coalesce. On one node of up to :data:`TEAM_SIZE` ranks an item is
+  read once per job; on many nodes, once per node, and the bytes cross no
+  more links than they would from storage. The items are packed into rounds
+  in which no rank holds more than :data:`ROUND_BYTES` for the others (read
+  for them, or received; a larger item travels alone). Each rank's part of
+  the schedule (:class:`SharedReads`) travels in its ``LoadPlan.storage_data``.
+  Where no item is needed twice, nothing is shared and no collective runs.
+* **Exchange** (:func:`exchange`, on every rank, inside ``read_data``). Per
+  round, each owner reads its items from storage; every rank says whether it
+  has failed (one small all-gather); each owner sends its own read buffer to
+  its teammates, point to point, with no copy per receiver. This runs on a
+  gloo group of the load's own (CPU tensors, whatever the job's default
+  backend). Every rank then handles the bytes as if it had read them:
+  CRC32C against the manifest, records checked, objects unpickled through
+  the allowlist.
 
 A rank that fails (a damaged item, a missing file) tells the others at the
-next round: all ranks stop there and raise, the failed rank its own error,
-the others :class:`PeerFailed` naming it; a rank that dies makes the
+next round. All ranks stop there and raise: the failed rank its own error,
+the others :class:`PeerFailed` naming it. A rank that dies makes the
 group's next collective fail on every other rank (gloo sees the closed
 connection), which raises :class:`PeerFailed` too, never a hang.
 
