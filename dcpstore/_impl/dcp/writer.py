@@ -420,7 +420,7 @@ class DcpStorageWriter(StorageWriter):
         if wrapper.is_coordinator:
             try:
                 self.session.check_owner()
-            except Exception as e:
+            except BaseException as e:  # every rank waits in the broadcast below: it must be sent
                 error, said = e, describe_failure(e)
         said = wrapper.broadcast_object(said)
         if error is not None:
