@@ -22,13 +22,13 @@ Save, as ``torch.distributed.checkpoint.save`` drives it::
                                         once every file is written, one check
                                         that the URI is still this save's
                                         (OwnerGate), then every file committed
-                                        (durable) on return. Where the writer
-                                        knows DCP's process group
-                                        (``shares_owner_check``) that check is
-                                        one per save, not per rank: every rank
-                                        reports ready over the group, the
-                                        coordinator reads the marker, every
-                                        rank gets the outcome
+                                        (durable) on return. On an object store,
+                                        where the writer knows DCP's process
+                                        group (``shares_owner_check``), that
+                                        check is one per save, not per rank:
+                                        every rank reports ready over the
+                                        group, the coordinator reads the
+                                        marker, every rank gets the outcome
     (coordinator) finish                runs only if *every* rank's write_data
                                         succeeded (DCP gathers the results):
                                         SaveSession.publish -- the commit files,
@@ -120,9 +120,10 @@ class SaveToken(StoragePrefix):
     save_id: str = ""
     #: Whether the save writes save-unique names (the claim's choice).
     tagged: bool = False
-    #: How many ranks the coordinator planned for: the ranks share one
-    #: ownership check only over a group of exactly this size.
-    ranks: int = 0
+    #: How many ranks share one ownership check (the coordinator's choice,
+    #: :meth:`DcpStorageWriter.shared_check_ranks`): all it planned for,
+    #: over a group of exactly this size; 0: each rank checks its own.
+    shared_check_ranks: int = 0
 
 
 #: Why ``use_collectives=False`` is refused (DCP's rank-local metadata).
@@ -319,8 +320,9 @@ class DcpStorageWriter(StorageWriter):
             ]
         self.session.claim(self.overwrite)
         save_id, tagged = self.session.token
+        sharing = self.shared_check_ranks(len(plans))
         return [
-            dataclasses.replace(plan, storage_data=SaveToken(rank_prefix(i, spread), save_id, tagged, len(plans)))
+            dataclasses.replace(plan, storage_data=SaveToken(rank_prefix(i, spread), save_id, tagged, sharing))
             for i, plan in enumerate(plans)
         ]
 
@@ -349,7 +351,7 @@ class DcpStorageWriter(StorageWriter):
         token = plan.storage_data
         if isinstance(token, SaveToken) and (token.save_id, token.tagged) != self.session.token:
             save.session = SaveSession(save.storage, token.save_id, token.tagged)  # a follower: the coordinator's save
-        save.shared_check = isinstance(token, SaveToken) and self.shares_check_among(token.ranks)
+        save.shared_check = isinstance(token, SaveToken) and self.shares_check_among(token.shared_check_ranks)
         self.progress.start(sum(item_nbytes(it) for it in plan.items))
         future: Future[list[WriteResult]] = Future()
         try:
@@ -395,6 +397,15 @@ class DcpStorageWriter(StorageWriter):
         return [r for rs in per_file for r in rs]
 
     # -- one ownership check per save ----------------------------------------
+    def shared_check_ranks(self, ranks: int) -> int:
+        """Coordinator: ``ranks`` where they may share one ownership check,
+        else 0. Only where every rank reaches the coordinator's storage by
+        the same name: an object store, not a directory of this machine's
+        filesystem, which may be each node's own (a tiered manager's node
+        directories, each with its node's marker, which the coordinator's
+        read would never see)."""
+        return ranks if self._save().storage.local_path() is None else 0
+
     def shares_check_among(self, ranks: int) -> bool:
         """Whether this save's ranks share one ownership check: the writer
         knows DCP's group (:attr:`shares_owner_check`) and it holds exactly
