@@ -85,6 +85,26 @@ def test_a_uri_taken_over_on_one_rank_publishes_no_file_on_any(s3_endpoint: S3En
     assert marker["Body"].read() == b"a-later-save"
 
 
+def _fail_before_writing_on_rank1(rank: int, world_size: int, uri: str) -> None:
+    if rank == 1:
+
+        def broken(self: DcpStorageWriter, items: Any) -> Any:
+            raise OSError("rank 1 cannot split its items")
+
+        DcpStorageWriter.bucket_items = broken  # type: ignore[method-assign]
+    with pytest.raises(dcpstore.CheckpointError, match="rank 1 cannot split its items"):
+        dcpstore.save(_state(rank), uri, workers=2)
+
+
+def test_a_rank_failing_before_its_files_leaves_no_rank_waiting(s3_endpoint: S3Endpoint) -> None:
+    """It still joins the one check's exchange, so the others get past it
+    and every rank fails with its error (a hang would time the job out)."""
+    prefix = f"fails-early-{os.getpid()}"
+    run_ranks(_fail_before_writing_on_rank1, 3, f"s3://{s3_endpoint.bucket}/{prefix}", timeout=90)
+    listed = s3_endpoint.client().list_objects_v2(Bucket=s3_endpoint.bucket, Prefix=f"{prefix}/")
+    assert METADATA not in [o["Key"].removeprefix(f"{prefix}/") for o in listed.get("Contents", [])]
+
+
 def _save_local(rank: int, world_size: int, uri: str) -> None:
     from dcpstore._impl.dcp.liveness import inflight_marker
 

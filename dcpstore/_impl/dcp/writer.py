@@ -150,6 +150,8 @@ class _Save:
     commit_files: Mapping[str, bytes] = field(default_factory=dict)
     #: The ranks share one ownership check (:meth:`DcpStorageWriter.exchange_owner_check`).
     shared_check: bool = False
+    #: This rank has joined that check's exchange (each rank joins it once).
+    exchanged: bool = False
 
     def release(self) -> None:
         if self.session is not None:
@@ -352,11 +354,16 @@ class DcpStorageWriter(StorageWriter):
         if isinstance(token, SaveToken) and (token.save_id, token.tagged) != self.session.token:
             save.session = SaveSession(save.storage, token.save_id, token.tagged)  # a follower: the coordinator's save
         save.shared_check = isinstance(token, SaveToken) and self.shares_check_among(token.shared_check_ranks)
-        self.progress.start(sum(item_nbytes(it) for it in plan.items))
+        save.exchanged = False
         future: Future[list[WriteResult]] = Future()
         try:
+            self.progress.start(sum(item_nbytes(it) for it in plan.items))
             results = self.write_files(self.named_buckets(plan), planner)
         except BaseException as e:  # DCP gathers exceptions across ranks
+            if save.shared_check and not save.exchanged:
+                # Failed before its files got anywhere: the other ranks wait for it in the exchange.
+                with contextlib.suppress(Exception):
+                    self.exchange_owner_check(False)
             self.release()
             future.set_exception(e)  # type: ignore[arg-type]  # torch's stub types it as the value
             return future
@@ -390,8 +397,14 @@ class DcpStorageWriter(StorageWriter):
         def work(nb: tuple[str, list[WriteItem]], gate: OwnerGate) -> list[WriteResult]:
             return self.write_file(storage, nb[0], nb[1], data_of, gate, batch)
 
-        if self._save().shared_check:
-            per_file = run_shared_gated(self.exchange_owner_check, work, named, "dcpstore-write")
+        save = self._save()
+        if save.shared_check:
+
+            def exchange(ready: bool) -> BaseException | None:
+                save.exchanged = True
+                return self.exchange_owner_check(ready)
+
+            per_file = run_shared_gated(exchange, work, named, "dcpstore-write")
         else:
             per_file = run_gated(self.session.check_owner, work, named, "dcpstore-write")
         return [r for rs in per_file for r in rs]
