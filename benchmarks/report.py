@@ -104,8 +104,11 @@ OBJECT_STORE = (
 )
 SCALE = (
     "dcpstore/_impl/dcp/writer.py",
+    "dcpstore/_impl/dcp/reader.py",
+    "dcpstore/_impl/dcp/read_plan.py",
     "dcpstore/_impl/dcp/commit",
     "dcpstore/_impl/dcp/liveness/owner_gate.py",
+    "dcpstore/_impl/storage/storage_options.py",
     "dcpstore/_impl/storage/backends/s3/storage.py",
     "dcpstore/_impl/storage/backends/s3/upload.py",
     "dcpstore/_impl/storage/request_pool.py",
@@ -183,8 +186,8 @@ COMMANDS = {
     "--plot benchmarks/results/compare.png --quiet",
     "scaling.json": "python benchmarks/scaling.py --repeat 3 --label LABEL --json benchmarks/results/scaling.json "
     "--plots benchmarks/results --quiet",
-    "scale_sim.json": "python benchmarks/scale_sim.py --ranks 1,8,64,256,1024 --spread 1,64 --label LABEL "
-    "--json benchmarks/results/scale_sim.json --plot benchmarks/results/scale_sim.png",
+    "scale_sim.json": "python benchmarks/scale_sim.py --ranks 1,16,256,1024,4096,16384 --size 1MiB --tensors 2 "
+    "--spread auto,1 --label LABEL --json benchmarks/results/scale_sim.json --plot benchmarks/results/scale_sim.png",
     "tiered.json": "python benchmarks/compare.py --sections tiered --tiered-size 256MiB --tensors 32 --workers 4 "
     "--repeat 3 --label LABEL --json benchmarks/results/tiered.json --quiet",
     "interference.json": "python benchmarks/interference.py --size 512MiB --tensors 32 --repeat 3 --pin-training 0 "
@@ -386,11 +389,17 @@ def meta_block(docs: dict[str, Doc]) -> str:
 
 
 def scale_block(scale: Doc) -> str:
-    """scale_sim.py's table, as markdown."""
+    """scale_sim.py's tables, the save's and the load's, as markdown."""
     import scale_sim
 
-    rows = scale_sim.table([scale_sim.Point(**p) for p in scale["points"]])
-    return targets.markdown_table(rows[0], rows[1:])
+    points = [scale_sim.Point(**p) for p in scale["points"]]
+    save, load = scale_sim.table(points), scale_sim.load_table(points)
+    return (
+        "Save:\n\n"
+        + targets.markdown_table(save[0], save[1:])
+        + "\n\nLoad (every rank reads what it saved):\n\n"
+        + targets.markdown_table(load[0], load[1:])
+    )
 
 
 def tiered_block(doc: Doc) -> str:
@@ -638,7 +647,7 @@ def figure(spec: str, docs: dict[str, Doc]) -> str:
         points = [
             p
             for p in docs["scale_sim.json"]["points"]
-            if p["ranks"] == int(ranks) and p["extra"].get("spread", 1) == int(spread)
+            if p["ranks"] == int(ranks) and str(p["extra"].get("spread", 1)) == spread
         ]
         if len(points) != 1:
             raise KeyError(f"scale_sim.json has {len(points)} points of {ranks} ranks, spread {spread}")

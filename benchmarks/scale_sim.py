@@ -1,6 +1,7 @@
-"""Scale simulation: N ranks saving one checkpoint to S3, up to 1,024 of them.
+"""Scale simulation: N ranks saving one checkpoint to S3 and loading it back, up to 16,384 of them.
 
-    python benchmarks/scale_sim.py --ranks 1,8,64,256,1024 --spread 1,64 --json benchmarks/results/scale_sim.json
+    python benchmarks/scale_sim.py --ranks 1,16,256,1024,4096,16384 --size 1MiB --tensors 2 \
+        --json benchmarks/results/scale_sim.json
 
 What is real and what is a model:
 
@@ -12,7 +13,10 @@ What is real and what is a model:
   protocol), with the DCP planner and real tensors. So the requests, their
   kinds, keys and sizes are exactly what dcpstore would send. The
   coordinator's CPU time to build the manifest and ``.metadata`` is
-  measured, as are their sizes.
+  measured, as are their sizes. The load runs the same way: dcpstore's DCP
+  reader (``DcpStorageReader``: the commit read, the listing beside it, the
+  byte ranges of each rank's files) on the same backend, each rank loading
+  what it saved.
 * **A model:** the endpoint. boto3 is replaced by an in-process fake S3
   client (:class:`FakeS3`) that keeps small objects, counts the bytes of
   data files and records every request; the time those requests would take
@@ -21,15 +25,28 @@ What is real and what is a model:
   documented request rates per prefix (3,500 PUT/POST/DELETE and 5,500
   GET/HEAD per second; beyond them S3 answers 503 SlowDown). Ranks run one
   after another here; the model puts them side by side.
+* **Also a model:** what the ranks say to each other. The ranks share one
+  ownership check (``DcpStorageWriter.exchange_owner_check``: a gather and
+  a broadcast over the process group): here the coordinator writes last
+  and makes the check, and the others take its outcome without a request,
+  which is what the exchange sends S3. A load reads every rank's
+  ``.metadata`` for real up to ``--load-sample`` ranks (and the
+  coordinator's); past that, the other ranks' requests are a sampled
+  rank's with their own file names, as every rank but the coordinator
+  loads alike (each reads the commit and its own files).
 
-Per N (and per ``--spread``: ``SaveOptions.spread_prefixes``, rank files
-spread over that many key prefixes) it reports the requests (by kind),
+Per N (and per ``--spread``: ``SaveOptions.spread_prefixes``, ``auto`` by
+default, rank files spread over that many key prefixes) it reports the
+requests (by kind),
 bytes, the phases' modelled durations (claim, write, commit), the busiest
 key prefix's request rate against S3's limit, and the write phase stretched
-by that limit. A prefix here is a key's directory: the model assumes the
-store has already split its partitions at the spread directories, as S3
-does for a prefix under sustained load (it takes minutes, and until then
-the spread keys share the checkpoint's partition).
+by that limit; for the load, its requests, LISTs, modelled duration and
+the busiest prefix's GET rate. A prefix here is a key's directory: the
+model assumes the store has already split its partitions at the spread
+directories, as S3 does for a prefix under sustained load (it takes
+minutes, and until then the spread keys share the checkpoint's partition;
+:func:`dcpstore._impl.storage.storage_options.auto_spread_prefixes` says
+the same of the default spread).
 BENCHMARKS.md ("Scale") says what changes beyond this model.
 """
 
@@ -37,8 +54,10 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import json
 import os
+import re
 import shlex
 import sys
 import threading
@@ -53,12 +72,14 @@ sys.path.insert(0, os.path.dirname(HERE))  # run from a checkout without install
 
 import botocore.exceptions as bexc  # noqa: E402
 import torch  # noqa: E402
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner  # noqa: E402
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner  # noqa: E402
 
 from dcpstore._impl.bench import make_state, parse_int_list, parse_size  # noqa: E402
 from dcpstore._impl.bench.report import git_commit, git_dirty, machine  # noqa: E402
+from dcpstore._impl.dcp.reader import DcpStorageReader  # noqa: E402
 from dcpstore._impl.dcp.writer import DcpStorageWriter  # noqa: E402
-from dcpstore._impl.format.layout import is_data_file  # noqa: E402
+from dcpstore._impl.format.layout import is_data_file, spread_dir  # noqa: E402
+from dcpstore._impl.storage import AUTO_SPREAD, resolve_spread_prefixes  # noqa: E402
 from dcpstore._impl.util.units import human_bytes  # noqa: E402
 from dcpstore.storage import StorageOptions, open_storage  # noqa: E402
 
@@ -74,12 +95,21 @@ WRITE_KINDS = frozenset(
     }
 )
 READ_KINDS = frozenset({"GetObject", "HeadObject", "ListObjectsV2", "ListMultipartUploads"})
+#: A data file's rank, from its name (``__{rank}_...``).
+_RANK_RE = re.compile(r"__(\d+)_")
+
+
+def rank_of(key: str) -> int | None:
+    """The rank whose data file ``key`` is (None: not a data file)."""
+    name = key.rsplit("/", 1)[-1]
+    m = _RANK_RE.match(name)
+    return int(m.group(1)) if m and is_data_file(name) else None
 
 
 @dataclass(frozen=True)
 class Request:
     rank: int
-    phase: str  # "claim", "write" or "commit"
+    phase: str  # "claim", "write", "commit"; a load's "meta" (its commit read) and "read"
     kind: str
     key: str
     nbytes: int
@@ -143,20 +173,28 @@ class _Paginator:
 
 class Store:
     """The bucket: every object's size; the bytes of the small control
-    objects (marker, manifest, ``.metadata``), which the commit reads back."""
+    objects (marker, manifest, ``.metadata``), which the commit reads back,
+    and of the data files of the ranks in ``kept`` (those the load reads
+    for real)."""
 
-    def __init__(self) -> None:
+    def __init__(self, kept: frozenset[int] = frozenset()) -> None:
         self.sizes: dict[str, int] = {}
         self.data: dict[str, bytes] = {}
         self.uploads: dict[str, tuple[str, dict[int, int]]] = {}
+        self.parts: dict[str, dict[int, bytes]] = {}
+        self.kept = kept
         self.lock = threading.Lock()
+
+    def keeps(self, key: str) -> bool:
+        rank = rank_of(key)
+        return rank is None or rank in self.kept
 
     def put(self, key: str, body: Any) -> int:
         data = body if isinstance(body, (bytes, bytearray, memoryview)) else body.read()
         n = memoryview(data).nbytes
         with self.lock:
             self.sizes[key] = n
-            if not is_data_file(key.rsplit("/", 1)[-1]):
+            if self.keeps(key):
                 self.data[key] = bytes(data)
         return n
 
@@ -190,9 +228,12 @@ class FakeS3:
         return {"UploadId": upload}
 
     def upload_part(self, Bucket: str, Key: str, UploadId: str, PartNumber: int, Body: Any, **_: Any) -> dict[str, Any]:  # noqa: N803
-        n = memoryview(Body).nbytes if isinstance(Body, (bytes, bytearray, memoryview)) else len(Body.read())
+        data = Body if isinstance(Body, (bytes, bytearray, memoryview)) else Body.read()
+        n = memoryview(data).nbytes
         with self.store.lock:
             self.store.uploads[UploadId][1][PartNumber] = n
+            if self.store.keeps(Key):
+                self.store.parts.setdefault(UploadId, {})[PartNumber] = bytes(data)
         self.rec.add(self.rank, "UploadPart", Key, n)
         return {"ETag": f'"p{PartNumber}"'}
 
@@ -200,22 +241,27 @@ class FakeS3:
         with self.store.lock:
             key, parts = self.store.uploads.pop(UploadId)
             self.store.sizes[key] = sum(parts.values())
+            kept = self.store.parts.pop(UploadId, None)
+            if kept is not None:
+                self.store.data[key] = b"".join(kept[i] for i in sorted(kept))
         self.rec.add(self.rank, "CompleteMultipartUpload", Key)
         return {}
 
     def abort_multipart_upload(self, Bucket: str, Key: str, UploadId: str, **_: Any) -> dict[str, Any]:  # noqa: N803
         with self.store.lock:
             self.store.uploads.pop(UploadId, None)
+            self.store.parts.pop(UploadId, None)
         self.rec.add(self.rank, "AbortMultipartUpload", Key)
         return {}
 
     def get_object(self, Bucket: str, Key: str, Range: str = "", **_: Any) -> dict[str, Any]:  # noqa: N803
-        self.rec.add(self.rank, "GetObject", Key)
         if Key not in self.store.data:
+            self.rec.add(self.rank, "GetObject", Key)
             raise _error("NoSuchKey", 404, "GetObject")
         data = self.store.data[Key]
         lo, _, hi = Range.removeprefix("bytes=").partition("-")
         start, end = int(lo or 0), min(len(data), int(hi) + 1 if hi else len(data))
+        self.rec.add(self.rank, "GetObject", Key, max(0, end - start))
         if start >= len(data) and data:
             raise _error("InvalidRange", 416, "GetObject")
         chunk = data[start:end]
@@ -239,6 +285,11 @@ class FakeS3:
         self.rec.add(self.rank, "DeleteObjects", Delete["Objects"][0]["Key"] if Delete["Objects"] else "")
         return {}
 
+    def list_objects_v2(self, Bucket: str, Prefix: str = "", **_: Any) -> dict[str, Any]:  # noqa: N803
+        self.rec.add(self.rank, "ListObjectsV2", Prefix)
+        keys = sorted(k for k in self.store.sizes if k.startswith(Prefix))[:1000]
+        return {"Contents": [{"Key": k, "Size": self.store.sizes[k]} for k in keys]}
+
     def get_paginator(self, name: str) -> _Paginator:
         return _Paginator(self, name)
 
@@ -248,6 +299,40 @@ class FakeS3:
 # ---------------------------------------------------------------------------
 
 
+class SimWriter(DcpStorageWriter):
+    """dcpstore's writer with the ranks' exchange of the one ownership
+    check modelled (ranks here share a process, not a process group): the
+    coordinator, which :func:`simulate` runs last, makes the check; every
+    other rank takes its outcome, which costs S3 nothing."""
+
+    shares_owner_check = True
+
+    def shares_check_among(self, ranks: int) -> bool:
+        return ranks > 1
+
+    def exchange_owner_check(self, ready: bool) -> BaseException | None:
+        if not self._coordinator:
+            return None
+        try:
+            self.session.check_owner()
+        except Exception as e:  # noqa: BLE001 -- handed to the gate, as the real exchange does
+            return e
+        return None
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self._coordinator = is_coordinator
+        super().set_up_storage_writer(is_coordinator, *args, **kwargs)
+
+
+def load_sample(ranks: int, sample: int) -> list[int]:
+    """The ranks whose load runs for real: all of them up to ``sample``,
+    else the coordinator and ``sample - 1`` others spread over the job."""
+    if ranks <= sample:
+        return list(range(ranks))
+    step = ranks / (sample - 1)
+    return sorted({0, *(min(ranks - 1, int(1 + k * step)) for k in range(sample - 1))})
+
+
 def simulate(
     ranks: int,
     state: dict[str, torch.Tensor],
@@ -255,18 +340,47 @@ def simulate(
     options: StorageOptions,
     workers: int | None,
     uri: str,
-    spread: int = 1,
-) -> tuple[Recorder, dict[str, Any]]:
+    spread: int | str = AUTO_SPREAD,
+    sample: int = 16,
+) -> tuple[Recorder, Recorder, dict[str, Any]]:
     """One save of ``ranks`` ranks, each saving ``state`` under its own keys
-    (the same tensors: their bytes are not kept), through dcpstore's writer
-    and S3 backend over :class:`FakeS3`. Returns the requests and what was
-    measured for real."""
-    store, rec = Store(), Recorder()
+    (the same tensors: only the bytes of the ranks the load reads for real
+    are kept), through dcpstore's writer and S3 backend over
+    :class:`FakeS3`; then every rank loading its keys back through
+    dcpstore's reader (:func:`simulate_load`). Returns the save's requests,
+    the load's, and what was measured for real.
+
+    Python's cyclic collector is off meanwhile (but for the finish): the
+    heap of N simulated ranks is no rank's, and full collections over it
+    would make the run, and each rank's measured CPU, grow with N."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _simulate(ranks, state, options=options, workers=workers, uri=uri, spread=spread, sample=sample)
+    finally:
+        gc.collect()
+        if enabled:
+            gc.enable()
+
+
+def _simulate(
+    ranks: int,
+    state: dict[str, torch.Tensor],
+    *,
+    options: StorageOptions,
+    workers: int | None,
+    uri: str,
+    spread: int | str,
+    sample: int,
+) -> tuple[Recorder, Recorder, dict[str, Any]]:
+    """:func:`simulate`, the collector off."""
+    sampled = load_sample(ranks, sample)
+    store, rec = Store(frozenset(sampled)), Recorder()
     writers, planners, plans = [], [], []
     for rank in range(ranks):
         storage = open_storage(uri, storage_options=options)
         storage.client = FakeS3(store, rec, rank)  # type: ignore[attr-defined]
-        writer = DcpStorageWriter(storage, workers=workers, spread_prefixes=spread)
+        writer = SimWriter(storage, workers=workers, spread_prefixes=spread)
         planner = DefaultSavePlanner()
         planner.set_up_planner({f"rank{rank}.{k}": v for k, v in state.items()}, is_coordinator=rank == 0)
         writer.set_up_storage_writer(rank == 0, rank=rank)
@@ -277,28 +391,115 @@ def simulate(
     global_plans, metadata = planners[0].create_global_plan(plans)
     global_plans = writers[0].prepare_global_plan(global_plans)
     rec.phase = "write"
-    results = []
+    results: list[Any] = [None] * ranks
     cpu_write = 0.0
-    for rank in range(ranks):
+    for rank in [*range(1, ranks), 0]:  # the coordinator's one check after every file is written
         plan = planners[rank].finish_plan(global_plans[rank])
         t0 = time.process_time()
-        results.append(writers[rank].write_data(plan, planners[rank]).wait())
+        results[rank] = writers[rank].write_data(plan, planners[rank]).wait()
         cpu_write += time.process_time() - t0
         if rank:
             writers[rank].storage.close()  # its request pool: one rank's threads at a time
     rec.phase = "commit"
+    # The other ranks' writers and planners, and the recorded requests, are
+    # this simulation's, not the coordinator's: out of the collector's way,
+    # so that the finish is measured on a heap like a coordinator's (its
+    # own writer, the gathered results, the metadata, the collector on)
+    # and not slowed by full collections over 16,384 ranks' objects.
+    del writers[1:], planners[1:], plans
+    gc.collect()
+    gc.freeze()
+    gc.enable()
     t0, c0 = time.perf_counter(), time.process_time()
-    writers[0].finish(metadata, results)
+    try:
+        writers[0].finish(metadata, results)
+    finally:
+        c1 = time.process_time()
+        gc.disable()
+        gc.unfreeze()
     measured = {
         "finish_wall_s": time.perf_counter() - t0,
-        "finish_cpu_s": time.process_time() - c0,
+        "finish_cpu_s": c1 - c0,
         "write_cpu_s_per_rank": cpu_write / ranks,
         "workers": writers[0].workers,
+        "spread_prefixes": resolve_spread_prefixes(spread, ranks),
         "manifest_bytes": store.sizes.get(_key(uri, ".dcpstore.json"), 0),
         "metadata_bytes": store.sizes.get(_key(uri, ".metadata"), 0),
     }
     writers[0].storage.close()
-    return rec, measured
+    loads, load_measured = simulate_load(
+        ranks, sampled, state, store, options=options, workers=workers, uri=uri, spread=measured["spread_prefixes"]
+    )
+    measured.update(load_measured)
+    return rec, loads, measured
+
+
+def simulate_load(
+    ranks: int,
+    sampled: Sequence[int],
+    state: dict[str, torch.Tensor],
+    store: Store,
+    *,
+    options: StorageOptions,
+    workers: int | None,
+    uri: str,
+    spread: int,
+) -> tuple[Recorder, dict[str, Any]]:
+    """Every rank loading the keys it saved, through dcpstore's reader as
+    ``dcpstore.load`` drives it (the commit read and the destination check,
+    DCP's plans, ``read_data``), verified. The ``sampled`` ranks run for
+    real; each other rank's requests are the first sampled non-coordinator
+    rank's, with that rank's file names and spread directory swapped for
+    its own (``spread``: the save's spread prefixes). Returns the requests
+    and the sampled ranks' measured CPU."""
+    rec = Recorder()
+    readers, planners, plans, dests = {}, {}, {}, {}
+    cpu = 0.0
+    metadata = None
+    for rank in sampled:
+        storage = open_storage(uri, storage_options=options)
+        storage.client = FakeS3(store, rec, rank)  # type: ignore[attr-defined]
+        reader = DcpStorageReader(storage, workers=workers)
+        dest = {f"rank{rank}.{k}": torch.empty_like(v) for k, v in state.items()}
+        rec.phase = "meta"
+        c0 = time.process_time()
+        reader.check_destination(dest)
+        metadata = reader.read_metadata()
+        reader.set_up_storage_reader(metadata, rank == 0)
+        planner = DefaultLoadPlanner()
+        planner.set_up_planner(dest, metadata, rank == 0)
+        plans[rank] = reader.prepare_local_plan(planner.create_local_plan())
+        cpu += time.process_time() - c0
+        readers[rank], planners[rank], dests[rank] = reader, planner, dest
+    coordinator = planners[sampled[0]]
+    global_plans = readers[sampled[0]].prepare_global_plan(coordinator.create_global_plan([plans[r] for r in sampled]))
+    rec.phase = "read"
+    for rank, plan in zip(sampled, global_plans):
+        c0 = time.process_time()
+        readers[rank].read_data(planners[rank].finish_plan(plan), planners[rank]).wait()
+        cpu += time.process_time() - c0
+        readers[rank].storage.close()
+        if not all(torch.equal(dests[rank][f"rank{rank}.{k}"], v) for k, v in state.items()):
+            raise AssertionError(f"rank {rank} loaded other bytes than it saved")
+    template = next((r for r in sampled if r), None)
+    if template is not None:
+        like = [r for r in rec.requests if r.rank == template]
+        for rank in range(ranks):
+            if rank not in readers:
+                rec.requests.extend(_as_rank(req, template, rank, spread) for req in like)
+    return rec, {"load_cpu_s_per_rank": cpu / len(sampled), "load_sampled_ranks": len(sampled)}
+
+
+def _as_rank(req: Request, template: int, rank: int, spread: int) -> Request:
+    """``req`` of rank ``template``, as rank ``rank`` makes it."""
+    key = req.key
+    if rank_of(key) == template:
+        head, _, name = key.rpartition("/")
+        name = name.replace(f"__{template}_", f"__{rank}_", 1)
+        if spread > 1:
+            head = head.rsplit("/", 1)[0] + "/" + spread_dir(rank, spread)
+        key = f"{head}/{name}"
+    return Request(rank, req.phase, req.kind, key, req.nbytes)
 
 
 def _key(uri: str, name: str) -> str:
@@ -341,8 +542,9 @@ def rank_write_s(model: Model, reqs: Sequence[Request], connections: int) -> flo
     """One rank's write phase: its files' uploads side by side. Each file
     starts its upload (one round trip), streams its parts and single PUTs
     over the rank's ``connections`` (no faster than the rank's share of the
-    network), then checks the save is still its own and completes (two
-    round trips)."""
+    network), then learns the save is still its own (the ranks' exchange
+    around the coordinator's one read of the marker: a round trip) and
+    completes (another)."""
     data = [r for r in reqs if r.kind in ("UploadPart", "PutObject")]
     if not data:
         return _chain_s(model, reqs)
@@ -398,6 +600,48 @@ def evaluate(model: Model, rec: Recorder, connections: int) -> dict[str, Any]:
     }
 
 
+def rank_read_s(model: Model, reqs: Sequence[Request], connections: int) -> float:
+    """One rank's load: its commit read (``.metadata``, the manifest and a
+    listing page, side by side), then its files' byte ranges over its
+    ``connections``, no faster than the rank's share of the network."""
+    meta = [r for r in reqs if r.phase == "meta"]
+    data = [r for r in reqs if r.phase == "read"]
+    meta_s = max((model.request_s(r.nbytes) for r in meta), default=0.0)
+    if not data:
+        return meta_s
+    busy = sum(model.request_s(r.nbytes) for r in data) / min(connections, len(data))
+    return meta_s + max(busy, sum(r.nbytes for r in data) / model.rank_bps)
+
+
+def evaluate_load(model: Model, rec: Recorder, connections: int) -> dict[str, Any]:
+    """The modelled duration and request rates of one simulated load: every
+    rank starts at once, so each prefix's requests fall within the slowest
+    rank's load."""
+    per_rank: dict[int, list[Request]] = collections.defaultdict(list)
+    for r in rec.requests:
+        per_rank[r.rank].append(r)
+    load_s = max((rank_read_s(model, reqs, connections) for reqs in per_rank.values()), default=0.0)
+    demand: collections.Counter[str] = collections.Counter(prefix_of(r.key) for r in rec.requests)
+    busiest, count = max(demand.items(), key=lambda d: d[1], default=("", 0))
+    data = [r for r in rec.requests if rank_of(r.key) is not None]
+    data_demand = collections.Counter(prefix_of(r.key) for r in data)
+    kinds = collections.Counter(r.kind for r in rec.requests)
+    return {
+        "requests": len(rec.requests),
+        "by_kind": dict(sorted(kinds.items())),
+        "lists": kinds["ListObjectsV2"],
+        "metadata_gets": sum(1 for r in rec.requests if r.kind == "GetObject" and r.key.endswith("/.metadata")),
+        "data_bytes": sum(r.nbytes for r in data),
+        "load_s": load_s,
+        "busiest_prefix": busiest,
+        "busiest_requests": count,
+        "busiest_rate": count / load_s if load_s else 0.0,
+        "busiest_data_rate": max(data_demand.values(), default=0) / load_s if load_s else 0.0,
+        "rate_limit": model.read_rate,
+        "load_s_throttled": max([load_s] + [n / model.read_rate for n in demand.values()]),
+    }
+
+
 # ---------------------------------------------------------------------------
 # The command
 # ---------------------------------------------------------------------------
@@ -409,6 +653,8 @@ class Point:
     model: dict[str, Any]
     measured: dict[str, Any]
     extra: dict[str, Any] = field(default_factory=dict)
+    #: The load's figures (:func:`evaluate_load`).
+    load: dict[str, Any] = field(default_factory=dict)
 
 
 def run(
@@ -419,14 +665,18 @@ def run(
     workers: int | None,
     uri: str,
     progress: bool,
-    spreads: Sequence[int] = (1,),
+    spreads: Sequence[int | str] = (AUTO_SPREAD,),
+    sample: int = 16,
 ) -> list[Point]:
     points = []
     for spread in spreads:
         for n in ranks:
             t0 = time.perf_counter()
-            rec, measured = simulate(n, state, options=options, workers=workers, uri=uri, spread=spread)
+            rec, loads, measured = simulate(
+                n, state, options=options, workers=workers, uri=uri, spread=spread, sample=sample
+            )
             point = Point(n, evaluate(model, rec, options.max_concurrency), measured, {"spread": spread})
+            point.load = evaluate_load(model, loads, options.max_concurrency)
             point.extra["simulated_in_s"] = time.perf_counter() - t0
             points.append(point)
             if progress:
@@ -459,7 +709,7 @@ def table(points: Sequence[Point]) -> list[list[str]]:
         body.append(
             [
                 str(p.ranks),
-                str(p.extra.get("spread", 1)),
+                spread_text(p),
                 f"{m['requests']:,}",
                 human_bytes(m["data_bytes"]),
                 str(m["prefixes"]),
@@ -478,6 +728,46 @@ def table(points: Sequence[Point]) -> list[list[str]]:
     return body
 
 
+def spread_text(p: Point) -> str:
+    """The spread asked for, and what ``auto`` came to."""
+    spread = p.extra.get("spread", 1)
+    return f"auto: {p.measured['spread_prefixes']}" if spread == AUTO_SPREAD else str(spread)
+
+
+def load_table(points: Sequence[Point]) -> list[list[str]]:
+    """The loads of ``points``' checkpoints, every rank reading what it saved."""
+    head = [
+        "ranks",
+        "spread",
+        "requests",
+        "LISTs",
+        ".metadata GETs",
+        "load s",
+        "busiest prefix GET/s",
+        "S3 limit",
+        "busiest data prefix GET/s",
+        "load s at the limit",
+    ]
+    body = [head]
+    for p in points:
+        x = p.load
+        body.append(
+            [
+                str(p.ranks),
+                spread_text(p),
+                f"{x['requests']:,}",
+                f"{x['lists']:,}",
+                f"{x['metadata_gets']:,}",
+                f"{x['load_s']:.2f}",
+                f"{x['busiest_rate']:,.0f}",
+                f"{x['rate_limit']:,.0f}",
+                f"{x['busiest_data_rate']:,.0f}",
+                f"{x['load_s_throttled']:.2f}",
+            ]
+        )
+    return body
+
+
 def _text(rows: list[list[str]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows)
@@ -490,10 +780,10 @@ def plot(path: str, points: Sequence[Point]) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
-    by_spread: dict[int, list[Point]] = collections.defaultdict(list)
+    by_spread: dict[int | str, list[Point]] = collections.defaultdict(list)
     for p in points:
         by_spread[p.extra.get("spread", 1)].append(p)
-    for spread, group in sorted(by_spread.items()):
+    for spread, group in sorted(by_spread.items(), key=lambda kv: str(kv[0])):
         n = [p.ranks for p in group]
         tag = "" if len(by_spread) == 1 else f", spread {spread}"
         axes[0].plot(n, [p.model["requests"] for p in group], marker="o", label=f"requests{tag}")
@@ -526,7 +816,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--tensors", type=int, default=8, help="tensors per rank (default 8)")
     p.add_argument("--workers", type=int, help="writer threads per rank (default: the S3 backend's)")
     p.add_argument("--max-concurrency", type=int, help="connections per rank (default: StorageOptions')")
-    p.add_argument("--spread", default="1", help="spread_prefixes values to simulate at every rank count (default 1)")
+    p.add_argument(
+        "--spread", default=AUTO_SPREAD, help="spread_prefixes values to simulate at every rank count (default auto)"
+    )
+    p.add_argument(
+        "--load-sample", type=int, default=16, help="ranks whose load runs for real; the others are modelled on them"
+    )
     p.add_argument("--latency-ms", type=float, default=Model.latency_s * 1e3)
     p.add_argument("--connection-mbps", type=float, default=Model.connection_bps / 1e6, help="MB/s per connection")
     p.add_argument("--rank-gbps", type=float, default=Model.rank_bps / 1e9, help="GB/s per rank")
@@ -544,9 +839,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     state = make_state(parse_size(args.size), args.tensors)
     ranks = parse_int_list(args.ranks, "ranks")
     points = run(
-        ranks, state, model, options, args.workers, args.uri, not args.quiet, parse_int_list(args.spread, "spread")
+        ranks,
+        state,
+        model,
+        options,
+        args.workers,
+        args.uri,
+        not args.quiet,
+        [AUTO_SPREAD if v.strip() == AUTO_SPREAD else parse_int_list(v, "spread")[0] for v in args.spread.split(",")],
+        args.load_sample,
     )
     print(_text(table(points)))
+    print()
+    print(_text(load_table(points)))
     if args.json:
         doc = {
             "meta": {
@@ -562,6 +867,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "max_concurrency": options.max_concurrency,
                 "state_bytes": parse_size(args.size),
                 "tensors": args.tensors,
+                "load_sample": args.load_sample,
             },
             "points": [asdict(pt) for pt in points],
         }

@@ -70,7 +70,7 @@ def save(
     max_in_flight: int = 1,
     overwrite: bool = True,
     progress: bool = False,
-    spread_prefixes: int = 1,
+    spread_prefixes: int | str = "auto",
 ) -> SaveHandle:
     """Save ``state_dict`` to ``uri`` as a DCP checkpoint.
 
@@ -125,7 +125,9 @@ def save(
         spread_prefixes: spread the ranks' data files over this many key
             prefixes, so that many ranks writing one checkpoint do not all
             hit one object-store partition's request limit (docs/uris.md,
-            "Many ranks, one checkpoint"); 1: stock DCP's flat layout. Loads read
+            "Many ranks, one checkpoint"); ``"auto"`` (default): as many as
+            the number of ranks needs (1, stock DCP's flat layout, up to 16
+            ranks; 1,024 at 16,384); 1: always the flat layout. Loads read
             either layout.
 
     Returns:

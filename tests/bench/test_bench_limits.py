@@ -225,7 +225,7 @@ def test_scale_simulation_counts_what_dcpstore_sends(tmp_path: Path) -> None:
             sys.executable,
             str(BENCHMARKS / "scale_sim.py"),
             "--ranks",
-            "1,4",
+            "1,4,40",
             "--size",
             "48MiB",
             "--tensors",
@@ -233,7 +233,9 @@ def test_scale_simulation_counts_what_dcpstore_sends(tmp_path: Path) -> None:
             "--workers",
             "2",
             "--spread",
-            "1,4",
+            "1,4,auto",
+            "--load-sample",
+            "3",
             "--json",
             str(out_json),
             "--quiet",
@@ -247,6 +249,7 @@ def test_scale_simulation_counts_what_dcpstore_sends(tmp_path: Path) -> None:
     every = json.loads(out_json.read_text())["points"]
     points = {p["ranks"]: p for p in every if p["extra"]["spread"] == 1}
     spread = {p["ranks"]: p["model"] for p in every if p["extra"]["spread"] == 4}
+    auto = {p["ranks"]: p for p in every if p["extra"]["spread"] == "auto"}
     one, four = points[1]["model"], points[4]["model"]
     # Each rank writes 2 files of 24 MiB, a batch of 48 MiB: under the budget's
     # two rounds (16 connections) each piece would be tiny, so every piece is
@@ -265,3 +268,19 @@ def test_scale_simulation_counts_what_dcpstore_sends(tmp_path: Path) -> None:
     assert spread[4]["requests"] == four["requests"] and spread[4]["prefixes"] == 5
     assert {p.rsplit("/", 2)[-2] for p in spread[4]["write_prefixes"]} >= {"p0", "p1", "p2", "p3"}
     assert spread[4]["busiest_write_requests"] * 4 <= four["busiest_write_requests"] + 8
+    # One ownership check per save, not per rank: the coordinator's one read
+    # of the marker is the write phase's only GET, at 4 ranks as at 40.
+    assert four["by_kind"]["GetObject"] == one["by_kind"]["GetObject"]
+    assert points[40]["model"]["busiest_read_requests"] == points[4]["model"]["busiest_read_requests"] == 1
+    # auto: the flat layout up to 16 ranks, then 16 ranks or fewer per prefix.
+    assert auto[4]["measured"]["spread_prefixes"] == 1 and auto[4]["model"]["prefixes"] == 1
+    assert auto[40]["measured"]["spread_prefixes"] == 4 and auto[40]["model"]["prefixes"] == 5
+    assert auto[40]["model"]["busiest_write_requests"] * 4 <= points[40]["model"]["busiest_write_requests"] + 8
+    # The load: every rank reads the commit and lists once, and reads its own
+    # files whole (sampled ranks for real, the others modelled on them).
+    for ranks, p in points.items():
+        load = p["load"]
+        assert load["metadata_gets"] == load["lists"] == ranks
+        assert load["data_bytes"] >= ranks * 48 * MiB
+        assert load["busiest_prefix"] == "run1/step100/" and load["busiest_rate"] > 0
+    assert auto[40]["load"]["busiest_data_rate"] < points[40]["load"]["busiest_data_rate"]

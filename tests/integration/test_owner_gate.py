@@ -7,7 +7,8 @@ were written; a file that fails keeps the rank's other files unpublished
 (and nothing hangs waiting for it). What it must save: the in-flight marker
 is read once per rank for the data (twice for NVRx, which writes under the
 final names: before and after), plus once by the commit, whatever the
-number of files.
+number of files. (Across ranks the check is shared, once per save:
+tests/processes/test_shared_owner_check.py.)
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ clean-up) treat the spread files as the checkpoint's own.
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import re
@@ -22,6 +23,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from hypothesis import given
 from hypothesis import strategies as st
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 import dcpstore
 from dcpstore._impl.dcp.liveness import alive_file
@@ -37,6 +39,7 @@ from dcpstore._impl.format.layout import (
     spread_file_prefix,
 )
 from dcpstore._impl.storage.backends.local import _TMP_MARK
+from dcpstore._impl.storage.storage_options import AUTO_RANKS_PER_PREFIX, MAX_SPREAD_PREFIXES, auto_spread_prefixes
 from dcpstore._impl.tools.maintenance import gc, list_checkpoints
 from dcpstore.storage import StorageOptions
 from tests.support.backends import Target
@@ -79,11 +82,29 @@ def test_the_ranks_of_one_round_fill_every_prefix_once(prefixes: int) -> None:
     assert len({spread_dir(r, prefixes) for r in range(prefixes)}) == prefixes
 
 
+@given(ranks=st.integers(1, 1 << 20))
+def test_the_auto_spread_keeps_at_most_16_ranks_on_a_prefix(ranks: int) -> None:
+    """A power of two, the fewest that leave 16 ranks or fewer on each
+    prefix, up to the most prefixes a save may spread over."""
+    spread = auto_spread_prefixes(ranks)
+    assert spread & (spread - 1) == 0 and spread <= MAX_SPREAD_PREFIXES
+    per_prefix = max(collections.Counter(spread_dir(r, spread) for r in range(min(ranks, 1 << 17))).values())
+    assert per_prefix <= AUTO_RANKS_PER_PREFIX or spread == MAX_SPREAD_PREFIXES
+    assert spread == 1 or ranks > AUTO_RANKS_PER_PREFIX * spread // 2
+
+
+@pytest.mark.parametrize(
+    "ranks, spread", [(1, 1), (16, 1), (17, 2), (1024, 64), (4096, 256), (16384, 1024), (1 << 20, 4096)]
+)
+def test_the_auto_spread_at_a_few_world_sizes(ranks: int, spread: int) -> None:
+    assert auto_spread_prefixes(ranks) == spread
+
+
 def test_one_prefix_is_the_stock_layout() -> None:
     assert spread_dir(5, 1) == "" and spread_file_prefix("__5_", 5, 1) == "__5_"
 
 
-@pytest.mark.parametrize("bad", [0, -1, 4097, 2.0, True, "16"])
+@pytest.mark.parametrize("bad", [0, -1, 4097, 2.0, True, "16", "AUTO"])
 def test_bad_spread_is_refused_naming_the_option(tmp_path: Any, bad: Any) -> None:
     with pytest.raises(dcpstore.InvalidArgument, match="spread_prefixes"):
         dcpstore.SaveOptions(spread_prefixes=bad)
@@ -154,6 +175,45 @@ def test_four_ranks_spread_over_four_prefixes(target: Target) -> None:
         plain = {"w": torch.zeros(96, 40), "rank3": torch.zeros(5)}
         dcp.load(plain, checkpoint_id=target.uri)
         assert torch.equal(plain["w"], FULL) and torch.equal(plain["rank3"], torch.full((5,), 3.0))
+
+
+def _save_by_hand(ranks: int, uri: str) -> None:
+    """``ranks`` ranks in this process, each with its own row of FULL,
+    through DCP's save protocol step by step (as ``dcp.save`` drives it,
+    each rank's calls on its own writer and planner), with every option at
+    its default."""
+    writers, planners, plans = [], [], []
+    for rank in range(ranks):
+        writer = dcpstore.StorageWriter(uri)
+        planner = DefaultSavePlanner()
+        planner.set_up_planner({f"row{rank}": FULL[rank].clone()}, is_coordinator=rank == 0)
+        writer.set_up_storage_writer(rank == 0, rank=rank)
+        plans.append(writer.prepare_local_plan(planner.create_local_plan()))
+        writers.append(writer)
+        planners.append(planner)
+    global_plans, metadata = planners[0].create_global_plan(plans)
+    global_plans = writers[0].prepare_global_plan(global_plans)
+    results = [
+        writers[r].write_data(planners[r].finish_plan(global_plans[r]), planners[r]).wait() for r in range(ranks)
+    ]
+    writers[0].finish(metadata, results)
+
+
+def test_an_auto_spread_save_of_40_ranks_loads_with_stock_dcp(tmp_path: Any) -> None:
+    """40 ranks spread over 4 prefixes by default (16 ranks per prefix at
+    most): rank r's file in p{r mod 4}/, recorded in .metadata, so stock
+    dcp.load reads every row back."""
+    uri = str(tmp_path / "ck")
+    _save_by_hand(40, uri)
+    dirs = {
+        os.path.relpath(d, uri): sorted(f.split("_")[2] for f in fs if f.endswith(".distcp"))
+        for d, _, fs in os.walk(uri)
+        if d != uri
+    }
+    assert dirs == {f"p{d}": sorted(str(r) for r in range(d, 40, 4)) for d in range(4)}
+    plain = {f"row{r}": torch.zeros(40) for r in range(40)}
+    dcp.load(plain, checkpoint_id=uri)
+    assert all(torch.equal(plain[f"row{r}"], FULL[r]) for r in range(40))
 
 
 def _on_disk(root: str) -> list[str]:

@@ -129,6 +129,8 @@ class FaultConfig:
 @dataclass
 class Stats:
     requests: Counter[str] = field(default_factory=Counter)
+    #: Requests by (kind, path without the query): which keys were asked for.
+    by_key: Counter[tuple[str, str]] = field(default_factory=Counter)
     faults: Counter[str] = field(default_factory=Counter)
     peak_inflight: Counter[str] = field(default_factory=Counter)
     #: Bytes of GetObject response bodies relayed, per object path (``/bucket/key``).
@@ -318,6 +320,7 @@ class FaultProxy:
                 action = self._draw(req)
                 with self._lock:
                     self.stats.requests[req.kind] += 1
+                    self.stats.by_key[(req.kind, urlsplit(req.target).path)] += 1
                 if action == "drop":
                     self._drop_mid_request(client, req, buf)
                     return

@@ -22,7 +22,13 @@ Save, as ``torch.distributed.checkpoint.save`` drives it::
                                         once every file is written, one check
                                         that the URI is still this save's
                                         (OwnerGate), then every file committed
-                                        (durable) on return
+                                        (durable) on return. On an object store,
+                                        where the writer knows DCP's process
+                                        group (``shares_owner_check``), that
+                                        check is one per save, not per rank:
+                                        every rank reports ready over the
+                                        group, the coordinator reads the
+                                        marker, every rank gets the outcome
     (coordinator) finish                runs only if *every* rank's write_data
                                         succeeded (DCP gathers the results):
                                         SaveSession.publish -- the commit files,
@@ -79,8 +85,15 @@ from dcpstore._impl.dcp.data_files import (
     write_stats,
 )
 from dcpstore._impl.dcp.failures import describe_failure
-from dcpstore._impl.dcp.liveness.owner_gate import OwnerGate, run_gated
-from dcpstore._impl.storage import Storage, backend_name, check_spread_prefixes, parse_uri
+from dcpstore._impl.dcp.liveness.owner_gate import OwnerGate, run_gated, run_shared_gated
+from dcpstore._impl.storage import (
+    AUTO_SPREAD,
+    Storage,
+    backend_name,
+    check_spread_prefixes,
+    parse_uri,
+    resolve_spread_prefixes,
+)
 from dcpstore._impl.util.distributed import is_distributed
 from dcpstore._impl.util.errors import CheckpointError, CheckpointExists, InvalidArgument, SaveError
 from dcpstore._impl.util.progress import NO_PROGRESS, Progress
@@ -107,6 +120,10 @@ class SaveToken(StoragePrefix):
     save_id: str = ""
     #: Whether the save writes save-unique names (the claim's choice).
     tagged: bool = False
+    #: How many ranks share one ownership check (the coordinator's choice,
+    #: :meth:`DcpStorageWriter.shared_check_ranks`): all it planned for,
+    #: over a group of exactly this size; 0: each rank checks its own.
+    shared_check_ranks: int = 0
 
 
 #: Why ``use_collectives=False`` is refused (DCP's rank-local metadata).
@@ -131,6 +148,10 @@ class _Save:
     stats: SaveStats = field(default_factory=SaveStats)
     #: The writer's ``commit_files`` when this save began.
     commit_files: Mapping[str, bytes] = field(default_factory=dict)
+    #: The ranks share one ownership check (:meth:`DcpStorageWriter.exchange_owner_check`).
+    shared_check: bool = False
+    #: This rank has joined that check's exchange (each rank joins it once).
+    exchanged: bool = False
 
     def release(self) -> None:
         if self.session is not None:
@@ -153,7 +174,8 @@ class DcpStorageWriter(StorageWriter):
     same name may be replaced between saves (each save takes the files
     the attribute holds when it begins). ``spread_prefixes``: the key
     prefixes the ranks' data files are spread over
-    (:attr:`dcpstore.SaveOptions.spread_prefixes`; 1: stock DCP's flat layout).
+    (:attr:`dcpstore.SaveOptions.spread_prefixes`; 1: stock DCP's flat layout;
+    ``"auto"``: from the number of ranks, :func:`auto_spread_prefixes`).
     Saves through one writer may overlap (see the module docstring).
     """
 
@@ -171,6 +193,14 @@ class DcpStorageWriter(StorageWriter):
     #: The ranks that plan together (decentralized planning asks this
     #: rank's place in it); None: the default group.
     process_group: dist.ProcessGroup | None = None
+    #: Whether :attr:`process_group` is the group DCP saves over, so that
+    #: the ranks may share one ownership check over it
+    #: (:meth:`exchange_owner_check`): :func:`save_state_dict` runs
+    #: ``dcp.save`` itself and sets it. Under a caller's own ``dcp.save``
+    #: the writer is not told DCP's group, and a collective over another
+    #: group could hang or interleave with the caller's, so each rank
+    #: checks for itself.
+    shares_owner_check: bool = False
 
     def __init__(
         self,
@@ -184,7 +214,7 @@ class DcpStorageWriter(StorageWriter):
         progress: Progress = NO_PROGRESS,
         save_id: str | None = None,
         commit_files: Mapping[str, bytes] | None = None,
-        spread_prefixes: int = 1,
+        spread_prefixes: int | str = AUTO_SPREAD,
     ) -> None:
         super().__init__()
         self.commit_files = dict(check_commit_files(commit_files))
@@ -284,7 +314,7 @@ class DcpStorageWriter(StorageWriter):
         # Each rank's prefix (``__{i}_`` as stock DCP, in its spread
         # directory); the coordinator's claim and its token too, unless the
         # session was claimed and shared before planning.
-        spread = self.spread_prefixes
+        spread = resolve_spread_prefixes(self.spread_prefixes, len(plans))
         if self.claims_before_planning:
             return [
                 dataclasses.replace(plan, storage_data=StoragePrefix(rank_prefix(i, spread)))
@@ -292,8 +322,9 @@ class DcpStorageWriter(StorageWriter):
             ]
         self.session.claim(self.overwrite)
         save_id, tagged = self.session.token
+        sharing = self.shared_check_ranks(len(plans))
         return [
-            dataclasses.replace(plan, storage_data=SaveToken(rank_prefix(i, spread), save_id, tagged))
+            dataclasses.replace(plan, storage_data=SaveToken(rank_prefix(i, spread), save_id, tagged, sharing))
             for i, plan in enumerate(plans)
         ]
 
@@ -303,8 +334,10 @@ class DcpStorageWriter(StorageWriter):
         the prefix)."""
         if not self.claims_before_planning:
             raise InvalidArgument("this writer's plans carry the save's token: plan them on the coordinator")
-        rank = dist.get_rank(self.process_group) if is_distributed() else 0
-        prefix = rank_prefix(rank, self.spread_prefixes)
+        rank, ranks = (
+            (dist.get_rank(self.process_group), dist.get_world_size(self.process_group)) if is_distributed() else (0, 1)
+        )
+        prefix = rank_prefix(rank, resolve_spread_prefixes(self.spread_prefixes, ranks))
         return dataclasses.replace(local_plan, storage_data=StoragePrefix(prefix))
 
     def claim_shared(self, wrapper: DistWrapper) -> None:
@@ -320,11 +353,17 @@ class DcpStorageWriter(StorageWriter):
         token = plan.storage_data
         if isinstance(token, SaveToken) and (token.save_id, token.tagged) != self.session.token:
             save.session = SaveSession(save.storage, token.save_id, token.tagged)  # a follower: the coordinator's save
-        self.progress.start(sum(item_nbytes(it) for it in plan.items))
+        save.shared_check = isinstance(token, SaveToken) and self.shares_check_among(token.shared_check_ranks)
+        save.exchanged = False
         future: Future[list[WriteResult]] = Future()
         try:
+            self.progress.start(sum(item_nbytes(it) for it in plan.items))
             results = self.write_files(self.named_buckets(plan), planner)
         except BaseException as e:  # DCP gathers exceptions across ranks
+            if save.shared_check and not save.exchanged:
+                # Failed before its files got anywhere: the other ranks wait for it in the exchange.
+                with contextlib.suppress(Exception):
+                    self.exchange_owner_check(False)
             self.release()
             future.set_exception(e)  # type: ignore[arg-type]  # torch's stub types it as the value
             return future
@@ -354,13 +393,63 @@ class DcpStorageWriter(StorageWriter):
         batch = sum(file_size_hint(items) for _, items in named)
         if self.writes_in_place:
             self.session.check_owner()
-        per_file = run_gated(
-            self.session.check_owner,
-            lambda nb, gate: self.write_file(storage, nb[0], nb[1], data_of, gate, batch),
-            named,
-            "dcpstore-write",
-        )
+
+        def work(nb: tuple[str, list[WriteItem]], gate: OwnerGate) -> list[WriteResult]:
+            return self.write_file(storage, nb[0], nb[1], data_of, gate, batch)
+
+        save = self._save()
+        if save.shared_check:
+
+            def exchange(ready: bool) -> BaseException | None:
+                save.exchanged = True
+                return self.exchange_owner_check(ready)
+
+            per_file = run_shared_gated(exchange, work, named, "dcpstore-write")
+        else:
+            per_file = run_gated(self.session.check_owner, work, named, "dcpstore-write")
         return [r for rs in per_file for r in rs]
+
+    # -- one ownership check per save ----------------------------------------
+    def shared_check_ranks(self, ranks: int) -> int:
+        """Coordinator: ``ranks`` where they may share one ownership check,
+        else 0. Only where every rank reaches the coordinator's storage by
+        the same name: an object store, not a directory of this machine's
+        filesystem, which may be each node's own (a tiered manager's node
+        directories, each with its node's marker, which the coordinator's
+        read would never see)."""
+        return ranks if self._save().storage.local_path() is None else 0
+
+    def shares_check_among(self, ranks: int) -> bool:
+        """Whether this save's ranks share one ownership check: the writer
+        knows DCP's group (:attr:`shares_owner_check`) and it holds exactly
+        the ``ranks`` the coordinator planned for (more than one)."""
+        if not (self.shares_owner_check and ranks > 1 and is_distributed()):
+            return False
+        return bool(dist.get_world_size(self.process_group) == ranks)
+
+    def exchange_owner_check(self, ready: bool) -> BaseException | None:
+        """Every rank, once per save, on DCP's thread (where the job's
+        collectives run): report whether this rank's files are ready to
+        publish (``ready``; False: one failed, which is reported through
+        DCP's gather as ever), then take the coordinator's outcome. The
+        coordinator checks the marker once every rank has reported, so the
+        one read follows the writing of every data file of the save and
+        precedes the publication of any. Returns the check's failure (the
+        coordinator's own exception there, a :class:`SaveError` naming it
+        elsewhere), or None."""
+        wrapper = DistWrapper(self.process_group, True, 0)
+        wrapper.gather_object(ready)
+        error: BaseException | None = None
+        said: str | None = None
+        if wrapper.is_coordinator:
+            try:
+                self.session.check_owner()
+            except BaseException as e:  # every rank waits in the broadcast below: it must be sent
+                error, said = e, describe_failure(e)
+        said = wrapper.broadcast_object(said)
+        if error is not None:
+            return error
+        return None if said is None else SaveError(f"{said} (checked by the coordinator)")
 
     # -- hooks: what a writer of another kind replaces ------------------------
     def bucket_items(self, items: Sequence[WriteItem]) -> list[list[WriteItem]]:
@@ -512,6 +601,7 @@ def save_state_dict(
         spread_prefixes=options.spread_prefixes,
         commit_files=commit_files,
     )
+    writer.process_group, writer.shares_owner_check = process_group, True  # dcp_save below saves over this group
     no_dist = not is_distributed()
     try:
         with ignoring(NO_DIST_WARNING) if no_dist else contextlib.nullcontext():

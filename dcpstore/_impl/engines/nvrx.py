@@ -169,7 +169,7 @@ class NvrxWriter(DcpStorageWriter):
         workers: int,
         process_group: Any = None,
         *,
-        spread_prefixes: int = 1,
+        spread_prefixes: int | str = "auto",
         commit_files: Mapping[str, bytes] | None = None,
     ) -> None:
         super().__init__(session.storage, workers=workers, spread_prefixes=spread_prefixes, commit_files=commit_files)
@@ -278,7 +278,7 @@ def nvrx_save(
     target: NvrxTarget | None = None,
     overwrite: bool = True,
     save_id: str | None = None,
-    spread_prefixes: int = 1,
+    spread_prefixes: int | str = "auto",
     commit_files: Mapping[str, bytes] | None = None,
 ) -> SaveStats:
     """One NVRx save of an already staged ``state_dict`` (see the module doc).

@@ -38,10 +38,18 @@ from dcpstore._impl.storage.backend_registry import (
 )
 from dcpstore._impl.storage.base import ObjectInfo, ObjectWriter, Storage
 from dcpstore._impl.storage.incomplete import IncompleteWrite
-from dcpstore._impl.storage.storage_options import MiB, StorageOptions, check_spread_prefixes
+from dcpstore._impl.storage.storage_options import (
+    AUTO_SPREAD,
+    MiB,
+    StorageOptions,
+    auto_spread_prefixes,
+    check_spread_prefixes,
+    resolve_spread_prefixes,
+)
 from dcpstore._impl.storage.uri import StorageURL, join_uri, parse_uri, redact
 
 __all__ = [
+    "AUTO_SPREAD",
     "BACKENDS",
     "BackendSpec",
     "IncompleteWrite",
@@ -52,11 +60,13 @@ __all__ = [
     "StorageOptions",
     "StorageURL",
     "backend_class",
+    "auto_spread_prefixes",
     "backend_name",
     "check_spread_prefixes",
     "join_uri",
     "open_storage",
     "parse_uri",
     "redact",
+    "resolve_spread_prefixes",
     "with_msc",
 ]

@@ -168,14 +168,59 @@ class StorageOptions:
 
 #: Most key prefixes a save may spread its data files over (3 hex digits).
 MAX_SPREAD_PREFIXES = 4096
+#: ``spread_prefixes="auto"`` (the default): as many prefixes as the number
+#: of ranks needs (:func:`auto_spread_prefixes`).
+AUTO_SPREAD = "auto"
+#: Ranks per key prefix that the automatic spread aims at, from the figures
+#: of ``benchmarks/scale_sim.py``'s model: a rank sends PUTs no faster than
+#: its :data:`DEFAULT_CONNECTIONS` connections, each busy for a round trip
+#: (20 ms) plus the smallest automatic part (:data:`AUTO_PART_MIN`, 8 MiB)
+#: at 80 MB/s: 16 / 0.125 s = 128 PUT/s (smaller files are single PUTs,
+#: ``workers`` of them per save: fewer). 16 such ranks send 2,048 PUT/s,
+#: under S3's 3,500 PUT/s per prefix with room for the retries of a 503.
+AUTO_RANKS_PER_PREFIX = 16
 
 
-def check_spread_prefixes(spread: Any) -> int:
-    """``spread`` if it is an int from 1 to :data:`MAX_SPREAD_PREFIXES`, else
+def check_spread_prefixes(spread: Any) -> int | str:
+    """``spread`` if it is ``"auto"`` or an int from 1 to
+    :data:`MAX_SPREAD_PREFIXES`, else
     :class:`~dcpstore._impl.util.errors.InvalidArgument` naming ``spread_prefixes``."""
+    if spread == AUTO_SPREAD and isinstance(spread, str):
+        return spread
     if not isinstance(spread, int) or isinstance(spread, bool) or not 1 <= spread <= MAX_SPREAD_PREFIXES:
-        raise InvalidArgument(f"spread_prefixes must be an int from 1 to {MAX_SPREAD_PREFIXES}, got {spread!r}")
+        raise InvalidArgument(
+            f"spread_prefixes must be 'auto' or an int from 1 to {MAX_SPREAD_PREFIXES}, got {spread!r}"
+        )
     return spread
+
+
+def auto_spread_prefixes(ranks: int) -> int:
+    """The prefixes ``ranks`` ranks spread their data files over by
+    default: the fewest, a power of two, that leave at most
+    :data:`AUTO_RANKS_PER_PREFIX` ranks on each (1 -- stock DCP's flat
+    layout -- up to 16 ranks; 1,024 at 16,384; at most
+    :data:`MAX_SPREAD_PREFIXES`).
+
+    This assumes what S3 documents and does: its request rates are per
+    partition of the key space, and it splits a partition under sustained
+    load at the characters where keys differ, so that each spread
+    directory (``p{d}/``, the fastest-changing hex digit first:
+    :mod:`dcpstore._impl.format.layout`) becomes a partition of its own
+    once a job has checkpointed that layout for some minutes. Until then
+    the new directories share their parent's partition and S3 answers
+    ``503 SlowDown``, which the backend retries with backoff. A power of
+    two keeps the digits of consecutive spreads aligned, so a job that
+    grows keeps the partitions it already has."""
+    spread = 1
+    while spread * AUTO_RANKS_PER_PREFIX < ranks and spread < MAX_SPREAD_PREFIXES:
+        spread *= 2
+    return spread
+
+
+def resolve_spread_prefixes(spread: int | str, ranks: int) -> int:
+    """The number of prefixes a save of ``ranks`` ranks spreads over when
+    asked for ``spread`` (an int: that; ``"auto"``: :func:`auto_spread_prefixes`)."""
+    return auto_spread_prefixes(ranks) if spread == AUTO_SPREAD else int(spread)
 
 
 #: Writer/reader threads per rank on an object store (see Storage.default_workers).

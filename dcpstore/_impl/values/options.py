@@ -316,7 +316,12 @@ class SaveOptions(_Where):
             reversed}/``; :mod:`dcpstore._impl.format.layout`), so that many ranks
             writing one checkpoint do not all hit one object-store
             partition's request limit (S3: about 3,500 PUT/s per prefix).
-            1 (default): stock DCP's flat layout. Loads read either layout.
+            ``"auto"`` (default): as many as the number of ranks needs, a
+            power of two leaving at most 16 ranks on each prefix
+            (:func:`~dcpstore._impl.storage.storage_options.auto_spread_prefixes`:
+            1, stock DCP's flat layout, up to 16 ranks; 1,024 at 16,384);
+            an int: that many (1: always the flat layout). Loads read
+            either layout.
         save_id: the save id the commit records, 16 hex digits, for a
             caller that must know it before the save starts (a tiered
             manager with node-local directories); ``None``: a fresh one.
@@ -331,7 +336,7 @@ class SaveOptions(_Where):
     max_in_flight: int | None = None
     overwrite: bool = True
     progress: bool = False
-    spread_prefixes: int = 1
+    spread_prefixes: int | str = "auto"
     save_id: str | None = None
 
     def __post_init__(self) -> None:
