@@ -30,10 +30,12 @@ What is real and what is a model:
   a broadcast over the process group): here the coordinator writes last
   and makes the check, and the others take its outcome without a request,
   which is what the exchange sends S3. A load reads every rank's
-  ``.metadata`` for real up to ``--load-sample`` ranks (and the
+  data files for real up to ``--load-sample`` ranks (and the
   coordinator's); past that, the other ranks' requests are a sampled
   rank's with their own file names, as every rank but the coordinator
-  loads alike (each reads the commit and its own files).
+  loads alike. The commit (``.metadata``, the manifest, one listing) is
+  read by the coordinator alone and handed to the others
+  (``DcpStorageReader.share_commit``: a broadcast over the process group).
 
 Per N (and per ``--spread``: ``SaveOptions.spread_prefixes``, ``auto`` by
 default, rank files spread over that many key prefixes) it reports the
@@ -446,8 +448,9 @@ def simulate_load(
     spread: int,
 ) -> tuple[Recorder, dict[str, Any]]:
     """Every rank loading the keys it saved, through dcpstore's reader as
-    ``dcpstore.load`` drives it (the commit read and the destination check,
-    DCP's plans, ``read_data``), verified. The ``sampled`` ranks run for
+    ``dcpstore.load`` drives it (the commit read on the coordinator, handed
+    to the others as ``share_commit`` does; the destination check, DCP's
+    plans, ``read_data``), verified. The ``sampled`` ranks run for
     real; each other rank's requests are the first sampled non-coordinator
     rank's, with that rank's file names and spread directory swapped for
     its own (``spread``: the save's spread prefixes). Returns the requests
@@ -463,6 +466,10 @@ def simulate_load(
         dest = {f"rank{rank}.{k}": torch.empty_like(v) for k, v in state.items()}
         rec.phase = "meta"
         c0 = time.process_time()
+        if rank == sampled[0]:  # DcpStorageReader.share_commit: the coordinator reads, the others take it
+            shared = reader.commit_for_sharing()
+        else:
+            reader.take_commit(shared)
         reader.check_destination(dest)
         metadata = reader.read_metadata()
         reader.set_up_storage_reader(metadata, rank == 0)

@@ -1,6 +1,7 @@
 """Read once per job: what several ranks load is fetched from storage once.
 
-Four gloo ranks load from S3 (moto behind the counting proxy): the bytes of
+Four gloo ranks load from S3 (moto behind the counting proxy): the commit's
+reads (once per job), and the bytes of
 data files fetched from the endpoint, against the bytes stored, for states
 whose items every rank (plain tensors, objects) or every replica (HSDP's
 DTensors) loads, saved by dcpstore or by stock DCP. And the failures: a
@@ -120,10 +121,18 @@ def test_each_stored_byte_is_fetched_once_per_job(
         for f in tmp_path.iterdir():
             client.put_object(Bucket=s3_endpoint.bucket, Key=f"{prefix}/{f.name}", Body=f.read_bytes())
     proxy.stats.got.clear()
+    proxy.stats.by_key.clear()
+    proxy.stats.requests.clear()
     run_ranks(_load, WORLD, uri, kind)
     fetched, stored = _fetched_and_stored(s3_endpoint, proxy, prefix)
     # Without sharing: 4.00x (plain: every rank reads every item) and 2.00x (hsdp: each shard by 2 replicas).
     assert stored > 0 and fetched / stored <= 1.05, (fetched, stored)
+    # The commit too is read once per job, not once per rank: .metadata, the manifest, one listing.
+    commit_reads = {key: n for (kind_, key), n in proxy.stats.by_key.items() if kind_ == "GetObject" and "/." in key}
+    metadata_key = f"/{s3_endpoint.bucket}/{prefix}/.metadata"
+    assert commit_reads.get(metadata_key) == 1, commit_reads
+    assert all(n == 1 for n in commit_reads.values()), commit_reads
+    assert proxy.stats.requests["ListObjectsV2"] == 1, proxy.stats.requests
 
 
 def _load_damaged(rank: int, world_size: int, uri: str, kind: str) -> None:

@@ -95,14 +95,17 @@ def load_state_dict(
 def _load_once(state_dict: dict[str, Any], reader: DcpStorageReader, options: LoadOptions) -> LoadStats:
     """One try of :func:`load_state_dict`."""
     t0 = time.perf_counter()
+    no_dist = not is_distributed()
     try:
+        if not no_dist:
+            # One commit read per job; a failure of it raises alike on every rank, before any other collective.
+            reader.share_commit(options.process_group)
         reader.check_destination(state_dict)
     except RETRIED as e:
-        if reader.replaced():  # decided here, before any collective: the commit read is each rank's own
+        if no_dist and reader.replaced():  # shared: the coordinator decided, for every rank
             vars(e)[REPLACED] = True
         raise
     t_read = time.perf_counter()
-    no_dist = not is_distributed()
     try:
         with ignoring(NO_DIST_WARNING) if no_dist else contextlib.nullcontext():
             dcp_load(
