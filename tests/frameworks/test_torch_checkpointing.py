@@ -16,8 +16,6 @@ saving over a checkpoint refuses and keeps it.
 
 from __future__ import annotations
 
-import os
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -37,9 +35,10 @@ from torch_checkpointing.default_resharder import DefaultResharder
 
 from dcpstore import CheckpointCorrupt
 from dcpstore.adapters.torch_checkpointing import COMMIT_FILE, DcpstoreStorageConfig
+from tests.support.backends import Target, make_target
 from tests.support.dist_utils import run_ranks
 from tests.support.faultproxy import FaultConfig, FaultProxy, Request, s3_error
-from tests.support.s3_server import S3Endpoint, s3_endpoint  # noqa: F401
+from tests.support.s3_server import S3Endpoint
 
 ROWS, COLS = 8, 3
 
@@ -48,22 +47,22 @@ def _full() -> torch.Tensor:
     return torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS) / 7
 
 
-def _manager(uri: str, async_: bool = False, *, reshard: bool = True, **config: Any) -> CheckpointManager:
+def _manager(target: Target, async_: bool = False, *, reshard: bool = True, **config: Any) -> CheckpointManager:
     items = {"model": ItemSpec(resharder=DefaultResharder())} if reshard else {}
     return CheckpointManager(
         CheckpointManager.Config(
             items=items,
             save=AsyncCheckpointSaverConfig() if async_ else SyncCheckpointSaverConfig(),
-            storage_config=DcpstoreStorageConfig(uri),
+            storage_config=DcpstoreStorageConfig(target.uri, **target.kwargs),
             **config,
         )
     )
 
 
-def _save_then_load(rank: int, world: int, uri: str, async_: bool) -> None:
+def _save_then_load(rank: int, world: int, target: Target, async_: bool) -> None:
     """Each rank saves its own rows and a value of its own, then reads them back."""
     mine = _full().chunk(world)[rank].clone()
-    manager = _manager(uri, async_, reshard=False)
+    manager = _manager(target, async_, reshard=False)
     try:
         future = manager.save("step_1", {"model": {"w": mine}, "rank": torch.tensor([rank, 10 + rank])})
         assert (future is None) != async_
@@ -77,13 +76,13 @@ def _save_then_load(rank: int, world: int, uri: str, async_: bool) -> None:
     assert torch.equal(out["rank"], torch.tensor([rank, 10 + rank]))
 
 
-def _load_resharded(rank: int, world: int, uri: str, step: int) -> None:
+def _load_resharded(rank: int, world: int, target: Target, step: int) -> None:
     """Load ``step``'s ``model.w`` into a DTensor sharded over this group."""
     mesh = init_device_mesh("cpu", (world,))
-    target = distribute_tensor(torch.zeros(ROWS, COLS), mesh, [Shard(0)])
-    manager = _manager(uri)
+    into = distribute_tensor(torch.zeros(ROWS, COLS), mesh, [Shard(0)])
+    manager = _manager(target)
     try:
-        out = manager.load(f"step_{step}", into={"model": {"w": target}})
+        out = manager.load(f"step_{step}", into={"model": {"w": into}})
     finally:
         manager.close()
     assert isinstance(out["model"]["w"], DTensor)
@@ -91,29 +90,37 @@ def _load_resharded(rank: int, world: int, uri: str, step: int) -> None:
     assert torch.equal(out["model"]["w"].full_tensor(), _full())
 
 
-def _save_sharded(rank: int, world: int, uri: str) -> None:
+def _save_sharded(rank: int, world: int, target: Target) -> None:
     mesh = init_device_mesh("cpu", (world,))
-    manager = _manager(uri)
+    manager = _manager(target)
     try:
         manager.save("step_2", {"model": {"w": distribute_tensor(_full(), mesh, [Shard(0)])}})
     finally:
         manager.close()
 
 
-@pytest.fixture(params=["local", "s3"])
-def root(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "local":
-        return str(tmp_path / "ckpt")
-    endpoint: S3Endpoint = request.getfixturevalue("s3_endpoint")
-    return f"s3://{endpoint.bucket}/torch-checkpointing/{uuid.uuid4().hex}"
+#: Every backend for one process; ranks are processes, and ``memory://``
+#: is one process's memory.
+ONE_PROCESS = ["local", "s3", "msc", "memory"]
+RANKS = ["local", "s3", "msc"]
+
+
+@pytest.fixture(params=RANKS)
+def root(request: pytest.FixtureRequest) -> Target:
+    return make_target(request.param, request)
+
+
+@pytest.fixture(params=ONE_PROCESS)
+def any_root(request: pytest.FixtureRequest) -> Target:
+    return make_target(request.param, request)
 
 
 @pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
-def test_two_ranks_save_and_load(root: str, async_: bool) -> None:
+def test_two_ranks_save_and_load(root: Target, async_: bool) -> None:
     run_ranks(_save_then_load, 2, root, async_)
 
 
-def test_resharded_load_saved_on_one_loaded_on_two(root: str) -> None:
+def test_resharded_load_saved_on_one_loaded_on_two(root: Target) -> None:
     # torch_checkpointing writes resharding metadata only for items with a
     # resharder, and one process needs no collective to gather it.
     manager = _manager(root)
@@ -130,7 +137,7 @@ def test_resharded_load_saved_on_one_loaded_on_two(root: str) -> None:
     "(metadata_manager.py: _all_gather_pickled_data, device='cuda'), so a save on 2 ranks with a "
     "resharder needs CUDA",
 )
-def test_resharded_load_saved_on_two_loaded_on_one(root: str) -> None:
+def test_resharded_load_saved_on_two_loaded_on_one(root: Target) -> None:
     run_ranks(_save_sharded, 2, root)
     run_ranks(_load_resharded, 1, root, 2)
 
@@ -138,16 +145,16 @@ def test_resharded_load_saved_on_two_loaded_on_one(root: str) -> None:
 # -- one process: torch_checkpointing runs as a single rank without a group ----
 
 
-def _save_step(uri: str, step: int, value: float, **config: Any) -> None:
-    manager = _manager(uri, **config)
+def _save_step(target: Target, step: int, value: float, **config: Any) -> None:
+    manager = _manager(target, **config)
     try:
         manager.save(f"step_{step}", {"model": {"w": torch.full((4,), value)}})
     finally:
         manager.close()
 
 
-def _load_step(uri: str, step: int) -> torch.Tensor:
-    manager = _manager(uri)
+def _load_step(target: Target, step: int) -> torch.Tensor:
+    manager = _manager(target)
     try:
         out = manager.load(f"step_{step}", into={"model": {"w": torch.zeros(4)}})
     finally:
@@ -157,35 +164,46 @@ def _load_step(uri: str, step: int) -> torch.Tensor:
     return w
 
 
-def _damage(root: str, key: str, endpoint: S3Endpoint | None) -> None:
-    """Flip one byte in the middle of ``key`` under ``root``."""
-    if endpoint is None:
-        path = os.path.join(root, key)
-        data = bytearray(Path(path).read_bytes())
-        data[len(data) // 2] ^= 0x01
-        Path(path).write_bytes(bytes(data))
-        return
-    client = endpoint.client()
-    object_key = f"{root.split('/', 3)[3]}/{key}"
-    data = bytearray(client.get_object(Bucket=endpoint.bucket, Key=object_key)["Body"].read())
-    data[len(data) // 2] ^= 0x01
-    client.put_object(Bucket=endpoint.bucket, Key=object_key, Body=bytes(data))
+def _flip(data: bytes) -> bytes:
+    damaged = bytearray(data)
+    damaged[len(damaged) // 2] ^= 0x01
+    return bytes(damaged)
 
 
-def test_a_damaged_byte_is_caught_on_load(root: str, request: pytest.FixtureRequest) -> None:
-    endpoint = request.getfixturevalue("s3_endpoint") if root.startswith("s3://") else None
-    _save_step(root, 1, 1.5)
-    assert torch.equal(_load_step(root, 1), torch.full((4,), 1.5))
-    _damage(root, "step_1/model_0.pt", endpoint)
+def _damage(target: Target, key: str, request: pytest.FixtureRequest) -> None:
+    """Flip one byte in the middle of ``key`` under the target, behind dcpstore's back."""
+    if target.name == "local":
+        path = Path(target.uri, key)
+        path.write_bytes(_flip(path.read_bytes()))
+    elif target.name == "memory":
+        import fsspec
+
+        with fsspec.open(f"{target.uri}/{key}", "rb") as f:
+            data = f.read()
+        with fsspec.open(f"{target.uri}/{key}", "wb") as f:
+            f.write(_flip(data))
+    else:  # s3://bucket/prefix, or msc://profile/prefix whose profile is the bucket
+        endpoint: S3Endpoint = request.getfixturevalue("s3_endpoint")
+        object_key = f"{target.uri.split('/', 3)[3]}/{key}"
+        client = endpoint.client()
+        data = client.get_object(Bucket=endpoint.bucket, Key=object_key)["Body"].read()
+        client.put_object(Bucket=endpoint.bucket, Key=object_key, Body=_flip(data))
+
+
+def test_a_damaged_byte_is_caught_on_load(any_root: Target, request: pytest.FixtureRequest) -> None:
+    _save_step(any_root, 1, 1.5)
+    assert torch.equal(_load_step(any_root, 1), torch.full((4,), 1.5))
+    _damage(any_root, "step_1/model_0.pt", request)
     with pytest.raises(CheckpointCorrupt, match=r"step_1/model_0\.pt.*CRC32C"):
-        _load_step(root, 1)
+        _load_step(any_root, 1)
 
 
 def _fail(args: Any) -> None:
     raise RuntimeError("pre-finalize refused")
 
 
-def test_failed_save_and_save_over_keep_the_previous_checkpoint(root: str) -> None:
+def test_failed_save_and_save_over_keep_the_previous_checkpoint(any_root: Target) -> None:
+    root = any_root
     _save_step(root, 1, 1.0)
     # Every file of step_2 written, then the save fails before its commit.
     with pytest.raises(RuntimeError, match="pre-finalize refused"):
@@ -203,9 +221,9 @@ def _commit_put(req: Request) -> bool:
 
 
 def test_a_commit_cut_short_on_s3_leaves_no_checkpoint(
-    s3_endpoint: S3Endpoint, monkeypatch: pytest.MonkeyPatch
+    s3_endpoint: S3Endpoint, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
 ) -> None:
-    root = f"s3://{s3_endpoint.bucket}/torch-checkpointing/{uuid.uuid4().hex}"
+    root = make_target("s3", request)
     _save_step(root, 1, 1.0)
     # Every file of step_2 is copied to its final name; then the commit
     # record's PUT is refused (403: not retried), as if the saver died there.
@@ -218,7 +236,7 @@ def test_a_commit_cut_short_on_s3_leaves_no_checkpoint(
             _save_step(root, 2, 2.0)
         assert proxy.stats.requests["PutObject"] > 0
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint.url)
-    listing = s3_endpoint.client().list_objects_v2(Bucket=s3_endpoint.bucket, Prefix=root.split("/", 3)[3] + "/")
+    listing = s3_endpoint.client().list_objects_v2(Bucket=s3_endpoint.bucket, Prefix=root.uri.split("/", 3)[3] + "/")
     keys = [o["Key"] for o in listing["Contents"]]
     assert any(k.endswith("/step_2/model_0.pt") for k in keys)  # the copy did land
     with pytest.raises(CheckpointCorrupt, match=r"step_2/\S+ has no checksum record"):

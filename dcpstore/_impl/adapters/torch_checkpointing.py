@@ -315,20 +315,25 @@ class DcpstoreStorage(TCStorage):
             os.close(fd)
 
     def _copy_verified(self, src: str, dst: str, record: dict[str, Any]) -> None:
+        size = int(record["size"])
+        if self.dcp.size(src) != size:
+            raise CheckpointCorrupt(f"{self.dcp.describe(src)}: {self.dcp.size(src)} bytes, recorded {size} bytes")
         crc, offset = 0, 0
-        with self.dcp.open_write(dst, size_hint=int(record["size"])) as writer:
-            while True:
-                chunk = self.dcp.read_range(src, offset, COPY_CHUNK)
+        with self.dcp.open_write(dst, size_hint=size) as writer:
+            # Stop at the recorded size: a range past the end is an error on
+            # some stores (MSC answers 416), not an empty read.
+            while offset < size:
+                chunk = self.dcp.read_range(src, offset, min(COPY_CHUNK, size - offset))
                 if not chunk:
                     break
                 crc = crc32c.crc32c(chunk, crc)
                 writer.write(chunk)
                 offset += len(chunk)
-            if offset != record["size"] or f"{crc:08x}" != record["crc32c"]:
+            if offset != size or f"{crc:08x}" != record["crc32c"]:
                 # Raised inside the writer's block: the copy is discarded.
                 raise CheckpointCorrupt(
                     f"{self.dcp.describe(src)}: {offset} bytes with CRC32C {crc:08x}, recorded "
-                    f"{record['size']} bytes with CRC32C {record['crc32c']}"
+                    f"{size} bytes with CRC32C {record['crc32c']}"
                 )
 
     def _rename_file(self, src: str, dst: str, src_name: str, dst_name: str) -> None:
