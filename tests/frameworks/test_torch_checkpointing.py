@@ -242,3 +242,49 @@ def test_a_commit_cut_short_on_s3_leaves_no_checkpoint(
     with pytest.raises(CheckpointCorrupt, match=r"step_2/\S+ has no checksum record"):
         _load_step(root, 2)
     assert torch.equal(_load_step(root, 1), torch.full((4,), 1.0))
+
+
+# -- torch_checkpointing's rename table (Storage.rename's docstring), through the storage --
+
+
+def test_rename_keeps_torch_checkpointings_table(any_root: Target) -> None:
+    storage = DcpstoreStorageConfig(any_root.uri, **any_root.kwargs).create_storage()
+    try:
+        for name, data in [("src/a.bin", b"A" * 10), ("src/sub/b.bin", b"B" * 3), ("old/x.bin", b"X")]:
+            storage.mkdir(Path(name).parent)
+            storage.write(Path(name), data)
+
+        # A directory onto a populated one raises and touches neither.
+        with pytest.raises(FileExistsError, match=r"src.*onto.*old"):
+            storage.rename(Path("src"), Path("old"), is_directory=True)
+        assert storage.ls(Path("src")) == ["a.bin", "sub"]
+        assert storage.read(Path("old/x.bin")) == b"X"
+
+        # Onto an absent one: the contents land at the destination, the source goes.
+        storage.rename(Path("src"), Path("dst"), is_directory=True)
+        assert not storage.exists(Path("src"))
+        assert storage.ls(Path("dst")) == ["a.bin", "sub"]
+        assert storage.read(Path("dst/sub/b.bin")) == b"B" * 3
+        assert storage.glob("d*") == ["dst"]
+
+        # A directory onto a file raises.
+        storage.write(Path("file.bin"), b"F")
+        storage.mkdir(Path("src2"))
+        storage.write(Path("src2/c.bin"), b"C")
+        with pytest.raises(FileExistsError):
+            storage.rename(Path("src2"), Path("file.bin"), is_directory=True)
+        assert storage.read(Path("file.bin")) == b"F"
+
+        # A file onto a file replaces it; onto a populated directory raises.
+        storage.write(Path("new.bin"), b"new")
+        storage.rename(Path("new.bin"), Path("file.bin"))
+        assert storage.read(Path("file.bin")) == b"new" and not storage.exists(Path("new.bin"))
+        with pytest.raises(FileExistsError):
+            storage.rename(Path("file.bin"), Path("dst"))
+        assert storage.read(Path("dst/a.bin")) == b"A" * 10
+
+        # Leaving the root is refused, naming the path.
+        with pytest.raises(OSError, match=r"\.\./escape"):
+            storage.write(Path("../escape"), b"no")
+    finally:
+        storage.close()

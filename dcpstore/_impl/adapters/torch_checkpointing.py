@@ -160,7 +160,9 @@ class DcpstoreStorage(TCStorage):
     def _under(self, key: str) -> Iterator[str]:
         prefix = key + "/" if key else ""
         for info in self.dcp.list(key):
-            yield info["path"][len(prefix) :]
+            # A backend may list the object ``key`` itself: a file is no folder.
+            if info["path"].startswith(prefix):
+                yield info["path"][len(prefix) :]
 
     # -- reading -------------------------------------------------------------------
     def _expected(self, key: str) -> dict[str, Any]:
@@ -290,7 +292,13 @@ class DcpstoreStorage(TCStorage):
             # A local directory renames atomically: the record goes in first,
             # so the directory appears complete, with it, or not at all.
             self.dcp.put(f"{src}/{COMMIT_FILE}", commit)
-            self._rename_local(os.path.join(local, src), os.path.join(local, dst), src, dst)
+            try:
+                self._rename_local(os.path.join(local, src), os.path.join(local, dst), src, dst)
+            except BaseException:
+                # The staging folder is not committed: a retry writes into it
+                # again, and a stale record would refuse its new files.
+                self.dcp.delete([f"{src}/{COMMIT_FILE}"])
+                raise
             return
         # An object store has no rename: each file is copied (and checked
         # against its record on the way), then the record is written last.
