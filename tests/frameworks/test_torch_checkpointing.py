@@ -16,6 +16,7 @@ saving over a checkpoint refuses and keeps it.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -286,5 +287,22 @@ def test_rename_keeps_torch_checkpointings_table(any_root: Target) -> None:
         # Leaving the root is refused, naming the path.
         with pytest.raises(OSError, match=r"\.\./escape"):
             storage.write(Path("../escape"), b"no")
+    finally:
+        storage.close()
+
+
+def test_an_unfinished_write_leaves_nothing(any_root: Target) -> None:
+    storage = DcpstoreStorageConfig(any_root.uri, **any_root.kwargs).create_storage()
+    try:
+        storage.mkdir(Path("d"))
+        with pytest.raises(RuntimeError, match="boom"), storage.stream_write(Path("d/f.bin")) as f:
+            f.write(b"partial")
+            raise RuntimeError("boom")
+        dropped = storage.stream_write(Path("d/g.bin"))
+        dropped.write(b"partial")
+        del dropped
+        gc.collect()
+        storage.write(Path("d/h.bin"), b"whole")
+        assert storage.ls(Path("d")) == ["h.bin"]
     finally:
         storage.close()

@@ -117,7 +117,15 @@ class _WriteStream(io.RawIOBase):
     def abort(self) -> None:
         if not self.closed:
             io.RawIOBase.close(self)
-            self._writer.abort()
+            # Absent when open_write itself refused (a path outside the root).
+            writer: ObjectWriter | None = getattr(self, "_writer", None)
+            if writer is not None:
+                writer.abort()
+
+    def __del__(self) -> None:
+        # IOBase's would close, i.e. commit whatever was written: a stream
+        # dropped without close() was not finished.
+        self.abort()
 
     def __exit__(
         self,
