@@ -39,7 +39,7 @@ from dcpstore.adapters.torch_checkpointing import COMMIT_FILE, DcpstoreStorageCo
 from tests.support.backends import Target, make_target
 from tests.support.dist_utils import run_ranks
 from tests.support.faultproxy import FaultConfig, FaultProxy, Request, s3_error
-from tests.support.s3_server import S3Endpoint
+from tests.support.s3_server import FAKE_KEY_ID, FAKE_SECRET, S3Endpoint
 
 ROWS, COLS = 8, 3
 
@@ -233,9 +233,16 @@ def test_a_commit_cut_short_on_s3_leaves_no_checkpoint(
     )
     with FaultProxy(s3_endpoint.url, FaultConfig(answer=refuse)) as proxy:
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
-        with pytest.raises(Exception, match=COMMIT_FILE.replace(".", r"\.")):
+        with pytest.raises(Exception, match=COMMIT_FILE.replace(".", r"\.")) as refused:
             _save_step(root, 2, 2.0)
         assert proxy.stats.requests["PutObject"] > 0
+    # The refusal names the object, never the credentials that were refused.
+    chain = []
+    error: BaseException | None = refused.value
+    while error is not None:
+        chain.append(f"{type(error).__name__}: {error}")
+        error = error.__cause__ or error.__context__
+    assert not any(secret in text for text in chain for secret in (FAKE_SECRET, FAKE_KEY_ID)), chain
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint.url)
     listing = s3_endpoint.client().list_objects_v2(Bucket=s3_endpoint.bucket, Prefix=root.uri.split("/", 3)[3] + "/")
     keys = [o["Key"] for o in listing["Contents"]]
