@@ -12,8 +12,9 @@ dcpstore backend (a local path, ``s3://``, ``msc://``, an fsspec URL)::
     ))
     manager.save("step_100", {"model": model.state_dict()})   # s3://bucket/run1/step_100
 
-Checkpoint ids are relative to the ``uri`` (one that leaves it, absolute
-or with ``..``, is refused naming it).
+Checkpoint ids are relative to the ``uri`` or spelt from it
+(``"s3://bucket/run1/step_100"``, or for a local root its absolute path);
+one that leaves it (another absolute path, ``..``) is refused naming it.
 
 **The commit.** torch_checkpointing commits a save by writing every rank's
 files under ``tmp_<id>``, meeting at a barrier, and then renaming that

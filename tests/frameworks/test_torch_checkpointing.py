@@ -313,3 +313,23 @@ def test_an_unfinished_write_leaves_nothing(any_root: Target) -> None:
         assert storage.ls(Path("d")) == ["h.bin"]
     finally:
         storage.close()
+
+
+def test_ids_spelt_from_the_root(any_root: Target) -> None:
+    # torch_checkpointing's own examples name checkpoints by full path.
+    _save_step(any_root, 1, 4.0)
+    manager = _manager(any_root)
+    try:
+        out = manager.load(f"{any_root.uri}/step_1", into={"model": {"w": torch.zeros(4)}})
+        manager.save(f"{any_root.uri}/step_2", {"model": {"w": torch.full((4,), 5.0)}})
+    finally:
+        manager.close()
+    assert torch.equal(out["model"]["w"], torch.full((4,), 4.0))
+    assert torch.equal(_load_step(any_root, 2), torch.full((4,), 5.0))
+    storage = DcpstoreStorageConfig(any_root.uri, **any_root.kwargs).create_storage()
+    try:
+        assert storage.ls(Path(any_root.uri)) == ["step_1", "step_2"]
+        with pytest.raises(OSError, match="/elsewhere/step_1"):
+            storage.write(Path("/elsewhere/step_1"), b"no")
+    finally:
+        storage.close()

@@ -145,6 +145,15 @@ class DcpstoreStorage(TCStorage):
     def __init__(self, uri: str, *, enable_msc: bool = False, storage_options: StorageOptions | None = None) -> None:
         self.dcp: DcpStorage = open_storage(uri, enable_msc=enable_msc, storage_options=storage_options)
         self._rename_lock = threading.Lock()
+        # The spellings of the root an id may start with: the URI as given,
+        # as pathlib leaves it (``Path("s3://b/x")`` is ``s3:/b/x``), and the
+        # local directory it is. torch_checkpointing passes every id through
+        # Path, so the URI's ``//`` is gone by the time it reaches us.
+        root = uri.rstrip("/")
+        self._roots = {root, str(PurePosixPath(root)), root.replace("://", ":/", 1)}
+        local = self.dcp.local_path()
+        if local is not None:
+            self._roots.add(os.path.abspath(local).rstrip("/") or "/")
 
     # Every full read is verified, so each stream reads its file whole: one
     # stream per file, not one per range.
@@ -157,12 +166,21 @@ class DcpstoreStorage(TCStorage):
 
     # -- paths -------------------------------------------------------------------
     def _key(self, path: Path | str) -> str:
-        """The key under the root; dcpstore refuses one that leaves it
-        (absolute, ``..``) naming it."""
-        parts = [p for p in PurePosixPath(str(path)).parts if p not in (".", "")]
+        """The key under the root of ``path``: relative to the root, or
+        spelt from it (the URI, or the local directory). dcpstore refuses one
+        that leaves it (another absolute path, ``..``) naming it."""
+        spelt = str(path)
+        for root in self._roots:
+            if spelt == root:
+                return ""
+            if spelt.startswith(root.rstrip("/") + "/"):
+                spelt = spelt[len(root.rstrip("/")) + 1 :]
+                break
+        parts = [p for p in PurePosixPath(spelt).parts if p not in (".", "")]
         if parts and parts[0] == "/":
-            # Left for dcpstore's containment check to refuse, by name.
-            return str(path)
+            # Outside the root: left for dcpstore's containment check to
+            # refuse, by name.
+            return spelt
         return "/".join(parts)
 
     def _under(self, key: str) -> Iterator[str]:
