@@ -1,6 +1,7 @@
 """torch_checkpointing 0.1.1's own ``CheckpointManager`` on dcpstore
 (:class:`dcpstore.adapters.torch_checkpointing.DcpstoreStorageConfig`), on a
-local directory and on S3 (moto over HTTP).
+local directory, S3 and MSC (moto over HTTP), and fsspec's ``memory://``
+where one process suffices.
 
 Two gloo ranks each save their own rows and a value of their own, sync and
 async (torch_checkpointing's checkpoint process), and load them back; a
@@ -8,10 +9,14 @@ checkpoint saved by one process loads resharded into a DTensor sharded over
 two ranks (through torch_checkpointing's offset reads); every value is
 compared exactly. Saving on two ranks with a resharder needs CUDA in
 torch_checkpointing 0.1.1 (it gathers the metadata in a CUDA tensor), so the
-save-on-2, load-on-1 case runs only where CUDA is. A damaged byte in a committed file fails
-the load naming the file; a save that fails before or during its commit
-leaves the previous checkpoint loadable and the failed one unloadable, and
-saving over a checkpoint refuses and keeps it.
+save-on-2, load-on-1 case runs only where CUDA is.
+
+A damaged byte in a committed file fails the load naming the file; a save
+that fails before its commit, or (S3) whose commit record is refused after
+every file was copied, leaves the previous checkpoint loadable and the
+failed one unloadable; saving over a checkpoint refuses and keeps it. The
+storage itself keeps torch_checkpointing's rename table, discards a write
+that did not finish, and takes ids spelt from the root URI.
 """
 
 from __future__ import annotations
