@@ -299,6 +299,15 @@ def test_rename_keeps_torch_checkpointings_table(any_root: Target) -> None:
         # Leaving the root is refused, naming the path.
         with pytest.raises(OSError, match=r"\.\./escape"):
             storage.write(Path("../escape"), b"no")
+
+        # Deleting: a file (with its record), then a committed folder whole.
+        storage.delete(Path("file.bin"))
+        assert not storage.exists(Path("file.bin"))
+        with pytest.raises(FileNotFoundError, match="file.bin"):
+            storage.delete(Path("file.bin"))
+        storage.rmdir(Path("dst"))
+        assert not storage.exists(Path("dst")) and not storage.isdir(Path("dst"))
+        assert storage.ls(Path("")) == ["old", "src2"]
     finally:
         storage.close()
 
