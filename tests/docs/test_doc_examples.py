@@ -55,7 +55,7 @@ FRAGMENTS = [
 ]
 
 #: Set-ups that need an extra: the page is skipped without it (failed under CI).
-SETUP_EXTRAS = {"lightning": "lightning"}
+SETUP_EXTRAS = {"lightning": "lightning", "torch-checkpointing": "torch-checkpointing"}
 
 
 def _runnable(slow: bool) -> dict[str, list[de.Block]]:

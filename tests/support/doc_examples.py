@@ -173,6 +173,8 @@ def parallelize_fn(model, device_mesh):
 
 model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
 """,
+    # Nothing to define: marks a page that needs the torch-checkpointing extra.
+    "torch-checkpointing": "",
     # The Megatron config's name, as the page's text introduces it.
     "megatron": """
 import dcpstore

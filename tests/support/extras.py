@@ -38,6 +38,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "moto": ("moto.server",),
     "torchtitan": ("torchtitan.components.checkpoint",),
     "lightning": ("lightning.fabric", "lightning.pytorch"),
+    "torch-checkpointing": ("torch_checkpointing.checkpoint_manager",),
 }
 
 NVRX = "nvidia-resiliency-ext"
