@@ -202,8 +202,9 @@ COMMANDS = {
     "--json benchmarks/results/wan_scale.json --quiet",
     "tiered_nodes.json": "python benchmarks/tiered_nodes.py --size-mib 64,256 --saves 6 --label LABEL "
     "--json benchmarks/results/tiered_nodes.json",
-    "shared_reads.json": "python benchmarks/shared_reads.py --a before=CHECKOUT_BEFORE --b after=. --size-mib 64 "
-    "--ranks 2,4 --rounds 3 --latency-ms 5 --rate-mbps 50 --total-mbps 100 --label LABEL "
+    # /work/before: a worktree of the commit compared against (git worktree add /work/before COMMIT).
+    "shared_reads.json": "python benchmarks/shared_reads.py --a before=/work/before --b after=. --size-mib 64 "
+    "--ranks 2,4 --rounds 5 --latency-ms 5 --rate-mbps 50 --total-mbps 100 --label LABEL "
     "--json benchmarks/results/shared_reads.json",
 }
 
