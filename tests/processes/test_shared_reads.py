@@ -181,7 +181,7 @@ def _load_and_die(rank: int, world_size: int, port: int, env: dict, uri: str, ou
     os.environ.update(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     if rank == 1:  # dies as it starts reading what it reads for the others
-        DcpStorageReader._read_pieces = lambda self, group, batch: os.kill(os.getpid(), signal.SIGKILL)  # type: ignore[assignment,method-assign]
+        DcpStorageReader._read_pieces = lambda self, group, batch, lock: os.kill(os.getpid(), signal.SIGKILL)  # type: ignore[assignment,method-assign]
     state = _zeroed(_plain_state(world_size))
     try:
         dcpstore.load(state, uri)

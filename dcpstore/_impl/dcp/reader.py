@@ -148,9 +148,9 @@ class DcpStorageReader(StorageReader):
         self._known_sizes: dict[str, int] = {}
         #: The bytes this load's direct reads move in all (see Storage.read_into).
         self._batch: int | None = None
-        #: Bytes this rank fetched from storage in this load (not those other ranks handed it).
+        #: Bytes this rank fetched from storage in this load (not those other ranks
+        #: handed it); added to under the planner's lock of read_data.
         self.bytes_read = 0
-        self._counted = threading.Lock()
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Point the next load at ``checkpoint_id`` (DCP calls this only when
@@ -369,7 +369,7 @@ class DcpStorageReader(StorageReader):
             groups = neighbours(pieces, COALESCE_LIMIT)
             batch = sum(p.length for p in pieces)  # read at about the same time: shares the connection budget
             blobs: dict[Piece, torch.Tensor] = {}
-            read = functools.partial(self._read_pieces, batch=batch)
+            read = functools.partial(self._read_pieces, batch=batch, lock=lock)
             for group, blob in zip(groups, run_parallel(read, groups, self.workers, "dcpstore-read-shared")):
                 for piece in group:
                     start = piece.offset - group[0].offset
@@ -392,7 +392,7 @@ class DcpStorageReader(StorageReader):
         if own:
             raise own[0]
 
-    def _read_pieces(self, group: Sequence[Piece], batch: int) -> torch.Tensor:
+    def _read_pieces(self, group: Sequence[Piece], batch: int, lock: threading.Lock) -> torch.Tensor:
         """Neighbouring stored items of one file, read whole with one ranged
         read for the ranks that need them, into a buffer the exchange sends
         as it is."""
@@ -410,7 +410,7 @@ class DcpStorageReader(StorageReader):
                 f"{self.storage.describe(first.path)}: short read at offset {first.offset} "
                 f"({n} of {length} bytes; truncated?)"
             )
-        with self._counted:
+        with lock:
             self.bytes_read += length
         return blob
 
@@ -495,10 +495,9 @@ class DcpStorageReader(StorageReader):
             verified, error = self._scatter_read(group)
             with lock:
                 for (d, target, _), exposed in verified:
+                    self.bytes_read += d.length
                     planner.commit_tensor(d.req, target)
                     self._progress.loaded([d.req.dest_index.fqn], exposed=exposed)
-            with self._counted:
-                self.bytes_read += sum(d.length for (d, _, _), _ in verified)
             self.bar.update(sum(d.length for (d, _, _), _ in verified))
             if error is not None:
                 raise error
@@ -567,7 +566,7 @@ class DcpStorageReader(StorageReader):
         """Read a run of neighbouring items with one ranged read; ``target``:
         the destination of its single tensor item, if already resolved."""
         blob = self._read_checked(span.path, span.offset, span.length)
-        with self._counted:
+        with lock:
             self.bytes_read += len(blob)
         self._use_span(span, memoryview(blob), planner, lock, target)
 
