@@ -217,3 +217,49 @@ def test_a_rank_killed_in_the_exchange_fails_the_load_on_every_other_rank(tmp_pa
         result = (out / f"rank{rank}").read_text()
         assert result.startswith("PeerFailed: load from"), result
         assert uri in result.splitlines()[0] and "was a rank lost?" in result, result
+
+
+def _load_after_a_replaced_commit_read(rank: int, world_size: int, uri: str, kind: str) -> None:
+    """The coordinator's first commit read fails as a replacing save's would
+    make it fail: every rank must load again (or none), in step."""
+    if rank == 0:
+        calls = []
+        original = DcpStorageReader.commit_for_sharing
+
+        def first_fails(self: DcpStorageReader) -> object:
+            calls.append(1)
+            if len(calls) == 1:
+                self._commit_crc = 0  # it had read a .metadata, which another save then replaced
+                raise dcpstore.CheckpointCorrupt("injected: the files it names are gone")
+            return original(self)
+
+        DcpStorageReader.commit_for_sharing = first_fails  # type: ignore[method-assign,assignment]
+        DcpStorageReader.replaced = lambda self: True  # type: ignore[method-assign]
+    state = _zeroed(STATES[kind](world_size))
+    dcpstore.load(state, uri)
+    _check(state, kind, world_size)
+
+
+def test_a_commit_read_that_met_a_replacing_save_is_tried_again_on_every_rank(tmp_path: Path) -> None:
+    uri = str(tmp_path / "ck")
+    run_ranks(_save, 2, uri, "plain")
+    run_ranks(_load_after_a_replaced_commit_read, 2, uri, "plain", timeout=90)
+
+
+def _load_with_a_coordinator_failing_otherwise(rank: int, world_size: int, uri: str, kind: str) -> None:
+    if rank == 0:
+
+        def fail(self: DcpStorageReader) -> object:
+            raise RuntimeError("injected: not a checkpoint error")
+
+        DcpStorageReader.commit_for_sharing = fail  # type: ignore[method-assign,assignment]
+    state = _zeroed(STATES[kind](world_size))
+    expected = (RuntimeError, "injected") if rank == 0 else (dcpstore.LoadError, "could not read the commit")
+    with pytest.raises(expected[0], match=expected[1]):
+        dcpstore.load(state, uri)
+
+
+def test_a_coordinator_failing_its_commit_read_fails_every_rank_promptly(tmp_path: Path) -> None:
+    uri = str(tmp_path / "ck")
+    run_ranks(_save, 2, uri, "plain")
+    run_ranks(_load_with_a_coordinator_failing_otherwise, 2, uri, "plain", timeout=90)

@@ -208,12 +208,19 @@ class DcpStorageReader(StorageReader):
         error on every rank."""
         coordinator = dist.get_global_rank(process_group, 0) if process_group is not None else 0
         payload: list[Any] = [None]
+        failure: BaseException | None = None
         if dist.get_rank() == coordinator:
             try:
                 payload[0] = self.commit_for_sharing()
-            except CheckpointError as e:
-                payload[0] = (type(e), str(e), dict(vars(e)))
+            except BaseException as e:  # told to every rank before it is raised here
+                failure = e
+                if isinstance(e, RETRIED) and self.replaced():
+                    vars(e)[REPLACED] = True  # so that every rank loads again, or none
+                if isinstance(e, CheckpointError):
+                    payload[0] = (type(e), str(e), dict(vars(e)))
         dist.broadcast_object_list(payload, src=coordinator, group=process_group)
+        if failure is not None:
+            raise failure
         if isinstance(payload[0], SharedCommit):
             if dist.get_rank() != coordinator:
                 self.take_commit(payload[0])
