@@ -412,11 +412,7 @@ class DcpStorageReader(StorageReader):
             n = self.storage.read_into(first.path, first.offset, [memoryview(array).cast("B")], batch_hint=batch)
         except StorageNotFound as e:
             raise CheckpointCorrupt(f"{self.storage.describe(first.path)}: data file is missing") from e
-        if n != length:
-            raise CheckpointCorrupt(
-                f"{self.storage.describe(first.path)}: short read at offset {first.offset} "
-                f"({n} of {length} bytes; truncated?)"
-            )
+        self._check_whole(first.path, first.offset, n, length)
         with lock:
             self.bytes_read += length
         return blob
@@ -543,10 +539,7 @@ class DcpStorageReader(StorageReader):
         except StorageNotFound as e:
             self._progress.exposing(exposed, undo=True)  # never opened: nothing was written
             raise CheckpointCorrupt(f"{self.storage.describe(path)}: data file is missing") from e
-        if n != pos - start:
-            raise CheckpointCorrupt(
-                f"{self.storage.describe(path)}: short read at offset {start} ({n} of {pos - start} bytes; truncated?)"
-            )
+        self._check_whole(path, start, n, pos - start)
         verified = []
         error = None
         assert self._checks is not None
@@ -582,12 +575,15 @@ class DcpStorageReader(StorageReader):
             blob = self.storage.read_range(path, offset, length)
         except StorageNotFound as e:
             raise CheckpointCorrupt(f"{self.storage.describe(path)}: data file is missing") from e
-        if len(blob) != length:
-            raise CheckpointCorrupt(
-                f"{self.storage.describe(path)}: short read at offset {offset} "
-                f"({len(blob)} of {length} bytes; truncated?)"
-            )
+        self._check_whole(path, offset, len(blob), length)
         return blob
+
+    def _check_whole(self, path: str, offset: int, got: int, length: int) -> None:
+        """A read of ``length`` bytes at ``offset`` that brought ``got``."""
+        if got != length:
+            raise CheckpointCorrupt(
+                f"{self.storage.describe(path)}: short read at offset {offset} ({got} of {length} bytes; truncated?)"
+            )
 
     def _use_span(
         self,
