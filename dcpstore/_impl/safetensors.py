@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import struct
 from collections.abc import Callable, Mapping, Sequence
@@ -55,7 +56,6 @@ from torch.futures import Future
 
 from dcpstore._impl.dcp.commit.reading import read_checkpoint_metadata
 from dcpstore._impl.dcp.commit.session import ItemRecord
-from dcpstore._impl.dcp.data_files import item_nbytes
 from dcpstore._impl.dcp.liveness.owner_gate import OwnerGate
 from dcpstore._impl.dcp.writer import SaveToken, rebind, serves
 from dcpstore._impl.dropin import StorageWriter, _Opener
@@ -97,6 +97,13 @@ class ShardToken(SaveToken):
     files: int = 1
 
 
+def chunk_nbytes(item: WriteItem) -> int:
+    """The bytes of the chunk of its tensor that ``item`` saves (a DTensor
+    shard's, not the whole tensor's)."""
+    assert item.tensor_data is not None  # the writer refuses other items
+    return math.prod(item.tensor_data.chunk.sizes) * item.tensor_data.properties.dtype.itemsize
+
+
 def header(items: Sequence[WriteItem], metadata: Mapping[str, str]) -> bytes:
     """A safetensors header (its 8-byte length, the JSON padded with spaces
     to a multiple of 8, as the format allows) for ``items`` laid out in
@@ -114,7 +121,7 @@ def header(items: Sequence[WriteItem], metadata: Mapping[str, str]) -> bytes:
             raise InvalidArgument(
                 f"{name!r}: dtype {dtype} has no safetensors name (supported: {sorted(DTYPES.values())})"
             )
-        end = start + item_nbytes(item)
+        end = start + chunk_nbytes(item)
         entries[name] = {
             "dtype": DTYPES[dtype],
             "shape": list(item.tensor_data.chunk.sizes),
@@ -208,13 +215,13 @@ class SafetensorsWriter(StorageWriter):
         spans: list[tuple[int, int]] = [(crc32c.crc32c(head), len(head))]
         written: list[tuple[WriteItem, int, int, int]] = []
         offset = len(head)
-        size = offset + sum(item_nbytes(it) for it in items)
+        size = offset + sum(chunk_nbytes(it) for it in items)
         with storage.open_write(name, size_hint=size, batch_hint=batch) as writer:
             writer.write(head)
             for item in items:
                 data = tensor_bytes(data_of(item))
-                if data.nbytes != item_nbytes(item):
-                    raise SaveError(f"{item.index.fqn!r}: {data.nbytes} bytes, its plan says {item_nbytes(item)}")
+                if data.nbytes != chunk_nbytes(item):
+                    raise SaveError(f"{item.index.fqn!r}: {data.nbytes} bytes, its plan says {chunk_nbytes(item)}")
                 crc = crc32c.crc32c(data)
                 writer.write(data)
                 written.append((item, offset, data.nbytes, crc))
