@@ -142,13 +142,16 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
 class SafetensorsWriter(StorageWriter):
     """DCP's ``StorageWriter`` writing Hugging Face safetensors through any
     dcpstore backend, with dcpstore's commit (see the module docstring).
+    Non-tensor values cannot be stored in safetensors and are refused
+    naming them.
 
-    ``path``: a local path or a URI (``s3://``, ``msc://``, an fsspec
-    scheme); ``fqn_to_index_mapping``: tensor name -> shard file number
-    (from 1; torch's ``HuggingFaceStorageWriter``'s argument, e.g. a
-    model's own index); names left out go to file 1. Non-tensor values
-    cannot be stored in safetensors and are refused naming them. The other
-    arguments are :class:`~dcpstore.StorageWriter`'s.
+    Args:
+        path: a local path or a URI (``s3://``, ``msc://``, an fsspec scheme).
+        fqn_to_index_mapping: tensor name -> shard file number (from 1;
+            torch's ``HuggingFaceStorageWriter``'s argument, e.g. from a
+            model's own index); names left out go to file 1.
+        thread_count, overwrite, region, options: as
+            :class:`~dcpstore.StorageWriter`'s.
     """
 
     def __init__(
@@ -210,6 +213,9 @@ class SafetensorsWriter(StorageWriter):
         gate: OwnerGate,
         batch: int,
     ) -> list[WriteResult]:
+        """Write the shard ``name``: ``items``' header, then each chunk's bytes
+        (``data_of``), published once ``gate`` passes (``storage``, ``batch``:
+        as the base hook's). Returns the items' write results."""
         sharding = {it.index.fqn: {SAVED_OFFSETS: list(it.tensor_data.chunk.offsets)} for it in items if it.tensor_data}
         head = header(items, {"format": "pt", SHARDING_INFO: json.dumps(sharding)})
         spans: list[tuple[int, int]] = [(crc32c.crc32c(head), len(head))]
@@ -275,7 +281,13 @@ class SafetensorsReader(StorageReader):
     whatever the state dict holds (plain tensors or DTensors, on any number
     of ranks). Each chunk is one ranged read, its CRC32C checked against
     the manifest before it is used (:class:`~dcpstore.CheckpointCorrupt`
-    naming the file otherwise). ``thread_count``: parallel reads per rank.
+    naming the file otherwise).
+
+    Args:
+        path: a local path or a URI dcpstore serves.
+        thread_count: parallel reads per rank (default: the backend's).
+        storage_options: how the storage is reached
+            (:class:`~dcpstore.StorageOptions`).
     """
 
     def __init__(
@@ -300,6 +312,8 @@ class SafetensorsReader(StorageReader):
         return serves(checkpoint_id)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """The committed ``.metadata``, verified with its manifest (which a
+        safetensors checkpoint of dcpstore's always has)."""
         metadata, manifest = read_checkpoint_metadata(self.storage, Trust.of())
         if manifest is None:
             raise LoadError(
