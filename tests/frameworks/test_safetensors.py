@@ -32,7 +32,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from dcpstore import InvalidArgument, SafetensorsReader, SafetensorsWriter
+import dcpstore
+from dcpstore import InvalidArgument, LoadError, SafetensorsReader, SafetensorsWriter
 from dcpstore.storage import open_storage
 from tests.support.backends import Target, make_target
 from tests.support.dist_utils import run_ranks
@@ -196,6 +197,13 @@ def test_a_failed_save_leaves_the_previous_export_loadable(any_root: Target, tmp
     index = json.loads((files / INDEX).read_text())
     assert index["weight_map"]["embed"] == "model-00001-of-00002.safetensors"
     assert torch.equal(load_file(files / "model-00001-of-00002.safetensors")["embed"], _full() + 1.0)
+
+
+def test_dcpstores_own_loads_point_at_the_safetensors_reader(tmp_path: Path) -> None:
+    target = Target("local", str(tmp_path / "ckpt"))
+    dcp.save(_model(1.0), storage_writer=_writer(target), no_dist=True)
+    with pytest.raises(LoadError, match=r"holds safetensors shards.*SafetensorsReader"):
+        dcpstore.load(_model(), target.uri)
 
 
 def test_overwrite_false_refuses_a_committed_export(tmp_path: Path) -> None:
