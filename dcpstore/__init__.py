@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from dcpstore._impl.dropin import StorageReader, StorageWriter
     from dcpstore._impl.engines.saver import AsyncSaver
     from dcpstore._impl.manager import CheckpointManager
-    from dcpstore._impl.safetensors import SafetensorsReader, SafetensorsWriter
+    from dcpstore._impl.safetensors import SafetensorsReader, SafetensorsWriter, consolidate_safetensors
     from dcpstore._impl.values.options import LoadOptions, SaveOptions
     from dcpstore._impl.values.results import CheckpointInfo, SaveHandle
 
@@ -65,6 +65,7 @@ TORCH_NAMES: dict[str, str] = {
     "SafetensorsWriter": "dcpstore._impl.safetensors",
     "StorageReader": "dcpstore._impl.dropin",
     "StorageWriter": "dcpstore._impl.dropin",
+    "consolidate_safetensors": "dcpstore._impl.safetensors",
     "load": "dcpstore._impl.api",
     "save": "dcpstore._impl.api",
 }
@@ -104,6 +105,7 @@ __all__ = [
     "StorageWriter",
     "StoragePermissionError",
     "UnsafeCheckpoint",
+    "consolidate_safetensors",
     "load",
     "open_storage",
     "save",

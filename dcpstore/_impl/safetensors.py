@@ -42,6 +42,7 @@ from typing import Any
 
 import crc32c
 import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import (
     LoadPlan,
@@ -51,13 +52,14 @@ from torch.distributed.checkpoint.planner import (
     WriteItem,
     WriteItemType,
 )
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.checkpoint.storage import StorageReader, WriteResult
 from torch.futures import Future
 
 from dcpstore._impl.dcp.commit.reading import read_checkpoint_metadata
 from dcpstore._impl.dcp.commit.session import ItemRecord
 from dcpstore._impl.dcp.liveness.owner_gate import OwnerGate
-from dcpstore._impl.dcp.writer import SaveToken, rebind, serves
+from dcpstore._impl.dcp.writer import NO_DIST_WARNING, SaveToken, rebind, serves
 from dcpstore._impl.dropin import StorageWriter, _Opener
 from dcpstore._impl.format.checksum import crc32c_concat
 from dcpstore._impl.format.layout import SAFETENSORS_INDEX, item_key, safetensors_file_name
@@ -66,6 +68,8 @@ from dcpstore._impl.format.safe_pickle import Trust
 from dcpstore._impl.storage import Storage, StorageOptions, open_storage
 from dcpstore._impl.util.errors import CheckpointCorrupt, InvalidArgument, LoadError, SaveError
 from dcpstore._impl.util.threads import run_parallel
+from dcpstore._impl.util.warning_filters import ignoring
+from dcpstore._impl.values.options import SaveOptions
 
 #: torch dtype -> the safetensors header's name for it.
 DTYPES: dict[torch.dtype, str] = {
@@ -340,7 +344,7 @@ class SafetensorsReader(StorageReader):
             per_chunk.setdefault(req.storage_index, []).append(req)
 
         def load(chunk: MetadataIndex) -> None:
-            stored = self._chunk(chunk)
+            stored = self.chunk(chunk)
             for req in per_chunk[chunk]:
                 piece = stored
                 for dim, (start, length) in enumerate(zip(req.storage_offsets, req.lengths)):
@@ -358,8 +362,9 @@ class SafetensorsReader(StorageReader):
         done.set_result(None)
         return done
 
-    def _chunk(self, index: MetadataIndex) -> torch.Tensor:
-        """One stored chunk, read and checked against its CRC32C."""
+    def chunk(self, index: MetadataIndex) -> torch.Tensor:
+        """The stored chunk ``index`` (after :meth:`read_metadata`), read and
+        checked against its CRC32C. Returns it as a tensor of its own."""
         assert self._metadata is not None and self._manifest is not None
         info = self._metadata.storage_data[index]
         path, offset, length = info.relative_path, info.offset, info.length
@@ -379,3 +384,73 @@ class SafetensorsReader(StorageReader):
         if not length:
             return torch.empty(sizes, dtype=tensor_md.properties.dtype)  # frombuffer refuses no bytes
         return torch.frombuffer(bytearray(data), dtype=tensor_md.properties.dtype).reshape(sizes)
+
+
+class _FromSource(DefaultSavePlanner):
+    """Plans the save of a state dict of meta tensors (shapes and dtypes
+    only) and gives the writer each tensor when it asks for it, assembled
+    from the source's chunks: one tensor per writer thread in memory."""
+
+    def __init__(self, source: SafetensorsReader, metadata: Metadata) -> None:
+        super().__init__()
+        # Not self.metadata: DefaultSavePlanner keeps the new save's there.
+        self.source, self.stored = source, metadata
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
+        fqn = write_item.index.fqn
+        stored = self.stored.state_dict_metadata[fqn]
+        assert isinstance(stored, TensorStorageMetadata)  # the writer refuses other values
+        whole = torch.empty(stored.size, dtype=stored.properties.dtype)
+        for chunk in stored.chunks:
+            piece = whole
+            for dim, (start, length) in enumerate(zip(chunk.offsets, chunk.sizes)):
+                piece = piece.narrow(dim, start, length)
+            piece.copy_(self.source.chunk(MetadataIndex(fqn, chunk.offsets)))
+        return whole
+
+
+def consolidate_safetensors(
+    uri: str | os.PathLike[str],
+    to: str | os.PathLike[str] | None = None,
+    *,
+    fqn_to_index_mapping: Mapping[str, int] | None = None,
+    storage_options: StorageOptions | None = None,
+    workers: int | None = None,
+) -> None:
+    """Rewrite a safetensors checkpoint :class:`SafetensorsWriter` committed
+    with tensors split over ranks (``shard-*-model-*.safetensors``) as whole
+    tensors (``model-*-of-*.safetensors`` and Hugging Face's index), on any
+    backend, reading and writing through dcpstore's storage: nothing is
+    staged on local disk, and memory holds one tensor per writer thread.
+    One process; run it once the save has committed.
+
+    Args:
+        uri: the committed checkpoint.
+        to: where to write the consolidated checkpoint (None: ``uri``
+            itself, replaced by the new commit as any save over it is).
+        fqn_to_index_mapping: tensor name -> output file number (from 1).
+        storage_options: how both URIs are reached.
+        workers: files written at once (default: the backend's).
+
+    Raises:
+        CheckpointError: the source is not such a checkpoint, is damaged
+            (``CheckpointCorrupt``), or the save fails (the destination
+            keeps what it held).
+    """
+    source = SafetensorsReader(uri, storage_options=storage_options)
+    metadata = source.read_metadata()
+    meta_state: dict[str, Any] = {}
+    for fqn, stored in metadata.state_dict_metadata.items():
+        if not isinstance(stored, TensorStorageMetadata):
+            raise LoadError(
+                f"{source.storage.uri}: {fqn!r} is not a tensor; not a safetensors checkpoint of dcpstore's"
+            )
+        meta_state[fqn] = torch.empty(stored.size, dtype=stored.properties.dtype, device="meta")
+    writer = SafetensorsWriter(
+        uri if to is None else to,
+        fqn_to_index_mapping=fqn_to_index_mapping,
+        thread_count=workers,
+        options=SaveOptions(storage_options=storage_options),
+    )
+    with ignoring(NO_DIST_WARNING):  # one process, on purpose
+        dcp_save(meta_state, storage_writer=writer, planner=_FromSource(source, metadata), no_dist=True)

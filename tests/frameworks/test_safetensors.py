@@ -33,7 +33,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import dcpstore
-from dcpstore import InvalidArgument, LoadError, SafetensorsReader, SafetensorsWriter
+from dcpstore import InvalidArgument, LoadError, SafetensorsReader, SafetensorsWriter, consolidate_safetensors
 from dcpstore.storage import open_storage
 from tests.support.backends import Target, make_target
 from tests.support.dist_utils import run_ranks
@@ -125,6 +125,41 @@ def test_two_ranks_save_shards_that_load_resharded(root: Target, tmp_path: Path)
         with safe_open(str(files / name), framework="pt") as f:
             sharding = json.loads(f.metadata()["DCP_SHARDING_INFO"])
         assert sharding == {"embed": {"saved_offsets": [rank * ROWS // 2, 0]}}
+
+
+def _save_sharded_model(rank: int, world: int, target: Target) -> None:
+    """The model with its two matrices sharded by rows over the ranks."""
+    mesh = init_device_mesh("cpu", (world,))
+    model = _model(3.0)
+    for key in ("embed", "head.weight"):
+        model[key] = distribute_tensor(model[key], mesh, [Shard(0)])  # type: ignore[assignment]
+    dcp.save(model, storage_writer=_writer(target))
+
+
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "elsewhere"])
+def test_a_sharded_save_consolidates_on_its_backend(root: Target, in_place: bool, tmp_path: Path) -> None:
+    run_ranks(_save_sharded_model, 2, root)
+    out = root if in_place else root.child("whole")
+    consolidate_safetensors(
+        root.uri,
+        None if in_place else out.uri,
+        fqn_to_index_mapping=MAPPING,
+        storage_options=root.load_options().storage_options,
+    )
+
+    files = _download(out, tmp_path)
+    index = json.loads((files / INDEX).read_text())
+    assert sorted(p.name for p in files.glob("*.safetensors")) == sorted(set(index["weight_map"].values()))
+    assert all(not name.startswith("shard-") for name in index["weight_map"].values())  # the rank shards are gone
+    loaded: dict[str, torch.Tensor] = {}
+    for name in sorted(set(index["weight_map"].values())):
+        loaded.update(load_file(files / name))
+    for key, value in _model(3.0).items():
+        assert loaded[key].dtype == value.dtype and torch.equal(loaded[key], value), key
+    back = _load(out, _model())
+    assert all(torch.equal(back[k], v) for k, v in _model(3.0).items())
+    if not in_place:  # the source is untouched
+        assert torch.equal(_load(root, _model())["embed"], _full() + 3.0)
 
 
 def test_an_export_loads_with_hugging_faces_library(any_root: Target, tmp_path: Path) -> None:
