@@ -56,13 +56,14 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.checkpoint.storage import StorageReader, WriteResult
 from torch.futures import Future
 
+from dcpstore._impl.dcp.commit.from_listing import read_commit
 from dcpstore._impl.dcp.commit.reading import read_checkpoint_metadata
 from dcpstore._impl.dcp.commit.session import ItemRecord
 from dcpstore._impl.dcp.liveness.owner_gate import OwnerGate
 from dcpstore._impl.dcp.writer import NO_DIST_WARNING, SaveToken, rebind, serves
 from dcpstore._impl.dropin import StorageWriter, _Opener
 from dcpstore._impl.format.checksum import crc32c_concat
-from dcpstore._impl.format.layout import SAFETENSORS_INDEX, item_key, safetensors_file_name
+from dcpstore._impl.format.layout import SAFETENSORS_INDEX, is_safetensors_file, item_key, safetensors_file_name
 from dcpstore._impl.format.manifest import Manifest
 from dcpstore._impl.format.safe_pickle import Trust
 from dcpstore._impl.storage import Storage, StorageOptions, open_storage
@@ -384,6 +385,18 @@ class SafetensorsReader(StorageReader):
         if not length:
             return torch.empty(sizes, dtype=tensor_md.properties.dtype)  # frombuffer refuses no bytes
         return torch.frombuffer(bytearray(data), dtype=tensor_md.properties.dtype).reshape(sizes)
+
+
+def is_dcpstore_safetensors(uri: str | os.PathLike[str], storage_options: StorageOptions | None = None) -> bool:
+    """Whether ``uri`` holds a committed :class:`SafetensorsWriter` save
+    (a ``.metadata`` whose files are safetensors shards), not a plain
+    safetensors folder; reads only the commit."""
+    storage = open_storage(uri, storage_options=storage_options)
+    try:
+        commit = read_commit(storage)
+    finally:
+        storage.close()
+    return commit is not None and any(is_safetensors_file(p) for p in commit.manifest["files"])
 
 
 class _FromSource(DefaultSavePlanner):
