@@ -16,6 +16,7 @@ its shards, leaving nothing of the old save behind.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -27,12 +28,13 @@ skip_module_unless("safetensors")
 import torch
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import dcpstore
+import dcpstore.tools
 from dcpstore import InvalidArgument, LoadError, SafetensorsReader, SafetensorsWriter, consolidate_safetensors
 from dcpstore.storage import open_storage
 from tests.support.backends import Target, make_target
@@ -239,6 +241,23 @@ def test_dcpstores_own_loads_point_at_the_safetensors_reader(tmp_path: Path) -> 
     dcp.save(_model(1.0), storage_writer=_writer(target), no_dist=True)
     with pytest.raises(LoadError, match=r"holds safetensors shards.*SafetensorsReader"):
         dcpstore.load(_model(), target.uri)
+
+
+def test_gc_takes_a_killed_saves_shards_and_never_plain_weights(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    ours = Target("local", str(root / "ours"))
+    dcp.save(_model(1.0), storage_writer=_writer(ours, fqn_to_index_mapping=MAPPING), no_dist=True)
+    # What a save over it killed before its commit leaves: a shard with its save tag.
+    (root / "ours" / "model-00001-of-00002.deadbeef.safetensors").write_bytes(b"half a shard")
+    theirs = root / "theirs"  # someone's weights: plain names, no commit
+    theirs.mkdir()
+    save_file({"w": torch.ones(2)}, str(theirs / "model-00001-of-00001.safetensors"))
+
+    report = dcpstore.tools.gc(str(root), older_than_s=0)
+
+    assert report.removed == ["ours/model-00001-of-00002.deadbeef.safetensors"]
+    assert os.listdir(theirs) == ["model-00001-of-00001.safetensors"]
+    assert torch.equal(_load(ours, _model())["embed"], _full() + 1.0)
 
 
 def test_overwrite_false_refuses_a_committed_export(tmp_path: Path) -> None:
