@@ -10,7 +10,10 @@ Hugging Face's index, which Hugging Face's ``safetensors`` library loads
 from a downloaded copy. Every value is compared exactly. A damaged byte
 fails the load naming the file; a save that fails while writing leaves the
 previous checkpoint (shards and index) loadable; saving over one replaces
-its shards, leaving nothing of the old save behind.
+its shards, leaving nothing of the old save behind; ``dcp.async_save``
+saves the values it was given; ``consolidate_safetensors`` turns a 2-rank
+sharded save into whole-tensor files on the same backend; ``gc`` takes a
+killed save's tagged shards and never plainly named weights.
 """
 
 from __future__ import annotations
@@ -186,6 +189,16 @@ def test_an_export_loads_with_hugging_faces_library(any_root: Target, tmp_path: 
 
     out = _load(any_root, model)  # through the reader, checksums checked
     assert all(torch.equal(out[k], model[k]) for k in model)
+
+
+def test_async_save_stages_a_copy(any_root: Target) -> None:
+    model = _model(1.0)
+    future = dcp.async_save(model, storage_writer=_writer(any_root, fqn_to_index_mapping=MAPPING))
+    for value in model.values():
+        value.add_(10)  # after async_save returns: the export holds the values it was given
+    future.result()
+    out = _load(any_root, _model())
+    assert all(torch.equal(out[k], v) for k, v in _model(1.0).items())
 
 
 def test_saving_over_an_export_replaces_it_whole(any_root: Target, tmp_path: Path) -> None:
