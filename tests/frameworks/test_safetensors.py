@@ -169,9 +169,11 @@ def test_a_sharded_save_consolidates_on_its_backend(root: Target, in_place: bool
 
 def test_an_export_loads_with_hugging_faces_library(any_root: Target, tmp_path: Path) -> None:
     model = _model(1.0)
-    dcp.save(model, storage_writer=_writer(any_root, fqn_to_index_mapping=MAPPING), no_dist=True)
+    writer = _writer(any_root, fqn_to_index_mapping=MAPPING)
+    dcp.save(model, storage_writer=writer, no_dist=True)
 
     files = _download(any_root, tmp_path)
+    assert writer.stats.bytes_written == sum(p.stat().st_size for p in files.glob("*.safetensors"))
     index = json.loads((files / INDEX).read_text())
     assert index["weight_map"] == {
         "embed": "model-00001-of-00002.safetensors",
