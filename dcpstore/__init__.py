@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from dcpstore._impl.dropin import StorageReader, StorageWriter
     from dcpstore._impl.engines.saver import AsyncSaver
     from dcpstore._impl.manager import CheckpointManager
+    from dcpstore._impl.safetensors import SafetensorsReader, SafetensorsWriter, consolidate_safetensors
     from dcpstore._impl.values.options import LoadOptions, SaveOptions
     from dcpstore._impl.values.results import CheckpointInfo, SaveHandle
 
@@ -60,8 +61,11 @@ TORCH_NAMES: dict[str, str] = {
     "LoadOptions": "dcpstore._impl.values.options",
     "SaveHandle": "dcpstore._impl.values.results",
     "SaveOptions": "dcpstore._impl.values.options",
+    "SafetensorsReader": "dcpstore._impl.safetensors",
+    "SafetensorsWriter": "dcpstore._impl.safetensors",
     "StorageReader": "dcpstore._impl.dropin",
     "StorageWriter": "dcpstore._impl.dropin",
+    "consolidate_safetensors": "dcpstore._impl.safetensors",
     "load": "dcpstore._impl.api",
     "save": "dcpstore._impl.api",
 }
@@ -88,6 +92,8 @@ __all__ = [
     "InvalidURI",
     "LoadError",
     "LoadOptions",
+    "SafetensorsReader",
+    "SafetensorsWriter",
     "SaveError",
     "SaveHandle",
     "SaveOptions",
@@ -99,6 +105,7 @@ __all__ = [
     "StorageWriter",
     "StoragePermissionError",
     "UnsafeCheckpoint",
+    "consolidate_safetensors",
     "load",
     "open_storage",
     "save",

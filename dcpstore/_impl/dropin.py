@@ -164,7 +164,7 @@ class StorageWriter(DcpStorageWriter, AsyncStager):
     * ``_extensions``: DCP's stream transforms (e.g. ``ZStandard()``),
       applied to each item as stock DCP applies them.
     * ``serialization_format``: only ``TORCH_SAVE`` (DCP's default);
-      safetensors data files are refused.
+      for Hugging Face safetensors use :class:`~dcpstore.SafetensorsWriter`.
 
     s3torchconnector's ``region`` sets the native S3 backend's region;
     its ``s3client_config`` and ``prefix_strategy`` are refused with what to
@@ -399,7 +399,8 @@ def check_writer_args(*, per_thread_copy_ahead: Any, serialization_format: Any, 
     if serialization_format != SerializationFormat.TORCH_SAVE:
         raise InvalidArgument(
             f"serialization_format={serialization_format!r} is not supported: dcpstore writes DCP's "
-            "torch.save data files (SerializationFormat.TORCH_SAVE)"
+            "torch.save data files (SerializationFormat.TORCH_SAVE); Hugging Face safetensors through any "
+            "backend: dcpstore.SafetensorsWriter(uri) with dcpstore.SafetensorsReader(uri)"
         )
 
 

@@ -22,11 +22,14 @@ alone, and :meth:`Installed.uninstall` restores it):
     ``async_with_pinned_mem``, whose process executor and stager stay
     torchtitan's) and the final model-only export -- through one
     :class:`dcpstore.StorageWriter` (commit protocol, checksums, overwrite
-    safety). The Hugging Face export (``last_save_in_hf``) keeps torchtitan's
-    own safetensors writer.
+    safety). The Hugging Face export (``last_save_in_hf``) through
+    :class:`dcpstore.SafetensorsWriter`, FSDP's shards consolidated into
+    the model's files on the same storage.
 ``dcp_load``
     through :class:`dcpstore.StorageReader` (checksums verified, nothing in
-    the checkpoint executed). Hugging Face loads stay torchtitan's.
+    the checkpoint executed); ``initial_load_in_hf`` of an export dcpstore
+    wrote through :class:`dcpstore.SafetensorsReader`. Other Hugging Face
+    weights (a hub download, quantized) stay torchtitan's.
 ``_find_load_step``, ``_load``
     which steps exist comes from one listing of the folder through
     dcpstore's storage (:mod:`dcpstore._impl.manager.steps`): ``step-N`` exists once

@@ -204,14 +204,70 @@ def job_resume_from(
     job_resume(rank, world, folder, mode, ours, s3, torch.load(f"{out}.{rank}", weights_only=False), purged)
 
 
+BACKENDS = ["local", "s3"]
+
+
+class _HfNames:
+    """A model's Hugging Face names, as torchtitan's state dict adapters give
+    them: ``0.weight`` <-> ``model.layers.0.weight``, one file per layer."""
+
+    fqn_to_index_mapping = {f"model.layers.{i}.{p}": 1 + i // 2 for i in (0, 2) for p in ("weight", "bias")}
+    hf_assets_path = None
+
+    def to_hf(self, state: dict[str, Any]) -> dict[str, Any]:
+        return {f"model.layers.{k}": v for k, v in state.items()}
+
+    def from_hf(self, state: dict[str, Any]) -> dict[str, Any]:
+        return {k.removeprefix("model.layers."): v for k, v in state.items()}
+
+
+def job_hf(rank: int, world: int, folder: str, s3: bool) -> None:
+    """torchtitan's last save in HF, then a new model's initial load from it."""
+    model, optims, _, _, _, mgr = _parts(0, folder, "disabled")
+    mgr.last_save_in_hf, mgr.sd_adapter, mgr.export_dtype = True, _HfNames(), torch.float32
+    _install(mgr, True, s3)
+    train(model, optims.optimizers[0], 1, seed=1)
+    want = full_state(model, optims.optimizers[0])["model"]
+    mgr.save(curr_step=STEPS, last_step=True)
+    export = f"{folder}/step-{STEPS}"
+
+    other, other_optims, _, _, _, fresh = _parts(1, f"{folder}-fresh", "disabled")  # an empty folder
+    fresh.sd_adapter, fresh.initial_load_in_hf, fresh.initial_load_model_only = _HfNames(), True, True
+    fresh.initial_load_path = export
+    _install(fresh, True, s3)
+    assert fresh.load()
+    got = full_state(other, other_optims.optimizers[0])["model"]
+    mgr.close()
+    fresh.close()
+    if rank != 0:
+        return
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        assert torch.equal(got[key], value), key
+    storage = dcpstore.open_storage(export, storage_options=OBJECT_STORE_OPTIONS if s3 else None)
+    names = sorted(o["path"] for o in storage.list())
+    storage.close()
+    # The model's two files and the index; the ranks' shards (in sharded/) are gone.
+    assert [n for n in names if not n.startswith(".")] == [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json",
+    ], names
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_last_save_in_hf_and_initial_load_in_hf(request: pytest.FixtureRequest, backend: str) -> None:
+    """The final export in Hugging Face safetensors through dcpstore
+    (sharded by FSDP over 2 ranks, consolidated in place into the model's
+    files), and a new model's initial load from it, on each backend."""
+    run_ranks(job_hf, 2, _folder(request, backend), backend == "s3", timeout=300)
+
+
 def _folder(request: pytest.FixtureRequest, backend: str) -> str:
     from tests.support.backends import make_target
 
     target: Target = make_target(backend, request)
     return target.uri
-
-
-BACKENDS = ["local", "s3"]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -39,6 +39,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "torchtitan": ("torchtitan.components.checkpoint",),
     "lightning": ("lightning.fabric", "lightning.pytorch"),
     "torch-checkpointing": ("torch_checkpointing.checkpoint_manager",),
+    "safetensors": ("safetensors.torch",),
 }
 
 NVRX = "nvidia-resiliency-ext"

@@ -35,7 +35,7 @@ LAYERS: list[set[str]] = [
     {"format"},  # what the bytes mean
     {"dcp"},  # the DCP protocol: commit, writer, reader
     {"engines"},  # when: async saves, engines, exit hook
-    {"api", "dropin", "tools"},  # front door for one checkpoint, DCP's drop-ins; checkpoints at rest
+    {"api", "dropin", "tools", "safetensors"},  # front door for one checkpoint, DCP's drop-ins; checkpoints at rest
     {"manager"},  # many checkpoints under a root
     {"adapters"},  # other projects' shapes (dcpstore.adapters and its private parts)
     {"", "public:storage", "tools"},  # the supported surface

@@ -15,6 +15,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+from torch.distributed.tensor import DTensor
 from torchtitan.components.checkpointer.base import MODEL, purge_thread
 from torchtitan.components.checkpointer.dcp import AsyncMode
 from torchtitan.tools import filesystem
@@ -25,9 +26,20 @@ from dcpstore._impl.adapters.shadow import shadow, uninstall_previous, unshadow
 from dcpstore._impl.dcp.commit import delete_checkpoint
 from dcpstore._impl.format.layout import METADATA
 from dcpstore._impl.manager.steps import StepLayout, committed_steps
+from dcpstore._impl.safetensors import (
+    SafetensorsReader,
+    SafetensorsWriter,
+    consolidate_safetensors,
+    is_dcpstore_safetensors,
+)
 from dcpstore._impl.storage import Storage
 from dcpstore._impl.util.distributed import is_distributed
-from dcpstore._impl.util.errors import CheckpointNotFound, InvalidArgument
+from dcpstore._impl.util.errors import CheckpointNotFound, InvalidArgument, SaveError
+from dcpstore._impl.values.options import SaveOptions
+
+#: Where a sharded HF export's ranks write inside the step before it is
+#: consolidated (torchtitan's own name for it).
+HF_SHARDED = "sharded"
 
 #: The methods :func:`install` shadows on the instance.
 PATCHED = ("dcp_save", "dcp_load", "_find_load_step", "_load", "_purge_stale_checkpoints", "_wait_for_saving", "_close")
@@ -94,9 +106,12 @@ class Installed:
         enable_garbage_collection: bool = False,
         to_hf: bool = False,
     ) -> Any:
-        if to_hf:  # safetensors: torchtitan's HuggingFaceStorageWriter
-            return self.own["dcp_save"](state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
         m = self.manager
+        if to_hf:  # torchtitan saves the last step in HF only synchronously (_save_last_step)
+            self._save_hf(state_dict, checkpoint_id)
+            if enable_garbage_collection:
+                GarbageCollection.collect("GC collection invoked by checkpointer.")
+            return None
         ret: Any
         if async_mode == AsyncMode.ASYNC:
             ret = dcp_async_save(
@@ -117,8 +132,51 @@ class Installed:
             GarbageCollection.collect("GC collection invoked by checkpointer.")
         return ret
 
+    def _save_hf(self, state_dict: dict[str, Any], checkpoint_id: str) -> None:
+        """``last_save_in_hf``: the model's HF state dict as safetensors
+        through dcpstore's commit. Where ranks hold parts of a tensor (FSDP),
+        as torchtitan does: the ranks' shards go to ``sharded/`` inside the
+        step, then rank 0 consolidates them into the model's own files (its
+        ``fqn_to_index_mapping``) at the step, on the same storage, and
+        removes ``sharded/``; every rank waits for it (raising what it raised)."""
+        adapter = self.manager.sd_adapter
+        if adapter is None:
+            raise InvalidArgument("checkpoint.last_save_in_hf needs the model's state dict adapter (sd_adapter)")
+        mapping = getattr(adapter, "fqn_to_index_mapping", None) or None
+        hf_state = adapter.to_hf(state_dict)
+        sharded = any(isinstance(v, DTensor) and any(p.is_shard() for p in v.placements) for v in hf_state.values())
+        target = f"{checkpoint_id.rstrip('/')}/{HF_SHARDED}" if sharded else checkpoint_id
+        writer = SafetensorsWriter(
+            target, fqn_to_index_mapping=mapping, options=SaveOptions(storage_options=self.options.where)
+        )
+        dcp_save(hf_state, storage_writer=writer, process_group=self.manager.pg)
+        if not sharded:
+            return
+        failed = ""
+        if _rank() == 0:
+            try:
+                consolidate_safetensors(
+                    target, checkpoint_id, fqn_to_index_mapping=mapping, storage_options=self.options.where
+                )
+                delete_checkpoint(self.root, f"{posixpath.basename(checkpoint_id.rstrip('/'))}/{HF_SHARDED}")
+            except Exception as e:  # every rank waits below: each must hear of it
+                if not is_distributed():
+                    raise
+                failed = f"{type(e).__name__}: {e}"
+        said = _broadcast_text(failed)
+        if said:
+            raise SaveError(f"consolidating the HF export at {checkpoint_id} failed on rank 0: {said}")
+
     def _dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
-        if from_hf:
+        if from_hf and not from_quantized and is_dcpstore_safetensors(checkpoint_id, self.options.where):
+            adapter = self.manager.sd_adapter
+            if adapter is None:
+                raise InvalidArgument("loading an HF checkpoint needs the model's state dict adapter (sd_adapter)")
+            hf_state = adapter.to_hf(state_dict)
+            dcp_load(hf_state, storage_reader=SafetensorsReader(checkpoint_id, storage_options=self.options.where))
+            self.manager.states[MODEL].load_state_dict(adapter.from_hf(hf_state))
+            return
+        if from_hf:  # weights from elsewhere (a hub download): torchtitan's own HF reader
             self.own["dcp_load"](state_dict, checkpoint_id, from_hf, from_quantized)
             return
         dcp_load(state_dict, storage_reader=self.reader, checkpoint_id=checkpoint_id)
@@ -267,6 +325,15 @@ def install(manager: Any, **options: Any) -> Installed | None:
 
 def _rank() -> int:
     return dist.get_rank() if is_distributed() else 0
+
+
+def _broadcast_text(value: str) -> str:
+    """Rank 0's ``value`` on every rank (itself without torch.distributed)."""
+    if not is_distributed():
+        return value
+    box: list[str] = [value]
+    dist.broadcast_object_list(box, src=0)
+    return str(box[0])
 
 
 def _broadcast(value: int) -> int:

@@ -87,7 +87,8 @@ def resolve_item(planner: SavePlanner, item: WriteItem, lock: threading.Lock) ->
 def write_stats(stats: SaveStats, results: Sequence[WriteResult], started: float) -> None:
     """Fill in ``stats``' write phase from this rank's write results."""
     stats.write_s = time.perf_counter() - started
-    stats.bytes_written = sum(r.storage_data.file_size for r in results if r.storage_data.offset == 0)
+    # Once per file (a safetensors shard's first item follows its header, not offset 0).
+    stats.bytes_written = sum({r.storage_data.relative_path: r.storage_data.file_size for r in results}.values())
     stats.files = sorted({r.storage_data.relative_path for r in results})
 
 

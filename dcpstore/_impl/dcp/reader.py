@@ -72,7 +72,7 @@ from dcpstore._impl.dcp.shared_reads import Piece, SharedReads, exchange, neighb
 from dcpstore._impl.dcp.state_checks import load_mismatches
 from dcpstore._impl.dcp.writer import rebind, serves
 from dcpstore._impl.format.bitcopy import copy_values
-from dcpstore._impl.format.layout import MANIFEST, METADATA, item_key
+from dcpstore._impl.format.layout import MANIFEST, METADATA, is_safetensors_file, item_key
 from dcpstore._impl.format.manifest import Manifest
 from dcpstore._impl.format.record_zip import RecordBytes
 from dcpstore._impl.format.safe_pickle import Trust
@@ -257,6 +257,12 @@ class DcpStorageReader(StorageReader):
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if metadata.storage_data is None:
             raise CheckpointCorrupt(f"{self.storage.describe(METADATA)}: no storage_data")
+        first = next(iter(metadata.storage_data.values()), None)
+        if is_safetensors_file(getattr(first, "relative_path", "")):  # a save's items are all of one kind
+            raise LoadError(
+                f"{self.storage.uri} holds safetensors shards, not DCP's records: load it with "
+                "dcp.load(state, storage_reader=dcpstore.SafetensorsReader(uri))"
+            )
         self._storage_data = metadata.storage_data
         self._checks = ItemChecks(metadata, self.storage, self.transforms, self._trust)
         self.bytes_read = 0

@@ -16,6 +16,11 @@ A checkpoint directory (or key prefix) holds, in stock DCP layout::
                             (durable tier only; removed after the commit)
     .metadata               the commit: pickled DCP ``Metadata``, written last
 
+A safetensors save (:mod:`dcpstore._impl.safetensors`) writes Hugging Face's
+shard files instead of data files (``model-{i}-of-{n}.safetensors``, or
+``shard-{r}-model-{i}-of-{n}.safetensors`` for rank r's part of a sharded
+save) and their index (``model.safetensors.index.json``) as a commit file.
+
 A save to a URI that already holds something of a save (a commit, data
 files, a manifest, a marker) uses *save-unique* names instead, so that its
 files sit beside the committed checkpoint's until its ``.metadata`` replaces
@@ -23,6 +28,7 @@ the old one::
 
     __{rank}_{tag}_{n}.distcp    tag: the first 8 hex digits of the save id
                                  (in ``p{d}/`` too when the save spreads)
+    model-{i}-of-{n}.{tag}.safetensors  a safetensors save's shards
     .dcpstore.{tag}.json         its manifest
     .dcpstore.side.{tag}.<name>  its commit files; copied to ``<name>`` once
                                  its ``.metadata`` landed (for readers that
@@ -107,6 +113,13 @@ _COMMIT_FILE_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}$")
 #: module doc).
 SPREAD_DIR_PREFIX = "p"
 _SPREAD_RE = re.compile(rf"^{SPREAD_DIR_PREFIX}[0-9a-f]{{1,3}}$")
+#: Hugging Face's index of a safetensors checkpoint: tensor name -> shard file.
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+#: A safetensors shard, as Hugging Face and torch's ``HuggingFaceStorageWriter``
+#: name them (``model-00001-of-00002.safetensors``; one rank's part of a
+#: sharded save: ``shard-00001-model-...``), with the save tag before the
+#: suffix for a save over a used URI.
+_SAFETENSORS_RE = re.compile(r"^(?:shard-\d{5,}-)?model-\d{5,}-of-\d{5,}(?:\.([0-9a-f]{8}))?\.safetensors$")
 #: Stock DCP with ``use_collectives=False`` commits one ``__{rank}.metadata`` per rank.
 _RANK_METADATA_RE = re.compile(r"^__\d+\.metadata$")
 
@@ -115,6 +128,30 @@ def data_file_name(rank_prefix: str, index: int, tag: str = "") -> str:
     """``__{rank}_`` + ``{index}`` + ``.distcp``, as stock DCP names them;
     with a save ``tag``, ``__{rank}_{tag}_{index}.distcp``."""
     return f"{rank_prefix}{tag}_{index}{DATA_SUFFIX}" if tag else f"{rank_prefix}{index}{DATA_SUFFIX}"
+
+
+def safetensors_file_name(index: int, count: int, shard: int | None = None, tag: str = "") -> str:
+    """Shard file ``index`` (from 1) of ``count`` of a safetensors save
+    (``shard``: the rank's part of a sharded save, from 1), with the save
+    ``tag`` over a used URI: ``model-00001-of-00002.safetensors``,
+    ``shard-00002-model-00001-of-00002.{tag}.safetensors``."""
+    stem = f"model-{index:05d}-of-{count:05d}"
+    if shard is not None:
+        stem = f"shard-{shard:05d}-{stem}"
+    return f"{stem}.{tag}.safetensors" if tag else f"{stem}.safetensors"
+
+
+def is_safetensors_file(name: str) -> bool:
+    """Whether ``name`` is named like a safetensors shard (ours or anyone's)."""
+    return _SAFETENSORS_RE.match(name) is not None
+
+
+def is_tagged_safetensors_file(name: str) -> bool:
+    """Whether ``name`` is a safetensors shard with a save tag: only a save
+    of dcpstore's writes such a name (a plain one may be anyone's weights,
+    which ``gc`` never takes for a leftover)."""
+    m = _SAFETENSORS_RE.match(name)
+    return m is not None and m.group(1) is not None
 
 
 def spread_dir(rank: int, prefixes: int) -> str:
@@ -225,6 +262,8 @@ def name_tag(path: str) -> str | None:
         m = _DATA_RE.match(path.rpartition("/")[2])
     else:
         m = _MANIFEST_RE.match(path) or _COMMIT_FILE_RE.match(path)
+        if m is None and is_tagged_safetensors_file(path):
+            m = _SAFETENSORS_RE.match(path)
     return None if m is None else m.group(1) or ""
 
 

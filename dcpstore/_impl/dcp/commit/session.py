@@ -78,6 +78,7 @@ from dcpstore._impl.format.layout import (
     commit_file_problem,
     data_file_name,
     is_commit_file,
+    is_safetensors_file,
     item_key,
     manifest_name,
     name_tag,
@@ -168,6 +169,8 @@ class SaveSession:
                 "nothing was written"
             )
         stale = {p for p in present if is_save_file(p) or is_alive_file(p)}
+        if committed and any(is_safetensors_file(p) and not is_save_file(p) for p in present):
+            stale |= self._replaced_shards(present)
         if stale or committed or INFLIGHT in present:
             taken = {name_tag(p) for p in stale}
             while save_tag(self.save_id) in taken:  # 1 in 2**32: never reuse a name that is there
@@ -181,6 +184,15 @@ class SaveSession:
         # Proof of life for gc, until publish or release.
         self._lease = mark(self.storage, self.save_id, lease_id=self.save_id)
         self._found = frozenset(stale)
+
+    def _replaced_shards(self, present: set[str]) -> set[str]:
+        """The plainly named safetensors shards the committed checkpoint
+        consists of: a plain name may be anyone's weights, so only the
+        commit's own manifest makes them this save's to replace."""
+        commit = read_commit(self.storage, names=present, skip_damaged=True)
+        if commit is None:
+            return set()
+        return {p for p in commit.files if is_safetensors_file(p) and p in present}
 
     # -- every rank -----------------------------------------------------------
     def data_file(self, rank_prefix: str, index: int) -> str:
@@ -372,7 +384,16 @@ class SaveSession:
                     "could not remove the in-flight marker or stale data files under %s: %s", self.storage.uri, e
                 )
                 return
-        clean_up(self.storage, {INFLIGHT, alive_name(self.save_id), *found}, {METADATA, self.manifest, *live})
+        named = {METADATA, self.manifest, *live}
+        clean_up(self.storage, {INFLIGHT, alive_name(self.save_id), *found}, named)
+        # Plainly named shards are no save files (gc never takes them), so the
+        # clean-up above leaves them: the claim found them in the replaced commit.
+        replaced = sorted(p for p in found if is_safetensors_file(p) and not is_save_file(p) and p not in named)
+        if replaced:
+            try:
+                self.storage.delete(replaced)
+            except CheckpointError as e:
+                log.warning("could not remove the replaced shards under %s: %s", self.storage.uri, e)
 
 
 #: One lock per stripe of URIs (see _turn).

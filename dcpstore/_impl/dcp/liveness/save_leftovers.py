@@ -24,6 +24,7 @@ from dcpstore._impl.format.layout import (
     is_data_file,
     is_manifest,
     is_replica_report,
+    is_tagged_safetensors_file,
     name_tag,
     save_tag,
 )
@@ -36,10 +37,11 @@ _STOCK_TEMP_RE = re.compile(r"^(__\d+)?\.metadata\.tmp$")
 def is_save_file(name: str) -> bool:
     """Whether ``name`` (relative to its checkpoint directory) is a file a
     save writes before or beside its commit, other than the marker and the
-    alive files: a data file, a manifest, a save-unique commit file, a
+    alive files: a data file (or a safetensors shard with a save tag), a manifest, a save-unique commit file, a
     replica report, or stock DCP's rank-local commit."""
     return (
         is_data_file(name)
+        or is_tagged_safetensors_file(name)
         or is_manifest(name)
         or is_commit_side_file(name)
         or is_replica_report(name)
