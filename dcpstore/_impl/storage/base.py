@@ -309,6 +309,32 @@ class Storage(abc.ABC):
                 break
         return pos
 
+    def read_into_each(
+        self,
+        path: str,
+        offset: int,
+        buffers: Sequence[memoryview],
+        each: Callable[[int, memoryview], None],
+        *,
+        batch_hint: int | None = None,
+    ) -> int:
+        """:meth:`read_into`, and ``each(k, view)`` for the bytes that arrived
+        in ``buffers[k]``, in order (a buffer may come in several views, one
+        after another). A load checksums each item this way: a backend that
+        lands the bytes piece by piece (a local file) calls ``each`` right
+        after a piece lands, while it is still in the cache, instead of a
+        second pass over memory after the whole read. The default reads,
+        then reports every buffer."""
+        n = self.read_into(path, offset, buffers, batch_hint=batch_hint)
+        left = n
+        for k, buf in enumerate(buffers):
+            if left <= 0:
+                break
+            take = min(buf.nbytes, left)
+            each(k, buf[:take])
+            left -= take
+        return n
+
     @abc.abstractmethod
     def read(self, path: str, *, limit: int | None = None) -> bytes:
         """Read a whole object: exactly one version of it, whole.
