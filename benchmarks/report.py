@@ -462,17 +462,27 @@ def shared_reads_block(doc: Doc) -> str:
 #: The local disk's goals against the raw writer in the same run (issue 44):
 #: (figure, at least / at most, bound).
 LOCAL_DISK_GOALS = {
-    "save time": (">=", 0.95),
+    "save speed": (">=", 0.95),
     "save CPU/GB": ("<=", 1.15),
-    "load time": (">=", 0.90),
+    "load speed": (">=", 0.90),
     "load CPU/GB": ("<=", 1.15),
 }
 
 
+def quietest(row: Doc, raw: Doc, side: str, metric: str) -> float:
+    """``side``'s least ``metric`` over the raw's least: the two rows' runs
+    least disturbed by the box's other work (its CPU per GB swings with the
+    page cache's writeback, the raw writer's most of all)."""
+    return float(min(row["all"][side][metric]) / min(raw["all"][side][metric]))
+
+
 def local_disk_block(doc: Doc) -> str:
     """``ab_bench.py --limit`` on a local directory: each side's dcpstore
-    rows against the raw writer and reader measured in the same processes
-    (speed over the raw's, CPU seconds per GB over the raw's), medians."""
+    rows against the raw writer and reader measured in the same processes.
+    Speeds are judged on medians; CPU per GB on the quietest runs
+    (:func:`quietest`), the medians beside them: the raw writer's median
+    CPU per GB swings with the page cache's writeback from one run to the
+    next, and a goal read off it would say more of the box than of the code."""
     sides = doc["meta"]["sides"]
     rows = {(r["group"], r["workers"]): r for r in doc["rows"]}
     head = ["workers", "side", "save GB/s (raw)", "save CPU-s/GB (raw)", "load GB/s (raw)", "load CPU-s/GB (raw)"]
@@ -485,16 +495,24 @@ def local_disk_block(doc: Doc) -> str:
             continue
         for side, commit in sides.items():
             ours, lim = row["median"][side], raw["median"][side]
-            ratios = {
-                "save time": ours["write_gbps"] / lim["write_gbps"],
+            judged = {
+                "save speed": ours["write_gbps"] / lim["write_gbps"],
+                "save CPU/GB": quietest(row, raw, side, "write_cpu_s_per_gb"),
+                "load speed": ours["read_gbps"] / lim["read_gbps"],
+                "load CPU/GB": quietest(row, raw, side, "read_cpu_s_per_gb"),
+            }
+            medians = {
                 "save CPU/GB": ours["write_cpu_s_per_gb"] / lim["write_cpu_s_per_gb"],
-                "load time": ours["read_gbps"] / lim["read_gbps"],
                 "load CPU/GB": ours["read_cpu_s_per_gb"] / lim["read_cpu_s_per_gb"],
             }
             cells = []
             for name, (op, bound) in LOCAL_DISK_GOALS.items():
-                met = ratios[name] >= bound if op == ">=" else ratios[name] <= bound
-                cells.append(f"{ratios[name]:.2f}x {'met' if met else 'missed'}")
+                value = judged[name]
+                met = value >= bound if op == ">=" else value <= bound
+                cell = f"{value:.2f}x {'met' if met else 'missed'}"
+                if name in medians:
+                    cell += f" (medians {medians[name]:.2f}x)"
+                cells.append(cell)
             body.append(
                 [
                     str(workers),
