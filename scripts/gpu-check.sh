@@ -39,8 +39,8 @@ SITE_S3=/tmp/site-s3
 # Time plan (under 11 minutes at most): wheels and environment ~15 s, the
 # cuda tests at most TEST_TIMEOUT (each test at most 100 s, so one hang costs
 # one test), gpu_stage.py stops starting sizes at BENCH_BUDGET and is killed at
-# BENCH_TIMEOUT, interference.py likewise at INTERFERENCE_BUDGET /
-# INTERFERENCE_TIMEOUT. Typical: about 7 minutes.
+# BENCH_TIMEOUT, the local disk's rows at LOCAL_DISK_TIMEOUT, interference.py
+# likewise at INTERFERENCE_BUDGET / INTERFERENCE_TIMEOUT. Typical: about 8 minutes.
 TEST_TIMEOUT=${GPU_CHECK_TEST_TIMEOUT:-200}
 BENCH_BUDGET=${GPU_CHECK_BENCH_BUDGET:-180}
 BENCH_TIMEOUT=$((BENCH_BUDGET + 50))

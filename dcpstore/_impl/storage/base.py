@@ -128,10 +128,10 @@ class Storage(abc.ABC):
     The only methods a backend must implement are :meth:`open_write`,
     :meth:`read_range`, :meth:`read`, :meth:`size`, :meth:`list`,
     :meth:`delete` and :meth:`makedirs` (seven); it may override
-    :meth:`put`, :meth:`read_into`, :meth:`incomplete_writes`,
-    :meth:`remove_incomplete`, :meth:`learn_sizes`, :meth:`size_seen`,
-    :meth:`default_workers`, :meth:`local_path` and :meth:`close` (nine, each
-    with a default that is correct, if slower or less informed). Everything
+    :meth:`put`, :meth:`read_into`, :meth:`read_into_each`,
+    :meth:`incomplete_writes`, :meth:`remove_incomplete`, :meth:`learn_sizes`,
+    :meth:`size_seen`, :meth:`default_workers`, :meth:`local_path` and
+    :meth:`close` (ten, each with a default that is correct, if slower or less informed). Everything
     else here is built on those and is not overridden: :attr:`uri`,
     :meth:`describe`, :meth:`exists`, and the clean-up ledger
     (:meth:`leave_unfinished`, :meth:`take_unfinished`). A backend sets the
