@@ -2,7 +2,7 @@
 
     python benchmarks/ab_bench.py --a main=/path/to/main --b branch=. \\
         [--backends local,s3] [--size 64MiB] [--tensors 16] [--workers 1,4] \\
-        [--repeat 3] [--rounds 5] [--json FILE]
+        [--repeat 3] [--rounds 5] [--limit] [--label TEXT] [--json FILE]
 
 Each round runs one ``python -m dcpstore._impl.cli bench URI -q --repeat
 N --json ...`` process per side (``dcpstore.cli`` in a checkout from before
@@ -17,6 +17,14 @@ on loopback (``benchmarks/servers.py``), started once for all runs.
 Prints, per backend and worker count, the median save and load GB/s of each
 side, the client CPU seconds (steadier than wall time on a busy machine), and
 B/A ratios (> 1: B is faster, or for CPU, costs more).
+
+``--limit`` runs ``dcpstore bench --limit`` on each side: the storage's
+raw limit rows (for a local path, threads ``os.write`` the tensors' bytes
+and ``fsync``; loads ``readinto`` the destinations) are measured in the same
+process, interleaved with dcpstore's rows, so each side's ratio to the raw
+writer -- time and CPU seconds per GB -- comes from one run on one box.
+The JSON (``--json``) then records the commit of each side and of this
+checkout, as the report's result files do.
 """
 
 from __future__ import annotations
@@ -25,10 +33,12 @@ import argparse
 import contextlib
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -36,7 +46,17 @@ from typing import Any
 import servers
 
 BUCKET = "dcpstore-ab"
-METRICS = ("write_gbps", "read_gbps", "write_cpu_s", "read_cpu_s")
+METRICS = (
+    "write_gbps",
+    "read_gbps",
+    "write_cpu_s",
+    "read_cpu_s",
+    "write_cpu_s_per_gb",
+    "read_cpu_s_per_gb",
+    "rss_growth_mib",
+)
+#: What the printed table shows of :data:`METRICS`.
+SHOWN = ("write_gbps", "read_gbps", "write_cpu_s", "read_cpu_s")
 
 
 def _side(text: str) -> tuple[str, str]:
@@ -104,6 +124,7 @@ def _bench(checkout: str, uri: str, args: argparse.Namespace, env: dict[str, str
             "--repeat",
             str(args.repeat),
             *_warm(checkout),
+            *(["--limit"] if args.limit else []),
             "-q",
             "--json",
             out,
@@ -144,8 +165,11 @@ def main() -> None:
     p.add_argument("--workers", default="1,4")
     p.add_argument("--repeat", type=int, default=3, help="saves per worker count per process; the first is warm-up")
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--limit", action="store_true", help="also the storage's raw limit rows, in the same processes")
+    p.add_argument("--label", default="", help="what this run measures (recorded in the JSON)")
     p.add_argument("--json", metavar="FILE")
-    args = p.parse_args()
+    argv = sys.argv[1:]
+    args = p.parse_args(argv)
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     unknown = set(backends) - {"local", "s3"}
     if unknown:
@@ -154,8 +178,8 @@ def main() -> None:
     for name, checkout in sides:
         print(f"{name}: {_which_dcpstore(checkout)}", file=sys.stderr)
 
-    # rows[(backend, workers)][side][metric] -> values
-    rows: dict[tuple[str, int], dict[str, dict[str, list[float]]]] = {}
+    # rows[(backend, group, workers)][side][metric] -> values; group: "dcpstore" or "limit" (--limit)
+    rows: dict[tuple[str, str, int], dict[str, dict[str, list[float]]]] = {}
     with _targets(backends) as targets:
         for r in range(args.rounds):
             order = sides if r % 2 == 0 else sides[::-1]
@@ -166,9 +190,9 @@ def main() -> None:
                     for rec in _bench(checkout, uri, args, env):
                         if args.repeat > 1 and rec["repeat"] == 0:
                             continue  # warm-up
-                        cell = rows.setdefault((backend, rec["workers"]), {}).setdefault(name, {})
-                        for m in METRICS:
-                            cell.setdefault(m, []).append(float(rec[m]))
+                        cell = rows.setdefault((backend, rec["group"], rec["workers"]), {}).setdefault(name, {})
+                        for m, value in _metrics(rec).items():
+                            cell.setdefault(m, []).append(value)
                     print(f"  round {r + 1}/{args.rounds} {backend} {name} done", file=sys.stderr)
 
     a, b = args.a[0], args.b[0]
@@ -177,21 +201,55 @@ def main() -> None:
         f"(warm loads); {args.rounds} rounds alternating {a}/{b}; medians, B/A = {b}/{a}"
     )
     labels = ("save GB/s", "load GB/s", "save cpu s", "load cpu s")
-    print(f"{'':11}" + "".join(f"{label:^25}" for label in labels))
-    print(f"{'backend':8} {'w':>2}" + f"  {a[:7]:>7} {b[:7]:>7} {'B/A':>6} " * len(labels))
+    print(f"{'':20}" + "".join(f"{label:^25}" for label in labels))
+    print(f"{'backend':8} {'group':8} {'w':>2}" + f"  {a[:7]:>7} {b[:7]:>7} {'B/A':>6} " * len(labels))
     summary = []
-    for (backend, workers), cell in sorted(rows.items()):
+    for (backend, group, workers), cell in sorted(rows.items()):
         med = {side: {m: statistics.median(cell[side][m]) for m in METRICS} for side in (a, b)}
-        line = f"{backend:8} {workers:>2}"
-        for m in METRICS:
+        line = f"{backend:8} {group:8} {workers:>2}"
+        for m in SHOWN:
             ratio = med[b][m] / med[a][m] if med[a][m] else float("nan")
             line += f"  {med[a][m]:7.3f} {med[b][m]:7.3f} {ratio:6.2f} "
         print(line.rstrip())
-        summary.append({"backend": backend, "workers": workers, "median": med, "all": cell})
+        summary.append({"backend": backend, "group": group, "workers": workers, "median": med, "all": cell})
     if args.json:
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        from dcpstore._impl.bench.report import git_commit, git_dirty, machine
+
+        meta = {
+            "command": shlex.join(["python", "benchmarks/ab_bench.py", *argv]),
+            "label": args.label,
+            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "git_commit": git_commit(),
+            "git_dirty": git_dirty(),
+            "machine": machine(),
+            "sides": {name: _commit_of(path) for name, path in sides},
+        }
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "rows": summary}, f, indent=1, default=str)
+            json.dump({"meta": meta, "args": vars(args), "rows": summary}, f, indent=1, default=str)
             f.write("\n")
+
+
+def _metrics(rec: dict[str, Any]) -> dict[str, float]:
+    """One bench record's figures: :data:`METRICS`."""
+    gb = rec["bytes"] / 1e9
+    return {
+        "write_gbps": float(rec["write_gbps"]),
+        "read_gbps": float(rec["read_gbps"]),
+        "write_cpu_s": float(rec["write_cpu_s"]),
+        "read_cpu_s": float(rec["read_cpu_s"]),
+        "write_cpu_s_per_gb": float(rec["write_cpu_s"]) / gb,
+        "read_cpu_s_per_gb": float(rec["read_cpu_s"]) / gb,
+        "rss_growth_mib": float(rec.get("rss_growth_bytes") or 0) / 2**20,
+    }
+
+
+def _commit_of(checkout: str) -> str:
+    """The checkout's commit, ``+`` when its dcpstore/ differs from it."""
+    git = ["git", "-C", checkout]
+    commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run([*git, "status", "--porcelain", "--", "dcpstore"], capture_output=True, text=True).stdout
+    return (commit or "unknown") + ("+" if dirty.strip() else "")
 
 
 if __name__ == "__main__":

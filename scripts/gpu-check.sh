@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU check: the cuda-marked tests (tests/integration/test_cuda.py),
-# benchmarks/gpu_stage.py and benchmarks/interference.py on one GPU machine,
-# then a summary. Sized to finish in under 11 minutes on one H200 (16 cores,
+# benchmarks/gpu_stage.py, the local disk against its raw writer (dcpstore
+# bench --limit) and benchmarks/interference.py on one GPU machine, then a
+# summary. Sized to finish in under 11 minutes on one H200 (16 cores,
 # 128 GiB; about 7 typically).
 #
 #   bash scripts/gpu-check.sh                  on the GPU machine (no network needed)
@@ -38,8 +39,8 @@ SITE_S3=/tmp/site-s3
 # Time plan (under 11 minutes at most): wheels and environment ~15 s, the
 # cuda tests at most TEST_TIMEOUT (each test at most 100 s, so one hang costs
 # one test), gpu_stage.py stops starting sizes at BENCH_BUDGET and is killed at
-# BENCH_TIMEOUT, interference.py likewise at INTERFERENCE_BUDGET /
-# INTERFERENCE_TIMEOUT. Typical: about 7 minutes.
+# BENCH_TIMEOUT, the local disk's rows at LOCAL_DISK_TIMEOUT, interference.py
+# likewise at INTERFERENCE_BUDGET / INTERFERENCE_TIMEOUT. Typical: about 8 minutes.
 TEST_TIMEOUT=${GPU_CHECK_TEST_TIMEOUT:-200}
 BENCH_BUDGET=${GPU_CHECK_BENCH_BUDGET:-180}
 BENCH_TIMEOUT=$((BENCH_BUDGET + 50))
@@ -49,6 +50,8 @@ BENCH_TIMEOUT=$((BENCH_BUDGET + 50))
 # explicit engine, so each GPU run checks what engine="auto" chooses there.
 INTERFERENCE_BUDGET=${GPU_CHECK_INTERFERENCE_BUDGET:-100}
 INTERFERENCE_TIMEOUT=$((INTERFERENCE_BUDGET + 80))
+# The local disk's save and load beside the raw writer's (about a minute on NVMe).
+LOCAL_DISK_TIMEOUT=${GPU_CHECK_LOCAL_DISK_TIMEOUT:-120}
 
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
 
@@ -125,6 +128,20 @@ bench_args=(--json "$OUT_DIR/gpu_stage.json" --budget-s "$BENCH_BUDGET")
 [ "$dry_run" = 1 ] && bench_args+=(--dry-run)
 timeout -k 10 "$BENCH_TIMEOUT" "$PY" benchmarks/gpu_stage.py "${bench_args[@]}" 2>&1 | tee "$OUT_DIR/gpu_stage.log"
 bench_rc=${PIPESTATUS[0]}
+
+# The local disk at its limit (issue 44): dcpstore's sync save and load beside
+# the raw writer and reader on the same disk (GPU_CHECK_LOCAL_DIR: the
+# machine's NVMe, or its fastest local disk), in one process, CPU seconds per
+# GB included. Reported, not judged; a failure here fails nothing.
+echo "== dcpstore bench --limit on the local disk (timeout ${LOCAL_DISK_TIMEOUT}s)"
+local_dir=${GPU_CHECK_LOCAL_DIR:-$OUT_DIR/local-disk}
+if [ "$dry_run" = 1 ]; then
+  local_args=(--size 16MiB --tensors 4 --workers 2 --repeat 2)
+else
+  local_args=(--size 2GiB --tensors 16 --workers 4,8 --repeat 3)
+fi
+timeout -k 10 "$LOCAL_DISK_TIMEOUT" "$PY" -m dcpstore._impl.cli bench "$local_dir/bench" "${local_args[@]}" --limit -q \
+  --json "$OUT_DIR/local_disk.json" 2>&1 | tee "$OUT_DIR/local_disk.log"
 
 echo "== benchmarks/interference.py (budget ${INTERFERENCE_BUDGET}s)"
 if [ "$dry_run" = 1 ]; then

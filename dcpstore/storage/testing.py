@@ -217,6 +217,29 @@ class StorageContract:
         with pytest.raises(StorageNotFound):
             storage.read_into("nope.bin", 0, [memoryview(bytearray(4))])
 
+    def test_read_into_each_reports_every_byte_to_its_buffer(self, storage: Storage) -> None:
+        payload = os.urandom(3 * MiB + 123)
+        storage.put("each.bin", payload)
+        bufs = [bytearray(MiB + 5), bytearray(0), bytearray(7), bytearray(2 * MiB - 1000)]
+        seen: list[tuple[int, bytes]] = []
+
+        def each(k: int, view: memoryview) -> None:
+            seen.append((k, bytes(view)))
+
+        views = [memoryview(b) for b in bufs]
+        assert storage.read_into_each("each.bin", 777, views, each) == sum(map(len, bufs))
+        assert b"".join(bufs) == payload[777 : 777 + sum(map(len, bufs))]
+        # In order, each buffer's views its own bytes as they are now (empty buffers need none).
+        assert [k for k, _ in seen] == sorted(k for k, _ in seen)
+        for k, buf in enumerate(bufs):
+            assert b"".join(v for i, v in seen if i == k) == buf
+        seen.clear()
+        tail, rest = bytearray(6), bytearray(1000)  # short at the end: only what arrived is reported
+        assert storage.read_into_each("each.bin", len(payload) - 10, [memoryview(tail), memoryview(rest)], each) == 10
+        assert b"".join(v for _, v in seen) == payload[-10:]
+        with pytest.raises(StorageNotFound):
+            storage.read_into_each("nope.bin", 0, [memoryview(bytearray(4))], each)
+
 
 def _read_beside_puts(
     storage: Storage, versions: tuple[bytes, ...], read: Callable[[int], bytes], *, durable: bool

@@ -185,9 +185,15 @@ def test_dry_run_end_to_end(tmp_path: Path) -> None:
         "gpu_stage.log",
         "interference.json",
         "interference.log",
+        "local_disk.json",
+        "local_disk.log",
         "summary.json",
     }
     assert files <= set(os.listdir(tmp_path))
+    # The local disk's rows: dcpstore's save and load beside the raw writer's, measured.
+    local = json.loads((tmp_path / "local_disk.json").read_text())["records"]
+    assert {r["group"] for r in local} == {"dcpstore", "limit"}
+    assert all(r["status"] == "ok" and r["write_cpu_s"] > 0 for r in local), local
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["dry_run"] and summary["ok"] and summary["tests"]["tests"] >= 13
     rows = {r["name"]: r for r in summary["interference"]["rows"]}

@@ -400,6 +400,10 @@ def _ops(tmp_path: Path) -> dict[str, tuple[str, Callable[[LocalStorage], Any]]]
     return {
         "read_range": ("ck/data.bin", lambda s: s.read_range("ck/data.bin", 0, 10)),
         "read_into": ("ck/data.bin", lambda s: s.read_into("ck/data.bin", 0, [memoryview(bytearray(10))])),
+        "read_into_each": (
+            "ck/data.bin",
+            lambda s: s.read_into_each("ck/data.bin", 0, [memoryview(bytearray(10))], lambda k, v: None),
+        ),
         "read": ("ck/data.bin", lambda s: s.read("ck/data.bin")),
         "size": ("ck/data.bin", lambda s: s.size("ck/data.bin")),
         "exists": ("ck/data.bin", lambda s: s.exists("ck/data.bin")),

@@ -36,23 +36,27 @@ def _state() -> dict[str, torch.Tensor]:
 
 
 def _spy(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Record the address of every buffer ``read_into`` fills, on every backend."""
+    """Record the address of every buffer ``read_into`` (or ``read_into_each``,
+    a verifying load's) fills, on every backend."""
     addresses: list[int] = []
 
     def spy_on(cls: type[Storage]) -> None:
-        if "read_into" in vars(cls):
-            original = vars(cls)["read_into"]
-
-            def spy(self: Storage, path: str, offset: int, buffers: list[memoryview], **kwargs: Any) -> int:
-                addresses.extend(torch.frombuffer(b, dtype=torch.uint8).data_ptr() for b in buffers if b.nbytes)
-                return original(self, path, offset, buffers, **kwargs)  # type: ignore[no-any-return]
-
-            monkeypatch.setattr(cls, "read_into", spy)
+        for name in ("read_into", "read_into_each"):
+            if name in vars(cls):
+                monkeypatch.setattr(cls, name, _spying(vars(cls)[name], addresses))
         for sub in cls.__subclasses__():
             spy_on(sub)
 
     spy_on(Storage)
     return addresses
+
+
+def _spying(original: Any, addresses: list[int]) -> Any:
+    def spy(self: Storage, path: str, offset: int, buffers: list[memoryview], *args: Any, **kwargs: Any) -> int:
+        addresses.extend(torch.frombuffer(b, dtype=torch.uint8).data_ptr() for b in buffers if b.nbytes)
+        return original(self, path, offset, buffers, *args, **kwargs)  # type: ignore[no-any-return]
+
+    return spy
 
 
 def test_large_contiguous_tensors_load_in_place(target: Target, monkeypatch: pytest.MonkeyPatch) -> None:

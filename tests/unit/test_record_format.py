@@ -62,3 +62,35 @@ def test_record_loads_with_stock_torch_load_and_carries_no_zip_crc(tensor: torch
     finally:
         torch.serialization.set_crc32_options(True)
     assert plain.getvalue() == buf.getvalue()
+
+
+def test_large_writes_go_out_in_pieces_with_the_crcs_of_the_bytes_stored(tmp_path: object) -> None:
+    # Tensors around the combine threshold and the piece size, a view of a
+    # larger storage (not lent: torch writes it from a copy) and a bytes
+    # item: each item's CRC32C and the file's are those of what the file holds.
+    from dcpstore.storage import open_storage
+
+    piece = torch_save.RecordStream.PIECE
+    items: list[io.BytesIO | torch.Tensor] = [
+        torch.randn(COMBINE_MIN // 4 - 3),
+        torch.randint(0, 255, (2 * piece + 13,), dtype=torch.uint8),
+        io.BytesIO(os.urandom(70_000)),
+        torch.randn(piece // 4),
+        torch_save.compact_cpu_tensor(torch.randn(3 * piece // 4)[5:]),
+    ]
+    storage = open_storage(str(tmp_path))
+    with storage.open_write("data") as writer:
+        stream = torch_save.RecordStream(writer)
+        written = [stream.write_item(item) for item in items]
+        size, file_crc = stream.finish()
+    stored = storage.read("data")
+    assert size == len(stored) and file_crc == crc32c.crc32c(stored)
+    for item, w in zip(items, written, strict=True):
+        body = stored[w.offset : w.offset + w.length]
+        assert w.crc32c == crc32c.crc32c(body)
+        if isinstance(item, io.BytesIO):
+            assert body == item.getvalue()
+        else:
+            assert torch.equal(torch_save.item_tensor(memoryview(body)), item)
+            assert w.raw is not None
+            assert body[w.raw[0] : w.raw[0] + w.raw[1]] == item.numpy().tobytes()

@@ -258,6 +258,7 @@ def test_no_path_escapes_the_root(target: Target, path: str) -> None:
             "read": lambda: storage.read(path),
             "read_range": lambda: storage.read_range(path, 0, 1),
             "read_into": lambda: storage.read_into(path, 0, [memoryview(bytearray(1))]),
+            "read_into_each": lambda: storage.read_into_each(path, 0, [memoryview(bytearray(1))], lambda k, v: None),
             "size": lambda: storage.size(path),
             "exists": lambda: storage.exists(path),
             "delete": lambda: storage.delete([path]),

@@ -526,9 +526,12 @@ class DcpStorageReader(StorageReader):
         start = pos = group[0][0].info.offset
         buffers: list[memoryview] = []
         parts: list[tuple[Direct, list[memoryview], memoryview]] = []
+        #: Each buffer's item (its index in ``parts``; -1: another item's bytes).
+        owner: list[int] = []
         for d, _, dest in group:
             if d.info.offset > pos:
                 buffers.append(memoryview(bytearray(d.info.offset - pos)))  # another item, not ours
+                owner.append(-1)
             if d.nbytes < SMALL_TENSOR_COPY:
                 # Small: the whole record in one scratch buffer, then a copy
                 # (3 buffers and 3 CRC calls per tiny tensor cost more).
@@ -536,12 +539,24 @@ class DcpStorageReader(StorageReader):
             else:
                 pieces = [memoryview(bytearray(d.data_offset)), dest, memoryview(bytearray(d.end - d.start - d.nbytes))]
             buffers += pieces
+            owner += [len(parts)] * len(pieces)
             parts.append((d, pieces, dest))
             pos = d.end
         exposed = [d.req.dest_index.fqn for d, pieces, _ in parts if len(pieces) > 1]
         self._progress.exposing(exposed)
+        # Each item's CRC32C, piece by piece as its bytes land (in cache on
+        # a local disk: see Storage.read_into_each).
+        crcs = [0] * len(parts)
+
+        def checksum(k: int, view: memoryview) -> None:
+            if owner[k] >= 0:
+                crcs[owner[k]] = crc32c.crc32c(view, crcs[owner[k]])
+
         try:
-            n = self.storage.read_into(path, start, buffers, batch_hint=self._batch)
+            if self._verifying():
+                n = self.storage.read_into_each(path, start, buffers, checksum, batch_hint=self._batch)
+            else:
+                n = self.storage.read_into(path, start, buffers, batch_hint=self._batch)
         except StorageNotFound as e:
             self._progress.exposing(exposed, undo=True)  # never opened: nothing was written
             raise CheckpointCorrupt(f"{self.storage.describe(path)}: data file is missing") from e
@@ -549,13 +564,13 @@ class DcpStorageReader(StorageReader):
         verified = []
         error = None
         assert self._checks is not None
-        for entry, (d, pieces, dest) in zip(group, parts):
+        for i, (entry, (d, pieces, dest)) in enumerate(zip(group, parts)):
             if len(pieces) == 1:
                 record = RecordBytes.whole(pieces[0])
             else:  # the header and the trailer around the bytes that went straight into the destination
                 record = RecordBytes(d.length, [(0, pieces[0]), (d.data_offset + d.nbytes, pieces[2])])
             try:
-                self._verify_item(path, d.info, *pieces)
+                self._check_crc(path, d.info, crcs[i])
                 where = (d.data_offset, d.nbytes)
                 self._checks.check_raw(path, d.info, d.req.storage_index, where, record, self._manifest_where())
             except CheckpointCorrupt as e:
@@ -637,19 +652,30 @@ class DcpStorageReader(StorageReader):
         name (a save over a used URI writes ``.dcpstore.{tag}.json``)."""
         return self._manifest["where"] if self._manifest is not None else self.storage.describe(MANIFEST)
 
+    def _verifying(self) -> bool:
+        """Whether this load checks items' CRC32Cs (against its manifest)."""
+        return self.verify and self._manifest is not None
+
     def _verify_item(self, path: str, info: StorageInfo, *pieces: memoryview) -> None:
         """Check an item's CRC32C; ``pieces`` are its bytes, in order."""
-        if not self.verify or self._manifest is None:
+        if not self._verifying():
             return
+        crc = 0
+        for piece in pieces:
+            crc = crc32c.crc32c(piece, crc)
+        self._check_crc(path, info, crc)
+
+    def _check_crc(self, path: str, info: StorageInfo, crc: int) -> None:
+        """Check an item's CRC32C, ``crc`` computed over its bytes as read."""
+        if not self._verifying():
+            return
+        assert self._manifest is not None
         expected = self._manifest["items"].get(item_key(path, info.offset))
         if expected is None:
             raise CheckpointCorrupt(
                 f"{self.storage.describe(path)}: item at offset {info.offset} not in the manifest "
                 f"{self._manifest_where()}"
             )
-        crc = 0
-        for piece in pieces:
-            crc = crc32c.crc32c(piece, crc)
         if crc != expected:
             raise CheckpointCorrupt(
                 f"{self.storage.describe(path)}: checksum mismatch in item at offset {info.offset} "

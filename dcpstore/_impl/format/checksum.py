@@ -118,9 +118,15 @@ class DualCrc:
             self.file = _crc32c.crc32c(data, self.file)
             return None
         crc: int = _crc32c.crc32c(data)
-        self.item = crc32c_combine(self.item, crc, data.nbytes)
-        self.file = crc32c_combine(self.file, crc, data.nbytes)
+        self.append(crc, data.nbytes)
         return crc
+
+    def append(self, crc: int, nbytes: int) -> None:
+        """Append ``nbytes`` bytes whose own CRC32C is ``crc`` (computed by
+        the caller, e.g. piece by piece while the bytes were in cache)."""
+        if nbytes:
+            self.item = crc32c_combine(self.item, crc, nbytes)
+            self.file = crc32c_combine(self.file, crc, nbytes)
 
 
 def file_and_span_crcs(

@@ -128,10 +128,10 @@ class Storage(abc.ABC):
     The only methods a backend must implement are :meth:`open_write`,
     :meth:`read_range`, :meth:`read`, :meth:`size`, :meth:`list`,
     :meth:`delete` and :meth:`makedirs` (seven); it may override
-    :meth:`put`, :meth:`read_into`, :meth:`incomplete_writes`,
-    :meth:`remove_incomplete`, :meth:`learn_sizes`, :meth:`size_seen`,
-    :meth:`default_workers`, :meth:`local_path` and :meth:`close` (nine, each
-    with a default that is correct, if slower or less informed). Everything
+    :meth:`put`, :meth:`read_into`, :meth:`read_into_each`,
+    :meth:`incomplete_writes`, :meth:`remove_incomplete`, :meth:`learn_sizes`,
+    :meth:`size_seen`, :meth:`default_workers`, :meth:`local_path` and
+    :meth:`close` (ten, each with a default that is correct, if slower or less informed). Everything
     else here is built on those and is not overridden: :attr:`uri`,
     :meth:`describe`, :meth:`exists`, and the clean-up ledger
     (:meth:`leave_unfinished`, :meth:`take_unfinished`). A backend sets the
@@ -308,6 +308,32 @@ class Storage(abc.ABC):
             if take < buf.nbytes:
                 break
         return pos
+
+    def read_into_each(
+        self,
+        path: str,
+        offset: int,
+        buffers: Sequence[memoryview],
+        each: Callable[[int, memoryview], None],
+        *,
+        batch_hint: int | None = None,
+    ) -> int:
+        """:meth:`read_into`, and ``each(k, view)`` for the bytes that arrived
+        in ``buffers[k]``, in order (a buffer may come in several views, one
+        after another). A load checksums each item this way: a backend that
+        lands the bytes piece by piece (a local file) calls ``each`` right
+        after a piece lands, while it is still in the cache, instead of a
+        second pass over memory after the whole read. The default reads,
+        then reports every buffer."""
+        n = self.read_into(path, offset, buffers, batch_hint=batch_hint)
+        left = n
+        for k, buf in enumerate(buffers):
+            if left <= 0:
+                break
+            take = min(buf.nbytes, left)
+            each(k, buf[:take])
+            left -= take
+        return n
 
     @abc.abstractmethod
     def read(self, path: str, *, limit: int | None = None) -> bytes:
