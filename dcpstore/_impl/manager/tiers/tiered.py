@@ -32,6 +32,7 @@ from dcpstore._impl.manager.steps import (
 from dcpstore._impl.manager.tiers.kept_leases import TierLeases
 from dcpstore._impl.manager.tiers.local_tier import Job, LocalTier, SharedDir, TierParts
 from dcpstore._impl.manager.tiers.nodes import NodeDirs, NodeSync
+from dcpstore._impl.manager.tiers.peers import check_peers, check_replica_options
 from dcpstore._impl.manager.tiers.replicate import (
     check_no_clash,
     commit_replica,
@@ -69,6 +70,8 @@ class TieredRoots:
         workers: int,
         group: dist.ProcessGroup | None,
         timeout_s: float,
+        local_replicas: int = 1,
+        replica_jump: int = 1,
     ) -> None:
         self._durable, self._durable_uri = durable, durable_uri
         self._local, self._local_uri = local, local_uri
@@ -99,7 +102,10 @@ class TieredRoots:
                 wait=lambda: self.wait(self._timeout_s),
                 wait_idle=lambda: self._wait_idle(self._timeout_s),
             )
-            self._tier: LocalTier = NodeDirs(sync, parts) if sync.node_local else SharedDir(parts)
+            check_peers(sync.nodes.count, local_replicas, replica_jump, self._local.uri)  # alike on every rank
+            self._tier: LocalTier = (
+                NodeDirs(sync, parts, local_replicas, replica_jump) if sync.node_local else SharedDir(parts)
+            )
             failure: BaseException | None = None
             try:
                 replicas = commit_times(self._durable)  # also: the durable root is reachable
@@ -309,6 +315,14 @@ class TieredRoots:
                 delete_step(self._local, step)
             except CheckpointError as e:
                 log.warning("local retention could not delete step %d under %s: %s", step, self.local_uri, e)
+        self._tier.retire_peers(newest, self._local_keep, lambda step: self._not_yet_durable(step, durable))
+
+    def _not_yet_durable(self, step: int, durable: Mapping[int, float | None]) -> bool:
+        """Selected, missing from the durable tier and not older than its
+        ``keep`` newest: a copy of it may be the last one anywhere."""
+        if not self.selected(step) or step in durable:
+            return False
+        return self._keep is None or sum(1 for d in durable if d > step) < self._keep
 
     # -- loading --------------------------------------------------------------
     def locate(
@@ -319,6 +333,8 @@ class TieredRoots:
         what the load fills in (node-local directories: the local copy is
         read only if every rank's holds what its load plan reads); None
         (``latest_step``): only where the step lives."""
+        if state_dict is not None:
+            self._tier.restore_from_peers()
         mine = (self.local_steps(), self.durable_steps() if self._coordinator else [])
         views: list[tuple[list[int], list[int]]] = [mine]
         if is_distributed():
@@ -392,7 +408,10 @@ class TieredRoots:
                 self._local.close()
 
 
-def check_tier_options(local_keep: object, replicate_every: object, timeout_s: object) -> None:
+def check_tier_options(
+    local_keep: object, replicate_every: object, timeout_s: object, local_replicas: object = 1, replica_jump: object = 1
+) -> None:
+    check_replica_options(local_replicas, replica_jump)
     if local_keep is not None and (isinstance(local_keep, bool) or not isinstance(local_keep, int) or local_keep < 1):
         raise InvalidArgument(f"local_keep must be None (keep all) or an int >= 1, got {local_keep!r}")
     if isinstance(replicate_every, bool) or not isinstance(replicate_every, int) or replicate_every < 1:
