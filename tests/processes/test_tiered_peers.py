@@ -12,21 +12,24 @@ node but never the last copy of a step not yet in the durable tier.
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch.distributed as dist
+from torch.multiprocessing.spawn import ProcessExitedException
 
 import dcpstore
 from dcpstore._impl.format.layout import METADATA
 from dcpstore._impl.manager import step_dir
-from dcpstore._impl.manager.tiers.peers import check_peers, peer_step_dir, peers_of, restore_plan
+from dcpstore._impl.manager.tiers.peers import View, check_peers, peer_step_dir, peers_of, restore_plan
 from dcpstore._impl.manager.tiers.replicate import read_local_commit
-from tests.processes.test_tiered_nodes import check, node_dirs, sharded, zeros
+from tests.processes.test_tiered_nodes import KillJob, check, node_dirs, sharded, zeros
 from tests.support.dist_utils import run_ranks
 from tests.support.faultproxy import FaultProxy
+from tests.support.faults import hook_all_storage, spread
 from tests.support.s3_server import S3Endpoint
 
 
@@ -138,6 +141,69 @@ def test_retention_keeps_peer_copies_of_steps_the_durable_tier_lacks(tmp_path: P
     run_ranks(_load, 2, str(tmp_path / "durable"), dirs, {"local_replicas": 2}, 3)
 
 
+# -- SIGKILL of the whole job while a peer copy is written --------------------------
+
+
+class KillOnPeerCopy(KillJob):
+    """:class:`KillJob` counting this rank's writes into its peer copies of step 2."""
+
+    def __call__(self, event: str) -> None:
+        if "peers/" in event and step_dir(2) in event and not event.startswith(("read:", "list")):
+            super().__call__(event)
+
+
+def _killed_while_copying(
+    rank: int, world: int, durable: str, dirs: list[str], pids: str, killer: int, at: int
+) -> None:
+    Path(pids, str(rank)).write_text(str(os.getpid()))
+    kwargs: dict[str, Any] = {"local_dir": dirs[rank], "async_": False, "local_replicas": 2}
+    with dcpstore.CheckpointManager(durable, **kwargs) as mgr:
+        mgr.save(sharded(world, 1, scalar=False), 1)
+        mgr.wait()
+    dist.barrier()
+    hook = KillOnPeerCopy(at if rank == killer else -1, Path(pids))
+    hook_all_storage({dirs[rank]: hook})
+    with dcpstore.CheckpointManager(durable, **kwargs) as mgr:
+        mgr.save(sharded(world, 2, scalar=False), 2)
+        mgr.wait()
+    Path(pids, f"events{rank}").write_text(str(hook.seen))
+
+
+def test_sigkill_while_a_peer_copy_is_written_loses_no_committed_step(tmp_path: Path) -> None:
+    """Each node's copy for its peer is whole and committed, or has no
+    ``.metadata``; the job resumes from step 2 with every node, and with a
+    node lost resumes from the newest step its peer's copies hold whole."""
+    probe = tmp_path / "probe"
+    (probe / "pids").mkdir(parents=True)
+    run_ranks(_killed_while_copying, 2, str(probe / "durable"), node_dirs(probe, 2, 1), str(probe / "pids"), -1, -1)
+    points = [(rank, i) for rank in (0, 1) for i in spread(int((probe / "pids" / f"events{rank}").read_text()), 3)]
+    assert len(points) >= 4, points
+    for i, (killer, at) in enumerate(points):
+        case = tmp_path / f"kill{i}"
+        durable, pids = case / "durable", case / "pids"
+        pids.mkdir(parents=True)
+        dirs = node_dirs(case, 2, 1)
+        with pytest.raises(ProcessExitedException) as died:
+            run_ranks(_killed_while_copying, 2, str(durable), dirs, str(pids), killer, at)
+        assert died.value.signal_name == "SIGKILL", ((killer, at), str(died.value))
+        whole = []
+        for n in (0, 1):
+            own, copy = case / f"node{n}", case / f"node{1 - n}" / peer_step_dir(n, 2)
+            assert (own / step_dir(2) / METADATA).exists()  # committed on its node before it is copied
+            if (copy / METADATA).exists():  # a copy is committed only whole
+                assert (copy / METADATA).read_bytes() == (own / step_dir(2) / METADATA).read_bytes()
+                assert _share(case / f"node{1 - n}", peer_step_dir(n, 2)) == _share(own, step_dir(2))
+                whole.append(n)
+        lost = case / "lost"  # node 1's disk, kept aside for the second restart
+        shutil.copytree(case / "node1", lost)
+        run_ranks(_load, 2, str(durable), dirs, {"local_replicas": 2}, 2)  # every node: step 2
+        shutil.rmtree(case / "node1")
+        shutil.rmtree(durable)  # and an empty durable tier: only what the peers hold
+        durable.mkdir()
+        # Node 1 is lost: step 2 comes back only if node 0 committed node 1's copy.
+        run_ranks(_load, 2, str(durable), dirs, {"local_replicas": 2}, 2 if 1 in whole else 1)
+
+
 # -- the choice of peers, the restore plan, bad options --------------------------
 
 
@@ -162,11 +228,19 @@ def test_replicas_that_cannot_spread_are_refused(count: int, replicas: int, jump
 
 
 def test_the_restore_plan_takes_the_newest_step_every_node_can_get() -> None:
+    a, b, c = ["__0_0.distcp"], ["__1_0.distcp"], ["__2_0.distcp"]
     # node 1 lost everything; node 0 holds node 1's copies of 2 and 3, node 2 only of 2
-    views = [([2, 3], {1: [2, 3], 2: [3]}), ([], {}), ([2, 3], {1: [2]})]
+    views: list[View] = [
+        ({2: a, 3: a}, {1: {2: b, 3: b}, 2: {3: c}}),
+        ({}, {}),
+        ({2: c, 3: c}, {1: {2: b}}),
+    ]
     assert restore_plan(views) == (3, [(0, 1)])
-    assert restore_plan([([2, 3], {}), ([2, 3], {0: [3]})]) is None  # every node holds it already
-    assert restore_plan([([3], {}), ([], {})]) is None  # nobody holds node 1's share
+    assert restore_plan([({2: a, 3: a}, {}), ({2: b, 3: b}, {0: {3: a}})]) is None  # every node holds it already
+    assert restore_plan([({3: a}, {}), ({}, {})]) is None  # nobody holds node 1's share
+    # node 1 has the commit of 3 (caught up) but not its files, or some only: its peer's copy brings them
+    assert restore_plan([({3: a}, {1: {3: b + ["__1_1.distcp"]}}), ({3: []}, {})]) == (3, [(0, 1)])
+    assert restore_plan([({3: a}, {1: {3: b + ["__1_1.distcp"]}}), ({3: b}, {})]) == (3, [(0, 1)])
 
 
 @pytest.mark.parametrize("kwargs", [{"local_replicas": 0}, {"replica_jump": True}, {"local_replicas": "2"}])

@@ -47,8 +47,8 @@ Which rank does what (every rank constructs the manager alike):
   whole stays local, logged).
 * **Peer copies** (:mod:`.peers`, ``local_replicas=N``, node-local only):
   after each save each node's share is also committed in N-1 other nodes'
-  ``local_dir/peers/node_<i>/``; a load first writes a lost node's share
-  back from a peer's copy.
+  ``local_dir/peers/node_<i>/``; a new manager first writes a lost
+  node's share back from a peer's copy.
 * **Loading** (collective): the step is the newest committed one in either
   tier (every rank holds a local commit of it, or the durable tier does);
   it is read from the local tier if every rank's local copy holds what it

@@ -87,8 +87,8 @@ class LocalTier(Protocol):
         replicate (a step no node holds whole)."""
 
     def restore_from_peers(self) -> None:
-        """Before a load: bring back, from peers' copies, the shares of the
-        newest step that a node lacks (:mod:`.peers`)."""
+        """When the manager is made: bring back, from peers' copies, the
+        shares of the newest step that a node lacks (:mod:`.peers`)."""
 
     def retire_peers(self, newest: int, keep: int, needed: Callable[[int], bool]) -> None:
         """Retention of the copies this directory keeps for peers."""

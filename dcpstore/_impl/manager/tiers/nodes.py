@@ -411,19 +411,20 @@ class NodeDirs:
         return shared[0], job.files if job.files is not None else shared[1]
 
     def restore_from_peers(self) -> None:
-        """Collective (the manager's group), before a load: where a node
-        lacks the newest step that every node holds itself or through a
-        peer's copy, a peer writes the node's share back into its directory
-        (:func:`.peers.restore_plan`), so the load reads it locally."""
+        """Collective (the manager's group), when the manager is made: where
+        a node lacks the newest step that every node holds itself or through
+        a peer's copy, a peer writes the node's share back into its
+        directory (:func:`.peers.restore_plan`), so that a load reads it
+        locally (and the catch-up replicates it)."""
         if self._replicas == 1:
             return
         view: peers.View | None = None
         if self.leader:
             try:
-                view = (committed_steps(self._local), peers.peer_holdings(self._local))
+                view = peers.view(self._local, committed_steps(self._local))
             except CheckpointError as e:  # this node then counts as holding nothing
                 log.warning("could not list the steps under %s: %s", self._local.uri, e)
-                view = ([], {})
+                view = ({}, {})
         views = self._sync.gather(view)
         plan = peers.restore_plan([views[leader] for leader in self._sync.leaders])
         if plan is None:
@@ -431,7 +432,7 @@ class NodeDirs:
         if self.leader:
             step, moves = plan
             peers.restore(self._local, step, moves, self._sync.nodes.index, self._sync.leaders, self._sync.group())
-        self._sync.gather(None)  # every node's other ranks look at their directory after its leader restored it
+        self._sync.gather(None)  # a node's other ranks look at their directory after its leader restored it
 
     def retire_peers(self, newest: int, keep: int, needed: Callable[[int], bool]) -> None:
         """The leader, after its own retention: that of its peer copies."""

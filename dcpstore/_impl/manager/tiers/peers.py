@@ -22,7 +22,7 @@ A copy exists on a peer only once committed there, and each file's size and
 CRC32C are checked against the manifest before it is written. The bytes move
 leader to leader, point to point over gloo: on the replicator's group after
 each save (in the background, before the durable replication), on the
-manager's group when a load finds a node without a step its peers hold
+manager's group when a new manager finds a node without a step its peers hold
 (:func:`restore_plan`): the node's own copy is written back from a peer's,
 then the load reads it locally as any node's own copy.
 """
@@ -194,30 +194,55 @@ def peer_holdings(local: Storage) -> dict[int, list[int]]:
     return {s: sorted(steps) for s, steps in found.items()}
 
 
-#: A leader's view for a restore: its own committed steps, and its peer copies' (per source).
-View = tuple[list[int], dict[int, list[int]]]
+#: A leader's view for a restore: per step it holds a commit of, the data
+#: files of that commit it holds; the same per source node for its peer copies.
+View = tuple[dict[int, list[str]], dict[int, dict[int, list[str]]]]
+
+
+def _held_by_step(local: Storage, directory: str, steps: Iterable[int]) -> dict[int, list[str]]:
+    found = {}
+    for step in steps:
+        where = f"{directory}/{step_dir(step)}" if directory else step_dir(step)
+        commit = read_commit(local, where)
+        if commit is not None:
+            found[step] = held(local, where, commit)
+    return found
+
+
+def view(local: Storage, own_steps: Iterable[int]) -> View:
+    """This directory's :data:`View` (``own_steps``: its committed steps)."""
+    copies = {s: _held_by_step(local, source_dir(s), steps) for s, steps in peer_holdings(local).items()}
+    return _held_by_step(local, "", own_steps), copies
 
 
 def restore_plan(views: list[View]) -> tuple[int, list[tuple[int, int]]] | None:
     """From every node's view (by index): the newest step every node holds
     itself or through a peer's copy, and which (donor, node) copies bring it
-    back where a node lacks it; None when no such step is newer than what
-    every node holds itself (nothing to restore)."""
+    back where a node lacks it; None when every node holds that step itself
+    (nothing to restore) or no step is whole. A node holds a step itself
+    when it holds data files of its commit, and all those of every peer's
+    copy of its share (a commit without them: a replacement node that
+    caught a commit up, or a node that lost files)."""
     count = len(views)
-    own = [set(v[0]) for v in views]
-    copies: dict[tuple[int, int], list[int]] = {}  # (source, step) -> donors
+    copies: dict[tuple[int, int], list[tuple[int, set[str]]]] = {}  # (source, step) -> donors and their files
     for donor, (_, held_for) in enumerate(views):
-        for source, held_steps in held_for.items():
-            for step in held_steps:
-                copies.setdefault((source, step), []).append(donor)
-    known: set[int] = set().union(*own, (s for _, s in copies))
-    whole = [s for s in known if all(s in own[n] or (n, s) in copies for n in range(count))]
+        for source, steps in held_for.items():
+            for step, files in steps.items():
+                copies.setdefault((source, step), []).append((donor, set(files)))
+
+    def holds(node: int, step: int) -> bool:
+        mine = set(views[node][0].get(step, ()))
+        return bool(mine) and all(files <= mine for _, files in copies.get((node, step), ()))
+
+    known: set[int] = set().union(*(v[0] for v in views), (s for _, s in copies))
+    whole = [s for s in known if all(holds(n, s) or (n, s) in copies for n in range(count))]
     if not whole:
         return None
     step = max(whole)
-    if all(step in own[n] for n in range(count)):
+    lacking = [n for n in range(count) if not holds(n, step)]
+    if not lacking:
         return None
-    return step, [(copies[(n, step)][0], n) for n in range(count) if step not in own[n]]
+    return step, [(copies[(n, step)][0][0], n) for n in lacking]
 
 
 def restore(

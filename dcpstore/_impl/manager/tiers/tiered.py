@@ -106,6 +106,8 @@ class TieredRoots:
             self._tier: LocalTier = (
                 NodeDirs(sync, parts, local_replicas, replica_jump) if sync.node_local else SharedDir(parts)
             )
+            # Before the catch-up, which would commit the coordinator's commit on a replacement node without its files.
+            self._tier.restore_from_peers()  # collective
             failure: BaseException | None = None
             try:
                 replicas = commit_times(self._durable)  # also: the durable root is reachable
@@ -333,8 +335,6 @@ class TieredRoots:
         what the load fills in (node-local directories: the local copy is
         read only if every rank's holds what its load plan reads); None
         (``latest_step``): only where the step lives."""
-        if state_dict is not None:
-            self._tier.restore_from_peers()
         mine = (self.local_steps(), self.durable_steps() if self._coordinator else [])
         views: list[tuple[list[int], list[int]]] = [mine]
         if is_distributed():
