@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.multiprocessing.spawn import ProcessExitedException
 
 import dcpstore
+from dcpstore._impl.cli import main as cli_main
 from dcpstore._impl.format.layout import METADATA
 from dcpstore._impl.manager import step_dir
 from dcpstore._impl.manager.tiers.peers import View, check_peers, peer_step_dir, peers_of, restore_plan
@@ -65,9 +66,19 @@ def _durable(endpoint: S3Endpoint, name: str) -> tuple[str, str]:
     return f"s3://{endpoint.bucket}/{name}", name
 
 
-@pytest.mark.parametrize(("world", "per_node", "lost"), [(4, 2, [1]), (4, 1, [1, 3])], ids=["2x2-lose1", "4x1-lose2"])
+@pytest.mark.parametrize(
+    ("world", "per_node", "lost"),
+    [(4, 2, [1]), (4, 1, [1, 3]), (8, 2, [2])],
+    ids=["2x2-lose1", "4x1-lose2", "4x2-lose1"],
+)
 def test_a_lost_node_resumes_from_its_peers_copies_reading_no_durable_data(
-    s3_endpoint: S3Endpoint, proxy: FaultProxy, tmp_path: Path, world: int, per_node: int, lost: list[int]
+    s3_endpoint: S3Endpoint,
+    proxy: FaultProxy,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    world: int,
+    per_node: int,
+    lost: list[int],
 ) -> None:
     uri, prefix = _durable(s3_endpoint, f"peers-{world}x{per_node}")
     dirs = node_dirs(tmp_path, world, per_node)
@@ -83,6 +94,10 @@ def test_a_lost_node_resumes_from_its_peers_copies_reading_no_durable_data(
             assert (copy / METADATA).read_bytes() == (node / step_dir(step) / METADATA).read_bytes()
             assert _share(tmp_path / f"node{peer}", peer_step_dir(n, step)) == _share(node, step_dir(step))
         assert not (node / peer_step_dir((n - 1) % nodes, 1)).exists(), "local_keep=2 counts the peer copies"
+    capsys.readouterr()
+    assert cli_main(["ls", uri, "--local-dir", str(tmp_path / "node1")]) == 0  # where node 0's copies live
+    rows = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines()}
+    assert rows[peer_step_dir(0, 3)][:2] == ["committed", "local"], rows
     for n in lost:
         shutil.rmtree(tmp_path / f"node{n}")  # a replacement node: an empty local_dir
     proxy.stats.got.clear()
