@@ -103,12 +103,18 @@ def test_a_lost_node_resumes_from_its_peers_copies_reading_no_durable_data(
     proxy.stats.got.clear()
     run_ranks(_load, world, uri, dirs, kwargs, 3)
     assert _data_bytes_fetched(s3_endpoint, proxy, prefix) == 0, proxy.stats.got
-    for n in lost:  # the replacement holds its share again, committed
+    for n in lost:  # the replacement holds its share again, and the copies it held for its peers, committed
         storage = dcpstore.open_storage(str(tmp_path / f"node{n}"))
         try:
             assert read_local_commit(storage, 3) is not None
         finally:
             storage.close()
+        for source in (s for s in range(nodes) if n in peers_of(s, nodes, 2, 1)):
+            copy = tmp_path / f"node{n}" / peer_step_dir(source, 3)
+            assert (copy / METADATA).read_bytes() == (tmp_path / f"node{source}" / step_dir(3) / METADATA).read_bytes()
+            assert _share(tmp_path / f"node{n}", peer_step_dir(source, 3)) == _share(
+                tmp_path / f"node{source}", step_dir(3)
+            )
 
 
 @pytest.mark.parametrize(
@@ -186,13 +192,15 @@ def _killed_while_copying(
 
 def test_sigkill_while_a_peer_copy_is_written_loses_no_committed_step(tmp_path: Path) -> None:
     """Each node's copy for its peer is whole and committed, or has no
-    ``.metadata``; the job resumes from step 2 with every node, and with a
-    node lost resumes from the newest step its peer's copies hold whole."""
+    ``.metadata``; the restarted job resumes from step 2 and makes the
+    copies the kill cut short, so that a node lost after it still resumes
+    from step 2 with no durable tier at all."""
     probe = tmp_path / "probe"
     (probe / "pids").mkdir(parents=True)
     run_ranks(_killed_while_copying, 2, str(probe / "durable"), node_dirs(probe, 2, 1), str(probe / "pids"), -1, -1)
     points = [(rank, i) for rank in (0, 1) for i in spread(int((probe / "pids" / f"events{rank}").read_text()), 3)]
     assert len(points) >= 4, points
+    cut = 0
     for i, (killer, at) in enumerate(points):
         case = tmp_path / f"kill{i}"
         durable, pids = case / "durable", case / "pids"
@@ -209,14 +217,16 @@ def test_sigkill_while_a_peer_copy_is_written_loses_no_committed_step(tmp_path: 
                 assert (copy / METADATA).read_bytes() == (own / step_dir(2) / METADATA).read_bytes()
                 assert _share(case / f"node{1 - n}", peer_step_dir(n, 2)) == _share(own, step_dir(2))
                 whole.append(n)
-        lost = case / "lost"  # node 1's disk, kept aside for the second restart
-        shutil.copytree(case / "node1", lost)
         run_ranks(_load, 2, str(durable), dirs, {"local_replicas": 2}, 2)  # every node: step 2
+        for n in (0, 1):  # and the restart made the copies the kill cut short
+            copy = case / f"node{1 - n}" / peer_step_dir(n, 2)
+            assert (copy / METADATA).read_bytes() == (case / f"node{n}" / step_dir(2) / METADATA).read_bytes()
         shutil.rmtree(case / "node1")
         shutil.rmtree(durable)  # and an empty durable tier: only what the peers hold
         durable.mkdir()
-        # Node 1 is lost: step 2 comes back only if node 0 committed node 1's copy.
-        run_ranks(_load, 2, str(durable), dirs, {"local_replicas": 2}, 2 if 1 in whole else 1)
+        run_ranks(_load, 2, str(durable), dirs, {"local_replicas": 2}, 2)  # node 1 lost: step 2 from node 0's copy
+        cut += len(whole) < 2
+    assert cut, "no kill point cut a copy short"
 
 
 # -- the choice of peers, the restore plan, bad options --------------------------
@@ -244,18 +254,25 @@ def test_replicas_that_cannot_spread_are_refused(count: int, replicas: int, jump
 
 def test_the_restore_plan_takes_the_newest_step_every_node_can_get() -> None:
     a, b, c = ["__0_0.distcp"], ["__1_0.distcp"], ["__2_0.distcp"]
-    # node 1 lost everything; node 0 holds node 1's copies of 2 and 3, node 2 only of 2
+    ring = [(0, 1), (1, 2), (2, 0)]
+    # node 1 lost everything; node 0 holds node 1's copies of 2 and 3 (not node 2's of 3), node 2 node 0's
     views: list[View] = [
-        ({2: a, 3: a}, {1: {2: b, 3: b}, 2: {3: c}}),
+        ({2: a, 3: a}, {1: {2: b, 3: b}}),
         ({}, {}),
-        ({2: c, 3: c}, {1: {2: b}}),
+        ({2: c, 3: c}, {0: {2: a, 3: a}}),
     ]
-    assert restore_plan(views) == (3, [(0, 1)])
-    assert restore_plan([({2: a, 3: a}, {}), ({2: b, 3: b}, {0: {3: a}})]) is None  # every node holds it already
-    assert restore_plan([({3: a}, {}), ({}, {})]) is None  # nobody holds node 1's share
+    # node 1's share comes back from node 0; then the copy node 0 lacks of node 2's share
+    assert restore_plan(views, [(0, 2), (1, 0), (2, 0)]) == (3, [(0, 1, 1), (2, 0, 2)])
+    # on a ring every peer copy node 1 held, and the copy of its own share on node 2, are made too
+    assert restore_plan(views, ring) == (3, [(0, 1, 1), (0, 1, 0), (1, 2, 1), (2, 0, 2)])
+    two = [(0, 1), (1, 0)]
+    assert restore_plan([({2: a, 3: a}, {1: {3: b}}), ({2: b, 3: b}, {0: {3: a}})], two) is None  # all there
+    assert restore_plan([({2: a, 3: a}, {1: {3: b}}), ({2: b, 3: b}, {})], two) == (3, [(0, 1, 0)])  # a missed copy
+    assert restore_plan([({3: a}, {}), ({}, {})], two) is None  # nobody holds node 1's share
     # node 1 has the commit of 3 (caught up) but not its files, or some only: its peer's copy brings them
-    assert restore_plan([({3: a}, {1: {3: b + ["__1_1.distcp"]}}), ({3: []}, {})]) == (3, [(0, 1)])
-    assert restore_plan([({3: a}, {1: {3: b + ["__1_1.distcp"]}}), ({3: b}, {})]) == (3, [(0, 1)])
+    more = b + ["__1_1.distcp"]
+    assert restore_plan([({3: a}, {1: {3: more}}), ({3: []}, {0: {3: a}})], two) == (3, [(0, 1, 1)])
+    assert restore_plan([({3: a}, {1: {3: more}}), ({3: b}, {0: {3: a}})], two) == (3, [(0, 1, 1)])
 
 
 @pytest.mark.parametrize("kwargs", [{"local_replicas": 0}, {"replica_jump": True}, {"local_replicas": "2"}])

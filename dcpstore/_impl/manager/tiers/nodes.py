@@ -414,8 +414,10 @@ class NodeDirs:
         """Collective (the manager's group), when the manager is made: where
         a node lacks the newest step that every node holds itself or through
         a peer's copy, a peer writes the node's share back into its
-        directory (:func:`.peers.restore_plan`), so that a load reads it
-        locally (and the catch-up replicates it)."""
+        directory, so that a load reads it locally (and the catch-up
+        replicates it); then the peer copies of that step that are missing
+        (a replacement node's, or a killed job's) are made
+        (:func:`.peers.restore_plan`)."""
         if self._replicas == 1:
             return
         view: peers.View | None = None
@@ -426,7 +428,8 @@ class NodeDirs:
                 log.warning("could not list the steps under %s: %s", self._local.uri, e)
                 view = ({}, {})
         views = self._sync.gather(view)
-        plan = peers.restore_plan([views[leader] for leader in self._sync.leaders])
+        targets = peers.pairs(self._sync.nodes.count, self._replicas, self._jump)
+        plan = peers.restore_plan([views[leader] for leader in self._sync.leaders], targets)
         if plan is None:
             return
         if self.leader:

@@ -24,7 +24,8 @@ leader to leader, point to point over gloo: on the replicator's group after
 each save (in the background, before the durable replication), on the
 manager's group when a new manager finds a node without a step its peers hold
 (:func:`restore_plan`): the node's own copy is written back from a peer's,
-then the load reads it locally as any node's own copy.
+then the load reads it locally as any node's own copy, and the copies of
+that step that are missing (a replacement node's, a killed job's) are made.
 """
 
 from __future__ import annotations
@@ -215,14 +216,21 @@ def view(local: Storage, own_steps: Iterable[int]) -> View:
     return _held_by_step(local, "", own_steps), copies
 
 
-def restore_plan(views: list[View]) -> tuple[int, list[tuple[int, int]]] | None:
+#: One copy of a node's share of a step: (sending node, receiving node, the node whose share it is).
+Move = tuple[int, int, int]
+
+
+def restore_plan(views: list[View], targets: list[tuple[int, int]]) -> tuple[int, list[Move]] | None:
     """From every node's view (by index): the newest step every node holds
-    itself or through a peer's copy, and which (donor, node) copies bring it
-    back where a node lacks it; None when every node holds that step itself
-    (nothing to restore) or no step is whole. A node holds a step itself
-    when it holds data files of its commit, and all those of every peer's
-    copy of its share (a commit without them: a replacement node that
-    caught a commit up, or a node that lost files)."""
+    itself or through a peer's copy, and the copies that make it whole
+    again: first each node that lacks its share gets it back from a peer
+    that holds a copy, then each (source, peer) of ``targets``
+    (:func:`pairs`) whose peer lacks the copy gets it from the source (the
+    copies a replacement node held for others, or those a killed job did
+    not make). None when there is nothing to copy or no step is whole. A
+    node holds a step itself when it holds data files of its commit, and
+    all those of every peer's copy of its share (a commit without them: a
+    replacement node that caught a commit up, or a node that lost files)."""
     count = len(views)
     copies: dict[tuple[int, int], list[tuple[int, set[str]]]] = {}  # (source, step) -> donors and their files
     for donor, (_, held_for) in enumerate(views):
@@ -239,26 +247,30 @@ def restore_plan(views: list[View]) -> tuple[int, list[tuple[int, int]]] | None:
     if not whole:
         return None
     step = max(whole)
-    lacking = [n for n in range(count) if not holds(n, step)]
-    if not lacking:
-        return None
-    return step, [(copies[(n, step)][0][0], n) for n in lacking]
+    moves = [(copies[(n, step)][0][0], n, n) for n in range(count) if not holds(n, step)]
+    moves += [(s, p, s) for s, p in targets if p not in {d for d, _ in copies.get((s, step), ())}]
+    return (step, moves) if moves else None
+
+
+def _where(node: int, owner: int, step: int) -> str:
+    """Where ``node`` keeps ``owner``'s share of ``step``."""
+    return step_dir(step) if node == owner else peer_step_dir(owner, step)
 
 
 def restore(
     local: Storage,
     step: int,
-    moves: list[tuple[int, int]],
+    moves: list[Move],
     index: int,
     leaders: list[int],
     group: dist.ProcessGroup | None,
 ) -> None:
-    """Every node's leader: run ``moves`` (donor, node) of :func:`restore_plan`:
-    a donor sends its copy of the node's share of ``step``, with the commit;
-    the node writes it into its own step directory and commits it there."""
-    for donor, node in moves:
-        if donor == index:
-            directory = peer_step_dir(node, step)
+    """Every node's leader: run ``moves`` of :func:`restore_plan`, in order:
+    a sender sends the share it holds, with its commit; the receiver checks
+    and writes it where it keeps that share, and commits it there."""
+    for sender, receiver, owner in moves:
+        if sender == index:
+            directory = _where(sender, owner, step)
             commit: Commit | None = None
             files = None
             try:
@@ -266,17 +278,21 @@ def restore(
                 if commit is not None:
                     files = read_files(local, directory, held(local, directory, commit))
             except CheckpointError as e:
-                log.error("could not read node %d's copy of step %d under %s: %s", node, step, local.uri, e)
-            dist.send_object_list([commit], group=group, group_dst=leaders[node])
-            send_files(files if commit is not None else None, leaders[node], group)
-        elif node == index:
+                log.error("could not read node %d's share of step %d under %s: %s", owner, step, local.uri, e)
+            dist.send_object_list([commit], group=group, group_dst=leaders[receiver])
+            send_files(files if commit is not None else None, leaders[receiver], group)
+        elif receiver == index:
             box: list[Any] = [None]
-            dist.recv_object_list(box, group=group, group_src=leaders[donor])
+            dist.recv_object_list(box, group=group, group_src=leaders[sender])
             got: Commit | None = box[0]
-            files = receive_files(leaders[donor], group)
-            if got is not None and files is not None:
-                if write_copy(local, step_dir(step), got, files, f"step {step} from node {donor}'s copy"):
-                    log.info("step %d of this node restored from node %d's copy", step, donor)
+            files = receive_files(leaders[sender], group)
+            what = f"node {owner}'s share of step {step} from node {sender}"
+            if (
+                got is not None
+                and files is not None
+                and write_copy(local, _where(receiver, owner, step), got, files, what)
+            ):
+                log.info("%s committed under %s", what, local.uri)
 
 
 def retire(local: Storage, newest: int, keep: int, needed: Callable[[int], bool]) -> None:
