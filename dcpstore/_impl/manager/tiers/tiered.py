@@ -84,6 +84,10 @@ class TieredRoots:
         self._cond = threading.Condition()
         self._queue: deque[Job] = deque()
         self._busy = False
+        #: Saves whose handle has not run :meth:`saved`'s callback yet: a
+        #: handle's result() returns before its callbacks run, so a wait()
+        #: right after the save must count them or return before the step is queued.
+        self._unqueued = 0
         self._errors: list[BaseException] = []
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -201,12 +205,19 @@ class TieredRoots:
         """Queue ``step`` for replication as soon as its local save commits."""
 
         def done(h: SaveHandle) -> None:
-            failed = h.exception() is not None
-            if failed or self._tier.saves_commit_here:
-                self._leases.end_marker(step)  # the save committed this directory's copy, or failed
-            if not failed:
-                self._submit(Job(step, h.result().files))
+            try:
+                failed = h.exception() is not None
+                if failed or self._tier.saves_commit_here:
+                    self._leases.end_marker(step)  # the save committed this directory's copy, or failed
+                if not failed:
+                    self._submit(Job(step, h.result().files))
+            finally:
+                with self._cond:
+                    self._unqueued -= 1
+                    self._cond.notify_all()
 
+        with self._cond:
+            self._unqueued += 1
         handle.add_done_callback(done)
 
     def committed(self, step: int) -> None:
@@ -380,13 +391,14 @@ class TieredRoots:
         :class:`SaveError` after ``timeout`` s)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while self._queue or self._busy:
+            while self._queue or self._busy or self._unqueued:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     pending = sorted({j.step for j in self._queue})
                     raise SaveError(
                         f"replication to {self.uri} still running after {timeout:g} s "
-                        f"(steps queued: {pending or 'none'}; one in progress: {self._busy})"
+                        f"(steps queued: {pending or 'none'}; one in progress: {self._busy}; "
+                        f"saves not yet queued: {self._unqueued})"
                     )
                 self._cond.wait(left)
 
