@@ -93,6 +93,8 @@ def test_a_lost_node_resumes_from_its_peers_copies_reading_no_durable_data(
             # The peer's copy: committed, the same commit, exactly the node's own share.
             assert (copy / METADATA).read_bytes() == (node / step_dir(step) / METADATA).read_bytes()
             assert _share(tmp_path / f"node{peer}", peer_step_dir(n, step)) == _share(node, step_dir(step))
+            # and nothing else: no alive file of the lease it was written under
+            assert {p.name for p in copy.iterdir()} == {p.name for p in (node / step_dir(step)).iterdir()}
         assert not (node / peer_step_dir((n - 1) % nodes, 1)).exists(), "local_keep=2 counts the peer copies"
     capsys.readouterr()
     assert cli_main(["ls", uri, "--local-dir", str(tmp_path / "node1")]) == 0  # where node 0's copies live

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from dcpstore._impl.dcp.commit import Commit, delete_checkpoint, publish_copy, read_commit
+from dcpstore._impl.dcp.liveness import Lease
 from dcpstore._impl.format.layout import METADATA
 from dcpstore._impl.manager.steps import DCPSTORE, step_dir
 from dcpstore._impl.storage import Storage
@@ -147,8 +148,13 @@ def write_copy(local: Storage, directory: str, commit: Commit, files: list[tuple
             entry = entries.get(name)
             if entry is None or entry["size"] != len(blob) or entry["crc32c"] != crc32c.crc32c(blob):
                 raise CheckpointError(f"{name} from the peer does not match the manifest of the step")
-            local.put(posixpath.join(directory, name), blob)
-        publish_copy(local, commit, directory)
+        lease = Lease(local, directory)  # dcpstore gc keeps the copy while it is written
+        try:
+            for name, blob in files:
+                local.put(posixpath.join(directory, name), blob)
+            publish_copy(local, commit, directory)
+        finally:
+            lease.stop()
         return True
     except CheckpointError as e:
         log.error("could not commit %s under %s: %s", what, local.describe(directory), e)
