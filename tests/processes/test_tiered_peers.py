@@ -28,6 +28,7 @@ from dcpstore._impl.manager import step_dir
 from dcpstore._impl.manager.tiers.peers import View, check_peers, peer_step_dir, peers_of, restore_plan
 from dcpstore._impl.manager.tiers.replicate import read_local_commit
 from tests.processes.test_tiered_nodes import KillJob, check, node_dirs, sharded, zeros
+from tests.support import killcount
 from tests.support.dist_utils import run_ranks
 from tests.support.faultproxy import FaultProxy
 from tests.support.faults import hook_all_storage, spread
@@ -229,6 +230,7 @@ def test_sigkill_while_a_peer_copy_is_written_loses_no_committed_step(tmp_path: 
         run_ranks(_load, 2, str(durable), dirs, {"local_replicas": 2}, 2)  # node 1 lost: step 2 from node 0's copy
         cut += len(whole) < 2
     assert cut, "no kill point cut a copy short"
+    killcount.record(len(points), len(points), len(points))  # each one was asserted to kill
 
 
 # -- the choice of peers, the restore plan, bad options --------------------------
