@@ -137,6 +137,27 @@ def test_where_no_peer_holds_a_lost_share_the_load_reads_the_durable_tier(
     assert _data_bytes_fetched(s3_endpoint, proxy, prefix) > 0
 
 
+def test_a_damaged_peer_copy_is_refused_and_the_load_reads_the_durable_tier(
+    s3_endpoint: S3Endpoint, proxy: FaultProxy, tmp_path: Path
+) -> None:
+    """Node 0's copy of node 1's share of step 3 has a flipped byte (its size
+    unchanged): node 1, replaced, gets nothing committed from it (the CRC32C
+    check against the manifest), and the load reads step 3 from the durable tier."""
+    uri, prefix = _durable(s3_endpoint, "peers-damaged")
+    dirs = node_dirs(tmp_path, 4, 2)
+    kwargs = {"local_replicas": 2}
+    run_ranks(_save, 4, uri, dirs, kwargs)
+    data = sorted((tmp_path / "node0" / peer_step_dir(1, 3)).glob("*.distcp"))[0]
+    blob = bytearray(data.read_bytes())
+    blob[len(blob) // 2] ^= 0xFF
+    data.write_bytes(bytes(blob))
+    shutil.rmtree(tmp_path / "node1")
+    proxy.stats.got.clear()
+    run_ranks(_load, 4, uri, dirs, kwargs, 3)
+    assert _data_bytes_fetched(s3_endpoint, proxy, prefix) > 0
+    assert not (tmp_path / "node1" / step_dir(3) / METADATA).exists()
+
+
 def _save_unreplicated(rank: int, world: int, durable: str, dirs: list[str]) -> None:
     import dcpstore._impl.manager.tiers.tiered as tiered
 

@@ -104,61 +104,116 @@ def held(local: Storage, directory: str, commit: Commit) -> list[str]:
     return sorted(n for n, e in commit.manifest["files"].items() if sizes.get(n) == e["size"])
 
 
-def read_files(local: Storage, directory: str, names: Iterable[str]) -> list[tuple[str, bytes]] | None:
-    """``names`` in ``directory``, read whole (None, logged, if one cannot be)."""
-    try:
-        return [(n, local.read(posixpath.join(directory, n))) for n in names]
-    except CheckpointError as e:
-        log.error("could not read %s to copy it to a peer node: %s", local.describe(directory), e)
-        return None
+#: The most bytes of a file one point-to-point send carries: a file goes in
+#: pieces, so that neither side holds more of a node's share in memory.
+CHUNK = 64 << 20
 
 
-def send_files(files: list[tuple[str, bytes]] | None, dst: int, group: dist.ProcessGroup | None) -> None:
-    """To group rank ``dst`` (which runs :func:`receive_files`): the names
-    and sizes, then each file's bytes (None: nothing, the peer skips)."""
-    header = None if files is None else [(n, len(b)) for n, b in files]
+def send_share(
+    local: Storage, directory: str, names: list[str] | None, dst: int, group: dist.ProcessGroup | None
+) -> None:
+    """To group rank ``dst`` (which runs :func:`receive_share`): the names
+    and sizes of ``names`` in ``directory``, each file's bytes in pieces,
+    then whether every read succeeded (None: nothing, the peer skips). A
+    read that fails still sends its pieces (zeros), so the pairs stay in step."""
+    header: list[tuple[str, int]] | None = None
+    if names is not None:
+        try:
+            header = [(n, local.size(posixpath.join(directory, n))) for n in names]
+        except CheckpointError as e:
+            log.error("could not list %s to copy it to a peer node: %s", local.describe(directory), e)
     dist.send_object_list([header], group=group, group_dst=dst)
-    for _, blob in files or ():
-        if blob:
-            dist.send(torch.frombuffer(bytearray(blob), dtype=torch.uint8), group=group, group_dst=dst)
+    if header is None:
+        return
+    ok = True
+    for name, size in header:
+        path = posixpath.join(directory, name)
+        for offset in range(0, size, CHUNK):
+            length = min(CHUNK, size - offset)
+            piece = torch.zeros(length, dtype=torch.uint8)
+            if ok:
+                try:
+                    blob = local.read_range(path, offset, length)
+                    if len(blob) != length:
+                        raise CheckpointError(f"short read: {len(blob)} of {length} bytes at offset {offset}")
+                    piece = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+                except CheckpointError as e:
+                    log.error("could not read %s to copy it to a peer node: %s", local.describe(path), e)
+                    ok = False
+            dist.send(piece, group=group, group_dst=dst)
+    dist.send_object_list([ok], group=group, group_dst=dst)
 
 
-def receive_files(src: int, group: dist.ProcessGroup | None) -> list[tuple[str, bytes]] | None:
+def receive_share(
+    local: Storage, directory: str, commit: Commit | None, src: int, group: dist.ProcessGroup | None, what: str
+) -> bool:
+    """Receive what :func:`send_share` sends from group rank ``src``: each
+    file is written into ``directory`` as its pieces come, its size and
+    CRC32C checked against ``commit``'s manifest before it is committed,
+    then ``commit`` is committed there (under a lease, so that ``dcpstore gc``
+    keeps the copy while it is written). False (logged) if anything failed:
+    the directory then shows no new commit."""
     box: list[Any] = [None]
     dist.recv_object_list(box, group=group, group_src=src)
     header: list[tuple[str, int]] | None = box[0]
     if header is None:
-        return None
-    files = []
-    for name, size in header:
-        buf = torch.empty(size, dtype=torch.uint8)
-        if size:
-            dist.recv(buf, group=group, group_src=src)
-        files.append((name, buf.numpy().tobytes()))
-    return files
-
-
-def write_copy(local: Storage, directory: str, commit: Commit, files: list[tuple[str, bytes]], what: str) -> bool:
-    """Write ``files`` into ``directory`` after checking each against
-    ``commit``'s manifest, then commit ``commit`` there; False (logged) if
-    any check or write fails (the directory then shows no new commit)."""
-    try:
-        entries = commit.manifest["files"]
-        for name, blob in files:
-            entry = entries.get(name)
-            if entry is None or entry["size"] != len(blob) or entry["crc32c"] != crc32c.crc32c(blob):
-                raise CheckpointError(f"{name} from the peer does not match the manifest of the step")
-        lease = Lease(local, directory)  # dcpstore gc keeps the copy while it is written
-        try:
-            for name, blob in files:
-                local.put(posixpath.join(directory, name), blob)
-            publish_copy(local, commit, directory)
-        finally:
-            lease.stop()
-        return True
-    except CheckpointError as e:
-        log.error("could not commit %s under %s: %s", what, local.describe(directory), e)
         return False
+    # Every piece is received whatever fails here: the pairs stay in step.
+    error: str | None = None if commit is not None else "the peer sent no commit"
+    lease: Lease | None = None
+    if error is None:
+        try:
+            lease = Lease(local, directory)
+        except CheckpointError as e:
+            error = str(e)
+    try:
+        for name, size in header:
+            entry = commit.manifest["files"].get(name) if commit is not None else None
+            if error is None and (entry is None or entry["size"] != size):
+                error = f"{name} from the peer is not in the manifest of the step at that size"
+            writer = None
+            if error is None:
+                try:
+                    writer = local.open_write(posixpath.join(directory, name), size_hint=size)
+                except CheckpointError as e:
+                    error = str(e)
+            crc = 0
+            for offset in range(0, size, CHUNK):
+                piece = torch.empty(min(CHUNK, size - offset), dtype=torch.uint8)
+                dist.recv(piece, group=group, group_src=src)
+                if writer is not None:
+                    data = piece.numpy().data
+                    crc = crc32c.crc32c(data, crc)
+                    try:
+                        writer.write(data)
+                    except CheckpointError as e:
+                        error = str(e)
+                        writer.abort()
+                        writer = None
+            if writer is not None and entry is not None:
+                if entry["crc32c"] != crc:
+                    error = f"{name} from the peer does not match its CRC32C in the manifest"
+                    writer.abort()
+                else:
+                    try:
+                        writer.commit()
+                    except CheckpointError as e:
+                        error = str(e)
+        dist.recv_object_list(box, group=group, group_src=src)
+        if error is None and box[0] is not True:
+            error = "the peer could not read its share"
+        if error is None and commit is not None:
+            try:
+                publish_copy(local, commit, directory)
+            except CheckpointError as e:
+                error = str(e)
+    finally:
+        if lease is not None:
+            lease.stop()
+    if error is not None:
+        log.error("could not commit %s under %s: %s", what, local.describe(directory), error)
+        return False
+    return True
 
 
 def replicate(
@@ -174,19 +229,17 @@ def replicate(
     """Every node's leader (``index``: its node; ``leaders``: each node's
     leader's group rank): send this node's share of ``step`` to its peers,
     and commit the copies its own sources send (:func:`pairs`)."""
-    own: list[tuple[str, bytes]] | None = None
     for source, peer in pairs(len(leaders), replicas, jump):
         if source == index:
-            if own is None:
-                try:
-                    own = read_files(local, step_dir(step), held(local, step_dir(step), commit))
-                except CheckpointError as e:
-                    log.error("could not list step %d under %s for its peers: %s", step, local.uri, e)
-            send_files(own, leaders[peer], group)
+            names: list[str] | None = None
+            try:
+                names = held(local, step_dir(step), commit)
+            except CheckpointError as e:
+                log.error("could not list step %d under %s for its peers: %s", step, local.uri, e)
+            send_share(local, step_dir(step), names, leaders[peer], group)
         elif peer == index:
-            files = receive_files(leaders[source], group)
-            if files is not None:
-                write_copy(local, peer_step_dir(source, step), commit, files, f"node {source}'s copy of step {step}")
+            what = f"node {source}'s copy of step {step}"
+            receive_share(local, peer_step_dir(source, step), commit, leaders[source], group, what)
 
 
 def peer_holdings(local: Storage) -> dict[int, list[int]]:
@@ -278,26 +331,20 @@ def restore(
         if sender == index:
             directory = _where(sender, owner, step)
             commit: Commit | None = None
-            files = None
+            names: list[str] | None = None
             try:
                 commit = read_commit(local, directory)
                 if commit is not None:
-                    files = read_files(local, directory, held(local, directory, commit))
+                    names = held(local, directory, commit)
             except CheckpointError as e:
                 log.error("could not read node %d's share of step %d under %s: %s", owner, step, local.uri, e)
-            dist.send_object_list([commit], group=group, group_dst=leaders[receiver])
-            send_files(files if commit is not None else None, leaders[receiver], group)
+            dist.send_object_list([commit if names is not None else None], group=group, group_dst=leaders[receiver])
+            send_share(local, directory, names, leaders[receiver], group)
         elif receiver == index:
             box: list[Any] = [None]
             dist.recv_object_list(box, group=group, group_src=leaders[sender])
-            got: Commit | None = box[0]
-            files = receive_files(leaders[sender], group)
             what = f"node {owner}'s share of step {step} from node {sender}"
-            if (
-                got is not None
-                and files is not None
-                and write_copy(local, _where(receiver, owner, step), got, files, what)
-            ):
+            if receive_share(local, _where(receiver, owner, step), box[0], leaders[sender], group, what):
                 log.info("%s committed under %s", what, local.uri)
 
 
