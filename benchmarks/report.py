@@ -175,6 +175,7 @@ SOURCES: dict[str, tuple[Source, ...]] = {
     "scale": (Source("scale_sim.json", SCALE),),
     "tiered": (Source("tiered.json", TIERED),),
     "tiered-nodes": (Source("tiered_nodes.json", TIERED),),
+    "tiered-peers": (Source("tiered_peers.json", TIERED),),
     "shared-reads": (Source("shared_reads.json", TIERED),),
     "local-disk": (Source("local_disk_ab.json", LOCAL),),
     "wan-scale": (Source("wan_scale.json", OBJECT_STORE),),
@@ -203,6 +204,8 @@ COMMANDS = {
     "--json benchmarks/results/wan_scale.json --quiet",
     "tiered_nodes.json": "python benchmarks/tiered_nodes.py --size-mib 64,256 --saves 6 --label LABEL "
     "--json benchmarks/results/tiered_nodes.json",
+    "tiered_peers.json": "python benchmarks/tiered_peers.py --size-mib 32 --saves 3 --rounds 3 --label LABEL "
+    "--json benchmarks/results/tiered_peers.json",
     # /work/before: a worktree of the commit compared against (git worktree add /work/before COMMIT).
     # /work/before-44: a worktree of the commit compared against (git worktree add /work/before-44 COMMIT).
     "local_disk_ab.json": "python benchmarks/ab_bench.py --a before=/work/before-44 --b after=. --backends local "
@@ -427,6 +430,24 @@ def tiered_nodes_block(doc: Doc) -> str:
         ]
         for size, kinds in doc["rows"].items()
         for kind, r in kinds.items()
+    ]
+    return targets.markdown_table(head, body)
+
+
+def tiered_peers_block(doc: Doc) -> str:
+    """Per kind: a save's wait, the resume after a lost node, what it read from the durable tier."""
+    head = ["kind", "save + wait s", "x durable", "peer copies per step", "resume s", "x durable", "durable bytes read"]
+    body = [
+        [
+            kind,
+            f"{r['save_wait_s']:.2f}",
+            f"{r['save_wait_x']:.2f}x",
+            f"{r['peer_bytes_per_step'] / (1 << 20):.1f} MiB",
+            f"{r['resume_s']:.2f}",
+            f"{r['resume_x']:.2f}x",
+            f"{r['resume_durable_bytes'] / (1 << 20):.2f} MiB",
+        ]
+        for kind, r in doc["rows"].items()
     ]
     return targets.markdown_table(head, body)
 
@@ -660,6 +681,9 @@ def blocks(docs: dict[str, Doc]) -> dict[str, str]:
     )
     out["tiered-nodes"] = (
         tiered_nodes_block(docs["tiered_nodes.json"]) if "tiered_nodes.json" in docs else pending("tiered_nodes.json")
+    )
+    out["tiered-peers"] = (
+        tiered_peers_block(docs["tiered_peers.json"]) if "tiered_peers.json" in docs else pending("tiered_peers.json")
     )
     out["shared-reads"] = (
         shared_reads_block(docs["shared_reads.json"]) if "shared_reads.json" in docs else pending("shared_reads.json")

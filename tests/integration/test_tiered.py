@@ -462,3 +462,30 @@ def test_an_item_over_512_mib_replicates_to_s3_and_loads_back(request: pytest.Fi
     assert_durable_step(durable, 1, big, load=False)
     with manager(durable, tmp_path / "fresh") as mgr:  # a fresh node: resumes from S3, every CRC checked
         assert loads(mgr, big=big) == 1
+
+
+# -- wait() right after an async save ---------------------------------------------
+
+
+def test_wait_right_after_a_save_waits_for_its_replication(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A save handle's result() returns before its done callbacks run (the
+    one that queues the replication among them): wait() counts the save
+    until that callback ran. The callbacks are held back here, as a busy
+    machine holds them, so a wait() that missed the save would return with
+    nothing replicated."""
+    import threading
+
+    from dcpstore._impl.values.results import SaveHandle
+
+    real = SaveHandle.add_done_callback
+
+    def late(self: SaveHandle, fn: Any) -> None:
+        real(self, lambda h: threading.Timer(0.5, fn, (h,)).start())
+
+    monkeypatch.setattr(SaveHandle, "add_done_callback", late)
+    durable = Target("local", str(tmp_path / "durable"))
+    with manager(durable, tmp_path / "local", async_=True) as mgr:
+        mgr.save(state(1), 1)
+        mgr.wait()
+        assert mgr.all_steps() == [1]
+        assert durable_steps(durable) == [1]

@@ -122,6 +122,13 @@ class CheckpointManager:
             every step). Needs ``local_dir``.
         replicate_timeout_s: bounds one step's replication and ``close()``'s
             wait for them.
+        local_replicas: with one ``local_dir`` per node, how many nodes hold
+            each node's share of a step: its own and ``local_replicas - 1``
+            peers', so a job that lost a node resumes from its peers
+            (:mod:`dcpstore._impl.manager.tiers.peers`; default 1: no copies).
+        replica_jump: node ``i``'s copies go to nodes ``i + k * replica_jump``
+            (mod the node count), ``k = 1 .. local_replicas - 1``: a jump
+            of a rack's node count puts them in other racks (default 1).
         layout: how steps and the pointer are named: ``"dcpstore"``
             (``step_00000100/``, ``latest``) or ``"bridge"``
             (Megatron-Bridge's ``iter_0000100/`` and its tracker
@@ -152,6 +159,8 @@ class CheckpointManager:
         replicate_every: int = 1,
         replicate_timeout_s: float = REPLICATE_TIMEOUT_S,
         layout: str | StepLayout = "dcpstore",
+        local_replicas: int = 1,
+        replica_jump: int = 1,
     ) -> None:
         given = {} if async_ is None else {"async_": async_}
         self.options = resolve_options(CheckpointManager, options, base=_DEFAULTS, given=given)
@@ -164,7 +173,9 @@ class CheckpointManager:
             raise InvalidArgument(f"keep must be None (keep all) or an int >= 1, got {keep!r}")
         self.root_uri = os.fspath(root_uri)
         self.keep = keep
-        self._roots = self._open_roots(local_dir, local_keep, replicate_every, replicate_timeout_s)
+        self._roots = self._open_roots(
+            local_dir, local_keep, replicate_every, replicate_timeout_s, (local_replicas, replica_jump)
+        )
         #: What each save runs with: the local tier is plain local I/O.
         self._save_options = self.options if not self.tiered else replace(self.options, storage_options=None)
         saves_to = self._roots.save_storage
@@ -180,7 +191,12 @@ class CheckpointManager:
         exit_hook.watch(self, exit_hook.Stage.MANAGERS)
 
     def _open_roots(
-        self, local_dir: str | os.PathLike[str] | None, local_keep: int | None, every: int, timeout_s: float
+        self,
+        local_dir: str | os.PathLike[str] | None,
+        local_keep: int | None,
+        every: int,
+        timeout_s: float,
+        replicas: tuple[int, int],
     ) -> Roots:
         o = self.options
         durable = open_storage(self.root_uri, storage_options=o.storage_options)
@@ -188,8 +204,10 @@ class CheckpointManager:
         what = f"the open CheckpointManager for {durable.uri}"
         if local_dir is None:
             try:
-                if local_keep is not None or every != 1:
-                    raise InvalidArgument("local_keep and replicate_every need local_dir= (a tiered manager)")
+                if local_keep is not None or every != 1 or replicas != (1, 1):
+                    raise InvalidArgument(
+                        "local_keep, replicate_every, local_replicas and replica_jump need local_dir= (a tiered manager)"
+                    )
                 OPEN.claim(self, what, roles)
             except BaseException:
                 durable.close()
@@ -205,7 +223,7 @@ class CheckpointManager:
                     f"layout={self.layout.name!r} is not supported with local_dir= (a tiered manager names its "
                     "steps step_NNNNNNNN in both tiers); leave local_dir out, or layout='dcpstore'"
                 )
-            check_tier_options(local_keep, every, timeout_s)
+            check_tier_options(local_keep, every, timeout_s, *replicas)
             local_uri = os.fspath(local_dir)
             local = open_storage(local_uri)
             if local.backend != "local":
@@ -224,6 +242,8 @@ class CheckpointManager:
                 workers=o.workers or 8,
                 group=o.process_group,
                 timeout_s=timeout_s,
+                local_replicas=replicas[0],
+                replica_jump=replicas[1],
             )
         except BaseException:
             OPEN.release(self)

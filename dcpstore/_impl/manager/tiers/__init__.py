@@ -45,6 +45,10 @@ Which rank does what (every rank constructs the manager alike):
   Catch-up broadcasts the coordinator's commits when the manager is made;
   each leader uploads what its node holds of them (a step no node holds
   whole stays local, logged).
+* **Peer copies** (:mod:`.peers`, ``local_replicas=N``, node-local only):
+  after each save each node's share is also committed in N-1 other nodes'
+  ``local_dir/peers/node_<i>/``; a new manager first writes a lost
+  node's share back from a peer's copy.
 * **Loading** (collective): the step is the newest committed one in either
   tier (every rank holds a local commit of it, or the durable tier does);
   it is read from the local tier if every rank's local copy holds what it
@@ -67,7 +71,7 @@ The modules: :mod:`.tiered` (:class:`~.tiered.TieredRoots`, the manager's
 :class:`~dcpstore._impl.manager.roots.Roots` with ``local_dir=``: the replicator,
 retention, loads), :mod:`.local_tier` (the :class:`~.local_tier.LocalTier` strategy
 and :class:`~.local_tier.SharedDir`), :mod:`.nodes` (:class:`~.nodes.NodeDirs`
-and the node detection), :mod:`.replicate` (copying a step, its commit by
+and the node detection), :mod:`.peers` (the copies kept on peer nodes), :mod:`.replicate` (copying a step, its commit by
 the commit protocol) and :mod:`.kept_leases` (the leases the tiers hold).
 """
 

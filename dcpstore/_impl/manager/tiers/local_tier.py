@@ -86,6 +86,13 @@ class LocalTier(Protocol):
         uploads (None: every file its manifest names); None: nothing to
         replicate (a step no node holds whole)."""
 
+    def restore_from_peers(self) -> None:
+        """When the manager is made: bring back, from peers' copies, the
+        shares of the newest step that a node lacks (:mod:`.peers`)."""
+
+    def retire_peers(self, newest: int, keep: int, needed: Callable[[int], bool]) -> None:
+        """Retention of the copies this directory keeps for peers."""
+
     def reads_locally(self, step: int, state_dict: dict[str, Any]) -> bool:
         """Whether every rank's directory holds what its load of ``state_dict`` reads."""
 
@@ -142,6 +149,12 @@ class SharedDir:
 
     def commit_of(self, job: Job) -> tuple[Commit | None, tuple[str, ...] | None]:
         return read_local_commit(self._local, job.step), job.files
+
+    def restore_from_peers(self) -> None:
+        """One directory has no peers."""
+
+    def retire_peers(self, newest: int, keep: int, needed: Callable[[int], bool]) -> None:
+        """One directory keeps no peer copies."""
 
     def reads_locally(self, step: int, state_dict: dict[str, Any]) -> bool:
         """Its copies are whole (:meth:`local_steps`): every load reads them."""

@@ -49,6 +49,7 @@ from dcpstore._impl.format.layout import METADATA
 from dcpstore._impl.format.safe_pickle import TOOLS, load_metadata
 from dcpstore._impl.manager.roots import coordinator_rank
 from dcpstore._impl.manager.steps import committed_steps, step_dir
+from dcpstore._impl.manager.tiers import peers
 from dcpstore._impl.manager.tiers.local_tier import Job, TierParts, put_marker
 from dcpstore._impl.manager.tiers.replicate import read_local_commit
 from dcpstore._impl.storage import Storage
@@ -67,11 +68,14 @@ class Nodes:
     """How the ranks of a manager's group share ``local_dir``.
 
     ``node``: the ranks (of the group) that share this rank's directory,
-    sorted; ``count``: how many directories the job has.
+    sorted; ``count``: how many directories the job has; ``all``: every
+    node's ranks, ordered by leader (a node's place there is its index,
+    the same on every rank and after a restart of the same job).
     """
 
     node: tuple[int, ...]
     count: int
+    all: tuple[tuple[int, ...], ...] = ()
 
     @property
     def node_local(self) -> bool:
@@ -83,9 +87,14 @@ class Nodes:
         """The rank that writes this node's own copies (its lowest)."""
         return self.node[0]
 
+    @property
+    def index(self) -> int:
+        """This node's place in :attr:`all`."""
+        return self.all.index(self.node)
+
 
 #: A single process, or one directory for every rank.
-ONE_DIR = Nodes((0,), 1)
+ONE_DIR = Nodes((0,), 1, ((0,),))
 
 
 class NodeSync:
@@ -141,6 +150,15 @@ class NodeSync:
     @property
     def node_local(self) -> bool:
         return self.nodes.node_local
+
+    def group(self, *, background: bool = False) -> dist.ProcessGroup | None:
+        """The group collectives (and point-to-point sends) run on."""
+        return self._pick(background)
+
+    @property
+    def leaders(self) -> list[int]:
+        """Each node's leader (group ranks), by node index."""
+        return [node[0] for node in self.nodes.all]
 
     def _pick(self, background: bool) -> dist.ProcessGroup | None:
         if background:
@@ -207,7 +225,8 @@ def nodes_from_views(views: list[list[int]], rank: int, uri: str) -> Nodes:
             f"({shown}): every rank must write and see its own probe file, and ranks that see one "
             "another's must see the same ones. Nothing was saved"
         )
-    return Nodes(tuple(views[rank]), len({tuple(v) for v in views}))
+    every = tuple(sorted({tuple(v) for v in views}))
+    return Nodes(tuple(views[rank]), len(every), every)
 
 
 def _sees(local: Storage, probe: str | None) -> bool:
@@ -302,9 +321,11 @@ class NodeDirs:
     """One ``local_dir`` per node (:func:`detect_nodes` found more than one).
     ``sync``: the collectives, on the caller's thread or the replicator's."""
 
-    def __init__(self, sync: NodeSync, parts: TierParts) -> None:
+    def __init__(self, sync: NodeSync, parts: TierParts, replicas: int = 1, jump: int = 1) -> None:
         self._sync, self._parts = sync, parts
         self._local, self._rank, self._leases = parts.local, parts.rank, parts.leases
+        #: ``local_replicas``, ``replica_jump``: where each node's share is copied (:mod:`.peers`).
+        self._replicas, self._jump = replicas, jump
 
     @property
     def leader(self) -> bool:
@@ -376,7 +397,50 @@ class NodeDirs:
             self._leases.end_marker(job.step)  # the node's copy is committed now (or cannot be)
         if shared is None:
             return None
+        if self._replicas > 1 and job.files is not None and self.leader:
+            peers.replicate(
+                self._local,
+                job.step,
+                shared[0],
+                self._sync.nodes.index,
+                self._sync.leaders,
+                self._replicas,
+                self._jump,
+                self._sync.group(background=True),
+            )
         return shared[0], job.files if job.files is not None else shared[1]
+
+    def restore_from_peers(self) -> None:
+        """Collective (the manager's group), when the manager is made: where
+        a node lacks the newest step that every node holds itself or through
+        a peer's copy, a peer writes the node's share back into its
+        directory, so that a load reads it locally (and the catch-up
+        replicates it); then the peer copies of that step that are missing
+        (a replacement node's, or a killed job's) are made
+        (:func:`.peers.restore_plan`)."""
+        if self._replicas == 1:
+            return
+        view: peers.View | None = None
+        if self.leader:
+            try:
+                view = peers.view(self._local, committed_steps(self._local))
+            except CheckpointError as e:  # this node then counts as holding nothing
+                log.warning("could not list the steps under %s: %s", self._local.uri, e)
+                view = ({}, {})
+        views = self._sync.gather(view)
+        targets = peers.pairs(self._sync.nodes.count, self._replicas, self._jump)
+        plan = peers.restore_plan([views[leader] for leader in self._sync.leaders], targets)
+        if plan is None:
+            return
+        if self.leader:
+            step, moves = plan
+            peers.restore(self._local, step, moves, self._sync.nodes.index, self._sync.leaders, self._sync.group())
+        self._sync.gather(None)  # a node's other ranks look at their directory after its leader restored it
+
+    def retire_peers(self, newest: int, keep: int, needed: Callable[[int], bool]) -> None:
+        """The leader, after its own retention: that of its peer copies."""
+        if self._replicas > 1:
+            peers.retire(self._local, newest, keep, needed)
 
     def reads_locally(self, step: int, state_dict: dict[str, Any]) -> bool:
         """Collective: every rank's node holds the files its load plan reads."""

@@ -32,6 +32,7 @@ from dcpstore._impl.manager.steps import (
 from dcpstore._impl.manager.tiers.kept_leases import TierLeases
 from dcpstore._impl.manager.tiers.local_tier import Job, LocalTier, SharedDir, TierParts
 from dcpstore._impl.manager.tiers.nodes import NodeDirs, NodeSync
+from dcpstore._impl.manager.tiers.peers import check_peers, check_replica_options
 from dcpstore._impl.manager.tiers.replicate import (
     check_no_clash,
     commit_replica,
@@ -69,6 +70,8 @@ class TieredRoots:
         workers: int,
         group: dist.ProcessGroup | None,
         timeout_s: float,
+        local_replicas: int = 1,
+        replica_jump: int = 1,
     ) -> None:
         self._durable, self._durable_uri = durable, durable_uri
         self._local, self._local_uri = local, local_uri
@@ -81,6 +84,10 @@ class TieredRoots:
         self._cond = threading.Condition()
         self._queue: deque[Job] = deque()
         self._busy = False
+        #: Saves whose handle has not run :meth:`saved`'s callback yet: a
+        #: handle's result() returns before its callbacks run, so a wait()
+        #: right after the save must count them or return before the step is queued.
+        self._unqueued = 0
         self._errors: list[BaseException] = []
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -99,7 +106,12 @@ class TieredRoots:
                 wait=lambda: self.wait(self._timeout_s),
                 wait_idle=lambda: self._wait_idle(self._timeout_s),
             )
-            self._tier: LocalTier = NodeDirs(sync, parts) if sync.node_local else SharedDir(parts)
+            check_peers(sync.nodes.count, local_replicas, replica_jump, self._local.uri)  # alike on every rank
+            self._tier: LocalTier = (
+                NodeDirs(sync, parts, local_replicas, replica_jump) if sync.node_local else SharedDir(parts)
+            )
+            # Before the catch-up, which would commit the coordinator's commit on a replacement node without its files.
+            self._tier.restore_from_peers()  # collective
             failure: BaseException | None = None
             try:
                 replicas = commit_times(self._durable)  # also: the durable root is reachable
@@ -193,12 +205,19 @@ class TieredRoots:
         """Queue ``step`` for replication as soon as its local save commits."""
 
         def done(h: SaveHandle) -> None:
-            failed = h.exception() is not None
-            if failed or self._tier.saves_commit_here:
-                self._leases.end_marker(step)  # the save committed this directory's copy, or failed
-            if not failed:
-                self._submit(Job(step, h.result().files))
+            try:
+                failed = h.exception() is not None
+                if failed or self._tier.saves_commit_here:
+                    self._leases.end_marker(step)  # the save committed this directory's copy, or failed
+                if not failed:
+                    self._submit(Job(step, h.result().files))
+            finally:
+                with self._cond:
+                    self._unqueued -= 1
+                    self._cond.notify_all()
 
+        with self._cond:
+            self._unqueued += 1
         handle.add_done_callback(done)
 
     def committed(self, step: int) -> None:
@@ -309,6 +328,14 @@ class TieredRoots:
                 delete_step(self._local, step)
             except CheckpointError as e:
                 log.warning("local retention could not delete step %d under %s: %s", step, self.local_uri, e)
+        self._tier.retire_peers(newest, self._local_keep, lambda step: self._not_yet_durable(step, durable))
+
+    def _not_yet_durable(self, step: int, durable: Mapping[int, float | None]) -> bool:
+        """Selected, missing from the durable tier and not older than its
+        ``keep`` newest: a copy of it may be the last one anywhere."""
+        if not self.selected(step) or step in durable:
+            return False
+        return self._keep is None or sum(1 for d in durable if d > step) < self._keep
 
     # -- loading --------------------------------------------------------------
     def locate(
@@ -364,13 +391,14 @@ class TieredRoots:
         :class:`SaveError` after ``timeout`` s)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while self._queue or self._busy:
+            while self._queue or self._busy or self._unqueued:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     pending = sorted({j.step for j in self._queue})
                     raise SaveError(
                         f"replication to {self.uri} still running after {timeout:g} s "
-                        f"(steps queued: {pending or 'none'}; one in progress: {self._busy})"
+                        f"(steps queued: {pending or 'none'}; one in progress: {self._busy}; "
+                        f"saves not yet queued: {self._unqueued})"
                     )
                 self._cond.wait(left)
 
@@ -392,7 +420,10 @@ class TieredRoots:
                 self._local.close()
 
 
-def check_tier_options(local_keep: object, replicate_every: object, timeout_s: object) -> None:
+def check_tier_options(
+    local_keep: object, replicate_every: object, timeout_s: object, local_replicas: object = 1, replica_jump: object = 1
+) -> None:
+    check_replica_options(local_replicas, replica_jump)
     if local_keep is not None and (isinstance(local_keep, bool) or not isinstance(local_keep, int) or local_keep < 1):
         raise InvalidArgument(f"local_keep must be None (keep all) or an int >= 1, got {local_keep!r}")
     if isinstance(replicate_every, bool) or not isinstance(replicate_every, int) or replicate_every < 1:

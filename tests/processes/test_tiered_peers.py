@@ -1,0 +1,314 @@
+"""Peer copies of node-local tiers (``local_replicas=N``): each node's share
+of a step is also committed in N-1 other nodes' ``local_dir``, and a job
+restarted with a node's directory gone resumes from those copies.
+
+Real gloo jobs whose "nodes" are separate directories (as in
+test_tiered_nodes.py), a durable tier on S3 (moto behind the counting
+proxy): a lost node resumes with zero bytes of data files fetched from the
+durable tier; where no peer holds the lost share, the load falls back to
+the durable tier; retention keeps ``local_keep`` peer copies per source
+node but never the last copy of a step not yet in the durable tier.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+from torch.multiprocessing.spawn import ProcessExitedException
+
+import dcpstore
+from dcpstore._impl.cli import main as cli_main
+from dcpstore._impl.format.layout import METADATA
+from dcpstore._impl.manager import step_dir
+from dcpstore._impl.manager.tiers.peers import View, check_peers, peer_step_dir, peers_of, restore_plan
+from dcpstore._impl.manager.tiers.replicate import read_local_commit
+from tests.processes.test_tiered_nodes import KillJob, check, node_dirs, sharded, zeros
+from tests.support import killcount
+from tests.support.dist_utils import run_ranks
+from tests.support.faultproxy import FaultProxy
+from tests.support.faults import hook_all_storage, spread
+from tests.support.s3_server import S3Endpoint
+
+
+def _save(rank: int, world: int, durable: str, dirs: list[str], kwargs: dict[str, Any]) -> None:
+    with dcpstore.CheckpointManager(durable, local_dir=dirs[rank], async_=True, **kwargs) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(sharded(world, step, scalar=False), step)
+        mgr.wait()
+        dist.barrier()
+
+
+def _load(rank: int, world: int, durable: str, dirs: list[str], kwargs: dict[str, Any], expect: int) -> None:
+    with dcpstore.CheckpointManager(durable, local_dir=dirs[rank], **kwargs) as mgr:
+        state = zeros(world, False)
+        assert mgr.load(state) == expect
+        check(state, expect, scalar=False)
+
+
+def _data_bytes_fetched(endpoint: S3Endpoint, proxy: FaultProxy, prefix: str) -> int:
+    return sum(
+        n
+        for path, n in proxy.stats.got.items()
+        if path.startswith(f"/{endpoint.bucket}/{prefix}/") and path.endswith(".distcp")
+    )
+
+
+def _share(node: Path, directory: str) -> set[str]:
+    return {p.name for p in (node / directory).glob("*.distcp")}
+
+
+def _durable(endpoint: S3Endpoint, name: str) -> tuple[str, str]:
+    endpoint.delete_prefix(f"{name}/")
+    return f"s3://{endpoint.bucket}/{name}", name
+
+
+@pytest.mark.parametrize(
+    ("world", "per_node", "lost"),
+    [(4, 2, [1]), (4, 1, [1, 3]), (8, 2, [2])],
+    ids=["2x2-lose1", "4x1-lose2", "4x2-lose1"],
+)
+def test_a_lost_node_resumes_from_its_peers_copies_reading_no_durable_data(
+    s3_endpoint: S3Endpoint,
+    proxy: FaultProxy,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    world: int,
+    per_node: int,
+    lost: list[int],
+) -> None:
+    uri, prefix = _durable(s3_endpoint, f"peers-{world}x{per_node}")
+    dirs = node_dirs(tmp_path, world, per_node)
+    kwargs = {"local_replicas": 2, "local_keep": 2}
+    run_ranks(_save, world, uri, dirs, kwargs)
+    nodes = world // per_node
+    for n in range(nodes):
+        node = tmp_path / f"node{n}"
+        for step in (2, 3):
+            (peer,) = peers_of(n, nodes, 2, 1)
+            copy = tmp_path / f"node{peer}" / peer_step_dir(n, step)
+            # The peer's copy: committed, the same commit, exactly the node's own share.
+            assert (copy / METADATA).read_bytes() == (node / step_dir(step) / METADATA).read_bytes()
+            assert _share(tmp_path / f"node{peer}", peer_step_dir(n, step)) == _share(node, step_dir(step))
+            # and nothing else: no alive file of the lease it was written under
+            assert {p.name for p in copy.iterdir()} == {p.name for p in (node / step_dir(step)).iterdir()}
+        assert not (node / peer_step_dir((n - 1) % nodes, 1)).exists(), "local_keep=2 counts the peer copies"
+    capsys.readouterr()
+    assert cli_main(["ls", uri, "--local-dir", str(tmp_path / "node1")]) == 0  # where node 0's copies live
+    rows = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines()}
+    assert rows[peer_step_dir(0, 3)][:2] == ["committed", "local"], rows
+    for n in lost:
+        shutil.rmtree(tmp_path / f"node{n}")  # a replacement node: an empty local_dir
+    proxy.stats.got.clear()
+    run_ranks(_load, world, uri, dirs, kwargs, 3)
+    assert _data_bytes_fetched(s3_endpoint, proxy, prefix) == 0, proxy.stats.got
+    for n in lost:  # the replacement holds its share again, and the copies it held for its peers, committed
+        storage = dcpstore.open_storage(str(tmp_path / f"node{n}"))
+        try:
+            assert read_local_commit(storage, 3) is not None
+        finally:
+            storage.close()
+        for source in (s for s in range(nodes) if n in peers_of(s, nodes, 2, 1)):
+            copy = tmp_path / f"node{n}" / peer_step_dir(source, 3)
+            assert (copy / METADATA).read_bytes() == (tmp_path / f"node{source}" / step_dir(3) / METADATA).read_bytes()
+            assert _share(tmp_path / f"node{n}", peer_step_dir(source, 3)) == _share(
+                tmp_path / f"node{source}", step_dir(3)
+            )
+
+
+@pytest.mark.parametrize(
+    ("world", "per_node", "lost"), [(4, 2, [0, 1]), (4, 1, [1, 2])], ids=["2x2-lose-all", "4x1-lose-a-pair"]
+)
+def test_where_no_peer_holds_a_lost_share_the_load_reads_the_durable_tier(
+    s3_endpoint: S3Endpoint, proxy: FaultProxy, tmp_path: Path, world: int, per_node: int, lost: list[int]
+) -> None:
+    uri, prefix = _durable(s3_endpoint, f"peers-fallback-{world}x{per_node}")
+    dirs = node_dirs(tmp_path, world, per_node)
+    kwargs = {"local_replicas": 2}
+    run_ranks(_save, world, uri, dirs, kwargs)
+    for n in lost:  # node n's share lived on n and on n + 1 only
+        shutil.rmtree(tmp_path / f"node{n}")
+    proxy.stats.got.clear()
+    run_ranks(_load, world, uri, dirs, kwargs, 3)
+    assert _data_bytes_fetched(s3_endpoint, proxy, prefix) > 0
+
+
+def test_a_damaged_peer_copy_is_refused_and_the_load_reads_the_durable_tier(
+    s3_endpoint: S3Endpoint, proxy: FaultProxy, tmp_path: Path
+) -> None:
+    """Node 0's copy of node 1's share of step 3 has a flipped byte (its size
+    unchanged): node 1, replaced, gets nothing committed from it (the CRC32C
+    check against the manifest), and the load reads step 3 from the durable tier."""
+    uri, prefix = _durable(s3_endpoint, "peers-damaged")
+    dirs = node_dirs(tmp_path, 4, 2)
+    kwargs = {"local_replicas": 2}
+    run_ranks(_save, 4, uri, dirs, kwargs)
+    data = sorted((tmp_path / "node0" / peer_step_dir(1, 3)).glob("*.distcp"))[0]
+    blob = bytearray(data.read_bytes())
+    blob[len(blob) // 2] ^= 0xFF
+    data.write_bytes(bytes(blob))
+    shutil.rmtree(tmp_path / "node1")
+    proxy.stats.got.clear()
+    run_ranks(_load, 4, uri, dirs, kwargs, 3)
+    assert _data_bytes_fetched(s3_endpoint, proxy, prefix) > 0
+    assert not (tmp_path / "node1" / step_dir(3) / METADATA).exists()
+
+
+def _save_unreplicated(rank: int, world: int, durable: str, dirs: list[str]) -> None:
+    import dcpstore._impl.manager.tiers.tiered as tiered
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise dcpstore.StorageError("injected: the object store is unreachable")
+
+    tiered.upload_files = broken  # type: ignore[assignment]
+    mgr = dcpstore.CheckpointManager(
+        durable, local_dir=dirs[rank], async_=False, local_keep=1, local_replicas=2, replicate_timeout_s=3.0
+    )
+    for step in (1, 2, 3):
+        mgr.save(sharded(world, step, scalar=False), step)
+    with pytest.raises(dcpstore.SaveError):
+        mgr.wait()
+    mgr.close()
+
+
+def test_retention_keeps_peer_copies_of_steps_the_durable_tier_lacks(tmp_path: Path) -> None:
+    dirs = node_dirs(tmp_path, 2, 1)
+    run_ranks(_save_unreplicated, 2, str(tmp_path / "durable"), dirs)
+    for n in (0, 1):  # local_keep=1, but no step reached the durable tier: every copy stays
+        peer = tmp_path / f"node{1 - n}"
+        assert sorted(p.name for p in (tmp_path / f"node{n}").glob("step_*")) == [step_dir(s) for s in (1, 2, 3)]
+        assert all((peer / peer_step_dir(n, s) / METADATA).exists() for s in (1, 2, 3))
+    shutil.rmtree(tmp_path / "node1")  # and the lost node's newest step comes back from its peer
+    run_ranks(_load, 2, str(tmp_path / "durable"), dirs, {"local_replicas": 2}, 3)
+
+
+# -- SIGKILL of the whole job while a peer copy is written --------------------------
+
+
+class KillOnPeerCopy(KillJob):
+    """:class:`KillJob` counting this rank's writes into its peer copies of step 2."""
+
+    def __call__(self, event: str) -> None:
+        if "peers/" in event and step_dir(2) in event and not event.startswith(("read:", "list")):
+            super().__call__(event)
+
+
+def _killed_while_copying(
+    rank: int, world: int, durable: str, dirs: list[str], pids: str, killer: int, at: int
+) -> None:
+    Path(pids, str(rank)).write_text(str(os.getpid()))
+    kwargs: dict[str, Any] = {"local_dir": dirs[rank], "async_": False, "local_replicas": 2}
+    with dcpstore.CheckpointManager(durable, **kwargs) as mgr:
+        mgr.save(sharded(world, 1, scalar=False), 1)
+        mgr.wait()
+    dist.barrier()
+    hook = KillOnPeerCopy(at if rank == killer else -1, Path(pids))
+    hook_all_storage({dirs[rank]: hook})
+    with dcpstore.CheckpointManager(durable, **kwargs) as mgr:
+        mgr.save(sharded(world, 2, scalar=False), 2)
+        mgr.wait()
+    Path(pids, f"events{rank}").write_text(str(hook.seen))
+
+
+def test_sigkill_while_a_peer_copy_is_written_loses_no_committed_step(tmp_path: Path) -> None:
+    """Each node's copy for its peer is whole and committed, or has no
+    ``.metadata``; the restarted job resumes from step 2 and makes the
+    copies the kill cut short, so that a node lost after it still resumes
+    from step 2 with no durable tier at all."""
+    probe = tmp_path / "probe"
+    (probe / "pids").mkdir(parents=True)
+    run_ranks(_killed_while_copying, 2, str(probe / "durable"), node_dirs(probe, 2, 1), str(probe / "pids"), -1, -1)
+    points = [(rank, i) for rank in (0, 1) for i in spread(int((probe / "pids" / f"events{rank}").read_text()), 3)]
+    assert len(points) >= 4, points
+    cut = 0
+    for i, (killer, at) in enumerate(points):
+        case = tmp_path / f"kill{i}"
+        durable, pids = case / "durable", case / "pids"
+        pids.mkdir(parents=True)
+        dirs = node_dirs(case, 2, 1)
+        with pytest.raises(ProcessExitedException) as died:
+            run_ranks(_killed_while_copying, 2, str(durable), dirs, str(pids), killer, at)
+        assert died.value.signal_name == "SIGKILL", ((killer, at), str(died.value))
+        whole = []
+        for n in (0, 1):
+            own, copy = case / f"node{n}", case / f"node{1 - n}" / peer_step_dir(n, 2)
+            assert (own / step_dir(2) / METADATA).exists()  # committed on its node before it is copied
+            if (copy / METADATA).exists():  # a copy is committed only whole
+                assert (copy / METADATA).read_bytes() == (own / step_dir(2) / METADATA).read_bytes()
+                assert _share(case / f"node{1 - n}", peer_step_dir(n, 2)) == _share(own, step_dir(2))
+                whole.append(n)
+        run_ranks(_load, 2, str(durable), dirs, {"local_replicas": 2}, 2)  # every node: step 2
+        for n in (0, 1):  # and the restart made the copies the kill cut short
+            copy = case / f"node{1 - n}" / peer_step_dir(n, 2)
+            assert (copy / METADATA).read_bytes() == (case / f"node{n}" / step_dir(2) / METADATA).read_bytes()
+        shutil.rmtree(case / "node1")
+        shutil.rmtree(durable)  # and an empty durable tier: only what the peers hold
+        durable.mkdir()
+        run_ranks(_load, 2, str(durable), dirs, {"local_replicas": 2}, 2)  # node 1 lost: step 2 from node 0's copy
+        cut += len(whole) < 2
+    assert cut, "no kill point cut a copy short"
+    killcount.record(len(points), len(points), len(points))  # each one was asserted to kill
+
+
+# -- the choice of peers, the restore plan, bad options --------------------------
+
+
+def test_peers_spread_by_the_jump() -> None:
+    assert peers_of(0, 8, 3, 1) == [1, 2]
+    assert peers_of(6, 8, 2, 4) == [2]  # a jump of a "rack" of 4 nodes: the copy lives in the other rack
+    assert peers_of(7, 8, 3, 3) == [2, 5]
+
+
+@pytest.mark.parametrize(
+    ("count", "replicas", "jump", "match"),
+    [
+        (1, 2, 1, "one directory every rank sees"),
+        (2, 3, 1, "on each of 2 nodes"),
+        (4, 2, 4, "two copies"),
+        (4, 3, 2, "two copies"),
+    ],
+)
+def test_replicas_that_cannot_spread_are_refused(count: int, replicas: int, jump: int, match: str) -> None:
+    with pytest.raises(dcpstore.InvalidArgument, match=match):
+        check_peers(count, replicas, jump, "dir")
+
+
+def test_the_restore_plan_takes_the_newest_step_every_node_can_get() -> None:
+    a, b, c = ["__0_0.distcp"], ["__1_0.distcp"], ["__2_0.distcp"]
+    ring = [(0, 1), (1, 2), (2, 0)]
+    # node 1 lost everything; node 0 holds node 1's copies of 2 and 3 (not node 2's of 3), node 2 node 0's
+    views: list[View] = [
+        ({2: a, 3: a}, {1: {2: b, 3: b}}),
+        ({}, {}),
+        ({2: c, 3: c}, {0: {2: a, 3: a}}),
+    ]
+    # node 1's share comes back from node 0; then the copy node 0 lacks of node 2's share
+    assert restore_plan(views, [(0, 2), (1, 0), (2, 0)]) == (3, [(0, 1, 1), (2, 0, 2)])
+    # on a ring every peer copy node 1 held, and the copy of its own share on node 2, are made too
+    assert restore_plan(views, ring) == (3, [(0, 1, 1), (0, 1, 0), (1, 2, 1), (2, 0, 2)])
+    two = [(0, 1), (1, 0)]
+    assert restore_plan([({2: a, 3: a}, {1: {3: b}}), ({2: b, 3: b}, {0: {3: a}})], two) is None  # all there
+    assert restore_plan([({2: a, 3: a}, {1: {3: b}}), ({2: b, 3: b}, {})], two) == (3, [(0, 1, 0)])  # a missed copy
+    assert restore_plan([({3: a}, {}), ({}, {})], two) is None  # nobody holds node 1's share
+    # node 1 has the commit of 3 (caught up) but not its files, or some only: its peer's copy brings them
+    more = b + ["__1_1.distcp"]
+    assert restore_plan([({3: a}, {1: {3: more}}), ({3: []}, {0: {3: a}})], two) == (3, [(0, 1, 1)])
+    assert restore_plan([({3: a}, {1: {3: more}}), ({3: b}, {0: {3: a}})], two) == (3, [(0, 1, 1)])
+
+
+@pytest.mark.parametrize("kwargs", [{"local_replicas": 0}, {"replica_jump": True}, {"local_replicas": "2"}])
+def test_bad_replica_options_are_refused(tmp_path: Path, kwargs: dict[str, Any]) -> None:
+    name = next(iter(kwargs))
+    with pytest.raises(dcpstore.InvalidArgument, match=name):
+        dcpstore.CheckpointManager(str(tmp_path / "d"), local_dir=str(tmp_path / "l"), **kwargs)
+    with pytest.raises(dcpstore.InvalidArgument, match="need local_dir"):
+        dcpstore.CheckpointManager(str(tmp_path / "d"), local_replicas=2)
+
+
+def test_replicas_on_one_shared_directory_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(dcpstore.InvalidArgument, match=r"local_replicas=2 needs as many nodes"):
+        dcpstore.CheckpointManager(str(tmp_path / "d"), local_dir=str(tmp_path / "l"), local_replicas=2)
