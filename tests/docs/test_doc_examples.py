@@ -52,6 +52,7 @@ FRAGMENTS = [
     ("docs/frameworks/megatron-bridge.md", "Megatron-Bridge imports CUDA-only packages"),
     ("docs/frameworks/megatron-bridge.md", "Megatron-Bridge imports CUDA-only packages"),
     ("docs/frameworks/torchtitan.md", "a torchtitan Trainer needs a model"),
+    ("docs/manager.md", "a job of several nodes, each with its own /nvme"),
 ]
 
 #: Set-ups that need an extra: the page is skipped without it (failed under CI).
