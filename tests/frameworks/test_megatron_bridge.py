@@ -116,7 +116,7 @@ def _saves_job(rank: int, world: int, root: str, io: dict[str, Any], use_msc: bo
 
 CASES = [
     ("local", 2),
-    ("local", 4),
+    pytest.param("local", 4, marks=pytest.mark.slow),
     ("s3", 2),
     ("msc", 2),
     pytest.param("s3+msc", 2, marks=pytest.mark.slow),

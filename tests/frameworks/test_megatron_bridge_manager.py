@@ -85,7 +85,7 @@ def _stock_model(
     [
         ("local", 2, True),
         ("s3", 2, True),
-        ("msc", 2, True),
+        pytest.param("msc", 2, True, marks=pytest.mark.slow),
         pytest.param("local", 4, False, marks=pytest.mark.slow),
         pytest.param("s3", 4, True, marks=pytest.mark.slow),
     ],

@@ -109,7 +109,8 @@ def _save_sharded(rank: int, world: int, target: Target) -> None:
 #: Every backend for one process; ranks are processes, and ``memory://``
 #: is one process's memory.
 ONE_PROCESS = ["local", "s3", "msc", "memory"]
-RANKS = ["local", "s3", "msc"]
+# MSC on two ranks runs with the slow suite: its quick coverage is the one-process cases.
+RANKS = ["local", "s3", pytest.param("msc", marks=pytest.mark.slow)]
 
 
 @pytest.fixture(params=RANKS)

@@ -69,7 +69,7 @@ def _durable(endpoint: S3Endpoint, name: str) -> tuple[str, str]:
 
 @pytest.mark.parametrize(
     ("world", "per_node", "lost"),
-    [(4, 2, [1]), (4, 1, [1, 3]), (8, 2, [2])],
+    [(4, 2, [1]), (4, 1, [1, 3]), pytest.param(8, 2, [2], marks=pytest.mark.slow)],
     ids=["2x2-lose1", "4x1-lose2", "4x2-lose1"],
 )
 def test_a_lost_node_resumes_from_its_peers_copies_reading_no_durable_data(
