@@ -214,7 +214,7 @@ def main() -> None:
         summary.append({"backend": backend, "group": group, "workers": workers, "median": med, "all": cell})
     if args.json:
         sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        from dcpstore._impl.bench.report import git_commit, git_dirty, machine
+        from dcpstore._impl.bench.report import checkout_commit, git_commit, git_dirty, machine
 
         meta = {
             "command": shlex.join(["python", "benchmarks/ab_bench.py", *argv]),
@@ -223,7 +223,7 @@ def main() -> None:
             "git_commit": git_commit(),
             "git_dirty": git_dirty(),
             "machine": machine(),
-            "sides": {name: _commit_of(path) for name, path in sides},
+            "sides": {name: checkout_commit(path) for name, path in sides},
         }
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "args": vars(args), "rows": summary}, f, indent=1, default=str)
@@ -242,14 +242,6 @@ def _metrics(rec: dict[str, Any]) -> dict[str, float]:
         "read_cpu_s_per_gb": float(rec["read_cpu_s"]) / gb,
         "rss_growth_mib": float(rec.get("rss_growth_bytes") or 0) / 2**20,
     }
-
-
-def _commit_of(checkout: str) -> str:
-    """The checkout's commit, ``+`` when its dcpstore/ differs from it."""
-    git = ["git", "-C", checkout]
-    commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run([*git, "status", "--porcelain", "--", "dcpstore"], capture_output=True, text=True).stdout
-    return (commit or "unknown") + ("+" if dirty.strip() else "")
 
 
 if __name__ == "__main__":

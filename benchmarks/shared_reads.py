@@ -138,14 +138,6 @@ def _counted(path: str) -> int:
         return int(f.read())
 
 
-def _commit_of(checkout: str) -> str:
-    """The checkout's commit, ``+`` when its tree differs from it."""
-    git = ["git", "-C", checkout]
-    commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run([*git, "status", "--porcelain", "--", "dcpstore"], capture_output=True, text=True).stdout
-    return (commit or "unknown") + ("+" if dirty.strip() else "")
-
-
 def _side(text: str) -> tuple[str, str]:
     name, sep, path = text.partition("=")
     if not sep or not os.path.isdir(os.path.join(path, "dcpstore")):
@@ -231,7 +223,7 @@ def main(argv: list[str] | None = None) -> None:
         )
     if args.json:
         sys.path.insert(0, os.path.dirname(HERE))
-        from dcpstore._impl.bench.report import git_commit, git_dirty, machine
+        from dcpstore._impl.bench.report import checkout_commit, git_commit, git_dirty, machine
 
         meta = {
             "command": shlex.join(["python", "benchmarks/shared_reads.py", *argv]),
@@ -240,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
             "git_commit": git_commit(),
             "git_dirty": git_dirty(),
             "machine": machine(),
-            "sides": {name: _commit_of(path) for name, path in sides},
+            "sides": {name: checkout_commit(path) for name, path in sides},
             "size_mib": args.size_mib,
             "wan": {"latency_ms": args.latency_ms, "rate_mbps": args.rate_mbps, "total_mbps": args.total_mbps},
             "rounds": args.rounds,

@@ -7,7 +7,7 @@ import posixpath
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,8 @@ from dcpstore._impl.storage import Storage
 from dcpstore._impl.util.distributed import is_distributed
 from dcpstore._impl.util.errors import CheckpointNotFound, InvalidArgument, SaveError
 from dcpstore._impl.values.options import SaveOptions
+
+_T = TypeVar("_T")
 
 #: Where a sharded HF export's ranks write inside the step before it is
 #: consolidated (torchtitan's own name for it).
@@ -163,7 +165,7 @@ class Installed:
                 if not is_distributed():
                     raise
                 failed = f"{type(e).__name__}: {e}"
-        said = _broadcast_text(failed)
+        said = _broadcast(failed)
         if said:
             raise SaveError(f"consolidating the HF export at {checkpoint_id} failed on rank 0: {said}")
 
@@ -327,19 +329,10 @@ def _rank() -> int:
     return dist.get_rank() if is_distributed() else 0
 
 
-def _broadcast_text(value: str) -> str:
+def _broadcast(value: _T) -> _T:
     """Rank 0's ``value`` on every rank (itself without torch.distributed)."""
     if not is_distributed():
         return value
-    box: list[str] = [value]
+    box: list[_T] = [value]
     dist.broadcast_object_list(box, src=0)
-    return str(box[0])
-
-
-def _broadcast(value: int) -> int:
-    """Rank 0's ``value`` on every rank (itself without torch.distributed)."""
-    if not is_distributed():
-        return value
-    box: list[int] = [value]
-    dist.broadcast_object_list(box, src=0)
-    return int(box[0])
+    return box[0]

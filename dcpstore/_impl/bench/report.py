@@ -185,6 +185,15 @@ def git_dirty() -> bool | None:
     return bool(out.stdout.strip()) if out.returncode == 0 else None
 
 
+def checkout_commit(checkout: str) -> str:
+    """The short hash of another checkout (one side of an A/B run), ``+``
+    when its ``dcpstore/`` differs from that commit."""
+    git = ["git", "-C", checkout]
+    commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run([*git, "status", "--porcelain", "--", "dcpstore"], capture_output=True, text=True).stdout
+    return (commit or "unknown") + ("+" if dirty.strip() else "")
+
+
 def machine() -> dict[str, Any]:
     """What the numbers were measured on."""
     info: dict[str, Any] = {
