@@ -4,6 +4,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.support import reliability
 from tests.support.backends import TARGETS, Target, make_target
 from tests.support.faultproxy import FaultProxy
 from tests.support.s3_server import S3Endpoint, msc_config, s3_endpoint  # noqa: F401  (session fixtures, requested lazily)
@@ -37,3 +38,10 @@ def proxy(s3_endpoint: S3Endpoint, monkeypatch: pytest.MonkeyPatch) -> Iterator[
     with FaultProxy(s3_endpoint.url) as p:
         monkeypatch.setenv("AWS_ENDPOINT_URL", p.url)
         yield p
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Before -m 'not slow' drops any: tests/docs checks RELIABILITY.md against
+    # every test, and a whole-suite run need not collect them a second time.
+    reliability.record(config, items)

@@ -49,8 +49,8 @@ def docs(report: ModuleType) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def items() -> reliability.Items:
-    return reliability.collect()
+def items(pytestconfig: pytest.Config) -> reliability.Items:
+    return reliability.collect(pytestconfig)
 
 
 # -- BENCHMARKS.md -----------------------------------------------------------------
@@ -224,6 +224,20 @@ def test_the_report_says_how_old_each_result_is_and_fails_nothing_for_it(
 def test_reliability_rows_name_the_tests_and_markers_the_suite_has(items: reliability.Items) -> None:
     page = (ROOT / "RELIABILITY.md").read_text()
     assert reliability.problems(page, items, reliability.read_counts()) == []
+
+
+@pytest.mark.slow
+def test_a_whole_suite_run_checks_against_the_same_tests_a_collection_of_its_own_finds(
+    pytestconfig: pytest.Config,
+) -> None:
+    """The README's test command checks RELIABILITY.md against the session's
+    own collection (taken before ``-m`` deselects): it must be what pytest
+    collects in a process of its own, slow tests and markers included."""
+    if not reliability._whole_suite(pytestconfig):
+        pytest.skip("this run did not collect the whole suite (CI's slow run does)")
+    mine = reliability.collect(pytestconfig)
+    assert any("slow" in markers for markers in mine.values())
+    assert mine == reliability.collect_apart()
 
 
 def test_the_reliability_check_finds_each_kind_of_drift(items: reliability.Items) -> None:

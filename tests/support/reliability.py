@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "RELIABILITY.md"
 COUNTS = ROOT / "tests" / "support" / "kill_counts.json"
@@ -181,9 +183,42 @@ def absent_claims(text: str) -> list[str]:
 # -- the suite -----------------------------------------------------------------
 
 
-def collect(paths: Sequence[str] = ("tests",)) -> Items:
-    """Every test pytest collects under ``paths`` (slow ones too), with its
-    markers: pytest's own collection, in a process of its own."""
+#: Where :func:`record` keeps this session's collection, before ``-m``/``-k`` deselect.
+SESSION_ITEMS = pytest.StashKey[list[pytest.Item]]()
+
+
+def record(config: pytest.Config, items: Sequence[pytest.Item]) -> None:
+    """Keep every test this session collected: conftest.py calls this first
+    in ``pytest_collection_modifyitems``, before ``-m``, ``-k`` and
+    ``--deselect`` drop any. Their markers are read later, once every
+    plugin has added its own (hypothesis marks its tests there too)."""
+    config.stash[SESSION_ITEMS] = list(items)
+
+
+def _marked(items: Iterable[Any]) -> Items:
+    return {item.nodeid: sorted({m.name for m in item.iter_markers()}) for item in items}
+
+
+def _whole_suite(config: pytest.Config) -> bool:
+    """Whether this session collected every test file: the README's test
+    command does (``pytest`` or ``pytest tests``); a run of some files, or
+    one that ignores some, did not."""
+    whole = {ROOT, ROOT / "tests"}
+    ignored = config.getoption("ignore") or config.getoption("ignore_glob")
+    return SESSION_ITEMS in config.stash and not ignored and {Path(a).resolve() for a in config.args} <= whole
+
+
+def collect(config: pytest.Config | None = None) -> Items:
+    """Every test pytest collects under ``tests`` (slow ones too), with its
+    markers: this session's own collection when it took in the whole suite
+    (``config``), else pytest's collection in a process of its own."""
+    if config is not None and _whole_suite(config):
+        return _marked(config.stash[SESSION_ITEMS])
+    return collect_apart()
+
+
+def collect_apart(paths: Sequence[str] = ("tests",)) -> Items:
+    """:func:`collect` in a process of its own (about 10 s on 2 cores)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "items.json")
         env = dict(
@@ -226,7 +261,7 @@ def pytest_collection_finish(session: Any) -> None:
     out = os.environ.get("DCPSTORE_COLLECT_ITEMS")
     if out:
         with open(out, "w") as f:
-            json.dump({item.nodeid: sorted({m.name for m in item.iter_markers()}) for item in session.items}, f)
+            json.dump(_marked(session.items), f)
 
 
 def _glob(pattern: str) -> re.Pattern[str]:
