@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import time
 import warnings
 from datetime import timedelta
@@ -24,17 +23,11 @@ import psutil
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import dcpstore
 from dcpstore._impl.util.errors import CheckpointNotFound, SaveError
 from tests.support.async_helpers import ENGINES, GatedPlanner
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tests.support.dist_utils import run_ranks
 
 
 def _state(rank: int, world: int, mesh: object, step: int, rows: int = 8) -> dict[str, object]:
@@ -87,34 +80,29 @@ def _mutate(state: dict[str, object]) -> None:
             v.add_(1000)
 
 
-def _worker(rank: int, world: int, port: int, root: str) -> None:
+def _worker(rank: int, world: int, root: str) -> None:
     warnings.filterwarnings("ignore")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cpu", (world,))
-        saver = dcpstore.AsyncSaver(collective_timeout=timedelta(seconds=120))
-        for engine in ENGINES:
-            _roundtrip(rank, world, mesh, saver, engine, os.path.join(root, f"ok-{engine}"))
-            _repeated_and_changed_structure(rank, world, mesh, saver, engine, os.path.join(root, f"rep-{engine}"))
-            _one_rank_fails(rank, world, mesh, saver, engine, os.path.join(root, f"fail-{engine}"))
-        _ranks_disagree_on_engine(rank, world, mesh, saver, os.path.join(root, "mixed"))
-        _checkpoint_process_killed(rank, world, mesh, saver, root)
-        # The module-level API (per-process default saver) across ranks too.
-        uri = os.path.join(root, "default-saver")
-        state = _state(rank, world, mesh, step=7)
-        expected = {k: (v.clone() if isinstance(v, torch.Tensor) else dict(v)) for k, v in state.items()}  # type: ignore[call-overload]
-        handle = dcpstore.save(state, uri, async_=True, engine="native")
-        _mutate(state)
-        handle.result(timeout=120)
-        loaded = _empty_like_state(state)
-        dcpstore.load(loaded, uri)
-        _check_loaded(loaded, expected)
-        saver.close()
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    mesh = init_device_mesh("cpu", (world,))
+    saver = dcpstore.AsyncSaver(collective_timeout=timedelta(seconds=120))
+    for engine in ENGINES:
+        _roundtrip(rank, world, mesh, saver, engine, os.path.join(root, f"ok-{engine}"))
+        _repeated_and_changed_structure(rank, world, mesh, saver, engine, os.path.join(root, f"rep-{engine}"))
+        _one_rank_fails(rank, world, mesh, saver, engine, os.path.join(root, f"fail-{engine}"))
+    _ranks_disagree_on_engine(rank, world, mesh, saver, os.path.join(root, "mixed"))
+    _checkpoint_process_killed(rank, world, mesh, saver, root)
+    # The module-level API (per-process default saver) across ranks too.
+    uri = os.path.join(root, "default-saver")
+    state = _state(rank, world, mesh, step=7)
+    expected = {k: (v.clone() if isinstance(v, torch.Tensor) else dict(v)) for k, v in state.items()}  # type: ignore[call-overload]
+    handle = dcpstore.save(state, uri, async_=True, engine="native")
+    _mutate(state)
+    handle.result(timeout=120)
+    loaded = _empty_like_state(state)
+    dcpstore.load(loaded, uri)
+    _check_loaded(loaded, expected)
+    saver.close()
 
 
 def _roundtrip(rank: int, world: int, mesh: object, saver: dcpstore.AsyncSaver, engine: str, uri: str) -> None:
@@ -253,4 +241,4 @@ def _checkpoint_process_killed(rank: int, world: int, mesh: object, saver: dcpst
 
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_multirank_async_save(world: int, tmp_path: object) -> None:
-    mp.spawn(_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True)
+    run_ranks(_worker, world, str(tmp_path), timeout=600)
