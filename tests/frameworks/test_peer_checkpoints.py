@@ -173,9 +173,10 @@ PEERS: dict[str, Callable[[pytest.FixtureRequest, Path], Written]] = {
 }
 
 
-@pytest.fixture(params=list(PEERS))
-def written(request: pytest.FixtureRequest, tmp_path: Path) -> Written:
-    return PEERS[request.param](request, tmp_path)
+@pytest.fixture(scope="module", params=list(PEERS))
+def written(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Written:
+    """Each peer's checkpoint, written once for the tests that only read it."""
+    return PEERS[request.param](request, tmp_path_factory.mktemp(request.param))
 
 
 def test_a_peers_checkpoint_loads_exactly_with_no_opt_in(written: Written) -> None:
