@@ -118,7 +118,9 @@ CASES = [
     ("local", 2),
     pytest.param("local", 4, marks=pytest.mark.slow),
     ("s3", 2),
-    ("msc", 2),
+    pytest.param(
+        "msc", 2, marks=pytest.mark.slow
+    ),  # the quick run reaches MSC through Bridge in test_megatron_bridge_manager
     pytest.param("s3+msc", 2, marks=pytest.mark.slow),
     pytest.param("s3", 4, marks=pytest.mark.slow),
 ]
