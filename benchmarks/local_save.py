@@ -150,7 +150,8 @@ def main() -> None:
             f"CPU-s/GB {row['median_cpu_s_per_gb']:.3f} (least {row['least_cpu_s_per_gb']:.3f})"
         )
     for goal in goals:
-        print(f"  {goal['goal']}: {goal['value']:.2f} vs {goal['bound']:.2f}: {'met' if goal['met'] else 'missed'}")
+        verdict = "" if goal["bound"] is None else f" vs {goal['bound']:.2f}: {'met' if goal['met'] else 'missed'}"
+        print(f"  {goal['goal']}: {goal['value']:.2f}{verdict}")
     if args.json:
         meta = {
             "command": shlex.join(["python", "benchmarks/local_save.py", *argv]),
@@ -168,11 +169,27 @@ def main() -> None:
 
 def verdicts(rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     """The two goals, each with its value, bound and whether it is met: the
-    sync save's median time over stock ``dcp.save``'s; the async save's CPU
-    per GB against the clone's plus 1.15x the raw writer's, on the quietest
-    runs (``least``) and on the medians."""
-    time_ratio = rows["dcpstore sync"]["median_s"] / rows["stock dcp.save"]["median_s"]
-    out = [{"goal": "sync save time / stock dcp.save's", "value": time_ratio, "bound": 0.75}]
+    sync save's median time over stock ``dcp.save``'s (and the median of
+    each round's ratio, the two runs a round apart at most); the async
+    save's CPU per GB against the clone's plus 1.15x the raw writer's, on
+    the quietest runs (``least``) and on the medians. The sync save's CPU
+    per GB over stock's comes with them, unjudged (``bound`` None): the
+    time ratio a CPU-bound machine would show, where this box's disk swings."""
+    ours, stock = rows["dcpstore sync"], rows["stock dcp.save"]
+    per_round = statistics.median(a / b for a, b in zip(ours["s"], stock["s"]))
+    out: list[dict[str, Any]] = [
+        {
+            "goal": "sync save time / stock dcp.save's (medians)",
+            "value": ours["median_s"] / stock["median_s"],
+            "bound": 0.75,
+        },
+        {"goal": "sync save time / stock dcp.save's (each round's ratio, median)", "value": per_round, "bound": 0.75},
+    ]
+    for stat in ("least", "median"):
+        key = f"{stat}_cpu_s_per_gb"
+        out.append(
+            {"goal": f"sync save CPU-s/GB / stock dcp.save's ({stat})", "value": ours[key] / stock[key], "bound": None}
+        )
     for copy in ("clone", "copy into reused"):
         for stat in ("least", "median"):
             key = f"{stat}_cpu_s_per_gb"
@@ -180,7 +197,7 @@ def verdicts(rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
             text = f"async save CPU-s/GB ({stat}) <= {copy} + 1.15x raw"
             out.append({"goal": text, "value": rows["dcpstore async"][key], "bound": bound})
     for goal in out:
-        goal["met"] = goal["value"] <= goal["bound"]
+        goal["met"] = None if goal["bound"] is None else goal["value"] <= goal["bound"]
     return out
 
 

@@ -572,7 +572,13 @@ def local_save_block(doc: Doc) -> str:
             ]
         )
     goals = [
-        [g["goal"], f"{g['value']:.2f}", f"{g['bound']:.2f}", "met" if g["met"] else "**missed**"] for g in doc["goals"]
+        [
+            g["goal"],
+            f"{g['value']:.2f}",
+            "-" if g["bound"] is None else f"{g['bound']:.2f}",
+            "-" if g["met"] is None else "met" if g["met"] else "**missed**",
+        ]
+        for g in doc["goals"]
     ]
     return (
         f"{human_bytes(doc['bytes'])} in {doc['args']['tensors']} tensors, {threads} thread(s) in every row, "
