@@ -212,7 +212,7 @@ COMMANDS = {
     "local_disk_ab.json": "python benchmarks/ab_bench.py --a before=/work/before-44 --b after=. --backends local "
     "--size 512MiB --tensors 16 --workers 2 --repeat 3 --rounds 5 --limit --label LABEL "
     "--json benchmarks/results/local_disk_ab.json",
-    "local_save.json": "python benchmarks/local_save.py --size-mib 512 --tensors 16 --threads 2 --rounds 5 "
+    "local_save.json": "python benchmarks/local_save.py --size-mib 512 --tensors 16 --threads 2 --rounds 9 "
     "--label LABEL --json benchmarks/results/local_save.json",
     "shared_reads.json": "python benchmarks/shared_reads.py --a before=/work/before --b after=. --size-mib 64 "
     "--ranks 2,4 --rounds 5 --latency-ms 5 --rate-mbps 50 --total-mbps 100 --label LABEL "
