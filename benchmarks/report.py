@@ -178,7 +178,7 @@ SOURCES: dict[str, tuple[Source, ...]] = {
     "tiered-peers": (Source("tiered_peers.json", TIERED),),
     "shared-reads": (Source("shared_reads.json", TIERED),),
     "local-disk": (Source("local_disk_ab.json", LOCAL),),
-    "local-save": (Source("local_save.json", LOCAL),),
+    "local-costs": (Source("local_costs.json", LOCAL),),
     "wan-scale": (Source("wan_scale.json", OBJECT_STORE),),
 }
 
@@ -212,8 +212,8 @@ COMMANDS = {
     "local_disk_ab.json": "python benchmarks/ab_bench.py --a before=/work/before-44 --b after=. --backends local "
     "--size 512MiB --tensors 16 --workers 2 --repeat 3 --rounds 5 --limit --label LABEL "
     "--json benchmarks/results/local_disk_ab.json",
-    "local_save.json": "python benchmarks/local_save.py --size-mib 512 --tensors 16 --threads 2 --rounds 9 "
-    "--label LABEL --json benchmarks/results/local_save.json",
+    "local_costs.json": "python benchmarks/local_costs.py --size-mib 512 --tensors 16 --threads 2 --rounds 9 "
+    "--label LABEL --json benchmarks/results/local_costs.json",
     "shared_reads.json": "python benchmarks/shared_reads.py --a before=/work/before --b after=. --size-mib 64 "
     "--ranks 2,4 --rounds 5 --latency-ms 5 --rate-mbps 50 --total-mbps 100 --label LABEL "
     "--json benchmarks/results/shared_reads.json",
@@ -552,10 +552,11 @@ def local_disk_block(doc: Doc) -> str:
     return targets.markdown_table(head, body)
 
 
-def local_save_block(doc: Doc) -> str:
-    """``local_save.py``: every row at one thread count, then its goals
+def local_costs_block(doc: Doc) -> str:
+    """``local_costs.py``: every row at one thread count, then its goals
     (the sync save against stock ``dcp.save``, the async save's CPU per GB
-    against a copy's plus the raw writer's), each with its value and bound."""
+    against a copy's plus the raw writer's, the load's against the raw
+    reader's), each with its value and bound."""
     gb = doc["bytes"] / 1e9
     threads = doc["args"]["threads"]
     head = ["row", "median s", "median GB/s", "CPU-s/GB median", "CPU-s/GB least"]
@@ -731,8 +732,8 @@ def blocks(docs: dict[str, Doc]) -> dict[str, str]:
     out["local-disk"] = (
         local_disk_block(docs["local_disk_ab.json"]) if "local_disk_ab.json" in docs else pending("local_disk_ab.json")
     )
-    out["local-save"] = (
-        local_save_block(docs["local_save.json"]) if "local_save.json" in docs else pending("local_save.json")
+    out["local-costs"] = (
+        local_costs_block(docs["local_costs.json"]) if "local_costs.json" in docs else pending("local_costs.json")
     )
     return out
 
