@@ -3,7 +3,7 @@ against stock ``dcp.save``, an async save against a clone, a load against
 the raw reader (and the checksum pass its verification needs).
 
     python benchmarks/local_costs.py [--size-mib 512] [--tensors 16] [--threads 2] \\
-        [--rounds 5] [--root DIR] [--label TEXT] [--json FILE]
+        [--rounds 5] [--root DIR] [--source cpu|pinned] [--label TEXT] [--json FILE]
 
 One process, one state dict, one directory; each round runs every row once,
 in an order that rotates from round to round so a slow spell of the shared
@@ -36,6 +36,8 @@ thread count ``T``:
 * ``crc32c pass``: the ``crc32c`` package over every tensor's bytes, on one
   thread: what verifying the checksums costs by itself.
 
+``--source pinned`` keeps the state in pinned host memory, as a GPU's
+state is once staged to the host (``scripts/gpu-check.sh`` runs it so).
 Every load reads into the same ``dest``, allocated once and zeroed before
 each run (outside the timed block, so no load pays page faults of fresh
 memory) and compared with the state after it.
@@ -153,6 +155,12 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2, help="every row's thread count")
     p.add_argument("--rounds", type=int, default=5, help="counted rounds (one more warms up)")
     p.add_argument("--root", default=None, help="a directory on the disk to measure (default: a temporary one)")
+    p.add_argument(
+        "--source",
+        choices=("cpu", "pinned"),
+        default="cpu",
+        help="where the state lives: pageable host memory, or pinned (a CUDA tensor's host copy; needs CUDA)",
+    )
     p.add_argument("--label", default="")
     p.add_argument("--json", metavar="FILE")
     argv = sys.argv[1:]
@@ -161,6 +169,10 @@ def main() -> None:
         p.error("--size-mib, --tensors, --threads and --rounds must be positive")
     root = tempfile.mkdtemp(prefix="dcpstore-local-costs-", dir=args.root)
     state = make_state(args.size_mib << 20, args.tensors)
+    if args.source == "pinned":
+        if not torch.cuda.is_available():
+            p.error("--source pinned needs CUDA (pinned host memory is a CUDA allocation)")
+        state = {k: v.pin_memory() for k, v in state.items()}
     nbytes = state_bytes(state)
     gb = nbytes / 1e9
     raw = RawFiles(root, args.threads)

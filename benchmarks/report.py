@@ -592,7 +592,9 @@ def local_costs_block(doc: Doc) -> str:
         for g in listed
     ]
     return (
-        f"{human_bytes(doc['bytes'])} in {doc['args']['tensors']} tensors, {threads} thread(s) in every row, "
+        f"{human_bytes(doc['bytes'])} in {doc['args']['tensors']} tensors "
+        f"({'pinned' if doc['args'].get('source') == 'pinned' else 'pageable'} host memory), "
+        f"{threads} thread(s) in every row, "
         f"{doc['args']['rounds']} rounds.\n\n"
         + targets.markdown_table(head, body)
         + "\n\n"
