@@ -574,9 +574,10 @@ def local_costs_block(doc: Doc) -> str:
         )
     rows = doc["rows"]
     # The raw writer only writes and fsyncs: its time over stock's is as low
-    # as the first goal's ratio can go on the disk measured.
+    # as the first goal's ratio goes, on the disk measured, for a writer that
+    # leaves all its writeback to the fsync as both of them do.
     floor = {
-        "goal": "raw write+fsync time / stock dcp.save's (medians): about the least a save's ratio can be on this disk",
+        "goal": "raw write+fsync time / stock dcp.save's (medians; neither starts writeback before its fsync)",
         "value": rows["raw"]["median_s"] / rows["stock dcp.save"]["median_s"],
         "bound": None,
         "met": None,
