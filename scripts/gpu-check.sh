@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # GPU check: the cuda-marked tests (tests/integration/test_cuda.py),
 # benchmarks/gpu_stage.py, the local disk against its raw writer (dcpstore
-# bench --limit) and benchmarks/interference.py on one GPU machine, then a
-# summary. Sized to finish in under 11 minutes on one H200 (16 cores,
-# 128 GiB; about 7 typically).
+# bench --limit) and against stock DCP (benchmarks/local_costs.py) and
+# benchmarks/interference.py on one GPU machine, then a
+# summary. Sized to finish in under 12 minutes on one H200 (16 cores,
+# 128 GiB; about 8 typically).
 #
 #   bash scripts/gpu-check.sh                  on the GPU machine (no network needed)
 #   bash scripts/gpu-check.sh --fetch-wheels   beforehand, where PyPI is reachable: fill .whl/
@@ -36,10 +37,11 @@ WHEELS=(crc32c==2.9.post0 nvidia-resiliency-ext==0.4.1 defusedxml==0.7.1 py-spy=
 S3_WHEELS=(boto3==1.43.117 botocore==1.43.117 "moto[s3]==5.2.5" flask flask-cors)
 SITE=/tmp/site
 SITE_S3=/tmp/site-s3
-# Time plan (under 11 minutes at most): wheels and environment ~15 s, the
+# Time plan (under 12 minutes at most): wheels and environment ~15 s, the
 # cuda tests at most TEST_TIMEOUT (each test at most 100 s, so one hang costs
 # one test), gpu_stage.py stops starting sizes at BENCH_BUDGET and is killed at
-# BENCH_TIMEOUT, the local disk's rows at LOCAL_DISK_TIMEOUT, interference.py
+# BENCH_TIMEOUT, the local disk's rows at LOCAL_DISK_TIMEOUT and
+# LOCAL_COSTS_TIMEOUT, interference.py
 # likewise at INTERFERENCE_BUDGET / INTERFERENCE_TIMEOUT. Typical: about 8 minutes.
 TEST_TIMEOUT=${GPU_CHECK_TEST_TIMEOUT:-200}
 BENCH_BUDGET=${GPU_CHECK_BENCH_BUDGET:-180}
@@ -52,6 +54,8 @@ INTERFERENCE_BUDGET=${GPU_CHECK_INTERFERENCE_BUDGET:-100}
 INTERFERENCE_TIMEOUT=$((INTERFERENCE_BUDGET + 80))
 # The local disk's save and load beside the raw writer's (about a minute on NVMe).
 LOCAL_DISK_TIMEOUT=${GPU_CHECK_LOCAL_DISK_TIMEOUT:-120}
+# The same disk against stock DCP, a clone and a CRC pass (local_costs.py; about 30 s on NVMe).
+LOCAL_COSTS_TIMEOUT=${GPU_CHECK_LOCAL_COSTS_TIMEOUT:-120}
 
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
 
@@ -142,6 +146,22 @@ else
 fi
 timeout -k 10 "$LOCAL_DISK_TIMEOUT" "$PY" -m dcpstore._impl.cli bench "$local_dir/bench" "${local_args[@]}" --limit -q \
   --json "$OUT_DIR/local_disk.json" 2>&1 | tee "$OUT_DIR/local_disk.log"
+
+# The same disk's costs against their yardsticks (benchmarks/local_costs.py):
+# the sync save against stock dcp.save, an async save against a clone, the
+# load against the raw reader and a CRC32C pass, from a state in pinned host
+# memory (a CUDA tensor's host copy; pageable on a dry run). Reported, not
+# judged; a failure here fails nothing.
+echo "== benchmarks/local_costs.py on the local disk (timeout ${LOCAL_COSTS_TIMEOUT}s)"
+if [ "$dry_run" = 1 ]; then
+  costs_args=(--size-mib 16 --tensors 4 --threads 2 --rounds 1 --source cpu)
+else
+  costs_args=(--size-mib 1024 --tensors 16 --threads 8 --rounds 2 --source pinned)
+fi
+mkdir -p "$local_dir"
+timeout -k 10 "$LOCAL_COSTS_TIMEOUT" "$PY" benchmarks/local_costs.py "${costs_args[@]}" --root "$local_dir" \
+  --label "gpu-check$([ "$dry_run" = 1 ] && echo ' dry run')" --json "$OUT_DIR/local_costs.json" 2>&1 |
+  tee "$OUT_DIR/local_costs.log"
 
 echo "== benchmarks/interference.py (budget ${INTERFERENCE_BUDGET}s)"
 if [ "$dry_run" = 1 ]; then

@@ -187,6 +187,8 @@ def test_dry_run_end_to_end(tmp_path: Path) -> None:
         "interference.log",
         "local_disk.json",
         "local_disk.log",
+        "local_costs.json",
+        "local_costs.log",
         "summary.json",
     }
     assert files <= set(os.listdir(tmp_path))
@@ -194,6 +196,11 @@ def test_dry_run_end_to_end(tmp_path: Path) -> None:
     local = json.loads((tmp_path / "local_disk.json").read_text())["records"]
     assert {r["group"] for r in local} == {"dcpstore", "limit"}
     assert all(r["status"] == "ok" and r["write_cpu_s"] > 0 for r in local), local
+    # The same disk against stock DCP, a clone and a CRC pass: every row ran and every goal was computed.
+    costs = json.loads((tmp_path / "local_costs.json").read_text())
+    assert set(costs["rows"]) >= {"dcpstore sync", "stock dcp.save", "dcpstore async", "dcpstore load", "raw read"}
+    assert all(row["median_s"] > 0 for row in costs["rows"].values()), costs["rows"]
+    assert costs["goals"] and all(g["value"] > 0 for g in costs["goals"]), costs["goals"]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["dry_run"] and summary["ok"] and summary["tests"]["tests"] >= 13
     rows = {r["name"]: r for r in summary["interference"]["rows"]}

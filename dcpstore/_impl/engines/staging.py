@@ -61,7 +61,7 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from dcpstore._impl.dcp.state_checks import check_saveable
+from dcpstore._impl.dcp.state_checks import check_saveable, is_stateful
 from dcpstore._impl.engines.buffers import BufferSet, BufferSpec, StagingPool, allocate, allocate_shared, buffer_spec
 from dcpstore._impl.engines.shared_memory import Slab, view_at
 from dcpstore._impl.format.bitcopy import copy_values
@@ -72,7 +72,6 @@ try:  # DTensor and ShardedTensor exist on every torch that dcpstore supports,
     from torch.distributed.tensor import DTensor  # but keep import failures local.
 except ImportError:  # pragma: no cover - torch built without distributed
     DTensor = None  # type: ignore[assignment,misc]
-from torch.distributed.checkpoint.stateful import Stateful
 
 #: Values that are immutable: staged by reference.
 _ATOMIC = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
@@ -191,7 +190,7 @@ class Stager:
     @torch.no_grad()
     def stage(self, state_dict: Mapping[str, Any], *, alias_cpu: bool = False, shared: bool = False) -> StagedState:
         walk = _Walk()
-        resolved = {k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in state_dict.items()}
+        resolved = {k: (v.state_dict() if is_stateful(v) else v) for k, v in state_dict.items()}
         check_saveable(resolved)
         skeleton = self._walk(resolved, (), walk, alias_cpu and not shared)
         key = ("shared" if shared else "private", tuple(walk.key))

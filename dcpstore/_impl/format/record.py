@@ -153,6 +153,10 @@ class RecordStream:
     def __init__(self, sink: Sink) -> None:
         self._sink = sink
         self._buf = bytearray()
+        # Small writes are checksummed in one call per batch, not one per
+        # write (torch.save makes ~40 per record): ``_buf[_crc_from:]`` is
+        # what the CRCs have not seen yet.
+        self._crc_from = 0
         self._crc = DualCrc()
         # While a tensor is written: the size of the one write that carries
         # its bytes, where those bytes live, and where that write landed.
@@ -179,6 +183,7 @@ class RecordStream:
             self._save_tensor(data)
             if self._raw is not None:
                 raw = (self._raw[0] - offset, self._raw[1])
+        self._crc_catch_up()
         return WrittenItem(offset, self.tell() - offset, self._crc.item, raw)
 
     def finish(self) -> tuple[int, int]:
@@ -214,7 +219,6 @@ class RecordStream:
         if size == self._raw_nbytes and self._raw is None and address == self._raw_ptr:
             self._raw = (self.tell(), size)
         if size < self.SMALL:
-            self._crc.update(view)
             self._buf += data
             if len(self._buf) >= self.BUFFER:
                 self._drain()
@@ -251,9 +255,16 @@ class RecordStream:
         """torch.save flushes after every tensor; batching across tensors is
         the point of the buffer, so this is deliberately a no-op."""
 
+    def _crc_catch_up(self) -> None:
+        if self._crc_from < len(self._buf):
+            with memoryview(self._buf) as whole, whole[self._crc_from :] as pending:
+                self._crc.update(pending)
+            self._crc_from = len(self._buf)
+
     def _drain(self) -> None:
+        self._crc_catch_up()
         if self._buf:
-            buf, self._buf = self._buf, bytearray()
+            buf, self._buf, self._crc_from = self._buf, bytearray(), 0
             self._forward(buf)
 
     def _forward(self, data: Any, owner: torch.Tensor | None = None) -> None:

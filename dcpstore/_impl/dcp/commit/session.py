@@ -181,8 +181,12 @@ class SaveSession:
                     )
                 self.save_id = os.urandom(8).hex()
             self.tag = save_tag(self.save_id)
-        # Proof of life for gc, until publish or release.
-        self._lease = mark(self.storage, self.save_id, lease_id=self.save_id)
+        # Proof of life for gc, until publish or release. Not fsynced: a crash
+        # of the machine ends the save, so the alive file has nothing left to
+        # prove, and the marker guards against other live saves, which see it
+        # without an fsync; the first data file's directory fsync makes both
+        # durable anyway, long before the commit.
+        self._lease = mark(self.storage, self.save_id, lease_id=self.save_id, durable=False)
         self._found = frozenset(stale)
 
     def _replaced_shards(self, present: set[str]) -> set[str]:

@@ -39,7 +39,7 @@ from dcpstore._impl.storage.byte_ranges import slice_buffers
 from dcpstore._impl.storage.concurrency import disk_workers
 from dcpstore._impl.storage.error_mapping import library_detail
 from dcpstore._impl.storage.incomplete import IncompleteWrite
-from dcpstore._impl.storage.posix import LocalRoot, fsync_dir
+from dcpstore._impl.storage.posix import LocalRoot, fsync_dir, start_writeback
 from dcpstore._impl.storage.storage_options import StorageOptions
 from dcpstore._impl.storage.uri import StorageURL
 from dcpstore._impl.util.errors import StorageError, StorageNotFound
@@ -51,6 +51,10 @@ _TMP_MARK = ".dcpstore-tmp-"
 _SKIP_WARNINGS = 3
 #: Buffers per preadv call (the kernel's UIO_MAXIOV).
 _IOV_MAX = getattr(os, "IOV_MAX", 1024)
+#: A durable file's writeback is started every this many bytes written
+#: (:func:`~dcpstore._impl.storage.posix.start_writeback`), so that the disk
+#: works while the file is still being written and the fsync finds little left.
+_WRITEBACK_EVERY = 8 << 20
 #: Bytes per preadv of :meth:`LocalStorage.read_into_each`: what a core's
 #: cache holds between the read's copy and the caller's pass over the piece.
 _PIECE = 1 << 20
@@ -103,12 +107,18 @@ class _LocalWriter(BufferedObjectWriter):
         self._tmp = os.path.join(directory, f".{name}{_TMP_MARK}{uuid.uuid4().hex[:12]}")
         with storage._mapped(self._what):
             self._fd = _create(self._tmp)
+        # Bytes written, and the first byte whose writeback is not started yet.
+        self._written = self._flushed = 0
 
     def _write_part(self, part: bytes | bytearray | memoryview) -> None:
         view = memoryview(part)
         while view:
             n = os.write(self._fd, view)  # releases the GIL
             view = view[n:]
+            self._written += n
+        if self._durable and self._written - self._flushed >= _WRITEBACK_EVERY:
+            start_writeback(self._fd, self._flushed, self._written - self._flushed)
+            self._flushed = self._written
 
     def _publish(self, tail: bytearray) -> None:
         if self._durable:
