@@ -25,7 +25,15 @@ import dcpstore
 from dcpstore._impl.cli import main as cli_main
 from dcpstore._impl.format.layout import METADATA
 from dcpstore._impl.manager import step_dir
-from dcpstore._impl.manager.tiers.peers import View, check_peers, peer_step_dir, peers_of, restore_plan
+from dcpstore._impl.manager.tiers.peers import (
+    Plan,
+    View,
+    check_peers,
+    peer_step_dir,
+    peers_of,
+    restore_plan,
+    share_of,
+)
 from dcpstore._impl.manager.tiers.replicate import read_local_commit
 from tests.processes.test_tiered_nodes import KillJob, check, node_dirs, sharded, zeros
 from tests.support import killcount
@@ -120,21 +128,87 @@ def test_a_lost_node_resumes_from_its_peers_copies_reading_no_durable_data(
             )
 
 
+def _data_fetched(endpoint: S3Endpoint, proxy: FaultProxy, prefix: str) -> dict[str, int]:
+    """The bytes of each data file of step 3 read from the durable tier, by name."""
+    where = f"/{endpoint.bucket}/{prefix}/{step_dir(3)}/"
+    return {p[len(where) :]: n for p, n in proxy.stats.got.items() if p.startswith(where) and p.endswith(".distcp")}
+
+
+def _sizes(node: Path, step: int) -> dict[str, int]:
+    return {p.name: p.stat().st_size for p in (node / step_dir(step)).glob("*.distcp")}
+
+
 @pytest.mark.parametrize(
-    ("world", "per_node", "lost"), [(4, 2, [0, 1]), (4, 1, [1, 2])], ids=["2x2-lose-all", "4x1-lose-a-pair"]
+    ("world", "per_node", "lost", "copies_lost"),
+    [(4, 2, [1], [0]), (4, 1, [1, 2], [])],
+    ids=["2x2-lose1-and-its-copy", "4x1-lose-a-pair"],
 )
-def test_where_no_peer_holds_a_lost_share_the_load_reads_the_durable_tier(
-    s3_endpoint: S3Endpoint, proxy: FaultProxy, tmp_path: Path, world: int, per_node: int, lost: list[int]
+def test_where_no_peer_holds_a_lost_share_only_that_share_is_read_from_the_durable_tier(
+    s3_endpoint: S3Endpoint,
+    proxy: FaultProxy,
+    tmp_path: Path,
+    world: int,
+    per_node: int,
+    lost: list[int],
+    copies_lost: list[int],
 ) -> None:
-    uri, prefix = _durable(s3_endpoint, f"peers-fallback-{world}x{per_node}")
+    """Node 1's share of step 3 is on no surviving node: node 1's leader
+    fetches just its ranks' data files from the durable tier into its
+    directory (checked, committed), and every rank then loads step 3
+    locally. 4x1: node 2's share comes back from node 3's copy."""
+    uri, prefix = _durable(s3_endpoint, f"peers-fetch-{world}x{per_node}")
     dirs = node_dirs(tmp_path, world, per_node)
     kwargs = {"local_replicas": 2}
     run_ranks(_save, world, uri, dirs, kwargs)
+    share = _sizes(tmp_path / "node1", 3)
     for n in lost:  # node n's share lived on n and on n + 1 only
         shutil.rmtree(tmp_path / f"node{n}")
+    for n in copies_lost:
+        shutil.rmtree(tmp_path / f"node{n}" / "peers")
     proxy.stats.got.clear()
     run_ranks(_load, world, uri, dirs, kwargs, 3)
-    assert _data_bytes_fetched(s3_endpoint, proxy, prefix) > 0
+    assert _data_fetched(s3_endpoint, proxy, prefix) == share
+    assert _sizes(tmp_path / "node1", 3) == share
+    node1 = dcpstore.open_storage(str(tmp_path / "node1"))
+    try:
+        commit = read_local_commit(node1, 3)
+    finally:
+        node1.close()
+    assert commit is not None and (tmp_path / "node1" / step_dir(3) / METADATA).read_bytes() == commit.metadata_blob
+    assert not list((tmp_path / "node1" / step_dir(3)).glob("*alive*")), "the fetch's lease ended"
+
+
+def test_where_nobody_holds_a_lost_share_the_whole_step_is_read_from_the_durable_tier(
+    s3_endpoint: S3Endpoint, proxy: FaultProxy, tmp_path: Path
+) -> None:
+    uri, prefix = _durable(s3_endpoint, "peers-fallback-all")
+    dirs = node_dirs(tmp_path, 4, 2)
+    kwargs = {"local_replicas": 2}
+    run_ranks(_save, 4, uri, dirs, kwargs)
+    everything = {**_sizes(tmp_path / "node0", 3), **_sizes(tmp_path / "node1", 3)}
+    for n in (0, 1):
+        shutil.rmtree(tmp_path / f"node{n}")
+    proxy.stats.got.clear()
+    run_ranks(_load, 4, uri, dirs, kwargs, 3)
+    assert set(_data_fetched(s3_endpoint, proxy, prefix)) == set(everything)
+
+
+def test_where_neither_peers_nor_the_durable_tier_hold_a_lost_share_the_previous_step_loads(
+    s3_endpoint: S3Endpoint, proxy: FaultProxy, tmp_path: Path
+) -> None:
+    """Node 1's share of step 3 is nowhere (node 1 lost, its copy on node 0
+    gone, step 3 not in the durable tier): step 2 comes back from node 0's
+    copy and loads, reading no data from the durable tier."""
+    uri, prefix = _durable(s3_endpoint, "peers-previous")
+    dirs = node_dirs(tmp_path, 4, 2)
+    kwargs = {"local_replicas": 2}
+    run_ranks(_save, 4, uri, dirs, kwargs)
+    shutil.rmtree(tmp_path / "node1")
+    shutil.rmtree(tmp_path / "node0" / peer_step_dir(1, 3))
+    s3_endpoint.delete_prefix(f"{prefix}/{step_dir(3)}/")
+    proxy.stats.got.clear()
+    run_ranks(_load, 4, uri, dirs, kwargs, 2)
+    assert _data_bytes_fetched(s3_endpoint, proxy, prefix) == 0, proxy.stats.got
 
 
 def test_a_damaged_peer_copy_is_refused_and_the_load_reads_the_durable_tier(
@@ -287,17 +361,37 @@ def test_the_restore_plan_takes_the_newest_step_every_node_can_get() -> None:
         ({2: c, 3: c}, {0: {2: a, 3: a}}),
     ]
     # node 1's share comes back from node 0; then the copy node 0 lacks of node 2's share
-    assert restore_plan(views, [(0, 2), (1, 0), (2, 0)]) == (3, [(0, 1, 1), (2, 0, 2)])
+    assert restore_plan(views, [(0, 2), (1, 0), (2, 0)]) == Plan(3, ((0, 1, 1),), (), ((2, 0, 2),))
     # on a ring every peer copy node 1 held, and the copy of its own share on node 2, are made too
-    assert restore_plan(views, ring) == (3, [(0, 1, 1), (0, 1, 0), (1, 2, 1), (2, 0, 2)])
+    assert restore_plan(views, ring) == Plan(3, ((0, 1, 1),), (), ((0, 1, 0), (1, 2, 1), (2, 0, 2)))
     two = [(0, 1), (1, 0)]
     assert restore_plan([({2: a, 3: a}, {1: {3: b}}), ({2: b, 3: b}, {0: {3: a}})], two) is None  # all there
-    assert restore_plan([({2: a, 3: a}, {1: {3: b}}), ({2: b, 3: b}, {})], two) == (3, [(0, 1, 0)])  # a missed copy
+    assert restore_plan([({2: a, 3: a}, {1: {3: b}}), ({2: b, 3: b}, {})], two) == Plan(3, (), (), ((0, 1, 0),))
     assert restore_plan([({3: a}, {}), ({}, {})], two) is None  # nobody holds node 1's share
     # node 1 has the commit of 3 (caught up) but not its files, or some only: its peer's copy brings them
     more = b + ["__1_1.distcp"]
-    assert restore_plan([({3: a}, {1: {3: more}}), ({3: []}, {0: {3: a}})], two) == (3, [(0, 1, 1)])
-    assert restore_plan([({3: a}, {1: {3: more}}), ({3: b}, {0: {3: a}})], two) == (3, [(0, 1, 1)])
+    assert restore_plan([({3: a}, {1: {3: more}}), ({3: []}, {0: {3: a}})], two) == Plan(3, ((0, 1, 1),), (), ())
+    assert restore_plan([({3: a}, {1: {3: more}}), ({3: b}, {0: {3: a}})], two) == Plan(3, ((0, 1, 1),), (), ())
+
+
+def test_the_restore_plan_fetches_what_no_peer_holds_from_the_durable_tier() -> None:
+    a, b = ["__0_0.distcp"], ["__1_0.distcp"]
+    two = [(0, 1), (1, 0)]
+    # nobody holds node 1's share of 3, the durable tier does: node 0 sends the commit, node 1 fetches
+    assert restore_plan([({3: a}, {}), ({}, {})], two, [2, 3]) == Plan(3, (), ((0, 1, 0),), ((0, 1, 0), (1, 0, 1)))
+    # node 0's share comes back from node 1's copy, whose commit node 1 fetches its own share by
+    assert restore_plan([({}, {}), ({}, {0: {3: a}})], two, [3]) == Plan(3, ((1, 0, 0),), ((1, 1, 0),), ((1, 0, 1),))
+    # step 3 is nowhere whole (no copy, not durable): step 2 comes back from the peer's copy
+    views: list[View] = [({2: a, 3: a}, {1: {2: b}}), ({}, {})]
+    assert restore_plan(views, two, [1, 2]) == Plan(2, ((0, 1, 1),), (), ((0, 1, 0),))
+    # the durable tier holds a newer step than any node: the load reads that one
+    assert restore_plan([({3: a}, {1: {3: b}}), ({}, {})], two, [4]) is None
+
+
+def test_a_node_s_share_is_its_ranks_data_files() -> None:
+    names = ["__0_0.distcp", "__1_ab12_0.distcp", "p1/__2_0.distcp", "__12_0.distcp", "model.safetensors"]
+    assert share_of(names, (1, 2)) == ["__1_ab12_0.distcp", "p1/__2_0.distcp"]
+    assert share_of(names, (0,)) == ["__0_0.distcp"]
 
 
 @pytest.mark.parametrize("kwargs", [{"local_replicas": 0}, {"replica_jump": True}, {"local_replicas": "2"}])

@@ -16,7 +16,7 @@ and asks it wherever the two ways differ:
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -86,9 +86,10 @@ class LocalTier(Protocol):
         uploads (None: every file its manifest names); None: nothing to
         replicate (a step no node holds whole)."""
 
-    def restore_from_peers(self) -> None:
-        """When the manager is made: bring back, from peers' copies, the
-        shares of the newest step that a node lacks (:mod:`.peers`)."""
+    def restore_from_peers(self, durable: Iterable[int]) -> None:
+        """When the manager is made: bring back, from peers' copies or the
+        durable tier (whose steps ``durable`` lists), the shares of the
+        newest step that a node lacks (:mod:`.peers`)."""
 
     def retire_peers(self, newest: int, keep: int, needed: Callable[[int], bool]) -> None:
         """Retention of the copies this directory keeps for peers."""
@@ -150,7 +151,7 @@ class SharedDir:
     def commit_of(self, job: Job) -> tuple[Commit | None, tuple[str, ...] | None]:
         return read_local_commit(self._local, job.step), job.files
 
-    def restore_from_peers(self) -> None:
+    def restore_from_peers(self, durable: Iterable[int]) -> None:
         """One directory has no peers."""
 
     def retire_peers(self, newest: int, keep: int, needed: Callable[[int], bool]) -> None:

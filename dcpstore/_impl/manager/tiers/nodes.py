@@ -410,14 +410,16 @@ class NodeDirs:
             )
         return shared[0], job.files if job.files is not None else shared[1]
 
-    def restore_from_peers(self) -> None:
+    def restore_from_peers(self, durable: Iterable[int]) -> None:
         """Collective (the manager's group), when the manager is made: where
-        a node lacks the newest step that every node holds itself or through
-        a peer's copy, a peer writes the node's share back into its
-        directory, so that a load reads it locally (and the catch-up
-        replicates it); then the peer copies of that step that are missing
-        (a replacement node's, or a killed job's) are made
-        (:func:`.peers.restore_plan`)."""
+        a node lacks the newest step that every node holds itself, through a
+        peer's copy or through the durable tier (whose steps the
+        coordinator's ``durable`` lists), the node's share is written back
+        into its directory, from a peer's copy or else fetched from the
+        durable tier (the files of its own ranks only), so that a load
+        reads it locally (and the catch-up replicates it); then the peer
+        copies of that step that are missing (a replacement node's, or a
+        killed job's) are made (:func:`.peers.restore_plan`)."""
         if self._replicas == 1:
             return
         view: peers.View | None = None
@@ -427,14 +429,16 @@ class NodeDirs:
             except CheckpointError as e:  # this node then counts as holding nothing
                 log.warning("could not list the steps under %s: %s", self._local.uri, e)
                 view = ({}, {})
-        views = self._sync.gather(view)
+        views = self._sync.gather((view, sorted(durable) if self._rank == 0 else []))
         targets = peers.pairs(self._sync.nodes.count, self._replicas, self._jump)
-        plan = peers.restore_plan([views[leader] for leader in self._sync.leaders], targets)
+        plan = peers.restore_plan([views[leader][0] for leader in self._sync.leaders], targets, views[0][1])
         if plan is None:
             return
         if self.leader:
-            step, moves = plan
-            peers.restore(self._local, step, moves, self._sync.nodes.index, self._sync.leaders, self._sync.group())
+            index, group = self._sync.nodes.index, self._sync.group()
+            peers.restore(self._local, plan.step, plan.restores, index, self._sync.leaders, group)
+            peers.fetch(self._local, self._parts.durable, plan.step, plan.fetches, index, self._sync.nodes.all, group)
+            peers.restore(self._local, plan.step, plan.copies, index, self._sync.leaders, group)
         self._sync.gather(None)  # a node's other ranks look at their directory after its leader restored it
 
     def retire_peers(self, newest: int, keep: int, needed: Callable[[int], bool]) -> None:

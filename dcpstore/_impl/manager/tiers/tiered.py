@@ -110,13 +110,13 @@ class TieredRoots:
             self._tier: LocalTier = (
                 NodeDirs(sync, parts, local_replicas, replica_jump) if sync.node_local else SharedDir(parts)
             )
-            # Before the catch-up, which would commit the coordinator's commit on a replacement node without its files.
-            self._tier.restore_from_peers()  # collective
             failure: BaseException | None = None
             try:
                 replicas = commit_times(self._durable)  # also: the durable root is reachable
-            except BaseException as e:  # raised after the catch-up's collective (node-local)
+            except BaseException as e:  # raised after the collectives below (node-local)
                 failure, replicas = e, {}
+            # Before the catch-up, which would commit the coordinator's commit on a replacement node without its files.
+            self._tier.restore_from_peers(replicas)  # collective
             self._durable_known = set(replicas)
             self._catch_up(None if failure else replicas)
             if failure is not None:
