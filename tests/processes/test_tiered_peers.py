@@ -12,8 +12,10 @@ node but never the last copy of a step not yet in the durable tier.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,7 @@ from dcpstore._impl.cli import main as cli_main
 from dcpstore._impl.format.layout import METADATA
 from dcpstore._impl.manager import step_dir
 from dcpstore._impl.manager.tiers.peers import (
+    PEERS,
     Plan,
     View,
     check_peers,
@@ -35,6 +38,7 @@ from dcpstore._impl.manager.tiers.peers import (
     share_of,
 )
 from dcpstore._impl.manager.tiers.replicate import read_local_commit
+from dcpstore._impl.tools.listing import gc
 from tests.processes.test_tiered_nodes import KillJob, check, node_dirs, sharded, zeros
 from tests.support import killcount
 from tests.support.dist_utils import run_ranks
@@ -258,6 +262,87 @@ def test_retention_keeps_peer_copies_of_steps_the_durable_tier_lacks(tmp_path: P
         assert all((peer / peer_step_dir(n, s) / METADATA).exists() for s in (1, 2, 3))
     shutil.rmtree(tmp_path / "node1")  # and the lost node's newest step comes back from its peer
     run_ranks(_load, 2, str(tmp_path / "durable"), dirs, {"local_replicas": 2}, 3)
+
+
+# -- a replacement node's copies for its peers, in the background ------------------
+
+
+class PauseCopy:
+    """A hook on a node's ``local_dir``: at the commit of its first peer
+    copy (the manifest's write, every data file written), put ``paused``
+    in ``flags`` and wait (at most 60 s) for ``go`` there."""
+
+    def __init__(self, flags: Path) -> None:
+        self.flags, self.done = flags, False
+
+    def __call__(self, event: str) -> None:
+        if self.done or not event.startswith(f"open:{PEERS}/") or event.endswith(".distcp") or ".alive." in event:
+            return
+        self.done = True
+        (self.flags / "paused").write_text(event)
+        deadline = time.monotonic() + 60
+        while not (self.flags / "go").exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+
+def _replaced(rank: int, world: int, durable: str, dirs: list[str], flags: str, gc_it: bool) -> None:
+    """Node 1 was replaced: its manager's constructor brings its own share
+    back and returns while its copy of node 0's share is still paused
+    (:class:`PauseCopy`); ``gc_it``: node 0's rank runs ``gc`` (no age
+    limit) on node 1's directory meanwhile."""
+    flag = Path(flags)
+    if rank == 1:
+        hook_all_storage({dirs[1]: PauseCopy(flag)})
+    copy = Path(dirs[1]) / peer_step_dir(0, 3)
+    with dcpstore.CheckpointManager(durable, local_dir=dirs[rank], local_replicas=2) as mgr:
+        assert (Path(dirs[1]) / step_dir(3) / METADATA).exists()  # its own share: in the foreground
+        assert not (copy / METADATA).exists()  # the copy for its peer: not yet
+        if rank == 0:
+            deadline = time.monotonic() + 60
+            while not (flag / "paused").exists():
+                assert time.monotonic() < deadline, "the copy never started"
+                time.sleep(0.02)
+            if gc_it:
+                local = dcpstore.open_storage(dirs[1])
+                try:
+                    report = gc(local, older_than_s=0)
+                finally:
+                    local.close()
+                (flag / "gc").write_text(json.dumps({"running": report.kept_running, "removed": report.removed}))
+            (flag / "go").write_text("")
+        mgr.wait()  # on node 1: its replicator committed the copy
+        dist.barrier()
+        assert (copy / METADATA).exists()
+        state = zeros(world, False)
+        assert mgr.load(state) == 3
+        check(state, 3, scalar=False)
+
+
+@pytest.mark.parametrize("gc_it", [False, True], ids=["wait", "gc-meanwhile"])
+def test_a_replacement_node_makes_its_copies_for_its_peers_in_the_background(
+    s3_endpoint: S3Endpoint, proxy: FaultProxy, tmp_path: Path, gc_it: bool
+) -> None:
+    """The constructor returns while the copy is held mid-commit; ``wait()``
+    returns once it is committed, whole; ``gc`` meanwhile leaves it alone (the
+    copy's lease); and node 0, lost after it, resumes from that copy."""
+    uri, prefix = _durable(s3_endpoint, f"peers-background-{gc_it}")
+    dirs = node_dirs(tmp_path, 2, 1)
+    run_ranks(_save, 2, uri, dirs, {"local_replicas": 2})
+    shutil.rmtree(tmp_path / "node1")
+    flags = tmp_path / "flags"
+    flags.mkdir()
+    run_ranks(_replaced, 2, uri, dirs, str(flags), gc_it)
+    copy = tmp_path / "node1" / peer_step_dir(0, 3)
+    assert (copy / METADATA).read_bytes() == (tmp_path / "node0" / step_dir(3) / METADATA).read_bytes()
+    assert _share(tmp_path / "node1", peer_step_dir(0, 3)) == _share(tmp_path / "node0", step_dir(3))
+    if gc_it:
+        report = json.loads((flags / "gc").read_text())
+        assert peer_step_dir(0, 3) in report["running"], report
+        assert not [r for r in report["removed"] if r.startswith(PEERS)], report
+    shutil.rmtree(tmp_path / "node0")
+    proxy.stats.got.clear()
+    run_ranks(_load, 2, uri, dirs, {"local_replicas": 2}, 3)
+    assert _data_bytes_fetched(s3_endpoint, proxy, prefix) == 0, proxy.stats.got
 
 
 # -- SIGKILL of the whole job while a peer copy is written --------------------------

@@ -384,7 +384,14 @@ class NodeDirs:
 
     def commit_of(self, job: Job) -> tuple[Commit | None, tuple[str, ...] | None] | None:
         """The coordinator's commit, shared with every node
-        (:func:`share_commit`); a catch-up uploads what this node holds."""
+        (:func:`share_commit`); a catch-up uploads what this node holds. A
+        job of peer copies makes them (the leaders, point to point on the
+        replicator's group) and replicates nothing."""
+        if job.copies:
+            if self.leader:
+                index, leaders = self._sync.nodes.index, self._sync.leaders
+                peers.restore(self._local, job.step, job.copies, index, leaders, self._sync.group(background=True))
+            return None
         mine = job.commit
         if self._rank == 0 and job.files is not None:
             try:
@@ -410,18 +417,19 @@ class NodeDirs:
             )
         return shared[0], job.files if job.files is not None else shared[1]
 
-    def restore_from_peers(self, durable: Iterable[int]) -> None:
+    def restore_from_peers(self, durable: Iterable[int]) -> list[Job]:
         """Collective (the manager's group), when the manager is made: where
         a node lacks the newest step that every node holds itself, through a
         peer's copy or through the durable tier (whose steps the
         coordinator's ``durable`` lists), the node's share is written back
         into its directory, from a peer's copy or else fetched from the
         durable tier (the files of its own ranks only), so that a load
-        reads it locally (and the catch-up replicates it); then the peer
-        copies of that step that are missing (a replacement node's, or a
-        killed job's) are made (:func:`.peers.restore_plan`)."""
+        reads it locally (and the catch-up replicates it). Returns the job
+        that makes the peer copies of that step that are missing (a
+        replacement node's, or a killed job's), in the background: no rank
+        needs them to load (:func:`.peers.restore_plan`)."""
         if self._replicas == 1:
-            return
+            return []
         view: peers.View | None = None
         if self.leader:
             try:
@@ -433,13 +441,13 @@ class NodeDirs:
         targets = peers.pairs(self._sync.nodes.count, self._replicas, self._jump)
         plan = peers.restore_plan([views[leader][0] for leader in self._sync.leaders], targets, views[0][1])
         if plan is None:
-            return
+            return []
         if self.leader:
             index, group = self._sync.nodes.index, self._sync.group()
             peers.restore(self._local, plan.step, plan.restores, index, self._sync.leaders, group)
             peers.fetch(self._local, self._parts.durable, plan.step, plan.fetches, index, self._sync.nodes.all, group)
-            peers.restore(self._local, plan.step, plan.copies, index, self._sync.leaders, group)
         self._sync.gather(None)  # a node's other ranks look at their directory after its leader restored it
+        return [Job(plan.step, None, copies=plan.copies)] if plan.copies else []
 
     def retire_peers(self, newest: int, keep: int, needed: Callable[[int], bool]) -> None:
         """The leader, after its own retention: that of its peer copies."""

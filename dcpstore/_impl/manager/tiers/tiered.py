@@ -116,8 +116,10 @@ class TieredRoots:
             except BaseException as e:  # raised after the collectives below (node-local)
                 failure, replicas = e, {}
             # Before the catch-up, which would commit the coordinator's commit on a replacement node without its files.
-            self._tier.restore_from_peers(replicas)  # collective
+            copies = self._tier.restore_from_peers(replicas)  # collective
             self._durable_known = set(replicas)
+            for job in copies:  # every rank queues them alike, first
+                self._submit(job)
             self._catch_up(None if failure else replicas)
             if failure is not None:
                 raise failure
