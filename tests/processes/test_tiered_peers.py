@@ -13,8 +13,10 @@ node but never the last copy of a step not yet in the durable tier.
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import shutil
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -41,7 +43,7 @@ from dcpstore._impl.manager.tiers.replicate import read_local_commit
 from dcpstore._impl.tools.listing import gc
 from tests.processes.test_tiered_nodes import KillJob, check, node_dirs, sharded, zeros
 from tests.support import killcount
-from tests.support.dist_utils import run_ranks
+from tests.support.dist_utils import PRELOAD, _entry, free_port, run_ranks
 from tests.support.faultproxy import FaultProxy
 from tests.support.faults import hook_all_storage, spread
 from tests.support.s3_server import S3Endpoint
@@ -411,6 +413,91 @@ def test_sigkill_while_a_peer_copy_is_written_loses_no_committed_step(tmp_path: 
         cut += len(whole) < 2
     assert cut, "no kill point cut a copy short"
     killcount.record(len(points), len(points), len(points))  # each one was asserted to kill
+
+
+# -- a peer SIGKILLed while it receives a copy ----------------------------------------
+
+
+class KillSelfOnCopy:
+    """SIGKILL this rank at its first data file write into a peer copy of
+    step 2 (``sender``: at its first read of a data file of step 2, which
+    only the copy for its peer reads before the durable upload)."""
+
+    def __init__(self, sender: bool) -> None:
+        self.sender = sender
+
+    def __call__(self, event: str) -> None:
+        if self.sender:
+            hit = event.startswith(f"read:{step_dir(2)}/") and event.endswith(".distcp")
+        else:
+            hit = event.startswith(f"open:{PEERS}/") and step_dir(2) in event and event.endswith(".distcp")
+        if hit:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _peer_dies(rank: int, world: int, durable: str, dirs: list[str], out: str, killed: int) -> None:
+    """Step 1 is saved and copied; then rank ``killed`` dies during node 0's
+    copy of step 2 to node 1 (rank 0 sends, rank 1 receives); the other,
+    which survives, writes what its wait() raised."""
+    kwargs: dict[str, Any] = {"local_dir": dirs[rank], "local_replicas": 2, "replicate_timeout_s": 5.0}
+    with dcpstore.CheckpointManager(durable, **kwargs) as mgr:
+        mgr.save(sharded(world, 1, scalar=False), 1)
+        mgr.wait()
+    dist.barrier()
+    if rank == killed:
+        hook_all_storage({dirs[rank]: KillSelfOnCopy(sender=rank == 0)})
+    mgr = dcpstore.CheckpointManager(durable, **kwargs)
+    mgr.save(sharded(world, 2, scalar=False), 2)
+    started = time.monotonic()
+    try:
+        mgr.wait()
+        outcome = "returned"
+    except dcpstore.SaveError as e:
+        outcome = f"{type(e).__name__}: {e}"
+    Path(out).write_text(json.dumps({"outcome": outcome, "s": time.monotonic() - started}))
+    os._exit(0)  # its peer is gone: no collective (close, the group's teardown) can pair up
+
+
+def _launch(fn: Any, world: int, *args: Any, timeout: float = 120.0) -> list[int | None]:
+    """Each rank's exit code: run_ranks' ranks, without its rule that one
+    rank's death ends the others (here the survivors must go on)."""
+    multiprocessing.set_forkserver_preload(PRELOAD)
+    ctx = multiprocessing.get_context("forkserver")
+    port, env = free_port(), dict(os.environ)
+    procs = [ctx.Process(target=_entry, args=(r, fn, world, port, env, args)) for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    return [p.exitcode for p in procs]
+
+
+@pytest.mark.parametrize("killed", [1, 0], ids=["receiver", "sender"])
+def test_a_peer_killed_mid_copy_fails_the_survivor_clearly_and_a_restart_resumes(tmp_path: Path, killed: int) -> None:
+    """Gloo reports the dead peer at once (connection reset): the survivor's
+    wait() raises a SaveError naming the copy; no committed step is lost,
+    no half copy is committed, and the restart loads step 2 and makes the copy."""
+    durable, out = tmp_path / "durable", tmp_path / "outcome.json"
+    dirs = node_dirs(tmp_path, 2, 1)
+    codes = _launch(_peer_dies, 2, str(durable), dirs, str(out), killed)
+    assert codes[killed] == -signal.SIGKILL and codes[1 - killed] == 0, codes
+    found = json.loads(out.read_text())
+    assert found["outcome"].startswith("SaveError"), found
+    assert "the copy of node 0's share of step 2 from node 0 to node 1" in found["outcome"], found
+    assert found["s"] < 60, found
+    # Both nodes committed step 2 before the copies; node 1's copy of node 0's share is not committed.
+    for n in (0, 1):
+        assert (tmp_path / f"node{n}" / step_dir(2) / METADATA).exists()
+    assert not (tmp_path / "node1" / peer_step_dir(0, 2) / METADATA).exists()
+    run_ranks(_load, 2, str(durable), dirs, {"local_replicas": 2}, 2)  # the restart resumes from step 2
+    copy = tmp_path / "node1" / peer_step_dir(0, 2)  # and made the copy the kill cut short
+    assert (copy / METADATA).read_bytes() == (tmp_path / "node0" / step_dir(2) / METADATA).read_bytes()
+    assert _share(tmp_path / "node1", peer_step_dir(0, 2)) == _share(tmp_path / "node0", step_dir(2))
 
 
 # -- the choice of peers, the restore plan, bad options --------------------------

@@ -33,8 +33,9 @@ from __future__ import annotations
 import logging
 import posixpath
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,7 +48,7 @@ from dcpstore._impl.dcp.liveness import Lease
 from dcpstore._impl.format.layout import METADATA
 from dcpstore._impl.manager.steps import DCPSTORE, step_dir
 from dcpstore._impl.storage import Storage
-from dcpstore._impl.util.errors import CheckpointCorrupt, CheckpointError, InvalidArgument
+from dcpstore._impl.util.errors import CheckpointCorrupt, CheckpointError, InvalidArgument, SaveError
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +184,12 @@ def receive_share(
             crc = 0
             for offset in range(0, size, CHUNK):
                 piece = torch.empty(min(CHUNK, size - offset), dtype=torch.uint8)
-                dist.recv(piece, group=group, group_src=src)
+                try:
+                    dist.recv(piece, group=group, group_src=src)
+                except BaseException:  # the sender is gone: nothing of this file stays
+                    if writer is not None:
+                        writer.abort()
+                    raise
                 if writer is not None:
                     data = piece.numpy().data
                     crc = crc32c.crc32c(data, crc)
@@ -239,10 +245,26 @@ def replicate(
                 names = held(local, step_dir(step), commit)
             except CheckpointError as e:
                 log.error("could not list step %d under %s for its peers: %s", step, local.uri, e)
-            send_share(local, step_dir(step), names, leaders[peer], group)
+            with _transfer(step, source, peer):
+                send_share(local, step_dir(step), names, leaders[peer], group)
         elif peer == index:
             what = f"node {source}'s copy of step {step}"
-            receive_share(local, peer_step_dir(source, step), commit, leaders[source], group, what)
+            with _transfer(step, source, peer):
+                receive_share(local, peer_step_dir(source, step), commit, leaders[source], group, what)
+
+
+@contextmanager
+def _transfer(step: int, source: int, peer: int) -> Iterator[None]:
+    """Raise a transfer that the process group failed (gloo: the other
+    node's leader died, or went past the group's timeout) as a
+    :class:`SaveError` saying which copy; the pairs after it cannot pair up."""
+    try:
+        yield
+    except RuntimeError as e:  # torch.distributed's errors (DistBackendError is one)
+        raise SaveError(
+            f"the copy of node {source}'s share of step {step} from node {source} to node {peer} "
+            f"(local_replicas) failed: {e}"
+        ) from e
 
 
 def peer_holdings(local: Storage) -> dict[int, list[int]]:
@@ -369,13 +391,17 @@ def restore(
         if sender == index:
             directory = _where(sender, owner, step)
             commit, names = _send_commit(local, directory, f"node {owner}'s share of step {step}")
-            dist.send_object_list([commit if names is not None else None], group=group, group_dst=leaders[receiver])
-            send_share(local, directory, names, leaders[receiver], group)
+            with _transfer(step, owner, receiver):
+                box = [commit if names is not None else None]
+                dist.send_object_list(box, group=group, group_dst=leaders[receiver])
+                send_share(local, directory, names, leaders[receiver], group)
         elif receiver == index:
-            box: list[Any] = [None]
-            dist.recv_object_list(box, group=group, group_src=leaders[sender])
             what = f"node {owner}'s share of step {step} from node {sender}"
-            if receive_share(local, _where(receiver, owner, step), box[0], leaders[sender], group, what):
+            with _transfer(step, owner, receiver):
+                box = [None]
+                dist.recv_object_list(box, group=group, group_src=leaders[sender])
+                done = receive_share(local, _where(receiver, owner, step), box[0], leaders[sender], group, what)
+            if done:
                 log.info("%s committed under %s", what, local.uri)
 
 
@@ -408,9 +434,11 @@ def fetch(
             commit, names = _send_commit(local, _where(donor, owner, step), f"step {step}")
             box = [commit if names is not None else None]
             if receiver != index:
-                dist.send_object_list(box, group=group, group_dst=leaders[receiver])
+                with _transfer(step, owner, receiver):
+                    dist.send_object_list(box, group=group, group_dst=leaders[receiver])
         elif receiver == index:
-            dist.recv_object_list(box, group=group, group_src=leaders[donor])
+            with _transfer(step, owner, receiver):
+                dist.recv_object_list(box, group=group, group_src=leaders[donor])
         if receiver != index:
             continue
         if box[0] is None:
