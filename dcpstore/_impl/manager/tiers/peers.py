@@ -23,9 +23,11 @@ CRC32C are checked against the manifest before it is written. The bytes move
 leader to leader, point to point over gloo: on the replicator's group after
 each save (in the background, before the durable replication), on the
 manager's group when a new manager finds a node without a step its peers hold
-(:func:`restore_plan`): the node's own copy is written back from a peer's,
-then the load reads it locally as any node's own copy, and the copies of
-that step that are missing (a replacement node's, a killed job's) are made.
+(:func:`restore_plan`): the node's own copy is written back from a peer's
+(or, where no peer holds it, its ranks' files are fetched from the durable
+tier, :func:`fetch`), then the load reads it locally as any node's own
+copy; the copies of that step that are missing (a replacement node's, a
+killed job's) are made after, on the replicator's group.
 """
 
 from __future__ import annotations
