@@ -266,6 +266,50 @@ def test_retention_keeps_peer_copies_of_steps_the_durable_tier_lacks(tmp_path: P
     run_ranks(_load, 2, str(tmp_path / "durable"), dirs, {"local_replicas": 2}, 3)
 
 
+def _save_uncopied(rank: int, world: int, durable: str, dirs: list[str]) -> None:
+    """Steps 1-3 committed on every node, with no peer copy and no durable
+    replica: the job died before either (both made to fail here)."""
+    import dcpstore._impl.manager.tiers.nodes as nodes
+    import dcpstore._impl.manager.tiers.tiered as tiered
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise dcpstore.StorageError("injected: the object store is unreachable")
+
+    tiered.upload_files = broken  # type: ignore[assignment]
+    nodes.peers.replicate = lambda *args, **kwargs: None  # type: ignore[assignment]
+    mgr = dcpstore.CheckpointManager(
+        durable, local_dir=dirs[rank], async_=False, local_replicas=2, replicate_timeout_s=3.0
+    )
+    for step in (1, 2, 3):
+        mgr.save(sharded(world, step, scalar=False), step)
+    with pytest.raises(dcpstore.SaveError):
+        mgr.wait()
+    mgr.close()
+
+
+def test_steps_committed_before_a_crash_get_their_peer_copies_at_the_restart(tmp_path: Path) -> None:
+    """The restart copies every step the durable tier lacks, not just the
+    newest: node 1, lost after it with its copy of step 3 on node 0 gone
+    too, resumes from step 2 with no durable tier."""
+    durable = tmp_path / "durable"
+    dirs = node_dirs(tmp_path, 2, 1)
+    run_ranks(_save_uncopied, 2, str(durable), dirs)
+    assert not (tmp_path / "node0" / PEERS).exists() and not (tmp_path / "node1" / PEERS).exists()
+    run_ranks(_load, 2, str(durable), dirs, {"local_replicas": 2}, 3)
+    for n in (0, 1):
+        for step in (1, 2, 3):
+            copy = tmp_path / f"node{1 - n}" / peer_step_dir(n, step)
+            assert (copy / METADATA).read_bytes() == (tmp_path / f"node{n}" / step_dir(step) / METADATA).read_bytes()
+            assert _share(tmp_path / f"node{1 - n}", peer_step_dir(n, step)) == _share(
+                tmp_path / f"node{n}", step_dir(step)
+            )
+    shutil.rmtree(tmp_path / "node1")
+    shutil.rmtree(tmp_path / "node0" / peer_step_dir(1, 3))
+    shutil.rmtree(durable)
+    durable.mkdir()
+    run_ranks(_load, 2, str(durable), dirs, {"local_replicas": 2}, 2)
+
+
 # -- a replacement node's copies for its peers, in the background ------------------
 
 
@@ -537,8 +581,11 @@ def test_the_restore_plan_takes_the_newest_step_every_node_can_get() -> None:
     # on a ring every peer copy node 1 held, and the copy of its own share on node 2, are made too
     assert restore_plan(views, ring) == Plan(3, ((0, 1, 1),), (), ((0, 1, 0), (1, 2, 1), (2, 0, 2)))
     two = [(0, 1), (1, 0)]
-    assert restore_plan([({2: a, 3: a}, {1: {3: b}}), ({2: b, 3: b}, {0: {3: a}})], two) is None  # all there
-    assert restore_plan([({2: a, 3: a}, {1: {3: b}}), ({2: b, 3: b}, {})], two) == Plan(3, (), (), ((0, 1, 0),))
+    assert restore_plan([({2: a, 3: a}, {1: {3: b}}), ({2: b, 3: b}, {0: {3: a}})], two, [2]) is None  # all there
+    assert restore_plan([({2: a, 3: a}, {1: {3: b}}), ({2: b, 3: b}, {})], two, [2]) == Plan(3, (), (), ((0, 1, 0),))
+    # step 2, not in the durable tier either, has no copies: they are made too (newest first)
+    behind = Plan(3, (), (), (), ((2, ((0, 1, 0), (1, 0, 1))),))
+    assert restore_plan([({1: a, 2: a, 3: a}, {1: {3: b}}), ({1: b, 2: b, 3: b}, {0: {3: a}})], two, [1]) == behind
     assert restore_plan([({3: a}, {}), ({}, {})], two) is None  # nobody holds node 1's share
     # node 1 has the commit of 3 (caught up) but not its files, or some only: its peer's copy brings them
     more = b + ["__1_1.distcp"]

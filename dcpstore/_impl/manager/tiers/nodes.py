@@ -424,10 +424,11 @@ class NodeDirs:
         coordinator's ``durable`` lists), the node's share is written back
         into its directory, from a peer's copy or else fetched from the
         durable tier (the files of its own ranks only), so that a load
-        reads it locally (and the catch-up replicates it). Returns the job
-        that makes the peer copies of that step that are missing (a
-        replacement node's, or a killed job's), in the background: no rank
-        needs them to load (:func:`.peers.restore_plan`)."""
+        reads it locally (and the catch-up replicates it). Returns the jobs
+        that make the peer copies of that step that are missing (a
+        replacement node's, or a killed job's), and those of the older steps
+        the durable tier lacks, in the background: no rank needs them to
+        load (:func:`.peers.restore_plan`)."""
         if self._replicas == 1:
             return []
         view: peers.View | None = None
@@ -447,7 +448,8 @@ class NodeDirs:
             peers.restore(self._local, plan.step, plan.restores, index, self._sync.leaders, group)
             peers.fetch(self._local, self._parts.durable, plan.step, plan.fetches, index, self._sync.nodes.all, group)
         self._sync.gather(None)  # a node's other ranks look at their directory after its leader restored it
-        return [Job(plan.step, None, copies=plan.copies)] if plan.copies else []
+        steps = [(plan.step, plan.copies), *plan.behind]
+        return [Job(step, None, copies=copies) for step, copies in steps if copies]
 
     def retire_peers(self, newest: int, keep: int, needed: Callable[[int], bool]) -> None:
         """The leader, after its own retention: that of its peer copies."""

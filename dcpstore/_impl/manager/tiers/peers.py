@@ -320,6 +320,10 @@ class Plan:
     fetches: tuple[Move, ...]
     #: The copies for peers that are missing (a replacement node's, a killed job's).
     copies: tuple[Move, ...]
+    #: The same, per older step that every node holds itself and the durable
+    #: tier lacks (committed before a crash: the catch-up replicates them),
+    #: newest first.
+    behind: tuple[tuple[int, tuple[Move, ...]], ...] = ()
 
 
 def restore_plan(views: list[View], targets: list[tuple[int, int]], durable: Iterable[int] = ()) -> Plan | None:
@@ -328,8 +332,9 @@ def restore_plan(views: list[View], targets: list[tuple[int, int]], durable: Ite
     holds itself, through a peer's copy or, its files missing everywhere
     else, through the durable tier; and the moves that make it whole again
     (:class:`Plan`; a share comes from a peer where one holds it). The
-    ``targets`` (:func:`pairs`) whose peer lacks the copy are its copies.
-    None when there is nothing to do, no step is whole, or the durable tier
+    ``targets`` (:func:`pairs`) whose peer lacks the copy are its copies,
+    and those of the older steps newer than the durable tier's newest that
+    every node holds itself (:attr:`Plan.behind`). None when there is nothing to do, no step is whole, or the durable tier
     holds a newer step (the load reads that one). A node holds a step
     itself when it holds data files of its commit, and all those of every
     peer's copy of its share (a commit without them: a replacement node
@@ -358,10 +363,16 @@ def restore_plan(views: list[View], targets: list[tuple[int, int]], durable: Ite
     commits += [(d, s) for (s, t), held_by in sorted(copies.items()) if t == step for d, _ in held_by]
     sender, kept_as = (commits + [(n, n) for n in range(count) if step in views[n][0]])[0]
     fetches = tuple((sender, n, kept_as) for n in lacking if (n, step) not in copies)
-    made = tuple((s, p, s) for s, p in targets if p not in {d for d, _ in copies.get((s, step), ())})
-    if not (restores or fetches or made):
+
+    def missing(step: int) -> tuple[Move, ...]:
+        return tuple((s, p, s) for s, p in targets if p not in {d for d, _ in copies.get((s, step), ())})
+
+    newest = max(stored, default=-1)
+    older = sorted((s for s in known if newest < s < step and all(holds(n, s) for n in range(count))), reverse=True)
+    behind = tuple((s, moves) for s in older if (moves := missing(s)))
+    if not (restores or fetches or missing(step) or behind):
         return None
-    return Plan(step, restores, fetches, made)
+    return Plan(step, restores, fetches, missing(step), behind)
 
 
 def _where(node: int, owner: int, step: int) -> str:
