@@ -310,6 +310,45 @@ def test_steps_committed_before_a_crash_get_their_peer_copies_at_the_restart(tmp
     run_ranks(_load, 2, str(durable), dirs, {"local_replicas": 2}, 2)
 
 
+class CopyAfterUpload:
+    """A hook on node 1's ``local_dir``: its first write into a peer copy
+    waits (at most 20 s) for the durable commit of step 1, and writes to
+    ``out`` whether it came."""
+
+    def __init__(self, durable: Path, out: Path) -> None:
+        self.durable, self.out, self.done = durable, out, False
+
+    def __call__(self, event: str) -> None:
+        if self.done or not event.startswith(f"open:{PEERS}/"):
+            return
+        self.done = True
+        committed = self.durable / step_dir(1) / METADATA
+        deadline = time.monotonic() + 20
+        while not committed.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        self.out.write_text(json.dumps(committed.exists()))
+
+
+def _save_one(rank: int, world: int, durable: str, dirs: list[str], out: str) -> None:
+    if rank == 1:
+        hook_all_storage({dirs[1]: CopyAfterUpload(Path(durable), Path(out))})
+    with dcpstore.CheckpointManager(durable, local_dir=dirs[rank], local_replicas=2) as mgr:
+        mgr.save(sharded(world, 1, scalar=False), 1)
+        mgr.wait()
+
+
+def test_a_save_s_peer_copies_run_beside_its_durable_upload(tmp_path: Path) -> None:
+    """Node 1's copy of node 0's share waits for the step's durable commit:
+    copies made before the upload would wait out the hook's 20 s for nothing."""
+    durable, out = tmp_path / "durable", tmp_path / "out.json"
+    dirs = node_dirs(tmp_path, 2, 1)
+    run_ranks(_save_one, 2, str(durable), dirs, str(out))
+    assert json.loads(out.read_text()) is True
+    for n in (0, 1):
+        copy = tmp_path / f"node{1 - n}" / peer_step_dir(n, 1)
+        assert (copy / METADATA).read_bytes() == (tmp_path / f"node{n}" / step_dir(1) / METADATA).read_bytes()
+
+
 # -- a replacement node's copies for its peers, in the background ------------------
 
 

@@ -89,6 +89,10 @@ class LocalTier(Protocol):
         uploads (None: every file its manifest names); None: nothing to
         replicate (a step no node holds whole)."""
 
+    def copies_done(self) -> None:
+        """After each job: wait for what :meth:`commit_of` started beside the
+        upload (a save's peer copies), raising its error."""
+
     def restore_from_peers(self, durable: Iterable[int]) -> list[Job]:
         """When the manager is made: bring back, from peers' copies or the
         durable tier (whose steps ``durable`` lists), the shares of the
@@ -154,6 +158,9 @@ class SharedDir:
 
     def commit_of(self, job: Job) -> tuple[Commit | None, tuple[str, ...] | None]:
         return read_local_commit(self._local, job.step), job.files
+
+    def copies_done(self) -> None:
+        """One directory has no peers."""
 
     def restore_from_peers(self, durable: Iterable[int]) -> list[Job]:
         """One directory has no peers."""

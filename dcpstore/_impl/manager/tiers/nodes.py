@@ -37,6 +37,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -317,6 +318,28 @@ def reads_locally(local: Storage, step: int, state_dict: dict[str, Any]) -> bool
         return False
 
 
+class _Beside:
+    """``fn(*args)`` on a daemon thread of its own (a peer that hangs must
+    not hold up the interpreter's exit, as the replicator's own thread does
+    not); :meth:`join` waits and raises its error."""
+
+    def __init__(self, fn: Callable[..., None], *args: Any) -> None:
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(fn, *args), name="dcpstore-peer-copies", daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Callable[..., None], *args: Any) -> None:
+        try:
+            fn(*args)
+        except BaseException as e:  # raised by join(), on the replicator
+            self._error = e
+
+    def join(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+
 class NodeDirs:
     """One ``local_dir`` per node (:func:`detect_nodes` found more than one).
     ``sync``: the collectives, on the caller's thread or the replicator's."""
@@ -326,6 +349,8 @@ class NodeDirs:
         self._local, self._rank, self._leases = parts.local, parts.rank, parts.leases
         #: ``local_replicas``, ``replica_jump``: where each node's share is copied (:mod:`.peers`).
         self._replicas, self._jump = replicas, jump
+        #: A save's peer copies in flight, beside its upload.
+        self._copying: _Beside | None = None
 
     @property
     def leader(self) -> bool:
@@ -405,7 +430,11 @@ class NodeDirs:
         if shared is None:
             return None
         if self._replicas > 1 and job.files is not None and self.leader:
-            peers.replicate(
+            # Beside the durable upload, which uses no collective: the two
+            # go over different links (the nodes', the object store's).
+            assert self._copying is None, "copies_done() ends every job"
+            self._copying = _Beside(
+                peers.replicate,
                 self._local,
                 job.step,
                 shared[0],
@@ -416,6 +445,13 @@ class NodeDirs:
                 self._sync.group(background=True),
             )
         return shared[0], job.files if job.files is not None else shared[1]
+
+    def copies_done(self) -> None:
+        """The replicator, after each job: wait for the peer copies
+        :meth:`commit_of` started beside the upload; raise their error."""
+        copying, self._copying = self._copying, None
+        if copying is not None:
+            copying.join()
 
     def restore_from_peers(self, durable: Iterable[int]) -> list[Job]:
         """Collective (the manager's group), when the manager is made: where

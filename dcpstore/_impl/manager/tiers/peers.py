@@ -21,7 +21,7 @@ steps sees a peer copy)::
 A copy exists on a peer only once committed there, and each file's size and
 CRC32C are checked against the manifest before it is written. The bytes move
 leader to leader, point to point over gloo: on the replicator's group after
-each save (in the background, before the durable replication), on the
+each save (in the background, beside the durable upload), on the
 manager's group when a new manager finds a node without a step its peers hold
 (:func:`restore_plan`): the node's own copy is written back from a peer's
 (or, where no peer holds it, its ranks' files are fetched from the durable

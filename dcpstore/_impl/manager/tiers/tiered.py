@@ -262,7 +262,10 @@ class TieredRoots:
                 self._busy = True
             self._leases.leftovers.retry()
             try:
-                self._replicate(job)
+                try:
+                    self._replicate(job)
+                finally:
+                    self._tier.copies_done()  # the peer copies beside the upload (raises their error)
             except BaseException as e:  # kept for wait()/close(); the thread goes on
                 log.error("replicating step %d to %s failed: %s", job.step, self.uri, e)
                 with self._cond:
