@@ -503,8 +503,9 @@ def test_sigkill_while_a_peer_copy_is_written_loses_no_committed_step(tmp_path: 
 
 class KillSelfOnCopy:
     """SIGKILL this rank at its first data file write into a peer copy of
-    step 2 (``sender``: at its first read of a data file of step 2, which
-    only the copy for its peer reads before the durable upload)."""
+    step 2 (``sender``: at its first read of a data file of step 2, for the
+    copy or the upload beside it: either way its peer is then waiting for
+    the copy)."""
 
     def __init__(self, sender: bool) -> None:
         self.sender = sender
