@@ -523,7 +523,7 @@ def _peer_dies(rank: int, world: int, durable: str, dirs: list[str], out: str, k
     """Step 1 is saved and copied; then rank ``killed`` dies during node 0's
     copy of step 2 to node 1 (rank 0 sends, rank 1 receives); the other,
     which survives, writes what its wait() raised."""
-    kwargs: dict[str, Any] = {"local_dir": dirs[rank], "local_replicas": 2, "replicate_timeout_s": 5.0}
+    kwargs: dict[str, Any] = {"local_dir": dirs[rank], "local_replicas": 2, "replicate_timeout_s": 3.0}
     with dcpstore.CheckpointManager(durable, **kwargs) as mgr:
         mgr.save(sharded(world, 1, scalar=False), 1)
         mgr.wait()
