@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 import posixpath
 import re
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -239,20 +240,38 @@ def replicate(
 ) -> None:
     """Every node's leader (``index``: its node; ``leaders``: each node's
     leader's group rank): send this node's share of ``step`` to its peers,
-    and commit the copies its own sources send (:func:`pairs`)."""
-    for source, peer in pairs(len(leaders), replicas, jump):
-        if source == index:
-            names: list[str] | None = None
-            try:
-                names = held(local, step_dir(step), commit)
-            except CheckpointError as e:
-                log.error("could not list step %d under %s for its peers: %s", step, local.uri, e)
-            with _transfer(step, source, peer):
+    and commit the copies its own sources send, the two at once (a thread
+    receives). Round ``k`` of each side pairs up: node ``i`` sends to ``i +
+    k * jump`` while it receives from ``i - k * jump``, so every node's
+    copies go at the same time, and no send waits on a receive that waits
+    on it."""
+    count = len(leaders)
+    errors: list[BaseException] = []
+
+    def receive_all() -> None:
+        try:
+            for source in ((index - k * jump) % count for k in range(1, replicas)):
+                what = f"node {source}'s copy of step {step}"
+                with _transfer(step, source, index):
+                    receive_share(local, peer_step_dir(source, step), commit, leaders[source], group, what)
+        except BaseException as e:  # raised below, on the caller's thread
+            errors.append(e)
+
+    receiving = threading.Thread(target=receive_all, name="dcpstore-peer-receive", daemon=True)
+    receiving.start()
+    try:
+        names: list[str] | None = None
+        try:
+            names = held(local, step_dir(step), commit)
+        except CheckpointError as e:
+            log.error("could not list step %d under %s for its peers: %s", step, local.uri, e)
+        for peer in peers_of(index, count, replicas, jump):
+            with _transfer(step, index, peer):
                 send_share(local, step_dir(step), names, leaders[peer], group)
-        elif peer == index:
-            what = f"node {source}'s copy of step {step}"
-            with _transfer(step, source, peer):
-                receive_share(local, peer_step_dir(source, step), commit, leaders[source], group, what)
+    finally:
+        receiving.join()
+    if errors:
+        raise errors[0]
 
 
 @contextmanager
