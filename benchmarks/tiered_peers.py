@@ -7,7 +7,10 @@ Per kind and round, in one run, the kinds taking turns:
 
 * ``durable``: ``CheckpointManager(s3://..., local_dir=NODE)``, no copies;
 * ``peers``: the same with ``local_replicas=2``: each node's share is also
-  committed in the other node's ``local_dir``.
+  committed in the other node's ``local_dir``;
+* ``fetch``: as ``peers``, but node 0 loses its copies of node 1's share
+  too before the resume: node 1 fetches just its ranks' files from the
+  durable tier (the others load their local copies).
 
 A job saves ``--saves`` steps, each waited for (``mgr.wait()``: the local
 commit, the peer copies, the durable replica); then node 1's directory is
@@ -45,7 +48,7 @@ sys.path.insert(0, os.path.dirname(HERE))  # run from a checkout
 
 from dcpstore._impl.bench.report import git_commit, git_dirty, machine  # noqa: E402
 
-KINDS = {"durable": 1, "peers": 2}
+KINDS = {"durable": 1, "peers": 2, "fetch": 2}
 WORLD, PER_NODE = 4, 2
 BUCKET = "peers-bench"
 
@@ -158,6 +161,8 @@ def main(argv: list[str] | None = None) -> None:
                     samples[kind]["wait_s"].append(statistics.median(waits))
                     samples[kind]["peer"].append(_peer_bytes(root) / 2)  # local_keep=2: two steps' copies
                     shutil.rmtree(f"{root}/node1")  # node 1 is replaced: an empty local_dir
+                    if kind == "fetch":
+                        shutil.rmtree(f"{root}/node0/peers")  # and no peer holds its share
                     before = _counted(count)
                     loaded = _job(root, uri, replicas, numel, 0, args.saves - 1)
                     samples[kind]["fetched"].append(_counted(count) - before)

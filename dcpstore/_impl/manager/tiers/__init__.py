@@ -48,7 +48,9 @@ Which rank does what (every rank constructs the manager alike):
 * **Peer copies** (:mod:`.peers`, ``local_replicas=N``, node-local only):
   after each save each node's share is also committed in N-1 other nodes'
   ``local_dir/peers/node_<i>/``; a new manager first writes a lost
-  node's share back from a peer's copy.
+  node's share back from a peer's copy (where none holds it, from the
+  durable tier: that node's files only), and remakes the missing copies
+  on the replicator.
 * **Loading** (collective): the step is the newest committed one in either
   tier (every rank holds a local commit of it, or the durable tier does);
   it is read from the local tier if every rank's local copy holds what it

@@ -16,7 +16,7 @@ and asks it wherever the two ways differ:
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -39,6 +39,9 @@ class Job:
     files: tuple[str, ...] | None
     #: Node-local catch-up: the coordinator's commit of the step.
     commit: Commit | None = None
+    #: Not a replication: the peer copies of the step to make
+    #: (:attr:`.peers.Plan.copies`, each node's leader its part).
+    copies: tuple[tuple[int, int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -86,9 +89,15 @@ class LocalTier(Protocol):
         uploads (None: every file its manifest names); None: nothing to
         replicate (a step no node holds whole)."""
 
-    def restore_from_peers(self) -> None:
-        """When the manager is made: bring back, from peers' copies, the
-        shares of the newest step that a node lacks (:mod:`.peers`)."""
+    def copies_done(self) -> None:
+        """After each job: wait for what :meth:`commit_of` started beside the
+        upload (a save's peer copies), raising its error."""
+
+    def restore_from_peers(self, durable: Iterable[int]) -> list[Job]:
+        """When the manager is made: bring back, from peers' copies or the
+        durable tier (whose steps ``durable`` lists), the shares of the
+        newest step that a node lacks (:mod:`.peers`); returns the job that
+        makes the missing copies of that step for peers, on the replicator."""
 
     def retire_peers(self, newest: int, keep: int, needed: Callable[[int], bool]) -> None:
         """Retention of the copies this directory keeps for peers."""
@@ -150,8 +159,12 @@ class SharedDir:
     def commit_of(self, job: Job) -> tuple[Commit | None, tuple[str, ...] | None]:
         return read_local_commit(self._local, job.step), job.files
 
-    def restore_from_peers(self) -> None:
+    def copies_done(self) -> None:
         """One directory has no peers."""
+
+    def restore_from_peers(self, durable: Iterable[int]) -> list[Job]:
+        """One directory has no peers."""
+        return []
 
     def retire_peers(self, newest: int, keep: int, needed: Callable[[int], bool]) -> None:
         """One directory keeps no peer copies."""

@@ -37,6 +37,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -317,6 +318,28 @@ def reads_locally(local: Storage, step: int, state_dict: dict[str, Any]) -> bool
         return False
 
 
+class _Beside:
+    """``fn(*args)`` on a daemon thread of its own (a peer that hangs must
+    not hold up the interpreter's exit, as the replicator's own thread does
+    not); :meth:`join` waits and raises its error."""
+
+    def __init__(self, fn: Callable[..., None], *args: Any) -> None:
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(fn, *args), name="dcpstore-peer-copies", daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Callable[..., None], *args: Any) -> None:
+        try:
+            fn(*args)
+        except BaseException as e:  # raised by join(), on the replicator
+            self._error = e
+
+    def join(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+
 class NodeDirs:
     """One ``local_dir`` per node (:func:`detect_nodes` found more than one).
     ``sync``: the collectives, on the caller's thread or the replicator's."""
@@ -326,6 +349,8 @@ class NodeDirs:
         self._local, self._rank, self._leases = parts.local, parts.rank, parts.leases
         #: ``local_replicas``, ``replica_jump``: where each node's share is copied (:mod:`.peers`).
         self._replicas, self._jump = replicas, jump
+        #: A save's peer copies in flight, beside its upload.
+        self._copying: _Beside | None = None
 
     @property
     def leader(self) -> bool:
@@ -384,7 +409,14 @@ class NodeDirs:
 
     def commit_of(self, job: Job) -> tuple[Commit | None, tuple[str, ...] | None] | None:
         """The coordinator's commit, shared with every node
-        (:func:`share_commit`); a catch-up uploads what this node holds."""
+        (:func:`share_commit`); a catch-up uploads what this node holds. A
+        job of peer copies makes them (the leaders, point to point on the
+        replicator's group) and replicates nothing."""
+        if job.copies:
+            if self.leader:
+                index, leaders = self._sync.nodes.index, self._sync.leaders
+                peers.restore(self._local, job.step, job.copies, index, leaders, self._sync.group(background=True))
+            return None
         mine = job.commit
         if self._rank == 0 and job.files is not None:
             try:
@@ -398,7 +430,11 @@ class NodeDirs:
         if shared is None:
             return None
         if self._replicas > 1 and job.files is not None and self.leader:
-            peers.replicate(
+            # Beside the durable upload, which uses no collective: the two
+            # go over different links (the nodes', the object store's).
+            assert self._copying is None, "copies_done() ends every job"
+            self._copying = _Beside(
+                peers.replicate,
                 self._local,
                 job.step,
                 shared[0],
@@ -410,16 +446,27 @@ class NodeDirs:
             )
         return shared[0], job.files if job.files is not None else shared[1]
 
-    def restore_from_peers(self) -> None:
+    def copies_done(self) -> None:
+        """The replicator, after each job: wait for the peer copies
+        :meth:`commit_of` started beside the upload; raise their error."""
+        copying, self._copying = self._copying, None
+        if copying is not None:
+            copying.join()
+
+    def restore_from_peers(self, durable: Iterable[int]) -> list[Job]:
         """Collective (the manager's group), when the manager is made: where
-        a node lacks the newest step that every node holds itself or through
-        a peer's copy, a peer writes the node's share back into its
-        directory, so that a load reads it locally (and the catch-up
-        replicates it); then the peer copies of that step that are missing
-        (a replacement node's, or a killed job's) are made
-        (:func:`.peers.restore_plan`)."""
+        a node lacks the newest step that every node holds itself, through a
+        peer's copy or through the durable tier (whose steps the
+        coordinator's ``durable`` lists), the node's share is written back
+        into its directory, from a peer's copy or else fetched from the
+        durable tier (the files of its own ranks only), so that a load
+        reads it locally (and the catch-up replicates it). Returns the jobs
+        that make the peer copies of that step that are missing (a
+        replacement node's, or a killed job's), and those of the older steps
+        the durable tier lacks, in the background: no rank needs them to
+        load (:func:`.peers.restore_plan`)."""
         if self._replicas == 1:
-            return
+            return []
         view: peers.View | None = None
         if self.leader:
             try:
@@ -427,15 +474,18 @@ class NodeDirs:
             except CheckpointError as e:  # this node then counts as holding nothing
                 log.warning("could not list the steps under %s: %s", self._local.uri, e)
                 view = ({}, {})
-        views = self._sync.gather(view)
+        views = self._sync.gather((view, sorted(durable) if self._rank == 0 else []))
         targets = peers.pairs(self._sync.nodes.count, self._replicas, self._jump)
-        plan = peers.restore_plan([views[leader] for leader in self._sync.leaders], targets)
+        plan = peers.restore_plan([views[leader][0] for leader in self._sync.leaders], targets, views[0][1])
         if plan is None:
-            return
+            return []
         if self.leader:
-            step, moves = plan
-            peers.restore(self._local, step, moves, self._sync.nodes.index, self._sync.leaders, self._sync.group())
+            index, group = self._sync.nodes.index, self._sync.group()
+            peers.restore(self._local, plan.step, plan.restores, index, self._sync.leaders, group)
+            peers.fetch(self._local, self._parts.durable, plan.step, plan.fetches, index, self._sync.nodes.all, group)
         self._sync.gather(None)  # a node's other ranks look at their directory after its leader restored it
+        steps = [(plan.step, plan.copies), *plan.behind]
+        return [Job(step, None, copies=copies) for step, copies in steps if copies]
 
     def retire_peers(self, newest: int, keep: int, needed: Callable[[int], bool]) -> None:
         """The leader, after its own retention: that of its peer copies."""

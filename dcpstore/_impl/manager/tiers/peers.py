@@ -21,18 +21,25 @@ steps sees a peer copy)::
 A copy exists on a peer only once committed there, and each file's size and
 CRC32C are checked against the manifest before it is written. The bytes move
 leader to leader, point to point over gloo: on the replicator's group after
-each save (in the background, before the durable replication), on the
+each save (in the background, beside the durable upload), on the
 manager's group when a new manager finds a node without a step its peers hold
-(:func:`restore_plan`): the node's own copy is written back from a peer's,
-then the load reads it locally as any node's own copy, and the copies of
-that step that are missing (a replacement node's, a killed job's) are made.
+(:func:`restore_plan`): the node's own copy is written back from a peer's
+(or, where no peer holds it, its ranks' files are fetched from the durable
+tier, :func:`fetch`), then the load reads it locally as any node's own
+copy; the copies of that step that are missing (a replacement node's, a
+killed job's) are made after, on the replicator's group.
 """
 
 from __future__ import annotations
 
 import logging
 import posixpath
-from collections.abc import Callable, Iterable
+import re
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import crc32c
@@ -44,7 +51,7 @@ from dcpstore._impl.dcp.liveness import Lease
 from dcpstore._impl.format.layout import METADATA
 from dcpstore._impl.manager.steps import DCPSTORE, step_dir
 from dcpstore._impl.storage import Storage
-from dcpstore._impl.util.errors import CheckpointError, InvalidArgument
+from dcpstore._impl.util.errors import CheckpointCorrupt, CheckpointError, InvalidArgument, SaveError
 
 log = logging.getLogger(__name__)
 
@@ -180,7 +187,12 @@ def receive_share(
             crc = 0
             for offset in range(0, size, CHUNK):
                 piece = torch.empty(min(CHUNK, size - offset), dtype=torch.uint8)
-                dist.recv(piece, group=group, group_src=src)
+                try:
+                    dist.recv(piece, group=group, group_src=src)
+                except BaseException:  # the sender is gone: nothing of this file stays
+                    if writer is not None:
+                        writer.abort()
+                    raise
                 if writer is not None:
                     data = piece.numpy().data
                     crc = crc32c.crc32c(data, crc)
@@ -228,18 +240,52 @@ def replicate(
 ) -> None:
     """Every node's leader (``index``: its node; ``leaders``: each node's
     leader's group rank): send this node's share of ``step`` to its peers,
-    and commit the copies its own sources send (:func:`pairs`)."""
-    for source, peer in pairs(len(leaders), replicas, jump):
-        if source == index:
-            names: list[str] | None = None
-            try:
-                names = held(local, step_dir(step), commit)
-            except CheckpointError as e:
-                log.error("could not list step %d under %s for its peers: %s", step, local.uri, e)
-            send_share(local, step_dir(step), names, leaders[peer], group)
-        elif peer == index:
-            what = f"node {source}'s copy of step {step}"
-            receive_share(local, peer_step_dir(source, step), commit, leaders[source], group, what)
+    and commit the copies its own sources send, the two at once (a thread
+    receives). Round ``k`` of each side pairs up: node ``i`` sends to ``i +
+    k * jump`` while it receives from ``i - k * jump``, so every node's
+    copies go at the same time, and no send waits on a receive that waits
+    on it."""
+    count = len(leaders)
+    errors: list[BaseException] = []
+
+    def receive_all() -> None:
+        try:
+            for source in ((index - k * jump) % count for k in range(1, replicas)):
+                what = f"node {source}'s copy of step {step}"
+                with _transfer(step, source, index):
+                    receive_share(local, peer_step_dir(source, step), commit, leaders[source], group, what)
+        except BaseException as e:  # raised below, on the caller's thread
+            errors.append(e)
+
+    receiving = threading.Thread(target=receive_all, name="dcpstore-peer-receive", daemon=True)
+    receiving.start()
+    try:
+        names: list[str] | None = None
+        try:
+            names = held(local, step_dir(step), commit)
+        except CheckpointError as e:
+            log.error("could not list step %d under %s for its peers: %s", step, local.uri, e)
+        for peer in peers_of(index, count, replicas, jump):
+            with _transfer(step, index, peer):
+                send_share(local, step_dir(step), names, leaders[peer], group)
+    finally:
+        receiving.join()
+    if errors:
+        raise errors[0]
+
+
+@contextmanager
+def _transfer(step: int, source: int, peer: int) -> Iterator[None]:
+    """Raise a transfer that the process group failed (gloo: the other
+    node's leader died, or went past the group's timeout) as a
+    :class:`SaveError` saying which copy; the pairs after it cannot pair up."""
+    try:
+        yield
+    except RuntimeError as e:  # torch.distributed's errors (DistBackendError is one)
+        raise SaveError(
+            f"the copy of node {source}'s share of step {step} from node {source} to node {peer} "
+            f"(local_replicas) failed: {e}"
+        ) from e
 
 
 def peer_holdings(local: Storage) -> dict[int, list[int]]:
@@ -279,18 +325,41 @@ def view(local: Storage, own_steps: Iterable[int]) -> View:
 Move = tuple[int, int, int]
 
 
-def restore_plan(views: list[View], targets: list[tuple[int, int]]) -> tuple[int, list[Move]] | None:
-    """From every node's view (by index): the newest step every node holds
-    itself or through a peer's copy, and the copies that make it whole
-    again: first each node that lacks its share gets it back from a peer
-    that holds a copy, then each (source, peer) of ``targets``
-    (:func:`pairs`) whose peer lacks the copy gets it from the source (the
-    copies a replacement node held for others, or those a killed job did
-    not make). None when there is nothing to copy or no step is whole. A
-    node holds a step itself when it holds data files of its commit, and
-    all those of every peer's copy of its share (a commit without them: a
-    replacement node that caught a commit up, or a node that lost files)."""
+@dataclass(frozen=True)
+class Plan:
+    """What makes ``step`` whole again on every node (:func:`restore_plan`)."""
+
+    step: int
+    #: Each node that lacks its share and a peer holds a copy of: the copy comes back.
+    restores: tuple[Move, ...]
+    #: Each node that lacks its share and no peer holds: (a node that holds
+    #: a commit of the step, the node, whose share that node's commit is
+    #: kept as); the first sends the commit, the node fetches the files of
+    #: its own ranks from the durable tier.
+    fetches: tuple[Move, ...]
+    #: The copies for peers that are missing (a replacement node's, a killed job's).
+    copies: tuple[Move, ...]
+    #: The same, per older step that every node holds itself and the durable
+    #: tier lacks (committed before a crash: the catch-up replicates them),
+    #: newest first.
+    behind: tuple[tuple[int, tuple[Move, ...]], ...] = ()
+
+
+def restore_plan(views: list[View], targets: list[tuple[int, int]], durable: Iterable[int] = ()) -> Plan | None:
+    """From every node's view (by index) and the durable tier's steps: the
+    newest step that some node holds (itself or as a copy) and every node
+    holds itself, through a peer's copy or, its files missing everywhere
+    else, through the durable tier; and the moves that make it whole again
+    (:class:`Plan`; a share comes from a peer where one holds it). The
+    ``targets`` (:func:`pairs`) whose peer lacks the copy are its copies,
+    and those of the older steps newer than the durable tier's newest that
+    every node holds itself (:attr:`Plan.behind`). None when there is nothing to do, no step is whole, or the durable tier
+    holds a newer step (the load reads that one). A node holds a step
+    itself when it holds data files of its commit, and all those of every
+    peer's copy of its share (a commit without them: a replacement node
+    that caught a commit up, or a node that lost files)."""
     count = len(views)
+    stored = set(durable)
     copies: dict[tuple[int, int], list[tuple[int, set[str]]]] = {}  # (source, step) -> donors and their files
     for donor, (_, held_for) in enumerate(views):
         for source, steps in held_for.items():
@@ -302,13 +371,27 @@ def restore_plan(views: list[View], targets: list[tuple[int, int]]) -> tuple[int
         return bool(mine) and all(files <= mine for _, files in copies.get((node, step), ()))
 
     known: set[int] = set().union(*(v[0] for v in views), (s for _, s in copies))
-    whole = [s for s in known if all(holds(n, s) or (n, s) in copies for n in range(count))]
-    if not whole:
+    whole = [s for s in known if all(holds(n, s) or (n, s) in copies or s in stored for n in range(count))]
+    if not whole or max(stored, default=-1) > max(whole):
         return None
     step = max(whole)
-    moves = [(copies[(n, step)][0][0], n, n) for n in range(count) if not holds(n, step)]
-    moves += [(s, p, s) for s, p in targets if p not in {d for d, _ in copies.get((s, step), ())}]
-    return (step, moves) if moves else None
+    lacking = [n for n in range(count) if not holds(n, step)]
+    restores = tuple((copies[(n, step)][0][0], n, n) for n in lacking if (n, step) in copies)
+    # A node that holds the commit of the step (its own, else a copy of a share) sends it.
+    commits = [(n, n) for n in range(count) if holds(n, step)]
+    commits += [(d, s) for (s, t), held_by in sorted(copies.items()) if t == step for d, _ in held_by]
+    sender, kept_as = (commits + [(n, n) for n in range(count) if step in views[n][0]])[0]
+    fetches = tuple((sender, n, kept_as) for n in lacking if (n, step) not in copies)
+
+    def missing(step: int) -> tuple[Move, ...]:
+        return tuple((s, p, s) for s, p in targets if p not in {d for d, _ in copies.get((s, step), ())})
+
+    newest = max(stored, default=-1)
+    older = sorted((s for s in known if newest < s < step and all(holds(n, s) for n in range(count))), reverse=True)
+    behind = tuple((s, moves) for s in older if (moves := missing(s)))
+    if not (restores or fetches or missing(step) or behind):
+        return None
+    return Plan(step, restores, fetches, missing(step), behind)
 
 
 def _where(node: int, owner: int, step: int) -> str:
@@ -316,36 +399,131 @@ def _where(node: int, owner: int, step: int) -> str:
     return step_dir(step) if node == owner else peer_step_dir(owner, step)
 
 
+def _send_commit(local: Storage, directory: str, what: str) -> tuple[Commit | None, list[str] | None]:
+    try:
+        commit = read_commit(local, directory)
+        return commit, held(local, directory, commit) if commit is not None else None
+    except CheckpointError as e:
+        log.error("could not read %s under %s: %s", what, local.uri, e)
+        return None, None
+
+
 def restore(
     local: Storage,
     step: int,
-    moves: list[Move],
+    moves: Iterable[Move],
     index: int,
     leaders: list[int],
     group: dist.ProcessGroup | None,
 ) -> None:
-    """Every node's leader: run ``moves`` of :func:`restore_plan`, in order:
-    a sender sends the share it holds, with its commit; the receiver checks
+    """Every node's leader: run ``moves`` (of a :class:`Plan`), in order: a
+    sender sends the share it holds, with its commit; the receiver checks
     and writes it where it keeps that share, and commits it there."""
     for sender, receiver, owner in moves:
         if sender == index:
             directory = _where(sender, owner, step)
-            commit: Commit | None = None
-            names: list[str] | None = None
-            try:
-                commit = read_commit(local, directory)
-                if commit is not None:
-                    names = held(local, directory, commit)
-            except CheckpointError as e:
-                log.error("could not read node %d's share of step %d under %s: %s", owner, step, local.uri, e)
-            dist.send_object_list([commit if names is not None else None], group=group, group_dst=leaders[receiver])
-            send_share(local, directory, names, leaders[receiver], group)
+            commit, names = _send_commit(local, directory, f"node {owner}'s share of step {step}")
+            with _transfer(step, owner, receiver):
+                box = [commit if names is not None else None]
+                dist.send_object_list(box, group=group, group_dst=leaders[receiver])
+                send_share(local, directory, names, leaders[receiver], group)
         elif receiver == index:
-            box: list[Any] = [None]
-            dist.recv_object_list(box, group=group, group_src=leaders[sender])
             what = f"node {owner}'s share of step {step} from node {sender}"
-            if receive_share(local, _where(receiver, owner, step), box[0], leaders[sender], group, what):
+            with _transfer(step, owner, receiver):
+                box = [None]
+                dist.recv_object_list(box, group=group, group_src=leaders[sender])
+                done = receive_share(local, _where(receiver, owner, step), box[0], leaders[sender], group, what)
+            if done:
                 log.info("%s committed under %s", what, local.uri)
+
+
+_RANK_FILE = re.compile(r"(?:^|/)__(\d+)_[^/]*$")
+
+
+def share_of(names: Iterable[str], ranks: Iterable[int]) -> list[str]:
+    """The data files of ``names`` that ``ranks`` wrote (DCP names a rank's
+    files ``__{rank}_...``, in its spread directory where there is one)."""
+    mine = set(ranks)
+    return sorted(n for n in names if (m := _RANK_FILE.search(n)) is not None and int(m.group(1)) in mine)
+
+
+def fetch(
+    local: Storage,
+    durable: Storage,
+    step: int,
+    fetches: Iterable[Move],
+    index: int,
+    nodes: tuple[tuple[int, ...], ...],
+    group: dist.ProcessGroup | None,
+) -> None:
+    """Every node's leader: run the ``fetches`` of a :class:`Plan`: the donor
+    sends its commit of ``step``; the node fetches the files of that commit
+    its ranks wrote from the durable tier (:func:`fetch_share`)."""
+    leaders = [node[0] for node in nodes]
+    for donor, receiver, owner in fetches:
+        box: list[Any] = [None]
+        if donor == index:  # (its copy of another node's share: the node may be its own donor)
+            commit, names = _send_commit(local, _where(donor, owner, step), f"step {step}")
+            box = [commit if names is not None else None]
+            if receiver != index:
+                with _transfer(step, owner, receiver):
+                    dist.send_object_list(box, group=group, group_dst=leaders[receiver])
+        elif receiver == index:
+            with _transfer(step, owner, receiver):
+                dist.recv_object_list(box, group=group, group_src=leaders[donor])
+        if receiver != index:
+            continue
+        if box[0] is None:
+            log.error("node %d has no commit of step %d: node %d's share is not fetched", donor, step, index)
+        elif fetch_share(local, durable, step, box[0], share_of(box[0].manifest["files"], nodes[receiver])):
+            log.info("node %d's share of step %d fetched from %s", index, step, durable.uri)
+
+
+def fetch_share(local: Storage, durable: Storage, step: int, commit: Commit, names: list[str]) -> bool:
+    """Copy ``names`` of ``commit`` from the durable copy of ``step`` into
+    the local one, each file's size and CRC32C checked against the manifest
+    before it is committed, then commit ``commit`` there (under a lease, so
+    that ``dcpstore gc`` keeps the copy while it is written). False (logged)
+    if anything failed: the directory then shows no new commit."""
+    directory = step_dir(step)
+    if not names:
+        log.error("the commit of step %d names no data file of this node's ranks; nothing fetched", step)
+        return False
+    try:
+        lease = Lease(local, directory)
+    except CheckpointError as e:
+        log.error("could not fetch step %d into %s: %s", step, local.describe(directory), e)
+        return False
+    try:
+        with ThreadPoolExecutor(min(FETCH_WORKERS, len(names)), thread_name_prefix="dcpstore-fetch") as pool:
+            for future in [pool.submit(_fetch_file, local, durable, f"{directory}/{n}", commit, n) for n in names]:
+                future.result()
+        publish_copy(local, commit, directory)
+    except CheckpointError as e:
+        log.error("could not fetch this node's share of step %d into %s: %s", step, local.describe(directory), e)
+        return False
+    finally:
+        lease.stop()
+    return True
+
+
+#: Files fetched from the durable tier at once.
+FETCH_WORKERS = 4
+
+
+def _fetch_file(local: Storage, durable: Storage, path: str, commit: Commit, name: str) -> None:
+    entry = commit.manifest["files"][name]
+    with local.open_write(path, size_hint=entry["size"]) as writer:
+        crc = 0
+        for offset in range(0, entry["size"], CHUNK):
+            data = durable.read_range(path, offset, min(CHUNK, entry["size"] - offset))
+            crc = crc32c.crc32c(data, crc)
+            writer.write(data)
+        if writer.tell() != entry["size"] or crc != entry["crc32c"]:
+            raise CheckpointCorrupt(
+                f"{durable.describe(path)} ({writer.tell()} bytes, CRC32C {crc:#010x}) does not match the manifest "
+                f"of the step ({entry['size']} bytes, CRC32C {entry['crc32c']:#010x}); not fetched"
+            )
 
 
 def retire(local: Storage, newest: int, keep: int, needed: Callable[[int], bool]) -> None:

@@ -110,14 +110,16 @@ class TieredRoots:
             self._tier: LocalTier = (
                 NodeDirs(sync, parts, local_replicas, replica_jump) if sync.node_local else SharedDir(parts)
             )
-            # Before the catch-up, which would commit the coordinator's commit on a replacement node without its files.
-            self._tier.restore_from_peers()  # collective
             failure: BaseException | None = None
             try:
                 replicas = commit_times(self._durable)  # also: the durable root is reachable
-            except BaseException as e:  # raised after the catch-up's collective (node-local)
+            except BaseException as e:  # raised after the collectives below (node-local)
                 failure, replicas = e, {}
+            # Before the catch-up, which would commit the coordinator's commit on a replacement node without its files.
+            copies = self._tier.restore_from_peers(replicas)  # collective
             self._durable_known = set(replicas)
+            for job in copies:  # every rank queues them alike, first
+                self._submit(job)
             self._catch_up(None if failure else replicas)
             if failure is not None:
                 raise failure
@@ -260,7 +262,10 @@ class TieredRoots:
                 self._busy = True
             self._leases.leftovers.retry()
             try:
-                self._replicate(job)
+                try:
+                    self._replicate(job)
+                finally:
+                    self._tier.copies_done()  # the peer copies beside the upload (raises their error)
             except BaseException as e:  # kept for wait()/close(); the thread goes on
                 log.error("replicating step %d to %s failed: %s", job.step, self.uri, e)
                 with self._cond:
