@@ -46,7 +46,7 @@ def _wait_done(handle: dcpstore.SaveHandle) -> None:
     assert handle.wait_bounded()
 
 
-@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("engine", SLOW_PROCESS)
 def test_next_save_raises_an_unobserved_failure_chained_and_naming_its_uri(tmp_path: Path, engine: str) -> None:
     bad, good = _unwritable(tmp_path), str(tmp_path / "good")
     with dcpstore.AsyncSaver() as saver:

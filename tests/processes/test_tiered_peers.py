@@ -135,6 +135,7 @@ def test_a_lost_node_resumes_from_its_peers_copies_reading_no_durable_data(
             )
 
 
+@pytest.mark.slow  # two lost nodes on 4x1 with two copies each is quick (4x1-lose2 above)
 def test_three_replicas_survive_two_lost_nodes(s3_endpoint: S3Endpoint, proxy: FaultProxy, tmp_path: Path) -> None:
     """4x1, ``local_replicas=3``: each node sends to two peers while it
     receives from two (round by round, at once); nodes 1 and 2 lost, the
@@ -167,7 +168,7 @@ def _sizes(node: Path, step: int) -> dict[str, int]:
 
 @pytest.mark.parametrize(
     ("world", "per_node", "lost", "copies_lost"),
-    [(4, 2, [1], [0]), (4, 1, [1, 2], [])],
+    [(4, 2, [1], [0]), pytest.param(4, 1, [1, 2], [], marks=pytest.mark.slow)],
     ids=["2x2-lose1-and-its-copy", "4x1-lose-a-pair"],
 )
 def test_where_no_peer_holds_a_lost_share_only_that_share_is_read_from_the_durable_tier(
@@ -582,7 +583,8 @@ def _launch(fn: Any, world: int, *args: Any, timeout: float = 120.0) -> list[int
     return [p.exitcode for p in procs]
 
 
-@pytest.mark.parametrize("killed", [1, 0], ids=["receiver", "sender"])
+# The two sides fail the same transfer; the receiver's case waits out the upload's timeout too.
+@pytest.mark.parametrize("killed", [pytest.param(1, marks=pytest.mark.slow), 0], ids=["receiver", "sender"])
 def test_a_peer_killed_mid_copy_fails_the_survivor_clearly_and_a_restart_resumes(tmp_path: Path, killed: int) -> None:
     """Gloo reports the dead peer at once (connection reset): the survivor's
     wait() raises a SaveError naming the copy; no committed step is lost,
