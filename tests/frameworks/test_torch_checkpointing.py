@@ -123,9 +123,20 @@ def any_root(request: pytest.FixtureRequest) -> Target:
     return make_target(request.param, request)
 
 
-@pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
-def test_two_ranks_save_and_load(root: Target, async_: bool) -> None:
-    run_ranks(_save_then_load, 2, root, async_)
+@pytest.mark.parametrize(
+    ("backend", "async_"),
+    [
+        ("local", False),
+        # torch_checkpointing's async saver on two ranks: quick on S3, as the sync one is on local disk.
+        pytest.param("local", True, marks=pytest.mark.slow),
+        ("s3", False),
+        ("s3", True),
+        *(pytest.param("msc", async_, marks=pytest.mark.slow) for async_ in (False, True)),
+    ],
+    ids=["local-sync", "local-async", "s3-sync", "s3-async", "msc-sync", "msc-async"],
+)
+def test_two_ranks_save_and_load(request: pytest.FixtureRequest, backend: str, async_: bool) -> None:
+    run_ranks(_save_then_load, 2, make_target(backend, request), async_)
 
 
 def test_resharded_load_saved_on_one_loaded_on_two(root: Target) -> None:

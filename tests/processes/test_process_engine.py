@@ -46,6 +46,7 @@ def saver() -> Any:
     s.close()
 
 
+@pytest.mark.slow  # the quick run kills one on 2 ranks (test_multirank_async.py), with the same outcome
 def test_a_killed_checkpoint_process_fails_its_save_and_the_next_save_starts_a_new_one(tmp_path: Path) -> None:
     state = {"w": torch.arange(1000.0), "step": 1}
     others = set(checkpoint_processes())  # the per-process default saver's, say
