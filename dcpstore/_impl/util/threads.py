@@ -65,6 +65,32 @@ def run_parallel(fn: Callable[[T], R], items: Sequence[T], workers: int, name: s
     return results
 
 
+class Beside:
+    """``fn(*args)`` on a daemon thread of its own, beside what the caller
+    does meanwhile; :meth:`join` waits for it and raises its error, on the
+    caller's thread (:meth:`wait` returns it instead)."""
+
+    def __init__(self, fn: Callable[..., Any], *args: Any, name: str) -> None:
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(fn, *args), name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Callable[..., Any], *args: Any) -> None:
+        try:
+            fn(*args)
+        except BaseException as e:  # raised by join(), on the caller's thread
+            self._error = e
+
+    def wait(self) -> BaseException | None:
+        self._thread.join()
+        return self._error
+
+    def join(self) -> None:
+        error = self.wait()
+        if error is not None:
+            raise error
+
+
 class BackgroundThread:
     """One daemon thread running submitted calls in submission order
     (``ThreadPoolExecutor(1)`` without the unbounded join at exit).

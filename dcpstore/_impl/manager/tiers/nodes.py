@@ -37,7 +37,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -56,6 +55,7 @@ from dcpstore._impl.manager.tiers.replicate import read_local_commit
 from dcpstore._impl.storage import Storage
 from dcpstore._impl.util.distributed import is_distributed
 from dcpstore._impl.util.errors import CheckpointError, InvalidArgument, SaveError
+from dcpstore._impl.util.threads import Beside
 
 log = logging.getLogger(__name__)
 
@@ -318,28 +318,6 @@ def reads_locally(local: Storage, step: int, state_dict: dict[str, Any]) -> bool
         return False
 
 
-class _Beside:
-    """``fn(*args)`` on a daemon thread of its own (a peer that hangs must
-    not hold up the interpreter's exit, as the replicator's own thread does
-    not); :meth:`join` waits and raises its error."""
-
-    def __init__(self, fn: Callable[..., None], *args: Any) -> None:
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(fn, *args), name="dcpstore-peer-copies", daemon=True)
-        self._thread.start()
-
-    def _run(self, fn: Callable[..., None], *args: Any) -> None:
-        try:
-            fn(*args)
-        except BaseException as e:  # raised by join(), on the replicator
-            self._error = e
-
-    def join(self) -> None:
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-
-
 class NodeDirs:
     """One ``local_dir`` per node (:func:`detect_nodes` found more than one).
     ``sync``: the collectives, on the caller's thread or the replicator's."""
@@ -350,7 +328,7 @@ class NodeDirs:
         #: ``local_replicas``, ``replica_jump``: where each node's share is copied (:mod:`.peers`).
         self._replicas, self._jump = replicas, jump
         #: A save's peer copies in flight, beside its upload.
-        self._copying: _Beside | None = None
+        self._copying: Beside | None = None
 
     @property
     def leader(self) -> bool:
@@ -433,7 +411,9 @@ class NodeDirs:
             # Beside the durable upload, which uses no collective: the two
             # go over different links (the nodes', the object store's).
             assert self._copying is None, "copies_done() ends every job"
-            self._copying = _Beside(
+            # A daemon thread: a peer that hangs must not hold up the
+            # interpreter's exit, as the replicator's own thread does not.
+            self._copying = Beside(
                 peers.replicate,
                 self._local,
                 job.step,
@@ -443,6 +423,7 @@ class NodeDirs:
                 self._replicas,
                 self._jump,
                 self._sync.group(background=True),
+                name="dcpstore-peer-copies",
             )
         return shared[0], job.files if job.files is not None else shared[1]
 

@@ -35,7 +35,6 @@ from __future__ import annotations
 import logging
 import posixpath
 import re
-import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -52,6 +51,7 @@ from dcpstore._impl.format.layout import METADATA
 from dcpstore._impl.manager.steps import DCPSTORE, step_dir
 from dcpstore._impl.storage import Storage
 from dcpstore._impl.util.errors import CheckpointCorrupt, CheckpointError, InvalidArgument, SaveError
+from dcpstore._impl.util.threads import Beside
 
 log = logging.getLogger(__name__)
 
@@ -246,19 +246,14 @@ def replicate(
     copies go at the same time, and no send waits on a receive that waits
     on it."""
     count = len(leaders)
-    errors: list[BaseException] = []
 
     def receive_all() -> None:
-        try:
-            for source in ((index - k * jump) % count for k in range(1, replicas)):
-                what = f"node {source}'s copy of step {step}"
-                with _transfer(step, source, index):
-                    receive_share(local, peer_step_dir(source, step), commit, leaders[source], group, what)
-        except BaseException as e:  # raised below, on the caller's thread
-            errors.append(e)
+        for source in ((index - k * jump) % count for k in range(1, replicas)):
+            what = f"node {source}'s copy of step {step}"
+            with _transfer(step, source, index):
+                receive_share(local, peer_step_dir(source, step), commit, leaders[source], group, what)
 
-    receiving = threading.Thread(target=receive_all, name="dcpstore-peer-receive", daemon=True)
-    receiving.start()
+    receiving = Beside(receive_all, name="dcpstore-peer-receive")
     try:
         names: list[str] | None = None
         try:
@@ -269,9 +264,9 @@ def replicate(
             with _transfer(step, index, peer):
                 send_share(local, step_dir(step), names, leaders[peer], group)
     finally:
-        receiving.join()
-    if errors:
-        raise errors[0]
+        received = receiving.wait()  # a send's error, if any, goes on from here
+    if received is not None:
+        raise received
 
 
 @contextmanager
