@@ -81,7 +81,7 @@ WRITE_READ = (
     "dcpstore/_impl/dcp/load.py",
     "dcpstore/_impl/dcp/read_plan.py",
     "dcpstore/_impl/format/record.py",
-    "dcpstore/_impl/format/checksum.py",
+    "dcpstore/_impl/util/checksum.py",
 )
 LOCAL = (
     *WRITE_READ,
@@ -394,7 +394,9 @@ def meta_block(docs: dict[str, Doc]) -> str:
         lines.append(
             f"- `{name}`: {m['date']}{label}, commit `{m.get('git_commit')}`, "
             f"{mach.get('cpus')} CPUs, {human_bytes(mach.get('memory_bytes', 0))} RAM, "
-            f"torch {mach.get('torch')}, Python {mach.get('python')}  \n"
+            f"torch {mach.get('torch')}, Python {mach.get('python')}"
+            + (f", CRC32C by `{mach['crc32c']}`" if "crc32c" in mach else "")
+            + "  \n"
             f"  regenerate: `{m.get('command')}`"
         )
     return "\n".join(lines)

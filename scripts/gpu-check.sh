@@ -25,12 +25,13 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 # What dcpstore needs on that machine beyond its image (KINDS.md lists the
-# image): crc32c (a dependency), NVRx for the nvrx engine, and defusedxml (an
+# image): crc32c (a dependency), awscrt (the crt extra: the CRC32C a GPU node's
+# CPU folds fastest), NVRx for the nvrx engine, and defusedxml (an
 # NVRx requirement). NVRx's other requirements are in the image (psutil,
 # packaging, pyyaml, nvidia-ml-py, which provides the pynvml module; the
 # 'pynvml' distribution itself is only a redirector to it). py-spy (a static
 # binary) samples the GIL for the interference benchmark.
-WHEELS=(crc32c==2.9.post0 nvidia-resiliency-ext==0.4.1 defusedxml==0.7.1 py-spy==0.4.3)
+WHEELS=(crc32c==2.9.post0 awscrt==0.36.0 nvidia-resiliency-ext==0.4.1 defusedxml==0.7.1 py-spy==0.4.3)
 # --with-s3: the S3 rows of the interference benchmark need boto3 and a moto
 # server; fetched with their dependencies into .whl/s3/ and put on the path
 # of that benchmark only (so they never shadow the image's packages elsewhere).

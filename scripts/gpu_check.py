@@ -104,7 +104,7 @@ def collect_env() -> dict[str, Any]:
             gpu_capability=f"{props.major}.{props.minor}",
             nccl=_nccl_version(),
         )
-    for name in ("crc32c", "nvidia-resiliency-ext", "pytest", "hypothesis", "numpy"):
+    for name in ("crc32c", "awscrt", "nvidia-resiliency-ext", "pytest", "hypothesis", "numpy"):
         env[f"pkg:{name}"] = _dist_version(name)
     try:
         import crc32c
@@ -112,6 +112,9 @@ def collect_env() -> dict[str, Any]:
         env["crc32c_hardware"] = bool(getattr(crc32c, "hardware_based", False))
         import dcpstore
         from dcpstore._impl.engines import nvrx
+        from dcpstore._impl.util.checksum import CRC32C_LIBRARY
+
+        env["crc32c_library"] = CRC32C_LIBRARY
         from dcpstore._impl.format.record import record_saver
 
         env["dcpstore"] = dcpstore.__version__
@@ -240,7 +243,7 @@ def print_summary(s: dict[str, Any]) -> None:
         f"torch {env.get('torch')} (cuda {env.get('torch_cuda')}), commit {str(env.get('commit'))[:12]}"
     )
     print(
-        f"  nvrx: {env.get('nvrx')}; crc32c {env.get('pkg:crc32c')} (hardware: {env.get('crc32c_hardware')}); record writer: {env.get('record_writer')}"
+        f"  nvrx: {env.get('nvrx')}; crc32c {env.get('pkg:crc32c')} (hardware: {env.get('crc32c_hardware')}, checksums by {env.get('crc32c_library')}); record writer: {env.get('record_writer')}"
     )
     if not env.get("torch_ok", True):
         print(f"  WARNING: torch {env.get('torch')} is older than {env.get('torch_at_least')}")

@@ -31,7 +31,7 @@ pip_ install -q --no-compile -c "$VENV/constraints.txt" "torch==$VERSION"
 # this script for both ends beside scripts/setup.sh, and each takes its turn.
 locked() { if command -v flock >/dev/null; then flock pyproject.toml "$@"; else "$@"; fi; }
 locked "$VENV/bin/python" -m pip install -q --no-compile -c "$VENV/constraints.txt" \
-  "torch==$VERSION" -e ".[all,bench]" "s3torchconnector[dcp]" "moto[server]" pytest pytest-timeout hypothesis
+  "torch==$VERSION" -e ".[all,bench,crt]" "s3torchconnector[dcp]" "moto[server]" pytest pytest-timeout hypothesis
 # The venv runs the release it is named for (a local tag such as +cu128 aside).
 "$VENV/bin/python" -c "
 import sys, torch

@@ -40,7 +40,6 @@ import struct
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import crc32c
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
@@ -62,11 +61,11 @@ from dcpstore._impl.dcp.commit.session import ItemRecord
 from dcpstore._impl.dcp.liveness.owner_gate import OwnerGate
 from dcpstore._impl.dcp.writer import NO_DIST_WARNING, SaveToken, rebind, serves
 from dcpstore._impl.dropin import StorageWriter, _Opener
-from dcpstore._impl.format.checksum import crc32c_concat
 from dcpstore._impl.format.layout import SAFETENSORS_INDEX, is_safetensors_file, item_key, safetensors_file_name
 from dcpstore._impl.format.manifest import Manifest
 from dcpstore._impl.format.safe_pickle import Trust
 from dcpstore._impl.storage import Storage, StorageOptions, open_storage
+from dcpstore._impl.util.checksum import crc32c, crc32c_concat
 from dcpstore._impl.util.errors import CheckpointCorrupt, InvalidArgument, LoadError, SaveError
 from dcpstore._impl.util.threads import run_parallel
 from dcpstore._impl.util.warning_filters import ignoring
@@ -223,7 +222,7 @@ class SafetensorsWriter(StorageWriter):
         as the base hook's). Returns the items' write results."""
         sharding = {it.index.fqn: {SAVED_OFFSETS: list(it.tensor_data.chunk.offsets)} for it in items if it.tensor_data}
         head = header(items, {"format": "pt", SHARDING_INFO: json.dumps(sharding)})
-        spans: list[tuple[int, int]] = [(crc32c.crc32c(head), len(head))]
+        spans: list[tuple[int, int]] = [(crc32c(head), len(head))]
         written: list[tuple[WriteItem, int, int, int]] = []
         offset = len(head)
         size = offset + sum(chunk_nbytes(it) for it in items)
@@ -233,7 +232,7 @@ class SafetensorsWriter(StorageWriter):
                 data = tensor_bytes(data_of(item))
                 if data.nbytes != chunk_nbytes(item):
                     raise SaveError(f"{item.index.fqn!r}: {data.nbytes} bytes, its plan says {chunk_nbytes(item)}")
-                crc = crc32c.crc32c(data)
+                crc = crc32c(data)
                 writer.write(data)
                 written.append((item, offset, data.nbytes, crc))
                 spans.append((crc, data.nbytes))
@@ -378,7 +377,7 @@ class SafetensorsReader(StorageReader):
                 f"{self.storage.describe('.metadata')}: no chunk of {index.fqn!r} at {index.offset}"
             )
         data = self.storage.read_range(path, offset, length)
-        if len(data) != length or crc32c.crc32c(data) != self._manifest["items"].get(item_key(path, offset)):
+        if len(data) != length or crc32c(data) != self._manifest["items"].get(item_key(path, offset)):
             raise CheckpointCorrupt(
                 f"{self.storage.describe(path)}: checksum mismatch in {index.fqn!r} ({length} bytes at offset {offset})"
             )

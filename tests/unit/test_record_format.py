@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dcpstore._impl.format import record as torch_save
-from dcpstore._impl.format.checksum import COMBINE_MIN, DualCrc, crc32c_combine
+from dcpstore._impl.util.checksum import COMBINE_MIN, DualCrc, crc32c_combine
 
 
 @pytest.mark.parametrize("seed", range(5))

@@ -18,7 +18,6 @@ from pathlib import Path, PurePosixPath
 from types import TracebackType
 from typing import Any
 
-import crc32c
 from torch_checkpointing.storage.base_storage import ReadArgs, StorageConfig
 from torch_checkpointing.storage.base_storage import Storage as TCStorage
 from typing_extensions import Buffer
@@ -28,6 +27,7 @@ from dcpstore._impl.storage.base import ObjectWriter
 from dcpstore._impl.storage.base import Storage as DcpStorage
 from dcpstore._impl.storage.storage_options import StorageOptions
 from dcpstore._impl.storage.uri import redact
+from dcpstore._impl.util.checksum import crc32c
 from dcpstore._impl.util.errors import CheckpointCorrupt, StorageNotFound
 
 #: The commit record of a directory that a ``rename`` published: every file's
@@ -97,7 +97,7 @@ class _WriteStream(io.RawIOBase):
 
     def write(self, data: Buffer) -> int:
         view = memoryview(data).cast("B")
-        self._crc = crc32c.crc32c(view, self._crc)
+        self._crc = crc32c(view, self._crc)
         self._size += view.nbytes
         self._writer.write(view)
         return view.nbytes
@@ -223,7 +223,7 @@ class DcpstoreStorage(TCStorage):
     def _read_verified(self, key: str) -> bytes:
         expected = self._expected(key)
         data = self.dcp.read(key)
-        crc = f"{crc32c.crc32c(data):08x}"
+        crc = f"{crc32c(data):08x}"
         if len(data) != expected["size"] or crc != expected["crc32c"]:
             raise CheckpointCorrupt(
                 f"{self.dcp.describe(key)}: {len(data)} bytes with CRC32C {crc}, "
@@ -360,7 +360,7 @@ class DcpstoreStorage(TCStorage):
                 chunk = self.dcp.read_range(src, offset, min(COPY_CHUNK, size - offset))
                 if not chunk:
                     break
-                crc = crc32c.crc32c(chunk, crc)
+                crc = crc32c(chunk, crc)
                 writer.write(chunk)
                 offset += len(chunk)
             if offset != size or f"{crc:08x}" != record["crc32c"]:

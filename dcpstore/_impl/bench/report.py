@@ -14,6 +14,7 @@ import torch
 
 from dcpstore._impl.bench.limits import best_limits, limit_ratios
 from dcpstore._impl.bench.runner import Record, summarize
+from dcpstore._impl.util.checksum import CRC32C_LIBRARY
 from dcpstore._impl.util.units import human_bytes
 
 
@@ -201,6 +202,7 @@ def machine() -> dict[str, Any]:
         "platform": platform.platform(),
         "python": platform.python_version(),
         "torch": torch.__version__,
+        "crc32c": CRC32C_LIBRARY,  # the library dcpstore's checksums ran on
     }
     try:
         import psutil

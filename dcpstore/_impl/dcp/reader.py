@@ -48,7 +48,6 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import crc32c
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
@@ -77,6 +76,7 @@ from dcpstore._impl.format.manifest import Manifest
 from dcpstore._impl.format.record_zip import RecordBytes
 from dcpstore._impl.format.safe_pickle import Trust
 from dcpstore._impl.storage import Storage
+from dcpstore._impl.util.checksum import crc32c
 from dcpstore._impl.util.distributed import is_distributed
 from dcpstore._impl.util.errors import (
     CheckpointCorrupt,
@@ -180,7 +180,7 @@ class DcpStorageReader(StorageReader):
         return self._metadata
 
     def _note_commit(self, blob: bytes) -> None:
-        self._commit_crc = crc32c.crc32c(blob)
+        self._commit_crc = crc32c(blob)
 
     # -- one commit read per job ---------------------------------------------
     def commit_for_sharing(self) -> SharedCommit:
@@ -550,7 +550,7 @@ class DcpStorageReader(StorageReader):
 
         def checksum(k: int, view: memoryview) -> None:
             if owner[k] >= 0:
-                crcs[owner[k]] = crc32c.crc32c(view, crcs[owner[k]])
+                crcs[owner[k]] = crc32c(view, crcs[owner[k]])
 
         try:
             if self._verifying():
@@ -662,7 +662,7 @@ class DcpStorageReader(StorageReader):
             return
         crc = 0
         for piece in pieces:
-            crc = crc32c.crc32c(piece, crc)
+            crc = crc32c(piece, crc)
         self._check_crc(path, info, crc)
 
     def _check_crc(self, path: str, info: StorageInfo, crc: int) -> None:

@@ -86,9 +86,9 @@ from dcpstore._impl.dcp.writer import DcpStorageWriter, claim_and_share
 from dcpstore._impl.engines import nvrx_release as release
 from dcpstore._impl.engines.engine import SaveJob
 from dcpstore._impl.engines.nvrx_release import import_error as import_error  # the engine choice asks here
-from dcpstore._impl.format.checksum import file_and_span_crcs
 from dcpstore._impl.storage import Storage
 from dcpstore._impl.storage.error_mapping import map_os_error
+from dcpstore._impl.util.checksum import file_and_span_crcs
 from dcpstore._impl.util.errors import CheckpointCorrupt, InvalidArgument, SaveError
 from dcpstore._impl.util.torch_compat import DistWrapper, StorageWriterTransforms, wrap_exception
 from dcpstore._impl.values.results import SaveStats

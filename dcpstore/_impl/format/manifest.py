@@ -25,11 +25,9 @@ import json
 from collections.abc import Callable, Iterable
 from typing import Any, TypedDict
 
-import crc32c
-
-from dcpstore._impl.format.checksum import crc32c_concat
 from dcpstore._impl.format.layout import commit_file_of, commit_file_problem, is_data_file, item_key
 from dcpstore._impl.storage.base import Storage
+from dcpstore._impl.util.checksum import crc32c, crc32c_concat
 from dcpstore._impl.util.errors import CheckpointCorrupt, ObjectTooLarge
 
 MANIFEST_FORMAT = "dcpstore-manifest/1"
@@ -268,5 +266,5 @@ def commit_files(manifest: Manifest | None, named: Iterable[str]) -> list[str]:
 
 
 def check_metadata_crc(blob: bytes, manifest: Manifest, where: str) -> None:
-    if crc32c.crc32c(blob) != manifest["metadata_crc32c"]:
+    if crc32c(blob) != manifest["metadata_crc32c"]:
         raise CheckpointCorrupt(f"{where}: checksum mismatch (damaged commit object)")

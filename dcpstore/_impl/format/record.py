@@ -37,13 +37,12 @@ from dataclasses import dataclass
 from functools import cache
 from typing import IO, Any, Protocol, cast
 
-import crc32c as _crc32c
 import numpy as np
 import torch
 from torch.distributed.checkpoint.planner import ReadItem, WriteItem
 
-from dcpstore._impl.format.checksum import COMBINE_MIN, DualCrc
 from dcpstore._impl.format.record_zip import RecordBytes, record_entries, tensor_declaration
+from dcpstore._impl.util.checksum import COMBINE_MIN, DualCrc, crc32c
 from dcpstore._impl.util.torch_compat import (
     StorageReaderTransforms,
     StorageWriterTransforms,
@@ -242,7 +241,7 @@ class RecordStream:
         for start in range(0, view.nbytes, self.PIECE):
             piece = view[start : start + self.PIECE]
             self._forward(piece, owner)
-            crc = _crc32c.crc32c(piece, crc)
+            crc = crc32c(piece, crc)
         self._crc.append(crc, view.nbytes)
 
     def tell(self) -> int:

@@ -23,11 +23,10 @@ import io
 from collections.abc import Sequence
 from typing import Any
 
-import crc32c as _crc32c
-
 from dcpstore._impl.storage.backend_base import errors_mapped
 from dcpstore._impl.storage.base import Storage
 from dcpstore._impl.storage.buffered import BufferedObjectWriter
+from dcpstore._impl.util.checksum import crc32c
 
 #: Lent writes smaller than this are copied: a piece of its own in a part
 #: costs more than copying a few KiB.
@@ -116,7 +115,7 @@ class PartBody(io.RawIOBase):
         """The CRC32C of all the bytes (the position is left alone)."""
         crc = 0
         for piece in self._pieces:
-            crc = _crc32c.crc32c(piece, crc)
+            crc = crc32c(piece, crc)
         return crc
 
     def getvalue(self) -> bytes:

@@ -15,7 +15,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import crc32c
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
 
 from dcpstore._impl.dcp.commit.reading import read_checkpoint_metadata, read_commit_file
@@ -26,6 +25,7 @@ from dcpstore._impl.format.record_zip import RecordBytes
 from dcpstore._impl.storage import MiB, Storage, StorageOptions
 from dcpstore._impl.storage.backend_registry import opened
 from dcpstore._impl.tools.listing import CheckpointEntry, GcReport, gc, list_checkpoints
+from dcpstore._impl.util.checksum import crc32c
 from dcpstore._impl.util.errors import CheckpointCorrupt, CheckpointNotFound, StorageNotFound, UnsafeCheckpoint
 from dcpstore._impl.util.torch_compat import StorageInfo
 
@@ -254,14 +254,14 @@ class _FileCheck:
             chunk = memoryview(self.storage.read_range(self.name, offset, min(VERIFY_CHUNK, size - offset)))
             if not chunk:
                 break
-            crc = crc32c.crc32c(chunk, crc)
+            crc = crc32c(chunk, crc)
             end = offset + len(chunk)
             for item in pending:
                 if item.info.offset >= end:
                     break
                 lo, hi = max(offset, item.info.offset), min(end, item.end)
                 if lo < hi:
-                    item.crc = crc32c.crc32c(chunk[lo - offset : hi - offset], item.crc)
+                    item.crc = crc32c(chunk[lo - offset : hi - offset], item.crc)
                     for start, buf in item.keep:
                         a, b = max(lo, item.info.offset + start), min(hi, item.info.offset + start + len(buf))
                         if a < b:

@@ -21,11 +21,10 @@ import posixpath
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-import crc32c
-
 from dcpstore._impl.format.layout import METADATA, is_manifest
 from dcpstore._impl.format.manifest import MANIFEST_LIMIT, METADATA_LIMIT, Manifest, parse_manifest, read_capped
 from dcpstore._impl.storage import Storage
+from dcpstore._impl.util.checksum import crc32c
 from dcpstore._impl.util.errors import CheckpointError, StorageNotFound
 
 
@@ -84,7 +83,7 @@ def find_manifest(
     """The manifest among ``names`` (default: those listed in ``directory``)
     that belongs to the ``.metadata`` whose bytes are ``metadata_blob``, as
     its :class:`Commit`; None if none does (see :func:`read_commit`)."""
-    crc = crc32c.crc32c(metadata_blob)
+    crc = crc32c(metadata_blob)
     for name, blob, manifest in _manifests(storage, directory, names, skip_damaged):
         if manifest["metadata_crc32c"] == crc:
             return Commit(metadata_blob, name, blob, manifest)
@@ -96,7 +95,7 @@ def disowned(storage: Storage, metadata_blob: bytes) -> bool:
     records the CRC32C of ``metadata_blob``: then that ``.metadata`` is
     damaged, whatever its damage looks like. False where the root cannot be
     listed (a failure path only: one listing)."""
-    crc = crc32c.crc32c(metadata_blob)
+    crc = crc32c(metadata_blob)
     try:
         crcs = {m["metadata_crc32c"] for _, _, m in _manifests(storage, "", None, True)}
     except CheckpointError:

@@ -18,7 +18,6 @@ import itertools
 import logging
 from collections.abc import Callable
 
-import crc32c
 from torch.distributed.checkpoint.metadata import Metadata
 
 from dcpstore._impl.dcp.commit.from_listing import disowned
@@ -45,6 +44,7 @@ from dcpstore._impl.format.manifest import (
 )
 from dcpstore._impl.format.safe_pickle import TOOLS, Trust, load_metadata
 from dcpstore._impl.storage import Storage
+from dcpstore._impl.util.checksum import crc32c
 from dcpstore._impl.util.errors import (
     CheckpointCorrupt,
     CheckpointError,
@@ -81,9 +81,9 @@ def read_commit_file(storage: Storage, manifest: Manifest | None, name: str, lim
         ) from e
     if manifest is not None:
         entry = manifest["files"][path]
-        if len(blob) != entry["size"] or crc32c.crc32c(blob) != entry["crc32c"]:
+        if len(blob) != entry["size"] or crc32c(blob) != entry["crc32c"]:
             raise CheckpointCorrupt(
-                f"{storage.describe(path)}: {len(blob)} bytes, CRC32C {crc32c.crc32c(blob):08x}; the integrity "
+                f"{storage.describe(path)}: {len(blob)} bytes, CRC32C {crc32c(blob):08x}; the integrity "
                 f"manifest records {entry['size']} bytes, CRC32C {entry['crc32c']:08x} (damaged or replaced)"
             )
     return blob
@@ -146,7 +146,7 @@ def commit_replaced(storage: Storage, crc: int) -> bool:
     Every commit's bytes differ (each records its own save id). False where
     it cannot be read for another reason."""
     try:
-        return crc32c.crc32c(read_capped(storage, METADATA, METADATA_LIMIT)) != crc
+        return crc32c(read_capped(storage, METADATA, METADATA_LIMIT)) != crc
     except StorageNotFound:
         return True
     except CheckpointError:

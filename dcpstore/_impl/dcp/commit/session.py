@@ -60,7 +60,6 @@ import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-import crc32c
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.storage import WriteResult
 
@@ -86,6 +85,7 @@ from dcpstore._impl.format.layout import (
 )
 from dcpstore._impl.format.manifest import FileEntry, build_manifest
 from dcpstore._impl.storage import Storage
+from dcpstore._impl.util.checksum import crc32c
 from dcpstore._impl.util.errors import CheckpointError, CheckpointExists, InvalidArgument, SaveError
 from dcpstore._impl.util.torch_compat import StorageInfo
 
@@ -323,7 +323,7 @@ class SaveSession:
                 if rec.raw is not None:
                     tensors[key] = list(rec.raw)
         for path, blob in sides.items():
-            files[path] = {"size": len(blob), "crc32c": crc32c.crc32c(blob)}
+            files[path] = {"size": len(blob), "crc32c": crc32c(blob)}
         metadata.storage_data = storage_data
         metadata.storage_meta = self.storage_meta()
         blob = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
@@ -331,7 +331,7 @@ class SaveSession:
             self.check_owner()
             for path, side in sides.items():
                 self.storage.put(path, side)
-            commit_point(self.storage, self.manifest, build_manifest(files, items, crc32c.crc32c(blob), tensors), blob)
+            commit_point(self.storage, self.manifest, build_manifest(files, items, crc32c(blob), tensors), blob)
         except BaseException:
             self.release()
             raise

@@ -41,7 +41,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-import crc32c
 import torch
 import torch.distributed as dist
 
@@ -50,6 +49,7 @@ from dcpstore._impl.dcp.liveness import Lease
 from dcpstore._impl.format.layout import METADATA
 from dcpstore._impl.manager.steps import DCPSTORE, step_dir
 from dcpstore._impl.storage import Storage
+from dcpstore._impl.util.checksum import crc32c
 from dcpstore._impl.util.errors import CheckpointCorrupt, CheckpointError, InvalidArgument, SaveError
 from dcpstore._impl.util.threads import Beside
 
@@ -195,7 +195,7 @@ def receive_share(
                     raise
                 if writer is not None:
                     data = piece.numpy().data
-                    crc = crc32c.crc32c(data, crc)
+                    crc = crc32c(data, crc)
                     try:
                         writer.write(data)
                     except CheckpointError as e:
@@ -512,7 +512,7 @@ def _fetch_file(local: Storage, durable: Storage, path: str, commit: Commit, nam
         crc = 0
         for offset in range(0, entry["size"], CHUNK):
             data = durable.read_range(path, offset, min(CHUNK, entry["size"] - offset))
-            crc = crc32c.crc32c(data, crc)
+            crc = crc32c(data, crc)
             writer.write(data)
         if writer.tell() != entry["size"] or crc != entry["crc32c"]:
             raise CheckpointCorrupt(

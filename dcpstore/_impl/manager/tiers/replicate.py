@@ -67,8 +67,6 @@ import time
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 
-import crc32c
-
 from dcpstore._impl.dcp.commit import Commit, publish_copy, read_commit
 from dcpstore._impl.dcp.liveness import Lease
 from dcpstore._impl.format.layout import METADATA, REPLICA_REPORT_PREFIX, is_replica_report
@@ -82,6 +80,7 @@ from dcpstore._impl.format.manifest import (
 )
 from dcpstore._impl.manager.steps import parse_step_dir, step_dir
 from dcpstore._impl.storage import Storage
+from dcpstore._impl.util.checksum import crc32c
 from dcpstore._impl.util.errors import CheckpointCorrupt, CheckpointError, SaveError, StorageNotFound
 
 log = logging.getLogger(__name__)
@@ -178,7 +177,7 @@ def copy_file(local: Storage, durable: Storage, path: str, expected: FileEntry |
             data = local.read_range(path, offset, min(chunk, size - offset))
             if not data:
                 break
-            crc = crc32c.crc32c(data, crc)
+            crc = crc32c(data, crc)
             writer.write(data)
             offset += len(data)
         got: FileEntry = {"size": offset, "crc32c": crc}

@@ -56,14 +56,13 @@ from collections.abc import Callable
 from concurrent.futures import Future, wait
 from typing import Any, TypeVar
 
-import crc32c
-
 from dcpstore._impl.storage.backend_base import BackendBase, errors_mapped
 from dcpstore._impl.storage.backends.s3.client import sends_checksums
 from dcpstore._impl.storage.byte_ranges import ceil_div
 from dcpstore._impl.storage.incomplete import IncompleteWrite
 from dcpstore._impl.storage.lending_writer import LendingObjectWriter, Part, PartBody
 from dcpstore._impl.storage.storage_options import MiB
+from dcpstore._impl.util.checksum import crc32c
 from dcpstore._impl.util.errors import CheckpointError, StorageError, StorageNotFound
 
 T = TypeVar("T")
@@ -77,7 +76,7 @@ _MAX_PARTS = 10_000
 def checksum_args(body: bytes | bytearray | memoryview | PartBody) -> dict[str, str]:
     """The ``ChecksumCRC32C`` argument of a PutObject / UploadPart of ``body``
     (S3 rejects the request if the bytes it received do not match)."""
-    crc = body.crc32c() if isinstance(body, PartBody) else crc32c.crc32c(body)
+    crc = body.crc32c() if isinstance(body, PartBody) else crc32c(body)
     return {"ChecksumCRC32C": base64.b64encode(crc.to_bytes(4, "big")).decode()}
 
 

@@ -1,6 +1,23 @@
-"""CRC32C helpers: one pass over the bytes for both the item and the file CRC.
+"""CRC32C: the one checksum dcpstore writes and verifies, and its helpers.
 
-The writer records a CRC32C per item and per data file. Feeding every byte to
+:func:`crc32c` is the only function that checksums bytes; every module calls
+it from here. It runs on one of two libraries, which compute the same CRC-32C
+(iSCSI) and release the GIL:
+
+* ``awscrt`` (AWS's common runtime, ``pip install dcpstore[crt]`` or
+  ``boto3[crt]``) when it is installed: where the CPU has VPCLMULQDQ it folds
+  with carry-less multiplies, about twice the ``crc32c`` package's speed on a
+  buffer in cache, which takes 6-10% off a local save's or load's CPU
+  (BENCHMARKS.md, "The local disk at its limit");
+* the ``crc32c`` package otherwise (a dependency): the hardware ``crc32`` loop.
+
+``awscrt`` is not a dependency because its presence changes botocore: botocore
+then signs every request with the CRT's signer, and boto3's transfer manager
+(``upload_fileobj``, which MSC calls) switches to the CRT's S3 client on the
+instance types AWS optimises for. That is the user's choice to make.
+
+One pass over the bytes serves both the item and the file CRC. The writer
+records a CRC32C per item and per data file. Feeding every byte to
 two running CRCs costs two passes over the data; instead a large write is
 checksummed once and its CRC is *appended* to the running CRCs with
 :func:`crc32c_combine` -- the GF(2) polynomial arithmetic of zlib's
@@ -14,8 +31,32 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from functools import cache
+from typing import Any
 
-import crc32c as _crc32c
+from typing_extensions import Buffer
+
+_compute: Callable[[Any, int], int]
+try:
+    from awscrt import checksums as _crt
+
+    _compute = _crt.crc32c
+    #: The library :func:`crc32c` runs on (benchmark results record it).
+    CRC32C_LIBRARY = "awscrt"
+except ImportError:
+    import crc32c as _crc32c_package
+
+    _compute = _crc32c_package.crc32c
+    CRC32C_LIBRARY = "crc32c"
+
+
+def crc32c(data: Buffer, crc: int = 0) -> int:
+    """CRC-32C (Castagnoli) of ``data``, continuing a running ``crc``.
+
+    ``data`` is any C-contiguous buffer (bytes, a memoryview of a tensor's
+    storage, an mmap); the GIL is released while it is read.
+    """
+    return _compute(data, crc)
+
 
 #: CRC-32C (Castagnoli), bit-reversed, as the hardware instruction uses it.
 _POLY = 0x82F63B78
@@ -87,7 +128,7 @@ def crc32c_concat(parts: Iterable[tuple[int, int]]) -> int:
         if length < _ZEROS_MAX:
             # crc(A + B) = crc(zeros(len B), crc(A)) ^ crc(zeros(len B)) ^ crc(B): CRCs are affine.
             zeros = _ZEROS[:length]
-            crc = _crc32c.crc32c(zeros, crc) ^ _crc32c.crc32c(zeros) ^ part_crc
+            crc = crc32c(zeros, crc) ^ crc32c(zeros) ^ part_crc
         else:
             crc = crc32c_combine(crc, part_crc, length)
     return crc
@@ -114,10 +155,10 @@ class DualCrc:
         """Append ``data`` to both CRCs; return its own CRC32C if a large
         write needed it anyway (None for small writes)."""
         if data.nbytes < COMBINE_MIN:
-            self.item = _crc32c.crc32c(data, self.item)
-            self.file = _crc32c.crc32c(data, self.file)
+            self.item = crc32c(data, self.item)
+            self.file = crc32c(data, self.file)
             return None
-        crc: int = _crc32c.crc32c(data)
+        crc: int = crc32c(data)
         self.append(crc, data.nbytes)
         return crc
 
@@ -147,7 +188,7 @@ def file_and_span_crcs(
         piece = memoryview(read(pos, min(chunk, size - pos)))
         if not piece:
             break
-        file_crc = _crc32c.crc32c(piece, file_crc)
+        file_crc = crc32c(piece, file_crc)
         end = pos + len(piece)
         while first < len(order) and sum(spans[order[first]]) <= pos:
             first += 1
@@ -156,7 +197,7 @@ def file_and_span_crcs(
             offset, length = spans[order[k]]
             lo, hi = max(pos, offset), min(end, offset + length)
             if lo < hi:
-                crcs[order[k]] = _crc32c.crc32c(piece[lo - pos : hi - pos], crcs[order[k]])
+                crcs[order[k]] = crc32c(piece[lo - pos : hi - pos], crcs[order[k]])
             k += 1
         pos = end
     return file_crc, crcs, pos
