@@ -33,12 +33,10 @@ import argparse
 import contextlib
 import json
 import os
-import shlex
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -214,17 +212,9 @@ def main() -> None:
         summary.append({"backend": backend, "group": group, "workers": workers, "median": med, "all": cell})
     if args.json:
         sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        from dcpstore._impl.bench.report import checkout_commit, git_commit, git_dirty, machine
+        from dcpstore._impl.bench.report import checkout_commit, result_meta
 
-        meta = {
-            "command": shlex.join(["python", "benchmarks/ab_bench.py", *argv]),
-            "label": args.label,
-            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "git_commit": git_commit(),
-            "git_dirty": git_dirty(),
-            "machine": machine(),
-            "sides": {name: checkout_commit(path) for name, path in sides},
-        }
+        meta = result_meta("ab_bench.py", argv, args.label, sides={name: checkout_commit(path) for name, path in sides})
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "args": vars(args), "rows": summary}, f, indent=1, default=str)
             f.write("\n")

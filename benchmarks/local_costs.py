@@ -60,12 +60,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import shutil
 import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -86,7 +84,7 @@ from dcpstore._impl.bench.measure import (  # noqa: E402
     zero_state,
     zeros_like_state,
 )
-from dcpstore._impl.bench.report import git_commit, git_dirty, machine  # noqa: E402
+from dcpstore._impl.bench.report import result_meta  # noqa: E402
 from dcpstore._impl.util.checksum import CRC32C_LIBRARY, crc32c  # noqa: E402
 
 SAVES = ("raw", "dcpstore sync", "stock dcp.save", "clone", "copy into reused", "dcpstore async")
@@ -225,15 +223,13 @@ def main() -> None:
         verdict = "" if goal["bound"] is None else f" vs {goal['bound']:.2f}: {'met' if goal['met'] else 'missed'}"
         print(f"  {goal['goal']}: {goal['value']:.2f}{verdict}")
     if args.json:
-        meta = {
-            "command": shlex.join(["python", "benchmarks/local_costs.py", *argv]),
-            "label": args.label,
-            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "git_commit": git_commit(),
-            "git_dirty": git_dirty(),
-            "machine": machine(),
+        doc = {
+            "meta": result_meta("local_costs.py", argv, args.label),
+            "args": vars(args),
+            "bytes": nbytes,
+            "rows": rows,
+            "goals": goals,
         }
-        doc = {"meta": meta, "args": vars(args), "bytes": nbytes, "rows": rows, "goals": goals}
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)
             f.write("\n")

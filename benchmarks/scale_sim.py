@@ -60,7 +60,6 @@ import gc
 import json
 import os
 import re
-import shlex
 import sys
 import threading
 import time
@@ -77,7 +76,7 @@ import torch  # noqa: E402
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner  # noqa: E402
 
 from dcpstore._impl.bench import make_state, parse_int_list, parse_size  # noqa: E402
-from dcpstore._impl.bench.report import git_commit, git_dirty, machine  # noqa: E402
+from dcpstore._impl.bench.report import result_meta  # noqa: E402
 from dcpstore._impl.dcp.reader import DcpStorageReader  # noqa: E402
 from dcpstore._impl.dcp.writer import DcpStorageWriter  # noqa: E402
 from dcpstore._impl.format.layout import is_data_file, spread_dir  # noqa: E402
@@ -861,21 +860,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(_text(load_table(points)))
     if args.json:
         doc = {
-            "meta": {
-                "command": shlex.join(
-                    ["python", "benchmarks/scale_sim.py", *(argv if argv is not None else sys.argv[1:])]
-                ),
-                "label": args.label,
-                "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                "machine": machine(),
-                "git_commit": git_commit(),
-                "git_dirty": git_dirty(),
-                "model": asdict(model),
-                "max_concurrency": options.max_concurrency,
-                "state_bytes": parse_size(args.size),
-                "tensors": args.tensors,
-                "load_sample": args.load_sample,
-            },
+            "meta": result_meta(
+                "scale_sim.py",
+                argv if argv is not None else sys.argv[1:],
+                args.label,
+                model=asdict(model),
+                max_concurrency=options.max_concurrency,
+                state_bytes=parse_size(args.size),
+                tensors=args.tensors,
+                load_sample=args.load_sample,
+            ),
             "points": [asdict(pt) for pt in points],
         }
         with open(args.json, "w") as f:

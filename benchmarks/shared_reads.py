@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import statistics
 import subprocess
 import sys
@@ -223,20 +222,17 @@ def main(argv: list[str] | None = None) -> None:
         )
     if args.json:
         sys.path.insert(0, os.path.dirname(HERE))
-        from dcpstore._impl.bench.report import checkout_commit, git_commit, git_dirty, machine
+        from dcpstore._impl.bench.report import checkout_commit, result_meta
 
-        meta = {
-            "command": shlex.join(["python", "benchmarks/shared_reads.py", *argv]),
-            "label": args.label,
-            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "git_commit": git_commit(),
-            "git_dirty": git_dirty(),
-            "machine": machine(),
-            "sides": {name: checkout_commit(path) for name, path in sides},
-            "size_mib": args.size_mib,
-            "wan": {"latency_ms": args.latency_ms, "rate_mbps": args.rate_mbps, "total_mbps": args.total_mbps},
-            "rounds": args.rounds,
-        }
+        meta = result_meta(
+            "shared_reads.py",
+            argv,
+            args.label,
+            sides={name: checkout_commit(path) for name, path in sides},
+            size_mib=args.size_mib,
+            wan={"latency_ms": args.latency_ms, "rate_mbps": args.rate_mbps, "total_mbps": args.total_mbps},
+            rounds=args.rounds,
+        )
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=2)
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import shutil
 import socket
 import statistics
@@ -48,7 +47,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-from dcpstore._impl.bench.report import git_commit, git_dirty, machine  # noqa: E402
+from dcpstore._impl.bench.report import result_meta  # noqa: E402
 
 KINDS = ("plain", "tiered-shared", "tiered-nodes")
 
@@ -148,18 +147,9 @@ def main(argv: list[str] | None = None) -> None:
                 f"{row['local_commit_s']:>15.3f} {row['local_commit_x']:>7.2f}x"
             )
     if args.json:
-        meta = {
-            "command": shlex.join(
-                ["python", "benchmarks/tiered_nodes.py", *(argv if argv is not None else sys.argv[1:])]
-            ),
-            "label": args.label,
-            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "git_commit": git_commit(),
-            "git_dirty": git_dirty(),
-            "machine": machine(),
-            "saves": args.saves,
-            "ranks": 2,
-        }
+        meta = result_meta(
+            "tiered_nodes.py", argv if argv is not None else sys.argv[1:], args.label, saves=args.saves, ranks=2
+        )
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": results}, f, indent=2)
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import shutil
 import socket
 import statistics
@@ -46,7 +45,7 @@ import torch.multiprocessing as mp
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # run from a checkout
 
-from dcpstore._impl.bench.report import git_commit, git_dirty, machine  # noqa: E402
+from dcpstore._impl.bench.report import result_meta  # noqa: E402
 
 KINDS = {"durable": 1, "peers": 2, "fetch": 2}
 WORLD, PER_NODE = 4, 2
@@ -193,18 +192,15 @@ def main(argv: list[str] | None = None) -> None:
             f"{r['resume_durable_bytes']:>14.0f} {r['peer_bytes_per_step']:>16.0f}"
         )
     if args.json:
-        meta = {
-            "command": shlex.join(["python", "benchmarks/tiered_peers.py", *argv]),
-            "label": args.label,
-            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "git_commit": git_commit(),
-            "git_dirty": git_dirty(),
-            "machine": machine(),
-            "ranks": WORLD,
-            "ranks_per_node": PER_NODE,
-            "size_mib_per_rank": args.size_mib,
-            "wan": {"latency_ms": args.latency_ms, "rate_mbps": args.rate_mbps, "total_mbps": args.total_mbps},
-        }
+        meta = result_meta(
+            "tiered_peers.py",
+            argv,
+            args.label,
+            ranks=WORLD,
+            ranks_per_node=PER_NODE,
+            size_mib_per_rank=args.size_mib,
+            wan={"latency_ms": args.latency_ms, "rate_mbps": args.rate_mbps, "total_mbps": args.total_mbps},
+        )
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=2)
 

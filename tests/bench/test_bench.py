@@ -619,3 +619,15 @@ def test_compare_measures_the_wan_targets_rows_again(tmp_path) -> None:
     assert all(sorted(repeats[name]) == [0, 1, 2] for name in expected), repeats
     assert all(rs == [0] for name, rs in repeats.items() if name not in expected), repeats
     assert {r["name"]: r["repeats"] for r in doc["summary"] if r["name"] in expected} == dict.fromkeys(expected, 3)
+
+
+def test_a_result_files_meta_says_how_to_run_it_again_and_on_what() -> None:
+    from dcpstore._impl.bench.report import git_commit, result_meta
+    from dcpstore._impl.util.checksum import CRC32C_LIBRARY
+
+    meta = result_meta("local_costs.py", ["--label", "two words", "--rounds", "3"], "two words", rounds=3)
+    assert meta["command"] == "python benchmarks/local_costs.py --label 'two words' --rounds 3"
+    assert meta["label"] == "two words" and meta["rounds"] == 3
+    assert meta["git_commit"] == git_commit()  # None in a copy without git: a test runs from any copy
+    assert meta["machine"]["cpus"] and meta["machine"]["crc32c"] == CRC32C_LIBRARY
+    assert time.strptime(meta["date"], "%Y-%m-%dT%H:%M:%S%z")

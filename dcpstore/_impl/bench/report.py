@@ -6,7 +6,9 @@ import datetime as _dt
 import json
 import os
 import platform
+import shlex
 import subprocess
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -211,6 +213,22 @@ def machine() -> dict[str, Any]:
     except ImportError:
         pass
     return info
+
+
+def result_meta(script: str, argv: Sequence[str], label: str | None, **more: Any) -> dict[str, Any]:
+    """A result file's ``meta``: the command that makes it again
+    (``python benchmarks/<script> <argv>``), its label, when and on which
+    commit (and whether the checkout differed) it ran, the machine, and
+    what else the benchmark records (``more``)."""
+    return {
+        "command": shlex.join(["python", f"benchmarks/{script}", *argv]),
+        "label": label,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "git_commit": git_commit(),
+        "git_dirty": git_dirty(),
+        "machine": machine(),
+        **more,
+    }
 
 
 def write_json(path: str, records: Sequence[Record | dict[str, Any]], meta: dict[str, Any] | None = None) -> None:
