@@ -179,6 +179,7 @@ SOURCES: dict[str, tuple[Source, ...]] = {
     "shared-reads": (Source("shared_reads.json", TIERED),),
     "local-disk": (Source("local_disk_ab.json", LOCAL),),
     "local-costs": (Source("local_costs.json", LOCAL),),
+    "checksum": (Source("checksum.json", ("dcpstore/_impl/util/checksum.py",)),),
     "wan-scale": (Source("wan_scale.json", OBJECT_STORE),),
 }
 
@@ -212,6 +213,8 @@ COMMANDS = {
     "local_disk_ab.json": "python benchmarks/ab_bench.py --a before=/work/before-44 --b after=. --backends local "
     "--size 512MiB --tensors 16 --workers 2 --repeat 3 --rounds 5 --limit --label LABEL "
     "--json benchmarks/results/local_disk_ab.json",
+    # With the crt extra installed, so that the table has an awscrt row.
+    "checksum.json": "python benchmarks/checksum.py --label LABEL --json benchmarks/results/checksum.json",
     "local_costs.json": "python benchmarks/local_costs.py --size-mib 512 --tensors 16 --threads 2 --rounds 9 "
     "--label LABEL --json benchmarks/results/local_costs.json",
     "shared_reads.json": "python benchmarks/shared_reads.py --a before=/work/before --b after=. --size-mib 64 "
@@ -605,6 +608,20 @@ def local_costs_block(doc: Doc) -> str:
     )
 
 
+def checksum_block(doc: Doc) -> str:
+    """``checksum.py``: each library's GB/s on a buffer in cache and from
+    memory, and each against the ``crc32c`` package (dcpstore's CRC32C
+    without ``awscrt``)."""
+    places = list(doc["places"])
+    base = doc["rows"]["crc32c"]
+    head = ["library", *(f"{p} GB/s" for p in places), *(f"{p} vs crc32c" for p in places)]
+    body = [
+        [f"`{name}`", *(f"{row[p]:.1f}" for p in places), *(f"{row[p] / base[p]:.2f}x" for p in places)]
+        for name, row in doc["rows"].items()
+    ]
+    return targets.markdown_table(head, body)
+
+
 def gpu_check_block(doc: Doc) -> str:
     """``scripts/gpu-check.sh``'s summary: the machine, the cuda tests, the
     staging and blocked-time rows and their goals."""
@@ -750,6 +767,7 @@ def blocks(docs: dict[str, Doc]) -> dict[str, str]:
     out["local-costs"] = (
         local_costs_block(docs["local_costs.json"]) if "local_costs.json" in docs else pending("local_costs.json")
     )
+    out["checksum"] = checksum_block(docs["checksum.json"]) if "checksum.json" in docs else pending("checksum.json")
     return out
 
 
