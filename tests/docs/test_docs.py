@@ -207,7 +207,7 @@ def test_the_report_says_how_old_each_result_is_and_fails_nothing_for_it(
         f"age unknown: commit {scaling} is not in this repository's history (a shallow clone, or a squashed branch?)"
     )
     monkeypatch.setattr(report, "STALE_AFTER", 4)
-    assert report.ages(page, aged)[0] == head
+    assert {line.split(" ")[0]: line for line in report.ages(page, aged)}["compare.json"] == head
     # Against a history that lacks every result's commit, the check passes and only says so.
     assert main_check(report, capsys) == (0, "age unknown")
     archive = tmp_path / "archive"  # no git directory in it, nor above it (GIT_CEILING_DIRECTORIES)

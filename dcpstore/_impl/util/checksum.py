@@ -7,7 +7,7 @@ it from here. It runs on one of two libraries, which compute the same CRC-32C
 * ``awscrt`` (AWS's common runtime, ``pip install dcpstore[crt]`` or
   ``boto3[crt]``) when it is installed: where the CPU has VPCLMULQDQ it folds
   with carry-less multiplies, about twice the ``crc32c`` package's speed on a
-  buffer in cache, which takes 6-10% off a local save's or load's CPU
+  buffer in cache, which takes about a tenth off a local save's or load's CPU
   (BENCHMARKS.md, "The local disk at its limit");
 * the ``crc32c`` package otherwise (a dependency): the hardware ``crc32`` loop.
 
