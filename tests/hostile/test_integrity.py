@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
 import dcpstore
 from dcpstore._impl.dcp.commit import read_checkpoint_metadata
-from dcpstore._impl.format.layout import MANIFEST, manifest_name, save_tag
+from dcpstore._impl.format.layout import DATA_ALIGN, MANIFEST, manifest_name, save_tag
 from dcpstore._impl.tools.maintenance import verify_checkpoint
 from dcpstore.storage import open_storage
 from tests.support.backends import Target
@@ -240,8 +240,79 @@ def test_a_location_no_load_uses_changes_nothing(tmp_path) -> None:
     assert torch.equal(dest["w"], state["w"])
 
 
-def test_a_damaged_file_crc_in_the_manifest_fails_load_and_verify_alike(saved: tuple[str, dict]) -> None:
-    root, state = saved
+def _padded_state() -> dict:
+    """Small records of odd sizes between large tensors: the large ones'
+    records are aligned (``DATA_ALIGN``), after zero pads."""
+    g = torch.Generator().manual_seed(7)
+    return {
+        "a": torch.randn(3, generator=g),
+        "big1": torch.randn(70_001, generator=g),
+        "b": torch.randint(0, 9, (13,), generator=g, dtype=torch.int8),
+        "big2": torch.randn(5, 40_000, generator=g).bfloat16(),
+        "step": 7,
+    }
+
+
+@pytest.fixture
+def padded(tmp_path) -> tuple[str, dict]:
+    root = str(tmp_path / "ck")
+    state = _padded_state()
+    dcpstore.save(state, root, workers=1).result()
+    return root, state
+
+
+def _pads(root: str) -> list[tuple[int, bytes]]:
+    """``(offset, bytes)`` of every gap between the items of the one data file."""
+    md, _ = read_checkpoint_metadata(open_storage(root))
+    (name,) = _data_files(root)
+    spans = sorted((i.offset, i.length) for i in md.storage_data.values())
+    blob = open(os.path.join(root, name), "rb").read()
+    ends = [0] + [offset + length for offset, length in spans]
+    assert ends[-1] == len(blob)
+    return [(end, blob[end:offset]) for (offset, _), end in zip(spans, ends) if offset > end]
+
+
+def test_a_large_tensor_starts_on_a_cache_line_after_a_zero_pad_every_reader_skips(padded) -> None:
+    """The kernel's copy between the page cache and a tensor is cheaper on
+    whole cache lines: a large tensor's bytes lie at a multiple of
+    ``DATA_ALIGN`` in its file, as they do in memory. The pad is zeros, in
+    no item; dcpstore's load, stock ``dcp.load`` and verify all read the
+    checkpoint as before."""
+    root, state = padded
+    md, manifest = read_checkpoint_metadata(open_storage(root))
+    assert manifest is not None
+    for index, info in md.storage_data.items():
+        value = state[index.fqn]
+        if isinstance(value, torch.Tensor) and value.nbytes >= 64 << 10:
+            inside, nbytes = manifest["tensors"][f"{info.relative_path}@{info.offset}"]
+            assert nbytes == value.nbytes and (info.offset + inside) % DATA_ALIGN == 0, (index.fqn, info)
+    pads = _pads(root)
+    assert pads and all(0 < len(pad) < DATA_ALIGN and not any(pad) for _, pad in pads), pads
+    assert _verdicts(root, zeros_like_state(state)) == ("ok", "ok")
+    stock = zeros_like_state(state)
+    dcp.load(stock, storage_reader=FileSystemReader(root), no_dist=True)
+    assert_state_equal(stock, state)
+
+
+def test_a_damaged_pad_is_found_by_verify_and_no_load_reads_it(padded) -> None:
+    """A pad is in the file's CRC32C and in no item's: verify, which reads
+    whole files, says which file; a load, which reads items, gets every
+    value right."""
+    root, state = padded
+    (name,) = _data_files(root)
+    _flip(os.path.join(root, name), _pads(root)[0][0])
+    dest = zeros_like_state(state)
+    loaded, verified = _verdicts(root, dest)
+    assert loaded == "ok" and verified == f"{os.path.join(root, name)}: checksum mismatch (damaged data file)", verified
+    assert_state_equal(dest, state)
+
+
+@pytest.mark.parametrize("which", ["saved", "padded"])
+def test_a_damaged_file_crc_in_the_manifest_fails_load_and_verify_alike(request, which: str) -> None:
+    """Items tile their file, after the writer's pads: a file's CRC32C is
+    theirs (and the pads') combined, so no CRC in the manifest can be
+    damaged unseen."""
+    root, state = request.getfixturevalue(which)
     name = _data_files(root)[0]
     _edit_manifest(root, lambda m: m["files"][name].update(crc32c=(m["files"][name]["crc32c"] + 1) % 2**32))
     loaded, verified = _verdicts(root, zeros_like_state(state))

@@ -6,7 +6,9 @@ A checkpoint directory (or key prefix) holds, in stock DCP layout::
     .dcpstore.alive.<id>    a running writer's proof of life for gc, written
                             before its other files and removed at commit or
                             failure (:mod:`dcpstore._impl.dcp.liveness.alive_file`)
-    __{rank}_{n}.distcp     data files, one per writer thread per rank
+    __{rank}_{n}.distcp     data files, one per writer thread per rank: items one
+                            after another, a zero pad shorter than
+                            DATA_ALIGN before a large tensor's record
     p{d}/__{rank}_{n}.distcp  the same, spread over key prefixes (see below)
     <name>                  a commit file a caller hands the save (e.g. Lightning's
                             ``meta.pt``), written after every data file and
@@ -96,6 +98,13 @@ INFLIGHT = ".dcpstore.inflight"
 #: durable tier (``.dcpstore.replica.<rank>.<random>``; removed after that copy's commit).
 REPLICA_REPORT_PREFIX = ".dcpstore.replica."
 DATA_SUFFIX = ".distcp"
+#: A large tensor's record starts at a multiple of this in its data file,
+#: after a pad of zeros that belongs to no item: torch aligns a tensor's
+#: bytes to 64 inside the record, as in memory, so the kernel's copy between
+#: the page cache and the tensor runs on whole cache lines (see
+#: :mod:`~dcpstore._impl.format.record`). A gap shorter than this between
+#: items is such a pad (:func:`~.manifest.check_items_listed`).
+DATA_ALIGN = 64
 #: ``os.urandom(8).hex()``: what :class:`~dcpstore._impl.dcp.commit.SaveSession` makes.
 SAVE_ID_LEN = 16
 _SAVE_ID_RE = re.compile(rf"^[0-9a-f]{{{SAVE_ID_LEN}}}$")

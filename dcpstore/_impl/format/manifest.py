@@ -25,7 +25,7 @@ import json
 from collections.abc import Callable, Iterable
 from typing import Any, TypedDict
 
-from dcpstore._impl.format.layout import commit_file_of, commit_file_problem, is_data_file, item_key
+from dcpstore._impl.format.layout import DATA_ALIGN, commit_file_of, commit_file_problem, is_data_file, item_key
 from dcpstore._impl.storage.base import Storage
 from dcpstore._impl.util.checksum import crc32c, crc32c_concat
 from dcpstore._impl.util.errors import CheckpointCorrupt, ObjectTooLarge
@@ -207,10 +207,12 @@ def check_items_listed(
     """The manifest describes exactly what ``.metadata`` stores: every item
     listed, inside its file, its tensor bytes (if located) inside the item;
     every file it lists named by ``.metadata``; and each file's CRC32C the
-    combination of its items' where they tile the file (so that no CRC in
-    it can be damaged unseen: a load checks items, verify files too). What a
-    load checks before it trusts a byte; shared by load and verify, so that
-    verify says OK exactly when a load would get past these checks."""
+    combination of its items' where they tile the file, each item after at
+    most a writer's pad of zeros (shorter than :data:`~.layout.DATA_ALIGN`),
+    so that no CRC in it can be damaged unseen: a load checks items, verify
+    files too. What a load checks before it trusts a byte; shared by load
+    and verify, so that verify says OK exactly when a load would get past
+    these checks."""
     files, crcs, tensors = manifest["files"], manifest["items"], manifest["tensors"]
     per_file: dict[str, list[tuple[int, int]]] = {}
     for label, path, offset, length in items:
@@ -239,16 +241,33 @@ def check_items_listed(
             f"does not name ({', '.join(unnamed[:3])})"
         )
     for path, spans in per_file.items():
-        spans.sort()
-        ends = [0] + [offset + length for offset, length in spans]
-        if any(offset != end for (offset, _), end in zip(spans, ends)) or ends[-1] != files[path]["size"]:
-            continue  # not back to back (another writer's layout): the file's CRC stands alone
-        combined = crc32c_concat((crcs[item_key(path, offset)], length) for offset, length in spans)
-        if combined != files[path]["crc32c"]:
+        items_crcs = [(offset, length, crcs[item_key(path, offset)]) for offset, length in sorted(spans)]
+        parts = _tiling(items_crcs, files[path]["size"])
+        if parts is None:
+            continue  # not one item after another (another writer's layout): the file's CRC stands alone
+        if crc32c_concat(parts) != files[path]["crc32c"]:
             raise CheckpointCorrupt(
                 f"{manifest_where}: damaged integrity manifest: checksum mismatch in items of {path}: "
                 f"files[{path!r}].crc32c is not the combination of its items' CRC32Cs"
             )
+
+
+def _tiling(items: list[tuple[int, int, int]], size: int) -> list[tuple[int, int]] | None:
+    """The ``(crc32c, length)`` pieces of a file of ``size`` bytes that its
+    items (sorted ``(offset, length, crc32c)``) tile, each after a pad of
+    zeros shorter than :data:`DATA_ALIGN` (what dcpstore's writer leaves);
+    None if they do not."""
+    parts = []
+    end = 0
+    for offset, length, crc in items:
+        pad = offset - end
+        if not 0 <= pad < DATA_ALIGN:
+            return None
+        if pad:
+            parts.append((crc32c(bytes(pad)), pad))
+        parts.append((crc, length))
+        end = offset + length
+    return parts if end == size else None
 
 
 def commit_files(manifest: Manifest | None, named: Iterable[str]) -> list[str]:

@@ -1,7 +1,15 @@
 """The tensor record codec: how one item lies in a data file, both ways.
 
 A DCP data file is a run of items: a bytes item is its bytes, a tensor item
-is one ``torch.save`` record. This module writes them
+is one ``torch.save`` record. A record of a tensor of :data:`ALIGN_MIN` bytes
+or more starts at a multiple of :data:`~.layout.DATA_ALIGN` in its file,
+after fewer zero bytes than that, which belong to no item: torch aligns the tensor's bytes to 64
+inside its record, so they then lie on a cache line in the file too, as
+they do in the tensor's memory. The kernel's copy between the page cache
+and a tensor costs about a third more CPU when the two are misaligned (a
+load or a save of 32 MiB float tensors, ``BENCHMARKS.md``). Readers find
+items by offset, stock DCP's too, so the pad changes nothing for them. This
+module writes them
 (:class:`RecordStream`: records one after another into an
 :class:`~dcpstore.storage.ObjectWriter`, each item's and the file's CRC32C
 computed on the way) and reads a tensor back out of an item's bytes
@@ -41,6 +49,7 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.planner import ReadItem, WriteItem
 
+from dcpstore._impl.format.layout import DATA_ALIGN
 from dcpstore._impl.format.record_zip import RecordBytes, record_entries, tensor_declaration
 from dcpstore._impl.util.checksum import COMBINE_MIN, DualCrc, crc32c
 from dcpstore._impl.util.torch_compat import (
@@ -52,6 +61,10 @@ from dcpstore._impl.util.torch_compat import (
 from dcpstore._impl.util.warning_filters import ignoring
 
 Saver = Callable[[Any, IO[bytes]], None]
+
+#: Tensors this large have their records aligned (:data:`DATA_ALIGN`);
+#: below it the copy's cost is noise and the pad is not (many small tensors).
+ALIGN_MIN = 64 << 10
 
 
 def _torch_save(obj: Any, stream: IO[bytes]) -> None:
@@ -173,6 +186,8 @@ class RecordStream:
     def write_item(self, data: io.BytesIO | torch.Tensor) -> WrittenItem:
         """Append one item: a bytes blob as it is, a tensor (already a
         :func:`compact_cpu_tensor`) as one record."""
+        if isinstance(data, torch.Tensor) and data.nbytes >= ALIGN_MIN:
+            self._pad_to(DATA_ALIGN)
         offset = self.tell()
         self._crc.start_item()
         raw = None
@@ -184,6 +199,14 @@ class RecordStream:
                 raw = (self._raw[0] - offset, self._raw[1])
         self._crc_catch_up()
         return WrittenItem(offset, self.tell() - offset, self._crc.item, raw)
+
+    def _pad_to(self, align: int) -> None:
+        """Zero bytes up to the next multiple of ``align``: in the file's
+        CRC, in no item's (the next item's starts after them)."""
+        pad = -self.tell() % align
+        if pad:
+            self._buf += bytes(pad)
+            self._crc_catch_up()
 
     def finish(self) -> tuple[int, int]:
         """Hand the buffered bytes on; the file's size and CRC32C."""
