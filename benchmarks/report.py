@@ -209,9 +209,9 @@ COMMANDS = {
     "tiered_peers.json": "python benchmarks/tiered_peers.py --size-mib 32 --saves 3 --rounds 3 --label LABEL "
     "--json benchmarks/results/tiered_peers.json",
     # /work/before: a worktree of the commit compared against (git worktree add /work/before COMMIT).
-    # /work/before-44: a worktree of the commit compared against (git worktree add /work/before-44 COMMIT).
-    "local_disk_ab.json": "python benchmarks/ab_bench.py --a before=/work/before-44 --b after=. --backends local "
-    "--size 512MiB --tensors 16 --workers 2 --repeat 3 --rounds 5 --limit --label LABEL "
+    # /work/before-align: a worktree of the commit compared against (git worktree add /work/before-align COMMIT).
+    "local_disk_ab.json": "python benchmarks/ab_bench.py --a before=/work/before-align --b after=. --backends local "
+    "--size 512MiB --tensors 16 --workers 2 --repeat 3 --rounds 11 --limit --label LABEL "
     "--json benchmarks/results/local_disk_ab.json",
     # With the crt extra installed, so that the table has an awscrt row.
     "checksum.json": "python benchmarks/checksum.py --label LABEL --json benchmarks/results/checksum.json",
