@@ -2,7 +2,7 @@
 
     python benchmarks/ab_bench.py --a main=/path/to/main --b branch=. \\
         [--backends local,s3] [--size 64MiB] [--tensors 16] [--workers 1,4] \\
-        [--repeat 3] [--rounds 5] [--limit] [--label TEXT] [--json FILE]
+        [--repeat 3] [--rounds 5] [--limit] [--cold] [--label TEXT] [--json FILE]
 
 Each round runs one ``python -m dcpstore._impl.cli bench URI -q --repeat
 N --json ...`` process per side (``dcpstore.cli`` in a checkout from before
@@ -13,6 +13,11 @@ only in dcpstore's code. The first repeat of each process warms it up
 (imports, first allocations) and is not counted. Rounds alternate the order (A B, then B A, ...) so that a
 slow spell of a shared machine lands on both alike. ``s3`` is a moto server
 on loopback (``benchmarks/servers.py``), started once for all runs.
+
+Local loads read the page cache (warm), or with ``--cold`` the disk: each
+side's ``dcpstore bench`` then drops the page cache before every local
+load, its own raw reader's too (root only: it empties the whole host's
+cache).
 
 Prints, per backend and worker count, the median save and load GB/s of each
 side, the client CPU seconds (steadier than wall time on a busy machine), and
@@ -96,12 +101,17 @@ def _cli_module(checkout: str) -> str:
     )
 
 
-def _warm(checkout: str) -> list[str]:
-    """The flag that keeps ``checkout``'s loads warm, as both sides' must be:
-    none since ``--drop-caches`` (warm is the default); ``--warm`` before it."""
+def _cache_flags(checkout: str, cold: bool) -> list[str]:
+    """The flags that make ``checkout``'s local loads warm, or cold
+    (``cold``), as both sides' must be: since ``--drop-caches``, warm is the
+    default and that flag makes them cold; before it, cold was the default
+    and ``--warm`` kept them warm."""
     source = os.path.join(checkout, *_cli_module(checkout).split(".")) + ".py"
     with open(source, encoding="utf-8") as f:
-        return [] if '"--drop-caches"' in f.read() else ["--warm"]
+        has_drop = '"--drop-caches"' in f.read()
+    if has_drop:
+        return ["--drop-caches"] if cold else []
+    return [] if cold else ["--warm"]
 
 
 def _bench(checkout: str, uri: str, args: argparse.Namespace, env: dict[str, str | None]) -> list[dict[str, Any]]:
@@ -121,7 +131,7 @@ def _bench(checkout: str, uri: str, args: argparse.Namespace, env: dict[str, str
             args.workers,
             "--repeat",
             str(args.repeat),
-            *_warm(checkout),
+            *_cache_flags(checkout, args.cold),
             *(["--limit"] if args.limit else []),
             "-q",
             "--json",
@@ -136,6 +146,10 @@ def _bench(checkout: str, uri: str, args: argparse.Namespace, env: dict[str, str
     bad = [r for r in records if r["status"] != "ok"]
     if bad:
         raise RuntimeError(f"{uri}: {bad[0]['name']}: {bad[0]['status']}: {bad[0]['reason']}")
+    if args.cold and any(r["backend"] == "local" and r.get("cold_read") is False for r in records):
+        raise RuntimeError(
+            f"--cold: {uri}: the page cache could not be dropped (it needs root: /proc/sys/vm/drop_caches)"
+        )
     return records
 
 
@@ -164,6 +178,11 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=3, help="saves per worker count per process; the first is warm-up")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--limit", action="store_true", help="also the storage's raw limit rows, in the same processes")
+    p.add_argument(
+        "--cold",
+        action="store_true",
+        help="drop the page cache before each local load (root only; empties the whole host's cache)",
+    )
     p.add_argument("--label", default="", help="what this run measures (recorded in the JSON)")
     p.add_argument("--json", metavar="FILE")
     argv = sys.argv[1:]
@@ -196,7 +215,7 @@ def main() -> None:
     a, b = args.a[0], args.b[0]
     print(
         f"dcpstore bench --size {args.size} --tensors {args.tensors} --workers {args.workers} --repeat {args.repeat} "
-        f"(warm loads); {args.rounds} rounds alternating {a}/{b}; medians, B/A = {b}/{a}"
+        f"({'cold' if args.cold else 'warm'} loads); {args.rounds} rounds alternating {a}/{b}; medians, B/A = {b}/{a}"
     )
     labels = ("save GB/s", "load GB/s", "save cpu s", "load cpu s")
     print(f"{'':20}" + "".join(f"{label:^25}" for label in labels))

@@ -178,6 +178,7 @@ SOURCES: dict[str, tuple[Source, ...]] = {
     "tiered-peers": (Source("tiered_peers.json", TIERED),),
     "shared-reads": (Source("shared_reads.json", TIERED),),
     "local-disk": (Source("local_disk_ab.json", LOCAL),),
+    "local-disk-cold": (Source("local_disk_cold_ab.json", LOCAL),),
     "local-costs": (Source("local_costs.json", LOCAL),),
     "checksum": (Source("checksum.json", ("dcpstore/_impl/util/checksum.py",)),),
     "wan-scale": (Source("wan_scale.json", OBJECT_STORE),),
@@ -213,6 +214,10 @@ COMMANDS = {
     "local_disk_ab.json": "python benchmarks/ab_bench.py --a before=/work/before-align --b after=. --backends local "
     "--size 512MiB --tensors 16 --workers 2 --repeat 3 --rounds 11 --limit --label LABEL "
     "--json benchmarks/results/local_disk_ab.json",
+    # As root: --cold drops the page cache before each load.
+    "local_disk_cold_ab.json": "python benchmarks/ab_bench.py --a before=/work/before-align --b after=. "
+    "--backends local --size 512MiB --tensors 16 --workers 2 --repeat 3 --rounds 7 --limit --cold --label LABEL "
+    "--json benchmarks/results/local_disk_cold_ab.json",
     # With the crt extra installed, so that the table has an awscrt row.
     "checksum.json": "python benchmarks/checksum.py --label LABEL --json benchmarks/results/checksum.json",
     "local_costs.json": "python benchmarks/local_costs.py --size-mib 512 --tensors 16 --threads 2 --rounds 9 "
@@ -763,6 +768,11 @@ def blocks(docs: dict[str, Doc]) -> dict[str, str]:
     )
     out["local-disk"] = (
         local_disk_block(docs["local_disk_ab.json"]) if "local_disk_ab.json" in docs else pending("local_disk_ab.json")
+    )
+    out["local-disk-cold"] = (
+        local_disk_block(docs["local_disk_cold_ab.json"])
+        if "local_disk_cold_ab.json" in docs
+        else pending("local_disk_cold_ab.json")
     )
     out["local-costs"] = (
         local_costs_block(docs["local_costs.json"]) if "local_costs.json" in docs else pending("local_costs.json")
