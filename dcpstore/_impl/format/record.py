@@ -1,15 +1,15 @@
 """The tensor record codec: how one item lies in a data file, both ways.
 
 A DCP data file is a run of items: a bytes item is its bytes, a tensor item
-is one ``torch.save`` record. A record of a tensor of :data:`ALIGN_MIN` bytes
-or more starts at a multiple of :data:`~.layout.DATA_ALIGN` in its file,
-after fewer zero bytes than that, which belong to no item: torch aligns the tensor's bytes to 64
-inside its record, so they then lie on a cache line in the file too, as
-they do in the tensor's memory. The kernel's copy between the page cache
-and a tensor costs about a third more CPU when the two are misaligned (a
-load or a save of 32 MiB float tensors, ``BENCHMARKS.md``). Readers find
-items by offset, stock DCP's too, so the pad changes nothing for them. This
-module writes them
+is one ``torch.save`` record. A record of a tensor of :data:`ALIGN_MIN`
+bytes or more starts at a multiple of :data:`~.layout.DATA_ALIGN` in its
+file, after fewer zero bytes than that, which belong to no item. Torch
+aligns a tensor's bytes to 64 inside its record, so they then lie on cache
+lines in the file as they do in memory: the kernel's copy between the page
+cache and a tensor costs more CPU when the two are misaligned
+(``BENCHMARKS.md``, "The local disk at its limit"). Readers find items by
+offset, stock DCP's too, so the pad changes nothing for them. This module
+writes them
 (:class:`RecordStream`: records one after another into an
 :class:`~dcpstore.storage.ObjectWriter`, each item's and the file's CRC32C
 computed on the way) and reads a tensor back out of an item's bytes
