@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 import dcpstore
 from dcpstore._impl.dcp.commit import read_checkpoint_metadata
 from dcpstore._impl.format.layout import DATA_ALIGN, MANIFEST, manifest_name, save_tag
+from dcpstore._impl.format.record import ALIGN_MIN
 from dcpstore._impl.tools.maintenance import verify_checkpoint
 from dcpstore.storage import open_storage
 from tests.support.backends import Target
@@ -283,7 +284,7 @@ def test_a_large_tensor_starts_on_a_cache_line_after_a_zero_pad_every_reader_ski
     assert manifest is not None
     for index, info in md.storage_data.items():
         value = state[index.fqn]
-        if isinstance(value, torch.Tensor) and value.nbytes >= 64 << 10:
+        if isinstance(value, torch.Tensor) and value.nbytes >= ALIGN_MIN:
             inside, nbytes = manifest["tensors"][f"{info.relative_path}@{info.offset}"]
             assert nbytes == value.nbytes and (info.offset + inside) % DATA_ALIGN == 0, (index.fqn, info)
     pads = _pads(root)

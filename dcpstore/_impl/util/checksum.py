@@ -7,8 +7,9 @@ it from here. It runs on one of two libraries, which compute the same CRC-32C
 * ``awscrt`` (AWS's common runtime, ``pip install dcpstore[crt]`` or
   ``boto3[crt]``) when it is installed: where the CPU has VPCLMULQDQ it folds
   with carry-less multiplies, about twice the ``crc32c`` package's speed on a
-  buffer in cache, which takes about a tenth off a local save's or load's CPU
-  (BENCHMARKS.md, "The local disk at its limit");
+  buffer in cache (BENCHMARKS.md's checksum table), which took about a tenth
+  off a local save's or load's CPU in an A/B (``local_disk_ab.json`` as of
+  commit ``fe0916f``; BENCHMARKS.md, "The local disk at its limit");
 * the ``crc32c`` package otherwise (a dependency): the hardware ``crc32`` loop.
 
 ``awscrt`` is not a dependency because its presence changes botocore: botocore
