@@ -33,6 +33,7 @@ only.
 
 from __future__ import annotations
 
+import mmap
 import os
 import threading
 import time
@@ -107,6 +108,41 @@ class StorageContract:
         assert storage.read_range("big.bin", 7 * MiB, 2)[:1] == bytes([7])
         whole = storage.read("big.bin")
         assert len(whole) == 13 * MiB and whole[12 * MiB] == 12
+
+    def test_lent_writes_land_in_order_wherever_they_lie(self, storage: Storage) -> None:
+        """``write_lent`` of buffers that lie at the object's offset modulo a
+        page in memory or not, whole pages or not, among plain writes: the
+        object is every byte in order (whatever a writer sends past a cache,
+        ``ObjectWriter.direct_align``)."""
+        page = 4096
+        memory = mmap.mmap(-1, 4 * MiB)  # page-aligned
+        memory.write(os.urandom(4 * MiB))
+        view = memoryview(memory)
+        expected = bytearray()
+        with storage.open_write("lent.bin") as w:
+
+            def lent(start: int, length: int) -> None:
+                w.write_lent(view[start : start + length], memory)
+                expected.extend(view[start : start + length])
+
+            def plain(data: bytes) -> None:
+                w.write(data)
+                expected.extend(data)
+
+            plain(b"h" * 100)
+            lent(100, 2 * MiB + 50)  # at its file offset within a page: a head, whole pages, a tail
+            lent(7, MiB)  # not
+            lent(len(expected) % page + page, 3 * page)  # whole pages after a head
+            plain(b"t" * (-len(expected) % page))
+            lent(0, page - 1)  # page-aligned, shorter than a page
+            lent(page, MiB)  # misaligned by one byte against the object
+            lent(len(expected) % page, 5)
+            plain(b"u" * (-len(expected) % page))
+            lent(2 * page, 4 * page)  # whole pages only
+            assert w.tell() == len(expected)
+        assert storage.read("lent.bin") == expected
+        view.release()
+        memory.close()
 
     @pytest.mark.parametrize("hint", [100, 6 * MiB, 13 * MiB + 5])
     def test_a_size_hint_is_only_a_hint(self, storage: Storage, hint: int) -> None:

@@ -38,6 +38,7 @@ from dcpstore.adapters.megatron import (
     megatron_msc_enabled,
     plan_caching_supported,
 )
+from tests.support import extras
 from tests.support.backends import Target
 from tests.support.dist_utils import run_ranks
 
@@ -386,10 +387,6 @@ def test_ckpt_step_is_resumed_on_every_rank(tmp_path: Path) -> None:
     run_ranks(_ckpt_step_job, 2, str(tmp_path / "run"), timeout=240)
 
 
-#: Targets (backends.TARGETS) NVRx can write to: POSIX paths and MSC URLs.
-NVRX_TARGETS = {"local", "local+msc", "msc", "s3+msc"}
-
-
 @pytest.mark.parametrize("engine", ["auto", "native", "nvrx"])
 def test_engine_and_backend_are_accepted_exactly_where_they_work(target: Target, engine: str) -> None:
     """engine x backend: auto (what it prefers there) and native everywhere, NVRx on POSIX and MSC
@@ -398,7 +395,7 @@ def test_engine_and_backend_are_accepted_exactly_where_they_work(target: Target,
     if engine == "nvrx" and not HAS_NVRX:
         pytest.skip("nvidia-resiliency-ext not installed")
     kwargs: dict[str, Any] = {"save": target.uri, "async_save": True, "options": target.save_options(engine=engine)}
-    if engine != "nvrx" or target.name in NVRX_TARGETS:
+    if engine != "nvrx" or target.name in extras.NVRX_TARGETS:
         info = dcpstore.save(
             {"w": torch.ones(2)}, f"{target.uri}/probe", async_=True, engine=engine, **target.kwargs
         ).result()

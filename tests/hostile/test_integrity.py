@@ -18,8 +18,8 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
 import dcpstore
 from dcpstore._impl.dcp.commit import read_checkpoint_metadata
-from dcpstore._impl.format.layout import DATA_ALIGN, MANIFEST, manifest_name, save_tag
-from dcpstore._impl.format.record import ALIGN_MIN
+from dcpstore._impl.format.layout import DATA_ALIGN, DIRECT_ALIGN, MANIFEST, PAD_LIMIT, manifest_name, save_tag
+from dcpstore._impl.format.record import ALIGN_MIN, DIRECT_MIN
 from dcpstore._impl.tools.maintenance import verify_checkpoint
 from dcpstore.storage import open_storage
 from tests.support.backends import Target
@@ -241,24 +241,40 @@ def test_a_location_no_load_uses_changes_nothing(tmp_path) -> None:
     assert torch.equal(dest["w"], state["w"])
 
 
-def _padded_state() -> dict:
+def _padded_state(scale: int = 1) -> dict:
     """Small records of odd sizes between large tensors: the large ones'
-    records are aligned (``DATA_ALIGN``), after zero pads."""
+    records are aligned (``DATA_ALIGN``, or their memory's offset in a page
+    under direct I/O: ``scale`` 8 makes them large enough), after zero pads."""
     g = torch.Generator().manual_seed(7)
     return {
         "a": torch.randn(3, generator=g),
-        "big1": torch.randn(70_001, generator=g),
+        "big1": torch.randn(70_001 * scale, generator=g),
         "b": torch.randint(0, 9, (13,), generator=g, dtype=torch.int8),
-        "big2": torch.randn(5, 40_000, generator=g).bfloat16(),
+        "big2": torch.randn(5, 40_000 * scale, generator=g).bfloat16(),
         "step": 7,
     }
 
 
-@pytest.fixture
-def padded(tmp_path) -> tuple[str, dict]:
-    root = str(tmp_path / "ck")
-    state = _padded_state()
-    dcpstore.save(state, root, workers=1).result()
+#: How the padded checkpoint is written: buffered, or its large tensors'
+#: pages with direct I/O (pads up to a page).
+PADDINGS = {"buffered": False, "direct": True}
+
+
+@pytest.fixture(params=list(PADDINGS))
+def padded(request, tmp_path) -> tuple[str, dict]:
+    return _save_padded(str(tmp_path / "ck"), PADDINGS[request.param])
+
+
+def _save_padded(root: str, direct: bool) -> tuple[str, dict]:
+    state = _padded_state(8 if direct else 1)
+    dcpstore.save(state, root, workers=1, storage_options=dcpstore.StorageOptions(direct_io=direct)).result()
+    if direct:  # each large tensor's bytes lie at their memory's offset in a page
+        md, manifest = read_checkpoint_metadata(open_storage(root))
+        for index, info in md.storage_data.items():
+            value = state[index.fqn]
+            if isinstance(value, torch.Tensor) and value.nbytes >= DIRECT_MIN:
+                inside, _ = manifest["tensors"][f"{info.relative_path}@{info.offset}"]
+                assert (info.offset + inside - value.data_ptr()) % DIRECT_ALIGN == 0, (index.fqn, info)
     return root, state
 
 
@@ -288,7 +304,7 @@ def test_a_large_tensor_starts_on_a_cache_line_after_a_zero_pad_every_reader_ski
             inside, nbytes = manifest["tensors"][f"{info.relative_path}@{info.offset}"]
             assert nbytes == value.nbytes and (info.offset + inside) % DATA_ALIGN == 0, (index.fqn, info)
     pads = _pads(root)
-    assert pads and all(0 < len(pad) < DATA_ALIGN and not any(pad) for _, pad in pads), pads
+    assert pads and all(0 < len(pad) < PAD_LIMIT and not any(pad) for _, pad in pads), pads
     assert _verdicts(root, zeros_like_state(state)) == ("ok", "ok")
     stock = zeros_like_state(state)
     dcp.load(stock, storage_reader=FileSystemReader(root), no_dist=True)
@@ -308,12 +324,15 @@ def test_a_damaged_pad_is_found_by_verify_and_no_load_reads_it(padded) -> None:
     assert_state_equal(dest, state)
 
 
-@pytest.mark.parametrize("which", ["saved", "padded"])
-def test_a_damaged_file_crc_in_the_manifest_fails_load_and_verify_alike(request, which: str) -> None:
+@pytest.mark.parametrize("which", ["saved", *PADDINGS])
+def test_a_damaged_file_crc_in_the_manifest_fails_load_and_verify_alike(request, tmp_path, which: str) -> None:
     """Items tile their file, after the writer's pads: a file's CRC32C is
     theirs (and the pads') combined, so no CRC in the manifest can be
     damaged unseen."""
-    root, state = request.getfixturevalue(which)
+    if which == "saved":
+        root, state = request.getfixturevalue("saved")
+    else:
+        root, state = _save_padded(str(tmp_path / "ck"), PADDINGS[which])
     name = _data_files(root)[0]
     _edit_manifest(root, lambda m: m["files"][name].update(crc32c=(m["files"][name]["crc32c"] + 1) % 2**32))
     loaded, verified = _verdicts(root, zeros_like_state(state))

@@ -13,6 +13,7 @@ for a failed save) or over step 1 itself (the overwrite-safe commit).
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import re
 
@@ -79,11 +80,12 @@ def _failed_save_uri(previous: tuple[str, dict], scenario: str) -> str:
     return dcpstore.CheckpointManager(previous[0]).step_uri(SCENARIOS[scenario])
 
 
-def _assert_clean_failure(previous: tuple[str, dict], scenario: str, cause: str) -> None:
+def _assert_clean_failure(previous: tuple[str, dict], scenario: str, cause: str, *, direct_io: bool = False) -> None:
     """A failing save through CheckpointManager(keep=1): a SaveError naming
     the URI and the real cause; nothing half-written; step 1 as it was."""
     uri = _failed_save_uri(previous, scenario)
-    manager = dcpstore.CheckpointManager(previous[0], keep=1, async_=False, options=dcpstore.SaveOptions(workers=3))
+    options = dcpstore.SaveOptions(workers=3, storage_options=dcpstore.StorageOptions(direct_io=direct_io))
+    manager = dcpstore.CheckpointManager(previous[0], keep=1, async_=False, options=options)
     with pytest.raises(dcpstore.SaveError) as info:
         manager.save(_next_state(), SCENARIOS[scenario], overwrite=scenario == "overwrite")
     message = str(info.value)
@@ -111,6 +113,20 @@ def _assert_previous(previous: tuple[str, dict], manager: dcpstore.CheckpointMan
 def test_enospc_mid_write(monkeypatch, previous, scenario, after: int) -> None:
     monkeypatch.setattr(os, "write", _failing(os.write, errno.ENOSPC, after))
     _assert_clean_failure(previous, scenario, "ENOSPC")
+
+
+def test_enospc_on_a_direct_write(monkeypatch, previous, scenario) -> None:
+    """A direct write (``direct_io``: a large tensor's pages) that runs out
+    of space fails the save as a buffered one does."""
+    real = os.pwrite
+
+    def pwrite(fd: int, data, offset: int) -> int:
+        if _is_tmp_fd(fd) and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    _assert_clean_failure(previous, scenario, "ENOSPC", direct_io=True)
 
 
 def test_eio_on_fsync(monkeypatch, previous, scenario) -> None:

@@ -369,5 +369,7 @@ def test_the_generator_covers_what_it_claims() -> None:
     assert wanted <= seen, sorted(wanted - seen)
 
 
-assert set(TARGETS) == {"local", "s3", "s3+msc", "msc", "local+msc", "memory"}, "new backend: teach _stock_uri about it"
+assert set(TARGETS) == {"local", "local+direct", "s3", "s3+msc", "msc", "local+msc", "memory"}, (
+    "new backend: teach _stock_uri about it"
+)
 assert os.sep == "/"

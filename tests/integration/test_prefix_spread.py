@@ -138,7 +138,7 @@ def test_spread_save_loads_everywhere(target: Target) -> None:
     dest: dict[str, Any] = {"w": torch.zeros(96, 40), "b": torch.zeros(96), "step": 0}
     dcpstore.load(dest, target.uri, **target.kwargs)  # loads need no spread setting
     assert torch.equal(dest["w"], FULL) and torch.equal(dest["b"], FULL[:, 0] * 2) and dest["step"] == 7
-    if target.name in ("local", "local+msc"):
+    if target.name in ("local", "local+direct", "local+msc"):
         plain: dict[str, Any] = {"w": torch.zeros(96, 40), "b": torch.zeros(96), "step": 0}
         dcp.load(plain, checkpoint_id=target.uri)
         assert torch.equal(plain["w"], FULL) and plain["step"] == 7

@@ -116,6 +116,14 @@ def test_kill_anywhere_in_a_managed_sync_save(tmp_path, ctx, scenario: str) -> N
     run_managed_crashes(ctx, str(tmp_path / "runs"), scenario, how, budget=20)
 
 
+def test_kill_anywhere_in_a_managed_direct_save(tmp_path, ctx) -> None:
+    """The same with direct I/O (``StorageOptions(direct_io=True)``): the
+    big tensor's pages go past the page cache, the fsync and the commit
+    are as buffered."""
+    how = Managed({"async_": False, "workers": 3, "storage_options": dcpstore.StorageOptions(direct_io=True)})
+    run_managed_crashes(ctx, str(tmp_path / "runs"), "next", how, budget=20)
+
+
 def test_temp_files_never_listed(tmp_path, ctx) -> None:
     events = _count_events(tmp_path)
     mid = next(i for i, e in enumerate(events) if e.startswith("wrote:__0_"))

@@ -111,6 +111,12 @@ def _msc(request: pytest.FixtureRequest, unique: str) -> Target:
     return Target("msc", f"msc://{profile}/{unique}", {"storage_options": OBJECT_STORE_OPTIONS})
 
 
+def _local_direct(request: pytest.FixtureRequest, unique: str) -> Target:
+    # Large tensors' whole pages written with O_DIRECT, the rest buffered.
+    tmp_path = request.getfixturevalue("tmp_path")
+    return Target("local+direct", str(tmp_path / unique), {"storage_options": StorageOptions(direct_io=True)})
+
+
 def _local_msc(request: pytest.FixtureRequest, unique: str) -> Target:
     # A plain path with enable_msc=True: MSC's POSIX profile (Megatron's --enable-msc).
     tmp_path = request.getfixturevalue("tmp_path")
@@ -132,6 +138,7 @@ def _memory(request: pytest.FixtureRequest, unique: str) -> Target:
 #: name -> factory(request, unique_name) -> Target. Keep "local" first.
 TARGETS: dict[str, Callable[[pytest.FixtureRequest, str], Target]] = {
     "local": _local,
+    "local+direct": _local_direct,
     "s3": _s3,
     "s3+msc": _s3_msc,
     "msc": _msc,

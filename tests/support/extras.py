@@ -47,7 +47,7 @@ NVRX = "nvidia-resiliency-ext"
 #: The targets of tests/support/backends.py that the NVRx engine writes to: NVRx
 #: writes with ``open()`` or ``msc.open()``, so POSIX paths and MSC, never
 #: the native S3 or the fsspec backend (docs/engines.md).
-NVRX_TARGETS = frozenset({"local", "local+msc", "msc", "s3+msc"})
+NVRX_TARGETS = frozenset({"local", "local+direct", "local+msc", "msc", "s3+msc"})
 
 #: The targets the process engine cannot write: fsspec's ``memory://`` is
 #: one process's memory, not the checkpoint process's (docs/engines.md).

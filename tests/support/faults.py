@@ -32,6 +32,16 @@ class _EventWriter(ObjectWriter):
         self._hook(f"wrote:{self._path}")
         return n
 
+    def write_lent(self, data: bytes | bytearray | memoryview, owner: object) -> int:
+        self._hook(f"write:{self._path}")
+        n = self._inner.write_lent(data, owner)
+        self._hook(f"wrote:{self._path}")
+        return n
+
+    @property  # type: ignore[override]
+    def direct_align(self) -> int | None:
+        return self._inner.direct_align
+
     def tell(self) -> int:
         return self._inner.tell()
 

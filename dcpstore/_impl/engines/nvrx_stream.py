@@ -33,7 +33,8 @@ from typing import Any
 
 import torch
 
-from dcpstore._impl.format.record import buffer_address, is_raw
+from dcpstore._impl.format.record import is_raw
+from dcpstore._impl.storage.byte_ranges import buffer_address
 
 
 class CheckedTransforms:

@@ -8,7 +8,7 @@ A checkpoint directory (or key prefix) holds, in stock DCP layout::
                             failure (:mod:`dcpstore._impl.dcp.liveness.alive_file`)
     __{rank}_{n}.distcp     data files, one per writer thread per rank: items one
                             after another, a zero pad shorter than
-                            DATA_ALIGN before a large tensor's record
+                            PAD_LIMIT before a large tensor's record
     p{d}/__{rank}_{n}.distcp  the same, spread over key prefixes (see below)
     <name>                  a commit file a caller hands the save (e.g. Lightning's
                             ``meta.pt``), written after every data file and
@@ -88,6 +88,8 @@ from __future__ import annotations
 
 import re
 
+from dcpstore._impl.storage.posix import DIRECT_ALIGN
+
 METADATA = ".metadata"
 MANIFEST = ".dcpstore.json"
 #: Written by the coordinator when a save starts, holding its save id, and
@@ -102,9 +104,16 @@ DATA_SUFFIX = ".distcp"
 #: after a pad of zeros that belongs to no item: torch aligns a tensor's
 #: bytes to 64 inside the record, as in memory, so the kernel's copy between
 #: the page cache and the tensor runs on whole cache lines (see
-#: :mod:`~dcpstore._impl.format.record`). A gap shorter than this between
-#: items is such a pad (:func:`~.manifest.check_items_listed`).
+#: :mod:`~dcpstore._impl.format.record`).
 DATA_ALIGN = 64
+#: Every pad is shorter than this, a page: where a data file is written
+#: with direct I/O (``StorageOptions(direct_io=True)``), a large tensor's
+#: bytes lie at the same offset modulo :data:`DIRECT_ALIGN` in the file as
+#: in memory, so that the whole pages between go from the tensor's memory
+#: to the disk without the page cache (see :mod:`~dcpstore._impl.format.record`).
+#: A gap shorter than this between items is a pad of zeros
+#: (:func:`~.manifest.check_items_listed`).
+PAD_LIMIT = DIRECT_ALIGN
 #: ``os.urandom(8).hex()``: what :class:`~dcpstore._impl.dcp.commit.SaveSession` makes.
 SAVE_ID_LEN = 16
 _SAVE_ID_RE = re.compile(rf"^[0-9a-f]{{{SAVE_ID_LEN}}}$")

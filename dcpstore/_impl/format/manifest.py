@@ -25,7 +25,7 @@ import json
 from collections.abc import Callable, Iterable
 from typing import Any, TypedDict
 
-from dcpstore._impl.format.layout import DATA_ALIGN, commit_file_of, commit_file_problem, is_data_file, item_key
+from dcpstore._impl.format.layout import PAD_LIMIT, commit_file_of, commit_file_problem, is_data_file, item_key
 from dcpstore._impl.storage.base import Storage
 from dcpstore._impl.util.checksum import crc32c, crc32c_concat
 from dcpstore._impl.util.errors import CheckpointCorrupt, ObjectTooLarge
@@ -208,7 +208,7 @@ def check_items_listed(
     listed, inside its file, its tensor bytes (if located) inside the item;
     every file it lists named by ``.metadata``; and each file's CRC32C the
     combination of its items' where they tile the file, each item after at
-    most a writer's pad of zeros (shorter than :data:`~.layout.DATA_ALIGN`),
+    most a writer's pad of zeros in a data file (shorter than :data:`~.layout.PAD_LIMIT`),
     so that no CRC in it can be damaged unseen: a load checks items, verify
     files too. What a load checks before it trusts a byte; shared by load
     and verify, so that verify says OK exactly when a load would get past
@@ -242,7 +242,8 @@ def check_items_listed(
         )
     for path, spans in per_file.items():
         items_crcs = [(offset, length, crcs[item_key(path, offset)]) for offset, length in sorted(spans)]
-        parts = _tiling(items_crcs, files[path]["size"])
+        # Only DCP data files have pads; another file's gaps (a safetensors header) are its own bytes.
+        parts = _tiling(items_crcs, files[path]["size"], PAD_LIMIT if is_data_file(path) else 1)
         if parts is None:
             continue  # not one item after another (another writer's layout): the file's CRC stands alone
         if crc32c_concat(parts) != files[path]["crc32c"]:
@@ -252,16 +253,16 @@ def check_items_listed(
             )
 
 
-def _tiling(items: list[tuple[int, int, int]], size: int) -> list[tuple[int, int]] | None:
+def _tiling(items: list[tuple[int, int, int]], size: int, pad_limit: int) -> list[tuple[int, int]] | None:
     """The ``(crc32c, length)`` pieces of a file of ``size`` bytes that its
     items (sorted ``(offset, length, crc32c)``) tile, each after a pad of
-    zeros shorter than :data:`DATA_ALIGN` (what dcpstore's writer leaves);
-    None if they do not."""
+    zeros shorter than ``pad_limit`` (:data:`PAD_LIMIT`: what dcpstore's
+    writer leaves in a data file); None if they do not."""
     parts = []
     end = 0
     for offset, length, crc in items:
         pad = offset - end
-        if not 0 <= pad < DATA_ALIGN:
+        if not 0 <= pad < pad_limit:
             return None
         if pad:
             parts.append((crc32c(bytes(pad)), pad))

@@ -1,19 +1,29 @@
 """The tensor record codec: how one item lies in a data file, both ways.
 
 A DCP data file is a run of items: a bytes item is its bytes, a tensor item
-is one ``torch.save`` record. A record of a tensor of :data:`ALIGN_MIN`
-bytes or more starts at a multiple of :data:`~.layout.DATA_ALIGN` in its
-file, after fewer zero bytes than that, which belong to no item. Torch
-aligns a tensor's bytes to 64 inside its record, so they then lie on cache
-lines in the file as they do in memory: the kernel's copy between the page
-cache and a tensor costs more CPU when the two are misaligned
-(``BENCHMARKS.md``, "The local disk at its limit"). Readers find items by
-offset, stock DCP's too, so the pad changes nothing for them. This module
-writes them
-(:class:`RecordStream`: records one after another into an
-:class:`~dcpstore.storage.ObjectWriter`, each item's and the file's CRC32C
-computed on the way) and reads a tensor back out of an item's bytes
-(:func:`item_tensor`: a view where it can, no copy).
+is one ``torch.save`` record. Before the record of a large tensor goes a
+pad of zeros that belongs to no item (shorter than
+:data:`~.layout.PAD_LIMIT`), so that the tensor's bytes lie where the
+kernel moves them cheapest:
+
+* a tensor of :data:`ALIGN_MIN` bytes or more: its record starts at a
+  multiple of :data:`~.layout.DATA_ALIGN`. Torch aligns a tensor's bytes to
+  64 inside its record, so they then lie on cache lines in the file as in
+  memory: the kernel's copy between the page cache and a tensor costs more
+  CPU when the two are misaligned (``BENCHMARKS.md``, "The local disk at
+  its limit");
+* a tensor of :data:`DIRECT_MIN` bytes or more stored as it lies, into a
+  file written with direct I/O (the sink's ``direct_align``): its bytes lie
+  at the same offset in a page as in memory, found by a dry run of the
+  record's headers (:func:`_data_offset`), so that every whole page of it
+  goes from the tensor's memory to the disk with no copy
+  (``StorageOptions(direct_io=True)``).
+
+Readers find items by offset, stock DCP's too, so the pads change nothing
+for them. This module writes the records (:class:`RecordStream`: records
+one after another into an :class:`~dcpstore.storage.ObjectWriter`, each
+item's and the file's CRC32C computed on the way) and reads a tensor back
+out of an item's bytes (:func:`item_tensor`: a view where it can, no copy).
 
 ``torch.save`` without its zip CRC-32, per call. Stock ``torch.save``
 computes a software CRC-32 over every byte it writes: measured here, that one
@@ -45,12 +55,12 @@ from dataclasses import dataclass
 from functools import cache
 from typing import IO, Any, Protocol, cast
 
-import numpy as np
 import torch
 from torch.distributed.checkpoint.planner import ReadItem, WriteItem
 
 from dcpstore._impl.format.layout import DATA_ALIGN
 from dcpstore._impl.format.record_zip import RecordBytes, record_entries, tensor_declaration
+from dcpstore._impl.storage.byte_ranges import buffer_address
 from dcpstore._impl.util.checksum import COMBINE_MIN, DualCrc, crc32c
 from dcpstore._impl.util.torch_compat import (
     StorageReaderTransforms,
@@ -65,6 +75,9 @@ Saver = Callable[[Any, IO[bytes]], None]
 #: Tensors this large have their records aligned (:data:`DATA_ALIGN`);
 #: below it the copy's cost is noise and the pad is not (many small tensors).
 ALIGN_MIN = 64 << 10
+#: Tensors this large are placed for direct I/O where the file is written
+#: so (a pad of up to a page each; below this, direct I/O saves little).
+DIRECT_MIN = 1 << 20
 
 
 def _torch_save(obj: Any, stream: IO[bytes]) -> None:
@@ -116,7 +129,11 @@ def compact_cpu_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class Sink(Protocol):
-    """Where a :class:`RecordStream` writes: an ObjectWriter's three calls."""
+    """Where a :class:`RecordStream` writes: an ObjectWriter's three calls,
+    and whether it writes lent buffers' whole pages directly (see
+    :attr:`~dcpstore.storage.ObjectWriter.direct_align`)."""
+
+    direct_align: int | None
 
     def write(self, data: Any) -> Any: ...
 
@@ -186,8 +203,14 @@ class RecordStream:
     def write_item(self, data: io.BytesIO | torch.Tensor) -> WrittenItem:
         """Append one item: a bytes blob as it is, a tensor (already a
         :func:`compact_cpu_tensor`) as one record."""
-        if isinstance(data, torch.Tensor) and data.nbytes >= ALIGN_MIN:
-            self._pad_to(DATA_ALIGN)
+        if isinstance(data, torch.Tensor):
+            direct = self._sink.direct_align
+            if direct and data.nbytes >= DIRECT_MIN and is_raw(data):
+                # The tensor's bytes at its memory's offset in a page: whole pages then go straight to the disk.
+                at = data.untyped_storage().data_ptr() - self.tell() - _data_offset(data)
+                self._pad(at % direct)
+            elif data.nbytes >= ALIGN_MIN:
+                self._pad(-self.tell() % DATA_ALIGN)
         offset = self.tell()
         self._crc.start_item()
         raw = None
@@ -200,10 +223,9 @@ class RecordStream:
         self._crc_catch_up()
         return WrittenItem(offset, self.tell() - offset, self._crc.item, raw)
 
-    def _pad_to(self, align: int) -> None:
-        """Zero bytes up to the next multiple of ``align``: in the file's
-        CRC, in no item's (the next item's starts after them)."""
-        pad = -self.tell() % align
+    def _pad(self, pad: int) -> None:
+        """``pad`` zero bytes: in the file's CRC, in no item's (the next
+        item's starts after them)."""
         if pad:
             self._buf += bytes(pad)
             self._crc_catch_up()
@@ -259,6 +281,12 @@ class RecordStream:
         if view.nbytes < COMBINE_MIN:
             self._crc.update(view)
             self._forward(view, owner)
+            return
+        if owner is not None and self._sink.direct_align:
+            # Whole: its pages go to the disk in large direct writes, not
+            # through the cache, so the CRC reads memory either way.
+            self._forward(view, owner)
+            self._crc.update(view)
             return
         crc = 0
         for start in range(0, view.nbytes, self.PIECE):
@@ -317,12 +345,39 @@ def is_raw(tensor: torch.Tensor) -> bool:
     )
 
 
-def buffer_address(view: memoryview) -> int:
-    """Where a (non-empty) buffer's bytes start in memory."""
-    if view.nbytes == 0:
-        return -1
-    address: int = np.frombuffer(view, dtype=np.uint8).ctypes.data
-    return address
+class _Landing:
+    """A file that keeps nothing and notes where a record's one write of
+    ``nbytes`` (its tensor's bytes) lands: :func:`_data_offset`'s."""
+
+    def __init__(self, nbytes: int) -> None:
+        self._nbytes = nbytes
+        self.pos = 0
+        self.at = -1
+
+    def write(self, data: Any) -> int:
+        n = memoryview(data).nbytes
+        if n == self._nbytes and self.at < 0:
+            self.at = self.pos
+        self.pos += n
+        return n
+
+    def tell(self) -> int:
+        return self.pos
+
+    def writable(self) -> bool:
+        return True
+
+    def flush(self) -> None:
+        pass
+
+
+def _data_offset(tensor: torch.Tensor) -> int:
+    """Where a raw tensor's bytes start in its record: a dry run of the
+    record, which writes nothing and reads no tensor byte (the record's
+    headers depend only on the tensor's metadata)."""
+    landing = _Landing(tensor.nbytes)
+    save_record(tensor, cast(IO[bytes], landing))
+    return max(landing.at, 0)
 
 
 # ---------------------------------------------------------------------------

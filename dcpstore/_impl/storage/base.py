@@ -47,6 +47,12 @@ class ObjectWriter(abc.ABC):
     ``write`` may keep a reference to ``data`` only until it returns.
     """
 
+    #: Where not None, :meth:`write_lent` sends the whole blocks of this
+    #: many bytes of a large buffer from memory to the disk, bypassing the
+    #: page cache, when the buffer lies at the same offset modulo this in
+    #: memory as in the object (writers above place their bytes so).
+    direct_align: int | None = None
+
     def __init__(self) -> None:
         self._closed = False
 

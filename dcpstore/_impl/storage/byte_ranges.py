@@ -1,10 +1,11 @@
 """Byte arithmetic for cutting one read or write into requests:
-:func:`byte_ranges`, :func:`equal_ranges`, :func:`slice_buffers`, and how
+:func:`byte_ranges`, :func:`equal_ranges`, :func:`slice_buffers`, how
 many pieces of a size hold a count (:func:`ceil_div`, which the layers
-above use too)."""
+above use too), and where a buffer lies in memory (:func:`buffer_address`)."""
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 
 #: How much larger than the asked size a piece of :func:`byte_ranges` may
@@ -59,3 +60,35 @@ def slice_buffers(buffers: Sequence[memoryview], start: int, length: int) -> lis
         if pos >= end:
             break
     return out
+
+
+class _PyBuffer(ctypes.Structure):
+    """CPython's ``Py_buffer`` (in the stable ABI since 3.11)."""
+
+    _fields_ = [
+        ("buf", ctypes.c_void_p),
+        ("obj", ctypes.py_object),
+        ("len", ctypes.c_ssize_t),
+        ("itemsize", ctypes.c_ssize_t),
+        ("readonly", ctypes.c_int),
+        ("ndim", ctypes.c_int),
+        ("format", ctypes.c_char_p),
+        ("shape", ctypes.c_void_p),
+        ("strides", ctypes.c_void_p),
+        ("suboffsets", ctypes.c_void_p),
+        ("internal", ctypes.c_void_p),
+    ]
+
+
+def buffer_address(view: memoryview) -> int:
+    """Where a (non-empty) buffer's bytes start in memory; -1 if empty.
+    Read-only buffers too (torch hands a tensor's bytes so), through the
+    buffer protocol itself: ``ctypes.from_buffer`` wants a writable one."""
+    if view.nbytes == 0:
+        return -1
+    buf = _PyBuffer()
+    ctypes.pythonapi.PyObject_GetBuffer(ctypes.py_object(view), ctypes.byref(buf), 0)  # PyBUF_SIMPLE
+    try:
+        return buf.buf or 0
+    finally:
+        ctypes.pythonapi.PyBuffer_Release(ctypes.byref(buf))

@@ -53,6 +53,24 @@ class LocalRoot:
         self.check(os.path.realpath(full), where)
 
 
+#: Direct I/O (``O_DIRECT``) in whole pages: file offsets, lengths and memory
+#: addresses at multiples of this, which every Linux filesystem and block
+#: device accepts (most need only their logical block, some less).
+DIRECT_ALIGN = 4096
+
+
+def open_direct(path: str) -> int:
+    """A write descriptor with ``O_DIRECT`` on the existing file ``path``;
+    -1 where the platform or the filesystem has no direct I/O."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return -1
+    try:
+        return os.open(path, os.O_WRONLY | os.O_CLOEXEC | flag)
+    except OSError:  # EINVAL: this filesystem does no direct I/O
+        return -1
+
+
 def fsync_dir(path: str) -> None:
     """Make a rename or unlink in ``path`` durable (POSIX needs the directory fsynced)."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)

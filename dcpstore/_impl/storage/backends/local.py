@@ -25,6 +25,7 @@ stat'ed; one deleted while the walk runs is skipped silently.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import stat
@@ -32,14 +33,14 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
-from dcpstore._impl.storage.backend_base import BackendBase
+from dcpstore._impl.storage.backend_base import BackendBase, errors_mapped
 from dcpstore._impl.storage.base import ObjectInfo, ObjectWriter
 from dcpstore._impl.storage.buffered import BufferedObjectWriter
-from dcpstore._impl.storage.byte_ranges import slice_buffers
+from dcpstore._impl.storage.byte_ranges import buffer_address, slice_buffers
 from dcpstore._impl.storage.concurrency import disk_workers
 from dcpstore._impl.storage.error_mapping import library_detail
 from dcpstore._impl.storage.incomplete import IncompleteWrite
-from dcpstore._impl.storage.posix import LocalRoot, fsync_dir, start_writeback
+from dcpstore._impl.storage.posix import DIRECT_ALIGN, LocalRoot, fsync_dir, open_direct, start_writeback
 from dcpstore._impl.storage.storage_options import StorageOptions
 from dcpstore._impl.storage.uri import StorageURL
 from dcpstore._impl.util.errors import StorageError, StorageNotFound
@@ -58,6 +59,8 @@ _WRITEBACK_EVERY = 8 << 20
 #: Bytes per preadv of :meth:`LocalStorage.read_into_each`: what a core's
 #: cache holds between the read's copy and the caller's pass over the piece.
 _PIECE = 1 << 20
+#: Most bytes one direct write sends: its pages stay pinned while it runs.
+_DIRECT_CHUNK = 64 << 20
 
 
 def _is_tmp(name: str) -> bool:
@@ -96,7 +99,12 @@ def _makedirs(path: str) -> None:
 
 
 class _LocalWriter(BufferedObjectWriter):
-    """Unbuffered: each write goes to the temporary file's descriptor."""
+    """Unbuffered: each write goes to the temporary file's descriptor. With
+    ``direct_io``, a lent buffer's whole pages go through a second
+    descriptor opened with ``O_DIRECT``, from its memory to the disk, where
+    the buffer lies at the same offset modulo a page in memory as in the
+    file (:attr:`~dcpstore._impl.storage.base.ObjectWriter.direct_align`);
+    its ragged ends, and every other write, through the first."""
 
     def __init__(self, storage: LocalStorage, path: str, final: str, durable: bool = True) -> None:
         super().__init__(storage, path)
@@ -107,6 +115,11 @@ class _LocalWriter(BufferedObjectWriter):
         self._tmp = os.path.join(directory, f".{name}{_TMP_MARK}{uuid.uuid4().hex[:12]}")
         with storage._mapped(self._what):
             self._fd = _create(self._tmp)
+        # Direct writes: until a filesystem refuses them, through a
+        # descriptor opened at the first (so small files never open one).
+        self._direct = durable and storage.options.direct_io
+        self._direct_fd = -1
+        self.direct_align = DIRECT_ALIGN if self._direct else None
         # Bytes written, and the first byte whose writeback is not started yet.
         self._written = self._flushed = 0
 
@@ -120,9 +133,60 @@ class _LocalWriter(BufferedObjectWriter):
             start_writeback(self._fd, self._flushed, self._written - self._flushed)
             self._flushed = self._written
 
+    def write_lent(self, data: bytes | bytearray | memoryview, owner: object) -> int:
+        view = memoryview(data).cast("B")
+        pos, n = self._pos, view.nbytes
+        head = -pos % DIRECT_ALIGN
+        pages = (n - head) // DIRECT_ALIGN * DIRECT_ALIGN if n > head else 0
+        if not self._direct or not pages or self._sealed or (buffer_address(view) - pos) % DIRECT_ALIGN:
+            return self.write(view)
+        if self._direct_fd < 0:
+            self._direct_fd = open_direct(self._tmp)
+            if self._direct_fd < 0:
+                self._stop_direct()
+                return self.write(view)
+        self.write(view[:head])
+        with errors_mapped(self._storage, self._what):
+            done = self._write_direct(view[head : head + pages])
+        self._pos += done
+        self.write(view[head + done :])
+        return n
+
+    def _write_direct(self, view: memoryview) -> int:
+        """Write ``view`` (whole pages, page-aligned in memory and in the
+        file) with ``O_DIRECT``; return the bytes written. Fewer than all
+        where the filesystem refused a direct write (it then gets none
+        again) or wrote part of a page: the caller writes the rest."""
+        done = 0
+        while done < view.nbytes:
+            try:
+                n = os.pwrite(self._direct_fd, view[done : done + _DIRECT_CHUNK], self._written)  # releases the GIL
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                self._stop_direct()  # a filesystem that opens O_DIRECT files but refuses their writes
+                break
+            done += n
+            self._written += n
+            if n % DIRECT_ALIGN or not n:
+                break
+        os.lseek(self._fd, self._written, os.SEEK_SET)  # the buffered writes go on after these
+        return done
+
+    def _stop_direct(self) -> None:
+        """No more direct writes to this file (a filesystem that refuses
+        them, or the file is done)."""
+        self._direct = False
+        self.direct_align = None
+        if self._direct_fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self._direct_fd)
+            self._direct_fd = -1
+
     def _publish(self, tail: bytearray) -> None:
+        self._stop_direct()
         if self._durable:
-            os.fsync(self._fd)
+            os.fsync(self._fd)  # the direct writes' blocks too: one inode
         os.close(self._fd)
         self._fd = -1
         os.replace(self._tmp, self._final)
@@ -130,6 +194,7 @@ class _LocalWriter(BufferedObjectWriter):
             fsync_dir(self._dir)
 
     def _discard(self) -> None:
+        self._stop_direct()
         if self._fd >= 0:
             with contextlib.suppress(OSError):
                 os.close(self._fd)

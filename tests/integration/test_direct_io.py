@@ -1,0 +1,169 @@
+"""Direct I/O on a local disk (``StorageOptions(direct_io=True)``): a save
+writes the whole pages of its large tensors from their memory to the disk,
+past the page cache, and the rest as a buffered save does. Seen here from
+outside: which pages of the data files the page cache holds after the save
+(``mincore``), and every reader reading the checkpoint. A filesystem that
+refuses direct writes gets every byte buffered; a failed direct write
+fails the save cleanly (tests/integration/test_local_faults.py); a kill
+anywhere in a direct save leaves the previous checkpoint
+(tests/processes/test_crash.py)."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import mmap
+import os
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+
+import dcpstore
+from dcpstore._impl.dcp.commit import read_checkpoint_metadata
+from dcpstore._impl.format.layout import DIRECT_ALIGN
+from dcpstore._impl.format.record import DIRECT_MIN, is_raw
+from dcpstore._impl.tools.maintenance import verify_checkpoint
+from dcpstore.storage import open_storage
+from tests.support.helpers import assert_state_equal, zeros_like_state
+
+PAGE = mmap.PAGESIZE
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _cached_pages(path: str) -> set[int]:
+    """The pages of the file at ``path`` that the page cache holds now."""
+    size = os.path.getsize(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        mapped = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    pages = -(-size // PAGE)
+    vec = (ctypes.c_ubyte * pages)()
+    buf = (ctypes.c_char * size).from_buffer(mapped)
+    try:
+        if _libc.mincore(ctypes.c_void_p(ctypes.addressof(buf)), ctypes.c_size_t(size), vec) != 0:
+            raise OSError(ctypes.get_errno(), "mincore")
+    finally:
+        del buf
+        mapped.close()
+    return {i for i in range(pages) if vec[i] & 1}
+
+
+def _state() -> dict:
+    """Large tensors of odd sizes and dtypes (one not stored as it lies:
+    transposed, cloned by the save), small ones and a plain value."""
+    g = torch.Generator().manual_seed(3)
+    return {
+        "w1": torch.randn(300_001, generator=g),
+        "w2": torch.randn(1000, 1501, generator=g).bfloat16(),
+        "t": torch.randn(700, 800, generator=g).t(),
+        "small": torch.randn(17, generator=g),
+        "w3": torch.randint(-9, 9, (3 << 20,), generator=g, dtype=torch.int8),
+        "step": 5,
+    }
+
+
+def _direct_pages(root: str, state: dict) -> dict[str, set[int]]:
+    """Per data file, the pages that lie wholly inside a large raw tensor's
+    bytes: what a direct save sends past the page cache."""
+    md, manifest = read_checkpoint_metadata(open_storage(root))
+    assert manifest is not None
+    pages: dict[str, set[int]] = {}
+    for index, info in md.storage_data.items():
+        value = state[index.fqn]
+        if not (isinstance(value, torch.Tensor) and is_raw(value) and value.nbytes >= DIRECT_MIN):
+            continue
+        inside, nbytes = manifest["tensors"][f"{info.relative_path}@{info.offset}"]
+        start = info.offset + inside
+        first, end = -(-start // PAGE), (start + nbytes) // PAGE
+        pages.setdefault(info.relative_path, set()).update(range(first, end))
+    return pages
+
+
+def _skip_unless_the_page_cache_is_separate(path: str) -> None:
+    with open("/proc/self/mounts") as f:
+        mounts = [line.split()[1:3] for line in f]
+    real = os.path.realpath(path)
+    where, kind = max(((m, k) for m, k in mounts if real == m or real.startswith(m.rstrip("/") + "/")), key=len)
+    if kind in ("tmpfs", "ramfs"):
+        pytest.skip(f"{where} is {kind}: its files are the page cache")
+
+
+def _readers_agree(root: str, state: dict) -> None:
+    """dcpstore's load, stock dcp.load and verify all read the checkpoint."""
+    ours = zeros_like_state(state)
+    dcpstore.load(ours, root)
+    assert_state_equal(ours, state)
+    stock = zeros_like_state(state)
+    dcp.load(stock, storage_reader=FileSystemReader(root), no_dist=True)
+    assert_state_equal(stock, state)
+    report = verify_checkpoint(open_storage(root))
+    assert report.ok, report.problems + report.refused
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["buffered", "direct"])
+def test_a_direct_save_leaves_the_pages_of_its_large_tensors_out_of_the_page_cache(tmp_path, direct: bool) -> None:
+    """Buffered, every page of a freshly saved data file is in the page
+    cache; direct, none of those wholly inside a large tensor's bytes is,
+    and each such tensor lies at its memory's offset in a page."""
+    _skip_unless_the_page_cache_is_separate(str(tmp_path))
+    root = str(tmp_path / "ck")
+    state = _state()
+    dcpstore.save(state, root, workers=2, storage_options=dcpstore.StorageOptions(direct_io=direct)).result()
+    direct_pages = _direct_pages(root, state)
+    assert sum(map(len, direct_pages.values())) >= (6 << 20) // PAGE, direct_pages.keys()
+    for name, pages in direct_pages.items():
+        cached = _cached_pages(os.path.join(root, name))
+        if direct:
+            assert not cached & pages, f"{name}: {len(cached & pages)} of the direct pages are cached"
+        else:
+            assert pages <= cached, f"{name}: {len(pages - cached)} pages of a buffered save are not cached"
+    if direct:
+        md, manifest = read_checkpoint_metadata(open_storage(root))
+        assert manifest is not None
+        for index, info in md.storage_data.items():
+            value = state[index.fqn]
+            if isinstance(value, torch.Tensor) and is_raw(value) and value.nbytes >= DIRECT_MIN:
+                inside, _ = manifest["tensors"][f"{info.relative_path}@{info.offset}"]
+                assert (info.offset + inside - value.data_ptr()) % DIRECT_ALIGN == 0, index.fqn
+    _readers_agree(root, state)
+
+
+@pytest.mark.parametrize("refused_at", ["open", "write"])
+def test_a_filesystem_that_refuses_direct_io_gets_every_byte_buffered(tmp_path, monkeypatch, refused_at: str) -> None:
+    """A filesystem may refuse ``O_DIRECT`` when the file is opened, or
+    open it and refuse its writes (EINVAL): the writer tries once per data
+    file, then writes every byte buffered."""
+    _skip_unless_the_page_cache_is_separate(str(tmp_path))
+    real_open, real_pwrite = os.open, os.pwrite
+    refused: list[str] = []
+
+    def refuse() -> None:
+        refused.append(refused_at)
+        raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+
+    def open_(path, flags: int, *args, **kwargs) -> int:
+        if refused_at == "open" and flags & os.O_DIRECT:
+            refuse()
+        return real_open(path, flags, *args, **kwargs)
+
+    def pwrite(fd: int, data, offset: int) -> int:
+        if refused_at == "write" and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            refuse()
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(os, "open", open_)
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    root = str(tmp_path / "ck")
+    state = _state()
+    dcpstore.save(state, root, workers=2, storage_options=dcpstore.StorageOptions(direct_io=True)).result()
+    monkeypatch.undo()
+    direct_pages = _direct_pages(root, state)
+    assert len(refused) == len(direct_pages) == 2, refused
+    for name, pages in direct_pages.items():
+        assert pages <= _cached_pages(os.path.join(root, name)), name
+    _readers_agree(root, state)
