@@ -198,7 +198,15 @@ def test_dry_run_end_to_end(tmp_path: Path) -> None:
     assert all(r["status"] == "ok" and r["write_cpu_s"] > 0 for r in local), local
     # The same disk against stock DCP, a clone and a CRC pass: every row ran and every goal was computed.
     costs = json.loads((tmp_path / "local_costs.json").read_text())
-    assert set(costs["rows"]) >= {"dcpstore sync", "stock dcp.save", "dcpstore async", "dcpstore load", "raw read"}
+    assert set(costs["rows"]) >= {
+        "dcpstore sync",
+        "dcpstore sync direct",
+        "stock dcp.save",
+        "dcpstore async",
+        "dcpstore async direct",
+        "dcpstore load",
+        "raw read",
+    }
     assert all(row["median_s"] > 0 for row in costs["rows"].values()), costs["rows"]
     assert costs["goals"] and all(g["value"] > 0 for g in costs["goals"]), costs["goals"]
     summary = json.loads((tmp_path / "summary.json").read_text())
