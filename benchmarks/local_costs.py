@@ -43,6 +43,12 @@ thread count ``T``:
   says which), and then ``crc32c package pass`` is the same over the
   ``crc32c`` package, the library dcpstore uses without it.
 
+``--keep-files`` keeps every round's checkpoints (and the raw writer's
+files) to the end, as a manager keeps its last steps, instead of deleting
+them after the round: the page cache then fills with checkpoints as it
+does in training, and a buffered write takes fresh pages, where a deleted
+file's would do. (The raw writer writes new files each round either way.)
+
 ``--source pinned`` keeps the state in pinned host memory, as a GPU's
 state is once staged to the host (``scripts/gpu-check.sh`` runs it so).
 Every load reads into the same ``dest``, allocated once and zeroed before
@@ -189,6 +195,12 @@ def main() -> None:
         default="cpu",
         help="where the state lives: pageable host memory, or pinned (a CUDA tensor's host copy; needs CUDA)",
     )
+    p.add_argument(
+        "--keep-files",
+        action="store_true",
+        help="keep every round's files to the end, as a manager keeps its last steps: the page cache fills "
+        "with checkpoints, and every buffered write takes pages no file just gave back",
+    )
     p.add_argument("--label", default="")
     p.add_argument("--json", metavar="FILE")
     argv = sys.argv[1:]
@@ -203,21 +215,22 @@ def main() -> None:
         state = {k: v.pin_memory() for k, v in state.items()}
     nbytes = state_bytes(state)
     gb = nbytes / 1e9
-    raw = RawFiles(root, args.threads)
-    raw.setup(state)
     # Faulted in once, by the warm-up round: no row pays for fresh memory
     # but the clone, whose point that is.
     reused, dest = zeros_like_state(state), zeros_like_state(state)
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in ROWS}
     try:
         for r in range(args.rounds + 1):
-            one = _Round(os.path.join(root, f"r{r}"), state, args.threads, raw)
+            here = os.path.join(root, f"r{r}")
+            raw = RawFiles(here, args.threads)  # its own files each round, as every other writer
+            raw.setup(state)
+            one = _Round(here, state, args.threads, raw)
             for name in _rotated(SAVES, r) + _rotated(LOADS, r):
                 run = one.run(name, reused, dest)
                 if r:
                     runs[name].append(run)
-            shutil.rmtree(os.path.join(root, f"r{r}"), ignore_errors=True)
-            raw.cleanup()
+            if not args.keep_files:
+                shutil.rmtree(here, ignore_errors=True)
             print(f"  round {r}/{args.rounds}{' (warm-up)' if not r else ''} done", file=sys.stderr)
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -180,6 +180,7 @@ SOURCES: dict[str, tuple[Source, ...]] = {
     "local-disk": (Source("local_disk_ab.json", LOCAL),),
     "local-disk-cold": (Source("local_disk_cold_ab.json", LOCAL),),
     "local-costs": (Source("local_costs.json", LOCAL),),
+    "local-costs-kept": (Source("local_costs_kept.json", LOCAL),),
     "checksum": (Source("checksum.json", ("dcpstore/_impl/util/checksum.py",)),),
     "wan-scale": (Source("wan_scale.json", OBJECT_STORE),),
 }
@@ -222,6 +223,8 @@ COMMANDS = {
     "checksum.json": "python benchmarks/checksum.py --label LABEL --json benchmarks/results/checksum.json",
     "local_costs.json": "python benchmarks/local_costs.py --size-mib 512 --tensors 16 --threads 2 --rounds 9 "
     "--label LABEL --json benchmarks/results/local_costs.json",
+    "local_costs_kept.json": "python benchmarks/local_costs.py --size-mib 512 --tensors 16 --threads 2 --rounds 9 "
+    "--keep-files --label LABEL --json benchmarks/results/local_costs_kept.json",
     "shared_reads.json": "python benchmarks/shared_reads.py --a before=/work/before --b after=. --size-mib 64 "
     "--ranks 2,4 --rounds 5 --latency-ms 5 --rate-mbps 50 --total-mbps 100 --label LABEL "
     "--json benchmarks/results/shared_reads.json",
@@ -593,6 +596,7 @@ def local_costs_block(doc: Doc) -> str:
         "met": None,
     }
     listed = [*doc["goals"][:2], floor, *doc["goals"][2:]]
+    kept = ", every round's files kept to the end" if doc["args"].get("keep_files") else ""
     goals = [
         [
             g["goal"],
@@ -606,7 +610,7 @@ def local_costs_block(doc: Doc) -> str:
         f"{human_bytes(doc['bytes'])} in {doc['args']['tensors']} tensors "
         f"({'pinned' if doc['args'].get('source') == 'pinned' else 'pageable'} host memory), "
         f"{threads} thread(s) in every row, "
-        f"{doc['args']['rounds']} rounds.\n\n"
+        f"{doc['args']['rounds']} rounds{kept}.\n\n"
         + targets.markdown_table(head, body)
         + "\n\n"
         + targets.markdown_table(["goal", "value", "bound", "status"], goals)
@@ -776,6 +780,11 @@ def blocks(docs: dict[str, Doc]) -> dict[str, str]:
     )
     out["local-costs"] = (
         local_costs_block(docs["local_costs.json"]) if "local_costs.json" in docs else pending("local_costs.json")
+    )
+    out["local-costs-kept"] = (
+        local_costs_block(docs["local_costs_kept.json"])
+        if "local_costs_kept.json" in docs
+        else pending("local_costs_kept.json")
     )
     out["checksum"] = checksum_block(docs["checksum.json"]) if "checksum.json" in docs else pending("checksum.json")
     return out
