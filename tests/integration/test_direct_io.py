@@ -54,8 +54,9 @@ def _cached_pages(path: str) -> set[int]:
 
 
 def _state() -> dict:
-    """Large tensors of odd sizes and dtypes (one not stored as it lies:
-    transposed, cloned by the save), small ones and a plain value."""
+    """Large tensors of odd sizes and dtypes (two not stored as they lie: a
+    transposed one, cloned by the save, and a conjugate view, whose stored
+    bytes are the un-conjugated ones), small ones and a plain value."""
     g = torch.Generator().manual_seed(3)
     return {
         "w1": torch.randn(300_001, generator=g),
@@ -63,6 +64,7 @@ def _state() -> dict:
         "t": torch.randn(700, 800, generator=g).t(),
         "small": torch.randn(17, generator=g),
         "w3": torch.randint(-9, 9, (3 << 20,), generator=g, dtype=torch.int8),
+        "c": torch.randn(200_003, generator=g, dtype=torch.complex64).conj(),
         "step": 5,
     }
 

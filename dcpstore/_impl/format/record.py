@@ -282,9 +282,11 @@ class RecordStream:
             self._crc.update(view)
             self._forward(view, owner)
             return
-        if owner is not None and self._sink.direct_align:
-            # Whole: its pages go to the disk in large direct writes, not
-            # through the cache, so the CRC reads memory either way.
+        direct = self._sink.direct_align
+        if owner is not None and direct and (buffer_address(view) - self.tell()) % direct == 0:
+            # Placed for direct I/O: whole, its pages go to the disk in large
+            # direct writes, not through the cache, so the CRC reads memory
+            # either way.
             self._forward(view, owner)
             self._crc.update(view)
             return
