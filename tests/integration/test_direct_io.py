@@ -25,6 +25,7 @@ import dcpstore
 from dcpstore._impl.dcp.commit import read_checkpoint_metadata
 from dcpstore._impl.format.layout import DIRECT_ALIGN
 from dcpstore._impl.format.record import DIRECT_MIN, is_raw
+from dcpstore._impl.storage.backends import local
 from dcpstore._impl.tools.maintenance import verify_checkpoint
 from dcpstore.storage import open_storage
 from tests.support.helpers import assert_state_equal, zeros_like_state
@@ -169,3 +170,24 @@ def test_a_filesystem_that_refuses_direct_io_gets_every_byte_buffered(tmp_path, 
     for name, pages in direct_pages.items():
         assert pages <= _cached_pages(os.path.join(root, name)), name
     _readers_agree(root, state)
+
+
+def test_a_tensor_larger_than_one_direct_write_lands_whole(tmp_path, monkeypatch) -> None:
+    """A tensor's pages go out in direct writes of at most ``_DIRECT_CHUNK``
+    bytes (64 MiB: an item over 512 MiB takes several); made three pages
+    here, so that every large tensor of the state takes hundreds, each at
+    its own offset."""
+    _skip_unless_the_page_cache_is_separate(str(tmp_path))
+    monkeypatch.setattr(local, "_DIRECT_CHUNK", 3 * DIRECT_ALIGN)
+    root = str(tmp_path / "ck")
+    state = _state()
+    dcpstore.save(state, root, workers=2, storage_options=dcpstore.StorageOptions(direct_io=True)).result()
+    for name, pages in _direct_pages(root, state).items():
+        assert not _cached_pages(os.path.join(root, name)) & pages, name
+    _readers_agree(root, state)
+
+
+@pytest.mark.parametrize("value", [1, "yes", None])
+def test_direct_io_must_be_a_bool(value) -> None:
+    with pytest.raises(dcpstore.InvalidArgument, match="direct_io must be a bool"):
+        dcpstore.StorageOptions(direct_io=value)
