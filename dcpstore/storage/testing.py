@@ -276,6 +276,69 @@ class StorageContract:
         with pytest.raises(StorageNotFound):
             storage.read_into_each("nope.bin", 0, [memoryview(bytearray(4))], each)
 
+    def test_scatter_reads_land_wherever_the_buffers_lie(self, storage: Storage) -> None:
+        """``read_into`` and ``read_into_each`` into buffers that lie at the
+        object's offset modulo a page in memory or not, whole pages or not,
+        the last running past the object's end: every byte in order, the
+        count of those that arrived, and each reported to its own buffer
+        (whatever a reader takes past a cache, ``direct_io``)."""
+        page = 4096
+        size = 6 * MiB + 1234
+        payload = os.urandom(size)
+        storage.put("scatter.bin", payload)
+        memory = mmap.mmap(-1, 16 * MiB)  # page-aligned
+        view = memoryview(memory)
+        offset = 100
+
+        def layout() -> list[memoryview]:
+            """(start in memory, length) of each buffer, read from ``offset``."""
+            spans: list[tuple[int, int]] = []
+            pos, mem = offset, 0
+
+            def add(start: int, length: int) -> None:
+                nonlocal pos, mem
+                spans.append((start, length))
+                pos += length
+                mem = start + length
+
+            add(pos % page, 2 * MiB + 50)  # at its object offset within a page: a head, whole pages, a tail
+            add(mem + 8, 7)  # small, between
+            add(mem + page + 3, MiB + 1)  # large, misaligned against the object
+            add(-(-mem // page) * page + pos % page, 4 * page)  # aligned, too small to be taken whole
+            add(-(-mem // page) * page + pos % page + page, 3 * MiB)  # aligned, past the end of the object
+            return [view[a : a + n] for a, n in spans]
+
+        def read(each_read: bool) -> None:
+            memory.seek(0)
+            memory.write(b"\xee" * len(memory))
+            buffers = layout()
+            seen: list[tuple[int, bytes]] = []
+
+            def each(k: int, piece: memoryview) -> None:
+                seen.append((k, bytes(piece)))
+
+            if each_read:
+                got = storage.read_into_each("scatter.bin", offset, buffers, each)
+            else:
+                got = storage.read_into("scatter.bin", offset, buffers)
+            assert got == size - offset
+            assert b"".join(bytes(b) for b in buffers)[:got] == payload[offset:]
+            if each_read:
+                assert [k for k, _ in seen] == sorted(k for k, _ in seen)
+                left = got
+                for k, buf in enumerate(buffers):
+                    arrived = min(left, buf.nbytes)
+                    assert b"".join(v for i, v in seen if i == k) == bytes(buf[:arrived]), k
+                    left -= arrived
+                    buf.release()
+            for buf in buffers:
+                buf.release()
+
+        read(each_read=False)
+        read(each_read=True)
+        view.release()
+        memory.close()
+
 
 def _read_beside_puts(
     storage: Storage, versions: tuple[bytes, ...], read: Callable[[int], bytes], *, durable: bool

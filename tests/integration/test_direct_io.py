@@ -1,12 +1,14 @@
 """Direct I/O on a local disk (``StorageOptions(direct_io=True)``): a save
 writes the whole pages of its large tensors from their memory to the disk,
-past the page cache, and the rest as a buffered save does. Seen here from
+past the page cache, and the rest as a buffered save does; a load reads
+the whole pages of each large tensor that its destination holds at the
+same place in a page straight from the disk into it. Seen here from
 outside: which pages of the data files the page cache holds after the save
-(``mincore``), and every reader reading the checkpoint. A filesystem that
-refuses direct writes gets every byte buffered; a failed direct write
-fails the save cleanly (tests/integration/test_local_faults.py); a kill
-anywhere in a direct save leaves the previous checkpoint
-(tests/processes/test_crash.py)."""
+or the load (``mincore``), and every reader reading the checkpoint. A
+filesystem that refuses direct I/O gets every byte buffered; a failed
+direct write fails the save cleanly (tests/integration/test_local_faults.py);
+a kill anywhere in a direct save leaves the previous checkpoint
+(tests/processes/test_crash.py); damage under a direct read is found."""
 
 from __future__ import annotations
 
@@ -185,6 +187,152 @@ def test_a_tensor_larger_than_one_direct_write_lands_whole(tmp_path, monkeypatch
     for name, pages in _direct_pages(root, state).items():
         assert not _cached_pages(os.path.join(root, name)) & pages, name
     _readers_agree(root, state)
+
+
+def _at_place_in_page(like: torch.Tensor, file_offset: int) -> torch.Tensor:
+    """A zeroed tensor like ``like`` whose bytes start at ``file_offset``'s
+    place in a page (a view into a larger allocation)."""
+    room = torch.zeros(like.nbytes + 2 * DIRECT_ALIGN, dtype=torch.uint8)
+    skip = (file_offset - room.data_ptr()) % DIRECT_ALIGN
+    return room[skip : skip + like.nbytes].view(like.dtype).view(like.shape)
+
+
+def _evict(root: str) -> None:
+    """Drop the data files' pages from the page cache (they are clean: the
+    save fsynced them), so that what a load reads shows in it."""
+    for name in os.listdir(root):
+        fd = os.open(os.path.join(root, name), os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _read_direct(root: str, state: dict, dest: dict) -> dict[str, set[int]]:
+    """Per data file, the pages wholly inside a large raw tensor's bytes
+    whose destination in ``dest`` takes them as they lie: what a direct
+    load reads past the page cache (straight into the destination where it
+    lies at the same place in a page, else through a bounce buffer)."""
+    md, manifest = read_checkpoint_metadata(open_storage(root))
+    assert manifest is not None
+    pages: dict[str, set[int]] = {}
+    for index, info in md.storage_data.items():
+        value, target = state[index.fqn], dest[index.fqn]
+        if not (isinstance(value, torch.Tensor) and is_raw(value) and value.nbytes >= DIRECT_MIN):
+            continue
+        if target.is_contiguous() and not target.is_conj():  # the reader reads into it as it lies
+            inside, nbytes = manifest["tensors"][f"{info.relative_path}@{info.offset}"]
+            start = info.offset + inside
+            pages.setdefault(info.relative_path, set()).update(range(-(-start // PAGE), (start + nbytes) // PAGE))
+    return pages
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["buffered", "direct"])
+def test_a_direct_load_reads_the_pages_of_its_large_tensors_past_the_page_cache(tmp_path, direct: bool) -> None:
+    """A direct save's checkpoint, out of the page cache, loaded: buffered,
+    the load brings every page of its large tensors into the page cache;
+    direct, none, whether the destination lies at the same place in a page
+    as the tensor's bytes in the file (read straight into it) or not
+    (through a bounce buffer: one destination here is made to be off by
+    64 bytes), and the values are the same."""
+    _skip_unless_the_page_cache_is_separate(str(tmp_path))
+    root = str(tmp_path / "ck")
+    state = _state()
+    options = dcpstore.StorageOptions(direct_io=True)
+    dcpstore.save(state, root, workers=2, storage_options=options).result()
+    _evict(root)
+    dest = zeros_like_state(state)
+    md, manifest = read_checkpoint_metadata(open_storage(root))
+    (w3,) = [info for index, info in md.storage_data.items() if index.fqn == "w3"]
+    w3_at = w3.offset + manifest["tensors"][f"{w3.relative_path}@{w3.offset}"][0]
+    dest["w3"] = _at_place_in_page(dest["w3"], w3_at)
+    dest["w1"] = _at_place_in_page(dest["w1"], w3_at + 64)
+    read_direct = _read_direct(root, state, dest)
+    assert sum(map(len, read_direct.values())) >= (6 << 20) // PAGE, read_direct
+    dcpstore.load(dest, root, workers=2, storage_options=dcpstore.StorageOptions(direct_io=direct))
+    assert_state_equal(dest, state)
+    for name, pages in read_direct.items():
+        cached = _cached_pages(os.path.join(root, name))
+        if direct:
+            assert not cached & pages, f"{name}: {len(cached & pages)} of the direct pages are cached"
+        else:
+            assert pages <= cached, f"{name}: {len(pages - cached)} pages of a buffered load are not cached"
+
+
+def test_a_direct_load_of_a_buffered_save_reads_what_lies_elsewhere_in_a_page_buffered(tmp_path) -> None:
+    """A buffered save does not place tensors at their memory's place in a
+    page: a direct load reads those through the page cache, and every value
+    is right (a tensor that happens to line up is read direct)."""
+    root = str(tmp_path / "ck")
+    state = _state()
+    dcpstore.save(state, root, workers=2).result()
+    dest = zeros_like_state(state)
+    dcpstore.load(dest, root, storage_options=dcpstore.StorageOptions(direct_io=True))
+    assert_state_equal(dest, state)
+
+
+@pytest.mark.parametrize("refused_at", ["open", "read"])
+def test_a_filesystem_that_refuses_direct_reads_gets_the_load_buffered(tmp_path, monkeypatch, refused_at: str) -> None:
+    """A filesystem may refuse ``O_DIRECT`` at the open or at a read
+    (EINVAL): the load reads the rest of that file buffered."""
+    _skip_unless_the_page_cache_is_separate(str(tmp_path))
+    root = str(tmp_path / "ck")
+    state = _state()
+    dcpstore.save(state, root, workers=2, storage_options=dcpstore.StorageOptions(direct_io=True)).result()
+    _evict(root)
+    dest = zeros_like_state(state)
+    read_direct = _read_direct(root, state, dest)
+    real_open, real_preadv = os.open, os.preadv
+    refused: list[str] = []
+
+    def refuse() -> None:
+        refused.append(refused_at)
+        raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+
+    def open_(path, flags: int, *args, **kwargs) -> int:
+        if refused_at == "open" and flags & os.O_DIRECT:
+            refuse()
+        return real_open(path, flags, *args, **kwargs)
+
+    def preadv(fd: int, buffers, offset: int) -> int:
+        if refused_at == "read" and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            refuse()
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "open", open_)
+    monkeypatch.setattr(os, "preadv", preadv)
+    dcpstore.load(dest, root, workers=2, storage_options=dcpstore.StorageOptions(direct_io=True))
+    monkeypatch.undo()
+    assert refused
+    assert_state_equal(dest, state)
+    for name, pages in read_direct.items():
+        assert pages <= _cached_pages(os.path.join(root, name)), name
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_damage_under_a_direct_read_is_found(tmp_path, monkeypatch, damage: str) -> None:
+    """A byte flipped, or the file cut, inside the pages a direct load reads
+    (in reads of a few pages here, so the damage is in one of many): the
+    load fails naming the data file, as a buffered one does."""
+    monkeypatch.setattr(local, "_DIRECT_CHUNK", 3 * DIRECT_ALIGN)
+    root = str(tmp_path / "ck")
+    state = _state()
+    dcpstore.save(state, root, workers=2, storage_options=dcpstore.StorageOptions(direct_io=True)).result()
+    dest = zeros_like_state(state)
+    name, pages = max(_read_direct(root, state, dest).items(), key=lambda item: len(item[1]))
+    page = sorted(pages)[len(pages) // 2]
+    path = os.path.join(root, name)
+    if damage == "flip":
+        with open(path, "r+b") as f:
+            f.seek(page * PAGE + 100)
+            byte = f.read(1)
+            f.seek(page * PAGE + 100)
+            f.write(bytes([byte[0] ^ 0x10]))
+    else:
+        os.truncate(path, page * PAGE + 100)
+    with pytest.raises(dcpstore.CheckpointCorrupt, match="checksum|truncated") as info:
+        dcpstore.load(dest, root, storage_options=dcpstore.StorageOptions(direct_io=True))
+    assert name in str(info.value)
 
 
 @pytest.mark.parametrize("value", [1, "yes", None])

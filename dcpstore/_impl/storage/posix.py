@@ -59,14 +59,18 @@ class LocalRoot:
 DIRECT_ALIGN = 4096
 
 
-def open_direct(path: str) -> int:
-    """A write descriptor with ``O_DIRECT`` on the existing file ``path``;
-    -1 where the platform or the filesystem has no direct I/O."""
+def open_direct(path: str, access: int = os.O_WRONLY) -> int:
+    """A descriptor with ``O_DIRECT`` on the existing file ``path``, opened
+    for ``access`` (``os.O_WRONLY`` or ``os.O_RDONLY``); -1 where the
+    platform or the filesystem has no direct I/O. A read opens with
+    ``O_NONBLOCK``: were ``path`` swapped for a FIFO, the open must not
+    wait for its writer."""
     flag = getattr(os, "O_DIRECT", 0)
     if not flag:
         return -1
     try:
-        return os.open(path, os.O_WRONLY | os.O_CLOEXEC | flag)
+        nonblock = os.O_NONBLOCK if access == os.O_RDONLY else 0
+        return os.open(path, access | os.O_CLOEXEC | nonblock | flag)
     except OSError:  # EINVAL: this filesystem does no direct I/O
         return -1
 

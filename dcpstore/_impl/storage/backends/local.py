@@ -25,13 +25,17 @@ stat'ed; one deleted while the walk runs is skipped silently.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import logging
+import mmap
 import os
 import stat
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Literal
 
 from dcpstore._impl.storage.backend_base import BackendBase, errors_mapped
 from dcpstore._impl.storage.base import ObjectInfo, ObjectWriter
@@ -59,8 +63,17 @@ _WRITEBACK_EVERY = 8 << 20
 #: Bytes per preadv of :meth:`LocalStorage.read_into_each`: what a core's
 #: cache holds between the read's copy and the caller's pass over the piece.
 _PIECE = 1 << 20
-#: Most bytes one direct write sends: its pages stay pinned while it runs.
+#: Most bytes one direct write sends, or one direct read lands: its pages
+#: stay pinned while it runs.
 _DIRECT_CHUNK = 64 << 20
+#: The least buffer a read with ``direct_io`` takes straight from the disk:
+#: a direct read has no readahead, so a small one waits on the disk alone.
+_DIRECT_READ_MIN = 1 << 20
+#: A direct read into memory that does not lie at the file's place in a
+#: page goes through a page-aligned buffer of this many bytes, then a copy.
+_BOUNCE = 8 << 20
+#: Bounce buffers kept between reads (one per reading thread, in use at once).
+_BOUNCES_KEPT = 8
 
 
 def _is_tmp(name: str) -> bool:
@@ -293,6 +306,8 @@ class LocalStorage(BackendBase):
                 os.close(fd)
 
     def read_into(self, path: str, offset: int, buffers: Sequence[memoryview], *, batch_hint: int | None = None) -> int:
+        if self.options.direct_io:
+            return self.read_into_each(path, offset, buffers, _nothing, batch_hint=batch_hint)
         total = sum(b.nbytes for b in buffers)
         done = 0
         with self._mapped(f"cannot read {self.describe(path)}"):
@@ -320,34 +335,36 @@ class LocalStorage(BackendBase):
     ) -> int:
         """:meth:`read_into` in windows of :data:`_PIECE` bytes, each window's
         views handed to ``each`` right after its ``preadv`` (see
-        :meth:`Storage.read_into_each`)."""
+        :meth:`Storage.read_into_each`).
+
+        With ``direct_io``, a buffer of :data:`_DIRECT_READ_MIN` bytes or
+        more that lies at its file offset's place in a page (as a direct
+        save lays a tensor out for memory allocated as it was) has its
+        whole pages read with ``O_DIRECT``, from the disk straight into it,
+        in reads of at most :data:`_DIRECT_CHUNK` bytes, each handed to
+        ``each`` once it lands; its ragged ends and every other buffer are
+        read as above. A filesystem that refuses ``O_DIRECT`` (at the open
+        or at a read) gets the rest of the call read buffered."""
         done = 0
         with self._mapped(f"cannot read {self.describe(path)}"):
-            fd = self._open_file(path)
+            reading = _Reading(self._open_file(path), self._full(path), each)
             try:
-                for window in _windows(buffers, _PIECE, _IOV_MAX):
-                    want = sum(view.nbytes for _, view in window)
-                    views = [view for _, view in window]
+                if self.options.direct_io:  # the buffered reads must not read ahead into the direct ones' pages
+                    os.posix_fadvise(reading.fd, 0, 0, os.POSIX_FADV_RANDOM)
+                for kind, run in _runs(buffers, offset, self.options.direct_io):
+                    want = sum(view.nbytes for _, view in run)
                     got = 0
-                    while got < want:
-                        n = os.preadv(
-                            fd, slice_buffers(views, got, want - got), offset + done + got
-                        )  # releases the GIL
-                        if n == 0:
+                    if kind != "buffered":
+                        got = reading.pages(offset + done, *run[0], bounce=kind == "bounce")
+                        if got < want and not reading.refused:  # the file ends inside these pages
+                            done += got
                             break
-                        got += n
-                    left = got
-                    for k, view in window:
-                        if left <= 0:
-                            break
-                        take = min(view.nbytes, left)
-                        each(k, view[:take])
-                        left -= take
+                    got += reading.windows(offset + done + got, _after(run, got))
                     done += got
                     if got < want:
                         break
             finally:
-                os.close(fd)
+                reading.close()
         return done
 
     def size(self, path: str) -> int:
@@ -473,12 +490,13 @@ class LocalStorage(BackendBase):
         return removed
 
 
-def _windows(buffers: Sequence[memoryview], piece: int, most: int) -> Iterator[list[tuple[int, memoryview]]]:
-    """``buffers`` cut into runs of at most ``piece`` bytes and ``most``
-    views, in order: ``(index of the buffer, a view of part of it)``."""
+def _windows(run: Sequence[tuple[int, memoryview]], piece: int, most: int) -> Iterator[list[tuple[int, memoryview]]]:
+    """``run`` (``(index of a buffer, a view of it)``) cut into windows of at
+    most ``piece`` bytes and ``most`` views, in order, each view in the
+    same form."""
     window: list[tuple[int, memoryview]] = []
     fill = 0
-    for k, buf in enumerate(buffers):
+    for k, buf in run:
         pos = 0
         while pos < buf.nbytes:
             take = min(buf.nbytes - pos, piece - fill)
@@ -490,6 +508,186 @@ def _windows(buffers: Sequence[memoryview], piece: int, most: int) -> Iterator[l
                 window, fill = [], 0
     if window:
         yield window
+
+
+def _nothing(k: int, view: memoryview) -> None:
+    pass
+
+
+def _runs(
+    buffers: Sequence[memoryview], offset: int, direct: bool
+) -> Iterator[tuple[_Kind, list[tuple[int, memoryview]]]]:
+    """``buffers``, to be read from ``offset`` on, as runs of ``(index of the
+    buffer, a view of it)``, in order, each with how to read it. With
+    ``direct``, a buffer of at least :data:`_DIRECT_READ_MIN` bytes has the
+    part that covers whole pages of the file in a run of its own: read
+    straight into it where it lies at the same place in a page
+    (``"direct"``), else through a page-aligned buffer (``"bounce"``);
+    everything else is in the ``"buffered"`` runs between."""
+    run: list[tuple[int, memoryview]] = []
+    pos = offset
+    for k, buf in enumerate(buffers):
+        n = buf.nbytes
+        head = -pos % DIRECT_ALIGN
+        pages = (n - head) // DIRECT_ALIGN * DIRECT_ALIGN if n > head else 0
+        if direct and n >= _DIRECT_READ_MIN and pages:
+            if head:
+                run.append((k, buf[:head]))
+            if run:
+                yield "buffered", run
+            aligned = (buffer_address(buf) - pos) % DIRECT_ALIGN == 0
+            yield ("direct" if aligned else "bounce"), [(k, buf[head : head + pages])]
+            run = [(k, buf[head + pages :])] if head + pages < n else []
+        else:
+            run.append((k, buf))
+        pos += n
+    if run:
+        yield "buffered", run
+
+
+def _after(run: list[tuple[int, memoryview]], skip: int) -> list[tuple[int, memoryview]]:
+    """``run`` less its first ``skip`` bytes."""
+    out = []
+    for k, view in run:
+        if skip >= view.nbytes:
+            skip -= view.nbytes
+            continue
+        out.append((k, view[skip:]))
+        skip = 0
+    return out
+
+
+#: A read's direct run: straight into the buffer, or through a bounce buffer.
+_Kind = Literal["buffered", "direct", "bounce"]
+
+_bounces: list[mmap.mmap] = []
+_bounces_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _bounce() -> Iterator[memoryview]:
+    """A page-aligned buffer of :data:`_BOUNCE` bytes for direct reads into
+    memory that lies elsewhere in a page, taken from those kept for the
+    next reads (a fresh one's page faults would cost more than the copy
+    through it), and given back after."""
+    with _bounces_lock:
+        memory = _bounces.pop() if _bounces else mmap.mmap(-1, _BOUNCE)
+    view = memoryview(memory)
+    try:
+        yield view
+    finally:
+        view.release()
+        with _bounces_lock:
+            kept = len(_bounces) < _BOUNCES_KEPT
+            if kept:
+                _bounces.append(memory)
+        if not kept:
+            memory.close()
+
+
+class _Reading:
+    """One call's reads of one file: ``fd`` (checked by
+    :meth:`LocalStorage._open_file`), and a twin with ``O_DIRECT`` opened
+    at the first direct run, each piece reported to ``each`` as it lands."""
+
+    def __init__(self, fd: int, full: str, each: Callable[[int, memoryview], None]) -> None:
+        self.fd = fd
+        self._full = full
+        self._each = each
+        self._direct_fd = -1
+        #: The filesystem refused direct reads: the rest goes buffered.
+        self.refused = False
+
+    def windows(self, offset: int, run: list[tuple[int, memoryview]]) -> int:
+        """Read ``run`` from ``offset`` on in windows of :data:`_PIECE`
+        bytes; the bytes read (fewer only where the file ends)."""
+        done = 0
+        for window in _windows(run, _PIECE, _IOV_MAX):
+            want = sum(view.nbytes for _, view in window)
+            views = [view for _, view in window]
+            got = 0
+            while got < want:
+                n = os.preadv(self.fd, slice_buffers(views, got, want - got), offset + done + got)  # releases the GIL
+                if n == 0:
+                    break
+                got += n
+            left = got
+            for k, view in window:
+                if left <= 0:
+                    break
+                take = min(view.nbytes, left)
+                self._each(k, view[:take])
+                left -= take
+            done += got
+            if got < want:
+                break
+        return done
+
+    def pages(self, offset: int, k: int, view: memoryview, *, bounce: bool) -> int:
+        """Read whole pages of the file, from the page-aligned ``offset`` on,
+        into ``view`` with ``O_DIRECT``: straight into it (page-aligned in
+        memory too), or with ``bounce`` through a page-aligned buffer and a
+        copy, :data:`_PIECE` bytes at a time, each piece reported in cache.
+        The bytes read: fewer than all where the file ends, or where the
+        filesystem refused (:attr:`refused`)."""
+        if self._direct_fd == -1 and not self.refused:
+            self._direct_fd = _direct_twin(self.fd, self._full)
+            self.refused = self._direct_fd < 0
+        if self.refused:
+            return 0
+        with _bounce() if bounce else contextlib.nullcontext() as through:
+            return self._pages(offset, k, view, through)
+
+    def _pages(self, offset: int, k: int, view: memoryview, through: memoryview | None) -> int:
+        done = 0
+        at = buffer_address(view)
+        while done < view.nbytes:
+            want = min(view.nbytes - done, _DIRECT_CHUNK if through is None else through.nbytes)
+            into = view[done : done + want] if through is None else through[:want]
+            try:
+                n = os.preadv(self._direct_fd, [into], offset + done)  # releases the GIL
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                self.close_direct()
+                self.refused = True  # a filesystem that opens O_DIRECT files but refuses their reads
+                break
+            if through is None:
+                if n:
+                    self._each(k, into[:n])
+            else:
+                source = buffer_address(through)
+                for p in range(0, n, _PIECE):
+                    q = min(n, p + _PIECE)
+                    ctypes.memmove(at + done + p, source + p, q - p)  # releases the GIL
+                    self._each(k, view[done + p : done + q])  # in cache: just copied
+            done += n
+            if n < want:
+                break
+        return done
+
+    def close_direct(self) -> None:
+        if self._direct_fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self._direct_fd)
+        self._direct_fd = -1
+
+    def close(self) -> None:
+        self.close_direct()
+        os.close(self.fd)
+
+
+def _direct_twin(fd: int, full: str) -> int:
+    """A read descriptor with ``O_DIRECT`` on the file ``fd`` has open (its
+    path opened again, then checked to be the same file: one renamed over
+    it since is read through ``fd`` alone); -1 where there is none."""
+    twin = open_direct(full, os.O_RDONLY)
+    if twin >= 0:
+        a, b = os.fstat(fd), os.fstat(twin)
+        if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino):
+            os.close(twin)
+            return -1
+    return twin
 
 
 def _pread(fd: int, offset: int, length: int) -> bytes:
