@@ -43,7 +43,8 @@ class StorageOptions:
         op_timeout_s: most seconds one object operation may take, retries
             included.
         direct_io: local disks: write tensors' bytes from memory straight
-            to the disk, past the page cache (``O_DIRECT``).
+            to the disk, and read them from the disk into their
+            destinations, past the page cache (``O_DIRECT``).
 
     Raises:
         InvalidArgument: a value out of range (the message names the field).
@@ -79,10 +80,14 @@ class StorageOptions:
     #: of copying them into the page cache first: the kernel's copy, the
     #: largest CPU cost of a buffered save, goes, and the save does not fill
     #: the page cache with a checkpoint that nothing reads soon (a load of it
-    #: then reads from the disk). Record headers and the ragged ends of each
-    #: tensor are written as usual; a filesystem that refuses ``O_DIRECT``
-    #: gets every byte buffered. fsync and the commit are unchanged. Default
-    #: False. Ignored by object stores.
+    #: then reads from the disk). A load reads each large tensor's whole
+    #: pages with ``O_DIRECT`` from the disk into its destination (through a
+    #: page-aligned bounce buffer where the destination lies elsewhere in a
+    #: page than the bytes in the file), whatever the page cache holds.
+    #: Record headers and the ragged ends of each tensor are read and
+    #: written as usual; a filesystem that refuses ``O_DIRECT`` gets every
+    #: byte buffered. fsync, the checksums and the commit are unchanged.
+    #: Default False. Ignored by object stores.
     direct_io: bool = False
 
     def __post_init__(self) -> None:

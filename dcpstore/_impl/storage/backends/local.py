@@ -338,18 +338,22 @@ class LocalStorage(BackendBase):
         :meth:`Storage.read_into_each`).
 
         With ``direct_io``, a buffer of :data:`_DIRECT_READ_MIN` bytes or
-        more that lies at its file offset's place in a page (as a direct
-        save lays a tensor out for memory allocated as it was) has its
-        whole pages read with ``O_DIRECT``, from the disk straight into it,
-        in reads of at most :data:`_DIRECT_CHUNK` bytes, each handed to
-        ``each`` once it lands; its ragged ends and every other buffer are
-        read as above. A filesystem that refuses ``O_DIRECT`` (at the open
-        or at a read) gets the rest of the call read buffered."""
+        more has the whole pages of the file it covers read with
+        ``O_DIRECT``: straight into it where it lies at the same place in a
+        page (as a direct save lays a tensor out for memory allocated as it
+        was), in reads of at most :data:`_DIRECT_CHUNK` bytes, each handed
+        to ``each`` once it lands; else through a page-aligned bounce
+        buffer of :data:`_BOUNCE` bytes, copied out and handed to ``each``
+        a :data:`_PIECE` at a time. Its ragged ends and every other buffer
+        are read as above, with no readahead (which would pull the direct
+        pages into the page cache). A filesystem that refuses ``O_DIRECT``
+        (at the open or at a read) gets the rest of the call read
+        buffered."""
         done = 0
         with self._mapped(f"cannot read {self.describe(path)}"):
             reading = _Reading(self._open_file(path), self._full(path), each)
             try:
-                if self.options.direct_io:  # the buffered reads must not read ahead into the direct ones' pages
+                if self.options.direct_io:
                     os.posix_fadvise(reading.fd, 0, 0, os.POSIX_FADV_RANDOM)
                 for kind, run in _runs(buffers, offset, self.options.direct_io):
                     want = sum(view.nbytes for _, view in run)
@@ -562,6 +566,17 @@ _Kind = Literal["buffered", "direct", "bounce"]
 
 _bounces: list[mmap.mmap] = []
 _bounces_lock = threading.Lock()
+
+
+def _forget_bounces() -> None:
+    """In a forked child: the parent's kept buffers are its own, and its
+    lock may have been held by a thread the child does not have."""
+    global _bounces_lock
+    _bounces.clear()
+    _bounces_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_bounces)
 
 
 @contextlib.contextmanager
