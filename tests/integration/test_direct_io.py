@@ -309,12 +309,35 @@ def test_a_filesystem_that_refuses_direct_reads_gets_the_load_buffered(tmp_path,
         assert pages <= _cached_pages(os.path.join(root, name)), name
 
 
+def test_a_direct_load_in_many_reads_lands_every_byte(tmp_path, monkeypatch) -> None:
+    """Direct reads of three pages each (8 MiB by default), each started
+    before the last one's bytes are checked, into a destination at the
+    file's place in a page and, through the two bounce buffers in turn,
+    one that is not: every value lands."""
+    monkeypatch.setattr(local, "_DIRECT_READ_CHUNK", 3 * DIRECT_ALIGN)
+    root = str(tmp_path / "ck")
+    state = _state()
+    dcpstore.save(state, root, workers=2, storage_options=dcpstore.StorageOptions(direct_io=True)).result()
+    md, manifest = read_checkpoint_metadata(open_storage(root))
+    at = {
+        index.fqn: info.offset + manifest["tensors"][f"{info.relative_path}@{info.offset}"][0]
+        for index, info in md.storage_data.items()
+        if index.fqn in ("w1", "w3")
+    }
+    dest = zeros_like_state(state)
+    dest["w3"] = _at_place_in_page(dest["w3"], at["w3"])
+    dest["w1"] = _at_place_in_page(dest["w1"], at["w1"] + 8)
+    dcpstore.load(dest, root, workers=2, storage_options=dcpstore.StorageOptions(direct_io=True))
+    assert_state_equal(dest, state)
+
+
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
 def test_damage_under_a_direct_read_is_found(tmp_path, monkeypatch, damage: str) -> None:
     """A byte flipped, or the file cut, inside the pages a direct load reads
-    (in reads of a few pages here, so the damage is in one of many): the
-    load fails naming the data file, as a buffered one does."""
-    monkeypatch.setattr(local, "_DIRECT_CHUNK", 3 * DIRECT_ALIGN)
+    (in reads of a few pages here, so the damage is in one of many, read
+    while the one before is checked): the load fails naming the data file,
+    as a buffered one does."""
+    monkeypatch.setattr(local, "_DIRECT_READ_CHUNK", 3 * DIRECT_ALIGN)
     root = str(tmp_path / "ck")
     state = _state()
     dcpstore.save(state, root, workers=2, storage_options=dcpstore.StorageOptions(direct_io=True)).result()

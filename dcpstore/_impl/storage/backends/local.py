@@ -34,7 +34,9 @@ import stat
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Literal
 
 from dcpstore._impl.storage.backend_base import BackendBase, errors_mapped
@@ -63,17 +65,21 @@ _WRITEBACK_EVERY = 8 << 20
 #: Bytes per preadv of :meth:`LocalStorage.read_into_each`: what a core's
 #: cache holds between the read's copy and the caller's pass over the piece.
 _PIECE = 1 << 20
-#: Most bytes one direct write sends, or one direct read lands: its pages
-#: stay pinned while it runs.
+#: Most bytes one direct write sends: its pages stay pinned while it runs.
 _DIRECT_CHUNK = 64 << 20
 #: The least buffer a read with ``direct_io`` takes straight from the disk:
 #: a direct read has no readahead, so a small one waits on the disk alone.
 _DIRECT_READ_MIN = 1 << 20
-#: A direct read into memory that does not lie at the file's place in a
-#: page goes through a page-aligned buffer of this many bytes, then a copy.
-_BOUNCE = 8 << 20
-#: Bounce buffers kept between reads (one per reading thread, in use at once).
-_BOUNCES_KEPT = 8
+#: Bytes per direct read. A file's direct reads go one ahead of the
+#: checksum of the last, so the disk works while the core checks; and one
+#: into memory that does not lie at the file's place in a page goes through
+#: a page-aligned buffer of this size, then a copy.
+_DIRECT_READ_CHUNK = 8 << 20
+#: Direct reads of one file in flight while the last one's bytes are checked.
+_READS_AHEAD = 2
+#: Bounce buffers kept between reads (``_READS_AHEAD + 1`` per reading
+#: thread are in use at once).
+_BOUNCES_KEPT = 16
 
 
 def _is_tmp(name: str) -> bool:
@@ -341,10 +347,10 @@ class LocalStorage(BackendBase):
         more has the whole pages of the file it covers read with
         ``O_DIRECT``: straight into it where it lies at the same place in a
         page (as a direct save lays a tensor out for memory allocated as it
-        was), in reads of at most :data:`_DIRECT_CHUNK` bytes, each handed
-        to ``each`` once it lands; else through a page-aligned bounce
-        buffer of :data:`_BOUNCE` bytes, copied out and handed to ``each``
-        a :data:`_PIECE` at a time. Its ragged ends and every other buffer
+        was), else through page-aligned bounce buffers, copied out and
+        handed to ``each`` a :data:`_PIECE` at a time; in reads of
+        :data:`_DIRECT_READ_CHUNK` bytes, each handed to ``each`` once it
+        lands while the next is read. Its ragged ends and every other buffer
         are read as above, with no readahead (which would pull the direct
         pages into the page cache). A filesystem that refuses ``O_DIRECT``
         (at the open or at a read) gets the rest of the call read
@@ -581,12 +587,14 @@ os.register_at_fork(after_in_child=_forget_bounces)
 
 @contextlib.contextmanager
 def _bounce() -> Iterator[memoryview]:
-    """A page-aligned buffer of :data:`_BOUNCE` bytes for direct reads into
-    memory that lies elsewhere in a page, taken from those kept for the
-    next reads (a fresh one's page faults would cost more than the copy
-    through it), and given back after."""
+    """A page-aligned buffer of :data:`_DIRECT_READ_CHUNK` bytes for direct
+    reads into memory that lies elsewhere in a page, taken from those kept
+    for the next reads (a fresh one's page faults would cost more than the
+    copy through it), and given back after."""
     with _bounces_lock:
-        memory = _bounces.pop() if _bounces else mmap.mmap(-1, _BOUNCE)
+        memory = _bounces.pop() if _bounces else None
+    if memory is None or len(memory) < _DIRECT_READ_CHUNK:
+        memory = mmap.mmap(-1, _DIRECT_READ_CHUNK)
     view = memoryview(memory)
     try:
         yield view
@@ -610,6 +618,7 @@ class _Reading:
         self._full = full
         self._each = each
         self._direct_fd = -1
+        self._reader: ThreadPoolExecutor | None = None
         #: The filesystem refused direct reads: the rest goes buffered.
         self.refused = False
 
@@ -641,45 +650,67 @@ class _Reading:
     def pages(self, offset: int, k: int, view: memoryview, *, bounce: bool) -> int:
         """Read whole pages of the file, from the page-aligned ``offset`` on,
         into ``view`` with ``O_DIRECT``: straight into it (page-aligned in
-        memory too), or with ``bounce`` through a page-aligned buffer and a
-        copy, :data:`_PIECE` bytes at a time, each piece reported in cache.
-        The bytes read: fewer than all where the file ends, or where the
-        filesystem refused (:attr:`refused`)."""
+        memory too), or with ``bounce`` through two page-aligned buffers in
+        turn and a copy, :data:`_PIECE` bytes at a time, each piece reported
+        in cache. Each read but the first is started (on a helper thread)
+        before the last one's bytes are reported. The bytes read: fewer
+        than all where the file ends, or where the filesystem refused
+        (:attr:`refused`)."""
         if self._direct_fd == -1 and not self.refused:
             self._direct_fd = _direct_twin(self.fd, self._full)
             self.refused = self._direct_fd < 0
         if self.refused:
             return 0
-        with _bounce() if bounce else contextlib.nullcontext() as through:
-            return self._pages(offset, k, view, through)
-
-    def _pages(self, offset: int, k: int, view: memoryview, through: memoryview | None) -> int:
-        done = 0
+        step = _DIRECT_READ_CHUNK
+        spans = [(start, min(step, view.nbytes - start)) for start in range(0, view.nbytes, step)]
         at = buffer_address(view)
-        while done < view.nbytes:
-            want = min(view.nbytes - done, _DIRECT_CHUNK if through is None else through.nbytes)
-            into = view[done : done + want] if through is None else through[:want]
+        with contextlib.ExitStack() as stack:
+            # A bounce buffer for each read in flight, and one being copied out.
+            throughs = [stack.enter_context(_bounce()) for _ in range(_READS_AHEAD + 1)] if bounce else []
+
+            def start(i: int) -> Future[int]:
+                first, length = spans[i]
+                into = throughs[i % len(throughs)][:length] if bounce else view[first : first + length]
+                return self._ahead().submit(os.preadv, self._direct_fd, [into], offset + first)
+
+            pending = deque(start(i) for i in range(min(_READS_AHEAD, len(spans))))
+            done = 0
             try:
-                n = os.preadv(self._direct_fd, [into], offset + done)  # releases the GIL
-            except OSError as e:
-                if e.errno != errno.EINVAL:
-                    raise
-                self.close_direct()
-                self.refused = True  # a filesystem that opens O_DIRECT files but refuses their reads
-                break
-            if through is None:
-                if n:
-                    self._each(k, into[:n])
-            else:
-                source = buffer_address(through)
-                for p in range(0, n, _PIECE):
-                    q = min(n, p + _PIECE)
-                    ctypes.memmove(at + done + p, source + p, q - p)  # releases the GIL
-                    self._each(k, view[done + p : done + q])  # in cache: just copied
-            done += n
-            if n < want:
-                break
+                for i, (first, want) in enumerate(spans):
+                    try:
+                        n = pending.popleft().result()
+                    except OSError as e:
+                        if e.errno != errno.EINVAL:
+                            raise
+                        self.refused = True  # a filesystem that opens O_DIRECT files but refuses their reads
+                        break
+                    if n == want and i + _READS_AHEAD < len(spans):
+                        pending.append(start(i + _READS_AHEAD))
+                    if not bounce:
+                        if n:
+                            self._each(k, view[first : first + n])
+                    else:
+                        source = buffer_address(throughs[i % len(throughs)])
+                        for p in range(0, n, _PIECE):
+                            q = min(n, p + _PIECE)
+                            ctypes.memmove(at + first + p, source + p, q - p)  # releases the GIL
+                            self._each(k, view[first + p : first + q])  # in cache: just copied
+                    done += n
+                    if n < want:
+                        break
+            finally:
+                for later in pending:  # no read may land once this returns
+                    with contextlib.suppress(Exception):
+                        later.result()
+                if self.refused:
+                    self.close_direct()
         return done
+
+    def _ahead(self) -> ThreadPoolExecutor:
+        """The thread that runs this call's direct reads, started at the first."""
+        if self._reader is None:
+            self._reader = ThreadPoolExecutor(_READS_AHEAD, thread_name_prefix="dcpstore-direct-read")
+        return self._reader
 
     def close_direct(self) -> None:
         if self._direct_fd >= 0:
@@ -688,6 +719,8 @@ class _Reading:
         self._direct_fd = -1
 
     def close(self) -> None:
+        if self._reader is not None:
+            self._reader.shutdown()
         self.close_direct()
         os.close(self.fd)
 
