@@ -110,6 +110,38 @@ def _readers_agree(root: str, state: dict) -> None:
     assert report.ok, report.problems + report.refused
 
 
+def _refuse_direct_io(monkeypatch: pytest.MonkeyPatch, where: str) -> list[str]:
+    """Make this filesystem refuse ``O_DIRECT`` with ``EINVAL``: at every
+    open that asks for it (``"open"``), or at every ``"write"`` or
+    ``"read"`` through a descriptor that has it. Returns the list that
+    each refusal is added to."""
+    refused: list[str] = []
+
+    def refuse() -> None:
+        refused.append(where)
+        raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+
+    real_open = os.open
+
+    def open_(path, flags: int, *args, **kwargs) -> int:
+        if where == "open" and flags & os.O_DIRECT:
+            refuse()
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", open_)
+    if where != "open":
+        name = {"write": "pwrite", "read": "preadv"}[where]
+        real = getattr(os, name)
+
+        def io(fd: int, *args):
+            if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+                refuse()
+            return real(fd, *args)
+
+        monkeypatch.setattr(os, name, io)
+    return refused
+
+
 @pytest.mark.parametrize("direct", [False, True], ids=["buffered", "direct"])
 def test_a_direct_save_leaves_the_pages_of_its_large_tensors_out_of_the_page_cache(tmp_path, direct: bool) -> None:
     """Buffered, every page of a freshly saved data file is in the page
@@ -144,25 +176,7 @@ def test_a_filesystem_that_refuses_direct_io_gets_every_byte_buffered(tmp_path, 
     open it and refuse its writes (EINVAL): the writer tries once per data
     file, then writes every byte buffered."""
     _skip_unless_the_page_cache_is_separate(str(tmp_path))
-    real_open, real_pwrite = os.open, os.pwrite
-    refused: list[str] = []
-
-    def refuse() -> None:
-        refused.append(refused_at)
-        raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
-
-    def open_(path, flags: int, *args, **kwargs) -> int:
-        if refused_at == "open" and flags & os.O_DIRECT:
-            refuse()
-        return real_open(path, flags, *args, **kwargs)
-
-    def pwrite(fd: int, data, offset: int) -> int:
-        if refused_at == "write" and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
-            refuse()
-        return real_pwrite(fd, data, offset)
-
-    monkeypatch.setattr(os, "open", open_)
-    monkeypatch.setattr(os, "pwrite", pwrite)
+    refused = _refuse_direct_io(monkeypatch, refused_at)
     root = str(tmp_path / "ck")
     state = _state()
     dcpstore.save(state, root, workers=2, storage_options=dcpstore.StorageOptions(direct_io=True)).result()
@@ -282,25 +296,7 @@ def test_a_filesystem_that_refuses_direct_reads_gets_the_load_buffered(tmp_path,
     _evict(root)
     dest = zeros_like_state(state)
     read_direct = _read_direct(root, state, dest)
-    real_open, real_preadv = os.open, os.preadv
-    refused: list[str] = []
-
-    def refuse() -> None:
-        refused.append(refused_at)
-        raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
-
-    def open_(path, flags: int, *args, **kwargs) -> int:
-        if refused_at == "open" and flags & os.O_DIRECT:
-            refuse()
-        return real_open(path, flags, *args, **kwargs)
-
-    def preadv(fd: int, buffers, offset: int) -> int:
-        if refused_at == "read" and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
-            refuse()
-        return real_preadv(fd, buffers, offset)
-
-    monkeypatch.setattr(os, "open", open_)
-    monkeypatch.setattr(os, "preadv", preadv)
+    refused = _refuse_direct_io(monkeypatch, refused_at)
     dcpstore.load(dest, root, workers=2, storage_options=dcpstore.StorageOptions(direct_io=True))
     monkeypatch.undo()
     assert refused
