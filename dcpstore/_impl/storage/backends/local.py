@@ -70,10 +70,10 @@ _DIRECT_CHUNK = 64 << 20
 #: The least buffer a read with ``direct_io`` takes straight from the disk:
 #: a direct read has no readahead, so a small one waits on the disk alone.
 _DIRECT_READ_MIN = 1 << 20
-#: Bytes per direct read. A file's direct reads go one ahead of the
-#: checksum of the last, so the disk works while the core checks; and one
-#: into memory that does not lie at the file's place in a page goes through
-#: a page-aligned buffer of this size, then a copy.
+#: Bytes per direct read. A file's direct reads run ahead of the checksum
+#: of the last (:data:`_READS_AHEAD`), so the disk works while the core
+#: checks; one into memory that does not lie at the file's place in a page
+#: goes through a page-aligned buffer of this size, then a copy.
 _DIRECT_READ_CHUNK = 8 << 20
 #: Direct reads of one file in flight while the last one's bytes are checked.
 _READS_AHEAD = 2
