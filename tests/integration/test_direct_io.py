@@ -89,6 +89,17 @@ def _direct_pages(root: str, state: dict) -> dict[str, set[int]]:
     return pages
 
 
+def _assert_cached(root: str, pages_of: dict[str, set[int]], cached: bool) -> None:
+    """Every one of these pages of each data file is in the page cache
+    (``cached``), or none is."""
+    for name, pages in pages_of.items():
+        held = _cached_pages(os.path.join(root, name))
+        if cached:
+            assert pages <= held, f"{name}: {len(pages - held)} of the pages are not cached"
+        else:
+            assert not held & pages, f"{name}: {len(held & pages)} of the pages are cached"
+
+
 def _skip_unless_the_page_cache_is_separate(path: str) -> None:
     with open("/proc/self/mounts") as f:
         mounts = [line.split()[1:3] for line in f]
@@ -153,12 +164,7 @@ def test_a_direct_save_leaves_the_pages_of_its_large_tensors_out_of_the_page_cac
     dcpstore.save(state, root, workers=2, storage_options=dcpstore.StorageOptions(direct_io=direct)).result()
     direct_pages = _direct_pages(root, state)
     assert sum(map(len, direct_pages.values())) >= (6 << 20) // PAGE, direct_pages.keys()
-    for name, pages in direct_pages.items():
-        cached = _cached_pages(os.path.join(root, name))
-        if direct:
-            assert not cached & pages, f"{name}: {len(cached & pages)} of the direct pages are cached"
-        else:
-            assert pages <= cached, f"{name}: {len(pages - cached)} pages of a buffered save are not cached"
+    _assert_cached(root, direct_pages, not direct)
     if direct:
         md, manifest = read_checkpoint_metadata(open_storage(root))
         assert manifest is not None
@@ -265,12 +271,7 @@ def test_a_direct_load_reads_the_pages_of_its_large_tensors_past_the_page_cache(
     assert sum(map(len, read_direct.values())) >= (6 << 20) // PAGE, read_direct
     dcpstore.load(dest, root, workers=2, storage_options=dcpstore.StorageOptions(direct_io=direct))
     assert_state_equal(dest, state)
-    for name, pages in read_direct.items():
-        cached = _cached_pages(os.path.join(root, name))
-        if direct:
-            assert not cached & pages, f"{name}: {len(cached & pages)} of the direct pages are cached"
-        else:
-            assert pages <= cached, f"{name}: {len(pages - cached)} pages of a buffered load are not cached"
+    _assert_cached(root, read_direct, not direct)
 
 
 def test_a_direct_load_of_a_buffered_save_reads_what_lies_elsewhere_in_a_page_buffered(tmp_path) -> None:
