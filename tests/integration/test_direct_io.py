@@ -274,6 +274,24 @@ def test_a_direct_load_reads_the_pages_of_its_large_tensors_past_the_page_cache(
     _assert_cached(root, read_direct, not direct)
 
 
+@pytest.mark.parametrize("direct", [False, True], ids=["buffered", "direct"])
+def test_a_small_read_of_a_direct_storage_brings_only_its_own_pages(tmp_path, direct: bool) -> None:
+    """The kernel's readahead would pull the pages after a small read (an
+    item read whole, a record's header) into the page cache, and those may
+    lie inside a large tensor that a direct load reads past it: with
+    ``direct_io`` every read of the storage goes without readahead."""
+    _skip_unless_the_page_cache_is_separate(str(tmp_path))
+    storage = open_storage(str(tmp_path), storage_options=dcpstore.StorageOptions(direct_io=direct))
+    storage.put("data", os.urandom(64 * PAGE))
+    _evict(str(tmp_path))
+    assert len(storage.read_range("data", 0, 100)) == 100  # at the start, where the kernel reads ahead
+    held = _cached_pages(str(tmp_path / "data"))
+    if direct:
+        assert held == {0}
+    else:
+        assert {0, 1, 2, 3} <= held  # this filesystem reads ahead, so the case above shows something
+
+
 def test_a_direct_load_of_a_buffered_save_reads_what_lies_elsewhere_in_a_page_buffered(tmp_path) -> None:
     """A buffered save does not place tensors at their memory's place in a
     page: a direct load reads those through the page cache, and every value

@@ -277,13 +277,19 @@ class LocalStorage(BackendBase):
         FIFO from waiting for a writer; on a regular file it changes nothing.
         A file that resolves outside the root is refused too
         (:class:`~dcpstore._impl.storage.posix.LocalRoot`). Both checks are on the
-        opened file, so a swap after them cannot fool them."""
+        opened file, so a swap after them cannot fool them.
+
+        With ``direct_io``, reads through it get no readahead: the kernel's
+        would pull the pages around a small read, which may lie inside a
+        large tensor that a direct read takes past the page cache."""
         full = self._full(path)
         fd = os.open(full, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 raise StorageNotFound(f"{self.describe(path)} is not a file")
             self._local.check(_opened_path(fd, full), self.describe(path))
+            if self.options.direct_io:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
         except BaseException:
             os.close(fd)
             raise
@@ -359,8 +365,6 @@ class LocalStorage(BackendBase):
         with self._mapped(f"cannot read {self.describe(path)}"):
             reading = _Reading(self._open_file(path), self._full(path), each)
             try:
-                if self.options.direct_io:
-                    os.posix_fadvise(reading.fd, 0, 0, os.POSIX_FADV_RANDOM)
                 for kind, run in _runs(buffers, offset, self.options.direct_io):
                     want = sum(view.nbytes for _, view in run)
                     got = 0
