@@ -17,6 +17,7 @@ import errno
 import fcntl
 import mmap
 import os
+import threading
 
 import pytest
 import torch
@@ -28,6 +29,7 @@ from dcpstore._impl.dcp.commit import read_checkpoint_metadata
 from dcpstore._impl.format.layout import DIRECT_ALIGN
 from dcpstore._impl.format.record import DIRECT_MIN, is_raw
 from dcpstore._impl.storage.backends import local
+from dcpstore._impl.storage.byte_ranges import buffer_address
 from dcpstore._impl.tools.maintenance import verify_checkpoint
 from dcpstore.storage import open_storage
 from tests.support.helpers import assert_state_equal, zeros_like_state
@@ -344,6 +346,51 @@ def test_a_direct_load_in_many_reads_lands_every_byte(tmp_path, monkeypatch) -> 
     dest["w1"] = _at_place_in_page(dest["w1"], at["w1"] + 8)
     dcpstore.load(dest, root, workers=2, storage_options=dcpstore.StorageOptions(direct_io=True))
     assert_state_equal(dest, state)
+
+
+def test_the_next_read_is_under_way_while_each_piece_is_checked(tmp_path, monkeypatch) -> None:
+    """With ``direct_io``, every piece ``read_into_each`` hands over (a
+    header, a tensor's direct pages, a bounced piece, a tail with the next
+    header) waits here until a read of bytes past it has started:
+    reads run ahead of the checks, across one tensor and the next, so the
+    disk is not idle while the core checksums. A reader that reads only
+    once the last piece is checked never gets there."""
+    _skip_unless_the_page_cache_is_separate(str(tmp_path))
+    storage = open_storage(str(tmp_path), storage_options=dcpstore.StorageOptions(direct_io=True))
+    payload = os.urandom(12 << 20)
+    storage.put("data", payload)
+    memory = mmap.mmap(-1, 16 << 20)  # page-aligned
+    start = 100
+    spans = [(start, 300), (400, 3 << 20), ((4 << 20) + 8, 3 << 20), ((8 << 20) + 2000, 200)]  # the second bounces
+    buffers = [memoryview(memory)[a : a + n] for a, n in spans]
+    at = [start]  # each buffer's offset in the file
+    for buf in buffers[:-1]:
+        at.append(at[-1] + buf.nbytes)
+    end = at[-1] + buffers[-1].nbytes
+    reach = [0]  # the end of the furthest read started
+    moved = threading.Condition()
+    real = os.preadv
+
+    def preadv(fd: int, views, offset: int) -> int:
+        with moved:
+            reach[0] = max(reach[0], offset + sum(memoryview(v).nbytes for v in views))
+            moved.notify_all()
+        return real(fd, views, offset)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    checked: list[int] = []
+
+    def each(k: int, view: memoryview) -> None:
+        after = at[k] + buffer_address(view) - buffer_address(buffers[k]) + view.nbytes
+        if after < end:
+            with moved:
+                assert moved.wait_for(lambda: reach[0] > after, timeout=30), (after, reach)
+        checked.append(after)
+
+    assert storage.read_into_each("data", start, buffers, each) == end - start
+    monkeypatch.undo()
+    assert b"".join(bytes(b) for b in buffers) == payload[start:end]
+    assert checked == sorted(checked) and checked[-1] == end and len(checked) > 4, checked
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate"])

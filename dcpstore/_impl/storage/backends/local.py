@@ -37,7 +37,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from dcpstore._impl.storage.backend_base import BackendBase, errors_mapped
 from dcpstore._impl.storage.base import ObjectInfo, ObjectWriter
@@ -75,7 +75,8 @@ _DIRECT_READ_MIN = 1 << 20
 #: checks; one into memory that does not lie at the file's place in a page
 #: goes through a page-aligned buffer of this size, then a copy.
 _DIRECT_READ_CHUNK = 8 << 20
-#: Direct reads of one file in flight while the last one's bytes are checked.
+#: Reads of one call with ``direct_io`` in flight while the last one's
+#: bytes are checked.
 _READS_AHEAD = 2
 #: Bounce buffers kept between reads (``_READS_AHEAD + 1`` per reading
 #: thread are in use at once).
@@ -354,32 +355,23 @@ class LocalStorage(BackendBase):
         ``O_DIRECT``: straight into it where it lies at the same place in a
         page (as a direct save lays a tensor out for memory allocated as it
         was), else through page-aligned bounce buffers, copied out and
-        handed to ``each`` a :data:`_PIECE` at a time; in reads of
-        :data:`_DIRECT_READ_CHUNK` bytes, each handed to ``each`` once it
-        lands while the next is read. Its ragged ends and every other buffer
-        are read as above, with no readahead (which would pull the direct
-        pages into the page cache). A filesystem that refuses ``O_DIRECT``
-        (at the open or at a read) gets the rest of the call read
-        buffered."""
-        done = 0
+        handed to ``each`` a :data:`_PIECE` at a time. Its ragged ends and
+        every other buffer are read in windows as above, with no readahead
+        (which would pull the direct pages into the page cache). Every read
+        of the call, direct reads of :data:`_DIRECT_READ_CHUNK` bytes and
+        windows alike, is started :data:`_READS_AHEAD` reads before its
+        bytes are handed to ``each``, so the disk is not idle while the
+        caller checks them, nor between one tensor and the next. A
+        filesystem that refuses ``O_DIRECT`` (at the open or at a read) gets
+        the rest of the call read buffered."""
         with self._mapped(f"cannot read {self.describe(path)}"):
             reading = _Reading(self._open_file(path), self._full(path), each)
             try:
-                for kind, run in _runs(buffers, offset, self.options.direct_io):
-                    want = sum(view.nbytes for _, view in run)
-                    got = 0
-                    if kind != "buffered":
-                        got = reading.pages(offset + done, *run[0], bounce=kind == "bounce")
-                        if got < want and not reading.refused:  # the file ends inside these pages
-                            done += got
-                            break
-                    got += reading.windows(offset + done + got, _after(run, got))
-                    done += got
-                    if got < want:
-                        break
+                if self.options.direct_io:
+                    return reading.pipelined(offset, buffers)
+                return reading.windows(offset, list(enumerate(buffers)))
             finally:
                 reading.close()
-        return done
 
     def size(self, path: str) -> int:
         # Through the open: the same checks as a read (a regular file, inside the root).
@@ -528,6 +520,11 @@ def _nothing(k: int, view: memoryview) -> None:
     pass
 
 
+#: How a run of a read is read: through the page cache, or with ``O_DIRECT``
+#: straight into the buffer or through a bounce buffer.
+_Kind = Literal["buffered", "direct", "bounce"]
+
+
 def _runs(
     buffers: Sequence[memoryview], offset: int, direct: bool
 ) -> Iterator[tuple[_Kind, list[tuple[int, memoryview]]]]:
@@ -559,20 +556,38 @@ def _runs(
         yield "buffered", run
 
 
-def _after(run: list[tuple[int, memoryview]], skip: int) -> list[tuple[int, memoryview]]:
-    """``run`` less its first ``skip`` bytes."""
-    out = []
-    for k, view in run:
-        if skip >= view.nbytes:
-            skip -= view.nbytes
-            continue
-        out.append((k, view[skip:]))
-        skip = 0
-    return out
+class _Read(NamedTuple):
+    """One read of a direct-I/O call: ``views`` (``(index of a buffer, a
+    view of it)``) filled from the file's offset ``at`` on, as ``kind``
+    says (one view, :data:`_DIRECT_READ_CHUNK` bytes at most, unless
+    ``"buffered"``)."""
+
+    kind: _Kind
+    at: int
+    views: list[tuple[int, memoryview]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(view.nbytes for _, view in self.views)
 
 
-#: A read's direct run: straight into the buffer, or through a bounce buffer.
-_Kind = Literal["buffered", "direct", "bounce"]
+def _reads(buffers: Sequence[memoryview], offset: int) -> Iterator[_Read]:
+    """The reads that fill ``buffers`` from ``offset`` on with direct I/O,
+    in order: each direct run (:func:`_runs`) in reads of
+    :data:`_DIRECT_READ_CHUNK` bytes, each buffered run in windows of
+    :data:`_PIECE` bytes."""
+    at = offset
+    for kind, run in _runs(buffers, offset, direct=True):
+        if kind == "buffered":
+            pieces = list(_windows(run, _PIECE, _IOV_MAX))
+        else:
+            ((k, view),) = run
+            pieces = [[(k, view[p : p + _DIRECT_READ_CHUNK])] for p in range(0, view.nbytes, _DIRECT_READ_CHUNK)]
+        for views in pieces:
+            read = _Read(kind, at, views)
+            yield read
+            at += read.nbytes
+
 
 _bounces: list[mmap.mmap] = []
 _bounces_lock = threading.Lock()
@@ -614,8 +629,8 @@ def _bounce() -> Iterator[memoryview]:
 
 class _Reading:
     """One call's reads of one file: ``fd`` (checked by
-    :meth:`LocalStorage._open_file`), and a twin with ``O_DIRECT`` opened
-    at the first direct run, each piece reported to ``each`` as it lands."""
+    :meth:`LocalStorage._open_file`), and a twin with ``O_DIRECT`` where the
+    call has direct reads, each piece reported to ``each`` as it lands."""
 
     def __init__(self, fd: int, full: str, each: Callable[[int, memoryview], None]) -> None:
         self.fd = fd
@@ -631,87 +646,103 @@ class _Reading:
         bytes; the bytes read (fewer only where the file ends)."""
         done = 0
         for window in _windows(run, _PIECE, _IOV_MAX):
-            want = sum(view.nbytes for _, view in window)
-            views = [view for _, view in window]
-            got = 0
-            while got < want:
-                n = os.preadv(self.fd, slice_buffers(views, got, want - got), offset + done + got)  # releases the GIL
-                if n == 0:
-                    break
-                got += n
-            left = got
-            for k, view in window:
-                if left <= 0:
-                    break
-                take = min(view.nbytes, left)
-                self._each(k, view[:take])
-                left -= take
+            read = _Read("buffered", offset + done, window)
+            got = self._read_window(read.at, [view for _, view in window])
+            self._report(read, got, None)
             done += got
-            if got < want:
+            if got < read.nbytes:
                 break
         return done
 
-    def pages(self, offset: int, k: int, view: memoryview, *, bounce: bool) -> int:
-        """Read whole pages of the file, from the page-aligned ``offset`` on,
-        into ``view`` with ``O_DIRECT``: straight into it (page-aligned in
-        memory too), or with ``bounce`` through two page-aligned buffers in
-        turn and a copy, :data:`_PIECE` bytes at a time, each piece reported
-        in cache. Each read but the first is started (on a helper thread)
-        before the last one's bytes are reported. The bytes read: fewer
-        than all where the file ends, or where the filesystem refused
-        (:attr:`refused`)."""
-        if self._direct_fd == -1 and not self.refused:
+    def pipelined(self, offset: int, buffers: Sequence[memoryview]) -> int:
+        """Read ``buffers`` from ``offset`` on as
+        :meth:`LocalStorage.read_into_each` does with ``direct_io``: each
+        read (:class:`_Read`) runs on a helper thread, :data:`_READS_AHEAD`
+        of them ahead of the one whose bytes are being reported. The bytes
+        read: fewer than all only where the file ends."""
+        reads = list(_reads(buffers, offset))
+        if any(read.kind != "buffered" for read in reads):
             self._direct_fd = _direct_twin(self.fd, self._full)
             self.refused = self._direct_fd < 0
         if self.refused:
-            return 0
-        step = _DIRECT_READ_CHUNK
-        spans = [(start, min(step, view.nbytes - start)) for start in range(0, view.nbytes, step)]
-        at = buffer_address(view)
+            return self.windows(offset, list(enumerate(buffers)))
         with contextlib.ExitStack() as stack:
             # A bounce buffer for each read in flight, and one being copied out.
-            throughs = [stack.enter_context(_bounce()) for _ in range(_READS_AHEAD + 1)] if bounce else []
+            bounced = [read for read in reads if read.kind == "bounce"]
+            throughs = [stack.enter_context(_bounce()) for _ in range(min(_READS_AHEAD + 1, len(bounced)))]
+            through = {id(read): throughs[j % len(throughs)] for j, read in enumerate(bounced)}
+            pending: deque[Future[int]] = deque()
 
-            def start(i: int) -> Future[int]:
-                first, length = spans[i]
-                into = throughs[i % len(throughs)][:length] if bounce else view[first : first + length]
-                return self._ahead().submit(os.preadv, self._direct_fd, [into], offset + first)
+            def start(read: _Read) -> None:
+                if read.kind == "buffered":
+                    pending.append(self._ahead().submit(self._read_window, read.at, [v for _, v in read.views]))
+                else:
+                    (_, view), fd = read.views[0], self._direct_fd
+                    into = through[id(read)][: view.nbytes] if read.kind == "bounce" else view
+                    pending.append(self._ahead().submit(os.preadv, fd, [into], read.at))
 
-            pending = deque(start(i) for i in range(min(_READS_AHEAD, len(spans))))
+            for read in reads[:_READS_AHEAD]:
+                start(read)
             done = 0
             try:
-                for i, (first, want) in enumerate(spans):
+                for i, read in enumerate(reads):
                     try:
                         n = pending.popleft().result()
                     except OSError as e:
-                        if e.errno != errno.EINVAL:
+                        if e.errno != errno.EINVAL or read.kind == "buffered":
                             raise
-                        self.refused = True  # a filesystem that opens O_DIRECT files but refuses their reads
-                        break
-                    if n == want and i + _READS_AHEAD < len(spans):
-                        pending.append(start(i + _READS_AHEAD))
-                    if not bounce:
-                        if n:
-                            self._each(k, view[first : first + n])
-                    else:
-                        source = buffer_address(throughs[i % len(throughs)])
-                        for p in range(0, n, _PIECE):
-                            q = min(n, p + _PIECE)
-                            ctypes.memmove(at + first + p, source + p, q - p)  # releases the GIL
-                            self._each(k, view[first + p : first + q])  # in cache: just copied
+                        # A filesystem that opens O_DIRECT files but refuses their reads.
+                        self.refused = True
+                        for later in pending:
+                            with contextlib.suppress(Exception):
+                                later.result()
+                        pending.clear()
+                        self.close_direct()
+                        return done + self.windows(read.at, [kv for later in reads[i:] for kv in later.views])
+                    if n == read.nbytes and i + _READS_AHEAD < len(reads):
+                        start(reads[i + _READS_AHEAD])
+                    self._report(read, n, through.get(id(read)))
                     done += n
-                    if n < want:
+                    if n < read.nbytes:
                         break
             finally:
                 for later in pending:  # no read may land once this returns
                     with contextlib.suppress(Exception):
                         later.result()
-                if self.refused:
-                    self.close_direct()
         return done
 
+    def _read_window(self, offset: int, views: list[memoryview]) -> int:
+        """Fill ``views`` from ``offset`` on through the buffered descriptor;
+        the bytes read (fewer only where the file ends)."""
+        want = sum(view.nbytes for view in views)
+        got = 0
+        while got < want:
+            n = os.preadv(self.fd, slice_buffers(views, got, want - got), offset + got)  # releases the GIL
+            if n == 0:
+                break
+            got += n
+        return got
+
+    def _report(self, read: _Read, n: int, bounce: memoryview | None) -> None:
+        """Hand the first ``n`` bytes of ``read`` to ``each``: a bounce
+        buffer's copied out first, :data:`_PIECE` bytes at a time, each
+        piece reported while in cache."""
+        if bounce is None:
+            for k, view in read.views:
+                if n <= 0:
+                    break
+                self._each(k, view[: min(view.nbytes, n)])
+                n -= view.nbytes
+            return
+        ((k, view),) = read.views
+        at, source = buffer_address(view), buffer_address(bounce)
+        for p in range(0, n, _PIECE):
+            q = min(n, p + _PIECE)
+            ctypes.memmove(at + p, source + p, q - p)  # releases the GIL
+            self._each(k, view[p:q])
+
     def _ahead(self) -> ThreadPoolExecutor:
-        """The thread that runs this call's direct reads, started at the first."""
+        """The threads that run this call's reads ahead, started at the first."""
         if self._reader is None:
             self._reader = ThreadPoolExecutor(_READS_AHEAD, thread_name_prefix="dcpstore-direct-read")
         return self._reader
