@@ -361,7 +361,12 @@ def test_the_next_read_is_under_way_while_each_piece_is_checked(tmp_path, monkey
     storage.put("data", payload)
     memory = mmap.mmap(-1, 16 << 20)  # page-aligned
     start = 100
-    spans = [(start, 300), (400, 3 << 20), ((4 << 20) + 8, 3 << 20), ((8 << 20) + 2000, 200)]  # the second bounces
+    spans = [
+        (start, 300),
+        (400, 3 << 20),
+        ((4 << 20) + 8, 3 << 20),
+        ((8 << 20) + 2000, 200),
+    ]  # the second large one bounces
     buffers = [memoryview(memory)[a : a + n] for a, n in spans]
     at = [start]  # each buffer's offset in the file
     for buf in buffers[:-1]:

@@ -70,9 +70,9 @@ _DIRECT_CHUNK = 64 << 20
 #: The least buffer a read with ``direct_io`` takes straight from the disk:
 #: a direct read has no readahead, so a small one waits on the disk alone.
 _DIRECT_READ_MIN = 1 << 20
-#: Bytes per direct read. A file's direct reads run ahead of the checksum
-#: of the last (:data:`_READS_AHEAD`), so the disk works while the core
-#: checks; one into memory that does not lie at the file's place in a page
+#: Bytes per direct read. A call's reads run ahead of the checksum of the
+#: last (:data:`_READS_AHEAD`), so the disk works while the core checks;
+#: one into memory that does not lie at the file's place in a page
 #: goes through a page-aligned buffer of this size, then a copy.
 _DIRECT_READ_CHUNK = 8 << 20
 #: Reads of one call with ``direct_io`` in flight while the last one's
@@ -525,12 +525,10 @@ def _nothing(k: int, view: memoryview) -> None:
 _Kind = Literal["buffered", "direct", "bounce"]
 
 
-def _runs(
-    buffers: Sequence[memoryview], offset: int, direct: bool
-) -> Iterator[tuple[_Kind, list[tuple[int, memoryview]]]]:
-    """``buffers``, to be read from ``offset`` on, as runs of ``(index of the
-    buffer, a view of it)``, in order, each with how to read it. With
-    ``direct``, a buffer of at least :data:`_DIRECT_READ_MIN` bytes has the
+def _runs(buffers: Sequence[memoryview], offset: int) -> Iterator[tuple[_Kind, list[tuple[int, memoryview]]]]:
+    """``buffers``, to be read from ``offset`` on with direct I/O, as runs of
+    ``(index of the buffer, a view of it)``, in order, each with how to read
+    it. A buffer of at least :data:`_DIRECT_READ_MIN` bytes has the
     part that covers whole pages of the file in a run of its own: read
     straight into it where it lies at the same place in a page
     (``"direct"``), else through a page-aligned buffer (``"bounce"``);
@@ -541,7 +539,7 @@ def _runs(
         n = buf.nbytes
         head = -pos % DIRECT_ALIGN
         pages = (n - head) // DIRECT_ALIGN * DIRECT_ALIGN if n > head else 0
-        if direct and n >= _DIRECT_READ_MIN and pages:
+        if n >= _DIRECT_READ_MIN and pages:
             if head:
                 run.append((k, buf[:head]))
             if run:
@@ -577,7 +575,7 @@ def _reads(buffers: Sequence[memoryview], offset: int) -> Iterator[_Read]:
     :data:`_DIRECT_READ_CHUNK` bytes, each buffered run in windows of
     :data:`_PIECE` bytes."""
     at = offset
-    for kind, run in _runs(buffers, offset, direct=True):
+    for kind, run in _runs(buffers, offset):
         if kind == "buffered":
             pieces = list(_windows(run, _PIECE, _IOV_MAX))
         else:
