@@ -28,6 +28,7 @@ import dcpstore
 from dcpstore._impl.dcp.commit import read_checkpoint_metadata
 from dcpstore._impl.format.layout import DIRECT_ALIGN
 from dcpstore._impl.format.record import DIRECT_MIN, is_raw
+from dcpstore._impl.manager import step_dir
 from dcpstore._impl.storage.backends import local
 from dcpstore._impl.storage.byte_ranges import buffer_address
 from dcpstore._impl.tools.maintenance import verify_checkpoint
@@ -274,6 +275,51 @@ def test_a_direct_load_reads_the_pages_of_its_large_tensors_past_the_page_cache(
     dcpstore.load(dest, root, workers=2, storage_options=dcpstore.StorageOptions(direct_io=direct))
     assert_state_equal(dest, state)
     _assert_cached(root, read_direct, not direct)
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["buffered", "direct"])
+def test_a_tiered_managers_local_tier_saves_and_loads_with_its_own_storage_options(tmp_path, direct: bool) -> None:
+    """``local_storage_options`` reach the local tier: with ``direct_io``, a
+    step saved there (and not replicated: ``replicate_every=2``) has its
+    large tensors' pages out of the page cache, and a load of it from the
+    local tier reads them past the page cache too; buffered, both bring
+    them in. The durable root keeps its own (here default) options, and a
+    step replicated from a direct local tier loads in every reader."""
+    _skip_unless_the_page_cache_is_separate(str(tmp_path))
+    state = _state()
+    local_dir, root = tmp_path / "local", tmp_path / "durable"
+    options = dcpstore.StorageOptions(direct_io=direct)
+    with dcpstore.CheckpointManager(
+        str(root), local_dir=str(local_dir), async_=False, replicate_every=2, local_storage_options=options
+    ) as mgr:
+        mgr.save(state, 1)
+        mgr.save(state, 2)
+        mgr.wait()
+        local_step = str(local_dir / step_dir(1))
+        assert not (root / step_dir(1)).exists() and (root / step_dir(2)).exists()
+        direct_pages = _direct_pages(local_step, state)
+        assert sum(map(len, direct_pages.values())) >= (6 << 20) // PAGE, direct_pages.keys()
+        _assert_cached(local_step, direct_pages, not direct)
+        _evict(local_step)
+        dest = zeros_like_state(state)
+        read_direct = _read_direct(local_step, state, dest)
+        assert mgr.load(dest, 1) == 1
+        assert_state_equal(dest, state)
+        _assert_cached(local_step, read_direct, not direct)
+    _readers_agree(str(root / step_dir(2)), state)
+
+
+def test_local_storage_options_are_checked_as_the_caller_spelt_them(tmp_path) -> None:
+    durable, local_dir = str(tmp_path / "durable"), str(tmp_path / "local")
+    options = dcpstore.StorageOptions(direct_io=True)
+    with pytest.raises(dcpstore.InvalidArgument, match="local_storage_options.*need local_dir"):
+        dcpstore.CheckpointManager(durable, local_storage_options=options)
+    with pytest.raises(dcpstore.InvalidArgument, match="local_storage_options must be a dcpstore.StorageOptions"):
+        dcpstore.CheckpointManager(durable, local_dir=local_dir, local_storage_options={"direct_io": True})
+    with pytest.raises(dcpstore.InvalidArgument, match="local_storage_options has enable_msc=True"):
+        dcpstore.CheckpointManager(
+            durable, local_dir=local_dir, local_storage_options=dcpstore.StorageOptions(enable_msc=True)
+        )
 
 
 @pytest.mark.parametrize("direct", [False, True], ids=["buffered", "direct"])

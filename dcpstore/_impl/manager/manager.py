@@ -58,6 +58,7 @@ from dcpstore._impl.manager.roots import REPLICATE_TIMEOUT_S, OneRoot, Roots
 from dcpstore._impl.manager.steps import StepLayout, check_layout, check_step
 from dcpstore._impl.storage import Storage, join_uri, open_storage
 from dcpstore._impl.storage.overlap import Role
+from dcpstore._impl.storage.storage_options import StorageOptions
 from dcpstore._impl.util.distributed import is_distributed
 from dcpstore._impl.util.errors import CheckpointExists, InvalidArgument, SaveError
 from dcpstore._impl.util.keyword_hints import hint_keywords, hint_keywords_with
@@ -118,6 +119,12 @@ class CheckpointManager:
             path the whole job shares.
         local_keep: the local tier's retention (``keep`` is then the durable
             tier's; ``None``: keep all). Needs ``local_dir``.
+        local_storage_options: how the local tier is written and read, a
+            :class:`~dcpstore.StorageOptions` (``options.storage_options``
+            are the durable root's): ``StorageOptions(direct_io=True)``
+            sends the local tier's large tensors past the page cache, for a
+            node's NVMe (see ``direct_io``). Default: plain local I/O. Its
+            ``enable_msc`` must stay False. Needs ``local_dir``.
         replicate_every: replicate only steps divisible by this (default 1:
             every step). Needs ``local_dir``.
         replicate_timeout_s: bounds one step's replication and ``close()``'s
@@ -156,6 +163,7 @@ class CheckpointManager:
         options: SaveOptions | None = None,
         local_dir: str | os.PathLike[str] | None = None,
         local_keep: int | None = None,
+        local_storage_options: StorageOptions | None = None,
         replicate_every: int = 1,
         replicate_timeout_s: float = REPLICATE_TIMEOUT_S,
         layout: str | StepLayout = "dcpstore",
@@ -173,11 +181,15 @@ class CheckpointManager:
             raise InvalidArgument(f"keep must be None (keep all) or an int >= 1, got {keep!r}")
         self.root_uri = os.fspath(root_uri)
         self.keep = keep
+        #: The local tier's storage options (the durable root's are ``options``'s).
+        self._local_storage_options = local_storage_options
         self._roots = self._open_roots(
             local_dir, local_keep, replicate_every, replicate_timeout_s, (local_replicas, replica_jump)
         )
-        #: What each save runs with: the local tier is plain local I/O.
-        self._save_options = self.options if not self.tiered else replace(self.options, storage_options=None)
+        #: What each save runs with: a tiered manager's saves go to its local tier.
+        self._save_options = (
+            self.options if not self.tiered else replace(self.options, storage_options=local_storage_options)
+        )
         saves_to = self._roots.save_storage
         problem = engine_problem(self.options.engine, saves_to.backend, saves_to.uri)
         if problem:
@@ -202,11 +214,13 @@ class CheckpointManager:
         durable = open_storage(self.root_uri, storage_options=o.storage_options)
         roles = [Role("root_uri", durable, given=self.root_uri)]
         what = f"the open CheckpointManager for {durable.uri}"
+        local_options = self._local_storage_options
         if local_dir is None:
             try:
-                if local_keep is not None or every != 1 or replicas != (1, 1):
+                if local_keep is not None or every != 1 or replicas != (1, 1) or local_options is not None:
                     raise InvalidArgument(
-                        "local_keep, replicate_every, local_replicas and replica_jump need local_dir= (a tiered manager)"
+                        "local_keep, local_storage_options, replicate_every, local_replicas and replica_jump "
+                        "need local_dir= (a tiered manager)"
                     )
                 OPEN.claim(self, what, roles)
             except BaseException:
@@ -224,8 +238,17 @@ class CheckpointManager:
                     "steps step_NNNNNNNN in both tiers); leave local_dir out, or layout='dcpstore'"
                 )
             check_tier_options(local_keep, every, timeout_s, *replicas)
+            if local_options is not None and not isinstance(local_options, StorageOptions):
+                raise InvalidArgument(
+                    f"local_storage_options must be a dcpstore.StorageOptions or None, got {type(local_options).__name__}"
+                )
+            if local_options is not None and local_options.enable_msc:
+                raise InvalidArgument(
+                    "local_storage_options has enable_msc=True: the local tier is written by the local backend, "
+                    "not through MSC; leave enable_msc out of local_storage_options"
+                )
             local_uri = os.fspath(local_dir)
-            local = open_storage(local_uri)
+            local = open_storage(local_uri, storage_options=local_options)
             if local.backend != "local":
                 raise InvalidArgument(f"local_dir must be a local path, got {local.uri!r} ({local.backend})")
             # One directory, one role (before anything is written: the tiers' set-up writes and replicates).
@@ -474,8 +497,8 @@ class CheckpointManager:
         self._finish_pending()
         resolved, uri = self._roots.locate(step, self.options.process_group, state_dict)
         options = self.options.for_load(safe_globals=safe_globals or (), trusted=trusted)
-        if uri != self.step_uri(resolved):  # the local tier: plain local I/O
-            options = replace(options, storage_options=None)
+        if uri != self.step_uri(resolved):  # the local tier
+            options = replace(options, storage_options=self._local_storage_options)
         load_with(state_dict, uri, options)
         return resolved
 
