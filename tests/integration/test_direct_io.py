@@ -280,17 +280,18 @@ def test_a_direct_load_reads_the_pages_of_its_large_tensors_past_the_page_cache(
 @pytest.mark.parametrize("direct", [False, True], ids=["buffered", "direct"])
 def test_a_tiered_managers_local_tier_saves_and_loads_with_its_own_storage_options(tmp_path, direct: bool) -> None:
     """``local_storage_options`` reach the local tier: with ``direct_io``, a
-    step saved there (and not replicated: ``replicate_every=2``) has its
-    large tensors' pages out of the page cache, and a load of it from the
-    local tier reads them past the page cache too; buffered, both bring
-    them in. The durable root keeps its own (here default) options, and a
+    step saved there (in the background, the manager's default, and not
+    replicated: ``replicate_every=2``) has its large tensors' pages out of
+    the page cache, and a load of it from the local tier reads them past
+    the page cache too; buffered, both bring them in. The durable root keeps its own (here default) options, and a
     step replicated from a direct local tier loads in every reader."""
     _skip_unless_the_page_cache_is_separate(str(tmp_path))
     state = _state()
     local_dir, root = tmp_path / "local", tmp_path / "durable"
     options = dcpstore.StorageOptions(direct_io=direct)
+    # The manager's default: async saves, whose staging buffers go to the disk.
     with dcpstore.CheckpointManager(
-        str(root), local_dir=str(local_dir), async_=False, replicate_every=2, local_storage_options=options
+        str(root), local_dir=str(local_dir), replicate_every=2, local_storage_options=options
     ) as mgr:
         mgr.save(state, 1)
         mgr.save(state, 2)
