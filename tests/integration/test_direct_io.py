@@ -283,8 +283,10 @@ def test_a_tiered_managers_local_tier_saves_and_loads_with_its_own_storage_optio
     step saved there (in the background, the manager's default, and not
     replicated: ``replicate_every=2``) has its large tensors' pages out of
     the page cache, and a load of it from the local tier reads them past
-    the page cache too; buffered, both bring them in. The durable root keeps its own (here default) options, and a
-    step replicated from a direct local tier loads in every reader."""
+    the page cache too; buffered, both bring them in. A step replicated
+    from a direct local tier has its local files read whole by the
+    replication and left out of the page cache, and loads in every reader
+    from the durable root, which keeps its own (here default) options."""
     _skip_unless_the_page_cache_is_separate(str(tmp_path))
     state = _state()
     local_dir, root = tmp_path / "local", tmp_path / "durable"
@@ -307,6 +309,8 @@ def test_a_tiered_managers_local_tier_saves_and_loads_with_its_own_storage_optio
         assert mgr.load(dest, 1) == 1
         assert_state_equal(dest, state)
         _assert_cached(local_step, read_direct, not direct)
+        replicated = str(local_dir / step_dir(2))
+        _assert_cached(replicated, _direct_pages(replicated, state), not direct)
     _readers_agree(str(root / step_dir(2)), state)
 
 

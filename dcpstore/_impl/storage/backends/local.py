@@ -297,10 +297,17 @@ class LocalStorage(BackendBase):
         return fd
 
     def read_range(self, path: str, offset: int, length: int) -> bytes:
+        """With ``direct_io``, a read of :data:`_PIECE` bytes or more (a
+        tiered manager's replication reads its local tier so) drops the pages
+        it read from the page cache after it: a direct storage's files stay
+        out of the page cache whoever reads them whole."""
         with self._mapped(f"cannot read {self.describe(path)}"):
             fd = self._open_file(path)
             try:
-                return _pread(fd, offset, length)
+                data = _pread(fd, offset, length)
+                if self.options.direct_io and len(data) >= _PIECE:
+                    os.posix_fadvise(fd, offset, len(data), os.POSIX_FADV_DONTNEED)  # drops clean pages only
+                return data
             finally:
                 os.close(fd)
 
