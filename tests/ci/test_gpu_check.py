@@ -209,6 +209,7 @@ def test_dry_run_end_to_end(tmp_path: Path) -> None:
         "dcpstore load cold",
         "dcpstore load direct",
         "raw read cold",
+        "raw read cold, dcpstore's files",
     }
     assert all(row["median_s"] > 0 for row in costs["rows"].values()), costs["rows"]
     assert costs["goals"] and all(g["value"] > 0 for g in costs["goals"]), costs["goals"]
