@@ -369,7 +369,9 @@ def verdicts(rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     per GB over stock's (the time ratio a CPU-bound machine would show,
     where this box's disk swings), each sync save's speed over the raw
     writer's, the load's CPU over the raw reader's plus the CRC32C
-    pass's, and the load's time over stock ``dcp.load``'s."""
+    pass's, the load's time over stock ``dcp.load``'s, and the raw cold
+    read of dcpstore's files over the raw writer's and under dcpstore's
+    cold load (which tells a slow reader from slow files)."""
     ours, stock = rows["dcpstore sync"], rows["stock dcp.save"]
     per_round = statistics.median(a / b for a, b in zip(ours["s"], stock["s"]))
     out: list[dict[str, Any]] = [
