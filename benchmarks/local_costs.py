@@ -132,9 +132,11 @@ DIRECT = dcpstore.StorageOptions(direct_io=True)
 CRC_PASSES = ("crc32c pass", *(("crc32c package pass",) if CRC32C_LIBRARY != "crc32c" else ()))
 #: Loads that read the disk: their files' pages are dropped from the page
 #: cache first (outside the timed block).
-COLD = ("raw read cold", "dcpstore load cold", "raw read cold, dcpstore's files", "dcpstore load direct")
+#: The raw reader over a second buffered save's files (``_Round.setup``).
+TWIN_READ = "raw read cold, dcpstore's files"
+COLD = ("raw read cold", "dcpstore load cold", TWIN_READ, "dcpstore load direct")
 #: Loads that fill no destination tensor (nothing to zero or check).
-NO_DEST = ("raw read cold, dcpstore's files", *CRC_PASSES)
+NO_DEST = (TWIN_READ, *CRC_PASSES)
 LOADS = ("raw read", "dcpstore load", "stock dcp.load", *COLD, *CRC_PASSES)
 ROWS = SAVES + LOADS
 
@@ -199,15 +201,15 @@ class _Round:
         self.twin_files: list[str] = []
 
     def setup(self) -> int:
-        """The second buffered save, which ``raw read cold, dcpstore's
-        files`` reads; returns its data files' size in all."""
+        """The second buffered save, which :data:`TWIN_READ` reads;
+        returns its data files' size in all."""
         dcpstore.save(self.state, self.twin, workers=self.threads).result()
         names = sorted(n for n in os.listdir(self.twin) if is_data_file(n))
         self.twin_files = [os.path.join(self.twin, n) for n in names]
         return sum(os.path.getsize(p) for p in self.twin_files)
 
     def action(
-        self, name: str, reused: dict[str, torch.Tensor], dest: dict[str, torch.Tensor], scratch: memoryview
+        self, name: str, reused: dict[str, torch.Tensor], dest: dict[str, torch.Tensor], twin_buffer: memoryview
     ) -> Callable[[], Any]:
         state, threads = self.state, self.threads
         return {
@@ -229,7 +231,7 @@ class _Round:
             "raw read cold": lambda: self.raw.load(dest),
             "dcpstore load": lambda: dcpstore.load(dest, self.ours, workers=threads),
             "dcpstore load cold": lambda: dcpstore.load(dest, self.ours, workers=threads),
-            "raw read cold, dcpstore's files": lambda: _read_whole(self.twin_files, scratch, threads),
+            TWIN_READ: lambda: _read_whole(self.twin_files, twin_buffer, threads),
             "dcpstore load direct": lambda: dcpstore.load(dest, self.direct, workers=threads, storage_options=DIRECT),
             "stock dcp.load": lambda: dcp.load(dest, storage_reader=FileSystemReader(self.stock)),
             "crc32c pass": lambda: _crc_pass(state, crc32c),
@@ -237,16 +239,16 @@ class _Round:
         }[name]
 
     def run(
-        self, name: str, reused: dict[str, torch.Tensor], dest: dict[str, torch.Tensor], scratch: memoryview
+        self, name: str, reused: dict[str, torch.Tensor], dest: dict[str, torch.Tensor], twin_buffer: memoryview
     ) -> dict[str, Any]:
         """One run of row ``name``: its wall and CPU seconds (and the engine
         of an async save). A load's destination is zeroed first and checked
         after, both outside the timed block: a wrong result is a failure."""
-        act = self.action(name, reused, dest, scratch)
+        act = self.action(name, reused, dest, twin_buffer)
         if name in LOADS and name not in NO_DEST:
             zero_state(dest)
         if name in COLD:
-            evict = {"raw read cold": self.raw.root, "dcpstore load cold": self.ours, NO_DEST[0]: self.twin}
+            evict = {"raw read cold": self.raw.root, "dcpstore load cold": self.ours, TWIN_READ: self.twin}
             _evict(evict.get(name, self.direct))
         with Stopwatch() as sw:
             result = act()
@@ -300,7 +302,7 @@ def main() -> None:
     # but the clone, whose point that is.
     reused, dest = zeros_like_state(state), zeros_like_state(state)
     # The twin save's files, read whole: sized by the warm-up round's save.
-    scratch = torch.zeros(0, dtype=torch.uint8)
+    twin_buffer = torch.zeros(0, dtype=torch.uint8)
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in ROWS}
     try:
         for r in range(args.rounds + 1):
@@ -309,10 +311,10 @@ def main() -> None:
             raw.setup(state)
             one = _Round(here, state, args.threads, raw)
             twin_bytes = one.setup()
-            if twin_bytes > scratch.numel():
-                scratch = torch.zeros(twin_bytes, dtype=torch.uint8)  # zeroed: its pages are faulted in
+            if twin_bytes > twin_buffer.numel():
+                twin_buffer = torch.zeros(twin_bytes, dtype=torch.uint8)  # zeroed: its pages are faulted in
             for name in _rotated(SAVES, r) + _rotated(LOADS, r):
-                run = one.run(name, reused, dest, byte_view(scratch))
+                run = one.run(name, reused, dest, byte_view(twin_buffer))
                 if r:
                     runs[name].append(run)
             if not args.keep_files:
@@ -428,7 +430,7 @@ def verdicts(rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
             out.append({"goal": text, "value": rows[name][key] / cold[key], "bound": 1.15})
         text = f"{what} time / raw cold read's (medians; speed >= 0.9x)"
         out.append({"goal": text, "value": rows[name]["median_s"] / cold["median_s"], "bound": 1 / 0.9})
-    same = rows["raw read cold, dcpstore's files"]
+    same = rows[TWIN_READ]
     text = "raw cold read time, dcpstore's files / the raw writer's (medians)"
     out.append({"goal": text, "value": same["median_s"] / cold["median_s"], "bound": None})
     text = "load cold time / raw cold read's of dcpstore's files (medians)"
