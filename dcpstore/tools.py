@@ -68,6 +68,7 @@ def gc(
         What was (or, with ``dry_run``, would be) removed.
 
     Raises:
+        InvalidArgument: ``older_than_s`` is not a number of seconds >= 0.
         CheckpointError: the storage cannot be opened, listed or written.
     """
     with opened(uri, storage_options) as storage:

@@ -32,8 +32,14 @@ from dcpstore._impl.storage.overlap import Role, check_roles
 from dcpstore._impl.storage.secrets import scrub
 from dcpstore._impl.tools.listing import TierRow, list_checkpoints, list_tiers
 from dcpstore._impl.tools.listing import gc as collect
-from dcpstore._impl.util.errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound, UnsafeCheckpoint
-from dcpstore._impl.util.units import human_bytes, parse_size
+from dcpstore._impl.util.errors import (
+    CheckpointCorrupt,
+    CheckpointError,
+    CheckpointNotFound,
+    InvalidArgument,
+    UnsafeCheckpoint,
+)
+from dcpstore._impl.util.units import check_seconds, human_bytes, parse_size
 
 #: What ``FILES`` counts in ``ls``, and what ``inspect`` lists.
 LS_FILES = "FILES counts every file of a checkpoint: data files, .metadata, the manifest and markers"
@@ -263,6 +269,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _seconds(text: str) -> float:
+    try:
+        return check_seconds("", float(text), zero=True, infinite=True)
+    except (ValueError, InvalidArgument):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {text!r}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dcpstore", description="Inspect and maintain DCP checkpoints on any backend."
@@ -301,7 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("gc", cmd_gc, "remove leftovers of interrupted saves (never a committed checkpoint)")
     p.add_argument(
         "--older-than",
-        type=float,
+        type=_seconds,
         default=300.0,
         metavar="SECONDS",
         help="keep leftovers modified more recently than this (default 300)",

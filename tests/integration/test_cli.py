@@ -88,6 +88,15 @@ def test_verify_missing_checkpoint_exit_code(tmp_path) -> None:
     assert "no checkpoint" in out.stderr and "Traceback" not in out.stderr
 
 
+@pytest.mark.parametrize("older_than", ["nan", "-5", "soon"])
+def test_gc_refuses_an_age_no_rule_can_compare(tmp_path, older_than: str) -> None:
+    """NaN compares false with every age: a running save's fresh alive file
+    would have counted as stale. Refused before anything is listed."""
+    args = [sys.executable, "-m", "dcpstore", "gc", "--older-than", older_than, str(tmp_path)]
+    out = subprocess.run(args, capture_output=True, text=True, timeout=120)  # argparse exits
+    assert out.returncode == 2 and "--older-than" in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
 def test_unknown_scheme_exit_code() -> None:
     out = run_cli("ls", "bogus://x/y")
     assert out.returncode == 2 and "bogus" in out.stderr and "Traceback" not in out.stderr

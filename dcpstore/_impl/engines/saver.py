@@ -97,6 +97,7 @@ from dcpstore._impl.util.groups import BackgroundGroups
 from dcpstore._impl.util.keyword_hints import hint_keywords, hint_keywords_with
 from dcpstore._impl.util.progress import Progress
 from dcpstore._impl.util.threads import BackgroundThread
+from dcpstore._impl.util.units import check_seconds
 from dcpstore._impl.values.keywords import pass_whole, resolve_options
 from dcpstore._impl.values.options import SaveOptions, check_positive, check_workers, rank_label, shows_progress
 from dcpstore._impl.values.results import CheckpointInfo, SaveHandle
@@ -159,8 +160,11 @@ class AsyncSaver:
         self.hang_timeout = hang_timeout
         if isinstance(staging_cache, bool) or not isinstance(staging_cache, int) or staging_cache < 0:
             raise InvalidArgument(f"staging_cache must be an int >= 0, got {staging_cache!r}")
-        if isinstance(collective_timeout, (int, float)):
-            collective_timeout = timedelta(seconds=collective_timeout)
+        if isinstance(collective_timeout, timedelta):
+            if collective_timeout <= timedelta(0):
+                raise InvalidArgument(f"collective_timeout must be above zero, got {collective_timeout!r}")
+        elif collective_timeout is not None:
+            collective_timeout = timedelta(seconds=check_seconds("collective_timeout", collective_timeout))
         self._staging = Staging(max_structures=staging_cache, max_sets=self.max_in_flight)
         self.pool = self._staging.pool
         self._groups = BackgroundGroups(collective_timeout, desc="dcpstore_async_save")

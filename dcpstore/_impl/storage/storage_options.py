@@ -13,6 +13,7 @@ from typing import Any
 
 from dcpstore._impl.storage.byte_ranges import PIECE_SLACK, ceil_div
 from dcpstore._impl.util.errors import InvalidArgument
+from dcpstore._impl.util.units import check_seconds
 
 MiB = 1 << 20
 
@@ -105,9 +106,8 @@ class StorageOptions:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InvalidArgument(f"{name} must be an int >= 1, got {value!r}")
         for name in ("connect_timeout_s", "read_timeout_s", "op_timeout_s"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-                raise InvalidArgument(f"{name} must be a positive number of seconds, got {value!r}")
+            # Finite: a socket's timeout must fit the platform's time_t.
+            check_seconds(name, getattr(self, name))
 
     def part_size_for(self, nbytes: int | None) -> int:
         """The part (upload) or range (read) size, in bytes, for an object or

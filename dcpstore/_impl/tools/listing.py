@@ -26,6 +26,7 @@ from dcpstore._impl.storage import Storage
 from dcpstore._impl.storage.base import ObjectInfo
 from dcpstore._impl.storage.uri import join_uri, parse_uri
 from dcpstore._impl.util.errors import CheckpointError, StorageNotFound
+from dcpstore._impl.util.units import check_seconds
 
 
 @dataclass
@@ -189,7 +190,12 @@ def gc(storage: Storage, *, older_than_s: float = 300.0, dry_run: bool = False) 
     ``older_than_s`` says (:mod:`dcpstore._impl.dcp.liveness.alive_file` is the rule); a
     directory holding files no DCP save writes. A committed checkpoint
     never loses a file it needs. Never unpickles anything.
+
+    Raises:
+        InvalidArgument: ``older_than_s`` is not a number of seconds >= 0
+            (infinity keeps everything).
     """
+    older_than_s = check_seconds("older_than_s", older_than_s, zero=True, infinite=True)
     report = GcReport()
     now = time.time()
     # In-progress writes first, the checkpoints after: a write listed here

@@ -1,12 +1,15 @@
-"""Byte sizes for people: ``parse_size("64MiB")`` and ``human_bytes(67108864)``.
+"""Byte sizes for people (``parse_size("64MiB")``, ``human_bytes(67108864)``)
+and durations from them (``check_seconds``).
 
-Shared by the CLI and the benchmarks; imports nothing of dcpstore's but
-:mod:`dcpstore._impl.util.errors`.
+Shared by the CLI, the options and the benchmarks; imports nothing of
+dcpstore's but :mod:`dcpstore._impl.util.errors`.
 """
 
 from __future__ import annotations
 
+import math
 import re
+from typing import Any
 
 from dcpstore._impl.util.errors import InvalidArgument
 
@@ -48,3 +51,20 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n} B"
+
+
+def check_seconds(name: str, value: Any, *, zero: bool = False, infinite: bool = False) -> float:
+    """``value`` if it is a number of seconds above 0 (or 0 itself, with
+    ``zero``; infinity only with ``infinite``), else InvalidArgument naming
+    ``name`` as the caller spelt it. NaN is refused: every comparison with it
+    is false, so a rule such as "younger than this is kept" would keep
+    nothing."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value):
+        ok = False
+    else:
+        ok = (value >= 0 if zero else value > 0) and (infinite or math.isfinite(value))
+    if not ok:
+        least = ">= 0" if zero else "> 0"
+        kind = "" if infinite else "finite "
+        raise InvalidArgument(f"{name} must be a {kind}number of seconds {least}, got {value!r}")
+    return float(value)
