@@ -60,7 +60,7 @@ from dcpstore._impl.storage import Storage, join_uri, open_storage
 from dcpstore._impl.storage.overlap import Role
 from dcpstore._impl.storage.storage_options import StorageOptions
 from dcpstore._impl.util.distributed import is_distributed
-from dcpstore._impl.util.errors import CheckpointExists, InvalidArgument, SaveError
+from dcpstore._impl.util.errors import CheckpointExists, InvalidArgument, InvalidURI, SaveError
 from dcpstore._impl.util.keyword_hints import hint_keywords, hint_keywords_with
 from dcpstore._impl.values.keywords import pass_whole, resolve_options
 from dcpstore._impl.values.options import SaveOptions
@@ -179,6 +179,8 @@ class CheckpointManager:
         self.layout = check_layout(layout)
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
             raise InvalidArgument(f"keep must be None (keep all) or an int >= 1, got {keep!r}")
+        if not isinstance(root_uri, (str, os.PathLike)):
+            raise InvalidURI(f"root_uri must be a str or os.PathLike, got {type(root_uri).__name__}")
         self.root_uri = os.fspath(root_uri)
         self.keep = keep
         #: The local tier's storage options (the durable root's are ``options``'s).

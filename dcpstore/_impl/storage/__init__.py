@@ -44,6 +44,7 @@ from dcpstore._impl.storage.storage_options import (
     StorageOptions,
     auto_spread_prefixes,
     check_spread_prefixes,
+    check_storage_options,
     resolve_spread_prefixes,
 )
 from dcpstore._impl.storage.uri import StorageURL, join_uri, parse_uri, redact
@@ -63,6 +64,7 @@ __all__ = [
     "auto_spread_prefixes",
     "backend_name",
     "check_spread_prefixes",
+    "check_storage_options",
     "join_uri",
     "open_storage",
     "parse_uri",

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import cast
 
 from dcpstore._impl.storage.base import Storage
-from dcpstore._impl.storage.storage_options import StorageOptions
+from dcpstore._impl.storage.storage_options import StorageOptions, check_storage_options
 from dcpstore._impl.storage.uri import StorageURL, parse_uri, redact
 from dcpstore._impl.util.errors import BackendUnavailable, InvalidArgument, InvalidURI
 
@@ -202,6 +202,7 @@ def with_msc(options: StorageOptions | None, enable_msc: bool) -> StorageOptions
     either one routes through MSC."""
     if not isinstance(enable_msc, bool):
         raise InvalidArgument(f"enable_msc must be a bool, got {enable_msc!r}")
+    check_storage_options(options)
     if not enable_msc or (options is not None and options.enable_msc):
         return options
     return dataclasses.replace(options or StorageOptions(), enable_msc=True)

@@ -199,6 +199,16 @@ AUTO_SPREAD = "auto"
 AUTO_RANKS_PER_PREFIX = 16
 
 
+def check_storage_options(value: Any) -> StorageOptions | None:
+    """``value`` if it is a :class:`StorageOptions` or ``None``, else
+    InvalidArgument naming ``storage_options`` (a dict or another options
+    class would otherwise fail deep in a backend, on its first field)."""
+    if value is not None and not isinstance(value, StorageOptions):
+        got = f"a {type(value).__name__}" if not isinstance(value, (str, int, float)) else repr(value)
+        raise InvalidArgument(f"storage_options must be a dcpstore.StorageOptions or None, got {got}")
+    return value
+
+
 def check_spread_prefixes(spread: Any) -> int | str:
     """``spread`` if it is ``"auto"`` or an int from 1 to
     :data:`MAX_SPREAD_PREFIXES`, else

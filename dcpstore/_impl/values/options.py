@@ -35,7 +35,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 
-from dcpstore._impl.storage import StorageOptions, check_spread_prefixes
+from dcpstore._impl.storage import StorageOptions, check_spread_prefixes, check_storage_options
 from dcpstore._impl.util.distributed import is_distributed
 from dcpstore._impl.util.errors import InvalidArgument
 
@@ -137,6 +137,17 @@ class OptionProblem:
         return InvalidOption(self.option, self.why)
 
 
+def _planner_problem(planner: Any, kind: type) -> str | None:
+    """Why ``planner`` is not a DCP planner of ``kind`` (``None``: it is, or
+    is ``None``): checked here, not by DCP in the middle of a save."""
+    if planner is None or isinstance(planner, kind):
+        return None
+    if isinstance(planner, type) and issubclass(planner, kind):
+        return f"must be an instance of a {kind.__name__}, got the class {planner.__name__} (call it)"
+    got = repr(planner) if isinstance(planner, (str, int, float)) else f"a {type(planner).__name__}"
+    return f"must be None or a DCP {kind.__name__}, got {got}"
+
+
 def save_option_problems(
     *,
     async_: Any = False,
@@ -148,7 +159,9 @@ def save_option_problems(
 ) -> list[OptionProblem]:
     """Everything wrong with these save options (empty: fine)."""
     problems: list[OptionProblem] = []
-    if uses_plan_caching(planner):
+    if (why := _planner_problem(planner, SavePlanner)) is not None:
+        problems.append(OptionProblem("planner", why))
+    elif uses_plan_caching(planner):
         problems.append(OptionProblem("planner", f"with plan caching cannot be used: {PLAN_CACHING_WHY}"))
     if not isinstance(async_, bool):
         problems.append(OptionProblem("async_", f"must be a bool, got {async_!r}"))
@@ -221,11 +234,6 @@ def shows_progress(progress: bool, process_group: dist.ProcessGroup | None) -> b
     return progress and (where is None or where[0] == 0)
 
 
-def _check_storage_options(value: Any) -> None:
-    if value is not None and not isinstance(value, StorageOptions):
-        raise InvalidArgument(f"storage_options must be a dcpstore.StorageOptions or None, got {value!r}")
-
-
 class _Where:
     """What both options have: where the bytes are (``storage_options``,
     whose ``enable_msc`` is read here too, as the shortcut keyword names it)."""
@@ -270,7 +278,9 @@ class LoadOptions(_Where):
 
     def __post_init__(self) -> None:
         check_workers(self.workers, 1)
-        _check_storage_options(self.storage_options)
+        check_storage_options(self.storage_options)
+        if (why := _planner_problem(self.planner, LoadPlanner)) is not None:
+            raise InvalidOption("planner", why)
         _check_bool("verify", self.verify)
         _check_bool("progress", self.progress)
         _check_process_group(self.process_group)
@@ -341,7 +351,7 @@ class SaveOptions(_Where):
 
     def __post_init__(self) -> None:
         _check_bool("progress", self.progress)
-        _check_storage_options(self.storage_options)
+        check_storage_options(self.storage_options)
         check_spread_prefixes(self.spread_prefixes)
         if self.save_id is not None and not (isinstance(self.save_id, str) and _SAVE_ID.fullmatch(self.save_id)):
             raise InvalidArgument(f"save_id must be None or 16 lowercase hex digits, got {self.save_id!r}")
