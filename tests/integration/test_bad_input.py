@@ -11,10 +11,12 @@ import traceback
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import dcpstore
+from dcpstore import tools
 from dcpstore._impl.storage import join_uri, parse_uri, redact
 
 
@@ -84,6 +86,48 @@ CASES = [
         dcpstore.CheckpointNotFound,
         "no checkpoint",
     ),
+    ("file-uri-query", lambda p: _save(f"file://{p}/x?v=1"), dcpstore.InvalidURI, "a query"),
+    ("s3-uri-fragment", lambda p: _save("s3://b/x#v1"), dcpstore.InvalidURI, "a fragment"),
+    (
+        "timeout-infinite",
+        lambda p: dcpstore.StorageOptions(connect_timeout_s=float("inf")),
+        dcpstore.InvalidArgument,
+        "connect_timeout_s",
+    ),
+    (
+        "timeout-nan",
+        lambda p: dcpstore.StorageOptions(read_timeout_s=float("nan")),
+        dcpstore.InvalidArgument,
+        "read_timeout_s",
+    ),
+    ("planner-not-a-planner", lambda p: _save(f"{p}/x", planner="default"), dcpstore.InvalidArgument, "planner"),
+    (
+        "planner-a-class",
+        lambda p: dcpstore.load({}, f"{p}/x", planner=dcp.DefaultLoadPlanner),
+        dcpstore.InvalidArgument,
+        "got the class DefaultLoadPlanner",
+    ),
+    (
+        "load-planner-for-save",
+        lambda p: _save(f"{p}/x", planner=dcp.DefaultLoadPlanner()),
+        dcpstore.InvalidArgument,
+        "SavePlanner",
+    ),
+    (
+        "open-storage-options-dict",
+        lambda p: dcpstore.open_storage(p, storage_options={}),
+        dcpstore.InvalidArgument,
+        "storage_options",
+    ),
+    ("manager-root-none", lambda p: dcpstore.CheckpointManager(None), dcpstore.InvalidURI, "root_uri"),
+    (
+        "collective-timeout-zero",
+        lambda p: dcpstore.AsyncSaver(collective_timeout=0),
+        dcpstore.InvalidArgument,
+        "collective_timeout",
+    ),
+    ("gc-older-than-nan", lambda p: tools.gc(p, older_than_s=float("nan")), dcpstore.InvalidArgument, "older_than_s"),
+    ("gc-older-than-str", lambda p: tools.gc(p, older_than_s="300"), dcpstore.InvalidArgument, "older_than_s"),
     ("join-dotdot", lambda p: join_uri(str(p), ".."), dcpstore.InvalidURI, "'..'"),
     ("join-escape", lambda p: join_uri("s3://b/root", "a/../../etc"), dcpstore.InvalidURI, ".."),
     ("join-absolute", lambda p: join_uri(str(p), "/etc"), dcpstore.InvalidURI, "/etc"),
@@ -109,32 +153,39 @@ def test_missing_key_on_load_is_named(tmp_path) -> None:
 
 
 SECRET = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYzzSECRET"
-#: (case, call(tmp_path, bucket), the error it must raise). The signed-query
-#: and file cases reach real storage (moto over HTTP, local files) first.
+#: (case, call(tmp_path, bucket), the error it must raise). A URI's query is
+#: refused before any storage is opened, its text redacted in the message.
 SECRET_CASES = [
     ("credentials-in-uri", lambda p, b: _save(f"s3://AKIAFAKEKEY:{SECRET}@{b}/x"), dcpstore.InvalidURI),
     (
         "signed-query-load",
         lambda p, b: dcpstore.load({"a": torch.zeros(2)}, f"s3://{b}/none?X-Amz-Signature={SECRET}"),
-        dcpstore.CheckpointNotFound,
+        dcpstore.InvalidURI,
     ),
     (
         "signed-query-no-bucket",
         lambda p, b: _save(f"s3://dcpstore-no-such-bucket/x?X-Amz-Signature={SECRET}"),
-        dcpstore.SaveError,
+        dcpstore.InvalidURI,
     ),
     (
         "signed-query-msc",
         lambda p, b: dcpstore.load({"a": torch.zeros(2)}, f"s3://{b}/none?sig={SECRET}", enable_msc=True),
-        dcpstore.CheckpointNotFound,
+        dcpstore.InvalidURI,
     ),
     (
         "file-uri-query",
         lambda p, b: dcpstore.load({"a": torch.zeros(2)}, f"file://{p}/none?sig={SECRET}"),
-        dcpstore.CheckpointNotFound,
+        dcpstore.InvalidURI,
     ),
     ("unknown-scheme-query", lambda p, b: _save(f"zzz://{b}/x?X-Amz-Signature={SECRET}"), dcpstore.InvalidURI),
 ]
+
+
+def test_a_bucket_name_botocore_refuses_is_named_at_once(s3_endpoint) -> None:
+    """botocore refuses the name before sending anything: its reason, not
+    "retries exhausted"."""
+    with pytest.raises(dcpstore.InvalidURI, match=r"s3://my bucket/x/.metadata: .*Invalid bucket name \"my bucket\""):
+        dcpstore.load({"a": torch.zeros(2)}, "s3://my bucket/x")
 
 
 def _chain_text(exc: BaseException) -> str:

@@ -161,6 +161,24 @@ def test_fsspec_scheme_without_its_package_names_it() -> None:
         open_storage("gs://some-bucket/ckpt")
 
 
+def test_an_fsspec_filesystem_that_cannot_start_is_named_with_the_uri() -> None:
+    """A filesystem whose constructor fails with an OSError (hdfs:// without
+    a JVM: pyarrow lists every path it tried, one per line): one line
+    naming the URI and the first line of the cause."""
+    fsspec = pytest.importorskip("fsspec")
+
+    class NoJvm(fsspec.AbstractFileSystem):
+        protocol = "dcpstore-nojvm"
+
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            raise OSError("Unable to load libjvm\ndlopen(/usr/lib/jvm/libjvm.so) failed")
+
+    fsspec.register_implementation("dcpstore-nojvm", NoJvm, clobber=True)
+    with pytest.raises(dcpstore.StorageError) as info:
+        open_storage("dcpstore-nojvm://x/ckpt")
+    assert str(info.value) == "fsspec cannot open dcpstore-nojvm://x/ckpt: OSError: Unable to load libjvm"
+
+
 def test_unknown_scheme_is_named_with_enable_msc() -> None:
     with pytest.raises(dcpstore.InvalidURI, match="'nosuchscheme'"):
         dcpstore.save({"w": torch.ones(1)}, "nosuchscheme://x/y", enable_msc=True)

@@ -99,7 +99,7 @@ def parse_uri(uri: str | os.PathLike[str]) -> StorageURL:
     """Parse a checkpoint URI or path into a :class:`StorageURL`.
 
     Raises :class:`InvalidURI` for empty input, embedded NULs, credentials in
-    the URI, or object-store URIs without a bucket.
+    the URI, a query or fragment, or object-store URIs without a bucket.
     """
     if isinstance(uri, os.PathLike):
         uri = os.fspath(uri)
@@ -133,6 +133,14 @@ def parse_uri(uri: str | os.PathLike[str]) -> StorageURL:
         raise InvalidURI(
             f"URI {redact(uri)!r} embeds credentials; pass them through the "
             "backend's standard sources (environment, profile, config file) instead"
+        )
+    if parts.query or parts.fragment or uri.endswith(("?", "#")):
+        # No backend reads them; dropping them would save to another place
+        # than the one written (a key or file name holding '?' or '#').
+        what = "a query ('?...')" if "?" in uri.split("#", 1)[0] else "a fragment ('#...')"
+        raise InvalidURI(
+            f"URI {redact(uri)!r} ends in {what}, which no dcpstore backend reads: a checkpoint URI "
+            "names a place, nothing more (a local path holding '?' or '#' is passed as a plain path)"
         )
     if scheme == "file":
         if parts.netloc not in ("", "localhost"):

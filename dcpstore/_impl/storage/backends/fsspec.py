@@ -42,7 +42,7 @@ from fsspec.spec import AbstractBufferedFile
 from dcpstore._impl.storage.backend_base import BackendBase
 from dcpstore._impl.storage.base import ObjectInfo, ObjectWriter
 from dcpstore._impl.storage.buffered import BufferedObjectWriter
-from dcpstore._impl.storage.error_mapping import library_text, map_os_error
+from dcpstore._impl.storage.error_mapping import library_detail, map_os_error
 from dcpstore._impl.storage.incomplete import IncompleteWrite
 from dcpstore._impl.storage.posix import LocalRoot
 from dcpstore._impl.storage.secrets import scrub_exception
@@ -69,9 +69,10 @@ class FsspecStorage(BackendBase):
             self.fs, root = fsspec.core.url_to_fs(url.uri)
         except ImportError as e:
             raise BackendUnavailable(f"no fsspec filesystem installed for {self.uri}: {e}") from e
-        except ValueError as e:
+        except (ValueError, OSError) as e:  # OSError: e.g. hdfs:// without a JVM, a host that is not there
             scrub_exception(e)  # a filesystem's options may hold keys
-            raise StorageError(f"fsspec cannot open {self.uri}: {library_text(str(e))}") from e
+            first = (library_detail(e).splitlines() or [""])[0]  # pyarrow lists every JVM path it tried
+            raise StorageError(f"fsspec cannot open {self.uri}: {first}") from e
         self.root = str(root).rstrip("/")
         # An AbstractBufferedFile honours autocommit=False (upload now, publish
         # at commit); memory:// and local files do not, so they use temp + mv.

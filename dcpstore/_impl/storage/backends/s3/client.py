@@ -36,7 +36,13 @@ from dcpstore._impl.storage.concurrency import http_pool_size
 from dcpstore._impl.storage.error_mapping import library_detail, library_text
 from dcpstore._impl.storage.secrets import remember_boto_credentials
 from dcpstore._impl.storage.storage_options import StorageOptions
-from dcpstore._impl.util.errors import CheckpointError, StorageError, StorageNotFound, StoragePermissionError
+from dcpstore._impl.util.errors import (
+    CheckpointError,
+    InvalidURI,
+    StorageError,
+    StorageNotFound,
+    StoragePermissionError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -311,6 +317,8 @@ def map_error(e: BaseException, what: str, bucket: str, endpoint: str) -> Checkp
         )
     if isinstance(e, OperationTimeout):
         return StorageError(f"{what}: {e}")
+    if isinstance(e, bexc.ParamValidationError):  # refused by botocore before any request: no retry, say why
+        return InvalidURI(f"{what}: {library_text(' '.join(str(e).split()))}")
     if isinstance(e, bexc.EndpointConnectionError | bexc.ConnectTimeoutError):
         return StorageError(
             f"{what}: cannot connect to the S3 endpoint {endpoint} ({type(e).__name__}), retries exhausted"
