@@ -66,6 +66,11 @@ MISTAKES = [
     ("CheckpointManager", {"kep": 3}, "did you mean 'keep'?"),
     ("CheckpointManager.save", {"overwirte": True}, "did you mean 'overwrite'?"),
     ("CheckpointManager.load", {"stp": 3}, "did you mean 'step'?"),
+    # Other frameworks' names say what they are, not which of ours they look like.
+    ("CheckpointManager", {"max_to_keep": 3}, "did you mean 'keep'? ('max_to_keep' is its name in Orbax's"),
+    ("CheckpointManager", {"save_interval": 5}, "not an option of dcpstore's (the training loop decides when"),
+    ("load", {"strict": False}, "'strict' is torch's load_state_dict's name, not an option of dcpstore's"),
+    ("save", {"max_to_keep": 3}, "dcpstore's 'keep', which save() does not take"),
 ]
 
 

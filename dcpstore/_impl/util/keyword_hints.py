@@ -74,6 +74,8 @@ _S3 = "s3torchconnector's S3StorageWriter and S3StorageReader"
 _NVRX, _NVRX_WRITER = "NVRx's FileSystemWriterAsync", ("FileSystemWriterAsync",)
 _BRIDGE, _CONFIG = "Megatron-Bridge's (0.6.2) and megatron-core's (0.19.2) CheckpointConfig", ("CheckpointConfig",)
 _PROCESS = "engine='process' runs the save in a checkpoint process"
+_ORBAX = "Orbax's CheckpointManagerOptions"
+_WHEN = "the training loop decides when to save: call save() at the steps to keep"
 
 #: Other frameworks' names for their arguments, by name: the one table of
 #: them. A stand-in takes its framework's names (``StorageWriter(thread_count=4)``
@@ -110,13 +112,23 @@ FRAMEWORK_NAMES: Mapping[str, ForeignName] = {
         ForeignName("open_file", _NVRX, None, _NVRX_WRITER),
         ForeignName("save", _BRIDGE, None, _CONFIG),
         ForeignName("load", _BRIDGE, None, _CONFIG),
-        ForeignName("save_interval", _BRIDGE, None, _CONFIG),
+        ForeignName("save_interval", _BRIDGE, None, _CONFIG, note=_WHEN),
         ForeignName("async_save", _BRIDGE, "async_", _CONFIG),
         ForeignName("ckpt_format", _BRIDGE, None, _CONFIG),
         ForeignName("dist_ckpt_workers", _BRIDGE, "workers", _CONFIG),
         ForeignName("most_recent_k", _BRIDGE, "keep", _CONFIG),
         ForeignName("ckpt_assume_constant_structure", _BRIDGE, None, _CONFIG),
         ForeignName("ckpt_step", _BRIDGE, None, _CONFIG),
+        # Orbax's and torch's names a manager's or a load's caller types from habit.
+        ForeignName("max_to_keep", _ORBAX, "keep"),
+        ForeignName("save_interval_steps", _ORBAX, None, note=_WHEN),
+        ForeignName(
+            "strict",
+            "torch's load_state_dict",
+            None,
+            note="a load restores every key of the state dict it is given and fails naming any the "
+            "checkpoint lacks; pass only the keys to restore",
+        ),
         # torch's dcp.async_save picks a checkpoint process with
         # async_checkpointer_type (and calls what runs it an executor);
         # dcpstore with its one option for what runs a save.
@@ -155,6 +167,9 @@ def unknown_keyword_message(
             hint = f"did you mean {ours!r}? ({foreign.note or f'{name!r} is its name in {foreign.framework}'})"
         elif foreign is not None and ours_key is not None and ours_key in instead:
             hint = f"{name!r} is dcpstore's {ours!r} (its name in {foreign.framework}): {instead[ours_key]}"
+        elif foreign is not None:  # a known name: what it means here, not a look-alike of ours
+            where = f"dcpstore's {ours!r}, which {function}() does not take" if ours else "not an option of dcpstore's"
+            hint = f"{name!r} is {foreign.framework}'s name, {where}" + (f" ({foreign.note})" if foreign.note else "")
         else:
             close = difflib.get_close_matches(name, accepted, n=1, cutoff=0.6)
             elsewhere = difflib.get_close_matches(name, list(instead), n=1, cutoff=0.6)
