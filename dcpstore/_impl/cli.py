@@ -110,7 +110,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(json.dumps(info, indent=2))
         return 0
     print(f"checkpoint  {info['uri']}")
-    print(f"checksums   {'crc32c manifest' if info['verified_format'] else 'none (written by stock DCP)'}")
+    print(
+        f"checksums   {'crc32c manifest' if info['verified_format'] else 'none (written by stock DCP, or its manifest is gone)'}"
+    )
     print(
         f"tensors     {human_bytes(info['tensor_bytes'])} in {sum(k['kind'] == 'tensor' for k in info['keys'].values())} keys"
     )
@@ -151,7 +153,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print(f"OK  {report.files_checked} files, {human_bytes(report.bytes_checked)} {what} in {elapsed:.2f} s")
         if not report.checksums:
             print(
-                "no checksums (written by stock DCP): every data file is there, every item lies inside "
+                "no checksums (written by stock DCP, or its integrity manifest is gone): every data file is "
+                "there, every item lies inside "
                 "its file and decodes to the dtype and shape .metadata declares; whether the bytes are "
                 "the ones saved cannot be checked"
             )

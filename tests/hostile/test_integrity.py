@@ -374,6 +374,23 @@ def test_damage_to_a_metadata_of_ours_is_still_corrupt(saved: tuple[str, dict]) 
         assert loaded != "ok" and verified != "ok", offset
 
 
+def test_a_checkpoint_of_ours_without_its_manifest_loads_as_stock_does_and_says_so(
+    saved: tuple[str, dict], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its manifest alone removed: read unverified, as stock DCP reads it,
+    with a warning naming the manifest; verify reports no checksums."""
+    root, state = saved
+    os.remove(os.path.join(root, MANIFEST))
+    dest = zeros_like_state(state)
+    with caplog.at_level("WARNING", logger="dcpstore"):
+        dcpstore.load(dest, root)
+    assert_state_equal(state, dest)
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any(MANIFEST in m and "unverified" in m and "committed by dcpstore" in m for m in warned), warned
+    report = verify_checkpoint(open_storage(root))
+    assert report.ok and not report.checksums
+
+
 def test_a_transformed_object_over_16_mib_loads(tmp_path) -> None:
     """Issue 29 item 7: the end check looked at the transformed bytes."""
     from tests.support.transforms import Xor, registry

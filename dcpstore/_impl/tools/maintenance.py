@@ -92,7 +92,8 @@ class VerifyReport:
         refused: content a load refuses without an opt-in (a class off the
             allowlist).
         checksums: ``False`` for a checkpoint without dcpstore's manifest
-            (written by stock DCP): its sizes were checked and every item
+            (written by stock DCP, or its manifest is gone: a load logs a
+            warning for one dcpstore committed): its sizes were checked and every item
             decoded, but there was nothing to compare the bytes with.
     """
 
@@ -127,7 +128,8 @@ def verify_checkpoint(storage: Storage, progress: Callable[[int], Any] | None = 
     collected (not raised) so one run reports all damage; a checkpoint that
     does not exist raises :class:`CheckpointNotFound`.
 
-    A checkpoint without a manifest (written by stock ``dcp.save``) has no
+    A checkpoint without a manifest (written by stock ``dcp.save``, or one
+    of dcpstore's whose manifest alone is gone) has no
     checksums to compare with: there, every item must lie inside its file
     and pass the same item checks, and the report says ``checksums=False``.
     """
