@@ -98,7 +98,7 @@ def save(
             or an fsspec URL (docs/uris.md).
         async_: save in the background (see above).
         workers: writer threads per rank, one data file each (default: the
-            CPU count, between 2 and 8).
+            CPU count, between 2 and 8, on a local disk; 4 on object stores).
         enable_msc: route ``s3://`` and local paths through NVIDIA
             Multi-Storage-Client (``storage_options.enable_msc``).
         engine: what runs the background part (docs/engines.md):
@@ -243,7 +243,7 @@ def load(
             allocated in the layout wanted (as for ``dcp.load``).
         uri: the checkpoint, as for :func:`save`.
         workers: reader threads per rank (default: the CPU count, between
-            2 and 8).
+            2 and 8, on a local disk; 4 on object stores).
         enable_msc: route ``s3://`` and local paths through NVIDIA
             Multi-Storage-Client (``storage_options.enable_msc``).
         process_group: the ranks that load together (default: all).

@@ -148,7 +148,8 @@ class StorageWriter(DcpStorageWriter, AsyncStager):
     ``FileSystemWriter``'s arguments:
 
     * ``thread_count``: writer threads per rank, one data file each
-      (default: dcpstore's, 2 to 8 by core count; stock DCP's is 1).
+      (default: dcpstore's, 2 to 8 by core count on a local disk and 4
+      on object stores; stock DCP's is 1).
     * ``single_file_per_rank``: ``False`` writes one file per item.
     * ``sync_files``: dcpstore makes every data file durable before the
       commit whatever it says (``False`` only *permits* skipping that, and

@@ -4,7 +4,7 @@ The supported surface of the storage layer, for code that opens a
 checkpoint's storage itself or brings a backend of its own:
 
 * :class:`Storage`, the contract between a backend and the DCP writer and
-  reader: seven methods to implement, nine it may override (its docstring
+  reader: seven methods to implement, ten it may override (its docstring
   says which, who calls them when, and what they guarantee), with
   :class:`ObjectInfo` (what ``list`` yields), :class:`IncompleteWrite`
   (what ``incomplete_writes`` reports) and :class:`ObjectTooLarge` (what
