@@ -429,11 +429,13 @@ def _imports(path: Path) -> set[str]:
     return out
 
 
-#: What the storage layer's own modules may import of the rest: the exception family and the one checksum.
-STORAGE_MAY_IMPORT = {"dcpstore._impl.util.errors", "dcpstore._impl.util.checksum"}
+#: What the storage layer's own modules may import of the rest: the exception
+#: family, the one checksum, and the checks of sizes and seconds (which import
+#: only the exceptions).
+STORAGE_MAY_IMPORT = {"dcpstore._impl.util.errors", "dcpstore._impl.util.checksum", "dcpstore._impl.util.units"}
 
 
-def test_storage_imports_nothing_of_dcpstore_but_errors_and_the_checksum() -> None:
+def test_storage_imports_nothing_of_dcpstore_but_errors_checksum_and_units() -> None:
     for path in sorted(STORAGE_DIR.glob("*.py")):
         ours = {m for m in _imports(path) if m.split(".")[0] == "dcpstore"}
         outside = {m for m in ours if not m.startswith("dcpstore._impl.storage") and m not in STORAGE_MAY_IMPORT}
