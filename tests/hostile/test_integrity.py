@@ -391,6 +391,28 @@ def test_a_checkpoint_of_ours_without_its_manifest_loads_as_stock_does_and_says_
     assert report.ok and not report.checksums
 
 
+def test_a_damaged_save_id_with_no_manifest_left_loads_as_stock_does(
+    saved: tuple[str, dict], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A save id of our length but not our form names no manifest: with none
+    left in the directory, the checkpoint is read as stock reads it, and the
+    warning names the plain manifest (it once indexed an empty list)."""
+    root, state = saved
+    os.remove(os.path.join(root, MANIFEST))
+    path = os.path.join(root, ".metadata")
+    with open(path, "rb") as f:
+        metadata = pickle.load(f)  # the test's own checkpoint
+    metadata.storage_meta.save_id = "0123456789abcdeg"
+    with open(path, "wb") as f:
+        pickle.dump(metadata, f)
+    dest = zeros_like_state(state)
+    with caplog.at_level("WARNING", logger="dcpstore"):
+        dcpstore.load(dest, root)
+    assert_state_equal(state, dest)
+    assert any("'0123456789abcdeg'" in r.getMessage() and MANIFEST in r.getMessage() for r in caplog.records)
+    assert verify_checkpoint(open_storage(root)).ok
+
+
 def test_a_transformed_object_over_16_mib_loads(tmp_path) -> None:
     """Issue 29 item 7: the end check looked at the transformed bytes."""
     from tests.support.transforms import Xor, registry

@@ -137,12 +137,14 @@ def read_checkpoint_metadata(
         if committed_by_us(save_id):  # its manifest gone, or its save id damaged: which, the CRCs tell
             _check_damage(storage, blob, f"its save id {save_id!r} names none", None)
             # No manifest in the directory at all: read as stock DCP reads it.
+            # (A damaged save id, not of dcpstore's form, names no manifest.)
+            names = manifest_names(save_id, _first_data_file(metadata)) or [MANIFEST]
             log.warning(
-                "%s was committed by dcpstore (save id %s) but its integrity manifest %s is gone; "
+                "%s was committed by dcpstore (save id %r) but its integrity manifest %s is gone; "
                 "reading it unverified, as stock DCP would",
                 storage.uri,
                 save_id,
-                manifest_names(save_id, _first_data_file(metadata))[0],
+                names[0],
             )
         else:
             log.debug("%s has no integrity manifest (stock DCP's); loading unverified", storage.uri)
