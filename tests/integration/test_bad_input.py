@@ -126,6 +126,7 @@ CASES = [
         dcpstore.InvalidArgument,
         "collective_timeout",
     ),
+    ("hang-timeout-zero", lambda p: dcpstore.AsyncSaver(hang_timeout=0), dcpstore.InvalidArgument, "hang_timeout"),
     ("gc-older-than-nan", lambda p: tools.gc(p, older_than_s=float("nan")), dcpstore.InvalidArgument, "older_than_s"),
     ("gc-older-than-str", lambda p: tools.gc(p, older_than_s="300"), dcpstore.InvalidArgument, "older_than_s"),
     ("join-dotdot", lambda p: join_uri(str(p), ".."), dcpstore.InvalidURI, "'..'"),

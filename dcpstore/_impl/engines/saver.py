@@ -153,10 +153,8 @@ class AsyncSaver:
         hang_timeout: float | None = 1800.0,
     ) -> None:
         self.max_in_flight = check_positive("max_in_flight", max_in_flight)
-        if hang_timeout is not None and (
-            isinstance(hang_timeout, bool) or not isinstance(hang_timeout, (int, float)) or not hang_timeout > 0
-        ):
-            raise InvalidArgument(f"hang_timeout must be None or a positive number of seconds, got {hang_timeout!r}")
+        if hang_timeout is not None:  # None: never presumed hung; infinity alike
+            check_seconds("hang_timeout", hang_timeout, infinite=True)
         self.hang_timeout = hang_timeout
         if isinstance(staging_cache, bool) or not isinstance(staging_cache, int) or staging_cache < 0:
             raise InvalidArgument(f"staging_cache must be an int >= 0, got {staging_cache!r}")
